@@ -1,0 +1,147 @@
+-- turnscope store contract (DESIGN.md §6).
+--
+-- Writers (loadgen/) append Parquet shards under <store>/runs/<run_id>/<table>/*.parquet.
+-- The DuckDB file <store>/turnscope.duckdb holds only views over those shards, so readers
+-- (the dashboard, `duckdb data/turnscope.duckdb`) never take a lock a writer needs.
+--
+-- Section "tables" gives each shard table's exact column types; the store writes an empty,
+-- typed shard per table so the views bind even before the first run. Section "views" holds
+-- the derived views; they only reference the table names defined here.
+-- Units: *_s seconds (float64), *_tokens tokens, *_bytes bytes; instants are TIMESTAMPTZ (UTC).
+
+-- section: tables
+
+-- One row per status change of a run; the `runs` view keeps the latest row per run_id.
+CREATE TABLE runs_log (
+    run_id         VARCHAR NOT NULL,
+    label          VARCHAR,
+    mode           VARCHAR,       -- aggregated | pd | pd-bidir | pd-nocache | pd-bidir-nocache | attach
+    workload       VARCHAR,       -- workload name
+    workload_spec  JSON,          -- the validated workload, as run
+    history_mode   VARCHAR,       -- text | token_ids (DESIGN §4)
+    topology       JSON,
+    versions       JSON,          -- {"vllm": ..., "nixl": ..., "turnscope": ...}
+    model          VARCHAR,
+    config         JSON,          -- effective turnscope configuration
+    started_at     TIMESTAMPTZ,
+    finished_at    TIMESTAMPTZ,
+    status         VARCHAR,       -- running | complete | failed | aborted
+    updated_at     TIMESTAMPTZ NOT NULL
+);
+
+CREATE TABLE sessions (
+    run_id          VARCHAR NOT NULL,
+    session_id      VARCHAR NOT NULL,
+    archetype       VARCHAR,
+    source          VARCHAR,      -- "synthetic" or "<trace>:<id>"
+    started_at      TIMESTAMPTZ,
+    finished_at     TIMESTAMPTZ,
+    turns           INTEGER,
+    task_latency_s  DOUBLE,       -- first request sent -> last response finished
+    llm_s           DOUBLE,       -- sum of E2E
+    tool_wait_s     DOUBLE,
+    think_s         DOUBLE,
+    pause_s         DOUBLE,
+    status          VARCHAR       -- ok | error
+);
+
+CREATE TABLE turns (
+    run_id                    VARCHAR NOT NULL,
+    session_id                VARCHAR NOT NULL,
+    turn_index                INTEGER NOT NULL,   -- 0-based position in the session
+    request_id                VARCHAR,
+    kind                      VARCHAR,            -- turn | retry | edit | fresh | resume
+    gap_before_s              DOUBLE,
+    gap_kind                  VARCHAR,            -- none | tool | think | pause
+    sent_at                   TIMESTAMPTZ,
+    ttft_s                    DOUBLE,             -- NULL when no token arrived
+    ttfc_s                    DOUBLE,             -- time to first content token
+    e2e_s                     DOUBLE,
+    tpot_s                    DOUBLE,
+    itl_p50_s                 DOUBLE,
+    itl_p90_s                 DOUBLE,
+    itl_samples               INTEGER,
+    prompt_tokens             INTEGER,
+    completion_tokens         INTEGER,
+    cached_tokens             INTEGER,            -- server usage.prompt_tokens_details.cached_tokens
+    expected_reusable_tokens  INTEGER,            -- LCP of previous prompt+output ids and this prompt's ids
+    divergence_position       INTEGER,            -- first differing id (NULL when none)
+    status                    VARCHAR,            -- ok | error | timeout | cancelled
+    error                     VARCHAR,
+    http_status               INTEGER,
+    reuse                     VARCHAR,            -- proxy outcome (DESIGN §3)
+    prefill_leg_s             DOUBLE,
+    prefill_engine            VARCHAR,
+    decode_engine             VARCHAR,
+    prefill_cached_tokens     INTEGER,            -- P's local prefix-cache hit
+    remote_tokens             INTEGER,            -- tokens of D's handle offered to P
+    reused_tokens             INTEGER,            -- tokens P pulled from D over NIXL
+    recomputed_tokens         INTEGER,            -- tokens P computed
+    handle_age_s              DOUBLE,
+    prompt_sha256             VARCHAR             -- hash of the rendered prompt ids (prompt text is not stored)
+);
+
+CREATE TABLE metric_samples (
+    run_id      VARCHAR NOT NULL,
+    scraped_at  TIMESTAMPTZ NOT NULL,
+    endpoint    VARCHAR NOT NULL,   -- base URL scraped
+    role        VARCHAR,            -- prefill | decode | aggregated | proxy
+    name        VARCHAR NOT NULL,   -- sample name as exposed, e.g. vllm:prefix_cache_hits_total
+    labels      JSON,
+    value       DOUBLE
+);
+
+-- section: views
+
+CREATE VIEW runs AS
+SELECT * EXCLUDE (rn) FROM (
+    SELECT *, row_number() OVER (PARTITION BY run_id ORDER BY updated_at DESC) AS rn FROM runs_log
+) WHERE rn = 1;
+
+-- Per-turn breakdown with the run's mode and history mode.
+CREATE VIEW turn_breakdown AS
+SELECT t.*, r.mode, r.label AS run_label, r.workload, r.history_mode,
+       t.e2e_s - t.ttft_s AS decode_s,
+       greatest(t.ttft_s - coalesce(t.prefill_leg_s, 0), 0) AS after_prefill_s
+FROM turns t JOIN runs r USING (run_id);
+
+CREATE VIEW session_tasks AS
+SELECT s.*, r.mode, r.label AS run_label, r.workload
+FROM sessions s JOIN runs r USING (run_id);
+
+-- Counter increases between consecutive scrapes; a drop means a restart (Prometheus `increase`).
+CREATE VIEW metric_increases AS
+SELECT run_id, endpoint, role, name, labels, scraped_at, value,
+       CASE WHEN prev IS NULL THEN 0
+            WHEN value < prev THEN value
+            ELSE value - prev END AS increase,
+       (prev IS NOT NULL AND value < prev) AS reset
+FROM (
+    SELECT *, lag(value) OVER (PARTITION BY run_id, endpoint, name, labels ORDER BY scraped_at) AS prev
+    FROM metric_samples
+);
+
+CREATE VIEW run_summary AS
+SELECT r.run_id, r.label, r.mode, r.workload, r.history_mode, r.status, r.started_at, r.finished_at,
+       count(t.turn_index)                                       AS turns,
+       count(*) FILTER (WHERE t.status = 'ok')                   AS ok_turns,
+       count(*) FILTER (WHERE t.status <> 'ok')                  AS failed_turns,
+       count(*) FILTER (WHERE t.reuse = 'hit')                   AS hits,
+       quantile_cont(t.ttft_s, 0.5)                              AS ttft_p50_s,
+       quantile_cont(t.ttft_s, 0.9)                              AS ttft_p90_s,
+       avg(t.ttft_s)                                             AS ttft_mean_s,
+       sum(t.reused_tokens)                                      AS reused_tokens
+FROM runs r LEFT JOIN turns t USING (run_id)
+GROUP BY ALL;
+
+-- TTFT by mode and turn index, the A/B view.
+CREATE VIEW mode_ab AS
+SELECT mode, workload, history_mode, turn_index,
+       count(*)                        AS turns,
+       quantile_cont(ttft_s, 0.5)      AS ttft_p50_s,
+       quantile_cont(ttft_s, 0.9)      AS ttft_p90_s,
+       avg(ttft_s)                     AS ttft_mean_s,
+       count(*) FILTER (WHERE reuse = 'hit') AS hits
+FROM turn_breakdown
+WHERE status = 'ok'
+GROUP BY ALL;
