@@ -1,0 +1,476 @@
+"""The run store: Parquet shards written by loadgen, DuckDB views read by everyone (DESIGN §6).
+
+Layout under a store root::
+
+    <root>/runs/<run_id>/<table>/<writer_id>-<token>-<seq>.parquet   shards (append-only)
+    <root>/runs/_schema/<table>/empty.parquet                         one empty typed shard per table
+    <root>/turnscope.duckdb                                           views only (no table data)
+
+Writers never open the DuckDB file: they write a shard to ``<name>.parquet.tmp`` and
+``os.replace`` it to ``<name>.parquet`` (atomic on POSIX), so readers glob only complete files and
+no writer ever holds a lock a reader needs, nor the reverse.
+
+The column names and types come from ``data/schema.sql`` (the contract): the "tables" section is
+executed in an in-memory DuckDB to learn each column's type, and each DuckDB type is mapped to one
+Arrow type (``TIMESTAMPTZ`` -> ``timestamp[us, tz=UTC]``, ``JSON`` -> string holding JSON text).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Self
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+log = logging.getLogger(__name__)
+
+SCHEMA_PATH = Path(__file__).resolve().parents[1] / "data" / "schema.sql"
+
+#: Bumped when the way views are generated changes (part of the schema version hash).
+_VIEW_GENERATOR_VERSION = "1"
+_VERSION_VIEW = "_turnscope_schema_version"
+_SCHEMA_DIR = "_schema"
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+# DuckDB type (as information_schema.columns.data_type spells it) -> Arrow type.
+_ARROW_TYPES: dict[str, pa.DataType] = {
+    "VARCHAR": pa.string(),
+    "JSON": pa.string(),
+    "BOOLEAN": pa.bool_(),
+    "INTEGER": pa.int32(),
+    "BIGINT": pa.int64(),
+    "DOUBLE": pa.float64(),
+    "TIMESTAMP WITH TIME ZONE": pa.timestamp("us", tz="UTC"),
+}
+_INT_RANGES = {"INTEGER": (-(2**31), 2**31 - 1), "BIGINT": (-(2**63), 2**63 - 1)}
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a store table: its name, DuckDB type, Arrow type and nullability."""
+
+    name: str
+    sql_type: str
+    arrow_type: pa.DataType
+    nullable: bool
+
+
+@dataclass(frozen=True)
+class TableSchema:
+    """A table of the "tables" section of schema.sql, in declaration order."""
+
+    name: str
+    columns: tuple[Column, ...]
+
+    def arrow_schema(self) -> pa.Schema:
+        """The Arrow schema every shard of this table is written with."""
+        return pa.schema([pa.field(c.name, c.arrow_type) for c in self.columns])
+
+    def column(self, name: str) -> Column | None:
+        """The column called ``name``, or None."""
+        for c in self.columns:
+            if c.name == name:
+                return c
+        return None
+
+
+@dataclass(frozen=True)
+class Schema:
+    """schema.sql split into its sections: the shard tables and the derived-view SQL."""
+
+    tables: dict[str, TableSchema]
+    views_sql: str
+    text: str
+    path: Path
+
+
+def _split_sections(text: str, path: Path) -> dict[str, str]:
+    sections: dict[str, list[str]] = {}
+    current: str | None = None
+    for line in text.splitlines():
+        m = re.match(r"^--\s*section:\s*(\w+)\s*$", line.strip())
+        if m:
+            current = m.group(1)
+            if current in sections:
+                raise ValueError(f"{path}: section {current!r} appears twice")
+            sections[current] = []
+        elif current is not None:
+            sections[current].append(line)
+    for required in ("tables", "views"):
+        if required not in sections:
+            raise ValueError(f"{path}: missing '-- section: {required}' line")
+    return {k: "\n".join(v) for k, v in sections.items()}
+
+
+def load_schema(path: Path = SCHEMA_PATH) -> Schema:
+    """Parse schema.sql into table definitions and the view SQL.
+
+    The "tables" section is executed in a throw-away in-memory DuckDB, so DuckDB itself parses
+    the SQL; each column's type is then mapped to an Arrow type.
+
+    Raises:
+        ValueError: a section is missing, the SQL does not parse (message names the file), or a
+            column has a type with no Arrow mapping (message names file, table and column).
+    """
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    sections = _split_sections(text, path)
+    con = duckdb.connect(":memory:")
+    try:
+        try:
+            con.execute(sections["tables"])
+        except duckdb.Error as e:
+            raise ValueError(f"{path}: section 'tables' does not execute: {e}") from e
+        rows = con.execute(
+            "SELECT table_name, column_name, data_type, is_nullable FROM information_schema.columns "
+            "WHERE table_schema = 'main' ORDER BY table_name, ordinal_position"
+        ).fetchall()
+        order = [r[0] for r in con.execute("SELECT table_name FROM duckdb_tables() ORDER BY table_oid").fetchall()]
+    finally:
+        con.close()
+    cols: dict[str, list[Column]] = {t: [] for t in order}
+    for table, column, sql_type, is_nullable in rows:
+        arrow_type = _ARROW_TYPES.get(sql_type)
+        if arrow_type is None:
+            raise ValueError(
+                f"{path}: table {table}, column {column}: type {sql_type} has no Arrow mapping "
+                f"(supported: {', '.join(sorted(_ARROW_TYPES))})"
+            )
+        cols[table].append(Column(column, sql_type, arrow_type, is_nullable == "YES"))
+    tables = {t: TableSchema(t, tuple(c)) for t, c in cols.items()}
+    return Schema(tables=tables, views_sql=sections["views"], text=text, path=path)
+
+
+def _check_name(kind: str, value: str) -> None:
+    if not isinstance(value, str) or not _SAFE_NAME.match(value):
+        raise ValueError(
+            f"{kind} {value!r} is not a safe path component "
+            "(letters, digits, '.', '_', '-', not starting with a punctuation mark, at most 128 chars)"
+        )
+
+
+def _sql_str(s: str) -> str:
+    return "'" + s.replace("'", "''") + "'"
+
+
+def _ident(s: str) -> str:
+    return '"' + s.replace('"', '""') + '"'
+
+
+class Store:
+    """A store root: Parquet shards under ``runs/`` and ``turnscope.duckdb`` holding only views.
+
+    Args:
+        root: the store directory (created by :meth:`init` if missing), e.g. ``data/``.
+        schema_path: the contract; defaults to the repository's ``data/schema.sql``.
+    """
+
+    def __init__(self, root: Path, schema_path: Path = SCHEMA_PATH):
+        self.root = Path(root).resolve()
+        self.schema = load_schema(schema_path)
+        self.db_path = self.root / "turnscope.duckdb"
+
+    @property
+    def version(self) -> str:
+        """sha256 of schema.sql, the absolute store root and the view generator version.
+
+        The root is part of it because the base views embed the absolute shard glob.
+        """
+        h = hashlib.sha256()
+        for part in (self.schema.text, str(self.root), _VIEW_GENERATOR_VERSION):
+            h.update(part.encode("utf-8"))
+            h.update(b"\0")
+        return h.hexdigest()
+
+    def table_glob(self, table: str) -> str:
+        """The absolute glob matching every complete shard of ``table`` (all runs)."""
+        return str(self.root / "runs" / "*" / table / "*.parquet")
+
+    def init(self) -> None:
+        """Create the empty typed shards and the views; idempotent.
+
+        Writes ``runs/_schema/<table>/empty.parquet`` (0 rows, the schema's Arrow types) for each
+        table, so every view binds before the first run. Then, unless ``turnscope.duckdb`` already
+        carries this schema version (a view ``_turnscope_schema_version``), drops all its views and
+        creates: one base view per table (``read_parquet(<glob>, union_by_name=true)`` with every
+        column cast to its schema type, so the view types are the contract's whatever the shards
+        hold), then the derived views of the "views" section.
+
+        Raises:
+            RuntimeError: the DuckDB file is locked by another process (e.g. an open dashboard) and
+                does not already hold views of this version; the message says what to do.
+            ValueError: the views section does not execute (message names schema.sql).
+        """
+        self.root.mkdir(parents=True, exist_ok=True)
+        for t in self.schema.tables.values():
+            d = self.root / "runs" / _SCHEMA_DIR / t.name
+            d.mkdir(parents=True, exist_ok=True)
+            target = d / "empty.parquet"
+            if not target.exists() or pq.read_schema(target) != t.arrow_schema():
+                _write_atomic(pa.Table.from_pylist([], schema=t.arrow_schema()), target)
+        if self._current_version() == self.version:
+            return
+        try:
+            con = duckdb.connect(str(self.db_path))
+        except (duckdb.IOException, duckdb.ConnectionException) as e:
+            raise RuntimeError(
+                f"{self.db_path} is locked or open elsewhere ({e}) and does not hold the views of "
+                f"this schema version; close its readers (dashboard, duckdb shell) and run init again"
+            ) from e
+        try:
+            self._create_views(con)
+        finally:
+            con.close()
+
+    def _current_version(self) -> str | None:
+        if not self.db_path.exists():
+            return None
+        try:
+            con = duckdb.connect(str(self.db_path), read_only=True)
+        except (duckdb.IOException, duckdb.ConnectionException):
+            # Held read-write by someone else, or already open in this process with another
+            # configuration: fall through to the read-write attempt, which reports clearly.
+            return None
+        try:
+            return con.execute(f"SELECT version FROM {_VERSION_VIEW}").fetchone()[0]
+        except duckdb.Error:
+            return None
+        finally:
+            con.close()
+
+    def _create_views(self, con: duckdb.DuckDBPyConnection) -> None:
+        con.execute("BEGIN TRANSACTION")
+        try:
+            existing = con.execute(
+                "SELECT view_name FROM duckdb_views() WHERE NOT internal AND schema_name = 'main'"
+            ).fetchall()
+            for (name,) in existing:
+                con.execute(f"DROP VIEW IF EXISTS {_ident(name)} CASCADE")
+            for t in self.schema.tables.values():
+                cols = ", ".join(f"CAST({_ident(c.name)} AS {c.sql_type}) AS {_ident(c.name)}" for c in t.columns)
+                con.execute(
+                    f"CREATE VIEW {_ident(t.name)} AS SELECT {cols} FROM "
+                    f"read_parquet({_sql_str(self.table_glob(t.name))}, union_by_name = true)"
+                )
+            try:
+                con.execute(self.schema.views_sql)
+            except duckdb.Error as e:
+                raise ValueError(f"{self.schema.path}: section 'views' does not execute: {e}") from e
+            con.execute(f"CREATE VIEW {_VERSION_VIEW} AS SELECT {_sql_str(self.version)} AS version")
+            con.execute("COMMIT")
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
+
+    def connect(self, read_only: bool = True) -> duckdb.DuckDBPyConnection:
+        """A DuckDB connection to the views (read-only by default; readers never block writers)."""
+        return duckdb.connect(str(self.db_path), read_only=read_only)
+
+    def writer(self, run_id: str, writer_id: str, flush_interval_s: float = 1.0) -> ShardWriter:
+        """A new :class:`ShardWriter` for ``run_id``, with its background flusher started.
+
+        Raises:
+            ValueError: run_id or writer_id is not a safe path component, or run_id is reserved.
+        """
+        return ShardWriter(self, run_id, writer_id, flush_interval_s)
+
+
+def _write_atomic(table: pa.Table, target: Path) -> None:
+    tmp = target.with_name(target.name + ".tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, target)
+
+
+class ShardWriter:
+    """Buffers rows per table and writes them as Parquet shards of one run.
+
+    Each flush writes, per table with buffered rows, one file
+    ``runs/<run_id>/<table>/<writer_id>-<token>-<seq>.parquet`` (``token``: random per writer, so
+    two writers given the same writer_id, or a restarted process, never overwrite each other).
+    A background thread flushes every ``flush_interval_s`` seconds, so a crash loses at most about
+    that much. Thread-safe; works with gevent-patched threading too.
+
+    Args:
+        store: the store (its schema gives the tables and types).
+        run_id, writer_id: path components, ``[A-Za-z0-9][A-Za-z0-9._-]*``.
+        flush_interval_s: seconds between background flushes (> 0).
+    """
+
+    def __init__(self, store: Store, run_id: str, writer_id: str, flush_interval_s: float = 1.0):
+        _check_name("run_id", run_id)
+        _check_name("writer_id", writer_id)
+        if not (isinstance(flush_interval_s, (int, float)) and flush_interval_s > 0):
+            raise ValueError(f"flush_interval_s must be > 0 seconds, got {flush_interval_s!r}")
+        self._store = store
+        self._tables = store.schema.tables
+        self.run_id = run_id
+        self.writer_id = writer_id
+        self._token = uuid.uuid4().hex[:8]
+        self._seq = 0
+        self._buffers: dict[str, list[dict[str, Any]]] = {t: [] for t in self._tables}
+        self._buf_lock = threading.Lock()
+        self._flush_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._closed = False
+        self._interval = float(flush_interval_s)
+        self._thread = threading.Thread(target=self._loop, name=f"shard-writer-{writer_id}", daemon=True)
+        self._thread.start()
+
+    # -- rows -------------------------------------------------------------------------------------
+
+    def append(self, table: str, row: dict[str, Any]) -> None:
+        """Buffer one row of ``table``; ``run_id`` is filled in when absent.
+
+        Values are checked and converted now, so a bad row fails here, not in the flusher:
+        VARCHAR <- str; INTEGER/BIGINT <- int (not bool); DOUBLE <- int or float; BOOLEAN <- bool;
+        TIMESTAMPTZ <- tz-aware ``datetime`` (stored as UTC, microseconds); JSON <- dict, list,
+        number, bool (``json.dumps``'ed with sorted keys) or a str that already holds JSON.
+        Missing columns are NULL.
+
+        Raises:
+            ValueError: unknown table or column, NULL in a NOT NULL column, a naive datetime, a
+                value of the wrong type, or a row for another run; the message names the table
+                and column.
+            RuntimeError: the writer is closed.
+        """
+        if self._closed:
+            raise RuntimeError(f"ShardWriter {self.writer_id} of run {self.run_id} is closed")
+        schema = self._tables.get(table)
+        if schema is None:
+            raise ValueError(f"unknown table {table!r}; the schema has {', '.join(self._tables)}")
+        if not isinstance(row, dict):
+            raise TypeError(f"{table}: a row must be a dict, got {type(row).__name__}")
+        unknown = [k for k in row if schema.column(k) is None]
+        if unknown:
+            raise ValueError(f"{table}: unknown column(s) {', '.join(map(repr, unknown))}")
+        if "run_id" in row and row["run_id"] != self.run_id and schema.column("run_id") is not None:
+            raise ValueError(f"{table}.run_id: row says {row['run_id']!r} but this writer is for {self.run_id!r}")
+        out: dict[str, Any] = {}
+        for c in schema.columns:
+            v = row.get(c.name)
+            if v is None and c.name == "run_id":
+                v = self.run_id
+            out[c.name] = _convert(table, c, v)
+        with self._buf_lock:
+            self._buffers[table].append(out)
+
+    # -- flushing ---------------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Write every table's buffered rows as one shard per table (atomic rename).
+
+        Raises:
+            OSError: the shard could not be written; the rows stay buffered for the next flush.
+        """
+        with self._flush_lock:
+            with self._buf_lock:
+                pending = {t: rows for t, rows in self._buffers.items() if rows}
+                for t in pending:
+                    self._buffers[t] = []
+                seq = self._seq
+                self._seq += 1
+            failed: dict[str, list[dict[str, Any]]] = {}
+            error: BaseException | None = None
+            for t, rows in pending.items():
+                if error is not None:
+                    failed[t] = rows
+                    continue
+                d = self._store.root / "runs" / self.run_id / t
+                target = d / f"{self.writer_id}-{self._token}-{seq:06d}.parquet"
+                try:
+                    d.mkdir(parents=True, exist_ok=True)
+                    _write_atomic(pa.Table.from_pylist(rows, schema=self._tables[t].arrow_schema()), target)
+                except Exception as e:  # keep the rows, report after putting them back
+                    failed[t] = rows
+                    error = e
+            if failed:
+                with self._buf_lock:
+                    for t, rows in failed.items():
+                        self._buffers[t] = rows + self._buffers[t]
+            if error is not None:
+                raise error
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self.flush()
+            except Exception:
+                log.exception("background flush of run %s writer %s failed; retrying", self.run_id, self.writer_id)
+
+    def close(self) -> None:
+        """Stop the background flusher and write what is buffered; idempotent.
+
+        Raises:
+            OSError: the final flush failed.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        self.flush()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _convert(table: str, c: Column, v: Any) -> Any:
+    where = f"{table}.{c.name}"
+    if v is None:
+        if not c.nullable:
+            raise ValueError(f"{where} is NOT NULL in the schema but the row has no value")
+        return None
+    t = c.sql_type
+    if t == "TIMESTAMP WITH TIME ZONE":
+        if not isinstance(v, dt.datetime):
+            raise ValueError(f"{where}: expected a tz-aware datetime, got {type(v).__name__} {v!r}")
+        if v.tzinfo is None or v.utcoffset() is None:
+            raise ValueError(f"{where}: naive datetime {v.isoformat()}; pass a tz-aware datetime")
+        return v.astimezone(dt.UTC)
+    if t == "JSON":
+        if isinstance(v, str):
+            try:
+                json.loads(v)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: str given for a JSON column is not valid JSON: {e}") from e
+            return v
+        try:
+            return json.dumps(v, sort_keys=True, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: value is not JSON-serialisable: {e}") from e
+    if t == "VARCHAR":
+        if not isinstance(v, str):
+            raise ValueError(f"{where}: expected str, got {type(v).__name__} {v!r}")
+        return v
+    if t in _INT_RANGES:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{where}: expected int, got {type(v).__name__} {v!r}")
+        lo, hi = _INT_RANGES[t]
+        if not lo <= v <= hi:
+            raise ValueError(f"{where}: {v} is out of range for {t}")
+        return v
+    if t == "DOUBLE":
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"{where}: expected float, got {type(v).__name__} {v!r}")
+        return float(v) if not (isinstance(v, float) and math.isnan(v)) else v
+    if t == "BOOLEAN":
+        if not isinstance(v, bool):
+            raise ValueError(f"{where}: expected bool, got {type(v).__name__} {v!r}")
+        return v
+    raise ValueError(f"{where}: unsupported type {t}")  # unreachable: load_schema checked

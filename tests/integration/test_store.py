@@ -1,0 +1,196 @@
+"""Store integration tests: real Parquet shards, real DuckDB views (DESIGN §6)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from loadgen.store import SCHEMA_PATH, Store
+
+CASES = Path(__file__).resolve().parents[2].parent / "shared" / "cases" / "store"
+UTC = dt.UTC
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    s = Store(tmp_path / "store")
+    s.init()
+    return s
+
+
+def _shards(store: Store, run_id: str, table: str) -> list[Path]:
+    return sorted((store.root / "runs" / run_id / table).glob("*.parquet"))
+
+
+@pytest.mark.parametrize("tz", ["UTC", "America/New_York", "Asia/Kolkata", "Pacific/Chatham"])
+def test_store_same_instant_offsets(store: Store, tz: str) -> None:
+    rows = [json.loads(line) for line in (CASES / "same_instant_offsets.jsonl").read_text().splitlines() if line]
+    expect = json.loads((CASES / "same_instant_offsets.expect.json").read_text())["expect"]
+    with store.writer("r1", "w") as w:
+        for i, r in enumerate(rows):
+            w.append("turns", {"session_id": "s", "turn_index": i, "request_id": r["request_id"],
+                               "sent_at": dt.datetime.fromisoformat(r["sent_at"])})
+    con = store.connect()
+    con.execute(f"SET TimeZone = '{tz}'")
+    a_eq_b, c_minus_a = con.execute(
+        """SELECT a.sent_at = b.sent_at, epoch(c.sent_at) - epoch(a.sent_at)
+           FROM turns a, turns b, turns c
+           WHERE a.request_id = 'a' AND b.request_id = 'b' AND c.request_id = 'c'"""
+    ).fetchone()
+    assert a_eq_b is expect["a_equals_b"]
+    assert c_minus_a == pytest.approx(expect["c_minus_a_s"], abs=1e-6)
+    # The instant is stored in UTC: 12:38:00Z rendered in UTC, whatever the session zone.
+    assert con.execute("SELECT strftime(timezone('UTC', sent_at), '%H:%M:%S.%g') FROM turns "
+                       "WHERE request_id = 'c'").fetchone()[0] == "12:38:00.250"
+
+
+def test_store_unknown_column_and_table(store: Store) -> None:
+    w = store.writer("r1", "w")
+    try:
+        with pytest.raises(ValueError, match=r"turns: unknown column\(s\) 'ttft_ms'"):
+            w.append("turns", {"session_id": "s", "turn_index": 0, "ttft_ms": 12})
+        with pytest.raises(ValueError, match="unknown table 'turn'"):
+            w.append("turn", {"session_id": "s"})
+        with pytest.raises(ValueError, match="turns.sent_at: naive datetime"):
+            w.append("turns", {"session_id": "s", "turn_index": 0, "sent_at": dt.datetime(2026, 1, 1)})
+        with pytest.raises(ValueError, match="turns.session_id is NOT NULL"):
+            w.append("turns", {"turn_index": 0})
+        with pytest.raises(ValueError, match="turns.turn_index: expected int"):
+            w.append("turns", {"session_id": "s", "turn_index": "0"})
+    finally:
+        w.close()
+    assert _shards(store, "r1", "turns") == []  # nothing bad was buffered
+
+
+def test_store_missing_columns_are_null_and_json_is_text(store: Store) -> None:
+    now = dt.datetime(2026, 4, 29, 12, 0, tzinfo=UTC)
+    with store.writer("r1", "w") as w:
+        w.append("metric_samples", {"scraped_at": now, "endpoint": "http://x", "name": "m",
+                                    "labels": {"pid": "2", "engine": "0"}, "value": 3})
+    con = store.connect()
+    role, labels, engine, value = con.execute(
+        "SELECT role, labels, labels->>'engine', value FROM metric_samples").fetchone()
+    assert role is None
+    assert json.loads(labels) == {"engine": "0", "pid": "2"}
+    assert engine == "0"
+    assert value == 3.0
+
+
+def test_store_empty_views(store: Store) -> None:
+    con = store.connect()
+    views = [r[0] for r in con.execute(
+        "SELECT view_name FROM duckdb_views() WHERE NOT internal AND schema_name='main'").fetchall()]
+    for v in ["runs_log", "sessions", "turns", "metric_samples", "runs", "turn_breakdown",
+              "session_tasks", "metric_increases", "run_summary", "mode_ab"]:
+        assert v in views
+        assert con.execute(f"SELECT count(*) FROM {v}").fetchone()[0] == 0
+    # Only views in the file: no table holds data.
+    assert con.execute("SELECT count(*) FROM duckdb_tables()").fetchone()[0] == 0
+
+
+def test_store_runs_view_latest_status(store: Store) -> None:
+    t0 = dt.datetime(2026, 4, 29, 12, 0, tzinfo=UTC)
+    # Two writers, rows arriving out of order: the latest updated_at wins, not the latest write.
+    with store.writer("r1", "a") as w1, store.writer("r2", "b") as w2:
+        w1.append("runs_log", {"status": "complete", "mode": "pd", "updated_at": t0 + dt.timedelta(seconds=60)})
+        w1.flush()
+        w1.append("runs_log", {"status": "running", "mode": "pd", "updated_at": t0})
+        w2.append("runs_log", {"status": "running", "mode": "pd-bidir", "updated_at": t0})
+        w2.append("runs_log", {"status": "failed", "mode": "pd-bidir",
+                               "updated_at": t0 + dt.timedelta(seconds=5)})
+        w2.append("turns", {"session_id": "s", "turn_index": 0, "status": "ok", "ttft_s": 0.5})
+        w2.append("turns", {"session_id": "s", "turn_index": 1, "status": "error"})
+    con = store.connect()
+    assert con.execute("SELECT run_id, status FROM runs ORDER BY run_id").fetchall() == [
+        ("r1", "complete"), ("r2", "failed")]
+    assert con.execute("SELECT run_id, turns, ok_turns, failed_turns, ttft_p50_s FROM run_summary "
+                       "ORDER BY run_id").fetchall() == [("r1", 0, 0, 0, None), ("r2", 2, 1, 1, 0.5)]
+
+
+def test_store_reader_open_while_writer_flushes(store: Store) -> None:
+    reader = store.connect(read_only=True)
+    t0 = dt.datetime(2026, 4, 29, 12, 0, tzinfo=UTC)
+    w = store.writer("r1", "w")
+    try:
+        for i in range(3):
+            w.append("turns", {"session_id": "s", "turn_index": i, "sent_at": t0})
+            w.flush()  # must not need any lock the open reader holds
+            assert reader.execute("SELECT count(*) FROM turns").fetchone()[0] == i + 1
+        store.init()  # same schema version: fine while a reader holds the file
+    finally:
+        w.close()
+        reader.close()
+    assert len(_shards(store, "r1", "turns")) == 3
+
+
+def test_store_background_flush_within_interval(store: Store) -> None:
+    w = store.writer("r1", "w", flush_interval_s=0.2)
+    try:
+        w.append("turns", {"session_id": "s", "turn_index": 0})
+        deadline = time.monotonic() + 2.0
+        while not _shards(store, "r1", "turns") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(_shards(store, "r1", "turns")) == 1, "background flusher did not write within 2 s"
+        assert store.connect().execute("SELECT count(*) FROM turns").fetchone()[0] == 1
+    finally:
+        w.close()
+    assert not list((store.root / "runs").rglob("*.tmp"))
+
+
+def test_store_concurrent_writers_same_id_do_not_collide(store: Store) -> None:
+    ws = [store.writer("r1", "locust-1") for _ in range(2)]  # e.g. a restarted worker
+    for k, w in enumerate(ws):
+        for i in range(5):
+            w.append("turns", {"session_id": f"s{k}", "turn_index": i})
+        w.flush()
+    for w in ws:
+        w.close()
+    assert len(_shards(store, "r1", "turns")) == 2
+    assert store.connect().execute("SELECT count(*) FROM turns").fetchone()[0] == 10
+
+
+def test_store_bad_run_id(store: Store) -> None:
+    for bad in ["../x", "_schema", "a/b", ""]:
+        with pytest.raises(ValueError, match="run_id"):
+            store.writer(bad, "w")
+
+
+def test_store_init_locked_with_outdated_views_is_clear(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    Store(root).init()
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         ("import duckdb, sys, time; c = duckdb.connect(sys.argv[1], read_only=True); "
+         "print('ok', flush=True); time.sleep(60)"), str(root / "turnscope.duckdb")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ok"
+        Store(root).init()  # same version: tolerated
+        changed = tmp_path / "schema.sql"
+        changed.write_text(SCHEMA_PATH.read_text().replace(
+            "CREATE VIEW mode_ab AS", "CREATE VIEW extra_view AS SELECT 1 AS x;\nCREATE VIEW mode_ab AS"))
+        with pytest.raises(RuntimeError, match="close its readers"):
+            Store(root, schema_path=changed).init()
+    finally:
+        holder.kill()
+        holder.wait()
+    s = Store(root, schema_path=changed)
+    s.init()  # lock gone: views upgraded
+    assert s.connect().execute("SELECT x FROM extra_view").fetchone() == (1,)
+
+
+def test_store_view_types_follow_schema(store: Store) -> None:
+    con = store.connect()
+    types = dict(con.execute("SELECT column_name, data_type FROM information_schema.columns "
+                             "WHERE table_name = 'metric_samples'").fetchall())
+    assert types == {"run_id": "VARCHAR", "scraped_at": "TIMESTAMP WITH TIME ZONE", "endpoint": "VARCHAR",
+                     "role": "VARCHAR", "name": "VARCHAR", "labels": "JSON", "value": "DOUBLE"}
+    with pytest.raises(duckdb.Error):
+        con.execute("CREATE TABLE x (a INT)")  # read-only
