@@ -1,0 +1,94 @@
+"""turnscope dashboard: `streamlit run dashboard/app.py`.
+
+Read-only over the store named by ``$TURNSCOPE_STORE`` (default ``<repo>/data``). This script
+owns what every page shares: the store, its empty states, and the sidebar's run and mode
+filters; the pages in ``dashboard/app_pages/`` read the resulting `dashboard.context.Selection`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parents[1]
+if str(_REPO) not in sys.path:  # `streamlit run` puts dashboard/ on sys.path, not the repo root
+    sys.path.insert(0, str(_REPO))
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import context, db, loader
+from dashboard.figures import MODE_ORDER
+
+st.set_page_config(page_title="turnscope", page_icon=":material/query_stats:", layout="wide")
+
+PAGES = [
+    st.Page("app_pages/overview.py", title="Overview", icon=":material/dashboard:", default=True),
+]
+nav = st.navigation(PAGES)
+
+store = db.store_from_env()
+st.sidebar.caption(f"Store: `{store.root}`")
+if st.sidebar.button("Refresh", icon=":material/refresh:", help="Re-read the store now"):
+    loader.clear()
+
+
+def _load_runs() -> pd.DataFrame:
+    """All runs, or an empty state drawn on the page followed by `st.stop()`."""
+    try:
+        runs = loader.load(str(store.root), "runs")
+    except db.StoreMissing:
+        st.info(
+            f"No store yet at `{store.root}`: run `turnscope demo` to make one, or point "
+            f"`{db.ENV_VAR}` at an existing store directory."
+        )
+        st.stop()
+    except db.StoreBusy:
+        st.warning(f"The store at `{store.root}` is being set up by a writer; refresh in a moment.")
+        st.stop()
+    except db.StoreInvalid as exc:
+        st.error(f"`{store.db}` is not a turnscope store (see data/schema.sql): {exc}")
+        st.stop()
+    if runs.empty:
+        st.info(f"No runs yet in `{store.root}`: run `turnscope demo`.")
+        st.stop()
+    return runs
+
+
+runs = _load_runs()
+
+present = [str(m) for m in runs["mode"].dropna().unique()]
+mode_options = [m for m in MODE_ORDER if m in present] + sorted(m for m in present if m not in MODE_ORDER)
+modes = st.sidebar.multiselect("Modes", mode_options, placeholder="all modes", key="ts_modes")
+
+
+def _run_name(run_id: str) -> str:
+    row = runs.loc[runs["run_id"] == run_id].iloc[0]
+    label = row["label"] if pd.notna(row["label"]) and row["label"] else run_id
+    return f"{label} · {row['mode']} · {row['status']}"
+
+
+chosen = st.sidebar.multiselect(
+    "Runs", runs["run_id"].tolist(), format_func=_run_name, placeholder="all runs", key="ts_runs"
+)
+# An empty filter means "all", so runs that appear while the app is open are included.
+keep = runs
+if modes:
+    keep = keep[keep["mode"].isin(modes)]
+if chosen:
+    keep = keep[keep["run_id"].isin(chosen)]
+running = int((keep["status"] == "running").sum())
+st.sidebar.caption(
+    f"{len(keep)} of {len(runs)} runs selected"
+    + (f"; {running} still running (results refresh every {db.CACHE_TTL_S} s)" if running else "")
+)
+
+context.publish(
+    context.Selection(
+        store=store,
+        runs=runs,
+        run_ids=tuple(keep["run_id"].astype(str)),
+        modes=tuple(modes or mode_options),
+    )
+)
+nav.run()

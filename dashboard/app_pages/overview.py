@@ -1,0 +1,91 @@
+"""Overview: did KV reuse across turns pay off, per serving mode (DESIGN §7)."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from dashboard import context, figures, headline, tables
+from dashboard.loader import load
+
+sel = context.current()
+st.title("Overview")
+if not sel.run_ids:
+    st.info("No runs match the sidebar's filters.")
+    st.stop()
+
+run_ids = sel.run_ids
+samples = load(sel.root, "ttft_samples", run_ids, headline.MIN_TURN_INDEX)
+outcomes = load(sel.root, "reuse_outcomes", run_ids, headline.MIN_TURN_INDEX)
+
+# --- headline ---------------------------------------------------------------------------------
+st.subheader("Headline: TTFT from the second turn on")
+st.caption(
+    "Ratio of median TTFT of ok turns with turn_index ≥ 1 (turn 2 onward, where a session can "
+    f"reuse KV), treatment over baseline; {int(headline.CONFIDENCE * 100)}% percentile-bootstrap "
+    "confidence interval. Below 1 means the treatment is faster."
+)
+ratios = headline.headline_ratios(samples)
+if ratios:
+    several_workloads = len({(r.workload, r.history_mode) for r in ratios}) > 1
+    cols = st.columns(len(ratios))
+    for col, r in zip(cols, ratios, strict=True):
+        scope = f" · {r.workload} · history {r.history_mode}" if several_workloads else ""
+        ci = f"{r.ci_low:.3f}–{r.ci_high:.3f}×" if r.has_ci else "n/a (fewer than 2 turns)"
+        col.metric(
+            label=f"{r.treatment} vs {r.baseline}{scope}",
+            value=f"{r.ratio:.3f}×",
+            delta=f"{(r.ratio - 1) * 100:+.1f}% TTFT",
+            delta_color="inverse",
+            help="median TTFT(treatment) / median TTFT(baseline), turn_index ≥ 1, ok turns",
+        )
+        col.caption(
+            f"{int(headline.CONFIDENCE * 100)}% CI {ci} · median "
+            f"{r.median_treatment_s * 1e3:.1f} ms vs {r.median_baseline_s * 1e3:.1f} ms · "
+            f"n = {r.n_treatment} vs {r.n_baseline} turns"
+        )
+    for r in ratios:
+        st.markdown(headline.verdict(r))
+else:
+    present = ", ".join(f"`{m}`" for m in sorted(samples["mode"].unique())) or "none"
+    st.info(
+        "No headline yet: it compares `pd-bidir-nocache` with `pd-nocache` and `pd-bidir` with "
+        f"`aggregated` on the same workload, and the selected runs have neither pair "
+        f"(modes with ok turns after the first: {present})."
+    )
+if ratios:
+    for line in headline.missing_pairs(set(samples["mode"].unique())):
+        st.caption(line)
+for line in headline.all_miss_warnings(outcomes):
+    st.warning(line)
+
+# --- per mode ---------------------------------------------------------------------------------
+left, right = st.columns([3, 2])
+with left:
+    by_turn = load(sel.root, "ttft_by_turn", run_ids)
+    st.plotly_chart(figures.ttft_by_turn(by_turn), key="ttft_by_turn")
+with right:
+    st.plotly_chart(figures.reuse_outcomes(outcomes), key="reuse_outcomes")
+
+ext = load(sel.root, "external_kv_tokens", run_ids)
+st.plotly_chart(figures.external_kv_tokens(ext), key="external_kv_tokens")
+if ext.empty:
+    st.caption(
+        'No prefill scrapes of `vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}` '
+        "in the selected runs (aggregated runs have no prefill worker)."
+    )
+
+# --- per run ----------------------------------------------------------------------------------
+st.subheader("Runs")
+summary = load(sel.root, "run_summary", run_ids)
+st.dataframe(
+    tables.run_summary_table(summary),
+    hide_index=True,
+    key="run_summary",
+    column_config={
+        "hit rate": st.column_config.NumberColumn(format="percent"),
+        "TTFT p50 (ms)": st.column_config.NumberColumn(format="%.1f"),
+        "TTFT p90 (ms)": st.column_config.NumberColumn(format="%.1f"),
+        "TTFT mean (ms)": st.column_config.NumberColumn(format="%.1f"),
+        "started (UTC)": st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss"),
+    },
+)

@@ -1,0 +1,116 @@
+"""Locating and opening the turnscope store, read-only (DESIGN §6).
+
+The store is a directory: ``runs/<run_id>/<table>/*.parquet`` shards written by loadgen, and
+``turnscope.duckdb``, which holds only views over those shards (data/schema.sql). The dashboard
+never writes it.
+
+Connections are short-lived on purpose. A DuckDB read-only connection still holds a shared lock
+on ``turnscope.duckdb`` for as long as it is open, and that lock makes a writer that (re)creates
+the views (``Store(root).init()`` at the start of a run) fail. So every query opens the file
+read-only, reads, and closes it; `st.cache_data` (see `load`) keeps repeated reruns cheap, and its
+short TTL lets rows of a run that is still writing show up on refresh.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pandas as pd
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ENV_VAR = "TURNSCOPE_STORE"
+DB_FILE = "turnscope.duckdb"
+DEFAULT_STORE = REPO_ROOT / "data"
+CACHE_TTL_S = 5
+
+
+class StoreMissing(Exception):
+    """The store directory or its ``turnscope.duckdb`` does not exist yet."""
+
+
+class StoreBusy(Exception):
+    """``turnscope.duckdb`` is held read-write by a writer (views being created); retry soon."""
+
+
+class StoreInvalid(Exception):
+    """``turnscope.duckdb`` opened but does not hold the views data/schema.sql defines."""
+
+
+@dataclass(frozen=True)
+class Store:
+    """A store directory; `db` is its DuckDB file of views."""
+
+    root: Path
+
+    @property
+    def db(self) -> Path:
+        return self.root / DB_FILE
+
+    def exists(self) -> bool:
+        return self.db.is_file()
+
+
+def store_from_env() -> Store:
+    """The store named by ``$TURNSCOPE_STORE``, else ``<repo>/data``."""
+    raw = os.environ.get(ENV_VAR, "").strip()
+    return Store(Path(raw).expanduser().resolve() if raw else DEFAULT_STORE)
+
+
+def _is_lock_error(exc: Exception) -> bool:
+    return "lock" in str(exc).lower()
+
+
+@contextmanager
+def connect(
+    store: Store, *, attempts: int = 5, backoff_s: float = 0.1
+) -> Iterator[duckdb.DuckDBPyConnection]:
+    """Open `store` read-only for the duration of the ``with`` block, then close it.
+
+    A writer holding the file read-write (creating the views) makes the open fail with a lock
+    error; that is retried `attempts` times with a doubling `backoff_s` (seconds) before raising
+    `StoreBusy`. Raises `StoreMissing` when there is no ``turnscope.duckdb``.
+    """
+    if not store.exists():
+        raise StoreMissing(f"no store at {store.db}")
+    delay = backoff_s
+    for attempt in range(attempts):
+        try:
+            con = duckdb.connect(str(store.db), read_only=True)
+            break
+        except duckdb.IOException as exc:  # includes "Could not set lock on file"
+            if not _is_lock_error(exc):
+                raise
+            if attempt == attempts - 1:
+                raise StoreBusy(f"{store.db} is locked by a writer: {exc}") from exc
+            time.sleep(delay)
+            delay *= 2
+    try:
+        yield con
+    finally:
+        con.close()
+
+
+def read(store: Store, query: Callable[..., pd.DataFrame], *args: Any) -> pd.DataFrame:
+    """Call ``query(con, *args)`` on a fresh read-only connection to `store`; return its DataFrame.
+
+    A missing view (the file is not a turnscope store, or predates data/schema.sql) raises
+    `StoreInvalid`. One retry covers a shard renamed or removed between DuckDB's glob and its
+    read (writers rename temp files into place).
+    """
+    for attempt in range(2):
+        with connect(store) as con:
+            try:
+                return query(con, *args)
+            except duckdb.CatalogException as exc:
+                raise StoreInvalid(f"{store.db}: {exc}") from exc
+            except duckdb.IOException:
+                if attempt == 1:
+                    raise
+    raise AssertionError("unreachable")

@@ -1,0 +1,198 @@
+"""The Overview headline: does reuse make later turns faster than the real baseline?
+
+For each pair (treatment, baseline) of serving modes, the headline is the ratio of median TTFTs
+of ok turns at ``turn_index >= 1`` (the second turn onward: the first turn of a session has
+nothing to reuse), i.e. ``median(TTFT treatment) / median(TTFT baseline)``, with a percentile
+bootstrap confidence interval (scipy.stats.bootstrap, the two samples resampled independently).
+Ratios are computed separately for each (workload, history_mode): comparing modes across
+different workloads would be meaningless.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+#: (treatment, baseline): the cache-miss scenario, and the feature against production's baseline.
+PAIRS: tuple[tuple[str, str], ...] = (("pd-bidir-nocache", "pd-nocache"), ("pd-bidir", "aggregated"))
+#: First turn index (0-based) that can reuse a previous turn's KV.
+MIN_TURN_INDEX = 1
+CONFIDENCE = 0.95
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """One headline number. Times in seconds; `ratio` and the CI are dimensionless (x baseline).
+
+    `ci_low`/`ci_high` are NaN when either sample has fewer than 2 turns.
+    """
+
+    treatment: str
+    baseline: str
+    workload: str | None
+    history_mode: str | None
+    n_treatment: int
+    n_baseline: int
+    median_treatment_s: float
+    median_baseline_s: float
+    ratio: float
+    ci_low: float
+    ci_high: float
+
+    @property
+    def has_ci(self) -> bool:
+        return not (math.isnan(self.ci_low) or math.isnan(self.ci_high))
+
+
+def _median_ratio(a: np.ndarray, b: np.ndarray, axis: int = -1) -> np.ndarray:
+    return np.median(a, axis=axis) / np.median(b, axis=axis)
+
+
+def median_ratio_ci(
+    treatment_s: np.ndarray,
+    baseline_s: np.ndarray,
+    *,
+    confidence: float = CONFIDENCE,
+    n_resamples: int = 2000,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """``median(treatment_s) / median(baseline_s)`` and its bootstrap CI.
+
+    Inputs are 1-D arrays of TTFT in seconds (any length >= 1). Returns (ratio, ci_low,
+    ci_high); the CI is a percentile bootstrap at `confidence` with a fixed `seed`, NaN when
+    either sample has fewer than 2 values.
+    """
+    a = np.asarray(treatment_s, dtype=float)
+    b = np.asarray(baseline_s, dtype=float)
+    if a.size == 0 or b.size == 0:
+        raise ValueError("median_ratio_ci needs at least one value in each sample")
+    ratio = float(_median_ratio(a, b))
+    if a.size < 2 or b.size < 2:
+        return ratio, math.nan, math.nan
+    with warnings.catch_warnings():
+        # Identical resamples (tiny or constant samples) make scipy warn; the CI is then a point.
+        warnings.simplefilter("ignore")
+        res = stats.bootstrap(
+            (a, b),
+            _median_ratio,
+            paired=False,
+            vectorized=True,
+            confidence_level=confidence,
+            n_resamples=n_resamples,
+            batch=200,
+            method="percentile",
+            rng=np.random.default_rng(seed),
+        )
+    return ratio, float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+
+def headline_ratios(samples: pd.DataFrame, pairs: tuple[tuple[str, str], ...] = PAIRS) -> list[Ratio]:
+    """Every pair of `pairs` whose two modes both have turns in `samples`, per workload.
+
+    `samples` has columns mode, workload, history_mode, ttft_s (seconds), already restricted to
+    the turns that count (ok, ``turn_index >= MIN_TURN_INDEX``; see
+    ``dashboard.queries.ttft_samples``). Returns one `Ratio` per (pair, workload, history_mode)
+    present, in `pairs` order.
+    """
+    out: list[Ratio] = []
+    if samples.empty:
+        return out
+    keyed = samples.assign(
+        workload=samples["workload"].astype(object).where(samples["workload"].notna(), None),
+        history_mode=samples["history_mode"].astype(object).where(samples["history_mode"].notna(), None),
+    )
+    groups = keyed.groupby(["workload", "history_mode"], dropna=False, sort=True)
+    for treatment, baseline in pairs:
+        for (workload, history_mode), g in groups:
+            a = g.loc[g["mode"] == treatment, "ttft_s"].to_numpy(dtype=float)
+            b = g.loc[g["mode"] == baseline, "ttft_s"].to_numpy(dtype=float)
+            if a.size == 0 or b.size == 0:
+                continue
+            ratio, lo, hi = median_ratio_ci(a, b)
+            out.append(
+                Ratio(
+                    treatment=treatment,
+                    baseline=baseline,
+                    workload=None if pd.isna(workload) else str(workload),
+                    history_mode=None if pd.isna(history_mode) else str(history_mode),
+                    n_treatment=int(a.size),
+                    n_baseline=int(b.size),
+                    median_treatment_s=float(np.median(a)),
+                    median_baseline_s=float(np.median(b)),
+                    ratio=ratio,
+                    ci_low=lo,
+                    ci_high=hi,
+                )
+            )
+    return out
+
+
+def missing_pairs(modes_present: set[str], pairs: tuple[tuple[str, str], ...] = PAIRS) -> list[str]:
+    """A sentence per pair that cannot be computed because a mode has no later turns."""
+    out = []
+    for treatment, baseline in pairs:
+        lacking = [m for m in (treatment, baseline) if m not in modes_present]
+        if lacking:
+            out.append(
+                f"{treatment} vs {baseline}: no ok turns after the first in "
+                + " or ".join(f"`{m}`" for m in lacking)
+                + " among the selected runs."
+            )
+    return out
+
+
+def verdict(r: Ratio) -> str:
+    """One plain sentence: faster, slower or no clear difference, with the numbers behind it."""
+    scope = f" ({r.workload or 'unnamed workload'}, history {r.history_mode or 'unknown'})"
+    medians = (
+        f"median TTFT from the second turn on {r.median_treatment_s * 1e3:.0f} ms vs "
+        f"{r.median_baseline_s * 1e3:.0f} ms over {r.n_treatment} and {r.n_baseline} turns"
+    )
+    pct = round(CONFIDENCE * 100)
+    if not r.has_ci:
+        return (
+            f"{r.treatment} vs {r.baseline}{scope}: {r.ratio:.2f}x the baseline's TTFT "
+            f"({medians}); too few turns for a confidence interval, so no verdict yet."
+        )
+    ci = f"{pct}% CI {r.ci_low:.2f}-{r.ci_high:.2f}x"
+    if r.ci_high < 1:
+        return (
+            f"{r.treatment} is faster than {r.baseline}{scope}: TTFT {r.ratio:.2f}x the baseline's "
+            f"({ci}; {medians}), so reuse paid off."
+        )
+    if r.ci_low > 1:
+        return (
+            f"{r.treatment} is slower than {r.baseline}{scope}: TTFT {r.ratio:.2f}x the baseline's "
+            f"({ci}; {medians}), so reuse did not pay off here."
+        )
+    return (
+        f"No clear difference between {r.treatment} and {r.baseline}{scope}: TTFT {r.ratio:.2f}x "
+        f"the baseline's, but the {ci} includes 1 ({medians})."
+    )
+
+
+def all_miss_warnings(outcomes: pd.DataFrame) -> list[str]:
+    """Modes whose proxy reused nothing: a plain sentence for each.
+
+    `outcomes` has columns mode, reuse, later_turns (see ``dashboard.queries.reuse_outcomes``).
+    A ``pd-bidir*`` mode with later turns but no ``hit`` means every turn recomputed its whole
+    prompt (e.g. the decode handle never came back; DESIGN §2), which the page must say plainly.
+    """
+    out = []
+    bidir = outcomes[outcomes["mode"].astype(str).str.startswith("pd-bidir")]
+    for mode, g in bidir.groupby("mode", sort=True):
+        later = int(g["later_turns"].sum())
+        hits = int(g.loc[g["reuse"] == "hit", "later_turns"].sum())
+        if later > 0 and hits == 0:
+            misses = g[g["later_turns"] > 0].sort_values("later_turns", ascending=False)
+            top = ", ".join(f"{row.reuse} ({int(row.later_turns)})" for row in misses.itertuples())
+            out.append(
+                f"Every turn after the first in `{mode}` was a miss ({later} turns: {top}): no KV "
+                f"was reused from the decode worker, so this mode measured recomputation only."
+            )
+    return out
