@@ -1,0 +1,364 @@
+"""Locust entry point: each Locust user is one agent session at a time (DESIGN §4).
+
+Run it headless, with the web UI, or distributed::
+
+    locust -f loadgen/locustfile.py --headless -u 4 -r 4 --host http://127.0.0.1:8000 \\
+        --turnscope-store data --turnscope-run-id demo1 --turnscope-sessions 20 --turnscope-history text
+    locust -f loadgen/locustfile.py --master --headless -u 8 -r 8 --expect-workers 2 --host ...
+    locust -f loadgen/locustfile.py --worker --master-host 10.0.0.5      # on each load machine
+
+How sessions are handed out: the plan (which sessions, their turns and gaps) is built once, on the
+master (or the single local process), at test start. Users ask the master for their next session
+over Locust's custom messages (``turnscope_want`` -> ``turnscope_session``) and report it played
+(``turnscope_done``). So every session is played exactly once however Locust spreads users over
+workers (a worker may get no user at all: ``-u 2`` with 3 workers), and long and short sessions
+balance across users. A user that is told the plan is exhausted stops; when every session has been
+reported played, a headless run quits by itself (with the web UI, the test stops).
+
+Each Locust process opens its own store writer (``writer_id`` = ``locust-<host>-<pid>``) when its
+first session arrives and closes it on test stop and on quit. The master (or local process) also
+initialises the store's views and writes the ``runs_log`` rows (status ``running``, then
+``complete`` or ``aborted``) unless ``--turnscope-no-run-row`` is given (e.g. when the turnscope
+CLI writes them itself).
+
+Locust statistics: one ``POST turn`` request event per turn, fired at stream end with
+response_time = E2E (ms), and one ``TTFT TTFT`` event with response_time = TTFT (ms); failed turns
+fire both as failures with the reason. Locust's own percentiles are rounded: analyse the store.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import re
+import socket
+import uuid
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import gevent
+import httpx
+from gevent.event import AsyncResult
+from locust import User, constant, events, task
+from locust.exception import StopUser
+from locust.runners import MasterRunner, WorkerRunner
+
+from loadgen.session import SessionPlan, TemplateJoinError, TokenizeError, Tokenizer, TurnRecord, joiner_for, \
+    plan_from_conversation, run_session
+from loadgen.store import Store
+from loadgen.traces.taubench import DEFAULT_TRACE, load_taubench
+
+log = logging.getLogger("turnscope.locust")
+
+_MSG_WANT = "turnscope_want"
+_MSG_SESSION = "turnscope_session"
+_MSG_DONE = "turnscope_done"
+_WANT_TIMEOUT_S = 120.0
+
+
+# ------------------------------------------------------------------------------------ options
+
+
+@events.init_command_line_parser.add_listener
+def _add_arguments(parser: Any) -> None:
+    g = parser.add_argument_group("turnscope", "turnscope agent-session workload")
+    g.add_argument("--turnscope-store", type=str, default="data",
+                   help="store root: shards go to <store>/runs/<run_id>/ (default: data)")
+    g.add_argument("--turnscope-run-id", type=str, default="",
+                   help="run id (letters, digits, . _ -); default: locust-<UTC time>-<random>")
+    g.add_argument("--turnscope-trace", type=str, default=str(DEFAULT_TRACE),
+                   help="tau-bench trajectory file to replay (default: the shipped airline trace)")
+    g.add_argument("--turnscope-sessions", type=int, default=0,
+                   help="sessions to play; 0 = one per conversation in the trace (default); more than "
+                        "the trace holds cycles through it again under new session ids")
+    g.add_argument("--turnscope-max-turns", type=int, default=0,
+                   help="at most this many turns per session (0 = all)")
+    g.add_argument("--turnscope-history", type=str, default="text", choices=["text", "token_ids"],
+                   help="how a session carries its history (DESIGN §4)")
+    g.add_argument("--turnscope-model", type=str, default="turnscope-tiny", help="model name for the requests")
+    g.add_argument("--turnscope-max-tokens", type=int, default=64, help="output tokens per turn")
+    g.add_argument("--turnscope-max-prompt-tokens", type=int, default=0,
+                   help="stop a session before a prompt longer than this (tokens); 0 = 4096 - max tokens")
+    g.add_argument("--turnscope-gap-s", type=float, default=1.0,
+                   help="seconds before each turn after the first (tool and think gaps alike)")
+    g.add_argument("--turnscope-timeout-s", type=float, default=120.0, help="per-turn timeout, seconds")
+    g.add_argument("--turnscope-label", type=str, default="", help="run label (runs_log.label)")
+    g.add_argument("--turnscope-mode", type=str, default="attach",
+                   help="serving mode recorded in runs_log.mode (aggregated, pd, pd-bidir, ...; default attach)")
+    g.add_argument("--turnscope-no-run-row", action="store_true", default=False,
+                   help="do not write runs_log rows (the caller records the run)")
+
+
+def _opt(env: Any, name: str) -> Any:
+    return getattr(env.parsed_options, f"turnscope_{name}")
+
+
+def _safe(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "-", s).strip("-.")[:100] or "x"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+# ------------------------------------------------------------------------------ coordination
+
+
+class _Coordinator:
+    """Per-process state: the plan (master/local), pending requests and the store writer (users)."""
+
+    def __init__(self) -> None:
+        self.env: Any = None
+        # master / local side
+        self.plans: list[dict[str, Any]] = []
+        self.next_index = 0
+        self.done: set[int] = set()
+        self.run_id = ""
+        self.started_at: dt.datetime | None = None
+        self.finished = False
+        self.run_writer: Any = None
+        # user side
+        self.pending: dict[str, AsyncResult] = {}
+        self.writer: Any = None
+        self.writer_run_id = ""
+
+    # -- master / local --------------------------------------------------------------------------
+
+    def build_plan(self, env: Any) -> None:
+        o = env.parsed_options
+        max_turns = o.turnscope_max_turns or None
+        convs = load_taubench(Path(o.turnscope_trace), max_turns=max_turns)
+        if not convs:
+            raise ValueError(f"{o.turnscope_trace}: no conversation with an assistant turn")
+        n = o.turnscope_sessions or len(convs)
+        if n < 0:
+            raise ValueError(f"--turnscope-sessions must be >= 0, got {n}")
+        self.plans = []
+        for i in range(n):
+            conv = convs[i % len(convs)]
+            plan = plan_from_conversation(conv, session_id=f"s{i:05d}-{conv.id}",
+                                          tool_gap_s=o.turnscope_gap_s, think_gap_s=o.turnscope_gap_s)
+            self.plans.append(plan.to_dict())
+        self.next_index = 0
+        self.done = set()
+        self.finished = False
+        self.run_id = o.turnscope_run_id or (
+            f"locust-{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}")
+        log.info("turnscope: run %s plans %d sessions (%d turns) from %s, history %s",
+                 self.run_id, n, sum(len(p["turns"]) for p in self.plans), o.turnscope_trace,
+                 o.turnscope_history)
+
+    def on_want(self, environment: Any, msg: Any, **_: Any) -> None:
+        """Master side: hand the next session to the asking user (or None when exhausted)."""
+        if self.next_index < len(self.plans) and not self.finished:
+            idx = self.next_index
+            self.next_index += 1
+            data = {"req": msg.data["req"], "index": idx, "plan": self.plans[idx], "run_id": self.run_id}
+        else:
+            data = {"req": msg.data["req"], "index": None, "plan": None, "run_id": self.run_id}
+        environment.runner.send_message(_MSG_SESSION, data, client_id=msg.node_id)
+
+    def on_done(self, environment: Any, msg: Any, **_: Any) -> None:
+        """Master side: count played sessions; end the run when all are."""
+        self.done.add(msg.data["index"])
+        if len(self.done) >= len(self.plans) and not self.finished:
+            self.finished = True
+            log.info("turnscope: all %d sessions played", len(self.plans))
+            gevent.spawn(_end_run, environment)
+
+    def write_run_row(self, env: Any, status: str) -> None:
+        o = env.parsed_options
+        if o.turnscope_no_run_row or not self.run_id:
+            return
+        if self.run_writer is None or self.run_writer.run_id != self.run_id:
+            if self.run_writer is not None:
+                self.run_writer.close()
+            self.run_writer = Store(Path(o.turnscope_store)).writer(self.run_id, _writer_id("run"))
+        now = dt.datetime.now(dt.UTC)
+        config = {k: v for k, v in vars(o).items() if k.startswith("turnscope_")}
+        config.update(host=env.host, users=getattr(o, "num_users", None))
+        self.run_writer.append("runs_log", {
+            "run_id": self.run_id,
+            "label": o.turnscope_label or None,
+            "mode": o.turnscope_mode,
+            "workload": f"trace:{Path(o.turnscope_trace).stem}",
+            "workload_spec": {"kind": "tau-bench", "trace": Path(o.turnscope_trace).name,
+                              "sessions": len(self.plans), "max_turns": o.turnscope_max_turns or None,
+                              "gap_s": o.turnscope_gap_s, "max_tokens": o.turnscope_max_tokens},
+            "history_mode": o.turnscope_history,
+            "versions": {"turnscope": _version("turnscope"), "locust": _version("locust")},
+            "model": o.turnscope_model,
+            "config": config,
+            "started_at": self.started_at,
+            "finished_at": None if status == "running" else now,
+            "status": status,
+            "updated_at": now,
+        })
+        self.run_writer.flush()
+
+    # -- user side -------------------------------------------------------------------------------
+
+    def on_session(self, environment: Any, msg: Any, **_: Any) -> None:
+        """User side: deliver the master's answer to the waiting user."""
+        waiter = self.pending.pop(msg.data["req"], None)
+        if waiter is not None:
+            waiter.set(msg.data)
+
+    def want(self, env: Any) -> dict[str, Any]:
+        req = uuid.uuid4().hex
+        waiter = AsyncResult()
+        self.pending[req] = waiter
+        env.runner.send_message(_MSG_WANT, {"req": req})
+        try:
+            return waiter.get(timeout=_WANT_TIMEOUT_S)
+        finally:
+            self.pending.pop(req, None)
+
+    def writer_for(self, env: Any, run_id: str) -> Any:
+        if self.writer is None or self.writer_run_id != run_id:
+            self.close_writer()
+            self.writer = Store(Path(_opt(env, "store"))).writer(run_id, _writer_id("users"))
+            self.writer_run_id = run_id
+        return self.writer
+
+    def close_writer(self) -> None:
+        if self.writer is not None:
+            try:
+                self.writer.close()
+            finally:
+                self.writer = None
+
+
+def _writer_id(role: str) -> str:
+    return _safe(f"locust-{role}-{socket.gethostname()}-{os.getpid()}")
+
+
+def _end_run(env: Any) -> None:
+    """All sessions played: quit a headless run, stop the test otherwise (the web UI stays up)."""
+    o = env.parsed_options
+    if o.headless:
+        env.runner.quit()
+    else:
+        env.runner.stop()
+
+
+_coord = _Coordinator()
+
+
+@events.init.add_listener
+def _on_init(environment: Any, **_: Any) -> None:
+    _coord.env = environment
+    runner = environment.runner
+    if runner is None:
+        return
+    if not isinstance(runner, WorkerRunner):
+        runner.register_message(_MSG_WANT, _coord.on_want)
+        runner.register_message(_MSG_DONE, _coord.on_done)
+    if not isinstance(runner, MasterRunner):
+        runner.register_message(_MSG_SESSION, _coord.on_session)
+
+
+@events.test_start.add_listener
+def _on_test_start(environment: Any, **_: Any) -> None:
+    if isinstance(environment.runner, WorkerRunner):
+        return
+    o = environment.parsed_options
+    if not environment.host:
+        raise ValueError("turnscope: no --host given (the proxy or server root, e.g. http://127.0.0.1:8000)")
+    _coord.build_plan(environment)
+    _coord.started_at = dt.datetime.now(dt.UTC)
+    try:
+        Store(Path(o.turnscope_store)).init()
+    except RuntimeError as e:  # the views file is held by a reader; the shards are still written
+        log.warning("turnscope: store views not refreshed: %s", e)
+    if o.turnscope_history == "token_ids":
+        with httpx.Client() as c:
+            try:
+                joiner_for(Tokenizer(c, environment.host, o.turnscope_model))
+            except (TemplateJoinError, TokenizeError) as e:
+                log.error("turnscope: the token_ids history mode cannot be used against %s: %s",
+                          environment.host, e)
+                environment.process_exit_code = 2
+                _coord.plans = []
+                gevent.spawn(_end_run, environment)
+                return
+    _coord.write_run_row(environment, "running")
+
+
+@events.test_stop.add_listener
+def _on_test_stop(environment: Any, **_: Any) -> None:
+    if not isinstance(environment.runner, WorkerRunner) and _coord.run_id:
+        complete = len(_coord.done) >= len(_coord.plans) > 0
+        _coord.write_run_row(environment, "complete" if complete else "aborted")
+    if not isinstance(environment.runner, MasterRunner):
+        _coord.close_writer()
+
+
+@events.quitting.add_listener
+def _on_quitting(environment: Any, **_: Any) -> None:
+    _coord.close_writer()
+    if _coord.run_writer is not None:
+        _coord.run_writer.close()
+        _coord.run_writer = None
+
+
+# ------------------------------------------------------------------------------------- users
+
+
+class AgentSession(User):
+    """One agent session at a time: asks the master for a session, plays it, repeats.
+
+    Uses an ``httpx.Client`` against ``self.host`` (not Locust's HttpUser: the turn is timed by
+    ``loadgen.stream_client``). Waits between turns hold the user, like a real agent.
+    """
+
+    wait_time = constant(0)
+
+    def on_start(self) -> None:
+        if not self.host:
+            raise StopUser()
+        self.http = httpx.Client()
+
+    def on_stop(self) -> None:
+        client = getattr(self, "http", None)
+        if client is not None:
+            client.close()
+
+    @task
+    def play_session(self) -> None:
+        env = self.environment
+        try:
+            answer = _coord.want(env)
+        except gevent.Timeout:
+            log.error("turnscope: no session from the master within %s s; stopping this user", _WANT_TIMEOUT_S)
+            raise StopUser() from None
+        if answer["plan"] is None:
+            raise StopUser()
+        plan = SessionPlan.from_dict(answer["plan"])
+        writer = _coord.writer_for(env, answer["run_id"])
+        max_tokens = _opt(env, "max_tokens")
+        run_session(
+            plan, self.http, self.host, _opt(env, "model"), writer, answer["run_id"], _opt(env, "history"),
+            max_tokens=max_tokens,
+            max_prompt_tokens=_opt(env, "max_prompt_tokens") or max(1, 4096 - max_tokens),
+            timeout_s=_opt(env, "timeout_s"),
+            on_turn=self._fire,
+        )
+        env.runner.send_message(_MSG_DONE, {"index": answer["index"]})
+
+    def _fire(self, rec: TurnRecord) -> None:
+        r = rec.result
+        ok = r.status == "ok"
+        exc = None if ok else RuntimeError(f"{r.status}: {r.error}")
+        ctx = {"session_id": rec.row["session_id"], "turn_index": rec.row["turn_index"]}
+        fire = self.environment.events.request.fire
+        fire(request_type="POST", name="turn", response_time=(r.e2e_s or 0.0) * 1000.0,
+             response_length=r.completion_tokens or 0, exception=exc, context=ctx, url=self.host)
+        fire(request_type="TTFT", name="TTFT",
+             response_time=((r.ttft_s if r.ttft_s is not None else r.e2e_s) or 0.0) * 1000.0,
+             response_length=0, exception=None if r.ttft_s is not None else exc, context=ctx, url=self.host)

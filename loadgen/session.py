@@ -1,0 +1,565 @@
+"""Play one agent session turn by turn against an OpenAI-compatible server and record it (DESIGN §4, §5).
+
+A :class:`SessionPlan` is a list of :class:`TurnPlan` s: the messages appended before each model call
+(user text, tool results), the trace's reply for that call, and the gap before it. :func:`run_session`
+sends the turns in order, one request each, streaming with :func:`loadgen.stream_client.stream_turn`:
+
+* ``history_mode="text"`` (chat clients): POST ``/v1/chat/completions`` with all messages so far.
+  Earlier assistant messages are the replies the server actually returned (``content`` = returned
+  text, plus ``tool_calls`` if it returned any), so the server re-tokenizes its own replies.
+* ``history_mode="token_ids"`` (RL rollout clients): POST ``/v1/completions`` with
+  ``prompt`` = previous prompt ids + generated ids + end-of-turn + the new messages' rendered ids
+  (:mod:`loadgen.token_prompt`), so the history's ids match exactly what the server computed.
+
+Every request carries ``conversation_id`` (body) and ``X-Session-ID`` (header), the session key of
+turnscope's proxy, ``return_token_ids: true``, ``max_tokens`` and ``temperature``. Between turns the
+session sleeps the planned gap (``time.sleep``; under Locust gevent patches it), counting the time
+spent preparing the next request (``/tokenize`` calls) as part of the gap.
+
+Per turn one ``turns`` row is appended to the store and, at the end, one ``sessions`` row (columns of
+``data/schema.sql``). A failed turn (``error``/``timeout``) is recorded with its reason and the
+session goes on, with the trace's reply standing in for the missing one. A session stops early,
+before sending, when a prompt would exceed ``max_prompt_tokens``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import httpx
+import numpy as np
+
+from loadgen.stream_client import TurnResult, stream_turn
+from loadgen.token_prompt import (
+    TemplateJoinError,
+    TurnJoiner,
+    calibrate_joiner,
+    next_prompt_ids,
+    reuse_against,
+    strip_generation_prompt,
+)
+
+log = logging.getLogger(__name__)
+
+HISTORY_MODES = ("text", "token_ids")
+GAP_KINDS = ("none", "tool", "think", "pause")
+TURN_KINDS = ("turn", "retry", "edit", "fresh", "resume")
+
+
+class RowWriter(Protocol):
+    """What :func:`run_session` needs of a store writer (``loadgen.store.ShardWriter``)."""
+
+    def append(self, table: str, row: dict[str, Any]) -> None: ...
+
+
+class TokenizeError(RuntimeError):
+    """The server's ``/tokenize`` failed or answered something that is not a token list."""
+
+
+# --------------------------------------------------------------------------------------- plans
+
+
+@dataclass(frozen=True)
+class TurnPlan:
+    """One planned model call.
+
+    Attributes:
+        new_messages: OpenAI messages appended to the history right before this call (turn 0:
+            system + first user message; later: a user message or tool results).
+        reference_reply: the trace's assistant message for this call; it stands in for the reply
+            when the call fails, so the history stays well-formed.
+        gap_before_s: seconds to wait after the previous turn finished (0 for turn 0).
+        gap_kind: ``none`` (turn 0) | ``tool`` | ``think`` | ``pause``.
+        kind: ``turn`` | ``retry`` | ``edit`` | ``fresh`` | ``resume`` (trace replay: ``turn``).
+    """
+
+    new_messages: list[dict[str, Any]]
+    reference_reply: dict[str, Any]
+    gap_before_s: float = 0.0
+    gap_kind: str = "none"
+    kind: str = "turn"
+
+    def __post_init__(self) -> None:
+        if self.gap_kind not in GAP_KINDS:
+            raise ValueError(f"TurnPlan.gap_kind must be one of {GAP_KINDS}, got {self.gap_kind!r}")
+        if self.kind not in TURN_KINDS:
+            raise ValueError(f"TurnPlan.kind must be one of {TURN_KINDS}, got {self.kind!r}")
+        if not (isinstance(self.gap_before_s, (int, float)) and self.gap_before_s >= 0):
+            raise ValueError(f"TurnPlan.gap_before_s must be a number >= 0 seconds, got {self.gap_before_s!r}")
+
+
+@dataclass(frozen=True)
+class SessionPlan:
+    """A session to play: its id (unique within a run), where it came from, and its turns."""
+
+    session_id: str
+    source: str
+    turns: list[TurnPlan]
+    archetype: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON/msgpack-safe), e.g. to send from the Locust master to a worker."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SessionPlan:
+        """Inverse of :meth:`to_dict`."""
+        return cls(session_id=d["session_id"], source=d["source"], archetype=d.get("archetype"),
+                   turns=[TurnPlan(**t) for t in d["turns"]])
+
+
+def plan_from_conversation(
+    conv: Any,
+    *,
+    session_id: str | None = None,
+    tool_gap_s: float = 0.0,
+    think_gap_s: float = 0.0,
+    archetype: str = "trace",
+) -> SessionPlan:
+    """Turn a trace conversation (``loadgen.traces.taubench.Conversation``) into a session plan.
+
+    One turn per assistant message. The gap before turn k >= 1 is ``tool`` (``tool_gap_s``) when
+    the messages appended since the previous reply include a tool result, else ``think``
+    (``think_gap_s``, a user writing).
+
+    Args:
+        conv: has ``id``, ``source`` and ``turns()`` -> ``[(new_messages, reference_reply), ...]``.
+        session_id: defaults to ``conv.id``.
+        tool_gap_s, think_gap_s: seconds (>= 0).
+    """
+    turns: list[TurnPlan] = []
+    for k, (new, ref) in enumerate(conv.turns()):
+        if k == 0:
+            turns.append(TurnPlan(new_messages=list(new), reference_reply=ref))
+        elif any(m.get("role") == "tool" for m in new):
+            turns.append(TurnPlan(list(new), ref, float(tool_gap_s), "tool"))
+        else:
+            turns.append(TurnPlan(list(new), ref, float(think_gap_s), "think"))
+    return SessionPlan(session_id=session_id or conv.id, source=getattr(conv, "source", "") or conv.id,
+                       turns=turns, archetype=archetype)
+
+
+# ------------------------------------------------------------------------------------ tokenize
+
+
+class Tokenizer:
+    """Client of the server's vLLM-style ``/tokenize`` (chat-template renders and plain encodes).
+
+    Args:
+        client: sync httpx client.
+        base_url: server root, e.g. ``http://127.0.0.1:8000`` (``/tokenize`` is appended).
+        model: the model name sent in each request.
+        timeout_s: per request, seconds.
+    """
+
+    def __init__(self, client: httpx.Client, base_url: str, model: str, timeout_s: float = 30.0):
+        self.client = client
+        self.url = base_url.rstrip("/") + "/tokenize"
+        self.model = model
+        self.timeout_s = timeout_s
+
+    def __call__(
+        self,
+        messages: Sequence[dict[str, Any]] | None = None,
+        prompt: str | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """Token ids of ``messages`` rendered by the chat template, or of the text ``prompt``.
+
+        Raises:
+            TokenizeError: HTTP or network failure, or a response without a ``tokens`` list.
+        """
+        body: dict[str, Any] = {"model": self.model, "add_special_tokens": add_special_tokens}
+        if messages is not None:
+            body.update(messages=list(messages), add_generation_prompt=add_generation_prompt)
+        else:
+            body["prompt"] = prompt
+        try:
+            resp = self.client.post(self.url, json=body, timeout=self.timeout_s)
+        except httpx.HTTPError as e:
+            raise TokenizeError(f"POST {self.url}: {type(e).__name__}: {e}") from e
+        if resp.status_code != 200:
+            raise TokenizeError(f"POST {self.url}: HTTP {resp.status_code}: {resp.text[:300]}")
+        try:
+            tokens = resp.json()["tokens"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise TokenizeError(f"POST {self.url}: no 'tokens' list in the response: {resp.text[:300]}") from e
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise TokenizeError(f"POST {self.url}: 'tokens' is not a list of integers")
+        return tokens
+
+
+_JOINERS: dict[tuple[str, str], TurnJoiner] = {}
+
+
+def joiner_for(tokenizer: Tokenizer) -> TurnJoiner:
+    """The :class:`TurnJoiner` of the server's chat template, calibrated once per (URL, model).
+
+    Raises:
+        TemplateJoinError: the template cannot be reproduced from ids (see ``calibrate_joiner``).
+        TokenizeError: ``/tokenize`` failed.
+    """
+    key = (tokenizer.url, tokenizer.model)
+    if key not in _JOINERS:
+        _JOINERS[key] = calibrate_joiner(tokenizer)
+        log.info("token_ids joiner for %s %s: %s", *key, _JOINERS[key])
+    return _JOINERS[key]
+
+
+# ------------------------------------------------------------------------------------- records
+
+
+def prompt_sha256(ids: Sequence[int]) -> str:
+    """sha256 hex digest of the prompt ids written as ASCII decimals joined by ``,``.
+
+    E.g. ids ``[1, 20, 300]`` hash the bytes ``b"1,20,300"`` (in DuckDB:
+    ``sha256(array_to_string(ids, ','))``). Prompt text is never stored.
+    """
+    return hashlib.sha256(",".join(str(int(i)) for i in ids).encode("ascii")).hexdigest()
+
+
+def _float_header(headers: dict[str, str], name: str, scale: float = 1.0) -> float | None:
+    v = headers.get(name)
+    if v in (None, ""):
+        return None
+    try:
+        return float(v) * scale
+    except ValueError:
+        log.warning("header %s=%r is not a number; stored as NULL", name, v)
+        return None
+
+
+def _int_fact(facts: dict[str, Any], name: str) -> int | None:
+    v = facts.get(name)
+    if v is None or isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    log.warning("proxy fact %s=%r is not an integer; stored as NULL", name, v)
+    return None
+
+
+def _float_fact(facts: dict[str, Any], name: str) -> float | None:
+    v = facts.get(name)
+    if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
+        if v is not None:
+            log.warning("proxy fact %s=%r is not a number; stored as NULL", name, v)
+        return None
+    return float(v)
+
+
+def turn_row(
+    *,
+    run_id: str,
+    session_id: str,
+    turn_index: int,
+    plan: TurnPlan,
+    result: TurnResult,
+    gap_before_s: float,
+    prompt_ids: Sequence[int] | None,
+    expected_reusable_tokens: int | None,
+    divergence_position: int | None,
+) -> dict[str, Any]:
+    """The ``turns`` row for one finished request (all times seconds, counts tokens).
+
+    ITL percentiles are numpy's linear-interpolation percentiles of ``result.itl_s``. The proxy's
+    facts come from its headers (``x-turnscope-reuse``, ``x-turnscope-prefill-ms`` converted to
+    seconds, ``x-turnscope-prefill-engine``, ``x-turnscope-decode-engine``) and from the
+    ``turnscope`` field of the final chunk (``result.proxy_facts``).
+    """
+    itl = np.asarray(result.itl_s, dtype=float)
+    p50, p90 = (np.percentile(itl, [50, 90]).tolist() if itl.size else (None, None))
+    h = result.headers or {}
+    facts = result.proxy_facts or {}
+    return {
+        "run_id": run_id,
+        "session_id": session_id,
+        "turn_index": turn_index,
+        "request_id": result.request_id,
+        "kind": plan.kind,
+        "gap_before_s": float(gap_before_s),
+        "gap_kind": plan.gap_kind,
+        "sent_at": result.sent_at,
+        "ttft_s": result.ttft_s,
+        "ttfc_s": result.ttfc_s,
+        "e2e_s": result.e2e_s,
+        "tpot_s": result.tpot_s,
+        "itl_p50_s": p50,
+        "itl_p90_s": p90,
+        "itl_samples": int(itl.size),
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "cached_tokens": result.cached_tokens,
+        "expected_reusable_tokens": expected_reusable_tokens,
+        "divergence_position": divergence_position,
+        "status": result.status,
+        "error": result.error,
+        "http_status": result.http_status,
+        "reuse": h.get("x-turnscope-reuse"),
+        "prefill_leg_s": _float_header(h, "x-turnscope-prefill-ms", 1e-3),
+        "prefill_engine": h.get("x-turnscope-prefill-engine"),
+        "decode_engine": h.get("x-turnscope-decode-engine"),
+        "prefill_cached_tokens": _int_fact(facts, "prefill_cached_tokens"),
+        "remote_tokens": _int_fact(facts, "remote_tokens"),
+        "reused_tokens": _int_fact(facts, "reused_tokens"),
+        "recomputed_tokens": _int_fact(facts, "recomputed_tokens"),
+        "handle_age_s": _float_fact(facts, "handle_age_s"),
+        "prompt_sha256": prompt_sha256(prompt_ids) if prompt_ids is not None else None,
+    }
+
+
+@dataclass
+class TurnRecord:
+    """What one played turn produced: the stored row, the raw result and the prompt ids sent."""
+
+    row: dict[str, Any]
+    result: TurnResult
+    prompt_ids: list[int] | None
+
+
+@dataclass
+class SessionResult:
+    """What :func:`run_session` played: the turn records and the stored ``sessions`` row.
+
+    ``stopped`` says why the session ended: ``complete`` (all planned turns), ``max_prompt_tokens``
+    (the next prompt would have exceeded it), ``tokenize_error`` or ``cancelled``.
+    """
+
+    turns: list[TurnRecord] = field(default_factory=list)
+    session_row: dict[str, Any] | None = None
+    stopped: str = "complete"
+
+
+# ------------------------------------------------------------------------------------- session
+
+
+def _assistant_message(result: TurnResult) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "assistant", "content": result.text}
+    if result.tool_calls:
+        msg["tool_calls"] = [
+            {"id": c.get("id") or f"call_{i}", "type": c.get("type") or "function", "function": c["function"]}
+            for i, c in enumerate(result.tool_calls)
+        ]
+    return msg
+
+
+def run_session(
+    plan: SessionPlan,
+    client: httpx.Client,
+    base_url: str,
+    model: str,
+    writer: RowWriter,
+    run_id: str,
+    history_mode: str = "text",
+    *,
+    max_tokens: int = 64,
+    max_prompt_tokens: int | None = None,
+    timeout_s: float = 120.0,
+    temperature: float = 0.0,
+    extra_body: dict[str, Any] | None = None,
+    conversation_id: str | None = None,
+    on_turn: Callable[[TurnRecord], None] | None = None,
+    sleep: Callable[[float], None] | None = None,
+    tokenizer: Tokenizer | None = None,
+) -> SessionResult:
+    """Play ``plan`` turn by turn, record each turn and the session, and return what happened.
+
+    Args:
+        plan: the session (turns, gaps, reference replies).
+        client: sync httpx client used for the turns and ``/tokenize``.
+        base_url: server root (the proxy, or a vLLM server), e.g. ``http://127.0.0.1:8000``.
+        model: model name for the requests.
+        writer: store writer; receives one ``turns`` row per sent turn and one ``sessions`` row.
+        run_id: the run the rows belong to.
+        history_mode: ``text`` or ``token_ids`` (see module doc).
+        max_tokens: output cap per turn, tokens.
+        max_prompt_tokens: stop the session, before sending, when a prompt would be longer (tokens);
+            None: no limit.
+        timeout_s: per-turn connect/read/total timeout, seconds (``stream_turn``).
+        temperature: sampling temperature (0: greedy).
+        extra_body: more request fields (e.g. ``{"ignore_eos": true}``), merged last.
+        conversation_id: the session key sent to the proxy; default ``"<run_id>/<session_id>"``.
+        on_turn: called after each turn is recorded (e.g. to fire Locust events).
+        sleep: the sleep function for gaps (default ``time.sleep``, looked up at call time so that
+            gevent's patch applies).
+        tokenizer: the ``/tokenize`` client (default: one on ``client``/``base_url``/``model``).
+
+    Returns:
+        :class:`SessionResult`. The ``sessions`` row: ``task_latency_s`` = first send -> last
+        finish; ``llm_s`` = sum of E2E; ``tool_wait_s``/``think_s``/``pause_s`` = sums of the
+        measured gaps (previous finish -> send) by kind; ``status`` ``ok`` when every sent turn
+        was ok, ``error`` otherwise, ``cancelled`` when interrupted (e.g. Locust stopping users).
+
+    Raises:
+        ValueError: unknown ``history_mode``.
+        TemplateJoinError: ``token_ids`` mode and the server's chat template cannot be reproduced
+            from ids (raised before anything is sent).
+        TokenizeError: the calibration for ``token_ids`` failed (before anything is sent).
+    """
+    if history_mode not in HISTORY_MODES:
+        raise ValueError(f"history_mode must be one of {HISTORY_MODES}, got {history_mode!r}")
+    base = base_url.rstrip("/")
+    tok = tokenizer or Tokenizer(client, base, model, timeout_s=min(timeout_s, 60.0))
+    joiner = joiner_for(tok) if history_mode == "token_ids" else None
+    url = base + ("/v1/chat/completions" if history_mode == "text" else "/v1/completions")
+    conv_id = conversation_id or f"{run_id}/{plan.session_id}"
+    common: dict[str, Any] = {
+        "model": model,
+        "conversation_id": conv_id,
+        "return_token_ids": True,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+    }
+    headers = {"X-Session-ID": conv_id}
+    do_sleep = sleep or time.sleep
+
+    out = SessionResult()
+    messages: list[dict[str, Any]] = []          # text history (both modes keep it, for fallbacks)
+    prev_prompt: list[int] | None = None          # ids of the previous turn's prompt
+    prev_generated: list[int] = []                # ids the previous turn generated (or stood in)
+    gaps = {k: 0.0 for k in GAP_KINDS}
+    first_send: float | None = None
+    last_end: float | None = None
+    first_sent_at: dt.datetime | None = None
+    all_ok = True
+
+    def finish_session(status: str) -> None:
+        task = (last_end - first_send) if (first_send is not None and last_end is not None) else 0.0
+        row = {
+            "run_id": run_id,
+            "session_id": plan.session_id,
+            "archetype": plan.archetype,
+            "source": plan.source,
+            "started_at": first_sent_at,
+            "finished_at": first_sent_at + dt.timedelta(seconds=task) if first_sent_at else None,
+            "turns": len(out.turns),
+            "task_latency_s": task,
+            "llm_s": float(sum(r.result.e2e_s or 0.0 for r in out.turns)),
+            "tool_wait_s": gaps["tool"],
+            "think_s": gaps["think"],
+            "pause_s": gaps["pause"],
+            "status": status,
+        }
+        writer.append("sessions", row)
+        out.session_row = row
+
+    k = -1
+    try:
+        for k, tp in enumerate(plan.turns):
+            # -- prepare the request (counts as part of the gap) ----------------------------------
+            messages.extend(tp.new_messages)
+            try:
+                if history_mode == "text" or prev_prompt is None:
+                    rendered = tok(messages=messages, add_generation_prompt=True)
+                else:
+                    new_ids = tok(messages=tp.new_messages, add_generation_prompt=True)
+                    rendered = next_prompt_ids(prev_prompt, prev_generated, new_ids, joiner)
+            except TokenizeError as e:
+                if history_mode == "token_ids":
+                    log.error("session %s turn %d: %s; stopping the session", plan.session_id, k, e)
+                    out.stopped = "tokenize_error"
+                    all_ok = False
+                    break
+                log.warning("session %s turn %d: %s; expected reuse not recorded", plan.session_id, k, e)
+                rendered = None
+            if max_prompt_tokens is not None and rendered is not None and len(rendered) > max_prompt_tokens:
+                log.info("session %s stops before turn %d: prompt of %d tokens > max_prompt_tokens %d",
+                         plan.session_id, k, len(rendered), max_prompt_tokens)
+                out.stopped = "max_prompt_tokens"
+                break
+            expected = divergence = None
+            if k > 0 and prev_prompt is not None and rendered is not None:
+                expected, divergence = reuse_against(prev_prompt + prev_generated, rendered)
+
+            # -- wait out the rest of the gap, then send -------------------------------------------
+            if last_end is not None:
+                remaining = tp.gap_before_s - (time.perf_counter() - last_end)
+                if remaining > 0:
+                    do_sleep(remaining)
+            body = dict(common)
+            if history_mode == "text":
+                body["messages"] = list(messages)
+            else:
+                body["prompt"] = rendered
+            body.update(extra_body or {})
+            send = time.perf_counter()
+            gap = 0.0 if last_end is None else send - last_end
+            if first_send is None:
+                first_send = send
+            result = stream_turn(client, url, body, headers=headers, timeout_s=timeout_s)
+            last_end = time.perf_counter()
+            if first_sent_at is None:
+                first_sent_at = result.sent_at
+            if k > 0:
+                gaps[tp.gap_kind] += gap
+
+            # -- record ------------------------------------------------------------------------
+            server_prompt = result.prompt_token_ids
+            if history_mode == "token_ids" and server_prompt is not None and server_prompt != rendered:
+                log.warning("session %s turn %d: server reports prompt ids different from those sent "
+                            "(%d vs %d ids)", plan.session_id, k, len(server_prompt), len(rendered))
+            prompt_ids = server_prompt if server_prompt is not None else rendered
+            row = turn_row(run_id=run_id, session_id=plan.session_id, turn_index=k, plan=tp, result=result,
+                           gap_before_s=gap, prompt_ids=prompt_ids,
+                           expected_reusable_tokens=expected, divergence_position=divergence)
+            writer.append("turns", row)
+            rec = TurnRecord(row=row, result=result, prompt_ids=prompt_ids)
+            out.turns.append(rec)
+            if on_turn is not None:
+                on_turn(rec)
+
+            # -- the history the next turn continues -------------------------------------------
+            if result.status == "ok":
+                messages.append(_assistant_message(result))
+                prev_generated = list(result.token_ids)
+            else:
+                all_ok = False
+                messages.append(tp.reference_reply)
+                prev_generated = []
+                if history_mode == "token_ids":
+                    prev_generated = _stand_in_ids(tok, tp.reference_reply, joiner)
+            prev_prompt = list(prompt_ids) if prompt_ids is not None else None
+            if history_mode == "token_ids" and prev_prompt is not None and prev_generated is None:
+                prev_prompt = None  # the stand-in could not be built from ids: re-render next turn
+                prev_generated = []
+    except BaseException:
+        # Interrupted (Locust killing the user greenlet, Ctrl-C, a bug): keep what was measured.
+        out.stopped = "cancelled"
+        try:
+            finish_session("cancelled")
+        except Exception:  # never mask the original exception
+            log.exception("session %s: could not record the cancelled session", plan.session_id)
+        raise
+    finish_session("ok" if all_ok else "error")
+    return out
+
+
+def _stand_in_ids(tok: Tokenizer, reply: dict[str, Any], joiner: TurnJoiner | None) -> list[int] | None:
+    """Ids that stand in for a reply that was never generated (token_ids mode, failed turn).
+
+    The reply is rendered alone by the chat template (``add_generation_prompt=False``) and the
+    role header, which the previous prompt already ends with, is cut off; the trailing separator is
+    cut too, since :func:`next_prompt_ids` adds it. Returns None when the template does not render
+    it that way (the next turn is then rendered from the text history instead).
+    """
+    assert joiner is not None
+    try:
+        ids = strip_generation_prompt(tok(messages=[reply], add_generation_prompt=False), joiner)
+    except (TemplateJoinError, TokenizeError) as e:
+        log.warning("stand-in reply cannot be built from ids (%s); re-rendering the history", e)
+        return None
+    sep = list(joiner.separator_ids)
+    if sep and ids[-len(sep):] == sep:
+        ids = ids[: -len(sep)]
+    return ids
