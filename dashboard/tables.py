@@ -9,9 +9,10 @@ import pandas as pd
 def run_summary_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per run from the ``run_summary`` view, latencies in ms.
 
-    `df`: ``dashboard.queries.run_summary`` (seconds, counts). Returns columns run, run_id, mode,
-    workload, history, status, started (UTC), turns, ok, failed, hits, hit rate (fraction of all
-    turns, 0..1), TTFT p50/p90/mean (ms), reused tokens.
+    `df`: ``dashboard.queries.run_summary`` (seconds, counts). Returns columns run, mode, status,
+    turns, ok, failed, hits, hit rate (fraction of all turns, 0..1), TTFT p50/p90/mean (ms),
+    reused tokens, workload, history, started (UTC), run_id: the numbers first, so they are in
+    view without scrolling.
     """
     turns = df["turns"].astype(float)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -19,12 +20,8 @@ def run_summary_table(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(
         {
             "run": df["label"].where(df["label"].notna(), df["run_id"]),
-            "run_id": df["run_id"],
             "mode": df["mode"],
-            "workload": df["workload"],
-            "history": df["history_mode"],
             "status": df["status"],
-            "started (UTC)": df["started_at"],
             "turns": df["turns"],
             "ok": df["ok_turns"],
             "failed": df["failed_turns"],
@@ -34,5 +31,9 @@ def run_summary_table(df: pd.DataFrame) -> pd.DataFrame:
             "TTFT p90 (ms)": df["ttft_p90_s"] * 1e3,
             "TTFT mean (ms)": df["ttft_mean_s"] * 1e3,
             "reused tokens": df["reused_tokens"],
+            "workload": df["workload"],
+            "history": df["history_mode"],
+            "started (UTC)": df["started_at"],
+            "run_id": df["run_id"],
         }
     )

@@ -86,6 +86,7 @@ st.dataframe(
         "TTFT p50 (ms)": st.column_config.NumberColumn(format="%.1f"),
         "TTFT p90 (ms)": st.column_config.NumberColumn(format="%.1f"),
         "TTFT mean (ms)": st.column_config.NumberColumn(format="%.1f"),
+        "reused tokens": st.column_config.NumberColumn(format="%d"),
         "started (UTC)": st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss"),
     },
 )

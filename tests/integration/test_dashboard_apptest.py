@@ -1,0 +1,202 @@
+"""The dashboard, run headless by Streamlit's AppTest over a real store (loadgen.store's writer).
+
+Expected numbers come from hand-written SQL over the raw Parquet shards (not the store's views,
+not the dashboard's queries) or from values written out by hand in tests/dashboard_store.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import statistics
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import plotly.io as pio
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from loadgen.store import Store
+from tests import dashboard_store
+
+APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
+TIMEOUT_S = 60
+
+
+@pytest.fixture(scope="module")
+def store_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return dashboard_store.build(tmp_path_factory.mktemp("store"))
+
+
+def run_app(monkeypatch: pytest.MonkeyPatch, root: Path) -> AppTest:
+    monkeypatch.setenv("TURNSCOPE_STORE", str(root))
+    at = AppTest.from_file(str(APP), default_timeout=TIMEOUT_S).run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def raw_sql(root: Path, sql: str) -> list[tuple]:
+    """Hand-written SQL straight over the Parquet shards: {turns} and {runs_log} are read_parquet."""
+    glob = {
+        t: f"read_parquet('{root}/runs/*/{t}/*.parquet', union_by_name=true)" for t in ("turns", "runs_log")
+    }
+    con = duckdb.connect()
+    try:
+        return con.execute(sql.format(**glob)).fetchall()
+    finally:
+        con.close()
+
+
+def values(v) -> list:
+    """A Plotly trace array as a list; plotly >= 6 serialises numeric arrays as base64 ``bdata``."""
+    if isinstance(v, dict) and "bdata" in v:
+        return np.frombuffer(base64.b64decode(v["bdata"]), dtype=np.dtype(v["dtype"])).tolist()
+    return list(v)
+
+
+def median_later_ttft(root: Path, mode: str) -> float:
+    return raw_sql(
+        root,
+        f"""
+        SELECT median(t.ttft_s)
+        FROM {{turns}} t JOIN (SELECT DISTINCT run_id, mode FROM {{runs_log}}) r USING (run_id)
+        WHERE r.mode = '{mode}' AND t.status = 'ok' AND t.turn_index >= 1
+        """,
+    )[0][0]
+
+
+def test_overview_renders_with_headline_equal_to_sql(monkeypatch, store_root):
+    at = run_app(monkeypatch, store_root)
+
+    # Exactly one headline: there is no pd-nocache run, so only pd-bidir vs aggregated.
+    assert [m.label for m in at.metric] == ["pd-bidir vs aggregated"]
+    bidir = median_later_ttft(store_root, "pd-bidir")
+    agg = median_later_ttft(store_root, "aggregated")
+    # The same medians, computed by hand from the fixture's formulas.
+    by_hand_bidir = statistics.median(
+        dashboard_store.ttft_s(r, s, t)
+        for r in ("bidir-1", "bidir-2")
+        for s in range(dashboard_store.SESSIONS)
+        for t in range(1, dashboard_store.TURNS)
+        if dashboard_store.ttft_s(r, s, t) is not None
+    )
+    by_hand_agg = statistics.median(
+        dashboard_store.ttft_s("agg-1", s, t) for s in range(dashboard_store.SESSIONS) for t in range(1, 4)
+    )
+    assert bidir == pytest.approx(by_hand_bidir) and agg == pytest.approx(by_hand_agg)
+    assert at.metric[0].value == f"{bidir / agg:.3f}×"
+
+    captions = [c.value for c in at.caption]
+    assert any(f"median {bidir * 1e3:.1f} ms vs {agg * 1e3:.1f} ms" in c for c in captions), captions
+    assert any("pd-bidir-nocache vs pd-nocache" in c and "`pd-nocache`" in c for c in captions), captions
+    verdicts = [m.value for m in at.markdown if m.value.startswith("pd-bidir is faster than aggregated")]
+    assert len(verdicts) == 1 and "reuse paid off" in verdicts[0]
+
+    # pd-bidir-nocache never hit: said plainly.
+    warnings = [w.value for w in at.warning]
+    assert any("`pd-bidir-nocache` was a miss" in w and "miss_no_handle_returned (9)" in w for w in warnings)
+
+
+def test_overview_charts_and_run_table(monkeypatch, store_root):
+    at = run_app(monkeypatch, store_root)
+    charts = {c.proto.id: pio.from_json(c.proto.spec) for c in at.get("plotly_chart")}
+    assert len(charts) == 3
+    by_title = {fig.layout.title.text: fig for fig in charts.values()}
+
+    ext = next(f for t, f in by_title.items() if "external_kv_transfer" in t)
+    finals = {tr.name.split(" · ")[0]: values(tr.y)[-1] for tr in ext.data}
+    labels = {run_id: dashboard_store.RUNS[run_id][1] for run_id in dashboard_store.RUNS}
+    assert finals == {labels[r]: v for r, v in dashboard_store.EXPECTED_EXTERNAL_TOKENS.items()}
+    assert ext.layout.xaxis.title.text == "time since run start (s)"
+
+    ttft = next(f for t, f in by_title.items() if t.startswith("TTFT by turn index"))
+    assert ttft.layout.yaxis.title.text == "TTFT (ms)"
+    # aggregated p50 at turn_index 2, drawn in ms.
+    agg_p50 = next(tr for tr in ttft.data if tr.name == "aggregated, p50")
+    (expected_s,) = raw_sql(
+        store_root,
+        "SELECT quantile_cont(ttft_s, 0.5) FROM {turns} WHERE run_id = 'agg-1' AND turn_index = 2",
+    )[0]
+    assert values(agg_p50.y)[values(agg_p50.x).index(2)] == pytest.approx(expected_s * 1e3)
+
+    reuse = next(f for t, f in by_title.items() if t.startswith("Reuse outcome"))
+    hits = next(tr for tr in reuse.data if tr.name == "hit")
+    (n_hits,) = raw_sql(
+        store_root,
+        "SELECT count(*) FROM {turns} t JOIN (SELECT DISTINCT run_id, mode FROM {runs_log}) r USING (run_id) "
+        "WHERE r.mode = 'pd-bidir' AND t.reuse = 'hit'",
+    )[0]
+    assert dict(zip(values(hits.x), values(hits.y), strict=True)) == {"pd-bidir": n_hits}
+
+    table = at.dataframe[0].value
+    assert sorted(table["run_id"]) == sorted(dashboard_store.RUNS)
+    assert set(table["status"]) == {"complete"}  # the latest runs_log row wins
+    row = table.set_index("run_id").loc["bidir-1"]
+    (p50_s, failed) = raw_sql(
+        store_root,
+        "SELECT quantile_cont(ttft_s, 0.5), count(*) FILTER (WHERE status <> 'ok') FROM {turns} "
+        "WHERE run_id = 'bidir-1'",
+    )[0]
+    assert row["TTFT p50 (ms)"] == pytest.approx(p50_s * 1e3)
+    assert row["failed"] == failed == 1
+
+
+def test_mode_filter_without_a_pair_shows_no_headline(monkeypatch, store_root):
+    at = run_app(monkeypatch, store_root)
+    at.sidebar.multiselect(key="ts_modes").set_value(["aggregated"]).run()
+    assert not at.exception
+    assert len(at.metric) == 0
+    assert any(i.value.startswith("No headline yet") for i in at.info)
+    assert sorted(at.dataframe[0].value["run_id"]) == ["agg-1"]
+
+
+def test_app_holds_no_lock_on_the_store(monkeypatch, store_root):
+    run_app(monkeypatch, store_root)
+    # A writer re-creating the views needs the file read-write; an open dashboard must not block it.
+    con = duckdb.connect(str(store_root / "turnscope.duckdb"))
+    con.close()
+
+
+def test_missing_store(monkeypatch, tmp_path):
+    at = run_app(monkeypatch, tmp_path / "nowhere")
+    assert len(at.info) == 1 and at.info[0].value.startswith("No store yet")
+    assert "turnscope demo" in at.info[0].value
+    assert len(at.get("plotly_chart")) == 0
+
+
+def test_store_without_runs(monkeypatch, tmp_path):
+    Store(tmp_path).init()
+    at = run_app(monkeypatch, tmp_path)
+    assert len(at.info) == 1 and at.info[0].value.startswith("No runs yet")
+    assert len(at.get("plotly_chart")) == 0
+
+
+def test_run_that_just_started(monkeypatch, tmp_path):
+    """A run with its status row but no turns or scrapes yet renders, with the empty charts saying so."""
+    store = Store(tmp_path)
+    store.init()
+    with store.writer("live-1", "test") as w:
+        now = dashboard_store.T0
+        w.append("runs_log", {"mode": "pd-bidir", "status": "running", "started_at": now, "updated_at": now})
+    at = run_app(monkeypatch, tmp_path)
+    assert len(at.metric) == 0
+    assert any(i.value.startswith("No headline yet") for i in at.info)
+    assert any("1 still running" in c.value for c in at.sidebar.caption)
+    table = at.dataframe[0].value
+    assert list(table["run_id"]) == ["live-1"] and table.loc[0, "turns"] == 0
+    assert len(at.get("plotly_chart")) == 3
+
+
+def test_run_filter(monkeypatch, store_root):
+    at = run_app(monkeypatch, store_root)
+    at.sidebar.multiselect(key="ts_runs").set_value(["bidir-2", "agg-1"]).run()
+    assert not at.exception
+    (expected,) = raw_sql(
+        store_root,
+        """
+        SELECT (SELECT median(ttft_s) FROM {turns} WHERE run_id = 'bidir-2' AND status = 'ok' AND turn_index >= 1)
+             / (SELECT median(ttft_s) FROM {turns} WHERE run_id = 'agg-1' AND status = 'ok' AND turn_index >= 1)
+        """,
+    )[0]
+    assert [m.value for m in at.metric] == [f"{expected:.3f}×"]
+    assert not at.warning  # pd-bidir-nocache is filtered out
