@@ -392,7 +392,7 @@ class ShardWriter:
                 try:
                     d.mkdir(parents=True, exist_ok=True)
                     _write_atomic(pa.Table.from_pylist(rows, schema=self._tables[t].arrow_schema()), target)
-                except Exception as e:  # keep the rows, report after putting them back
+                except Exception as e:  # noqa: BLE001 - keep the rows, re-raised below
                     failed[t] = rows
                     error = e
             if failed:
