@@ -52,11 +52,11 @@ class ModelSpec:
     """
 
     vocab_size: int = 4096
-    hidden_size: int = 512
-    intermediate_size: int = 1536
+    hidden_size: int = 384
+    intermediate_size: int = 1024
     num_hidden_layers: int = 4
-    num_attention_heads: int = 8
-    num_key_value_heads: int = 4
+    num_attention_heads: int = 6
+    num_key_value_heads: int = 2
     max_position_embeddings: int = 8192
     dtype: str = "float32"
     seed: int = 0

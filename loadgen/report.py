@@ -1,0 +1,52 @@
+"""Read a finished evaluation back from the store: the numbers ``turnscope eval`` prints.
+
+All queries run on a read-only DuckDB connection over the store's views (data/schema.sql), so a
+report never blocks a writer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+import pandas as pd
+
+EXTERNAL_KV_METRIC = "vllm:prompt_tokens_by_source_total"
+
+
+def _connect(store: Path) -> duckdb.DuckDBPyConnection:
+    return duckdb.connect(str(Path(store) / "turnscope.duckdb"), read_only=True)
+
+
+def ttft_by_turn(store: Path, run_ids: list[str]) -> pd.DataFrame:
+    """Per run and turn index: ok turns, TTFT p50 and p90 (seconds; linear interpolation,
+    DuckDB ``quantile_cont``). Columns: run_id, mode, history_mode, turn_index, turns, ttft_p50_s,
+    ttft_p90_s."""
+    with _connect(store) as con:
+        return con.execute("""
+            SELECT run_id, mode, history_mode, turn_index, count(*) AS turns,
+                   quantile_cont(ttft_s, 0.5) AS ttft_p50_s, quantile_cont(ttft_s, 0.9) AS ttft_p90_s
+            FROM turn_breakdown WHERE status = 'ok' AND run_id IN (SELECT unnest($1))
+            GROUP BY ALL ORDER BY run_id, turn_index""", [run_ids]).df()
+
+
+def outcomes(store: Path, run_ids: list[str]) -> pd.DataFrame:
+    """Per run and reuse outcome: turn count. Columns: run_id, reuse, turns."""
+    with _connect(store) as con:
+        return con.execute("""
+            SELECT run_id, coalesce(reuse, 'n/a') AS reuse, count(*) AS turns
+            FROM turns WHERE run_id IN (SELECT unnest($1)) GROUP BY ALL ORDER BY run_id, turns DESC""",
+                           [run_ids]).df()
+
+
+def external_kv_tokens(store: Path, run_ids: list[str]) -> pd.DataFrame:
+    """Per run: how much the prefill worker's ``prompt_tokens_by_source_total{source=
+    "external_kv_transfer"}`` rose during the run (tokens P pulled from D, restarts handled by
+    the ``metric_increases`` view). Columns: run_id, external_kv_tokens."""
+    with _connect(store) as con:
+        return con.execute("""
+            SELECT run_id, sum(increase) AS external_kv_tokens
+            FROM metric_increases
+            WHERE role = 'prefill' AND name = $2 AND json_extract_string(labels, '$.source') = 'external_kv_transfer'
+              AND run_id IN (SELECT unnest($1))
+            GROUP BY run_id ORDER BY run_id""", [run_ids, EXTERNAL_KV_METRIC]).df()

