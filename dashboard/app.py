@@ -36,7 +36,7 @@ if st.sidebar.button("Refresh", icon=":material/refresh:", help="Re-read the sto
 def _load_runs() -> pd.DataFrame:
     """All runs, or an empty state drawn on the page followed by `st.stop()`."""
     try:
-        runs = loader.load(str(store.root), "runs")
+        runs = loader.fetch(str(store.root), "runs")
     except db.StoreMissing:
         st.info(
             f"No store yet at `{store.root}`: run `turnscope demo` to make one, or point "

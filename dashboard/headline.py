@@ -3,7 +3,8 @@
 For each pair (treatment, baseline) of serving modes, the headline is the ratio of median TTFTs
 of ok turns at ``turn_index >= 1`` (the second turn onward: the first turn of a session has
 nothing to reuse), i.e. ``median(TTFT treatment) / median(TTFT baseline)``, with a percentile
-bootstrap confidence interval (scipy.stats.bootstrap, the two samples resampled independently).
+bootstrap confidence interval (scipy.stats.bootstrap, the two samples resampled independently, by
+whole sessions: turns of one session are correlated).
 Ratios are computed separately for each (workload, history_mode): comparing modes across
 different workloads would be meaningless.
 """
@@ -29,7 +30,7 @@ CONFIDENCE = 0.95
 class Ratio:
     """One headline number. Times in seconds; `ratio` and the CI are dimensionless (x baseline).
 
-    `ci_low`/`ci_high` are NaN when either sample has fewer than 2 turns.
+    `ci_low`/`ci_high` are NaN when either sample has fewer than 2 sessions.
     """
 
     treatment: str
@@ -49,52 +50,89 @@ class Ratio:
         return not (math.isnan(self.ci_low) or math.isnan(self.ci_high))
 
 
-def _median_ratio(a: np.ndarray, b: np.ndarray, axis: int = -1) -> np.ndarray:
-    return np.median(a, axis=axis) / np.median(b, axis=axis)
+def _padded(values: np.ndarray, groups: np.ndarray | None) -> np.ndarray:
+    """`values` as a (n_groups, max group size) array, one row per group, NaN-padded."""
+    if groups is None:
+        return values.reshape(-1, 1)
+    codes, _ = pd.factorize(pd.Series(groups), sort=True)
+    order = np.argsort(codes, kind="stable")
+    codes_sorted = codes[order]
+    counts = np.bincount(codes)
+    position = np.arange(codes.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    out = np.full((counts.size, counts.max()), np.nan)
+    out[codes_sorted, position] = values[order]
+    return out
 
 
 def median_ratio_ci(
     treatment_s: np.ndarray,
     baseline_s: np.ndarray,
     *,
+    treatment_groups: np.ndarray | None = None,
+    baseline_groups: np.ndarray | None = None,
     confidence: float = CONFIDENCE,
     n_resamples: int = 2000,
     seed: int = 0,
 ) -> tuple[float, float, float]:
-    """``median(treatment_s) / median(baseline_s)`` and its bootstrap CI.
+    """``median(treatment_s) / median(baseline_s)`` and its bootstrap confidence interval.
 
-    Inputs are 1-D arrays of TTFT in seconds (any length >= 1). Returns (ratio, ci_low,
-    ci_high); the CI is a percentile bootstrap at `confidence` with a fixed `seed`, NaN when
-    either sample has fewer than 2 values.
+    Inputs are 1-D arrays of TTFT in seconds (length >= 1). With `*_groups` (one label per value,
+    e.g. the session), whole groups are resampled (a cluster bootstrap): turns of one session are
+    not independent, so resampling single turns would give too narrow an interval. Without them
+    each value is its own group. The CI is scipy.stats.bootstrap's percentile interval at
+    `confidence`, the two samples resampled independently, with a fixed `seed`.
+
+    Returns (ratio, ci_low, ci_high), dimensionless; the CI is NaN when either sample has fewer
+    than 2 groups.
     """
     a = np.asarray(treatment_s, dtype=float)
     b = np.asarray(baseline_s, dtype=float)
     if a.size == 0 or b.size == 0:
         raise ValueError("median_ratio_ci needs at least one value in each sample")
-    ratio = float(_median_ratio(a, b))
-    if a.size < 2 or b.size < 2:
+    ratio = float(np.median(a) / np.median(b))
+    pa = _padded(a, None if treatment_groups is None else np.asarray(treatment_groups))
+    pb = _padded(b, None if baseline_groups is None else np.asarray(baseline_groups))
+    if pa.shape[0] < 2 or pb.shape[0] < 2:
         return ratio, math.nan, math.nan
+
+    def statistic(ia: np.ndarray, ib: np.ndarray, axis: int = -1) -> np.ndarray:
+        # ia, ib: resampled group indices, shape (..., n_groups); gather their turns, pooled.
+        ta = pa[ia].reshape(*ia.shape[:-1], -1)
+        tb = pb[ib].reshape(*ib.shape[:-1], -1)
+        return np.nanmedian(ta, axis=-1) / np.nanmedian(tb, axis=-1)
+
+    # Keep each vectorised batch at about 4 M floats whatever the sample sizes.
+    batch = max(1, int(4e6 // max(pa.size, pb.size)))
     with warnings.catch_warnings():
         # Identical resamples (tiny or constant samples) make scipy warn; the CI is then a point.
         warnings.simplefilter("ignore")
         res = stats.bootstrap(
-            (a, b),
-            _median_ratio,
+            (np.arange(pa.shape[0]), np.arange(pb.shape[0])),
+            statistic,
             paired=False,
             vectorized=True,
             confidence_level=confidence,
             n_resamples=n_resamples,
-            batch=200,
+            batch=min(batch, n_resamples),
             method="percentile",
             rng=np.random.default_rng(seed),
         )
     return ratio, float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
+def _sessions(df: pd.DataFrame) -> np.ndarray | None:
+    """One label per turn naming its session (session ids are unique within a run only)."""
+    if not {"run_id", "session_id"} <= set(df.columns):
+        return None
+    return (df["run_id"].astype(str) + "\x1f" + df["session_id"].astype(str)).to_numpy()
+
+
 def headline_ratios(samples: pd.DataFrame, pairs: tuple[tuple[str, str], ...] = PAIRS) -> list[Ratio]:
     """Every pair of `pairs` whose two modes both have turns in `samples`, per workload.
 
-    `samples` has columns mode, workload, history_mode, ttft_s (seconds), already restricted to
+    `samples` has columns mode, workload, history_mode, ttft_s (seconds) and, for the
+    session-level bootstrap, run_id and session_id (without them turns are resampled singly);
+    it is already restricted to
     the turns that count (ok, ``turn_index >= MIN_TURN_INDEX``; see
     ``dashboard.queries.ttft_samples``). Returns one `Ratio` per (pair, workload, history_mode)
     present, in `pairs` order.
@@ -109,11 +147,14 @@ def headline_ratios(samples: pd.DataFrame, pairs: tuple[tuple[str, str], ...] = 
     groups = keyed.groupby(["workload", "history_mode"], dropna=False, sort=True)
     for treatment, baseline in pairs:
         for (workload, history_mode), g in groups:
-            a = g.loc[g["mode"] == treatment, "ttft_s"].to_numpy(dtype=float)
-            b = g.loc[g["mode"] == baseline, "ttft_s"].to_numpy(dtype=float)
+            ga, gb = g[g["mode"] == treatment], g[g["mode"] == baseline]
+            a = ga["ttft_s"].to_numpy(dtype=float)
+            b = gb["ttft_s"].to_numpy(dtype=float)
             if a.size == 0 or b.size == 0:
                 continue
-            ratio, lo, hi = median_ratio_ci(a, b)
+            ratio, lo, hi = median_ratio_ci(
+                a, b, treatment_groups=_sessions(ga), baseline_groups=_sessions(gb)
+            )
             out.append(
                 Ratio(
                     treatment=treatment,
@@ -157,7 +198,7 @@ def verdict(r: Ratio) -> str:
     if not r.has_ci:
         return (
             f"{r.treatment} vs {r.baseline}{scope}: {r.ratio:.2f}x the baseline's TTFT "
-            f"({medians}); too few turns for a confidence interval, so no verdict yet."
+            f"({medians}); too few sessions for a confidence interval, so no verdict yet."
         )
     ci = f"{pct}% CI {r.ci_low:.2f}-{r.ci_high:.2f}x"
     if r.ci_high < 1:

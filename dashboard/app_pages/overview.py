@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import pandas as pd
 import streamlit as st
 
-from dashboard import context, figures, headline, tables
+from dashboard import context, db, figures, headline, tables
 from dashboard.loader import load
+
+
+@st.cache_data(ttl=db.CACHE_TTL_S, show_spinner="Bootstrapping the headline's confidence intervals…")
+def _ratios(samples: pd.DataFrame) -> list[headline.Ratio]:
+    """`headline.headline_ratios`, cached: the bootstrap takes a moment on large runs."""
+    return headline.headline_ratios(samples)
+
 
 sel = context.current()
 st.title("Overview")
@@ -14,7 +22,6 @@ if not sel.run_ids:
     st.stop()
 
 run_ids = sel.run_ids
-samples = load(sel.root, "ttft_samples", run_ids, headline.MIN_TURN_INDEX)
 outcomes = load(sel.root, "reuse_outcomes", run_ids, headline.MIN_TURN_INDEX)
 
 # --- headline ---------------------------------------------------------------------------------
@@ -22,15 +29,17 @@ st.subheader("Headline: TTFT from the second turn on")
 st.caption(
     "Ratio of median TTFT of ok turns with turn_index ≥ 1 (turn 2 onward, where a session can "
     f"reuse KV), treatment over baseline; {int(headline.CONFIDENCE * 100)}% percentile-bootstrap "
-    "confidence interval. Below 1 means the treatment is faster."
+    "confidence interval resampling whole sessions. Below 1 means the treatment is faster."
 )
-ratios = headline.headline_ratios(samples)
+samples = load(sel.root, "ttft_samples", run_ids, headline.MIN_TURN_INDEX)
+later_modes = {str(m) for m in samples["mode"].unique()}  # modes with ok turns after the first
+ratios = _ratios(samples)
 if ratios:
     several_workloads = len({(r.workload, r.history_mode) for r in ratios}) > 1
     cols = st.columns(len(ratios))
     for col, r in zip(cols, ratios, strict=True):
         scope = f" · {r.workload} · history {r.history_mode}" if several_workloads else ""
-        ci = f"{r.ci_low:.3f}–{r.ci_high:.3f}×" if r.has_ci else "n/a (fewer than 2 turns)"
+        ci = f"{r.ci_low:.3f}–{r.ci_high:.3f}×" if r.has_ci else "n/a (fewer than 2 sessions)"
         col.metric(
             label=f"{r.treatment} vs {r.baseline}{scope}",
             value=f"{r.ratio:.3f}×",
@@ -46,14 +55,14 @@ if ratios:
     for r in ratios:
         st.markdown(headline.verdict(r))
 else:
-    present = ", ".join(f"`{m}`" for m in sorted(samples["mode"].unique())) or "none"
+    present = ", ".join(f"`{m}`" for m in sorted(later_modes)) or "none"
     st.info(
         "No headline yet: it compares `pd-bidir-nocache` with `pd-nocache` and `pd-bidir` with "
         f"`aggregated` on the same workload, and the selected runs have neither pair "
         f"(modes with ok turns after the first: {present})."
     )
 if ratios:
-    for line in headline.missing_pairs(set(samples["mode"].unique())):
+    for line in headline.missing_pairs(later_modes):
         st.caption(line)
 for line in headline.all_miss_warnings(outcomes):
     st.warning(line)

@@ -14,6 +14,7 @@ import duckdb
 import numpy as np
 import plotly.io as pio
 import pytest
+import streamlit as st
 from streamlit.testing.v1 import AppTest
 
 from loadgen.store import Store
@@ -200,3 +201,30 @@ def test_run_filter(monkeypatch, store_root):
     )[0]
     assert [m.value for m in at.metric] == [f"{expected:.3f}×"]
     assert not at.warning  # pd-bidir-nocache is filtered out
+
+
+def test_store_locked_by_a_writer(monkeypatch, store_root):
+    """Another process holding turnscope.duckdb read-write (creating views): a warning, no traceback."""
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import duckdb, sys; c = duckdb.connect(sys.argv[1]); print('held', flush=True); sys.stdin.read()",
+         str(store_root / "turnscope.duckdb")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        monkeypatch.setenv("TURNSCOPE_STORE", str(store_root))
+        st.cache_data.clear()  # earlier tests' cached results would hide the lock for 5 s
+        at = AppTest.from_file(str(APP), default_timeout=TIMEOUT_S)
+        at.run()
+        assert not at.exception
+        assert any("being set up by a writer" in w.value for w in at.warning)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    # Once the writer is gone the page renders again (errors are never cached).
+    at.run()
+    assert not at.exception and len(at.metric) == 1

@@ -94,3 +94,27 @@ def test_all_miss_warning_only_for_bidir_modes_without_hits():
     )
     (line,) = headline.all_miss_warnings(outcomes)
     assert "`pd-bidir-nocache`" in line and "miss_no_handle_returned (4)" in line
+
+
+def test_session_bootstrap_is_wider_than_turn_bootstrap_for_correlated_turns():
+    # 8 sessions per mode, 10 turns each; turns of a session share a session-level offset.
+    rng = np.random.default_rng(7)
+    sess_a = np.repeat(np.arange(8), 10)
+    sess_b = np.repeat(np.arange(8), 10)
+    a = 0.1 * np.exp(rng.normal(0, 0.4, 8))[sess_a] * np.exp(rng.normal(0, 0.02, 80))
+    b = 0.3 * np.exp(rng.normal(0, 0.4, 8))[sess_b] * np.exp(rng.normal(0, 0.02, 80))
+    r1, lo1, hi1 = headline.median_ratio_ci(a, b)
+    r2, lo2, hi2 = headline.median_ratio_ci(a, b, treatment_groups=sess_a, baseline_groups=sess_b)
+    assert r1 == r2 == pytest.approx(np.median(a) / np.median(b))
+    assert hi2 - lo2 > 2 * (hi1 - lo1)
+    assert lo2 <= r2 <= hi2
+
+
+def test_session_bootstrap_needs_two_sessions():
+    ratio, lo, hi = headline.median_ratio_ci(
+        np.array([0.1, 0.2, 0.3]),
+        np.array([0.2, 0.4]),
+        treatment_groups=np.array(["s", "s", "s"]),
+        baseline_groups=np.array(["x", "y"]),
+    )
+    assert ratio == pytest.approx(0.2 / 0.3) and math.isnan(lo) and math.isnan(hi)
