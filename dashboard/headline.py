@@ -44,6 +44,8 @@ class Ratio:
     ratio: float
     ci_low: float
     ci_high: float
+    sessions_treatment: int = 0
+    sessions_baseline: int = 0
 
     @property
     def has_ci(self) -> bool:
@@ -127,6 +129,12 @@ def _sessions(df: pd.DataFrame) -> np.ndarray | None:
     return (df["run_id"].astype(str) + "\x1f" + df["session_id"].astype(str)).to_numpy()
 
 
+def _count(df: pd.DataFrame) -> int:
+    """Sessions in `df` (0 when it has no session columns)."""
+    groups = _sessions(df)
+    return 0 if groups is None else int(pd.unique(groups).size)
+
+
 def headline_ratios(samples: pd.DataFrame, pairs: tuple[tuple[str, str], ...] = PAIRS) -> list[Ratio]:
     """Every pair of `pairs` whose two modes both have turns in `samples`, per workload.
 
@@ -168,6 +176,8 @@ def headline_ratios(samples: pd.DataFrame, pairs: tuple[tuple[str, str], ...] = 
                     ratio=ratio,
                     ci_low=lo,
                     ci_high=hi,
+                    sessions_treatment=_count(ga),
+                    sessions_baseline=_count(gb),
                 )
             )
     return out

@@ -50,7 +50,8 @@ if ratios:
         col.caption(
             f"{int(headline.CONFIDENCE * 100)}% CI {ci} · median "
             f"{r.median_treatment_s * 1e3:.1f} ms vs {r.median_baseline_s * 1e3:.1f} ms · "
-            f"n = {r.n_treatment} vs {r.n_baseline} turns"
+            f"n = {r.n_treatment} vs {r.n_baseline} turns "
+            f"({r.sessions_treatment} vs {r.sessions_baseline} sessions)"
         )
     for r in ratios:
         st.markdown(headline.verdict(r))

@@ -89,6 +89,8 @@ def test_overview_renders_with_headline_equal_to_sql(monkeypatch, store_root):
 
     captions = [c.value for c in at.caption]
     assert any(f"median {bidir * 1e3:.1f} ms vs {agg * 1e3:.1f} ms" in c for c in captions), captions
+    # 17 = 2 runs x 3 sessions x 3 later turns, less the timed-out one; 9 = 3 x 3.
+    assert any("n = 17 vs 9 turns (6 vs 3 sessions)" in c for c in captions), captions
     assert any("pd-bidir-nocache vs pd-nocache" in c and "`pd-nocache`" in c for c in captions), captions
     verdicts = [m.value for m in at.markdown if m.value.startswith("pd-bidir is faster than aggregated")]
     assert len(verdicts) == 1 and "reuse paid off" in verdicts[0]
