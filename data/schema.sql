@@ -109,17 +109,30 @@ CREATE VIEW session_tasks AS
 SELECT s.*, r.mode, r.label AS run_label, r.workload
 FROM sessions s JOIN runs r USING (run_id);
 
--- Counter increases between consecutive scrapes; a drop means a restart (Prometheus `increase`).
+-- Counter increases between consecutive scrapes (Prometheus `increase` reset handling, no
+-- extrapolation). A reset is a drop in value, or a change of the endpoint's
+-- process_start_time_seconds in the same scrape (a restart whose counter already passed the old
+-- value); after a reset the whole new value is increase. Same rule as loadgen/prom.counter_increase.
+-- The scraper writes every sample of one scrape with the same scraped_at, which the join relies on.
 CREATE VIEW metric_increases AS
+WITH starts AS (
+    SELECT run_id, endpoint, scraped_at, any_value(value) AS process_start_s
+    FROM metric_samples WHERE name = 'process_start_time_seconds'
+    GROUP BY ALL
+), ordered AS (
+    SELECT m.run_id, m.endpoint, m.role, m.name, m.labels, m.scraped_at, m.value,
+           lag(m.value) OVER w AS prev,
+           coalesce(st.process_start_s <> lag(st.process_start_s) OVER w, false) AS restarted
+    FROM metric_samples m
+    LEFT JOIN starts st ON st.run_id = m.run_id AND st.endpoint = m.endpoint AND st.scraped_at = m.scraped_at
+    WINDOW w AS (PARTITION BY m.run_id, m.endpoint, m.name, m.labels ORDER BY m.scraped_at)
+)
 SELECT run_id, endpoint, role, name, labels, scraped_at, value,
        CASE WHEN prev IS NULL THEN 0
-            WHEN value < prev THEN value
+            WHEN value < prev OR restarted THEN value
             ELSE value - prev END AS increase,
-       (prev IS NOT NULL AND value < prev) AS reset
-FROM (
-    SELECT *, lag(value) OVER (PARTITION BY run_id, endpoint, name, labels ORDER BY scraped_at) AS prev
-    FROM metric_samples
-);
+       (prev IS NOT NULL AND (value < prev OR restarted)) AS reset
+FROM ordered;
 
 CREATE VIEW run_summary AS
 SELECT r.run_id, r.label, r.mode, r.workload, r.history_mode, r.status, r.started_at, r.finished_at,

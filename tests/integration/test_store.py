@@ -194,3 +194,38 @@ def test_store_view_types_follow_schema(store: Store) -> None:
                      "role": "VARCHAR", "name": "VARCHAR", "labels": "JSON", "value": "DOUBLE"}
     with pytest.raises(duckdb.Error):
         con.execute("CREATE TABLE x (a INT)")  # read-only
+
+
+def test_store_metric_increases_view_counter_reset_case(store: Store) -> None:
+    case = json.loads((CASES.parent / "prometheus" / "counter_reset.json").read_text())
+    t0 = dt.datetime(2026, 4, 29, 12, 0, tzinfo=UTC)
+    with store.writer("r1", "scraper") as w:
+        for i, s in enumerate(case["scrapes"]):
+            at = t0 + dt.timedelta(seconds=i)
+            base = {"scraped_at": at, "endpoint": "http://p", "role": "prefill", "labels": {"engine": "0"}}
+            w.append("metric_samples", {**base, "name": "process_start_time_seconds", "labels": {},
+                                        "value": s["process_start_time_seconds"]})
+            w.append("metric_samples", {**base, "name": "vllm:prompt_tokens_total", "value": s["value"]})
+    inc, resets = store.connect().execute(
+        "SELECT sum(increase), count(*) FILTER (WHERE reset) FROM metric_increases "
+        "WHERE name = 'vllm:prompt_tokens_total'").fetchone()
+    assert (inc, resets) == (case["expect"]["increase"], case["expect"]["restarts"])
+
+
+def test_store_metric_increases_view_restart_past_old_value(store: Store) -> None:
+    # 4 -> 10 (+6); restart (start time 1 -> 2) and already at 12: +12, not +2. Then a drop
+    # without a start-time series on another endpoint: 5 -> 3 is a reset, +3.
+    t0 = dt.datetime(2026, 4, 29, 12, 0, tzinfo=UTC)
+    rows = [("http://a", 0, 1.0, 4), ("http://a", 1, 1.0, 10), ("http://a", 2, 2.0, 12),
+            ("http://b", 0, None, 5), ("http://b", 1, None, 3)]
+    with store.writer("r1", "scraper") as w:
+        for ep, i, start, v in rows:
+            at = t0 + dt.timedelta(seconds=i)
+            if start is not None:
+                w.append("metric_samples", {"scraped_at": at, "endpoint": ep, "name": "process_start_time_seconds",
+                                            "value": start})
+            w.append("metric_samples", {"scraped_at": at, "endpoint": ep, "name": "c_total", "value": v})
+    got = store.connect().execute(
+        "SELECT endpoint, sum(increase), count(*) FILTER (WHERE reset) FROM metric_increases "
+        "WHERE name = 'c_total' GROUP BY endpoint ORDER BY endpoint").fetchall()
+    assert got == [("http://a", 18.0, 1), ("http://b", 3.0, 1)]

@@ -1,0 +1,129 @@
+"""Periodic /metrics scraper into the store's ``metric_samples`` table (DESIGN §5 Memory, §6).
+
+One thread GETs ``<base_url>/metrics`` of every endpoint each interval, parses it with
+:func:`loadgen.prom.parse_samples` (no ``_created`` or ``_bucket`` series) and appends one row per
+sample: ``(run_id, scraped_at UTC, endpoint, role, name, labels JSON, value)``. Values are stored
+raw (per-pid copies and counters as exposed); readers apply :mod:`loadgen.prom`'s rules or the
+``metric_increases`` view. A failing endpoint is logged (once per failure streak) and skipped.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+import httpx
+
+from loadgen.prom import parse_samples
+from loadgen.store import ShardWriter
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "aggregated", "proxy")
+
+
+class MetricsScraper:
+    """Scrapes endpoints every ``interval_s`` seconds on a background thread.
+
+    Args:
+        endpoints: ``(base_url, role)`` pairs, e.g. ``("http://127.0.0.1:8100", "prefill")``;
+            role is one of prefill, decode, aggregated, proxy.
+        writer: the run's ShardWriter (not closed by the scraper; the caller owns it).
+        run_id: must equal ``writer.run_id``.
+        interval_s: seconds between scrape starts (> 0); a round that overruns skips missed ticks.
+        timeout_s: seconds allowed per GET (connect and read).
+
+    Raises:
+        ValueError: bad role, run_id that is not the writer's, or non-positive interval/timeout.
+    """
+
+    def __init__(self, endpoints: Sequence[tuple[str, str]], writer: ShardWriter, run_id: str,
+                 interval_s: float = 1.0, timeout_s: float = 2.0):
+        for i, (url, role) in enumerate(endpoints):
+            if role not in ROLES:
+                raise ValueError(f"endpoints[{i}] ({url}): role {role!r} is not one of {', '.join(ROLES)}")
+        if run_id != writer.run_id:
+            raise ValueError(f"run_id {run_id!r} differs from the writer's run_id {writer.run_id!r}")
+        if not interval_s > 0 or not timeout_s > 0:
+            raise ValueError(f"interval_s and timeout_s must be > 0 s, got {interval_s}, {timeout_s}")
+        self.endpoints = [(url.rstrip("/"), role) for url, role in endpoints]
+        self.writer = writer
+        self.run_id = run_id
+        self.interval_s = float(interval_s)
+        self.timeout_s = float(timeout_s)
+        #: per base_url: successful and failed scrapes so far
+        self.ok: dict[str, int] = {url: 0 for url, _ in self.endpoints}
+        self.failed: dict[str, int] = {url: 0 for url, _ in self.endpoints}
+        self._failing: set[str] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._client: httpx.Client | None = None
+
+    def scrape_once(self) -> int:
+        """Scrape every endpoint once now; returns the number of rows appended. Never raises for
+        an endpoint's failure (connection, HTTP status, unparseable text): it is logged."""
+        client = self._client or httpx.Client(timeout=self.timeout_s)
+        rows = 0
+        try:
+            for url, role in self.endpoints:
+                rows += self._scrape(client, url, role)
+        finally:
+            if client is not self._client:
+                client.close()
+        return rows
+
+    def _scrape(self, client: httpx.Client, url: str, role: str) -> int:
+        scraped_at = dt.datetime.now(dt.UTC)
+        try:
+            resp = client.get(url + "/metrics")
+            resp.raise_for_status()
+            samples = parse_samples(resp.text, source=url + "/metrics")
+        except (httpx.HTTPError, ValueError) as e:
+            self.failed[url] += 1
+            if url not in self._failing:
+                self._failing.add(url)
+                log.warning("scrape of %s/metrics (%s) failed, skipping until it recovers: %s", url, role, e)
+            return 0
+        if url in self._failing:
+            self._failing.discard(url)
+            log.info("scrape of %s/metrics (%s) recovered", url, role)
+        for s in samples:
+            self.writer.append("metric_samples", {
+                "run_id": self.run_id, "scraped_at": scraped_at, "endpoint": url, "role": role,
+                "name": s.name, "labels": s.labels, "value": s.value,
+            })
+        self.ok[url] += 1
+        return len(samples)
+
+    def _loop(self) -> None:
+        next_at = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                self.scrape_once()
+            except Exception:  # e.g. the writer is closed; the thread must not die silently
+                log.exception("metrics scrape round failed")
+            next_at += self.interval_s
+            now = time.monotonic()
+            if next_at < now:  # overran: skip the missed ticks
+                next_at = now + self.interval_s - (now - next_at) % self.interval_s
+            self._stop.wait(next_at - now)
+
+    def start(self) -> None:
+        """Start the background thread (first scrape immediately). Raises RuntimeError if started."""
+        if self._thread is not None:
+            raise RuntimeError("MetricsScraper already started")
+        self._client = httpx.Client(timeout=self.timeout_s)
+        self._thread = threading.Thread(target=self._loop, name="metrics-scraper", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread after its current round and close its HTTP client; idempotent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._client is not None:
+            self._client.close()
+            self._client = None

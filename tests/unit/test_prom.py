@@ -1,0 +1,108 @@
+"""loadgen.prom against the handed /metrics cases (shared/cases/prometheus) and hand-made text."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loadgen.prom import counter_increase, counter_total, gauge_value, parse_samples
+
+CASES = Path(__file__).resolve().parents[2].parent / "shared" / "cases" / "prometheus"
+
+
+def _case(stem: str) -> tuple[list, dict]:
+    meta = json.loads((CASES / f"{stem}.expect.json").read_text())
+    return parse_samples((CASES / meta["file"]).read_text()), meta["expect"]
+
+
+def test_prom_cases_present() -> None:
+    assert {p.name for p in CASES.glob("*")} >= {"created_series.prom", "per_pid_gauge.prom", "counter_reset.json"}
+
+
+def test_prom_created_series_never_read() -> None:
+    samples, exp = _case("created_series")
+    assert not [s for s in samples if s.name.endswith("_created")]
+    hits = counter_total(samples, "vllm:prefix_cache_hits")
+    queries = counter_total(samples, "vllm:prefix_cache_queries_total")
+    assert (hits, queries) == (exp["hits"], exp["queries"])
+    assert hits / queries == pytest.approx(exp["hit_rate"], abs=1e-6)
+
+
+def test_prom_per_pid_gauge() -> None:
+    samples, exp = _case("per_pid_gauge")
+    for name, value in exp.items():
+        assert gauge_value(samples, name) == value
+
+
+def test_prom_counter_reset_case() -> None:
+    case = json.loads((CASES / "counter_reset.json").read_text())
+    scrapes = [(s["process_start_time_seconds"], s["value"]) for s in case["scrapes"]]
+    assert counter_increase(scrapes) == (case["expect"]["increase"], case["expect"]["restarts"])
+
+
+def test_prom_restart_detected_without_a_drop() -> None:
+    # Restarted between scrapes and already counted past the old value: 10 -> 12 is not +2 but +12.
+    assert counter_increase([(1.0, 4), (1.0, 10), (2.0, 12)]) == (18, 1)
+    # No start time exposed: only drops are seen (Prometheus semantics): 6 + 3 (reset) + 2.
+    assert counter_increase([(None, 4), (None, 10), (None, 3), (None, 5)]) == (11, 1)
+    assert counter_increase([(1.0, 5)]) == (0, 0)
+    assert counter_increase([]) == (0, 0)
+
+
+TEXT = """# HELP ttft Time to first token.
+# TYPE ttft histogram
+ttft_bucket{le="0.1",model_name="m"} 1.0
+ttft_bucket{le="+Inf",model_name="m"} 3.0
+ttft_count{model_name="m"} 3.0
+ttft_sum{model_name="m"} 0.75
+ttft_created{model_name="m"} 1.7e9
+# HELP req Requests.
+# TYPE req counter
+req_total{outcome="hit"} 2.0
+req_total{outcome="miss_first_turn"} 5.0
+req_created{outcome="hit"} 1.7e9
+# HELP live Live handles.
+# TYPE live gauge
+live{engine="0"} 3.0
+live{engine="1"} 4.0
+"""
+
+
+def test_prom_parse_drops_buckets_keeps_sum_count() -> None:
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in parse_samples(TEXT)}
+    assert got == {
+        ("ttft_count", (("model_name", "m"),)): 3.0,
+        ("ttft_sum", (("model_name", "m"),)): 0.75,
+        ("req_total", (("outcome", "hit"),)): 2.0,
+        ("req_total", (("outcome", "miss_first_turn"),)): 5.0,
+        ("live", (("engine", "0"),)): 3.0,
+        ("live", (("engine", "1"),)): 4.0,
+    }
+
+
+def test_prom_counter_total_sums_series_and_filters() -> None:
+    s = parse_samples(TEXT)
+    assert counter_total(s, "req") == 7.0
+    assert counter_total(s, "req", labels={"outcome": "hit"}) == 2.0
+    with pytest.raises(KeyError, match="'nope_total'"):
+        counter_total(s, "nope")
+
+
+def test_prom_gauge_ambiguities_raise() -> None:
+    s = parse_samples(TEXT)
+    with pytest.raises(ValueError, match="differ in more than pid"):
+        gauge_value(s, "live")
+    assert gauge_value(s, "live", labels={"engine": "1"}) == 4.0
+    two = parse_samples('g{pid="1"} 0.2\ng{pid="2"} 0.5\n')
+    with pytest.raises(ValueError, match="disagree"):
+        gauge_value(two, "g")
+    assert gauge_value(parse_samples('g{pid="1"} 0\ng{pid="2"} 0\n'), "g") == 0.0
+    with pytest.raises(KeyError):
+        gauge_value(s, "absent")
+
+
+def test_prom_bad_text_names_source() -> None:
+    with pytest.raises(ValueError, match="http://x/metrics"):
+        parse_samples("vllm:num_requests_running abc\n", source="http://x/metrics")
