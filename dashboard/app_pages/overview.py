@@ -92,7 +92,7 @@ st.dataframe(
     hide_index=True,
     key="run_summary",
     column_config={
-        "hit rate": st.column_config.NumberColumn(format="percent"),
+        "hit rate (all turns)": st.column_config.NumberColumn(format="percent"),
         "TTFT p50 (ms)": st.column_config.NumberColumn(format="%.1f"),
         "TTFT p90 (ms)": st.column_config.NumberColumn(format="%.1f"),
         "TTFT mean (ms)": st.column_config.NumberColumn(format="%.1f"),
