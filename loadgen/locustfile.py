@@ -33,6 +33,7 @@ import logging
 import os
 import re
 import socket
+import threading
 import uuid
 from importlib import metadata
 from pathlib import Path
@@ -126,6 +127,7 @@ class _Coordinator:
         self.pending: dict[str, AsyncResult] = {}
         self.writer: Any = None
         self.writer_run_id = ""
+        self.writer_lock = threading.RLock()
 
     # -- master / local --------------------------------------------------------------------------
 
@@ -220,13 +222,20 @@ class _Coordinator:
             self.pending.pop(req, None)
 
     def writer_for(self, env: Any, run_id: str) -> Any:
-        if self.writer is None or self.writer_run_id != run_id:
-            self.close_writer()
-            self.writer = Store(Path(_opt(env, "store"))).writer(run_id, _writer_id("users"))
-            self.writer_run_id = run_id
-        return self.writer
+        # Under a lock: opening a writer starts its flusher thread, which yields to other users
+        # (gevent), and two users must not both open one (the loser's rows would be orphaned).
+        with self.writer_lock:
+            if self.writer is None or self.writer_run_id != run_id:
+                self._close_writer()
+                self.writer = Store(Path(_opt(env, "store"))).writer(run_id, _writer_id("users"))
+                self.writer_run_id = run_id
+            return self.writer
 
     def close_writer(self) -> None:
+        with self.writer_lock:
+            self._close_writer()
+
+    def _close_writer(self) -> None:
         if self.writer is not None:
             try:
                 self.writer.close()
@@ -342,13 +351,15 @@ class AgentSession(User):
         plan = SessionPlan.from_dict(answer["plan"])
         writer = _coord.writer_for(env, answer["run_id"])
         max_tokens = _opt(env, "max_tokens")
-        run_session(
+        result = run_session(
             plan, self.http, self.host, _opt(env, "model"), writer, answer["run_id"], _opt(env, "history"),
             max_tokens=max_tokens,
             max_prompt_tokens=_opt(env, "max_prompt_tokens") or max(1, 4096 - max_tokens),
             timeout_s=_opt(env, "timeout_s"),
             on_turn=self._fire,
         )
+        log.info("turnscope: session %s played: %d turns, %s (%s)", plan.session_id, len(result.turns),
+                 result.session_row["status"] if result.session_row else "?", result.stopped)
         env.runner.send_message(_MSG_DONE, {"index": answer["index"]})
 
     def _fire(self, rec: TurnRecord) -> None:
