@@ -10,9 +10,9 @@ def run_summary_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per run from the ``run_summary`` view, latencies in ms.
 
     `df`: ``dashboard.queries.run_summary`` (seconds, counts). Returns columns run, mode, status,
-    turns, ok, failed, hits, "hit rate (all turns)" (hits / turns, 0..1; first turns cannot hit), TTFT p50/p90/mean (ms),
-    reused tokens, workload, history, started (UTC), run_id: the numbers first, so they are in
-    view without scrolling.
+    turns, ok, failed, hits, "hit rate (all turns)" (hits / turns, 0..1; first turns cannot
+    hit), TTFT p50/p90/mean (ms), reused tokens, workload, history, started (UTC), run_id: the
+    numbers first, so they are in view without scrolling.
     """
     turns = df["turns"].astype(float)
     with np.errstate(divide="ignore", invalid="ignore"):
