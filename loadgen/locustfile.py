@@ -46,8 +46,16 @@ from locust import User, constant, events, task
 from locust.exception import StopUser
 from locust.runners import MasterRunner, WorkerRunner
 
-from loadgen.session import SessionPlan, TemplateJoinError, TokenizeError, Tokenizer, TurnRecord, joiner_for, \
-    plan_from_conversation, run_session
+from loadgen.session import (
+    SessionPlan,
+    TemplateJoinError,
+    TokenizeError,
+    Tokenizer,
+    TurnRecord,
+    joiner_for,
+    plan_from_conversation,
+    run_session,
+)
 from loadgen.store import Store
 from loadgen.traces.taubench import DEFAULT_TRACE, load_taubench
 
@@ -248,12 +256,18 @@ def _writer_id(role: str) -> str:
 
 
 def _end_run(env: Any) -> None:
-    """All sessions played: quit a headless run, stop the test otherwise (the web UI stays up)."""
+    """All sessions played: quit a headless run; with the web UI stop the test, and quit too after
+    ``--autoquit`` seconds when ``--autostart --autoquit`` were given (as Locust does at --run-time)."""
     o = env.parsed_options
     if o.headless:
         env.runner.quit()
-    else:
-        env.runner.stop()
+        return
+    env.runner.stop()
+    if getattr(o, "autostart", False) and getattr(o, "autoquit", -1) != -1:
+        gevent.sleep(o.autoquit)
+        env.runner.quit()
+        if env.web_ui is not None:
+            env.web_ui.stop()
 
 
 _coord = _Coordinator()
@@ -277,25 +291,29 @@ def _on_test_start(environment: Any, **_: Any) -> None:
     if isinstance(environment.runner, WorkerRunner):
         return
     o = environment.parsed_options
-    if not environment.host:
-        raise ValueError("turnscope: no --host given (the proxy or server root, e.g. http://127.0.0.1:8000)")
-    _coord.build_plan(environment)
-    _coord.started_at = dt.datetime.now(dt.UTC)
     try:
-        Store(Path(o.turnscope_store)).init()
-    except RuntimeError as e:  # the views file is held by a reader; the shards are still written
-        log.warning("turnscope: store views not refreshed: %s", e)
-    if o.turnscope_history == "token_ids":
-        with httpx.Client() as c:
-            try:
-                joiner_for(Tokenizer(c, environment.host, o.turnscope_model))
-            except (TemplateJoinError, TokenizeError) as e:
-                log.error("turnscope: the token_ids history mode cannot be used against %s: %s",
-                          environment.host, e)
-                environment.process_exit_code = 2
-                _coord.plans = []
-                gevent.spawn(_end_run, environment)
-                return
+        if not environment.host:
+            raise ValueError("no --host given (the proxy or server root, e.g. http://127.0.0.1:8000)")
+        _coord.build_plan(environment)
+        _coord.started_at = dt.datetime.now(dt.UTC)
+        try:
+            Store(Path(o.turnscope_store)).init()
+        except RuntimeError as e:  # the views file is held by a reader; the shards are still written
+            log.warning("turnscope: store views not refreshed: %s", e)
+        if o.turnscope_history == "token_ids":
+            with httpx.Client() as c:
+                try:
+                    joiner_for(Tokenizer(c, environment.host, o.turnscope_model))
+                except (TemplateJoinError, TokenizeError) as e:
+                    raise ValueError(f"the token_ids history mode cannot be used against "
+                                     f"{environment.host}: {e}") from e
+    except (ValueError, OSError) as e:
+        log.error("turnscope: cannot start the run: %s", e)
+        environment.process_exit_code = 2
+        _coord.plans = []
+        _coord.finished = True
+        gevent.spawn(_end_run, environment)
+        return
     _coord.write_run_row(environment, "running")
 
 
@@ -329,8 +347,6 @@ class AgentSession(User):
     wait_time = constant(0)
 
     def on_start(self) -> None:
-        if not self.host:
-            raise StopUser()
         self.http = httpx.Client()
 
     def on_stop(self) -> None:

@@ -428,6 +428,7 @@ def run_session(
     messages: list[dict[str, Any]] = []          # text history (both modes keep it, for fallbacks)
     prev_prompt: list[int] | None = None          # ids of the previous turn's prompt
     prev_generated: list[int] = []                # ids the previous turn generated (or stood in)
+    prev_span: list[int] | None = None            # previous prompt + ids actually generated
     gaps = {k: 0.0 for k in GAP_KINDS}
     first_send: float | None = None
     last_end: float | None = None
@@ -479,8 +480,8 @@ def run_session(
                 out.stopped = "max_prompt_tokens"
                 break
             expected = divergence = None
-            if k > 0 and prev_prompt is not None and rendered is not None:
-                expected, divergence = reuse_against(prev_prompt + prev_generated, rendered)
+            if k > 0 and prev_span is not None and rendered is not None:
+                expected, divergence = reuse_against(prev_span, rendered)
 
             # -- wait out the rest of the gap, then send -------------------------------------------
             if last_end is not None:
@@ -520,9 +521,15 @@ def run_session(
                 on_turn(rec)
 
             # -- the history the next turn continues -------------------------------------------
+            prev_span = list(prompt_ids) + list(result.token_ids) if prompt_ids is not None else None
             if result.status == "ok":
-                messages.append(_assistant_message(result))
+                reply = _assistant_message(result)
+                messages.append(reply)
                 prev_generated = list(result.token_ids)
+                if history_mode == "token_ids" and not prev_generated:
+                    log.warning("session %s turn %d: the server returned no token_ids (return_token_ids "
+                                "unsupported?); the reply's text stands in for them", plan.session_id, k)
+                    prev_generated = _stand_in_ids(tok, reply, joiner)
             else:
                 all_ok = False
                 messages.append(tp.reference_reply)
