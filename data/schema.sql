@@ -140,9 +140,9 @@ SELECT r.run_id, r.label, r.mode, r.workload, r.history_mode, r.status, r.starte
        count(*) FILTER (WHERE t.status = 'ok')                   AS ok_turns,
        count(*) FILTER (WHERE t.status <> 'ok')                  AS failed_turns,
        count(*) FILTER (WHERE t.reuse = 'hit')                   AS hits,
-       quantile_cont(t.ttft_s, 0.5)                              AS ttft_p50_s,
-       quantile_cont(t.ttft_s, 0.9)                              AS ttft_p90_s,
-       avg(t.ttft_s)                                             AS ttft_mean_s,
+       quantile_cont(t.ttft_s, 0.5) FILTER (WHERE t.status = 'ok') AS ttft_p50_s,
+       quantile_cont(t.ttft_s, 0.9) FILTER (WHERE t.status = 'ok') AS ttft_p90_s,
+       avg(t.ttft_s) FILTER (WHERE t.status = 'ok')               AS ttft_mean_s,
        sum(t.reused_tokens)                                      AS reused_tokens
 FROM runs r LEFT JOIN turns t USING (run_id)
 GROUP BY ALL;

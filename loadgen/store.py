@@ -223,7 +223,8 @@ class Store:
         if self._current_version() == self.version:
             return
         try:
-            con = duckdb.connect(str(self.db_path))
+            # Written in an older storage format so the `duckdb` CLI (PyPI duckdb-cli, 1.5) opens it too.
+            con = duckdb.connect(str(self.db_path), config={"storage_compatibility_version": "v1.4.0"})
         except (duckdb.IOException, duckdb.ConnectionException) as e:
             raise RuntimeError(
                 f"{self.db_path} is locked or open elsewhere ({e}) and does not hold the views of "
