@@ -1,5 +1,4 @@
 import os
-import shutil
 
 import pytest
 
@@ -13,7 +12,7 @@ def _vllm_available() -> bool:
     return True
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def pd_bidir_stack(tmp_path_factory):
     """Real P/D workers with bidirectional KV transfer + a reference worker (prefix cache off)."""
     if not _vllm_available():
