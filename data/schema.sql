@@ -42,7 +42,7 @@ CREATE TABLE sessions (
     tool_wait_s     DOUBLE,
     think_s         DOUBLE,
     pause_s         DOUBLE,
-    status          VARCHAR       -- ok | error
+    status          VARCHAR       -- ok | error | cancelled
 );
 
 CREATE TABLE turns (
