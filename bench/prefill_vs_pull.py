@@ -23,7 +23,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.integration.vllm_stack import ProxyThread, VllmStack, metric  # noqa: E402
+from tests.integration.vllm_stack import ProxyThread, VllmStack, metric
 
 MODEL = "turnscope-tiny"
 

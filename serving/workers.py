@@ -159,12 +159,11 @@ class WorkerProcess:
     def start(self) -> None:
         argv, env = worker_command(self.spec)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
         repo_root = str(Path(__file__).resolve().parents[1])
         full_env = os.environ | env | {"PYTHONPATH": repo_root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env,
-                                     start_new_session=True, cwd=repo_root)
-        log.close()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                         start_new_session=True, cwd=repo_root)
 
     def wait_healthy(self, timeout_s: float = 240.0) -> float:
         """Block until ``/health`` answers 200; return the seconds waited. Raises WorkerNotHealthy."""

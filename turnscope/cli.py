@@ -30,6 +30,7 @@ app = typer.Typer(help="Does reusing KV cache across the turns of agent sessions
                   no_args_is_help=True, pretty_exceptions_enable=False)
 console = Console()
 
+ALL_MODES = ",".join(MODES)
 ModesOpt = Annotated[str, typer.Option(help=f"comma-separated serving modes, of: {', '.join(MODES)}")]
 StoreOpt = Annotated[Path, typer.Option(help="store directory (Parquet shards + turnscope.duckdb views)")]
 
@@ -49,7 +50,7 @@ def model(out: Annotated[Path, typer.Option(help="where to write the model")] = 
 
 @app.command("eval")
 def evaluate(
-    modes: ModesOpt = ",".join(MODES),
+    modes: ModesOpt = ALL_MODES,
     histories: Annotated[str, typer.Option(help="history modes: text, token_ids")] = "text,token_ids",
     sessions: Annotated[int, typer.Option(help="sessions per run (tau-bench conversations)")] = 4,
     users: Annotated[int, typer.Option(help="concurrent sessions (Locust users)")] = 2,

@@ -151,11 +151,10 @@ class ModeStack:
         self.console.print(f"  [{self.mode}] {len(self.workers)} worker(s) healthy in {time.monotonic() - t0:.0f} s")
         cfg_path = self.s.log_dir / f"{self.mode}-proxy.json"
         cfg_path.write_text(self.proxy_config().model_dump_json(indent=2))
-        log = open(self.s.log_dir / f"{self.mode}-proxy.log", "ab")
-        self.proxy = subprocess.Popen([sys.executable, "-m", "serving.proxy_server", str(cfg_path),
-                                       "--port", str(self.s.proxy_port)], stdout=log, stderr=subprocess.STDOUT,
-                                      cwd=REPO_ROOT, start_new_session=True)
-        log.close()
+        with open(self.s.log_dir / f"{self.mode}-proxy.log", "ab") as log:
+            self.proxy = subprocess.Popen([sys.executable, "-m", "serving.proxy_server", str(cfg_path),
+                                           "--port", str(self.s.proxy_port)], stdout=log,
+                                          stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True)
         _wait_http(self.proxy_url + "/health", 30, self.proxy)
         return self
 
@@ -182,12 +181,9 @@ def run_locust(s: EvalSettings, run_id: str, host: str, history: str, mode: str)
             "--turnscope-max-tokens", str(s.max_tokens), "--turnscope-max-prompt-tokens", str(s.max_prompt_tokens),
             "--turnscope-gap-s", str(s.gap_s), "--turnscope-timeout-s", str(s.turn_timeout_s),
             "--turnscope-mode", mode, "--turnscope-label", s.label, "--turnscope-no-run-row"]
-    log = open(s.log_dir / f"{run_id}-locust.log", "ab")
-    try:
-        return subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+    with open(s.log_dir / f"{run_id}-locust.log", "ab") as log:
+        return subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, check=False,
                               timeout=s.run_time_limit_s + 120).returncode
-    finally:
-        log.close()
 
 
 def run_eval(s: EvalSettings, console: Console | None = None) -> list[str]:

