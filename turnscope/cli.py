@@ -110,13 +110,13 @@ def dashboard(store: StoreOpt = REPO_ROOT / "data",
 def demo(
     store: StoreOpt = REPO_ROOT / "data",
     sessions: Annotated[int, typer.Option(help="sessions per run")] = 3,
-    max_turns: Annotated[int, typer.Option(help="turns per session at most")] = 5,
+    max_turns: Annotated[int, typer.Option(help="turns per session at most")] = 4,
     no_dashboard: Annotated[bool, typer.Option("--no-dashboard", help="do not start the dashboard")] = False,
 ) -> None:
     """The main job on the embedded default: build the model if missing, run a short evaluation of
     every mode with both history modes, print the results, then serve the dashboard."""
     evaluate(modes=",".join(MODES), histories="text,token_ids", sessions=sessions, users=1, max_turns=max_turns,
-             max_tokens=32, gap_s=1.0, model_path=DEFAULT_MODEL_DIR, store=store, label="demo")
+             max_tokens=32, gap_s=0.5, model_path=DEFAULT_MODEL_DIR, store=store, label="demo")
     console.print(f"query it: duckdb {store / 'turnscope.duckdb'} -c \"select mode, count(*) from turn_breakdown "
                   "group by mode\"")
     if not no_dashboard:
