@@ -93,6 +93,9 @@ def _add_arguments(parser: Any) -> None:
     g.add_argument("--turnscope-gap-s", type=float, default=1.0,
                    help="seconds before each turn after the first (tool and think gaps alike)")
     g.add_argument("--turnscope-timeout-s", type=float, default=120.0, help="per-turn timeout, seconds")
+    g.add_argument("--turnscope-cache-salt", type=str, default="",
+                   help="vLLM cache_salt sent with every request, so this run shares no prefix cache with "
+                        "other runs on the same workers (default: none)")
     g.add_argument("--turnscope-label", type=str, default="", help="run label (runs_log.label)")
     g.add_argument("--turnscope-mode", type=str, default="attach",
                    help="serving mode recorded in runs_log.mode (aggregated, pd, pd-bidir, ...; default attach)")
@@ -372,6 +375,7 @@ class AgentSession(User):
             max_tokens=max_tokens,
             max_prompt_tokens=_opt(env, "max_prompt_tokens") or max(1, 4096 - max_tokens),
             timeout_s=_opt(env, "timeout_s"),
+            extra_body={"cache_salt": _opt(env, "cache_salt")} if _opt(env, "cache_salt") else None,
             on_turn=self._fire,
         )
         log.info("turnscope: session %s played: %d turns, %s (%s)", plan.session_id, len(result.turns),

@@ -25,7 +25,6 @@ the ``turnscope.proxy`` logger for clients that are not turnscope's.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import logging
@@ -336,7 +335,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
         gen_ids: list[int] = []
         d_handle = None
         first_token_seen = False
-        status = "ok"
+        finished = False
         t0 = time.perf_counter()
         metrics.overhead.observe(max(t0 - t_arrival - waited, 0.0))
         try:
@@ -344,6 +343,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
                                     timeout=config.decode_timeout_s) as source:
                 if source.response.status_code != 200:
                     content = await source.response.aread()
+                    finished = True
                     finish(None, [], [], f"http_{source.response.status_code}")
                     yield Response(content, status_code=source.response.status_code,
                                    media_type="application/json")
@@ -351,6 +351,9 @@ def create_app(config: ProxyConfig) -> FastAPI:
                 yield b": turnscope\n\n"  # an SSE comment: sends the headers, ignored by clients
                 async for event in source.aiter_sse():
                     if event.data == "[DONE]":
+                        # Keep the handle before the client can hang up on [DONE] (which cancels us).
+                        finished = True
+                        finish(d_handle, prompt_ids, gen_ids, "ok")
                         if d_handle is None:
                             yield sse({"object": "turnscope.facts", "choices": [],
                                        "turnscope": public_facts(facts)})
@@ -374,15 +377,15 @@ def create_app(config: ProxyConfig) -> FastAPI:
                                 metrics.ttft.labels(config.mode, facts.get("reuse") or "none").observe(
                                     time.perf_counter() - t_arrival)
                     yield f"data: {event.data}\n\n".encode()
-        except (httpx.HTTPError, asyncio.CancelledError) as exc:
-            status = f"error: {type(exc).__name__}"
-            d_handle = None
-            if isinstance(exc, asyncio.CancelledError):
-                finish(None, [], [], status)
-                raise
-            yield sse({"error": {"message": f"decode worker {decode.name}: {type(exc).__name__}: {exc}",
-                                 "type": "decode_failed"}})
-        finish(d_handle, prompt_ids, gen_ids, status)
+        except httpx.HTTPError as exc:
+            if not finished:
+                finished = True
+                finish(None, [], [], f"error: {type(exc).__name__}")
+                yield sse({"error": {"message": f"decode worker {decode.name}: {type(exc).__name__}: {exc}",
+                                     "type": "decode_failed"}})
+        finally:
+            if not finished:  # client went away mid-stream, or D ended without [DONE]
+                finish(None, [], [], "incomplete")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

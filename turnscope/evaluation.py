@@ -180,7 +180,9 @@ def run_locust(s: EvalSettings, run_id: str, host: str, history: str, mode: str)
             "--turnscope-history", history, "--turnscope-model", s.served_model_name,
             "--turnscope-max-tokens", str(s.max_tokens), "--turnscope-max-prompt-tokens", str(s.max_prompt_tokens),
             "--turnscope-gap-s", str(s.gap_s), "--turnscope-timeout-s", str(s.turn_timeout_s),
-            "--turnscope-mode", mode, "--turnscope-label", s.label, "--turnscope-no-run-row"]
+            "--turnscope-mode", mode, "--turnscope-label", s.label, "--turnscope-no-run-row",
+            # Each run starts with a cold prefix cache: runs on the same workers share nothing.
+            "--turnscope-cache-salt", run_id]
     with open(s.log_dir / f"{run_id}-locust.log", "ab") as log:
         return subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, check=False,
                               timeout=s.run_time_limit_s + 120).returncode
