@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,104 +25,130 @@ from pathlib import Path
 import httpx
 import psutil
 
-MODES = ("aggregated", "pd", "pd-bidir", "pd-nocache", "pd-bidir-nocache")
-
-
-@dataclass
-class ConnectorSettings:
-    """NixlConnector ``kv_connector_extra_config`` keys (vLLM docs/features/nixl_connector_usage.md).
-
-    Defaults are vLLM's: ``kv_recompute_threshold`` 64 tokens, ``decoder_kv_blocks_ttl`` 480 s,
-    ``kv_lease_duration`` 30 s, ``backends`` ["UCX"]. ``kv_load_failure_policy`` "recompute" makes
-    a failed or declined pull fall back to computing the prompt instead of failing the request.
-    """
-
-    kv_recompute_threshold: int = 64
-    decoder_kv_blocks_ttl: int = 480
-    kv_lease_duration: int = 30
-    backends: list[str] = field(default_factory=lambda: ["UCX"])
-    kv_load_failure_policy: str = "recompute"
-    kv_buffer_device: str = "cpu"
+from serving.topology import LOCAL_HOSTS, MODES, Connector, RoleSettings, Topology
 
 
 @dataclass
 class WorkerSpec:
-    """One vLLM worker: its role (prefill|decode|aggregated), ports, cores and flags."""
+    """One vLLM worker of one mode: its role (prefill|decode|aggregated), address, flags."""
 
     name: str
     role: str
+    host: str
     port: int
     model: str
-    served_model_name: str = "turnscope-tiny"
+    served_model_name: str | None = None
+    platform: str = "cpu"
     side_channel_port: int | None = None
-    cores: list[int] = field(default_factory=lambda: [0])
+    cores: list[int] | None = None
+    gpus: str | None = None
     nixl: bool = False
     bidirectional: bool = False
     prefix_caching: bool = True
-    connector: ConnectorSettings = field(default_factory=ConnectorSettings)
-    kv_cache_bytes: int = 512 * 2**20
-    max_model_len: int = 8192
-    dtype: str = "float32"
-    host: str = "127.0.0.1"
-    extra_args: list[str] = field(default_factory=list)
+    connector: Connector = field(default_factory=Connector)
+    kv_cache_bytes: int | None = None
+    max_model_len: int | None = None
+    dtype: str = "auto"
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    launch: bool = True
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
 
-def mode_workers(mode: str, model: str, base_port: int = 8100, side_channel_base: int = 5600,
-                 connector: ConnectorSettings | None = None, **overrides) -> list[WorkerSpec]:
-    """The workers a mode runs. P gets core 0, D core 1; ``aggregated`` one worker on core 0.
+def mode_workers(mode: str, topology: Topology) -> list[WorkerSpec]:
+    """The workers ``mode`` runs on ``topology`` (DESIGN §2).
 
-    Raises ValueError for an unknown mode (the valid ones are :data:`MODES`).
+    ``pd*`` modes: every prefill and decode entry, with ``bidirectional_kv_xfer`` on both roles in
+    the ``*bidir*`` modes and ``--no-enable-prefix-caching`` on P only in the ``*nocache`` modes.
+    ``aggregated``: the aggregated entries, prefix caching on. Raises ValueError for an unknown
+    mode or one the topology has no workers for.
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
-    connector = connector or ConnectorSettings()
-    if mode == "aggregated":
-        return [WorkerSpec(name="aggregated-0", role="aggregated", port=base_port, model=model,
-                           cores=[0], connector=connector, **overrides)]
-    bidir = "bidir" in mode
-    p_cache = "nocache" not in mode
-    return [
-        WorkerSpec(name="prefill-0", role="prefill", port=base_port, model=model, cores=[0], nixl=True,
-                   side_channel_port=side_channel_base, bidirectional=bidir, prefix_caching=p_cache,
-                   connector=connector, **overrides),
-        WorkerSpec(name="decode-0", role="decode", port=base_port + 1, model=model, cores=[1], nixl=True,
-                   side_channel_port=side_channel_base + 1, bidirectional=bidir, prefix_caching=True,
-                   connector=connector, **overrides),
-    ]
+    if mode not in topology.modes():
+        raise ValueError(f"topology {topology.name!r} cannot run mode {mode!r} (it runs: "
+                         f"{', '.join(topology.modes())})")
+    roles = ["aggregated"] if mode == "aggregated" else ["prefill", "decode"]
+    specs = []
+    for role in roles:
+        role_settings = topology.roles.get(role) or RoleSettings()
+        for i, w in enumerate(getattr(topology, role)):
+            specs.append(WorkerSpec(
+                name=f"{role}-{i}", role=role, host=w.host, port=w.port, model=topology.model,
+                served_model_name=topology.served_model_name, platform=topology.platform,
+                side_channel_port=w.side_channel_port, cores=w.cores, gpus=w.gpus, nixl=role != "aggregated",
+                bidirectional="bidir" in mode, prefix_caching=not (role == "prefill" and "nocache" in mode),
+                connector=topology.connector, kv_cache_bytes=topology.kv_cache_bytes,
+                max_model_len=topology.max_model_len, dtype=topology.dtype,
+                args=role_settings.args + w.args, env=topology.env | role_settings.env | w.env,
+                launch=topology.launch))
+    return specs
 
 
 def kv_transfer_config(spec: WorkerSpec) -> dict:
-    """The ``--kv-transfer-config`` JSON for a NIXL worker."""
+    """The ``--kv-transfer-config`` JSON for a NIXL worker (vLLM nixl_connector_usage.md)."""
     c = spec.connector
     extra = {"backends": c.backends, "kv_lease_duration": c.kv_lease_duration}
     if spec.bidirectional:
         extra |= {"bidirectional_kv_xfer": True, "kv_recompute_threshold": c.kv_recompute_threshold,
                   "decoder_kv_blocks_ttl": c.decoder_kv_blocks_ttl}
-    return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": c.kv_buffer_device,
+    device = c.kv_buffer_device or ("cpu" if spec.platform == "cpu" else "cuda")
+    return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": device,
             "kv_load_failure_policy": c.kv_load_failure_policy, "kv_connector_extra_config": extra}
 
 
 def worker_command(spec: WorkerSpec) -> tuple[list[str], dict[str, str]]:
-    """``(argv, env additions)`` that start the worker; the same flags as ``vllm serve``."""
-    argv = [sys.executable, "-m", "serving.vllm_worker", "--model", spec.model,
-            "--served-model-name", spec.served_model_name, "--host", spec.host, "--port", str(spec.port),
-            "--dtype", spec.dtype, "--max-model-len", str(spec.max_model_len),
-            "--kv-cache-memory-bytes", str(spec.kv_cache_bytes),
+    """``(argv, env additions)`` that start the worker: ``vllm serve``'s flags, run through
+    ``python -m serving.vllm_worker`` (applies the streamed-handle patch first)."""
+    argv = [sys.executable, "-m", "serving.vllm_worker", "--model", spec.model, "--host", spec.host,
+            "--port", str(spec.port), "--dtype", spec.dtype,
             "--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching",
             "--disable-uvicorn-access-log"]
+    if spec.served_model_name:
+        argv += ["--served-model-name", spec.served_model_name]
+    if spec.max_model_len:
+        argv += ["--max-model-len", str(spec.max_model_len)]
+    if spec.kv_cache_bytes:
+        argv += ["--kv-cache-memory-bytes", str(spec.kv_cache_bytes)]
     if spec.nixl:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(spec))]
-    argv += spec.extra_args
-    env = {"HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": spec.host, "VLLM_CPU_OMP_THREADS_BIND":
-           ",".join(map(str, spec.cores)), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+    argv += spec.args
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": spec.host, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
            "TOKENIZERS_PARALLELISM": "false"}
+    if spec.platform == "cpu" and spec.cores:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, spec.cores))
+    if spec.gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = spec.gpus
     if spec.nixl:
         env |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": spec.host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_channel_port)}
-    return argv, env
+    return argv, env | spec.env
+
+
+def worker_block_size(url: str, timeout_s: float = 5.0) -> int | None:
+    """The KV block size (tokens) a running vLLM worker reports in its ``vllm:cache_config_info``
+    gauge's ``block_size`` label, or None when it does not say."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(url + "/metrics", timeout=timeout_s).text
+    except httpx.HTTPError:
+        return None
+    for family in text_string_to_metric_families(text):
+        if family.name == "vllm:cache_config_info":
+            for sample in family.samples:
+                if sample.labels.get("block_size", "").isdigit():
+                    return int(sample.labels["block_size"])
+    return None
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """True when something already listens on ``host:port`` (TCP)."""
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
 
 
 def pin_process_tree(pid: int, cores: list[int]) -> int:
@@ -157,6 +184,17 @@ class WorkerProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
+        """Launch the worker (nothing for an attached one). Raises WorkerNotHealthy when it
+        cannot be launched here: a remote host, or its port already in use."""
+        if not self.spec.launch:
+            return
+        if self.spec.host not in LOCAL_HOSTS:
+            raise WorkerNotHealthy(f"worker {self.spec.name}: cannot launch on remote host {self.spec.host}; "
+                                   "run the command `turnscope serve --dry-run` prints there and set launch: false")
+        for port in filter(None, (self.spec.port, self.spec.side_channel_port)):
+            if port_in_use(self.spec.host, port):
+                raise WorkerNotHealthy(f"worker {self.spec.name}: port {port} on {self.spec.host} is already in "
+                                       "use (another turnscope or vLLM still running? `ss -ltnp` shows who)")
         argv, env = worker_command(self.spec)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         repo_root = str(Path(__file__).resolve().parents[1])
@@ -183,7 +221,9 @@ class WorkerProcess:
 
     def pin(self) -> int:
         """Re-pin all threads of this worker's process tree to its cores (see module docstring)."""
-        return pin_process_tree(self.proc.pid, self.spec.cores) if self.proc else 0
+        if self.proc is None or self.spec.platform != "cpu" or not self.spec.cores:
+            return 0
+        return pin_process_tree(self.proc.pid, self.spec.cores)
 
     def tail(self, lines: int = 25) -> str:
         try:

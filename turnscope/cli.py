@@ -11,6 +11,7 @@ Examples::
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -23,16 +24,33 @@ from rich.table import Table
 
 from loadgen import report
 from serving.embedded_model import DEFAULT_MODEL_DIR, ensure_model
-from serving.workers import MODES
+from serving.stack import ModeStack
+from serving.topology import MODES, Topology, TopologyError, load_topology
+from serving.workers import mode_workers, worker_command
 from turnscope.evaluation import REPO_ROOT, default_settings, run_eval
 
 app = typer.Typer(help="Does reusing KV cache across the turns of agent sessions pay off on your traffic?",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 console = Console()
+EMBEDDED_TOPOLOGY = REPO_ROOT / "data" / "topologies" / "embedded-cpu.yaml"
 
 ALL_MODES = ",".join(MODES)
 ModesOpt = Annotated[str, typer.Option(help=f"comma-separated serving modes, of: {', '.join(MODES)}")]
 StoreOpt = Annotated[Path, typer.Option(help="store directory (Parquet shards + turnscope.duckdb views)")]
+TopologyOpt = Annotated[Path | None, typer.Option(
+    help="topology YAML (workers, model, connector settings); default: the embedded CPU default")]
+
+
+def _topology(path: Path | None) -> Topology:
+    """The topology at ``path``, or the embedded default (building its model if missing)."""
+    if path is None:
+        ensure_model()
+        path = EMBEDDED_TOPOLOGY
+    try:
+        return load_topology(path)
+    except TopologyError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
 
 
 def _split(value: str) -> list[str]:
@@ -57,14 +75,17 @@ def evaluate(
     max_turns: Annotated[int, typer.Option(help="turns per session at most")] = 6,
     max_tokens: Annotated[int, typer.Option(help="output tokens per turn")] = 32,
     gap_s: Annotated[float, typer.Option(help="seconds between turns (tool/think gap)")] = 1.0,
-    model_path: Annotated[Path, typer.Option("--model", help="model directory")] = DEFAULT_MODEL_DIR,
+    topology: TopologyOpt = None,
     store: StoreOpt = REPO_ROOT / "data",
     label: Annotated[str, typer.Option(help="label of these runs")] = "eval",
 ) -> None:
-    """Run the same agent sessions against each serving mode and print TTFT and reuse per mode."""
-    if model_path == DEFAULT_MODEL_DIR:
-        ensure_model(model_path)
-    settings = default_settings(model_path, modes=_split(modes), histories=_split(histories), sessions=sessions,
+    """Run the same agent sessions against each serving mode and print TTFT and reuse per mode.
+
+    Example: turnscope eval --modes pd-nocache,pd-bidir-nocache --sessions 8 --label nightly
+    """
+    topo = _topology(topology)
+    settings = default_settings(Path(topo.model), topology=topo, modes=_split(modes), histories=_split(histories),
+                                sessions=sessions,
                                 users=users, max_turns=max_turns, max_tokens=max_tokens, gap_s=gap_s,
                                 store=store, label=label)
     t0 = time.monotonic()
@@ -96,6 +117,45 @@ def print_summary(store: Path, run_ids: list[str]) -> None:
 
 
 @app.command()
+def serve(
+    mode: Annotated[str, typer.Option(help=f"serving mode, one of: {', '.join(MODES)}")] = "pd-bidir",
+    topology: TopologyOpt = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="print each worker's command and environment")] = False,
+    log_dir: Annotated[Path, typer.Option(help="worker and proxy logs")] = REPO_ROOT / "data" / "runs" / "_logs",
+) -> None:
+    """Start (or attach to) the workers of one mode and the session-aware proxy; Ctrl-C stops them.
+
+    Example: turnscope serve --topology data/topologies/vendor-h200-1p1d.yaml --mode pd-bidir --dry-run
+    """
+    topo = _topology(topology)
+    try:
+        specs = mode_workers(mode, topo)
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    if dry_run:
+        for spec in specs:
+            argv, env = worker_command(spec)
+            where = "already running (attach)" if not spec.launch else f"on {spec.host}"
+            console.print(f"# {spec.name} ({spec.role}) {where}, {spec.url}", highlight=False)
+            console.print(" ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(a) for a in argv]),
+                          highlight=False, soft_wrap=True)
+        stack = ModeStack(mode, topo, log_dir)
+        console.print(f"# proxy on {stack.proxy_url}", highlight=False)
+        console.print(" ".join(map(shlex.quote, stack.proxy_command(log_dir / f"{mode}-proxy.json"))),
+                      highlight=False, soft_wrap=True)
+        return
+    with ModeStack(mode, topo, log_dir, progress=console.print) as stack:
+        console.print(f"mode {mode} serving through the proxy at {stack.proxy_url} (Ctrl-C to stop)")
+        try:
+            while all(w.proc is None or w.proc.poll() is None for w in stack.workers):
+                time.sleep(1)
+            console.print("[red]a worker exited[/red]; stopping")
+        except KeyboardInterrupt:
+            console.print("stopping")
+
+
+@app.command()
 def dashboard(store: StoreOpt = REPO_ROOT / "data",
               port: Annotated[int, typer.Option(help="port (binds 127.0.0.1)")] = 8501) -> None:
     """Start the Streamlit dashboard over the store (Ctrl-C to stop)."""
@@ -116,7 +176,7 @@ def demo(
     """The main job on the embedded default: build the model if missing, run a short evaluation of
     every mode with both history modes, print the results, then serve the dashboard."""
     evaluate(modes=",".join(MODES), histories="text,token_ids", sessions=sessions, users=1, max_turns=max_turns,
-             max_tokens=32, gap_s=0.5, model_path=DEFAULT_MODEL_DIR, store=store, label="demo")
+             max_tokens=32, gap_s=0.5, topology=None, store=store, label="demo")
     console.print(f"query it: duckdb {store / 'turnscope.duckdb'} -c \"select mode, count(*) from turn_breakdown "
                   "group by mode\"")
     if not no_dashboard:

@@ -26,20 +26,18 @@ from rich.console import Console
 from loadgen.scraper import MetricsScraper
 from loadgen.store import Store
 from serving.embedded_model import ModelSpec
-from serving.proxy import ProxyConfig, Worker
-from serving.workers import MODES, ConnectorSettings, WorkerProcess, mode_workers
+from serving.stack import ModeStack
+from serving.topology import MODES, Topology, embedded_topology
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-ROLE_OF = {"prefill": "prefill", "decode": "decode", "aggregated": "aggregated"}
 
 
 class EvalSettings(BaseModel):
     """One evaluation: which modes, which workload, where to store it. Times in seconds."""
 
+    topology: Topology
     modes: list[str] = Field(default_factory=lambda: list(MODES))
     histories: list[str] = Field(default_factory=lambda: ["text", "token_ids"])
-    model: str
-    served_model_name: str = "turnscope-tiny"
     store: Path = REPO_ROOT / "data"
     label: str = "eval"
     sessions: int = 4
@@ -50,10 +48,6 @@ class EvalSettings(BaseModel):
     gap_s: float = 1.0
     turn_timeout_s: float = 120.0
     run_time_limit_s: int = 900
-    worker_port: int = 8100
-    side_channel_port: int = 5600
-    proxy_port: int = 8200
-    connector: ConnectorSettings = Field(default_factory=ConnectorSettings)
     kv_bytes_per_token: int | None = None
     log_dir: Path = REPO_ROOT / "data" / "runs" / "_logs"
 
@@ -69,20 +63,6 @@ def _versions() -> dict:
             except metadata.PackageNotFoundError:
                 continue
     return out
-
-
-def _wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{url}: process exited with {proc.returncode} before answering")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} did not answer 200 within {timeout_s:.0f} s")
 
 
 def warm_up(proxy_url: str, model: str, turns: int = 2, prompt_tokens: int = 600) -> list[str]:
@@ -107,69 +87,6 @@ def warm_up(proxy_url: str, model: str, turns: int = 2, prompt_tokens: int = 600
     return outcomes
 
 
-class ModeStack:
-    """The running workers + proxy of one mode (a context manager that always stops them)."""
-
-    def __init__(self, mode: str, s: EvalSettings, console: Console):
-        self.mode, self.s, self.console = mode, s, console
-        self.workers = [WorkerProcess(spec, s.log_dir / f"{mode}-{spec.name}.log")
-                        for spec in mode_workers(mode, s.model, base_port=s.worker_port,
-                                                 side_channel_base=s.side_channel_port, connector=s.connector,
-                                                 served_model_name=s.served_model_name)]
-        self.proxy: subprocess.Popen | None = None
-        self.proxy_url = f"http://127.0.0.1:{s.proxy_port}"
-
-    def proxy_config(self) -> ProxyConfig:
-        by_role = {r: [Worker(name=w.spec.name, url=w.spec.url) for w in self.workers if w.spec.role == r]
-                   for r in ("prefill", "decode", "aggregated")}
-        p_spec = next((w.spec for w in self.workers if w.spec.role == "prefill"), None)
-        return ProxyConfig(mode=self.mode, prefill=by_role["prefill"], decode=by_role["decode"],
-                           aggregated=by_role["aggregated"],
-                           decoder_kv_blocks_ttl_s=self.s.connector.decoder_kv_blocks_ttl,
-                           kv_recompute_threshold=self.s.connector.kv_recompute_threshold,
-                           prefill_prefix_caching=p_spec.prefix_caching if p_spec else True,
-                           kv_bytes_per_token=self.s.kv_bytes_per_token)
-
-    def topology(self) -> dict:
-        return {"mode": self.mode, "workers": [
-            {"name": w.spec.name, "role": w.spec.role, "url": w.spec.url, "cores": w.spec.cores,
-             "prefix_caching": w.spec.prefix_caching, "bidirectional": w.spec.bidirectional,
-             "nixl": w.spec.nixl} for w in self.workers], "proxy": self.proxy_url}
-
-    def endpoints(self) -> list[tuple[str, str]]:
-        return [(w.spec.url, ROLE_OF[w.spec.role]) for w in self.workers] + [(self.proxy_url, "proxy")]
-
-    def __enter__(self):
-        t0 = time.monotonic()
-        for w in self.workers:
-            w.start()
-        for w in self.workers:
-            w.wait_healthy()
-        if len(self.workers) > 1:
-            for w in self.workers:
-                w.pin()
-        self.console.print(f"  [{self.mode}] {len(self.workers)} worker(s) healthy in {time.monotonic() - t0:.0f} s")
-        cfg_path = self.s.log_dir / f"{self.mode}-proxy.json"
-        cfg_path.write_text(self.proxy_config().model_dump_json(indent=2))
-        with open(self.s.log_dir / f"{self.mode}-proxy.log", "ab") as log:
-            self.proxy = subprocess.Popen([sys.executable, "-m", "serving.proxy_server", str(cfg_path),
-                                           "--port", str(self.s.proxy_port)], stdout=log,
-                                          stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True)
-        _wait_http(self.proxy_url + "/health", 30, self.proxy)
-        return self
-
-    def __exit__(self, *exc):
-        if self.proxy is not None and self.proxy.poll() is None:
-            self.proxy.terminate()
-            try:
-                self.proxy.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proxy.kill()
-        for w in self.workers:
-            w.stop()
-        return False
-
-
 def run_locust(s: EvalSettings, run_id: str, host: str, history: str, mode: str) -> int:
     """Run the workload headless with Locust until every session was played; return its exit code."""
     argv = [sys.executable, "-m", "locust", "-f", str(REPO_ROOT / "loadgen" / "locustfile.py"), "--headless",
@@ -177,7 +94,7 @@ def run_locust(s: EvalSettings, run_id: str, host: str, history: str, mode: str)
             "--only-summary", "--loglevel", "WARNING",
             "--turnscope-store", str(s.store), "--turnscope-run-id", run_id,
             "--turnscope-sessions", str(s.sessions), "--turnscope-max-turns", str(s.max_turns),
-            "--turnscope-history", history, "--turnscope-model", s.served_model_name,
+            "--turnscope-history", history, "--turnscope-model", s.topology.served_model_name or s.topology.model,
             "--turnscope-max-tokens", str(s.max_tokens), "--turnscope-max-prompt-tokens", str(s.max_prompt_tokens),
             "--turnscope-gap-s", str(s.gap_s), "--turnscope-timeout-s", str(s.turn_timeout_s),
             "--turnscope-mode", mode, "--turnscope-label", s.label, "--turnscope-no-run-row",
@@ -195,13 +112,17 @@ def run_eval(s: EvalSettings, console: Console | None = None) -> list[str]:
     for mode in s.modes:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        if mode not in s.topology.modes():
+            raise ValueError(f"topology {s.topology.name!r} cannot run mode {mode!r} "
+                             f"(it runs: {', '.join(s.topology.modes())})")
     for history in s.histories:
         if history not in ("text", "token_ids"):
             raise ValueError(f"unknown history mode {history!r}; expected text or token_ids")
-    if not Path(s.model).is_dir():
-        raise ValueError(f"model path {s.model} does not exist (build the embedded one with `turnscope model`)")
-    if s.kv_bytes_per_token is None and (Path(s.model) / "turnscope_model.json").exists():
-        s.kv_bytes_per_token = json.loads((Path(s.model) / "turnscope_model.json").read_text())["kv_bytes_per_token"]
+    model = Path(s.topology.model)
+    if s.topology.launch and not model.is_dir():
+        raise ValueError(f"model path {model} does not exist (build the embedded one with `turnscope model`)")
+    if s.kv_bytes_per_token is None and (model / "turnscope_model.json").exists():
+        s.kv_bytes_per_token = json.loads((model / "turnscope_model.json").read_text())["kv_bytes_per_token"]
     s.log_dir.mkdir(parents=True, exist_ok=True)
     store = Store(s.store)
     store.init()
@@ -210,7 +131,7 @@ def run_eval(s: EvalSettings, console: Console | None = None) -> list[str]:
     for mode in s.modes:
         console.print(f"[bold]mode {mode}[/bold]: starting workers")
         with ModeStack(mode, s, console) as stack:
-            outcomes = warm_up(stack.proxy_url, s.served_model_name)
+            outcomes = warm_up(stack.proxy_url, s.topology.served_model_name or s.topology.model)
             console.print(f"  [{mode}] warm-up outcomes: {', '.join(outcomes)}")
             for history in s.histories:
                 run_id = f"{s.label}-{stamp}-{mode}-{history}"
@@ -219,8 +140,8 @@ def run_eval(s: EvalSettings, console: Console | None = None) -> list[str]:
                        "workload_spec": s.model_dump(mode="json", include={"sessions", "users", "max_turns",
                                                                            "max_tokens", "max_prompt_tokens",
                                                                            "gap_s"}),
-                       "history_mode": history, "topology": stack.topology(), "versions": _versions(),
-                       "model": s.model, "config": s.model_dump(mode="json"),
+                       "history_mode": history, "topology": stack.topology_row(), "versions": _versions(),
+                       "model": s.topology.model, "config": s.model_dump(mode="json"),
                        "started_at": dt.datetime.now(dt.UTC), "status": "running",
                        "updated_at": dt.datetime.now(dt.UTC)}
                 writer = store.writer(run_id, f"eval-{os.getpid()}")
@@ -243,7 +164,8 @@ def run_eval(s: EvalSettings, console: Console | None = None) -> list[str]:
     return run_ids
 
 
-def default_settings(model: Path, **overrides) -> EvalSettings:
+def default_settings(model: Path, topology: Topology | None = None, **overrides) -> EvalSettings:
     """Settings for the embedded default (the README's numbers come from these)."""
     spec = ModelSpec()
-    return EvalSettings(model=str(model), kv_bytes_per_token=spec.kv_bytes_per_token, **overrides)
+    return EvalSettings(topology=topology or embedded_topology(str(model)),
+                        kv_bytes_per_token=spec.kv_bytes_per_token, **overrides)

@@ -6,11 +6,14 @@ stays flat in pd-nocache), TTFT after the first turn is lower than in pd-nocache
 turn sent is stored exactly once.
 """
 
+from pathlib import Path
+
 import duckdb
 import pytest
 from rich.console import Console
 
 from serving.embedded_model import ensure_model
+from serving.topology import WorkerEntry, embedded_topology
 from tests.integration.vllm_stack import free_port
 from turnscope.evaluation import default_settings, run_eval
 
@@ -19,10 +22,13 @@ pytestmark = pytest.mark.vllm
 
 def test_eval_pd_nocache_vs_bidir(tmp_path):
     sessions, max_turns = 2, 4
-    s = default_settings(ensure_model(), modes=["pd-nocache", "pd-bidir-nocache"], histories=["token_ids"],
-                         sessions=sessions, users=1, max_turns=max_turns, gap_s=0.5, store=tmp_path / "store",
-                         label="ci", worker_port=free_port() % 20000 + 30000, proxy_port=free_port(),
-                         side_channel_port=free_port() % 5000 + 50000, log_dir=tmp_path / "logs")
+    topo = embedded_topology(str(ensure_model()))
+    topo.prefill = [WorkerEntry(port=free_port(), side_channel_port=free_port(), cores=[0])]
+    topo.decode = [WorkerEntry(port=free_port(), side_channel_port=free_port(), cores=[1])]
+    topo.proxy.port = free_port()
+    s = default_settings(Path(topo.model), topology=topo, modes=["pd-nocache", "pd-bidir-nocache"],
+                         histories=["token_ids"], sessions=sessions, users=1, max_turns=max_turns, gap_s=0.5,
+                         store=tmp_path / "store", label="ci", log_dir=tmp_path / "logs")
     run_ids = run_eval(s, Console(width=120))
     assert len(run_ids) == 2
     con = duckdb.connect(str(tmp_path / "store" / "turnscope.duckdb"), read_only=True)

@@ -16,7 +16,8 @@ import uvicorn
 
 from serving.embedded_model import ModelSpec, ensure_model
 from serving.proxy import ProxyConfig, Worker, create_app
-from serving.workers import ConnectorSettings, WorkerProcess, WorkerSpec, mode_workers
+from serving.topology import Connector, WorkerEntry, embedded_topology
+from serving.workers import WorkerProcess, WorkerSpec, mode_workers
 
 
 def free_port() -> int:
@@ -54,14 +55,17 @@ class ProxyThread:
 class VllmStack:
     """P + D (``mode``) and a reference worker; ``proxy(**overrides)`` builds a proxy over P/D."""
 
-    def __init__(self, mode: str, log_dir: Path, connector: ConnectorSettings | None = None):
+    def __init__(self, mode: str, log_dir: Path, connector: Connector | None = None):
         self.model = str(ensure_model())
-        self.connector = connector or ConnectorSettings()
-        base = free_port()
-        specs = mode_workers(mode, self.model, base_port=20000 + base % 20000, side_channel_base=15000 + base % 5000,
-                             connector=self.connector)
-        ref = WorkerSpec(name="reference", role="aggregated", port=free_port(), model=self.model, cores=[0],
-                         prefix_caching=False)
+        self.connector = connector or Connector()
+        topo = embedded_topology(self.model, connector=self.connector)
+        topo.prefill = [WorkerEntry(port=free_port(), side_channel_port=free_port(), cores=[0])]
+        topo.decode = [WorkerEntry(port=free_port(), side_channel_port=free_port(), cores=[1])]
+        topo.aggregated = [WorkerEntry(port=free_port(), cores=[0])]
+        self.topology = topo
+        specs = mode_workers(mode, topo)
+        ref = mode_workers("aggregated", topo)[0]
+        ref.name, ref.prefix_caching = "reference", False
         self.workers = [WorkerProcess(s, log_dir / f"{s.name}.log") for s in specs]
         self.reference = WorkerProcess(ref, log_dir / "reference.log")
         self.mode = mode

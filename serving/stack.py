@@ -1,0 +1,108 @@
+"""One serving mode running: its workers (launched or attached) and turnscope's proxy in front.
+
+``ModeStack`` starts the workers of a mode (``serving.workers``), waits on ``/health``, re-pins
+them on the CPU platform, reads the KV block size they report, writes the proxy's configuration
+and starts ``python -m serving.proxy_server``; on exit it stops everything it started.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from serving.proxy import ProxyConfig, Worker
+from serving.topology import Topology
+from serving.workers import WorkerProcess, mode_workers, worker_block_size
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {proc.returncode} before answering")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} did not answer 200 within {timeout_s:.0f} s")
+
+
+
+class ModeStack:
+    """The running workers + proxy of one mode (a context manager that always stops them)."""
+
+    def __init__(self, mode: str, topology: Topology, log_dir: Path, kv_bytes_per_token: int | None = None,
+                 progress=print):
+        self.mode, self.topology, self.log_dir = mode, topology, Path(log_dir)
+        self.kv_bytes_per_token, self.progress = kv_bytes_per_token, progress
+        self.workers = [WorkerProcess(spec, self.log_dir / f"{mode}-{spec.name}.log")
+                        for spec in mode_workers(mode, topology)]
+        self.proxy: subprocess.Popen | None = None
+        self.proxy_url = f"http://{topology.proxy.host}:{topology.proxy.port}"
+        self.block_size = 128  # vLLM's CPU block size; replaced by what the workers report
+
+    def proxy_config(self) -> ProxyConfig:
+        by_role = {r: [Worker(name=w.spec.name, url=w.spec.url) for w in self.workers if w.spec.role == r]
+                   for r in ("prefill", "decode", "aggregated")}
+        p_spec = next((w.spec for w in self.workers if w.spec.role == "prefill"), None)
+        t = self.topology
+        return ProxyConfig(mode=self.mode, prefill=by_role["prefill"], decode=by_role["decode"],
+                           aggregated=by_role["aggregated"],
+                           decoder_kv_blocks_ttl_s=t.connector.decoder_kv_blocks_ttl,
+                           kv_recompute_threshold=t.connector.kv_recompute_threshold,
+                           handle_ttl_margin_s=t.proxy.handle_ttl_margin_s,
+                           prefill_timeout_s=t.proxy.prefill_timeout_s, decode_timeout_s=t.proxy.decode_timeout_s,
+                           prefill_prefix_caching=p_spec.prefix_caching if p_spec else True,
+                           block_size=self.block_size, kv_bytes_per_token=self.kv_bytes_per_token)
+
+    def topology_row(self) -> dict:
+        return {"name": self.topology.name, "mode": self.mode, "workers": [
+            {"name": w.spec.name, "role": w.spec.role, "url": w.spec.url, "cores": w.spec.cores,
+             "prefix_caching": w.spec.prefix_caching, "bidirectional": w.spec.bidirectional,
+             "nixl": w.spec.nixl} for w in self.workers], "proxy": self.proxy_url}
+
+    def endpoints(self) -> list[tuple[str, str]]:
+        return [(w.spec.url, w.spec.role) for w in self.workers] + [(self.proxy_url, "proxy")]
+
+    def proxy_command(self, config_path: Path) -> list[str]:
+        """The proxy's command line for a ProxyConfig JSON at ``config_path``."""
+        return [sys.executable, "-m", "serving.proxy_server", str(config_path),
+                "--host", self.topology.proxy.host, "--port", str(self.topology.proxy.port)]
+
+    def __enter__(self):
+        t0 = time.monotonic()
+        for w in self.workers:
+            w.start()
+        for w in self.workers:
+            w.wait_healthy()
+        for w in self.workers:
+            w.pin()
+        self.block_size = worker_block_size(self.workers[0].spec.url) or self.block_size
+        self.progress(f"  [{self.mode}] {len(self.workers)} worker(s) healthy in {time.monotonic() - t0:.0f} s")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        cfg_path = self.log_dir / f"{self.mode}-proxy.json"
+        cfg_path.write_text(self.proxy_config().model_dump_json(indent=2))
+        with open(self.log_dir / f"{self.mode}-proxy.log", "ab") as log:
+            self.proxy = subprocess.Popen(self.proxy_command(cfg_path), stdout=log, stderr=subprocess.STDOUT,
+                                          cwd=REPO_ROOT, start_new_session=True)
+        wait_http(self.proxy_url + "/health", 30, self.proxy)
+        return self
+
+    def __exit__(self, *exc):
+        if self.proxy is not None and self.proxy.poll() is None:
+            self.proxy.terminate()
+            try:
+                self.proxy.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proxy.kill()
+        for w in self.workers:
+            w.stop()
+        return False

@@ -1,0 +1,183 @@
+"""Topology files: where the prefill (P), decode (D) and aggregated workers run, and how.
+
+A topology is YAML validated with pydantic (errors name the file and the field). One topology
+serves every mode of DESIGN §2: the ``pd*`` modes use its ``prefill`` and ``decode`` lists (xPyD,
+on one or several hosts), ``aggregated`` its ``aggregated`` list; the mode decides
+``bidirectional_kv_xfer`` (both roles) and P's prefix caching. ``launch: false`` attaches to
+workers that are already running (turnscope then only checks ``/health`` and runs its proxy).
+
+Example (the embedded default is ``data/topologies/embedded-cpu.yaml``)::
+
+    name: my-1p1d
+    model: /models/Qwen3-32B
+    platform: gpu
+    connector: {backends: [LIBFABRIC], decoder_kv_blocks_ttl: 480}
+    prefill: [{host: 10.0.0.1, port: 8100, gpus: "0,1,2,3,4,5,6,7"}]
+    decode:  [{host: 10.0.0.2, port: 8200, gpus: "0,1,2,3,4,5,6,7"}]
+    roles: {prefill: {args: [--tensor-parallel-size, "8"]}, decode: {args: [--tensor-parallel-size, "8"]}}
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+MODES = ("aggregated", "pd", "pd-bidir", "pd-nocache", "pd-bidir-nocache")
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+class TopologyError(ValueError):
+    """A topology file is unreadable or invalid; the message names the file and the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Connector(_Strict):
+    """NixlConnector settings, ``kv_connector_extra_config`` plus transfer-config fields.
+
+    Defaults are vLLM's (docs/features/nixl_connector_usage.md, ``nixl/base_scheduler.py``):
+    ``kv_recompute_threshold`` 64 tokens, ``decoder_kv_blocks_ttl`` 480 s, ``kv_lease_duration``
+    30 s, ``backends`` ["UCX"] (["LIBFABRIC"] on EFA). ``kv_load_failure_policy`` "recompute"
+    (vLLM's default is "fail") makes a failed or declined pull fall back to computing the prompt.
+    """
+
+    kv_recompute_threshold: int = Field(64, ge=0)
+    decoder_kv_blocks_ttl: int = Field(480, gt=0)
+    kv_lease_duration: int = Field(30, gt=0)
+    backends: list[str] = Field(default_factory=lambda: ["UCX"], min_length=1)
+    kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    kv_buffer_device: Literal["cpu", "cuda", "xpu"] | None = None  # default: cpu on CPU, cuda on GPU
+
+
+class WorkerEntry(_Strict):
+    """One worker: where it listens, its NIXL side channel, and its cores or GPUs."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(gt=0, lt=65536)
+    side_channel_port: int | None = Field(None, gt=0, lt=65536)
+    cores: list[int] | None = None          # CPU platform: cores its threads are pinned to
+    gpus: str | None = None                 # GPU platform: CUDA_VISIBLE_DEVICES
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+class RoleSettings(_Strict):
+    """Extra ``vllm serve`` args and environment for every worker of a role."""
+
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+class ProxySettings(_Strict):
+    """Where the proxy listens and its per-leg timeouts (seconds)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8200, gt=0, lt=65536)
+    prefill_timeout_s: float = Field(30.0, gt=0)
+    decode_timeout_s: float = Field(300.0, gt=0)
+    handle_ttl_margin_s: float = Field(30.0, ge=0)
+
+
+class Topology(_Strict):
+    """A deployment: model, platform, connector settings, workers per role, proxy.
+
+    ``model`` is a directory (relative paths are relative to the topology file) or, for attach
+    mode, just the served model's path as the workers know it.
+    """
+
+    name: str
+    model: str
+    served_model_name: str | None = None
+    platform: Literal["cpu", "gpu"] = "cpu"
+    launch: bool = True
+    attached_mode: Literal[MODES] | None = None  # with launch: false, the mode the running workers are in
+    dtype: str = "auto"
+    max_model_len: int | None = Field(None, gt=0)
+    kv_cache_bytes: int | None = Field(None, gt=0)  # CPU: --kv-cache-memory-bytes
+    connector: Connector = Field(default_factory=Connector)
+    prefill: list[WorkerEntry] = Field(default_factory=list)
+    decode: list[WorkerEntry] = Field(default_factory=list)
+    aggregated: list[WorkerEntry] = Field(default_factory=list)
+    roles: dict[Literal["prefill", "decode", "aggregated"], RoleSettings] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict)
+    proxy: ProxySettings = Field(default_factory=ProxySettings)
+
+    @field_validator("prefill", "decode")
+    @classmethod
+    def _side_channels(cls, workers: list[WorkerEntry]) -> list[WorkerEntry]:
+        for i, w in enumerate(workers):
+            if w.side_channel_port is None:
+                raise ValueError(f"[{i}].side_channel_port is required for NIXL workers "
+                                 "(VLLM_NIXL_SIDE_CHANNEL_PORT, distinct per worker on a host)")
+        return workers
+
+    @model_validator(mode="after")
+    def _checks(self) -> Topology:
+        if not (self.prefill and self.decode) and not self.aggregated:
+            raise ValueError("needs prefill and decode workers, or aggregated workers")
+        if bool(self.prefill) != bool(self.decode):
+            raise ValueError("prefill and decode must both be given (xPyD with x, y >= 1)")
+        seen: dict[tuple[str, int], str] = {}
+        for role in ("prefill", "decode", "aggregated"):
+            for i, w in enumerate(getattr(self, role)):
+                for port in filter(None, (w.port, w.side_channel_port)):
+                    key = (w.host, port)
+                    if key in seen:
+                        raise ValueError(f"{role}[{i}]: port {port} on {w.host} is also used by {seen[key]}")
+                    seen[key] = f"{role}[{i}]"
+        if not self.launch and self.attached_mode is None:
+            raise ValueError("attached_mode is required with launch: false (which mode the running workers are in)")
+        return self
+
+    def modes(self) -> list[str]:
+        """The modes this topology can run."""
+        if not self.launch:
+            return [self.attached_mode]
+        return ([m for m in MODES if m != "aggregated"] if self.prefill else []) + \
+            (["aggregated"] if self.aggregated else [])
+
+
+def load_topology(path: Path) -> Topology:
+    """Read and validate a topology YAML file. Raises TopologyError naming the file and field."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise TopologyError(f"{path}: cannot read topology: {exc}") from exc
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise TopologyError(f"{path}:{where} not valid YAML: {getattr(exc, 'problem', exc)}") from exc
+    if not isinstance(raw, dict):
+        raise TopologyError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    try:
+        topo = Topology.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(top)'}: {e['msg']}" for e in exc.errors())
+        raise TopologyError(f"{path}: invalid topology: {problems}") from exc
+    model = Path(topo.model)
+    if topo.launch and not model.is_absolute() and (path.parent / model).exists():
+        topo.model = str((path.parent / model).resolve())
+    return topo
+
+
+def embedded_topology(model: str, worker_port: int = 8100, side_channel_port: int = 5600,
+                      proxy_port: int = 8200, connector: Connector | None = None) -> Topology:
+    """The embedded default: 1P1D + one aggregated worker on this machine's 2 cores, float32.
+
+    P is pinned to core 0, D to core 1, the aggregated worker to core 0; each worker gets 512 MiB
+    of KV space (``--kv-cache-memory-bytes``), i.e. 131,072 tokens of the embedded model.
+    """
+    return Topology(
+        name="embedded-cpu", model=model, served_model_name="turnscope-tiny", platform="cpu",
+        dtype="float32", max_model_len=8192, kv_cache_bytes=512 * 2**20,
+        connector=connector or Connector(kv_buffer_device="cpu"),
+        prefill=[WorkerEntry(port=worker_port, side_channel_port=side_channel_port, cores=[0])],
+        decode=[WorkerEntry(port=worker_port + 1, side_channel_port=side_channel_port + 1, cores=[1])],
+        aggregated=[WorkerEntry(port=worker_port + 2, cores=[0])],
+        proxy=ProxySettings(port=proxy_port))
