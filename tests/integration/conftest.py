@@ -20,7 +20,7 @@ def pd_bidir_stack(tmp_path_factory):
     from serving.topology import Connector
     from tests.integration.vllm_stack import VllmStack
 
-    ttl = int(os.environ.get("TURNSCOPE_TEST_DECODER_TTL", "60"))
+    ttl = int(os.environ.get("TURNSCOPE_TEST_DECODER_TTL", "20"))
     stack = VllmStack("pd-bidir", tmp_path_factory.mktemp("vllm-logs"),
                       connector=Connector(decoder_kv_blocks_ttl=ttl))
     try:

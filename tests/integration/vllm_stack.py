@@ -90,6 +90,7 @@ class VllmStack:
         cfg = {"mode": self.mode, "prefill": [Worker(name="prefill-0", url=self.worker("prefill").url)],
                "decode": [Worker(name="decode-0", url=self.worker("decode").url)],
                "decoder_kv_blocks_ttl_s": self.connector.decoder_kv_blocks_ttl,
+               "handle_ttl_margin_s": 5,
                "kv_recompute_threshold": self.connector.kv_recompute_threshold,
                "kv_bytes_per_token": ModelSpec().kv_bytes_per_token}
         return ProxyConfig(**(cfg | overrides))
