@@ -28,6 +28,7 @@ import dataclasses
 import datetime as dt
 import hashlib
 import logging
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -66,18 +67,35 @@ class TokenizeError(RuntimeError):
 # --------------------------------------------------------------------------------------- plans
 
 
+EDIT_STYLES = ("compact", "strip_reasoning")
+EDIT_TARGETS = ("last", "first")
+
+
 @dataclass(frozen=True)
 class TurnPlan:
     """One planned model call.
 
     Attributes:
         new_messages: OpenAI messages appended to the history right before this call (turn 0:
-            system + first user message; later: a user message or tool results).
+            system + first user message; later: a user message or tool results). For a ``retry``:
+            empty (the previous request is sent again). For a ``fresh`` request: the whole,
+            unrelated conversation it sends.
         reference_reply: the trace's assistant message for this call; it stands in for the reply
             when the call fails, so the history stays well-formed.
-        gap_before_s: seconds to wait after the previous turn finished (0 for turn 0).
-        gap_kind: ``none`` (turn 0) | ``tool`` | ``think`` | ``pause``.
-        kind: ``turn`` | ``retry`` | ``edit`` | ``fresh`` | ``resume`` (trace replay: ``turn``).
+        gap_before_s: seconds to wait after the previous request finished (0 for turn 0).
+        gap_kind: ``none`` (turn 0, retry) | ``tool`` | ``think`` | ``pause``.
+        kind: ``turn`` | ``retry`` (the previous request again, same history) | ``edit`` (the history
+            is edited before this call, see ``edit``) | ``fresh`` (an unrelated single request with
+            its own session id; the session's history is untouched) | ``resume`` (the session goes on
+            after a pause longer than the decode worker's KV TTL).
+        max_tokens: output tokens for this call (None: the session's default).
+        at_s: trace replay: send no earlier than ``at_s`` seconds after the session's first request
+            was sent (the trace's arrival offset, already time-scaled); None: only the gap applies.
+        edit: for ``kind="edit"``: ``{"style": "compact"|"strip_reasoning", "target": "last"|"first",
+            "keep": fraction}``: the last (or first) assistant message of the history is shortened
+            to ``keep`` of its characters (``compact``), or its reasoning is removed
+            (``strip_reasoning``: ``reasoning_content``/``reasoning`` fields and ``<think>...</think>``
+            spans; a reply without reasoning is compacted instead). See :func:`apply_edit`.
     """
 
     new_messages: list[dict[str, Any]]
@@ -85,6 +103,9 @@ class TurnPlan:
     gap_before_s: float = 0.0
     gap_kind: str = "none"
     kind: str = "turn"
+    max_tokens: int | None = None
+    at_s: float | None = None
+    edit: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.gap_kind not in GAP_KINDS:
@@ -93,16 +114,45 @@ class TurnPlan:
             raise ValueError(f"TurnPlan.kind must be one of {TURN_KINDS}, got {self.kind!r}")
         if not (isinstance(self.gap_before_s, (int, float)) and self.gap_before_s >= 0):
             raise ValueError(f"TurnPlan.gap_before_s must be a number >= 0 seconds, got {self.gap_before_s!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise ValueError(f"TurnPlan.max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
+        if self.at_s is not None and not (isinstance(self.at_s, (int, float)) and self.at_s >= 0):
+            raise ValueError(f"TurnPlan.at_s must be a number >= 0 seconds or None, got {self.at_s!r}")
+        if self.kind == "retry" and self.new_messages:
+            raise ValueError("TurnPlan.new_messages must be empty for a retry (the previous request is resent)")
+        if self.kind == "fresh" and not self.new_messages:
+            raise ValueError("TurnPlan.new_messages must hold the whole request for a fresh turn")
+        if self.kind == "edit":
+            e = self.edit or {}
+            if e.get("style") not in EDIT_STYLES or e.get("target", "last") not in EDIT_TARGETS:
+                raise ValueError(f"TurnPlan.edit must be {{'style': one of {EDIT_STYLES}, 'target': one of "
+                                 f"{EDIT_TARGETS}, 'keep': 0..1}} for an edit, got {self.edit!r}")
+            keep = e.get("keep", 0.5)
+            if not (isinstance(keep, (int, float)) and 0 <= keep <= 1):
+                raise ValueError(f"TurnPlan.edit.keep must be a fraction in [0, 1], got {keep!r}")
+        elif self.edit is not None:
+            raise ValueError(f"TurnPlan.edit is only for kind 'edit', not {self.kind!r}")
 
 
 @dataclass(frozen=True)
 class SessionPlan:
-    """A session to play: its id (unique within a run), where it came from, and its turns."""
+    """A session to play: its id (unique within a run), where it came from, and its turns.
+
+    ``start_at_s``: trace replay: the session's first request is due this many seconds after the
+    run started (already time-scaled); None: as soon as a user is free. The first turn that is not
+    ``fresh`` must be a ``turn`` (there is nothing to retry, edit or resume yet).
+    """
 
     session_id: str
     source: str
     turns: list[TurnPlan]
     archetype: str | None = None
+    start_at_s: float | None = None
+
+    def __post_init__(self) -> None:
+        first = next((t for t in self.turns if t.kind != "fresh"), None)
+        if first is not None and first.kind != "turn":
+            raise ValueError(f"session {self.session_id}: the first turn must be of kind 'turn', got {first.kind!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON/msgpack-safe), e.g. to send from the Locust master to a worker."""
@@ -112,7 +162,41 @@ class SessionPlan:
     def from_dict(cls, d: dict[str, Any]) -> SessionPlan:
         """Inverse of :meth:`to_dict`."""
         return cls(session_id=d["session_id"], source=d["source"], archetype=d.get("archetype"),
-                   turns=[TurnPlan(**t) for t in d["turns"]])
+                   start_at_s=d.get("start_at_s"), turns=[TurnPlan(**t) for t in d["turns"]])
+
+
+_THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
+
+
+def apply_edit(messages: Sequence[dict[str, Any]], edit: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
+    """The history with one assistant message edited (pure; ``messages`` is not modified).
+
+    Args:
+        messages: the OpenAI history.
+        edit: ``{"style", "target", "keep"}`` as in :class:`TurnPlan`.
+
+    Returns:
+        ``(edited, what)``: the new list and the style actually applied (``compact`` when a
+        ``strip_reasoning`` edit found no reasoning; ``none`` when there is no assistant message).
+        ``compact`` keeps the first ``int(len(content) * keep)`` characters of the content (tool
+        calls are kept).
+    """
+    out = [dict(m) for m in messages]
+    idx = [i for i, m in enumerate(out) if m.get("role") == "assistant"]
+    if not idx:
+        return out, "none"
+    m = out[idx[-1] if edit.get("target", "last") == "last" else idx[0]]
+    content = m.get("content") if isinstance(m.get("content"), str) else ""
+    if edit["style"] == "strip_reasoning":
+        had = any(k in m for k in ("reasoning_content", "reasoning"))
+        m.pop("reasoning_content", None)
+        m.pop("reasoning", None)
+        stripped = _THINK.sub("", content)
+        if had or stripped != content:
+            m["content"] = stripped
+            return out, "strip_reasoning"
+    m["content"] = content[: int(len(content) * float(edit.get("keep", 0.5)))]
+    return out, "compact"
 
 
 def plan_from_conversation(
@@ -429,98 +513,174 @@ def run_session(
     prev_prompt: list[int] | None = None          # ids of the previous turn's prompt
     prev_generated: list[int] = []                # ids the previous turn generated (or stood in)
     prev_span: list[int] | None = None            # previous prompt + ids actually generated
+    last_messages: list[dict[str, Any]] | None = None  # what the previous request sent (for a retry)
+    last_rendered: list[int] | None = None
     gaps = {k: 0.0 for k in GAP_KINDS}
     first_send: float | None = None
     last_end: float | None = None
     first_sent_at: dt.datetime | None = None
     all_ok = True
+    own: list[TurnRecord] = []                    # this session's turns (fresh side requests excluded)
+
+    def session_row(session_id: str, source: str, records: list[TurnRecord], task: float,
+                    started: dt.datetime | None, gap_sums: dict[str, float], status: str) -> dict[str, Any]:
+        return {
+            "run_id": run_id,
+            "session_id": session_id,
+            "archetype": plan.archetype,
+            "source": source,
+            "started_at": started,
+            "finished_at": started + dt.timedelta(seconds=task) if started else None,
+            "turns": len(records),
+            "task_latency_s": task,
+            "llm_s": float(sum(r.result.e2e_s or 0.0 for r in records)),
+            "tool_wait_s": gap_sums["tool"],
+            "think_s": gap_sums["think"],
+            "pause_s": gap_sums["pause"],
+            "status": status,
+        }
 
     def finish_session(status: str) -> None:
         task = (last_end - first_send) if (first_send is not None and last_end is not None) else 0.0
-        row = {
-            "run_id": run_id,
-            "session_id": plan.session_id,
-            "archetype": plan.archetype,
-            "source": plan.source,
-            "started_at": first_sent_at,
-            "finished_at": first_sent_at + dt.timedelta(seconds=task) if first_sent_at else None,
-            "turns": len(out.turns),
-            "task_latency_s": task,
-            "llm_s": float(sum(r.result.e2e_s or 0.0 for r in out.turns)),
-            "tool_wait_s": gaps["tool"],
-            "think_s": gaps["think"],
-            "pause_s": gaps["pause"],
-            "status": status,
-        }
+        row = session_row(plan.session_id, plan.source, own, task, first_sent_at, gaps, status)
         writer.append("sessions", row)
         out.session_row = row
 
+    def wait_and_send(tp: TurnPlan, path_url: str, body: dict[str, Any], hdrs: dict[str, str]
+                      ) -> tuple[TurnResult, float]:
+        """Sleep out the rest of the gap (and the trace's arrival offset), send, time the turn."""
+        nonlocal first_send, last_end, first_sent_at
+        if last_end is not None:
+            remaining = tp.gap_before_s - (time.perf_counter() - last_end)
+            if tp.at_s is not None and first_send is not None:
+                remaining = max(remaining, first_send + tp.at_s - time.perf_counter())
+            if remaining > 0:
+                do_sleep(remaining)
+        send = time.perf_counter()
+        gap = 0.0 if last_end is None else send - last_end
+        if first_send is None:
+            first_send = send
+        result = stream_turn(client, path_url, body, headers=hdrs, timeout_s=timeout_s)
+        last_end = time.perf_counter()
+        if first_sent_at is None:
+            first_sent_at = result.sent_at
+        return result, gap
+
+    def request_body(tp: TurnPlan, conv: str, msgs: list[dict[str, Any]] | None,
+                     prompt: list[int] | None) -> dict[str, Any]:
+        body = dict(common, conversation_id=conv)
+        if tp.max_tokens is not None:
+            body["max_tokens"] = tp.max_tokens
+        if history_mode == "text":
+            body["messages"] = list(msgs or [])
+        else:
+            body["prompt"] = prompt
+        body.update(extra_body or {})
+        return body
+
+    def play_fresh(k: int, tp: TurnPlan) -> None:
+        """An unrelated single request with its own session id; the history is left alone."""
+        nonlocal all_ok
+        sid = f"{plan.session_id}~fresh{k}"
+        conv = f"{conv_id}~fresh{k}"
+        try:
+            rendered_f = tok(messages=tp.new_messages, add_generation_prompt=True)
+        except TokenizeError as e:
+            if history_mode == "token_ids":
+                log.error("session %s fresh request %d: %s; skipped", plan.session_id, k, e)
+                return
+            rendered_f = None
+        if max_prompt_tokens is not None and rendered_f is not None and len(rendered_f) > max_prompt_tokens:
+            log.info("session %s: fresh request %d skipped: %d prompt tokens > max_prompt_tokens %d",
+                     plan.session_id, k, len(rendered_f), max_prompt_tokens)
+            return
+        body = request_body(tp, conv, tp.new_messages, rendered_f)
+        result, gap = wait_and_send(tp, url, body, {"X-Session-ID": conv})
+        gaps[tp.gap_kind] += gap  # the agent's time before its side call
+        prompt_ids = result.prompt_token_ids if result.prompt_token_ids is not None else rendered_f
+        row = turn_row(run_id=run_id, session_id=sid, turn_index=0, plan=tp, result=result, gap_before_s=gap,
+                       prompt_ids=prompt_ids, expected_reusable_tokens=None, divergence_position=None)
+        writer.append("turns", row)
+        rec = TurnRecord(row=row, result=result, prompt_ids=prompt_ids)
+        out.turns.append(rec)
+        writer.append("sessions", session_row(sid, f"{plan.source}#fresh{k}", [rec], result.e2e_s or 0.0,
+                                              result.sent_at, dict.fromkeys(GAP_KINDS, 0.0),
+                                              "ok" if result.status == "ok" else "error"))
+        if result.status != "ok":
+            all_ok = False
+        if on_turn is not None:
+            on_turn(rec)
+
     k = -1
+    index = 0  # turn_index of the next own turn
     try:
         for k, tp in enumerate(plan.turns):
+            if tp.kind == "fresh":
+                play_fresh(k, tp)
+                continue
             # -- prepare the request (counts as part of the gap) ----------------------------------
-            messages.extend(tp.new_messages)
-            try:
-                if history_mode == "text" or prev_prompt is None:
-                    rendered = tok(messages=messages, add_generation_prompt=True)
-                else:
-                    new_ids = tok(messages=tp.new_messages, add_generation_prompt=True)
-                    rendered = next_prompt_ids(prev_prompt, prev_generated, new_ids, joiner)
-            except TokenizeError as e:
-                if history_mode == "token_ids":
-                    log.error("session %s turn %d: %s; stopping the session", plan.session_id, k, e)
-                    out.stopped = "tokenize_error"
-                    all_ok = False
-                    break
-                log.warning("session %s turn %d: %s; expected reuse not recorded", plan.session_id, k, e)
-                rendered = None
+            rendered: list[int] | None
+            if tp.kind == "retry":
+                if last_messages is None:
+                    raise ValueError(f"session {plan.session_id}: turn {k} is a retry with nothing to retry")
+                messages = list(last_messages)
+                rendered = list(last_rendered) if last_rendered is not None else None
+            else:
+                messages.extend(tp.new_messages)
+                rerender = False
+                if tp.kind == "edit":
+                    messages, applied = apply_edit(messages, tp.edit or {})
+                    log.debug("session %s turn %d: history edit %s", plan.session_id, k, applied)
+                    rerender = True  # token_ids: the history's ids no longer continue the previous prompt
+                try:
+                    if history_mode == "text" or prev_prompt is None or rerender:
+                        rendered = tok(messages=messages, add_generation_prompt=True)
+                    else:
+                        new_ids = tok(messages=tp.new_messages, add_generation_prompt=True)
+                        rendered = next_prompt_ids(prev_prompt, prev_generated, new_ids, joiner)
+                except TokenizeError as e:
+                    if history_mode == "token_ids":
+                        log.error("session %s turn %d: %s; stopping the session", plan.session_id, k, e)
+                        out.stopped = "tokenize_error"
+                        all_ok = False
+                        break
+                    log.warning("session %s turn %d: %s; expected reuse not recorded", plan.session_id, k, e)
+                    rendered = None
             if max_prompt_tokens is not None and rendered is not None and len(rendered) > max_prompt_tokens:
                 log.info("session %s stops before turn %d: prompt of %d tokens > max_prompt_tokens %d",
                          plan.session_id, k, len(rendered), max_prompt_tokens)
                 out.stopped = "max_prompt_tokens"
                 break
             expected = divergence = None
-            if k > 0 and prev_span is not None and rendered is not None:
+            if prev_span is not None and rendered is not None:
                 expected, divergence = reuse_against(prev_span, rendered)
 
             # -- wait out the rest of the gap, then send -------------------------------------------
-            if last_end is not None:
-                remaining = tp.gap_before_s - (time.perf_counter() - last_end)
-                if remaining > 0:
-                    do_sleep(remaining)
-            body = dict(common)
-            if history_mode == "text":
-                body["messages"] = list(messages)
-            else:
-                body["prompt"] = rendered
-            body.update(extra_body or {})
-            send = time.perf_counter()
-            gap = 0.0 if last_end is None else send - last_end
-            if first_send is None:
-                first_send = send
-            result = stream_turn(client, url, body, headers=headers, timeout_s=timeout_s)
-            last_end = time.perf_counter()
-            if first_sent_at is None:
-                first_sent_at = result.sent_at
-            if k > 0:
+            body = request_body(tp, conv_id, messages, rendered)
+            sent_messages = list(messages)
+            result, gap = wait_and_send(tp, url, body, headers)
+            if index > 0:
                 gaps[tp.gap_kind] += gap
 
             # -- record ------------------------------------------------------------------------
             server_prompt = result.prompt_token_ids
             if history_mode == "token_ids" and server_prompt is not None and server_prompt != rendered:
                 log.warning("session %s turn %d: server reports prompt ids different from those sent "
-                            "(%d vs %d ids)", plan.session_id, k, len(server_prompt), len(rendered))
+                            "(%d vs %d ids)", plan.session_id, k, len(server_prompt), len(rendered or []))
             prompt_ids = server_prompt if server_prompt is not None else rendered
-            row = turn_row(run_id=run_id, session_id=plan.session_id, turn_index=k, plan=tp, result=result,
+            row = turn_row(run_id=run_id, session_id=plan.session_id, turn_index=index, plan=tp, result=result,
                            gap_before_s=gap, prompt_ids=prompt_ids,
                            expected_reusable_tokens=expected, divergence_position=divergence)
+            index += 1
             writer.append("turns", row)
             rec = TurnRecord(row=row, result=result, prompt_ids=prompt_ids)
             out.turns.append(rec)
+            own.append(rec)
             if on_turn is not None:
                 on_turn(rec)
 
             # -- the history the next turn continues -------------------------------------------
+            last_messages, last_rendered = sent_messages, (list(prompt_ids) if prompt_ids is not None else None)
             prev_span = list(prompt_ids) + list(result.token_ids) if prompt_ids is not None else None
             if result.status == "ok":
                 reply = _assistant_message(result)

@@ -165,7 +165,62 @@ def reuse_against(prev_span: Sequence[int], prompt_ids: Sequence[int]) -> tuple[
 
     Returns:
         ``(lcp, divergence)``: the longest common prefix in tokens, and the first index where the
-        two differ, or None when the prompt contains the whole previous span.
+        two differ, or None when the prompt contains the whole previous span. A prompt that ends
+        inside the span (a retry resends the previous prompt) diverges where it ends.
     """
     lcp = longest_common_prefix(prev_span, prompt_ids)
     return lcp, (None if lcp >= len(prev_span) else lcp)
+
+
+@dataclass(frozen=True)
+class ReuseOracle:
+    """What a perfect P/D cache could reuse for one turn (the turn-N oracle; tokens).
+
+    Attributes:
+        lcp: longest common prefix of the previous span (prompt + generated ids) and this prompt.
+        divergence: first differing position, or None (see :func:`reuse_against`).
+        handle_tokens: tokens the decode worker holds KV for: previous prompt + generated - 1 (the
+            last sampled token was never fed back, so it has no KV).
+        reusable_tokens: what can be reused from KV blocks: the common part, capped by the handle and
+            by this prompt minus its last token (a prefill computes at least one token), rounded
+            down to whole blocks of ``block_size``.
+        remote_tokens: of those, the tokens beyond P's own prefix-cache hit (``local_cached``),
+            which only a transfer from D can supply.
+        below_threshold: ``0 < remote_tokens < threshold``: too few to be worth a transfer; the
+            proxy recomputes and records ``miss_below_threshold``.
+    """
+
+    lcp: int
+    divergence: int | None
+    handle_tokens: int
+    reusable_tokens: int
+    remote_tokens: int
+    below_threshold: bool
+
+
+def reuse_oracle(prev_prompt_ids: Sequence[int], generated_ids: Sequence[int], prompt_ids: Sequence[int], *,
+                 block_size: int, local_cached_tokens: int = 0, threshold: int = 64) -> ReuseOracle:
+    """The turn-N oracle for a prompt following ``prev_prompt_ids`` + ``generated_ids`` (pure).
+
+    Args:
+        prev_prompt_ids: the previous turn's prompt ids as the server rendered them.
+        generated_ids: the ids it generated.
+        prompt_ids: this turn's prompt ids as rendered.
+        block_size: KV block size of the workers, tokens (vLLM CPU: 128; GPU: 16 by default).
+        local_cached_tokens: P's own prefix-cache hit for this prompt, tokens (whole blocks).
+        threshold: the connector's ``kv_recompute_threshold``, tokens (default 64).
+
+    Returns:
+        :class:`ReuseOracle`; e.g. a prompt of P tokens, G generated, and a continuation that keeps
+        all of them gives ``reusable_tokens = floor((P + G - 1) / block_size) * block_size``.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    span = list(prev_prompt_ids) + list(generated_ids)
+    lcp, div = reuse_against(span, prompt_ids)
+    handle = max(len(span) - 1, 0)
+    usable = min(lcp, handle, max(len(prompt_ids) - 1, 0))
+    reusable = usable // block_size * block_size
+    remote = max(reusable - local_cached_tokens, 0)
+    return ReuseOracle(lcp=lcp, divergence=div, handle_tokens=handle, reusable_tokens=reusable,
+                       remote_tokens=remote, below_threshold=0 < remote < threshold)

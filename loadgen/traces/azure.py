@@ -1,0 +1,96 @@
+"""Read the Azure LLM inference trace (conversation service) as arrivals and lengths (DESIGN §4).
+
+File format (``data/AzureLLMInferenceTrace_conv.csv`` of Azure/AzurePublicDataset, shipped as
+``data/traces/AzureLLMInferenceTrace_conv.csv``, CC-BY-4.0): a CSV with a header row and columns
+
+* ``TIMESTAMP``: arrival, ``YYYY-MM-DD HH:MM:SS.fffffff`` (7 fractional digits, no zone);
+* ``ContextTokens``: prompt tokens; ``GeneratedTokens``: output tokens.
+
+The trace has no session ids and no content: each row is replayed as a single request of its own
+(kind ``fresh``), at its arrival offset, with synthesized text of ``ContextTokens`` tokens.
+Parsing is the standard library's ``csv`` and ``datetime``.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+from dataclasses import dataclass
+from pathlib import Path
+
+#: The shipped copy (CC-BY-4.0, see data/traces/SOURCES.md).
+DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "data" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+
+
+class TraceFormatError(ValueError):
+    """A row of the CSV is invalid; the message names the file, line and column."""
+
+
+@dataclass(frozen=True)
+class AzureRequest:
+    """One row: ``index`` (0-based row order), ``arrival_s`` (seconds after the first row's
+    TIMESTAMP), ``context_tokens`` and ``generated_tokens``."""
+
+    index: int
+    arrival_s: float
+    context_tokens: int
+    generated_tokens: int
+
+
+def _parse_ts(s: str) -> dt.datetime:
+    # 7 fractional digits (100 ns ticks) do not fit %f's 6: keep microseconds, drop the last digit.
+    head, _, frac = s.strip().partition(".")
+    base = dt.datetime.strptime(head, "%Y-%m-%d %H:%M:%S")
+    if frac:
+        if not frac.isdigit():
+            raise ValueError(f"fractional seconds {frac!r} are not digits")
+        base += dt.timedelta(microseconds=int(frac[:6].ljust(6, "0")))
+    return base
+
+
+def load_azure(path: Path | str = DEFAULT_TRACE, *, limit: int | None = None) -> list[AzureRequest]:
+    """Read the CSV (at most ``limit`` rows), in row order, arrivals relative to the first row.
+
+    Raises:
+        TraceFormatError: unreadable file, missing columns, a bad timestamp or a non-integer /
+            negative token count, e.g. ``.../x.csv:5: ContextTokens: expected an integer >= 0``;
+            decreasing timestamps.
+    """
+    path = Path(path)
+    out: list[AzureRequest] = []
+    try:
+        fh = path.open(newline="", encoding="utf-8")
+    except OSError as e:
+        raise TraceFormatError(f"{path}: cannot read the trace: {e}") from e
+    with fh:
+        reader = csv.DictReader(fh)
+        missing = [c for c in _COLUMNS if c not in (reader.fieldnames or [])]
+        if missing:
+            raise TraceFormatError(f"{path}:1: header: missing column(s) {', '.join(missing)}; "
+                                   f"got {reader.fieldnames}")
+        t0: dt.datetime | None = None
+        prev: dt.datetime | None = None
+        for row in reader:
+            if limit is not None and len(out) >= limit:
+                break
+            where = f"{path}:{reader.line_num}"
+            try:
+                ts = _parse_ts(row["TIMESTAMP"])
+            except (ValueError, AttributeError) as e:
+                raise TraceFormatError(f"{where}: TIMESTAMP: {row['TIMESTAMP']!r}: {e}") from e
+            vals = {}
+            for c in ("ContextTokens", "GeneratedTokens"):
+                try:
+                    vals[c] = int(row[c])
+                except (TypeError, ValueError):
+                    raise TraceFormatError(f"{where}: {c}: expected an integer >= 0, got {row[c]!r}") from None
+                if vals[c] < 0:
+                    raise TraceFormatError(f"{where}: {c}: expected an integer >= 0, got {vals[c]}")
+            if prev is not None and ts < prev:
+                raise TraceFormatError(f"{where}: TIMESTAMP: {ts} is before the previous row's {prev}")
+            t0 = t0 or ts
+            prev = ts
+            out.append(AzureRequest(len(out), (ts - t0).total_seconds(), vals["ContextTokens"],
+                                    vals["GeneratedTokens"]))
+    return out

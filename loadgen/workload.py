@@ -1,0 +1,766 @@
+"""Workload files: agent-session archetypes and trace replays, validated and planned (DESIGN §4).
+
+A workload is a YAML file (``data/workloads/*.yaml``) validated by :class:`Workload` (pydantic;
+unknown keys are errors, and every error names the file and the field, e.g.
+``coding-agent.yaml: mix.0.archetype.gaps.tool.p: Input should be less than or equal to 1``)::
+
+    name: coding-agent
+    seed: 7
+    sessions: 24              # archetype sessions drawn from `mix` by weight
+    ttl_s: 480                # the decode worker's KV TTL the workload is about
+    mix:
+      - weight: 1
+        archetype:
+          name: coding-agent
+          turns: {kind: lognormal, median: 12, sigma: 0.5, min: 2, max: 40}
+          system_prompt_tokens: 1800          # shared by all sessions of the archetype
+          first_prompt_tokens: {kind: uniform, low: 300, high: 2500}
+          new_tokens: {tool: {kind: lognormal, median: 600, sigma: 1.0}, think: 60, pause: 40}
+          output_tokens: {kind: lognormal, median: 150, sigma: 0.6, min: 8, max: 600}
+          gaps: {tool: {p: 0.8, seconds: {kind: lognormal, median: 8, sigma: 1.2}},
+                 think: {p: 0.2, seconds: {kind: exponential, mean: 20}}}
+          retry_p: 0.03
+          edit_p: 0.05
+          fresh_p: 0.05
+          resume_p: 0.02
+      - weight: 1
+        include: research-assistant.yaml      # the mix entries of another workload file
+    traces:
+      - {format: mooncake, sessions: 20, min_turns: 2, token_scale: 0.1}
+
+Distributions (``kind``): ``constant`` (``value``; a bare number means a constant), ``uniform``
+(``low``, ``high``), ``lognormal`` (``median``, ``sigma`` of the log), ``exponential`` (``mean``),
+``empirical`` (``values``, or ``trace`` ``mooncake``/``azure`` and ``field``, resampled from the
+shipped trace); all take optional ``min``/``max`` clips. Sampling uses numpy's ``Generator``.
+
+Planning (:func:`plan_workload`) is deterministic: archetype session i draws from
+``numpy.random.default_rng([seed, 1, i])`` and its text from :class:`loadgen.synth_text.TextSynth`
+keyed by the session id, so the same seed gives the same plans (and adding sessions does not
+change the earlier ones). Per turn after the first, an archetype session:
+
+* may first send a ``fresh`` side request (``fresh_p``): an unrelated single request with its own
+  session id, right after the previous turn (a title or summary call);
+* is a ``retry`` (``retry_p``): the previous request sent again right after, same history;
+* else draws its gap kind (``tool``/``think``/``pause`` by ``gaps.*.p``) and gap length; with
+  ``resume_p`` the gap is a pause of ``ttl_s`` + ``resume.extra_s`` instead. A turn whose gap
+  exceeds ``ttl_s`` is a ``resume`` (its KV has expired on the decode worker);
+* appends the new tokens (a tool result after a ``tool`` gap, a user message otherwise);
+* may edit the history (``edit_p``): the last (or, with ``edit.first_p``, the first) assistant
+  reply is compacted to ``edit.keep`` of its characters, or its reasoning stripped.
+
+Trace replays (``traces``): ``mooncake`` (sessions inferred from hash chains, text synthesized per
+hash block so prefix sharing survives, arrivals replayed), ``azure`` (every row a one-turn session
+at its arrival), ``taubench`` (full text; gaps from ``gaps``) and ``vllm_multiturn`` (vLLM's
+multi-turn benchmark JSON; output length = the dataset reply's tokens). ``time_scale`` multiplies
+every gap and arrival offset (the scale is recorded with the run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections import Counter
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import numpy as np
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from loadgen.session import SessionPlan, TurnPlan, plan_from_conversation
+from loadgen.synth_text import TextSynth, _key_ints
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+WORKLOAD_DIR = REPO_ROOT / "data" / "workloads"
+GapKind = Literal["tool", "think", "pause"]
+_GAP_KINDS = ("tool", "think", "pause")
+
+
+class WorkloadError(ValueError):
+    """A workload file is invalid; the message names the file and the field (or YAML line)."""
+
+
+# ------------------------------------------------------------------------------- distributions
+
+
+class _Dist(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min: float | None = None
+    max: float | None = None
+
+    @model_validator(mode="after")
+    def _clip_order(self) -> _Dist:
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"min ({self.min}) must not exceed max ({self.max})")
+        return self
+
+    def _draw(self, rng: np.random.Generator, size: int | None) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def sample(self, rng: np.random.Generator, size: int | None = None) -> Any:
+        """One draw (float) or ``size`` draws (ndarray), clipped to ``[min, max]``."""
+        x = self._draw(rng, size)
+        if self.min is not None or self.max is not None:
+            x = np.clip(x, self.min, self.max)
+        return float(x) if size is None else np.asarray(x, dtype=float)
+
+    def sample_int(self, rng: np.random.Generator, low: int = 0) -> int:
+        """One draw rounded to the nearest integer, at least ``low``."""
+        return max(low, round(self.sample(rng)))
+
+
+class Constant(_Dist):
+    """Always ``value``."""
+
+    kind: Literal["constant"] = "constant"
+    value: float
+
+    def _draw(self, rng, size):
+        return self.value if size is None else np.full(size, self.value, dtype=float)
+
+
+class Uniform(_Dist):
+    """Uniform on ``[low, high)`` (``Generator.uniform``)."""
+
+    kind: Literal["uniform"]
+    low: float
+    high: float
+
+    @model_validator(mode="after")
+    def _order(self) -> Uniform:
+        if self.low > self.high:
+            raise ValueError(f"low ({self.low}) must not exceed high ({self.high})")
+        return self
+
+    def _draw(self, rng, size):
+        return rng.uniform(self.low, self.high, size)
+
+
+class LogNormal(_Dist):
+    """Log-normal with the given ``median`` (= exp(mu)) and ``sigma`` of the log (``Generator.lognormal``)."""
+
+    kind: Literal["lognormal"]
+    median: float = Field(gt=0)
+    sigma: float = Field(ge=0)
+
+    def _draw(self, rng, size):
+        return rng.lognormal(math.log(self.median), self.sigma, size)
+
+
+class Exponential(_Dist):
+    """Exponential with the given ``mean`` (``Generator.exponential``)."""
+
+    kind: Literal["exponential"]
+    mean: float = Field(gt=0)
+
+    def _draw(self, rng, size):
+        return rng.exponential(self.mean, size)
+
+
+#: Fields an empirical distribution can resample from the shipped traces.
+EMPIRICAL_FIELDS = {
+    "mooncake": ("input_length", "output_length", "gap_s", "turns", "new_tokens"),
+    "azure": ("context_tokens", "generated_tokens", "interarrival_s"),
+}
+
+
+@lru_cache(maxsize=16)
+def empirical_values(trace: str, field: str) -> tuple[float, ...]:
+    """The values of ``field`` in the shipped ``trace`` (see :data:`EMPIRICAL_FIELDS`).
+
+    mooncake: per request ``input_length``/``output_length`` (tokens); per inferred link ``gap_s``
+    (parent -> child arrival, seconds) and ``new_tokens`` (child input - parent input - parent
+    output); per inferred session ``turns``. azure: per row ``context_tokens``/``generated_tokens``;
+    ``interarrival_s`` between consecutive rows.
+    """
+    if trace == "mooncake":
+        from loadgen.traces.mooncake import infer_sessions, load_mooncake
+
+        reqs = load_mooncake()
+        if field in ("input_length", "output_length"):
+            return tuple(float(getattr(r, field)) for r in reqs)
+        sessions, _, rep = infer_sessions(reqs)
+        if field == "gap_s":
+            return tuple(rep.gaps_s.tolist())
+        if field == "new_tokens":
+            return tuple(float(x) for x in rep.new_tokens)
+        return tuple(float(len(s.requests)) for s in sessions)
+    from loadgen.traces.azure import load_azure
+
+    rows = load_azure()
+    if field == "interarrival_s":
+        return tuple(float(x) for x in np.diff([r.arrival_s for r in rows]))
+    return tuple(float(getattr(r, field)) for r in rows)
+
+
+class Empirical(_Dist):
+    """Resample (with replacement, ``Generator.choice``) from ``values`` or a shipped trace's field,
+    times ``scale``."""
+
+    kind: Literal["empirical"]
+    values: list[float] | None = None
+    trace: Literal["mooncake", "azure"] | None = None
+    field: str | None = None
+    scale: float = Field(default=1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _source(self) -> Empirical:
+        if (self.values is None) == (self.trace is None):
+            raise ValueError("give either 'values' or 'trace' (with 'field'), not both or neither")
+        if self.values is not None and not self.values:
+            raise ValueError("'values' must not be empty")
+        if self.trace is not None and self.field not in EMPIRICAL_FIELDS[self.trace]:
+            raise ValueError(f"'field' must be one of {', '.join(EMPIRICAL_FIELDS[self.trace])} for trace "
+                             f"{self.trace}, got {self.field!r}")
+        return self
+
+    def _draw(self, rng, size):
+        vals = self.values if self.values is not None else empirical_values(self.trace, self.field)
+        return rng.choice(np.asarray(vals, dtype=float), size) * self.scale
+
+
+def _number_is_constant(v: Any) -> Any:
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return {"kind": "constant", "value": v}
+    return v
+
+
+Dist = Annotated[Constant | Uniform | LogNormal | Exponential | Empirical, Field(discriminator="kind"),
+                 BeforeValidator(_number_is_constant)]
+
+
+# ---------------------------------------------------------------------------------- archetypes
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GapSpec(_Model):
+    """One gap kind: its probability among the gap kinds and its length in seconds."""
+
+    p: float = Field(ge=0, le=1)
+    seconds: Dist
+
+
+class EditSpec(_Model):
+    """How an ``edit`` changes the history: ``keep`` (fraction of the reply's characters kept by a
+    compaction), ``first_p`` (probability that the first assistant reply is edited rather than the
+    last), ``strip_reasoning_p`` (probability the edit strips reasoning instead of compacting)."""
+
+    keep: Dist = Uniform(kind="uniform", low=0.2, high=0.6)
+    first_p: float = Field(default=0.3, ge=0, le=1)
+    strip_reasoning_p: float = Field(default=0.0, ge=0, le=1)
+
+
+class FreshSpec(_Model):
+    """The unrelated side request: its prompt and output tokens."""
+
+    prompt_tokens: Dist = Constant(value=200)
+    output_tokens: Dist = Constant(value=32)
+
+
+class ResumeSpec(_Model):
+    """A forced resume pauses ``ttl_s + extra_s`` seconds (``extra_s`` > 0)."""
+
+    extra_s: Dist = LogNormal(kind="lognormal", median=300, sigma=1.0, min=1)
+
+
+class Archetype(_Model):
+    """A kind of agent session (see the module doc). Token counts are of the synthesized content;
+    the chat template adds its own few tokens per message."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    description: str = ""
+    turns: Dist
+    system_prompt_tokens: Dist = Constant(value=0)
+    first_prompt_tokens: Dist
+    new_tokens: dict[GapKind, Dist]
+    output_tokens: Dist
+    gaps: dict[GapKind, GapSpec]
+    retry_p: float = Field(default=0.0, ge=0, le=1)
+    edit_p: float = Field(default=0.0, ge=0, le=1)
+    fresh_p: float = Field(default=0.0, ge=0, le=1)
+    resume_p: float = Field(default=0.0, ge=0, le=1)
+    edit: EditSpec = EditSpec()
+    fresh: FreshSpec = FreshSpec()
+    resume: ResumeSpec = ResumeSpec()
+
+    @field_validator("gaps")
+    @classmethod
+    def _gaps_sum_to_one(cls, v: dict[str, GapSpec]) -> dict[str, GapSpec]:
+        total = sum(g.p for g in v.values())
+        if not v or abs(total - 1.0) > 1e-6:
+            raise ValueError(f"the gap kinds' p must sum to 1, got {total:g} over {sorted(v)}")
+        return v
+
+    @model_validator(mode="after")
+    def _new_tokens_for_every_gap(self) -> Archetype:
+        need = {k for k, g in self.gaps.items() if g.p > 0} | ({"pause"} if self.resume_p > 0 else set())
+        missing = sorted(need - set(self.new_tokens))
+        if missing:
+            raise ValueError(f"new_tokens has no distribution for gap kind(s) {missing}")
+        return self
+
+
+# ------------------------------------------------------------------------------------- traces
+
+
+class TraceSource(_Model):
+    """A trace replayed as part of the workload.
+
+    ``path``: default the shipped file (mooncake, azure, taubench; required for vllm_multiturn);
+    relative paths are looked up next to the workload file, then under the repository root.
+    ``sessions``: at most this many (by start time / file order). ``start_s``/``duration_s``: only
+    sessions whose first request arrives in this window of trace time (mooncake, azure).
+    ``min_turns``/``max_turns``: filter / cut sessions. ``token_scale``: multiplies the trace's token
+    lengths (and the Mooncake block size), e.g. 0.1 for a small model. ``replay_timestamps``:
+    sessions start at their arrival offset and turns at theirs (else: closed loop, trace gaps as
+    gaps). ``gaps``: gap lengths for taubench/vllm_multiturn (``tool``, ``think``). ``output_tokens``:
+    override the output length (taubench default: the run's max tokens; vllm_multiturn default:
+    the dataset reply's tokens). ``min_new_tokens``: a Mooncake child turn appends at least this.
+    """
+
+    format: Literal["mooncake", "azure", "taubench", "vllm_multiturn"]
+    path: str | None = None
+    name: str | None = None
+    sessions: int | None = Field(default=None, ge=0)
+    start_s: float = Field(default=0.0, ge=0)
+    duration_s: float | None = Field(default=None, gt=0)
+    min_turns: int = Field(default=1, ge=1)
+    max_turns: int | None = Field(default=None, ge=1)
+    token_scale: float = Field(default=1.0, gt=0)
+    replay_timestamps: bool = True
+    gaps: dict[Literal["tool", "think"], Dist] = Field(default_factory=dict)
+    output_tokens: Dist | None = None
+    min_new_tokens: int = Field(default=1, ge=1)
+
+    @model_validator(mode="after")
+    def _path_needed(self) -> TraceSource:
+        if self.format == "vllm_multiturn" and not self.path:
+            raise ValueError("'path' is required for format vllm_multiturn (no such file is shipped)")
+        return self
+
+
+class MixEntry(_Model):
+    """One entry of the mix: an archetype, or ``include`` (another workload file's mix, its
+    weights normalised and multiplied by ``weight``)."""
+
+    weight: float = Field(default=1.0, gt=0)
+    archetype: Archetype | None = None
+    include: str | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> MixEntry:
+        if (self.archetype is None) == (self.include is None):
+            raise ValueError("give exactly one of 'archetype' or 'include'")
+        return self
+
+
+class Workload(_Model):
+    """A workload file (see the module doc). Times in seconds, lengths in tokens."""
+
+    name: str
+    description: str = ""
+    seed: int = 0
+    sessions: int = Field(default=20, ge=0)
+    ttl_s: float = Field(default=480.0, gt=0)
+    token_scale: float = Field(default=1.0, gt=0)
+    ignore_eos: bool = True
+    temperature: float = Field(default=0.0, ge=0)
+    timeout_s: float = Field(default=300.0, gt=0)
+    mix: list[MixEntry] = Field(default_factory=list)
+    traces: list[TraceSource] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _something(self) -> Workload:
+        if not self.mix and not self.traces:
+            raise ValueError("a workload needs a 'mix' of archetypes or 'traces' (or both)")
+        return self
+
+    def archetypes(self) -> list[tuple[float, Archetype]]:
+        """(normalised weight, archetype) of every mix entry (includes must be resolved)."""
+        entries = [(e.weight, e.archetype) for e in self.mix if e.archetype is not None]
+        if len(entries) != len(self.mix):
+            raise ValueError("unresolved 'include' entries: load the workload with load_workload()")
+        total = sum(w for w, _ in entries)
+        return [(w / total, a) for w, a in entries]
+
+
+def _errors(path: Path, e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+        lines.append(f"{path}: {loc}: {err['msg']}")
+    return "\n".join(lines)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise WorkloadError(f"{path}: cannot read the workload: {e}") from e
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1} column {mark.column + 1}: " if mark is not None else ""
+        raise WorkloadError(f"{path}: {where}not valid YAML: {getattr(e, 'problem', e)}") from e
+    if not isinstance(raw, dict):
+        raise WorkloadError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    raw.setdefault("name", path.stem)
+    return raw
+
+
+def _resolve(path_str: str, base: Path) -> Path:
+    p = Path(path_str)
+    if p.is_absolute():
+        return p
+    for root in (base, REPO_ROOT):
+        if (root / p).exists():
+            return (root / p).resolve()
+    return (base / p).resolve()
+
+
+def load_workload(path: Path | str, _stack: tuple[Path, ...] = ()) -> Workload:
+    """Read, validate and resolve a workload file.
+
+    ``include`` entries are replaced by the included file's archetypes (recursively; weights
+    normalised and scaled) and trace paths are made absolute, so the result is self-contained (it
+    is what a run records as its workload spec). A bare name (``mixed``) is looked up in
+    ``data/workloads/``.
+
+    Raises:
+        WorkloadError: unreadable file, bad YAML (with its line), a field that fails validation
+            (``<file>: mix.0.archetype.turns.kind: ...``), an include cycle or a missing trace file.
+    """
+    p = Path(path)
+    if not p.exists() and not p.suffix and (WORKLOAD_DIR / f"{p}.yaml").exists():
+        p = WORKLOAD_DIR / f"{p}.yaml"
+    p = p.resolve()
+    if p in _stack:
+        raise WorkloadError(f"{p}: include cycle: {' -> '.join(str(x) for x in (*_stack, p))}")
+    raw = _read_yaml(p)
+    try:
+        w = Workload.model_validate(raw)
+    except ValidationError as e:
+        raise WorkloadError(_errors(p, e)) from None
+    mix: list[MixEntry] = []
+    for i, e in enumerate(w.mix):
+        if e.include is None:
+            mix.append(e)
+            continue
+        inc = load_workload(_resolve(e.include, p.parent), (*_stack, p))
+        if not inc.mix:
+            raise WorkloadError(f"{p}: mix.{i}.include: {e.include} has no archetypes to include")
+        for wt, a in inc.archetypes():
+            mix.append(MixEntry(weight=e.weight * wt, archetype=a))
+    traces = []
+    for i, t in enumerate(w.traces):
+        if t.path:
+            tp = _resolve(t.path, p.parent)
+            if not tp.exists():
+                raise WorkloadError(f"{p}: traces.{i}.path: {t.path}: no such file")
+            t = t.model_copy(update={"path": str(tp)})
+        traces.append(t)
+    return w.model_copy(update={"mix": mix, "traces": traces})
+
+
+# ------------------------------------------------------------------------------------ planning
+
+
+def _rng(*parts: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([int(x) & 0xFFFFFFFF for x in parts]))
+
+
+def _ref(text: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": text}
+
+
+def _tokens(d: _Dist, rng: np.random.Generator, scale: float, low: int = 1) -> int:
+    """One token-count draw times ``scale``, rounded, at least ``low``."""
+    return max(low, round(d.sample(rng) * scale))
+
+
+def plan_archetype_session(arch: Archetype, index: int, w: Workload, synth: TextSynth, *,
+                           time_scale: float = 1.0, token_scale: float | None = None,
+                           system_text: str = "") -> SessionPlan:
+    """Plan archetype session ``index`` of workload ``w`` (see the module doc for the rules).
+
+    Draws come from ``default_rng([w.seed, 1, index])`` in a fixed order; texts from ``synth``
+    keyed by the session id. ``system_text`` is the archetype's shared system prompt; token draws
+    are multiplied by ``token_scale`` (default ``w.token_scale``).
+    """
+    ts = w.token_scale if token_scale is None else token_scale
+    rng = _rng(w.seed, 1, index)
+    sid = f"a{index:05d}-{arch.name}"
+    n_turns = arch.turns.sample_int(rng, low=1)
+    first = _tokens(arch.first_prompt_tokens, rng, ts)
+    msgs0: list[dict[str, Any]] = [{"role": "system", "content": system_text}] if system_text else []
+    msgs0.append({"role": "user", "content": synth.text(first, f"{sid}/0/user")})
+    out0 = _tokens(arch.output_tokens, rng, ts)
+    turns = [TurnPlan(msgs0, _ref(synth.text(out0, f"{sid}/0/ref")), max_tokens=out0)]
+    kinds = [k for k in _GAP_KINDS if k in arch.gaps]
+    probs = np.array([arch.gaps[k].p for k in kinds])
+    for k in range(1, n_turns):
+        if rng.random() < arch.fresh_p:
+            fp = _tokens(arch.fresh.prompt_tokens, rng, ts)
+            fo = _tokens(arch.fresh.output_tokens, rng, ts)
+            turns.append(TurnPlan([{"role": "user", "content": synth.text(fp, f"{sid}/{k}/fresh")}],
+                                  _ref(""), 0.0, "none", "fresh", max_tokens=fo))
+        out = _tokens(arch.output_tokens, rng, ts)
+        if rng.random() < arch.retry_p:
+            turns.append(TurnPlan([], _ref(synth.text(out, f"{sid}/{k}/ref")), 0.0, "none", "retry",
+                                  max_tokens=out))
+            continue
+        if rng.random() < arch.resume_p:
+            gkind, gap = "pause", w.ttl_s + arch.resume.extra_s.sample(rng)
+        else:
+            gkind = str(kinds[int(rng.choice(len(kinds), p=probs / probs.sum()))])
+            gap = arch.gaps[gkind].seconds.sample(rng)
+        gap = max(gap, 0.0)
+        kind = "resume" if gap > w.ttl_s else "turn"
+        new = _tokens(arch.new_tokens[gkind], rng, ts)
+        text = synth.text(new, f"{sid}/{k}/new")
+        msg = ({"role": "tool", "tool_call_id": f"call_{k}", "content": text} if gkind == "tool"
+               else {"role": "user", "content": text})
+        edit = None
+        if rng.random() < arch.edit_p and kind == "turn":
+            kind = "edit"
+            style = "strip_reasoning" if rng.random() < arch.edit.strip_reasoning_p else "compact"
+            target = "first" if rng.random() < arch.edit.first_p else "last"
+            edit = {"style": style, "target": target, "keep": float(np.clip(arch.edit.keep.sample(rng), 0, 1))}
+        turns.append(TurnPlan([msg], _ref(synth.text(out, f"{sid}/{k}/ref")), gap * time_scale, gkind, kind,
+                              max_tokens=out, edit=edit))
+    return SessionPlan(session_id=sid, source=f"synthetic:{arch.name}", turns=turns, archetype=arch.name)
+
+
+def _in_window(t_s: float, src: TraceSource) -> bool:
+    return t_s >= src.start_s and (src.duration_s is None or t_s < src.start_s + src.duration_s)
+
+
+def _gap_turn(gap_s: float, ttl_s: float) -> tuple[str, str]:
+    return ("resume", "pause") if gap_s > ttl_s else ("turn", "think")
+
+
+def plan_mooncake(src: TraceSource, si: int, w: Workload, synth: TextSynth, time_scale: float) -> list[SessionPlan]:
+    """Sessions of the Mooncake trace (see :mod:`loadgen.traces.mooncake`), text per hash block."""
+    from loadgen.traces.mooncake import BLOCK_TOKENS, DEFAULT_TRACE, infer_sessions, load_mooncake
+
+    reqs = load_mooncake(src.path or DEFAULT_TRACE)
+    sessions, _, _ = infer_sessions(reqs)
+    s = src.token_scale
+    block = max(1, round(BLOCK_TOKENS * s))
+    name = src.name or "trace-mooncake"
+    plans: list[SessionPlan] = []
+    for sess in sessions:
+        if src.sessions is not None and len(plans) >= src.sessions:
+            break
+        rs = [reqs[i] for i in sess.requests][: src.max_turns]
+        t0 = rs[0].timestamp_ms / 1000.0
+        if len(rs) < src.min_turns or not _in_window(t0, src):
+            continue
+        sid = f"m{si}-{len(plans):05d}-r{rs[0].index}"
+        turns: list[TurnPlan] = []
+        prev_in = prev_out = 0
+        for k, r in enumerate(rs):
+            cap = len(r.hash_ids) * block
+            n_in = min(max(1, round(r.input_length * s)), cap)
+            n_out = max(1, round(r.output_length * s))
+            if k == 0:
+                text = synth.chain_text(r.hash_ids, 0, n_in, block)
+            else:
+                a = prev_in + prev_out
+                if n_in - a >= src.min_new_tokens:
+                    text = synth.chain_text(r.hash_ids, a, n_in, block)
+                else:  # the trace's child is shorter than parent + output: append the minimum
+                    text = synth.text(src.min_new_tokens, f"{sid}/{k}/new")
+            msg = {"role": "user", "content": text}
+            ref = _ref(synth.text(n_out, f"{sid}/{k}/ref"))
+            if k == 0:
+                turns.append(TurnPlan([msg], ref, max_tokens=n_out))
+            else:
+                gap = (r.timestamp_ms - rs[k - 1].timestamp_ms) / 1000.0
+                kind, gkind = _gap_turn(gap, w.ttl_s)
+                if src.replay_timestamps:
+                    turns.append(TurnPlan([msg], ref, 0.0, gkind, kind, max_tokens=n_out,
+                                          at_s=(r.timestamp_ms / 1000.0 - t0) * time_scale))
+                else:
+                    turns.append(TurnPlan([msg], ref, gap * time_scale, gkind, kind, max_tokens=n_out))
+            prev_in, prev_out = n_in, n_out
+        start = (t0 - src.start_s) * time_scale if src.replay_timestamps else None
+        plans.append(SessionPlan(sid, f"mooncake:r{rs[0].index}", turns, archetype=name, start_at_s=start))
+    return plans
+
+
+def plan_azure(src: TraceSource, si: int, w: Workload, synth: TextSynth, time_scale: float) -> list[SessionPlan]:
+    """Every Azure row in the window as a one-turn session at its arrival offset."""
+    from loadgen.traces.azure import DEFAULT_TRACE, load_azure
+
+    rows = load_azure(src.path or DEFAULT_TRACE)
+    s = src.token_scale
+    name = src.name or "trace-azure"
+    plans: list[SessionPlan] = []
+    for r in rows:
+        if src.sessions is not None and len(plans) >= src.sessions:
+            break
+        if not _in_window(r.arrival_s, src):
+            continue
+        sid = f"z{si}-{len(plans):05d}-r{r.index}"
+        n_in = max(1, round(r.context_tokens * s))
+        n_out = max(1, round(r.generated_tokens * s))
+        turn = TurnPlan([{"role": "user", "content": synth.text(n_in, f"{sid}/0/user")}],
+                        _ref(synth.text(n_out, f"{sid}/0/ref")), max_tokens=n_out)
+        start = (r.arrival_s - src.start_s) * time_scale if src.replay_timestamps else None
+        plans.append(SessionPlan(sid, f"azure:r{r.index}", [turn], archetype=name, start_at_s=start))
+    return plans
+
+
+def _plan_conversations(convs: list[Any], src: TraceSource, si: int, prefix: str, w: Workload,
+                        synth: TextSynth, time_scale: float, reply_tokens: bool) -> list[SessionPlan]:
+    name = src.name or f"trace-{src.format}"
+    plans: list[SessionPlan] = []
+    for j, conv in enumerate(convs):
+        if src.sessions is not None and len(plans) >= src.sessions:
+            break
+        if conv.turn_count < src.min_turns:
+            continue
+        rng = _rng(w.seed, 3 + si, j)
+        base = plan_from_conversation(conv, session_id=f"{prefix}{si}-{len(plans):05d}-{conv.id}", archetype=name)
+        turns = []
+        for k, tp in enumerate(base.turns):
+            if src.output_tokens is not None:
+                out: int | None = src.output_tokens.sample_int(rng, low=1)
+            elif reply_tokens:
+                (out,) = synth.counter.count([tp.reference_reply.get("content") or ""])
+                out = max(out, 1)
+            else:
+                out = None
+            gap = 0.0
+            kind = "turn"
+            gkind = tp.gap_kind
+            if k > 0:
+                dist = src.gaps.get(tp.gap_kind) if tp.gap_kind in ("tool", "think") else None
+                gap = max(dist.sample(rng), 0.0) if dist is not None else 0.0
+                if gap > w.ttl_s:
+                    kind, gkind = "resume", "pause"
+            turns.append(TurnPlan(tp.new_messages, tp.reference_reply, gap * time_scale, gkind, kind,
+                                  max_tokens=out))
+        plans.append(SessionPlan(base.session_id, base.source, turns, archetype=name))
+    return plans
+
+
+def plan_trace(src: TraceSource, si: int, w: Workload, synth: TextSynth, time_scale: float) -> list[SessionPlan]:
+    """Plans of one trace source (``si``: its position in ``w.traces``, part of the session ids)."""
+    if src.format == "mooncake":
+        return plan_mooncake(src, si, w, synth, time_scale)
+    if src.format == "azure":
+        return plan_azure(src, si, w, synth, time_scale)
+    if src.format == "taubench":
+        from loadgen.traces.taubench import DEFAULT_TRACE, load_taubench
+
+        convs = load_taubench(src.path or DEFAULT_TRACE, max_turns=src.max_turns)
+        return _plan_conversations(convs, src, si, "t", w, synth, time_scale, reply_tokens=False)
+    from loadgen.traces.vllm_multiturn import load_vllm_multiturn
+
+    convs = load_vllm_multiturn(src.path, max_turns=src.max_turns)
+    return _plan_conversations(convs, src, si, "v", w, synth, time_scale, reply_tokens=True)
+
+
+def plan_workload(w: Workload, synth: TextSynth, *, time_scale: float = 1.0,
+                  sessions: int | None = None, token_scale: float | None = None) -> list[SessionPlan]:
+    """All sessions of a workload, in the order users should take them.
+
+    Args:
+        w: a resolved workload (:func:`load_workload`).
+        synth: text synthesizer for the served tokenizer (its seed should be ``w.seed``).
+        time_scale: multiplies every gap and arrival offset (e.g. 0.01 compresses minutes to
+            seconds); a turn is a ``resume`` by its unscaled gap against ``w.ttl_s``.
+        sessions: archetype sessions to draw (default ``w.sessions``); traces bring their own.
+        token_scale: multiplies the archetypes' token draws (default ``w.token_scale``); trace
+            sources have their own ``token_scale``.
+
+    Returns:
+        Archetype sessions (no start time, closed loop) followed by trace sessions ordered by start
+        time (``start_at_s``, seconds after the run starts, already scaled).
+    """
+    if not time_scale > 0:
+        raise ValueError(f"time_scale must be > 0, got {time_scale}")
+    plans: list[SessionPlan] = []
+    n = w.sessions if sessions is None else sessions
+    ts = w.token_scale if token_scale is None else token_scale
+    if not ts > 0:
+        raise ValueError(f"token_scale must be > 0, got {ts}")
+    arch = w.archetypes() if w.mix else []
+    if arch and n:
+        weights = np.array([wt for wt, _ in arch])
+        system = {}
+        for _, a in arch:
+            if a.name not in system:
+                tokens = _tokens(a.system_prompt_tokens, _rng(w.seed, 2, *_key_ints(a.name)), ts, low=0)
+                system[a.name] = synth.text(tokens, f"system/{a.name}") if tokens else ""
+        for i in range(n):
+            pick = int(_rng(w.seed, 0, i).choice(len(arch), p=weights))
+            a = arch[pick][1]
+            plans.append(plan_archetype_session(a, i, w, synth, time_scale=time_scale, token_scale=ts,
+                                                system_text=system[a.name]))
+    trace_plans: list[SessionPlan] = []
+    for si, src in enumerate(w.traces):
+        trace_plans.extend(plan_trace(src, si, w, synth, time_scale))
+    trace_plans.sort(key=lambda p: p.start_at_s if p.start_at_s is not None else 0.0)
+    return plans + trace_plans
+
+
+def describe(plans: list[SessionPlan]) -> str:
+    """A short human-readable summary of planned sessions: counts of turns by kind and gap kind,
+    planned output tokens, the longest gap."""
+    kinds: Counter = Counter()
+    gks: Counter = Counter()
+    arch: Counter = Counter()
+    out_tokens = 0
+    longest = 0.0
+    for p in plans:
+        arch[p.archetype] += 1
+        for t in p.turns:
+            kinds[t.kind] += 1
+            gks[t.gap_kind] += 1
+            out_tokens += t.max_tokens or 0
+            longest = max(longest, t.gap_before_s)
+    n = sum(kinds.values())
+    return (f"{len(plans)} sessions {dict(arch)}; {n} requests by kind {dict(kinds)}, by gap {dict(gks)}; "
+            f"{out_tokens} planned output tokens; longest gap {longest:.1f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m loadgen.workload FILE --tokenizer DIR``: validate a workload and summarise its plan."""
+    ap = argparse.ArgumentParser(prog="python -m loadgen.workload", description=main.__doc__)
+    ap.add_argument("workload", help="workload YAML (or a name under data/workloads/)")
+    ap.add_argument("--tokenizer", default=str(REPO_ROOT / "data" / "models" / "turnscope-tiny"),
+                    help="tokenizer.json or model directory (default: the embedded model)")
+    ap.add_argument("--sessions", type=int, default=None)
+    ap.add_argument("--time-scale", type=float, default=1.0)
+    ap.add_argument("--token-scale", type=float, default=None)
+    a = ap.parse_args(argv)
+    from loadgen.synth_text import LocalTokenizer
+
+    try:
+        w = load_workload(a.workload)
+    except WorkloadError as e:
+        print(e)
+        return 2
+    plans = plan_workload(w, TextSynth(LocalTokenizer(a.tokenizer), w.seed), time_scale=a.time_scale,
+                          sessions=a.sessions, token_scale=a.token_scale)
+    print(f"workload {w.name} (seed {w.seed}): {describe(plans)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
