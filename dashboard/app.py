@@ -1,8 +1,9 @@
 """turnscope dashboard: `streamlit run dashboard/app.py`.
 
 Read-only over the store named by ``$TURNSCOPE_STORE`` (default ``<repo>/data``). This script
-owns what every page shares: the store, its empty states, and the sidebar's run and mode
-filters; the pages in ``dashboard/app_pages/`` read the resulting `dashboard.context.Selection`.
+owns what every page shares: the store, its empty states, and the sidebar's filters (run, mode,
+archetype, turn kind, gap kind); the pages in ``dashboard/app_pages/`` read the resulting
+`dashboard.context.Selection`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ st.set_page_config(page_title="turnscope", page_icon=":material/query_stats:", l
 
 PAGES = [
     st.Page("app_pages/overview.py", title="Overview", icon=":material/dashboard:", default=True),
+    st.Page("app_pages/turns.py", title="Turns", icon=":material/timeline:"),
+    st.Page("app_pages/sessions.py", title="Sessions", icon=":material/account_tree:"),
+    st.Page("app_pages/memory.py", title="Memory", icon=":material/memory:"),
+    st.Page("app_pages/compare.py", title="Compare", icon=":material/compare_arrows:"),
+    st.Page("app_pages/sql.py", title="SQL", icon=":material/terminal:"),
 ]
 nav = st.navigation(PAGES)
 
@@ -77,6 +83,28 @@ if modes:
     keep = keep[keep["mode"].isin(modes)]
 if chosen:
     keep = keep[keep["run_id"].isin(chosen)]
+
+# Turn filters: the values present in the runs kept so far. Empty means all.
+options = loader.load(str(store.root), "filter_options", tuple(keep["run_id"].astype(str)))
+
+
+def _values(field: str) -> list[str]:
+    return options.loc[options["field"] == field, "value"].astype(str).tolist()
+
+
+def _turn_filter(label: str, field: str, key: str, help_: str) -> tuple[str, ...]:
+    values = _values(field)
+    # A value picked earlier that the current runs lack stays listed, so the widget keeps it.
+    picked = [v for v in st.session_state.get(key, []) if v not in values]
+    return tuple(st.sidebar.multiselect(label, values + picked, placeholder="all", key=key, help=help_))
+
+
+archetypes = _turn_filter(
+    "Archetype", "archetype", "ts_archetypes",
+    "Session archetype (from the session's row, written when it ends: a running session has none yet).",
+)  # fmt: skip
+kinds = _turn_filter("Turn kind", "kind", "ts_kinds", "turn, retry, edit, fresh or resume (DESIGN §4).")
+gap_kinds = _turn_filter("Gap kind", "gap_kind", "ts_gap_kinds", "What the session waited on before the turn.")
 running = int((keep["status"] == "running").sum())
 st.sidebar.caption(
     f"{len(keep)} of {len(runs)} runs selected"
@@ -89,6 +117,9 @@ context.publish(
         runs=runs,
         run_ids=tuple(keep["run_id"].astype(str)),
         modes=tuple(modes or mode_options),
+        archetypes=archetypes,
+        kinds=kinds,
+        gap_kinds=gap_kinds,
     )
 )
 nav.run()

@@ -11,6 +11,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard.db import Store
+from dashboard.queries import TurnFilter
 
 _KEY = "_turnscope_selection"
 
@@ -20,13 +21,33 @@ class Selection:
     """What the pages show.
 
     `runs`: every run of the store (``dashboard.queries.runs``); `run_ids`: the runs the
-    sidebar's filters keep (a tuple, possibly empty); `modes`: the modes the filter keeps.
+    sidebar's filters keep (a tuple, possibly empty); `modes`: the modes the filter keeps;
+    `archetypes`, `kinds`, `gap_kinds`: the turn filters (empty tuple: all).
     """
 
     store: Store
     runs: pd.DataFrame
     run_ids: tuple[str, ...]
     modes: tuple[str, ...]
+    archetypes: tuple[str, ...] = ()
+    kinds: tuple[str, ...] = ()
+    gap_kinds: tuple[str, ...] = ()
+
+    @property
+    def filter(self) -> TurnFilter:
+        """The selection as the queries' `TurnFilter` (hashable: a cache key)."""
+        return TurnFilter(self.run_ids, self.archetypes, self.kinds, self.gap_kinds)
+
+    def describe(self) -> str:
+        """The selection in one line of words, for captions and exports."""
+        parts = [f"{len(self.run_ids)} run(s)"]
+        if self.archetypes:
+            parts.append("archetype " + ", ".join(self.archetypes))
+        if self.kinds:
+            parts.append("turn kind " + ", ".join(self.kinds))
+        if self.gap_kinds:
+            parts.append("gap kind " + ", ".join(self.gap_kinds))
+        return " · ".join(parts)
 
     @property
     def root(self) -> str:

@@ -7,9 +7,11 @@ thing looks the same on every chart. An empty input gives an empty figure that s
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
 #: Serving modes in display order (DESIGN §2); unknown modes sort after these.
 MODE_ORDER = ["aggregated", "pd", "pd-bidir", "pd-nocache", "pd-bidir-nocache", "attach"]
@@ -168,4 +170,465 @@ def external_kv_tokens(df: pd.DataFrame) -> go.Figure:
     )
     fig.update_yaxes(rangemode="tozero")
     fig.update_layout(margin={"t": 60})
+    return fig
+
+
+# --- Turns --------------------------------------------------------------------------------------
+
+#: Line dash per mode where colour already means the reuse outcome.
+MODE_DASHES = {
+    "aggregated": "dot",
+    "pd": "dashdot",
+    "pd-bidir": "solid",
+    "pd-nocache": "longdash",
+    "pd-bidir-nocache": "dash",
+    "attach": "longdashdot",
+}
+#: Marker per mode, for the same reason.
+MODE_SYMBOLS = {
+    "aggregated": "circle-open",
+    "pd": "triangle-up",
+    "pd-bidir": "circle",
+    "pd-nocache": "square-open",
+    "pd-bidir-nocache": "diamond",
+    "attach": "x",
+}
+LATENCY_METRICS = (("ttft_p50_s", "TTFT p50"), ("itl_p50_s", "ITL p50"), ("e2e_p50_s", "E2E p50"))
+
+
+def latency_panels(df: pd.DataFrame, by: str = "turn_index") -> go.Figure:
+    """Median TTFT, ITL and E2E (three panels, ms) against turn index or prompt length.
+
+    `df`: ``dashboard.queries.latency_by`` (mode, reuse, x, turns, ttft_p50_s, itl_p50_s,
+    e2e_p50_s in seconds). `by`: ``turn_index`` or ``history`` (x is then the lower edge of a
+    prompt-length bin, tokens). Colour is the reuse outcome, line dash and marker the mode; one
+    legend entry per (outcome, mode).
+    """
+    if df.empty:
+        return empty_figure("no ok turns in the selection")
+    x_title = "turn index (0 = first turn)" if by == "turn_index" else "prompt length (tokens, history included)"
+    fig = make_subplots(rows=1, cols=3, subplot_titles=[t for _, t in LATENCY_METRICS], horizontal_spacing=0.07)
+    modes = _ordered(df["mode"], MODE_ORDER)
+    outcomes = _ordered(df["reuse"], OUTCOME_ORDER)
+    for outcome in outcomes:
+        for mode in modes:
+            g = df[(df["reuse"] == outcome) & (df["mode"] == mode)].sort_values("x")
+            if g.empty:
+                continue
+            name = f"{outcome} · {mode}"
+            for col, (metric, _) in enumerate(LATENCY_METRICS, start=1):
+                fig.add_trace(
+                    go.Scatter(
+                        x=g["x"],
+                        y=g[metric] * 1e3,
+                        name=name,
+                        legendgroup=name,
+                        showlegend=col == 1,
+                        mode="lines+markers",
+                        line={"color": OUTCOME_COLORS.get(outcome, "#7f7f7f"), "dash": MODE_DASHES.get(mode, "solid")},
+                        marker={"symbol": MODE_SYMBOLS.get(mode, "circle"), "size": 7},
+                        customdata=g[["turns"]].to_numpy(),
+                        hovertemplate=f"{name}<br>x=%{{x}}<br>%{{y:.1f}} ms<br>%{{customdata[0]}} turns<extra></extra>",
+                    ),
+                    row=1,
+                    col=col,
+                )
+    fig.update_xaxes(title_text=x_title, rangemode="tozero")
+    if by == "turn_index" and df["x"].max() <= 20:
+        fig.update_xaxes(dtick=1)
+    fig.update_yaxes(rangemode="tozero")
+    fig.update_yaxes(title_text="median (ms)", col=1)
+    fig.update_layout(
+        title="Latency by " + ("turn index" if by == "turn_index" else "history length") + ", by reuse outcome",
+        legend_title_text="reuse outcome · mode",
+        margin={"t": 80},
+        height=420,
+    )
+    return fig
+
+
+#: Parts of a turn's time, in stacking order, with their colours.
+TIME_PARTS = (
+    ("proxy_s", "proxy, queue, D's first token", "#9edae5"),
+    ("prefill_s", "prefill leg (compute)", "#1f77b4"),
+    ("kv_transfer_est_s", "KV transfer from D (estimate)", "#ff7f0e"),
+    ("unsplit_ttft_s", "to first token (no proxy: not split)", "#7f7f7f"),
+    ("decode_s", "decode (after first token)", "#2ca02c"),
+)
+
+
+def time_split(df: pd.DataFrame) -> go.Figure:
+    """Where each turn's time went: stacked bars of mean ms per turn, by turn index, one panel
+    per mode.
+
+    `df`: ``dashboard.queries.time_split`` (mode, turn_index, turns and the parts in seconds:
+    proxy_s, prefill_s, kv_transfer_est_s, unsplit_ttft_s, decode_s). A bar's height is the
+    mean E2E of its turns.
+    """
+    if df.empty:
+        return empty_figure("no ok turns with a TTFT and an E2E in the selection")
+    modes = _ordered(df["mode"], MODE_ORDER)
+    fig = make_subplots(rows=1, cols=len(modes), subplot_titles=modes, shared_yaxes=True, horizontal_spacing=0.03)
+    for col, mode in enumerate(modes, start=1):
+        g = df[df["mode"] == mode].sort_values("turn_index")
+        for part, label, color in TIME_PARTS:
+            if part not in g or not (g[part].fillna(0) > 0).any():
+                continue
+            fig.add_trace(
+                go.Bar(
+                    x=g["turn_index"],
+                    y=g[part] * 1e3,
+                    name=label,
+                    legendgroup=label,
+                    showlegend=not any(t.name == label for t in fig.data),
+                    marker_color=color,
+                    customdata=g[["turns"]].to_numpy(),
+                    hovertemplate=f"{mode} · {label}<br>turn %{{x}}: %{{y:.1f}} ms (mean of %{{customdata[0]}} turns)"
+                    "<extra></extra>",
+                ),
+                row=1,
+                col=col,
+            )
+        fig.update_xaxes(title_text="turn index", row=1, col=col, dtick=1 if g["turn_index"].max() <= 20 else None)
+    fig.update_yaxes(title_text="mean time per turn (ms)", col=1)
+    fig.update_layout(
+        barmode="stack",
+        title="Where each turn's time went (mean per turn; KV transfer is an estimate)",
+        legend_title_text="part",
+        margin={"t": 80},
+        height=420,
+    )
+    return fig
+
+
+def reuse_vs_expected(df: pd.DataFrame) -> go.Figure:
+    """Expected (dashed) against measured (solid) reused tokens per later turn, by turn index,
+    one colour per mode.
+
+    `df`: ``dashboard.queries.reuse_vs_expected`` (mode, turn_index, turns, expected_tokens,
+    measured_tokens: mean tokens per turn).
+    """
+    if df.empty:
+        return empty_figure("no later turns with expected and measured reuse in the selection")
+    fig = go.Figure()
+    for mode in _ordered(df["mode"], MODE_ORDER):
+        g = df[df["mode"] == mode].sort_values("turn_index")
+        color = MODE_COLORS.get(mode, "#7f7f7f")
+        for col, label, dash in (("expected_tokens", "expected", "dash"), ("measured_tokens", "measured", "solid")):
+            fig.add_trace(
+                go.Scatter(
+                    x=g["turn_index"],
+                    y=g[col],
+                    name=f"{mode}, {label}",
+                    mode="lines+markers",
+                    line={"color": color, "dash": dash},
+                    customdata=g[["turns"]].to_numpy(),
+                    hovertemplate=f"{mode} {label}<br>turn %{{x}}: %{{y:.0f}} tokens (mean of %{{customdata[0]}})"
+                    "<extra></extra>",
+                )
+            )
+    fig.update_xaxes(title_text="turn index", dtick=1 if df["turn_index"].max() <= 20 else None)
+    fig.update_yaxes(title_text="reused prompt tokens per turn (mean)", rangemode="tozero")
+    fig.update_layout(title="Expected vs measured reuse", legend_title_text="mode, reuse", margin={"t": 60})
+    return fig
+
+
+# --- Sessions -----------------------------------------------------------------------------------
+
+TASK_PARTS = (
+    ("llm_s", "LLM (sum of E2E)", "#1f77b4"),
+    ("tool_wait_s", "tool wait", "#ff7f0e"),
+    ("think_s", "think", "#2ca02c"),
+    ("pause_s", "pause", "#9467bd"),
+    ("other_s", "other (client between turns)", "#c7c7c7"),
+)
+
+
+def task_split(df: pd.DataFrame) -> go.Figure:
+    """Mean task latency per session split into LLM time, tool wait, think, pause and the rest,
+    one horizontal stacked bar per (mode, archetype), in seconds.
+
+    `df`: ``dashboard.queries.task_split`` (mode, archetype, sessions, task_latency_s, llm_s,
+    tool_wait_s, think_s, pause_s; seconds). "other" = task latency minus the four parts.
+    """
+    if df.empty:
+        return empty_figure("no finished sessions in the selection")
+    d = df.copy()
+    d["other_s"] = (d["task_latency_s"] - d[["llm_s", "tool_wait_s", "think_s", "pause_s"]].sum(axis=1)).clip(lower=0)
+    order = {m: i for i, m in enumerate(MODE_ORDER)}
+    d = d.sort_values(["mode", "archetype"], key=lambda c: c.map(order).fillna(99) if c.name == "mode" else c)
+    d["group"] = d["mode"].astype(str) + " · " + d["archetype"].astype(str) + " (" + d["sessions"].astype(str) + ")"
+    fig = go.Figure()
+    for part, label, color in TASK_PARTS:
+        fig.add_trace(
+            go.Bar(
+                y=d["group"],
+                x=d[part],
+                name=label,
+                orientation="h",
+                marker_color=color,
+                hovertemplate=f"%{{y}}<br>{label}: %{{x:.2f}} s per session<extra></extra>",
+            )
+        )
+    fig.update_layout(
+        barmode="stack",
+        title="Task latency per session (mean), split",
+        xaxis_title="seconds per session (mean)",
+        yaxis_title="mode · archetype (sessions)",
+        yaxis={"autorange": "reversed"},
+        legend_title_text="part",
+        margin={"t": 60},
+        height=max(260, 60 + 40 * len(d)),
+    )
+    return fig
+
+
+GAP_COLORS = {"tool": "#ff7f0e", "think": "#2ca02c", "pause": "#9467bd", "none": "#c7c7c7"}
+
+
+def session_timeline(df: pd.DataFrame) -> go.Figure:
+    """One session's timeline (a Gantt): per turn, the gap before it (coloured by gap kind), the
+    wait for the first token (coloured by reuse outcome) and the streaming after it.
+
+    `df`: ``dashboard.queries.session_turns`` (turn_index, kind, gap_kind, gap_before_s,
+    start_s: seconds from the session's first request, ttft_s, e2e_s, status, reuse). A turn
+    without a TTFT (failed) is drawn as one grey bar of its E2E, if any. x in seconds.
+    """
+    if df.empty:
+        return empty_figure("no turns recorded for this session")
+    d = df.sort_values("turn_index").reset_index(drop=True)
+    d["row"] = "turn " + d["turn_index"].astype(str) + " · " + d["kind"].fillna("?").astype(str)
+    fig = go.Figure()
+    shown: set[str] = set()
+
+    def bar(row: pd.Series, base: float, length: float, name: str, color: str, text: str) -> None:
+        fig.add_trace(
+            go.Bar(
+                y=[row["row"]],
+                x=[length],
+                base=[base],
+                orientation="h",
+                name=name,
+                legendgroup=name,
+                showlegend=name not in shown,
+                marker_color=color,
+                hovertemplate=text + "<extra></extra>",
+            )
+        )
+        shown.add(name)
+
+    for _, row in d.iterrows():
+        start = float(row["start_s"])
+        gap = row["gap_before_s"]
+        if pd.notna(gap) and gap > 0:
+            kind = str(row["gap_kind"])
+            bar(row, start - gap, gap, f"gap: {kind}", GAP_COLORS.get(kind, "#c7c7c7"),
+                f"{row['row']}<br>{kind} gap {gap:.2f} s")  # fmt: skip
+        ttft, e2e = row["ttft_s"], row["e2e_s"]
+        if pd.notna(ttft):
+            outcome = str(row["reuse"])
+            bar(row, start, ttft, f"to first token: {outcome}", OUTCOME_COLORS.get(outcome, "#7f7f7f"),
+                f"{row['row']}<br>TTFT {ttft * 1e3:.1f} ms ({outcome})")  # fmt: skip
+            if pd.notna(e2e) and e2e > ttft:
+                bar(row, start + ttft, e2e - ttft, "streaming", "#1f77b4",
+                    f"{row['row']}<br>streaming {(e2e - ttft) * 1e3:.1f} ms")  # fmt: skip
+        else:
+            length = float(e2e) if pd.notna(e2e) else 0.0
+            bar(row, start, length, f"failed ({row['status']})", "#d62728",
+                f"{row['row']}<br>{row['status']}, no token")  # fmt: skip
+    fig.update_layout(
+        barmode="overlay",
+        title="Session timeline",
+        xaxis_title="time since the session's first request (s)",
+        yaxis={"autorange": "reversed", "title": "turn"},
+        legend_title_text="segment",
+        margin={"t": 60},
+        height=max(260, 80 + 28 * len(d)),
+    )
+    return fig
+
+
+# --- Memory -------------------------------------------------------------------------------------
+
+
+def _run_names(df: pd.DataFrame) -> pd.Series:
+    dup = df.groupby("run_label")["run_id"].transform("nunique") > 1
+    name = df["run_label"].where(~dup, df["run_label"] + " (" + df["run_id"] + ")")
+    return name + " · " + df["mode"].astype(str)
+
+
+ROLE_DASHES = {"decode": "solid", "prefill": "dash", "aggregated": "dot"}
+
+
+def memory_timeline(mem: pd.DataFrame, hits: pd.DataFrame) -> go.Figure:
+    """KV usage of P and D (%), the proxy's live handle bytes (MiB) and the reuse hit rate (%)
+    over time since each run started, one colour per run, in three stacked panels.
+
+    `mem`: ``dashboard.queries.memory_timeline`` (run_id, run_label, mode, role, name,
+    elapsed_s, value: usage 0..1 or bytes). `hits`: ``dashboard.queries.hit_rate_timeline``
+    (run_id, run_label, mode, elapsed_s, later_turns, hits, hit_rate 0..1).
+    """
+    if mem.empty and hits.empty:
+        return empty_figure("no KV-usage or handle scrapes and no proxy outcomes in the selection")
+    fig = make_subplots(
+        rows=3,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.07,
+        subplot_titles=[
+            "KV cache usage (vllm:kv_cache_usage_perc), D solid, P dashed",
+            "KV held for live handles (turnscope_handle_bytes_live)",
+            "reuse hit rate of later turns",
+        ],
+    )
+    names = pd.concat([mem[["run_id", "run_label", "mode"]], hits[["run_id", "run_label", "mode"]]]).drop_duplicates(
+        "run_id"
+    )
+    names = names.assign(name=_run_names(names)).set_index("run_id")["name"]
+    palette = px.colors.qualitative.D3
+    colors = {r: palette[i % len(palette)] for i, r in enumerate(names.index)}
+    legend_done: set[str] = set()
+
+    def add(x, y, run_id, row, dash="solid", suffix="", hover=""):
+        name = names[run_id]
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=y,
+                name=name,
+                legendgroup=run_id,
+                showlegend=run_id not in legend_done,
+                mode="lines",
+                line={"color": colors[run_id], "dash": dash, "shape": "hv"},
+                hovertemplate=f"{name}{suffix}<br>%{{x:.0f}} s: %{{y:.1f}}{hover}<extra></extra>",
+            ),
+            row=row,
+            col=1,
+        )
+        legend_done.add(run_id)
+
+    usage = mem[mem["name"] != "turnscope_handle_bytes_live"] if not mem.empty else mem
+    for (run_id, role), g in usage.groupby(["run_id", "role"], sort=True) if not usage.empty else []:
+        g = g.sort_values("elapsed_s")
+        add(g["elapsed_s"], g["value"] * 100, run_id, 1, ROLE_DASHES.get(role, "dashdot"), f" · {role}", " %")
+    handles = mem[mem["name"] == "turnscope_handle_bytes_live"] if not mem.empty else mem
+    for run_id, g in handles.groupby("run_id", sort=True) if not handles.empty else []:
+        g = g.sort_values("elapsed_s")
+        add(g["elapsed_s"], g["value"] / 2**20, run_id, 2, suffix=" · handles", hover=" MiB")
+    for run_id, g in hits.groupby("run_id", sort=True) if not hits.empty else []:
+        g = g.sort_values("elapsed_s")
+        add(g["elapsed_s"], g["hit_rate"] * 100, run_id, 3, suffix=" · hit rate", hover=" %")
+    fig.update_yaxes(title_text="KV usage (%)", rangemode="tozero", row=1, col=1)
+    fig.update_yaxes(title_text="handle KV (MiB)", rangemode="tozero", row=2, col=1)
+    fig.update_yaxes(title_text="hit rate (%)", range=[0, 105], row=3, col=1)
+    fig.update_xaxes(title_text="time since run start (s)", row=3, col=1)
+    fig.update_layout(title="Memory next to reuse", legend_title_text="run · mode", height=720, margin={"t": 80})
+    return fig
+
+
+def whatif_ttl(df: pd.DataFrame, current_ttls_s: list[float] | None = None) -> go.Figure:
+    """Hit rate (%) and KV held (GiB x s, or token x s without kv_bytes_per_token) that each
+    ``decoder_kv_blocks_ttl`` would have given, with the runs' configured TTLs marked.
+
+    `df`: ``dashboard.queries.whatif_ttl`` (ttl_s, later_turns, hits, held_token_s, held_gib_s).
+    """
+    if df.empty or not (df["later_turns"] > 0).any():
+        return empty_figure("no later turns to replay in the selection")
+    d = df.sort_values("ttl_s")
+    rate = np.where(d["later_turns"] > 0, d["hits"] / d["later_turns"].where(d["later_turns"] > 0), np.nan)
+    use_bytes = d["held_gib_s"].notna().all()
+    held = d["held_gib_s"] if use_bytes else d["held_token_s"]
+    held_title = "KV held (GiB x s)" if use_bytes else "KV held (tokens x s; kv_bytes_per_token unknown)"
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    fig.add_trace(
+        go.Scatter(x=d["ttl_s"], y=rate * 100, name="hit rate", mode="lines+markers", line={"color": "#2ca02c"},
+                   hovertemplate="TTL %{x:.0f} s: %{y:.1f} % of later turns hit<extra></extra>"),
+        secondary_y=False,
+    )  # fmt: skip
+    fig.add_trace(
+        go.Scatter(x=d["ttl_s"], y=held, name=held_title, mode="lines+markers", line={"color": "#9467bd", "dash": "dash"},
+                   hovertemplate="TTL %{x:.0f} s: %{y:.3g}<extra></extra>"),
+        secondary_y=True,
+    )  # fmt: skip
+    for ttl in sorted(set(current_ttls_s or [])):
+        fig.add_vline(x=ttl, line_dash="dot", line_color="#4c4c4c", annotation_text=f"configured {ttl:.0f} s")
+    fig.update_xaxes(title_text="decoder_kv_blocks_ttl (s)", type="log")
+    fig.update_yaxes(title_text="hit rate of later turns (%)", range=[0, 105], secondary_y=False)
+    fig.update_yaxes(title_text=held_title, rangemode="tozero", secondary_y=True)
+    fig.update_layout(title="What if the TTL were different? (replayed from the recorded gaps)", margin={"t": 60})
+    return fig
+
+
+# --- Compare ------------------------------------------------------------------------------------
+
+
+def compare_by_turn(df: pd.DataFrame, a_name: str, b_name: str) -> go.Figure:
+    """TTFT ratio A / B of medians by turn index, with its bootstrap 95% CI as error bars and a
+    line at 1 (no difference).
+
+    `df`: ``dashboard.compare.ratio_by_turn`` (turn_index, n_a, n_b, median_a_s, median_b_s,
+    ratio, ci_low, ci_high; CI NaN when a side has fewer than 2 turns).
+    """
+    if df.empty:
+        return empty_figure("no turn index has ok turns on both sides")
+    d = df.sort_values("turn_index")
+    fig = go.Figure(
+        go.Scatter(
+            x=d["turn_index"],
+            y=d["ratio"],
+            mode="lines+markers",
+            name=f"{a_name} / {b_name}",
+            line={"color": "#2ca02c"},
+            error_y={
+                "type": "data",
+                "symmetric": False,
+                "array": (d["ci_high"] - d["ratio"]).to_numpy(),
+                "arrayminus": (d["ratio"] - d["ci_low"]).to_numpy(),
+            },
+            customdata=np.column_stack(
+                [d["median_a_s"] * 1e3, d["median_b_s"] * 1e3, d["n_a"], d["n_b"], d["ci_low"], d["ci_high"]]
+            ),
+            hovertemplate="turn %{x}: %{y:.3f}x (CI %{customdata[4]:.3f}-%{customdata[5]:.3f})<br>"
+            "median %{customdata[0]:.1f} vs %{customdata[1]:.1f} ms, n = %{customdata[2]} vs %{customdata[3]}"
+            "<extra></extra>",
+        )
+    )
+    fig.add_hline(y=1.0, line_dash="dot", line_color="#4c4c4c", annotation_text="no difference")
+    fig.update_xaxes(title_text="turn index (0 = first turn)", dtick=1 if d["turn_index"].max() <= 20 else None)
+    fig.update_yaxes(title_text=f"TTFT ratio {a_name} / {b_name} (medians)", rangemode="tozero")
+    fig.update_layout(title="TTFT ratio by turn index, 95% bootstrap CI", showlegend=False, margin={"t": 60})
+    return fig
+
+
+CASE_COLORS = {"A": "#2ca02c", "B": "#4c4c4c"}
+
+
+def compare_cases(df: pd.DataFrame, a_name: str, b_name: str) -> go.Figure:
+    """Median TTFT (ms) of A and B side by side for each favourable and unfavourable case.
+
+    `df`: ``dashboard.compare.case_table`` (case, side ``A``|``B``, turns, ttft_p50_s), cases
+    in display order.
+    """
+    if df.empty:
+        return empty_figure("no later turns on either side")
+    fig = go.Figure()
+    for side, name in (("A", a_name), ("B", b_name)):
+        g = df[df["side"] == side]
+        fig.add_trace(
+            go.Bar(
+                x=g["case"],
+                y=g["ttft_p50_s"] * 1e3,
+                name=f"{side}: {name}",
+                marker_color=CASE_COLORS[side],
+                customdata=g[["turns"]].to_numpy(),
+                hovertemplate=f"{name}<br>%{{x}}: %{{y:.1f}} ms (median of %{{customdata[0]}} turns)<extra></extra>",
+            )
+        )
+    fig.update_layout(
+        barmode="group",
+        title="Favourable vs unfavourable turns (turn index >= 1)",
+        xaxis_title="case",
+        yaxis_title="TTFT p50 (ms)",
+        margin={"t": 60},
+    )
     return fig

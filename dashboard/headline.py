@@ -24,6 +24,10 @@ PAIRS: tuple[tuple[str, str], ...] = (("pd-bidir-nocache", "pd-nocache"), ("pd-b
 #: First turn index (0-based) that can reuse a previous turn's KV.
 MIN_TURN_INDEX = 1
 CONFIDENCE = 0.95
+#: About this many turns per side go into a bootstrap (whole sessions drawn at random, seeded,
+#: beyond it), so a page stays fast on a million turns. The point estimate always uses every turn;
+#: an interval from a subset is wider than the full data's would be (conservative, never narrower).
+MAX_CI_TURNS = 2000
 
 
 @dataclass(frozen=True)
@@ -46,10 +50,21 @@ class Ratio:
     ci_high: float
     sessions_treatment: int = 0
     sessions_baseline: int = 0
+    #: sessions per side that went into the bootstrap (fewer than the sessions when subsampled)
+    ci_sessions_treatment: int = 0
+    ci_sessions_baseline: int = 0
 
     @property
     def has_ci(self) -> bool:
         return not (math.isnan(self.ci_low) or math.isnan(self.ci_high))
+
+    @property
+    def ci_subsampled(self) -> bool:
+        """True when the CI was bootstrapped on a subset of the sessions (see MAX_CI_TURNS)."""
+        return (
+            self.ci_sessions_treatment < self.sessions_treatment
+            or self.ci_sessions_baseline < self.sessions_baseline
+        )
 
 
 def _padded(values: np.ndarray, groups: np.ndarray | None) -> np.ndarray:
@@ -66,6 +81,15 @@ def _padded(values: np.ndarray, groups: np.ndarray | None) -> np.ndarray:
     return out
 
 
+def ci_groups(n_groups: int, n_values: int, max_values: int | None) -> int:
+    """How many of `n_groups` groups (holding `n_values` values in all) `median_ratio_ci`
+    bootstraps under a `max_values` cap: all of them when ``n_values <= max_values`` (or no cap),
+    else ``ceil(max_values / (n_values / n_groups))``, at least 2."""
+    if max_values is None or n_values <= max_values or n_groups == 0:
+        return n_groups
+    return int(min(n_groups, max(2, math.ceil(max_values * n_groups / n_values))))
+
+
 def median_ratio_ci(
     treatment_s: np.ndarray,
     baseline_s: np.ndarray,
@@ -75,6 +99,7 @@ def median_ratio_ci(
     confidence: float = CONFIDENCE,
     n_resamples: int = 2000,
     seed: int = 0,
+    max_values: int | None = None,
 ) -> tuple[float, float, float]:
     """``median(treatment_s) / median(baseline_s)`` and its bootstrap confidence interval.
 
@@ -82,7 +107,11 @@ def median_ratio_ci(
     e.g. the session), whole groups are resampled (a cluster bootstrap): turns of one session are
     not independent, so resampling single turns would give too narrow an interval. Without them
     each value is its own group. The CI is scipy.stats.bootstrap's percentile interval at
-    `confidence`, the two samples resampled independently, with a fixed `seed`.
+    `confidence`, the two samples resampled independently, with a fixed `seed`. With
+    `max_values`, a sample of more values is bootstrapped on a seeded random subset of its groups
+    holding about that many values (``ceil(max_values / mean group size)`` groups, at least 2):
+    the ratio still uses every value, the interval is then wider (conservative). See
+    `ci_groups` for the number of groups used.
 
     Returns (ratio, ci_low, ci_high), dimensionless; the CI is NaN when either sample has fewer
     than 2 groups.
@@ -96,6 +125,12 @@ def median_ratio_ci(
     pb = _padded(b, None if baseline_groups is None else np.asarray(baseline_groups))
     if pa.shape[0] < 2 or pb.shape[0] < 2:
         return ratio, math.nan, math.nan
+    pick = np.random.default_rng(seed + 1)
+    keep_a, keep_b = ci_groups(pa.shape[0], a.size, max_values), ci_groups(pb.shape[0], b.size, max_values)
+    if keep_a < pa.shape[0]:
+        pa = pa[np.sort(pick.choice(pa.shape[0], keep_a, replace=False))]
+    if keep_b < pb.shape[0]:
+        pb = pb[np.sort(pick.choice(pb.shape[0], keep_b, replace=False))]
 
     def statistic(ia: np.ndarray, ib: np.ndarray, axis: int = -1) -> np.ndarray:
         # ia, ib: resampled group indices, shape (..., n_groups); gather their turns, pooled.
@@ -135,6 +170,55 @@ def _count(df: pd.DataFrame) -> int:
     return 0 if groups is None else int(pd.unique(groups).size)
 
 
+def ratio_of(
+    treatment: pd.DataFrame,
+    baseline: pd.DataFrame,
+    *,
+    treatment_name: str,
+    baseline_name: str,
+    workload: str | None = None,
+    history_mode: str | None = None,
+    max_ci_turns: int | None = MAX_CI_TURNS,
+    n_resamples: int = 2000,
+) -> Ratio | None:
+    """The `Ratio` of median ``ttft_s`` (seconds) of `treatment` over `baseline` rows, with its
+    session-level bootstrap CI (`median_ratio_ci`); None when either side has no rows.
+
+    Both frames have a ttft_s column and, for the session-level bootstrap, run_id and
+    session_id. About `max_ci_turns` turns per side go into the bootstrap (`ci_groups`).
+    """
+    a = treatment["ttft_s"].to_numpy(dtype=float)
+    b = baseline["ttft_s"].to_numpy(dtype=float)
+    if a.size == 0 or b.size == 0:
+        return None
+    ratio, lo, hi = median_ratio_ci(
+        a,
+        b,
+        treatment_groups=_sessions(treatment),
+        baseline_groups=_sessions(baseline),
+        max_values=max_ci_turns,
+        n_resamples=n_resamples,
+    )
+    sa, sb = _count(treatment), _count(baseline)
+    return Ratio(
+        treatment=treatment_name,
+        baseline=baseline_name,
+        workload=workload,
+        history_mode=history_mode,
+        n_treatment=int(a.size),
+        n_baseline=int(b.size),
+        median_treatment_s=float(np.median(a)),
+        median_baseline_s=float(np.median(b)),
+        ratio=ratio,
+        ci_low=lo,
+        ci_high=hi,
+        sessions_treatment=sa,
+        sessions_baseline=sb,
+        ci_sessions_treatment=ci_groups(sa, int(a.size), max_ci_turns) if sa else 0,
+        ci_sessions_baseline=ci_groups(sb, int(b.size), max_ci_turns) if sb else 0,
+    )
+
+
 def headline_ratios(samples: pd.DataFrame, pairs: tuple[tuple[str, str], ...] = PAIRS) -> list[Ratio]:
     """Every pair of `pairs` whose two modes both have turns in `samples`, per workload.
 
@@ -155,31 +239,16 @@ def headline_ratios(samples: pd.DataFrame, pairs: tuple[tuple[str, str], ...] = 
     groups = keyed.groupby(["workload", "history_mode"], dropna=False, sort=True)
     for treatment, baseline in pairs:
         for (workload, history_mode), g in groups:
-            ga, gb = g[g["mode"] == treatment], g[g["mode"] == baseline]
-            a = ga["ttft_s"].to_numpy(dtype=float)
-            b = gb["ttft_s"].to_numpy(dtype=float)
-            if a.size == 0 or b.size == 0:
-                continue
-            ratio, lo, hi = median_ratio_ci(
-                a, b, treatment_groups=_sessions(ga), baseline_groups=_sessions(gb)
+            r = ratio_of(
+                g[g["mode"] == treatment],
+                g[g["mode"] == baseline],
+                treatment_name=treatment,
+                baseline_name=baseline,
+                workload=None if pd.isna(workload) else str(workload),
+                history_mode=None if pd.isna(history_mode) else str(history_mode),
             )
-            out.append(
-                Ratio(
-                    treatment=treatment,
-                    baseline=baseline,
-                    workload=None if pd.isna(workload) else str(workload),
-                    history_mode=None if pd.isna(history_mode) else str(history_mode),
-                    n_treatment=int(a.size),
-                    n_baseline=int(b.size),
-                    median_treatment_s=float(np.median(a)),
-                    median_baseline_s=float(np.median(b)),
-                    ratio=ratio,
-                    ci_low=lo,
-                    ci_high=hi,
-                    sessions_treatment=_count(ga),
-                    sessions_baseline=_count(gb),
-                )
-            )
+            if r is not None:
+                out.append(r)
     return out
 
 

@@ -37,3 +37,112 @@ def run_summary_table(df: pd.DataFrame) -> pd.DataFrame:
             "run_id": df["run_id"],
         }
     )
+
+
+def reuse_cost_table(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per run from ``dashboard.queries.reuse_cost``, for reading.
+
+    Columns: run, mode, "KV held (GiB·s)", "peak handle KV (MiB)", hits, "tokens pulled from D",
+    "prefill s/token (measured)" (ms per 1k tokens), "NIXL time (s)", "prefill saved (s, est.)",
+    "GiB·s held per s saved" (NaN when nothing was saved).
+    """
+    return pd.DataFrame(
+        {
+            "run": df["run_label"],
+            "mode": df["mode"],
+            "KV held (GiB·s)": df["held_gib_s"],
+            "peak handle KV (MiB)": df["peak_bytes"] / 2**20,
+            "hits": df["hits"],
+            "tokens pulled from D": df["reused_tokens"],
+            "prefill ms per 1k tokens": df["prefill_s_per_token"] * 1e6,
+            "NIXL time (s)": df["xfer_s"],
+            "prefill saved (s, est.)": df["saved_s"],
+            "GiB·s held per s saved": df["gib_s_per_saved_s"],
+            "run_id": df["run_id"],
+        }
+    )
+
+
+def shortfall_table(df: pd.DataFrame) -> pd.DataFrame:
+    """``dashboard.queries.reuse_shortfalls`` for reading (tokens; gap and handle age in s)."""
+    return pd.DataFrame(
+        {
+            "run": df["run_label"],
+            "mode": df["mode"],
+            "session": df["session_id"],
+            "turn": df["turn_index"],
+            "kind": df["kind"],
+            "gap (s)": df["gap_before_s"],
+            "gap kind": df["gap_kind"],
+            "reuse": df["reuse"].where(df["reuse"].notna(), "not recorded"),
+            "expected": df["expected_reusable_tokens"],
+            "measured": df["measured_reused_tokens"],
+            "shortfall": df["shortfall_tokens"],
+            "pulled from D": df["reused_tokens"],
+            "P prefix cache": df["prefill_cached_tokens"],
+            "server cached": df["cached_tokens"],
+            "divergence at": df["divergence_position"],
+            "run_id": df["run_id"],
+        }
+    )
+
+
+def session_table(df: pd.DataFrame) -> pd.DataFrame:
+    """``dashboard.queries.session_list`` for reading (seconds)."""
+    return pd.DataFrame(
+        {
+            "run": df["run_label"],
+            "mode": df["mode"],
+            "session": df["session_id"],
+            "archetype": df["archetype"],
+            "turns": df["turns"],
+            "task (s)": df["task_latency_s"],
+            "LLM (s)": df["llm_s"],
+            "tool (s)": df["tool_wait_s"],
+            "think (s)": df["think_s"],
+            "pause (s)": df["pause_s"],
+            "status": df["status"],
+            "run_id": df["run_id"],
+        }
+    )
+
+
+def whatif_table(df: pd.DataFrame) -> pd.DataFrame:
+    """``dashboard.queries.whatif_ttl`` for reading: TTL (s), hit rate (0..1), KV held."""
+    later = df["later_turns"].astype(float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rate = np.where(later > 0, df["hits"].astype(float) / later, np.nan)
+    return pd.DataFrame(
+        {
+            "decoder_kv_blocks_ttl (s)": df["ttl_s"],
+            "later turns": df["later_turns"],
+            "hits": df["hits"],
+            "hit rate": rate,
+            "KV held (GiB·s)": df["held_gib_s"],
+            "KV held (Mtoken·s)": df["held_token_s"] / 1e6,
+        }
+    )
+
+
+def ratio_table(ratios: dict) -> pd.DataFrame:
+    """The Compare page's three `dashboard.headline.Ratio` values (or None) as rows: case, ratio,
+    CI low/high, median A/B (ms), turns and sessions per side."""
+    rows = []
+    for case, r in ratios.items():
+        if r is None:
+            continue
+        rows.append(
+            {
+                "turns": case,
+                "TTFT ratio A/B": r.ratio,
+                "CI low": r.ci_low,
+                "CI high": r.ci_high,
+                "median A (ms)": r.median_treatment_s * 1e3,
+                "median B (ms)": r.median_baseline_s * 1e3,
+                "n A": r.n_treatment,
+                "n B": r.n_baseline,
+                "sessions A": r.sessions_treatment,
+                "sessions B": r.sessions_baseline,
+            }
+        )
+    return pd.DataFrame(rows)

@@ -98,12 +98,34 @@ SELECT * EXCLUDE (rn) FROM (
     SELECT *, row_number() OVER (PARTITION BY run_id ORDER BY updated_at DESC) AS rn FROM runs_log
 ) WHERE rn = 1;
 
--- Per-turn breakdown with the run's mode and history mode.
+-- Per-run settings read from runs.config (JSON), with the defaults that applied when a key is
+-- absent: vLLM's decoder_kv_blocks_ttl (480 s) and the proxy's handle TTL margin (30 s; the proxy
+-- offers a handle for decoder_kv_blocks_ttl minus this). kv_bytes_per_token is NULL when unknown.
+CREATE VIEW run_config AS
+SELECT run_id,
+       coalesce(TRY_CAST(json_extract_string(config, '$.connector.decoder_kv_blocks_ttl') AS DOUBLE), 480.0)
+           AS decoder_kv_blocks_ttl_s,
+       coalesce(TRY_CAST(json_extract_string(config, '$.handle_ttl_margin_s') AS DOUBLE), 30.0)
+           AS handle_ttl_margin_s,
+       TRY_CAST(json_extract_string(config, '$.kv_bytes_per_token') AS BIGINT) AS kv_bytes_per_token
+FROM runs;
+
+-- Per-turn breakdown with the run's mode and history mode, and the session's archetype (from the
+-- session row, which is written when the session ends: NULL while it is still running).
+-- measured_reused_tokens: prompt tokens whose KV the engine did not compute for this turn: P's
+-- pull from D plus P's local prefix-cache hit where the proxy recorded its facts, else the
+-- server's usage.cached_tokens (aggregated serving).
 CREATE VIEW turn_breakdown AS
 SELECT t.*, r.mode, r.label AS run_label, r.workload, r.history_mode,
        t.e2e_s - t.ttft_s AS decode_s,
-       greatest(t.ttft_s - coalesce(t.prefill_leg_s, 0), 0) AS after_prefill_s
-FROM turns t JOIN runs r USING (run_id);
+       greatest(t.ttft_s - coalesce(t.prefill_leg_s, 0), 0) AS after_prefill_s,
+       s.archetype,
+       CASE WHEN t.reuse IS NOT NULL
+            THEN coalesce(t.reused_tokens, 0) + coalesce(t.prefill_cached_tokens, 0)
+            ELSE t.cached_tokens END AS measured_reused_tokens
+FROM turns t JOIN runs r USING (run_id)
+LEFT JOIN (SELECT run_id, session_id, any_value(archetype) AS archetype FROM sessions GROUP BY run_id, session_id) s
+    USING (run_id, session_id);
 
 CREATE VIEW session_tasks AS
 SELECT s.*, r.mode, r.label AS run_label, r.workload
@@ -158,3 +180,23 @@ SELECT mode, workload, history_mode, turn_index,
 FROM turn_breakdown
 WHERE status = 'ok'
 GROUP BY ALL;
+
+-- KV transfer time measured on the prefill workers of each run: the increase over the run of vLLM's
+-- vllm:nixl_xfer_time_seconds histogram (_sum: seconds, _count: transfers) on role 'prefill' (in
+-- pd-bidir modes P's NIXL reads are its pulls from D), and the tokens P pulled (turns.reused_tokens).
+-- Transfers are not timed per turn; xfer_s_per_token turns a turn's reused tokens into an estimate.
+CREATE VIEW run_kv_transfer AS
+WITH x AS (
+    SELECT run_id,
+           sum(increase) FILTER (WHERE name = 'vllm:nixl_xfer_time_seconds_sum')   AS xfer_s,
+           sum(increase) FILTER (WHERE name = 'vllm:nixl_xfer_time_seconds_count') AS xfers
+    FROM metric_increases
+    WHERE role = 'prefill'
+      AND name IN ('vllm:nixl_xfer_time_seconds_sum', 'vllm:nixl_xfer_time_seconds_count')
+    GROUP BY run_id
+), t AS (
+    SELECT run_id, sum(reused_tokens) AS reused_tokens FROM turns GROUP BY run_id
+)
+SELECT r.run_id, x.xfer_s, x.xfers, t.reused_tokens,
+       CASE WHEN t.reused_tokens > 0 THEN x.xfer_s / t.reused_tokens END AS xfer_s_per_token
+FROM runs r LEFT JOIN x USING (run_id) LEFT JOIN t USING (run_id);

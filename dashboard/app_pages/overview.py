@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import context, db, figures, headline, tables
+from dashboard import context, db, figures, headline, report, tables
 from dashboard.loader import load
 
 
@@ -22,7 +22,8 @@ if not sel.run_ids:
     st.stop()
 
 run_ids = sel.run_ids
-outcomes = load(sel.root, "reuse_outcomes", run_ids, headline.MIN_TURN_INDEX)
+f = sel.filter
+outcomes = load(sel.root, "reuse_outcomes", f, headline.MIN_TURN_INDEX)
 
 # --- headline ---------------------------------------------------------------------------------
 st.subheader("Headline: TTFT from the second turn on")
@@ -31,7 +32,7 @@ st.caption(
     f"reuse KV), treatment over baseline; {int(headline.CONFIDENCE * 100)}% percentile-bootstrap "
     "confidence interval resampling whole sessions. Below 1 means the treatment is faster."
 )
-samples = load(sel.root, "ttft_samples", run_ids, headline.MIN_TURN_INDEX)
+samples = load(sel.root, "ttft_samples", f, headline.MIN_TURN_INDEX)
 later_modes = {str(m) for m in samples["mode"].unique()}  # modes with ok turns after the first
 ratios = _ratios(samples)
 if ratios:
@@ -47,11 +48,17 @@ if ratios:
             delta_color="inverse",
             help="median TTFT(treatment) / median TTFT(baseline), turn_index ≥ 1, ok turns",
         )
+        sub = (
+            f" · CI from a random {r.ci_sessions_treatment} vs {r.ci_sessions_baseline} sessions (wider than "
+            "with all)"
+            if r.ci_subsampled
+            else ""
+        )
         col.caption(
             f"{int(headline.CONFIDENCE * 100)}% CI {ci} · median "
             f"{r.median_treatment_s * 1e3:.1f} ms vs {r.median_baseline_s * 1e3:.1f} ms · "
             f"n = {r.n_treatment} vs {r.n_baseline} turns "
-            f"({r.sessions_treatment} vs {r.sessions_baseline} sessions)"
+            f"({r.sessions_treatment} vs {r.sessions_baseline} sessions){sub}"
         )
     for r in ratios:
         st.markdown(headline.verdict(r))
@@ -71,7 +78,7 @@ for line in headline.all_miss_warnings(outcomes):
 # --- per mode ---------------------------------------------------------------------------------
 left, right = st.columns([3, 2])
 with left:
-    by_turn = load(sel.root, "ttft_by_turn", run_ids)
+    by_turn = load(sel.root, "ttft_by_turn", f)
     st.plotly_chart(figures.ttft_by_turn(by_turn), key="ttft_by_turn")
 with right:
     st.plotly_chart(figures.reuse_outcomes(outcomes), key="reuse_outcomes")
@@ -86,6 +93,8 @@ if ext.empty:
 
 # --- per run ----------------------------------------------------------------------------------
 st.subheader("Runs")
+if f.narrows_turns:
+    st.caption("The run table counts every turn of each run; the archetype and kind filters apply above.")
 summary = load(sel.root, "run_summary", run_ids)
 st.dataframe(
     tables.run_summary_table(summary),
@@ -99,4 +108,15 @@ st.dataframe(
         "reused tokens": st.column_config.NumberColumn(format="%d"),
         "started (UTC)": st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss"),
     },
+)
+
+st.download_button(
+    "Export these runs as HTML",
+    data=lambda: report.run_report(sel.store, f, sel.describe()),
+    file_name="turnscope-runs.html",
+    mime="text/html",
+    icon=":material/download:",
+    help="One self-contained HTML file (plotly.js inlined) with this page's numbers and the Turns, "
+    "Sessions and Memory figures of the selection.",
+    key="export_runs",
 )

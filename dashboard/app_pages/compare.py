@@ -1,0 +1,154 @@
+"""Compare: two runs or modes on the same workload, favourable and unfavourable turns side by side,
+with bootstrap confidence intervals and a plain-language verdict (DESIGN §7)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import compare, context, db, figures, headline, report, tables
+from dashboard.figures import MODE_ORDER
+from dashboard.loader import load
+
+
+@st.cache_data(ttl=db.CACHE_TTL_S, show_spinner="Bootstrapping confidence intervals…")
+def _analyse(samples: pd.DataFrame, a_name: str, b_name: str) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
+    """`compare.side_ratios`, `compare.ratio_by_turn` and `compare.case_table`, cached."""
+    return (
+        compare.side_ratios(samples, a_name, b_name),
+        compare.ratio_by_turn(samples),
+        compare.case_table(samples),
+    )
+
+
+sel = context.current()
+st.title("Compare")
+if not sel.run_ids:
+    st.info("No runs match the sidebar's filters.")
+    st.stop()
+f = sel.filter
+runs = sel.selected_runs
+
+by = st.segmented_control("Compare", ["modes", "runs"], default="modes", key="cmp_by")
+if by == "runs":
+    options = runs["run_id"].astype(str).tolist()
+    labels = {
+        r.run_id: f"{r.label if isinstance(r.label, str) and r.label else r.run_id} · {r.mode} · {r.history_mode}"
+        for r in runs.itertuples()
+    }
+    default_a, default_b = 0, 1
+else:
+    present = [str(m) for m in runs["mode"].dropna().unique()]
+    options = [m for m in MODE_ORDER if m in present] + sorted(m for m in present if m not in MODE_ORDER)
+    labels = {m: m for m in options}
+    pair = next(((t, b) for t, b in headline.PAIRS if t in options and b in options), None)
+    default_a, default_b = (options.index(pair[0]), options.index(pair[1])) if pair else (0, 1)
+if len(options) < 2:
+    st.info(f"Comparing needs two {by} among the selected runs; the sidebar's filters keep {len(options)}.")
+    st.stop()
+
+left, right = st.columns(2)
+a = left.selectbox("A (treatment)", options, index=default_a, format_func=labels.get, key=f"cmp_a_{by}")
+b = right.selectbox("B (baseline)", options, index=default_b, format_func=labels.get, key=f"cmp_b_{by}")
+if a == b:
+    st.info("Pick two different ones.")
+    st.stop()
+if by == "runs":
+    a_runs, b_runs = runs[runs["run_id"] == a], runs[runs["run_id"] == b]
+else:
+    a_runs, b_runs = runs[runs["mode"] == a], runs[runs["mode"] == b]
+a_ids, b_ids = tuple(a_runs["run_id"].astype(str)), tuple(b_runs["run_id"].astype(str))
+a_name, b_name = labels[a], labels[b]
+
+
+def _workloads(df: pd.DataFrame) -> set[tuple[str, str]]:
+    return {(str(w), str(h)) for w, h in zip(df["workload"], df["history_mode"], strict=True)}
+
+
+wa, wb = _workloads(a_runs), _workloads(b_runs)
+if wa != wb:
+    st.warning(
+        "A and B did not run the same workload (workload · history): "
+        f"A {sorted(wa)}, B {sorted(wb)}. A comparison across workloads says little; narrow the runs "
+        "in the sidebar."
+    )
+
+samples = load(sel.root, "compare_samples", a_ids, b_ids, f)
+if samples.empty or not {"A", "B"} <= set(samples["side"]):
+    st.info("One side has no ok turns with a TTFT in the selection yet.")
+    st.stop()
+ratios, by_turn, cases = _analyse(samples, a_name, b_name)
+
+# --- the numbers ------------------------------------------------------------------------------
+st.subheader(f"{a_name} vs {b_name}: TTFT from the second turn on")
+pct = int(headline.CONFIDENCE * 100)
+cols = st.columns(3)
+titles = {
+    "all": "all later turns",
+    "favourable": "favourable: continued within TTL",
+    "unfavourable": "unfavourable: fresh, resumed, edited, retried, after TTL",
+}
+for col, (key, title) in zip(cols, titles.items(), strict=True):
+    r = ratios[key]
+    if r is None:
+        col.metric(title, "n/a", help="one side has no such turns")
+        continue
+    col.metric(
+        title,
+        f"{r.ratio:.3f}×",
+        delta=f"{(r.ratio - 1) * 100:+.1f}% TTFT",
+        delta_color="inverse",
+        help="median TTFT(A) / median TTFT(B), ok turns with turn_index ≥ 1",
+    )
+    ci = f"{r.ci_low:.3f}–{r.ci_high:.3f}×" if r.has_ci else "n/a (fewer than 2 sessions)"
+    sub = " · CI from a random subset of sessions (wider than with all)" if r.ci_subsampled else ""
+    col.caption(
+        f"{pct}% CI {ci} · median {r.median_treatment_s * 1e3:.1f} ms vs {r.median_baseline_s * 1e3:.1f} ms · "
+        f"n = {r.n_treatment} vs {r.n_baseline} turns ({r.sessions_treatment} vs {r.sessions_baseline} "
+        f"sessions){sub}"
+    )
+later_a = samples[(samples["side"] == "A") & (samples["turn_index"] >= headline.MIN_TURN_INDEX)]
+share = float(later_a["favourable"].mean()) if len(later_a) else None
+verdict = compare.verdict(ratios, share)
+st.markdown("\n\n".join(verdict))
+st.caption(
+    "Favourable: a turn that continues its session (kind `turn`) within the proxy's TTL (the run's "
+    "decoder_kv_blocks_ttl minus the handle margin), where reuse can help. Unfavourable: every other turn "
+    f"after the first. Ratios of medians with {pct}% percentile-bootstrap intervals (scipy), resampling "
+    "whole sessions."
+)
+
+# --- by turn index ----------------------------------------------------------------------------
+by_turn_fig = figures.compare_by_turn(by_turn, a_name, b_name)
+st.plotly_chart(by_turn_fig, key="compare_by_turn")
+if bool(by_turn["ci_subsampled"].any()) if not by_turn.empty else False:
+    st.caption(
+        f"Turn indexes with more than {compare.MAX_CI_TURNS_PER_INDEX} turns on a side are bootstrapped on a "
+        "random subset of them: their intervals are wider than with all."
+    )
+
+# --- side by side -----------------------------------------------------------------------------
+st.subheader("Favourable and unfavourable turns, side by side")
+cases_fig = figures.compare_cases(cases, a_name, b_name)
+left, right = st.columns([3, 2])
+left.plotly_chart(cases_fig, key="compare_cases")
+case_view = cases.pivot_table(index="case", columns="side", values=["turns", "ttft_p50_s"], sort=False)
+case_view.columns = [f"{'turns' if v == 'turns' else 'TTFT p50 (ms)'} {s}" for v, s in case_view.columns]
+for c in [c for c in case_view.columns if c.startswith("TTFT")]:
+    case_view[c] = case_view[c] * 1e3
+right.dataframe(case_view, key="compare_case_table", column_config={
+    c: st.column_config.NumberColumn(format="%.1f") for c in case_view.columns if c.startswith("TTFT")
+})  # fmt: skip
+
+ratio_table = tables.ratio_table(ratios)
+description = f"A = {a_name} ({len(a_ids)} run(s)), B = {b_name} ({len(b_ids)} run(s)); {sel.describe()}"
+st.download_button(
+    "Export this comparison as HTML",
+    data=lambda: report.compare_report(
+        a_name, b_name, description, verdict, ratio_table, by_turn_fig, cases_fig, case_view.reset_index()
+    ),
+    file_name=f"turnscope-compare-{a}-vs-{b}.html".replace("/", "_"),
+    mime="text/html",
+    icon=":material/download:",
+    key="export_compare",
+)

@@ -1,0 +1,78 @@
+"""Turns: latency by turn index and history length, where each turn's time went, and expected vs
+measured reuse (DESIGN §7)."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from dashboard import context, figures, report, tables
+from dashboard.loader import load
+
+sel = context.current()
+st.title("Turns")
+if not sel.run_ids:
+    st.info("No runs match the sidebar's filters.")
+    st.stop()
+f = sel.filter
+st.caption(f"Selection: {sel.describe()}. Medians over ok turns; colour is the proxy's reuse outcome.")
+
+# --- latency ----------------------------------------------------------------------------------
+by_label = st.segmented_control(
+    "Latency against",
+    ["turn index", "history length"],
+    default="turn index",
+    key="turns_by",
+    help="History length: the turn's prompt tokens (the whole history plus the new turn), in bins.",
+)
+by = "history" if by_label == "history length" else "turn_index"
+latency = load(sel.root, "latency_by", f, by)
+if latency.empty:
+    st.info("No ok turns in the selection yet.")
+st.plotly_chart(figures.latency_panels(latency, by), key="latency_panels")
+
+# --- time split -------------------------------------------------------------------------------
+st.subheader("Where each turn's time went")
+split = load(sel.root, "time_split", f)
+st.plotly_chart(figures.time_split(split), key="time_split")
+st.caption(
+    "Per turn: proxy = TTFT − the proxy's prefill leg (routing, queueing, D pulling P's KV and D's first "
+    "token); prefill leg = P's time, less the KV transfer; decode = E2E − TTFT. " + report.TRANSFER_NOTE
+)
+if not split.empty and int(split["transfer_unknown_turns"].sum()):
+    st.warning(
+        f"{int(split['transfer_unknown_turns'].sum())} turns pulled KV in runs without a NIXL timing on the "
+        "prefill worker (no vllm:nixl_xfer_time_seconds scrapes): their transfer is counted in the prefill leg."
+    )
+
+# --- expected vs measured reuse ---------------------------------------------------------------
+st.subheader("Expected vs measured reuse")
+min_short = st.number_input(
+    "List turns reusing at least this many tokens less than expected",
+    min_value=1,
+    value=128,
+    step=16,
+    key="turns_min_shortfall",
+    help="Reuse is whole KV blocks, so a shortfall below one block (128 tokens on the embedded CPU model, "
+    "16 on most GPUs) is expected; set this to your block size.",
+)
+vs = load(sel.root, "reuse_vs_expected", f, int(min_short))
+st.plotly_chart(figures.reuse_vs_expected(vs), key="reuse_vs_expected")
+st.caption(
+    "Expected: the longest common prefix of the previous turn's prompt + output ids and this prompt's ids. "
+    "Measured: tokens P pulled from D plus P's own prefix-cache hit (the server's cached_tokens without a proxy)."
+)
+short = load(sel.root, "reuse_shortfalls", f, int(min_short), 200)
+if short.empty:
+    st.success(f"No ok later turn reused {int(min_short)} or more tokens less than expected.")
+else:
+    total = int(short["total"].iloc[0])
+    st.markdown(
+        f"**{total} turn(s) where the engine reused at least {int(min_short)} tokens less than expected**"
+        + (f" (the {len(short)} largest shortfalls shown)" if total > len(short) else "")
+    )
+    st.dataframe(
+        tables.shortfall_table(short),
+        hide_index=True,
+        key="shortfalls",
+        column_config={"gap (s)": st.column_config.NumberColumn(format="%.1f")},
+    )

@@ -1,0 +1,177 @@
+"""Compare two runs or modes on the same workload (DESIGN §7): pure functions over the turn samples.
+
+The input is ``dashboard.queries.compare_samples``: one row per ok turn with side (``A`` the
+treatment, ``B`` the baseline), run_id, session_id, turn_index, kind, ttft_s (seconds) and
+favourable (a ``turn`` continued within the run's proxy TTL). Ratios are median TTFT of A over
+median TTFT of B with percentile-bootstrap confidence intervals (`dashboard.headline`, scipy).
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from dashboard import headline
+from dashboard.headline import Ratio
+
+#: Per turn index each session has one turn, so turns are resampled singly; at most this many per
+#: side go into each index's bootstrap (a seeded random subset beyond it: a wider interval).
+MAX_CI_TURNS_PER_INDEX = 300
+N_RESAMPLES_PER_INDEX = 1000
+#: Cases in display order: the favourable one, then the unfavourable turn kinds.
+FAVOURABLE = "continued within TTL"
+UNFAVOURABLE_CASES = ("continued after TTL", "resume", "edit", "retry", "fresh")
+
+
+def ratio_by_turn(samples: pd.DataFrame) -> pd.DataFrame:
+    """The TTFT ratio A / B of medians at each turn index both sides have, with its 95% CI.
+
+    Returns columns turn_index, n_a, n_b (turns), median_a_s, median_b_s (seconds), ratio,
+    ci_low, ci_high (dimensionless; NaN with fewer than 2 turns on a side), ci_subsampled (bool:
+    more than `MAX_CI_TURNS_PER_INDEX` turns on a side, bootstrapped on a subset). One row per
+    turn index, ascending.
+    """
+    cols = ["turn_index", "n_a", "n_b", "median_a_s", "median_b_s", "ratio", "ci_low", "ci_high", "ci_subsampled"]
+    if samples.empty:
+        return pd.DataFrame(columns=cols)
+    rows = []
+    for turn_index, g in samples.groupby("turn_index", sort=True):
+        a = g.loc[g["side"] == "A", "ttft_s"].to_numpy(dtype=float)
+        b = g.loc[g["side"] == "B", "ttft_s"].to_numpy(dtype=float)
+        if a.size == 0 or b.size == 0:
+            continue
+        ratio, lo, hi = headline.median_ratio_ci(
+            a, b, max_values=MAX_CI_TURNS_PER_INDEX, n_resamples=N_RESAMPLES_PER_INDEX
+        )
+        rows.append(
+            {
+                "turn_index": int(turn_index),
+                "n_a": int(a.size),
+                "n_b": int(b.size),
+                "median_a_s": float(pd.Series(a).median()),
+                "median_b_s": float(pd.Series(b).median()),
+                "ratio": ratio,
+                "ci_low": lo,
+                "ci_high": hi,
+                "ci_subsampled": max(a.size, b.size) > MAX_CI_TURNS_PER_INDEX,
+            }
+        )
+    return pd.DataFrame(rows, columns=cols)
+
+
+def _later(samples: pd.DataFrame) -> pd.DataFrame:
+    return samples[samples["turn_index"] >= headline.MIN_TURN_INDEX]
+
+
+def case_of(samples: pd.DataFrame) -> pd.Series:
+    """Each turn's case: `FAVOURABLE`, ``continued after TTL`` (a ``turn`` past the TTL) or its
+    kind (resume, edit, retry, fresh, or another kind as recorded)."""
+    kind = samples["kind"].astype(object).where(samples["kind"].notna(), "unknown").astype(str)
+    case = kind.where(kind != "turn", "continued after TTL")
+    return case.where(~samples["favourable"].astype(bool), FAVOURABLE)
+
+
+def side_ratios(samples: pd.DataFrame, a_name: str, b_name: str) -> dict[str, Ratio | None]:
+    """The three numbers of the Compare page, over ok turns with turn_index >= 1:
+
+    ``all`` (every later turn), ``favourable`` and ``unfavourable`` (every later turn that is
+    not favourable). Each is a `Ratio` of median TTFT A / B with a session-level bootstrap CI
+    (`headline.ratio_of`), or None when a side has no such turns.
+    """
+    later = _later(samples)
+    fav = later["favourable"].astype(bool)
+    out: dict[str, Ratio | None] = {}
+    for key, rows in (("all", later), ("favourable", later[fav]), ("unfavourable", later[~fav])):
+        out[key] = headline.ratio_of(
+            rows[rows["side"] == "A"], rows[rows["side"] == "B"], treatment_name=a_name, baseline_name=b_name
+        )
+    return out
+
+
+def case_table(samples: pd.DataFrame) -> pd.DataFrame:
+    """Median TTFT and turn counts per case and side, over ok turns with turn_index >= 1.
+
+    Columns: case (`FAVOURABLE` first, then `UNFAVOURABLE_CASES` order, then others), side
+    (``A`` | ``B``), turns, ttft_p50_s (seconds). Cases only one side has are kept.
+    """
+    later = _later(samples)
+    if later.empty:
+        return pd.DataFrame(columns=["case", "side", "turns", "ttft_p50_s"])
+    t = (
+        later.assign(case=case_of(later))
+        .groupby(["case", "side"], sort=False)["ttft_s"]
+        .agg(turns="size", ttft_p50_s="median")
+        .reset_index()
+    )
+    order = {c: i for i, c in enumerate((FAVOURABLE, *UNFAVOURABLE_CASES))}
+    t["_o"] = t["case"].map(order).fillna(len(order))
+    return t.sort_values(["_o", "case", "side"]).drop(columns="_o").reset_index(drop=True)
+
+
+def _direction(r: Ratio | None) -> str:
+    """``faster`` / ``slower`` (the CI excludes 1), ``unclear`` (it includes 1 or there is none)
+    or ``missing``."""
+    if r is None:
+        return "missing"
+    if not r.has_ci:
+        return "unclear"
+    if r.ci_high < 1:
+        return "faster"
+    if r.ci_low > 1:
+        return "slower"
+    return "unclear"
+
+
+def _describe(r: Ratio, what: str) -> str:
+    pct = round(headline.CONFIDENCE * 100)
+    ci = f"{pct}% CI {r.ci_low:.2f}-{r.ci_high:.2f}x" if r.has_ci else "too few sessions for a CI"
+    d = _direction(r)
+    if d == "faster":
+        head = f"{r.treatment} is faster than {r.baseline} on {what}"
+    elif d == "slower":
+        head = f"{r.treatment} is slower than {r.baseline} on {what}"
+    else:
+        head = f"No clear difference between {r.treatment} and {r.baseline} on {what}"
+    return (
+        f"{head}: TTFT {r.ratio:.2f}x ({ci}; median {r.median_treatment_s * 1e3:.0f} vs "
+        f"{r.median_baseline_s * 1e3:.0f} ms over {r.n_treatment} and {r.n_baseline} turns)"
+    )
+
+
+def verdict(ratios: dict[str, Ratio | None], favourable_share: float | None = None) -> list[str]:
+    """Plain sentences for the Compare page from `side_ratios`' output.
+
+    `favourable_share`: the fraction (0..1) of A's later turns that were favourable, quoted when
+    the two cases point different ways. The last sentence is the bottom line.
+    """
+    fav, unfav, overall = ratios.get("favourable"), ratios.get("unfavourable"), ratios.get("all")
+    if overall is None:
+        return ["No turns after the first on both sides: nothing to compare yet."]
+    out = [_describe(overall, "all turns after the first") + "."]
+    for r, what in (
+        (fav, "favourable turns (continued within the TTL)"),
+        (unfav, "unfavourable turns (fresh, resumed or continued after the TTL, edited, retried)"),
+    ):
+        if r is not None:
+            out.append(_describe(r, what) + ".")
+    a, b = overall.treatment, overall.baseline
+    df, du = _direction(fav), _direction(unfav)
+    share = f" ({favourable_share:.0%} of {a}'s later turns were favourable)" if favourable_share is not None else ""
+    if df == "faster" and du in ("faster", "unclear", "missing"):
+        tail = (
+            "no worse where it cannot."
+            if du == "unclear"
+            else ("faster there too." if du == "faster" else "this traffic had no unfavourable turns.")
+        )
+        out.append(f"Bottom line: {a} pays off against {b} on this traffic: faster where KV can be reused, {tail}")
+    elif df == "faster" and du == "slower":
+        out.append(
+            f"Bottom line: {a} helps continued turns but costs on the others; whether it pays depends on "
+            f"the mix{share}."
+        )
+    elif df == "slower":
+        out.append(f"Bottom line: {a} is slower than {b} even where KV could be reused: it does not pay here.")
+    elif df == "unclear":
+        out.append(f"Bottom line: no clear gain from {a} over {b} on the turns where reuse should help.")
+    else:
+        out.append(f"Bottom line: no favourable turns on both sides, so the case for {a} is not tested here.")
+    return out

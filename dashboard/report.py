@@ -1,0 +1,104 @@
+"""The HTML exports of the dashboard: a run report (Overview) and a comparison (Compare).
+
+`run_report` reads the store itself (short read-only connections, `dashboard.db.read`) because
+Streamlit calls an export's data function on a separate thread, outside the page script and its
+cache. Both return one self-contained HTML document (`dashboard.export`).
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import plotly.graph_objects as go
+
+from dashboard import db, export, figures, headline, queries, tables
+from dashboard.export import Section
+from dashboard.headline import Ratio
+from dashboard.queries import TurnFilter
+
+TRANSFER_NOTE = (
+    "KV transfer per turn is an estimate: the turn's reused tokens x the run's measured NIXL seconds per "
+    "token (vllm:nixl_xfer_time_seconds on the prefill worker); transfers are not timed per turn."
+)
+
+
+def ratio_line(r: Ratio) -> str:
+    """One headline number in words: ratio, CI, medians and counts."""
+    pct = round(headline.CONFIDENCE * 100)
+    ci = f"{pct}% CI {r.ci_low:.3f}-{r.ci_high:.3f}x" if r.has_ci else "no CI (fewer than 2 sessions)"
+    return (
+        f"{r.treatment} vs {r.baseline}: {r.ratio:.3f}x ({ci}); median TTFT {r.median_treatment_s * 1e3:.1f} ms vs "
+        f"{r.median_baseline_s * 1e3:.1f} ms over {r.n_treatment} vs {r.n_baseline} turns "
+        f"({r.sessions_treatment} vs {r.sessions_baseline} sessions)."
+    )
+
+
+def run_report(store: db.Store, f: TurnFilter, description: str = "") -> str:
+    """The Overview of the runs of `f`, with the Turns, Sessions and Memory figures, as HTML.
+
+    Runs every query it needs on `store` (read-only). Returns the document (str).
+    """
+
+    def q(name: str, *args: object) -> pd.DataFrame:
+        return db.read(store, getattr(queries, name), *args)
+
+    samples = q("ttft_samples", f, headline.MIN_TURN_INDEX)
+    outcomes = q("reuse_outcomes", f, headline.MIN_TURN_INDEX)
+    ratios = headline.headline_ratios(samples)
+    head: list[str | go.Figure | pd.DataFrame] = []
+    for r in ratios:
+        head += [ratio_line(r), headline.verdict(r)]
+    if not ratios:
+        head.append("No headline: the selection lacks both modes of every pair (pd-bidir-nocache vs pd-nocache, "
+                    "pd-bidir vs aggregated).")  # fmt: skip
+    head += headline.all_miss_warnings(outcomes)
+    summary = tables.run_summary_table(q("run_summary", f)).drop(columns=["started (UTC)"])
+    sections = [
+        Section("Headline: TTFT from the second turn on", tuple(head)),
+        Section("Runs", (summary,)),
+        Section(
+            "Per mode",
+            (
+                figures.ttft_by_turn(q("ttft_by_turn", f)),
+                figures.reuse_outcomes(outcomes),
+                figures.external_kv_tokens(q("external_kv_tokens", f)),
+            ),
+        ),
+        Section(
+            "Turns",
+            (
+                figures.latency_panels(q("latency_by", f, "turn_index"), "turn_index"),
+                figures.time_split(q("time_split", f)),
+                TRANSFER_NOTE,
+                figures.reuse_vs_expected(q("reuse_vs_expected", f)),
+            ),
+        ),
+        Section("Sessions", (figures.task_split(q("task_split", f)),)),
+        Section(
+            "Memory",
+            (
+                figures.memory_timeline(q("memory_timeline", f), q("hit_rate_timeline", f)),
+                tables.reuse_cost_table(q("reuse_cost", f)),
+            ),
+        ),
+    ]
+    return export.html_report("turnscope: runs", sections, subtitle=f"store {store.root} · {description}")
+
+
+def compare_report(
+    a_name: str,
+    b_name: str,
+    description: str,
+    verdict: list[str],
+    ratio_table: pd.DataFrame,
+    by_turn_fig: go.Figure,
+    cases_fig: go.Figure,
+    cases: pd.DataFrame,
+) -> str:
+    """The Compare page as HTML: verdict sentences, the ratio table, both figures and the case
+    table (all already computed by the page)."""
+    sections = [
+        Section(f"{a_name} (A) vs {b_name} (B)", (*verdict, ratio_table)),
+        Section("TTFT ratio by turn index", (by_turn_fig,)),
+        Section("Favourable and unfavourable turns", (cases_fig, cases)),
+    ]
+    return export.html_report(f"turnscope: {a_name} vs {b_name}", sections, subtitle=description)
