@@ -321,6 +321,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
         body_stream = stream_decode(endpoint, d_body, decode, facts, t_arrival, waited, finish)
         first = await anext(body_stream)  # surfaces D's HTTP status before the headers go out
         if isinstance(first, Response):
+            first.headers.update(headers)
             return first
 
         async def chain():

