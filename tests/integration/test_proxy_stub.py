@@ -39,7 +39,7 @@ def stubs():
 def test_handle_flows_from_decode_to_next_prefill_and_never_to_the_client(stubs):
     p, d = stubs
     with ProxyThread(config(p, d)) as proxy:
-        r1, events1, facts1, text1 = stream(proxy.url, list(range(10)), "s1")
+        r1, _, _, text1 = stream(proxy.url, list(range(10)), "s1")
         assert r1.headers["x-turnscope-reuse"] == "miss_first_turn"
         assert "kv_transfer_params" not in text1  # the handle stays in the proxy
         assert p.app.state.bodies[0]["kv_transfer_params"] == PREFILL_PARAMS

@@ -77,13 +77,15 @@ class VllmStack:
         self.reference = WorkerProcess(ref, log_dir / "reference.log")
         self.mode = mode
 
-    def start(self):
-        for w in self.workers + [self.reference]:
+    def start(self, pin: bool = True, reference: bool = True):
+        workers = self.workers + ([self.reference] if reference else [])
+        for w in workers:
             w.start()
-        for w in self.workers + [self.reference]:
+        for w in workers:
             w.wait_healthy(300)
-        for w in self.workers:
-            w.pin()
+        if pin:
+            for w in self.workers:
+                w.pin()
         return self
 
     def stop(self):
