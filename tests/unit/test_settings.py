@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
 from pydantic import SecretStr
 
-from turnscope.settings import SettingsError, TurnscopeSettings, using_config_file
+from turnscope.settings import SettingsError, TurnscopeSettings, _env_name, _leaf_paths, using_config_file
 
 
 @pytest.fixture(autouse=True)
@@ -209,3 +210,41 @@ def test_topology_connector_bridge(monkeypatch) -> None:
     assert c.model_dump() == {"kv_recompute_threshold": 64, "decoder_kv_blocks_ttl": 480,
                                      "kv_lease_duration": 30, "backends": ["LIBFABRIC"],
                                      "kv_load_failure_policy": "recompute", "kv_buffer_device": "cuda"}
+
+
+# ------------------------------------------------------------------------------ docs/configuration.md
+
+CONFIG_DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+
+
+def _doc_table() -> dict[str, tuple[str, str]]:
+    """setting -> (env var, default text) from the doc's settings table."""
+    rows = re.findall(r"^\| `([\w.]+)` \| `(TURNSCOPE_\w+)` \| ([^|]+) \|", CONFIG_DOC.read_text(), flags=re.MULTILINE)
+    return {name: (env, default.strip()) for name, env, default in rows}
+
+
+def test_configuration_doc_lists_every_setting_with_its_env_var_and_default() -> None:
+    s = TurnscopeSettings.load()
+    doc = _doc_table()
+    leaves = {".".join(loc): loc for loc in _leaf_paths(s)}
+    assert set(doc) == set(leaves)
+    for name, (env, default) in doc.items():
+        assert env == _env_name(leaves[name])
+        value = s
+        for part in leaves[name]:
+            value = getattr(value, part)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            assert float(default) == value, name
+        elif isinstance(value, str):
+            assert default == f"`{value}`", name
+
+
+def test_configuration_doc_examples_load(tmp_path: Path) -> None:
+    text = CONFIG_DOC.read_text()
+    toml_text = re.search(r"^```toml\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE).group(1)
+    yaml_text = re.search(r"^```yaml\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE).group(1)
+    a = TurnscopeSettings.load(write(tmp_path / "turnscope.toml", toml_text))
+    b = TurnscopeSettings.load(write(tmp_path / "turnscope.yaml", yaml_text))
+    assert a.effective() == b.effective()
+    assert (a.store, a.ports.proxy, a.connector.backends, a.connector.kv_buffer_device, a.kv_bytes_per_token) == \
+        (Path("/srv/turnscope/data"), 9200, ["LIBFABRIC"], "cuda", 262144)
