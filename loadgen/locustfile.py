@@ -6,6 +6,15 @@ Run it headless, with the web UI, or distributed::
         --turnscope-store data --turnscope-run-id demo1 --turnscope-sessions 20 --turnscope-history text
     locust -f loadgen/locustfile.py --master --headless -u 8 -r 8 --expect-workers 2 --host ...
     locust -f loadgen/locustfile.py --worker --master-host 10.0.0.5      # on each load machine
+    locust -f loadgen/locustfile.py --headless -u 16 -r 16 --host ... \
+        --turnscope-workload data/workloads/mixed.yaml --turnscope-time-scale 0.05 \
+        --turnscope-tokenizer data/models/turnscope-tiny
+
+What is played: with ``--turnscope-workload`` a workload file (``loadgen.workload``: archetypes and
+trace replays, planned from the workload's seed, gaps and arrival offsets multiplied by
+``--turnscope-time-scale``, text synthesized for the tokenizer given by ``--turnscope-tokenizer``
+or, without it, the server's ``/tokenize``); without it the shipped tau-bench airline trace is
+replayed (the default), with ``--turnscope-gap-s`` (times the time scale) between turns.
 
 How sessions are handed out: the plan (which sessions, their turns and gaps) is built once, on the
 master (or the single local process), at test start. Users ask the master for their next session
@@ -13,7 +22,9 @@ over Locust's custom messages (``turnscope_want`` -> ``turnscope_session``) and 
 (``turnscope_done``). So every session is played exactly once however Locust spreads users over
 workers (a worker may get no user at all: ``-u 2`` with 3 workers), and long and short sessions
 balance across users. A user that is told the plan is exhausted stops; when every session has been
-reported played, a headless run quits by itself (with the web UI, the test stops).
+reported played, a headless run quits by itself (with the web UI, the test stops). A trace session
+with an arrival offset is started no earlier than that offset after the master's test start (wall
+clock, shared with the workers); the user holding it waits, like the agent would.
 
 Each Locust process opens its own store writer (``writer_id`` = ``locust-<host>-<pid>``) when its
 first session arrives and closes it on test stop and on quit. The master (or local process) also
@@ -21,9 +32,16 @@ initialises the store's views and writes the ``runs_log`` rows (status ``running
 ``complete`` or ``aborted``) unless ``--turnscope-no-run-row`` is given (e.g. when the turnscope
 CLI writes them itself).
 
-Locust statistics: one ``POST turn`` request event per turn, fired at stream end with
-response_time = E2E (ms), and one ``TTFT TTFT`` event with response_time = TTFT (ms); failed turns
-fire both as failures with the reason. Locust's own percentiles are rounded: analyse the store.
+Locust statistics: one ``POST <kind>`` request event per turn (``turn``, ``retry``, ``edit``,
+``fresh``, ``resume``), fired at stream end with response_time = E2E (ms), and one ``TTFT TTFT``
+event with response_time = TTFT (ms); failed turns (errors, and timeouts, whose reason names the
+timeout) fire both as failures with the reason. Locust's own percentiles are rounded: analyse the
+store.
+
+Timeouts: each turn may take up to ``--turnscope-timeout-s`` (default: the workload's
+``timeout_s``, 300 s, or 120 s for the tau-bench replay) between bytes and in total; set it above
+the longest turn you expect (long prompts on slow workers), since a timed-out turn is recorded as
+failed (status ``timeout``).
 """
 
 from __future__ import annotations
@@ -34,6 +52,7 @@ import os
 import re
 import socket
 import threading
+import time
 import uuid
 from importlib import metadata
 from pathlib import Path
@@ -57,7 +76,9 @@ from loadgen.session import (
     run_session,
 )
 from loadgen.store import Store
-from loadgen.traces.taubench import DEFAULT_TRACE, load_taubench
+from loadgen.synth_text import SynthError, TextSynth, counter_from
+from loadgen.traces.taubench import DEFAULT_TRACE, TraceFormatError, load_taubench
+from loadgen.workload import Workload, WorkloadError, describe, load_workload, plan_workload
 
 log = logging.getLogger("turnscope.locust")
 
@@ -81,7 +102,8 @@ def _add_arguments(parser: Any) -> None:
                    help="tau-bench trajectory file to replay (default: the shipped airline trace)")
     g.add_argument("--turnscope-sessions", type=int, default=0,
                    help="sessions to play; 0 = one per conversation in the trace (default); more than "
-                        "the trace holds cycles through it again under new session ids")
+                        "the trace holds cycles through it again under new session ids. With a workload: "
+                        "archetype sessions to draw (0 = the workload's)")
     g.add_argument("--turnscope-max-turns", type=int, default=0,
                    help="at most this many turns per session (0 = all)")
     g.add_argument("--turnscope-history", type=str, default="text", choices=["text", "token_ids"],
@@ -92,7 +114,20 @@ def _add_arguments(parser: Any) -> None:
                    help="stop a session before a prompt longer than this (tokens); 0 = 4096 - max tokens")
     g.add_argument("--turnscope-gap-s", type=float, default=1.0,
                    help="seconds before each turn after the first (tool and think gaps alike)")
-    g.add_argument("--turnscope-timeout-s", type=float, default=120.0, help="per-turn timeout, seconds")
+    g.add_argument("--turnscope-timeout-s", type=float, default=0.0,
+                   help="per-turn timeout, seconds; 0 = the workload's timeout_s (tau-bench replay: 120)")
+    g.add_argument("--turnscope-workload", type=str, default="",
+                   help="workload YAML (data/workloads/*.yaml, or a name there, e.g. mixed); default: replay "
+                        "the tau-bench trace")
+    g.add_argument("--turnscope-time-scale", type=float, default=1.0,
+                   help="multiply every gap and trace arrival offset by this (e.g. 0.01 turns minutes into "
+                        "seconds); recorded with the run")
+    g.add_argument("--turnscope-token-scale", type=float, default=0.0,
+                   help="multiply the workload archetypes' token counts (0 = the workload's token_scale)")
+    g.add_argument("--turnscope-tokenizer", type=str, default="",
+                   help="tokenizer.json (or model directory) the workload's text is synthesized for; default: "
+                        "the server's /tokenize")
+    g.add_argument("--turnscope-seed", type=int, default=-1, help="workload seed (default: the workload's)")
     g.add_argument("--turnscope-cache-salt", type=str, default="",
                    help="vLLM cache_salt sent with every request, so this run shares no prefix cache with "
                         "other runs on the same workers (default: none)")
@@ -131,6 +166,8 @@ class _Coordinator:
         self.next_index = 0
         self.done: set[int] = set()
         self.run_id = ""
+        self.workload: Workload | None = None
+        self.t0_wall = 0.0
         self.started_at: dt.datetime | None = None
         self.finished = False
         self.run_writer: Any = None
@@ -144,34 +181,65 @@ class _Coordinator:
 
     def build_plan(self, env: Any) -> None:
         o = env.parsed_options
-        max_turns = o.turnscope_max_turns or None
-        convs = load_taubench(Path(o.turnscope_trace), max_turns=max_turns)
-        if not convs:
-            raise ValueError(f"{o.turnscope_trace}: no conversation with an assistant turn")
-        n = o.turnscope_sessions or len(convs)
-        if n < 0:
-            raise ValueError(f"--turnscope-sessions must be >= 0, got {n}")
-        self.plans = []
-        for i in range(n):
-            conv = convs[i % len(convs)]
-            plan = plan_from_conversation(conv, session_id=f"s{i:05d}-{conv.id}",
-                                          tool_gap_s=o.turnscope_gap_s, think_gap_s=o.turnscope_gap_s)
-            self.plans.append(plan.to_dict())
+        if o.turnscope_time_scale <= 0:
+            raise ValueError(f"--turnscope-time-scale must be > 0, got {o.turnscope_time_scale}")
+        if o.turnscope_sessions < 0:
+            raise ValueError(f"--turnscope-sessions must be >= 0, got {o.turnscope_sessions}")
+        self.workload = None
+        if o.turnscope_workload:
+            plans = self._plan_workload(env)
+            source = f"workload {self.workload.name}"
+        else:
+            max_turns = o.turnscope_max_turns or None
+            convs = load_taubench(Path(o.turnscope_trace), max_turns=max_turns)
+            if not convs:
+                raise ValueError(f"{o.turnscope_trace}: no conversation with an assistant turn")
+            n = o.turnscope_sessions or len(convs)
+            gap = o.turnscope_gap_s * o.turnscope_time_scale
+            plans = []
+            for i in range(n):
+                conv = convs[i % len(convs)]
+                plans.append(plan_from_conversation(conv, session_id=f"s{i:05d}-{conv.id}",
+                                                    tool_gap_s=gap, think_gap_s=gap))
+            source = o.turnscope_trace
+        self.plans = [p.to_dict() for p in plans]
         self.next_index = 0
         self.done = set()
         self.finished = False
         self.run_id = o.turnscope_run_id or (
             f"locust-{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}")
-        log.info("turnscope: run %s plans %d sessions (%d turns) from %s, history %s",
-                 self.run_id, n, sum(len(p["turns"]) for p in self.plans), o.turnscope_trace,
-                 o.turnscope_history)
+        log.info("turnscope: run %s plans %d sessions (%d requests) from %s, history %s: %s",
+                 self.run_id, len(plans), sum(len(p.turns) for p in plans), source, o.turnscope_history,
+                 describe(plans))
+
+    def _plan_workload(self, env: Any) -> list[SessionPlan]:
+        o = env.parsed_options
+        w = load_workload(o.turnscope_workload)
+        if o.turnscope_seed >= 0:
+            w = w.model_copy(update={"seed": o.turnscope_seed})
+        self.workload = w
+        with httpx.Client() as client:
+            counter = counter_from(o.turnscope_tokenizer or None, client=client, base_url=env.host,
+                                   model=o.turnscope_model)
+            synth = TextSynth(counter, seed=w.seed)
+            return plan_workload(w, synth, time_scale=o.turnscope_time_scale,
+                                 sessions=o.turnscope_sessions or None,
+                                 token_scale=o.turnscope_token_scale or None)
+
+    def timeout_s(self, env: Any) -> float:
+        """Per-turn timeout: the option, else the workload's, else 120 s (tau-bench replay)."""
+        o = env.parsed_options
+        if o.turnscope_timeout_s > 0:
+            return o.turnscope_timeout_s
+        return self.workload.timeout_s if self.workload is not None else 120.0
 
     def on_want(self, environment: Any, msg: Any, **_: Any) -> None:
         """Master side: hand the next session to the asking user (or None when exhausted)."""
         if self.next_index < len(self.plans) and not self.finished:
             idx = self.next_index
             self.next_index += 1
-            data = {"req": msg.data["req"], "index": idx, "plan": self.plans[idx], "run_id": self.run_id}
+            data = {"req": msg.data["req"], "index": idx, "plan": self.plans[idx], "run_id": self.run_id,
+                    "t0_wall": self.t0_wall, "request": self.request_settings(environment)}
         else:
             data = {"req": msg.data["req"], "index": None, "plan": None, "run_id": self.run_id}
         environment.runner.send_message(_MSG_SESSION, data, client_id=msg.node_id)
@@ -183,6 +251,18 @@ class _Coordinator:
             self.finished = True
             log.info("turnscope: all %d sessions played", len(self.plans))
             gevent.spawn(_end_run, environment)
+
+    def request_settings(self, env: Any) -> dict[str, Any]:
+        """What every request of the run carries beyond the plan (sent to the users with each session)."""
+        o = env.parsed_options
+        extra: dict[str, Any] = {}
+        if o.turnscope_cache_salt:
+            extra["cache_salt"] = o.turnscope_cache_salt
+        w = self.workload
+        if w is not None and w.ignore_eos:
+            extra["ignore_eos"] = True
+        return {"extra_body": extra or None, "temperature": w.temperature if w is not None else 0.0,
+                "timeout_s": self.timeout_s(env)}
 
     def write_run_row(self, env: Any, status: str) -> None:
         o = env.parsed_options
@@ -199,10 +279,8 @@ class _Coordinator:
             "run_id": self.run_id,
             "label": o.turnscope_label or None,
             "mode": o.turnscope_mode,
-            "workload": f"trace:{Path(o.turnscope_trace).stem}",
-            "workload_spec": {"kind": "tau-bench", "trace": Path(o.turnscope_trace).name,
-                              "sessions": len(self.plans), "max_turns": o.turnscope_max_turns or None,
-                              "gap_s": o.turnscope_gap_s, "max_tokens": o.turnscope_max_tokens},
+            "workload": self.workload.name if self.workload is not None else f"trace:{Path(o.turnscope_trace).stem}",
+            "workload_spec": self.workload_spec(env),
             "history_mode": o.turnscope_history,
             "versions": {"turnscope": _version("turnscope"), "locust": _version("locust")},
             "model": o.turnscope_model,
@@ -213,6 +291,20 @@ class _Coordinator:
             "updated_at": now,
         })
         self.run_writer.flush()
+
+    def workload_spec(self, env: Any) -> dict[str, Any]:
+        """The workload as run: the validated workload file (includes resolved) or the tau-bench
+        replay settings, plus the time scale, sessions planned and per-turn timeout."""
+        o = env.parsed_options
+        common = {"time_scale": o.turnscope_time_scale, "sessions_planned": len(self.plans),
+                  "turn_timeout_s": self.timeout_s(env)}
+        if self.workload is not None:
+            return {"kind": "workload", **self.workload.model_dump(mode="json"), **common,
+                    "token_scale_override": o.turnscope_token_scale or None,
+                    "tokenizer": o.turnscope_tokenizer or f"{env.host}/tokenize"}
+        return {"kind": "tau-bench", "trace": Path(o.turnscope_trace).name, "sessions": len(self.plans),
+                "max_turns": o.turnscope_max_turns or None, "gap_s": o.turnscope_gap_s,
+                "max_tokens": o.turnscope_max_tokens, **common}
 
     # -- user side -------------------------------------------------------------------------------
 
@@ -299,6 +391,7 @@ def _on_test_start(environment: Any, **_: Any) -> None:
             raise ValueError("no --host given (the proxy or server root, e.g. http://127.0.0.1:8000)")
         _coord.build_plan(environment)
         _coord.started_at = dt.datetime.now(dt.UTC)
+        _coord.t0_wall = time.time()
         try:
             Store(Path(o.turnscope_store)).init()
         except RuntimeError as e:  # the views file is held by a reader; the shards are still written
@@ -310,7 +403,7 @@ def _on_test_start(environment: Any, **_: Any) -> None:
                 except (TemplateJoinError, TokenizeError) as e:
                     raise ValueError(f"the token_ids history mode cannot be used against "
                                      f"{environment.host}: {e}") from e
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, WorkloadError, TraceFormatError, SynthError) as e:
         log.error("turnscope: cannot start the run: %s", e)
         environment.process_exit_code = 2
         _coord.plans = []
@@ -369,13 +462,19 @@ class AgentSession(User):
             raise StopUser()
         plan = SessionPlan.from_dict(answer["plan"])
         writer = _coord.writer_for(env, answer["run_id"])
+        if plan.start_at_s is not None:
+            delay = answer["t0_wall"] + plan.start_at_s - time.time()
+            if delay > 0:
+                gevent.sleep(delay)  # a trace session starts at its arrival offset
+        req = answer["request"]
         max_tokens = _opt(env, "max_tokens")
         result = run_session(
             plan, self.http, self.host, _opt(env, "model"), writer, answer["run_id"], _opt(env, "history"),
             max_tokens=max_tokens,
             max_prompt_tokens=_opt(env, "max_prompt_tokens") or max(1, 4096 - max_tokens),
-            timeout_s=_opt(env, "timeout_s"),
-            extra_body={"cache_salt": _opt(env, "cache_salt")} if _opt(env, "cache_salt") else None,
+            timeout_s=req["timeout_s"],
+            temperature=req["temperature"],
+            extra_body=req["extra_body"],
             on_turn=self._fire,
         )
         log.info("turnscope: session %s played: %d turns, %s (%s)", plan.session_id, len(result.turns),
@@ -386,9 +485,9 @@ class AgentSession(User):
         r = rec.result
         ok = r.status == "ok"
         exc = None if ok else RuntimeError(f"{r.status}: {r.error}")
-        ctx = {"session_id": rec.row["session_id"], "turn_index": rec.row["turn_index"]}
+        ctx = {"session_id": rec.row["session_id"], "turn_index": rec.row["turn_index"], "kind": rec.row["kind"]}
         fire = self.environment.events.request.fire
-        fire(request_type="POST", name="turn", response_time=(r.e2e_s or 0.0) * 1000.0,
+        fire(request_type="POST", name=rec.row["kind"], response_time=(r.e2e_s or 0.0) * 1000.0,
              response_length=r.completion_tokens or 0, exception=exc, context=ctx, url=self.host)
         fire(request_type="TTFT", name="TTFT",
              response_time=((r.ttft_s if r.ttft_s is not None else r.e2e_s) or 0.0) * 1000.0,

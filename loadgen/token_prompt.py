@@ -174,28 +174,36 @@ def reuse_against(prev_span: Sequence[int], prompt_ids: Sequence[int]) -> tuple[
 
 @dataclass(frozen=True)
 class ReuseOracle:
-    """What a perfect P/D cache could reuse for one turn (the turn-N oracle; tokens).
+    """What a correct P/D stack with a live handle can reuse for one turn (the turn-N oracle).
+
+    All counts are tokens, computed from rendered ids only (never from message equality).
 
     Attributes:
         lcp: longest common prefix of the previous span (prompt + generated ids) and this prompt.
         divergence: first differing position, or None (see :func:`reuse_against`).
         handle_tokens: tokens the decode worker holds KV for: previous prompt + generated - 1 (the
             last sampled token was never fed back, so it has no KV).
-        reusable_tokens: what can be reused from KV blocks: the common part, capped by the handle and
-            by this prompt minus its last token (a prefill computes at least one token), rounded
-            down to whole blocks of ``block_size``.
-        remote_tokens: of those, the tokens beyond P's own prefix-cache hit (``local_cached``),
-            which only a transfer from D can supply.
-        below_threshold: ``0 < remote_tokens < threshold``: too few to be worth a transfer; the
-            proxy recomputes and records ``miss_below_threshold``.
+        usable_tokens: what the handle may offer: all ``handle_tokens`` when this prompt starts with
+            them; otherwise only the whole blocks before the divergence
+            (``floor(lcp / block_size) * block_size``, DESIGN §3 trimming), 0 when none is left.
+        reusable_tokens: whole blocks of reusable KV: ``floor(min(usable, prompt - 1) / block_size) *
+            block_size`` (a prefill computes at least the last prompt token); for a plain
+            continuation ``floor((P + G - 1) / block_size) * block_size``.
+        remote_tokens: what a pull moves, vLLM's rule (``pull_scheduler.get_num_new_matched_tokens``):
+            ``min(usable, prompt) - local_cached``, at least 0.
+        outcome: the reuse outcome a correct proxy reports for a live, unexpired handle:
+            ``miss_mismatch`` (no usable token: the ids diverge inside the first block),
+            ``miss_below_threshold`` (fewer than ``threshold`` tokens beyond P's own prefix-cache
+            hit; 0 included: P already has them), else ``hit``.
     """
 
     lcp: int
     divergence: int | None
     handle_tokens: int
+    usable_tokens: int
     reusable_tokens: int
     remote_tokens: int
-    below_threshold: bool
+    outcome: str
 
 
 def reuse_oracle(prev_prompt_ids: Sequence[int], generated_ids: Sequence[int], prompt_ids: Sequence[int], *,
@@ -207,20 +215,26 @@ def reuse_oracle(prev_prompt_ids: Sequence[int], generated_ids: Sequence[int], p
         generated_ids: the ids it generated.
         prompt_ids: this turn's prompt ids as rendered.
         block_size: KV block size of the workers, tokens (vLLM CPU: 128; GPU: 16 by default).
-        local_cached_tokens: P's own prefix-cache hit for this prompt, tokens (whole blocks).
+        local_cached_tokens: P's own prefix-cache hit for this prompt, tokens (whole blocks; with
+            prefix caching on P it is the whole blocks of the previous prompt that this one keeps).
         threshold: the connector's ``kv_recompute_threshold``, tokens (default 64).
 
     Returns:
-        :class:`ReuseOracle`; e.g. a prompt of P tokens, G generated, and a continuation that keeps
-        all of them gives ``reusable_tokens = floor((P + G - 1) / block_size) * block_size``.
+        :class:`ReuseOracle`.
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     span = list(prev_prompt_ids) + list(generated_ids)
     lcp, div = reuse_against(span, prompt_ids)
     handle = max(len(span) - 1, 0)
-    usable = min(lcp, handle, max(len(prompt_ids) - 1, 0))
-    reusable = usable // block_size * block_size
-    remote = max(reusable - local_cached_tokens, 0)
-    return ReuseOracle(lcp=lcp, divergence=div, handle_tokens=handle, reusable_tokens=reusable,
-                       remote_tokens=remote, below_threshold=0 < remote < threshold)
+    usable = handle if lcp >= handle else lcp // block_size * block_size
+    reusable = min(usable, max(len(prompt_ids) - 1, 0)) // block_size * block_size
+    remote = max(min(usable, len(prompt_ids)) - local_cached_tokens, 0)
+    if usable == 0:
+        outcome = "miss_mismatch"
+    elif remote < threshold:
+        outcome = "miss_below_threshold"
+    else:
+        outcome = "hit"
+    return ReuseOracle(lcp=lcp, divergence=div, handle_tokens=handle, usable_tokens=usable,
+                       reusable_tokens=reusable, remote_tokens=remote, outcome=outcome)

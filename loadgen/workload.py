@@ -575,26 +575,33 @@ def plan_mooncake(src: TraceSource, si: int, w: Workload, synth: TextSynth, time
             cap = len(r.hash_ids) * block
             n_in = min(max(1, round(r.input_length * s)), cap)
             n_out = max(1, round(r.output_length * s))
+            # the trace repeats the parent's prompt: the same turn sent again (a retry)
+            repeat = k > 0 and r.hash_ids == rs[k - 1].hash_ids and r.input_length == rs[k - 1].input_length
             if k == 0:
                 text = synth.chain_text(r.hash_ids, 0, n_in, block)
+            elif repeat:
+                text = ""
             else:
                 a = prev_in + prev_out
                 if n_in - a >= src.min_new_tokens:
                     text = synth.chain_text(r.hash_ids, a, n_in, block)
                 else:  # the trace's child is shorter than parent + output: append the minimum
                     text = synth.text(src.min_new_tokens, f"{sid}/{k}/new")
-            msg = {"role": "user", "content": text}
+            msg = [{"role": "user", "content": text}]
             ref = _ref(synth.text(n_out, f"{sid}/{k}/ref"))
             if k == 0:
-                turns.append(TurnPlan([msg], ref, max_tokens=n_out))
+                turns.append(TurnPlan(msg, ref, max_tokens=n_out))
+                prev_in, prev_out = n_in, n_out
+                continue
+            gap = (r.timestamp_ms - rs[k - 1].timestamp_ms) / 1000.0
+            kind, gkind = _gap_turn(gap, w.ttl_s)
+            if repeat:
+                kind, msg = "retry", []
+            if src.replay_timestamps:
+                turns.append(TurnPlan(msg, ref, 0.0, gkind, kind, max_tokens=n_out,
+                                      at_s=(r.timestamp_ms / 1000.0 - t0) * time_scale))
             else:
-                gap = (r.timestamp_ms - rs[k - 1].timestamp_ms) / 1000.0
-                kind, gkind = _gap_turn(gap, w.ttl_s)
-                if src.replay_timestamps:
-                    turns.append(TurnPlan([msg], ref, 0.0, gkind, kind, max_tokens=n_out,
-                                          at_s=(r.timestamp_ms / 1000.0 - t0) * time_scale))
-                else:
-                    turns.append(TurnPlan([msg], ref, gap * time_scale, gkind, kind, max_tokens=n_out))
+                turns.append(TurnPlan(msg, ref, gap * time_scale, gkind, kind, max_tokens=n_out))
             prev_in, prev_out = n_in, n_out
         start = (t0 - src.start_s) * time_scale if src.replay_timestamps else None
         plans.append(SessionPlan(sid, f"mooncake:r{rs[0].index}", turns, archetype=name, start_at_s=start))

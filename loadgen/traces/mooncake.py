@@ -117,6 +117,8 @@ class ChainReport:
         sessions: sessions inferred (a request without a parent starts one).
         multi_turn_sessions: sessions of 2 or more requests.
         linked: requests with a parent; ``links_exact`` + ``links_rehash`` of them.
+        repeats: exact links whose request repeats its parent's prompt (same hash ids and input
+            length): the same turn sent again (replayed as a ``retry``).
         ambiguous_links: links where more than one earlier request had the same chain (the latest won).
         forks: parents with more than one child (the later children start sessions of their own).
         forks_midchain: requests sharing blocks beyond the common prefix with an earlier one without
@@ -135,6 +137,7 @@ class ChainReport:
     linked: int = 0
     links_exact: int = 0
     links_rehash: int = 0
+    repeats: int = 0
     ambiguous_links: int = 0
     forks: int = 0
     forks_midchain: int = 0
@@ -149,7 +152,8 @@ class ChainReport:
         """A few human-readable lines (percentiles: numpy's linear interpolation)."""
         lines = [
             (f"{self.requests} requests -> {self.sessions} sessions ({self.multi_turn_sessions} with 2+ turns); "
-             f"{self.linked} links ({self.links_exact} exact, {self.links_rehash} re-hashed partial block, "
+             f"{self.linked} links ({self.links_exact} exact of which {self.repeats} repeat the parent's prompt, "
+             f"{self.links_rehash} re-hashed partial block, "
              f"{self.ambiguous_links} ambiguous), {self.forks} forks, {self.forks_midchain} mid-chain branches, "
              f"{self.common_only} sharing only the common prefix {list(self.common_prefix_ids)}"),
             (f"turns per session: {dict(sorted(self.turns_per_session.items()))}; "
@@ -237,6 +241,7 @@ def infer_sessions(requests: list[MooncakeRequest], common_fraction: float = 0.5
             rep.links_rehash += kind == "rehash"
             rep.ambiguous_links += len(cands) > 1
             pr = by_index[p]
+            rep.repeats += pr.hash_ids == r.hash_ids and pr.input_length == r.input_length
             gaps.append((r.timestamp_ms - pr.timestamp_ms) / 1000.0)
             new_tokens.append(r.input_length - pr.input_length - pr.output_length)
         elif k > ncommon:
