@@ -573,3 +573,14 @@ def test_promtool_parses_every_expression(tmp_path: Path) -> None:
                        check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"SUCCESS: {len(rules)} rules found" in r.stdout
+
+
+@pytest.mark.skipif(shutil.which("node") is None or shutil.which("npm") is None, reason="node and npm are not installed")
+def test_dashboard_matches_grafanas_own_schema() -> None:
+    # Grafana's dashboard model as TypeScript types (@grafana/schema, generated from its CUE
+    # schema), checked by tsc --strict; the script caches the packages after the first install.
+    r = subprocess.run(["bash", str(REPO / "deploy" / "grafana" / "check_schema.sh"), str(DASHBOARD)],
+                       capture_output=True, text=True, timeout=600, check=False)
+    if r.returncode == 3:
+        pytest.skip(f"@grafana/schema could not be installed from the npm registry: {r.stderr[-400:]}")
+    assert r.returncode == 0, r.stdout + r.stderr
