@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 
+from serving.kv_size import kv_bytes_per_token as kv_bytes_per_token_of
 from serving.proxy import ProxyConfig, Worker
 from serving.topology import Topology
 from serving.workers import WorkerProcess, mode_workers, worker_block_size
@@ -42,7 +43,8 @@ class ModeStack:
     def __init__(self, mode: str, topology: Topology, log_dir: Path, kv_bytes_per_token: int | None = None,
                  progress=print):
         self.mode, self.topology, self.log_dir = mode, topology, Path(log_dir)
-        self.kv_bytes_per_token, self.progress = kv_bytes_per_token, progress
+        self.kv_bytes_per_token = kv_bytes_per_token or kv_bytes_per_token_of(topology.model)
+        self.progress = progress
         self.workers = [WorkerProcess(spec, self.log_dir / f"{mode}-{spec.name}.log")
                         for spec in mode_workers(mode, topology)]
         self.proxy: subprocess.Popen | None = None

@@ -6,6 +6,7 @@ Starting workers takes 30-100 s on 2 cores, so tests share one stack per session
 
 from __future__ import annotations
 
+import random
 import socket
 import threading
 import time
@@ -21,9 +22,18 @@ from serving.workers import WorkerProcess, WorkerSpec, mode_workers
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port below Linux's ephemeral range (32768+), so no outgoing connection of
+    another process can take it between now and the moment a worker binds it."""
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 class AppThread:
