@@ -441,9 +441,9 @@ def session_timeline(df: pd.DataFrame) -> go.Figure:
         title="Session timeline",
         xaxis_title="time since the session's first request (s)",
         yaxis={"autorange": "reversed", "title": "turn"},
-        legend_title_text="segment",
-        margin={"t": 60},
-        height=max(260, 80 + 28 * len(d)),
+        legend={"title": {"text": "segment"}, "orientation": "h", "yanchor": "top", "y": -0.25, "x": 0},
+        margin={"t": 60, "b": 40},
+        height=max(340, 200 + 28 * len(d)),
     )
     return fig
 
@@ -552,7 +552,13 @@ def whatif_ttl(df: pd.DataFrame, current_ttls_s: list[float] | None = None) -> g
     )  # fmt: skip
     for ttl in sorted(set(current_ttls_s or [])):
         fig.add_vline(x=ttl, line_dash="dot", line_color="#4c4c4c", annotation_text=f"configured {ttl:.0f} s")
-    fig.update_xaxes(title_text="decoder_kv_blocks_ttl (s)", type="log")
+    ticks = sorted(set(d["ttl_s"].tolist()))
+    fig.update_xaxes(
+        title_text="decoder_kv_blocks_ttl (s, log scale)",
+        type="log",
+        tickvals=ticks,
+        ticktext=[f"{t:g}" for t in ticks],
+    )
     fig.update_yaxes(title_text="hit rate of later turns (%)", range=[0, 105], secondary_y=False)
     fig.update_yaxes(title_text=held_title, rangemode="tozero", secondary_y=True)
     fig.update_layout(title="What if the TTL were different? (replayed from the recorded gaps)", margin={"t": 60})

@@ -307,7 +307,10 @@ WITH f AS (
     SELECT t.mode, t.turn_index, t.ttft_s, t.e2e_s, t.prefill_leg_s, t.reused_tokens,
            k.xfer_s_per_token,
            t.prefill_leg_s IS NOT NULL AS split,
-           least(coalesce(t.reused_tokens, 0) * k.xfer_s_per_token, t.prefill_leg_s) AS xfer_est_s
+           -- least() skips NULLs in DuckDB: without a measured rate the estimate is NULL (counted 0)
+           CASE WHEN coalesce(t.reused_tokens, 0) = 0 THEN 0.0
+                WHEN k.xfer_s_per_token IS NULL OR t.prefill_leg_s IS NULL THEN NULL
+                ELSE least(t.reused_tokens * k.xfer_s_per_token, t.prefill_leg_s) END AS xfer_est_s
     FROM turn_breakdown t LEFT JOIN run_kv_transfer k USING (run_id)
     WHERE {where} AND t.status = 'ok' AND t.ttft_s IS NOT NULL AND t.e2e_s IS NOT NULL
 )

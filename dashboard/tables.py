@@ -43,8 +43,8 @@ def reuse_cost_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per run from ``dashboard.queries.reuse_cost``, for reading.
 
     Columns: run, mode, "KV held (GiB·s)", "peak handle KV (MiB)", hits, "tokens pulled from D",
-    "prefill s/token (measured)" (ms per 1k tokens), "NIXL time (s)", "prefill saved (s, est.)",
-    "GiB·s held per s saved" (NaN when nothing was saved).
+    "prefill ms per 1k tokens" (measured on turns that pulled nothing), "NIXL time (s)",
+    "prefill saved (s, est.)", "GiB·s held per s saved" (NaN when nothing was saved).
     """
     return pd.DataFrame(
         {
@@ -58,7 +58,6 @@ def reuse_cost_table(df: pd.DataFrame) -> pd.DataFrame:
             "NIXL time (s)": df["xfer_s"],
             "prefill saved (s, est.)": df["saved_s"],
             "GiB·s held per s saved": df["gib_s_per_saved_s"],
-            "run_id": df["run_id"],
         }
     )
 
@@ -146,3 +145,19 @@ def ratio_table(ratios: dict) -> pd.DataFrame:
             }
         )
     return pd.DataFrame(rows)
+
+
+def case_table(df: pd.DataFrame) -> pd.DataFrame:
+    """``dashboard.compare.case_table`` (long: case, side, turns, ttft_p50_s) as one row per case:
+    case, "n A", "n B", "p50 A (ms)", "p50 B (ms)"; blanks where a side has no such turns."""
+    cols = ["case", "n A", "n B", "p50 A (ms)", "p50 B (ms)"]
+    if df.empty:
+        return pd.DataFrame(columns=cols)
+    cases = list(dict.fromkeys(df["case"]))
+    wide = df.pivot(index="case", columns="side", values=["turns", "ttft_p50_s"]).reindex(cases)
+    out = pd.DataFrame({"case": cases})
+    for side in ("A", "B"):
+        has = ("turns", side) in wide.columns
+        out[f"n {side}"] = wide[("turns", side)].to_numpy() if has else np.nan
+        out[f"p50 {side} (ms)"] = wide[("ttft_p50_s", side)].to_numpy() * 1e3 if has else np.nan
+    return out[cols]

@@ -304,3 +304,21 @@ def build(root: Path) -> Path:
         finally:
             w.close()
     return root
+
+
+def raw_sql(root: Path, sql: str) -> list[tuple]:
+    """Hand-written SQL straight over the Parquet shards (not the store's views): {turns},
+    {runs_log}, {sessions} and {metric_samples} are read_parquet of every shard, and {modes} is
+    (run_id, mode) per run."""
+    import duckdb
+
+    glob = {
+        t: f"read_parquet('{root}/runs/*/{t}/*.parquet', union_by_name=true)"
+        for t in ("turns", "runs_log", "sessions", "metric_samples")
+    }
+    glob["modes"] = f"(SELECT DISTINCT run_id, mode FROM {glob['runs_log']})"
+    con = duckdb.connect()
+    try:
+        return con.execute(sql.format(**glob)).fetchall()
+    finally:
+        con.close()

@@ -84,21 +84,21 @@ st.subheader(f"{a_name} vs {b_name}: TTFT from the second turn on")
 pct = int(headline.CONFIDENCE * 100)
 cols = st.columns(3)
 titles = {
-    "all": "all later turns",
-    "favourable": "favourable: continued within TTL",
-    "unfavourable": "unfavourable: fresh, resumed, edited, retried, after TTL",
+    "all": ("all later turns", "every ok turn with turn_index ≥ 1"),
+    "favourable": ("favourable turns", "continued (kind `turn`) within the proxy's TTL"),
+    "unfavourable": ("unfavourable turns", "fresh, resumed, edited, retried, or continued after the TTL"),
 }
-for col, (key, title) in zip(cols, titles.items(), strict=True):
+for col, (key, (title, what)) in zip(cols, titles.items(), strict=True):
     r = ratios[key]
     if r is None:
-        col.metric(title, "n/a", help="one side has no such turns")
+        col.metric(title, "n/a", help=f"{what}: one side has no such turns")
         continue
     col.metric(
         title,
         f"{r.ratio:.3f}×",
         delta=f"{(r.ratio - 1) * 100:+.1f}% TTFT",
         delta_color="inverse",
-        help="median TTFT(A) / median TTFT(B), ok turns with turn_index ≥ 1",
+        help=f"median TTFT(A) / median TTFT(B) over ok turns: {what}",
     )
     ci = f"{r.ci_low:.3f}–{r.ci_high:.3f}×" if r.has_ci else "n/a (fewer than 2 sessions)"
     sub = " · CI from a random subset of sessions (wider than with all)" if r.ci_subsampled else ""
@@ -132,20 +132,18 @@ st.subheader("Favourable and unfavourable turns, side by side")
 cases_fig = figures.compare_cases(cases, a_name, b_name)
 left, right = st.columns([3, 2])
 left.plotly_chart(cases_fig, key="compare_cases")
-case_view = cases.pivot_table(index="case", columns="side", values=["turns", "ttft_p50_s"], sort=False)
-case_view.columns = [f"{'turns' if v == 'turns' else 'TTFT p50 (ms)'} {s}" for v, s in case_view.columns]
-for c in [c for c in case_view.columns if c.startswith("TTFT")]:
-    case_view[c] = case_view[c] * 1e3
-right.dataframe(case_view, key="compare_case_table", column_config={
-    c: st.column_config.NumberColumn(format="%.1f") for c in case_view.columns if c.startswith("TTFT")
+case_view = tables.case_table(cases)
+right.dataframe(case_view, hide_index=True, key="compare_case_table", column_config={
+    c: st.column_config.NumberColumn(format="%.1f", width="small") for c in ("p50 A (ms)", "p50 B (ms)")
 })  # fmt: skip
+right.caption("turns and median TTFT per case, A and B; a case only one side has shows blanks.")
 
 ratio_table = tables.ratio_table(ratios)
 description = f"A = {a_name} ({len(a_ids)} run(s)), B = {b_name} ({len(b_ids)} run(s)); {sel.describe()}"
 st.download_button(
     "Export this comparison as HTML",
     data=lambda: report.compare_report(
-        a_name, b_name, description, verdict, ratio_table, by_turn_fig, cases_fig, case_view.reset_index()
+        a_name, b_name, description, verdict, ratio_table, by_turn_fig, cases_fig, case_view
     ),
     file_name=f"turnscope-compare-{a}-vs-{b}.html".replace("/", "_"),
     mime="text/html",

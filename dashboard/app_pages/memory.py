@@ -42,11 +42,13 @@ else:
         hide_index=True,
         key="reuse_cost",
         column_config={
-            "KV held (GiB·s)": st.column_config.NumberColumn(format="%.4f"),
-            "peak handle KV (MiB)": st.column_config.NumberColumn(format="%.1f"),
-            "prefill ms per 1k tokens": st.column_config.NumberColumn(format="%.2f"),
-            "NIXL time (s)": st.column_config.NumberColumn(format="%.3f"),
-            "prefill saved (s, est.)": st.column_config.NumberColumn(format="%.3f"),
+            "KV held (GiB·s)": st.column_config.NumberColumn(format="%.4f", width="small"),
+            "peak handle KV (MiB)": st.column_config.NumberColumn(format="%.1f", width="small"),
+            "hits": st.column_config.NumberColumn(width="small"),
+            "tokens pulled from D": st.column_config.NumberColumn(format="%d", width="small"),
+            "prefill ms per 1k tokens": st.column_config.NumberColumn(format="%.2f", width="small"),
+            "NIXL time (s)": st.column_config.NumberColumn(format="%.3f", width="small"),
+            "prefill saved (s, est.)": st.column_config.NumberColumn(format="%.3f", width="small"),
             "GiB·s held per s saved": st.column_config.NumberColumn(format="%.4f"),
         },
     )

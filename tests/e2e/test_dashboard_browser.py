@@ -1,7 +1,8 @@
 """The dashboard in a real browser: `streamlit run` on a known store, driven by Playwright.
 
-Saves artifacts/screenshots/overview.png (look at it). Needs Debian's chromium at /usr/bin/chromium
-(scripts/install.sh installs it); skipped with the reason when it is missing.
+Opens every page in headless Chromium and saves artifacts/screenshots/<page>.png (look at them).
+Needs Debian's chromium at /usr/bin/chromium (scripts/install.sh installs it); skipped with the
+reason when it is missing.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from tests import dashboard_store
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
-SCREENSHOT = REPO / "artifacts" / "screenshots" / "overview.png"
+SHOTS = REPO / "artifacts" / "screenshots"
 CHROMIUM_ARGS = [
     "--no-sandbox",
     "--disable-gpu",
@@ -29,6 +30,7 @@ CHROMIUM_ARGS = [
     "--disable-sync",
     "--no-first-run",
 ]
+WIDTH = 1440
 
 pytestmark = [
     pytest.mark.e2e,
@@ -57,11 +59,12 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 60) -> No
     raise TimeoutError(f"streamlit at {url} not healthy within {timeout_s} s")
 
 
-@pytest.fixture
-def dashboard_url(tmp_path):
-    root = dashboard_store.build(tmp_path / "store")
+@pytest.fixture(scope="module")
+def dashboard_url(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("e2e")
+    root = dashboard_store.build(tmp / "store")
     port = _free_port()
-    log = (tmp_path / "streamlit.log").open("w")
+    log = (tmp / "streamlit.log").open("w")
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -97,32 +100,145 @@ def dashboard_url(tmp_path):
         log.close()
 
 
-def test_overview_in_browser(dashboard_url):
+@pytest.fixture(scope="module")
+def browser():
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
-            # Streamlit scrolls inside its main container, so a full-page screenshot would stop at the
-            # viewport: make the viewport tall enough for the whole Overview instead.
-            page = browser.new_page(viewport={"width": 1440, "height": 2300})
-            errors: list[str] = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(dashboard_url, wait_until="domcontentloaded")
-            page.get_by_role("heading", name="Overview").wait_for(timeout=60_000)
-            # Three Plotly charts drawn (their SVG exists), and the headline metric.
-            page.wait_for_function(
-                "document.querySelectorAll('.js-plotly-plot .main-svg').length >= 3", timeout=60_000
-            )
-            metric = page.locator('[data-testid="stMetricValue"]')
-            metric.first.wait_for(timeout=30_000)
-            assert metric.count() == 1
-            assert metric.first.inner_text().strip().endswith("×")
-            assert page.locator('[data-testid="stException"]').count() == 0
-            page.wait_for_timeout(1500)  # let Plotly finish its transitions before the picture
-            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-            page.screenshot(path=str(SCREENSHOT), full_page=True)
-            assert not errors, errors
+            yield b
         finally:
-            browser.close()
-    assert SCREENSHOT.stat().st_size > 10_000
+            b.close()
+
+
+def _open(browser, url: str, title: str, charts: int):
+    """A page at `url` with its heading `title` and at least `charts` Plotly charts drawn."""
+    page = browser.new_page(viewport={"width": WIDTH, "height": 1200}, accept_downloads=True)
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url, wait_until="domcontentloaded")
+    page.get_by_role("heading", name=title, exact=True).wait_for(timeout=60_000)
+    _wait_charts(page, charts)
+    return page, errors
+
+
+def _wait_charts(page, charts: int) -> None:
+    if charts:
+        page.wait_for_function(
+            f"document.querySelectorAll('.js-plotly-plot .main-svg').length >= {charts}", timeout=60_000
+        )
+    _wait_idle(page)
+
+
+def _wait_idle(page) -> None:
+    # Streamlit shows a "running" status widget while the script runs; wait for it to go.
+    page.wait_for_function(
+        "!document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=60_000
+    )
+
+
+def _tags(html: str) -> list[tuple[str, dict]]:
+    """Every start tag of `html` with its attributes (script bodies are data, not tags)."""
+    from html.parser import HTMLParser
+
+    out: list[tuple[str, dict]] = []
+
+    class P(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            out.append((tag, dict(attrs)))
+
+    P().feed(html)
+    return out
+
+
+def _shot(page, name: str) -> Path:
+    """Screenshot the whole page: Streamlit scrolls inside its main container, so the viewport is
+    grown to the content's height first."""
+    page.wait_for_timeout(1200)  # let Plotly finish its transitions before the picture
+    height = page.evaluate(
+        "Math.max(...[...document.querySelectorAll('[data-testid=\"stMain\"], [data-testid=\"stMainBlockContainer\"]')]"
+        ".map(e => e.scrollHeight), 900)"
+    )
+    page.set_viewport_size({"width": WIDTH, "height": int(height) + 80})
+    page.wait_for_timeout(800)
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    path = SHOTS / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    assert page.locator('[data-testid="stException"]').count() == 0
+    assert path.stat().st_size > 10_000
+    return path
+
+
+def test_overview_in_browser(dashboard_url, browser, tmp_path):
+    page, errors = _open(browser, dashboard_url, "Overview", 3)
+    metric = page.locator('[data-testid="stMetricValue"]')
+    assert metric.count() == 1
+    assert metric.first.inner_text().strip().endswith("×")
+    # Every page is in the navigation.
+    nav = page.locator('[data-testid="stSidebarNav"]').inner_text()
+    for name in ("Overview", "Turns", "Sessions", "Memory", "Compare", "SQL"):
+        assert name in nav
+    _shot(page, "overview")
+    # The export is one self-contained HTML file: plotly.js inlined, no script from the network.
+    with page.expect_download(timeout=60_000) as dl:
+        page.get_by_role("button", name="Export these runs as HTML").click()
+    saved = tmp_path / "runs.html"
+    dl.value.save_as(saved)
+    tags = _tags(saved.read_text(encoding="utf-8"))
+    assert [a for t, a in tags if t in ("script", "link") and ("src" in a or "href" in a)] == []
+    assert sum(1 for t, a in tags if t == "div" and a.get("class") == "plotly-graph-div") >= 8
+    assert not errors, errors
+    page.close()
+
+
+def test_turns_in_browser(dashboard_url, browser):
+    page, errors = _open(browser, f"{dashboard_url}/turns", "Turns", 3)
+    assert "turn(s) where the engine reused" in page.inner_text("body")
+    _shot(page, "turns")
+    assert not errors, errors
+    page.close()
+
+
+def test_sessions_in_browser(dashboard_url, browser):
+    page, errors = _open(browser, f"{dashboard_url}/sessions", "Sessions", 1)
+    page.locator('[data-testid="stSelectbox"]').first.click()
+    page.get_by_role("option").first.click()
+    _wait_charts(page, 2)
+    _shot(page, "sessions")
+    assert not errors, errors
+    page.close()
+
+
+def test_memory_in_browser(dashboard_url, browser):
+    page, errors = _open(browser, f"{dashboard_url}/memory", "Memory", 2)
+    _shot(page, "memory")
+    assert not errors, errors
+    page.close()
+
+
+def test_compare_in_browser(dashboard_url, browser):
+    page, errors = _open(browser, f"{dashboard_url}/compare", "Compare", 2)
+    assert page.locator('[data-testid="stMetricValue"]').count() == 3
+    assert "Bottom line:" in page.inner_text("body")
+    _shot(page, "compare")
+    assert not errors, errors
+    page.close()
+
+
+def test_sql_in_browser(dashboard_url, browser):
+    page, errors = _open(browser, f"{dashboard_url}/sql", "SQL", 0)
+    page.get_by_role("button", name="Run").click()
+    page.locator('[data-testid="stDataFrame"]').wait_for(timeout=60_000)
+    _wait_idle(page)
+    _shot(page, "sql")
+    # A write is refused with a message, not run.
+    box = page.get_by_label("Query")
+    box.fill("COPY (SELECT 1) TO '/tmp/turnscope-should-not-exist.csv'")
+    box.press("Control+Enter")
+    page.get_by_role("button", name="Run").click()
+    page.get_by_text("this console is read-only").wait_for(timeout=30_000)
+    assert not Path("/tmp/turnscope-should-not-exist.csv").exists()
+    _shot(page, "sql-refused")
+    assert not errors, errors
+    page.close()
