@@ -80,6 +80,13 @@ class ModeStack:
                 "--host", self.topology.proxy.host, "--port", str(self.topology.proxy.port)]
 
     def __enter__(self):
+        try:
+            return self._start()
+        except BaseException:
+            self.__exit__(None, None, None)  # never leave workers running after a failed start
+            raise
+
+    def _start(self):
         t0 = time.monotonic()
         for w in self.workers:
             w.start()
