@@ -1,11 +1,9 @@
 """The ``turnscope`` command: build the embedded model, run the evaluation matrix, show results.
 
-Examples::
-
-    turnscope demo                      # model if missing + short eval of all modes + dashboard
-    turnscope eval --modes pd-nocache,pd-bidir-nocache --sessions 8
-    turnscope model                     # (re)build the embedded tiny model
-    turnscope dashboard                 # Streamlit over data/turnscope.duckdb
+Settings (store, model, ports, connector, timeouts) come from options, ``TURNSCOPE_*`` environment
+variables and a config file (``--config`` or ``TURNSCOPE_CONFIG``), in that order
+(``turnscope.settings``, docs/configuration.md); the effective configuration is saved with
+every run.
 """
 
 from __future__ import annotations
@@ -24,33 +22,79 @@ from rich.table import Table
 
 from loadgen import report
 from serving.embedded_model import DEFAULT_MODEL_DIR, ensure_model
+from serving.prometheus_config import render_prometheus_config
 from serving.stack import ModeStack
-from serving.topology import MODES, Topology, TopologyError, load_topology
+from serving.topology import MODES, ProxySettings, Topology, TopologyError, embedded_topology, load_topology
 from serving.workers import mode_workers, worker_command
 from turnscope.evaluation import REPO_ROOT, default_settings, run_eval
+from turnscope.settings import SettingsError, TurnscopeSettings
+
+EPILOG = """Examples:
+
+  turnscope demo                                        # the main job on the embedded default
+
+  turnscope eval --modes pd-nocache,pd-bidir-nocache --sessions 8
+
+  turnscope eval --workload data/workloads/mixed.yaml --time-scale 0.05
+
+  turnscope serve --mode pd-bidir                       # then: locust -f loadgen/locustfile.py --host http://127.0.0.1:8200
+
+  turnscope serve --topology data/topologies/vendor-h200-1p1d.yaml --mode pd-bidir --dry-run
+"""
 
 app = typer.Typer(help="Does reusing KV cache across the turns of agent sessions pay off on your traffic?",
-                  no_args_is_help=True, pretty_exceptions_enable=False)
+                  epilog=EPILOG, no_args_is_help=True, pretty_exceptions_enable=False,
+                  rich_markup_mode="markdown")
 console = Console()
-EMBEDDED_TOPOLOGY = REPO_ROOT / "data" / "topologies" / "embedded-cpu.yaml"
+_state: dict = {}
+LOG_DIR = REPO_ROOT / "data" / "runs" / "_logs"
 
-ALL_MODES = ",".join(MODES)
-ModesOpt = Annotated[str, typer.Option(help=f"comma-separated serving modes, of: {', '.join(MODES)}")]
-StoreOpt = Annotated[Path, typer.Option(help="store directory (Parquet shards + turnscope.duckdb views)")]
+ModesOpt = Annotated[str, typer.Option(help=f"Comma-separated serving modes, of: {', '.join(MODES)}.")]
+StoreOpt = Annotated[Path | None, typer.Option(help="Store directory (Parquet shards + turnscope.duckdb "
+                                                    "views). Default: settings `store` (data/).")]
 TopologyOpt = Annotated[Path | None, typer.Option(
-    help="topology YAML (workers, model, connector settings); default: the embedded CPU default")]
+    help="Topology YAML (workers, model, connector settings). Default: the embedded CPU layout from settings.")]
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    """Print an actionable error and return the Exit to raise."""
+    console.print(f"[red]error:[/red] {message}", highlight=False)
+    return typer.Exit(code)
+
+
+@app.callback()
+def main(config: Annotated[Path | None, typer.Option(
+        "--config", envvar="TURNSCOPE_CONFIG", help="TOML or YAML settings file (docs/configuration.md).")] = None
+         ) -> None:
+    """turnscope: does bidirectional KV transfer between vLLM prefill and decode workers pay off on
+    your agent sessions, against your real baseline?"""
+    try:
+        _state["settings"] = TurnscopeSettings.load(config)
+    except SettingsError as exc:
+        raise fail(str(exc)) from exc
+
+
+def settings() -> TurnscopeSettings:
+    return _state.get("settings") or TurnscopeSettings.load()
 
 
 def _topology(path: Path | None) -> Topology:
-    """The topology at ``path``, or the embedded default (building its model if missing)."""
+    """The topology at ``path``, or the embedded layout built from the settings (model built if missing)."""
+    s = settings()
     if path is None:
-        ensure_model()
-        path = EMBEDDED_TOPOLOGY
+        if s.model == DEFAULT_MODEL_DIR:
+            with console.status("building the embedded model"):
+                ensure_model(s.model)
+        topo = embedded_topology(str(s.model), worker_port=s.ports.worker_base,
+                                 side_channel_port=s.ports.side_channel_base, proxy_port=s.ports.proxy,
+                                 connector=s.topology_connector())
+        topo.proxy = ProxySettings(host=s.host, port=s.ports.proxy, prefill_timeout_s=s.prefill_timeout_s,
+                                   decode_timeout_s=s.decode_timeout_s, handle_ttl_margin_s=s.handle_ttl_margin_s)
+        return topo
     try:
         return load_topology(path)
     except TopologyError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from exc
+        raise fail(str(exc)) from exc
 
 
 def _split(value: str) -> list[str]:
@@ -58,7 +102,7 @@ def _split(value: str) -> list[str]:
 
 
 @app.command()
-def model(out: Annotated[Path, typer.Option(help="where to write the model")] = DEFAULT_MODEL_DIR) -> None:
+def model(out: Annotated[Path, typer.Option(help="Where to write the model.")] = DEFAULT_MODEL_DIR) -> None:
     """Build the embedded tiny model (tokenizer + random-weight Llama, float32) if missing."""
     t0 = time.monotonic()
     with console.status("building the embedded model"):
@@ -68,32 +112,43 @@ def model(out: Annotated[Path, typer.Option(help="where to write the model")] = 
 
 @app.command("eval")
 def evaluate(
-    modes: ModesOpt = ALL_MODES,
-    histories: Annotated[str, typer.Option(help="history modes: text, token_ids")] = "text,token_ids",
-    sessions: Annotated[int, typer.Option(help="sessions per run (tau-bench conversations)")] = 4,
-    users: Annotated[int, typer.Option(help="concurrent sessions (Locust users)")] = 2,
-    max_turns: Annotated[int, typer.Option(help="turns per session at most")] = 6,
-    max_tokens: Annotated[int, typer.Option(help="output tokens per turn")] = 32,
-    gap_s: Annotated[float, typer.Option(help="seconds between turns (tool/think gap)")] = 1.0,
+    modes: ModesOpt = ",".join(MODES),
+    histories: Annotated[str, typer.Option(help="History modes: text (chat clients), token_ids (RL clients).")
+                         ] = "text,token_ids",
+    workload: Annotated[Path | None, typer.Option(
+        help="Workload YAML (data/workloads/). Default: replay of the tau-bench airline conversations.")] = None,
+    time_scale: Annotated[float, typer.Option(help="Multiplies a workload's gaps (0.05 compresses 10 min to 30 s).")
+                          ] = 1.0,
+    sessions: Annotated[int, typer.Option(help="Sessions per run.")] = 4,
+    users: Annotated[int, typer.Option(help="Concurrent sessions (Locust users).")] = 2,
+    max_turns: Annotated[int, typer.Option(help="Turns per session at most.")] = 6,
+    max_tokens: Annotated[int, typer.Option(help="Output tokens per turn.")] = 32,
+    gap_s: Annotated[float, typer.Option(help="Seconds between replayed turns (tool/think gap).")] = 1.0,
     topology: TopologyOpt = None,
-    store: StoreOpt = REPO_ROOT / "data",
-    label: Annotated[str, typer.Option(help="label of these runs")] = "eval",
+    store: StoreOpt = None,
+    label: Annotated[str, typer.Option(help="Label of these runs.")] = "eval",
 ) -> None:
-    """Run the same agent sessions against each serving mode and print TTFT and reuse per mode.
+    """Run the same agent sessions against each serving mode; print TTFT and reuse per mode.
 
-    Example: turnscope eval --modes pd-nocache,pd-bidir-nocache --sessions 8 --label nightly
+    Each mode's workers start, warm up, serve every history mode as its own run (own cold prefix
+    cache), and stop. Rows go to the store; `turnscope dashboard` shows them.
     """
+    s = settings()
     topo = _topology(topology)
-    settings = default_settings(Path(topo.model), topology=topo, modes=_split(modes), histories=_split(histories),
-                                sessions=sessions,
-                                users=users, max_turns=max_turns, max_tokens=max_tokens, gap_s=gap_s,
-                                store=store, label=label)
+    store = store or s.store
+    if workload is not None and not workload.exists():
+        raise fail(f"workload file {workload} does not exist (shipped ones: data/workloads/*.yaml)")
+    ev = default_settings(Path(topo.model), topology=topo, modes=_split(modes), histories=_split(histories),
+                          sessions=sessions, users=users, max_turns=max_turns, max_tokens=max_tokens, gap_s=gap_s,
+                          store=store, label=label, workload=workload, time_scale=time_scale,
+                          turn_timeout_s=s.turn_timeout_s, operator_config=s.effective())
+    if s.kv_bytes_per_token:
+        ev.kv_bytes_per_token = s.kv_bytes_per_token
     t0 = time.monotonic()
     try:
-        run_ids = run_eval(settings, console)
-    except ValueError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from exc
+        run_ids = run_eval(ev, console)
+    except (ValueError, RuntimeError) as exc:
+        raise fail(str(exc)) from exc
     console.print(f"evaluation finished in {time.monotonic() - t0:.0f} s")
     print_summary(store, run_ids)
 
@@ -118,21 +173,28 @@ def print_summary(store: Path, run_ids: list[str]) -> None:
 
 @app.command()
 def serve(
-    mode: Annotated[str, typer.Option(help=f"serving mode, one of: {', '.join(MODES)}")] = "pd-bidir",
+    mode: Annotated[str, typer.Option(help=f"Serving mode, one of: {', '.join(MODES)}.")] = "pd-bidir",
     topology: TopologyOpt = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="print each worker's command and environment")] = False,
-    log_dir: Annotated[Path, typer.Option(help="worker and proxy logs")] = REPO_ROOT / "data" / "runs" / "_logs",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each worker's command and environment.")
+                       ] = False,
+    prometheus_config: Annotated[bool, typer.Option(
+        "--prometheus-config", help="Print a Prometheus scrape config for the proxy and the workers.")] = False,
+    log_dir: Annotated[Path, typer.Option(help="Worker and proxy logs.")] = LOG_DIR,
 ) -> None:
     """Start (or attach to) the workers of one mode and the session-aware proxy; Ctrl-C stops them.
 
-    Example: turnscope serve --topology data/topologies/vendor-h200-1p1d.yaml --mode pd-bidir --dry-run
+    Point Locust's web UI at the proxy: `locust -f loadgen/locustfile.py --host http://127.0.0.1:8200`.
     """
     topo = _topology(topology)
     try:
         specs = mode_workers(mode, topo)
     except ValueError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from exc
+        raise fail(str(exc)) from exc
+    stack = ModeStack(mode, topo, log_dir)
+    if prometheus_config:
+        targets = [("turnscope-proxy", stack.proxy_url, "proxy")] + [("vllm", s.url, s.role) for s in specs]
+        print(render_prometheus_config(targets), end="")
+        return
     if dry_run:
         for spec in specs:
             argv, env = worker_command(spec)
@@ -140,27 +202,42 @@ def serve(
             console.print(f"# {spec.name} ({spec.role}) {where}, {spec.url}", highlight=False)
             console.print(" ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(a) for a in argv]),
                           highlight=False, soft_wrap=True)
-        stack = ModeStack(mode, topo, log_dir)
         console.print(f"# proxy on {stack.proxy_url}", highlight=False)
         console.print(" ".join(map(shlex.quote, stack.proxy_command(log_dir / f"{mode}-proxy.json"))),
                       highlight=False, soft_wrap=True)
         return
-    with ModeStack(mode, topo, log_dir, progress=console.print) as stack:
-        console.print(f"mode {mode} serving through the proxy at {stack.proxy_url} (Ctrl-C to stop)")
-        try:
+    if topo.platform == "gpu" and topo.launch and not _has_gpu():
+        raise fail(f"topology {topo.name!r} is for GPUs but this machine has none (nvidia-smi found no device); "
+                   "use --dry-run to print the commands for the GPU hosts")
+    stack.progress = console.print
+    try:
+        with stack:
+            console.print(f"mode {mode} serving through the proxy at {stack.proxy_url} (Ctrl-C to stop)")
             while all(w.proc is None or w.proc.poll() is None for w in stack.workers):
                 time.sleep(1)
-            console.print("[red]a worker exited[/red]; stopping")
-        except KeyboardInterrupt:
-            console.print("stopping")
+            console.print("[red]a worker exited[/red]; stopping (see its log in " f"{log_dir})")
+    except KeyboardInterrupt:
+        console.print("stopping")
+    except RuntimeError as exc:
+        raise fail(str(exc)) from exc
+
+
+def _has_gpu() -> bool:
+    try:
+        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, check=False, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 @app.command()
-def dashboard(store: StoreOpt = REPO_ROOT / "data",
-              port: Annotated[int, typer.Option(help="port (binds 127.0.0.1)")] = 8501) -> None:
+def dashboard(store: StoreOpt = None,
+              port: Annotated[int, typer.Option(help="Port (binds 127.0.0.1).")] = 8501) -> None:
     """Start the Streamlit dashboard over the store (Ctrl-C to stop)."""
+    store = store or settings().store
+    if not (store / "turnscope.duckdb").exists():
+        console.print(f"no store at {store} yet: the dashboard will say so until `turnscope demo` writes one")
     env = os.environ | {"TURNSCOPE_STORE": str(store)}
-    console.print(f"dashboard: http://127.0.0.1:{port}  (duckdb {store / 'turnscope.duckdb'} for SQL)")
+    console.print(f"dashboard: http://127.0.0.1:{port}  (SQL: .venv/bin/duckdb {store / 'turnscope.duckdb'})")
     subprocess.run([sys.executable, "-m", "streamlit", "run", str(REPO_ROOT / "dashboard" / "app.py"),
                     "--server.headless", "true", "--server.address", "127.0.0.1", "--server.port", str(port),
                     "--browser.gatherUsageStats", "false"], env=env, check=False)
@@ -168,19 +245,20 @@ def dashboard(store: StoreOpt = REPO_ROOT / "data",
 
 @app.command()
 def demo(
-    store: StoreOpt = REPO_ROOT / "data",
-    sessions: Annotated[int, typer.Option(help="sessions per run")] = 3,
-    max_turns: Annotated[int, typer.Option(help="turns per session at most")] = 4,
-    no_dashboard: Annotated[bool, typer.Option("--no-dashboard", help="do not start the dashboard")] = False,
+    store: StoreOpt = None,
+    sessions: Annotated[int, typer.Option(help="Sessions per run.")] = 3,
+    max_turns: Annotated[int, typer.Option(help="Turns per session at most.")] = 4,
+    no_dashboard: Annotated[bool, typer.Option("--no-dashboard", help="Do not start the dashboard.")] = False,
 ) -> None:
-    """The main job on the embedded default: build the model if missing, run a short evaluation of
-    every mode with both history modes, print the results, then serve the dashboard."""
-    evaluate(modes=",".join(MODES), histories="text,token_ids", sessions=sessions, users=1, max_turns=max_turns,
-             max_tokens=32, gap_s=0.5, topology=None, store=store, label="demo")
-    console.print(f"query it: duckdb {store / 'turnscope.duckdb'} -c \"select mode, count(*) from turn_breakdown "
-                  "group by mode\"")
+    """The main job on the embedded default: build the model if missing, evaluate every mode with
+    both history modes on replayed tau-bench conversations, print the results, serve the dashboard."""
+    store = store or settings().store
+    evaluate(modes=",".join(MODES), histories="text,token_ids", workload=None, time_scale=1.0, sessions=sessions,
+             users=1, max_turns=max_turns, max_tokens=32, gap_s=0.5, topology=None, store=store, label="demo")
+    console.print(f"query it: .venv/bin/duckdb {store / 'turnscope.duckdb'} -c \"select mode, history_mode, "
+                  "turn_index, median(ttft_s) from turn_breakdown group by all order by all\"", highlight=False)
     if not no_dashboard:
-        dashboard(store=store)
+        dashboard(store=store, port=8501)
 
 
 if __name__ == "__main__":

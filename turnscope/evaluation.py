@@ -49,6 +49,9 @@ class EvalSettings(BaseModel):
     turn_timeout_s: float = 120.0
     run_time_limit_s: int = 900
     kv_bytes_per_token: int | None = None
+    workload: Path | None = None      # a workload YAML (loadgen.workload); None: tau-bench replay
+    time_scale: float = 1.0           # multiplies the workload's gaps (compress minute-long pauses)
+    operator_config: dict = Field(default_factory=dict)  # TurnscopeSettings.effective(), saved per run
     log_dir: Path = REPO_ROOT / "data" / "runs" / "_logs"
 
 
@@ -100,6 +103,10 @@ def run_locust(s: EvalSettings, run_id: str, host: str, history: str, mode: str)
             "--turnscope-mode", mode, "--turnscope-label", s.label, "--turnscope-no-run-row",
             # Each run starts with a cold prefix cache: runs on the same workers share nothing.
             "--turnscope-cache-salt", run_id]
+    if s.workload is not None:
+        argv += ["--turnscope-workload", str(s.workload), "--turnscope-time-scale", str(s.time_scale)]
+        if Path(s.topology.model, "tokenizer.json").exists():
+            argv += ["--turnscope-tokenizer", s.topology.model]
     with open(s.log_dir / f"{run_id}-locust.log", "ab") as log:
         return subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, check=False,
                               timeout=s.run_time_limit_s + 120).returncode
@@ -136,10 +143,10 @@ def run_eval(s: EvalSettings, console: Console | None = None) -> list[str]:
             for history in s.histories:
                 run_id = f"{s.label}-{stamp}-{mode}-{history}"
                 run_ids.append(run_id)
-                row = {"run_id": run_id, "label": s.label, "mode": mode, "workload": "tau-bench-airline",
+                row = {"run_id": run_id, "label": s.label, "mode": mode, "workload": s.workload.stem if s.workload else "tau-bench-airline",
                        "workload_spec": s.model_dump(mode="json", include={"sessions", "users", "max_turns",
                                                                            "max_tokens", "max_prompt_tokens",
-                                                                           "gap_s"}),
+                                                                           "gap_s", "time_scale"}) | {"file": str(s.workload) if s.workload else None},
                        "history_mode": history, "topology": stack.topology_row(), "versions": _versions(),
                        "model": s.topology.model, "config": s.model_dump(mode="json"),
                        "started_at": dt.datetime.now(dt.UTC), "status": "running",
