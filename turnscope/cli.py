@@ -47,6 +47,7 @@ app = typer.Typer(help="Does reusing KV cache across the turns of agent sessions
                   rich_markup_mode="markdown")
 console = Console()
 _state: dict = {}
+ALL_MODES = ",".join(MODES)
 LOG_DIR = REPO_ROOT / "data" / "runs" / "_logs"
 
 ModesOpt = Annotated[str, typer.Option(help=f"Comma-separated serving modes, of: {', '.join(MODES)}.")]
@@ -112,7 +113,7 @@ def model(out: Annotated[Path, typer.Option(help="Where to write the model.")] =
 
 @app.command("eval")
 def evaluate(
-    modes: ModesOpt = ",".join(MODES),
+    modes: ModesOpt = ALL_MODES,
     histories: Annotated[str, typer.Option(help="History modes: text (chat clients), token_ids (RL clients).")
                          ] = "text,token_ids",
     workload: Annotated[Path | None, typer.Option(
