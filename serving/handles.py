@@ -108,6 +108,7 @@ def fit_handle(handle: Handle, new_ids: list[int], block_size: int) -> Fit:
 @dataclass
 class _Entry:
     handle: Handle | None = None     # None once consumed
+    taken_age_s: float | None = None  # age of the handle the last take() popped (expired ones too)
     seen: bool = False               # a turn of this session was served before
     no_handle: bool = False          # its last finished turn returned no handle
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -155,11 +156,17 @@ class HandleTable:
             entry.seen = True
             return None, MISS_FIRST_TURN
         handle, entry.handle = entry.handle, None
+        entry.taken_age_s = None if handle is None else self._clock() - handle.created_at
         if handle is None:
             return None, MISS_NO_HANDLE_RETURNED if entry.no_handle else MISS_CONSUMED
         if self._clock() >= handle.expires_at:
             return None, MISS_EXPIRED
         return handle, None
+
+    def age_of_last_taken(self, session_id: str) -> float | None:
+        """Seconds the handle popped by the session's last :meth:`take` had lived (None: none)."""
+        entry = self._entries.get(session_id)
+        return entry.taken_age_s if entry else None
 
     def put(self, session_id: str, params: dict, decode_engine: str, token_ids: list[int]) -> Handle:
         """Store D's params for the session's next turn (replacing any older handle)."""

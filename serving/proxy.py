@@ -121,7 +121,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
     """Build the proxy's FastAPI app for ``config``."""
     table = h.HandleTable(ttl_s=config.decoder_kv_blocks_ttl_s - config.handle_ttl_margin_s,
                           max_sessions=config.max_sessions)
-    metrics = ProxyMetrics(table.live_handles, config.kv_bytes_per_token)
+    metrics = ProxyMetrics(table.live_handles, config.kv_bytes_per_token, handle_ttl_s=table.ttl_s)
     prefill_cycle = itertools.cycle(config.prefill or config.aggregated)
     decode_cycle = itertools.cycle(config.decode or config.aggregated)
     # Which P served each session last, and its prompt length: P's prefix cache can hold that much.
@@ -213,6 +213,9 @@ def create_app(config: ProxyConfig) -> FastAPI:
         else:
             async with table.lock(session):
                 handle, outcome = table.take(session)
+                age = table.age_of_last_taken(session)
+                if age is not None:
+                    metrics.handle_age_at_use.observe(age)
                 if handle is not None:
                     t0 = time.perf_counter()
                     try:
@@ -265,15 +268,13 @@ def create_app(config: ProxyConfig) -> FastAPI:
             outcome, reused = classify_prefill(facts["remote_tokens"], prompt_len, cached, local_estimate,
                                                config.kv_recompute_threshold)
             facts["reused_tokens"] = reused
-            if outcome == h.HIT and handle is not None:
-                metrics.handle_age_at_use.observe(time.monotonic() - handle.created_at)
         cached_n = int(cached or 0)
         facts["prefill_cached_tokens"] = max(cached_n - facts["reused_tokens"], 0)
         facts["recomputed_tokens"] = max(prompt_len - cached_n, 0)
         facts.update(reuse=outcome, prefill_leg_s=round(prefill_leg_s, 6), prefill_attempts=attempts)
-        metrics.reused_tokens.labels("remote_decode").inc(facts["reused_tokens"])
-        metrics.reused_tokens.labels("local_prefix").inc(facts["prefill_cached_tokens"])
-        metrics.reused_tokens.labels("recomputed").inc(facts["recomputed_tokens"])
+        metrics.reused_tokens.labels(config.mode, "remote_decode").inc(facts["reused_tokens"])
+        metrics.reused_tokens.labels(config.mode, "local_prefix").inc(facts["prefill_cached_tokens"])
+        metrics.reused_tokens.labels(config.mode, "recomputed").inc(facts["recomputed_tokens"])
         return await decode_leg(endpoint, body, decode, p_params, session, facts, t_arrival, waited,
                                 new_ids)
 

@@ -25,7 +25,7 @@ class ProxyMetrics:
     ``turnscope_handle_bytes_live`` reads 0 and says so in its help text.
     """
 
-    def __init__(self, live_handles, kv_bytes_per_token: int | None):
+    def __init__(self, live_handles, kv_bytes_per_token: int | None, handle_ttl_s: float | None = None):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("turnscope_requests", "Requests by serving mode and reuse outcome.",
@@ -34,12 +34,13 @@ class ProxyMetrics:
             "turnscope_reused_tokens",
             "Prompt tokens by where their KV came from: pulled from the decode worker (remote_decode), "
             "the prefill worker's prefix cache (local_prefix), or computed (recomputed).",
-            ["source"], registry=r)
+            ["mode", "source"], registry=r)
         self.prefill_attempts = Counter("turnscope_prefill_retries",
                                         "Prefill legs retried as a plain recompute after a failed pull.",
                                         registry=r)
         self.handle_age_at_use = Histogram("turnscope_handle_age_at_use_seconds",
-                                           "Age of a handle when a turn used it.",
+                                           "Age of a handle when a turn took it from the table (used, "
+                                           "expired or mismatched alike).",
                                            buckets=HANDLE_AGE_BUCKETS_S, registry=r)
         self.prefill_leg = Histogram("turnscope_prefill_leg_seconds", "Wall time of the prefill leg.",
                                      buckets=LATENCY_BUCKETS_S, registry=r)
@@ -49,6 +50,10 @@ class ProxyMetrics:
         self.overhead = Histogram("turnscope_proxy_overhead_seconds",
                                   "Time the proxy itself adds before the stream starts (excludes waiting "
                                   "on workers).", buckets=OVERHEAD_BUCKETS_S, registry=r)
+        self.handle_ttl = Gauge("turnscope_handle_ttl_seconds",
+                                "How long the proxy offers a handle: decoder_kv_blocks_ttl minus the margin.",
+                                registry=r)
+        self.handle_ttl.set(handle_ttl_s or 0)
         self.handles_live = Gauge("turnscope_handles_live", "Handles held (not consumed, not expired).",
                                   registry=r)
         self.handles_live.set_function(lambda: len(live_handles()))

@@ -1,0 +1,85 @@
+"""Pure logic of the handle table, handle trimming and the prefill outcome rule (hand-computed)."""
+
+import pytest
+
+from serving import handles as h
+from serving.proxy import classify_prefill
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def handle(n_prompt=300, n_gen=20, groups=1):
+    ids = list(range(1000, 1000 + n_prompt + n_gen))
+    params = {"remote_num_tokens": n_prompt + n_gen - 1, "remote_block_ids": [list(range(3)) for _ in range(groups)],
+              "remote_engine_id": "D"}
+    return h.Handle(params=params, decode_engine="d", token_ids=ids, num_tokens=n_prompt + n_gen - 1,
+                    created_at=0, expires_at=10)
+
+
+def test_fit_whole_handle_when_the_new_prompt_extends_it():
+    hd = handle()
+    new = hd.token_ids + [7, 8, 9]  # prompt + all generated ids + new turn
+    fit = h.fit_handle(hd, new, block_size=128)
+    assert fit.params == hd.params and fit.usable_tokens == 319 and fit.divergence_position is None
+
+
+def test_fit_trims_to_whole_blocks_before_the_divergence_in_every_group():
+    hd = handle(groups=2)
+    new = hd.token_ids[:305] + [1, 2, 3]  # diverges at 305: two whole blocks of 128 before it
+    fit = h.fit_handle(hd, new, block_size=128)
+    assert fit.divergence_position == 305 and fit.usable_tokens == 256
+    assert fit.params["remote_num_tokens"] == 256 and fit.params["remote_block_ids"] == [[0, 1], [0, 1]]
+    assert hd.params["remote_num_tokens"] == 319  # the stored handle is not modified
+
+
+def test_fit_gives_nothing_when_no_whole_block_precedes_the_divergence():
+    hd = handle()
+    fit = h.fit_handle(hd, hd.token_ids[:127] + [0], block_size=128)
+    assert fit.params is None and fit.divergence_position == 127
+    with pytest.raises(ValueError, match="block_size"):
+        h.fit_handle(hd, [], block_size=0)
+
+
+def test_table_outcomes_single_use_and_expiry():
+    clock = Clock()
+    table = h.HandleTable(ttl_s=50, clock=clock)
+    assert table.take("s") == (None, h.MISS_FIRST_TURN)
+    table.put("s", {"remote_num_tokens": 10, "remote_block_ids": [[1]]}, "d", list(range(11)))
+    assert len(table.live_handles()) == 1
+    got, outcome = table.take("s")
+    assert got is not None and outcome is None and got.num_tokens == 10
+    assert table.take("s") == (None, h.MISS_CONSUMED)  # single use
+    table.put("s", {"remote_num_tokens": 10}, "d", [])
+    clock.t += 50
+    assert table.take("s") == (None, h.MISS_EXPIRED)
+    assert table.age_of_last_taken("s") == 50
+    table.mark_no_handle("s")
+    assert table.take("s") == (None, h.MISS_NO_HANDLE_RETURNED)
+    with pytest.raises(ValueError, match="TTL must be positive"):
+        h.HandleTable(ttl_s=0)
+
+
+def test_table_stays_bounded():
+    table = h.HandleTable(ttl_s=50, max_sessions=3)
+    for i in range(10):
+        table.put(f"s{i}", {"remote_num_tokens": 1}, "d", [1, 2])
+    assert len(table) == 3
+    assert table.take("s0") == (None, h.MISS_FIRST_TURN)  # forgotten: it is new again
+
+
+@pytest.mark.parametrize("offered, prompt, cached, local, expected", [
+    (1031, 1181, 1031, 896, (h.HIT, 135)),                 # pulled 1031 - 896
+    (1031, 1181, 1030, 896, (h.HIT, 134)),                 # the scheduler recomputed the last token
+    (551, 700, 512, 512, (h.MISS_BELOW_THRESHOLD, 0)),     # 551 - 512 = 39 < 64: recomputed
+    (731, 900, 640, 640, (h.MISS_TRANSFER_FAILED, 0)),     # 91 >= 64 should have been pulled: declined
+    (896, 1100, 896, 896, (h.MISS_BELOW_THRESHOLD, 0)),    # P's own cache covers the whole handle
+    (500, 700, None, 0, (h.MISS_TRANSFER_FAILED, 0)),      # P reported nothing
+])
+def test_classify_prefill(offered, prompt, cached, local, expected):
+    assert classify_prefill(offered, prompt, cached, local, threshold=64) == expected
