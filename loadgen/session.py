@@ -1,8 +1,9 @@
 """Play one agent session turn by turn against an OpenAI-compatible server and record it (DESIGN §4, §5).
 
 A :class:`SessionPlan` is a list of :class:`TurnPlan` s: the messages appended before each model call
-(user text, tool results), the trace's reply for that call, and the gap before it. :func:`run_session`
-sends the turns in order, one request each, streaming with :func:`loadgen.stream_client.stream_turn`:
+(user text, tool results), the trace's reply for that call, the gap before it and the turn's kind.
+:func:`run_session` sends the turns in order, one request each, streaming with
+:func:`loadgen.stream_client.stream_turn`:
 
 * ``history_mode="text"`` (chat clients): POST ``/v1/chat/completions`` with all messages so far.
   Earlier assistant messages are the replies the server actually returned (``content`` = returned
@@ -11,10 +12,26 @@ sends the turns in order, one request each, streaming with :func:`loadgen.stream
   ``prompt`` = previous prompt ids + generated ids + end-of-turn + the new messages' rendered ids
   (:mod:`loadgen.token_prompt`), so the history's ids match exactly what the server computed.
 
+Turn kinds (DESIGN §4), all sent as real requests so the proxy's outcomes show up:
+
+* ``turn`` / ``resume``: the history grows by the turn's new messages (a ``resume`` comes after a
+  pause longer than the decode worker's KV TTL; it is played like a turn, after its gap);
+* ``retry``: the previous request is sent again, same messages (or ids), right after; its reply
+  replaces the previous one in the history;
+* ``edit``: the history is edited before sending (:func:`apply_edit`: an assistant reply
+  compacted or its reasoning stripped); the edit stays; in ``token_ids`` mode the edited history
+  is re-rendered from its text;
+* ``fresh``: an unrelated single request under its own session id (``<session>~fresh<k>``, in
+  the store and towards the proxy) with a ``sessions`` row of its own; the history is untouched.
+
 Every request carries ``conversation_id`` (body) and ``X-Session-ID`` (header), the session key of
 turnscope's proxy, ``return_token_ids: true``, ``max_tokens`` and ``temperature``. Between turns the
 session sleeps the planned gap (``time.sleep``; under Locust gevent patches it), counting the time
-spent preparing the next request (``/tokenize`` calls) as part of the gap.
+spent preparing the next request as part of the gap. In ``text`` mode the prompt is rendered
+(``/tokenize``) before sending only when an upper bound of its length (see :func:`_token_bound`)
+exceeds ``max_prompt_tokens``; otherwise the ids the server reports for the prompt
+(``return_token_ids``) give the expected reuse, and a server that reports none is asked
+``/tokenize`` after the turn. ``token_ids`` mode always renders before sending.
 
 Per turn one ``turns`` row is appended to the store and, at the end, one ``sessions`` row (columns of
 ``data/schema.sql``). A failed turn (``error``/``timeout``) is recorded with its reason and the
@@ -27,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import hashlib
+import json
 import logging
 import re
 import time
@@ -480,9 +498,11 @@ def run_session(
         tokenizer: the ``/tokenize`` client (default: one on ``client``/``base_url``/``model``).
 
     Returns:
-        :class:`SessionResult`. The ``sessions`` row: ``task_latency_s`` = first send -> last
-        finish; ``llm_s`` = sum of E2E; ``tool_wait_s``/``think_s``/``pause_s`` = sums of the
-        measured gaps (previous finish -> send) by kind; ``status`` ``ok`` when every sent turn
+        :class:`SessionResult` (its ``turns`` include fresh side requests). The ``sessions`` row:
+        ``turns`` = the session's own turns (fresh requests have rows of their own);
+        ``task_latency_s`` = first send -> last finish; ``llm_s`` = sum of E2E of its own turns;
+        ``tool_wait_s``/``think_s``/``pause_s`` = sums of the measured gaps (previous finish ->
+        send, fresh requests' gaps included) by kind; ``status`` ``ok`` when every sent request
         was ok, ``error`` otherwise, ``cancelled`` when interrupted (e.g. Locust stopping users).
 
     Raises:
@@ -490,6 +510,7 @@ def run_session(
         TemplateJoinError: ``token_ids`` mode and the server's chat template cannot be reproduced
             from ids (raised before anything is sent).
         TokenizeError: the calibration for ``token_ids`` failed (before anything is sent).
+        ValueError: a ``retry`` with no earlier request to retry.
     """
     if history_mode not in HISTORY_MODES:
         raise ValueError(f"history_mode must be one of {HISTORY_MODES}, got {history_mode!r}")
@@ -521,6 +542,15 @@ def run_session(
     first_sent_at: dt.datetime | None = None
     all_ok = True
     own: list[TurnRecord] = []                    # this session's turns (fresh side requests excluded)
+    bound_base: int | None = None                 # upper bound of the previous prompt + reply, tokens
+
+    def render_after(msgs: list[dict[str, Any]]) -> list[int] | None:
+        """The prompt ids of a sent request the server did not report (outside the turn's timing)."""
+        try:
+            return tok(messages=msgs, add_generation_prompt=True)
+        except TokenizeError as e:
+            log.warning("session %s: %s; expected reuse not recorded", plan.session_id, e)
+            return None
 
     def session_row(session_id: str, source: str, records: list[TurnRecord], task: float,
                     started: dt.datetime | None, gap_sums: dict[str, float], status: str) -> dict[str, Any]:
@@ -583,13 +613,15 @@ def run_session(
         nonlocal all_ok
         sid = f"{plan.session_id}~fresh{k}"
         conv = f"{conv_id}~fresh{k}"
-        try:
-            rendered_f = tok(messages=tp.new_messages, add_generation_prompt=True)
-        except TokenizeError as e:
-            if history_mode == "token_ids":
-                log.error("session %s fresh request %d: %s; skipped", plan.session_id, k, e)
-                return
-            rendered_f = None
+        rendered_f = None
+        if history_mode == "token_ids" or (max_prompt_tokens is not None
+                                           and _token_bound(tp.new_messages) > max_prompt_tokens):
+            try:
+                rendered_f = tok(messages=tp.new_messages, add_generation_prompt=True)
+            except TokenizeError as e:
+                if history_mode == "token_ids":
+                    log.error("session %s fresh request %d: %s; skipped", plan.session_id, k, e)
+                    return
         if max_prompt_tokens is not None and rendered_f is not None and len(rendered_f) > max_prompt_tokens:
             log.info("session %s: fresh request %d skipped: %d prompt tokens > max_prompt_tokens %d",
                      plan.session_id, k, len(rendered_f), max_prompt_tokens)
@@ -598,6 +630,8 @@ def run_session(
         result, gap = wait_and_send(tp, url, body, {"X-Session-ID": conv})
         gaps[tp.gap_kind] += gap  # the agent's time before its side call
         prompt_ids = result.prompt_token_ids if result.prompt_token_ids is not None else rendered_f
+        if prompt_ids is None:
+            prompt_ids = render_after(tp.new_messages)
         row = turn_row(run_id=run_id, session_id=sid, turn_index=0, plan=tp, result=result, gap_before_s=gap,
                        prompt_ids=prompt_ids, expected_reusable_tokens=None, divergence_position=None)
         writer.append("turns", row)
@@ -632,8 +666,15 @@ def run_session(
                     messages, applied = apply_edit(messages, tp.edit or {})
                     log.debug("session %s turn %d: history edit %s", plan.session_id, k, applied)
                     rerender = True  # token_ids: the history's ids no longer continue the previous prompt
+                # text mode renders before sending only when the prompt might exceed the limit (the
+                # server reports the ids it rendered; that saves a /tokenize request per turn)
+                bound = (_token_bound(messages) if bound_base is None
+                         else bound_base + _token_bound(tp.new_messages))
+                need = history_mode == "token_ids" or (max_prompt_tokens is not None and bound > max_prompt_tokens)
                 try:
-                    if history_mode == "text" or prev_prompt is None or rerender:
+                    if not need:
+                        rendered = None
+                    elif history_mode == "text" or prev_prompt is None or rerender:
                         rendered = tok(messages=messages, add_generation_prompt=True)
                     else:
                         new_ids = tok(messages=tp.new_messages, add_generation_prompt=True)
@@ -651,9 +692,6 @@ def run_session(
                          plan.session_id, k, len(rendered), max_prompt_tokens)
                 out.stopped = "max_prompt_tokens"
                 break
-            expected = divergence = None
-            if prev_span is not None and rendered is not None:
-                expected, divergence = reuse_against(prev_span, rendered)
 
             # -- wait out the rest of the gap, then send -------------------------------------------
             body = request_body(tp, conv_id, messages, rendered)
@@ -668,6 +706,11 @@ def run_session(
                 log.warning("session %s turn %d: server reports prompt ids different from those sent "
                             "(%d vs %d ids)", plan.session_id, k, len(server_prompt), len(rendered or []))
             prompt_ids = server_prompt if server_prompt is not None else rendered
+            if prompt_ids is None:
+                prompt_ids = render_after(sent_messages)
+            expected = divergence = None
+            if prev_span is not None and prompt_ids is not None:
+                expected, divergence = reuse_against(prev_span, prompt_ids)
             row = turn_row(run_id=run_id, session_id=plan.session_id, turn_index=index, plan=tp, result=result,
                            gap_before_s=gap, prompt_ids=prompt_ids,
                            expected_reusable_tokens=expected, divergence_position=divergence)
@@ -682,6 +725,10 @@ def run_session(
             # -- the history the next turn continues -------------------------------------------
             last_messages, last_rendered = sent_messages, (list(prompt_ids) if prompt_ids is not None else None)
             prev_span = list(prompt_ids) + list(result.token_ids) if prompt_ids is not None else None
+            bound_base = None
+            if prompt_ids is not None:
+                sent_reply = _assistant_message(result) if result.status == "ok" else tp.reference_reply
+                bound_base = len(prompt_ids) + _token_bound([sent_reply])
             if result.status == "ok":
                 reply = _assistant_message(result)
                 messages.append(reply)
@@ -710,6 +757,13 @@ def run_session(
         raise
     finish_session("ok" if all_ok else "error")
     return out
+
+
+def _token_bound(messages: Sequence[dict[str, Any]]) -> int:
+    """An upper bound of the tokens ``messages`` add to a rendered prompt: the UTF-8 bytes of each
+    message as JSON plus 32 per message for the template's own tokens. Holds for tokenizers that
+    never give more tokens than bytes (byte-level BPE, byte-fallback SentencePiece, characters)."""
+    return sum(len(json.dumps(m).encode("utf-8")) + 32 for m in messages)
 
 
 def _stand_in_ids(tok: Tokenizer, reply: dict[str, Any], joiner: TurnJoiner | None) -> list[int] | None:

@@ -13,7 +13,9 @@ Definitions (DESIGN §5):
   Role-only, empty and usage-only chunks never set it. No token at all -> status ``error``
   ("no token"), TTFT None.
 - TTFC: sent -> first chunk with non-empty content (chat ``delta.content`` / completions ``text``).
-- E2E: sent -> ``data: [DONE]`` (or the moment the stream ended or failed).
+- E2E: sent -> ``data: [DONE]`` (or the moment the stream ended or failed). After ``[DONE]`` the
+  client reads on to the end of the response body (normally nothing but the chunked terminator),
+  so the connection goes back to the pool instead of being closed.
 - TPOT: (E2E - TTFT) / (completion_tokens - 1), completion_tokens from the server's usage
   (the definition of vLLM's ``benchmarks/serve``); None below 2 tokens.
 - ITL, ``itl_kind == "per_token"`` when every token-carrying chunk has ``usage`` (vLLM's
@@ -257,6 +259,7 @@ def stream_turn(
     acc = ChunkAccumulator(result)
     t0 = time.perf_counter()
     done = False
+    done_at = 0.0
     failure: tuple[str, str] | None = None  # (status, reason)
     try:
         with client.stream("POST", url, json=payload, headers=req_headers,
@@ -269,10 +272,12 @@ def stream_turn(
             else:
                 for n, sse in enumerate(EventSource(resp).iter_sse()):
                     now = time.perf_counter() - t0
+                    if done:
+                        break  # an event after [DONE]: stop reading (the connection is then closed)
                     data = sse.data.strip()
                     if data == _DONE:
-                        done = True
-                        break
+                        done, done_at = True, now
+                        continue  # read on to the end of the body, so the connection is reused
                     if data:
                         try:
                             chunk = json.loads(data)
@@ -297,10 +302,12 @@ def stream_turn(
     except SSEError as e:
         failure = ("error", f"not an event stream: {e}")
     except httpx.TimeoutException as e:
-        failure = ("timeout", f"{type(e).__name__}: {e or 'no bytes within timeout'} (timeout {timeout_s} s)")
+        if not done:  # after [DONE] only the drain of the body's end failed: the turn is complete
+            failure = ("timeout", f"{type(e).__name__}: {e or 'no bytes within timeout'} (timeout {timeout_s} s)")
     except httpx.HTTPError as e:  # connect errors, dropped connections, protocol errors
-        failure = ("error", f"{type(e).__name__}: {e}")
-    end = time.perf_counter() - t0
+        if not done:
+            failure = ("error", f"{type(e).__name__}: {e}")
+    end = done_at if done else time.perf_counter() - t0
 
     acc.finish(end)
     if failure is not None:
