@@ -1,9 +1,12 @@
 """Compare two runs or modes on the same workload (DESIGN §7): pure functions over the turn samples.
 
-The input is ``dashboard.queries.compare_samples``: one row per ok turn with side (``A`` the
-treatment, ``B`` the baseline), run_id, session_id, turn_index, kind, ttft_s (seconds) and
-favourable (a ``turn`` continued within the run's proxy TTL). Ratios are median TTFT of A over
-median TTFT of B with percentile-bootstrap confidence intervals (`dashboard.headline`, scipy).
+The inputs are ``dashboard.queries.compare_samples``: one row per ok turn with side (``A`` the
+treatment, ``B`` the baseline), run_id, session_id, turn_index, kind, ttft_s (seconds),
+favourable (a ``turn`` continued within the run's proxy TTL) and case_name, possibly a sample of
+whole sessions; and optionally ``dashboard.queries.compare_stats``, the exact counts and medians
+over every turn (side, scope, key, turns, sessions, ttft_p50_s). Ratios are median TTFT of A
+over median TTFT of B (exact when `stats` is given) with percentile-bootstrap confidence
+intervals from the samples (`dashboard.headline`, scipy).
 """
 
 from __future__ import annotations
@@ -17,22 +20,37 @@ from dashboard.headline import Ratio
 #: side go into each index's bootstrap (a seeded random subset beyond it: a wider interval).
 MAX_CI_TURNS_PER_INDEX = 300
 N_RESAMPLES_PER_INDEX = 1000
+#: Turns per side `compare_samples` keeps for the bootstraps (whole sessions, sampled beyond it).
+SAMPLE_TURNS = 3000
 #: Cases in display order: the favourable one, then the unfavourable turn kinds.
 FAVOURABLE = "continued within TTL"
 UNFAVOURABLE_CASES = ("continued after TTL", "resume", "edit", "retry", "fresh")
 
 
-def ratio_by_turn(samples: pd.DataFrame) -> pd.DataFrame:
+def _exact(stats: pd.DataFrame | None, scope: str) -> dict[tuple[str, str], headline.Exact]:
+    """(side, key) -> exact counts and median of `stats` rows of `scope`."""
+    if stats is None or stats.empty:
+        return {}
+    rows = stats[stats["scope"] == scope]
+    return {
+        (str(r.side), str(r.key)): headline.Exact(int(r.turns), int(r.sessions), float(r.ttft_p50_s))
+        for r in rows.itertuples(index=False)
+    }
+
+
+def ratio_by_turn(samples: pd.DataFrame, stats: pd.DataFrame | None = None) -> pd.DataFrame:
     """The TTFT ratio A / B of medians at each turn index both sides have, with its 95% CI.
 
-    Returns columns turn_index, n_a, n_b (turns), median_a_s, median_b_s (seconds), ratio,
-    ci_low, ci_high (dimensionless; NaN with fewer than 2 turns on a side), ci_subsampled (bool:
-    more than `MAX_CI_TURNS_PER_INDEX` turns on a side, bootstrapped on a subset). One row per
-    turn index, ascending.
+    Medians and counts are exact with `stats` (else from `samples`); each index's interval is a
+    bootstrap of its sampled turns. Returns columns turn_index, n_a, n_b (turns), median_a_s,
+    median_b_s (seconds), ratio, ci_low, ci_high (dimensionless; NaN with fewer than 2 sampled
+    turns on a side), ci_subsampled (bool: the interval saw fewer turns than there are). One row
+    per turn index, ascending.
     """
     cols = ["turn_index", "n_a", "n_b", "median_a_s", "median_b_s", "ratio", "ci_low", "ci_high", "ci_subsampled"]
     if samples.empty:
         return pd.DataFrame(columns=cols)
+    exact = _exact(stats, "turn_index")
     rows = []
     for turn_index, g in samples.groupby("turn_index", sort=True):
         a = g.loc[g["side"] == "A", "ttft_s"].to_numpy(dtype=float)
@@ -42,17 +60,25 @@ def ratio_by_turn(samples: pd.DataFrame) -> pd.DataFrame:
         ratio, lo, hi = headline.median_ratio_ci(
             a, b, max_values=MAX_CI_TURNS_PER_INDEX, n_resamples=N_RESAMPLES_PER_INDEX
         )
+        ea, eb = exact.get(("A", str(turn_index))), exact.get(("B", str(turn_index)))
+        if ea is None or eb is None:
+            ea = headline.Exact(int(a.size), 0, float(pd.Series(a).median()))
+            eb = headline.Exact(int(b.size), 0, float(pd.Series(b).median()))
+        else:
+            ratio = ea.median_s / eb.median_s
         rows.append(
             {
                 "turn_index": int(turn_index),
-                "n_a": int(a.size),
-                "n_b": int(b.size),
-                "median_a_s": float(pd.Series(a).median()),
-                "median_b_s": float(pd.Series(b).median()),
+                "n_a": ea.turns,
+                "n_b": eb.turns,
+                "median_a_s": ea.median_s,
+                "median_b_s": eb.median_s,
                 "ratio": ratio,
                 "ci_low": lo,
                 "ci_high": hi,
-                "ci_subsampled": max(a.size, b.size) > MAX_CI_TURNS_PER_INDEX,
+                "ci_subsampled": max(a.size, b.size) > MAX_CI_TURNS_PER_INDEX
+                or a.size < ea.turns
+                or b.size < eb.turns,
             }
         )
     return pd.DataFrame(rows, columns=cols)
@@ -62,46 +88,52 @@ def _later(samples: pd.DataFrame) -> pd.DataFrame:
     return samples[samples["turn_index"] >= headline.MIN_TURN_INDEX]
 
 
-def case_of(samples: pd.DataFrame) -> pd.Series:
-    """Each turn's case: `FAVOURABLE`, ``continued after TTL`` (a ``turn`` past the TTL) or its
-    kind (resume, edit, retry, fresh, or another kind as recorded)."""
-    kind = samples["kind"].astype(object).where(samples["kind"].notna(), "unknown").astype(str)
-    case = kind.where(kind != "turn", "continued after TTL")
-    return case.where(~samples["favourable"].astype(bool), FAVOURABLE)
-
-
-def side_ratios(samples: pd.DataFrame, a_name: str, b_name: str) -> dict[str, Ratio | None]:
+def side_ratios(
+    samples: pd.DataFrame, a_name: str, b_name: str, stats: pd.DataFrame | None = None
+) -> dict[str, Ratio | None]:
     """The three numbers of the Compare page, over ok turns with turn_index >= 1:
 
     ``all`` (every later turn), ``favourable`` and ``unfavourable`` (every later turn that is
-    not favourable). Each is a `Ratio` of median TTFT A / B with a session-level bootstrap CI
-    (`headline.ratio_of`), or None when a side has no such turns.
+    not favourable). Each is a `Ratio` of median TTFT A / B (exact with `stats`) with a
+    session-level bootstrap CI from `samples` (`headline.ratio_of`), or None when a side has no
+    such turns.
     """
     later = _later(samples)
     fav = later["favourable"].astype(bool)
+    exact = _exact(stats, "later")
     out: dict[str, Ratio | None] = {}
     for key, rows in (("all", later), ("favourable", later[fav]), ("unfavourable", later[~fav])):
+        ex = (exact.get(("A", key)), exact.get(("B", key)))
         out[key] = headline.ratio_of(
-            rows[rows["side"] == "A"], rows[rows["side"] == "B"], treatment_name=a_name, baseline_name=b_name
+            rows[rows["side"] == "A"],
+            rows[rows["side"] == "B"],
+            treatment_name=a_name,
+            baseline_name=b_name,
+            exact=ex if None not in ex else None,
         )
     return out
 
 
-def case_table(samples: pd.DataFrame) -> pd.DataFrame:
-    """Median TTFT and turn counts per case and side, over ok turns with turn_index >= 1.
+def case_table(samples: pd.DataFrame, stats: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Median TTFT and turn counts per case and side, over ok turns with turn_index >= 1: exact
+    from `stats` (scope ``case``) when given, else from `samples` (its case_name column).
 
     Columns: case (`FAVOURABLE` first, then `UNFAVOURABLE_CASES` order, then others), side
     (``A`` | ``B``), turns, ttft_p50_s (seconds). Cases only one side has are kept.
     """
-    later = _later(samples)
-    if later.empty:
+    if stats is not None:
+        c = stats[stats["scope"] == "case"]
+        t = pd.DataFrame({"case": c["key"], "side": c["side"], "turns": c["turns"], "ttft_p50_s": c["ttft_p50_s"]})
+    else:
+        later = _later(samples)
+        t = (
+            later.groupby(["case_name", "side"], sort=False)["ttft_s"]
+            .agg(turns="size", ttft_p50_s="median")
+            .reset_index()
+            .rename(columns={"case_name": "case"})
+        )
+    if t.empty:
         return pd.DataFrame(columns=["case", "side", "turns", "ttft_p50_s"])
-    t = (
-        later.assign(case=case_of(later))
-        .groupby(["case", "side"], sort=False)["ttft_s"]
-        .agg(turns="size", ttft_p50_s="median")
-        .reset_index()
-    )
     order = {c: i for i, c in enumerate((FAVOURABLE, *UNFAVOURABLE_CASES))}
     t["_o"] = t["case"].map(order).fillna(len(order))
     return t.sort_values(["_o", "case", "side"]).drop(columns="_o").reset_index(drop=True)

@@ -27,7 +27,7 @@ CONFIDENCE = 0.95
 #: About this many turns per side go into a bootstrap (whole sessions drawn at random, seeded,
 #: beyond it), so a page stays fast on a million turns. The point estimate always uses every turn;
 #: an interval from a subset is wider than the full data's would be (conservative, never narrower).
-MAX_CI_TURNS = 2000
+MAX_CI_TURNS = 1000
 
 
 @dataclass(frozen=True)
@@ -170,6 +170,16 @@ def _count(df: pd.DataFrame) -> int:
     return 0 if groups is None else int(pd.unique(groups).size)
 
 
+@dataclass(frozen=True)
+class Exact:
+    """Counts and the median over every turn of one side (seconds), when the bootstrap only sees
+    a sample of them."""
+
+    turns: int
+    sessions: int
+    median_s: float
+
+
 def ratio_of(
     treatment: pd.DataFrame,
     baseline: pd.DataFrame,
@@ -180,12 +190,16 @@ def ratio_of(
     history_mode: str | None = None,
     max_ci_turns: int | None = MAX_CI_TURNS,
     n_resamples: int = 2000,
+    exact: tuple[Exact, Exact] | None = None,
 ) -> Ratio | None:
     """The `Ratio` of median ``ttft_s`` (seconds) of `treatment` over `baseline` rows, with its
     session-level bootstrap CI (`median_ratio_ci`); None when either side has no rows.
 
     Both frames have a ttft_s column and, for the session-level bootstrap, run_id and
     session_id. About `max_ci_turns` turns per side go into the bootstrap (`ci_groups`).
+    `exact`: (treatment, baseline) counts and medians over all turns when the frames are a
+    sample of them (``dashboard.queries.ttft_stats``); the ratio, medians and counts are then
+    those, and only the interval comes from the sample.
     """
     a = treatment["ttft_s"].to_numpy(dtype=float)
     b = baseline["ttft_s"].to_numpy(dtype=float)
@@ -200,38 +214,58 @@ def ratio_of(
         n_resamples=n_resamples,
     )
     sa, sb = _count(treatment), _count(baseline)
+    if exact is None:
+        ea = Exact(int(a.size), sa, float(np.median(a)))
+        eb = Exact(int(b.size), sb, float(np.median(b)))
+    else:
+        ea, eb = exact
+        ratio = ea.median_s / eb.median_s
     return Ratio(
         treatment=treatment_name,
         baseline=baseline_name,
         workload=workload,
         history_mode=history_mode,
-        n_treatment=int(a.size),
-        n_baseline=int(b.size),
-        median_treatment_s=float(np.median(a)),
-        median_baseline_s=float(np.median(b)),
+        n_treatment=ea.turns,
+        n_baseline=eb.turns,
+        median_treatment_s=ea.median_s,
+        median_baseline_s=eb.median_s,
         ratio=ratio,
         ci_low=lo,
         ci_high=hi,
-        sessions_treatment=sa,
-        sessions_baseline=sb,
+        sessions_treatment=ea.sessions,
+        sessions_baseline=eb.sessions,
         ci_sessions_treatment=ci_groups(sa, int(a.size), max_ci_turns) if sa else 0,
         ci_sessions_baseline=ci_groups(sb, int(b.size), max_ci_turns) if sb else 0,
     )
 
 
-def headline_ratios(samples: pd.DataFrame, pairs: tuple[tuple[str, str], ...] = PAIRS) -> list[Ratio]:
+def _key(v: object) -> str | None:
+    return None if v is None or (isinstance(v, float) and math.isnan(v)) or v is pd.NA else str(v)
+
+
+def headline_ratios(
+    samples: pd.DataFrame, pairs: tuple[tuple[str, str], ...] = PAIRS, stats: pd.DataFrame | None = None
+) -> list[Ratio]:
     """Every pair of `pairs` whose two modes both have turns in `samples`, per workload.
 
     `samples` has columns mode, workload, history_mode, ttft_s (seconds) and, for the
     session-level bootstrap, run_id and session_id (without them turns are resampled singly);
     it is already restricted to
     the turns that count (ok, ``turn_index >= MIN_TURN_INDEX``; see
-    ``dashboard.queries.ttft_samples``). Returns one `Ratio` per (pair, workload, history_mode)
-    present, in `pairs` order.
+    ``dashboard.queries.ttft_samples``). When `samples` is a sample of the turns, `stats`
+    (``dashboard.queries.ttft_stats``: mode, workload, history_mode, turns, sessions,
+    ttft_p50_s) gives the exact medians and counts. Returns one `Ratio` per (pair, workload,
+    history_mode) present, in `pairs` order.
     """
     out: list[Ratio] = []
     if samples.empty:
         return out
+    exact: dict[tuple, Exact] = {}
+    if stats is not None:
+        for row in stats.itertuples(index=False):
+            exact[(str(row.mode), _key(row.workload), _key(row.history_mode))] = Exact(
+                int(row.turns), int(row.sessions), float(row.ttft_p50_s)
+            )
     keyed = samples.assign(
         workload=samples["workload"].astype(object).where(samples["workload"].notna(), None),
         history_mode=samples["history_mode"].astype(object).where(samples["history_mode"].notna(), None),
@@ -239,13 +273,16 @@ def headline_ratios(samples: pd.DataFrame, pairs: tuple[tuple[str, str], ...] = 
     groups = keyed.groupby(["workload", "history_mode"], dropna=False, sort=True)
     for treatment, baseline in pairs:
         for (workload, history_mode), g in groups:
+            wl, hm = _key(workload), _key(history_mode)
+            ex = (exact.get((treatment, wl, hm)), exact.get((baseline, wl, hm)))
             r = ratio_of(
                 g[g["mode"] == treatment],
                 g[g["mode"] == baseline],
                 treatment_name=treatment,
                 baseline_name=baseline,
-                workload=None if pd.isna(workload) else str(workload),
-                history_mode=None if pd.isna(history_mode) else str(history_mode),
+                workload=wl,
+                history_mode=hm,
+                exact=ex if None not in ex else None,
             )
             if r is not None:
                 out.append(r)

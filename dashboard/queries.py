@@ -52,14 +52,26 @@ def as_filter(f: TurnFilter | Sequence[str]) -> TurnFilter:
     return f if isinstance(f, TurnFilter) else TurnFilter(tuple(str(r) for r in f))
 
 
-# Row filters over turn_breakdown (turns) and session_tasks (sessions), parameterised by
-# TurnFilter.params(). The empty-list casts give DuckDB the list's type.
-_WHERE_TURNS = """list_contains($run_ids::VARCHAR[], run_id)
-  AND (len($archetypes::VARCHAR[]) = 0 OR list_contains($archetypes::VARCHAR[], archetype))
-  AND (len($kinds::VARCHAR[]) = 0 OR list_contains($kinds::VARCHAR[], kind))
-  AND (len($gap_kinds::VARCHAR[]) = 0 OR list_contains($gap_kinds::VARCHAR[], gap_kind))"""
-_WHERE_SESSIONS = """list_contains($run_ids::VARCHAR[], run_id)
-  AND (len($archetypes::VARCHAR[]) = 0 OR list_contains($archetypes::VARCHAR[], archetype))"""
+def _where(f: TurnFilter, alias: str = "", sessions: bool = False) -> str:
+    """The row filter of `f` over turn_breakdown (or, with `sessions`, session_tasks: runs and
+    archetypes only), parameterised by `TurnFilter.params`. Filters that are "all" are left
+    out; an archetype filter on turns is a semi-join on ``sessions`` (the archetype lives on
+    the session row)."""
+    p = f"{alias}." if alias else ""
+    parts = [f"list_contains($run_ids::VARCHAR[], {p}run_id)"]
+    if f.archetypes and sessions:
+        parts.append(f"list_contains($archetypes::VARCHAR[], {p}archetype)")
+    elif f.archetypes:  # a semi-join on the sessions of those archetypes
+        parts.append(
+            f"({p}run_id, {p}session_id) IN (SELECT (run_id, session_id) FROM sessions "
+            "WHERE list_contains($archetypes::VARCHAR[], archetype))"
+        )
+    if not sessions and f.kinds:
+        parts.append(f"list_contains($kinds::VARCHAR[], {p}kind)")
+    if not sessions and f.gap_kinds:
+        parts.append(f"list_contains($gap_kinds::VARCHAR[], {p}gap_kind)")
+    return "(" + " AND ".join(parts) + ")"
+
 
 #: Reuse outcome label for turns without one (aggregated serving: no proxy).
 NOT_RECORDED = "not recorded"
@@ -90,12 +102,42 @@ GROUP BY ALL
 ORDER BY mode, workload, history_mode, turn_index
 """
 
+# Whole sessions are sampled by a hash of (run_id, session_id), so the same sessions are kept on
+# every call and a kept session keeps all its turns.
 _TTFT_SAMPLES = """
-SELECT run_id, mode, workload, history_mode, session_id, turn_index, ttft_s
-FROM turn_breakdown
-WHERE {where} AND status = 'ok' AND ttft_s IS NOT NULL
-  AND turn_index >= $min_turn_index
-ORDER BY run_id, session_id, turn_index
+WITH n AS (
+    SELECT mode, workload, history_mode, count(*) AS group_turns
+    FROM turn_breakdown
+    WHERE {where} AND status = 'ok' AND ttft_s IS NOT NULL AND turn_index >= $min_turn_index
+    GROUP BY ALL
+)
+SELECT b.run_id, b.mode, b.workload, b.history_mode, b.session_id, b.turn_index, b.ttft_s
+FROM turn_breakdown b JOIN n ON b.mode IS NOT DISTINCT FROM n.mode AND b.workload IS NOT DISTINCT FROM n.workload
+                             AND b.history_mode IS NOT DISTINCT FROM n.history_mode
+WHERE {where_b} AND b.status = 'ok' AND b.ttft_s IS NOT NULL AND b.turn_index >= $min_turn_index
+  AND ($max_turns::BIGINT IS NULL OR n.group_turns <= $max_turns::BIGINT
+       OR hash(b.run_id, b.session_id) % 1000000 < 1000000.0 * $max_turns::BIGINT / n.group_turns)
+ORDER BY b.run_id, b.session_id, b.turn_index
+"""
+
+_TTFT_STATS = """
+WITH per_session AS (
+    SELECT mode, workload, history_mode, run_id, session_id, count(*) AS n
+    FROM turn_breakdown
+    WHERE {where} AND status = 'ok' AND ttft_s IS NOT NULL AND turn_index >= $min_turn_index
+    GROUP BY ALL
+), session_counts AS (
+    SELECT mode, workload, history_mode, count(*) AS sessions FROM per_session GROUP BY ALL
+), medians AS (
+    SELECT mode, workload, history_mode, count(*) AS turns, quantile_cont(ttft_s, 0.5) AS ttft_p50_s
+    FROM turn_breakdown
+    WHERE {where} AND status = 'ok' AND ttft_s IS NOT NULL AND turn_index >= $min_turn_index
+    GROUP BY ALL
+)
+SELECT m.mode, m.workload, m.history_mode, m.turns, s.sessions, m.ttft_p50_s
+FROM medians m JOIN session_counts s ON m.mode IS NOT DISTINCT FROM s.mode AND m.workload IS NOT DISTINCT FROM s.workload
+                               AND m.history_mode IS NOT DISTINCT FROM s.history_mode
+ORDER BY ALL
 """
 
 _REUSE_OUTCOMES = """
@@ -158,19 +200,43 @@ def ttft_by_turn(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) 
     ttft_p50_s, ttft_p90_s (seconds, linear interpolation like ``mode_ab``). One row per
     (mode, workload, history_mode, turn_index).
     """
-    return _run(con, _TTFT_BY_TURN.format(where=_WHERE_TURNS), as_filter(f).params())
+    return _run(con, _TTFT_BY_TURN.format(where=_where(as_filter(f))), as_filter(f).params())
 
 
 def ttft_samples(
+    con: duckdb.DuckDBPyConnection,
+    f: TurnFilter | Sequence[str],
+    min_turn_index: int = 1,
+    max_turns: int | None = None,
+) -> pd.DataFrame:
+    """Raw TTFT of the ok turns with ``turn_index >= min_turn_index`` that `f` keeps.
+
+    With `max_turns`, a (mode, workload, history_mode) group of more turns is sampled by whole
+    sessions (a hash of run and session id, so the same ones every time) to about `max_turns`
+    turns: the bootstrap's input. Exact medians and counts come from `ttft_stats`.
+    Columns: run_id, mode, workload, history_mode, session_id, turn_index, ttft_s (seconds).
+    One row per turn (kept), ordered by run, session and turn.
+    """
+    params = {
+        **as_filter(f).params(),
+        "min_turn_index": int(min_turn_index),
+        "max_turns": None if max_turns is None else int(max_turns),
+    }
+    ff = as_filter(f)
+    return _run(con, _TTFT_SAMPLES.format(where=_where(ff), where_b=_where(ff, "b")), params)
+
+
+def ttft_stats(
     con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str], min_turn_index: int = 1
 ) -> pd.DataFrame:
-    """Raw TTFT of every ok turn with ``turn_index >= min_turn_index`` that `f` keeps.
+    """Exact counts and median TTFT of the ok turns with ``turn_index >= min_turn_index`` that
+    `f` keeps, per (mode, workload, history_mode): the headline's point estimates.
 
-    Columns: run_id, mode, workload, history_mode, session_id, turn_index, ttft_s (seconds).
-    One row per turn; the input of the headline ratio (`dashboard.headline`).
+    Columns: mode, workload, history_mode, turns, sessions (distinct run and session),
+    ttft_p50_s (seconds, linear interpolation: numpy's median).
     """
     params = {**as_filter(f).params(), "min_turn_index": int(min_turn_index)}
-    return _run(con, _TTFT_SAMPLES.format(where=_WHERE_TURNS), params)
+    return _run(con, _TTFT_STATS.format(where=_where(as_filter(f))), params)
 
 
 def reuse_outcomes(
@@ -183,7 +249,7 @@ def reuse_outcomes(
     could reuse a handle). One row per (mode, reuse).
     """
     params = {**as_filter(f).params(), "min_turn_index": int(min_turn_index)}
-    return _run(con, _REUSE_OUTCOMES.format(where=_WHERE_TURNS), params)
+    return _run(con, _REUSE_OUTCOMES.format(where=_where(as_filter(f))), params)
 
 
 def run_summary(con: duckdb.DuckDBPyConnection, run_ids: TurnFilter | Sequence[str]) -> pd.DataFrame:
@@ -218,26 +284,33 @@ def external_kv_tokens(con: duckdb.DuckDBPyConnection, run_ids: TurnFilter | Seq
 
 # --- filters ----------------------------------------------------------------------------------
 
+#: Turn kinds and gap kinds as the contract defines them (data/schema.sql, DESIGN §4): offered as
+#: filters without scanning the turns.
+TURN_KINDS = ("turn", "retry", "edit", "fresh", "resume")
+GAP_KINDS = ("none", "tool", "think", "pause")
+
 _FILTER_OPTIONS = """
 SELECT 'archetype' AS field, archetype AS value, count(*) AS n
-FROM session_tasks WHERE list_contains($run_ids::VARCHAR[], run_id) AND archetype IS NOT NULL GROUP BY ALL
-UNION ALL
-SELECT 'kind', kind, count(*) FROM turns
-WHERE list_contains($run_ids::VARCHAR[], run_id) AND kind IS NOT NULL GROUP BY ALL
-UNION ALL
-SELECT 'gap_kind', gap_kind, count(*) FROM turns
-WHERE list_contains($run_ids::VARCHAR[], run_id) AND gap_kind IS NOT NULL GROUP BY ALL
-ORDER BY field, value
+FROM sessions WHERE list_contains($run_ids::VARCHAR[], run_id) AND archetype IS NOT NULL
+GROUP BY ALL
+ORDER BY value
 """
 
 
 def filter_options(con: duckdb.DuckDBPyConnection, run_ids: Sequence[str]) -> pd.DataFrame:
     """The values the sidebar's archetype, turn-kind and gap-kind filters can take in `run_ids`.
 
-    Columns: field (``archetype`` | ``kind`` | ``gap_kind``), value, n (sessions for archetypes,
-    turns otherwise). One row per (field, value) present.
+    Archetypes are those of the runs' finished sessions (``sessions``: small, unlike the
+    turns); turn kinds and gap kinds are the contract's (`TURN_KINDS`, `GAP_KINDS`; n = NULL).
+    Columns: field (``archetype`` | ``kind`` | ``gap_kind``), value, n (sessions). One row per
+    (field, value).
     """
-    return _run(con, _FILTER_OPTIONS, {"run_ids": _ids(run_ids)})
+    archetypes = _run(con, _FILTER_OPTIONS, {"run_ids": _ids(run_ids)})
+    fixed = pd.DataFrame(
+        [("kind", k, None) for k in TURN_KINDS] + [("gap_kind", g, None) for g in GAP_KINDS],
+        columns=["field", "value", "n"],
+    )
+    return pd.concat([archetypes, fixed], ignore_index=True)
 
 
 # --- Turns --------------------------------------------------------------------------------------
@@ -257,26 +330,22 @@ ORDER BY mode, reuse, x
 # Prompt length in tokens (the history plus the new turn), in bins of a "nice" width (1, 2 or 5
 # x a power of ten) giving about $bins bins.
 _LATENCY_BY_HISTORY = """
-WITH f AS (
-    SELECT mode, coalesce(reuse, 'not recorded') AS reuse, prompt_tokens, ttft_s, itl_p50_s, e2e_s
-    FROM turn_breakdown
-    WHERE {where} AND status = 'ok' AND prompt_tokens IS NOT NULL
-), w AS (
-    SELECT greatest(max(prompt_tokens) / $bins, 1) AS w0 FROM f
-), n AS (
-    SELECT w0, pow(10, floor(log10(w0))) AS mag FROM w
-), width AS (
+WITH width AS (
     SELECT mag * CASE WHEN w0 <= mag THEN 1 WHEN w0 <= 2 * mag THEN 2 WHEN w0 <= 5 * mag THEN 5 ELSE 10 END
                AS bin_tokens
-    FROM n
+    FROM (SELECT w0, pow(10, floor(log10(w0))) AS mag
+          FROM (SELECT greatest(max(prompt_tokens) / $bins, 1) AS w0
+                FROM turn_breakdown WHERE {where} AND status = 'ok'))
 )
-SELECT mode, reuse, floor(prompt_tokens / bin_tokens) * bin_tokens AS x, any_value(bin_tokens) AS bin_tokens,
+SELECT mode, coalesce(reuse, 'not recorded') AS reuse, floor(prompt_tokens / bin_tokens) * bin_tokens AS x,
+       any_value(bin_tokens)         AS bin_tokens,
        count(*)                      AS turns,
        quantile_cont(ttft_s, 0.5)    AS ttft_p50_s,
        quantile_cont(itl_p50_s, 0.5) AS itl_p50_s,
        quantile_cont(e2e_s, 0.5)     AS e2e_p50_s
-FROM f CROSS JOIN width
-GROUP BY mode, reuse, x
+FROM turn_breakdown CROSS JOIN width
+WHERE {where} AND status = 'ok' AND prompt_tokens IS NOT NULL
+GROUP BY ALL
 ORDER BY mode, reuse, x
 """
 
@@ -295,10 +364,10 @@ def latency_by(
     """
     ff = as_filter(f)
     if by == "turn_index":
-        return _run(con, _LATENCY_BY_TURN.format(where=_WHERE_TURNS), ff.params())
+        return _run(con, _LATENCY_BY_TURN.format(where=_where(ff)), ff.params())
     if by == "history":
         params = {**ff.params(), "bins": max(int(bins), 1)}
-        return _run(con, _LATENCY_BY_HISTORY.format(where=_WHERE_TURNS), params)
+        return _run(con, _LATENCY_BY_HISTORY.format(where=_where(ff)), params)
     raise ValueError(f"latency_by: by must be 'turn_index' or 'history', got {by!r}")
 
 
@@ -344,7 +413,7 @@ def time_split(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) ->
     decode_s, unsplit_ttft_s, e2e_mean_s, transfer_unknown_turns (turns that pulled tokens in a
     run without a NIXL timing, counted as 0 transfer time).
     """
-    return _run(con, _TIME_SPLIT.format(where=_WHERE_TURNS), as_filter(f).params())
+    return _run(con, _TIME_SPLIT.format(where=_where(as_filter(f))), as_filter(f).params())
 
 
 _REUSE_VS_EXPECTED = """
@@ -375,7 +444,7 @@ def reuse_vs_expected(
     `min_shortfall_tokens`).
     """
     params = {**as_filter(f).params(), "min_shortfall": int(min_shortfall_tokens)}
-    return _run(con, _REUSE_VS_EXPECTED.format(where=_WHERE_TURNS), params)
+    return _run(con, _REUSE_VS_EXPECTED.format(where=_where(as_filter(f))), params)
 
 
 _REUSE_SHORTFALLS = """
@@ -408,7 +477,7 @@ def reuse_shortfalls(
     such turns before the limit).
     """
     params = {**as_filter(f).params(), "min_shortfall": int(min_shortfall_tokens), "limit": int(limit)}
-    return _run(con, _REUSE_SHORTFALLS.format(where=_WHERE_TURNS), params)
+    return _run(con, _REUSE_SHORTFALLS.format(where=_where(as_filter(f))), params)
 
 
 # --- Sessions -----------------------------------------------------------------------------------
@@ -438,7 +507,7 @@ def task_split(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) ->
     (means, seconds per session). task_latency_s minus the four parts is the client's own time
     between turns (rendering, tokenizing).
     """
-    return _run(con, _TASK_SPLIT.format(where=_WHERE_SESSIONS), as_filter(f).params())
+    return _run(con, _TASK_SPLIT.format(where=_where(as_filter(f), sessions=True)), as_filter(f).params())
 
 
 _SESSION_LIST = """
@@ -461,7 +530,7 @@ def session_list(
     the limit).
     """
     params = {**as_filter(f).params(), "limit": int(limit)}
-    return _run(con, _SESSION_LIST.format(where=_WHERE_SESSIONS), params)
+    return _run(con, _SESSION_LIST.format(where=_where(as_filter(f), sessions=True)), params)
 
 
 _SESSION_TURNS = """
@@ -492,30 +561,31 @@ def session_turns(con: duckdb.DuckDBPyConnection, run_id: str, session_id: str) 
 # summed (handle bytes) per time bucket.
 _MEMORY_TIMELINE = """
 WITH s AS (
-    SELECT m.run_id, m.role, m.name, m.endpoint, m.scraped_at, max(m.value) AS value
-    FROM metric_samples m
-    WHERE list_contains($run_ids::VARCHAR[], m.run_id)
-      AND ((m.name = $kv_usage AND m.role IN ('prefill', 'decode', 'aggregated'))
-           OR (m.name = $handle_bytes AND m.role = 'proxy'))
+    SELECT run_id, role, name, endpoint, scraped_at, max(value) AS value
+    FROM metric_samples
+    WHERE list_contains($run_ids::VARCHAR[], run_id) AND name IN ($kv_usage, $handle_bytes)
+      AND ((name = $kv_usage AND role IN ('prefill', 'decode', 'aggregated'))
+           OR (name = $handle_bytes AND role = 'proxy'))
     GROUP BY ALL
-), e AS (
-    SELECT s.*, epoch(s.scraped_at - coalesce(r.started_at, min(s.scraped_at) OVER (PARTITION BY s.run_id)))
-               AS elapsed_s
+), span AS (
+    SELECT s.run_id, coalesce(any_value(r.started_at), min(s.scraped_at)) AS t0, max(s.scraped_at) AS t1
     FROM s JOIN runs r USING (run_id)
-), b AS (
-    SELECT e.*, greatest(max(elapsed_s) OVER (PARTITION BY run_id) / $buckets, $min_bucket_s) AS bucket_s
-    FROM e
+    GROUP BY s.run_id
+), w AS (
+    SELECT run_id, t0, greatest(epoch(t1 - t0) / $buckets, $min_bucket_s) AS bucket_s FROM span
 ), per_endpoint AS (
-    SELECT run_id, role, name, endpoint, floor(elapsed_s / bucket_s) * bucket_s AS elapsed_s,
-           any_value(bucket_s) AS bucket_s, avg(value) AS value
-    FROM b GROUP BY run_id, role, name, endpoint, floor(elapsed_s / bucket_s) * bucket_s
+    SELECT s.run_id, s.role, s.name, s.endpoint,
+           floor(epoch(s.scraped_at - w.t0) / w.bucket_s) * w.bucket_s AS elapsed_s,
+           any_value(w.bucket_s) AS bucket_s, avg(s.value) AS value
+    FROM s JOIN w USING (run_id)
+    GROUP BY 1, 2, 3, 4, 5
 )
-SELECT p.run_id, coalesce(r.label, p.run_id) AS run_label, r.mode, p.role, p.name, p.elapsed_s,
-       any_value(p.bucket_s) AS bucket_s,
+SELECT p.run_id, coalesce(any_value(r.label), p.run_id) AS run_label, any_value(r.mode) AS mode, p.role, p.name,
+       p.elapsed_s, any_value(p.bucket_s) AS bucket_s,
        CASE WHEN p.name = $handle_bytes THEN sum(p.value) ELSE avg(p.value) END AS value,
        count(DISTINCT p.endpoint) AS endpoints
 FROM per_endpoint p JOIN runs r USING (run_id)
-GROUP BY p.run_id, r.label, r.mode, p.role, p.name, p.elapsed_s
+GROUP BY p.run_id, p.role, p.name, p.elapsed_s
 ORDER BY p.run_id, p.role, p.name, p.elapsed_s
 """
 
@@ -545,21 +615,21 @@ def memory_timeline(
 
 
 _HIT_RATE_TIMELINE = """
-WITH f AS (
-    SELECT t.run_id, t.reuse,
-           epoch(t.sent_at - coalesce(r.started_at, min(t.sent_at) OVER (PARTITION BY t.run_id))) AS elapsed_s
-    FROM turn_breakdown t JOIN runs r USING (run_id)
-    WHERE {where} AND t.turn_index >= 1 AND t.reuse IS NOT NULL AND t.sent_at IS NOT NULL
-), b AS (
-    SELECT f.*, greatest(max(elapsed_s) OVER (PARTITION BY run_id) / $buckets, $min_bucket_s) AS bucket_s
-    FROM f
+WITH span AS (
+    SELECT t.run_id, coalesce(any_value(r.started_at), min(t.sent_at)) AS t0, max(t.sent_at) AS t1
+    FROM turns t JOIN runs r USING (run_id)
+    WHERE list_contains($run_ids::VARCHAR[], t.run_id)
+    GROUP BY t.run_id
+), w AS (
+    SELECT run_id, t0, greatest(epoch(t1 - t0) / $buckets, $min_bucket_s) AS bucket_s FROM span
 )
-SELECT b.run_id, coalesce(r.label, b.run_id) AS run_label, r.mode,
-       floor(elapsed_s / bucket_s) * bucket_s AS elapsed_s, any_value(bucket_s) AS bucket_s,
-       count(*) AS later_turns, count(*) FILTER (WHERE reuse = 'hit') AS hits,
-       count(*) FILTER (WHERE reuse = 'hit') / count(*) AS hit_rate
-FROM b JOIN runs r USING (run_id)
-GROUP BY b.run_id, r.label, r.mode, floor(elapsed_s / bucket_s) * bucket_s
+SELECT b.run_id, coalesce(any_value(r.label), b.run_id) AS run_label, any_value(r.mode) AS mode,
+       floor(epoch(b.sent_at - w.t0) / w.bucket_s) * w.bucket_s AS elapsed_s, any_value(w.bucket_s) AS bucket_s,
+       count(*) AS later_turns, count(*) FILTER (WHERE b.reuse = 'hit') AS hits,
+       count(*) FILTER (WHERE b.reuse = 'hit') / count(*) AS hit_rate
+FROM turn_breakdown b JOIN w USING (run_id) JOIN runs r USING (run_id)
+WHERE {where_b} AND b.turn_index >= 1 AND b.reuse IS NOT NULL AND b.sent_at IS NOT NULL
+GROUP BY b.run_id, floor(epoch(b.sent_at - w.t0) / w.bucket_s) * w.bucket_s
 ORDER BY b.run_id, elapsed_s
 """
 
@@ -574,7 +644,7 @@ def hit_rate_timeline(
     since the run started), bucket_s, later_turns, hits, hit_rate (hits / later_turns, 0..1).
     """
     params = {**as_filter(f).params(), "buckets": max(int(buckets), 1), "min_bucket_s": float(min_bucket_s)}
-    return _run(con, _HIT_RATE_TIMELINE.format(where=_WHERE_TURNS), params)
+    return _run(con, _HIT_RATE_TIMELINE.format(where_b=_where(as_filter(f), "b")), params)
 
 
 # Handle bytes held: the step integral of the proxy's gauge over the run's scrapes (each scrape's
@@ -647,31 +717,32 @@ def reuse_cost(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) ->
 # turn, TTL), or the whole TTL after a session's last turn. A later turn hits when it is not
 # `fresh` and its gap is below TTL - the proxy's margin.
 _WHATIF_TTL = """
-WITH base AS (
-    SELECT t.run_id, t.turn_index, t.kind, t.gap_kind, t.archetype, t.gap_before_s,
-           CASE WHEN t.status = 'ok' THEN coalesce(t.prompt_tokens, 0) + coalesce(t.completion_tokens, 0)
-                ELSE 0 END AS held_tokens,
-           lead(t.gap_before_s) OVER (PARTITION BY t.run_id, t.session_id ORDER BY t.turn_index) AS next_gap_s,
-           c.handle_ttl_margin_s, c.kv_bytes_per_token
-    FROM turn_breakdown t JOIN run_config c USING (run_id)
-    WHERE list_contains($run_ids::VARCHAR[], t.run_id)
-), f AS (
-    SELECT * FROM base WHERE {where}
-), ttl AS (
-    SELECT unnest($ttls::DOUBLE[]) AS ttl_s
+WITH w AS (
+    SELECT run_id, turn_index, kind, gap_kind, gap_before_s,
+           CASE WHEN status = 'ok' THEN coalesce(prompt_tokens, 0) + coalesce(completion_tokens, 0) ELSE 0 END
+               AS held_tokens,
+           lead(gap_before_s) OVER (PARTITION BY hash(run_id, session_id) ORDER BY turn_index) AS next_gap_s
+    FROM turns
+    WHERE {where_sessions}
+), per_run AS (
+    SELECT w.run_id, any_value(c.kv_bytes_per_token) AS kv_bytes_per_token,
+           count(*) FILTER (WHERE turn_index >= 1) AS later_turns,
+           count(*) FILTER (WHERE held_tokens > 0) AS holding_turns,
+           {per_ttl}
+    FROM w JOIN run_config c USING (run_id)
+    WHERE {where_turns}
+    GROUP BY w.run_id
 )
-SELECT ttl_s,
-       count(*) FILTER (WHERE turn_index >= 1)                                        AS later_turns,
-       count(*) FILTER (WHERE turn_index >= 1 AND kind IS DISTINCT FROM 'fresh'
-                          AND gap_before_s < ttl_s - handle_ttl_margin_s)             AS hits,
-       sum(held_tokens * least(coalesce(next_gap_s, ttl_s), ttl_s))                   AS held_token_s,
-       sum(held_tokens * kv_bytes_per_token * least(coalesce(next_gap_s, ttl_s), ttl_s)) / 1073741824.0
-                                                                                      AS held_gib_s,
-       count(*) FILTER (WHERE kv_bytes_per_token IS NULL AND held_tokens > 0)         AS turns_without_kv_bytes
-FROM f CROSS JOIN ttl
-GROUP BY ttl_s
-ORDER BY ttl_s
+SELECT sum(later_turns) AS later_turns,
+       sum(holding_turns) FILTER (WHERE kv_bytes_per_token IS NULL) AS turns_without_kv_bytes,
+       {totals}
+FROM per_run
 """
+_WHATIF_PER_TTL = """count(*) FILTER (WHERE turn_index >= 1 AND kind IS DISTINCT FROM 'fresh'
+                             AND gap_before_s < {ttl} - c.handle_ttl_margin_s) AS hits_{i},
+           sum(held_tokens * least(coalesce(next_gap_s, {ttl}), {ttl})) AS tok_s_{i}"""
+_WHATIF_TOTALS = """sum(hits_{i}) AS hits_{i}, sum(tok_s_{i}) AS held_token_s_{i},
+       sum(tok_s_{i} * kv_bytes_per_token) / 1073741824.0 AS held_gib_s_{i}"""
 
 
 def whatif_ttl(
@@ -687,8 +758,41 @@ def whatif_ttl(
     held_gib_s (GiB x s, using runs.config kv_bytes_per_token; NULL parts skipped),
     turns_without_kv_bytes (ok turns of runs with no kv_bytes_per_token). One row per TTL.
     """
-    params = {**as_filter(f).params(), "ttls": [float(t) for t in ttls_s]}
-    return _run(con, _WHATIF_TTL.format(where=_WHERE_TURNS), params)
+    ff = as_filter(f)
+    ttls = [float(t) for t in ttls_s]
+    if not ttls:
+        return pd.DataFrame(columns=_WHATIF_COLUMNS)
+    # One pass with columns per TTL (the TTLs are floats formatted here, never text from outside);
+    # the window runs on the turns view itself, before any join, which keeps it cheap.
+    where_sessions = _where(TurnFilter(ff.run_ids, ff.archetypes))
+    where_turns = _where(TurnFilter((), (), ff.kinds, ff.gap_kinds), "w").replace(
+        "list_contains($run_ids::VARCHAR[], w.run_id)", "true"
+    )
+    sql = _WHATIF_TTL.format(
+        where_sessions=where_sessions,
+        where_turns=where_turns,
+        per_ttl=",\n           ".join(_WHATIF_PER_TTL.format(i=i, ttl=repr(t)) for i, t in enumerate(ttls)),
+        totals=",\n       ".join(_WHATIF_TOTALS.format(i=i) for i in range(len(ttls))),
+    )
+    wide = _run(con, sql, ff.params()).iloc[0]
+    rows = [
+        {
+            "ttl_s": t,
+            "later_turns": wide["later_turns"],
+            "hits": wide[f"hits_{i}"],
+            "held_token_s": wide[f"held_token_s_{i}"],
+            "held_gib_s": wide[f"held_gib_s_{i}"],
+            "turns_without_kv_bytes": wide["turns_without_kv_bytes"],
+        }
+        for i, t in enumerate(ttls)
+    ]
+    out = pd.DataFrame(rows, columns=_WHATIF_COLUMNS).sort_values("ttl_s", ignore_index=True)
+    for c in ("later_turns", "hits", "turns_without_kv_bytes"):
+        out[c] = pd.to_numeric(out[c]).fillna(0).astype("int64")
+    return out
+
+
+_WHATIF_COLUMNS = ["ttl_s", "later_turns", "hits", "held_token_s", "held_gib_s", "turns_without_kv_bytes"]
 
 
 _RUN_CONFIG = """
@@ -711,20 +815,73 @@ def run_config(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) ->
 # --- Compare ------------------------------------------------------------------------------------
 
 # Favourable: a continuation (kind 'turn') within the proxy's TTL (decoder_kv_blocks_ttl minus the
-# margin), the case reuse is made for. Everything else after the first turn is unfavourable.
-_COMPARE_SAMPLES = """
-SELECT CASE WHEN list_contains($a::VARCHAR[], t.run_id) THEN 'A' ELSE 'B' END AS side,
-       t.run_id, t.session_id, t.turn_index, t.kind, t.ttft_s,
-       coalesce(t.kind = 'turn' AND t.gap_before_s < c.decoder_kv_blocks_ttl_s - c.handle_ttl_margin_s, false)
-           AS favourable
-FROM turn_breakdown t JOIN run_config c USING (run_id)
-WHERE (list_contains($a::VARCHAR[], t.run_id) OR list_contains($b::VARCHAR[], t.run_id))
-  AND (len($archetypes::VARCHAR[]) = 0 OR list_contains($archetypes::VARCHAR[], t.archetype))
-  AND (len($kinds::VARCHAR[]) = 0 OR list_contains($kinds::VARCHAR[], t.kind))
-  AND (len($gap_kinds::VARCHAR[]) = 0 OR list_contains($gap_kinds::VARCHAR[], t.gap_kind))
-  AND t.status = 'ok' AND t.ttft_s IS NOT NULL
-ORDER BY side, t.run_id, t.session_id, t.turn_index
+# margin), the case reuse is made for. Everything else after the first turn is unfavourable, by
+# case: a turn continued after the TTL, or its kind.
+_COMPARE_BASE = """
+WITH k AS (
+    SELECT CASE WHEN list_contains($a::VARCHAR[], t.run_id) THEN 'A' ELSE 'B' END AS side,
+           t.run_id, t.session_id, t.turn_index, t.kind, t.ttft_s,
+           coalesce(t.kind = 'turn' AND t.gap_before_s < c.decoder_kv_blocks_ttl_s - c.handle_ttl_margin_s, false)
+               AS favourable
+    FROM turn_breakdown t JOIN run_config c USING (run_id)
+    WHERE (list_contains($a::VARCHAR[], t.run_id) OR list_contains($b::VARCHAR[], t.run_id))
+      AND {where} AND t.status = 'ok' AND t.ttft_s IS NOT NULL
+), base AS (
+    SELECT k.*,
+           CASE WHEN favourable THEN 'continued within TTL'
+                WHEN kind = 'turn' THEN 'continued after TTL'
+                ELSE coalesce(kind, 'unknown') END AS case_name
+    FROM k
+)
 """
+
+_COMPARE_SAMPLES = _COMPARE_BASE + """
+, n AS (SELECT side, count(*) AS side_turns FROM base GROUP BY side)
+SELECT b.side, b.run_id, b.session_id, b.turn_index, b.kind, b.ttft_s, b.favourable, b.case_name
+FROM base b JOIN n USING (side)
+WHERE $max_turns::BIGINT IS NULL OR n.side_turns <= $max_turns::BIGINT
+   OR hash(b.run_id, b.session_id) % 1000000 < 1000000.0 * $max_turns::BIGINT / n.side_turns
+ORDER BY b.side, b.run_id, b.session_id, b.turn_index
+"""
+
+_COMPARE_STATS = _COMPARE_BASE + """
+, later AS (
+    SELECT side, run_id, session_id, ttft_s, case_name,
+           CASE WHEN favourable THEN 'favourable' ELSE 'unfavourable' END AS fav
+    FROM base WHERE turn_index >= $min_turn_index
+), per_session AS (  -- sessions per (side, fav) and per side: count(DISTINCT) is slow, two levels are not
+    SELECT side, fav, run_id, session_id FROM later GROUP BY ALL
+), session_counts AS (
+    SELECT side, fav AS key, count(*) AS sessions FROM per_session GROUP BY ALL
+    UNION ALL
+    SELECT side, 'all', count(*) FROM (SELECT DISTINCT side, run_id, session_id FROM per_session) GROUP BY side
+)
+SELECT side, 'turn_index' AS scope, CAST(turn_index AS VARCHAR) AS key,
+       count(*) AS turns, 0 AS sessions, quantile_cont(ttft_s, 0.5) AS ttft_p50_s
+FROM base GROUP BY side, turn_index
+UNION ALL
+SELECT side, 'case', case_name, count(*), 0, quantile_cont(ttft_s, 0.5) FROM later GROUP BY side, case_name
+UNION ALL
+SELECT l.side, 'later', l.key, l.turns, s.sessions, l.ttft_p50_s
+FROM (SELECT side, fav AS key, count(*) AS turns, quantile_cont(ttft_s, 0.5) AS ttft_p50_s FROM later GROUP BY ALL
+      UNION ALL
+      SELECT side, 'all', count(*), quantile_cont(ttft_s, 0.5) FROM later GROUP BY side) l
+JOIN session_counts s USING (side, key)
+ORDER BY side, scope, key
+"""
+
+
+def _compare_where(f: TurnFilter | None) -> str:
+    """`f`'s archetype and kind filters over ``turn_breakdown t`` (its run ids are replaced by
+    the two sides')."""
+    w = _where(TurnFilter((), *(((f.archetypes, f.kinds, f.gap_kinds)) if f else ((), (), ()))), "t")
+    return w.replace("list_contains($run_ids::VARCHAR[], t.run_id)", "true")
+
+
+def _compare_params(a_run_ids: Sequence[str], b_run_ids: Sequence[str], f: TurnFilter | None) -> dict:
+    params = {**(f or TurnFilter(())).params(), "a": _ids(a_run_ids), "b": _ids(b_run_ids)}
+    params.pop("run_ids")
+    return params
 
 
 def compare_samples(
@@ -732,15 +889,36 @@ def compare_samples(
     a_run_ids: Sequence[str],
     b_run_ids: Sequence[str],
     f: TurnFilter | None = None,
+    max_turns: int | None = None,
 ) -> pd.DataFrame:
-    """TTFT of every ok turn of side A (`a_run_ids`, the treatment) and side B (the baseline).
+    """TTFT of the ok turns of side A (`a_run_ids`, the treatment) and side B (the baseline).
 
     `f`'s archetype, kind and gap-kind filters apply (its run ids do not). A run in both lists
-    counts as A. Columns: side (``A`` | ``B``), run_id, session_id, turn_index, kind, ttft_s
-    (seconds), favourable (a ``turn`` continued within the run's proxy TTL: gap_before_s <
-    decoder_kv_blocks_ttl - handle margin). One row per turn.
+    counts as A. With `max_turns`, a side of more turns is sampled by whole sessions (hash of run
+    and session id) to about that many: the bootstraps' input; exact medians come from
+    `compare_stats`. Columns: side (``A`` | ``B``), run_id, session_id, turn_index, kind,
+    ttft_s (seconds), favourable (a ``turn`` continued within the run's proxy TTL: gap_before_s <
+    decoder_kv_blocks_ttl - handle margin), case_name (``continued within TTL``, ``continued
+    after TTL`` or the turn's kind). One row per turn kept.
     """
-    ff = f or TurnFilter(())
-    params = {**ff.params(), "a": _ids(a_run_ids), "b": _ids(b_run_ids)}
-    params.pop("run_ids")
-    return _run(con, _COMPARE_SAMPLES, params)
+    params = _compare_params(a_run_ids, b_run_ids, f) | {"max_turns": None if max_turns is None else int(max_turns)}
+    return _run(con, _COMPARE_SAMPLES.format(where=_compare_where(f)), params)
+
+
+def compare_stats(
+    con: duckdb.DuckDBPyConnection,
+    a_run_ids: Sequence[str],
+    b_run_ids: Sequence[str],
+    f: TurnFilter | None = None,
+    min_turn_index: int = 1,
+) -> pd.DataFrame:
+    """Exact counts and median TTFT of each side's ok turns (same rows as `compare_samples`
+    without sampling), in three scopes:
+
+    ``turn_index`` (key: the index, every turn), ``case`` (key: case name, turn_index >=
+    `min_turn_index`), ``later`` (key: ``all``, ``favourable`` or ``unfavourable``, turn_index
+    >= `min_turn_index`). Columns: side, scope, key (str), turns, sessions (distinct run and
+    session; counted for scope ``later`` only, 0 otherwise), ttft_p50_s (seconds).
+    """
+    params = _compare_params(a_run_ids, b_run_ids, f) | {"min_turn_index": int(min_turn_index)}
+    return _run(con, _COMPARE_STATS.format(where=_compare_where(f)), params)

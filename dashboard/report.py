@@ -41,9 +41,10 @@ def run_report(store: db.Store, f: TurnFilter, description: str = "") -> str:
     def q(name: str, *args: object) -> pd.DataFrame:
         return db.read(store, getattr(queries, name), *args)
 
-    samples = q("ttft_samples", f, headline.MIN_TURN_INDEX)
+    samples = q("ttft_samples", f, headline.MIN_TURN_INDEX, headline.MAX_CI_TURNS)
+    stats = q("ttft_stats", f, headline.MIN_TURN_INDEX)
     outcomes = q("reuse_outcomes", f, headline.MIN_TURN_INDEX)
-    ratios = headline.headline_ratios(samples)
+    ratios = headline.headline_ratios(samples, stats=stats)
     head: list[str | go.Figure | pd.DataFrame] = []
     for r in ratios:
         head += [ratio_line(r), headline.verdict(r)]

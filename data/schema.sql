@@ -110,22 +110,19 @@ SELECT run_id,
        TRY_CAST(json_extract_string(config, '$.kv_bytes_per_token') AS BIGINT) AS kv_bytes_per_token
 FROM runs;
 
--- Per-turn breakdown with the run's mode and history mode, and the session's archetype (from the
--- session row, which is written when the session ends: NULL while it is still running).
+-- Per-turn breakdown with the run's mode and history mode.
 -- measured_reused_tokens: prompt tokens whose KV the engine did not compute for this turn: P's
 -- pull from D plus P's local prefix-cache hit where the proxy recorded its facts, else the
--- server's usage.cached_tokens (aggregated serving).
+-- server's usage.cached_tokens (aggregated serving). The session's archetype is in session_tasks
+-- (join on run_id, session_id; it is written when the session ends).
 CREATE VIEW turn_breakdown AS
 SELECT t.*, r.mode, r.label AS run_label, r.workload, r.history_mode,
        t.e2e_s - t.ttft_s AS decode_s,
        greatest(t.ttft_s - coalesce(t.prefill_leg_s, 0), 0) AS after_prefill_s,
-       s.archetype,
        CASE WHEN t.reuse IS NOT NULL
             THEN coalesce(t.reused_tokens, 0) + coalesce(t.prefill_cached_tokens, 0)
             ELSE t.cached_tokens END AS measured_reused_tokens
-FROM turns t JOIN runs r USING (run_id)
-LEFT JOIN (SELECT run_id, session_id, any_value(archetype) AS archetype FROM sessions GROUP BY run_id, session_id) s
-    USING (run_id, session_id);
+FROM turns t JOIN runs r USING (run_id);
 
 CREATE VIEW session_tasks AS
 SELECT s.*, r.mode, r.label AS run_label, r.workload

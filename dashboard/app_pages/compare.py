@@ -12,12 +12,14 @@ from dashboard.loader import load
 
 
 @st.cache_data(ttl=db.CACHE_TTL_S, show_spinner="Bootstrapping confidence intervals…")
-def _analyse(samples: pd.DataFrame, a_name: str, b_name: str) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
+def _analyse(
+    samples: pd.DataFrame, stats: pd.DataFrame, a_name: str, b_name: str
+) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
     """`compare.side_ratios`, `compare.ratio_by_turn` and `compare.case_table`, cached."""
     return (
-        compare.side_ratios(samples, a_name, b_name),
-        compare.ratio_by_turn(samples),
-        compare.case_table(samples),
+        compare.side_ratios(samples, a_name, b_name, stats),
+        compare.ratio_by_turn(samples, stats),
+        compare.case_table(samples, stats),
     )
 
 
@@ -73,11 +75,14 @@ if wa != wb:
         "in the sidebar."
     )
 
-samples = load(sel.root, "compare_samples", a_ids, b_ids, f)
+# Exact medians and counts over every turn; the bootstraps see whole sessions sampled to about
+# compare.SAMPLE_TURNS turns per side (all of them in smaller stores).
+stats = load(sel.root, "compare_stats", a_ids, b_ids, f, headline.MIN_TURN_INDEX)
+samples = load(sel.root, "compare_samples", a_ids, b_ids, f, compare.SAMPLE_TURNS)
 if samples.empty or not {"A", "B"} <= set(samples["side"]):
     st.info("One side has no ok turns with a TTFT in the selection yet.")
     st.stop()
-ratios, by_turn, cases = _analyse(samples, a_name, b_name)
+ratios, by_turn, cases = _analyse(samples, stats, a_name, b_name)
 
 # --- the numbers ------------------------------------------------------------------------------
 st.subheader(f"{a_name} vs {b_name}: TTFT from the second turn on")
@@ -107,8 +112,8 @@ for col, (key, (title, what)) in zip(cols, titles.items(), strict=True):
         f"n = {r.n_treatment} vs {r.n_baseline} turns ({r.sessions_treatment} vs {r.sessions_baseline} "
         f"sessions){sub}"
     )
-later_a = samples[(samples["side"] == "A") & (samples["turn_index"] >= headline.MIN_TURN_INDEX)]
-share = float(later_a["favourable"].mean()) if len(later_a) else None
+fav_a, all_a = ratios["favourable"], ratios["all"]
+share = (fav_a.n_treatment if fav_a else 0) / all_a.n_treatment if all_a else None
 verdict = compare.verdict(ratios, share)
 st.markdown("\n\n".join(verdict))
 st.caption(
