@@ -236,7 +236,7 @@ def test_sessions_task_split_and_timeline(monkeypatch, store_root):
     assert bars[f"pd-bidir · coding ({n})"] == pytest.approx(avg_llm)
     by_hand = np.mean([sum(fx.e2e_s(r, s, t) or 0 for t in range(4)) for r in ("bidir-1", "bidir-2") for s in (0, 1)])
     assert avg_llm == pytest.approx(by_hand)
-    assert pauses[f"pd-bidir · coding ({n})"] == pytest.approx(500.0 / 2)  # one of the two sessions paused
+    assert pauses[f"pd-bidir · coding ({n})"] == pytest.approx(avg_pause) == pytest.approx(500.0 / 2)  # one paused
 
     # No session picked: no timeline yet, and the table lists every session, slowest first.
     assert len(charts(at)) == 1
@@ -318,14 +318,18 @@ def test_memory_cost_of_reuse(monkeypatch, store_root):
     assert math.isnan(cost.loc["bidir nocache", "GiB·s held per s saved"])
 
 
-def whatif_by_hand(ttl: float, runs=tuple(fx.RUNS)) -> tuple[int, int, float]:
-    """(later turns, hits, GiB x s held) replayed from the fixture's gaps for one TTL."""
+def whatif_by_hand(ttl: float, sessions=range(fx.SESSIONS), kinds=None) -> tuple[int, int, float]:
+    """(later turns, hits, GiB x s held) replayed from the fixture's gaps for one TTL, over the
+    turns of `sessions` whose kind is in `kinds` (all when None); a kept turn's handle is held
+    until its successor in the session, kept or not."""
     later = hits = 0
     byte_s = 0.0
-    for r in runs:
-        for s in range(fx.SESSIONS):
+    for r in fx.RUNS:
+        for s in sessions:
             for t in range(fx.TURNS):
                 gap, _, kind = fx.gap(s, t)
+                if kinds is not None and kind not in kinds:
+                    continue
                 if t >= 1:
                     later += 1
                     hits += kind != "fresh" and gap < ttl - fx.MARGIN_S
@@ -340,7 +344,7 @@ def test_memory_whatif_ttl(monkeypatch, store_root):
     at = open_page(monkeypatch, store_root, "memory")
     table = frame(at, "decoder_kv_blocks_ttl (s)").set_index("decoder_kv_blocks_ttl (s)")
     assert 480.0 in table.index  # the runs' own TTL is always replayed
-    for ttl in (30.0, 120.0, 480.0, 900.0):
+    for ttl in (60.0, 120.0, 480.0, 900.0):
         later, hits, gib_s = whatif_by_hand(ttl)
         row = table.loc[ttl]
         assert (row["later turns"], row["hits"]) == (later, hits)
@@ -349,6 +353,18 @@ def test_memory_whatif_ttl(monkeypatch, store_root):
     assert table.loc[480.0, "hits"] == 36 - 4 and table.loc[900.0, "hits"] == 36
     fig = next(f for t, f in charts(at).items() if t.startswith("What if the TTL"))
     assert [shape.x0 for shape in fig.layout.shapes] == [480.0]  # the configured TTL, marked
+
+
+def test_memory_whatif_follows_the_filters(monkeypatch, store_root):
+    at = open_page(monkeypatch, store_root, "memory")
+    at.sidebar.multiselect(key="ts_archetypes").set_value(["support"])
+    at.sidebar.multiselect(key="ts_kinds").set_value(["turn"])
+    rerun(at)
+    table = frame(at, "decoder_kv_blocks_ttl (s)").set_index("decoder_kv_blocks_ttl (s)")
+    for ttl in (60.0, 480.0):
+        later, hits, gib_s = whatif_by_hand(ttl, sessions=(2,), kinds=("turn",))
+        assert (table.loc[ttl, "later turns"], table.loc[ttl, "hits"]) == (later, hits) == (8, 8)
+        assert table.loc[ttl, "KV held (GiB·s)"] == pytest.approx(gib_s)
 
 
 # --- Compare ------------------------------------------------------------------------------------
@@ -539,3 +555,13 @@ def test_pages_follow_a_run_that_is_still_writing(monkeypatch, tmp_path):
         duckdb.connect(str(tmp_path / "turnscope.duckdb")).close()
     finally:
         w.close()
+
+
+def test_compare_follows_the_archetype_filter(monkeypatch, store_root):
+    at = open_page(monkeypatch, store_root, "compare")
+    at.sidebar.multiselect(key="ts_archetypes").set_value(["coding"])
+    rerun(at)
+    where = "(run_id, session_id) IN (SELECT (run_id, session_id) FROM {sessions} WHERE archetype = 'coding')"
+    a, b = "m.mode = 'pd-bidir'", "m.mode = 'aggregated'"
+    assert at.metric[0].value == f"{compare_sql(store_root, a, b, where):.3f}×"
+    assert at.metric[1].value == f"{compare_sql(store_root, a, b, where + ' AND ' + FAVOURABLE):.3f}×"

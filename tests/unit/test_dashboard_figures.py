@@ -107,3 +107,130 @@ def test_run_summary_table_ms_and_hit_rate():
     assert t.loc[0, "hit rate (all turns)"] == pytest.approx(0.5) and pd.isna(
         t.loc[1, "hit rate (all turns)"]
     )
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda d: figures.latency_panels(d, "turn_index"),
+        figures.time_split,
+        figures.reuse_vs_expected,
+        figures.task_split,
+        figures.session_timeline,
+        lambda d: figures.memory_timeline(d, d),
+        lambda d: figures.compare_by_turn(d, "a", "b"),
+        lambda d: figures.compare_cases(d, "a", "b"),
+    ],
+)
+def test_new_figures_say_when_empty(fn):
+    fig = fn(pd.DataFrame())
+    assert len(fig.data) == 0 and fig.layout.annotations[0].text.startswith("no ")
+
+
+def test_whatif_empty_and_marks_the_configured_ttl():
+    empty = pd.DataFrame(columns=["ttl_s", "later_turns", "hits", "held_token_s", "held_gib_s"])
+    assert figures.whatif_ttl(empty).layout.annotations[0].text.startswith("no ")
+    df = pd.DataFrame(
+        {"ttl_s": [60.0, 480.0], "later_turns": [10, 10], "hits": [2, 9], "held_token_s": [1e6, 8e6], "held_gib_s": [1.0, 8.0]}
+    )
+    fig = figures.whatif_ttl(df, [480.0])
+    rate = next(t for t in fig.data if t.name == "hit rate")
+    assert list(rate.y) == pytest.approx([20.0, 90.0])
+    assert [s.x0 for s in fig.layout.shapes] == [480.0]
+    no_bytes = figures.whatif_ttl(df.assign(held_gib_s=[None, None]))
+    assert "tokens x s" in no_bytes.data[1].name
+
+
+def test_latency_panels_ms_one_legend_entry_per_outcome_and_mode():
+    df = pd.DataFrame(
+        {
+            "mode": ["pd-bidir", "pd-bidir", "aggregated"],
+            "reuse": ["hit", "miss_first_turn", "not recorded"],
+            "x": [1, 0, 1],
+            "turns": [5, 5, 5],
+            "ttft_p50_s": [0.1, 0.3, 0.35],
+            "itl_p50_s": [0.01, 0.01, 0.012],
+            "e2e_p50_s": [0.5, 0.7, 0.8],
+        }
+    )
+    fig = figures.latency_panels(df, "turn_index")
+    assert len(fig.data) == 9 and sum(bool(t.showlegend) for t in fig.data) == 3
+    hit_itl = next(t for t in fig.data if t.name == "hit · pd-bidir" and t.xaxis == "x2")
+    assert list(hit_itl.y) == pytest.approx([10.0])
+    assert hit_itl.line.color == figures.OUTCOME_COLORS["hit"]
+
+
+def test_time_split_bars_add_up_to_the_mean_e2e():
+    df = pd.DataFrame(
+        {
+            "mode": ["pd-bidir", "aggregated"],
+            "turn_index": [1, 1],
+            "turns": [4, 4],
+            "proxy_s": [0.03, 0.0],
+            "prefill_s": [0.05, 0.0],
+            "kv_transfer_est_s": [0.01, 0.0],
+            "unsplit_ttft_s": [0.0, 0.3],
+            "decode_s": [0.5, 0.5],
+        }
+    )
+    fig = figures.time_split(df)
+    assert [a.text for a in fig.layout.annotations] == ["aggregated", "pd-bidir"]  # panels in mode order
+    bidir = sum(t.y[0] for t in fig.data if t.xaxis == "x2")
+    assert sum(t.y[0] for t in fig.data if t.xaxis == "x") == pytest.approx(800.0)
+    assert bidir == pytest.approx((0.03 + 0.05 + 0.01 + 0.5) * 1e3)
+    names = {t.name for t in fig.data}
+    assert "KV transfer from D (estimate)" in names and fig.layout.barmode == "stack"
+
+
+def test_session_timeline_segments():
+    df = pd.DataFrame(
+        {
+            "turn_index": [0, 1],
+            "kind": ["turn", "turn"],
+            "gap_kind": ["none", "tool"],
+            "gap_before_s": [0.0, 2.0],
+            "start_s": [0.0, 3.0],
+            "ttft_s": [0.3, None],
+            "e2e_s": [1.0, None],
+            "status": ["ok", "timeout"],
+            "reuse": ["miss_first_turn", "not recorded"],
+        }
+    )
+    fig = figures.session_timeline(df)
+    segs = {(t.name, t.y[0]): (t.base[0], t.x[0]) for t in fig.data}
+    assert segs[("gap: tool", "turn 1 · turn")] == pytest.approx((1.0, 2.0))
+    assert segs[("streaming", "turn 0 · turn")] == pytest.approx((0.3, 0.7))
+    assert ("failed (timeout)", "turn 1 · turn") in segs
+
+
+def test_task_split_other_is_what_the_parts_leave():
+    df = pd.DataFrame(
+        {
+            "mode": ["pd"],
+            "archetype": ["coding"],
+            "sessions": [2],
+            "task_latency_s": [10.0],
+            "llm_s": [4.0],
+            "tool_wait_s": [3.0],
+            "think_s": [1.0],
+            "pause_s": [0.5],
+        }
+    )
+    fig = figures.task_split(df)
+    other = next(t for t in fig.data if t.name.startswith("other"))
+    assert list(other.x) == pytest.approx([1.5])
+
+
+def test_case_table_wide_by_hand():
+    long = pd.DataFrame(
+        {
+            "case": ["continued within TTL", "continued within TTL", "fresh"],
+            "side": ["A", "B", "A"],
+            "turns": [6, 3, 1],
+            "ttft_p50_s": [0.1, 0.4, 0.5],
+        }
+    )
+    t = tables.case_table(long)
+    assert list(t["case"]) == ["continued within TTL", "fresh"]
+    assert t.loc[0, "p50 A (ms)"] == pytest.approx(100.0) and t.loc[0, "n B"] == 3
+    assert pd.isna(t.loc[1, "n B"]) and pd.isna(t.loc[1, "p50 B (ms)"])
