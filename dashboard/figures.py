@@ -335,12 +335,14 @@ def reuse_vs_expected(df: pd.DataFrame) -> go.Figure:
 
 # --- Sessions -----------------------------------------------------------------------------------
 
+#: Gap kinds, in colours no reuse outcome uses (the session timeline shows both).
+GAP_COLORS = {"tool": "#bcbd22", "think": "#17becf", "pause": "#c5b0d5", "none": "#e0e0e0"}
 TASK_PARTS = (
     ("llm_s", "LLM (sum of E2E)", "#1f77b4"),
-    ("tool_wait_s", "tool wait", "#ff7f0e"),
-    ("think_s", "think", "#2ca02c"),
-    ("pause_s", "pause", "#9467bd"),
-    ("other_s", "other (client between turns)", "#c7c7c7"),
+    ("tool_wait_s", "tool wait", GAP_COLORS["tool"]),
+    ("think_s", "think", GAP_COLORS["think"]),
+    ("pause_s", "pause", GAP_COLORS["pause"]),
+    ("other_s", "other (client between turns)", "#e0e0e0"),
 )
 
 
@@ -383,7 +385,6 @@ def task_split(df: pd.DataFrame) -> go.Figure:
     return fig
 
 
-GAP_COLORS = {"tool": "#ff7f0e", "think": "#2ca02c", "pause": "#9467bd", "none": "#c7c7c7"}
 
 
 def session_timeline(df: pd.DataFrame) -> go.Figure:
@@ -402,6 +403,7 @@ def session_timeline(df: pd.DataFrame) -> go.Figure:
     shown: set[str] = set()
 
     def bar(row: pd.Series, base: float, length: float, name: str, color: str, text: str) -> None:
+        gap = name.startswith("gap")
         fig.add_trace(
             go.Bar(
                 y=[row["row"]],
@@ -411,7 +413,7 @@ def session_timeline(df: pd.DataFrame) -> go.Figure:
                 name=name,
                 legendgroup=name,
                 showlegend=name not in shown,
-                marker_color=color,
+                marker={"color": color, "pattern": {"shape": "/" if gap else ""}},
                 hovertemplate=text + "<extra></extra>",
             )
         )
@@ -551,7 +553,12 @@ def whatif_ttl(df: pd.DataFrame, current_ttls_s: list[float] | None = None) -> g
         secondary_y=True,
     )  # fmt: skip
     for ttl in sorted(set(current_ttls_s or [])):
-        fig.add_vline(x=ttl, line_dash="dot", line_color="#4c4c4c", annotation_text=f"configured {ttl:.0f} s")
+        fig.add_vline(x=ttl, line_dash="dot", line_color="#4c4c4c")
+        # On a log axis an annotation's x is log10 of the value (add_vline's own label would not be).
+        fig.add_annotation(
+            x=float(np.log10(ttl)), y=1.0, xref="x", yref="paper", text=f"configured {ttl:g} s",
+            showarrow=False, yanchor="bottom", font={"size": 11},
+        )  # fmt: skip
     ticks = sorted(set(d["ttl_s"].tolist()))
     fig.update_xaxes(
         title_text="decoder_kv_blocks_ttl (s, log scale)",

@@ -42,22 +42,22 @@ def run_summary_table(df: pd.DataFrame) -> pd.DataFrame:
 def reuse_cost_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per run from ``dashboard.queries.reuse_cost``, for reading.
 
-    Columns: run, mode, "KV held (GiB·s)", "peak handle KV (MiB)", hits, "tokens pulled from D",
-    "prefill ms per 1k tokens" (measured on turns that pulled nothing), "NIXL time (s)",
-    "prefill saved (s, est.)", "GiB·s held per s saved" (NaN when nothing was saved).
+    Columns: run, mode, "held (GiB·s)", "peak (MiB)", hits, "pulled (tokens)", "prefill ms/1k tok"
+    (measured on turns that pulled nothing), "NIXL (s)", "saved (s, est.)", "GiB·s per s saved"
+    (NaN when nothing was saved).
     """
     return pd.DataFrame(
         {
             "run": df["run_label"],
             "mode": df["mode"],
-            "KV held (GiB·s)": df["held_gib_s"],
-            "peak handle KV (MiB)": df["peak_bytes"] / 2**20,
+            "held (GiB·s)": df["held_gib_s"],
+            "peak (MiB)": df["peak_bytes"] / 2**20,
             "hits": df["hits"],
-            "tokens pulled from D": df["reused_tokens"],
-            "prefill ms per 1k tokens": df["prefill_s_per_token"] * 1e6,
-            "NIXL time (s)": df["xfer_s"],
-            "prefill saved (s, est.)": df["saved_s"],
-            "GiB·s held per s saved": df["gib_s_per_saved_s"],
+            "pulled (tokens)": df["reused_tokens"],
+            "prefill ms/1k tok": df["prefill_s_per_token"] * 1e6,
+            "NIXL (s)": df["xfer_s"],
+            "saved (s, est.)": df["saved_s"],
+            "GiB·s per s saved": df["gib_s_per_saved_s"],
         }
     )
 

@@ -135,7 +135,7 @@ if bool(by_turn["ci_subsampled"].any()) if not by_turn.empty else False:
 # --- side by side -----------------------------------------------------------------------------
 st.subheader("Favourable and unfavourable turns, side by side")
 cases_fig = figures.compare_cases(cases, a_name, b_name)
-left, right = st.columns([3, 2])
+left, right = st.columns([1, 1])
 left.plotly_chart(cases_fig, key="compare_cases")
 case_view = tables.case_table(cases)
 right.dataframe(case_view, hide_index=True, key="compare_case_table", column_config={

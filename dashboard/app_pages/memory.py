@@ -43,14 +43,15 @@ else:
         hide_index=True,
         key="reuse_cost",
         column_config={
-            "KV held (GiB·s)": st.column_config.NumberColumn(format="%.4f", width="small"),
-            "peak handle KV (MiB)": st.column_config.NumberColumn(format="%.1f", width="small"),
-            "hits": st.column_config.NumberColumn(width="small"),
-            "tokens pulled from D": st.column_config.NumberColumn(format="%d", width="small"),
-            "prefill ms per 1k tokens": st.column_config.NumberColumn(format="%.2f", width="small"),
-            "NIXL time (s)": st.column_config.NumberColumn(format="%.3f", width="small"),
-            "prefill saved (s, est.)": st.column_config.NumberColumn(format="%.3f", width="small"),
-            "GiB·s held per s saved": st.column_config.NumberColumn(format="%.4f"),
+            "held (GiB·s)": st.column_config.NumberColumn(format="%.4f", help="handle KV held, GiB x seconds"),
+            "peak (MiB)": st.column_config.NumberColumn(format="%.1f", help="peak handle KV"),
+            "pulled (tokens)": st.column_config.NumberColumn(format="%d", help="tokens P pulled from D"),
+            "prefill ms/1k tok": st.column_config.NumberColumn(
+                format="%.2f", help="P's compute time per 1,000 tokens, on turns that pulled nothing"
+            ),
+            "NIXL (s)": st.column_config.NumberColumn(format="%.3f", help="P's measured NIXL transfer time"),
+            "saved (s, est.)": st.column_config.NumberColumn(format="%.3f", help="prefill seconds saved, estimated"),
+            "GiB·s per s saved": st.column_config.NumberColumn(format="%.4f"),
         },
     )
     st.caption(
