@@ -52,8 +52,26 @@ def as_filter(f: TurnFilter | Sequence[str]) -> TurnFilter:
     return f if isinstance(f, TurnFilter) else TurnFilter(tuple(str(r) for r in f))
 
 
+#: ``turn_rows``: ``turn_breakdown`` (data/schema.sql) without its archetype column, as a TEMP
+#: view of each connection (temp objects are allowed on a read-only connection and vanish with
+#: it). The view's archetype comes from a join on ``sessions`` that DuckDB performs even when the
+#: column is unused, which costs 0.2-0.5 s per query at a million turns; the dashboard filters by
+#: archetype with a semi-join instead (`_where`). tests/integration/test_dashboard_pages.py
+#: checks that turn_rows holds exactly turn_breakdown's rows and columns, less the archetype.
+TURN_ROWS_SQL = """
+CREATE OR REPLACE TEMP VIEW turn_rows AS
+SELECT t.*, r.mode, r.label AS run_label, r.workload, r.history_mode,
+       t.e2e_s - t.ttft_s AS decode_s,
+       greatest(t.ttft_s - coalesce(t.prefill_leg_s, 0), 0) AS after_prefill_s,
+       CASE WHEN t.reuse IS NOT NULL
+            THEN coalesce(t.reused_tokens, 0) + coalesce(t.prefill_cached_tokens, 0)
+            ELSE t.cached_tokens END AS measured_reused_tokens
+FROM turns t JOIN runs r USING (run_id)
+"""
+
+
 def _where(f: TurnFilter, alias: str = "", sessions: bool = False) -> str:
-    """The row filter of `f` over turn_breakdown (or, with `sessions`, session_tasks: runs and
+    """The row filter of `f` over turn_rows (or, with `sessions`, session_tasks: runs and
     archetypes only), parameterised by `TurnFilter.params`. Filters that are "all" are left
     out; an archetype filter on turns is a semi-join on ``sessions`` (the archetype lives on
     the session row)."""
@@ -96,7 +114,7 @@ SELECT mode, workload, history_mode, turn_index,
        count(ttft_s)              AS turns,
        quantile_cont(ttft_s, 0.5) AS ttft_p50_s,
        quantile_cont(ttft_s, 0.9) AS ttft_p90_s
-FROM turn_breakdown
+FROM turn_rows
 WHERE {where} AND status = 'ok' AND ttft_s IS NOT NULL
 GROUP BY ALL
 ORDER BY mode, workload, history_mode, turn_index
@@ -107,12 +125,12 @@ ORDER BY mode, workload, history_mode, turn_index
 _TTFT_SAMPLES = """
 WITH n AS (
     SELECT mode, workload, history_mode, count(*) AS group_turns
-    FROM turn_breakdown
+    FROM turn_rows
     WHERE {where} AND status = 'ok' AND ttft_s IS NOT NULL AND turn_index >= $min_turn_index
     GROUP BY ALL
 )
 SELECT b.run_id, b.mode, b.workload, b.history_mode, b.session_id, b.turn_index, b.ttft_s
-FROM turn_breakdown b JOIN n ON b.mode IS NOT DISTINCT FROM n.mode AND b.workload IS NOT DISTINCT FROM n.workload
+FROM turn_rows b JOIN n ON b.mode IS NOT DISTINCT FROM n.mode AND b.workload IS NOT DISTINCT FROM n.workload
                              AND b.history_mode IS NOT DISTINCT FROM n.history_mode
 WHERE {where_b} AND b.status = 'ok' AND b.ttft_s IS NOT NULL AND b.turn_index >= $min_turn_index
   AND ($max_turns::BIGINT IS NULL OR n.group_turns <= $max_turns::BIGINT
@@ -123,14 +141,14 @@ ORDER BY b.run_id, b.session_id, b.turn_index
 _TTFT_STATS = """
 WITH per_session AS (
     SELECT mode, workload, history_mode, run_id, session_id, count(*) AS n
-    FROM turn_breakdown
+    FROM turn_rows
     WHERE {where} AND status = 'ok' AND ttft_s IS NOT NULL AND turn_index >= $min_turn_index
     GROUP BY ALL
 ), session_counts AS (
     SELECT mode, workload, history_mode, count(*) AS sessions FROM per_session GROUP BY ALL
 ), medians AS (
     SELECT mode, workload, history_mode, count(*) AS turns, quantile_cont(ttft_s, 0.5) AS ttft_p50_s
-    FROM turn_breakdown
+    FROM turn_rows
     WHERE {where} AND status = 'ok' AND ttft_s IS NOT NULL AND turn_index >= $min_turn_index
     GROUP BY ALL
 )
@@ -144,7 +162,7 @@ _REUSE_OUTCOMES = """
 SELECT mode, coalesce(reuse, 'not recorded') AS reuse,
        count(*)                                          AS turns,
        count(*) FILTER (WHERE turn_index >= $min_turn_index) AS later_turns
-FROM turn_breakdown
+FROM turn_rows
 WHERE {where}
 GROUP BY ALL
 ORDER BY mode, reuse
@@ -179,7 +197,10 @@ def _ids(run_ids: Sequence[str]) -> list[str]:
 
 
 def _run(con: duckdb.DuckDBPyConnection, sql: str, params: dict) -> pd.DataFrame:
-    """`sql` with the named `params` it uses (DuckDB refuses unused ones), as a DataFrame."""
+    """`sql` with the named `params` it uses (DuckDB refuses unused ones), as a DataFrame. The
+    connection gets the ``turn_rows`` temp view first when `sql` reads it."""
+    if "turn_rows" in sql:
+        con.execute(TURN_ROWS_SQL)
     used = {k: v for k, v in params.items() if re.search(rf"\${k}\b", sql)}
     return con.execute(sql, used).df()
 
@@ -321,7 +342,7 @@ SELECT mode, coalesce(reuse, 'not recorded') AS reuse, turn_index AS x,
        quantile_cont(ttft_s, 0.5)    AS ttft_p50_s,
        quantile_cont(itl_p50_s, 0.5) AS itl_p50_s,
        quantile_cont(e2e_s, 0.5)     AS e2e_p50_s
-FROM turn_breakdown
+FROM turn_rows
 WHERE {where} AND status = 'ok'
 GROUP BY ALL
 ORDER BY mode, reuse, x
@@ -335,7 +356,7 @@ WITH width AS (
                AS bin_tokens
     FROM (SELECT w0, pow(10, floor(log10(w0))) AS mag
           FROM (SELECT greatest(max(prompt_tokens) / $bins, 1) AS w0
-                FROM turn_breakdown WHERE {where} AND status = 'ok'))
+                FROM turn_rows WHERE {where} AND status = 'ok'))
 )
 SELECT mode, coalesce(reuse, 'not recorded') AS reuse, floor(prompt_tokens / bin_tokens) * bin_tokens AS x,
        any_value(bin_tokens)         AS bin_tokens,
@@ -343,7 +364,7 @@ SELECT mode, coalesce(reuse, 'not recorded') AS reuse, floor(prompt_tokens / bin
        quantile_cont(ttft_s, 0.5)    AS ttft_p50_s,
        quantile_cont(itl_p50_s, 0.5) AS itl_p50_s,
        quantile_cont(e2e_s, 0.5)     AS e2e_p50_s
-FROM turn_breakdown CROSS JOIN width
+FROM turn_rows CROSS JOIN width
 WHERE {where} AND status = 'ok' AND prompt_tokens IS NOT NULL
 GROUP BY ALL
 ORDER BY mode, reuse, x
@@ -380,7 +401,7 @@ WITH f AS (
            CASE WHEN coalesce(t.reused_tokens, 0) = 0 THEN 0.0
                 WHEN k.xfer_s_per_token IS NULL OR t.prefill_leg_s IS NULL THEN NULL
                 ELSE least(t.reused_tokens * k.xfer_s_per_token, t.prefill_leg_s) END AS xfer_est_s
-    FROM turn_breakdown t LEFT JOIN run_kv_transfer k USING (run_id)
+    FROM turn_rows t LEFT JOIN run_kv_transfer k USING (run_id)
     WHERE {where} AND t.status = 'ok' AND t.ttft_s IS NOT NULL AND t.e2e_s IS NOT NULL
 )
 SELECT mode, turn_index,
@@ -423,7 +444,7 @@ SELECT mode, turn_index,
        avg(measured_reused_tokens)       AS measured_tokens,
        count(*) FILTER (WHERE expected_reusable_tokens - measured_reused_tokens >= $min_shortfall)
                                          AS short_turns
-FROM turn_breakdown
+FROM turn_rows
 WHERE {where} AND status = 'ok' AND turn_index >= 1
   AND expected_reusable_tokens IS NOT NULL AND measured_reused_tokens IS NOT NULL
 GROUP BY ALL
@@ -453,7 +474,7 @@ SELECT run_id, run_label, mode, session_id, turn_index, kind, gap_kind, gap_befo
        expected_reusable_tokens - measured_reused_tokens AS shortfall_tokens,
        reused_tokens, prefill_cached_tokens, cached_tokens, divergence_position, handle_age_s,
        count(*) OVER () AS total
-FROM turn_breakdown
+FROM turn_rows
 WHERE {where} AND status = 'ok' AND turn_index >= 1
   AND expected_reusable_tokens IS NOT NULL AND measured_reused_tokens IS NOT NULL
   AND expected_reusable_tokens - measured_reused_tokens >= $min_shortfall
@@ -538,7 +559,7 @@ SELECT run_id, session_id, turn_index, kind, gap_kind, gap_before_s, sent_at,
        epoch(sent_at - min(sent_at) OVER ()) AS start_s,
        ttft_s, e2e_s, status, coalesce(reuse, 'not recorded') AS reuse, prompt_tokens,
        completion_tokens, reused_tokens, recomputed_tokens, prefill_leg_s
-FROM turn_breakdown
+FROM turn_rows
 WHERE run_id = $run_id AND session_id = $session_id
 ORDER BY turn_index
 """
@@ -627,7 +648,7 @@ SELECT b.run_id, coalesce(any_value(r.label), b.run_id) AS run_label, any_value(
        floor(epoch(b.sent_at - w.t0) / w.bucket_s) * w.bucket_s AS elapsed_s, any_value(w.bucket_s) AS bucket_s,
        count(*) AS later_turns, count(*) FILTER (WHERE b.reuse = 'hit') AS hits,
        count(*) FILTER (WHERE b.reuse = 'hit') / count(*) AS hit_rate
-FROM turn_breakdown b JOIN w USING (run_id) JOIN runs r USING (run_id)
+FROM turn_rows b JOIN w USING (run_id) JOIN runs r USING (run_id)
 WHERE {where_b} AND b.turn_index >= 1 AND b.reuse IS NOT NULL AND b.sent_at IS NOT NULL
 GROUP BY b.run_id, floor(epoch(b.sent_at - w.t0) / w.bucket_s) * w.bucket_s
 ORDER BY b.run_id, elapsed_s
@@ -823,7 +844,7 @@ WITH k AS (
            t.run_id, t.session_id, t.turn_index, t.kind, t.ttft_s,
            coalesce(t.kind = 'turn' AND t.gap_before_s < c.decoder_kv_blocks_ttl_s - c.handle_ttl_margin_s, false)
                AS favourable
-    FROM turn_breakdown t JOIN run_config c USING (run_id)
+    FROM turn_rows t JOIN run_config c USING (run_id)
     WHERE (list_contains($a::VARCHAR[], t.run_id) OR list_contains($b::VARCHAR[], t.run_id))
       AND {where} AND t.status = 'ok' AND t.ttft_s IS NOT NULL
 ), base AS (
@@ -872,7 +893,7 @@ ORDER BY side, scope, key
 
 
 def _compare_where(f: TurnFilter | None) -> str:
-    """`f`'s archetype and kind filters over ``turn_breakdown t`` (its run ids are replaced by
+    """`f`'s archetype and kind filters over ``turn_rows t`` (its run ids are replaced by
     the two sides')."""
     w = _where(TurnFilter((), *(((f.archetypes, f.kinds, f.gap_kinds)) if f else ((), (), ()))), "t")
     return w.replace("list_contains($run_ids::VARCHAR[], t.run_id)", "true")

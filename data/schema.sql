@@ -26,7 +26,8 @@ CREATE TABLE runs_log (
     started_at     TIMESTAMPTZ,
     finished_at    TIMESTAMPTZ,
     status         VARCHAR,       -- running | complete | failed | aborted
-    updated_at     TIMESTAMPTZ NOT NULL
+    updated_at     TIMESTAMPTZ NOT NULL,
+    heartbeat_s    DOUBLE         -- a running run's row is rewritten this often (NULL: never)
 );
 
 CREATE TABLE sessions (
@@ -93,8 +94,14 @@ CREATE TABLE metric_samples (
 
 -- section: views
 
+-- The latest row of each run. A writer that records a running run rewrites its row every
+-- heartbeat_s seconds; a `running` run whose latest row is older than three heartbeats lost its
+-- writer (killed, machine gone) and reads `aborted`.
 CREATE VIEW runs AS
-SELECT * EXCLUDE (rn) FROM (
+SELECT * EXCLUDE (rn) REPLACE (
+    CASE WHEN status = 'running' AND heartbeat_s > 0 AND epoch(now()) - epoch(updated_at) > 3 * heartbeat_s
+         THEN 'aborted' ELSE status END AS status)
+FROM (
     SELECT *, row_number() OVER (PARTITION BY run_id ORDER BY updated_at DESC) AS rn FROM runs_log
 ) WHERE rn = 1;
 
@@ -110,19 +117,24 @@ SELECT run_id,
        TRY_CAST(json_extract_string(config, '$.kv_bytes_per_token') AS BIGINT) AS kv_bytes_per_token
 FROM runs;
 
--- Per-turn breakdown with the run's mode and history mode.
+-- Per-turn breakdown with the run's mode and history mode, and the session's archetype (from the
+-- session row, which is written when the session ends: NULL while it is still running).
 -- measured_reused_tokens: prompt tokens whose KV the engine did not compute for this turn: P's
 -- pull from D plus P's local prefix-cache hit where the proxy recorded its facts, else the
--- server's usage.cached_tokens (aggregated serving). The session's archetype is in session_tasks
--- (join on run_id, session_id; it is written when the session ends).
+-- server's usage.cached_tokens (aggregated serving).
+-- The archetype join costs a query over many turns even when the column is not used (DuckDB keeps
+-- the join): a query that needs speed and no archetype can read turns JOIN runs instead.
 CREATE VIEW turn_breakdown AS
 SELECT t.*, r.mode, r.label AS run_label, r.workload, r.history_mode,
        t.e2e_s - t.ttft_s AS decode_s,
        greatest(t.ttft_s - coalesce(t.prefill_leg_s, 0), 0) AS after_prefill_s,
+       s.archetype,
        CASE WHEN t.reuse IS NOT NULL
             THEN coalesce(t.reused_tokens, 0) + coalesce(t.prefill_cached_tokens, 0)
             ELSE t.cached_tokens END AS measured_reused_tokens
-FROM turns t JOIN runs r USING (run_id);
+FROM turns t JOIN runs r USING (run_id)
+LEFT JOIN (SELECT run_id, session_id, any_value(archetype) AS archetype FROM sessions GROUP BY run_id, session_id) s
+    USING (run_id, session_id);
 
 CREATE VIEW session_tasks AS
 SELECT s.*, r.mode, r.label AS run_label, r.workload

@@ -577,3 +577,23 @@ def test_run_report_export(store_root):
     assert html.count('class="plotly-graph-div"') == 8 and "<script src=" not in html.split("</script>", 1)[1]
     for title in ("Where each turn", "Task latency per session", "Memory next to reuse", "Expected vs measured reuse"):
         assert title in html
+
+
+def test_turn_rows_is_turn_breakdown_without_the_archetype(store_root):
+    """The dashboard's lean relation (dashboard.queries.TURN_ROWS_SQL) must not drift from the
+    contract's turn_breakdown view: same columns, same rows, less the archetype."""
+    from dashboard import queries
+
+    con = duckdb.connect(str(store_root / "turnscope.duckdb"), read_only=True)
+    try:
+        con.execute(queries.TURN_ROWS_SQL)
+        lean = [r[0] for r in con.execute("DESCRIBE turn_rows").fetchall()]
+        full = [r[0] for r in con.execute("DESCRIBE turn_breakdown").fetchall()]
+        assert lean == [c for c in full if c != "archetype"]
+        cols = ", ".join(f'"{c}"' for c in lean)
+        for a, b in (("turn_breakdown", "turn_rows"), ("turn_rows", "turn_breakdown")):
+            (n,) = con.execute(f"SELECT count(*) FROM (SELECT {cols} FROM {a} EXCEPT ALL SELECT {cols} FROM {b})").fetchone()
+            assert n == 0
+        assert con.execute("SELECT count(*) FROM turn_rows").fetchone()[0] == len(fx.RUNS) * fx.SESSIONS * fx.TURNS
+    finally:
+        con.close()
