@@ -28,6 +28,8 @@ CONFIDENCE = 0.95
 #: beyond it), so a page stays fast on a million turns. The point estimate always uses every turn;
 #: an interval from a subset is wider than the full data's would be (conservative, never narrower).
 MAX_CI_TURNS = 1000
+#: Resamples of a bootstrap whose input is such a sample (2000 otherwise).
+N_RESAMPLES_SAMPLED = 1000
 
 
 @dataclass(frozen=True)
@@ -189,7 +191,7 @@ def ratio_of(
     workload: str | None = None,
     history_mode: str | None = None,
     max_ci_turns: int | None = MAX_CI_TURNS,
-    n_resamples: int = 2000,
+    n_resamples: int | None = None,
     exact: tuple[Exact, Exact] | None = None,
 ) -> Ratio | None:
     """The `Ratio` of median ``ttft_s`` (seconds) of `treatment` over `baseline` rows, with its
@@ -199,12 +201,20 @@ def ratio_of(
     session_id. About `max_ci_turns` turns per side go into the bootstrap (`ci_groups`).
     `exact`: (treatment, baseline) counts and medians over all turns when the frames are a
     sample of them (``dashboard.queries.ttft_stats``); the ratio, medians and counts are then
-    those, and only the interval comes from the sample.
+    those, and only the interval comes from the sample. `n_resamples`: the bootstrap's
+    resamples; by default 2000, or `N_RESAMPLES_SAMPLED` when the interval comes from a sample
+    (`exact` given and larger than the frames, or the `max_ci_turns` cap applies): that interval
+    is already a conservative one, and large stores stay fast.
     """
     a = treatment["ttft_s"].to_numpy(dtype=float)
     b = baseline["ttft_s"].to_numpy(dtype=float)
     if a.size == 0 or b.size == 0:
         return None
+    if n_resamples is None:
+        sampled = (exact is not None and (exact[0].turns > a.size or exact[1].turns > b.size)) or (
+            max_ci_turns is not None and max(a.size, b.size) > max_ci_turns
+        )
+        n_resamples = N_RESAMPLES_SAMPLED if sampled else 2000
     ratio, lo, hi = median_ratio_ci(
         a,
         b,
