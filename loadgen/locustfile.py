@@ -28,9 +28,15 @@ clock, shared with the workers); the user holding it waits, like the agent would
 
 Each Locust process opens its own store writer (``writer_id`` = ``locust-<host>-<pid>``) when its
 first session arrives and closes it on test stop and on quit. The master (or local process) also
-initialises the store's views and writes the ``runs_log`` rows (status ``running``, then
-``complete`` or ``aborted``) unless ``--turnscope-no-run-row`` is given (e.g. when the turnscope
-CLI writes them itself).
+initialises the store's views and writes the ``runs_log`` rows (status ``running``, rewritten every
+``--turnscope-heartbeat-s`` seconds, then ``complete`` or ``aborted``) unless
+``--turnscope-no-run-row`` is given (e.g. when the turnscope CLI writes them itself). A process
+killed outright (SIGKILL) writes no final row: its run reads ``aborted`` once three heartbeats
+are missed, and the rows it flushed (at most about a second old) stay readable.
+
+Listeners: the web UI (``--web-host``) and the master (``--master-bind-host``) bind 127.0.0.1
+unless given another address, which is logged as a warning (Locust has no authentication); a
+distributed run across machines passes ``--master-bind-host 0.0.0.0`` (or the machine's address).
 
 Locust statistics: one ``POST <kind>`` request event per turn (``turn``, ``retry``, ``edit``,
 ``fresh``, ``resume``), fired at stream end with response_time = E2E (ms), and one ``TTFT TTFT``
@@ -137,6 +143,29 @@ def _add_arguments(parser: Any) -> None:
                    help="serving mode recorded in runs_log.mode (aggregated, pd, pd-bidir, ...; default attach)")
     g.add_argument("--turnscope-no-run-row", action="store_true", default=False,
                    help="do not write runs_log rows (the caller records the run)")
+    g.add_argument("--turnscope-heartbeat-s", type=float, default=5.0,
+                   help="rewrite the running run's row this often (seconds); a run whose row is older than "
+                        "three heartbeats reads 'aborted' (its Locust process died)")
+    # Every listener binds the loopback interface unless told otherwise (Locust's own defaults are
+    # all interfaces): the web UI and the master have no authentication.
+    parser.set_defaults(web_host="127.0.0.1", master_bind_host="127.0.0.1")
+
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _warn_public_listeners(options: Any) -> None:
+    """Warn for a web UI or master bound beyond the loopback interface (an explicit choice)."""
+    for flag, attr in (("--web-host", "web_host"), ("--master-bind-host", "master_bind_host")):
+        value = getattr(options, attr, None)
+        if attr == "web_host" and getattr(options, "headless", False):
+            continue
+        if attr == "master_bind_host" and not getattr(options, "master", False):
+            continue
+        if value is not None and value not in _LOOPBACK:
+            log.warning("turnscope: %s %s binds beyond the loopback interface (%s); Locust has no "
+                        "authentication: anyone who reaches it can start load", flag, value or "*",
+                        "all interfaces" if value in ("", "*", "0.0.0.0", "::") else value)
 
 
 def _opt(env: Any, name: str) -> Any:
@@ -266,6 +295,8 @@ class _Coordinator:
                 "timeout_s": self.timeout_s(env)}
 
     def write_run_row(self, env: Any, status: str) -> None:
+        """Append the run's row with ``status``; while ``running`` the writer rewrites it every
+        ``--turnscope-heartbeat-s`` seconds (see ``ShardWriter.keep_alive``)."""
         o = env.parsed_options
         if o.turnscope_no_run_row or not self.run_id:
             return
@@ -273,10 +304,12 @@ class _Coordinator:
             if self.run_writer is not None:
                 self.run_writer.close()
             self.run_writer = Store(Path(o.turnscope_store)).writer(self.run_id, _writer_id("run"))
+        self.run_writer.stop_keep_alive()  # before the new row's updated_at: no beat can come after it
         now = dt.datetime.now(dt.UTC)
         config = {k: v for k, v in vars(o).items() if k.startswith("turnscope_")}
         config.update(host=env.host, users=getattr(o, "num_users", None))
-        self.run_writer.append("runs_log", {
+        heartbeat = o.turnscope_heartbeat_s if o.turnscope_heartbeat_s > 0 else None
+        row = {
             "run_id": self.run_id,
             "label": o.turnscope_label or None,
             "mode": o.turnscope_mode,
@@ -290,8 +323,12 @@ class _Coordinator:
             "finished_at": None if status == "running" else now,
             "status": status,
             "updated_at": now,
-        })
+            "heartbeat_s": heartbeat if status == "running" else None,
+        }
+        self.run_writer.append("runs_log", row)
         self.run_writer.flush()
+        if status == "running" and heartbeat is not None:
+            self.run_writer.keep_alive("runs_log", row, heartbeat)
 
     def workload_spec(self, env: Any) -> dict[str, Any]:
         """The workload as run: the validated workload file (includes resolved) or the tau-bench
@@ -372,6 +409,8 @@ _coord = _Coordinator()
 @events.init.add_listener
 def _on_init(environment: Any, **_: Any) -> None:
     _coord.env = environment
+    if environment.parsed_options is not None:
+        _warn_public_listeners(environment.parsed_options)
     runner = environment.runner
     if runner is None:
         return
@@ -419,6 +458,7 @@ def _start_run(environment: Any) -> None:
         log.error("turnscope: cannot start the run: %s", e)
         environment.process_exit_code = 2
         _coord.plans = []
+        _coord.run_id = ""  # nothing was recorded for it, and nothing will be
         _coord.finished = True
         gevent.spawn(_end_run, environment)
         return

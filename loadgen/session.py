@@ -259,13 +259,18 @@ class Tokenizer:
         base_url: server root, e.g. ``http://127.0.0.1:8000`` (``/tokenize`` is appended).
         model: the model name sent in each request.
         timeout_s: per request, seconds.
+        retries: a request that cannot reach the server, or gets 502/503/504 (a proxy or worker
+            restarting), is tried again this many times, 0.25 s after the first failure and twice
+            as long after each next one (about 4 s in all by default).
     """
 
-    def __init__(self, client: httpx.Client, base_url: str, model: str, timeout_s: float = 30.0):
+    def __init__(self, client: httpx.Client, base_url: str, model: str, timeout_s: float = 30.0,
+                 retries: int = 4):
         self.client = client
         self.url = base_url.rstrip("/") + "/tokenize"
         self.model = model
         self.timeout_s = timeout_s
+        self.retries = retries
 
     def __call__(
         self,
@@ -285,10 +290,21 @@ class Tokenizer:
             body.update(messages=list(messages), add_generation_prompt=add_generation_prompt)
         else:
             body["prompt"] = prompt
-        try:
-            resp = self.client.post(self.url, json=body, timeout=self.timeout_s)
-        except httpx.HTTPError as e:
-            raise TokenizeError(f"POST {self.url}: {type(e).__name__}: {e}") from e
+        for attempt in range(self.retries + 1):
+            try:
+                resp = self.client.post(self.url, json=body, timeout=self.timeout_s)
+            except httpx.TimeoutException as e:
+                raise TokenizeError(f"POST {self.url}: {type(e).__name__}: {e} (timeout {self.timeout_s} s)") from e
+            except httpx.TransportError as e:  # refused, reset, closed: the server may be restarting
+                if attempt == self.retries:
+                    raise TokenizeError(f"POST {self.url}: {type(e).__name__}: {e} "
+                                        f"({attempt + 1} attempts)") from e
+            except httpx.HTTPError as e:
+                raise TokenizeError(f"POST {self.url}: {type(e).__name__}: {e}") from e
+            else:
+                if resp.status_code not in (502, 503, 504) or attempt == self.retries:
+                    break
+            time.sleep(0.25 * 2**attempt)  # gevent-patched under Locust
         if resp.status_code != 200:
             raise TokenizeError(f"POST {self.url}: HTTP {resp.status_code}: {resp.text[:300]}")
         try:

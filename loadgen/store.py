@@ -13,6 +13,11 @@ no writer ever holds a lock a reader needs, nor the reverse.
 The column names and types come from ``data/schema.sql`` (the contract): the "tables" section is
 executed in an in-memory DuckDB to learn each column's type, and each DuckDB type is mapped to one
 Arrow type (``TIMESTAMPTZ`` -> ``timestamp[us, tz=UTC]``, ``JSON`` -> string holding JSON text).
+
+Secrets never reach the store (DESIGN §8): every value of ``runs_log`` (configurations, topologies,
+workload specs) and the free-text columns ``turns.error`` and ``metric_samples.endpoint`` pass
+through :func:`redact` when appended (credentials in URLs, bearer tokens, string values under
+secret-looking keys such as ``api_key`` or ``HF_TOKEN``, values after ``--api-key``-like flags).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import math
 import os
 import re
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,6 +159,72 @@ def load_schema(path: Path = SCHEMA_PATH) -> Schema:
     return Schema(tables=tables, views_sql=sections["views"], text=text, path=path)
 
 
+class StoreNotWritable(OSError):
+    """The store root is not a directory this process can write; the message names it."""
+
+
+# -- secrets ------------------------------------------------------------------------------------
+
+REDACTED = "***"
+_SECRET_LAST_WORDS = frozenset({"key", "apikey", "token", "secret", "password", "passwd", "pass", "credential",
+                                "credentials", "authorization", "auth", "cookie", "signature"})
+_SECRET_ANY_WORDS = frozenset({"secret", "password", "passwd", "credentials", "authorization"})
+_URL_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
+_BEARER = re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]{8,}")
+#: Columns whose values pass through :func:`redact` when appended (None: every column).
+_REDACTED_COLUMNS: dict[str, tuple[str, ...] | None] = {"runs_log": None, "turns": ("error",),
+                                                        "metric_samples": ("endpoint",)}
+
+
+def secret_name(name: str) -> bool:
+    """True for a key or flag name that holds a secret: its last word (split at ``_``, ``-``,
+    ``.``) is key/token/secret/password/auth/... (``api_key``, ``HF_TOKEN``, ``--api-key``,
+    ``AWS_SECRET_ACCESS_KEY``), or any word is secret/password/credentials/authorization.
+    ``max_tokens`` is not one (plural); a number under ``kv_bytes_per_token`` is kept by
+    :func:`redact`, which replaces only string values."""
+    words = [w for w in re.split(r"[_.\-\s]+", name.lower()) if w]
+    return bool(words) and (words[-1] in _SECRET_LAST_WORDS or any(w in _SECRET_ANY_WORDS for w in words))
+
+
+def redact(value: Any, key: str | None = None) -> Any:
+    """``value`` with secrets replaced by ``"***"`` (pure; nested dicts and lists are copied).
+
+    A string under a secret-looking key (:func:`secret_name`) is replaced whole; in every other
+    string, a URL's user-info (``http://user:pass@host`` -> ``http://***@host``) and a
+    ``Bearer``/``Basic`` credential are replaced. In a list, the item after a secret-looking flag
+    (``["--api-key", "sk-..."]``) and the value of ``--api-key=...`` are replaced.
+    """
+    if isinstance(value, str):
+        if key is not None and value and secret_name(key):
+            return REDACTED
+        if "@" in value:
+            value = _URL_USERINFO.sub(lambda m: m.group("scheme") + REDACTED + "@", value)
+        if " " in value or "\t" in value:
+            value = _BEARER.sub(lambda m: m.group(1) + " " + REDACTED, value)
+        return value
+    if isinstance(value, dict):
+        return {k: redact(v, k if isinstance(k, str) else None) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        out: list[Any] = []
+        hide_next = False
+        for item in value:
+            if hide_next and isinstance(item, str):
+                out.append(REDACTED)
+                hide_next = False
+                continue
+            hide_next = False
+            if isinstance(item, str) and item.startswith("-"):
+                flag, eq, rest = item.partition("=")
+                if secret_name(flag):
+                    if eq:
+                        out.append(f"{flag}={REDACTED}")
+                        continue
+                    hide_next = True
+            out.append(redact(item))
+        return out
+    return value
+
+
 def _check_name(kind: str, value: str) -> None:
     if not isinstance(value, str) or not _SAFE_NAME.match(value):
         raise ValueError(
@@ -213,7 +285,7 @@ class Store:
                 does not already hold views of this version; the message says what to do.
             ValueError: the views section does not execute (message names schema.sql).
         """
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.check_writable()
         for t in self.schema.tables.values():
             d = self.root / "runs" / _SCHEMA_DIR / t.name
             d.mkdir(parents=True, exist_ok=True)
@@ -234,6 +306,23 @@ class Store:
             self._create_views(con)
         finally:
             con.close()
+
+    def check_writable(self) -> None:
+        """Create the root if missing and check that files can be written in it.
+
+        Raises:
+            StoreNotWritable: the root (or a parent) is not a directory, or not writable; the
+                message names the directory and what was expected.
+        """
+        probe = self.root / f".write-probe-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise StoreNotWritable(
+                f"store directory {self.root}: expected a directory this process can write "
+                f"(Parquet shards and turnscope.duckdb go there): {e.strerror or e}") from e
 
     def _current_version(self) -> str | None:
         if not self.db_path.exists():
@@ -326,6 +415,8 @@ class ShardWriter:
         self._stop = threading.Event()
         self._closed = False
         self._interval = float(flush_interval_s)
+        self._ka_lock = threading.Lock()
+        self._keepalive: list[Any] | None = None  # [table, row, interval_s, next beat (monotonic)]
         self._thread = threading.Thread(target=self._loop, name=f"shard-writer-{writer_id}", daemon=True)
         self._thread.start()
 
@@ -348,6 +439,12 @@ class ShardWriter:
         """
         if self._closed:
             raise RuntimeError(f"ShardWriter {self.writer_id} of run {self.run_id} is closed")
+        out = self._check_row(table, row)
+        with self._buf_lock:
+            self._buffers[table].append(out)
+
+    def _check_row(self, table: str, row: dict[str, Any]) -> dict[str, Any]:
+        """The row converted to its stored values (see :meth:`append`); raises as it does."""
         schema = self._tables.get(table)
         if schema is None:
             raise ValueError(f"unknown table {table!r}; the schema has {', '.join(self._tables)}")
@@ -359,13 +456,15 @@ class ShardWriter:
         if "run_id" in row and row["run_id"] != self.run_id and schema.column("run_id") is not None:
             raise ValueError(f"{table}.run_id: row says {row['run_id']!r} but this writer is for {self.run_id!r}")
         out: dict[str, Any] = {}
+        redacted = _REDACTED_COLUMNS.get(table, ())
         for c in schema.columns:
             v = row.get(c.name)
             if v is None and c.name == "run_id":
                 v = self.run_id
+            if v is not None and (redacted is None or c.name in redacted):
+                v = _redact_column(c, v)
             out[c.name] = _convert(table, c, v)
-        with self._buf_lock:
-            self._buffers[table].append(out)
+        return out
 
     # -- flushing ---------------------------------------------------------------------------------
 
@@ -403,9 +502,45 @@ class ShardWriter:
             if error is not None:
                 raise error
 
+    def keep_alive(self, table: str, row: dict[str, Any], interval_s: float) -> None:
+        """Append ``row`` with ``updated_at`` = now to ``table`` every ``interval_s`` seconds (and
+        flush it), from the background flusher, until :meth:`stop_keep_alive` or :meth:`close`:
+        the heartbeat of a running run's ``runs_log`` row (the ``runs`` view reads a ``running``
+        run whose row is older than three heartbeats as ``aborted``). The first beat comes
+        ``interval_s`` after this call. Raises ValueError for a row ``append`` refuses or a
+        non-positive interval."""
+        if not (isinstance(interval_s, (int, float)) and interval_s > 0):
+            raise ValueError(f"keep_alive interval must be > 0 seconds, got {interval_s!r}")
+        probe = dict(row, updated_at=dt.datetime.now(dt.UTC))
+        self._check_row(table, probe)
+        with self._ka_lock:
+            self._keepalive = [table, dict(row), float(interval_s), time.monotonic() + interval_s]
+
+    def stop_keep_alive(self) -> None:
+        """Stop the heartbeat. When this returns no beat is being or will be appended, so a row
+        appended afterwards (the run's final status) is the newest."""
+        with self._ka_lock:
+            self._keepalive = None
+
+    def _beat(self) -> None:
+        with self._ka_lock:
+            ka = self._keepalive
+            if ka is None or time.monotonic() < ka[3]:
+                return
+            table, row, interval, _ = ka
+            ka[3] = time.monotonic() + interval
+            self.append(table, dict(row, updated_at=dt.datetime.now(dt.UTC)))
+
+    def _next_wait(self) -> float:
+        ka = self._keepalive
+        if ka is None:
+            return self._interval
+        return max(0.0, min(self._interval, ka[3] - time.monotonic()))
+
     def _loop(self) -> None:
-        while not self._stop.wait(self._interval):
+        while not self._stop.wait(self._next_wait()):
             try:
+                self._beat()
                 self.flush()
             except Exception:
                 log.exception("background flush of run %s writer %s failed; retrying", self.run_id, self.writer_id)
@@ -418,6 +553,7 @@ class ShardWriter:
         """
         if self._closed:
             return
+        self.stop_keep_alive()
         self._closed = True
         self._stop.set()
         if self._thread is not threading.current_thread():
@@ -429,6 +565,20 @@ class ShardWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _redact_column(c: Column, v: Any) -> Any:
+    """``v`` without secrets (:func:`redact`); JSON text is parsed, redacted and written back."""
+    if c.sql_type == "JSON" and isinstance(v, str):
+        try:
+            parsed = json.loads(v)
+        except ValueError:
+            return v  # _convert reports it
+        clean = redact(parsed)
+        return v if clean == parsed else json.dumps(clean, sort_keys=True)
+    if isinstance(v, (str, dict, list, tuple)):
+        return redact(v)
+    return v
 
 
 def _convert(table: str, c: Column, v: Any) -> Any:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
+import heapq
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -107,10 +109,11 @@ def fit_handle(handle: Handle, new_ids: list[int], block_size: int) -> Fit:
 
 @dataclass
 class _Entry:
-    handle: Handle | None = None     # None once consumed
+    handle: Handle | None = None     # None once consumed (or dropped at expiry)
     taken_age_s: float | None = None  # age of the handle the last take() popped (expired ones too)
     seen: bool = False               # a turn of this session was served before
     no_handle: bool = False          # its last finished turn returned no handle
+    expired: Handle | None = None    # the handle dropped at expiry, without its ids (for take's outcome)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -119,7 +122,10 @@ class HandleTable:
 
     ``ttl_s`` is the proxy TTL in seconds (``decoder_kv_blocks_ttl`` minus a margin). Sessions
     are remembered (without a handle once consumed) up to ``max_sessions`` entries, least
-    recently used first out, so the table stays bounded whatever the traffic.
+    recently used first out, so the table stays bounded whatever the traffic. A handle is dropped
+    (with its token ids, the bulk of its memory) as soon as it expires, at the next call of any
+    method: the handles held are those stored within the last ``ttl_s`` and not yet consumed; an
+    expired session keeps only a small marker, so its next turn still reads ``miss_expired``.
     """
 
     def __init__(self, ttl_s: float, max_sessions: int = 100_000, clock=time.monotonic):
@@ -130,12 +136,25 @@ class HandleTable:
         self.max_sessions = max_sessions
         self._clock = clock
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._expiry: list[tuple[float, int, str, Handle]] = []  # heap of (expires_at, seq, session, handle)
+        self._seq = 0
 
     def lock(self, session_id: str) -> asyncio.Lock:
         """The per-session lock; hold it from :meth:`take` to :meth:`put` of one turn."""
         return self._entry(session_id).lock
 
+    def _sweep(self) -> None:
+        """Drop every handle past its expiry (its session keeps a marker without the ids)."""
+        now = self._clock()
+        while self._expiry and self._expiry[0][0] <= now:
+            _, _, session_id, handle = heapq.heappop(self._expiry)
+            entry = self._entries.get(session_id)
+            if entry is not None and entry.handle is handle:
+                entry.handle = None
+                entry.expired = dataclasses.replace(handle, token_ids=[], params={})
+
     def _entry(self, session_id: str) -> _Entry:
+        self._sweep()
         entry = self._entries.get(session_id)
         if entry is None:
             entry = self._entries[session_id] = _Entry()
@@ -156,6 +175,9 @@ class HandleTable:
             entry.seen = True
             return None, MISS_FIRST_TURN
         handle, entry.handle = entry.handle, None
+        if handle is None and entry.expired is not None:
+            handle = entry.expired  # dropped at expiry: only its times are left
+        entry.expired = None
         entry.taken_age_s = None if handle is None else self._clock() - handle.created_at
         if handle is None:
             return None, MISS_NO_HANDLE_RETURNED if entry.no_handle else MISS_CONSUMED
@@ -177,7 +199,10 @@ class HandleTable:
         entry = self._entry(session_id)
         entry.seen = True
         entry.no_handle = False
+        entry.expired = None
         entry.handle = handle
+        self._seq += 1
+        heapq.heappush(self._expiry, (handle.expires_at, self._seq, session_id, handle))
         return handle
 
     def mark_no_handle(self, session_id: str) -> None:
@@ -185,12 +210,19 @@ class HandleTable:
         entry = self._entry(session_id)
         entry.seen = True
         entry.handle = None
+        entry.expired = None
         entry.no_handle = True
 
     def live_handles(self) -> list[Handle]:
         """Handles not yet consumed nor expired."""
+        self._sweep()
         now = self._clock()
         return [e.handle for e in self._entries.values() if e.handle is not None and e.handle.expires_at > now]
+
+    def held_handles(self) -> int:
+        """Handles the table holds in memory (live ones; expired ones are dropped by the sweep)."""
+        self._sweep()
+        return sum(1 for e in self._entries.values() if e.handle is not None)
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -4,7 +4,8 @@ from the decode worker, and reports what happened in the response.
 Flow of one generate request (``/v1/chat/completions`` or ``/v1/completions``):
 
 1. The session key is the body field ``conversation_id`` (popped) or the ``X-Session-ID`` header.
-   Client-supplied ``kv_transfer_params`` are dropped: they could read another session's blocks.
+   Client-supplied ``kv_transfer_params`` (top level, or inside ``vllm_xargs``) are dropped: they
+   could read another session's blocks.
 2. Under the session's lock the handle is popped (single use). If there is one, the request's
    rendered ids (the prefill worker's ``/tokenize``, or the prompt ids themselves) are compared
    with the ids D holds KV for, and the handle is trimmed to whole blocks before any divergence
@@ -30,6 +31,7 @@ import json
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from contextlib import asynccontextmanager
 
 import httpx
@@ -125,7 +127,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
     prefill_cycle = itertools.cycle(config.prefill or config.aggregated)
     decode_cycle = itertools.cycle(config.decode or config.aggregated)
     # Which P served each session last, and its prompt length: P's prefix cache can hold that much.
-    last_prefill: dict[str, tuple[str, int]] = {}
+    # Bounded like the handle table (least recently served out first).
+    last_prefill: OrderedDict[str, tuple[str, int]] = OrderedDict()
     state: dict = {}
 
     @asynccontextmanager
@@ -145,7 +148,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
     @app.get("/health")
     async def health():
         return {"status": "ok", "mode": config.mode, "sessions": len(table),
-                "handles_live": len(table.live_handles())}
+                "handles_live": len(table.live_handles()), "handles_held": table.held_handles()}
 
     @app.get("/metrics")
     async def prom():
@@ -197,6 +200,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
         body = await request.json()
         session = body.pop("conversation_id", None) or request.headers.get("x-session-id")
         body.pop("kv_transfer_params", None)
+        if isinstance(body.get("vllm_xargs"), dict):  # vLLM copies vllm_xargs into the params' source too
+            body["vllm_xargs"].pop("kv_transfer_params", None)
         request_id = request.headers.get("x-request-id") or f"ts-{uuid.uuid4().hex}"
         prefill, decode = next(prefill_cycle), next(decode_cycle)
         facts: dict = {"request_id": request_id, "mode": config.mode, "prefill_engine": prefill.name,
@@ -246,11 +251,16 @@ def create_app(config: ProxyConfig) -> FastAPI:
                 metrics.prefill_attempts.inc()
                 attempts, handle_params, outcome = 2, None, h.MISS_TRANSFER_FAILED
                 p_resp = await prefill_leg(endpoint, body, prefill, None)
-        except _PrefillFailed as exc:
-            return exc.response
-        except httpx.HTTPError as exc:
+        except (_PrefillFailed, httpx.HTTPError) as exc:
+            # the request's identity goes back with the failure, so the recorded turn names the worker
+            fail_headers = {"x-request-id": request_id, "x-turnscope-prefill-engine": prefill.name,
+                            "x-turnscope-decode-engine": decode.name}
+            log.info(json.dumps({"event": "request", "status": "prefill_failed", **facts}))
+            if isinstance(exc, _PrefillFailed):
+                exc.response.headers.update(fail_headers)
+                return exc.response
             return JSONResponse({"error": {"message": f"prefill worker {prefill.name}: {type(exc).__name__}: {exc}",
-                                           "type": "prefill_failed"}}, status_code=502)
+                                           "type": "prefill_failed"}}, status_code=502, headers=fail_headers)
         prefill_leg_s = time.perf_counter() - t_p
         waited += prefill_leg_s
         metrics.prefill_leg.observe(prefill_leg_s)
@@ -264,6 +274,9 @@ def create_app(config: ProxyConfig) -> FastAPI:
             local_estimate = (min(prev[1], len(new_ids)) // config.block_size) * config.block_size
         if session:
             last_prefill[session] = (prefill.name, prompt_len)
+            last_prefill.move_to_end(session)
+            while len(last_prefill) > config.max_sessions:
+                last_prefill.popitem(last=False)
         if handle_params is not None:
             outcome, reused = classify_prefill(facts["remote_tokens"], prompt_len, cached, local_estimate,
                                                config.kv_recompute_threshold)

@@ -17,7 +17,7 @@ import httpx
 from serving.kv_size import kv_bytes_per_token as kv_bytes_per_token_of
 from serving.proxy import ProxyConfig, Worker
 from serving.topology import Topology
-from serving.workers import WorkerProcess, mode_workers, worker_block_size
+from serving.workers import WorkerProcess, mode_workers, port_in_use, worker_block_size
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,8 +86,20 @@ class ModeStack:
             self.__exit__(None, None, None)  # never leave workers running after a failed start
             raise
 
+    def check_ports(self) -> None:
+        """Raise RuntimeError naming the first port a launched worker (HTTP or NIXL side channel) or
+        the proxy needs that something already listens on, before anything is started."""
+        needed = [(f"worker {w.spec.name}", w.spec.host, port) for w in self.workers if w.spec.launch
+                  for port in filter(None, (w.spec.port, w.spec.side_channel_port))]
+        needed.append(("the proxy", self.topology.proxy.host, self.topology.proxy.port))
+        for who, host, port in needed:
+            if port_in_use("127.0.0.1" if host in ("0.0.0.0", "::", "") else host, port):
+                raise RuntimeError(f"port {port} on {host} ({who}) is already in use: another turnscope, vLLM "
+                                   "or something else listens there (`ss -ltnp` shows who); nothing was started")
+
     def _start(self):
         t0 = time.monotonic()
+        self.check_ports()
         for w in self.workers:
             w.start()
         for w in self.workers:

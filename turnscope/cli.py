@@ -148,7 +148,7 @@ def evaluate(
     t0 = time.monotonic()
     try:
         run_ids = run_eval(ev, console)
-    except (ValueError, RuntimeError) as exc:
+    except (ValueError, RuntimeError, OSError) as exc:  # bad input, a worker or port, the store
         raise fail(str(exc)) from exc
     console.print(f"evaluation finished in {time.monotonic() - t0:.0f} s")
     print_summary(store, run_ids)
@@ -232,15 +232,21 @@ def _has_gpu() -> bool:
 
 @app.command()
 def dashboard(store: StoreOpt = None,
-              port: Annotated[int, typer.Option(help="Port (binds 127.0.0.1).")] = 8501) -> None:
+              port: Annotated[int, typer.Option(help="Port.")] = 8501,
+              host: Annotated[str, typer.Option(help="Address to bind; anything but the loopback is warned "
+                                                     "(the dashboard has no authentication).")] = "127.0.0.1",
+              ) -> None:
     """Start the Streamlit dashboard over the store (Ctrl-C to stop)."""
     store = store or settings().store
     if not (store / "turnscope.duckdb").exists():
         console.print(f"no store at {store} yet: the dashboard will say so until `turnscope demo` writes one")
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        console.print(f"[yellow]warning:[/yellow] binding {host}: the dashboard has no authentication; anyone "
+                      "who reaches it can read every run", highlight=False)
     env = os.environ | {"TURNSCOPE_STORE": str(store)}
-    console.print(f"dashboard: http://127.0.0.1:{port}  (SQL: .venv/bin/duckdb {store / 'turnscope.duckdb'})")
+    console.print(f"dashboard: http://{host}:{port}  (SQL: .venv/bin/duckdb {store / 'turnscope.duckdb'})")
     subprocess.run([sys.executable, "-m", "streamlit", "run", str(REPO_ROOT / "dashboard" / "app.py"),
-                    "--server.headless", "true", "--server.address", "127.0.0.1", "--server.port", str(port),
+                    "--server.headless", "true", "--server.address", host, "--server.port", str(port),
                     "--browser.gatherUsageStats", "false"], env=env, check=False)
 
 

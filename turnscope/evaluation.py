@@ -25,11 +25,21 @@ from rich.console import Console
 
 from loadgen.scraper import MetricsScraper
 from loadgen.store import Store
+from loadgen.traces.azure import load_azure
+from loadgen.traces.mooncake import load_mooncake
+from loadgen.traces.taubench import load_taubench
+from loadgen.traces.vllm_multiturn import load_vllm_multiturn
+from loadgen.workload import load_workload
 from serving.embedded_model import ModelSpec
 from serving.stack import ModeStack
 from serving.topology import MODES, Topology, embedded_topology
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+#: Seconds between rewrites of a running run's ``runs_log`` row (the ``runs`` view reads a running
+#: run whose row is older than three of them as ``aborted``).
+HEARTBEAT_S = 5.0
+_TRACE_READERS = {"mooncake": load_mooncake, "azure": load_azure, "taubench": load_taubench,
+                  "vllm_multiturn": load_vllm_multiturn}
 
 
 class EvalSettings(BaseModel):
@@ -68,6 +78,28 @@ def _versions() -> dict:
     return out
 
 
+def check_workload(path: Path) -> None:
+    """Read the workload file and every trace it replays, as the run will, before anything starts.
+
+    Raises:
+        ValueError: the file or a trace is unreadable or invalid (``WorkloadError``,
+            ``TraceFormatError``); the message names the file and the line or field.
+    """
+    w = load_workload(path)
+    for src in w.traces:
+        reader = _TRACE_READERS[src.format]
+        reader(src.path) if src.path else reader()
+
+
+def run_status(returncode: int) -> str:
+    """A run's final status from its Locust process's exit code: ``complete`` (0; failed turns are
+    recorded as such and do not fail the run), ``aborted`` (killed by a signal), ``failed``
+    (any other code, e.g. 2: the run could not start)."""
+    if returncode == 0:
+        return "complete"
+    return "aborted" if returncode < 0 else "failed"
+
+
 def warm_up(proxy_url: str, model: str, turns: int = 2, prompt_tokens: int = 600) -> list[str]:
     """Two-turn sessions with random token ids through the proxy (compile caches, NIXL handshakes
     in both directions). Returns the reuse outcomes seen; failures are returned, not raised."""
@@ -101,6 +133,8 @@ def run_locust(s: EvalSettings, run_id: str, host: str, history: str, mode: str)
             "--turnscope-max-tokens", str(s.max_tokens), "--turnscope-max-prompt-tokens", str(s.max_prompt_tokens),
             "--turnscope-gap-s", str(s.gap_s), "--turnscope-timeout-s", str(s.turn_timeout_s),
             "--turnscope-mode", mode, "--turnscope-label", s.label, "--turnscope-no-run-row",
+            # A failed turn is a recorded result, not a failed run (Locust exits 1 on any by default).
+            "--exit-code-on-error", "0",
             # Each run starts with a cold prefix cache: runs on the same workers share nothing.
             "--turnscope-cache-salt", run_id]
     if s.workload is not None:
@@ -112,9 +146,26 @@ def run_locust(s: EvalSettings, run_id: str, host: str, history: str, mode: str)
                               timeout=s.run_time_limit_s + 120).returncode
 
 
-def run_eval(s: EvalSettings, console: Console | None = None) -> list[str]:
+class RunPlan(BaseModel):
+    """One run on a mode's workers: its id, history mode, settings (workload, sessions, users...),
+    extra ``workload_spec`` keys recorded with it (e.g. ``{"sweep": {...}}``) and seconds to wait
+    before it starts (``settle_s``)."""
+
+    run_id: str
+    history: str
+    settings: EvalSettings
+    spec: dict = Field(default_factory=dict)
+    settle_s: float = 0.0
+
+
+def run_eval(s: EvalSettings, console: Console | None = None,
+             runs: dict[str, list[RunPlan]] | None = None) -> list[str]:
     """Run every mode x history of ``s``; return the run ids, in order. Raises ValueError for an
-    unknown mode or history before anything starts."""
+    unknown mode or history before anything starts.
+
+    ``runs`` (mode -> runs) replaces the history loop: each mode of ``s.modes`` starts its workers
+    once and makes those runs on them, in order (``turnscope sweep`` passes one run per point).
+    """
     console = console or Console()
     for mode in s.modes:
         if mode not in MODES:
@@ -122,12 +173,14 @@ def run_eval(s: EvalSettings, console: Console | None = None) -> list[str]:
         if mode not in s.topology.modes():
             raise ValueError(f"topology {s.topology.name!r} cannot run mode {mode!r} "
                              f"(it runs: {', '.join(s.topology.modes())})")
-    for history in s.histories:
+    for history in s.histories + [r.history for rs in (runs or {}).values() for r in rs]:
         if history not in ("text", "token_ids"):
             raise ValueError(f"unknown history mode {history!r}; expected text or token_ids")
     model = Path(s.topology.model)
     if s.topology.launch and not model.is_dir():
         raise ValueError(f"model path {model} does not exist (build the embedded one with `turnscope model`)")
+    for w in {x.workload for x in [s] + [r.settings for rs in (runs or {}).values() for r in rs]} - {None}:
+        check_workload(w)
     if s.kv_bytes_per_token is None and (model / "turnscope_model.json").exists():
         s.kv_bytes_per_token = json.loads((model / "turnscope_model.json").read_text())["kv_bytes_per_token"]
     s.log_dir.mkdir(parents=True, exist_ok=True)
@@ -140,33 +193,40 @@ def run_eval(s: EvalSettings, console: Console | None = None) -> list[str]:
         with ModeStack(mode, s.topology, s.log_dir, s.kv_bytes_per_token, console.print) as stack:
             outcomes = warm_up(stack.proxy_url, s.topology.served_model_name or s.topology.model)
             console.print(f"  [{mode}] warm-up outcomes: {', '.join(outcomes)}")
-            for history in s.histories:
-                run_id = f"{s.label}-{stamp}-{mode}-{history}"
+            plans = runs.get(mode, []) if runs is not None else [
+                RunPlan(run_id=f"{s.label}-{stamp}-{mode}-{history}", history=history, settings=s)
+                for history in s.histories]
+            for plan in plans:
+                run_id, history, rs = plan.run_id, plan.history, plan.settings
+                time.sleep(plan.settle_s)
                 run_ids.append(run_id)
-                row = {"run_id": run_id, "label": s.label, "mode": mode, "workload": s.workload.stem if s.workload else "tau-bench-airline",
-                       "workload_spec": s.model_dump(mode="json", include={"sessions", "users", "max_turns",
-                                                                           "max_tokens", "max_prompt_tokens",
-                                                                           "gap_s", "time_scale"}) | {"file": str(s.workload) if s.workload else None},
+                row = {"run_id": run_id, "label": rs.label, "mode": mode, "workload": rs.workload.stem if rs.workload else "tau-bench-airline",
+                       "workload_spec": rs.model_dump(mode="json", include={"sessions", "users", "max_turns",
+                                                                            "max_tokens", "max_prompt_tokens",
+                                                                            "gap_s", "time_scale"}) | {"file": str(rs.workload) if rs.workload else None} | plan.spec,
                        "history_mode": history, "topology": stack.topology_row(), "versions": _versions(),
-                       "model": s.topology.model, "config": s.model_dump(mode="json"),
+                       "model": s.topology.model, "config": rs.model_dump(mode="json"),
                        "started_at": dt.datetime.now(dt.UTC), "status": "running",
-                       "updated_at": dt.datetime.now(dt.UTC)}
+                       "updated_at": dt.datetime.now(dt.UTC), "heartbeat_s": HEARTBEAT_S}
                 writer = store.writer(run_id, f"eval-{os.getpid()}")
                 writer.append("runs_log", row)
                 writer.flush()
+                writer.keep_alive("runs_log", row, HEARTBEAT_S)
                 run_writer = store.writer(run_id, f"scraper-{os.getpid()}")
                 scraper = MetricsScraper(stack.endpoints(), run_writer, run_id, interval_s=1.0)
                 scraper.start()
                 t0 = time.monotonic()
+                status = "aborted"  # unless Locust returns: interrupted (Ctrl-C), timed out
                 try:
-                    rc = run_locust(s, run_id, stack.proxy_url, history, mode)
+                    status = run_status(run_locust(rs, run_id, stack.proxy_url, history, mode))
                 finally:
                     scraper.stop()
                     run_writer.close()
-                status = "complete" if rc == 0 else "failed"
-                now = dt.datetime.now(dt.UTC)
-                writer.append("runs_log", row | {"finished_at": now, "status": status, "updated_at": now})
-                writer.close()
+                    writer.stop_keep_alive()
+                    now = dt.datetime.now(dt.UTC)
+                    writer.append("runs_log", row | {"finished_at": now, "status": status, "updated_at": now,
+                                                     "heartbeat_s": None})
+                    writer.close()
                 console.print(f"  [{mode}] {history}: {status} in {time.monotonic() - t0:.0f} s ({run_id})")
     return run_ids
 

@@ -89,6 +89,7 @@ class StubState:
         self.requests: list[dict[str, Any]] = []
         self.conversations: dict[str, int] = {}
         self.tokenize_calls = 0
+        self.finished: list[tuple[int, float]] = []  # (request index, time.time() after [DONE] was sent)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -179,6 +180,8 @@ class _Handler(BaseHTTPRequestHandler):
                             "handle_age_s": 0.5 if seen else None}})
         send({"id": rid, "object": obj, "choices": [], "usage": usage(len(gen))})
         send(b"[DONE]")
+        with st.lock:
+            st.finished.append((idx, time.time()))
         self.close_connection = True
 
 
