@@ -737,33 +737,53 @@ def reuse_cost(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) ->
 # the KV D would hold after it (prompt + output tokens of an ok turn) for min(gap to the next
 # turn, TTL), or the whole TTL after a session's last turn. A later turn hits when it is not
 # `fresh` and its gap is below TTL - the proxy's margin.
+# Exact, in one pass: with the TTLs sorted T_0 < ... < T_k-1, each turn falls in the bin of the
+# first TTL above its next gap (bin_next) and above the gap it needs (bin_hit); then, for T_j,
+# held = sum(h x next gap) over bins <= j + T_j x sum(h) over bins > j, and hits = turns in bins
+# <= j. The per-turn work is two comparisons chains and one small group-by, whatever the number
+# of TTLs.
 _WHATIF_TTL = """
 WITH w AS (
     SELECT run_id, turn_index, kind, gap_kind, gap_before_s,
            CASE WHEN status = 'ok' THEN coalesce(prompt_tokens, 0) + coalesce(completion_tokens, 0) ELSE 0 END
-               AS held_tokens,
+               ::DOUBLE AS held_tokens,
            lead(gap_before_s) OVER (PARTITION BY hash(run_id, session_id) ORDER BY turn_index) AS next_gap_s
     FROM turns
     WHERE {where_sessions}
-), per_run AS (
-    SELECT w.run_id, any_value(c.kv_bytes_per_token) AS kv_bytes_per_token,
-           count(*) FILTER (WHERE turn_index >= 1) AS later_turns,
-           count(*) FILTER (WHERE held_tokens > 0) AS holding_turns,
-           {per_ttl}
+), x AS (
+    SELECT w.run_id, w.turn_index, w.held_tokens, w.next_gap_s, c.kv_bytes_per_token,
+           -- the gap a hit must beat; NULL where no TTL can make the turn hit
+           CASE WHEN w.turn_index >= 1 AND w.kind IS DISTINCT FROM 'fresh'
+                THEN w.gap_before_s + c.handle_ttl_margin_s END AS needs_ttl_s
     FROM w JOIN run_config c USING (run_id)
     WHERE {where_turns}
-    GROUP BY w.run_id
+), bins AS (
+    SELECT run_id, any_value(kv_bytes_per_token) AS kv_bytes_per_token,
+           {bin_next} AS bin_next, {bin_hit} AS bin_hit,
+           count(*) FILTER (WHERE turn_index >= 1) AS later_turns,
+           count(*) FILTER (WHERE held_tokens > 0) AS holding_turns,
+           count(*) AS turns,
+           sum(held_tokens) AS h,
+           sum(held_tokens * coalesce(next_gap_s, 0)) AS h_next
+    FROM x
+    GROUP BY run_id, bin_next, bin_hit
 )
 SELECT sum(later_turns) AS later_turns,
-       sum(holding_turns) FILTER (WHERE kv_bytes_per_token IS NULL) AS turns_without_kv_bytes,
+       coalesce(sum(holding_turns) FILTER (WHERE kv_bytes_per_token IS NULL), 0) AS turns_without_kv_bytes,
        {totals}
-FROM per_run
+FROM bins
 """
-_WHATIF_PER_TTL = """count(*) FILTER (WHERE turn_index >= 1 AND kind IS DISTINCT FROM 'fresh'
-                             AND gap_before_s < {ttl} - c.handle_ttl_margin_s) AS hits_{i},
-           sum(held_tokens * least(coalesce(next_gap_s, {ttl}), {ttl})) AS tok_s_{i}"""
-_WHATIF_TOTALS = """sum(hits_{i}) AS hits_{i}, sum(tok_s_{i}) AS held_token_s_{i},
-       sum(tok_s_{i} * kv_bytes_per_token) / 1073741824.0 AS held_gib_s_{i}"""
+_WHATIF_TOTALS = """sum(turns) FILTER (WHERE bin_hit <= {i}) AS hits_{i},
+       sum(CASE WHEN bin_next <= {i} THEN h_next ELSE h * {ttl} END) AS held_token_s_{i},
+       sum(CASE WHEN bin_next <= {i} THEN h_next ELSE h * {ttl} END * kv_bytes_per_token) / 1073741824.0
+           AS held_gib_s_{i}"""
+
+
+def _bin(column: str, ttls: list[float]) -> str:
+    """SQL: the index of the first of the sorted `ttls` above `column`, len(ttls) when none is
+    (or `column` is NULL)."""
+    whens = " ".join(f"WHEN {column} < {t!r} THEN {i}" for i, t in enumerate(ttls))
+    return f"CASE {whens} ELSE {len(ttls)} END"
 
 
 def whatif_ttl(
@@ -780,11 +800,10 @@ def whatif_ttl(
     turns_without_kv_bytes (ok turns of runs with no kv_bytes_per_token). One row per TTL.
     """
     ff = as_filter(f)
-    ttls = [float(t) for t in ttls_s]
+    ttls = sorted({float(t) for t in ttls_s})
     if not ttls:
         return pd.DataFrame(columns=_WHATIF_COLUMNS)
-    # One pass with columns per TTL (the TTLs are floats formatted here, never text from outside);
-    # the window runs on the turns view itself, before any join, which keeps it cheap.
+    # The TTLs are floats formatted here (repr), never text from outside.
     where_sessions = _where(TurnFilter(ff.run_ids, ff.archetypes))
     where_turns = _where(TurnFilter((), (), ff.kinds, ff.gap_kinds), "w").replace(
         "list_contains($run_ids::VARCHAR[], w.run_id)", "true"
@@ -792,8 +811,9 @@ def whatif_ttl(
     sql = _WHATIF_TTL.format(
         where_sessions=where_sessions,
         where_turns=where_turns,
-        per_ttl=",\n           ".join(_WHATIF_PER_TTL.format(i=i, ttl=repr(t)) for i, t in enumerate(ttls)),
-        totals=",\n       ".join(_WHATIF_TOTALS.format(i=i) for i in range(len(ttls))),
+        bin_next=_bin("next_gap_s", ttls),
+        bin_hit=_bin("needs_ttl_s", ttls),
+        totals=",\n       ".join(_WHATIF_TOTALS.format(i=i, ttl=repr(t)) for i, t in enumerate(ttls)),
     )
     wide = _run(con, sql, ff.params()).iloc[0]
     rows = [
@@ -807,7 +827,7 @@ def whatif_ttl(
         }
         for i, t in enumerate(ttls)
     ]
-    out = pd.DataFrame(rows, columns=_WHATIF_COLUMNS).sort_values("ttl_s", ignore_index=True)
+    out = pd.DataFrame(rows, columns=_WHATIF_COLUMNS)
     for c in ("later_turns", "hits", "turns_without_kv_bytes"):
         out[c] = pd.to_numeric(out[c]).fillna(0).astype("int64")
     return out
