@@ -191,21 +191,42 @@ WHERE status = 'ok'
 GROUP BY ALL;
 
 -- KV transfer time measured on the prefill workers of each run: the increase over the run of vLLM's
--- vllm:nixl_xfer_time_seconds histogram (_sum: seconds, _count: transfers) on role 'prefill' (in
--- pd-bidir modes P's NIXL reads are its pulls from D), and the tokens P pulled (turns.reused_tokens).
--- Transfers are not timed per turn; xfer_s_per_token turns a turn's reused tokens into an estimate.
+-- vllm:nixl_xfer_time_seconds histogram (_sum: seconds, _count: transfers) and of
+-- vllm:nixl_bytes_transferred_sum (bytes) on role 'prefill' (in pd-bidir modes P's NIXL reads are
+-- its pulls from D), and the tokens P pulled (turns.reused_tokens). Transfers are not timed per
+-- turn; xfer_s_per_token turns a turn's reused tokens into an estimate, xfer_bytes_per_s is the
+-- measured bandwidth of P's transfers.
 CREATE VIEW run_kv_transfer AS
 WITH x AS (
     SELECT run_id,
            sum(increase) FILTER (WHERE name = 'vllm:nixl_xfer_time_seconds_sum')   AS xfer_s,
-           sum(increase) FILTER (WHERE name = 'vllm:nixl_xfer_time_seconds_count') AS xfers
+           sum(increase) FILTER (WHERE name = 'vllm:nixl_xfer_time_seconds_count') AS xfers,
+           sum(increase) FILTER (WHERE name = 'vllm:nixl_bytes_transferred_sum')   AS xfer_bytes
     FROM metric_increases
     WHERE role = 'prefill'
-      AND name IN ('vllm:nixl_xfer_time_seconds_sum', 'vllm:nixl_xfer_time_seconds_count')
+      AND name IN ('vllm:nixl_xfer_time_seconds_sum', 'vllm:nixl_xfer_time_seconds_count',
+                   'vllm:nixl_bytes_transferred_sum')
     GROUP BY run_id
 ), t AS (
     SELECT run_id, sum(reused_tokens) AS reused_tokens FROM turns GROUP BY run_id
 )
 SELECT r.run_id, x.xfer_s, x.xfers, t.reused_tokens,
-       CASE WHEN t.reused_tokens > 0 THEN x.xfer_s / t.reused_tokens END AS xfer_s_per_token
+       CASE WHEN t.reused_tokens > 0 THEN x.xfer_s / t.reused_tokens END AS xfer_s_per_token,
+       x.xfer_bytes,
+       CASE WHEN x.xfer_s > 0 THEN x.xfer_bytes / x.xfer_s END AS xfer_bytes_per_s
 FROM runs r LEFT JOIN x USING (run_id) LEFT JOIN t USING (run_id);
+
+-- The runs of prefix sweeps (`turnscope sweep`): the sweep parameters each run recorded in
+-- runs.workload_spec ($.sweep), next to its mode and history mode. One row per run of a sweep.
+CREATE VIEW sweep_points AS
+SELECT run_id, label, mode, history_mode, status, started_at, finished_at,
+       json_extract_string(workload_spec, '$.sweep.id')                            AS sweep_id,
+       json_extract_string(workload_spec, '$.sweep.name')                          AS sweep_name,
+       json_extract_string(workload_spec, '$.sweep.field')                         AS swept_field,
+       json_extract_string(workload_spec, '$.sweep.scale')                         AS sweep_scale,
+       TRY_CAST(json_extract_string(workload_spec, '$.sweep.prefix_tokens') AS INTEGER) AS prefix_tokens,
+       TRY_CAST(json_extract_string(workload_spec, '$.sweep.index') AS INTEGER)    AS point_index,
+       TRY_CAST(json_extract_string(workload_spec, '$.sweep.sessions') AS INTEGER) AS sessions,
+       TRY_CAST(json_extract_string(workload_spec, '$.sweep.users') AS INTEGER)    AS users
+FROM runs
+WHERE json_extract_string(workload_spec, '$.sweep.id') IS NOT NULL;

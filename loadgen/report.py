@@ -50,3 +50,34 @@ def external_kv_tokens(store: Path, run_ids: list[str]) -> pd.DataFrame:
             WHERE role = 'prefill' AND name = $2 AND json_extract_string(labels, '$.source') = 'external_kv_transfer'
               AND run_id IN (SELECT unnest($1))
             GROUP BY run_id ORDER BY run_id""", [run_ids, EXTERNAL_KV_METRIC]).df()
+
+
+def sweep_summary(store: Path, run_ids: list[str]) -> pd.DataFrame:
+    """Per run of a prefix sweep (view ``sweep_points``): its mode, history mode and point, ok
+    turns, mean and p90 TTFT (seconds; ``quantile_cont``), hits, turns after the first, and how
+    much P's ``external_kv_transfer`` counter rose (tokens pulled from D). Columns: run_id,
+    sweep_id, mode, history_mode, prefix_tokens, turns, ttft_mean_s, ttft_p90_s, hits,
+    later_turns, external_kv_tokens. Runs that are not sweep points are left out."""
+    with _connect(store) as con:
+        return con.execute("""
+            WITH t AS (
+                SELECT run_id, count(*) FILTER (WHERE status = 'ok') AS turns,
+                       avg(ttft_s) FILTER (WHERE status = 'ok') AS ttft_mean_s,
+                       quantile_cont(ttft_s, 0.9) FILTER (WHERE status = 'ok') AS ttft_p90_s,
+                       count(*) FILTER (WHERE reuse = 'hit') AS hits,
+                       count(*) FILTER (WHERE turn_index >= 1) AS later_turns
+                FROM turns WHERE run_id IN (SELECT unnest($1)) GROUP BY run_id
+            ), x AS (
+                SELECT run_id, sum(increase) AS external_kv_tokens
+                FROM metric_increases
+                WHERE role = 'prefill' AND name = $2
+                  AND json_extract_string(labels, '$.source') = 'external_kv_transfer'
+                  AND run_id IN (SELECT unnest($1))
+                GROUP BY run_id
+            )
+            SELECT p.run_id, p.sweep_id, p.mode, p.history_mode, p.prefix_tokens, coalesce(t.turns, 0) AS turns,
+                   t.ttft_mean_s, t.ttft_p90_s, coalesce(t.hits, 0) AS hits,
+                   coalesce(t.later_turns, 0) AS later_turns, coalesce(x.external_kv_tokens, 0) AS external_kv_tokens
+            FROM sweep_points p LEFT JOIN t USING (run_id) LEFT JOIN x USING (run_id)
+            WHERE p.run_id IN (SELECT unnest($1))
+            ORDER BY p.history_mode, p.prefix_tokens, p.mode""", [run_ids, EXTERNAL_KV_METRIC]).df()

@@ -53,6 +53,20 @@ hash block so prefix sharing survives, arrivals replayed), ``azure`` (every row 
 at its arrival), ``taubench`` (full text; gaps from ``gaps``) and ``vllm_multiturn`` (vLLM's
 multi-turn benchmark JSON; output length = the dataset reply's tokens). ``time_scale`` multiplies
 every gap and arrival offset (the scale is recorded with the run).
+
+Sweeps (``sweep``): a workload may name one archetype field (``first_prompt_tokens``, each
+session's own context, or ``system_prompt_tokens``, the prefix shared by all sessions) and the
+token counts to sweep it over, plus other named scales of the same experiment (``scales``: their
+own values, sessions and archetype field overrides). :func:`sweep_workloads` turns it into one
+plain workload per point (the field a constant); ``turnscope sweep`` runs each as its own run.
+``data/workloads/vendor-sweep.yaml`` is the vendor's multi-turn benchmark::
+
+    sweep:
+      field: first_prompt_tokens
+      values: [256, 1024, 2048, 3072]
+      users: 2
+      scales:
+        published: {values: [2000, 24000], sessions: 10, archetype: {output_tokens: 300}}
 """
 
 from __future__ import annotations
@@ -67,6 +81,7 @@ from typing import Annotated, Any, Literal
 import numpy as np
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -367,6 +382,57 @@ class MixEntry(_Model):
         return self
 
 
+#: Archetype fields a sweep can vary (token counts).
+SWEEP_FIELDS = ("first_prompt_tokens", "system_prompt_tokens")
+
+
+def _distinct(values: list[int]) -> list[int]:
+    if len(set(values)) != len(values):
+        raise ValueError(f"values must be distinct, got {values}")
+    return values
+
+
+class SweepScale(_Model):
+    """Another scale of the same sweep (e.g. the published one): its own points (``values``,
+    tokens), and optionally its own ``sessions``, ``users`` (concurrent sessions), ``settle_s``
+    (seconds between points) and ``archetype`` field overrides (applied to every archetype of the
+    mix, validated as archetype fields)."""
+
+    values: Annotated[list[Annotated[int, Field(ge=0)]], AfterValidator(_distinct)] = Field(min_length=1)
+    sessions: int | None = Field(default=None, ge=1)
+    users: int | None = Field(default=None, ge=1)
+    settle_s: float | None = Field(default=None, ge=0)
+    archetype: dict[str, Any] = Field(default_factory=dict)
+    description: str = ""
+
+
+class Sweep(_Model):
+    """A sweep of one archetype field over token counts: one run per value (see the module doc).
+
+    ``field``: ``first_prompt_tokens`` (each session's own context, the vendor's
+    ``prefix_num_tokens``) or ``system_prompt_tokens`` (shared by all sessions). ``values``:
+    tokens per point. ``users``: concurrent sessions (Locust users). ``settle_s``: seconds to
+    wait between points. ``scales``: other scales by name.
+    """
+
+    field: Literal["first_prompt_tokens", "system_prompt_tokens"] = "first_prompt_tokens"
+    values: Annotated[list[Annotated[int, Field(ge=0)]], AfterValidator(_distinct)] = Field(min_length=1)
+    users: int = Field(default=2, ge=1)
+    settle_s: float = Field(default=0.0, ge=0)
+    scales: dict[str, SweepScale] = Field(default_factory=dict)
+    description: str = ""
+
+    @model_validator(mode="after")
+    def _positive_context(self) -> Sweep:
+        if self.field == "first_prompt_tokens":
+            for where, vals in [("values", self.values)] + [(f"scales.{k}.values", v.values)
+                                                             for k, v in self.scales.items()]:
+                if min(vals) < 1:
+                    raise ValueError(f"{where}: first_prompt_tokens values must be >= 1 (a session's first "
+                                     f"message has at least one token), got {min(vals)}")
+        return self
+
+
 class Workload(_Model):
     """A workload file (see the module doc). Times in seconds, lengths in tokens."""
 
@@ -381,11 +447,17 @@ class Workload(_Model):
     timeout_s: float = Field(default=300.0, gt=0)
     mix: list[MixEntry] = Field(default_factory=list)
     traces: list[TraceSource] = Field(default_factory=list)
+    sweep: Sweep | None = None
 
     @model_validator(mode="after")
     def _something(self) -> Workload:
         if not self.mix and not self.traces:
             raise ValueError("a workload needs a 'mix' of archetypes or 'traces' (or both)")
+        if self.sweep is not None:
+            if not self.mix:
+                raise ValueError("a 'sweep' varies archetype fields: the workload needs a 'mix' of archetypes")
+            if self.token_scale != 1.0:
+                raise ValueError("a 'sweep' gives its values in tokens: leave token_scale at 1")
         return self
 
     def archetypes(self) -> list[tuple[float, Archetype]]:
@@ -472,6 +544,56 @@ def load_workload(path: Path | str, _stack: tuple[Path, ...] = ()) -> Workload:
             t = t.model_copy(update={"path": str(tp)})
         traces.append(t)
     return w.model_copy(update={"mix": mix, "traces": traces})
+
+
+def sweep_workloads(w: Workload, scale: str | None = None,
+                    values: list[int] | None = None) -> list[tuple[int, Workload]]:
+    """The points of ``w``'s sweep: ``(value, workload)`` pairs in ascending value order.
+
+    Each workload is ``w`` without its ``sweep``, with the swept archetype field (``sweep.field``)
+    a constant ``value`` tokens in every archetype of the mix. With ``scale`` (a key of
+    ``sweep.scales``) that scale's values, sessions and archetype overrides apply. ``values``
+    (tokens) replaces the points (each >= 1 for ``first_prompt_tokens``). The workload keeps its
+    name and seed, so every point plays the same sessions apart from the swept field.
+
+    Raises:
+        WorkloadError: ``w`` has no sweep, an unknown ``scale``, a bad value, or an override
+            that is not a valid archetype field (the message names it).
+    """
+    sw = w.sweep
+    if sw is None:
+        raise WorkloadError(f"workload {w.name!r} has no 'sweep' section")
+    vals, sessions, overrides = list(sw.values), w.sessions, {}
+    if scale is not None:
+        if scale not in sw.scales:
+            known = ", ".join(sorted(sw.scales)) or "none"
+            raise WorkloadError(f"workload {w.name!r}: sweep.scales has no {scale!r} (it has: {known})")
+        sc = sw.scales[scale]
+        vals, sessions, overrides = list(sc.values), sc.sessions or sessions, dict(sc.archetype)
+    if values:
+        vals = [int(v) for v in values]
+    low = 1 if sw.field == "first_prompt_tokens" else 0
+    bad = [v for v in vals if v < low]
+    if bad or len(set(vals)) != len(vals):
+        raise WorkloadError(f"workload {w.name!r}: sweep values must be distinct integers >= {low} "
+                            f"({sw.field}), got {vals}")
+    if sw.field in overrides:
+        raise WorkloadError(f"workload {w.name!r}: sweep.scales.{scale}.archetype.{sw.field}: the swept "
+                            "field takes the sweep's values, not an override")
+    out = []
+    for v in sorted(vals):
+        mix = []
+        for i, e in enumerate(w.mix):
+            data = e.archetype.model_dump() | overrides | {sw.field: {"kind": "constant", "value": v}}
+            try:
+                a = Archetype.model_validate(data)
+            except ValidationError as err:
+                where = f"sweep.scales.{scale}.archetype" if scale else f"mix.{i}.archetype"
+                raise WorkloadError("\n".join(f"workload {w.name!r}: {where}.{'.'.join(map(str, x['loc']))}: "
+                                              f"{x['msg']}" for x in err.errors())) from None
+            mix.append(e.model_copy(update={"archetype": a}))
+        out.append((v, w.model_copy(update={"mix": mix, "sessions": sessions, "sweep": None})))
+    return out
 
 
 # ------------------------------------------------------------------------------------ planning

@@ -132,8 +132,12 @@ def _session_rows(run_id: str, turn_rows: list[dict]) -> list[dict]:
 
 
 def _run_rows(run_id: str, mode: str, t0: dt.datetime, ttl: int) -> list[dict]:
+    # Both runs are the same point (1000 prefix tokens) of one sweep, as `turnscope sweep` records it.
+    sweep = {"name": "vendor-sweep", "id": "docs-20261130T100000", "field": "first_prompt_tokens",
+             "prefix_tokens": 1000, "index": 0, "values": [1000], "scale": "default", "sessions": 2, "users": 2}
     row = {"run_id": run_id, "label": "docs", "mode": mode, "workload": "tau-bench-airline",
-           "workload_spec": {"sessions": 2, "users": 2, "max_turns": 4, "max_tokens": 32, "gap_s": 2.0},
+           "workload_spec": {"sessions": 2, "users": 2, "max_turns": 4, "max_tokens": 32, "gap_s": 2.0,
+                             "sweep": sweep},
            "history_mode": "text",
            "topology": {"mode": mode, "workers": [{"name": "prefill-0", "role": "prefill"},
                                                   {"name": "decode-0", "role": "decode"}]},
@@ -379,3 +383,16 @@ def test_time_split_and_latest_values(con) -> None:
     assert latest[(RUN_B, "decode", "vllm:kv_cache_usage_perc")] == 0.02          # the 8 s scrape
     assert latest[(RUN_A, "prefill", "vllm:prompt_tokens_by_source_total")] == 1800.0
     assert latest[(RUN_B, "proxy", "turnscope_handle_bytes_live")] == 0.0
+
+
+def test_sweep_ttft_by_prefix(con) -> None:
+    got = {r["mode"]: (r["sweep_id"], r["prefix_tokens"], r["turns"], r["ttft_mean_s"], r["ttft_p90_s"], r["hits"])
+           for r in run(con, "sweep_ttft_by_prefix")}
+    # Run A's 7 ok turns: 0.5 0.6 0.7 0.7 0.8 0.8 0.9 -> mean 5.0 / 7 = 0.714285..; p90 at position
+    # 0.9 x 6 = 5.4: 0.8 + 0.4 x (0.9 - 0.8) = 0.84. Run B's 8: 0.2 0.25 0.3 0.5 0.6 0.7 0.9 0.95 ->
+    # mean 4.4 / 8 = 0.55; p90 at 0.9 x 7 = 6.3: 0.9 + 0.3 x 0.05 = 0.915; 3 hits.
+    assert got == {"pd-nocache": ("docs-20261130T100000", 1000, 7, 0.7143, 0.84, 0),
+                   "pd-bidir-nocache": ("docs-20261130T100000", 1000, 8, 0.55, 0.915, 3)}
+    points = con.execute("SELECT run_id, swept_field, point_index, sessions, users FROM sweep_points "
+                         "ORDER BY run_id").fetchall()
+    assert points == [(RUN_B, "first_prompt_tokens", 0, 2, 2), (RUN_A, "first_prompt_tokens", 0, 2, 2)]
