@@ -401,7 +401,7 @@ WITH f AS (
            CASE WHEN coalesce(t.reused_tokens, 0) = 0 THEN 0.0
                 WHEN k.xfer_s_per_token IS NULL OR t.prefill_leg_s IS NULL THEN NULL
                 ELSE least(t.reused_tokens * k.xfer_s_per_token, t.prefill_leg_s) END AS xfer_est_s
-    FROM turn_rows t LEFT JOIN run_kv_transfer k USING (run_id)
+    FROM turn_rows t LEFT JOIN {rates} k USING (run_id)
     WHERE {where} AND t.status = 'ok' AND t.ttft_s IS NOT NULL AND t.e2e_s IS NOT NULL
 )
 SELECT mode, turn_index,
@@ -421,7 +421,35 @@ ORDER BY mode, turn_index
 """
 
 
-def time_split(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) -> pd.DataFrame:
+_KV_TRANSFER = """
+SELECT run_id, xfer_s, xfers, reused_tokens, xfer_s_per_token
+FROM run_kv_transfer
+WHERE list_contains($run_ids::VARCHAR[], run_id)
+ORDER BY run_id
+"""
+
+
+def kv_transfer(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) -> pd.DataFrame:
+    """The ``run_kv_transfer`` view for the runs of `f`: P's measured NIXL time per run.
+
+    Columns: run_id, xfer_s (seconds), xfers (count), reused_tokens (tokens P pulled),
+    xfer_s_per_token (seconds per pulled token; NULL without NIXL scrapes or pulled tokens).
+    """
+    return _run(con, _KV_TRANSFER, {"run_ids": _ids(as_filter(f).run_ids)})
+
+
+def xfer_rates(kv: pd.DataFrame) -> tuple[tuple[str, float], ...]:
+    """(run_id, seconds per pulled token) of `kv_transfer`'s rows that have one: a hashable
+    argument for `time_split`."""
+    known = kv[kv["xfer_s_per_token"].notna()]
+    return tuple((str(r), float(v)) for r, v in zip(known["run_id"], known["xfer_s_per_token"], strict=True))
+
+
+def time_split(
+    con: duckdb.DuckDBPyConnection,
+    f: TurnFilter | Sequence[str],
+    rates: tuple[tuple[str, float], ...] | None = None,
+) -> pd.DataFrame:
     """Where each ok turn's time went, averaged by mode and turn index (seconds per turn).
 
     Per turn, with the proxy's prefill leg known (P/D modes):
@@ -433,8 +461,17 @@ def time_split(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) ->
     Columns: mode, turn_index, turns, split_turns, proxy_s, prefill_s, kv_transfer_est_s,
     decode_s, unsplit_ttft_s, e2e_mean_s, transfer_unknown_turns (turns that pulled tokens in a
     run without a NIXL timing, counted as 0 transfer time).
+    `rates`: the runs' seconds per pulled token (`xfer_rates` of `kv_transfer`) when the caller
+    has them already; by default they are read from ``run_kv_transfer`` here.
     """
-    return _run(con, _TIME_SPLIT.format(where=_where(as_filter(f))), as_filter(f).params())
+    ff = as_filter(f)
+    params = ff.params()
+    if rates is None:
+        table = "run_kv_transfer"
+    else:
+        table = "(SELECT unnest($rate_runs::VARCHAR[]) AS run_id, unnest($rate_values::DOUBLE[]) AS xfer_s_per_token)"
+        params |= {"rate_runs": [r for r, _ in rates], "rate_values": [v for _, v in rates]}
+    return _run(con, _TIME_SPLIT.format(where=_where(ff), rates=table), params)
 
 
 _REUSE_VS_EXPECTED = """

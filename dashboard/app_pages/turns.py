@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import context, figures, report, tables
+from dashboard import context, figures, queries, report, tables
 from dashboard.loader import load
 
 sel = context.current()
@@ -32,7 +32,8 @@ st.plotly_chart(figures.latency_panels(latency, by), key="latency_panels")
 
 # --- time split -------------------------------------------------------------------------------
 st.subheader("Where each turn's time went")
-split = load(sel.root, "time_split", f)
+kv = load(sel.root, "kv_transfer", f)
+split = load(sel.root, "time_split", f, queries.xfer_rates(kv))
 st.plotly_chart(figures.time_split(split), key="time_split")
 st.caption(
     "Per turn: proxy = TTFT − the proxy's prefill leg (routing, queueing, D pulling P's KV and D's first "
