@@ -214,7 +214,7 @@ def redact(value: Any, key: str | None = None) -> Any:
                 continue
             hide_next = False
             if isinstance(item, str) and item.startswith("-"):
-                flag, eq, rest = item.partition("=")
+                flag, eq, _ = item.partition("=")
                 if secret_name(flag):
                     if eq:
                         out.append(f"{flag}={REDACTED}")

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 
 from dashboard import queries, tables
 from loadgen.scraper import MetricsScraper
-from loadgen.session import SessionPlan, TurnPlan, run_session
+from loadgen.session import SessionPlan, Tokenizer, TurnPlan, run_session
 from loadgen.store import Store
 from loadgen.stream_client import stream_turn
 from serving.proxy import PREFILL_PARAMS, ProxyConfig, Worker
@@ -235,9 +235,11 @@ def test_workers_killed_mid_request_are_failed_turns_and_sessions_go_on(store, t
             z_gen, z_r, _ = _complete(proxy.url, z, "side")
             assert z_r.status == "ok" and z_r.headers["x-turnscope-reuse"] == "miss_first_turn"
             with httpx.Client() as client, store.writer("kills", "w") as writer:
+                # one /tokenize retry: the failed turn's prompt is rendered while P is still dead
+                tok = Tokenizer(client, proxy.url, "m", retries=1)
                 result = run_session(plan("s1", [("turn", 0, "none")] + [("turn", 0.05, "think")] * 5), client,
                                      proxy.url, "m", writer, "kills", "text", max_tokens=MAX_TOKENS,
-                                     on_turn=restart_the_dead)
+                                     on_turn=restart_the_dead, tokenizer=tok)
             z2 = z + z_gen + [60, 61, 62]
             z2_gen, z2_r, z2_facts = _complete(proxy.url, z2, "side")
     finally:
@@ -353,7 +355,7 @@ def test_proxy_restart_mid_run_misses_once_per_live_session_and_nothing_is_wrong
         assert len(recs) == n_turns and res.session_row["turns"] == n_turns, sid  # the session went on
         before = [r for r in recs if r.result.sent_at < killed_at and r.row["status"] == "ok"]
         assert len(before) >= 2
-        assert [r.row["reuse"] for r in before][0] == "miss_first_turn"
+        assert before[0].row["reuse"] == "miss_first_turn"
         assert "miss_first_turn" not in [r.row["reuse"] for r in before[1:]]
         failed = [r for r in recs if r.row["status"] != "ok"]
         for r in failed:  # in flight at the kill, or sent while it was down
@@ -414,8 +416,11 @@ def test_retries_edits_and_expired_handles_never_read_another_requests_blocks(st
             gen, _, _ = _complete(proxy.url, ids, f"dup{k}")
             ids2 = ids + gen + [50, 51, 52]
             pair = [None, None]
-            ts = [threading.Thread(target=lambda j=j: pair.__setitem__(j, _complete(proxy.url, ids2, f"dup{k}")))
-                  for j in range(2)]
+
+            def send(j: int, ids2: list[int] = ids2, pair: list = pair, session: str = f"dup{k}") -> None:
+                pair[j] = _complete(proxy.url, ids2, session)
+
+            ts = [threading.Thread(target=send, args=(j,)) for j in range(2)]
             for t in ts:
                 t.start()
             for t in ts:
