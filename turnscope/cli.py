@@ -28,6 +28,7 @@ from serving.topology import MODES, ProxySettings, Topology, TopologyError, embe
 from serving.workers import mode_workers, worker_command
 from turnscope.evaluation import REPO_ROOT, default_settings, run_eval
 from turnscope.settings import SettingsError, TurnscopeSettings
+from turnscope.sweep import SWEEP_MODES, plan_sweep, run_sweep
 
 EPILOG = """Examples:
 
@@ -170,6 +171,104 @@ def print_summary(store: Path, run_ids: list[str]) -> None:
         o = outs[outs.run_id == run_id]
         console.print("  reuse: " + ", ".join(f"{r.reuse}={r.turns}" for r in o.itertuples())
                       + f"; prefill external_kv_transfer tokens: {int(ext.get(run_id) or 0)}")
+
+
+SWEEP_MODE_LIST = ",".join(SWEEP_MODES)
+VENDOR_SWEEP = REPO_ROOT / "data" / "workloads" / "vendor-sweep.yaml"
+
+
+@app.command()
+def sweep(
+    workload: Annotated[Path, typer.Option(help="Workload YAML with a `sweep` section.")] = VENDOR_SWEEP,
+    modes: ModesOpt = SWEEP_MODE_LIST,
+    histories: Annotated[str, typer.Option(
+        help="History modes: token_ids (ids match exactly, as a real model's canonical replies would), text "
+             "(chat clients, the vendor's benchmark; the embedded model's replies re-tokenize differently).")
+                         ] = "token_ids",
+    scale: Annotated[str | None, typer.Option(
+        help="A scale of the file's `sweep.scales`, e.g. `published` (the vendor's full shape, for GPUs). "
+             "Default: the file's own values.")] = None,
+    values: Annotated[str | None, typer.Option(help="Comma-separated token counts replacing the points.")] = None,
+    topology: TopologyOpt = None,
+    store: StoreOpt = None,
+    label: Annotated[str, typer.Option(help="Label of the runs.")] = "sweep",
+    sweep_id: Annotated[str | None, typer.Option(
+        help="Name of the sweep, the prefix of its run ids (default: LABEL-UTCSTAMP). Give the same one to "
+             "each invocation when the modes run one at a time (attached GPU workers).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the points and run ids; start nothing.")] = False,
+) -> None:
+    """Run a prefix-length sweep: each mode's workers start once and play every point, each point
+    its own recorded run (default: the vendor's multi-turn benchmark, data/workloads/vendor-sweep.yaml).
+
+    `turnscope sweep` on the embedded default takes about 12 minutes; then open the dashboard's Sweep
+    page. On GPU nodes: `turnscope sweep --topology data/topologies/vendor-h200-1p1d.yaml --scale
+    published --histories text --modes <the attached mode>` (README, "Running the vendor sweep on GPUs").
+    """
+    s = settings()
+    if not workload.exists():
+        raise fail(f"workload file {workload} does not exist (the vendor's: data/workloads/vendor-sweep.yaml)")
+    try:
+        points = [int(v) for v in _split(values)] if values else None
+    except ValueError as exc:
+        raise fail(f"--values takes comma-separated integers (tokens), got {values!r}") from exc
+    sweep_id = sweep_id or f"{label}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
+    try:
+        plan = plan_sweep(workload, sweep_id=sweep_id, out_dir=LOG_DIR / "sweeps", scale=scale, values=points)
+    except ValueError as exc:  # WorkloadError: the file, its sweep, the scale or the values
+        raise fail(str(exc)) from exc
+    topo = _topology(topology)
+    if not topo.launch and modes == SWEEP_MODE_LIST:
+        modes = topo.attached_mode  # attached workers run one mode: the one they were started in
+    store = store or s.store
+    ev = default_settings(Path(topo.model), topology=topo, modes=_split(modes), histories=_split(histories),
+                          store=store, label=label, turn_timeout_s=s.turn_timeout_s, operator_config=s.effective())
+    if s.kv_bytes_per_token:
+        ev.kv_bytes_per_token = s.kv_bytes_per_token
+    console.print(f"sweep {plan.sweep_id}: {plan.name}, {plan.field} = {', '.join(map(str, plan.values))} tokens "
+                  f"({plan.scale or 'default'} scale), {plan.sessions} sessions x {plan.users} users per point; "
+                  f"modes {', '.join(ev.modes)}; history {', '.join(ev.histories)}", highlight=False)
+    if dry_run:
+        bad = [m for m in ev.modes if m not in topo.modes()]
+        if bad:
+            raise fail(f"topology {topo.name!r} cannot run mode {bad[0]!r} (it runs: {', '.join(topo.modes())})")
+        try:
+            runs = plan.runs(ev, ev.modes, ev.histories)
+        except ValueError as exc:
+            raise fail(str(exc)) from exc
+        for mode, rs in runs.items():
+            console.print(f"# {mode}: one worker start, then " + ", ".join(r.run_id for r in rs), highlight=False)
+        return
+    t0 = time.monotonic()
+    try:
+        run_ids = run_sweep(ev, plan, console)
+    except (ValueError, RuntimeError, OSError) as exc:  # bad input, a worker or port, the store
+        raise fail(str(exc)) from exc
+    console.print(f"sweep finished in {time.monotonic() - t0:.0f} s; the dashboard's Sweep page draws it")
+    print_sweep_summary(store, run_ids)
+
+
+def print_sweep_summary(store: Path, run_ids: list[str]) -> None:
+    """Print mean / p90 TTFT (ms) per point and mode, with hits and P's external_kv_transfer tokens."""
+    df = report.sweep_summary(store, run_ids)
+    for history, g in df.groupby("history_mode", sort=True):
+        table = Table(title=f"TTFT mean / p90 (ms) by prefix tokens, history {history}; hits/later turns; "
+                            "P external_kv_transfer tokens")
+        modes = [m for m in SWEEP_MODES if m in set(g["mode"])] + sorted(set(g["mode"]) - set(SWEEP_MODES))
+        table.add_column("prefix", justify="right")
+        for m in modes:
+            table.add_column(m, justify="right")
+        for prefix, row in g.groupby("prefix_tokens", sort=True):
+            cells = []
+            for m in modes:
+                r = row[row["mode"] == m]
+                if r.empty or r.iloc[0]["turns"] == 0:
+                    cells.append("-")
+                    continue
+                r = r.iloc[0]
+                cells.append(f"{r.ttft_mean_s * 1e3:.0f} / {r.ttft_p90_s * 1e3:.0f}; {r.hits}/{r.later_turns}; "
+                             f"{int(r.external_kv_tokens)}")
+            table.add_row(str(prefix), *cells)
+        console.print(table)
 
 
 @app.command()

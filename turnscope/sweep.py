@@ -94,13 +94,15 @@ class SweepPlan:
         return out
 
 
-def plan_sweep(workload: Path | str, *, label: str, stamp: str, out_dir: Path,
+def plan_sweep(workload: Path | str, *, sweep_id: str, out_dir: Path,
                scale: str | None = None, values: list[int] | None = None) -> SweepPlan:
     """Plan the sweep of the workload file ``workload`` (pure: nothing is written or started).
 
-    ``label`` and ``stamp`` (e.g. ``20261130T120000``) make the sweep id ``<label>-<stamp>``;
-    point files go under ``out_dir/<sweep id>/p<value>/``. ``scale`` picks one of the file's
-    ``sweep.scales`` (None: the file's own values); ``values`` (tokens) overrides the points.
+    ``sweep_id`` names the sweep and prefixes its run ids (the CLI uses ``<label>-<UTC stamp>``,
+    or the operator's ``--sweep-id`` to put modes run one at a time, as on attached GPU workers,
+    into one sweep); point files go under ``out_dir/<sweep id>/p<value>/``. ``scale`` picks one of
+    the file's ``sweep.scales`` (None: the file's own values); ``values`` (tokens) overrides the
+    points.
 
     Raises:
         WorkloadError: the file is invalid, has no ``sweep``, or an unknown scale or bad value.
@@ -109,7 +111,6 @@ def plan_sweep(workload: Path | str, *, label: str, stamp: str, out_dir: Path,
     points = sweep_workloads(w, scale=scale, values=values)
     sw = w.sweep
     sc = sw.scales.get(scale) if scale else None
-    sweep_id = f"{label}-{stamp}"
     return SweepPlan(
         sweep_id=sweep_id, name=w.name, field=sw.field, scale=scale,
         points=tuple(SweepPoint(v, i, pw, out_dir / sweep_id / f"p{v}" / f"{w.name}.yaml")
@@ -175,9 +176,14 @@ def run_sweep(base: EvalSettings, plan: SweepPlan, console: Console | None = Non
     on it, each its own recorded run. Returns the run ids in the order they ran.
 
     Raises:
-        ValueError: a bad mode or history, or a point that does not fit the model's context
-            (before anything starts); RuntimeError/OSError from the workers or the store.
+        ValueError: a bad mode or history, a point that does not fit the model's context, or a
+            run id the store already holds (before anything starts); RuntimeError/OSError from
+            the workers or the store.
     """
     runs = plan.runs(base, list(base.modes), list(base.histories))
+    taken = [r.run_id for rs in runs.values() for r in rs if (Path(base.store) / "runs" / r.run_id).exists()]
+    if taken:
+        raise ValueError(f"the store {base.store} already holds run {taken[0]} ({len(taken)} of this sweep's "
+                         "runs exist): give another --sweep-id, or a --modes that has not run yet")
     write_workloads(plan)
     return run_eval(base, console or Console(), runs=runs)

@@ -9,13 +9,15 @@ from pathlib import Path
 
 import pytest
 import yaml
+from typer.testing import CliRunner
 
 from loadgen.synth_text import LocalTokenizer, TextSynth
 from loadgen.workload import Constant, WorkloadError, load_workload, plan_workload, sweep_workloads
 from serving.topology import embedded_topology, load_topology
 from tests.embedded_tokenizer import tokenizer_json
+from turnscope.cli import app
 from turnscope.evaluation import EvalSettings, RunPlan, run_eval
-from turnscope.sweep import SWEEP_MODES, largest_prompt_tokens, plan_sweep, write_workloads
+from turnscope.sweep import SWEEP_MODES, largest_prompt_tokens, plan_sweep, run_sweep, write_workloads
 
 REPO = Path(__file__).resolve().parents[2]
 VENDOR = REPO / "data" / "workloads" / "vendor-sweep.yaml"
@@ -80,7 +82,7 @@ def test_point_sessions_have_the_vendors_prefixes():
 
 
 def test_plan_run_ids_order_and_recorded_parameters(tmp_path):
-    plan = plan_sweep(VENDOR, label="sweep", stamp=STAMP, out_dir=tmp_path / "sweeps")
+    plan = plan_sweep(VENDOR, sweep_id=f"sweep-{STAMP}", out_dir=tmp_path / "sweeps")
     assert plan.sweep_id == f"sweep-{STAMP}" and plan.values == [256, 1024, 2048, 3072]
     assert (plan.users, plan.settle_s, plan.sessions, plan.scale) == (2, 2.0, 6, None)
     s = base(tmp_path, modes=list(SWEEP_MODES), histories=["token_ids"])
@@ -109,7 +111,7 @@ def test_plan_run_ids_order_and_recorded_parameters(tmp_path):
 
 
 def test_point_files_load_back_as_the_point_workloads(tmp_path):
-    plan = plan_sweep(VENDOR, label="x", stamp=STAMP, out_dir=tmp_path, values=[300, 100])
+    plan = plan_sweep(VENDOR, sweep_id="x", out_dir=tmp_path, values=[300, 100])
     assert plan.values == [100, 300] and [p.index for p in plan.points] == [0, 1]
     write_workloads(plan)
     for p in plan.points:
@@ -122,7 +124,7 @@ def test_largest_prompt_and_context_check(tmp_path):
     w = dict(sweep_workloads(load_workload(VENDOR)))[3072]
     # 64 shared + 3072 own + 4 later turns x (150 new + 48 reply) + 16 template tokens x 10 messages.
     assert largest_prompt_tokens(w) == 64 + 3072 + 4 * 198 + 16 * 10 == 4088
-    published = plan_sweep(VENDOR, label="x", stamp=STAMP, out_dir=tmp_path, scale="published")
+    published = plan_sweep(VENDOR, sweep_id="x", out_dir=tmp_path, scale="published")
     # The first point that does not fit the embedded 8192-token context: 8000 (4000 needs
     # 500 + 4000 + 4 x 450 + 160 = 6460, + 300 output = 6760), 500 + 8000 + 1800 + 160 = 10460.
     assert largest_prompt_tokens(published.points[-1].workload) == 500 + 24000 + 4 * 450 + 160 == 26460
@@ -153,7 +155,7 @@ def _sweep_file(tmp_path: Path, **sweep) -> Path:
 ])
 def test_plan_errors_name_the_problem(tmp_path, kw, message):
     with pytest.raises(WorkloadError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
-        plan_sweep(VENDOR, label="x", stamp=STAMP, out_dir=tmp_path, **kw)
+        plan_sweep(VENDOR, sweep_id="x", out_dir=tmp_path, **kw)
 
 
 def test_sweep_section_errors_name_the_field(tmp_path):
@@ -185,3 +187,56 @@ def test_run_eval_checks_every_run_before_starting(tmp_path):
     with pytest.raises(ValueError, match="no.yaml"):
         run_eval(s, runs={"pd": [missing]})
     assert not (tmp_path / "store").exists()  # nothing was started or written
+
+
+def test_a_sweep_never_reuses_a_run_id(tmp_path):
+    plan = plan_sweep(VENDOR, sweep_id="h200", out_dir=tmp_path / "sweeps", values=[100])
+    s = base(tmp_path, modes=["pd"], histories=["text"])
+    (tmp_path / "store" / "runs" / "h200-pd-text-p100").mkdir(parents=True)
+    with pytest.raises(ValueError, match="already holds run h200-pd-text-p100 .1 of this sweep's runs exist."):
+        run_sweep(s, plan)
+    assert not (tmp_path / "sweeps").exists()  # nothing written, nothing started
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def cli(*args: str) -> tuple[int, str]:
+    r = CliRunner().invoke(app, list(args), env={"COLUMNS": "4000"})
+    return r.exit_code, " ".join(r.output.split())
+
+
+def test_cli_dry_run_prints_one_worker_start_per_mode(tmp_path):
+    code, out = cli("sweep", "--dry-run", "--topology", str(REPO / "data" / "topologies" / "vendor-h200-1p1d.yaml"),
+                    "--scale", "published", "--histories", "text", "--sweep-id", "h200", "--modes",
+                    "pd-nocache,pd-bidir-nocache", "--store", str(tmp_path / "store"))
+    assert code == 0, out
+    assert "sweep h200: vendor-sweep, first_prompt_tokens = 2000, 4000, 8000, 12000, 16000, 20000, 24000 tokens " \
+           "(published scale), 10 sessions x 2 users per point" in out
+    for mode in ("pd-nocache", "pd-bidir-nocache"):
+        assert f"# {mode}: one worker start, then " + ", ".join(
+            f"h200-{mode}-text-p{v}" for v in (2000, 4000, 8000, 12000, 16000, 20000, 24000)) in out
+    assert not (tmp_path / "store").exists()
+
+
+def test_cli_attached_workers_default_to_their_mode(tmp_path):
+    doc = yaml.safe_load((REPO / "data" / "topologies" / "vendor-h200-1p1d.yaml").read_text())
+    doc |= {"launch": False, "attached_mode": "pd-bidir"}
+    topo = tmp_path / "attached.yaml"
+    topo.write_text(yaml.safe_dump(doc))
+    code, out = cli("sweep", "--dry-run", "--topology", str(topo), "--scale", "published", "--sweep-id", "h200")
+    assert code == 0, out
+    assert "# pd-bidir: one worker start" in out and "# pd:" not in out and "modes pd-bidir;" in out
+    code, out = cli("sweep", "--dry-run", "--topology", str(topo), "--modes", "pd")
+    assert code == 2 and "cannot run mode 'pd' (it runs: pd-bidir)" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--values", "1,x"], "--values takes comma-separated integers (tokens), got '1,x'"),
+    (["--scale", "published"], "point 8000 of sweep 'vendor-sweep' needs prompts of up to 10460 tokens"),
+    (["--workload", "nope.yaml"], "workload file nope.yaml does not exist"),
+    (["--workload", str(REPO / "data" / "workloads" / "coding-agent.yaml")], "has no 'sweep' section"),
+])
+def test_cli_errors(args, message):
+    code, out = cli("sweep", "--dry-run", "--topology", str(REPO / "data" / "topologies" / "embedded-cpu.yaml"), *args)
+    assert code == 2 and message in out, out
