@@ -83,7 +83,7 @@ def speedup_vs_prefix(speedups: pd.DataFrame, limit: pd.DataFrame | None = None,
                                  line={"color": "black", "dash": "dash"}, marker={"symbol": "x"},
                                  hovertemplate="limit<br>%{x:,} tokens<br>%{y:.2f}x<extra></extra>"))
     fig.add_hline(y=1.0, line={"color": "#999999", "dash": "dot"}, annotation_text="no gain",
-                  annotation_position="bottom right")
+                  annotation_position="bottom left")
     fig.update_xaxes(title_text=x_title, rangemode="tozero")
     fig.update_yaxes(title_text=f"speed-up of {stat} TTFT (x)", rangemode="tozero")
     fig.update_layout(title=f"Speed-up of {stat} TTFT: baseline / bidirectional, 95% CI (above 1: faster)",

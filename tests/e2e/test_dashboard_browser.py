@@ -7,6 +7,7 @@ reason when it is missing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import dashboard_store
+from tests import dashboard_store, sweep_store
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
@@ -59,10 +60,9 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 60) -> No
     raise TimeoutError(f"streamlit at {url} not healthy within {timeout_s} s")
 
 
-@pytest.fixture(scope="module")
-def dashboard_url(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("e2e")
-    root = dashboard_store.build(tmp / "store")
+@contextlib.contextmanager
+def _streamlit(root: Path, tmp: Path):
+    """`streamlit run dashboard/app.py` over the store at `root`; yields its URL."""
     port = _free_port()
     log = (tmp / "streamlit.log").open("w")
     proc = subprocess.Popen(
@@ -98,6 +98,21 @@ def dashboard_url(tmp_path_factory):
             proc.kill()
             proc.wait()
         log.close()
+
+
+@pytest.fixture(scope="module")
+def dashboard_url(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("e2e")
+    with _streamlit(dashboard_store.build(tmp / "store"), tmp) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def sweep_url(tmp_path_factory):
+    """A store holding a prefix sweep (tests/sweep_store.py), for the Sweep page."""
+    tmp = tmp_path_factory.mktemp("e2e-sweep")
+    with _streamlit(sweep_store.build(tmp / "store"), tmp) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +192,7 @@ def test_overview_in_browser(dashboard_url, browser, tmp_path):
     assert metric.first.inner_text().strip().endswith("×")
     # Every page is in the navigation.
     nav = page.locator('[data-testid="stSidebarNav"]').inner_text()
-    for name in ("Overview", "Turns", "Sessions", "Memory", "Compare", "SQL"):
+    for name in ("Overview", "Turns", "Sessions", "Memory", "Compare", "Sweep", "SQL"):
         assert name in nav
     _shot(page, "overview")
     # The export is one self-contained HTML file: plotly.js inlined, no script from the network.
@@ -240,5 +255,14 @@ def test_sql_in_browser(dashboard_url, browser):
     page.get_by_text("this console is read-only").wait_for(timeout=30_000)
     assert not Path("/tmp/turnscope-should-not-exist.csv").exists()
     _shot(page, "sql-refused")
+    assert not errors, errors
+    page.close()
+
+
+def test_sweep_in_browser(sweep_url, browser):
+    page, errors = _open(browser, f"{sweep_url}/sweep", "Sweep", 2)
+    body = page.inner_text("body")
+    assert "pd-bidir-nocache vs pd-nocache:" in body and "the speed-up grows with prefix length" in body
+    _shot(page, "sweep")
     assert not errors, errors
     page.close()
