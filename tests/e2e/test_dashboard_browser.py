@@ -197,7 +197,7 @@ def test_overview_in_browser(dashboard_url, browser, tmp_path):
     _shot(page, "overview")
     # The export is one self-contained HTML file: plotly.js inlined, no script from the network.
     with page.expect_download(timeout=60_000) as dl:
-        page.get_by_role("button", name="Export these runs as HTML").click()
+        page.get_by_role("button", name="Export these runs as HTML").click(timeout=60_000)
     saved = tmp_path / "runs.html"
     dl.value.save_as(saved)
     tags = _tags(saved.read_text(encoding="utf-8"))
@@ -217,8 +217,8 @@ def test_turns_in_browser(dashboard_url, browser):
 
 def test_sessions_in_browser(dashboard_url, browser):
     page, errors = _open(browser, f"{dashboard_url}/sessions", "Sessions", 1)
-    page.locator('[data-testid="stSelectbox"]').first.click()
-    page.get_by_role("option").first.click()
+    page.locator('[data-testid="stSelectbox"]').first.click(timeout=60_000)
+    page.get_by_role("option").first.click(timeout=60_000)
     _wait_charts(page, 2)
     _shot(page, "sessions")
     assert not errors, errors
@@ -243,7 +243,7 @@ def test_compare_in_browser(dashboard_url, browser):
 
 def test_sql_in_browser(dashboard_url, browser):
     page, errors = _open(browser, f"{dashboard_url}/sql", "SQL", 0)
-    page.get_by_role("button", name="Run").click()
+    page.get_by_role("button", name="Run").click(timeout=60_000)
     page.locator('[data-testid="stDataFrame"]').wait_for(timeout=60_000)
     _wait_idle(page)
     _shot(page, "sql")
@@ -251,8 +251,8 @@ def test_sql_in_browser(dashboard_url, browser):
     box = page.get_by_label("Query")
     box.fill("COPY (SELECT 1) TO '/tmp/turnscope-should-not-exist.csv'")
     box.press("Control+Enter")
-    page.get_by_role("button", name="Run").click()
-    page.get_by_text("this console is read-only").wait_for(timeout=30_000)
+    page.get_by_role("button", name="Run").click(timeout=60_000)
+    page.get_by_text("this console is read-only").wait_for(timeout=60_000)
     assert not Path("/tmp/turnscope-should-not-exist.csv").exists()
     _shot(page, "sql-refused")
     assert not errors, errors
