@@ -3,7 +3,7 @@
 Runs, for each concurrency level (default 100, 500 and 1,000 sessions):
 
 * a stub OpenAI-compatible server (a raw ASGI app under uvicorn with uvloop and httptools, its own
-  process, 127.0.0.1) that answers ``/tokenize`` (character-level ChatML, as the tests' stub) and
+  process, 127.0.0.1) that answers ``/tokenize`` (ChatML, one stand-in id per 4 characters) and
   streams ``/v1/chat/completions``: headers and a role-only chunk at once, the first token
   ``injected TTFT`` after the request arrived (uniform in ``--ttft-ms``, drawn per request from a
   seeded numpy Generator), then one token every ``--itl-ms`` with per-chunk usage, then
@@ -11,8 +11,9 @@ Runs, for each concurrency level (default 100, 500 and 1,000 sessions):
   actually wrote the first token (``time.perf_counter``, CLOCK_MONOTONIC, one clock for all
   processes of the machine);
 * one Locust process (``locust -f loadgen/locustfile.py --headless``, the product's own user and
-  store writer) with N users, each playing sessions of a generated workload (3 turns of 16 output
-  tokens, exponential think gaps of mean ``--gap-s``), for ``--duration-s`` seconds.
+  store writer) with N users, each playing sessions of a generated workload (``--turns`` turns of
+  ``--output-tokens`` tokens, exponential think gaps of mean ``--gap-s``), for ``--duration-s``
+  seconds after the spawn ramp.
 
 Then it joins the store's ``turns`` rows (measured TTFT) with the server's records by request id,
 keeps the turns sent after every user was spawned, and prints per level the p50/p99 (numpy
@@ -52,8 +53,10 @@ sys.path.insert(0, str(REPO))
 
 
 def _encode(text: str) -> list[int]:
-    """Character-level ids (the tests' stub tokenizer: ``16 + ord(c)``; specials kept as characters)."""
-    return [16 + ord(c) for c in text]
+    """Stand-in token ids, one per 4 characters (about what a BPE tokenizer gives for English):
+    ``16 + ord(c)`` of every 4th character. Prefix-stable for prefixes of a multiple of 4 characters;
+    the bench only needs realistic counts."""
+    return [16 + ord(c) for c in text[::4]]
 
 
 def _render(messages: list[dict], add_generation_prompt: bool) -> str:
@@ -152,7 +155,7 @@ ignore_eos: true
 mix:
   - archetype:
       name: bench
-      turns: 3
+      turns: {turns}
       first_prompt_tokens: 30
       new_tokens: {{think: 10}}
       output_tokens: {out}
@@ -192,12 +195,12 @@ def run_level(users: int, a: argparse.Namespace, work: Path) -> dict:
     store_root = work / "store"
     run_id = f"timing-{users}-{uuid.uuid4().hex[:6]}"
     spawn_s = users / a.spawn_rate
-    sessions = int(users * (a.duration_s / (3 * (a.gap_s + 0.5)) + 2))
+    sessions = int(users * (a.duration_s / (a.turns * (a.gap_s + 0.5)) + 2))
     wl = work / "bench.yaml"
-    wl.write_text(WORKLOAD.format(out=a.output_tokens, gap=a.gap_s, gap_max=a.gap_s * 10))
+    wl.write_text(WORKLOAD.format(out=a.output_tokens, gap=a.gap_s, gap_max=a.gap_s * 10, turns=a.turns))
     env = dict(os.environ, PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "locust", "-f", os.environ.get("TS_LOCUSTFILE", str(REPO / "loadgen" / "locustfile.py")), "--headless",
-           "-u", str(users), "-r", str(a.spawn_rate), "--run-time", f"{int(spawn_s + a.duration_s)}s",
+           "-u", str(users), "-r", str(a.spawn_rate), "--run-time", f"{int(spawn_s + a.duration_s + 20)}s",
            "--host", f"http://127.0.0.1:{port}", "--only-summary", "--loglevel", "WARNING",
            "--turnscope-store", str(store_root), "--turnscope-run-id", run_id, "--turnscope-workload", str(wl),
            "--turnscope-sessions", str(sessions), "--turnscope-tokenizer", str(a.tokenizer),
@@ -233,6 +236,14 @@ def run_level(users: int, a: argparse.Namespace, work: Path) -> dict:
     t_measure = first_sent + spawn_s + a.warmup_s
     ok = [(rid, ttft) for rid, ttft, sent, status in rows
           if status == "ok" and rid in records and sent >= t_measure]
+    sent_s = np.array([sent for rid, ttft, sent, status in rows
+                       if status == "ok" and rid in records and sent >= t_measure]) - t_measure
+    con = Store(store_root).connect()
+    try:
+        errors = con.execute("SELECT status, error, count(*) FROM turns WHERE run_id = ? AND status <> 'ok' "
+                             "GROUP BY ALL", [run_id]).fetchall()
+    finally:
+        con.close()
     inj = np.array([records[r][0] for r, _ in ok])
     arr = np.array([records[r][1] for r, _ in ok])
     first = np.array([records[r][2] for r, _ in ok])
@@ -240,7 +251,8 @@ def run_level(users: int, a: argparse.Namespace, work: Path) -> dict:
     return {"users": users, "turns": len(ok), "all_turns": len(rows),
             "failed": sum(1 for r in rows if r[3] != "ok"), "wall_s": wall,
             "rate": len(ok) / max(max((sent for _, _, sent, _ in rows), default=0) - t_measure, 1e-9),
-            "err": meas - inj, "late": first - arr - inj, "client": meas - (first - arr),
+            "err": meas - inj, "late": first - arr - inj, "client": meas - (first - arr), "sent_s": sent_s,
+            "errors": errors,
             "cpu_locust": cpu_loc / wall, "cpu_server": cpu_srv / wall, "locust_rc": loc.returncode,
             "locust_tail": out[-1500:]}
 
@@ -259,8 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttft-ms", type=float, nargs=2, default=[50.0, 250.0], help="injected TTFT range, ms")
     ap.add_argument("--itl-ms", type=float, default=20.0, help="injected inter-token latency, ms")
     ap.add_argument("--output-tokens", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=6, help="turns per session")
     ap.add_argument("--tokenizer", type=Path, default=None,
                     help="tokenizer.json for the workload text (default: the embedded model's, built if missing)")
+    ap.add_argument("--dump", type=Path, default=None, help="write every measured turn as JSON here")
     ap.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--records", type=Path, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -272,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
 
         a.tokenizer = tokenizer_json()
     print(f"loadgen TTFT timing: injected TTFT uniform {a.ttft_ms[0]:g}-{a.ttft_ms[1]:g} ms, ITL {a.itl_ms:g} ms, "
-          f"{a.output_tokens} output tokens, think gaps exponential mean {a.gap_s:g} s, 3-turn sessions, "
+          f"{a.output_tokens} output tokens, think gaps exponential mean {a.gap_s:g} s, {a.turns}-turn sessions, "
           f"{a.duration_s:g} s per level; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     results = []
     with tempfile.TemporaryDirectory(prefix="turnscope-timing-") as d:
@@ -290,6 +304,12 @@ def main(argv: list[str] | None = None) -> int:
               f"              {_ms(r['late'], 50)} {_ms(r['late'], 99)} |"
               f"        {_ms(r['client'], 50)} {_ms(r['client'], 99)} |"
               f"   {r['cpu_locust'] * 100:4.0f}%  {r['cpu_server'] * 100:4.0f}%")
+    for r in results:
+        if r["errors"]:
+            print(f"{r['users']} sessions, failed turns: {r['errors']}")
+    if a.dump:
+        a.dump.write_text(json.dumps([{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in r.items()}
+                                      for r in results]))
     print(f"\nload average after: {os.getloadavg()[0]:.1f}")
     return 0
 

@@ -58,6 +58,7 @@ import logging
 import os
 import re
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -88,11 +89,15 @@ from loadgen.traces.taubench import DEFAULT_TRACE, TraceFormatError, load_tauben
 from loadgen.workload import Workload, WorkloadError, describe, load_workload, plan_workload
 
 log = logging.getLogger("turnscope.locust")
+# httpx logs every request at INFO: at a thousand sessions that is measurable CPU on the event loop
+# the turns are timed on. Its warnings and errors still show.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 _MSG_WANT = "turnscope_want"
 _MSG_SESSION = "turnscope_session"
 _MSG_DONE = "turnscope_done"
 _WANT_TIMEOUT_S = 120.0
+_GC_GEN0_THRESHOLD = 100_000  # allocations between young collections (CPython's default: 700)
 
 
 # ------------------------------------------------------------------------------------ options
@@ -404,6 +409,15 @@ def _end_run(env: Any) -> None:
 
 
 _coord = _Coordinator()
+_SSL: list[ssl.SSLContext] = []
+
+
+def _ssl_context() -> ssl.SSLContext:
+    """One TLS context per process, shared by every user's client: building one (loading the CA
+    bundle) takes tens of milliseconds, which a thousand users starting together cannot afford."""
+    if not _SSL:
+        _SSL.append(ssl.create_default_context())
+    return _SSL[0]
 
 
 @events.init.add_listener
@@ -427,10 +441,12 @@ def _on_test_start(environment: Any, **_: Any) -> None:
         _start_run(environment)
     finally:
         # Long-lived objects (the plan, Locust's own state) move out of the garbage collector's
-        # reach: a full collection over them stalls every user for tens of milliseconds, which
-        # would show up in the measured TTFTs.
+        # reach, and collections run less often: a full collection stalls every user (tens to
+        # hundreds of milliseconds with a thousand live sessions), which would show up in the
+        # measured TTFTs. Almost all garbage here is freed by reference counting anyway.
         gc.collect()
         gc.freeze()
+        gc.set_threshold(_GC_GEN0_THRESHOLD, 50, 100)
 
 
 def _start_run(environment: Any) -> None:
@@ -495,7 +511,7 @@ class AgentSession(User):
     wait_time = constant(0)
 
     def on_start(self) -> None:
-        self.http = httpx.Client()
+        self.http = httpx.Client(verify=_ssl_context())
 
     def on_stop(self) -> None:
         client = getattr(self, "http", None)
@@ -528,8 +544,10 @@ class AgentSession(User):
             temperature=req["temperature"],
             extra_body=req["extra_body"],
             on_turn=self._fire,
+            keep_turns=False,
         )
-        log.info("turnscope: session %s played: %d turns, %s (%s)", plan.session_id, len(result.turns),
+        log.info("turnscope: session %s played: %s turns, %s (%s)", plan.session_id,
+                 result.session_row["turns"] if result.session_row else "?",
                  result.session_row["status"] if result.session_row else "?", result.stopped)
         env.runner.send_message(_MSG_DONE, {"index": answer["index"]})
 

@@ -48,6 +48,7 @@ import json
 import logging
 import re
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -490,6 +491,7 @@ def run_session(
     on_turn: Callable[[TurnRecord], None] | None = None,
     sleep: Callable[[float], None] | None = None,
     tokenizer: Tokenizer | None = None,
+    keep_turns: bool = True,
 ) -> SessionResult:
     """Play ``plan`` turn by turn, record each turn and the session, and return what happened.
 
@@ -512,6 +514,8 @@ def run_session(
         sleep: the sleep function for gaps (default ``time.sleep``, looked up at call time so that
             gevent's patch applies).
         tokenizer: the ``/tokenize`` client (default: one on ``client``/``base_url``/``model``).
+        keep_turns: keep every :class:`TurnRecord` in the result (False: only the session row and
+            ``stopped``; what a load generator with thousands of live sessions wants).
 
     Returns:
         :class:`SessionResult` (its ``turns`` include fresh side requests). The ``sessions`` row:
@@ -547,17 +551,20 @@ def run_session(
 
     out = SessionResult()
     messages: list[dict[str, Any]] = []          # text history (both modes keep it, for fallbacks)
-    prev_prompt: list[int] | None = None          # ids of the previous turn's prompt
+    # Id sequences kept across turns are arrays, not lists: the garbage collector never walks
+    # them (walking a thousand live sessions' ids took over 100 ms of CPU per collection, a stall
+    # every user's TTFT would have measured).
+    prev_prompt: array | None = None              # ids of the previous turn's prompt
     prev_generated: list[int] = []                # ids the previous turn generated (or stood in)
-    prev_span: list[int] | None = None            # previous prompt + ids actually generated
+    prev_span: array | None = None                # previous prompt + ids actually generated
     last_messages: list[dict[str, Any]] | None = None  # what the previous request sent (for a retry)
-    last_rendered: list[int] | None = None
+    last_rendered: array | None = None
     gaps = {k: 0.0 for k in GAP_KINDS}
     first_send: float | None = None
     last_end: float | None = None
     first_sent_at: dt.datetime | None = None
     all_ok = True
-    own: list[TurnRecord] = []                    # this session's turns (fresh side requests excluded)
+    own_e2e: list[float] = []                     # E2E of this session's turns (fresh requests excluded)
     bound_base: int | None = None                 # upper bound of the previous prompt + reply, tokens
 
     def render_after(msgs: list[dict[str, Any]]) -> list[int] | None:
@@ -568,7 +575,7 @@ def run_session(
             log.warning("session %s: %s; expected reuse not recorded", plan.session_id, e)
             return None
 
-    def session_row(session_id: str, source: str, records: list[TurnRecord], task: float,
+    def session_row(session_id: str, source: str, e2e: list[float], task: float,
                     started: dt.datetime | None, gap_sums: dict[str, float], status: str) -> dict[str, Any]:
         return {
             "run_id": run_id,
@@ -577,9 +584,9 @@ def run_session(
             "source": source,
             "started_at": started,
             "finished_at": started + dt.timedelta(seconds=task) if started else None,
-            "turns": len(records),
+            "turns": len(e2e),
             "task_latency_s": task,
-            "llm_s": float(sum(r.result.e2e_s or 0.0 for r in records)),
+            "llm_s": float(sum(e2e)),
             "tool_wait_s": gap_sums["tool"],
             "think_s": gap_sums["think"],
             "pause_s": gap_sums["pause"],
@@ -588,7 +595,7 @@ def run_session(
 
     def finish_session(status: str) -> None:
         task = (last_end - first_send) if (first_send is not None and last_end is not None) else 0.0
-        row = session_row(plan.session_id, plan.source, own, task, first_sent_at, gaps, status)
+        row = session_row(plan.session_id, plan.source, own_e2e, task, first_sent_at, gaps, status)
         writer.append("sessions", row)
         out.session_row = row
 
@@ -652,8 +659,10 @@ def run_session(
                        prompt_ids=prompt_ids, expected_reusable_tokens=None, divergence_position=None)
         writer.append("turns", row)
         rec = TurnRecord(row=row, result=result, prompt_ids=prompt_ids)
-        out.turns.append(rec)
-        writer.append("sessions", session_row(sid, f"{plan.source}#fresh{k}", [rec], result.e2e_s or 0.0,
+        if keep_turns:
+            out.turns.append(rec)
+        writer.append("sessions", session_row(sid, f"{plan.source}#fresh{k}", [result.e2e_s or 0.0],
+                                              result.e2e_s or 0.0,
                                               result.sent_at, dict.fromkeys(GAP_KINDS, 0.0),
                                               "ok" if result.status == "ok" else "error"))
         if result.status != "ok":
@@ -733,14 +742,15 @@ def run_session(
             index += 1
             writer.append("turns", row)
             rec = TurnRecord(row=row, result=result, prompt_ids=prompt_ids)
-            out.turns.append(rec)
-            own.append(rec)
+            if keep_turns:
+                out.turns.append(rec)
+            own_e2e.append(result.e2e_s or 0.0)
             if on_turn is not None:
                 on_turn(rec)
 
             # -- the history the next turn continues -------------------------------------------
-            last_messages, last_rendered = sent_messages, (list(prompt_ids) if prompt_ids is not None else None)
-            prev_span = list(prompt_ids) + list(result.token_ids) if prompt_ids is not None else None
+            last_messages, last_rendered = sent_messages, (_ids(prompt_ids) if prompt_ids is not None else None)
+            prev_span = last_rendered + _ids(result.token_ids) if last_rendered is not None else None
             bound_base = None
             if prompt_ids is not None:
                 sent_reply = _assistant_message(result) if result.status == "ok" else tp.reference_reply
@@ -759,7 +769,7 @@ def run_session(
                 prev_generated = []
                 if history_mode == "token_ids":
                     prev_generated = _stand_in_ids(tok, tp.reference_reply, joiner)
-            prev_prompt = list(prompt_ids) if prompt_ids is not None else None
+            prev_prompt = last_rendered
             if history_mode == "token_ids" and prev_prompt is not None and prev_generated is None:
                 prev_prompt = None  # the stand-in could not be built from ids: re-render next turn
                 prev_generated = []
@@ -773,6 +783,11 @@ def run_session(
         raise
     finish_session("ok" if all_ok else "error")
     return out
+
+
+def _ids(seq: Sequence[int]) -> array:
+    """Token ids as a compact ``array('q')`` (64-bit signed)."""
+    return array("q", seq)
 
 
 def _token_bound(messages: Sequence[dict[str, Any]]) -> int:
