@@ -72,3 +72,17 @@ def test_invalid_topology_names_file_and_field(tmp_path, text, expected):
     with pytest.raises(TopologyError, match=expected) as err:
         load_topology(path)
     assert str(path) in str(err.value)
+
+
+def test_vendor_aggregated_baseline_topology():
+    """The GPU baseline for the sweep: one aggregated worker, TP 8 on 8 GPUs, prefix caching on, no
+    connector; it runs only the aggregated mode."""
+    topo = load_topology(TOPOLOGIES / "vendor-h200-aggregated.yaml")
+    assert topo.modes() == ["aggregated"] and topo.max_model_len == 32768
+    (agg,) = mode_workers("aggregated", topo)
+    argv, env = worker_command(agg)
+    assert flag(argv, "--tensor-parallel-size") == "8" and "--enable-prefix-caching" in argv
+    assert "--kv-transfer-config" not in argv and env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
+    assert flag(argv, "--max-model-len") == "32768"
+    with pytest.raises(ValueError, match="cannot run mode 'pd'"):
+        mode_workers("pd", topo)
