@@ -119,16 +119,17 @@ def _turns(w, rid: str, mode: str, prefix: int, start: dt.datetime) -> None:
                            "expected_reusable_tokens": reusable(prefix, FAILED[3]), "reuse": "hit"})
 
 
-def _metrics(w, rid: str, mode: str, prefix: int, start: dt.datetime) -> None:
+def _metrics(w, rid: str, mode: str, prefix: int, start: dt.datetime, counter: bool = True) -> None:
     p = "http://127.0.0.1:8100"
     labels = {"model_name": "turnscope-tiny", "engine": "0"}
     reused = reused_by_run(mode, prefix)
     for i, frac in enumerate((0.0, 0.5, 1.0)):
         at = start + dt.timedelta(seconds=20 * i)
         role = "aggregated" if mode == "aggregated" else "prefill"
-        w.append("metric_samples", {"run_id": rid, "scraped_at": at, "endpoint": p, "role": role,
-                                    "name": PFX_COUNTER, "labels": labels | {"source": "external_kv_transfer"},
-                                    "value": 7.0 + frac * reused})
+        if counter:
+            w.append("metric_samples", {"run_id": rid, "scraped_at": at, "endpoint": p, "role": role,
+                                        "name": PFX_COUNTER, "labels": labels | {"source": "external_kv_transfer"},
+                                        "value": 7.0 + frac * reused})
         if mode.startswith("pd-bidir"):
             for name, total in (("vllm:nixl_xfer_time_seconds_sum", 0.1),
                                 ("vllm:nixl_bytes_transferred_sum", 0.1 * BANDWIDTH[prefix])):
@@ -136,8 +137,9 @@ def _metrics(w, rid: str, mode: str, prefix: int, start: dt.datetime) -> None:
                                             "name": name, "labels": labels, "value": 3.0 + frac * total})
 
 
-def build(root: Path) -> Path:
-    """Write the store under `root`; returns `root`."""
+def build(root: Path, no_counter: tuple[str, ...] = ()) -> Path:
+    """Write the store under `root`; returns `root`. The modes in `no_counter` get no
+    external_kv_transfer samples (P not scraped)."""
     store = Store(root)
     store.init()
     rid = run_id(OLD_SWEEP, "pd-nocache", 500)
@@ -158,5 +160,5 @@ def build(root: Path) -> Path:
             with store.writer(rid, "test") as w:
                 w.append("runs_log", _run_row(rid, mode, SWEEP_ID, prefix, index, start))
                 _turns(w, rid, mode, prefix, start)
-                _metrics(w, rid, mode, prefix, start)
+                _metrics(w, rid, mode, prefix, start, counter=mode not in no_counter)
     return root

@@ -81,8 +81,9 @@ row = mine.iloc[0]
 st.caption(
     f"`{row['sweep_name']}`, {row['sweep_scale']} scale: {field} = "
     + ", ".join(f"{int(v):,}" for v in sorted(mine["prefix_tokens"].dropna().unique()))
-    + f" tokens; {int(row['sessions'])} conversations x {int(row['users'])} concurrent per point; "
-    f"history `{history}`; {len(mine)} runs ({', '.join(sorted(mine['status'].unique()))})."
+    + (f" tokens; {int(row['sessions'])} conversations x {int(row['users'])} concurrent per point; "
+       if pd.notna(row["sessions"]) and pd.notna(row["users"]) else " tokens; ")
+    + f"history `{history}`; {len(mine)} runs ({', '.join(sorted(mine['status'].unique()))})."
 )
 
 stats = sweep.point_stats(turns, min_turn)
@@ -102,12 +103,14 @@ st.plotly_chart(sweep_figures.speedup_vs_prefix(sp, limit, stat, x_title), key="
 # --- did reuse really happen ------------------------------------------------------------------
 ext = transfer.groupby(["prefix_tokens", "mode"], as_index=False)[["external_kv_tokens", "reused_tokens"]].sum()
 for mode in sorted(m for m in stats["mode"].unique() if str(m).startswith("pd-bidir")):
-    s_mode = stats[stats["mode"] == mode]
-    e_mode = ext[ext["mode"] == mode]
-    if (s_mode["hits"].sum() == 0 and min_turn <= 1) or e_mode["external_kv_tokens"].sum() == 0:
-        st.warning(f"`{mode}` reused nothing from the decode worker in this sweep ({int(s_mode['hits'].sum())} hits, "
-                   f"{int(e_mode['external_kv_tokens'].sum())} external_kv_transfer tokens on P): it measured "
-                   "recomputation only.")
+    hits = int(stats.loc[stats["mode"] == mode, "hits"].sum())
+    pulled = int(ext.loc[ext["mode"] == mode, "external_kv_tokens"].sum())
+    if hits == 0:
+        st.warning(f"`{mode}` reused nothing from the decode worker in this sweep (no hit; {pulled} "
+                   "external_kv_transfer tokens on P): it measured recomputation only.")
+    elif pulled == 0:
+        st.warning(f"`{mode}` has {hits} hits by the proxy's account, but the prefill worker's "
+                   "external_kv_transfer counter did not rise (was P scraped?): check before trusting its numbers.")
 
 st.subheader("Per point and mode")
 table = stats.merge(ext, on=["prefix_tokens", "mode"], how="left")

@@ -196,3 +196,11 @@ def test_page_holds_no_lock(monkeypatch, root):
 
     open_sweep(monkeypatch, root)
     duckdb.connect(str(root / "turnscope.duckdb")).close()  # what a writer creating views needs
+
+
+def test_hits_without_the_prefill_counter_are_flagged(monkeypatch, tmp_path):
+    at = open_sweep(monkeypatch, sx.build(tmp_path / "store", no_counter=("pd-bidir",)))
+    # pd-bidir: 2 points x 3 sessions x 2 later turns = 12 hits by the proxy, no P counter.
+    assert [w.value for w in at.warning] == [
+        ("`pd-bidir` has 12 hits by the proxy's account, but the prefill worker's external_kv_transfer counter "
+         "did not rise (was P scraped?): check before trusting its numbers.")]
