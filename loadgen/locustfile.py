@@ -84,6 +84,7 @@ from loadgen.session import (
     run_session,
 )
 from loadgen.store import Store
+from loadgen.stream_client import GeventClient
 from loadgen.synth_text import SynthError, TextSynth, counter_from
 from loadgen.traces.taubench import DEFAULT_TRACE, TraceFormatError, load_taubench
 from loadgen.workload import Workload, WorkloadError, describe, load_workload, plan_workload
@@ -98,6 +99,10 @@ _MSG_SESSION = "turnscope_session"
 _MSG_DONE = "turnscope_done"
 _WANT_TIMEOUT_S = 120.0
 _GC_GEN0_THRESHOLD = 100_000  # allocations between young collections (CPython's default: 700)
+# Idle connections are dropped by the client before servers close them: uvicorn (vLLM, the proxy)
+# closes idle keep-alive connections after 5 s, and a request sent on one as it closes fails with
+# "Server disconnected without sending a response" (an artefact of the client, not the server's).
+_KEEPALIVE_S = 2.0
 
 
 # ------------------------------------------------------------------------------------ options
@@ -504,19 +509,23 @@ def _on_quitting(environment: Any, **_: Any) -> None:
 class AgentSession(User):
     """One agent session at a time: asks the master for a session, plays it, repeats.
 
-    Uses an ``httpx.Client`` against ``self.host`` (not Locust's HttpUser: the turn is timed by
-    ``loadgen.stream_client``). Waits between turns hold the user, like a real agent.
+    Streams its turns with a :class:`loadgen.stream_client.GeventClient` (geventhttpclient, the
+    engine of Locust's FastHttpUser, a third of httpx's CPU per turn) and calls ``/tokenize`` with
+    an ``httpx.Client``; the turn is timed by ``loadgen.stream_client``, not by Locust. Waits
+    between turns hold the user, like a real agent.
     """
 
     wait_time = constant(0)
 
     def on_start(self) -> None:
-        self.http = httpx.Client(verify=_ssl_context())
+        self.http = httpx.Client(verify=_ssl_context(), limits=httpx.Limits(keepalive_expiry=_KEEPALIVE_S))
+        self.stream = GeventClient(ssl_context=_ssl_context())
 
     def on_stop(self) -> None:
-        client = getattr(self, "http", None)
-        if client is not None:
-            client.close()
+        for name in ("http", "stream"):
+            client = getattr(self, name, None)
+            if client is not None:
+                client.close()
 
     @task
     def play_session(self) -> None:
@@ -545,6 +554,7 @@ class AgentSession(User):
             extra_body=req["extra_body"],
             on_turn=self._fire,
             keep_turns=False,
+            stream_client=self.stream,
         )
         log.info("turnscope: session %s played: %s turns, %s (%s)", plan.session_id,
                  result.session_row["turns"] if result.session_row else "?",

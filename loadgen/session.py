@@ -56,7 +56,7 @@ from typing import Any, Protocol
 import httpx
 import numpy as np
 
-from loadgen.stream_client import TurnResult, stream_turn
+from loadgen.stream_client import GeventClient, TurnResult, stream_turn
 from loadgen.token_prompt import (
     TemplateJoinError,
     TurnJoiner,
@@ -492,6 +492,7 @@ def run_session(
     sleep: Callable[[float], None] | None = None,
     tokenizer: Tokenizer | None = None,
     keep_turns: bool = True,
+    stream_client: httpx.Client | GeventClient | None = None,
 ) -> SessionResult:
     """Play ``plan`` turn by turn, record each turn and the session, and return what happened.
 
@@ -516,6 +517,8 @@ def run_session(
         tokenizer: the ``/tokenize`` client (default: one on ``client``/``base_url``/``model``).
         keep_turns: keep every :class:`TurnRecord` in the result (False: only the session row and
             ``stopped``; what a load generator with thousands of live sessions wants).
+        stream_client: the client the streamed turns go through (default ``client``); e.g. a
+            :class:`loadgen.stream_client.GeventClient` under Locust.
 
     Returns:
         :class:`SessionResult` (its ``turns`` include fresh side requests). The ``sessions`` row:
@@ -613,7 +616,7 @@ def run_session(
         gap = 0.0 if last_end is None else send - last_end
         if first_send is None:
             first_send = send
-        result = stream_turn(client, path_url, body, headers=hdrs, timeout_s=timeout_s)
+        result = stream_turn(stream_client or client, path_url, body, headers=hdrs, timeout_s=timeout_s)
         last_end = time.perf_counter()
         if first_sent_at is None:
             first_sent_at = result.sent_at

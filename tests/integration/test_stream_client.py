@@ -15,12 +15,31 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadgen.stream_client import stream_turn
+from loadgen.stream_client import GeventClient, stream_turn
 from tests.integration.http_stub import Script, StubServer, events_script
 
 REPO = Path(__file__).resolve().parents[2]
 CASES = REPO.parent / "shared" / "cases" / "sse"
 CASE_FILES = sorted(CASES.glob("*.json"))
+TRANSPORT = {"name": "httpx"}
+HTTPX_ONLY = {"test_stream_concurrent_threads_share_client"}
+
+
+@pytest.fixture(autouse=True, params=["httpx", "gevent"])
+def transport(request):
+    """Every test runs with both transports of stream_turn (httpx.Client and GeventClient),
+    except those that are about one of them."""
+    if request.param == "gevent" and request.node.originalname in HTTPX_ONLY:
+        pytest.skip("about the httpx transport: GeventClient is for one gevent thread")
+    TRANSPORT["name"] = request.param
+    yield request.param
+
+
+def make_client():
+    """A client of the transport under test (a context manager)."""
+    return GeventClient() if TRANSPORT["name"] == "gevent" else httpx.Client()
+
+
 KNOWN_EXPECT = {"status", "error_contains", "ttft_ms", "itl_ms", "completion_tokens", "prompt_tokens",
                 "e2e_ms", "time_to_first_content_ms", "text", "tolerance_ms"}
 
@@ -46,7 +65,7 @@ class Turn:
     """
 
     def __init__(self, stub: StubServer, path: str, body: dict, tol_ms: float = 8, **kw: object):
-        with httpx.Client() as client:
+        with make_client() as client:
             t_call = time.perf_counter()
             self.r = stream_turn(client, stub.url + path, body, **kw)
         self.shift_s = stub.arrived_at() - t_call
@@ -123,7 +142,7 @@ def test_stream_split_fragments_ttft_is_when_event_completes() -> None:
 def test_stream_forces_stream_options_and_keeps_caller_body() -> None:
     body = {"model": "m", "messages": [], "stream": False, "stream_options": {"include_usage": False}}
     with StubServer(Script(fragments=[(0.0, _chunk({"content": "x"})), (0.0, b"data: [DONE]\n\n")])) as stub, \
-            httpx.Client() as client:
+            make_client() as client:
         r = stream_turn(client, stub.url + "/v1/chat/completions", body, headers={"X-Session-ID": "s1"})
     sent = stub.requests[0]
     assert sent["body"]["stream"] is True
@@ -137,7 +156,7 @@ def test_stream_http_500() -> None:
     script = Script(status=500, headers={"Content-Type": "application/json"},
                     fragments=[(0.0, json.dumps({"object": "error", "message": "engine dead",
                                                  "type": "InternalServerError", "code": 500}).encode())])
-    with StubServer(script) as stub, httpx.Client() as client:
+    with StubServer(script) as stub, make_client() as client:
         r = stream_turn(client, stub.url + "/v1/chat/completions", {"model": "m", "messages": []})
     assert (r.status, r.http_status) == ("error", 500)
     assert r.error == "HTTP 500: engine dead"
@@ -147,7 +166,7 @@ def test_stream_http_500() -> None:
 def test_stream_http_400_openai_error_shape() -> None:
     script = Script(status=400, headers={"Content-Type": "application/json"},
                     fragments=[(0.0, b'{"error": {"message": "max_tokens too large", "code": 400}}')])
-    with StubServer(script) as stub, httpx.Client() as client:
+    with StubServer(script) as stub, make_client() as client:
         r = stream_turn(client, stub.url + "/v1/completions", {"model": "m", "prompt": "x"})
     assert (r.status, r.http_status, r.error) == ("error", 400, "HTTP 400: max_tokens too large")
 
@@ -172,7 +191,7 @@ def test_stream_connect_refused() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed when the block ends: nothing listens there
-    with httpx.Client() as client:
+    with make_client() as client:
         r = stream_turn(client, f"http://127.0.0.1:{port}/v1/chat/completions", {"model": "m"}, timeout_s=2)
     assert r.status == "error" and "ConnectError" in r.error and r.http_status is None
 
@@ -196,7 +215,7 @@ def test_stream_connection_dropped_mid_stream() -> None:
 
 def test_stream_clean_end_without_done_is_error() -> None:
     script = Script(fragments=[(0.0, _chunk({"content": "a"}))])
-    with StubServer(script) as stub, httpx.Client() as client:
+    with StubServer(script) as stub, make_client() as client:
         r = stream_turn(client, stub.url + "/v1/chat/completions", {"model": "m"})
     assert r.status == "error" and "[DONE]" in r.error and r.text == "a"
 
@@ -205,14 +224,14 @@ def test_stream_error_event_mid_stream() -> None:
     script = Script(fragments=[(0.0, _chunk({"content": "a"})),
                                (0.0, b'data: {"error": {"message": "KV load failed", "code": 500}}\n\n'),
                                (0.0, b"data: [DONE]\n\n")])
-    with StubServer(script) as stub, httpx.Client() as client:
+    with StubServer(script) as stub, make_client() as client:
         r = stream_turn(client, stub.url + "/v1/chat/completions", {"model": "m"})
     assert r.status == "error" and "KV load failed" in r.error
 
 
 def test_stream_not_event_stream() -> None:
     script = Script(headers={"Content-Type": "application/json"}, fragments=[(0.0, b'{"choices": []}')])
-    with StubServer(script) as stub, httpx.Client() as client:
+    with StubServer(script) as stub, make_client() as client:
         r = stream_turn(client, stub.url + "/v1/chat/completions", {"model": "m"})
     assert r.status == "error" and "text/event-stream" in r.error
 
@@ -277,7 +296,7 @@ def test_stream_concurrent_threads_share_client() -> None:
     script = Script(fragments=[(0.3, _chunk({"content": "a"}, usage={**u, "completion_tokens": 1})),
                                (0.3, b"data: [DONE]\n\n")])
     results = []
-    with StubServer(script) as stub, httpx.Client() as client:
+    with StubServer(script) as stub, make_client() as client:
         ts = [threading.Thread(target=lambda: results.append(
             stream_turn(client, stub.url + "/v1/chat/completions", {"model": "m"}))) for _ in range(4)]
         t = time.perf_counter()
@@ -295,9 +314,9 @@ def test_stream_concurrent_threads_share_client() -> None:
 GEVENT_SCRIPT = r"""
 from gevent import monkey; monkey.patch_all()
 import json, sys, time, gevent, httpx
-from loadgen.stream_client import stream_turn
+from loadgen.stream_client import GeventClient, stream_turn
 url = sys.argv[1]
-with httpx.Client() as client:
+with (GeventClient() if sys.argv[2] == "gevent" else httpx.Client()) as client:
     t = time.perf_counter()
     gs = [gevent.spawn(stream_turn, client, url, {"model": "m"}) for _ in range(4)]
     gevent.joinall(gs)
@@ -306,12 +325,12 @@ print(json.dumps({"took": took, "res": [[g.value.status, g.value.ttft_s, g.value
 """
 
 
-def test_stream_under_gevent_monkey_patching() -> None:
+def test_stream_under_gevent_monkey_patching(transport) -> None:
     u = {"prompt_tokens": 1}
     script = Script(fragments=[(0.3, _chunk({"content": "caf\u00e9"}, usage={**u, "completion_tokens": 1})),
                                (0.3, b"data: [DONE]\n\n")])
     with StubServer(script) as stub:
-        out = subprocess.run([sys.executable, "-c", GEVENT_SCRIPT, stub.url + "/v1/chat/completions"],
+        out = subprocess.run([sys.executable, "-c", GEVENT_SCRIPT, stub.url + "/v1/chat/completions", transport],
                              check=False, cwd=REPO, capture_output=True, text=True, timeout=60,
                              env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 0, out.stderr
