@@ -38,6 +38,8 @@ EPILOG = """Examples:
 
   turnscope eval --workload data/workloads/mixed.yaml --time-scale 0.05
 
+  turnscope sweep                                       # the vendor's prefix sweep, 5 modes x 4 points (~13 min)
+
   turnscope serve --mode pd-bidir                       # then: locust -f loadgen/locustfile.py --host http://127.0.0.1:8200
 
   turnscope serve --topology data/topologies/vendor-h200-1p1d.yaml --mode pd-bidir --dry-run
