@@ -120,7 +120,10 @@ class StubApp:
                  "usage": {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n}}
             return b"data: " + json.dumps(c).encode() + b"\n\n"
 
-        await send({"type": "http.response.body", "body": chunk({"role": "assistant", "content": ""}, 0),
+        first = json.loads(chunk({"role": "assistant", "content": ""}, 0)[6:])
+        if req.get("return_token_ids"):  # vLLM: the rendered prompt's ids on the first chunk (chat)
+            first["prompt_token_ids"] = _encode(_render(req["messages"], True))
+        await send({"type": "http.response.body", "body": b"data: " + json.dumps(first).encode() + b"\n\n",
                     "more_body": True})
         deadline = arrival + injected
         for i in range(n_out):
