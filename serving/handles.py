@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import dataclasses
 import heapq
 import time
 from collections import OrderedDict
@@ -113,7 +112,8 @@ class _Entry:
     taken_age_s: float | None = None  # age of the handle the last take() popped (expired ones too)
     seen: bool = False               # a turn of this session was served before
     no_handle: bool = False          # its last finished turn returned no handle
-    expired: Handle | None = None    # the handle dropped at expiry, without its ids (for take's outcome)
+    expired_created_at: float | None = None  # when the handle dropped at expiry was stored (take's age)
+    handle_seq: int = 0              # which put() stored ``handle`` (matched by the expiry sweep)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -136,7 +136,8 @@ class HandleTable:
         self.max_sessions = max_sessions
         self._clock = clock
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
-        self._expiry: list[tuple[float, int, str, Handle]] = []  # heap of (expires_at, seq, session, handle)
+        # (expires_at, seq of the put, session): no reference to the handle, so a consumed one is freed at once
+        self._expiry: list[tuple[float, int, str]] = []
         self._seq = 0
 
     def lock(self, session_id: str) -> asyncio.Lock:
@@ -147,11 +148,11 @@ class HandleTable:
         """Drop every handle past its expiry (its session keeps a marker without the ids)."""
         now = self._clock()
         while self._expiry and self._expiry[0][0] <= now:
-            _, _, session_id, handle = heapq.heappop(self._expiry)
+            _, seq, session_id = heapq.heappop(self._expiry)
             entry = self._entries.get(session_id)
-            if entry is not None and entry.handle is handle:
+            if entry is not None and entry.handle is not None and entry.handle_seq == seq:
+                entry.expired_created_at = entry.handle.created_at
                 entry.handle = None
-                entry.expired = dataclasses.replace(handle, token_ids=[], params={})
 
     def _entry(self, session_id: str) -> _Entry:
         self._sweep()
@@ -175,9 +176,10 @@ class HandleTable:
             entry.seen = True
             return None, MISS_FIRST_TURN
         handle, entry.handle = entry.handle, None
-        if handle is None and entry.expired is not None:
-            handle = entry.expired  # dropped at expiry: only its times are left
-        entry.expired = None
+        expired_created_at, entry.expired_created_at = entry.expired_created_at, None
+        if handle is None and expired_created_at is not None:  # dropped at expiry: only its time is left
+            entry.taken_age_s = self._clock() - expired_created_at
+            return None, MISS_EXPIRED
         entry.taken_age_s = None if handle is None else self._clock() - handle.created_at
         if handle is None:
             return None, MISS_NO_HANDLE_RETURNED if entry.no_handle else MISS_CONSUMED
@@ -199,10 +201,11 @@ class HandleTable:
         entry = self._entry(session_id)
         entry.seen = True
         entry.no_handle = False
-        entry.expired = None
+        entry.expired_created_at = None
         entry.handle = handle
         self._seq += 1
-        heapq.heappush(self._expiry, (handle.expires_at, self._seq, session_id, handle))
+        entry.handle_seq = self._seq
+        heapq.heappush(self._expiry, (handle.expires_at, self._seq, session_id))
         return handle
 
     def mark_no_handle(self, session_id: str) -> None:
@@ -210,7 +213,7 @@ class HandleTable:
         entry = self._entry(session_id)
         entry.seen = True
         entry.handle = None
-        entry.expired = None
+        entry.expired_created_at = None
         entry.no_handle = True
 
     def live_handles(self) -> list[Handle]:

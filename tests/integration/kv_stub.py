@@ -272,6 +272,32 @@ def kv_app(role: str, port: int, *, block_size: int = 4, ttl_s: float = 480.0, s
         obj = "chat.completion.chunk" if chat else "text_completion"
         P = len(prompt)
 
+        def keep_blocks() -> dict[str, Any] | None:
+            """D's handle (bidirectional): its blocks with the KV of prompt + generated[:-1]."""
+            if leg != "decode" or not params:
+                return None
+            mem.expire()
+            kept = kv + gen[:-1]
+            blocks = mem.hold(rid, kept, ttl_s)
+            return {"do_remote_prefill": False, "do_remote_decode": True, "remote_block_ids": [blocks],
+                    "remote_engine_id": engine_id, "remote_request_id": rid, "remote_host": "127.0.0.1",
+                    "remote_port": port, "remote_num_tokens": len(kept), "remote_blocks_expiry_time": time.time() + ttl_s}
+
+        if not body.get("stream"):
+            async with lock:
+                handle = keep_blocks()
+            choice: dict[str, Any] = {"index": 0, "token_ids": gen, "finish_reason": "length"}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": decode_text(gen)}
+            else:
+                choice.update(text=decode_text(gen), prompt_token_ids=prompt)
+            resp = {"id": rid, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+                    "usage": {"prompt_tokens": P, "completion_tokens": n, "total_tokens": P + n},
+                    "kv_transfer_params": handle}
+            if chat:
+                resp["prompt_token_ids"] = prompt
+            return JSONResponse(resp)
+
         def chunk(i: int, t: int | None, finish: str | None = None) -> str:
             choice: dict[str, Any] = {"index": 0, "token_ids": [] if t is None else [t], "finish_reason": finish}
             piece = "" if t is None else decode_text([t])
@@ -301,15 +327,9 @@ def kv_app(role: str, port: int, *, block_size: int = 4, ttl_s: float = 480.0, s
                     await asyncio.sleep(itl_s)
                 yield chunk(i, t)
             yield chunk(len(gen), None, "length")
-            if leg == "decode" and params:
-                async with lock:
-                    mem.expire()
-                    kept = kv + gen[:-1]
-                    blocks = mem.hold(rid, kept, ttl_s)
-                handle = {"do_remote_prefill": False, "do_remote_decode": True, "remote_block_ids": [blocks],
-                          "remote_engine_id": engine_id, "remote_request_id": rid, "remote_host": "127.0.0.1",
-                          "remote_port": port, "remote_num_tokens": len(kept),
-                          "remote_blocks_expiry_time": time.time() + ttl_s}
+            async with lock:
+                handle = keep_blocks()
+            if handle is not None:
                 yield f"data: {json.dumps({'id': rid, 'object': obj, 'choices': [], 'kv_transfer_params': handle})}\n\n"
             yield "data: [DONE]\n\n"
 

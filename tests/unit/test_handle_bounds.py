@@ -27,8 +27,8 @@ def test_expired_handles_are_dropped_with_their_ids_and_still_read_expired():
     # handles stored in the last 10 s: 100 (puts at t = 90.0 .. 99.9; t is now 100.0)
     assert table.held_handles() == len(table.live_handles()) == 100
     kept_ids = sum(len(e.handle.token_ids) for e in table._entries.values() if e.handle is not None)
-    expired_ids = sum(len(e.expired.token_ids) for e in table._entries.values() if e.expired is not None)
-    assert kept_ids == 100 * 4000 and expired_ids == 0
+    markers = sum(e.expired_created_at is not None for e in table._entries.values())
+    assert kept_ids == 100 * 4000 and markers == 900  # the expired ones keep a time, not their ids
     assert len(table) == 1000  # small markers remain (bounded by max_sessions), so a late turn reads:
     handle, outcome = table.take("s0")
     assert (handle, outcome) == (None, h.MISS_EXPIRED)
@@ -59,3 +59,17 @@ def test_sessions_are_bounded_by_max_sessions():
         table.put(f"s{i}", params(4), "d", [1, 2, 3, 4])
     assert len(table) == 50 and table.held_handles() == 50
     assert table.take("s0") == (None, h.MISS_FIRST_TURN)  # forgotten: least recently used first out
+
+
+def test_a_consumed_handle_is_not_kept_alive_by_the_table():
+    import gc
+    import weakref
+
+    table = h.HandleTable(ttl_s=10.0, clock=Clock())
+    table.take("s")
+    table.put("s", params(4), "d", [1, 2, 3, 4])
+    handle, outcome = table.take("s")
+    ref = weakref.ref(handle)
+    del handle
+    gc.collect()
+    assert outcome is None and ref() is None  # freed once the proxy is done with it
