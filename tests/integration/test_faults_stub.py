@@ -250,7 +250,9 @@ def test_workers_killed_mid_request_are_failed_turns_and_sessions_go_on(store, t
     assert got == [("ok", "miss_first_turn", 200), ("error", "hit", 200), ("ok", "miss_no_handle_returned", 200),
                    ("error", None, 502), ("ok", "miss_consumed", 200), ("ok", "hit", 200)]
     assert "decode worker decode-0: RemoteProtocolError" in result.turns[1].row["error"]
-    assert "HTTP 502: prefill worker prefill-0: ConnectError" in result.turns[3].row["error"]
+    err = result.turns[3].row["error"]  # the retry finds P dead: refused, or reset on a pooled connection
+    assert err.startswith("HTTP 502: prefill worker prefill-0: ") and any(
+        k in err for k in ("ConnectError", "ReadError", "RemoteProtocolError")), err
     assert result.session_row["turns"] == 6 and result.session_row["status"] == "error"
     # the turn killed mid-stream kept what it measured before the kill: its first 2 tokens
     assert result.turns[1].result.token_ids == expected_output(result.turns[1])[:2]
