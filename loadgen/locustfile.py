@@ -4,7 +4,7 @@ Run it headless, with the web UI, or distributed::
 
     locust -f loadgen/locustfile.py --headless -u 4 -r 4 --host http://127.0.0.1:8000 \\
         --turnscope-store data --turnscope-run-id demo1 --turnscope-sessions 20 --turnscope-history text
-    locust -f loadgen/locustfile.py --master --headless -u 8 -r 8 --expect-workers 2 --host ...
+    locust -f loadgen/locustfile.py --master --master-bind-host 0.0.0.0 --headless -u 8 -r 8 --expect-workers 2 --host ...
     locust -f loadgen/locustfile.py --worker --master-host 10.0.0.5      # on each load machine
     locust -f loadgen/locustfile.py --headless -u 16 -r 16 --host ... \
         --turnscope-workload data/workloads/mixed.yaml --turnscope-time-scale 0.05 \
