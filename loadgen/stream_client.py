@@ -233,28 +233,36 @@ class GeventClient:
     load generator spends is what delays the moment a token is timestamped. Give it to
     :func:`stream_turn` instead of an ``httpx.Client``; SSE is still parsed by httpx-sse.
 
-    One connection pool per (origin, timeout), ``concurrency`` connections each. A request whose
-    pooled connection turns out closed before any byte of the response (a server that dropped an
-    idle keep-alive connection as the request went out) is sent once more on a new connection, as
-    Go's net/http does for reused connections; any other failure is reported, never retried.
+    One connection pool per (origin, timeout), ``concurrency`` connections each. Connections idle
+    for ``keepalive_s`` are dropped before they are used again (uvicorn, under vLLM and the proxy,
+    closes idle connections after 5 s; a request sent on one as it closes would fail). A request
+    whose pooled connection still turns out closed before any byte of the response is sent once
+    more on a new connection, as Go's net/http does for reused connections; any other failure is
+    reported, never retried.
 
     Args:
         concurrency: connections per origin (a session streams one turn at a time: a few suffice).
         ssl_context: TLS context for ``https`` origins (shared, so none is built per connection).
+        keepalive_s: idle seconds after which pooled connections are not reused.
     """
 
-    def __init__(self, concurrency: int = 4, ssl_context: Any = None):
+    def __init__(self, concurrency: int = 4, ssl_context: Any = None, keepalive_s: float = 2.0):
         self.concurrency = concurrency
         self.ssl_context = ssl_context
+        self.keepalive_s = keepalive_s
         self._pools: dict[tuple[str, str, int, float], Any] = {}
+        self._last_used: dict[tuple[str, str, int, float], float] = {}
 
-    def _pool(self, url: str, timeout_s: float) -> tuple[Any, str]:
+    def _pool(self, url: str, timeout_s: float) -> tuple[Any, str, tuple[str, str, int, float]]:
         from geventhttpclient import HTTPClient
         from geventhttpclient.url import URL
 
         u = URL(url)
         key = (u.scheme, u.host, u.port, float(timeout_s))
         pool = self._pools.get(key)
+        if pool is not None and time.monotonic() - self._last_used.get(key, 0.0) > self.keepalive_s:
+            pool.close()  # its idle connections may be closing on the server's side: start afresh
+            pool = None
         if pool is None:
             kw: dict[str, Any] = {"concurrency": self.concurrency, "connection_timeout": timeout_s,
                                   "network_timeout": timeout_s}
@@ -262,23 +270,35 @@ class GeventClient:
                 ctx = self.ssl_context
                 kw["ssl_context_factory"] = lambda *a, **k: ctx
             pool = self._pools[key] = HTTPClient.from_url(u, **kw)
-        return pool, u.request_uri
+        self._last_used[key] = time.monotonic()
+        return pool, u.request_uri, key
 
     def post(self, url: str, body: bytes, headers: dict[str, str], timeout_s: float) -> Any:
-        """POST and return the response once its headers are in (the body is read by the caller)."""
+        """POST and return the response once its headers are in (the body is read by the caller,
+        who calls :meth:`done` with it afterwards)."""
         from geventhttpclient.response import HTTPConnectionClosed
 
-        pool, uri = self._pool(url, timeout_s)
+        pool, uri, key = self._pool(url, timeout_s)
         try:
-            return pool.request("POST", uri, body=body, headers=headers)
+            resp = pool.request("POST", uri, body=body, headers=headers)
         except HTTPConnectionClosed:
-            return pool.request("POST", uri, body=body, headers=headers)
+            resp = pool.request("POST", uri, body=body, headers=headers)
+        resp._turnscope_pool_key = key
+        return resp
+
+    def done(self, resp: Any) -> None:
+        """Release ``resp``'s connection (pooled when its body was read to the end, else closed)."""
+        resp.release()
+        key = getattr(resp, "_turnscope_pool_key", None)
+        if key is not None:
+            self._last_used[key] = time.monotonic()
 
     def close(self) -> None:
         """Close every pooled connection."""
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
+        self._last_used.clear()
 
     def __enter__(self) -> Self:
         return self
@@ -406,7 +426,7 @@ def _exchange_gevent(client: GeventClient, url: str, payload: dict, req_headers:
             st.failure = ("error", f"ReadError: {type(e).__name__}: {e}")
     finally:
         if resp is not None:
-            resp.release()  # back to the pool when the body was read to its end, else closed
+            client.done(resp)  # back to the pool when the body was read to its end, else closed
 
 
 def stream_turn(

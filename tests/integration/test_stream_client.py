@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import gevent.socket
 import httpx
 import pytest
 
@@ -36,8 +37,12 @@ def transport(request):
 
 
 def make_client():
-    """A client of the transport under test (a context manager)."""
-    return GeventClient() if TRANSPORT["name"] == "gevent" else httpx.Client()
+    """A client of the transport under test (a context manager). gevent resolves addresses on a
+    thread pool that starts with the first lookup: started here, before anything is timed."""
+    if TRANSPORT["name"] == "gevent":
+        gevent.socket.getaddrinfo("127.0.0.1", 80)
+        return GeventClient()
+    return httpx.Client()
 
 
 KNOWN_EXPECT = {"status", "error_contains", "ttft_ms", "itl_ms", "completion_tokens", "prompt_tokens",
@@ -339,3 +344,59 @@ def test_stream_under_gevent_monkey_patching(transport) -> None:
     for status, ttft, text in res["res"]:
         assert status == "ok" and text == "caf\u00e9"
         assert ttft == pytest.approx(0.3, abs=0.05)
+
+
+def test_idle_keep_alive_connections_closed_by_the_server_are_not_failures(transport) -> None:
+    """uvicorn (vLLM, the proxy) closes idle keep-alive connections: a turn after a long gap must
+    not fail on the closed pooled connection (it did, as 'Server disconnected without sending a
+    response', before idle connections were dropped client-side)."""
+    import asyncio
+
+    import uvicorn
+
+    chunks = [(b'data: {"choices": [{"index": 0, "delta": {"content": "a"}}], '
+              b'"usage": {"prompt_tokens": 1, "completion_tokens": 1}}\n\n'), b"data: [DONE]\n\n"]
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for c in chunks:
+            await send({"type": "http.response.body", "body": c, "more_body": True})
+            await asyncio.sleep(0.01)
+        await send({"type": "http.response.body", "body": b""})
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_keep_alive=1, lifespan="off"))
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        with (GeventClient(keepalive_s=0.5) if transport == "gevent"
+              else httpx.Client(limits=httpx.Limits(keepalive_expiry=0.5))) as client:
+            results = []
+            for _ in range(3):
+                results.append(stream_turn(client, url, {"model": "m"}, timeout_s=5))
+                time.sleep(1.3)   # longer than the server's 1 s keep-alive timeout
+        assert [r.status for r in results] == ["ok"] * 3, [r.error for r in results]
+        if transport == "gevent":  # also when the client would still reuse it: one retry, no failure
+            with GeventClient(keepalive_s=60) as client:
+                results = []
+                for _ in range(3):
+                    results.append(stream_turn(client, url, {"model": "m"}, timeout_s=5))
+                    time.sleep(1.3)
+            assert [r.status for r in results] == ["ok"] * 3, [r.error for r in results]
+    finally:
+        server.should_exit = True
+        th.join(5)
