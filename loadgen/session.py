@@ -262,11 +262,12 @@ class Tokenizer:
         timeout_s: per request, seconds.
         retries: a request that cannot reach the server, or gets 502/503/504 (a proxy or worker
             restarting), is tried again this many times, 0.25 s after the first failure and twice
-            as long after each next one (about 4 s in all by default).
+            as long after each next one (about 16 s in all by default: a ``token_ids`` session
+            cannot build its next prompt without it, and would stop).
     """
 
     def __init__(self, client: httpx.Client, base_url: str, model: str, timeout_s: float = 30.0,
-                 retries: int = 4):
+                 retries: int = 6):
         self.client = client
         self.url = base_url.rstrip("/") + "/tokenize"
         self.model = model

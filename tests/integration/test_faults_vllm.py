@@ -30,7 +30,7 @@ import pytest
 
 from dashboard import queries, tables
 from loadgen.scraper import MetricsScraper
-from loadgen.session import SessionPlan, TurnPlan, run_session
+from loadgen.session import SessionPlan, Tokenizer, TurnPlan, run_session
 from loadgen.store import Store
 from loadgen.stream_client import stream_turn
 from serving.workers import WorkerProcess
@@ -174,6 +174,10 @@ def test_decode_killed_mid_stream_is_a_failed_turn_and_counters_survive_its_rest
                           TurnPlan([user(1)], REF, 0.0, "think", max_tokens=1000),
                           TurnPlan([user(2)], REF, 0.0, "think", max_tokens=HIT_GEN),
                           TurnPlan([user(3)], REF, 0.0, "think", max_tokens=16)])
+    # one request straight to D first, so its counters' series exist before the first scrape
+    r = httpx.post(d_url + "/v1/completions", json={"model": MODEL, "prompt": [11] * 20, "max_tokens": 2,
+                                                    "ignore_eos": True}, timeout=300)
+    assert r.status_code == 200, r.text
     with store.writer(run_id, "driver") as driver, store.writer(run_id, "scraper") as sw:
         driver.append("runs_log", row)
         scraper = MetricsScraper([(p_url, "prefill"), (d_url, "decode")], sw, run_id, interval_s=1.0)
@@ -330,8 +334,10 @@ def test_proxy_restart_mid_run_misses_once_and_gives_no_wrong_output(pd_bidir_st
         turns = [TurnPlan([user(k, 30 if k == 0 else 10, 3)], REF, 0.0 if k == 0 else 1.0,
                           "none" if k == 0 else "think", max_tokens=16) for k in range(8)]
         with client:
+            # a token_ids session renders its next prompt through the proxy: patient across the restart
+            tok = Tokenizer(client, url, MODEL, retries=8)
             results[sid] = run_session(session(sid, turns), client, url, MODEL, _NullWriter(), "proxy-restart",
-                                       mode, timeout_s=120, extra_body=IGNORE_EOS,
+                                       mode, timeout_s=120, extra_body=IGNORE_EOS, tokenizer=tok,
                                        on_turn=lambda rec: done.__setitem__(sid, done[sid] + 1))
 
     proxy = start_proxy()
