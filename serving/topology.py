@@ -161,7 +161,7 @@ def load_topology(path: Path) -> Topology:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(top)'}: {e['msg']}" for e in exc.errors())
         raise TopologyError(f"{path}: invalid topology: {problems}") from exc
     model = Path(topo.model)
-    if topo.launch and not model.is_absolute() and (path.parent / model).exists():
+    if topo.launch and not model.is_absolute():  # relative to the file, whether built yet or not
         topo.model = str((path.parent / model).resolve())
     return topo
 
