@@ -246,12 +246,13 @@ class GeventClient:
         keepalive_s: idle seconds after which pooled connections are not reused.
     """
 
-    def __init__(self, concurrency: int = 4, ssl_context: Any = None, keepalive_s: float = 2.0):
+    def __init__(self, concurrency: int = 4, ssl_context: Any = None, keepalive_s: float = 4.0):
         self.concurrency = concurrency
         self.ssl_context = ssl_context
         self.keepalive_s = keepalive_s
         self._pools: dict[tuple[str, str, int, float], Any] = {}
         self._last_used: dict[tuple[str, str, int, float], float] = {}
+        self._in_flight: dict[tuple[str, str, int, float], int] = {}
 
     def _pool(self, url: str, timeout_s: float) -> tuple[Any, str, tuple[str, str, int, float]]:
         from geventhttpclient import HTTPClient
@@ -259,10 +260,14 @@ class GeventClient:
 
         u = URL(url)
         key = (u.scheme, u.host, u.port, float(timeout_s))
+        now = time.monotonic()
         pool = self._pools.get(key)
-        if pool is not None and time.monotonic() - self._last_used.get(key, 0.0) > self.keepalive_s:
+        if (pool is not None and not self._in_flight.get(key)
+                and now - self._last_used.get(key, now) > self.keepalive_s):
             pool.close()  # its idle connections may be closing on the server's side: start afresh
+            del self._pools[key]
             pool = None
+        self._last_used[key] = now
         if pool is None:
             kw: dict[str, Any] = {"concurrency": self.concurrency, "connection_timeout": timeout_s,
                                   "network_timeout": timeout_s}
@@ -270,7 +275,14 @@ class GeventClient:
                 ctx = self.ssl_context
                 kw["ssl_context_factory"] = lambda *a, **k: ctx
             pool = self._pools[key] = HTTPClient.from_url(u, **kw)
-        self._last_used[key] = time.monotonic()
+            # The pool resolves its host for every new connection, on gevent's resolver thread
+            # pool (about 0.1 ms, and a wait on the event loop under load), inside the turn's
+            # timing. Resolve once per pool instead; an internal of geventhttpclient, used only
+            # when present.
+            cp = getattr(pool, "_connection_pool", None)
+            if cp is not None and callable(getattr(cp, "_resolve", None)):
+                addresses = cp._resolve()
+                cp._resolve = lambda: addresses
         return pool, u.request_uri, key
 
     def post(self, url: str, body: bytes, headers: dict[str, str], timeout_s: float) -> Any:
@@ -279,19 +291,30 @@ class GeventClient:
         from geventhttpclient.response import HTTPConnectionClosed
 
         pool, uri, key = self._pool(url, timeout_s)
+        self._in_flight[key] = self._in_flight.get(key, 0) + 1
         try:
-            resp = pool.request("POST", uri, body=body, headers=headers)
-        except HTTPConnectionClosed:
-            resp = pool.request("POST", uri, body=body, headers=headers)
+            try:
+                resp = pool.request("POST", uri, body=body, headers=headers)
+            except HTTPConnectionClosed:
+                resp = pool.request("POST", uri, body=body, headers=headers)
+        except BaseException:
+            self._release_key(key)
+            raise
         resp._turnscope_pool_key = key
         return resp
 
+    def _release_key(self, key: tuple[str, str, int, float]) -> None:
+        self._in_flight[key] = max(self._in_flight.get(key, 1) - 1, 0)
+        self._last_used[key] = time.monotonic()
+
     def done(self, resp: Any) -> None:
         """Release ``resp``'s connection (pooled when its body was read to the end, else closed)."""
-        resp.release()
-        key = getattr(resp, "_turnscope_pool_key", None)
-        if key is not None:
-            self._last_used[key] = time.monotonic()
+        try:
+            resp.release()
+        finally:
+            key = getattr(resp, "_turnscope_pool_key", None)
+            if key is not None:
+                self._release_key(key)
 
     def close(self) -> None:
         """Close every pooled connection."""
@@ -299,6 +322,7 @@ class GeventClient:
             pool.close()
         self._pools.clear()
         self._last_used.clear()
+        self._in_flight.clear()
 
     def __enter__(self) -> Self:
         return self
