@@ -95,15 +95,20 @@ def classify_prefill(offered: int, prompt_len: int, cached: int | None, local_es
     (``nixl/pull_scheduler.py: get_num_new_matched_tokens``): P pulls
     ``min(offered, prompt_len) - local_hit`` tokens unless that count is below
     ``kv_recompute_threshold``. So a report reaching ``min(offered, prompt_len)`` (one token of
-    slack: the scheduler may recompute the last one) is a pull (``hit``); a shortfall below the
-    threshold is ``miss_below_threshold``; a larger shortfall means the pull failed or was
-    declined (``miss_transfer_failed``).
+    slack: the scheduler may recompute the last one) is a pull (``hit``); a report above it, or an
+    estimate covering it, is P's own prefix cache (``miss_below_threshold``, nothing pulled); a
+    shortfall below the threshold is ``miss_below_threshold``; a larger shortfall means the pull
+    failed or was declined (``miss_transfer_failed``). ``local_estimate`` must be taken when the
+    request arrives: a concurrent request of the same session may warm P's cache meanwhile.
     """
     reachable = min(offered, prompt_len)
     if cached is None:
         return h.MISS_TRANSFER_FAILED, 0
-    if reachable - local_estimate <= 0:
-        return h.MISS_BELOW_THRESHOLD, 0  # P's own cache already covers it: nothing to pull
+    # P's own cache already covers the handle: nothing to pull. A pull makes P's report exactly
+    # `reachable` (local hit + pulled), so a report above it is a local hit alone, e.g. one warmed
+    # by a concurrent request of the same session after the estimate was taken.
+    if reachable - local_estimate <= 0 or cached > reachable:
+        return h.MISS_BELOW_THRESHOLD, 0
     if cached >= reachable - 1:
         return h.HIT, max(cached - local_estimate, 0)
     if reachable - cached < threshold:
@@ -213,6 +218,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
             return await decode_leg(endpoint, body, decode, None, session, facts, t_arrival, waited, [])
 
         handle_params, new_ids, outcome, handle = None, None, None, None
+        prev = last_prefill.get(session) if session else None  # P's cache for this session, as of now
         if not session:
             outcome = h.MISS_NO_SESSION_ID
         else:
@@ -268,7 +274,6 @@ def create_app(config: ProxyConfig) -> FastAPI:
         usage = p_resp.get("usage") or {}
         prompt_len = int(usage.get("prompt_tokens") or 0)
         cached = p_params.get("remote_prefill_cached_tokens")
-        prev = last_prefill.get(session) if session else None
         local_estimate = 0
         if config.prefill_prefix_caching and prev and prev[0] == prefill.name and new_ids is not None:
             local_estimate = (min(prev[1], len(new_ids)) // config.block_size) * config.block_size

@@ -121,7 +121,8 @@ def worker_command(spec: WorkerSpec) -> tuple[list[str], dict[str, str]]:
     if spec.platform == "cpu" and spec.cores:
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, spec.cores))
     if spec.host in LOCAL_HOSTS:
-        env["GLOO_SOCKET_IFNAME"] = "lo"  # torch.distributed's gloo otherwise listens on the host's address
+        # Otherwise torch.distributed's gloo and UCX's tcp transport (NIXL) listen on the host's address.
+        env |= {"GLOO_SOCKET_IFNAME": "lo", "UCX_NET_DEVICES": "lo"}
     if spec.gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = spec.gpus
     if spec.nixl:

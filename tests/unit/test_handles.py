@@ -79,6 +79,8 @@ def test_table_stays_bounded():
     (551, 700, 512, 512, (h.MISS_BELOW_THRESHOLD, 0)),     # 551 - 512 = 39 < 64: recomputed
     (731, 900, 640, 640, (h.MISS_TRANSFER_FAILED, 0)),     # 91 >= 64 should have been pulled: declined
     (896, 1100, 896, 896, (h.MISS_BELOW_THRESHOLD, 0)),    # P's own cache covers the whole handle
+    (723, 784, 768, 640, (h.MISS_BELOW_THRESHOLD, 0)),     # 768 > 723: a concurrent duplicate warmed P
+    (723, 784, 723, 640, (h.HIT, 83)),                     # the same handle pulled: 723 - 640
     (500, 700, None, 0, (h.MISS_TRANSFER_FAILED, 0)),      # P reported nothing
 ])
 def test_classify_prefill(offered, prompt, cached, local, expected):
