@@ -19,8 +19,10 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-#: (treatment, baseline): the cache-miss scenario, and the feature against production's baseline.
-PAIRS: tuple[tuple[str, str], ...] = (("pd-bidir-nocache", "pd-nocache"), ("pd-bidir", "aggregated"))
+#: (treatment, baseline): the feature against the baselines operators run (one-way P/D with P's
+#: prefix cache on, aggregated serving), then the vendor's cache-miss scenario (P's cache off).
+PAIRS: tuple[tuple[str, str], ...] = (("pd-bidir", "pd"), ("pd-bidir", "aggregated"),
+                                      ("pd-bidir-nocache", "pd-nocache"))
 #: First turn index (0-based) that can reuse a previous turn's KV.
 MIN_TURN_INDEX = 1
 CONFIDENCE = 0.95
@@ -330,12 +332,12 @@ def verdict(r: Ratio) -> str:
     if r.ci_high < 1:
         return (
             f"{r.treatment} is faster than {r.baseline}{scope}: TTFT {r.ratio:.2f}x the baseline's "
-            f"({ci}; {medians}), so reuse paid off."
+            f"({ci}; {medians}): it pays off against this baseline."
         )
     if r.ci_low > 1:
         return (
             f"{r.treatment} is slower than {r.baseline}{scope}: TTFT {r.ratio:.2f}x the baseline's "
-            f"({ci}; {medians}), so reuse did not pay off here."
+            f"({ci}; {medians}): it does not pay off against this baseline here."
         )
     return (
         f"No clear difference between {r.treatment} and {r.baseline}{scope}: TTFT {r.ratio:.2f}x "

@@ -154,6 +154,22 @@ def port_in_use(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+def tree_listens_on(pid: int, port: int) -> bool:
+    """True when ``pid`` or one of its descendants listens on TCP ``port`` (any address): the
+    answer on that port comes from this process, not from another instance started just before."""
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return False
+    for proc in procs:
+        try:
+            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in proc.net_connections("tcp")):
+                return True
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return False
+
+
 def pin_process_tree(pid: int, cores: list[int]) -> int:
     """Set the CPU affinity of every thread of ``pid`` and its descendants; return threads pinned."""
     count = 0
@@ -214,10 +230,13 @@ class WorkerProcess:
                 raise WorkerNotHealthy(f"worker {self.spec.name} exited with {self.proc.returncode} while "
                                        f"starting; last log lines:\n{self.tail()}")
             try:
-                if httpx.get(self.spec.url + "/health", timeout=2.0).status_code == 200:
-                    return time.monotonic() - t0
+                healthy = httpx.get(self.spec.url + "/health", timeout=2.0).status_code == 200
             except httpx.HTTPError:
-                pass
+                healthy = False
+            # a launched worker counts only when the answer is its own: another instance started
+            # moments earlier may hold the port while this one is still loading (and then fails)
+            if healthy and (self.proc is None or tree_listens_on(self.proc.pid, self.spec.port)):
+                return time.monotonic() - t0
             time.sleep(0.5)
         raise WorkerNotHealthy(f"worker {self.spec.name} not healthy at {self.spec.url}/health after "
                                f"{timeout_s:.0f} s; log: {self.log_path}\n{self.tail()}")

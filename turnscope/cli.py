@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -25,7 +26,7 @@ from serving.embedded_model import DEFAULT_MODEL_DIR, ensure_model
 from serving.prometheus_config import render_prometheus_config
 from serving.stack import ModeStack
 from serving.topology import MODES, ProxySettings, Topology, TopologyError, embedded_topology, load_topology
-from serving.workers import mode_workers, worker_command
+from serving.workers import mode_workers, port_in_use, worker_command
 from turnscope.evaluation import REPO_ROOT, default_settings, run_eval
 from turnscope.settings import SettingsError, TurnscopeSettings
 from turnscope.sweep import SWEEP_MODES, plan_sweep, run_sweep
@@ -72,10 +73,16 @@ def main(config: Annotated[Path | None, typer.Option(
          ) -> None:
     """turnscope: does bidirectional KV transfer between vLLM prefill and decode workers pay off on
     your agent sessions, against your real baseline?"""
+    # systemd, docker and `kill` stop turnscope the way Ctrl-C does: the workers it started stop too
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         _state["settings"] = TurnscopeSettings.load(config)
     except SettingsError as exc:
         raise fail(str(exc)) from exc
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def settings() -> TurnscopeSettings:
@@ -317,7 +324,9 @@ def serve(
             console.print(f"mode {mode} serving through the proxy at {stack.proxy_url} (Ctrl-C to stop)")
             while all(w.proc is None or w.proc.poll() is None for w in stack.workers):
                 time.sleep(1)
-            console.print("[red]a worker exited[/red]; stopping (see its log in " f"{log_dir})")
+            gone = next(w for w in stack.workers if w.proc is not None and w.proc.poll() is not None)
+            raise RuntimeError(f"worker {gone.spec.name} exited with {gone.proc.returncode}; stopped the others "
+                               f"(its log: {gone.log_path})")
     except KeyboardInterrupt:
         console.print("stopping")
     except RuntimeError as exc:
@@ -344,11 +353,19 @@ def dashboard(store: StoreOpt = None,
     if host not in ("127.0.0.1", "localhost", "::1"):
         console.print(f"[yellow]warning:[/yellow] binding {host}: the dashboard has no authentication; anyone "
                       "who reaches it can read every run", highlight=False)
+    if port_in_use("127.0.0.1" if host in ("0.0.0.0", "::") else host, port):
+        raise fail(f"port {port} on {host} is already in use (another dashboard? `ss -ltnp` shows who); "
+                   "stop it or pass --port")
     env = os.environ | {"TURNSCOPE_STORE": str(store)}
     console.print(f"dashboard: http://{host}:{port}  (SQL: .venv/bin/duckdb {store / 'turnscope.duckdb'})")
-    subprocess.run([sys.executable, "-m", "streamlit", "run", str(REPO_ROOT / "dashboard" / "app.py"),
-                    "--server.headless", "true", "--server.address", host, "--server.port", str(port),
-                    "--browser.gatherUsageStats", "false"], env=env, check=False)
+    try:
+        rc = subprocess.run([sys.executable, "-m", "streamlit", "run", str(REPO_ROOT / "dashboard" / "app.py"),
+                             "--server.headless", "true", "--server.address", host, "--server.port", str(port),
+                             "--browser.gatherUsageStats", "false"], env=env, check=False).returncode
+    except KeyboardInterrupt:
+        return
+    if rc != 0:
+        raise fail(f"the dashboard (streamlit) exited with {rc}", code=1)
 
 
 @app.command()

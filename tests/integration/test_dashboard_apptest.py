@@ -93,7 +93,7 @@ def test_overview_renders_with_headline_equal_to_sql(monkeypatch, store_root):
     assert any("n = 17 vs 9 turns (6 vs 3 sessions)" in c for c in captions), captions
     assert any("pd-bidir-nocache vs pd-nocache" in c and "`pd-nocache`" in c for c in captions), captions
     verdicts = [m.value for m in at.markdown if m.value.startswith("pd-bidir is faster than aggregated")]
-    assert len(verdicts) == 1 and "reuse paid off" in verdicts[0]
+    assert len(verdicts) == 1 and "it pays off against this baseline" in verdicts[0]
 
     # pd-bidir-nocache never hit: said plainly.
     warnings = [w.value for w in at.warning]

@@ -63,8 +63,8 @@ def _ratio(ratio, lo, hi):
 @pytest.mark.parametrize(
     ("r", "phrase"),
     [
-        (_ratio(0.5, 0.4, 0.6), "reuse paid off"),
-        (_ratio(1.5, 1.2, 1.8), "did not pay off"),
+        (_ratio(0.5, 0.4, 0.6), "it pays off against this baseline"),
+        (_ratio(1.5, 1.2, 1.8), "does not pay off against this baseline"),
         (_ratio(0.9, 0.7, 1.1), "No clear difference"),
         (_ratio(0.5, math.nan, math.nan), "no verdict yet"),
     ],
@@ -77,7 +77,8 @@ def test_verdict(r, phrase):
 def test_missing_pairs():
     lines = headline.missing_pairs({"pd-bidir", "aggregated", "pd-bidir-nocache"})
     assert lines == [
-        "pd-bidir-nocache vs pd-nocache: no ok turns after the first in `pd-nocache` among the selected runs."
+        "pd-bidir vs pd: no ok turns after the first in `pd` among the selected runs.",
+        "pd-bidir-nocache vs pd-nocache: no ok turns after the first in `pd-nocache` among the selected runs.",
     ]
 
 
