@@ -25,7 +25,7 @@ CREATE TABLE runs_log (
     config         JSON,          -- effective turnscope configuration
     started_at     TIMESTAMPTZ,
     finished_at    TIMESTAMPTZ,
-    status         VARCHAR,       -- running | complete | failed | aborted
+    status         VARCHAR,       -- running | complete | stopped | failed | aborted
     updated_at     TIMESTAMPTZ NOT NULL,
     heartbeat_s    DOUBLE         -- a running run's row is rewritten this often (NULL: never)
 );

@@ -29,7 +29,8 @@ clock, shared with the workers); the user holding it waits, like the agent would
 Each Locust process opens its own store writer (``writer_id`` = ``locust-<host>-<pid>``) when its
 first session arrives and closes it on test stop and on quit. The master (or local process) also
 initialises the store's views and writes the ``runs_log`` rows (status ``running``, rewritten every
-``--turnscope-heartbeat-s`` seconds, then ``complete`` or ``aborted``) unless
+``--turnscope-heartbeat-s`` seconds, then ``complete``, or ``stopped`` when the test is stopped
+(web UI's STOP, Ctrl-C, SIGTERM) before every planned session was played) unless
 ``--turnscope-no-run-row`` is given (e.g. when the turnscope CLI writes them itself). A process
 killed outright (SIGKILL) writes no final row: its run reads ``aborted`` once three heartbeats
 are missed, and the rows it flushed (at most about a second old) stay readable.
@@ -505,7 +506,7 @@ def _start_run(environment: Any) -> None:
 def _on_test_stop(environment: Any, **_: Any) -> None:
     if not isinstance(environment.runner, WorkerRunner) and _coord.run_id:
         complete = len(_coord.done) >= len(_coord.plans) > 0
-        _coord.write_run_row(environment, "complete" if complete else "aborted")
+        _coord.write_run_row(environment, "complete" if complete else "stopped")
     if not isinstance(environment.runner, MasterRunner):
         _coord.close_writer()
 

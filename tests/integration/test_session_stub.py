@@ -286,3 +286,46 @@ def test_locust_distributed_hands_out_sessions_across_workers(store):
     # both workers wrote shards of their own
     shards = list((store.root / "runs" / run_id / "turns").glob("*.parquet"))
     assert len({p.name.rsplit("-", 2)[0] for p in shards}) == 2
+
+
+def test_locust_web_ui_stop_records_a_stopped_run_with_every_finished_turn(store):
+    """Driven through the web UI's own HTTP API (POST /swarm, POST /stop), stopped before its 50
+    sessions are played: the run reads `stopped` (not `aborted`, which means its writer died), and
+    every turn the stub answered is stored."""
+    state = StubState(ttft_s=0.02, itl_s=0.005)
+    web_port = _free_port()
+    run_id = "locust-web-stop"
+    with StubServer(state) as srv:
+        proc = subprocess.Popen(
+            _locust_cmd("--web-port", str(web_port), "--host", srv.url, "--turnscope-store", str(store.root),
+                        "--turnscope-run-id", run_id, "--turnscope-sessions", "50", "--turnscope-max-turns", "3",
+                        "--turnscope-gap-s", "0.3", "--turnscope-max-tokens", "8",
+                        "--turnscope-max-prompt-tokens", "100000"),
+            cwd=REPO, env=_locust_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            ui = f"http://127.0.0.1:{web_port}"
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                try:
+                    httpx.get(ui, timeout=1)
+                    break
+                except httpx.HTTPError:
+                    time.sleep(0.3)
+            r = httpx.post(ui + "/swarm", data={"user_count": 2, "spawn_rate": 2, "host": srv.url}, timeout=10)
+            assert r.status_code == 200 and r.json()["success"], r.text
+            while len(state.requests) < 6 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert httpx.post(ui + "/stop", timeout=10).status_code == 200
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and not rows(
+                    store, f"SELECT 1 FROM runs_log WHERE run_id = '{run_id}' AND status <> 'running'"):
+                time.sleep(0.2)
+            answered = len(state.requests)
+        finally:
+            proc.terminate()
+            out = proc.communicate(timeout=30)[0]
+    (run,) = rows(store, f"SELECT status FROM runs WHERE run_id = '{run_id}'")
+    assert run == {"status": "stopped"}, out[-3000:]
+    (n,) = rows(store, f"SELECT count(*) AS n FROM turns WHERE run_id = '{run_id}'")
+    # stopping kills the users mid-turn: a turn in flight when STOP came is neither counted nor stored
+    assert 6 <= n["n"] <= answered and answered - n["n"] <= 2, (n, answered)
