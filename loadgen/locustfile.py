@@ -140,7 +140,8 @@ def _add_arguments(parser: Any) -> None:
     g.add_argument("--turnscope-model", type=str, default="turnscope-tiny", help="model name for the requests")
     g.add_argument("--turnscope-max-tokens", type=int, default=64, help="output tokens per turn")
     g.add_argument("--turnscope-max-prompt-tokens", type=int, default=0,
-                   help="stop a session before a prompt longer than this (tokens); 0 = 4096 - max tokens")
+                   help="stop a session before a prompt longer than this (tokens); 0 = the server's "
+                        "max_model_len (GET /v1/models) - max tokens")
     g.add_argument("--turnscope-gap-s", type=float, default=1.0,
                    help="seconds before each turn after the first (tool and think gaps alike)")
     g.add_argument("--turnscope-timeout-s", type=float, default=0.0,
@@ -192,6 +193,23 @@ def _warn_public_listeners(options: Any) -> None:
 
 def _opt(env: Any, name: str) -> Any:
     return getattr(env.parsed_options, f"turnscope_{name}")
+
+
+_MAX_MODEL_LEN: dict[str, int | None] = {}
+
+
+def _max_model_len(host: str) -> int | None:
+    """The served model's ``max_model_len`` (tokens) from ``GET <host>/v1/models`` (vLLM's model
+    card; the proxy forwards it), asked once per host; None when the server does not say."""
+    if host not in _MAX_MODEL_LEN:
+        try:
+            cards = httpx.get(host.rstrip("/") + "/v1/models", timeout=10, verify=_ssl_context()).json()["data"]
+            _MAX_MODEL_LEN[host] = int(cards[0]["max_model_len"])
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+            _MAX_MODEL_LEN[host] = None
+            log.warning("turnscope: %s/v1/models did not give max_model_len; sessions stop before prompts "
+                        "over 4096 - max tokens (set --turnscope-max-prompt-tokens)", host)
+    return _MAX_MODEL_LEN[host]
 
 
 def _safe(s: str) -> str:
@@ -564,7 +582,7 @@ class AgentSession(User):
         result = run_session(
             plan, self.http, self.host, _opt(env, "model"), writer, answer["run_id"], _opt(env, "history"),
             max_tokens=max_tokens,
-            max_prompt_tokens=_opt(env, "max_prompt_tokens") or max(1, 4096 - max_tokens),
+            max_prompt_tokens=_opt(env, "max_prompt_tokens") or max(1, (_max_model_len(self.host) or 4096) - max_tokens),
             timeout_s=req["timeout_s"],
             temperature=req["temperature"],
             extra_body=req["extra_body"],

@@ -180,6 +180,35 @@ def print_summary(store: Path, run_ids: list[str]) -> None:
         o = outs[outs.run_id == run_id]
         console.print("  reuse: " + ", ".join(f"{r.reuse}={r.turns}" for r in o.itertuples())
                       + f"; prefill external_kv_transfer tokens: {int(ext.get(run_id) or 0)}")
+    print_bottom_line(store, run_ids)
+
+
+def print_bottom_line(store: Path, run_ids: list[str]) -> None:
+    """Print the Overview page's headline for these runs: each pair of dashboard.headline.PAIRS
+    with median TTFT from the second turn on, the speed-up (baseline / bidirectional, the inverse
+    of the page's ratio) with its 95% bootstrap CI by session, and whether the CI excludes 1."""
+    from dashboard import db, headline, queries
+
+    f = queries.TurnFilter(run_ids=tuple(run_ids))
+    dstore = db.Store(store)
+    samples = db.read(dstore, queries.ttft_samples, f, headline.MIN_TURN_INDEX, headline.MAX_CI_TURNS)
+    stats = db.read(dstore, queries.ttft_stats, f, headline.MIN_TURN_INDEX)
+    ratios = headline.headline_ratios(samples, stats=stats)
+    if not ratios:
+        return
+    table = Table(title="Bottom line: TTFT from the second turn on (the dashboard's Overview)")
+    for col in ("bidirectional vs baseline", "history", "median TTFT (ms)", "speed-up", "95% CI", "verdict"):
+        table.add_column(col, justify="right" if col in ("median TTFT (ms)", "speed-up", "95% CI") else "left")
+    for r in ratios:
+        ci = f"{1 / r.ci_high:.2f}-{1 / r.ci_low:.2f}x" if r.has_ci else "n/a"
+        verdict = ("too few sessions" if not r.has_ci else "faster" if r.ci_high < 1 else "slower" if r.ci_low > 1
+                   else "no clear difference")
+        table.add_row(f"{r.treatment} vs {r.baseline}", str(r.history_mode),
+                      f"{r.median_treatment_s * 1e3:.0f} vs {r.median_baseline_s * 1e3:.0f}",
+                      f"{1 / r.ratio:.2f}x", ci, verdict)
+    console.print(table)
+    console.print("speed-up = baseline / bidirectional median TTFT (above 1: bidirectional transfer is faster); "
+                  "verdict: the 95% CI excludes 1 or not", highlight=False)
 
 
 SWEEP_MODE_LIST = ",".join(SWEEP_MODES)

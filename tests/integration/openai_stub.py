@@ -79,8 +79,10 @@ class StubState:
 
     def __init__(self, ttft_s: float = 0.05, itl_s: float = 0.01,
                  reply_ids: Callable[[int], list[int]] | None = None,
-                 fail_requests: set[int] | None = None, finish_reason: str = "length"):
+                 fail_requests: set[int] | None = None, finish_reason: str = "length",
+                 max_model_len: int | None = None):
         self.ttft_s = ttft_s
+        self.max_model_len = max_model_len  # GET /v1/models says it (as vLLM does) when set
         self.itl_s = itl_s
         self.reply_ids = reply_ids or (lambda i: encode("ok") + [XY] + encode("."))
         self.fail_requests = set(fail_requests or ())
@@ -106,6 +108,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        if self.path == "/v1/models" and self.state.max_model_len is not None:
+            self._json(200, {"object": "list", "data": [{"id": "stub", "object": "model",
+                                                         "max_model_len": self.state.max_model_len}]})
+        else:
+            self._json(404, {"error": {"message": f"no route {self.path}"}})
 
     def do_POST(self) -> None:
         n = int(self.headers.get("Content-Length") or 0)

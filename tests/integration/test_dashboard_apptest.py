@@ -230,3 +230,28 @@ def test_store_locked_by_a_writer(monkeypatch, store_root):
     # Once the writer is gone the page renders again (errors are never cached).
     at.run()
     assert not at.exception and len(at.metric) == 1
+
+
+def test_cli_bottom_line_is_the_overview_headline_as_a_speed_up(store_root, capsys, monkeypatch):
+    """`turnscope eval`/`demo` end with the headline: pd-bidir vs aggregated as a speed-up
+    (aggregated's median / pd-bidir's, hand-computed from the fixture's formulas)."""
+    from turnscope.cli import print_bottom_line
+
+    monkeypatch.setenv("COLUMNS", "200")
+    print_bottom_line(store_root, list(dashboard_store.RUNS))
+    out = capsys.readouterr().out
+    by_hand_bidir = statistics.median(
+        dashboard_store.ttft_s(r, s, t)
+        for r in ("bidir-1", "bidir-2")
+        for s in range(dashboard_store.SESSIONS)
+        for t in range(1, dashboard_store.TURNS)
+        if dashboard_store.ttft_s(r, s, t) is not None
+    )
+    by_hand_agg = statistics.median(
+        dashboard_store.ttft_s("agg-1", s, t) for s in range(dashboard_store.SESSIONS) for t in range(1, 4)
+    )
+    (row,) = [line for line in out.splitlines() if "pd-bidir vs aggregated" in line]
+    assert f"{by_hand_agg / by_hand_bidir:.2f}x" in row, out
+    assert f"{by_hand_bidir * 1e3:.0f} vs {by_hand_agg * 1e3:.0f}" in row
+    assert "faster" in row  # as the Overview's verdict on the same store says
+    assert "pd-bidir vs pd " not in out  # no pd run: no row

@@ -329,3 +329,24 @@ def test_locust_web_ui_stop_records_a_stopped_run_with_every_finished_turn(store
     (n,) = rows(store, f"SELECT count(*) AS n FROM turns WHERE run_id = '{run_id}'")
     # stopping kills the users mid-turn: a turn in flight when STOP came is neither counted nor stored
     assert 6 <= n["n"] <= answered and answered - n["n"] <= 2, (n, answered)
+
+
+@pytest.mark.parametrize("max_model_len, sessions_with_turns", [(None, 2), (20, 0)])
+def test_locust_stops_sessions_at_the_servers_max_model_len(store, max_model_len, sessions_with_turns):
+    """Without --turnscope-max-prompt-tokens, the prompt limit is the server's max_model_len
+    (GET /v1/models) less the output tokens: at 20 - 8 = 12 tokens no tau-bench first prompt
+    fits (each is hundreds of characters, one stub token each), so no turn is sent; a server
+    that does not say falls back to 4096 - 8, which the first turns fit."""
+    state = StubState(ttft_s=0.01, itl_s=0.002, max_model_len=max_model_len)
+    run_id = f"locust-mml-{max_model_len}"
+    with StubServer(state) as srv:
+        proc = subprocess.run(
+            _locust_cmd("--headless", "-u", "1", "-r", "1", "--run-time", "60s", "--host", srv.url,
+                        "--turnscope-store", str(store.root), "--turnscope-run-id", run_id,
+                        "--turnscope-sessions", "2", "--turnscope-max-turns", "1", "--turnscope-gap-s", "0",
+                        "--turnscope-max-tokens", "8"),
+            check=False, cwd=REPO, env=_locust_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    (n,) = rows(store, f"SELECT count(DISTINCT session_id) AS n FROM turns WHERE run_id = '{run_id}'")
+    assert n["n"] == sessions_with_turns
+    assert len(state.requests) == sessions_with_turns
