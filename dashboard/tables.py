@@ -9,9 +9,9 @@ import pandas as pd
 def run_summary_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per run from the ``run_summary`` view, latencies in ms.
 
-    `df`: ``dashboard.queries.run_summary`` (seconds, counts). Returns columns run, mode, status,
-    turns, ok, failed, hits, "hit rate (all turns)" (hits / turns, 0..1; first turns cannot
-    hit), TTFT p50/p90/mean (ms), reused tokens, workload, history, started (UTC), run_id: the
+    `df`: ``dashboard.queries.run_summary`` (seconds, counts). Returns columns run, mode, history,
+    status, turns, ok, failed, hits, "hit rate (all turns)" (hits / turns, 0..1; first turns cannot
+    hit), TTFT p50/p90/mean (ms), reused tokens, workload, started (UTC), run_id: the
     numbers first, so they are in view without scrolling.
     """
     turns = df["turns"].astype(float)
@@ -21,6 +21,7 @@ def run_summary_table(df: pd.DataFrame) -> pd.DataFrame:
         {
             "run": df["label"].where(df["label"].notna(), df["run_id"]),
             "mode": df["mode"],
+            "history": df["history_mode"],
             "status": df["status"],
             "turns": df["turns"],
             "ok": df["ok_turns"],
@@ -32,7 +33,6 @@ def run_summary_table(df: pd.DataFrame) -> pd.DataFrame:
             "TTFT mean (ms)": df["ttft_mean_s"] * 1e3,
             "reused tokens": df["reused_tokens"],
             "workload": df["workload"],
-            "history": df["history_mode"],
             "started (UTC)": df["started_at"],
             "run_id": df["run_id"],
         }

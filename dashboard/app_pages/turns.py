@@ -60,7 +60,9 @@ vs = load(sel.root, "reuse_vs_expected", f, int(min_short))
 st.plotly_chart(figures.reuse_vs_expected(vs), key="reuse_vs_expected")
 st.caption(
     "Expected: the longest common prefix of the previous turn's prompt + output ids and this prompt's ids. "
-    "Measured: tokens P pulled from D plus P's own prefix-cache hit (the server's cached_tokens without a proxy)."
+    "Measured: tokens P pulled from D plus P's own prefix-cache hit (the server's cached_tokens without a proxy). "
+    "`pd-nocache` reuses nothing across turns, so every later turn of it falls short by design; "
+    "docs/schema.md's `below_expectation` query lists only the `pd-bidir*` modes."
 )
 short = load(sel.root, "reuse_shortfalls", f, int(min_short), 200)
 if short.empty:

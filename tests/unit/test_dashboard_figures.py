@@ -102,7 +102,7 @@ def test_run_summary_table_ms_and_hit_rate():
         }
     )
     t = tables.run_summary_table(df)
-    assert list(t["run"]) == ["x", "b"]
+    assert list(t["run"]) == ["x", "b"] and list(t.columns[:3]) == ["run", "mode", "history"]
     assert t.loc[0, "TTFT p50 (ms)"] == pytest.approx(250.0)
     assert t.loc[0, "hit rate (all turns)"] == pytest.approx(0.5) and pd.isna(
         t.loc[1, "hit rate (all turns)"]
