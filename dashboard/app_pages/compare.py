@@ -40,6 +40,12 @@ if by == "runs":
     }
     default_a, default_b = 0, 1
 else:
+    histories = sorted(str(h) for h in runs["history_mode"].dropna().unique())
+    if len(histories) > 1:  # comparing modes pools their runs: keep one way of carrying history
+        history = st.radio("History mode", [*histories, "pooled"], horizontal=True, key="cmp_history",
+                           help="Runs of one history mode each side; `pooled` mixes them.")
+        if history != "pooled":
+            runs = runs[runs["history_mode"] == history]
     present = [str(m) for m in runs["mode"].dropna().unique()]
     options = [m for m in MODE_ORDER if m in present] + sorted(m for m in present if m not in MODE_ORDER)
     labels = {m: m for m in options}
