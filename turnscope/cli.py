@@ -238,7 +238,7 @@ def sweep(
     """Run a prefix-length sweep: each mode's workers start once and play every point, each point
     its own recorded run (default: the vendor's multi-turn benchmark, data/workloads/vendor-sweep.yaml).
 
-    `turnscope sweep` on the embedded default takes about 12 minutes; then open the dashboard's Sweep
+    `turnscope sweep` on the embedded default takes about 13 minutes; then open the dashboard's Sweep
     page. On GPU nodes: `turnscope sweep --topology data/topologies/vendor-h200-1p1d.yaml --scale
     published --histories text --modes <the attached mode>` (README, "Running the vendor sweep on GPUs").
     """

@@ -51,7 +51,7 @@ if not sel.run_ids:
 points = load(sel.root, "sweep_points", sel.run_ids)
 if points.empty:
     st.info("No sweep among the selected runs: run `turnscope sweep` (the vendor's benchmark scaled to the "
-            "embedded default takes about 12 minutes), then refresh.")
+            "embedded default takes about 13 minutes), then refresh.")
     st.stop()
 
 sweep_ids = list(dict.fromkeys(points["sweep_id"]))  # newest first
