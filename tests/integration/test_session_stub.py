@@ -331,12 +331,12 @@ def test_locust_web_ui_stop_records_a_stopped_run_with_every_finished_turn(store
     assert 6 <= n["n"] <= answered and answered - n["n"] <= 2, (n, answered)
 
 
-@pytest.mark.parametrize("max_model_len, sessions_with_turns", [(None, 2), (20, 0)])
+@pytest.mark.parametrize("max_model_len, sessions_with_turns", [(100_000, 2), (20, 0)])
 def test_locust_stops_sessions_at_the_servers_max_model_len(store, max_model_len, sessions_with_turns):
     """Without --turnscope-max-prompt-tokens, the prompt limit is the server's max_model_len
-    (GET /v1/models) less the output tokens: at 20 - 8 = 12 tokens no tau-bench first prompt
-    fits (each is hundreds of characters, one stub token each), so no turn is sent; a server
-    that does not say falls back to 4096 - 8, which the first turns fit."""
+    (GET /v1/models) less the output tokens: the tau-bench first prompts (thousands of
+    characters, one stub token each, more than the old fixed 4096) fit 100,000 - 8 and are
+    sent; none fits 20 - 8 = 12, so no turn is sent."""
     state = StubState(ttft_s=0.01, itl_s=0.002, max_model_len=max_model_len)
     run_id = f"locust-mml-{max_model_len}"
     with StubServer(state) as srv:
