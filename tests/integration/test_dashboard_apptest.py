@@ -66,24 +66,30 @@ def median_later_ttft(root: Path, mode: str) -> float:
     )[0][0]
 
 
-def test_overview_renders_with_headline_equal_to_sql(monkeypatch, store_root):
-    at = run_app(monkeypatch, store_root)
-
-    # Exactly one headline: there is no pd-nocache run, so only pd-bidir vs aggregated.
-    assert [m.label for m in at.metric] == ["pd-bidir vs aggregated"]
-    bidir = median_later_ttft(store_root, "pd-bidir")
-    agg = median_later_ttft(store_root, "aggregated")
-    # The same medians, computed by hand from the fixture's formulas.
-    by_hand_bidir = statistics.median(
+def later_turn_medians_by_hand() -> tuple[float, float]:
+    """Median TTFT (s) of pd-bidir's and aggregated's later turns, from the fixture's formulas."""
+    bidir = statistics.median(
         dashboard_store.ttft_s(r, s, t)
         for r in ("bidir-1", "bidir-2")
         for s in range(dashboard_store.SESSIONS)
         for t in range(1, dashboard_store.TURNS)
         if dashboard_store.ttft_s(r, s, t) is not None
     )
-    by_hand_agg = statistics.median(
+    agg = statistics.median(
         dashboard_store.ttft_s("agg-1", s, t) for s in range(dashboard_store.SESSIONS) for t in range(1, 4)
     )
+    return bidir, agg
+
+
+def test_overview_renders_with_headline_equal_to_sql(monkeypatch, store_root):
+    at = run_app(monkeypatch, store_root)
+
+    # Exactly one headline: there is no pd or pd-nocache run, so only pd-bidir vs aggregated.
+    assert [m.label for m in at.metric] == ["pd-bidir vs aggregated"]
+    bidir = median_later_ttft(store_root, "pd-bidir")
+    agg = median_later_ttft(store_root, "aggregated")
+    # The same medians, computed by hand from the fixture's formulas.
+    by_hand_bidir, by_hand_agg = later_turn_medians_by_hand()
     assert bidir == pytest.approx(by_hand_bidir) and agg == pytest.approx(by_hand_agg)
     assert at.metric[0].value == f"{bidir / agg:.3f}×"
 
@@ -240,16 +246,7 @@ def test_cli_bottom_line_is_the_overview_headline_as_a_speed_up(store_root, caps
     monkeypatch.setenv("COLUMNS", "200")
     print_bottom_line(store_root, list(dashboard_store.RUNS))
     out = capsys.readouterr().out
-    by_hand_bidir = statistics.median(
-        dashboard_store.ttft_s(r, s, t)
-        for r in ("bidir-1", "bidir-2")
-        for s in range(dashboard_store.SESSIONS)
-        for t in range(1, dashboard_store.TURNS)
-        if dashboard_store.ttft_s(r, s, t) is not None
-    )
-    by_hand_agg = statistics.median(
-        dashboard_store.ttft_s("agg-1", s, t) for s in range(dashboard_store.SESSIONS) for t in range(1, 4)
-    )
+    by_hand_bidir, by_hand_agg = later_turn_medians_by_hand()
     (row,) = [line for line in out.splitlines() if "pd-bidir vs aggregated" in line]
     assert f"{by_hand_agg / by_hand_bidir:.2f}x" in row, out
     assert f"{by_hand_bidir * 1e3:.0f} vs {by_hand_agg * 1e3:.0f}" in row
