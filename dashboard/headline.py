@@ -315,6 +315,14 @@ def missing_pairs(modes_present: set[str], pairs: tuple[tuple[str, str], ...] = 
     return out
 
 
+def direction(r: Ratio) -> str:
+    """``faster`` / ``slower`` (the treatment; the CI excludes 1), ``no clear difference`` (it
+    includes 1) or ``too few sessions`` (no CI)."""
+    if not r.has_ci:
+        return "too few sessions"
+    return "faster" if r.ci_high < 1 else "slower" if r.ci_low > 1 else "no clear difference"
+
+
 def verdict(r: Ratio) -> str:
     """One plain sentence: faster, slower or no clear difference, with the numbers behind it."""
     scope = f" ({r.workload or 'unnamed workload'}, history {r.history_mode or 'unknown'})"
@@ -323,18 +331,19 @@ def verdict(r: Ratio) -> str:
         f"{r.median_baseline_s * 1e3:.0f} ms over {r.n_treatment} and {r.n_baseline} turns"
     )
     pct = round(CONFIDENCE * 100)
-    if not r.has_ci:
+    way = direction(r)
+    if way == "too few sessions":
         return (
             f"{r.treatment} vs {r.baseline}{scope}: {r.ratio:.2f}x the baseline's TTFT "
             f"({medians}); too few sessions for a confidence interval, so no verdict yet."
         )
     ci = f"{pct}% CI {r.ci_low:.2f}-{r.ci_high:.2f}x"
-    if r.ci_high < 1:
+    if way == "faster":
         return (
             f"{r.treatment} is faster than {r.baseline}{scope}: TTFT {r.ratio:.2f}x the baseline's "
             f"({ci}; {medians}): it pays off against this baseline."
         )
-    if r.ci_low > 1:
+    if way == "slower":
         return (
             f"{r.treatment} is slower than {r.baseline}{scope}: TTFT {r.ratio:.2f}x the baseline's "
             f"({ci}; {medians}): it does not pay off against this baseline here."

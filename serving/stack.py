@@ -12,32 +12,14 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 from serving.kv_size import kv_bytes_per_token as kv_bytes_per_token_of
 from serving.proxy import ProxyConfig, Worker
 from serving.topology import Topology
-from serving.workers import WorkerProcess, mode_workers, port_in_use, tree_listens_on, worker_block_size
+from serving.workers import WorkerProcess, mode_workers, port_in_use, wait_http, worker_block_size
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
-    """Wait until ``url`` answers 200 (from ``proc``'s own listener, when given). Raises RuntimeError
-    when ``proc`` exits first or ``timeout_s`` seconds pass."""
-    t0 = time.monotonic()
-    port = httpx.URL(url).port
-    while time.monotonic() - t0 < timeout_s:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{url}: process exited with {proc.returncode} before answering")
-        try:
-            ok = httpx.get(url, timeout=2).status_code == 200
-        except httpx.HTTPError:
-            ok = False
-        if ok and (proc is None or port is None or tree_listens_on(proc.pid, port)):
-            return
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} did not answer 200 within {timeout_s:.0f} s")
 
 
 

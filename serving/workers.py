@@ -190,6 +190,26 @@ def pin_process_tree(pid: int, cores: list[int]) -> int:
     return count
 
 
+def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> float:
+    """Wait until ``url`` answers 200 (from ``proc``'s own listener, when given: another instance
+    started moments earlier may hold the port while ``proc`` is still loading, and then fails).
+    Returns the seconds waited. Raises RuntimeError when ``proc`` exits first or ``timeout_s``
+    seconds pass."""
+    t0 = time.monotonic()
+    port = httpx.URL(url).port
+    while time.monotonic() - t0 < timeout_s:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {proc.returncode} before answering")
+        try:
+            ok = httpx.get(url, timeout=2).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if ok and (proc is None or port is None or tree_listens_on(proc.pid, port)):
+            return time.monotonic() - t0
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} did not answer 200 within {timeout_s:.0f} s")
+
+
 class WorkerNotHealthy(RuntimeError):
     """A worker exited or did not answer /health in time; the message names it and its log."""
 
@@ -223,23 +243,12 @@ class WorkerProcess:
                                          start_new_session=True, cwd=repo_root)
 
     def wait_healthy(self, timeout_s: float = 240.0) -> float:
-        """Block until ``/health`` answers 200; return the seconds waited. Raises WorkerNotHealthy."""
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout_s:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise WorkerNotHealthy(f"worker {self.spec.name} exited with {self.proc.returncode} while "
-                                       f"starting; last log lines:\n{self.tail()}")
-            try:
-                healthy = httpx.get(self.spec.url + "/health", timeout=2.0).status_code == 200
-            except httpx.HTTPError:
-                healthy = False
-            # a launched worker counts only when the answer is its own: another instance started
-            # moments earlier may hold the port while this one is still loading (and then fails)
-            if healthy and (self.proc is None or tree_listens_on(self.proc.pid, self.spec.port)):
-                return time.monotonic() - t0
-            time.sleep(0.5)
-        raise WorkerNotHealthy(f"worker {self.spec.name} not healthy at {self.spec.url}/health after "
-                               f"{timeout_s:.0f} s; log: {self.log_path}\n{self.tail()}")
+        """Block until ``/health`` answers 200 (from this worker's own process, when launched here);
+        return the seconds waited. Raises WorkerNotHealthy naming the worker and its log."""
+        try:
+            return wait_http(self.spec.url + "/health", timeout_s, self.proc)
+        except RuntimeError as exc:
+            raise WorkerNotHealthy(f"worker {self.spec.name}: {exc}; log: {self.log_path}\n{self.tail()}") from None
 
     def pin(self) -> int:
         """Re-pin all threads of this worker's process tree to its cores (see module docstring)."""

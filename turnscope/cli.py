@@ -201,11 +201,9 @@ def print_bottom_line(store: Path, run_ids: list[str]) -> None:
         table.add_column(col, justify="right" if col in ("median TTFT (ms)", "speed-up", "95% CI") else "left")
     for r in ratios:
         ci = f"{1 / r.ci_high:.2f}-{1 / r.ci_low:.2f}x" if r.has_ci else "n/a"
-        verdict = ("too few sessions" if not r.has_ci else "faster" if r.ci_high < 1 else "slower" if r.ci_low > 1
-                   else "no clear difference")
         table.add_row(f"{r.treatment} vs {r.baseline}", str(r.history_mode),
                       f"{r.median_treatment_s * 1e3:.0f} vs {r.median_baseline_s * 1e3:.0f}",
-                      f"{1 / r.ratio:.2f}x", ci, verdict)
+                      f"{1 / r.ratio:.2f}x", ci, headline.direction(r))
     console.print(table)
     console.print("speed-up = baseline / bidirectional median TTFT (above 1: bidirectional transfer is faster); "
                   "verdict: the 95% CI excludes 1 or not", highlight=False)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from serving.workers import port_in_use
 from tests.integration.test_bad_input import _embedded_topology_file
 from tests.integration.test_security import listening, spawn, stop
 from tests.integration.vllm_stack import free_port
@@ -36,11 +36,6 @@ def gone(procs: list[psutil.Process], timeout_s: float = 60.0) -> list[psutil.Pr
     """The processes of `procs` still alive after `timeout_s` seconds."""
     _, alive = psutil.wait_procs(procs, timeout=timeout_s)
     return alive
-
-
-def port_free(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) != 0
 
 
 def wait_for(log: Path, text: str, proc: subprocess.Popen, timeout_s: float) -> None:
@@ -69,7 +64,7 @@ def test_dashboard_stops_with_sigterm_and_refuses_a_taken_port(tmp_path):
         assert f"port {port} on 127.0.0.1 is already in use" in " ".join(second.stdout.split())
         proc.send_signal(signal.SIGTERM)
         assert gone(procs, 30) == []
-        assert port_free(port)
+        assert not port_in_use("127.0.0.1", port)
     finally:
         if proc.poll() is None:
             stop(proc)
@@ -102,7 +97,7 @@ def test_serve_stops_its_workers_on_sigterm_and_a_racing_second_instance_fails(t
         procs[winner].send_signal(signal.SIGTERM)
         assert gone(serving, 90) == [], [p.cmdline()[:4] for p in serving if p.is_running()]
         assert procs[winner].returncode is not None or procs[winner].wait(5) is not None
-        assert all(port_free(ports[k]) for k in ("a", "proxy"))
+        assert not any(port_in_use("127.0.0.1", ports[k]) for k in ("a", "proxy"))
     finally:
         for p in procs:
             if p.poll() is None:
