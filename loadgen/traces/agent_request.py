@@ -1,0 +1,56 @@
+"""One LLM request of a recorded agent session, whatever trace format it came from.
+
+This is the single record that every real-traffic reader (kv-cache-tester, TraceLab, the store's own
+recorded runs) yields and that the traffic report and the planner consume. Readers fill what their
+format knows and leave the rest ``None``; consumers say which fields they need.
+
+Units: seconds and tokens throughout. Times are on one clock per trace file: ``arrival_s`` is
+seconds since the earliest request of that file, so sessions of one file (a conversation and its
+sub-agents) can overlap in time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class AgentRequest:
+    """One request (one prefill + decode) of one session.
+
+    Fields:
+
+    * ``source``: the trace's identity (e.g. ``kv-cache-tester:trace_0036``), for reports and for
+      the run record of a replay.
+    * ``session_id``: the session the request belongs to. A sub-agent is its own session (its own
+      id, e.g. ``trace_0036/sub1``), with ``parent_session_id`` naming the session that spawned it.
+    * ``request_index``: 0-based position within its session.
+    * ``arrival_s``: when the request was sent, seconds since the file's first request.
+    * ``input_tokens`` / ``output_tokens``: prompt and completion tokens.
+    * ``shared_prefix_tokens``: tokens of this prompt that are a prefix of the *previous request of
+      the same session* (its prompt, plus its output where the trace says the output was appended);
+      0 for a session's first request. This is what bidirectional P/D can pull back from D instead
+      of recomputing (before the recompute threshold and block rounding are applied).
+    * ``server_s``: the server's time for the request (prefill + decode) if the trace records it.
+    * ``gap_s``: seconds from the end of the session's previous request to this arrival (the
+      client's time: tool calls, the human, pauses); ``None`` for a first request or when unknown.
+    * ``tool_s``: the part of ``gap_s`` spent in tools, when the trace says; ``None`` otherwise.
+    """
+
+    source: str
+    session_id: str
+    request_index: int
+    arrival_s: float
+    input_tokens: int
+    output_tokens: int
+    shared_prefix_tokens: int = 0
+    parent_session_id: str | None = None
+    server_s: float | None = None
+    gap_s: float | None = None
+    tool_s: float | None = None
+
+    @property
+    def new_tokens(self) -> int:
+        """Prompt tokens not shared with the session's previous request (what must be prefilled
+        even when the whole shared prefix is reused)."""
+        return self.input_tokens - self.shared_prefix_tokens
