@@ -57,8 +57,9 @@ CREATE TABLE turns (
     sent_at                   TIMESTAMPTZ,
     ttft_s                    DOUBLE,             -- NULL when no token arrived
     ttfc_s                    DOUBLE,             -- time to first content token
+    last_token_s              DOUBLE,             -- sent -> last token (a usage-only chunk is no token)
     e2e_s                     DOUBLE,
-    tpot_s                    DOUBLE,
+    tpot_s                    DOUBLE,             -- (last_token_s - ttft_s) / (completion_tokens - 1)
     itl_p50_s                 DOUBLE,
     itl_p90_s                 DOUBLE,
     itl_samples               INTEGER,
@@ -70,6 +71,8 @@ CREATE TABLE turns (
     status                    VARCHAR,            -- ok | error | timeout | cancelled
     error                     VARCHAR,
     http_status               INTEGER,
+    finish_reason             VARCHAR,            -- stop | length | tool_calls | ... (NULL when none came)
+    tool_calls                INTEGER,            -- streamed tool calls in the reply (0 when none)
     reuse                     VARCHAR,            -- proxy outcome (DESIGN §3)
     prefill_leg_s             DOUBLE,
     prefill_engine            VARCHAR,

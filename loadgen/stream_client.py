@@ -13,11 +13,19 @@ Definitions (DESIGN §5):
   Role-only, empty and usage-only chunks never set it. No token at all -> status ``error``
   ("no token"), TTFT None.
 - TTFC: sent -> first chunk with non-empty content (chat ``delta.content`` / completions ``text``).
+- Last token: sent -> the last chunk of choice 0 that carries a token or whose
+  ``usage.completion_tokens`` rose (a stop token without text). A usage-only chunk (no choices)
+  never sets it, however late it comes (handed case ``sse/late_usage_chunk.json``, vllm#55508).
 - E2E: sent -> ``data: [DONE]`` (or the moment the stream ended or failed). After ``[DONE]`` the
   client reads on to the end of the response body (normally nothing but the chunked terminator),
   so the connection goes back to the pool instead of being closed.
-- TPOT: (E2E - TTFT) / (completion_tokens - 1), completion_tokens from the server's usage
-  (the definition of vLLM's ``benchmarks/serve``); None below 2 tokens.
+- TPOT: (last token - TTFT) / (completion_tokens - 1), completion_tokens from the server's usage
+  (vLLM ``benchmarks/serve``'s definition, measured to the last token so that a trailing usage
+  chunk does not inflate it: vllm#55508); None below 2 tokens.
+- An SSE event whose JSON is a top-level ``error`` object (no choices) after HTTP 200 is an
+  in-band server error (vllm#57519): status ``error`` with the server's message; the tokens and
+  times measured before it stay on the result, and, as with every non-``ok`` turn, the turn is
+  left out of latency percentiles and throughput.
 - ITL, ``itl_kind == "per_token"`` when every token-carrying chunk has ``usage`` (vLLM's
   ``continuous_usage_stats``): from the first token chunk on, each chunk whose
   ``usage.completion_tokens`` rose by k after a gap g since the previous rise gives k samples of
@@ -57,6 +65,10 @@ class TurnResult:
     ``cancelled``; ``error`` says why when not ok. Token counts come only from the server's
     ``usage`` (None when the server sent none). ``headers`` are the response headers with
     lower-cased names; ``proxy_facts`` merges the ``turnscope`` field of every chunk.
+    ``last_token_s`` is when the last token arrived (None without tokens); ``tool_calls`` are the
+    streamed calls of choice 0 reassembled by ``index`` (``{"index", "id", "type", "function":
+    {"name", "arguments"}}``), so a turn that answers only with a tool call is ``ok`` with empty
+    ``text`` and ``finish_reason`` ``tool_calls``.
     """
 
     sent_at: dt.datetime
@@ -66,6 +78,7 @@ class TurnResult:
     request_id: str | None = None
     ttft_s: float | None = None
     ttfc_s: float | None = None
+    last_token_s: float | None = None
     e2e_s: float | None = None
     tpot_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
@@ -82,6 +95,13 @@ class TurnResult:
     headers: dict[str, str] = field(default_factory=dict)
     proxy_facts: dict = field(default_factory=dict)
     kv_transfer_params: dict | None = None
+
+    @property
+    def counts_for_latency(self) -> bool:
+        """Whether the turn enters latency percentiles and throughput: only ``ok`` turns do. An
+        error (in-band or not), timeout or cancellation keeps its partial measurements on the row
+        but is counted apart (the store's views and the dashboard filter on ``status = 'ok'``)."""
+        return self.status == "ok"
 
 
 def _nonempty(v: Any) -> bool:
@@ -129,7 +149,7 @@ class ChunkAccumulator:
         choices = chunk.get("choices") or []
         choice = next((c for c in choices if isinstance(c, dict) and c.get("index", 0) == 0), None)
         if choice is None:
-            return  # usage-only (or foreign-index) chunk: never a token
+            return  # usage-only (or foreign-index) chunk: never a token, no ITL sample, no token time
         if choice.get("finish_reason") is not None:
             r.finish_reason = choice["finish_reason"]
         if r.prompt_token_ids is None and isinstance(choice.get("prompt_token_ids"), list):
@@ -158,12 +178,14 @@ class ChunkAccumulator:
             self._token_chunk_times.append(t_s)
             if usage is None or not isinstance(usage.get("completion_tokens"), int):
                 self._all_token_chunks_have_usage = False
+            r.last_token_s = t_s
         if content and r.ttfc_s is None:
             r.ttfc_s = t_s
         if r.ttft_s is not None and usage is not None and isinstance(usage.get("completion_tokens"), int):
             n = usage["completion_tokens"]
             if not self._usage_points or n > self._usage_points[-1][1]:
                 self._usage_points.append((t_s, n))
+                r.last_token_s = t_s  # a rise without text: the stop token
 
     def _merge_tool_call(self, tc: Any) -> None:
         if not isinstance(tc, dict):
@@ -179,7 +201,8 @@ class ChunkAccumulator:
             cur["function"]["arguments"] += fn.get("arguments") or ""
 
     def finish(self, end_s: float) -> TurnResult:
-        """Set E2E = ``end_s``, derive ITL and TPOT, and return the result (status untouched)."""
+        """Set E2E = ``end_s``, derive ITL and TPOT (to the last token), and return the result
+        (status untouched)."""
         r = self.r
         r.e2e_s = end_s
         if r.request_id is None:
@@ -195,8 +218,9 @@ class ChunkAccumulator:
             r.itl_kind = "inter_chunk"
             ts = self._token_chunk_times
             r.itl_s = [b - a for a, b in itertools.pairwise(ts)]
-        if r.ttft_s is not None and r.completion_tokens is not None and r.completion_tokens >= 2:
-            r.tpot_s = (end_s - r.ttft_s) / (r.completion_tokens - 1)
+        if (r.ttft_s is not None and r.last_token_s is not None and r.completion_tokens is not None
+                and r.completion_tokens >= 2):
+            r.tpot_s = (r.last_token_s - r.ttft_s) / (r.completion_tokens - 1)
         return r
 
 

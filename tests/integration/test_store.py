@@ -13,8 +13,9 @@ import duckdb
 import pytest
 
 from loadgen.store import SCHEMA_PATH, Store
+from tests.handed_cases import CASES as HANDED
 
-CASES = Path(__file__).resolve().parents[2].parent / "shared" / "cases" / "store"
+CASES = HANDED / "store"
 UTC = dt.UTC
 
 

@@ -17,10 +17,11 @@ import httpx
 import pytest
 
 from loadgen.stream_client import GeventClient, stream_turn
+from tests.handed_cases import CASES as HANDED
 from tests.integration.http_stub import Script, StubServer, events_script
 
 REPO = Path(__file__).resolve().parents[2]
-CASES = REPO.parent / "shared" / "cases" / "sse"
+CASES = HANDED / "sse"
 CASE_FILES = sorted(CASES.glob("*.json"))
 TRANSPORT = {"name": "httpx"}
 HTTPX_ONLY = {"test_stream_concurrent_threads_share_client"}
@@ -46,7 +47,8 @@ def make_client():
 
 
 KNOWN_EXPECT = {"status", "error_contains", "ttft_ms", "itl_ms", "completion_tokens", "prompt_tokens",
-                "e2e_ms", "time_to_first_content_ms", "text", "tolerance_ms"}
+                "e2e_ms", "time_to_first_content_ms", "text", "tolerance_ms", "http_status", "last_token_ms",
+                "tpot_ms", "finish_reason", "tool_calls", "exclude_from_latency", "exclude_from_throughput"}
 
 
 def _chunk(delta: dict | None = None, *, usage: dict | None = None, finish: str | None = None,
@@ -122,9 +124,19 @@ def test_stream_handed_case(path: Path) -> None:
         assert len(r.itl_s) == len(exp["itl_ms"]), r.itl_s
         for got, want in zip(r.itl_s, exp["itl_ms"], strict=True):
             assert got == t.gap(want / 1000.0)
-    for k in ("completion_tokens", "prompt_tokens", "text"):
+    if "last_token_ms" in exp:
+        assert r.last_token_s == t.at(exp["last_token_ms"] / 1000.0)
+    if "tpot_ms" in exp:
+        assert r.tpot_s == t.gap(exp["tpot_ms"] / 1000.0)
+    for k in ("completion_tokens", "prompt_tokens", "text", "http_status", "finish_reason"):
         if k in exp:
-            assert getattr(r, k) == exp[k]
+            assert getattr(r, k) == exp[k], k
+    if "tool_calls" in exp:
+        assert [{"index": c["index"], "id": c.get("id"), "name": c["function"]["name"],
+                 "arguments": c["function"]["arguments"]} for c in r.tool_calls] == exp["tool_calls"]
+    for k in ("exclude_from_latency", "exclude_from_throughput"):
+        if k in exp:
+            assert r.counts_for_latency is not exp[k], k
 
 
 def test_stream_split_fragments_ttft_is_when_event_completes() -> None:
@@ -272,8 +284,9 @@ def test_stream_proxy_facts_ids_and_tool_calls() -> None:
     assert r.prompt_token_ids == [1, 2, 3, 4] and r.cached_tokens == 3
     assert r.kv_transfer_params == {"remote_block_ids": [[7]], "remote_num_tokens": 6}
     assert r.proxy_facts == {"remote_num_tokens": 6, "reused_tokens": 0}
-    # TPOT = (E2E - TTFT) / (3 - 1) = (0.08 - 0.05) / 2
-    assert r.tpot_s == pytest.approx(0.015, abs=t.tol_s / 2)
+    # TPOT = (last token - TTFT) / (3 - 1) = (0.07 - 0.05) / 2: the last usage rise is at 70 ms
+    assert r.last_token_s == t.at(0.07)
+    assert r.tpot_s == pytest.approx(0.01, abs=t.tol_s / 2)
     assert r.itl_s == [t.gap(0.01), t.gap(0.01)]  # usage 1 -> 2 -> 3 at 50, 60, 70 ms
 
 

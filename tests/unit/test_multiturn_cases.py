@@ -9,7 +9,6 @@ same behaviours through real vLLM P/D workers are in tests/integration/test_mult
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
@@ -17,9 +16,10 @@ from tokenizers import Tokenizer
 from loadgen.session import apply_edit
 from loadgen.token_prompt import reuse_against, reuse_oracle
 from tests.embedded_tokenizer import tokenizer_json
+from tests.handed_cases import CASES as HANDED
 from tests.integration.openai_stub import IM_END, encode, render
 
-CASES = Path(__file__).resolve().parents[2].parent / "shared" / "cases" / "multiturn"
+CASES = HANDED / "multiturn"
 BLOCK = 128   # vLLM CPU KV block size (DESIGN §2)
 
 

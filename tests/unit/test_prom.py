@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from loadgen.prom import counter_increase, counter_total, gauge_value, parse_samples
+from tests.handed_cases import CASES as HANDED
 
-CASES = Path(__file__).resolve().parents[2].parent / "shared" / "cases" / "prometheus"
+CASES = HANDED / "prometheus"
 
 
 def _case(stem: str) -> tuple[list, dict]:

@@ -36,7 +36,9 @@ def test_stream_acc_per_token_first_chunk_with_several_tokens() -> None:
             end=0.37)
     assert r.itl_kind == "per_token"
     assert r.itl_s == pytest.approx([0.05, 0.05, 0.05])
-    assert r.tpot_s == pytest.approx((0.37 - 0.2) / 5)
+    # TPOT runs to the last token (0.35 s), not to the stream's end (0.37 s).
+    assert r.last_token_s == 0.35 and r.e2e_s == 0.37
+    assert r.tpot_s == pytest.approx((0.35 - 0.2) / 5)
 
 
 def test_stream_acc_final_eos_token_without_text_counts() -> None:
@@ -45,6 +47,7 @@ def test_stream_acc_final_eos_token_without_text_counts() -> None:
              (0.15, {"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "stop"}],
                      "usage": {"completion_tokens": 3}})], end=0.16)
     assert r.itl_s == pytest.approx([0.02, 0.03]) and r.finish_reason == "stop"
+    assert r.last_token_s == 0.15  # the stop token's usage rise, though it has no text
 
 
 def test_stream_acc_without_usage_is_inter_chunk() -> None:
@@ -52,7 +55,9 @@ def test_stream_acc_without_usage_is_inter_chunk() -> None:
              (0.31, {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 4}})], end=0.32)
     assert r.itl_kind == "inter_chunk"
     assert r.itl_s == pytest.approx([0.15, 0.05])
-    assert r.completion_tokens == 4 and r.tpot_s == pytest.approx((0.32 - 0.1) / 3)
+    # The usage-only chunk (0.31 s) is no token: the last token is "d" at 0.3 s.
+    assert r.last_token_s == 0.3
+    assert r.completion_tokens == 4 and r.tpot_s == pytest.approx((0.3 - 0.1) / 3)
 
 
 def test_stream_acc_reasoning_field_names() -> None:
