@@ -10,6 +10,13 @@ naive reader gets wrong on vLLM's output (cases in ``shared/cases/prometheus/``)
   ``X_count`` or ``X_sum`` is present.
 - Histogram ``_bucket`` series (a sample with an ``le`` label) are dropped; ``_sum``/``_count`` kept.
 - Per-pid gauges (see :func:`gauge_value`).
+- Per-engine series (data-parallel engines of one server, told apart only by the ``engine``
+  label; handed case ``per_engine_series``): counters, histograms and request counts add across
+  engines; KV usage stays per engine (:func:`gauge_by_engine`), and one figure for the server is
+  the maximum (:func:`gauge_max_over_engines`), never the last series read nor the sum.
+- Prompt tokens by source (:func:`prompt_token_sources`): reuse fractions come from
+  ``vllm:prompt_tokens_by_source_total``, whose sources add up to ``vllm:prompt_tokens_total``,
+  which counts n x the prompt for a request with ``n`` > 1 (handed case ``prompt_tokens_by_source``).
 """
 
 from __future__ import annotations
@@ -154,3 +161,166 @@ def counter_increase(scrapes: Sequence[tuple[float | None, float]]) -> tuple[flo
         else:
             increase += v1 - v0
     return increase, restarts
+
+
+def engines(samples: Sequence[Sample]) -> list[str]:
+    """The values of the ``engine`` label seen in a scrape, sorted (``[]`` for a server that does
+    not label engines)."""
+    return sorted({s.labels["engine"] for s in samples if "engine" in s.labels})
+
+
+def gauge_by_engine(samples: Sequence[Sample], name: str, labels: dict[str, str] | None = None) -> dict[str, float]:
+    """Gauge ``name`` per data-parallel engine: ``{engine label: value}``, each engine's value
+    resolved with :func:`gauge_value`'s per-pid rule. A server without ``engine`` labels gives one
+    entry under ``""``.
+
+    Raises:
+        KeyError: no series of that name (and labels).
+        ValueError: as :func:`gauge_value`, within one engine.
+    """
+    found = _matching(samples, name, labels)
+    if not found:
+        raise KeyError(f"gauge {name!r} with labels {labels or {}} not in the scrape")
+    out = {}
+    for engine in sorted({s.labels.get("engine", "") for s in found}):
+        want = {**(labels or {}), "engine": engine} if engine else labels
+        same_engine = [s for s in found if s.labels.get("engine", "") == engine]
+        out[engine] = gauge_value(same_engine, name, want)
+    return out
+
+
+def gauge_max_over_engines(samples: Sequence[Sample], name: str, labels: dict[str, str] | None = None) -> float:
+    """One figure for a per-engine gauge such as ``vllm:kv_cache_usage_perc`` (fraction 0..1): the
+    fullest engine. A server is as full as its fullest engine (a request routed there waits or is
+    preempted whatever the others hold), so neither the sum nor the last series read is right
+    (volcano-sh/kthena#1782, gateway-api-inference-extension#2950).
+
+    Raises:
+        KeyError, ValueError: as :func:`gauge_by_engine`.
+    """
+    return max(gauge_by_engine(samples, name, labels).values())
+
+
+def gauge_sum_over_engines(samples: Sequence[Sample], name: str, labels: dict[str, str] | None = None) -> float:
+    """One figure for a per-engine count such as ``vllm:num_requests_running`` or ``_waiting``
+    (requests): the sum over engines, each engine's per-pid copies resolved first.
+
+    Raises:
+        KeyError, ValueError: as :func:`gauge_by_engine`.
+    """
+    return math.fsum(gauge_by_engine(samples, name, labels).values())
+
+
+@dataclass(frozen=True)
+class PromptTokenSources:
+    """Prompt tokens by source, from vLLM's ``vllm:prompt_tokens_by_source_total`` (vllm#33290):
+    ``local_compute`` (prefilled here), ``local_cache_hit`` (this worker's prefix cache) and
+    ``external_kv_transfer`` (pulled over the KV connector, e.g. NIXL from D). Tokens; the three add
+    up to ``vllm:prompt_tokens_total``, which counts n x the prompt for a request with ``n`` > 1
+    (vllm#56923), so fractions are taken against their own sum, never against client usage."""
+
+    local_compute: float
+    local_cache_hit: float
+    external_kv_transfer: float
+
+    @property
+    def total(self) -> float:
+        """All prompt tokens the worker accounted for (== ``vllm:prompt_tokens_total``)."""
+        return self.local_compute + self.local_cache_hit + self.external_kv_transfer
+
+    def _fraction(self, part: float) -> float | None:
+        return part / self.total if self.total > 0 else None
+
+    @property
+    def reused_fraction(self) -> float | None:
+        """Share of prompt tokens not computed here (cache hit + external), 0..1; None without tokens."""
+        return self._fraction(self.local_cache_hit + self.external_kv_transfer)
+
+    @property
+    def external_fraction(self) -> float | None:
+        """Share of prompt tokens pulled over the connector, 0..1; None without tokens."""
+        return self._fraction(self.external_kv_transfer)
+
+    @property
+    def computed_fraction(self) -> float | None:
+        """Share of prompt tokens prefilled here, 0..1; None without tokens."""
+        return self._fraction(self.local_compute)
+
+
+def prompt_token_sources(samples: Sequence[Sample], labels: dict[str, str] | None = None) -> PromptTokenSources:
+    """The current ``vllm:prompt_tokens_by_source_total`` counters of one scrape, summed over
+    engines and other labels (``labels`` filters, e.g. ``{"model_name": ...}``). A source the
+    worker has not exposed counts 0.
+
+    Raises:
+        KeyError: the scrape has no ``vllm:prompt_tokens_by_source_total`` series at all (a vLLM
+            older than vllm#33290, or not a vLLM worker).
+    """
+    name = "vllm:prompt_tokens_by_source_total"
+    if not _matching(samples, name, labels):
+        raise KeyError(f"counter {name!r} with labels {labels or {}} not in the scrape")
+
+    def source(src: str) -> float:
+        return math.fsum(s.value for s in _matching(samples, name, {**(labels or {}), "source": src}))
+
+    return PromptTokenSources(source("local_compute"), source("local_cache_hit"), source("external_kv_transfer"))
+
+
+@dataclass(frozen=True)
+class HistogramTotals:
+    """A histogram summed over every label set but ``le``: ``count`` observations, ``sum`` (the
+    metric's unit, e.g. seconds), and ``buckets`` as ``(upper bound, cumulative count)`` sorted by
+    bound (``+Inf`` last)."""
+
+    count: float
+    sum: float
+    buckets: tuple[tuple[float, float], ...]
+
+    @property
+    def mean(self) -> float | None:
+        """``sum / count``; None without observations."""
+        return self.sum / self.count if self.count else None
+
+    def fraction_at_or_below(self, bound: float) -> float | None:
+        """Share of observations <= ``bound``, which must be one of the bucket bounds (no
+        interpolation inside a bucket); None without observations.
+
+        Raises:
+            ValueError: ``bound`` is not a bucket bound.
+        """
+        for le, cumulative in self.buckets:
+            if le == bound:
+                return cumulative / self.count if self.count else None
+        raise ValueError(f"{bound} is not a bucket bound of this histogram ({[b for b, _ in self.buckets]})")
+
+
+def histogram_totals(text: str, name: str, source: str = "<metrics text>") -> HistogramTotals:
+    """Histogram ``name`` (e.g. ``vllm:time_to_first_token_seconds``) from /metrics text, its
+    ``_bucket``, ``_sum`` and ``_count`` series added across engines and other labels (a scrape
+    stores no buckets: :func:`parse_samples` drops them, so this reads the text itself).
+
+    Raises:
+        ValueError: the text does not parse (names ``source``).
+        KeyError: no histogram of that name.
+    """
+    parts = {name + "_bucket", name + "_count", name + "_sum"}
+    try:
+        families = [f for f in text_string_to_metric_families(text) if f.name == name or f.name in parts]
+    except (ValueError, TypeError, IndexError, KeyError) as e:
+        raise ValueError(f"{source}: not Prometheus text exposition: {e}") from e
+    if not any(f.name == name and f.type == "histogram" for f in families):
+        raise KeyError(f"histogram {name!r} not in {source}")
+    count = total = 0.0
+    buckets: dict[float, float] = {}
+    # Once another series interrupts a histogram's samples (vLLM's ``_created`` line between two
+    # engines), prometheus_client returns the rest as "unknown" families named ``<name>_bucket``,
+    # ``_count``, ``_sum``: read the samples by name, from every such family.
+    for s in (s for f in families for s in f.samples):
+        if s.name == name + "_count":
+            count += s.value
+        elif s.name == name + "_sum":
+            total += s.value
+        elif s.name == name + "_bucket":
+            le = float(s.labels["le"])
+            buckets[le] = buckets.get(le, 0.0) + s.value
+    return HistogramTotals(count, total, tuple(sorted(buckets.items())))

@@ -6,7 +6,18 @@ import json
 
 import pytest
 
-from loadgen.prom import counter_increase, counter_total, gauge_value, parse_samples
+from loadgen.prom import (
+    counter_increase,
+    counter_total,
+    engines,
+    gauge_by_engine,
+    gauge_max_over_engines,
+    gauge_sum_over_engines,
+    gauge_value,
+    histogram_totals,
+    parse_samples,
+    prompt_token_sources,
+)
 from tests.handed_cases import CASES as HANDED
 
 CASES = HANDED / "prometheus"
@@ -18,10 +29,69 @@ def _case(stem: str) -> tuple[list, dict]:
 
 
 def test_prom_cases_present() -> None:
-    assert {p.name for p in CASES.glob("*")} >= {"created_series.prom", "per_pid_gauge.prom", "counter_reset.json"}
+    assert {p.name for p in CASES.glob("*")} >= {"created_series.prom", "per_pid_gauge.prom", "counter_reset.json",
+                                                 "per_engine_series.prom", "prompt_tokens_by_source.prom"}
 
 
-def test_prom_created_series_never_read() -> None:
+def test_prom_every_case_is_tested() -> None:
+    """Each handed .expect.json is checked by a test named after it (a new case cannot slip by)."""
+    tested = {name.removeprefix("test_prom_case_") for name in globals() if name.startswith("test_prom_case_")}
+    handed = {p.name.removesuffix(".expect.json") for p in CASES.glob("*.expect.json")} | {"counter_reset"}
+    assert handed <= tested, handed - tested
+
+
+def test_prom_case_prompt_tokens_by_source() -> None:
+    samples, exp = _case("prompt_tokens_by_source")
+    src = prompt_token_sources(samples)
+    assert (src.local_compute, src.local_cache_hit, src.external_kv_transfer) == (
+        exp["local_compute"], exp["local_cache_hit"], exp["external_kv_transfer"])
+    total = counter_total(samples, "vllm:prompt_tokens")
+    assert total == exp["prompt_tokens_total"]
+    assert (src.total == total) is exp["sources_sum_equals_total"]
+    assert src.reused_fraction == pytest.approx(exp["reused_fraction"], abs=1e-6)
+    assert src.external_fraction == pytest.approx(exp["external_fraction"], abs=1e-6)
+    assert src.computed_fraction == pytest.approx(exp["computed_fraction"], abs=1e-6)
+    assert counter_total(samples, "vllm:prompt_tokens_cached") == exp["cached_total"]
+    # n = 2: the server counts each prompt twice, client usage once. A fraction taken against
+    # client usage would exceed 1 (7680 reused of 4608 "prompt tokens"): the sources' own sum is
+    # the only consistent denominator.
+    client = exp["client_prompt_tokens_if_n_is_2"]
+    assert total == 2 * client and (src.local_cache_hit + src.external_kv_transfer) / client > 1
+
+
+def test_prom_case_per_engine_series() -> None:
+    samples, exp = _case("per_engine_series")
+    text = (CASES / "per_engine_series.prom").read_text()
+    assert engines(samples) == exp["engines"]
+    assert gauge_sum_over_engines(samples, "vllm:num_requests_running") == exp["num_requests_running"]
+    assert gauge_sum_over_engines(samples, "vllm:num_requests_waiting") == exp["num_requests_waiting"]
+    assert gauge_by_engine(samples, "vllm:kv_cache_usage_perc") == exp["kv_cache_usage_perc_by_engine"]
+    assert gauge_max_over_engines(samples, "vllm:kv_cache_usage_perc") == exp["kv_cache_usage_perc_max"]
+    queries = counter_total(samples, "vllm:prefix_cache_queries")
+    hits = counter_total(samples, "vllm:prefix_cache_hits")
+    assert (queries, hits) == (exp["prefix_cache_queries"], exp["prefix_cache_hits"])
+    assert hits / queries == pytest.approx(exp["prefix_cache_hit_rate"])
+    ttft = histogram_totals(text, "vllm:time_to_first_token_seconds")
+    assert ttft.count == exp["ttft_count"]
+    assert ttft.mean == pytest.approx(exp["ttft_mean_s"])
+    assert ttft.fraction_at_or_below(0.5) == pytest.approx(exp["ttft_fraction_le_0_5_s"])
+    # The one-engine readings the case warns of differ: engine 1 alone, or the last series read.
+    assert counter_total(samples, "vllm:prefix_cache_hits", {"engine": "1"}) / counter_total(
+        samples, "vllm:prefix_cache_queries", {"engine": "1"}) == 0.25
+    with pytest.raises(ValueError, match="differ in more than pid"):
+        gauge_value(samples, "vllm:kv_cache_usage_perc")  # no silent pick of one engine
+
+
+def test_prom_histogram_errors() -> None:
+    with pytest.raises(KeyError, match="not_there"):
+        histogram_totals(TEXT, "not_there")
+    h = histogram_totals(TEXT, "ttft")
+    assert (h.count, h.sum, h.buckets) == (3.0, 0.75, ((0.1, 1.0), (float("inf"), 3.0)))
+    with pytest.raises(ValueError, match="not a bucket bound"):
+        h.fraction_at_or_below(0.2)
+
+
+def test_prom_case_created_series() -> None:
     samples, exp = _case("created_series")
     assert not [s for s in samples if s.name.endswith("_created")]
     hits = counter_total(samples, "vllm:prefix_cache_hits")
@@ -30,13 +100,13 @@ def test_prom_created_series_never_read() -> None:
     assert hits / queries == pytest.approx(exp["hit_rate"], abs=1e-6)
 
 
-def test_prom_per_pid_gauge() -> None:
+def test_prom_case_per_pid_gauge() -> None:
     samples, exp = _case("per_pid_gauge")
     for name, value in exp.items():
         assert gauge_value(samples, name) == value
 
 
-def test_prom_counter_reset_case() -> None:
+def test_prom_case_counter_reset() -> None:
     case = json.loads((CASES / "counter_reset.json").read_text())
     scrapes = [(s["process_start_time_seconds"], s["value"]) for s in case["scrapes"]]
     assert counter_increase(scrapes) == (case["expect"]["increase"], case["expect"]["restarts"])
