@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                     locust.wait(300)
                 except subprocess.TimeoutExpired:
                     locust.kill()
-            scraper.stop()
+            scraper.stop(final_settle_s=10.0)
             sw.close()
         samples.append(sample(proxy, stack.proxy_url, t0))
         proxy_sent = proxy_requests(stack.proxy_url) - before

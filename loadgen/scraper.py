@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -23,6 +24,9 @@ from loadgen.store import ShardWriter
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "aggregated", "proxy")
+#: Seconds between final scrapes: counters read equal twice this far apart are settled (vLLM and
+#: the proxy count a request within milliseconds of its end).
+FINAL_SCRAPE_PAUSE_S = 0.25
 
 
 class MetricsScraper:
@@ -58,6 +62,7 @@ class MetricsScraper:
         self.ok: dict[str, int] = {url: 0 for url, _ in self.endpoints}
         self.failed: dict[str, int] = {url: 0 for url, _ in self.endpoints}
         self._failing: set[str] = set()
+        self._last_counters: dict[str, float] = {}  # per base_url: sum of *_total values, last scrape
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._client: httpx.Client | None = None
@@ -90,6 +95,7 @@ class MetricsScraper:
         if url in self._failing:
             self._failing.discard(url)
             log.info("scrape of %s/metrics (%s) recovered", url, role)
+        self._last_counters[url] = math.fsum(s.value for s in samples if s.name.endswith("_total"))
         for s in samples:
             self.writer.append("metric_samples", {
                 "run_id": self.run_id, "scraped_at": scraped_at, "endpoint": url, "role": role,
@@ -119,11 +125,41 @@ class MetricsScraper:
         self._thread = threading.Thread(target=self._loop, name="metrics-scraper", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
-        """Stop the thread after its current round and close its HTTP client; idempotent."""
+    def stop(self, final_settle_s: float = 0.0) -> None:
+        """Stop the thread after its current round and close its HTTP client; idempotent.
+
+        Args:
+            final_settle_s: when > 0, after the thread stopped, take final scrapes (every
+                ``interval_s``, at most ``final_settle_s`` seconds) until two consecutive rounds read
+                the same counters on every endpoint, so that the run's last scrape comes after its
+                last turn was counted by the workers and the proxy. The caller calls this once the
+                run's last turn has finished (the client saw its end): a counter still moving then
+                is that turn being accounted (the proxy counts after the stream's last byte). A
+                run's counter increases then contain exactly its own turns (issue #12: the last
+                turn's pull otherwise fell into the next run's first sample).
+        """
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        if final_settle_s > 0:
+            self.final_scrape(final_settle_s)
         if self._client is not None:
             self._client.close()
             self._client = None
+
+    def final_scrape(self, settle_s: float) -> int:
+        """Scrape every endpoint until two consecutive rounds read the same counter values (sum of
+        the ``*_total`` series per endpoint), or ``settle_s`` seconds have passed; returns the
+        rounds taken (at least 1). Each round's rows are stored like any scrape."""
+        deadline = time.monotonic() + settle_s
+        pause = min(self.interval_s, FINAL_SCRAPE_PAUSE_S)
+        previous, rounds = None, 0
+        while True:
+            self._last_counters = {}
+            self.scrape_once()
+            rounds += 1
+            current = dict(self._last_counters)
+            if current == previous or time.monotonic() + pause > deadline:
+                return rounds
+            previous = current
+            time.sleep(pause)

@@ -38,6 +38,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 #: Seconds between rewrites of a running run's ``runs_log`` row (the ``runs`` view reads a running
 #: run whose row is older than three of them as ``aborted``).
 HEARTBEAT_S = 5.0
+#: At most this many seconds of final scrapes after a run's last turn (loadgen.scraper.MetricsScraper.stop).
+FINAL_SCRAPE_SETTLE_S = 5.0
 _TRACE_READERS = {"mooncake": load_mooncake, "azure": load_azure, "taubench": load_taubench,
                   "vllm_multiturn": load_vllm_multiturn}
 
@@ -220,7 +222,9 @@ def run_eval(s: EvalSettings, console: Console | None = None,
                 try:
                     status = run_status(run_locust(rs, run_id, stack.proxy_url, history, mode))
                 finally:
-                    scraper.stop()
+                    # Locust has returned: every turn has finished. Scrape until the workers' and
+                    # the proxy's counters settle, so this run's increases hold its last turn too.
+                    scraper.stop(final_settle_s=FINAL_SCRAPE_SETTLE_S)
                     run_writer.close()
                     writer.stop_keep_alive()
                     now = dt.datetime.now(dt.UTC)

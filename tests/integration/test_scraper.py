@@ -139,3 +139,35 @@ def test_scraper_rejects_bad_config(tmp_path: Path) -> None:
             MetricsScraper([("http://127.0.0.1:1", "worker")], w, "run1")
         with pytest.raises(ValueError, match="differs from the writer"):
             MetricsScraper([("http://127.0.0.1:1", "proxy")], w, "run2")
+
+
+def test_scraper_final_scrape_holds_the_last_turn(tmp_path: Path) -> None:
+    """A counter that rises after the last periodic scrape (the run's last turn) is in the store
+    once stop() takes its final scrapes; without them the run would miss it (issue #12)."""
+    import threading
+
+    store = Store(tmp_path / "store")
+    store.init()
+    reg, events, _ = _registry(start=1000.0)
+    httpd, url = _serve(reg)
+    name = "turnscope_test_events_total"
+    events.labels(kind="a")  # the series exists (at 0) before the first scrape
+    try:
+        for final_settle_s, run_id in ((0.0, "without"), (3.0, "with")):
+            writer = store.writer(run_id, "scraper", flush_interval_s=0.1)
+            scraper = MetricsScraper([(url, "prefill")], writer, run_id, interval_s=60.0)
+            scraper.start()
+            _wait_for(lambda s=scraper: s.ok[url] >= 1)
+            events.labels(kind="a").inc(5)  # the last turn, counted after the last periodic scrape
+            late = threading.Timer(0.1, lambda: events.labels(kind="a").inc(2))  # still being counted
+            late.start()
+            scraper.stop(final_settle_s=final_settle_s)
+            late.join()
+            writer.close()
+        got = dict(store.connect().execute(
+            "SELECT run_id, max(value) - min(value) FROM metric_samples WHERE name = ? GROUP BY run_id",
+            [name]).fetchall())
+        assert got == {"without": 0.0, "with": 7.0}
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
