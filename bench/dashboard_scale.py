@@ -41,8 +41,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from loadgen.store import Store
+from turnscope.contract import MODES
 
-MODES = ("aggregated", "pd", "pd-bidir", "pd-nocache", "pd-bidir-nocache")
 HISTORIES = ("text", "token_ids")
 ARCHETYPES = ("coding", "research", "support", "analyst")
 KINDS = np.array(["turn", "retry", "edit", "fresh", "resume"])

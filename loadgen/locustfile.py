@@ -77,8 +77,6 @@ from locust.runners import MasterRunner, WorkerRunner
 from loadgen.session import (
     SessionPlan,
     TemplateJoinError,
-    TokenizeError,
-    Tokenizer,
     TurnRecord,
     joiner_for,
     plan_from_conversation,
@@ -89,6 +87,7 @@ from loadgen.stream_client import GeventClient
 from loadgen.synth_text import SynthError, TextSynth, counter_from
 from loadgen.traces.taubench import DEFAULT_TRACE, TraceFormatError, load_taubench
 from loadgen.workload import Workload, WorkloadError, describe, load_workload, plan_workload
+from turnscope.tokenize_client import TokenizeClient, TokenizeError
 
 log = logging.getLogger("turnscope.locust")
 # httpx logs every request at INFO: at a thousand sessions that is measurable CPU on the event loop
@@ -505,7 +504,7 @@ def _start_run(environment: Any) -> None:
         if o.turnscope_history == "token_ids":
             with httpx.Client() as c:
                 try:
-                    joiner_for(Tokenizer(c, environment.host, o.turnscope_model))
+                    joiner_for(TokenizeClient(c, environment.host, o.turnscope_model))
                 except (TemplateJoinError, TokenizeError) as e:
                     raise ValueError(f"the token_ids history mode cannot be used against "
                                      f"{environment.host}: {e}") from e

@@ -65,22 +65,27 @@ from loadgen.token_prompt import (
     reuse_against,
     strip_generation_prompt,
 )
+from turnscope.contract import (
+    DECODE_ENGINE_HEADER,
+    GAP_KINDS,
+    HISTORY_MODES,
+    PREFILL_ENGINE_HEADER,
+    PREFILL_MS_HEADER,
+    REUSE_HEADER,
+    SESSION_FIELD,
+    SESSION_HEADER,
+    TURN_KINDS,
+)
+from turnscope.tokenize_client import TokenizeClient, TokenizeError
 
 log = logging.getLogger(__name__)
 
-HISTORY_MODES = ("text", "token_ids")
-GAP_KINDS = ("none", "tool", "think", "pause")
-TURN_KINDS = ("turn", "retry", "edit", "fresh", "resume")
 
 
 class RowWriter(Protocol):
     """What :func:`run_session` needs of a store writer (``loadgen.store.ShardWriter``)."""
 
     def append(self, table: str, row: dict[str, Any]) -> None: ...
-
-
-class TokenizeError(RuntimeError):
-    """The server's ``/tokenize`` failed or answered something that is not a token list."""
 
 
 # --------------------------------------------------------------------------------------- plans
@@ -252,76 +257,10 @@ def plan_from_conversation(
 # ------------------------------------------------------------------------------------ tokenize
 
 
-class Tokenizer:
-    """Client of the server's vLLM-style ``/tokenize`` (chat-template renders and plain encodes).
-
-    Args:
-        client: sync httpx client.
-        base_url: server root, e.g. ``http://127.0.0.1:8000`` (``/tokenize`` is appended).
-        model: the model name sent in each request.
-        timeout_s: per request, seconds.
-        retries: a request that cannot reach the server, or gets 502/503/504 (a proxy or worker
-            restarting), is tried again this many times, 0.25 s after the first failure and twice
-            as long after each next one (about 16 s in all by default: a ``token_ids`` session
-            cannot build its next prompt without it, and would stop).
-    """
-
-    def __init__(self, client: httpx.Client, base_url: str, model: str, timeout_s: float = 30.0,
-                 retries: int = 6):
-        self.client = client
-        self.url = base_url.rstrip("/") + "/tokenize"
-        self.model = model
-        self.timeout_s = timeout_s
-        self.retries = retries
-
-    def __call__(
-        self,
-        messages: Sequence[dict[str, Any]] | None = None,
-        prompt: str | None = None,
-        *,
-        add_generation_prompt: bool = True,
-        add_special_tokens: bool = False,
-    ) -> list[int]:
-        """Token ids of ``messages`` rendered by the chat template, or of the text ``prompt``.
-
-        Raises:
-            TokenizeError: HTTP or network failure, or a response without a ``tokens`` list.
-        """
-        body: dict[str, Any] = {"model": self.model, "add_special_tokens": add_special_tokens}
-        if messages is not None:
-            body.update(messages=list(messages), add_generation_prompt=add_generation_prompt)
-        else:
-            body["prompt"] = prompt
-        for attempt in range(self.retries + 1):
-            try:
-                resp = self.client.post(self.url, json=body, timeout=self.timeout_s)
-            except httpx.TimeoutException as e:
-                raise TokenizeError(f"POST {self.url}: {type(e).__name__}: {e} (timeout {self.timeout_s} s)") from e
-            except httpx.TransportError as e:  # refused, reset, closed: the server may be restarting
-                if attempt == self.retries:
-                    raise TokenizeError(f"POST {self.url}: {type(e).__name__}: {e} "
-                                        f"({attempt + 1} attempts)") from e
-            except httpx.HTTPError as e:
-                raise TokenizeError(f"POST {self.url}: {type(e).__name__}: {e}") from e
-            else:
-                if resp.status_code not in (502, 503, 504) or attempt == self.retries:
-                    break
-            time.sleep(0.25 * 2**attempt)  # gevent-patched under Locust
-        if resp.status_code != 200:
-            raise TokenizeError(f"POST {self.url}: HTTP {resp.status_code}: {resp.text[:300]}")
-        try:
-            tokens = resp.json()["tokens"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise TokenizeError(f"POST {self.url}: no 'tokens' list in the response: {resp.text[:300]}") from e
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            raise TokenizeError(f"POST {self.url}: 'tokens' is not a list of integers")
-        return tokens
-
-
 _JOINERS: dict[tuple[str, str], TurnJoiner] = {}
 
 
-def joiner_for(tokenizer: Tokenizer) -> TurnJoiner:
+def joiner_for(tokenizer: TokenizeClient) -> TurnJoiner:
     """The :class:`TurnJoiner` of the server's chat template, calibrated once per (URL, model).
 
     Raises:
@@ -426,10 +365,10 @@ def turn_row(
         "status": result.status,
         "error": result.error,
         "http_status": result.http_status,
-        "reuse": h.get("x-turnscope-reuse"),
-        "prefill_leg_s": _float_header(h, "x-turnscope-prefill-ms", 1e-3),
-        "prefill_engine": h.get("x-turnscope-prefill-engine"),
-        "decode_engine": h.get("x-turnscope-decode-engine"),
+        "reuse": h.get(REUSE_HEADER),
+        "prefill_leg_s": _float_header(h, PREFILL_MS_HEADER, 1e-3),
+        "prefill_engine": h.get(PREFILL_ENGINE_HEADER),
+        "decode_engine": h.get(DECODE_ENGINE_HEADER),
         "prefill_cached_tokens": _int_fact(facts, "prefill_cached_tokens"),
         "remote_tokens": _int_fact(facts, "remote_tokens"),
         "reused_tokens": _int_fact(facts, "reused_tokens"),
@@ -491,7 +430,7 @@ def run_session(
     conversation_id: str | None = None,
     on_turn: Callable[[TurnRecord], None] | None = None,
     sleep: Callable[[float], None] | None = None,
-    tokenizer: Tokenizer | None = None,
+    tokenizer: TokenizeClient | None = None,
     keep_turns: bool = True,
     stream_client: httpx.Client | GeventClient | None = None,
 ) -> SessionResult:
@@ -539,18 +478,18 @@ def run_session(
     if history_mode not in HISTORY_MODES:
         raise ValueError(f"history_mode must be one of {HISTORY_MODES}, got {history_mode!r}")
     base = base_url.rstrip("/")
-    tok = tokenizer or Tokenizer(client, base, model, timeout_s=min(timeout_s, 60.0))
+    tok = tokenizer or TokenizeClient(client, base, model, timeout_s=min(timeout_s, 60.0))
     joiner = joiner_for(tok) if history_mode == "token_ids" else None
     url = base + ("/v1/chat/completions" if history_mode == "text" else "/v1/completions")
     conv_id = conversation_id or f"{run_id}/{plan.session_id}"
     common: dict[str, Any] = {
         "model": model,
-        "conversation_id": conv_id,
+        SESSION_FIELD: conv_id,
         "return_token_ids": True,
         "max_tokens": max_tokens,
         "temperature": temperature,
     }
-    headers = {"X-Session-ID": conv_id}
+    headers = {SESSION_HEADER: conv_id}
     do_sleep = sleep or time.sleep
 
     out = SessionResult()
@@ -625,7 +564,7 @@ def run_session(
 
     def request_body(tp: TurnPlan, conv: str, msgs: list[dict[str, Any]] | None,
                      prompt: list[int] | None) -> dict[str, Any]:
-        body = dict(common, conversation_id=conv)
+        body = {**common, SESSION_FIELD: conv}
         if tp.max_tokens is not None:
             body["max_tokens"] = tp.max_tokens
         if history_mode == "text":
@@ -654,7 +593,7 @@ def run_session(
                      plan.session_id, k, len(rendered_f), max_prompt_tokens)
             return
         body = request_body(tp, conv, tp.new_messages, rendered_f)
-        result, gap = wait_and_send(tp, url, body, {"X-Session-ID": conv})
+        result, gap = wait_and_send(tp, url, body, {SESSION_HEADER: conv})
         gaps[tp.gap_kind] += gap  # the agent's time before its side call
         prompt_ids = result.prompt_token_ids if result.prompt_token_ids is not None else rendered_f
         if prompt_ids is None:
@@ -801,7 +740,7 @@ def _token_bound(messages: Sequence[dict[str, Any]]) -> int:
     return sum(len(json.dumps(m).encode("utf-8")) + 32 for m in messages)
 
 
-def _stand_in_ids(tok: Tokenizer, reply: dict[str, Any], joiner: TurnJoiner | None) -> list[int] | None:
+def _stand_in_ids(tok: TokenizeClient, reply: dict[str, Any], joiner: TurnJoiner | None) -> list[int] | None:
     """Ids that stand in for a reply that was never generated (token_ids mode, failed turn).
 
     The reply is rendered alone by the chat template (``add_generation_prompt=False``) and the

@@ -40,6 +40,10 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from turnscope.redaction import REDACTED, redact, secret_name
+
+__all__ = ["REDACTED", "redact", "secret_name"]  # re-exported from turnscope.redaction
+
 log = logging.getLogger(__name__)
 
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "data" / "schema.sql"
@@ -163,66 +167,11 @@ class StoreNotWritable(OSError):
     """The store root is not a directory this process can write; the message names it."""
 
 
-# -- secrets ------------------------------------------------------------------------------------
+# -- secrets (turnscope.redaction) -------------------------------------------------------------
 
-REDACTED = "***"
-_SECRET_LAST_WORDS = frozenset({"key", "apikey", "token", "secret", "password", "passwd", "pass", "credential",
-                                "credentials", "authorization", "auth", "cookie", "signature"})
-_SECRET_ANY_WORDS = frozenset({"secret", "password", "passwd", "credentials", "authorization"})
-_URL_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
-_BEARER = re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]{8,}")
 #: Columns whose values pass through :func:`redact` when appended (None: every column).
 _REDACTED_COLUMNS: dict[str, tuple[str, ...] | None] = {"runs_log": None, "turns": ("error",),
                                                         "metric_samples": ("endpoint",)}
-
-
-def secret_name(name: str) -> bool:
-    """True for a key or flag name that holds a secret: its last word (split at ``_``, ``-``,
-    ``.``) is key/token/secret/password/auth/... (``api_key``, ``HF_TOKEN``, ``--api-key``,
-    ``AWS_SECRET_ACCESS_KEY``), or any word is secret/password/credentials/authorization.
-    ``max_tokens`` is not one (plural); a number under ``kv_bytes_per_token`` is kept by
-    :func:`redact`, which replaces only string values."""
-    words = [w for w in re.split(r"[_.\-\s]+", name.lower()) if w]
-    return bool(words) and (words[-1] in _SECRET_LAST_WORDS or any(w in _SECRET_ANY_WORDS for w in words))
-
-
-def redact(value: Any, key: str | None = None) -> Any:
-    """``value`` with secrets replaced by ``"***"`` (pure; nested dicts and lists are copied).
-
-    A string under a secret-looking key (:func:`secret_name`) is replaced whole; in every other
-    string, a URL's user-info (``http://user:pass@host`` -> ``http://***@host``) and a
-    ``Bearer``/``Basic`` credential are replaced. In a list, the item after a secret-looking flag
-    (``["--api-key", "sk-..."]``) and the value of ``--api-key=...`` are replaced.
-    """
-    if isinstance(value, str):
-        if key is not None and value and secret_name(key):
-            return REDACTED
-        if "@" in value:
-            value = _URL_USERINFO.sub(lambda m: m.group("scheme") + REDACTED + "@", value)
-        if " " in value or "\t" in value:
-            value = _BEARER.sub(lambda m: m.group(1) + " " + REDACTED, value)
-        return value
-    if isinstance(value, dict):
-        return {k: redact(v, k if isinstance(k, str) else None) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        out: list[Any] = []
-        hide_next = False
-        for item in value:
-            if hide_next and isinstance(item, str):
-                out.append(REDACTED)
-                hide_next = False
-                continue
-            hide_next = False
-            if isinstance(item, str) and item.startswith("-"):
-                flag, eq, _ = item.partition("=")
-                if secret_name(flag):
-                    if eq:
-                        out.append(f"{flag}={REDACTED}")
-                        continue
-                    hide_next = True
-            out.append(redact(item))
-        return out
-    return value
 
 
 def _check_name(kind: str, value: str) -> None:

@@ -45,6 +45,8 @@ from typing import Any, Self
 import httpx
 from httpx_sse import EventSource, SSEError
 
+from turnscope.contract import FACTS_FIELD, REQUEST_ID_HEADER
+
 _DONE = "[DONE]"
 _ERROR_BODY_LIMIT = 500  # characters of a non-JSON error body kept in TurnResult.error
 
@@ -109,8 +111,8 @@ class ChunkAccumulator:
         r = self.r
         if self._chunk_id is None and isinstance(chunk.get("id"), str):
             self._chunk_id = chunk["id"]
-        if isinstance(chunk.get("turnscope"), dict):
-            r.proxy_facts.update(chunk["turnscope"])
+        if isinstance(chunk.get(FACTS_FIELD), dict):
+            r.proxy_facts.update(chunk[FACTS_FIELD])
         if isinstance(chunk.get("kv_transfer_params"), dict):
             r.kv_transfer_params = chunk["kv_transfer_params"]
         if r.prompt_token_ids is None and isinstance(chunk.get("prompt_token_ids"), list):
@@ -401,7 +403,7 @@ def _exchange_httpx(client: httpx.Client, url: str, payload: dict, req_headers: 
                            timeout=httpx.Timeout(timeout_s)) as resp:
             result.http_status = resp.status_code
             result.headers = {k.lower(): v for k, v in resp.headers.items()}
-            result.request_id = result.headers.get("x-request-id")
+            result.request_id = result.headers.get(REQUEST_ID_HEADER)
             if not 200 <= resp.status_code < 300:
                 st.failure = ("error", _error_message(resp))
             else:
@@ -431,7 +433,7 @@ def _exchange_gevent(client: GeventClient, url: str, payload: dict, req_headers:
         headers_in = True
         result.http_status = resp.status_code
         result.headers = {k.lower(): v for k, v in resp.items()}
-        result.request_id = result.headers.get("x-request-id")
+        result.request_id = result.headers.get(REQUEST_ID_HEADER)
         if not 200 <= resp.status_code < 300:
             text = resp.read().decode("utf-8", errors="replace")
             st.failure = ("error", _error_text(resp.status_code, text))

@@ -25,7 +25,10 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-MODES = ("aggregated", "pd", "pd-bidir", "pd-nocache", "pd-bidir-nocache")
+__all__ = ["LOCAL_HOSTS", "MODES"]  # MODES: re-exported from turnscope.contract
+
+from turnscope.contract import MODES
+
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
