@@ -74,17 +74,14 @@ from locust import User, constant, events, task
 from locust.exception import StopUser
 from locust.runners import MasterRunner, WorkerRunner
 
-from loadgen.session import (
-    SessionPlan,
-    TemplateJoinError,
-    TurnRecord,
-    joiner_for,
-    plan_from_conversation,
-    run_session,
-)
+from loadgen.session import SessionPlan, plan_from_conversation
+from loadgen.session_history import joiner_for
+from loadgen.session_player import run_session
+from loadgen.session_recorder import TurnRecord
 from loadgen.store import Store
 from loadgen.stream_client import GeventClient
 from loadgen.synth_text import SynthError, TextSynth, counter_from
+from loadgen.token_prompt import TemplateJoinError
 from loadgen.traces.taubench import DEFAULT_TRACE, TraceFormatError, load_taubench
 from loadgen.workload import Workload, WorkloadError, describe, load_workload, plan_workload
 from turnscope.tokenize_client import TokenizeClient, TokenizeError

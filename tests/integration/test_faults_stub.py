@@ -26,7 +26,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 
 from dashboard import queries, tables
 from loadgen.scraper import MetricsScraper
-from loadgen.session import SessionPlan, TurnPlan, run_session
+from loadgen.session import SessionPlan, TurnPlan
+from loadgen.session_player import run_session
 from loadgen.store import Store
 from loadgen.stream_client import stream_turn
 from serving.proxy import PREFILL_PARAMS, ProxyConfig, Worker

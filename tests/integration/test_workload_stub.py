@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadgen.session import SessionPlan, TurnPlan, run_session
+from loadgen.session import SessionPlan, TurnPlan
+from loadgen.session_player import run_session
 from loadgen.store import Store
 from loadgen.synth_text import LocalTokenizer, TextSynth
 from loadgen.workload import load_workload, plan_workload

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.session import prompt_sha256
+from loadgen.session_recorder import prompt_sha256
 from loadgen.token_prompt import (
     TemplateJoinError,
     TurnJoiner,
