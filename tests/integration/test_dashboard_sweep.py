@@ -13,7 +13,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from dashboard.sweep_figures import IDEAL_NAME, LIMIT_NAME
-from loadgen import report
+from loadgen import eval_report as report
 from tests import sweep_store as sx
 
 APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
