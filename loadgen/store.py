@@ -1,4 +1,4 @@
-"""The run store: Parquet shards written by loadgen, DuckDB views read by everyone (DESIGN §6).
+"""The run store: Parquet shards written by loadgen, DuckDB views read by everyone (docs/schema.md).
 
 Layout under a store root::
 
@@ -14,7 +14,7 @@ The column names and types come from ``data/schema.sql`` (the contract): the "ta
 executed in an in-memory DuckDB to learn each column's type, and each DuckDB type is mapped to one
 Arrow type (``TIMESTAMPTZ`` -> ``timestamp[us, tz=UTC]``, ``JSON`` -> string holding JSON text).
 
-Secrets never reach the store (DESIGN §8): every value of ``runs_log`` (configurations, topologies,
+Secrets never reach the store (docs/design.md, "Secrets"): every value of ``runs_log`` (configurations, topologies,
 workload specs) and the free-text columns ``turns.error`` and ``metric_samples.endpoint`` pass
 through :func:`redact` when appended (credentials in URLs, bearer tokens, string values under
 secret-looking keys such as ``api_key`` or ``HF_TOKEN``, values after ``--api-key``-like flags).

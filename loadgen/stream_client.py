@@ -1,11 +1,11 @@
-"""The streaming client that times one turn (DESIGN §5).
+"""The streaming client that times one turn (docs/design.md, "Timing").
 
 :func:`stream_turn` POSTs one OpenAI-compatible request (``/v1/chat/completions`` or
 ``/v1/completions``) with streaming and per-chunk usage forced on, parses the SSE stream with
 httpx-sse, and returns a :class:`TurnResult`. All durations come from ``time.perf_counter`` (a
 monotonic clock) and are seconds; ``sent_at`` is the UTC wall clock when the request was sent.
 
-Definitions (DESIGN §5):
+Definitions (docs/design.md, "Timing"):
 
 - TTFT: sent -> first chunk that carries a token on any channel: ``delta.content``,
   ``delta.reasoning_content`` / ``delta.reasoning``, ``delta.tool_calls``, completions ``text``,

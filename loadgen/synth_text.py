@@ -1,4 +1,4 @@
-"""Synthesized prompt text with exact token counts for the served tokenizer (DESIGN §4).
+"""Synthesized prompt text with exact token counts for the served tokenizer (docs/workloads.md).
 
 Token-count-only sources (the Mooncake and Azure traces, the archetypes of ``loadgen.workload``)
 give lengths, not text. :class:`TextSynth` turns a length into text that the served tokenizer

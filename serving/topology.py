@@ -1,7 +1,7 @@
 """Topology files: where the prefill (P), decode (D) and aggregated workers run, and how.
 
 A topology is YAML validated with pydantic (errors name the file and the field). One topology
-serves every mode of DESIGN §2: the ``pd*`` modes use its ``prefill`` and ``decode`` lists (xPyD,
+serves every mode of docs/design.md ("Serving modes"): the ``pd*`` modes use its ``prefill`` and ``decode`` lists (xPyD,
 on one or several hosts), ``aggregated`` its ``aggregated`` list; the mode decides
 ``bidirectional_kv_xfer`` (both roles) and P's prefix caching. ``launch: false`` attaches to
 workers that are already running (turnscope then only checks ``/health`` and runs its proxy).

@@ -1,4 +1,4 @@
-"""The evaluation matrix: the same sessions against each serving mode (DESIGN §2), recorded.
+"""The evaluation matrix: the same sessions against each serving mode (docs/design.md, "Serving modes"), recorded.
 
 Per mode: start the workers (``serving.workers``), re-pin them on the CPU platform, start the
 proxy (``serving.proxy_server``), warm the path up (NIXL handshakes both ways, compile caches),

@@ -1,6 +1,6 @@
 """turnscope's operator settings: one pydantic-settings model, from env vars and a config file.
 
-What an operator sets (DESIGN §2, §3, §8): where the store and the model are, the ports of the
+What an operator sets (docs/configuration.md): where the store and the model are, the ports of the
 embedded layout, the NixlConnector settings, and the per-turn and per-leg timeouts. Sources, the
 first that sets a field wins:
 

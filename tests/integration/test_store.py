@@ -1,4 +1,4 @@
-"""Store integration tests: real Parquet shards, real DuckDB views (DESIGN §6)."""
+"""Store integration tests: real Parquet shards, real DuckDB views (docs/schema.md)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from tests.embedded_tokenizer import tokenizer_json
 from tests.integration.openai_stub import IM_END, encode, render
 
 CASES = Path(__file__).resolve().parents[2].parent / "shared" / "cases" / "multiturn"
-BLOCK = 128   # vLLM CPU KV block size (DESIGN §2)
+BLOCK = 128   # vLLM CPU KV block size (docs/design.md, "Serving modes")
 
 
 def test_multiturn_cases_present():
