@@ -79,12 +79,12 @@ from loadgen.session_dispenser import MSG_DONE, MSG_SESSION, MSG_WANT, WANT_TIME
 from loadgen.session_history import joiner_for
 from loadgen.session_player import run_session
 from loadgen.session_recorder import TurnRecord
-from loadgen.store import Store
 from loadgen.stream_client import GeventClient
 from loadgen.synth_text import SynthError
 from loadgen.token_prompt import TemplateJoinError
 from loadgen.traces.taubench import TraceFormatError
 from loadgen.workload import WorkloadError
+from turnscope.store import Store
 from turnscope.tokenize_client import TokenizeClient, TokenizeError
 
 log = logging.getLogger("turnscope.locust")

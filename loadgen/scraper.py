@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import httpx
 
 from loadgen.prom import parse_samples
-from loadgen.store import ShardWriter
+from turnscope.store import ShardWriter
 
 log = logging.getLogger(__name__)
 

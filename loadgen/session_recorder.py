@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 
 class RowWriter(Protocol):
-    """What the session recorder needs of a store writer (``loadgen.store.ShardWriter``)."""
+    """What the session recorder needs of a store writer (``turnscope.store.ShardWriter``)."""
 
     def append(self, table: str, row: dict[str, Any]) -> None: ...
 
@@ -163,7 +163,7 @@ class SessionRecorder:
     """Appends a session's rows to the store and keeps what the player returns.
 
     Args:
-        writer: store writer (``loadgen.store.ShardWriter``).
+        writer: store writer (``turnscope.store.ShardWriter``).
         run_id: the run the rows belong to.
         plan: the session played (its id, source and archetype go into the ``sessions`` rows).
         keep_turns: keep every :class:`TurnRecord` in :attr:`result` (False: only the session row).

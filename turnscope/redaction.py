@@ -1,7 +1,7 @@
 """Secrets out of everything turnscope saves: one redaction for the store and the settings.
 
 The store passes every ``runs_log`` value and a few free-text columns through :func:`redact`
-(``loadgen.store``); ``TurnscopeSettings.effective()`` passes the configuration it saves with
+(``turnscope.store``); ``TurnscopeSettings.effective()`` passes the configuration it saves with
 each run through it too (``turnscope.settings``). See docs/design.md ("Secrets").
 """
 

@@ -32,10 +32,10 @@ from dashboard import queries, tables
 from loadgen.scraper import MetricsScraper
 from loadgen.session import SessionPlan, TurnPlan
 from loadgen.session_player import run_session
-from loadgen.store import Store
 from loadgen.stream_client import stream_turn
 from serving.workers import WorkerProcess
 from tests.integration.vllm_stack import ProxyThread, free_port, metric
+from turnscope.store import Store
 from turnscope.tokenize_client import TokenizeClient
 
 pytestmark = pytest.mark.vllm

@@ -12,7 +12,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from loadgen.store import SCHEMA_PATH, Store
+from turnscope.store import SCHEMA_PATH, Store
 
 CASES = Path(__file__).resolve().parents[2].parent / "shared" / "cases" / "store"
 UTC = dt.UTC

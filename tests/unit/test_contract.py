@@ -1,4 +1,4 @@
-"""The shared leaf modules (turnscope.contract, .tokenize_client, .redaction) import none of the parts."""
+"""The shared leaf modules (turnscope.contract, .tokenize_client, .redaction, .store) import none of the parts."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 from turnscope.contract import PUBLIC_FACT_KEYS, PublicFacts, common_prefix_length
 
 
-@pytest.mark.parametrize("module", ["turnscope.contract", "turnscope.tokenize_client", "turnscope.redaction"])
+@pytest.mark.parametrize("module", ["turnscope.contract", "turnscope.tokenize_client", "turnscope.redaction",
+                                    "turnscope.store"])
 def test_a_shared_module_imports_no_part(module: str) -> None:
     code = (f"import sys, {module}; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'serving', 'loadgen', 'dashboard'}))")

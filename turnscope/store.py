@@ -1,4 +1,7 @@
-"""The run store: Parquet shards written by loadgen, DuckDB views read by everyone (docs/schema.md).
+"""The run store: its schema, its writer and its read-only connection, in the one place that the
+writers (loadgen, the scraper, the CLI) and the readers (the dashboard, the eval report) share
+(docs/schema.md; docs/design.md, "The one-way data flow"). Imports nothing of serving/, loadgen/
+or dashboard/.
 
 Layout under a store root::
 
@@ -46,6 +49,8 @@ __all__ = ["REDACTED", "redact", "secret_name"]  # re-exported from turnscope.re
 
 log = logging.getLogger(__name__)
 
+#: The DuckDB file of views under a store root.
+DB_FILE = "turnscope.duckdb"
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "data" / "schema.sql"
 
 #: Bumped when the way views are generated changes (part of the schema version hash).
@@ -201,7 +206,7 @@ class Store:
     def __init__(self, root: Path, schema_path: Path = SCHEMA_PATH):
         self.root = Path(root).resolve()
         self.schema = load_schema(schema_path)
-        self.db_path = self.root / "turnscope.duckdb"
+        self.db_path = self.root / DB_FILE
 
     @property
     def version(self) -> str:
@@ -315,7 +320,9 @@ class Store:
 
     def connect(self, read_only: bool = True) -> duckdb.DuckDBPyConnection:
         """A DuckDB connection to the views (read-only by default; readers never block writers)."""
-        return duckdb.connect(str(self.db_path), read_only=read_only)
+        if read_only:
+            return connect_read_only(self.root)
+        return duckdb.connect(str(self.db_path), read_only=False)
 
     def writer(self, run_id: str, writer_id: str, flush_interval_s: float = 1.0) -> ShardWriter:
         """A new :class:`ShardWriter` for ``run_id``, with its background flusher started.
@@ -324,6 +331,13 @@ class Store:
             ValueError: run_id or writer_id is not a safe path component, or run_id is reserved.
         """
         return ShardWriter(self, run_id, writer_id, flush_interval_s)
+
+
+def connect_read_only(root: str | os.PathLike) -> duckdb.DuckDBPyConnection:
+    """A read-only DuckDB connection to the views of the store at ``root`` (no writer is blocked
+    for longer than it stays open: close it soon). Raises ``duckdb.IOException`` when the file is
+    missing or held read-write by a writer creating the views."""
+    return duckdb.connect(str(Path(root) / DB_FILE), read_only=True)
 
 
 def _write_atomic(table: pa.Table, target: Path) -> None:
