@@ -25,8 +25,6 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-__all__ = ["LOCAL_HOSTS", "MODES"]  # MODES: re-exported from turnscope.contract
-
 from turnscope.contract import MODES
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")

@@ -43,9 +43,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from turnscope.redaction import REDACTED, redact, secret_name
-
-__all__ = ["REDACTED", "redact", "secret_name"]  # re-exported from turnscope.redaction
+from turnscope.redaction import redact
 
 log = logging.getLogger(__name__)
 
