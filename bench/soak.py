@@ -51,13 +51,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from loadgen.scraper import MetricsScraper
-from loadgen.store import Store
 from serving.embedded_model import ensure_model
 from serving.proxy import ProxyConfig, Worker
 from serving.stack import ModeStack, wait_http
 from serving.topology import load_topology
 from turnscope.evaluation import warm_up
 from turnscope.settings import TurnscopeSettings
+from turnscope.store import Store
 
 MIB = 2**20
 

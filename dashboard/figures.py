@@ -13,8 +13,10 @@ import plotly.express as px
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from turnscope.contract import ATTACH_MODE, MODES
+
 #: Serving modes in display order (DESIGN §2); unknown modes sort after these.
-MODE_ORDER = ["aggregated", "pd", "pd-bidir", "pd-nocache", "pd-bidir-nocache", "attach"]
+MODE_ORDER = [*MODES, ATTACH_MODE]
 MODE_COLORS = {
     "aggregated": "#4c4c4c",
     "pd": "#1f77b4",

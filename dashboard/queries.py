@@ -305,10 +305,9 @@ def external_kv_tokens(con: duckdb.DuckDBPyConnection, run_ids: TurnFilter | Seq
 
 # --- filters ----------------------------------------------------------------------------------
 
-#: Turn kinds and gap kinds as the contract defines them (data/schema.sql, DESIGN §4): offered as
+#: Turn kinds and gap kinds as the contract defines them (turnscope.contract): offered as
 #: filters without scanning the turns.
-TURN_KINDS = ("turn", "retry", "edit", "fresh", "resume")
-GAP_KINDS = ("none", "tool", "think", "pause")
+from turnscope.contract import GAP_KINDS, TURN_KINDS
 
 _FILTER_OPTIONS = """
 SELECT 'archetype' AS field, archetype AS value, count(*) AS n

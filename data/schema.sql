@@ -1,4 +1,4 @@
--- turnscope store contract (DESIGN.md §6).
+-- turnscope store contract (docs/schema.md).
 --
 -- Writers (loadgen/) append Parquet shards under <store>/runs/<run_id>/<table>/*.parquet.
 -- The DuckDB file <store>/turnscope.duckdb holds only views over those shards, so readers
@@ -18,7 +18,7 @@ CREATE TABLE runs_log (
     mode           VARCHAR,       -- aggregated | pd | pd-bidir | pd-nocache | pd-bidir-nocache | attach
     workload       VARCHAR,       -- workload name
     workload_spec  JSON,          -- the validated workload, as run
-    history_mode   VARCHAR,       -- text | token_ids (DESIGN §4)
+    history_mode   VARCHAR,       -- text | token_ids (docs/workloads.md)
     topology       JSON,
     versions       JSON,          -- {"vllm": ..., "nixl": ..., "turnscope": ...}
     model          VARCHAR,
@@ -73,7 +73,7 @@ CREATE TABLE turns (
     http_status               INTEGER,
     finish_reason             VARCHAR,            -- stop | length | tool_calls | ... (NULL when none came)
     tool_calls                INTEGER,            -- streamed tool calls in the reply (0 when none)
-    reuse                     VARCHAR,            -- proxy outcome (DESIGN §3)
+    reuse                     VARCHAR,            -- proxy outcome (docs/design.md, "The proxy")
     prefill_leg_s             DOUBLE,
     prefill_engine            VARCHAR,
     decode_engine             VARCHAR,

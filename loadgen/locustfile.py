@@ -1,4 +1,4 @@
-"""Locust entry point: each Locust user is one agent session at a time (DESIGN §4).
+"""Locust entry point: each Locust user is one agent session at a time (docs/design.md).
 
 Run it headless, with the web UI, or distributed::
 
@@ -39,6 +39,11 @@ Listeners: the web UI (``--web-host``) and the master (``--master-bind-host``) b
 unless given another address, which is logged as a warning (Locust has no authentication); a
 distributed run across machines passes ``--master-bind-host 0.0.0.0`` (or the machine's address).
 
+The parts: the options (:mod:`loadgen.locust_options`), the session dispenser
+(:mod:`loadgen.session_dispenser`), the run recorder (:mod:`loadgen.run_recorder`) and the user
+(:class:`AgentSession`, which plays each session with :func:`loadgen.session_player.run_session`);
+this file wires them to Locust's events.
+
 Locust statistics: one ``POST <kind>`` request event per turn (``turn``, ``retry``, ``edit``,
 ``fresh``, ``resume``), fired at stream end with response_time = E2E (ms), and one ``TTFT TTFT``
 event with response_time = TTFT (ms); failed turns (errors, and timeouts, whose reason names the
@@ -56,49 +61,37 @@ from __future__ import annotations
 import datetime as dt
 import gc
 import logging
-import os
-import re
-import socket
 import ssl
-import threading
 import time
-import uuid
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import gevent
 import httpx
-from gevent.event import AsyncResult
 from locust import User, constant, events, task
 from locust.exception import StopUser
 from locust.runners import MasterRunner, WorkerRunner
 
-from loadgen.session import (
-    SessionPlan,
-    TemplateJoinError,
-    TokenizeError,
-    Tokenizer,
-    TurnRecord,
-    joiner_for,
-    plan_from_conversation,
-    run_session,
-)
-from loadgen.store import Store
+from loadgen.locust_options import add_arguments, opt, warn_public_listeners
+from loadgen.run_recorder import RunRecorder
+from loadgen.session import SessionPlan
+from loadgen.session_dispenser import MSG_DONE, MSG_SESSION, MSG_WANT, WANT_TIMEOUT_S, SessionDispenser
+from loadgen.session_history import joiner_for
+from loadgen.session_player import run_session
+from loadgen.session_recorder import TurnRecord
 from loadgen.stream_client import GeventClient
-from loadgen.synth_text import SynthError, TextSynth, counter_from
-from loadgen.traces.taubench import DEFAULT_TRACE, TraceFormatError, load_taubench
-from loadgen.workload import Workload, WorkloadError, describe, load_workload, plan_workload
+from loadgen.synth_text import SynthError
+from loadgen.token_prompt import TemplateJoinError
+from loadgen.traces.taubench import TraceFormatError
+from loadgen.workload import WorkloadError
+from turnscope.store import Store
+from turnscope.tokenize_client import TokenizeClient, TokenizeError
 
 log = logging.getLogger("turnscope.locust")
 # httpx logs every request at INFO: at a thousand sessions that is measurable CPU on the event loop
 # the turns are timed on. Its warnings and errors still show.
 logging.getLogger("httpx").setLevel(logging.WARNING)
 
-_MSG_WANT = "turnscope_want"
-_MSG_SESSION = "turnscope_session"
-_MSG_DONE = "turnscope_done"
-_WANT_TIMEOUT_S = 120.0
 # gen0 allocations, gen0 collections per gen1, gen1 per automatic full collection (CPython: 700,
 # 10, 10); the last is out of reach, full collections run every _FULL_GC_S seconds instead.
 _GC_THRESHOLDS = (5_000, 10, 1_000_000_000)
@@ -111,88 +104,43 @@ def _full_gc_loop() -> None:
     while True:
         gevent.sleep(_FULL_GC_S)
         gc.collect()
+
+
 # Idle connections are dropped by the client before servers close them: uvicorn (vLLM, the proxy)
 # closes idle keep-alive connections after 5 s, and a request sent on one as it closes fails with
 # "Server disconnected without sending a response" (an artefact of the client, not the server's).
 _KEEPALIVE_S = 2.0
 
 
-# ------------------------------------------------------------------------------------ options
+def _end_run(env: Any) -> None:
+    """All sessions played: quit a headless run; with the web UI stop the test, and quit too after
+    ``--autoquit`` seconds when ``--autostart --autoquit`` were given (as Locust does at --run-time)."""
+    o = env.parsed_options
+    if o.headless:
+        env.runner.quit()
+        return
+    env.runner.stop()
+    if getattr(o, "autostart", False) and getattr(o, "autoquit", -1) != -1:
+        gevent.sleep(o.autoquit)
+        env.runner.quit()
+        if env.web_ui is not None:
+            env.web_ui.stop()
 
 
-@events.init_command_line_parser.add_listener
-def _add_arguments(parser: Any) -> None:
-    g = parser.add_argument_group("turnscope", "turnscope agent-session workload")
-    g.add_argument("--turnscope-store", type=str, default="data",
-                   help="store root: shards go to <store>/runs/<run_id>/ (default: data)")
-    g.add_argument("--turnscope-run-id", type=str, default="",
-                   help="run id (letters, digits, . _ -); default: locust-<UTC time>-<random>")
-    g.add_argument("--turnscope-trace", type=str, default=str(DEFAULT_TRACE),
-                   help="tau-bench trajectory file to replay (default: the shipped airline trace)")
-    g.add_argument("--turnscope-sessions", type=int, default=0,
-                   help="sessions to play; 0 = one per conversation in the trace (default); more than "
-                        "the trace holds cycles through it again under new session ids. With a workload: "
-                        "archetype sessions to draw (0 = the workload's)")
-    g.add_argument("--turnscope-max-turns", type=int, default=0,
-                   help="at most this many turns per session (0 = all)")
-    g.add_argument("--turnscope-history", type=str, default="text", choices=["text", "token_ids"],
-                   help="how a session carries its history (DESIGN §4)")
-    g.add_argument("--turnscope-model", type=str, default="turnscope-tiny", help="model name for the requests")
-    g.add_argument("--turnscope-max-tokens", type=int, default=64, help="output tokens per turn")
-    g.add_argument("--turnscope-max-prompt-tokens", type=int, default=0,
-                   help="stop a session before a prompt longer than this (tokens); 0 = the server's "
-                        "max_model_len (GET /v1/models) - max tokens")
-    g.add_argument("--turnscope-gap-s", type=float, default=1.0,
-                   help="seconds before each turn after the first (tool and think gaps alike)")
-    g.add_argument("--turnscope-timeout-s", type=float, default=0.0,
-                   help="per-turn timeout, seconds; 0 = the workload's timeout_s (tau-bench replay: 120)")
-    g.add_argument("--turnscope-workload", type=str, default="",
-                   help="workload YAML (data/workloads/*.yaml, or a name there, e.g. mixed); default: replay "
-                        "the tau-bench trace")
-    g.add_argument("--turnscope-time-scale", type=float, default=1.0,
-                   help="multiply every gap and trace arrival offset by this (e.g. 0.01 turns minutes into "
-                        "seconds); recorded with the run")
-    g.add_argument("--turnscope-token-scale", type=float, default=0.0,
-                   help="multiply the workload archetypes' token counts (0 = the workload's token_scale)")
-    g.add_argument("--turnscope-tokenizer", type=str, default="",
-                   help="tokenizer.json (or model directory) the workload's text is synthesized for; default: "
-                        "the server's /tokenize")
-    g.add_argument("--turnscope-seed", type=int, default=-1, help="workload seed (default: the workload's)")
-    g.add_argument("--turnscope-cache-salt", type=str, default="",
-                   help="vLLM cache_salt sent with every request, so this run shares no prefix cache with "
-                        "other runs on the same workers (default: none)")
-    g.add_argument("--turnscope-label", type=str, default="", help="run label (runs_log.label)")
-    g.add_argument("--turnscope-mode", type=str, default="attach",
-                   help="serving mode recorded in runs_log.mode (aggregated, pd, pd-bidir, ...; default attach)")
-    g.add_argument("--turnscope-no-run-row", action="store_true", default=False,
-                   help="do not write runs_log rows (the caller records the run)")
-    g.add_argument("--turnscope-heartbeat-s", type=float, default=5.0,
-                   help="rewrite the running run's row this often (seconds); a run whose row is older than "
-                        "three heartbeats reads 'aborted' (its Locust process died)")
-    # Every listener binds the loopback interface unless told otherwise (Locust's own defaults are
-    # all interfaces): the web UI and the master have no authentication.
-    parser.set_defaults(web_host="127.0.0.1", master_bind_host="127.0.0.1")
+events.init_command_line_parser.add_listener(add_arguments)
+#: This process's session dispenser and run recorder (module state: Locust loads this file once).
+dispenser = SessionDispenser(on_all_played=_end_run)
+recorder = RunRecorder(dispenser)
+
+_SSL: list[ssl.SSLContext] = []
 
 
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def _warn_public_listeners(options: Any) -> None:
-    """Warn for a web UI or master bound beyond the loopback interface (an explicit choice)."""
-    for flag, attr in (("--web-host", "web_host"), ("--master-bind-host", "master_bind_host")):
-        value = getattr(options, attr, None)
-        if attr == "web_host" and getattr(options, "headless", False):
-            continue
-        if attr == "master_bind_host" and not getattr(options, "master", False):
-            continue
-        if value is not None and value not in _LOOPBACK:
-            log.warning("turnscope: %s %s binds beyond the loopback interface (%s); Locust has no "
-                        "authentication: anyone who reaches it can start load", flag, value or "*",
-                        "all interfaces" if value in ("", "*", "0.0.0.0", "::") else value)
-
-
-def _opt(env: Any, name: str) -> Any:
-    return getattr(env.parsed_options, f"turnscope_{name}")
+def _ssl_context() -> ssl.SSLContext:
+    """One TLS context per process, shared by every user's client: building one (loading the CA
+    bundle) takes tens of milliseconds, which a thousand users starting together cannot afford."""
+    if not _SSL:
+        _SSL.append(ssl.create_default_context())
+    return _SSL[0]
 
 
 _MAX_MODEL_LEN: dict[str, int | None] = {}
@@ -212,262 +160,18 @@ def _max_model_len(host: str) -> int | None:
     return _MAX_MODEL_LEN[host]
 
 
-def _safe(s: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "-", s).strip("-.")[:100] or "x"
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-# ------------------------------------------------------------------------------ coordination
-
-
-class _Coordinator:
-    """Per-process state: the plan (master/local), pending requests and the store writer (users)."""
-
-    def __init__(self) -> None:
-        self.env: Any = None
-        # master / local side
-        self.plans: list[dict[str, Any]] = []
-        self.next_index = 0
-        self.done: set[int] = set()
-        self.run_id = ""
-        self.workload: Workload | None = None
-        self.t0_wall = 0.0
-        self.started_at: dt.datetime | None = None
-        self.finished = False
-        self.run_writer: Any = None
-        # user side
-        self.pending: dict[str, AsyncResult] = {}
-        self.writer: Any = None
-        self.writer_run_id = ""
-        self.writer_lock = threading.RLock()
-
-    # -- master / local --------------------------------------------------------------------------
-
-    def build_plan(self, env: Any) -> None:
-        o = env.parsed_options
-        if o.turnscope_time_scale <= 0:
-            raise ValueError(f"--turnscope-time-scale must be > 0, got {o.turnscope_time_scale}")
-        if o.turnscope_sessions < 0:
-            raise ValueError(f"--turnscope-sessions must be >= 0, got {o.turnscope_sessions}")
-        self.workload = None
-        if o.turnscope_workload:
-            plans = self._plan_workload(env)
-            source = f"workload {self.workload.name}"
-        else:
-            max_turns = o.turnscope_max_turns or None
-            convs = load_taubench(Path(o.turnscope_trace), max_turns=max_turns)
-            if not convs:
-                raise ValueError(f"{o.turnscope_trace}: no conversation with an assistant turn")
-            n = o.turnscope_sessions or len(convs)
-            gap = o.turnscope_gap_s * o.turnscope_time_scale
-            plans = []
-            for i in range(n):
-                conv = convs[i % len(convs)]
-                plans.append(plan_from_conversation(conv, session_id=f"s{i:05d}-{conv.id}",
-                                                    tool_gap_s=gap, think_gap_s=gap))
-            source = o.turnscope_trace
-        self.plans = [p.to_dict() for p in plans]
-        self.next_index = 0
-        self.done = set()
-        self.finished = False
-        self.run_id = o.turnscope_run_id or (
-            f"locust-{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}")
-        log.info("turnscope: run %s plans %d sessions (%d requests) from %s, history %s: %s",
-                 self.run_id, len(plans), sum(len(p.turns) for p in plans), source, o.turnscope_history,
-                 describe(plans))
-
-    def _plan_workload(self, env: Any) -> list[SessionPlan]:
-        o = env.parsed_options
-        w = load_workload(o.turnscope_workload)
-        if o.turnscope_seed >= 0:
-            w = w.model_copy(update={"seed": o.turnscope_seed})
-        self.workload = w
-        with httpx.Client() as client:
-            counter = counter_from(o.turnscope_tokenizer or None, client=client, base_url=env.host,
-                                   model=o.turnscope_model)
-            synth = TextSynth(counter, seed=w.seed)
-            return plan_workload(w, synth, time_scale=o.turnscope_time_scale,
-                                 sessions=o.turnscope_sessions or None,
-                                 token_scale=o.turnscope_token_scale or None)
-
-    def timeout_s(self, env: Any) -> float:
-        """Per-turn timeout: the option, else the workload's, else 120 s (tau-bench replay)."""
-        o = env.parsed_options
-        if o.turnscope_timeout_s > 0:
-            return o.turnscope_timeout_s
-        return self.workload.timeout_s if self.workload is not None else 120.0
-
-    def on_want(self, environment: Any, msg: Any, **_: Any) -> None:
-        """Master side: hand the next session to the asking user (or None when exhausted)."""
-        if self.next_index < len(self.plans) and not self.finished:
-            idx = self.next_index
-            self.next_index += 1
-            data = {"req": msg.data["req"], "index": idx, "plan": self.plans[idx], "run_id": self.run_id,
-                    "t0_wall": self.t0_wall, "request": self.request_settings(environment)}
-        else:
-            data = {"req": msg.data["req"], "index": None, "plan": None, "run_id": self.run_id}
-        environment.runner.send_message(_MSG_SESSION, data, client_id=msg.node_id)
-
-    def on_done(self, environment: Any, msg: Any, **_: Any) -> None:
-        """Master side: count played sessions; end the run when all are."""
-        self.done.add(msg.data["index"])
-        if len(self.done) >= len(self.plans) and not self.finished:
-            self.finished = True
-            log.info("turnscope: all %d sessions played", len(self.plans))
-            gevent.spawn(_end_run, environment)
-
-    def request_settings(self, env: Any) -> dict[str, Any]:
-        """What every request of the run carries beyond the plan (sent to the users with each session)."""
-        o = env.parsed_options
-        extra: dict[str, Any] = {}
-        if o.turnscope_cache_salt:
-            extra["cache_salt"] = o.turnscope_cache_salt
-        w = self.workload
-        if w is not None and w.ignore_eos:
-            extra["ignore_eos"] = True
-        return {"extra_body": extra or None, "temperature": w.temperature if w is not None else 0.0,
-                "timeout_s": self.timeout_s(env)}
-
-    def write_run_row(self, env: Any, status: str) -> None:
-        """Append the run's row with ``status``; while ``running`` the writer rewrites it every
-        ``--turnscope-heartbeat-s`` seconds (see ``ShardWriter.keep_alive``)."""
-        o = env.parsed_options
-        if o.turnscope_no_run_row or not self.run_id:
-            return
-        if self.run_writer is None or self.run_writer.run_id != self.run_id:
-            if self.run_writer is not None:
-                self.run_writer.close()
-            self.run_writer = Store(Path(o.turnscope_store)).writer(self.run_id, _writer_id("run"))
-        self.run_writer.stop_keep_alive()  # before the new row's updated_at: no beat can come after it
-        now = dt.datetime.now(dt.UTC)
-        config = {k: v for k, v in vars(o).items() if k.startswith("turnscope_")}
-        config.update(host=env.host, users=getattr(o, "num_users", None))
-        heartbeat = o.turnscope_heartbeat_s if o.turnscope_heartbeat_s > 0 else None
-        row = {
-            "run_id": self.run_id,
-            "label": o.turnscope_label or None,
-            "mode": o.turnscope_mode,
-            "workload": self.workload.name if self.workload is not None else f"trace:{Path(o.turnscope_trace).stem}",
-            "workload_spec": self.workload_spec(env),
-            "history_mode": o.turnscope_history,
-            "versions": {"turnscope": _version("turnscope"), "locust": _version("locust")},
-            "model": o.turnscope_model,
-            "config": config,
-            "started_at": self.started_at,
-            "finished_at": None if status == "running" else now,
-            "status": status,
-            "updated_at": now,
-            "heartbeat_s": heartbeat if status == "running" else None,
-        }
-        self.run_writer.append("runs_log", row)
-        self.run_writer.flush()
-        if status == "running" and heartbeat is not None:
-            self.run_writer.keep_alive("runs_log", row, heartbeat)
-
-    def workload_spec(self, env: Any) -> dict[str, Any]:
-        """The workload as run: the validated workload file (includes resolved) or the tau-bench
-        replay settings, plus the time scale, sessions planned and per-turn timeout."""
-        o = env.parsed_options
-        common = {"time_scale": o.turnscope_time_scale, "sessions_planned": len(self.plans),
-                  "turn_timeout_s": self.timeout_s(env)}
-        if self.workload is not None:
-            return {"kind": "workload", **self.workload.model_dump(mode="json"), **common,
-                    "token_scale_override": o.turnscope_token_scale or None,
-                    "tokenizer": o.turnscope_tokenizer or f"{env.host}/tokenize"}
-        return {"kind": "tau-bench", "trace": Path(o.turnscope_trace).name, "sessions": len(self.plans),
-                "max_turns": o.turnscope_max_turns or None, "gap_s": o.turnscope_gap_s,
-                "max_tokens": o.turnscope_max_tokens, **common}
-
-    # -- user side -------------------------------------------------------------------------------
-
-    def on_session(self, environment: Any, msg: Any, **_: Any) -> None:
-        """User side: deliver the master's answer to the waiting user."""
-        waiter = self.pending.pop(msg.data["req"], None)
-        if waiter is not None:
-            waiter.set(msg.data)
-
-    def want(self, env: Any) -> dict[str, Any]:
-        req = uuid.uuid4().hex
-        waiter = AsyncResult()
-        self.pending[req] = waiter
-        env.runner.send_message(_MSG_WANT, {"req": req})
-        try:
-            return waiter.get(timeout=_WANT_TIMEOUT_S)
-        finally:
-            self.pending.pop(req, None)
-
-    def writer_for(self, env: Any, run_id: str) -> Any:
-        # Under a lock: opening a writer starts its flusher thread, which yields to other users
-        # (gevent), and two users must not both open one (the loser's rows would be orphaned).
-        with self.writer_lock:
-            if self.writer is None or self.writer_run_id != run_id:
-                self._close_writer()
-                self.writer = Store(Path(_opt(env, "store"))).writer(run_id, _writer_id("users"))
-                self.writer_run_id = run_id
-            return self.writer
-
-    def close_writer(self) -> None:
-        with self.writer_lock:
-            self._close_writer()
-
-    def _close_writer(self) -> None:
-        if self.writer is not None:
-            try:
-                self.writer.close()
-            finally:
-                self.writer = None
-
-
-def _writer_id(role: str) -> str:
-    return _safe(f"locust-{role}-{socket.gethostname()}-{os.getpid()}")
-
-
-def _end_run(env: Any) -> None:
-    """All sessions played: quit a headless run; with the web UI stop the test, and quit too after
-    ``--autoquit`` seconds when ``--autostart --autoquit`` were given (as Locust does at --run-time)."""
-    o = env.parsed_options
-    if o.headless:
-        env.runner.quit()
-        return
-    env.runner.stop()
-    if getattr(o, "autostart", False) and getattr(o, "autoquit", -1) != -1:
-        gevent.sleep(o.autoquit)
-        env.runner.quit()
-        if env.web_ui is not None:
-            env.web_ui.stop()
-
-
-_coord = _Coordinator()
-_SSL: list[ssl.SSLContext] = []
-
-
-def _ssl_context() -> ssl.SSLContext:
-    """One TLS context per process, shared by every user's client: building one (loading the CA
-    bundle) takes tens of milliseconds, which a thousand users starting together cannot afford."""
-    if not _SSL:
-        _SSL.append(ssl.create_default_context())
-    return _SSL[0]
-
-
 @events.init.add_listener
 def _on_init(environment: Any, **_: Any) -> None:
-    _coord.env = environment
     if environment.parsed_options is not None:
-        _warn_public_listeners(environment.parsed_options)
+        warn_public_listeners(environment.parsed_options)
     runner = environment.runner
     if runner is None:
         return
     if not isinstance(runner, WorkerRunner):
-        runner.register_message(_MSG_WANT, _coord.on_want)
-        runner.register_message(_MSG_DONE, _coord.on_done)
+        runner.register_message(MSG_WANT, dispenser.on_want)
+        runner.register_message(MSG_DONE, dispenser.on_done)
     if not isinstance(runner, MasterRunner):
-        runner.register_message(_MSG_SESSION, _coord.on_session)
+        runner.register_message(MSG_SESSION, dispenser.on_session)
 
 
 @events.test_start.add_listener
@@ -495,9 +199,9 @@ def _start_run(environment: Any) -> None:
     try:
         if not environment.host:
             raise ValueError("no --host given (the proxy or server root, e.g. http://127.0.0.1:8000)")
-        _coord.build_plan(environment)
-        _coord.started_at = dt.datetime.now(dt.UTC)
-        _coord.t0_wall = time.time()
+        dispenser.build_plan(environment)
+        dispenser.started_at = dt.datetime.now(dt.UTC)
+        dispenser.t0_wall = time.time()
         try:
             Store(Path(o.turnscope_store)).init()
         except RuntimeError as e:  # the views file is held by a reader; the shards are still written
@@ -505,36 +209,32 @@ def _start_run(environment: Any) -> None:
         if o.turnscope_history == "token_ids":
             with httpx.Client() as c:
                 try:
-                    joiner_for(Tokenizer(c, environment.host, o.turnscope_model))
+                    joiner_for(TokenizeClient(c, environment.host, o.turnscope_model))
                 except (TemplateJoinError, TokenizeError) as e:
                     raise ValueError(f"the token_ids history mode cannot be used against "
                                      f"{environment.host}: {e}") from e
     except (ValueError, OSError, WorkloadError, TraceFormatError, SynthError) as e:
         log.error("turnscope: cannot start the run: %s", e)
         environment.process_exit_code = 2
-        _coord.plans = []
-        _coord.run_id = ""  # nothing was recorded for it, and nothing will be
-        _coord.finished = True
+        dispenser.abandon()  # nothing was recorded for the run, and nothing will be
         gevent.spawn(_end_run, environment)
         return
-    _coord.write_run_row(environment, "running")
+    recorder.write_run_row(environment, "running")
 
 
 @events.test_stop.add_listener
 def _on_test_stop(environment: Any, **_: Any) -> None:
-    if not isinstance(environment.runner, WorkerRunner) and _coord.run_id:
-        complete = len(_coord.done) >= len(_coord.plans) > 0
-        _coord.write_run_row(environment, "complete" if complete else "stopped")
+    if not isinstance(environment.runner, WorkerRunner) and dispenser.run_id:
+        complete = len(dispenser.done) >= len(dispenser.plans) > 0
+        recorder.write_run_row(environment, "complete" if complete else "stopped")
     if not isinstance(environment.runner, MasterRunner):
-        _coord.close_writer()
+        recorder.close_writer()
 
 
 @events.quitting.add_listener
 def _on_quitting(environment: Any, **_: Any) -> None:
-    _coord.close_writer()
-    if _coord.run_writer is not None:
-        _coord.run_writer.close()
-        _coord.run_writer = None
+    recorder.close_writer()
+    recorder.close_run_writer()
 
 
 # ------------------------------------------------------------------------------------- users
@@ -565,24 +265,24 @@ class AgentSession(User):
     def play_session(self) -> None:
         env = self.environment
         try:
-            answer = _coord.want(env)
+            answer = dispenser.want(env)
         except gevent.Timeout:
-            log.error("turnscope: no session from the master within %s s; stopping this user", _WANT_TIMEOUT_S)
+            log.error("turnscope: no session from the master within %s s; stopping this user", WANT_TIMEOUT_S)
             raise StopUser() from None
         if answer["plan"] is None:
             raise StopUser()
         plan = SessionPlan.from_dict(answer["plan"])
-        writer = _coord.writer_for(env, answer["run_id"])
+        writer = recorder.writer_for(env, answer["run_id"])
         if plan.start_at_s is not None:
             delay = answer["t0_wall"] + plan.start_at_s - time.time()
             if delay > 0:
                 gevent.sleep(delay)  # a trace session starts at its arrival offset
         req = answer["request"]
-        max_tokens = _opt(env, "max_tokens")
+        max_tokens = opt(env, "max_tokens")
         result = run_session(
-            plan, self.http, self.host, _opt(env, "model"), writer, answer["run_id"], _opt(env, "history"),
+            plan, self.http, self.host, opt(env, "model"), writer, answer["run_id"], opt(env, "history"),
             max_tokens=max_tokens,
-            max_prompt_tokens=_opt(env, "max_prompt_tokens") or max(1, (_max_model_len(self.host) or 4096) - max_tokens),
+            max_prompt_tokens=opt(env, "max_prompt_tokens") or max(1, (_max_model_len(self.host) or 4096) - max_tokens),
             timeout_s=req["timeout_s"],
             temperature=req["temperature"],
             extra_body=req["extra_body"],
@@ -593,7 +293,7 @@ class AgentSession(User):
         log.info("turnscope: session %s played: %s turns, %s (%s)", plan.session_id,
                  result.session_row["turns"] if result.session_row else "?",
                  result.session_row["status"] if result.session_row else "?", result.stopped)
-        env.runner.send_message(_MSG_DONE, {"index": answer["index"]})
+        env.runner.send_message(MSG_DONE, {"index": answer["index"]})
 
     def _fire(self, rec: TurnRecord) -> None:
         r = rec.result

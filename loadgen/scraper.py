@@ -1,4 +1,4 @@
-"""Periodic /metrics scraper into the store's ``metric_samples`` table (DESIGN §5 Memory, §6).
+"""Periodic /metrics scraper into the store's ``metric_samples`` table (docs/monitoring.md, docs/schema.md).
 
 One thread GETs ``<base_url>/metrics`` of every endpoint each interval, parses it with
 :func:`loadgen.prom.parse_samples` (no ``_created`` or ``_bucket`` series) and appends one row per
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import httpx
 
 from loadgen.prom import parse_samples
-from loadgen.store import ShardWriter
+from turnscope.store import ShardWriter
 
 log = logging.getLogger(__name__)
 

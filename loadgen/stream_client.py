@@ -1,11 +1,11 @@
-"""The streaming client that times one turn (DESIGN §5).
+"""The streaming client that times one turn (docs/design.md, "Timing").
 
 :func:`stream_turn` POSTs one OpenAI-compatible request (``/v1/chat/completions`` or
 ``/v1/completions``) with streaming and per-chunk usage forced on, parses the SSE stream with
 httpx-sse, and returns a :class:`TurnResult`. All durations come from ``time.perf_counter`` (a
 monotonic clock) and are seconds; ``sent_at`` is the UTC wall clock when the request was sent.
 
-Definitions (DESIGN §5):
+Definitions (docs/design.md, "Timing"):
 
 - TTFT: sent -> first chunk that carries a token on any channel: ``delta.content``,
   ``delta.reasoning_content`` / ``delta.reasoning``, ``delta.tool_calls``, completions ``text``,
@@ -52,6 +52,8 @@ from typing import Any, Self
 
 import httpx
 from httpx_sse import EventSource, SSEError
+
+from turnscope.contract import FACTS_FIELD, REQUEST_ID_HEADER
 
 _DONE = "[DONE]"
 _ERROR_BODY_LIMIT = 500  # characters of a non-JSON error body kept in TurnResult.error
@@ -129,8 +131,8 @@ class ChunkAccumulator:
         r = self.r
         if self._chunk_id is None and isinstance(chunk.get("id"), str):
             self._chunk_id = chunk["id"]
-        if isinstance(chunk.get("turnscope"), dict):
-            r.proxy_facts.update(chunk["turnscope"])
+        if isinstance(chunk.get(FACTS_FIELD), dict):
+            r.proxy_facts.update(chunk[FACTS_FIELD])
         if isinstance(chunk.get("kv_transfer_params"), dict):
             r.kv_transfer_params = chunk["kv_transfer_params"]
         if r.prompt_token_ids is None and isinstance(chunk.get("prompt_token_ids"), list):
@@ -425,7 +427,7 @@ def _exchange_httpx(client: httpx.Client, url: str, payload: dict, req_headers: 
                            timeout=httpx.Timeout(timeout_s)) as resp:
             result.http_status = resp.status_code
             result.headers = {k.lower(): v for k, v in resp.headers.items()}
-            result.request_id = result.headers.get("x-request-id")
+            result.request_id = result.headers.get(REQUEST_ID_HEADER)
             if not 200 <= resp.status_code < 300:
                 st.failure = ("error", _error_message(resp))
             else:
@@ -455,7 +457,7 @@ def _exchange_gevent(client: GeventClient, url: str, payload: dict, req_headers:
         headers_in = True
         result.http_status = resp.status_code
         result.headers = {k.lower(): v for k, v in resp.items()}
-        result.request_id = result.headers.get("x-request-id")
+        result.request_id = result.headers.get(REQUEST_ID_HEADER)
         if not 200 <= resp.status_code < 300:
             text = resp.read().decode("utf-8", errors="replace")
             st.failure = ("error", _error_text(resp.status_code, text))

@@ -1,4 +1,4 @@
-"""Synthesized prompt text with exact token counts for the served tokenizer (DESIGN §4).
+"""Synthesized prompt text with exact token counts for the served tokenizer (docs/workloads.md).
 
 Token-count-only sources (the Mooncake and Azure traces, the archetypes of ``loadgen.workload``)
 give lengths, not text. :class:`TextSynth` turns a length into text that the served tokenizer
@@ -38,6 +38,8 @@ from typing import Any, Protocol
 
 import httpx
 import numpy as np
+
+from turnscope.tokenize_client import TokenizeClient, TokenizeError
 
 #: Words of this trace are the candidates when the tokenizer's vocabulary is not at hand.
 _CANDIDATE_TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "gpt-4o-airline.json"
@@ -99,7 +101,7 @@ class LocalTokenizer:
 
 
 class ServerTokenizer:
-    """The server's vLLM-style ``/tokenize`` (one POST per text).
+    """The server's ``/tokenize`` as a :class:`TokenCounter` (one request per text, no retries).
 
     Args:
         client: a sync httpx client.
@@ -109,29 +111,15 @@ class ServerTokenizer:
     """
 
     def __init__(self, client: httpx.Client, base_url: str, model: str, timeout_s: float = 30.0):
-        self.client = client
-        self.url = base_url.rstrip("/") + "/tokenize"
-        self.model = model
-        self.timeout_s = timeout_s
-        self.name = f"{self.url} ({model})"
+        self._client = TokenizeClient(client, base_url, model, timeout_s=timeout_s, retries=0)
+        self.name = self._client.name
 
     def count(self, texts: Sequence[str]) -> list[int]:
         """Tokens of each text; raises :class:`SynthError` on an HTTP failure or a bad answer."""
-        out = []
-        for t in texts:
-            try:
-                r = self.client.post(self.url, json={"model": self.model, "prompt": t, "add_special_tokens": False},
-                                     timeout=self.timeout_s)
-            except httpx.HTTPError as e:
-                raise SynthError(f"POST {self.url}: {type(e).__name__}: {e}") from e
-            if r.status_code != 200:
-                raise SynthError(f"POST {self.url}: HTTP {r.status_code}: {r.text[:300]}")
-            try:
-                tokens = r.json()["tokens"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise SynthError(f"POST {self.url}: no 'tokens' list in the answer: {r.text[:300]}") from e
-            out.append(len(tokens))
-        return out
+        try:
+            return self._client.count(texts)
+        except TokenizeError as e:
+            raise SynthError(str(e)) from e
 
     def vocab_words(self) -> list[str]:
         """None: the vocabulary is not exposed over HTTP (trace words are the candidates)."""

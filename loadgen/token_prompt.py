@@ -1,4 +1,4 @@
-"""Build the next turn's prompt from token ids, the way RL rollout clients do (DESIGN §4, `token_ids`).
+"""Build the next turn's prompt from token ids, the way RL rollout clients do (docs/workloads.md, `token_ids`).
 
 Turn ``k+1``'s prompt is::
 
@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+
+from turnscope.contract import HIT, MISS_BELOW_THRESHOLD, MISS_MISMATCH, common_prefix_length
 
 #: ``tokenize(messages=None, prompt=None, *, add_generation_prompt, add_special_tokens) -> ids``:
 #: a chat-template render of ``messages`` (or a plain encode of ``prompt``) as the server does it.
@@ -146,15 +147,6 @@ def calibrate_joiner(tokenize: TokenizeFn) -> TurnJoiner:
     return TurnJoiner(end_of_turn_ids=tuple(J[:1]), separator_ids=tuple(J[1:]), generation_prompt_ids=tuple(G))
 
 
-def longest_common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
-    """Length of the longest common prefix of two id lists (tokens)."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 def reuse_against(prev_span: Sequence[int], prompt_ids: Sequence[int]) -> tuple[int, int | None]:
     """Expected reusable tokens and divergence position of a prompt against the previous span.
 
@@ -168,7 +160,7 @@ def reuse_against(prev_span: Sequence[int], prompt_ids: Sequence[int]) -> tuple[
         two differ, or None when the prompt contains the whole previous span. A prompt that ends
         inside the span (a retry resends the previous prompt) diverges where it ends.
     """
-    lcp = longest_common_prefix(prev_span, prompt_ids)
+    lcp = common_prefix_length(prev_span, prompt_ids)
     return lcp, (None if lcp >= len(prev_span) else lcp)
 
 
@@ -185,7 +177,7 @@ class ReuseOracle:
             last sampled token was never fed back, so it has no KV).
         usable_tokens: what the handle may offer: all ``handle_tokens`` when this prompt starts with
             them; otherwise only the whole blocks before the divergence
-            (``floor(lcp / block_size) * block_size``, DESIGN §3 trimming), 0 when none is left.
+            (``floor(lcp / block_size) * block_size``, docs/design.md, "The proxy": trimming), 0 when none is left.
         reusable_tokens: whole blocks of reusable KV: ``floor(min(usable, prompt - 1) / block_size) *
             block_size`` (a prefill computes at least the last prompt token); for a plain
             continuation ``floor((P + G - 1) / block_size) * block_size``.
@@ -231,10 +223,10 @@ def reuse_oracle(prev_prompt_ids: Sequence[int], generated_ids: Sequence[int], p
     reusable = min(usable, max(len(prompt_ids) - 1, 0)) // block_size * block_size
     remote = max(min(usable, len(prompt_ids)) - local_cached_tokens, 0)
     if usable == 0:
-        outcome = "miss_mismatch"
+        outcome = MISS_MISMATCH
     elif remote < threshold:
-        outcome = "miss_below_threshold"
+        outcome = MISS_BELOW_THRESHOLD
     else:
-        outcome = "hit"
+        outcome = HIT
     return ReuseOracle(lcp=lcp, divergence=div, handle_tokens=handle, usable_tokens=usable,
                        reusable_tokens=reusable, remote_tokens=remote, outcome=outcome)

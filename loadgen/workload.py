@@ -1,4 +1,4 @@
-"""Workload files: agent-session archetypes and trace replays, validated and planned (DESIGN §4).
+"""Workload files: agent-session archetypes and trace replays, validated and planned (docs/workloads.md).
 
 A workload is a YAML file (``data/workloads/*.yaml``) validated by :class:`Workload` (pydantic;
 unknown keys are errors, and every error names the file and the field, e.g.

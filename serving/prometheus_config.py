@@ -6,7 +6,7 @@
 as a target label, so dashboards can split vLLM's metrics by role
 (``vllm:kv_cache_usage_perc{role="decode"}``). Prometheus adds ``job`` and ``instance``
 (``host:port``) itself. Session ids never become labels: the proxy exports none
-(DESIGN §3) and no target label here is derived from a request.
+(docs/design.md, "The proxy") and no target label here is derived from a request.
 
 ``deploy/prometheus.yml`` is this function's output for the embedded default topology
 (``data/topologies/embedded-cpu.yaml``: P on 8100, D on 8101, the aggregated worker on 8102, the

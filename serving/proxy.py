@@ -1,27 +1,33 @@
-"""The session-aware P/D proxy (DESIGN §3): decides per request whether a session's KV comes back
-from the decode worker, and reports what happened in the response.
+"""The session-aware P/D proxy: decides per request whether a session's KV comes back from the
+decode worker, and reports what happened in the response (docs/design.md follows one turn).
 
-Flow of one generate request (``/v1/chat/completions`` or ``/v1/completions``):
+:class:`SessionProxy` holds the handle table, the metrics, the HTTP client and the routing; one
+generate request (``/v1/chat/completions`` or ``/v1/completions``) goes through its methods:
 
-1. The session key is the body field ``conversation_id`` (popped) or the ``X-Session-ID`` header.
-   Client-supplied ``kv_transfer_params`` (top level, or inside ``vllm_xargs``) are dropped: they
-   could read another session's blocks.
-2. Under the session's lock the handle is popped (single use). If there is one, the request's
-   rendered ids (the prefill worker's ``/tokenize``, or the prompt ids themselves) are compared
-   with the ids D holds KV for, and the handle is trimmed to whole blocks before any divergence
-   (``serving.handles.fit_handle``); with no whole block left the outcome is ``miss_mismatch``.
-3. Prefill leg: P gets the request with ``max_tokens=1``, ``stream=false`` and
-   ``kv_transfer_params={do_remote_decode: true, ...}`` plus D's handle when there is one. A leg
-   that fails or passes its timeout while carrying a handle is retried once without it (a plain
-   recompute) and the outcome is ``miss_transfer_failed``.
-4. Decode leg: D gets the request with P's returned params, streamed to the client. The final
-   chunk's ``kv_transfer_params`` (D's handle for the next turn) is kept in the table and replaced,
-   on the wire, by a ``turnscope`` field with this request's facts.
+1. :meth:`~SessionProxy.admit`: the session key is the body field ``conversation_id`` (popped) or
+   the ``X-Session-ID`` header (:mod:`turnscope.contract`). Client-supplied
+   ``kv_transfer_params`` (top level, or inside ``vllm_xargs``) are dropped: they could read
+   another session's blocks. Workers are picked round-robin.
+2. :meth:`~SessionProxy.match_handle`: under the session's lock the handle is popped (single use).
+   If there is one, the request's rendered ids (the prefill worker's ``/tokenize``, or the prompt
+   ids themselves) are compared with the ids D holds KV for, and the handle is trimmed to whole
+   blocks before any divergence (``serving.handles.fit_handle``); with no whole block left the
+   outcome is ``miss_mismatch``.
+3. :meth:`~SessionProxy.prefill_leg`: P gets the request with ``max_tokens=1``, ``stream=false``
+   and ``kv_transfer_params={do_remote_decode: true, ...}`` plus D's handle when there is one. A
+   leg that fails or passes its timeout while carrying a handle is retried once without it (a
+   plain recompute) and the outcome is ``miss_transfer_failed``. :meth:`~SessionProxy.account_prefill`
+   reads P's answer into the request's facts (:func:`classify_prefill`).
+4. :meth:`~SessionProxy.decode_leg`: D gets the request with P's returned params, streamed to the
+   client (:meth:`~SessionProxy.relay_stream`). The final chunk's ``kv_transfer_params`` (D's
+   handle for the next turn) is kept in the table (:meth:`~SessionProxy.finish_request`) and
+   replaced, on the wire, by a ``turnscope`` field with this request's public facts.
 
-Headers carry what is known before the stream (``x-request-id``, ``x-turnscope-reuse``,
-``x-turnscope-prefill-ms``, ``x-turnscope-prefill-engine``, ``x-turnscope-decode-engine``); the
-final chunk's ``turnscope`` field carries token counts. One JSON log line per request is written to
-the ``turnscope.proxy`` logger for clients that are not turnscope's.
+The facts (:class:`serving.proxy_request.RequestFacts`) render the headers known before the stream
+(``x-request-id``, ``x-turnscope-reuse``, ``x-turnscope-prefill-ms``, ``x-turnscope-prefill-engine``,
+``x-turnscope-decode-engine``) and the final chunk's ``turnscope`` field (token counts). One JSON
+log line per request is written to the ``turnscope.proxy`` logger for clients that are not
+turnscope's. The route functions of :func:`create_app` only delegate to the proxy.
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ from pydantic import BaseModel, Field
 
 from serving import handles as h
 from serving.proxy_metrics import ProxyMetrics
+from serving.proxy_request import ProxiedRequest, RequestFacts
+from turnscope.contract import AGGREGATED, FACTS_FIELD, REQUEST_ID_HEADER, SESSION_FIELD, SESSION_HEADER
+from turnscope.tokenize_client import TokenizeError, render_request, tokenize_async
 
 log = logging.getLogger("turnscope.proxy")
 
@@ -124,220 +133,234 @@ class _PrefillFailed(Exception):
         self.response = response
 
 
-def create_app(config: ProxyConfig) -> FastAPI:
-    """Build the proxy's FastAPI app for ``config``."""
-    table = h.HandleTable(ttl_s=config.decoder_kv_blocks_ttl_s - config.handle_ttl_margin_s,
-                          max_sessions=config.max_sessions)
-    metrics = ProxyMetrics(table.live_handles, config.kv_bytes_per_token, handle_ttl_s=table.ttl_s)
-    prefill_cycle = itertools.cycle(config.prefill or config.aggregated)
-    decode_cycle = itertools.cycle(config.decode or config.aggregated)
-    # Which P served each session last, and its prompt length: P's prefix cache can hold that much.
-    # Bounded like the handle table (least recently served out first).
-    last_prefill: OrderedDict[str, tuple[str, int]] = OrderedDict()
-    state: dict = {}
+class LastPrefill:
+    """Which P served each session last, and its prompt length: P's prefix cache can hold that much.
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    Bounded like the handle table (least recently served out first), ``max_sessions`` entries.
+    """
+
+    def __init__(self, max_sessions: int):
+        self.max_sessions = max_sessions
+        self._entries: OrderedDict[str, tuple[str, int]] = OrderedDict()
+
+    def get(self, session: str | None) -> tuple[str, int] | None:
+        """``(worker name, prompt tokens)`` of the session's last prefill, or None."""
+        return self._entries.get(session) if session else None
+
+    def put(self, session: str, worker: str, prompt_tokens: int) -> None:
+        """Record a prefill of ``prompt_tokens`` for the session on ``worker``."""
+        self._entries[session] = (worker, prompt_tokens)
+        self._entries.move_to_end(session)
+        while len(self._entries) > self.max_sessions:
+            self._entries.popitem(last=False)
+
+
+class SessionProxy:
+    """The session-aware proxy: handle table, metrics, HTTP client and routing, and one method per
+    step of a request (the module doc lists the steps; docs/design.md follows one turn).
+
+    Args:
+        config: the proxy's configuration.
+
+    The async HTTP client exists between :meth:`start` and :meth:`close` (the app's lifespan).
+    """
+
+    def __init__(self, config: ProxyConfig):
+        self.config = config
+        self.table = h.HandleTable(ttl_s=config.decoder_kv_blocks_ttl_s - config.handle_ttl_margin_s,
+                                   max_sessions=config.max_sessions)
+        self.metrics = ProxyMetrics(self.table.live_handles, config.kv_bytes_per_token,
+                                    handle_ttl_s=self.table.ttl_s)
+        self.last_prefill = LastPrefill(config.max_sessions)
+        self._prefill_cycle = itertools.cycle(config.prefill or config.aggregated)
+        self._decode_cycle = itertools.cycle(config.decode or config.aggregated)
+        self.client: httpx.AsyncClient | None = None
+
+    async def start(self) -> None:
+        """Open the HTTP client the legs use (decode timeout as its default)."""
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
-        state["client"] = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(config.decode_timeout_s))
-        yield
-        await state["client"].aclose()
+        self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.config.decode_timeout_s))
 
-    app = FastAPI(title="turnscope proxy", lifespan=lifespan)
-    app.state.table = table
-    app.state.metrics = metrics
+    async def close(self) -> None:
+        """Close the HTTP client."""
+        if self.client is not None:
+            await self.client.aclose()
 
-    def client() -> httpx.AsyncClient:
-        return state["client"]
+    # -- small routes ----------------------------------------------------------------------------
 
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", "mode": config.mode, "sessions": len(table),
-                "handles_live": len(table.live_handles()), "handles_held": table.held_handles()}
+    def health(self) -> dict:
+        """``/health``: mode, sessions remembered, handles live and held."""
+        return {"status": "ok", "mode": self.config.mode, "sessions": len(self.table),
+                "handles_live": len(self.table.live_handles()), "handles_held": self.table.held_handles()}
 
-    @app.get("/metrics")
-    async def prom():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    def prometheus(self) -> Response:
+        """``/metrics`` in Prometheus text format."""
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models():
-        worker = (config.decode or config.aggregated)[0]
-        r = await client().get(worker.url + "/v1/models")
+    async def models(self) -> Response:
+        """``/v1/models``, relayed from the first decode (or aggregated) worker."""
+        worker = (self.config.decode or self.config.aggregated)[0]
+        r = await self.client.get(worker.url + "/v1/models")
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        worker = (config.prefill or config.aggregated)[0]
-        r = await client().post(worker.url + "/tokenize", content=await request.body(),
-                                headers={"content-type": "application/json"})
+    async def tokenize(self, raw_body: bytes) -> Response:
+        """``/tokenize``, relayed to the first prefill (or aggregated) worker."""
+        worker = (self.config.prefill or self.config.aggregated)[0]
+        r = await self.client.post(worker.url + "/tokenize", content=raw_body,
+                                   headers={"content-type": "application/json"})
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
-    async def rendered_ids(endpoint: str, body: dict, worker: Worker) -> list[int]:
-        """The token ids the worker will see for this request."""
-        prompt = body.get("prompt")
-        if endpoint == "/v1/completions" and isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+    # -- a generate request, step by step -----------------------------------------------------------
+
+    async def generate(self, endpoint: str, request: Request) -> Response:
+        """One generate request: admit, match the handle, prefill leg, decode leg (streamed relay)."""
+        req = await self.admit(endpoint, request)
+        if self.config.mode == AGGREGATED:
+            req.facts.prefill_engine = None
+            return await self.decode_leg(req)
+        await self.match_handle(req)
+        try:
+            p_resp = await self.prefill_leg(req)
+        except (_PrefillFailed, httpx.HTTPError) as exc:
+            return self.prefill_failed(req, exc)
+        self.account_prefill(req, p_resp)
+        return await self.decode_leg(req)
+
+    async def admit(self, endpoint: str, request: Request) -> ProxiedRequest:
+        """Read the body, take the session key out of it, drop client-supplied
+        ``kv_transfer_params`` (they could read another session's blocks), pick the workers."""
+        t_arrival = time.perf_counter()
+        body = await request.json()
+        session = body.pop(SESSION_FIELD, None) or request.headers.get(SESSION_HEADER.lower())
+        body.pop("kv_transfer_params", None)
+        if isinstance(body.get("vllm_xargs"), dict):  # vLLM copies vllm_xargs into the params' source too
+            body["vllm_xargs"].pop("kv_transfer_params", None)
+        request_id = request.headers.get(REQUEST_ID_HEADER) or f"ts-{uuid.uuid4().hex}"
+        prefill, decode = next(self._prefill_cycle), next(self._decode_cycle)
+        facts = RequestFacts(request_id=request_id, mode=self.config.mode, prefill_engine=prefill.name,
+                             decode_engine=decode.name)
+        return ProxiedRequest(endpoint=endpoint, body=body, session=session, prefill=prefill, decode=decode,
+                              facts=facts, t_arrival=t_arrival,
+                              prev_prefill=self.last_prefill.get(session))  # P's cache for it, as of now
+
+    async def match_handle(self, req: ProxiedRequest) -> None:
+        """Under the session's lock, pop its handle (single use) and fit it to the request's ids."""
+        if not req.session:
+            req.outcome = h.MISS_NO_SESSION_ID
+            return
+        async with self.table.lock(req.session):
+            handle, req.outcome = self.table.take(req.session)
+            age = self.table.age_of_last_taken(req.session)
+            if age is not None:
+                self.metrics.handle_age_at_use.observe(age)
+            if handle is None:
+                return
+            t0 = time.perf_counter()
+            req.new_ids = await self.rendered_ids(req)
+            req.waited_s += time.perf_counter() - t0
+            fit = h.fit_handle(handle, req.new_ids, self.config.block_size)
+            req.facts.divergence_position = fit.divergence_position
+            req.facts.handle_age_s = round(time.monotonic() - handle.created_at, 3)
+            if fit.params is None:
+                req.outcome = h.MISS_MISMATCH
+            else:
+                req.handle_params = fit.params
+                req.facts.remote_tokens = fit.usable_tokens
+
+    async def rendered_ids(self, req: ProxiedRequest) -> list[int]:
+        """The token ids the worker will see for the request ([] when ``/tokenize`` fails)."""
+        prompt = req.body.get("prompt")
+        if req.endpoint == "/v1/completions" and isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return prompt
-        if endpoint == "/v1/completions":
-            req = {"model": body.get("model"), "prompt": prompt}
-        else:
-            req = {k: body[k] for k in ("model", "messages", "tools", "chat_template",
-                                        "chat_template_kwargs", "add_generation_prompt",
-                                        "continue_final_message") if k in body}
-            req.setdefault("add_generation_prompt", True)
-        r = await client().post(worker.url + "/tokenize", json=req, timeout=config.prefill_timeout_s)
-        r.raise_for_status()
-        return r.json()["tokens"]
+        try:
+            return await tokenize_async(self.client, req.prefill.url, render_request(req.endpoint, req.body),
+                                        self.config.prefill_timeout_s)
+        except TokenizeError as exc:
+            log.warning("tokenize failed, dropping the handle: %s", exc)
+            return []
 
-    async def prefill_leg(endpoint: str, body: dict, worker: Worker, handle_params: dict | None) -> dict:
-        p_body = {k: v for k, v in body.items()
+    async def prefill_leg(self, req: ProxiedRequest) -> dict:
+        """P computes the prompt (pulling D's KV when offered a handle). A leg with a handle that
+        fails is retried once without it, as a plain recompute (``miss_transfer_failed``).
+
+        Raises:
+            _PrefillFailed: P answered an HTTP error (without a handle to drop).
+            httpx.HTTPError: P could not be reached (without a handle to drop).
+        """
+        t0 = time.perf_counter()
+        req.facts.prefill_attempts = 1
+        try:
+            p_resp = await self._post_prefill(req)
+        except (httpx.HTTPError, _PrefillFailed) as exc:
+            if req.handle_params is None:
+                raise
+            log.warning("prefill leg with a handle failed (%s); retrying as a plain recompute", type(exc).__name__)
+            self.metrics.prefill_attempts.inc()
+            req.facts.prefill_attempts, req.handle_params, req.outcome = 2, None, h.MISS_TRANSFER_FAILED
+            p_resp = await self._post_prefill(req)
+        req.facts.prefill_leg_s = time.perf_counter() - t0
+        return p_resp
+
+    async def _post_prefill(self, req: ProxiedRequest) -> dict:
+        """POST the request to P with ``max_tokens=1``, no stream, and the prefill params (+ handle)."""
+        p_body = {k: v for k, v in req.body.items()
                   if k not in ("stream", "stream_options", "max_completion_tokens", "min_tokens")}
-        p_body.update(max_tokens=1, stream=False,
-                      kv_transfer_params=PREFILL_PARAMS | ({k: handle_params[k] for k in HANDLE_KEYS
-                                                             if k in handle_params} if handle_params else {}))
-        r = await client().post(worker.url + endpoint, json=p_body, timeout=config.prefill_timeout_s)
+        handle = {k: req.handle_params[k] for k in HANDLE_KEYS if k in req.handle_params} if req.handle_params else {}
+        p_body.update(max_tokens=1, stream=False, kv_transfer_params=PREFILL_PARAMS | handle)
+        r = await self.client.post(req.prefill.url + req.endpoint, json=p_body, timeout=self.config.prefill_timeout_s)
         if r.status_code != 200:
             raise _PrefillFailed(Response(r.content, status_code=r.status_code, media_type="application/json"))
         return r.json()
 
-    async def generate(endpoint: str, request: Request):
-        t_arrival = time.perf_counter()
-        waited = 0.0  # time spent waiting on workers before the decode leg
-        body = await request.json()
-        session = body.pop("conversation_id", None) or request.headers.get("x-session-id")
-        body.pop("kv_transfer_params", None)
-        if isinstance(body.get("vllm_xargs"), dict):  # vLLM copies vllm_xargs into the params' source too
-            body["vllm_xargs"].pop("kv_transfer_params", None)
-        request_id = request.headers.get("x-request-id") or f"ts-{uuid.uuid4().hex}"
-        prefill, decode = next(prefill_cycle), next(decode_cycle)
-        facts: dict = {"request_id": request_id, "mode": config.mode, "prefill_engine": prefill.name,
-                       "decode_engine": decode.name, "remote_tokens": 0, "reused_tokens": 0,
-                       "prefill_cached_tokens": 0, "handle_age_s": None, "divergence_position": None}
+    def prefill_failed(self, req: ProxiedRequest, exc: Exception) -> Response:
+        """The client's answer when the prefill leg failed: P's error, or a 502, naming the workers."""
+        log.info(json.dumps({"event": "request", "status": "prefill_failed", **req.facts.log_fields()}))
+        if isinstance(exc, _PrefillFailed):
+            exc.response.headers.update(req.facts.identity_headers())
+            return exc.response
+        return JSONResponse({"error": {"message": f"prefill worker {req.prefill.name}: {type(exc).__name__}: {exc}",
+                                       "type": "prefill_failed"}}, status_code=502,
+                            headers=req.facts.identity_headers())
 
-        if config.mode == "aggregated":
-            facts.update(reuse=None, prefill_engine=None, prefill_leg_s=None)
-            return await decode_leg(endpoint, body, decode, None, session, facts, t_arrival, waited, [])
-
-        handle_params, new_ids, outcome, handle = None, None, None, None
-        prev = last_prefill.get(session) if session else None  # P's cache for this session, as of now
-        if not session:
-            outcome = h.MISS_NO_SESSION_ID
-        else:
-            async with table.lock(session):
-                handle, outcome = table.take(session)
-                age = table.age_of_last_taken(session)
-                if age is not None:
-                    metrics.handle_age_at_use.observe(age)
-                if handle is not None:
-                    t0 = time.perf_counter()
-                    try:
-                        new_ids = await rendered_ids(endpoint, body, prefill)
-                    except (httpx.HTTPError, KeyError, ValueError) as exc:
-                        log.warning("tokenize failed, dropping the handle: %s", exc)
-                        new_ids = []
-                    waited += time.perf_counter() - t0
-                    fit = h.fit_handle(handle, new_ids, config.block_size)
-                    facts["divergence_position"] = fit.divergence_position
-                    facts["handle_age_s"] = round(time.monotonic() - handle.created_at, 3)
-                    if fit.params is None:
-                        outcome = h.MISS_MISMATCH
-                    else:
-                        handle_params = fit.params
-                        facts["remote_tokens"] = fit.usable_tokens
-
-        t_p = time.perf_counter()
-        attempts = 1
-        try:
-            try:
-                p_resp = await prefill_leg(endpoint, body, prefill, handle_params)
-            except (httpx.HTTPError, _PrefillFailed) as exc:
-                if handle_params is None:
-                    raise
-                log.warning("prefill leg with a handle failed (%s); retrying as a plain recompute",
-                            type(exc).__name__)
-                metrics.prefill_attempts.inc()
-                attempts, handle_params, outcome = 2, None, h.MISS_TRANSFER_FAILED
-                p_resp = await prefill_leg(endpoint, body, prefill, None)
-        except (_PrefillFailed, httpx.HTTPError) as exc:
-            # the request's identity goes back with the failure, so the recorded turn names the worker
-            fail_headers = {"x-request-id": request_id, "x-turnscope-prefill-engine": prefill.name,
-                            "x-turnscope-decode-engine": decode.name}
-            log.info(json.dumps({"event": "request", "status": "prefill_failed", **facts}))
-            if isinstance(exc, _PrefillFailed):
-                exc.response.headers.update(fail_headers)
-                return exc.response
-            return JSONResponse({"error": {"message": f"prefill worker {prefill.name}: {type(exc).__name__}: {exc}",
-                                           "type": "prefill_failed"}}, status_code=502, headers=fail_headers)
-        prefill_leg_s = time.perf_counter() - t_p
-        waited += prefill_leg_s
-        metrics.prefill_leg.observe(prefill_leg_s)
-        p_params = p_resp.get("kv_transfer_params") or {}
-        usage = p_resp.get("usage") or {}
-        prompt_len = int(usage.get("prompt_tokens") or 0)
-        cached = p_params.get("remote_prefill_cached_tokens")
+    def account_prefill(self, req: ProxiedRequest, p_resp: dict) -> None:
+        """From P's answer: the reuse outcome and token counts (:func:`classify_prefill`), metrics,
+        and P's cache for the session's next request."""
+        cfg, facts = self.config, req.facts
+        leg_s = facts.prefill_leg_s or 0.0
+        req.waited_s += leg_s
+        self.metrics.prefill_leg.observe(leg_s)
+        req.p_params = p_resp.get("kv_transfer_params") or {}
+        prompt_len = int((p_resp.get("usage") or {}).get("prompt_tokens") or 0)
+        cached = req.p_params.get("remote_prefill_cached_tokens")
         local_estimate = 0
-        if config.prefill_prefix_caching and prev and prev[0] == prefill.name and new_ids is not None:
-            local_estimate = (min(prev[1], len(new_ids)) // config.block_size) * config.block_size
-        if session:
-            last_prefill[session] = (prefill.name, prompt_len)
-            last_prefill.move_to_end(session)
-            while len(last_prefill) > config.max_sessions:
-                last_prefill.popitem(last=False)
-        if handle_params is not None:
-            outcome, reused = classify_prefill(facts["remote_tokens"], prompt_len, cached, local_estimate,
-                                               config.kv_recompute_threshold)
-            facts["reused_tokens"] = reused
+        prev = req.prev_prefill
+        if cfg.prefill_prefix_caching and prev and prev[0] == req.prefill.name and req.new_ids is not None:
+            local_estimate = (min(prev[1], len(req.new_ids)) // cfg.block_size) * cfg.block_size
+        if req.session:
+            self.last_prefill.put(req.session, req.prefill.name, prompt_len)
+        if req.handle_params is not None:
+            req.outcome, facts.reused_tokens = classify_prefill(facts.remote_tokens, prompt_len, cached,
+                                                                local_estimate, cfg.kv_recompute_threshold)
         cached_n = int(cached or 0)
-        facts["prefill_cached_tokens"] = max(cached_n - facts["reused_tokens"], 0)
-        facts["recomputed_tokens"] = max(prompt_len - cached_n, 0)
-        facts.update(reuse=outcome, prefill_leg_s=round(prefill_leg_s, 6), prefill_attempts=attempts)
-        metrics.reused_tokens.labels(config.mode, "remote_decode").inc(facts["reused_tokens"])
-        metrics.reused_tokens.labels(config.mode, "local_prefix").inc(facts["prefill_cached_tokens"])
-        metrics.reused_tokens.labels(config.mode, "recomputed").inc(facts["recomputed_tokens"])
-        return await decode_leg(endpoint, body, decode, p_params, session, facts, t_arrival, waited,
-                                new_ids)
+        facts.prefill_cached_tokens = max(cached_n - facts.reused_tokens, 0)
+        facts.recomputed_tokens = max(prompt_len - cached_n, 0)
+        facts.reuse, facts.prefill_leg_s = req.outcome, round(leg_s, 6)
+        self.metrics.reused_tokens.labels(cfg.mode, "remote_decode").inc(facts.reused_tokens)
+        self.metrics.reused_tokens.labels(cfg.mode, "local_prefix").inc(facts.prefill_cached_tokens)
+        self.metrics.reused_tokens.labels(cfg.mode, "recomputed").inc(facts.recomputed_tokens)
 
-    async def decode_leg(endpoint, body, decode: Worker, p_params, session, facts, t_arrival, waited,
-                         new_ids):
-        d_body = dict(body)
+    async def decode_leg(self, req: ProxiedRequest) -> Response:
+        """D generates with P's params; its answer goes to the client with the facts' headers,
+        streamed (:meth:`relay_stream`) or whole."""
+        d_body = dict(req.body)
         d_body["return_token_ids"] = True
-        if p_params is not None:
-            d_body["kv_transfer_params"] = p_params
-        headers = {"x-request-id": facts["request_id"]}
-        if facts.get("reuse"):
-            headers["x-turnscope-reuse"] = facts["reuse"]
-        if facts.get("prefill_leg_s") is not None:
-            headers["x-turnscope-prefill-ms"] = f"{facts['prefill_leg_s'] * 1000:.3f}"
-            headers["x-turnscope-prefill-engine"] = facts["prefill_engine"]
-        headers["x-turnscope-decode-engine"] = decode.name
-        outcome_label = facts.get("reuse") or "none"
-        metrics.requests.labels(config.mode, outcome_label).inc()
-
-        def finish(d_handle: dict | None, prompt_ids: list[int], gen_ids: list[int], status: str):
-            if session and p_params is not None:
-                if d_handle and d_handle.get("remote_block_ids"):
-                    table.put(session, d_handle, decode.name, (prompt_ids or new_ids or []) + gen_ids)
-                else:
-                    table.mark_no_handle(session)
-            log.info(json.dumps({"event": "request", "status": status,
-                                 "handle_returned": bool(d_handle), **facts}))
-
-        if not body.get("stream"):
-            t0 = time.perf_counter()
-            r = await client().post(decode.url + endpoint, json=d_body, timeout=config.decode_timeout_s)
-            metrics.overhead.observe(max(t0 - t_arrival - waited, 0.0))
-            if r.status_code != 200:
-                finish(None, [], [], f"http_{r.status_code}")
-                return Response(r.content, status_code=r.status_code, headers=headers,
-                                media_type="application/json")
-            data = r.json()
-            d_handle = data.pop("kv_transfer_params", None)
-            choice = (data.get("choices") or [{}])[0]
-            finish(d_handle, data.get("prompt_token_ids") or choice.get("prompt_token_ids") or [],
-                   choice.get("token_ids") or [], "ok")
-            data["turnscope"] = public_facts(facts)
-            return JSONResponse(data, headers=headers)
-
-        body_stream = stream_decode(endpoint, d_body, decode, facts, t_arrival, waited, finish)
+        if req.p_params is not None:
+            d_body["kv_transfer_params"] = req.p_params
+        headers = req.facts.headers()
+        self.metrics.requests.labels(self.config.mode, req.facts.reuse or "none").inc()
+        if not req.body.get("stream"):
+            return await self._decode_whole(req, d_body, headers)
+        body_stream = self.relay_stream(req, d_body)
         first = await anext(body_stream)  # surfaces D's HTTP status before the headers go out
         if isinstance(first, Response):
             first.headers.update(headers)
@@ -350,79 +373,152 @@ def create_app(config: ProxyConfig) -> FastAPI:
 
         return StreamingResponse(chain(), media_type="text/event-stream", headers=headers)
 
-    async def stream_decode(endpoint, d_body, decode: Worker, facts, t_arrival, waited, finish):
-        prompt_ids: list[int] = []
-        gen_ids: list[int] = []
-        d_handle = None
-        first_token_seen = False
-        finished = False
+    async def _decode_whole(self, req: ProxiedRequest, d_body: dict, headers: dict[str, str]) -> Response:
+        """The decode leg of a non-streamed request."""
         t0 = time.perf_counter()
-        metrics.overhead.observe(max(t0 - t_arrival - waited, 0.0))
+        r = await self.client.post(req.decode.url + req.endpoint, json=d_body, timeout=self.config.decode_timeout_s)
+        self.metrics.overhead.observe(max(t0 - req.t_arrival - req.waited_s, 0.0))
+        if r.status_code != 200:
+            self.finish_request(req, None, [], [], f"http_{r.status_code}")
+            return Response(r.content, status_code=r.status_code, headers=headers, media_type="application/json")
+        data = r.json()
+        d_handle = data.pop("kv_transfer_params", None)
+        choice = (data.get("choices") or [{}])[0]
+        self.finish_request(req, d_handle, data.get("prompt_token_ids") or choice.get("prompt_token_ids") or [],
+                    choice.get("token_ids") or [], "ok")
+        data[FACTS_FIELD] = req.facts.public()
+        return JSONResponse(data, headers=headers)
+
+    async def relay_stream(self, req: ProxiedRequest, d_body: dict):
+        """D's SSE stream relayed to the client: the first item is D's error Response or a comment
+        that sends the headers; D's handle is kept (:meth:`finish_request`) and replaced on the wire by the
+        request's public facts."""
+        relay = _StreamRelay(self, req)
+        self.metrics.overhead.observe(max(time.perf_counter() - req.t_arrival - req.waited_s, 0.0))
         try:
-            async with aconnect_sse(client(), "POST", decode.url + endpoint, json=d_body,
-                                    timeout=config.decode_timeout_s) as source:
+            async with aconnect_sse(self.client, "POST", req.decode.url + req.endpoint, json=d_body,
+                                    timeout=self.config.decode_timeout_s) as source:
                 if source.response.status_code != 200:
                     content = await source.response.aread()
-                    finished = True
-                    finish(None, [], [], f"http_{source.response.status_code}")
-                    yield Response(content, status_code=source.response.status_code,
-                                   media_type="application/json")
+                    relay.fail(f"http_{source.response.status_code}")
+                    yield Response(content, status_code=source.response.status_code, media_type="application/json")
                     return
                 yield b": turnscope\n\n"  # an SSE comment: sends the headers, ignored by clients
                 async for event in source.aiter_sse():
-                    if event.data == "[DONE]":
-                        # Keep the handle before the client can hang up on [DONE] (which cancels us).
-                        finished = True
-                        finish(d_handle, prompt_ids, gen_ids, "ok")
-                        if d_handle is None:
-                            yield sse({"object": "turnscope.facts", "choices": [],
-                                       "turnscope": public_facts(facts)})
-                        yield b"data: [DONE]\n\n"
-                        continue
-                    chunk = json.loads(event.data)
-                    if "kv_transfer_params" in chunk:
-                        d_handle = chunk.pop("kv_transfer_params")
-                        chunk["turnscope"] = public_facts(facts)
-                        yield sse(chunk)
-                        continue
-                    if chunk.get("prompt_token_ids"):
-                        prompt_ids = chunk["prompt_token_ids"]
-                    for choice in chunk.get("choices") or ():
-                        if choice.get("prompt_token_ids"):
-                            prompt_ids = choice["prompt_token_ids"]
-                        if choice.get("token_ids"):
-                            gen_ids.extend(choice["token_ids"])
-                            if not first_token_seen:
-                                first_token_seen = True
-                                metrics.ttft.labels(config.mode, facts.get("reuse") or "none").observe(
-                                    time.perf_counter() - t_arrival)
-                    yield f"data: {event.data}\n\n".encode()
+                    for piece in relay.on_event(event.data):
+                        yield piece
         except httpx.HTTPError as exc:
-            if not finished:
-                finished = True
-                finish(None, [], [], f"error: {type(exc).__name__}")
-                yield sse({"error": {"message": f"decode worker {decode.name}: {type(exc).__name__}: {exc}",
+            if not relay.finished:
+                relay.fail(f"error: {type(exc).__name__}")
+                yield sse({"error": {"message": f"decode worker {req.decode.name}: {type(exc).__name__}: {exc}",
                                      "type": "decode_failed"}})
         finally:
-            if not finished:  # client went away mid-stream, or D ended without [DONE]
-                finish(None, [], [], "incomplete")
+            if not relay.finished:  # client went away mid-stream, or D ended without [DONE]
+                relay.fail("incomplete")
+
+    def finish_request(self, req: ProxiedRequest, d_handle: dict | None, prompt_ids: list[int], gen_ids: list[int],
+               status: str) -> None:
+        """Keep D's handle for the session's next turn (or note that none came) and log the request."""
+        if req.session and req.p_params is not None:
+            if d_handle and d_handle.get("remote_block_ids"):
+                self.table.put(req.session, d_handle, req.decode.name, (prompt_ids or req.new_ids or []) + gen_ids)
+            else:
+                self.table.mark_no_handle(req.session)
+        log.info(json.dumps({"event": "request", "status": status, "handle_returned": bool(d_handle),
+                             **req.facts.log_fields()}))
+
+
+class _StreamRelay:
+    """What the streamed relay has seen of D's stream: prompt and generated ids, D's handle, TTFT."""
+
+    def __init__(self, proxy: SessionProxy, req: ProxiedRequest):
+        self.proxy = proxy
+        self.req = req
+        self.prompt_ids: list[int] = []
+        self.gen_ids: list[int] = []
+        self.d_handle: dict | None = None
+        self.first_token_seen = False
+        self.finished = False
+
+    def fail(self, status: str) -> None:
+        """The request ended without D's answer: no handle (:meth:`SessionProxy.finish_request`)."""
+        self.finished = True
+        self.proxy.finish_request(self.req, None, [], [], status)
+
+    def done(self) -> None:
+        """D sent ``[DONE]``: keep its handle with the ids it holds KV for."""
+        self.finished = True
+        self.proxy.finish_request(self.req, self.d_handle, self.prompt_ids, self.gen_ids, "ok")
+
+    def on_event(self, data: str) -> list[bytes]:
+        """The bytes to send the client for one SSE event of D's."""
+        if data == "[DONE]":
+            # Keep the handle before the client can hang up on [DONE] (which cancels us).
+            self.done()
+            out = [] if self.d_handle is not None else [
+                sse({"object": "turnscope.facts", "choices": [], FACTS_FIELD: self.req.facts.public()})]
+            return out + [b"data: [DONE]\n\n"]
+        chunk = json.loads(data)
+        if "kv_transfer_params" in chunk:
+            self.d_handle = chunk.pop("kv_transfer_params")
+            chunk[FACTS_FIELD] = self.req.facts.public()
+            return [sse(chunk)]
+        if chunk.get("prompt_token_ids"):
+            self.prompt_ids = chunk["prompt_token_ids"]
+        for choice in chunk.get("choices") or ():
+            if choice.get("prompt_token_ids"):
+                self.prompt_ids = choice["prompt_token_ids"]
+            if choice.get("token_ids"):
+                self.gen_ids.extend(choice["token_ids"])
+                if not self.first_token_seen:
+                    self.first_token_seen = True
+                    self.proxy.metrics.ttft.labels(self.proxy.config.mode, self.req.facts.reuse or "none").observe(
+                        time.perf_counter() - self.req.t_arrival)
+        return [f"data: {data}\n\n".encode()]
+
+
+def create_app(config: ProxyConfig) -> FastAPI:
+    """Build the proxy's FastAPI app for ``config``: a :class:`SessionProxy` behind thin routes.
+
+    ``app.state.proxy`` is the proxy; ``app.state.table`` and ``app.state.metrics`` its handle
+    table and metrics.
+    """
+    proxy = SessionProxy(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await proxy.start()
+        yield
+        await proxy.close()
+
+    app = FastAPI(title="turnscope proxy", lifespan=lifespan)
+    app.state.proxy, app.state.table, app.state.metrics = proxy, proxy.table, proxy.metrics
+
+    @app.get("/health")
+    async def health():
+        return proxy.health()
+
+    @app.get("/metrics")
+    async def prom():
+        return proxy.prometheus()
+
+    @app.get("/v1/models")
+    async def models():
+        return await proxy.models()
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await proxy.tokenize(await request.body())
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await generate("/v1/chat/completions", request)
+        return await proxy.generate("/v1/chat/completions", request)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await generate("/v1/completions", request)
+        return await proxy.generate("/v1/completions", request)
 
     return app
-
-
-def public_facts(facts: dict) -> dict:
-    """The per-request facts sent to the client in the final chunk's ``turnscope`` field."""
-    keys = ("reuse", "prefill_cached_tokens", "remote_tokens", "reused_tokens", "recomputed_tokens",
-            "handle_age_s", "divergence_position", "prefill_leg_s", "prefill_attempts")
-    return {k: facts.get(k) for k in keys}
 
 
 def sse(obj: dict) -> bytes:

@@ -1,7 +1,7 @@
 """Topology files: where the prefill (P), decode (D) and aggregated workers run, and how.
 
 A topology is YAML validated with pydantic (errors name the file and the field). One topology
-serves every mode of DESIGN §2: the ``pd*`` modes use its ``prefill`` and ``decode`` lists (xPyD,
+serves every mode of docs/design.md ("Serving modes"): the ``pd*`` modes use its ``prefill`` and ``decode`` lists (xPyD,
 on one or several hosts), ``aggregated`` its ``aggregated`` list; the mode decides
 ``bidirectional_kv_xfer`` (both roles) and P's prefix caching. ``launch: false`` attaches to
 workers that are already running (turnscope then only checks ``/health`` and runs its proxy).
@@ -25,7 +25,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-MODES = ("aggregated", "pd", "pd-bidir", "pd-nocache", "pd-bidir-nocache")
+from turnscope.contract import MODES
+
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 

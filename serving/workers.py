@@ -1,4 +1,4 @@
-"""Start, check and stop vLLM workers for one serving mode (DESIGN §2).
+"""Start, check and stop vLLM workers for one serving mode (docs/design.md, "Serving modes").
 
 A mode is a set of :class:`WorkerSpec` (``aggregated``: one worker; the ``pd*`` modes: one P and
 one D with the NixlConnector). :func:`worker_command` renders the exact command line and
@@ -59,7 +59,7 @@ class WorkerSpec:
 
 
 def mode_workers(mode: str, topology: Topology) -> list[WorkerSpec]:
-    """The workers ``mode`` runs on ``topology`` (DESIGN §2).
+    """The workers ``mode`` runs on ``topology`` (docs/design.md, "Serving modes").
 
     ``pd*`` modes: every prefill and decode entry, with ``bidirectional_kv_xfer`` on both roles in
     the ``*bidir*`` modes and ``--no-enable-prefix-caching`` on P only in the ``*nocache`` modes.

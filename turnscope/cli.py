@@ -21,15 +21,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from loadgen import report
+from loadgen import eval_report as report
 from serving.embedded_model import DEFAULT_MODEL_DIR, ensure_model
 from serving.prometheus_config import render_prometheus_config
 from serving.stack import ModeStack
 from serving.topology import MODES, ProxySettings, Topology, TopologyError, embedded_topology, load_topology
 from serving.workers import mode_workers, port_in_use, worker_command
 from turnscope.evaluation import REPO_ROOT, default_settings, run_eval
+from turnscope.prefix_sweep import SWEEP_MODES, plan_sweep, run_sweep
 from turnscope.settings import SettingsError, TurnscopeSettings
-from turnscope.sweep import SWEEP_MODES, plan_sweep, run_sweep
 
 EPILOG = """Examples:
 

@@ -1,4 +1,4 @@
-"""The evaluation matrix: the same sessions against each serving mode (DESIGN §2), recorded.
+"""The evaluation matrix: the same sessions against each serving mode (docs/design.md, "Serving modes"), recorded.
 
 Per mode: start the workers (``serving.workers``), re-pin them on the CPU platform, start the
 proxy (``serving.proxy_server``), warm the path up (NIXL handshakes both ways, compile caches),
@@ -24,7 +24,6 @@ from pydantic import BaseModel, Field
 from rich.console import Console
 
 from loadgen.scraper import MetricsScraper
-from loadgen.store import Store
 from loadgen.traces.azure import load_azure
 from loadgen.traces.mooncake import load_mooncake
 from loadgen.traces.taubench import load_taubench
@@ -33,6 +32,7 @@ from loadgen.workload import load_workload
 from serving.embedded_model import ModelSpec
 from serving.stack import ModeStack
 from serving.topology import MODES, Topology, embedded_topology
+from turnscope.store import Store
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 #: Seconds between rewrites of a running run's ``runs_log`` row (the ``runs`` view reads a running

@@ -1,6 +1,6 @@
 """turnscope's operator settings: one pydantic-settings model, from env vars and a config file.
 
-What an operator sets (DESIGN §2, §3, §8): where the store and the model are, the ports of the
+What an operator sets (docs/configuration.md): where the store and the model are, the ports of the
 embedded layout, the NixlConnector settings, and the per-turn and per-leg timeouts. Sources, the
 first that sets a field wins:
 
@@ -58,16 +58,13 @@ from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource
 from pydantic_settings import SettingsError as _PydanticSettingsError
 
 from serving.topology import Connector
+from turnscope.redaction import REDACTED, redact
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ENV_PREFIX = "TURNSCOPE_"
 ENV_NESTED_DELIMITER = "__"
 #: Names the config file when ``load()`` is not given one.
 CONFIG_ENV = "TURNSCOPE_CONFIG"
-REDACTED = "***"
-#: A field whose name has one of these words (split at ``_``) is a secret in :meth:`effective`.
-#: Whole words: ``api_key`` and ``hf_token`` are secrets, ``max_tokens`` is not.
-SECRET_WORDS = frozenset({"key", "token", "secret", "password", "passwd", "credential", "credentials", "auth"})
 
 _CONFIG_FILE: ContextVar[Path | None] = ContextVar("turnscope_config_file", default=None)
 
@@ -238,9 +235,10 @@ class TurnscopeSettings(BaseSettings):
 
     def effective(self) -> dict[str, Any]:
         """The effective configuration as a JSON-able dict (paths as strings, nested models as
-        dicts), to be saved with every run (``runs_log.config``). Any field whose name contains a
-        word of :data:`SECRET_WORDS` (split at ``_``), and any ``SecretStr``, reads ``"***"``."""
-        return _redact(self.model_dump(mode="json"), self)
+        dicts), to be saved with every run (``runs_log.config``). Any ``SecretStr`` reads ``"***"``,
+        and so does every string the store would redact (:func:`turnscope.redaction.redact`: a
+        secret-looking name such as ``api_key`` or ``hf_token``, credentials in URLs)."""
+        return redact(_hide_secret_str(self.model_dump(mode="json"), self))
 
     def sources(self) -> dict[str, str]:
         """Where each leaf field's value came from: ``"argument"``, ``"env TURNSCOPE_..."``,
@@ -493,22 +491,17 @@ def _leaf_paths(model: BaseModel, prefix: tuple[str, ...] = ()) -> Iterator[tupl
             yield (*prefix, name)
 
 
-def _is_secret_name(name: str) -> bool:
-    return any(word in SECRET_WORDS for word in name.lower().split("_"))
-
-
-def _redact(data: Any, model: Any) -> Any:
+def _hide_secret_str(data: Any, model: Any) -> Any:
+    """``data`` (a model's JSON dump) with the value of every ``SecretStr`` field replaced."""
     if isinstance(data, dict):
         out = {}
         for key, value in data.items():
             attr = getattr(model, key, None) if isinstance(model, BaseModel) else None
-            if _is_secret_name(key) or isinstance(attr, SecretStr):
-                out[key] = REDACTED if value is not None else None
-            else:
-                out[key] = _redact(value, attr)
+            out[key] = (REDACTED if value is not None else None) if isinstance(attr, SecretStr) \
+                else _hide_secret_str(value, attr)
         return out
     if isinstance(data, list):
-        return [_redact(v, None) for v in data]
+        return [_hide_secret_str(v, None) for v in data]
     return data
 
 

@@ -1,4 +1,4 @@
-"""Read the Azure LLM inference trace (conversation service) as arrivals and lengths (DESIGN §4).
+"""Read the Azure LLM inference trace (conversation service) as arrivals and lengths (docs/workloads.md).
 
 File format (``data/AzureLLMInferenceTrace_conv.csv`` of Azure/AzurePublicDataset, shipped as
 ``data/traces/AzureLLMInferenceTrace_conv.csv``, CC-BY-4.0): a CSV with a header row and columns

@@ -1,4 +1,4 @@
-"""Read the Mooncake conversation trace and infer its sessions from the hash chains (DESIGN §4).
+"""Read the Mooncake conversation trace and infer its sessions from the hash chains (docs/workloads.md).
 
 File format (JSON lines, ``FAST25-release/traces/conversation_trace.jsonl`` of kvcache-ai/Mooncake,
 shipped as ``data/traces/conversation_trace.jsonl``): one request per line with

@@ -1,4 +1,4 @@
-"""Read tau-bench trajectories into replayable OpenAI-format conversations (DESIGN §4).
+"""Read tau-bench trajectories into replayable OpenAI-format conversations (docs/workloads.md).
 
 File format (``historical_trajectories/*.json`` of sierra-research/tau-bench, e.g. the shipped
 ``data/traces/gpt-4o-airline.json``): a JSON list of trajectories, each an object with

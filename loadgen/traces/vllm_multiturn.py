@@ -1,4 +1,4 @@
-"""Read the conversation file of vLLM's multi-turn benchmark (DESIGN §4).
+"""Read the conversation file of vLLM's multi-turn benchmark (docs/workloads.md).
 
 File format (the input of ``benchmarks/multi_turn/benchmark_serving_multi_turn.py`` in
 vllm-project/vllm, as written by its ``convert_sharegpt_to_openai.py``): a JSON list of

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from loadgen.store import Store
 from serving.stack import ModeStack
 from serving.topology import load_topology
 from tests.integration.test_session_stub import _locust_cmd, _locust_env, rows
 from tests.integration.vllm_stack import free_port
 from turnscope.cli import app
+from turnscope.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "data" / "models" / "turnscope-tiny"

@@ -1,4 +1,4 @@
-"""The dashboard, run headless by Streamlit's AppTest over a real store (loadgen.store's writer).
+"""The dashboard, run headless by Streamlit's AppTest over a real store (turnscope.store's writer).
 
 Expected numbers come from hand-written SQL over the raw Parquet shards (not the store's views,
 not the dashboard's queries) or from values written out by hand in tests/dashboard_store.py.
@@ -17,8 +17,8 @@ import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
-from loadgen.store import Store
 from tests import dashboard_store
+from turnscope.store import Store
 
 APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
 TIMEOUT_S = 60

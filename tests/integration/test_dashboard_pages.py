@@ -1,4 +1,4 @@
-"""Every dashboard page, run headless by Streamlit's AppTest over a real store (loadgen.store's writer).
+"""Every dashboard page, run headless by Streamlit's AppTest over a real store (turnscope.store's writer).
 
 Expected numbers come from hand-written SQL over the raw Parquet shards (`dashboard_store.raw_sql`:
 not the store's views, not the dashboard's queries) or are computed here by hand from the
@@ -20,8 +20,8 @@ import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
-from loadgen.store import Store
 from tests import dashboard_store as fx
+from turnscope.store import Store
 
 APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
 TIMEOUT_S = 60

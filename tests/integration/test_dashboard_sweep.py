@@ -1,5 +1,5 @@
 """The Sweep page, run headless by Streamlit's AppTest over a sweep written by the real recorder
-(tests/sweep_store.py, loadgen.store's writer). Expected numbers are worked out here from the
+(tests/sweep_store.py, turnscope.store's writer). Expected numbers are worked out here from the
 fixture's formulas (plain arithmetic, not the dashboard's code)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from dashboard.sweep_figures import IDEAL_NAME, LIMIT_NAME
-from loadgen import report
+from loadgen import eval_report as report
 from tests import sweep_store as sx
 
 APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"

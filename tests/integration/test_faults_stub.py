@@ -26,14 +26,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 
 from dashboard import queries, tables
 from loadgen.scraper import MetricsScraper
-from loadgen.session import SessionPlan, Tokenizer, TurnPlan, run_session
-from loadgen.store import Store
+from loadgen.session import SessionPlan, TurnPlan
+from loadgen.session_player import run_session
 from loadgen.stream_client import stream_turn
 from serving.proxy import PREFILL_PARAMS, ProxyConfig, Worker
 from tests.integration.kv_stub import StubProcess, ThreadServer, gen_ids
 from tests.integration.openai_stub import StubServer, StubState
 from tests.integration.test_session_stub import _locust_cmd, _locust_env, rows
 from tests.integration.vllm_stack import ProxyThread, free_port
+from turnscope.store import Store
+from turnscope.tokenize_client import TokenizeClient
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 8
@@ -236,7 +238,7 @@ def test_workers_killed_mid_request_are_failed_turns_and_sessions_go_on(store, t
             assert z_r.status == "ok" and z_r.headers["x-turnscope-reuse"] == "miss_first_turn"
             with httpx.Client() as client, store.writer("kills", "w") as writer:
                 # one /tokenize retry: the failed turn's prompt is rendered while P is still dead
-                tok = Tokenizer(client, proxy.url, "m", retries=1)
+                tok = TokenizeClient(client, proxy.url, "m", retries=1)
                 result = run_session(plan("s1", [("turn", 0, "none")] + [("turn", 0.05, "think")] * 5), client,
                                      proxy.url, "m", writer, "kills", "text", max_tokens=MAX_TOKENS,
                                      on_turn=restart_the_dead, tokenizer=tok)

@@ -30,11 +30,13 @@ import pytest
 
 from dashboard import queries, tables
 from loadgen.scraper import MetricsScraper
-from loadgen.session import SessionPlan, Tokenizer, TurnPlan, run_session
-from loadgen.store import Store
+from loadgen.session import SessionPlan, TurnPlan
+from loadgen.session_player import run_session
 from loadgen.stream_client import stream_turn
 from serving.workers import WorkerProcess
 from tests.integration.vllm_stack import ProxyThread, free_port, metric
+from turnscope.store import Store
+from turnscope.tokenize_client import TokenizeClient
 
 pytestmark = pytest.mark.vllm
 MODEL = "turnscope-tiny"
@@ -343,7 +345,7 @@ def test_proxy_restart_mid_run_misses_once_and_gives_no_wrong_output(pd_bidir_st
                           "none" if k == 0 else "think", max_tokens=16) for k in range(8)]
         with client:
             # a token_ids session renders its next prompt through the proxy: patient across the restart
-            tok = Tokenizer(client, url, MODEL, retries=8)
+            tok = TokenizeClient(client, url, MODEL, retries=8)
             results[sid] = run_session(session(sid, turns), client, url, MODEL, _NullWriter(), "proxy-restart",
                                        mode, timeout_s=120, extra_body=IGNORE_EOS, tokenizer=tok,
                                        on_turn=lambda rec: done.__setitem__(sid, done[sid] + 1))

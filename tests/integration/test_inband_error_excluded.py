@@ -16,12 +16,13 @@ import httpx
 import pytest
 
 from dashboard import db, queries
-from loadgen.session import TurnPlan, turn_row
-from loadgen.store import Store
+from loadgen.session import TurnPlan
+from loadgen.session_recorder import turn_row
 from loadgen.stream_client import stream_turn
 from tests import dashboard_store
 from tests.handed_cases import CASES
 from tests.integration.http_stub import StubServer, events_script
+from turnscope.store import Store
 
 CASE = json.loads((CASES / "sse" / "inband_error_after_tokens.json").read_text())
 RUN, SESSION = "bidir-1", "bidir-1-s0"

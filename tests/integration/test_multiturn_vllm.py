@@ -16,10 +16,11 @@ import httpx
 import pytest
 from tokenizers import Tokenizer
 
-from loadgen.session import SessionPlan, TurnPlan, run_session
-from loadgen.store import Store
+from loadgen.session import SessionPlan, TurnPlan
+from loadgen.session_player import run_session
 from loadgen.token_prompt import reuse_against, reuse_oracle
 from tests.integration.vllm_stack import ProxyThread
+from turnscope.store import Store
 
 pytestmark = pytest.mark.vllm
 MODEL = "turnscope-tiny"

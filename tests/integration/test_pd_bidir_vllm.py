@@ -56,7 +56,7 @@ def test_turn2_pulls_from_decode_and_matches_fresh_computation(pd_bidir_stack):
 
 
 def test_chat_text_history_never_gives_wrong_output(pd_bidir_stack):
-    """Text history re-tokenizes the reply (DESIGN §4): whatever the outcome, output is exact."""
+    """Text history re-tokenizes the reply (docs/workloads.md): whatever the outcome, output is exact."""
     stack = pd_bidir_stack
     trace = json.loads(Path("data/traces/gpt-4o-airline.json").read_text())
     msgs = [{"role": m["role"], "content": m.get("content") or ""} for m in trace[3]["traj"][:2]]

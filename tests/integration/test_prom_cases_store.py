@@ -20,8 +20,8 @@ import pytest
 
 from dashboard import db, queries
 from loadgen.scraper import MetricsScraper
-from loadgen.store import Store
 from tests.handed_cases import CASES
+from turnscope.store import Store
 
 PROM = CASES / "prometheus"
 RUN = "prom-cases"

@@ -24,7 +24,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from dashboard import sqlconsole
-from loadgen.store import Store
 from serving.proxy import ProxyConfig, Worker
 from serving.stack import ModeStack
 from serving.topology import RoleSettings, embedded_topology, load_topology
@@ -36,6 +35,7 @@ from tests.integration.test_session_stub import _locust_cmd, _locust_env
 from tests.integration.vllm_stack import AppThread, ProxyThread, free_port
 from turnscope.evaluation import default_settings
 from turnscope.settings import TurnscopeSettings
+from turnscope.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "data" / "models" / "turnscope-tiny"

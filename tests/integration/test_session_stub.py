@@ -19,10 +19,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadgen.session import plan_from_conversation, run_session
-from loadgen.store import Store
+from loadgen.session import plan_from_conversation
+from loadgen.session_player import run_session
 from loadgen.traces.taubench import Conversation
 from tests.integration.openai_stub import CHAR_BASE, IM_END, XY, StubServer, StubState, encode, render
+from turnscope.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
 NL = CHAR_BASE + ord("\n")

@@ -1,4 +1,4 @@
-"""Store integration tests: real Parquet shards, real DuckDB views (DESIGN §6)."""
+"""Store integration tests: real Parquet shards, real DuckDB views (docs/schema.md)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from loadgen.store import SCHEMA_PATH, Store
 from tests.handed_cases import CASES as HANDED
+from turnscope.store import SCHEMA_PATH, Store
 
 CASES = HANDED / "store"
 UTC = dt.UTC

@@ -15,14 +15,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadgen.session import SessionPlan, TurnPlan, run_session
-from loadgen.store import Store
+from loadgen.session import SessionPlan, TurnPlan
+from loadgen.session_player import run_session
 from loadgen.synth_text import LocalTokenizer, TextSynth
 from loadgen.workload import load_workload, plan_workload
 from tests import embedded_tokenizer
 from tests.integration import openai_stub
 from tests.integration.openai_stub import CHAR_BASE, IM_END, XY, StubServer, StubState, encode, render
 from tests.integration.test_session_stub import _free_port, _locust_cmd, _locust_env, rows
+from turnscope.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
 NL = CHAR_BASE + ord("\n")

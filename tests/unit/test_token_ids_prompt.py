@@ -8,17 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.session import prompt_sha256
+from loadgen.session_recorder import prompt_sha256
 from loadgen.token_prompt import (
     TemplateJoinError,
     TurnJoiner,
     calibrate_joiner,
-    longest_common_prefix,
     next_prompt_ids,
     reuse_against,
     strip_generation_prompt,
 )
 from tests.integration.openai_stub import CHAR_BASE, IM_END, IM_START, encode, render
+from turnscope.contract import common_prefix_length
 
 NL = CHAR_BASE + ord("\n")
 
@@ -104,7 +104,7 @@ def test_strip_generation_prompt():
 ])
 def test_reuse_against(prev, cur, expected):
     assert reuse_against(prev, cur) == expected
-    assert longest_common_prefix(prev, cur) == expected[0]
+    assert common_prefix_length(prev, cur) == expected[0]
 
 
 def test_prompt_sha256_is_over_comma_joined_decimals():

@@ -1,4 +1,7 @@
-"""The run store: Parquet shards written by loadgen, DuckDB views read by everyone (DESIGN §6).
+"""The run store: its schema, its writer and its read-only connection, in the one place that the
+writers (loadgen, the scraper, the CLI) and the readers (the dashboard, the eval report) share
+(docs/schema.md; docs/design.md, "The one-way data flow"). Imports nothing of serving/, loadgen/
+or dashboard/.
 
 Layout under a store root::
 
@@ -14,7 +17,7 @@ The column names and types come from ``data/schema.sql`` (the contract): the "ta
 executed in an in-memory DuckDB to learn each column's type, and each DuckDB type is mapped to one
 Arrow type (``TIMESTAMPTZ`` -> ``timestamp[us, tz=UTC]``, ``JSON`` -> string holding JSON text).
 
-Secrets never reach the store (DESIGN §8): every value of ``runs_log`` (configurations, topologies,
+Secrets never reach the store (docs/design.md, "Secrets"): every value of ``runs_log`` (configurations, topologies,
 workload specs) and the free-text columns ``turns.error`` and ``metric_samples.endpoint`` pass
 through :func:`redact` when appended (credentials in URLs, bearer tokens, string values under
 secret-looking keys such as ``api_key`` or ``HF_TOKEN``, values after ``--api-key``-like flags).
@@ -40,8 +43,12 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from turnscope.redaction import redact
+
 log = logging.getLogger(__name__)
 
+#: The DuckDB file of views under a store root.
+DB_FILE = "turnscope.duckdb"
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "data" / "schema.sql"
 
 #: Bumped when the way views are generated changes (part of the schema version hash).
@@ -163,66 +170,11 @@ class StoreNotWritable(OSError):
     """The store root is not a directory this process can write; the message names it."""
 
 
-# -- secrets ------------------------------------------------------------------------------------
+# -- secrets (turnscope.redaction) -------------------------------------------------------------
 
-REDACTED = "***"
-_SECRET_LAST_WORDS = frozenset({"key", "apikey", "token", "secret", "password", "passwd", "pass", "credential",
-                                "credentials", "authorization", "auth", "cookie", "signature"})
-_SECRET_ANY_WORDS = frozenset({"secret", "password", "passwd", "credentials", "authorization"})
-_URL_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
-_BEARER = re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]{8,}")
 #: Columns whose values pass through :func:`redact` when appended (None: every column).
 _REDACTED_COLUMNS: dict[str, tuple[str, ...] | None] = {"runs_log": None, "turns": ("error",),
                                                         "metric_samples": ("endpoint",)}
-
-
-def secret_name(name: str) -> bool:
-    """True for a key or flag name that holds a secret: its last word (split at ``_``, ``-``,
-    ``.``) is key/token/secret/password/auth/... (``api_key``, ``HF_TOKEN``, ``--api-key``,
-    ``AWS_SECRET_ACCESS_KEY``), or any word is secret/password/credentials/authorization.
-    ``max_tokens`` is not one (plural); a number under ``kv_bytes_per_token`` is kept by
-    :func:`redact`, which replaces only string values."""
-    words = [w for w in re.split(r"[_.\-\s]+", name.lower()) if w]
-    return bool(words) and (words[-1] in _SECRET_LAST_WORDS or any(w in _SECRET_ANY_WORDS for w in words))
-
-
-def redact(value: Any, key: str | None = None) -> Any:
-    """``value`` with secrets replaced by ``"***"`` (pure; nested dicts and lists are copied).
-
-    A string under a secret-looking key (:func:`secret_name`) is replaced whole; in every other
-    string, a URL's user-info (``http://user:pass@host`` -> ``http://***@host``) and a
-    ``Bearer``/``Basic`` credential are replaced. In a list, the item after a secret-looking flag
-    (``["--api-key", "sk-..."]``) and the value of ``--api-key=...`` are replaced.
-    """
-    if isinstance(value, str):
-        if key is not None and value and secret_name(key):
-            return REDACTED
-        if "@" in value:
-            value = _URL_USERINFO.sub(lambda m: m.group("scheme") + REDACTED + "@", value)
-        if " " in value or "\t" in value:
-            value = _BEARER.sub(lambda m: m.group(1) + " " + REDACTED, value)
-        return value
-    if isinstance(value, dict):
-        return {k: redact(v, k if isinstance(k, str) else None) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        out: list[Any] = []
-        hide_next = False
-        for item in value:
-            if hide_next and isinstance(item, str):
-                out.append(REDACTED)
-                hide_next = False
-                continue
-            hide_next = False
-            if isinstance(item, str) and item.startswith("-"):
-                flag, eq, _ = item.partition("=")
-                if secret_name(flag):
-                    if eq:
-                        out.append(f"{flag}={REDACTED}")
-                        continue
-                    hide_next = True
-            out.append(redact(item))
-        return out
-    return value
 
 
 def _check_name(kind: str, value: str) -> None:
@@ -252,7 +204,7 @@ class Store:
     def __init__(self, root: Path, schema_path: Path = SCHEMA_PATH):
         self.root = Path(root).resolve()
         self.schema = load_schema(schema_path)
-        self.db_path = self.root / "turnscope.duckdb"
+        self.db_path = self.root / DB_FILE
 
     @property
     def version(self) -> str:
@@ -366,7 +318,9 @@ class Store:
 
     def connect(self, read_only: bool = True) -> duckdb.DuckDBPyConnection:
         """A DuckDB connection to the views (read-only by default; readers never block writers)."""
-        return duckdb.connect(str(self.db_path), read_only=read_only)
+        if read_only:
+            return connect_read_only(self.root)
+        return duckdb.connect(str(self.db_path), read_only=False)
 
     def writer(self, run_id: str, writer_id: str, flush_interval_s: float = 1.0) -> ShardWriter:
         """A new :class:`ShardWriter` for ``run_id``, with its background flusher started.
@@ -375,6 +329,13 @@ class Store:
             ValueError: run_id or writer_id is not a safe path component, or run_id is reserved.
         """
         return ShardWriter(self, run_id, writer_id, flush_interval_s)
+
+
+def connect_read_only(root: str | os.PathLike) -> duckdb.DuckDBPyConnection:
+    """A read-only DuckDB connection to the views of the store at ``root`` (no writer is blocked
+    for longer than it stays open: close it soon). Raises ``duckdb.IOException`` when the file is
+    missing or held read-write by a writer creating the views."""
+    return duckdb.connect(str(Path(root) / DB_FILE), read_only=True)
 
 
 def _write_atomic(table: pa.Table, target: Path) -> None:

@@ -11,11 +11,13 @@ from pathlib import Path
 import duckdb
 import pandas as pd
 
+from turnscope.store import connect_read_only
+
 EXTERNAL_KV_METRIC = "vllm:prompt_tokens_by_source_total"
 
 
 def _connect(store: Path) -> duckdb.DuckDBPyConnection:
-    return duckdb.connect(str(Path(store) / "turnscope.duckdb"), read_only=True)
+    return connect_read_only(store)
 
 
 def ttft_by_turn(store: Path, run_ids: list[str]) -> pd.DataFrame:

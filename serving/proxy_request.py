@@ -1,0 +1,106 @@
+"""One generate request on its way through the proxy: what it carries, and the facts it reports.
+
+:class:`RequestFacts` is what the proxy learns about a request (reuse outcome, token counts, the
+prefill leg's time, the workers) and renders it the way the wire contract says
+(:mod:`turnscope.contract`): response headers, the public ``turnscope`` field, the JSON log line.
+:class:`ProxiedRequest` carries one request through the proxy's steps
+(``serving.proxy.SessionProxy``). See docs/design.md, "The wire contract".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from turnscope.contract import (
+    DECODE_ENGINE_HEADER,
+    PREFILL_ENGINE_HEADER,
+    PREFILL_MS_HEADER,
+    PUBLIC_FACT_KEYS,
+    REQUEST_ID_HEADER,
+    REUSE_HEADER,
+    PublicFacts,
+)
+
+
+@dataclass
+class RequestFacts:
+    """The facts of one request (counts in tokens, times in seconds); see
+    :class:`turnscope.contract.PublicFacts` for the meaning of each public one.
+
+    ``prefill_engine`` is None in aggregated mode (there is no prefill leg).
+    """
+
+    request_id: str
+    mode: str
+    prefill_engine: str | None
+    decode_engine: str
+    remote_tokens: int = 0
+    reused_tokens: int = 0
+    prefill_cached_tokens: int = 0
+    handle_age_s: float | None = None
+    divergence_position: int | None = None
+    reuse: str | None = None
+    prefill_leg_s: float | None = None
+    prefill_attempts: int | None = None
+    recomputed_tokens: int | None = None
+
+    def headers(self) -> dict[str, str]:
+        """The response headers (known before the stream): request id, reuse outcome, the prefill
+        leg's time in milliseconds (3 decimals) and engine when there was one, the decode engine."""
+        out = {REQUEST_ID_HEADER: self.request_id}
+        if self.reuse:
+            out[REUSE_HEADER] = self.reuse
+        if self.prefill_leg_s is not None:
+            out[PREFILL_MS_HEADER] = f"{self.prefill_leg_s * 1000:.3f}"
+            out[PREFILL_ENGINE_HEADER] = self.prefill_engine or ""
+        out[DECODE_ENGINE_HEADER] = self.decode_engine
+        return out
+
+    def identity_headers(self) -> dict[str, str]:
+        """The headers that name the request and its workers (sent back with a prefill failure)."""
+        return {REQUEST_ID_HEADER: self.request_id, PREFILL_ENGINE_HEADER: self.prefill_engine or "",
+                DECODE_ENGINE_HEADER: self.decode_engine}
+
+    def public(self) -> PublicFacts:
+        """The facts sent to the client in the final chunk's ``turnscope`` field."""
+        return PublicFacts(**{k: getattr(self, k) for k in PUBLIC_FACT_KEYS})  # type: ignore[typeddict-item]
+
+    def log_fields(self) -> dict:
+        """Every fact, for the proxy's JSON log line."""
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class ProxiedRequest:
+    """One generate request as the proxy's steps hand it on.
+
+    Attributes:
+        endpoint: ``/v1/chat/completions`` or ``/v1/completions``.
+        body: the client's body, session key and client-supplied ``kv_transfer_params`` removed.
+        session: the session key (None: the client sent none).
+        prefill, decode: the workers chosen for it (``serving.proxy.Worker``).
+        facts: what the proxy reports about it.
+        t_arrival: ``time.perf_counter()`` when it arrived.
+        waited_s: seconds spent waiting on workers before the decode leg (``/tokenize``, prefill).
+        prev_prefill: ``(worker name, prompt tokens)`` of the session's previous prefill, as of
+            arrival (what P's prefix cache can hold for it); None: unknown.
+        new_ids: the request's rendered ids, when a handle was matched against them.
+        handle_params: the (trimmed) handle offered to P; None: none.
+        outcome: the reuse outcome so far.
+        p_params: P's returned ``kv_transfer_params`` for D (None in aggregated mode).
+    """
+
+    endpoint: str
+    body: dict
+    session: str | None
+    prefill: object
+    decode: object
+    facts: RequestFacts
+    t_arrival: float
+    waited_s: float = 0.0
+    prev_prefill: tuple[str, int] | None = None
+    new_ids: list[int] | None = None
+    handle_params: dict | None = None
+    outcome: str | None = None
+    p_params: dict | None = field(default=None)

@@ -1,0 +1,112 @@
+"""The wire contract between the load generator and the proxy, and the names every part shares.
+
+One definition of each name that ``serving/`` (the proxy), ``loadgen/`` (the session player) and
+``dashboard/`` (the store's readers) have in common; see docs/design.md ("The wire contract").
+This module imports nothing of theirs, so importing it never imports them (checked by
+``tests/unit/test_contract.py``).
+
+A generate request (``POST /v1/chat/completions`` or ``/v1/completions``) names its session in the
+body field :data:`SESSION_FIELD` or the header :data:`SESSION_HEADER`. The proxy answers with
+headers known before the stream (:data:`REQUEST_ID_HEADER`, :data:`REUSE_HEADER`,
+:data:`PREFILL_MS_HEADER`, :data:`PREFILL_ENGINE_HEADER`, :data:`DECODE_ENGINE_HEADER`) and, in the
+final chunk, a :data:`FACTS_FIELD` object of :class:`PublicFacts`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypedDict
+
+# -- request: the session key --------------------------------------------------------------------
+
+#: Body field that names the session (popped by the proxy before the workers see the request).
+SESSION_FIELD = "conversation_id"
+#: Header that names the session when the body does not (HTTP headers are case-insensitive).
+SESSION_HEADER = "X-Session-ID"
+
+# -- response headers (lower case, as httpx and Starlette hand them out) ---------------------------
+
+REQUEST_ID_HEADER = "x-request-id"
+#: The request's reuse outcome, one of :data:`OUTCOMES` (absent in aggregated mode).
+REUSE_HEADER = "x-turnscope-reuse"
+#: The prefill leg's wall time, milliseconds written with 3 decimals (``"12.345"``).
+PREFILL_MS_HEADER = "x-turnscope-prefill-ms"
+#: Name of the prefill worker that served the request.
+PREFILL_ENGINE_HEADER = "x-turnscope-prefill-engine"
+#: Name of the decode worker that served the request.
+DECODE_ENGINE_HEADER = "x-turnscope-decode-engine"
+
+# -- response body: the facts of the final chunk ---------------------------------------------------
+
+#: Field of the final stream chunk (or of a non-streamed response) that holds :class:`PublicFacts`.
+FACTS_FIELD = "turnscope"
+
+
+class PublicFacts(TypedDict):
+    """What the proxy tells the client about one request (counts in tokens, times in seconds).
+
+    ``reuse``: one of :data:`OUTCOMES`, None in aggregated mode. ``prefill_cached_tokens``: P's
+    local prefix-cache hits. ``remote_tokens``: tokens of D's KV offered to P (whole blocks).
+    ``reused_tokens``: tokens P pulled from D. ``recomputed_tokens``: prompt tokens P computed.
+    ``handle_age_s``: age of the handle offered. ``divergence_position``: first index where the
+    prompt differs from the ids D holds KV for (:func:`common_prefix_length`), None if none.
+    ``prefill_leg_s``: the prefill leg's wall time. ``prefill_attempts``: 1, or 2 when a leg
+    carrying a handle failed and was retried as a plain recompute.
+    """
+
+    reuse: str | None
+    prefill_cached_tokens: int
+    remote_tokens: int
+    reused_tokens: int
+    recomputed_tokens: int | None
+    handle_age_s: float | None
+    divergence_position: int | None
+    prefill_leg_s: float | None
+    prefill_attempts: int | None
+
+
+#: The keys of :class:`PublicFacts`, in wire order.
+PUBLIC_FACT_KEYS: tuple[str, ...] = tuple(PublicFacts.__annotations__)
+
+# -- reuse outcomes: exactly one per proxied request ------------------------------------------------
+
+HIT = "hit"
+MISS_FIRST_TURN = "miss_first_turn"
+MISS_NO_SESSION_ID = "miss_no_session_id"
+MISS_EXPIRED = "miss_expired"
+MISS_CONSUMED = "miss_consumed"
+MISS_MISMATCH = "miss_mismatch"
+MISS_BELOW_THRESHOLD = "miss_below_threshold"
+MISS_TRANSFER_FAILED = "miss_transfer_failed"
+MISS_NO_HANDLE_RETURNED = "miss_no_handle_returned"
+OUTCOMES = (HIT, MISS_FIRST_TURN, MISS_NO_SESSION_ID, MISS_EXPIRED, MISS_CONSUMED, MISS_MISMATCH,
+            MISS_BELOW_THRESHOLD, MISS_TRANSFER_FAILED, MISS_NO_HANDLE_RETURNED)
+
+# -- serving modes, histories, turns, gaps ----------------------------------------------------------
+
+AGGREGATED = "aggregated"
+#: The serving modes turnscope launches (docs/configuration.md): one aggregated worker, or P/D with
+#: or without bidirectional KV transfer and P's prefix cache.
+MODES = (AGGREGATED, "pd", "pd-bidir", "pd-nocache", "pd-bidir-nocache")
+#: What a run records as its mode when it drives a server turnscope did not launch.
+ATTACH_MODE = "attach"
+#: How the session player keeps a session's history (docs/workloads.md): re-sent messages, or ids.
+HISTORY_MODES = ("text", "token_ids")
+#: Kinds of turn (``turns.kind``, docs/schema.md).
+TURN_KINDS = ("turn", "retry", "edit", "fresh", "resume")
+#: Kinds of gap before a turn (``turns.gap_kind``, docs/schema.md).
+GAP_KINDS = ("none", "tool", "think", "pause")
+
+
+def common_prefix_length(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """Length of the longest common prefix of two sequences (e.g. token ids).
+
+    The one definition of a divergence position: the proxy trims a handle with it
+    (``serving.handles.fit_handle``) and the session player computes the expected reuse with it
+    (``loadgen.token_prompt.reuse_against``).
+    """
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
