@@ -156,14 +156,14 @@ class TrafficReport:
         """The report as plain lines for a terminal."""
         s, o = self.summary, self.overlap
         out = [f"traffic report {self.traffic_id}",
-               f"  {s['sources']} sources, {s['sessions']} sessions ({s['sub_agents']} sub-agents), "
-               f"{s['requests']} requests (median {_n(s['requests_per_session_p50'])} per session)",
-               f"  input tokens per request: median {_n(s['input_p50_tokens'])}, p90 {_n(s['input_p90_tokens'])}; "
+               (f"  {s['sources']} sources, {s['sessions']} sessions ({s['sub_agents']} sub-agents), "
+               f"{s['requests']} requests (median {_n(s['requests_per_session_p50'])} per session)"),
+               (f"  input tokens per request: median {_n(s['input_p50_tokens'])}, p90 {_n(s['input_p90_tokens'])}; "
                f"largest context per session: median {_n(s['max_context_p50_tokens'])}, max "
                f"{_n(s['max_context_tokens'])}; context growth median {_n(s['growth_p50_tokens_per_request'])} "
-               f"tokens per request",
-               f"  sessions overlapping another of the same source: {o['overlapping_sessions']} of "
-               f"{o['sessions']}; most active at once: {o['max_active_sessions']}"]
+               f"tokens per request"),
+               (f"  sessions overlapping another of the same source: {o['overlapping_sessions']} of "
+               f"{o['sessions']}; most active at once: {o['max_active_sessions']}")]
         for r in self.reuse:
             what = "all" if r["format"] is None else r["format"]
             out.append(f"  reuse ({what}): {_pct(r['reusable_share'])} of {_n(r['input_tokens'])} input tokens "
