@@ -73,12 +73,13 @@ class TrafficWriter:
         n = 0
         cols = self._cols
         appenders = [(cols[f].append, f) for f in _FIELDS]
+        formats = self._formats
         for r in requests:
             for app, f in appenders:
                 app(getattr(r, f))
-            self._formats.append(format)
+            formats.append(format)
             n += 1
-            if len(self._formats) >= BATCH_ROWS:
+            if len(formats) >= BATCH_ROWS:
                 self._flush()
         self.rows += n
         return n
@@ -91,8 +92,8 @@ class TrafficWriter:
                 "format": pa.array(self._formats, pa.string())}
         for f in _FIELDS:
             data[f] = pa.array(self._cols[f], self.schema.field(f).type)
-            self._cols[f] = []
-        self._formats = []
+            self._cols[f].clear()  # in place: write() holds these lists' append methods
+        self._formats.clear()
         self._writer.write_table(pa.table(data).select(self.schema.names).cast(self.schema))
 
     def discard(self) -> None:

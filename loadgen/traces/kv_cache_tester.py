@@ -83,19 +83,23 @@ def common_leading(a: list[int], b: list[int]) -> int:
     return lo
 
 
-def _int(where: str, d: dict[str, Any], key: str) -> int:
+class _FieldError(ValueError):
+    """A field's problem, without its location (added by the caller, only when raised)."""
+
+
+def _int(d: dict[str, Any], key: str) -> int:
     v = d.get(key)
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise TraceFormatError(f"{where}: {key}: expected an integer >= 0, got {v!r:.60}")
+    if type(v) is not int or v < 0:
+        raise _FieldError(f"{key}: expected an integer >= 0, got {v!r:.60}")
     return v
 
 
-def _num(where: str, d: dict[str, Any], key: str, *, required: bool) -> float | None:
+def _num(d: dict[str, Any], key: str, *, required: bool) -> float | None:
     v = d.get(key)
     if v is None and not required:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-        raise TraceFormatError(f"{where}: {key}: expected a number >= 0 (seconds), got {v!r:.60}")
+    if type(v) not in (int, float) or v < 0:
+        raise _FieldError(f"{key}: expected a number >= 0 (seconds), got {v!r:.60}")
     return float(v)
 
 
@@ -139,58 +143,58 @@ class _FileReader:
                  out: list[AgentRequest]) -> None:
         prev: dict[str, Any] | None = None
         prev_ids: list[int] = []
+        prev_t = 0.0
+        prev_api: float | None = None
         index = 0
         subs = 0
         for i, r in enumerate(items):
-            w = f"{self.path}: {where}[{i}]"
-            if not isinstance(r, dict):
-                raise TraceFormatError(f"{w}: expected a JSON object, got {type(r).__name__}")
-            t = _num(w, r, "t", required=True)
-            if r.get("type") == "subagent":
-                subs += 1
-                sub_reqs = r.get("requests")
-                if not isinstance(sub_reqs, list):
-                    raise TraceFormatError(f"{w}: requests: expected the sub-agent's list of requests, "
-                                           f"got {type(sub_reqs).__name__}")
-                agent = r.get("agent_id") or f"sub{subs}"
-                if not isinstance(agent, str):
-                    raise TraceFormatError(f"{w}: agent_id: expected a string, got {agent!r:.60}")
-                self._session(sub_reqs, f"{where}[{i}].requests", f"{sid}/{agent}", sid, base_s + t, out)
-                continue
-            n_in = _int(w, r, "in")
-            n_out = _int(w, r, "out")
-            ids = r.get("hash_ids")
-            if not isinstance(ids, list):
-                raise TraceFormatError(f"{w}: hash_ids: expected a list of integers, got {ids!r:.60}")
-            if len(ids) != n_in // self.block:
-                raise TraceFormatError(f"{w}: hash_ids: expected {n_in // self.block} ids (one per full "
-                                       f"{self.block}-token block of in={n_in}), got {len(ids)}")
-            api = _num(w, r, "api_time", required=False)
-            think = _num(w, r, "think_time", required=False)
-            if prev is not None and t < prev["t"]:
-                raise TraceFormatError(f"{w}: t: {t} is before the previous request's {prev['t']} "
-                                       f"(expected non-decreasing times within a session)")
-            types = r.get("input_types") or []
-            if not isinstance(types, list):
-                raise TraceFormatError(f"{w}: input_types: expected a list of strings, got {types!r:.60}")
+            try:
+                if not isinstance(r, dict):
+                    raise _FieldError(f"expected a JSON object, got {type(r).__name__}")
+                t = _num(r, "t", required=True)
+                if r.get("type") == "subagent":
+                    subs += 1
+                    sub_reqs = r.get("requests")
+                    if not isinstance(sub_reqs, list):
+                        raise _FieldError(f"requests: expected the sub-agent's list of requests, "
+                                          f"got {type(sub_reqs).__name__}")
+                    agent = r.get("agent_id") or f"sub{subs}"
+                    if not isinstance(agent, str):
+                        raise _FieldError(f"agent_id: expected a string, got {agent!r:.60}")
+                    self._session(sub_reqs, f"{where}[{i}].requests", f"{sid}/{agent}", sid, base_s + t, out)
+                    continue
+                n_in = _int(r, "in")
+                n_out = _int(r, "out")
+                ids = r.get("hash_ids")
+                if type(ids) is not list:
+                    raise _FieldError(f"hash_ids: expected a list of integers, got {ids!r:.60}")
+                if len(ids) != n_in // self.block:
+                    raise _FieldError(f"hash_ids: expected {n_in // self.block} ids (one per full "
+                                      f"{self.block}-token block of in={n_in}), got {len(ids)}")
+                api = _num(r, "api_time", required=False)
+                think = _num(r, "think_time", required=False)
+                if prev is not None and t < prev_t:
+                    raise _FieldError(f"t: {t} is before the previous request's {prev_t} "
+                                      f"(expected non-decreasing times within a session)")
+                types = r.get("input_types") or ()
+                if type(types) not in (list, tuple):
+                    raise _FieldError(f"input_types: expected a list of strings, got {types!r:.60}")
+            except _FieldError as e:
+                raise TraceFormatError(f"{self.path}: {where}[{i}]: {e}") from None
             if prev is None:
                 gap = None
                 shared = 0
                 kind = None
             else:
-                if prev.get("api_time") is not None:
-                    gap = max(0.0, t - prev["t"] - float(prev["api_time"]))
-                else:
-                    gap = think
+                gap = max(0.0, t - prev_t - prev_api) if prev_api is not None else think
                 shared = min(n_in, common_leading(prev_ids, ids) * self.block)
                 kind = "tool" if "tool_result" in types else "think"
-            out.append(AgentRequest(
-                source=self.source, session_id=sid, request_index=index, arrival_s=base_s + t,
-                input_tokens=n_in, output_tokens=n_out, shared_prefix_tokens=shared,
-                parent_session_id=parent, server_s=api, gap_s=gap, tool_s=None, gap_kind=kind,
-            ))
+            out.append(AgentRequest(self.source, sid, index, base_s + t, n_in, n_out, shared, parent, api, gap,
+                                    None, kind))
             index += 1
             prev = r
+            prev_t = t
+            prev_api = api
             prev_ids = ids
 
 

@@ -89,3 +89,20 @@ def test_wrong_format_is_one_line(tmp_path):
     assert "looks like kv_cache_tester" in line
     assert "Traceback" not in out
     assert not list((tmp_path / "s" / "runs").glob("traffic-*/traffic_requests/*.parquet"))
+
+
+def test_rows_survive_batch_boundaries(tmp_path, monkeypatch):
+    """Many small row groups hold every request: the counts and token sums of the plain-json walk."""
+    import loadgen.traffic as traffic
+
+    monkeypatch.setattr(traffic, "BATCH_ROWS", 97)
+    rep = traffic.build_report(Store(tmp_path / "s"), [DEFAULT_DIR])
+    total = sum(r["in"] for p in TRACES for s in _sessions(p) for r in s)
+    assert rep.summary["requests"] == 740
+    assert [r["input_tokens"] for r in rep.reuse if r["format"] is None] == [total]
+
+
+def _sessions(path):
+    ss: list[list[dict]] = []
+    walk(json.loads(path.read_text())["requests"], ss)
+    return ss
