@@ -66,6 +66,7 @@ CREATE TABLE turns (
     completion_tokens         INTEGER,
     cached_tokens             INTEGER,            -- server usage.prompt_tokens_details.cached_tokens
     expected_reusable_tokens  INTEGER,            -- LCP of previous prompt+output ids and this prompt's ids
+    trace_reusable_tokens     INTEGER,            -- trace replay: the trace's reusable prefix, scaled
     divergence_position       INTEGER,            -- first differing id (NULL when none)
     status                    VARCHAR,            -- ok | error | timeout | cancelled
     error                     VARCHAR,

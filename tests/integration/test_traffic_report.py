@@ -93,7 +93,7 @@ def test_wrong_format_is_one_line(tmp_path):
 
 def test_rows_survive_batch_boundaries(tmp_path, monkeypatch):
     """Many small row groups hold every request: the counts and token sums of the plain-json walk."""
-    import loadgen.traffic as traffic
+    from loadgen import traffic
 
     monkeypatch.setattr(traffic, "BATCH_ROWS", 97)
     rep = traffic.build_report(Store(tmp_path / "s"), [DEFAULT_DIR])

@@ -221,3 +221,60 @@ def test_recorded_runs_adapter(tmp_path):
     assert (a1.shared_prefix_tokens, a2.shared_prefix_tokens, got[0].shared_prefix_tokens) == (900, 1200, 0)
     assert {r.source for r in got} == {"run:r1"}
     assert read_recorded_runs(s.root, ["nope"]) == []
+
+
+def test_kv_cache_tester_replay_plan_keeps_the_split(tmp_path):
+    """trace_0277 planned at token_scale 0.02 and time_scale 0.05: sessions, sub-agent starts, the
+    trace's reusable tokens and the new message sizes, from the plain-json walk."""
+    from loadgen.synth_text import LocalTokenizer, TextSynth
+    from loadgen.workload import describe, load_workload, plan_workload
+    from tests.embedded_tokenizer import tokenizer_json
+
+    path = DEFAULT_DIR / "trace_0277.json"
+    wf = tmp_path / "w.yaml"
+    wf.write_text(f"name: kv\nsessions: 0\ntraces:\n  - {{format: kv_cache_tester, path: {path}, "
+                  f"token_scale: 0.02, time_scale: 0.05, min_new_tokens: 1}}\n")
+    tok = LocalTokenizer(tokenizer_json())
+    plans = plan_workload(load_workload(wf), TextSynth(tok, 0))
+    doc = json.loads(path.read_text())
+    sessions: list[list[dict]] = []
+    walk(doc["requests"], sessions)
+    assert len(plans) == 5 and sorted(len(p.turns) for p in plans) == sorted(len(s) for s in sessions)
+    subs = [r for r in doc["requests"] if r.get("type") == "subagent"]
+    starts = sorted(p.start_at_s for p in plans)
+    assert starts == pytest.approx(sorted([0.0] + [r["t"] * 0.05 for r in subs]))
+    parent = next(p for p in plans if "agent" not in p.session_id)
+    truth_parent = sessions[0]
+    for k in range(1, len(truth_parent)):
+        a, b = truth_parent[k - 1], truth_parent[k]
+        shared = min(b["in"], 64 * naive_common(a["hash_ids"], b["hash_ids"]))
+        tp = parent.turns[k]
+        assert tp.trace_reusable_tokens == round(shared * 0.02)
+        want_new = max(1, round((b["in"] - shared) * 0.02) - max(1, round(a["out"] * 0.02)))
+        (n,) = tok.count([tp.new_messages[0]["content"]])
+        assert abs(n - want_new) <= 2  # synthesized text hits its token count to within a token or two
+        assert tp.at_s == pytest.approx((b["t"] - truth_parent[0]["t"]) * 0.05)
+    # the longest gap of the plan: the parent's 378 s wait for agent_004 (t 347 + 37.63 -> 763),
+    # scaled by 0.05, is among the arrival-to-arrival gaps the summary now reports
+    longest = max(b["t"] - a["t"] for s in sessions for a, b in itertools.pairwise(s)) * 0.05
+    assert f"longest gap {longest:.1f} s" in describe(plans)
+
+
+def test_workload_summary_longest_gap_of_a_mooncake_replay(tmp_path):
+    """Mooncake replays carry arrival times (at_s), not gaps: the summary reports the real gap."""
+    from loadgen.synth_text import LocalTokenizer, TextSynth
+    from loadgen.workload import describe, load_workload, plan_workload
+    from tests.embedded_tokenizer import tokenizer_json
+
+    # one chain of full 512-token blocks (arrivals 0, 7 and 95.5 s) and four unrelated requests,
+    # so the trace-wide common prefix is block 0 alone
+    chain = [(0, [0, 1]), (7_000, [0, 1, 2]), (95_500, [0, 1, 2, 3])]
+    other = [(1_000 * (i + 1), [0, 10 + i]) for i in range(4)]
+    rows = sorted(({"timestamp": ts, "input_length": 512 * len(ids), "output_length": 10, "hash_ids": ids}
+                   for ts, ids in chain + other), key=lambda r: r["timestamp"])
+    trace = tmp_path / "m.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    wf = tmp_path / "w.yaml"
+    wf.write_text(f"name: m\nsessions: 0\ntraces:\n  - {{format: mooncake, path: {trace}, token_scale: 0.1}}\n")
+    plans = plan_workload(load_workload(wf), TextSynth(LocalTokenizer(tokenizer_json()), 0))
+    assert "longest gap 88.5 s" in describe(plans)  # 95.5 s - 7.0 s, by hand
