@@ -109,3 +109,23 @@ def session_timeline(tl: pd.DataFrame) -> go.Figure:
     fig.update_xaxes(title="seconds since the trace's first request")
     fig.update_layout(barmode="overlay", height=160 + 50 * len(rows), margin={"t": 30}, legend_title="segment")
     return fig
+
+
+def trace_vs_engine(turns: pd.DataFrame) -> go.Figure:
+    """Per replayed turn: the trace's reusable tokens (x, scaled) against what the engine reused
+    (y), coloured by the proxy's reuse outcome; the diagonal is "as the trace says"."""
+    if turns.empty:
+        return empty_figure("No replayed trace turns in the selection.")
+    fig = go.Figure()
+    for outcome, g in turns.groupby(turns["reuse"].fillna("not recorded"), sort=True):
+        fig.add_trace(go.Scatter(x=g["trace_reusable_tokens"], y=g["measured_reused_tokens"], mode="markers",
+                                 name=str(outcome), customdata=g[["session_id", "turn_index", "mode"]],
+                                 hovertemplate="%{customdata[0]} turn %{customdata[1]} (%{customdata[2]})<br>"
+                                               "trace %{x:,} tokens, engine %{y:,}"))
+    top = float(max(turns["trace_reusable_tokens"].max(), turns["measured_reused_tokens"].fillna(0).max(), 1))
+    fig.add_trace(go.Scatter(x=[0, top], y=[0, top], mode="lines", name="as the trace says",
+                             line={"dash": "dot", "color": "#7f7f7f"}))
+    fig.update_xaxes(title="the trace's reusable tokens (scaled)")
+    fig.update_yaxes(title="tokens the engine reused")
+    fig.update_layout(height=380, margin={"t": 30}, legend_title="reuse")
+    return fig

@@ -75,6 +75,20 @@ def timeline(con: duckdb.DuckDBPyConnection, traffic_id: str, source: str, sessi
                        [traffic_id, source, session_id, session_id]).df()
 
 
+def trace_reuse(con: duckdb.DuckDBPyConnection, run_ids: tuple[str, ...]) -> pd.DataFrame:
+    """Turns of replayed traces (``trace_reusable_tokens`` set, after the first) of ``run_ids``: the
+    trace's reusable tokens (scaled), the client's expected and the engine's measured reuse."""
+    if not run_ids:
+        return pd.DataFrame()
+    return con.execute("""
+        SELECT run_id, run_label, mode, session_id, turn_index, reuse, prompt_tokens, trace_reusable_tokens,
+               expected_reusable_tokens, measured_reused_tokens
+        FROM turn_breakdown
+        WHERE run_id IN (SELECT unnest(?)) AND trace_reusable_tokens IS NOT NULL AND turn_index > 0
+          AND status = 'ok'
+        ORDER BY run_id, session_id, turn_index""", [list(run_ids)]).df()
+
+
 @st.cache_data(ttl=db.CACHE_TTL_S, show_spinner=False)
 def fetch(store_root: str, query: str, *args: object) -> pd.DataFrame:
     """``<query>(con, *args)`` of this module on ``store_root`` (cached; raises db's errors)."""
