@@ -57,8 +57,8 @@ def _load_runs() -> pd.DataFrame:
     except db.StoreInvalid as exc:
         st.error(f"`{store.db}` is not a turnscope store (see data/schema.sql): {exc}")
         st.stop()
-    if runs.empty:
-        st.info(f"No runs yet in `{store.root}`: run `turnscope demo`.")
+    if runs.empty and nav.title != "Traffic":  # the Traffic page reads traffic reports, not runs
+        st.info(f"No runs yet in `{store.root}`: run `turnscope demo` (or `turnscope traffic` for the Traffic page).")
         st.stop()
     return runs
 
