@@ -11,7 +11,8 @@ overlapping in time, and one session's timeline. :class:`TrafficReport` reads th
 them.
 
 Defaults: ``ttl_s`` 480 s is vLLM's ``decoder_kv_blocks_ttl`` and ``recompute_threshold_tokens`` 64
-is its ``kv_recompute_threshold`` (turnscope/settings.py, docs/configuration.md).
+is its ``kv_recompute_threshold`` (``serving.topology.Connector``, docs/configuration.md); the CLI
+passes the operator's settings.
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ from loadgen.store import Store
 from loadgen.traces.agent_request import AgentRequest
 from loadgen.traces.agent_sources import detect_format, iter_agent_requests
 from loadgen.traces.errors import TraceFormatError
+from serving.topology import Connector
 
-#: vLLM's decoder_kv_blocks_ttl default (seconds) and kv_recompute_threshold default (tokens).
-DEFAULT_TTL_S = 480.0
-DEFAULT_RECOMPUTE_THRESHOLD_TOKENS = 64
+#: vLLM's decoder_kv_blocks_ttl default (seconds) and kv_recompute_threshold default (tokens), as
+#: serving.topology.Connector defines them (one definition).
+DEFAULT_TTL_S = float(Connector.model_fields["decoder_kv_blocks_ttl"].default)
+DEFAULT_RECOMPUTE_THRESHOLD_TOKENS = int(Connector.model_fields["kv_recompute_threshold"].default)
 #: Rows per Parquet row group written (and held in memory) at a time.
 BATCH_ROWS = 65_536
 _FIELDS = ("source", "session_id", "parent_session_id", "request_index", "arrival_s", "input_tokens",
