@@ -106,3 +106,21 @@ def _sessions(path):
     ss: list[list[dict]] = []
     walk(json.loads(path.read_text())["requests"], ss)
     return ss
+
+
+def test_workload_naming_a_claude_code_trace_as_mooncake_is_one_line(tmp_path):
+    """`python -m loadgen.workload` on a workload that names a kv-cache-tester file as `mooncake`:
+    exit 2 and one line naming the file, line and field (issue 13), no traceback."""
+    import subprocess
+    import sys
+
+    from tests.embedded_tokenizer import tokenizer_json
+
+    wf = tmp_path / "bad.yaml"
+    wf.write_text(f"name: bad\nsessions: 0\ntraces:\n  - {{format: mooncake, path: {DEFAULT_DIR / 'trace_0036.json'}}}\n")
+    p = subprocess.run([sys.executable, "-m", "loadgen.workload", str(wf), "--tokenizer", str(tokenizer_json())],
+                       capture_output=True, text=True, timeout=120, check=False)
+    out = (p.stdout + p.stderr).strip()
+    assert p.returncode == 2
+    assert out.splitlines() == [f"workload bad: {DEFAULT_DIR / 'trace_0036.json'}:1: timestamp: expected an "
+                                f"integer >= 0, got None"]
