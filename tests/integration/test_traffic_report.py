@@ -122,5 +122,5 @@ def test_workload_naming_a_claude_code_trace_as_mooncake_is_one_line(tmp_path):
                        capture_output=True, text=True, timeout=120, check=False)
     out = (p.stdout + p.stderr).strip()
     assert p.returncode == 2
-    assert out.splitlines() == [f"workload bad: {DEFAULT_DIR / 'trace_0036.json'}:1: timestamp: expected an "
-                                f"integer >= 0, got None"]
+    assert out.splitlines() == [(f"workload bad: {DEFAULT_DIR / 'trace_0036.json'}:1: timestamp: expected an "
+                                f"integer >= 0, got None")]
