@@ -51,8 +51,9 @@ change the earlier ones). Per turn after the first, an archetype session:
 Trace replays (``traces``): ``mooncake`` (sessions inferred from hash chains, text synthesized per
 hash block so prefix sharing survives, arrivals replayed), ``azure`` (every row a one-turn session
 at its arrival), ``taubench`` (full text; gaps from ``gaps``) and ``vllm_multiturn`` (vLLM's
-multi-turn benchmark JSON; output length = the dataset reply's tokens). ``time_scale`` multiplies
-every gap and arrival offset (the scale is recorded with the run).
+multi-turn benchmark JSON; output length = the dataset reply's tokens) and ``kv_cache_tester``
+(Claude Code sessions, sub-agents as their own concurrent sessions, :func:`plan_kv_cache_tester`).
+``time_scale`` multiplies every gap and arrival offset (the scale is recorded with the run).
 
 Sweeps (``sweep``): a workload may name one archetype field (``first_prompt_tokens``, each
 session's own context, or ``system_prompt_tokens``, the prefix shared by all sessions) and the
