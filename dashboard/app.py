@@ -30,6 +30,7 @@ PAGES = [
     st.Page("app_pages/memory.py", title="Memory", icon=":material/memory:"),
     st.Page("app_pages/compare.py", title="Compare", icon=":material/compare_arrows:"),
     st.Page("app_pages/sweep.py", title="Sweep", icon=":material/stacked_line_chart:"),
+    st.Page("app_pages/traffic.py", title="Traffic", icon=":material/airline_stops:"),
     st.Page("app_pages/sql.py", title="SQL", icon=":material/terminal:"),
 ]
 nav = st.navigation(PAGES)
@@ -56,8 +57,8 @@ def _load_runs() -> pd.DataFrame:
     except db.StoreInvalid as exc:
         st.error(f"`{store.db}` is not a turnscope store (see data/schema.sql): {exc}")
         st.stop()
-    if runs.empty:
-        st.info(f"No runs yet in `{store.root}`: run `turnscope demo`.")
+    if runs.empty and nav.title != "Traffic":  # the Traffic page reads traffic reports, not runs
+        st.info(f"No runs yet in `{store.root}`: run `turnscope demo` (or `turnscope traffic` for the Traffic page).")
         st.stop()
     return runs
 

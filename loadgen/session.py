@@ -49,6 +49,8 @@ class TurnPlan:
             to ``keep`` of its characters (``compact``), or its reasoning is removed
             (``strip_reasoning``: ``reasoning_content``/``reasoning`` fields and ``<think>...</think>``
             spans; a reply without reasoning is compacted instead). See :func:`apply_edit`.
+        trace_reusable_tokens: trace replay: the prompt tokens the trace says were a prefix of the
+            previous request (scaled), stored as ``turns.trace_reusable_tokens``; None otherwise.
     """
 
     new_messages: list[dict[str, Any]]
@@ -59,6 +61,7 @@ class TurnPlan:
     max_tokens: int | None = None
     at_s: float | None = None
     edit: dict[str, Any] | None = None
+    trace_reusable_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.gap_kind not in GAP_KINDS:

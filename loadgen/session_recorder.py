@@ -121,6 +121,7 @@ def turn_row(
         "completion_tokens": result.completion_tokens,
         "cached_tokens": result.cached_tokens,
         "expected_reusable_tokens": expected_reusable_tokens,
+        "trace_reusable_tokens": plan.trace_reusable_tokens,
         "divergence_position": divergence_position,
         "status": result.status,
         "error": result.error,

@@ -51,8 +51,9 @@ change the earlier ones). Per turn after the first, an archetype session:
 Trace replays (``traces``): ``mooncake`` (sessions inferred from hash chains, text synthesized per
 hash block so prefix sharing survives, arrivals replayed), ``azure`` (every row a one-turn session
 at its arrival), ``taubench`` (full text; gaps from ``gaps``) and ``vllm_multiturn`` (vLLM's
-multi-turn benchmark JSON; output length = the dataset reply's tokens). ``time_scale`` multiplies
-every gap and arrival offset (the scale is recorded with the run).
+multi-turn benchmark JSON; output length = the dataset reply's tokens) and ``kv_cache_tester``
+(Claude Code sessions, sub-agents as their own concurrent sessions, :func:`plan_kv_cache_tester`).
+``time_scale`` multiplies every gap and arrival offset (the scale is recorded with the run).
 
 Sweeps (``sweep``): a workload may name one archetype field (``first_prompt_tokens``, each
 session's own context, or ``system_prompt_tokens``, the prefix shared by all sessions) and the
@@ -344,9 +345,12 @@ class TraceSource(_Model):
     gaps). ``gaps``: gap lengths for taubench/vllm_multiturn (``tool``, ``think``). ``output_tokens``:
     override the output length (taubench default: the run's max tokens; vllm_multiturn default:
     the dataset reply's tokens). ``min_new_tokens``: a Mooncake child turn appends at least this.
+    ``time_scale``: multiplies this trace's gaps and arrival offsets, on top of the run's time scale.
+    ``kv_cache_tester``: ``path`` a trace file or a directory of them (default: the 24 shipped);
+    ``sessions`` counts conversations (files), each with its sub-agents.
     """
 
-    format: Literal["mooncake", "azure", "taubench", "vllm_multiturn"]
+    format: Literal["mooncake", "azure", "taubench", "vllm_multiturn", "kv_cache_tester"]
     path: str | None = None
     name: str | None = None
     sessions: int | None = Field(default=None, ge=0)
@@ -355,6 +359,7 @@ class TraceSource(_Model):
     min_turns: int = Field(default=1, ge=1)
     max_turns: int | None = Field(default=None, ge=1)
     token_scale: float = Field(default=1.0, gt=0)
+    time_scale: float = Field(default=1.0, gt=0)
     replay_timestamps: bool = True
     gaps: dict[Literal["tool", "think"], Dist] = Field(default_factory=dict)
     output_tokens: Dist | None = None
@@ -787,8 +792,73 @@ def _plan_conversations(convs: list[Any], src: TraceSource, si: int, prefix: str
     return plans
 
 
+def plan_kv_cache_tester(src: TraceSource, si: int, w: Workload, synth: TextSynth,
+                         time_scale: float) -> list[SessionPlan]:
+    """Sessions of kv-cache-tester traces (:mod:`loadgen.traces.kv_cache_tester`), scaled.
+
+    Every conversation and every sub-agent is its own session (sub-agents start at their offset
+    on the conversation's clock, concurrently with their parent). Per request k of a session, with
+    ``s`` = ``token_scale``: the first prompt is ``round(in_0 * s)`` tokens of text; a later request
+    appends ``round(new_k * s) - out_{k-1}`` tokens (at least ``min_new_tokens``) after the
+    previous reply of ``round(out_{k-1} * s)`` tokens, so its prompt keeps the trace's split
+    between the prefix the previous request already had (``shared_prefix_tokens * s``, recorded
+    as ``turns.trace_reusable_tokens``) and the new tokens. A compaction in the trace (a prompt
+    that keeps less than the previous one) is replayed as an append: the replayed history only
+    grows, so on those turns the engine can reuse more than ``trace_reusable_tokens``. Gaps: the
+    trace's client time (``gap_s``) as ``gap_before_s`` and, with ``replay_timestamps``, the
+    arrival offset as ``at_s`` (both times ``time_scale``); a gap over ``w.ttl_s`` makes a
+    ``resume``. Text is :class:`TextSynth`'s, keyed by session and request.
+    """
+    from loadgen.traces.kv_cache_tester import DEFAULT_DIR, iter_kv_cache_tester, trace_files
+
+    s = src.token_scale
+    name = src.name or "trace-kv-cache-tester"
+    files = trace_files(src.path or DEFAULT_DIR)
+    if src.sessions is not None:
+        files = files[: src.sessions]
+    by_session: dict[str, list[Any]] = {}
+    for r in iter_kv_cache_tester(files):
+        by_session.setdefault(f"{r.source}|{r.session_id}", []).append(r)
+    plans: list[SessionPlan] = []
+    for reqs in by_session.values():
+        reqs.sort(key=lambda r: r.request_index)
+        reqs = reqs[: src.max_turns]
+        t0 = reqs[0].arrival_s
+        if len(reqs) < src.min_turns or not _in_window(t0, src):
+            continue
+        sid = f"k{si}-{len(plans):05d}-{reqs[0].session_id.replace('/', '-')}"
+        turns: list[TurnPlan] = []
+        prev_out = 0
+        for k, r in enumerate(reqs):
+            n_out = max(1, round(r.output_tokens * s))
+            ref = _ref(synth.text(n_out, f"{sid}/{k}/ref"))
+            if k == 0:
+                msg = {"role": "user", "content": synth.text(max(1, round(r.input_tokens * s)), f"{sid}/0/user")}
+                turns.append(TurnPlan([msg], ref, max_tokens=n_out, trace_reusable_tokens=0))
+                prev_out = n_out
+                continue
+            n_new = max(src.min_new_tokens, round(r.new_tokens * s) - prev_out)
+            text = synth.text(n_new, f"{sid}/{k}/new")
+            msg = ({"role": "tool", "tool_call_id": f"call_{k}", "content": text} if r.gap_kind == "tool"
+                   else {"role": "user", "content": text})
+            gap = r.gap_s if r.gap_s is not None else r.arrival_s - reqs[k - 1].arrival_s
+            kind, gkind = ("resume", "pause") if gap > w.ttl_s else ("turn", r.gap_kind or "think")
+            at = (r.arrival_s - t0) * time_scale if src.replay_timestamps else None
+            turns.append(TurnPlan([msg], ref, max(gap, 0.0) * time_scale, gkind, kind, max_tokens=n_out, at_s=at,
+                                  trace_reusable_tokens=round(r.shared_prefix_tokens * s)))
+            prev_out = n_out
+        start = (t0 - src.start_s) * time_scale if src.replay_timestamps else None
+        plans.append(SessionPlan(sid, f"{reqs[0].source}/{reqs[0].session_id}", turns, archetype=name,
+                                 start_at_s=start))
+    return plans
+
+
 def plan_trace(src: TraceSource, si: int, w: Workload, synth: TextSynth, time_scale: float) -> list[SessionPlan]:
-    """Plans of one trace source (``si``: its position in ``w.traces``, part of the session ids)."""
+    """Plans of one trace source (``si``: its position in ``w.traces``, part of the session ids);
+    ``time_scale`` (the run's) is multiplied by the source's own ``time_scale``."""
+    time_scale *= src.time_scale
+    if src.format == "kv_cache_tester":
+        return plan_kv_cache_tester(src, si, w, synth, time_scale)
     if src.format == "mooncake":
         return plan_mooncake(src, si, w, synth, time_scale)
     if src.format == "azure":
@@ -850,7 +920,8 @@ def plan_workload(w: Workload, synth: TextSynth, *, time_scale: float = 1.0,
 
 def describe(plans: list[SessionPlan]) -> str:
     """A short human-readable summary of planned sessions: counts of turns by kind and gap kind,
-    planned output tokens, the longest gap."""
+    planned output tokens, the longest gap (seconds, after time scaling: the larger of a turn's
+    ``gap_before_s`` and, for replayed traces, the time between consecutive arrivals ``at_s``)."""
     kinds: Counter = Counter()
     gks: Counter = Counter()
     arch: Counter = Counter()
@@ -858,11 +929,16 @@ def describe(plans: list[SessionPlan]) -> str:
     longest = 0.0
     for p in plans:
         arch[p.archetype] += 1
+        prev_at = None
         for t in p.turns:
             kinds[t.kind] += 1
             gks[t.gap_kind] += 1
             out_tokens += t.max_tokens or 0
             longest = max(longest, t.gap_before_s)
+            if t.at_s is not None:  # a replayed trace: the arrival-to-arrival gap is the trace's own
+                if prev_at is not None:
+                    longest = max(longest, t.at_s - prev_at)
+                prev_at = t.at_s
     n = sum(kinds.values())
     return (f"{len(plans)} sessions {dict(arch)}; {n} requests by kind {dict(kinds)}, by gap {dict(gks)}; "
             f"{out_tokens} planned output tokens; longest gap {longest:.1f} s")
@@ -885,8 +961,14 @@ def main(argv: list[str] | None = None) -> int:
     except WorkloadError as e:
         print(e)
         return 2
-    plans = plan_workload(w, TextSynth(LocalTokenizer(a.tokenizer), w.seed), time_scale=a.time_scale,
-                          sessions=a.sessions, token_scale=a.token_scale)
+    from loadgen.traces.errors import TraceFormatError
+
+    try:
+        plans = plan_workload(w, TextSynth(LocalTokenizer(a.tokenizer), w.seed), time_scale=a.time_scale,
+                              sessions=a.sessions, token_scale=a.token_scale)
+    except TraceFormatError as e:  # one line naming file, line and field; no traceback
+        print(f"workload {w.name}: {e}")
+        return 2
     print(f"workload {w.name} (seed {w.seed}): {describe(plans)}")
     return 0
 

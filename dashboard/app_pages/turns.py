@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import context, figures, queries, report, tables
+from dashboard import context, figures, queries, report, tables, traffic_figures, traffic_queries
 from dashboard.loader import load
 
 sel = context.current()
@@ -79,3 +79,12 @@ else:
         key="shortfalls",
         column_config={"gap (s)": st.column_config.NumberColumn(format="%.1f")},
     )
+
+# --- replayed traces --------------------------------------------------------------------------
+trace_turns = traffic_queries.load(sel.root, "trace_reuse", sel.run_ids)
+if not trace_turns.empty:
+    st.subheader("Replayed traces: the trace's reuse vs the engine's")
+    st.plotly_chart(traffic_figures.trace_vs_engine(trace_turns), key="trace_vs_engine")
+    st.caption("Turns of replayed real traces (workload `traces` of format `kv_cache_tester`): the tokens the trace "
+               "says the request shared with the previous one, times the trace's token_scale, against what the "
+               "engine reused. Compactions in the trace are replayed as appends, so the engine may reuse more.")

@@ -250,3 +250,45 @@ def test_locust_web_ui_serves_and_quits_when_every_session_is_played(store):
     assert page is not None and page.status_code == 200 and "locust" in page.text.lower()
     assert proc.returncode == 0, out[-2000:]
     assert len(rows(store, "SELECT * FROM turns WHERE run_id = 'ui'")) == 4 == len(state.requests)
+
+
+def test_locust_replays_a_claude_code_trace_with_sub_agents(store, tmp_path):
+    """kv-cache-tester trace_0277 (a parent and 4 sub-agents, 53 requests) through Locust against the
+    stub: one session per agent, the trace's reusable tokens per turn (plain-json walk, x 0.02),
+    sub-agents running while the parent's session is open; then `turnscope traffic` on the store
+    reads the run back as traffic (5 sessions, 53 requests, the sub-agents overlapping the parent)."""
+    import itertools
+    import json
+
+    from loadgen.traces.kv_cache_tester import DEFAULT_DIR
+    from loadgen.traffic import build_report
+    from tests.unit.test_agent_traces import naive_common, walk
+
+    trace = DEFAULT_DIR / "trace_0277.json"
+    wf = tmp_path / "kv.yaml"
+    wf.write_text(f"name: kv-0277\nsessions: 0\ntraces:\n  - {{format: kv_cache_tester, path: {trace}, "
+                  f"token_scale: 0.02, time_scale: 0.004}}\n")
+    with StubServer(StubState(ttft_s=0.01, itl_s=0.0)) as srv:
+        proc = subprocess.run(
+            _locust_cmd("--headless", "-u", "5", "-r", "5", "--run-time", "120s", "--host", srv.url,
+                        "--turnscope-store", str(store.root), "--turnscope-run-id", "kv",
+                        "--turnscope-workload", str(wf), "--turnscope-max-prompt-tokens", "100000",
+                        "--turnscope-tokenizer", str(embedded_tokenizer.tokenizer_json())),
+            cwd=REPO, env=_locust_env(), capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    sessions: list[list[dict]] = []
+    walk(json.loads(trace.read_text())["requests"], sessions)
+    want = sorted([0] + [round(min(b["in"], 64 * naive_common(a["hash_ids"], b["hash_ids"])) * 0.02)
+                         for a, b in itertools.pairwise(s)] for s in sessions)
+    turns = rows(store, "SELECT session_id, turn_index, trace_reusable_tokens, sent_at, e2e_s FROM turns "
+                        "WHERE run_id = 'kv' ORDER BY session_id, turn_index")
+    got: dict[str, list[int]] = {}
+    for t in turns:
+        got.setdefault(t["session_id"], []).append(t["trace_reusable_tokens"])
+    assert sorted(got.values()) == want
+    srcs = {r["source"] for r in rows(store, "SELECT source FROM sessions WHERE run_id = 'kv'")}
+    assert srcs == {"kv-cache-tester:trace_0277/trace_0277"} | {
+        f"kv-cache-tester:trace_0277/trace_0277/agent_00{i}" for i in range(1, 5)}
+    rep = build_report(store, [store.root], format="run")
+    assert (rep.summary["sessions"], rep.summary["requests"]) == (5, 53)
+    assert rep.overlap["overlapping_sessions"] == 5  # every sub-agent ran while the parent's session was open

@@ -13,7 +13,7 @@ from turnscope.store import SCHEMA_PATH, load_schema
 
 def test_store_schema_types_from_contract() -> None:
     s = load_schema()
-    assert set(s.tables) == {"runs_log", "sessions", "turns", "metric_samples"}
+    assert set(s.tables) == {"runs_log", "sessions", "turns", "metric_samples", "traffic_log", "traffic_requests"}
     ms = s.tables["metric_samples"].arrow_schema()
     assert ms.field("scraped_at").type == pa.timestamp("us", tz="UTC")
     assert ms.field("labels").type == pa.string()

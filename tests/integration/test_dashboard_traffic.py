@@ -1,0 +1,36 @@
+"""The Traffic page, headless (Streamlit AppTest) over a store that holds only a traffic report of
+the 24 shipped kv-cache-tester traces: the page renders without any run, and its headline numbers
+are the plain-json walk's (tests/unit/test_agent_traces.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from streamlit.testing.v1 import AppTest
+
+from loadgen.traces.kv_cache_tester import DEFAULT_DIR
+from loadgen.traffic import build_report
+from tests.unit.test_agent_traces import TRACES, walk
+from turnscope.store import Store
+
+APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
+
+
+def test_traffic_page_without_runs(monkeypatch, tmp_path):
+    store = Store(tmp_path / "store")
+    build_report(store, [DEFAULT_DIR], label="shipped")
+    monkeypatch.setenv("TURNSCOPE_STORE", str(store.root))
+    at = AppTest.from_file(str(APP), default_timeout=120).run()
+    assert any("turnscope traffic" in i.value for i in at.info)  # Overview: no runs yet
+    at.switch_page("app_pages/traffic.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    sessions = requests = 0
+    for p in TRACES:
+        ss: list[list[dict]] = []
+        walk(json.loads(p.read_text())["requests"], ss)
+        sessions += len(ss)
+        requests += sum(len(s) for s in ss)
+    values = [m.value for m in at.metric]
+    assert values[:2] == [f"{sessions:,}", f"{requests:,}"]
+    assert len(at.get("plotly_chart")) == 5
