@@ -13,6 +13,8 @@ import plotly.express as px
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from dashboard import speedup
+
 #: Serving modes in display order (DESIGN §2); unknown modes sort after these.
 MODE_ORDER = ["aggregated", "pd", "pd-bidir", "pd-nocache", "pd-bidir-nocache", "attach"]
 MODE_COLORS = {
@@ -576,40 +578,51 @@ def whatif_ttl(df: pd.DataFrame, current_ttls_s: list[float] | None = None) -> g
 
 
 def compare_by_turn(df: pd.DataFrame, a_name: str, b_name: str) -> go.Figure:
-    """TTFT ratio A / B of medians by turn index, with its bootstrap 95% CI as error bars and a
+    """The speed-up B / A of median TTFTs by turn index (``dashboard.speedup``: above 1, A is
+    faster), with its bootstrap 95% CI as error bars, each point coloured by its verdict, and a
     line at 1 (no difference).
 
     `df`: ``dashboard.compare.ratio_by_turn`` (turn_index, n_a, n_b, median_a_s, median_b_s,
-    ratio, ci_low, ci_high; CI NaN when a side has fewer than 2 turns).
+    ratio A / B, ci_low, ci_high; CI NaN when a side has fewer than 2 turns).
     """
     if df.empty:
         return empty_figure("no turn index has ok turns on both sides")
     d = df.sort_values("turn_index")
+    up = 1 / d["ratio"]
+    lo, hi = 1 / d["ci_high"], 1 / d["ci_low"]
+    verdicts = [speedup.verdict_of(a, b) for a, b in zip(lo, hi, strict=True)]
     fig = go.Figure(
         go.Scatter(
             x=d["turn_index"],
-            y=d["ratio"],
+            y=up,
             mode="lines+markers",
-            name=f"{a_name} / {b_name}",
-            line={"color": "#2ca02c"},
+            name=f"{speedup.LABEL} {b_name} / {a_name}",
+            line={"color": "#7f7f7f"},
+            marker={"color": [speedup.VERDICT_HEX[v] for v in verdicts], "size": 10},
             error_y={
                 "type": "data",
                 "symmetric": False,
-                "array": (d["ci_high"] - d["ratio"]).to_numpy(),
-                "arrayminus": (d["ratio"] - d["ci_low"]).to_numpy(),
+                "array": (hi - up).to_numpy(),
+                "arrayminus": (up - lo).to_numpy(),
+                "color": "#7f7f7f",
             },
             customdata=np.column_stack(
-                [d["median_a_s"] * 1e3, d["median_b_s"] * 1e3, d["n_a"], d["n_b"], d["ci_low"], d["ci_high"]]
+                [d["median_a_s"] * 1e3, d["median_b_s"] * 1e3, d["n_a"], d["n_b"], lo, hi, [v.value for v in verdicts]]
             ),
-            hovertemplate="turn %{x}: %{y:.3f}x (CI %{customdata[4]:.3f}-%{customdata[5]:.3f})<br>"
-            "median %{customdata[0]:.1f} vs %{customdata[1]:.1f} ms, n = %{customdata[2]} vs %{customdata[3]}"
-            "<extra></extra>",
+            hovertemplate="turn %{x}: %{y:.2f}x (CI %{customdata[4]:.2f}-%{customdata[5]:.2f}x, "
+            "%{customdata[6]})<br>median A %{customdata[0]:.1f} vs B %{customdata[1]:.1f} ms, "
+            "n = %{customdata[2]} vs %{customdata[3]}<extra></extra>",
         )
     )
     fig.add_hline(y=1.0, line_dash="dot", line_color="#4c4c4c", annotation_text="no difference")
     fig.update_xaxes(title_text="turn index (0 = first turn)", dtick=1 if d["turn_index"].max() <= 20 else None)
-    fig.update_yaxes(title_text=f"TTFT ratio {a_name} / {b_name} (medians)", rangemode="tozero")
-    fig.update_layout(title="TTFT ratio by turn index, 95% bootstrap CI", showlegend=False, margin={"t": 60})
+    fig.update_yaxes(title_text=f"{speedup.LABEL}: TTFT {b_name} / {a_name} (medians)", rangemode="tozero")
+    fig.update_layout(
+        title=f"{speedup.LABEL.capitalize()} of A by turn index, 95% bootstrap CI (green: faster, red: slower, "
+        "grey: undecided)",
+        showlegend=False,
+        margin={"t": 60},
+    )
     return fig
 
 

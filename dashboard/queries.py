@@ -506,7 +506,7 @@ def reuse_vs_expected(
 
 
 _REUSE_SHORTFALLS = """
-SELECT run_id, run_label, mode, session_id, turn_index, kind, gap_kind, gap_before_s, reuse,
+SELECT run_id, run_label, mode, history_mode, session_id, turn_index, kind, gap_kind, gap_before_s, reuse,
        expected_reusable_tokens, measured_reused_tokens,
        expected_reusable_tokens - measured_reused_tokens AS shortfall_tokens,
        reused_tokens, prefill_cached_tokens, cached_tokens, divergence_position, handle_age_s,
@@ -515,9 +515,15 @@ FROM turn_rows
 WHERE {where} AND status = 'ok' AND turn_index >= 1
   AND expected_reusable_tokens IS NOT NULL AND measured_reused_tokens IS NOT NULL
   AND expected_reusable_tokens - measured_reused_tokens >= $min_shortfall
+  AND list_contains($modes, mode)
 ORDER BY shortfall_tokens DESC, run_id, session_id, turn_index
 LIMIT $limit
 """
+
+#: The modes whose later turns can reuse KV from the decode worker (bidirectional transfer): only
+#: there is a shortfall an engine miss. ``pd-nocache`` recomputes every prompt by design; ``pd``
+#: and ``aggregated`` reuse only their own prefix cache (README, "What each mode compares").
+REUSE_FROM_D_MODES: tuple[str, ...] = ("pd-bidir", "pd-bidir-nocache")
 
 
 def reuse_shortfalls(
@@ -525,16 +531,20 @@ def reuse_shortfalls(
     f: TurnFilter | Sequence[str],
     min_shortfall_tokens: int = 128,
     limit: int = 200,
+    modes: tuple[str, ...] = REUSE_FROM_D_MODES,
 ) -> pd.DataFrame:
-    """The ok later turns where the engine reused at least `min_shortfall_tokens` fewer tokens
-    than expected (see `reuse_vs_expected`), the largest shortfall first, at most `limit` rows.
+    """The ok later turns of `modes` (by default those that can reuse KV from D) where the engine
+    reused at least `min_shortfall_tokens` fewer tokens than expected (see `reuse_vs_expected`),
+    the largest shortfall first, at most `limit` rows. Other modes' shortfalls are by design:
+    `reuse_vs_expected`'s short_turns counts them.
 
     Columns: run_id, run_label, mode, session_id, turn_index, kind, gap_kind, gap_before_s (s),
     reuse, expected_reusable_tokens, measured_reused_tokens, shortfall_tokens, reused_tokens,
     prefill_cached_tokens, cached_tokens, divergence_position, handle_age_s (s), total (number of
     such turns before the limit).
     """
-    params = {**as_filter(f).params(), "min_shortfall": int(min_shortfall_tokens), "limit": int(limit)}
+    params = {**as_filter(f).params(), "min_shortfall": int(min_shortfall_tokens), "limit": int(limit),
+              "modes": list(modes)}
     return _run(con, _REUSE_SHORTFALLS.format(where=_where(as_filter(f))), params)
 
 
@@ -569,7 +579,9 @@ def task_split(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) ->
 
 
 _SESSION_LIST = """
-SELECT run_id, run_label, mode, session_id, archetype, turns, task_latency_s, llm_s, tool_wait_s,
+SELECT run_id, run_label, mode,
+       (SELECT r.history_mode FROM runs r WHERE r.run_id = session_tasks.run_id) AS history_mode,
+       session_id, archetype, turns, task_latency_s, llm_s, tool_wait_s,
        think_s, pause_s, status, started_at, count(*) OVER () AS total
 FROM session_tasks
 WHERE {where}

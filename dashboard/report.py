@@ -10,7 +10,7 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from dashboard import db, export, figures, headline, queries, tables
+from dashboard import db, export, figures, headline, queries, speedup, tables
 from dashboard.export import Section
 from dashboard.headline import Ratio
 from dashboard.queries import TurnFilter
@@ -22,13 +22,15 @@ TRANSFER_NOTE = (
 
 
 def ratio_line(r: Ratio) -> str:
-    """One headline number in words: ratio, CI, medians and counts."""
+    """One headline number in words: the speed-up (``dashboard.speedup``), its CI and verdict,
+    medians and counts."""
     pct = round(headline.CONFIDENCE * 100)
-    ci = f"{pct}% CI {r.ci_low:.3f}-{r.ci_high:.3f}x" if r.has_ci else "no CI (fewer than 2 sessions)"
+    s = speedup.of(r)
+    ci = f"{pct}% CI {speedup.fmt_ci(s.ci_low, s.ci_high)}" if s.has_ci else "no CI (fewer than 2 sessions)"
     return (
-        f"{r.treatment} vs {r.baseline}: {r.ratio:.3f}x ({ci}); median TTFT {r.median_treatment_s * 1e3:.1f} ms vs "
-        f"{r.median_baseline_s * 1e3:.1f} ms over {r.n_treatment} vs {r.n_baseline} turns "
-        f"({r.sessions_treatment} vs {r.sessions_baseline} sessions)."
+        f"{r.treatment} vs {r.baseline}: {speedup.LABEL} {speedup.fmt(s.value)} ({ci}; {s.verdict.value}); "
+        f"median TTFT {r.median_treatment_s * 1e3:.1f} ms vs {r.median_baseline_s * 1e3:.1f} ms over "
+        f"{r.n_treatment} vs {r.n_baseline} turns ({r.sessions_treatment} vs {r.sessions_baseline} sessions)."
     )
 
 
@@ -45,7 +47,7 @@ def run_report(store: db.Store, f: TurnFilter, description: str = "") -> str:
     stats = q("ttft_stats", f, headline.MIN_TURN_INDEX)
     outcomes = q("reuse_outcomes", f, headline.MIN_TURN_INDEX)
     ratios = headline.headline_ratios(samples, stats=stats)
-    head: list[str | go.Figure | pd.DataFrame] = []
+    head: list[str | go.Figure | pd.DataFrame] = [speedup.MEANING + "."]
     for r in ratios:
         head += [ratio_line(r), headline.verdict(r)]
     if not ratios:
@@ -99,7 +101,7 @@ def compare_report(
     table (all already computed by the page)."""
     sections = [
         Section(f"{a_name} (A) vs {b_name} (B)", (*verdict, ratio_table)),
-        Section("TTFT ratio by turn index", (by_turn_fig,)),
+        Section(f"{speedup.LABEL.capitalize()} by turn index", (by_turn_fig,)),
         Section("Favourable and unfavourable turns", (cases_fig, cases)),
     ]
     return export.html_report(f"turnscope: {a_name} vs {b_name}", sections, subtitle=description)

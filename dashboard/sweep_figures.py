@@ -11,6 +11,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from dashboard import speedup
 from dashboard.figures import MODE_COLORS, MODE_ORDER, _ordered, empty_figure
 
 IDEAL_NAME = "ideal: prefill of the new tokens + KV pull"
@@ -72,6 +73,9 @@ def speedup_vs_prefix(speedups: pd.DataFrame, limit: pd.DataFrame | None = None,
         fig.add_trace(go.Scatter(
             x=g["prefix_tokens"], y=g["speedup"], mode="lines+markers", name=str(pair),
             line={"color": MODE_COLORS.get(str(g["baseline"].iloc[0]))},
+            marker={"size": 10, "color": [speedup.VERDICT_HEX[speedup.verdict_of(a, b)]
+                                          for a, b in zip(g["ci_low"], g["ci_high"], strict=True)],
+                    "line": {"color": MODE_COLORS.get(str(g["baseline"].iloc[0])), "width": 2}},
             error_y={"type": "data", "symmetric": False, "array": np.nan_to_num(hi),
                      "arrayminus": np.nan_to_num(lo), "visible": True},
             customdata=g[["ci_low", "ci_high"]].to_numpy(),
@@ -86,6 +90,7 @@ def speedup_vs_prefix(speedups: pd.DataFrame, limit: pd.DataFrame | None = None,
                   annotation_position="bottom left")
     fig.update_xaxes(title_text=x_title, rangemode="tozero")
     fig.update_yaxes(title_text=f"speed-up of {stat} TTFT (x)", rangemode="tozero")
-    fig.update_layout(title=f"Speed-up of {stat} TTFT: baseline / bidirectional, 95% CI (above 1: faster)",
+    fig.update_layout(title=f"Speed-up of {stat} TTFT: baseline / bidirectional, 95% CI (above 1: faster; "
+                            "marker green: CI above 1, red: below, grey: includes 1)",
                       legend_title_text="bidirectional vs baseline", margin={"t": 60})
     return fig

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from dashboard import speedup
+
 
 def run_summary_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per run from the ``run_summary`` view, latencies in ms.
@@ -68,6 +70,7 @@ def shortfall_table(df: pd.DataFrame) -> pd.DataFrame:
         {
             "run": df["run_label"],
             "mode": df["mode"],
+            "history": df["history_mode"],
             "session": df["session_id"],
             "turn": df["turn_index"],
             "kind": df["kind"],
@@ -92,6 +95,7 @@ def session_table(df: pd.DataFrame) -> pd.DataFrame:
         {
             "run": df["run_label"],
             "mode": df["mode"],
+            "history": df["history_mode"],
             "session": df["session_id"],
             "archetype": df["archetype"],
             "turns": df["turns"],
@@ -124,18 +128,20 @@ def whatif_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def ratio_table(ratios: dict) -> pd.DataFrame:
-    """The Compare page's three `dashboard.headline.Ratio` values (or None) as rows: case, ratio,
-    CI low/high, median A/B (ms), turns and sessions per side."""
+    """The Compare page's three `dashboard.headline.Ratio` values (or None) as rows: turns, the
+    speed-up B / A (``dashboard.speedup``) with its CI and verdict, median A/B (ms), turns and
+    sessions per side."""
     rows = []
     for case, r in ratios.items():
         if r is None:
             continue
+        s = speedup.of(r)
         rows.append(
             {
                 "turns": case,
-                "TTFT ratio A/B": r.ratio,
-                "CI low": r.ci_low,
-                "CI high": r.ci_high,
+                f"{speedup.LABEL} (B/A)": speedup.fmt(s.value),
+                "95% CI": speedup.fmt_ci(s.ci_low, s.ci_high),
+                "verdict": s.verdict.value,
                 "median A (ms)": r.median_treatment_s * 1e3,
                 "median B (ms)": r.median_baseline_s * 1e3,
                 "n A": r.n_treatment,

@@ -1,12 +1,13 @@
 """Compare: two runs or modes on the same workload, favourable and unfavourable turns side by side,
-with bootstrap confidence intervals and a plain-language verdict (DESIGN §7)."""
+as speed-ups B / A (``dashboard.speedup``) with bootstrap confidence intervals and a plain-language
+verdict."""
 
 from __future__ import annotations
 
 import pandas as pd
 import streamlit as st
 
-from dashboard import compare, context, db, figures, headline, report, tables
+from dashboard import cards, compare, context, db, figures, headline, report, speedup, tables
 from dashboard.figures import MODE_ORDER
 from dashboard.loader import load
 
@@ -104,20 +105,7 @@ for col, (key, (title, what)) in zip(cols, titles.items(), strict=True):
     if r is None:
         col.metric(title, "n/a", help=f"{what}: one side has no such turns")
         continue
-    col.metric(
-        title,
-        f"{r.ratio:.3f}×",
-        delta=f"{(r.ratio - 1) * 100:+.1f}% TTFT",
-        delta_color="inverse",
-        help=f"median TTFT(A) / median TTFT(B) over ok turns: {what}",
-    )
-    ci = f"{r.ci_low:.3f}–{r.ci_high:.3f}×" if r.has_ci else "n/a (fewer than 2 sessions)"
-    sub = " · CI from a random subset of sessions (wider than with all)" if r.ci_subsampled else ""
-    col.caption(
-        f"{pct}% CI {ci} · median {r.median_treatment_s * 1e3:.1f} ms vs {r.median_baseline_s * 1e3:.1f} ms · "
-        f"n = {r.n_treatment} vs {r.n_baseline} turns ({r.sessions_treatment} vs {r.sessions_baseline} "
-        f"sessions){sub}"
-    )
+    cards.speedup_card(col, title, r, f"Here baseline = B, bidirectional = A; ok turns: {what}.")
 fav_a, all_a = ratios["favourable"], ratios["all"]
 share = (fav_a.n_treatment if fav_a else 0) / all_a.n_treatment if all_a else None
 verdict = compare.verdict(ratios, share)
@@ -125,8 +113,8 @@ st.markdown("\n\n".join(verdict))
 st.caption(
     "Favourable: a turn that continues its session (kind `turn`) within the proxy's TTL (the run's "
     "decoder_kv_blocks_ttl minus the handle margin), where reuse can help. Unfavourable: every other turn "
-    f"after the first. Ratios of medians with {pct}% percentile-bootstrap intervals (scipy), resampling "
-    "whole sessions."
+    f"after the first. {speedup.LABEL.capitalize()} = median TTFT of B / median TTFT of A (above 1: A is "
+    f"faster), with {pct}% percentile-bootstrap intervals (scipy) resampling whole sessions."
 )
 
 # --- by turn index ----------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import context, db, figures, headline, report, tables
+from dashboard import cards, context, db, figures, headline, report, speedup, tables
 from dashboard.loader import load
 
 
@@ -28,10 +28,10 @@ outcomes = load(sel.root, "reuse_outcomes", f, headline.MIN_TURN_INDEX)
 # --- headline ---------------------------------------------------------------------------------
 st.subheader("Headline: TTFT from the second turn on")
 st.caption(
-    "Ratio of median TTFT of ok turns with turn_index ≥ 1 (turn 2 onward, where a session can "
-    f"reuse KV), treatment over baseline; {int(headline.CONFIDENCE * 100)}% percentile-bootstrap "
-    "confidence interval resampling whole sessions. Below 1 means the treatment is faster "
-    "(the Sweep page, like the vendor, reports the inverse: speed-up = baseline / treatment)."
+    f"{speedup.MEANING}: median TTFT of ok turns with turn_index ≥ 1 (turn 2 onward, where a "
+    f"session can reuse KV); {int(headline.CONFIDENCE * 100)}% percentile-bootstrap confidence "
+    "interval resampling whole sessions. The chip is the verdict: green when the interval lies above "
+    "1, red below, grey when it includes 1. The same numbers as the CLI's bottom line and the Sweep page."
 )
 # Exact medians and counts over every turn; the bootstrap sees whole sessions sampled to about
 # MAX_CI_TURNS turns per mode (all of them in smaller stores).
@@ -45,26 +45,8 @@ for workload, history_mode in scopes:
     if len(scopes) > 1:  # a row of cards per workload and history mode keeps the card titles short
         st.markdown(f"**{workload or 'unnamed workload'} · history {history_mode or 'unknown'}**")
     for col, r in zip(st.columns(len(headline.PAIRS)), mine, strict=False):
-        ci = f"{r.ci_low:.3f}–{r.ci_high:.3f}×" if r.has_ci else "n/a (fewer than 2 sessions)"
-        col.metric(
-            label=f"{r.treatment} vs {r.baseline}",
-            value=f"{r.ratio:.3f}×",
-            delta=f"{(r.ratio - 1) * 100:+.1f}% TTFT",
-            delta_color="inverse",
-            help="median TTFT(treatment) / median TTFT(baseline), turn_index ≥ 1, ok turns",
-        )
-        sub = (
-            f" · CI from a random {r.ci_sessions_treatment} vs {r.ci_sessions_baseline} sessions (wider than "
-            "with all)"
-            if r.ci_subsampled
-            else ""
-        )
-        col.caption(
-            f"{int(headline.CONFIDENCE * 100)}% CI {ci} · median "
-            f"{r.median_treatment_s * 1e3:.1f} ms vs {r.median_baseline_s * 1e3:.1f} ms · "
-            f"n = {r.n_treatment} vs {r.n_baseline} turns "
-            f"({r.sessions_treatment} vs {r.sessions_baseline} sessions){sub}"
-        )
+        cards.speedup_card(col, f"{r.treatment} vs {r.baseline}", r,
+                           "Turn index ≥ 1, ok turns, whole sessions resampled.")
 for r in ratios:
     st.markdown(headline.verdict(r))
 if not ratios:

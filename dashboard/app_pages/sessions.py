@@ -1,5 +1,5 @@
 """Sessions: task latency split into LLM, tool, think and pause, and one session's timeline
-(DESIGN §5 task latency, §7)."""
+(task latency: docs/schema.md, ``session_tasks``)."""
 
 from __future__ import annotations
 
@@ -37,9 +37,9 @@ if listed.empty:
 total = int(listed["total"].iloc[0])
 keys = (listed["run_id"].astype(str) + "/" + listed["session_id"].astype(str)).tolist()
 names = {
-    k: f"{row.session_id} · {row.run_label} · {row.mode} · {row.task_latency_s:.1f} s"
+    k: f"{row.session_id} · {row.run_label} · {row.mode} · {row.history_mode} · {row.task_latency_s:.1f} s"
     if row.task_latency_s == row.task_latency_s
-    else f"{row.session_id} · {row.run_label} · {row.mode}"
+    else f"{row.session_id} · {row.run_label} · {row.mode} · {row.history_mode}"
     for k, row in zip(keys, listed.itertuples(), strict=True)
 }
 pick = st.selectbox(
@@ -70,5 +70,6 @@ st.dataframe(
     column_config={
         c: st.column_config.NumberColumn(format="%.2f")
         for c in ("task (s)", "LLM (s)", "tool (s)", "think (s)", "pause (s)")
-    },
+    }
+    | {"run_id": st.column_config.TextColumn(width="large")},
 )

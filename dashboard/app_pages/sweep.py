@@ -10,7 +10,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import context, db, sweep, sweep_figures
+from dashboard import context, db, speedup, sweep, sweep_figures
 from dashboard.loader import load
 
 #: The vendor's published numbers (vLLM blog 2026-10-12, 1P1D on 2 x p5en.48xlarge, 8 x H200 each,
@@ -135,11 +135,12 @@ st.dataframe(
     pd.DataFrame({
         "pair": sp["pair"], "prefix tokens": sp["prefix_tokens"],
         f"bidirectional {stat} (ms)": sp["treatment_s"] * 1e3, f"baseline {stat} (ms)": sp["baseline_s"] * 1e3,
-        "speed-up": sp["speedup"], "95% CI low": sp["ci_low"], "95% CI high": sp["ci_high"],
+        speedup.LABEL: sp["speedup"], "95% CI low": sp["ci_low"], "95% CI high": sp["ci_high"],
+        "verdict": [speedup.verdict_of(lo, hi).value for lo, hi in zip(sp["ci_low"], sp["ci_high"], strict=True)],
         "turns (bidir / baseline)": sp["n_treatment"].astype(str) + " / " + sp["n_baseline"].astype(str),
     }),
     hide_index=True, key="sweep_speedups_table",
-    column_config={c: st.column_config.NumberColumn(format="%.3f") for c in ("speed-up", "95% CI low", "95% CI high")}
+    column_config={c: st.column_config.NumberColumn(format="%.2fx") for c in (speedup.LABEL, "95% CI low", "95% CI high")}
     | {c: st.column_config.NumberColumn(format="%.1f")
        for c in (f"bidirectional {stat} (ms)", f"baseline {stat} (ms)")},
 )

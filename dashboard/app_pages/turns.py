@@ -1,5 +1,5 @@
 """Turns: latency by turn index and history length, where each turn's time went, and expected vs
-measured reuse (DESIGN §7)."""
+measured reuse (only the modes that can reuse KV from D are listed)."""
 
 from __future__ import annotations
 
@@ -60,22 +60,38 @@ vs = load(sel.root, "reuse_vs_expected", f, int(min_short))
 st.plotly_chart(figures.reuse_vs_expected(vs), key="reuse_vs_expected")
 st.caption(
     "Expected: the longest common prefix of the previous turn's prompt + output ids and this prompt's ids. "
-    "Measured: tokens P pulled from D plus P's own prefix-cache hit (the server's cached_tokens without a proxy). "
-    "`pd-nocache` reuses nothing across turns, so every later turn of it falls short by design; "
-    "docs/schema.md's `below_expectation` query lists only the `pd-bidir*` modes."
+    "Measured: tokens P pulled from D plus P's own prefix-cache hit (the server's cached_tokens without a proxy)."
 )
+covered = ", ".join(f"`{m}`" for m in queries.REUSE_FROM_D_MODES)
+by_design = (
+    vs[~vs["mode"].isin(queries.REUSE_FROM_D_MODES)].groupby("mode", sort=True)["short_turns"].sum()
+    if not vs.empty
+    else vs
+)
+by_design = by_design[by_design > 0] if len(by_design) else by_design
 short = load(sel.root, "reuse_shortfalls", f, int(min_short), 200)
 if short.empty:
-    st.success(f"No ok later turn reused {int(min_short)} or more tokens less than expected.")
+    st.success(
+        f"No ok later turn of {covered} (the modes that can reuse KV from D) reused {int(min_short)} or more "
+        "tokens less than expected."
+    )
 else:
     total = int(short["total"].iloc[0])
     st.markdown(
-        f"**{total} turn(s) where the engine reused at least {int(min_short)} tokens less than expected**"
-        + (f" (the {len(short)} largest shortfalls shown)" if total > len(short) else "")
+        f"**{total} turn(s) of {covered} where the engine reused at least {int(min_short)} tokens less than "
+        "expected**" + (f" (the {len(short)} largest shortfalls shown)" if total > len(short) else "")
+        + ": the modes that can reuse KV from D, so each is a miss worth a look."
     )
     st.dataframe(
         tables.shortfall_table(short),
         hide_index=True,
         key="shortfalls",
         column_config={"gap (s)": st.column_config.NumberColumn(format="%.1f")},
+    )
+if len(by_design):
+    st.caption(
+        "Short by design, not listed: "
+        + ", ".join(f"`{m}` {int(n)} turn(s)" for m, n in by_design.items())
+        + ". `pd-nocache` recomputes every prompt; `pd` and `aggregated` reuse only their own prefix cache, "
+        "never KV from D."
     )
