@@ -171,12 +171,17 @@ def print_summary(store: Path, run_ids: list[str]) -> None:
     ttft = report.ttft_by_turn(store, run_ids)
     outs = report.outcomes(store, run_ids)
     ext = report.external_kv_tokens(store, run_ids).set_index("run_id")["external_kv_tokens"].to_dict()
+    from dashboard import db, queries
+
+    runs = db.read(db.Store(store), queries.runs).set_index("run_id")
     for run_id in run_ids:
         rows = ttft[ttft.run_id == run_id]
-        console.print(run_id, soft_wrap=True, markup=False, highlight=False)
+        what = (f": {runs.at[run_id, 'mode']}, history {runs.at[run_id, 'history_mode']}"
+                if run_id in runs.index else "")
+        console_text.print_text(console, f"{run_id}{what}")
         table = Table(show_lines=False)
         for col in ("turn", "turns", "TTFT p50 (ms)", "TTFT p90 (ms)"):
-            table.add_column(col, justify="right", no_wrap=True)
+            table.add_column(col, justify="right", overflow="fold")
         for r in rows.itertuples():
             table.add_row(str(r.turn_index), str(r.turns), f"{r.ttft_p50_s * 1000:.0f}", f"{r.ttft_p90_s * 1000:.0f}")
         console.print(table)
@@ -317,7 +322,7 @@ def print_sweep_summary(store: Path, run_ids: list[str]) -> None:
         modes = [m for m in SWEEP_MODES if m in set(g["mode"])] + sorted(set(g["mode"]) - set(SWEEP_MODES))
         table = Table()
         for col in ("prefix", "mode", "TTFT mean / p90", "hits", "P ext. tokens"):
-            table.add_column(col, justify="left" if col == "mode" else "right", no_wrap=True)
+            table.add_column(col, justify="left" if col == "mode" else "right", overflow="fold")
         for prefix, row in g.groupby("prefix_tokens", sort=True):
             for i, m in enumerate(modes):
                 r = row[row["mode"] == m]
