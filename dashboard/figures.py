@@ -15,8 +15,10 @@ from plotly.subplots import make_subplots
 
 from dashboard import speedup
 
-#: Serving modes in display order (DESIGN §2); unknown modes sort after these.
+#: Serving modes in display order (README, "What each mode compares"); unknown modes sort after these.
 MODE_ORDER = ["aggregated", "pd", "pd-bidir", "pd-nocache", "pd-bidir-nocache", "attach"]
+#: The one mode -> colour map: every chart that tells modes apart uses it (sweep_figures too), and
+#: uses another channel (marker symbol, facet) for anything else, such as the reuse outcome.
 MODE_COLORS = {
     "aggregated": "#4c4c4c",
     "pd": "#1f77b4",
@@ -25,7 +27,7 @@ MODE_COLORS = {
     "pd-bidir-nocache": "#9467bd",
     "attach": "#8c564b",
 }
-#: Reuse outcomes of the proxy (DESIGN §3), hit first.
+#: Reuse outcomes of the proxy (docs/schema.md, ``turns.reuse``), hit first.
 OUTCOME_ORDER = [
     "hit",
     "miss_first_turn",
@@ -50,6 +52,38 @@ OUTCOME_COLORS = {
     "miss_no_handle_returned": "#ff7f0e",
     "not recorded": "#c7c7c7",
 }
+
+
+#: Marker per reuse outcome, where colour already means the mode: filled for a hit, open for the
+#: misses an operator expects (first turn), crossed and other shapes for the rest.
+OUTCOME_SYMBOLS = {
+    "hit": "circle",
+    "miss_first_turn": "circle-open",
+    "miss_no_session_id": "square-open",
+    "miss_expired": "hourglass",
+    "miss_consumed": "diamond-open",
+    "miss_mismatch": "x",
+    "miss_below_threshold": "triangle-down",
+    "miss_transfer_failed": "cross",
+    "miss_no_handle_returned": "square",
+    "not recorded": "diamond",
+}
+
+
+def legend_below(fig: go.Figure, height: int | None = None) -> go.Figure:
+    """Put `fig`'s legend in a horizontal band under the plot, inside the figure's own area (a
+    legend on the right is clipped in narrow columns); `height` in pixels, if given."""
+    fig.update_layout(legend={"orientation": "h", "yanchor": "top", "y": -0.22, "xanchor": "left", "x": 0},
+                      margin={"b": 40})
+    if height is not None:
+        fig.update_layout(height=height)
+    return fig
+
+
+def turn_axis(fig: go.Figure, max_turn: float, **kwargs) -> None:
+    """A turn-index x axis with half a turn of room on both sides, so markers at turn 0 and at the
+    last turn are drawn whole; one tick per turn up to 20 turns."""
+    fig.update_xaxes(range=[-0.5, float(max_turn) + 0.5], dtick=1 if max_turn <= 20 else None, **kwargs)
 
 
 def _ordered(values: pd.Series, order: list[str]) -> list[str]:
@@ -92,9 +126,9 @@ def ttft_by_turn(df: pd.DataFrame) -> go.Figure:
     long["ttft_ms"] = long["ttft_s"] * 1e3
     facet = None
     if {"workload", "history_mode"} <= set(long.columns):
-        long["group"] = _group_label(long)
-        if long["group"].nunique() > 1:
-            facet = "group"
+        long["workload · history"] = _group_label(long)
+        if long["workload · history"].nunique() > 1:
+            facet = "workload · history"
     long = long.sort_values(["mode", "percentile", "turn_index"])
     fig = px.line(
         long,
@@ -109,12 +143,14 @@ def ttft_by_turn(df: pd.DataFrame) -> go.Figure:
         hover_data={"turns": True} if "turns" in long.columns else None,
         labels={"turn_index": "turn index (0 = first turn)", "ttft_ms": "TTFT (ms)", "turns": "turns"},
         title="TTFT by turn index (p50 solid, p90 dashed)",
+        facet_col_spacing=0.06,
     )
-    # One tick per turn while that stays readable.
-    fig.update_xaxes(dtick=1 if long["turn_index"].max() <= 20 else None, rangemode="tozero")
+    # Facet titles in words ("w · history text"), not plotly's "column=value".
+    fig.for_each_annotation(lambda a: a.update(text=a.text.split("=", 1)[-1]))
+    turn_axis(fig, long["turn_index"].max())
     fig.update_yaxes(rangemode="tozero")
     fig.update_layout(legend_title_text="mode, percentile", margin={"t": 60})
-    return fig
+    return legend_below(fig)
 
 
 def reuse_outcomes(df: pd.DataFrame) -> go.Figure:
@@ -177,24 +213,6 @@ def external_kv_tokens(df: pd.DataFrame) -> go.Figure:
 
 # --- Turns --------------------------------------------------------------------------------------
 
-#: Line dash per mode where colour already means the reuse outcome.
-MODE_DASHES = {
-    "aggregated": "dot",
-    "pd": "dashdot",
-    "pd-bidir": "solid",
-    "pd-nocache": "longdash",
-    "pd-bidir-nocache": "dash",
-    "attach": "longdashdot",
-}
-#: Marker per mode, for the same reason.
-MODE_SYMBOLS = {
-    "aggregated": "circle-open",
-    "pd": "triangle-up",
-    "pd-bidir": "circle",
-    "pd-nocache": "square-open",
-    "pd-bidir-nocache": "diamond",
-    "attach": "x",
-}
 LATENCY_METRICS = (("ttft_p50_s", "TTFT p50"), ("itl_p50_s", "ITL p50"), ("e2e_p50_s", "E2E p50"))
 
 
@@ -203,8 +221,8 @@ def latency_panels(df: pd.DataFrame, by: str = "turn_index") -> go.Figure:
 
     `df`: ``dashboard.queries.latency_by`` (mode, reuse, x, turns, ttft_p50_s, itl_p50_s,
     e2e_p50_s in seconds). `by`: ``turn_index`` or ``history`` (x is then the lower edge of a
-    prompt-length bin, tokens). Colour is the reuse outcome, line dash and marker the mode; one
-    legend entry per (outcome, mode).
+    prompt-length bin, tokens). Colour is the mode (`MODE_COLORS`, as on every page), the marker
+    the reuse outcome (`OUTCOME_SYMBOLS`); one legend entry per (mode, outcome).
     """
     if df.empty:
         return empty_figure("no ok turns in the selection")
@@ -212,12 +230,12 @@ def latency_panels(df: pd.DataFrame, by: str = "turn_index") -> go.Figure:
     fig = make_subplots(rows=1, cols=3, subplot_titles=[t for _, t in LATENCY_METRICS], horizontal_spacing=0.07)
     modes = _ordered(df["mode"], MODE_ORDER)
     outcomes = _ordered(df["reuse"], OUTCOME_ORDER)
-    for outcome in outcomes:
-        for mode in modes:
+    for mode in modes:
+        for outcome in outcomes:
             g = df[(df["reuse"] == outcome) & (df["mode"] == mode)].sort_values("x")
             if g.empty:
                 continue
-            name = f"{outcome} · {mode}"
+            name = f"{mode} · {outcome}"
             for col, (metric, _) in enumerate(LATENCY_METRICS, start=1):
                 fig.add_trace(
                     go.Scatter(
@@ -227,26 +245,28 @@ def latency_panels(df: pd.DataFrame, by: str = "turn_index") -> go.Figure:
                         legendgroup=name,
                         showlegend=col == 1,
                         mode="lines+markers",
-                        line={"color": OUTCOME_COLORS.get(outcome, "#7f7f7f"), "dash": MODE_DASHES.get(mode, "solid")},
-                        marker={"symbol": MODE_SYMBOLS.get(mode, "circle"), "size": 7},
+                        line={"color": MODE_COLORS.get(mode, "#7f7f7f"), "width": 1.5},
+                        marker={"symbol": OUTCOME_SYMBOLS.get(outcome, "circle"), "size": 9,
+                                "color": MODE_COLORS.get(mode, "#7f7f7f"), "line": {"width": 1.5}},
                         customdata=g[["turns"]].to_numpy(),
                         hovertemplate=f"{name}<br>x=%{{x}}<br>%{{y:.1f}} ms<br>%{{customdata[0]}} turns<extra></extra>",
                     ),
                     row=1,
                     col=col,
                 )
-    fig.update_xaxes(title_text=x_title, rangemode="tozero")
-    if by == "turn_index" and df["x"].max() <= 20:
-        fig.update_xaxes(dtick=1)
+    if by == "turn_index":
+        turn_axis(fig, df["x"].max(), title_text=x_title)
+    else:
+        fig.update_xaxes(title_text=x_title, rangemode="tozero")
     fig.update_yaxes(rangemode="tozero")
     fig.update_yaxes(title_text="median (ms)", col=1)
     fig.update_layout(
-        title="Latency by " + ("turn index" if by == "turn_index" else "history length") + ", by reuse outcome",
-        legend_title_text="reuse outcome · mode",
+        title="Latency by " + ("turn index" if by == "turn_index" else "history length")
+        + " (colour: mode; marker: reuse outcome)",
+        legend_title_text="mode · reuse outcome",
         margin={"t": 80},
-        height=420,
     )
-    return fig
+    return legend_below(fig, height=460 + 22 * ((len(modes) * len(outcomes)) // 4))
 
 
 #: Parts of a turn's time, in stacking order, with their colours.
@@ -304,19 +324,37 @@ def time_split(df: pd.DataFrame) -> go.Figure:
 
 
 def reuse_vs_expected(df: pd.DataFrame) -> go.Figure:
-    """Expected (dashed) against measured (solid) reused tokens per later turn, by turn index,
-    one colour per mode.
+    """Measured reused tokens per later turn by turn index, one colour per mode (solid), against
+    what was expected (black, dashed).
 
     `df`: ``dashboard.queries.reuse_vs_expected`` (mode, turn_index, turns, expected_tokens,
-    measured_tokens: mean tokens per turn).
+    measured_tokens: mean tokens per turn). The modes replay the same sessions, so their
+    expectations coincide: one expected line (the turn-weighted mean over modes) is drawn, and one
+    per mode only where a mode's expectation differs from it by more than 1%.
     """
     if df.empty:
         return empty_figure("no later turns with expected and measured reuse in the selection")
     fig = go.Figure()
+    w = df.assign(_w=df["expected_tokens"] * df["turns"])
+    pooled = w.groupby("turn_index", sort=True).agg(_w=("_w", "sum"), turns=("turns", "sum")).reset_index()
+    pooled["expected_tokens"] = pooled["_w"] / pooled["turns"]
+    ref = pooled.set_index("turn_index")["expected_tokens"]
+    apart = [
+        m for m, g in df.groupby("mode")
+        if not np.allclose(g["expected_tokens"], ref.loc[g["turn_index"]].to_numpy(), rtol=0.01)
+    ]  # fmt: skip
+    fig.add_trace(go.Scatter(
+        x=pooled["turn_index"], y=pooled["expected_tokens"], name="expected" + (" (other modes)" if apart else ""),
+        mode="lines+markers", line={"color": "black", "dash": "dash"}, marker={"symbol": "line-ew-open", "size": 12},
+        customdata=pooled[["turns"]].to_numpy(),
+        hovertemplate="expected<br>turn %{x}: %{y:.0f} tokens (mean of %{customdata[0]})<extra></extra>",
+    ))  # fmt: skip
     for mode in _ordered(df["mode"], MODE_ORDER):
         g = df[df["mode"] == mode].sort_values("turn_index")
         color = MODE_COLORS.get(mode, "#7f7f7f")
-        for col, label, dash in (("expected_tokens", "expected", "dash"), ("measured_tokens", "measured", "solid")):
+        parts = [("measured_tokens", "measured", "solid")] + ([("expected_tokens", "expected", "dash")]
+                                                              if mode in apart else [])
+        for col, label, dash in parts:
             fig.add_trace(
                 go.Scatter(
                     x=g["turn_index"],
@@ -329,10 +367,10 @@ def reuse_vs_expected(df: pd.DataFrame) -> go.Figure:
                     "<extra></extra>",
                 )
             )
-    fig.update_xaxes(title_text="turn index", dtick=1 if df["turn_index"].max() <= 20 else None)
+    turn_axis(fig, df["turn_index"].max(), title_text="turn index")
     fig.update_yaxes(title_text="reused prompt tokens per turn (mean)", rangemode="tozero")
     fig.update_layout(title="Expected vs measured reuse", legend_title_text="mode, reuse", margin={"t": 60})
-    return fig
+    return legend_below(fig)
 
 
 # --- Sessions -----------------------------------------------------------------------------------

@@ -89,8 +89,8 @@ def later_turns(run_ids=None):
 def test_turns_latency_by_turn_index_and_history(monkeypatch, store_root):
     at = open_page(monkeypatch, store_root, "turns")
     fig = next(f for t, f in charts(at).items() if t.startswith("Latency by turn index"))
-    ttft_hit = next(tr for tr in fig.data if tr.name == "hit · pd-bidir" and tr.xaxis == "x")
-    e2e_hit = next(tr for tr in fig.data if tr.name == "hit · pd-bidir" and tr.xaxis == "x3")
+    ttft_hit = next(tr for tr in fig.data if tr.name == "pd-bidir · hit" and tr.xaxis == "x")
+    e2e_hit = next(tr for tr in fig.data if tr.name == "pd-bidir · hit" and tr.xaxis == "x3")
     got, got_e2e = xy(ttft_hit), xy(e2e_hit)
     for turn in (1, 2, 3):
         (ttft, e2e) = fx.raw_sql(
@@ -108,7 +108,7 @@ def test_turns_latency_by_turn_index_and_history(monkeypatch, store_root):
     at.segmented_control(key="turns_by").set_value("history length")
     rerun(at)
     fig = next(f for t, f in charts(at).items() if t.startswith("Latency by history length"))
-    nores = xy(next(tr for tr in fig.data if tr.name == "miss_no_handle_returned · pd-bidir-nocache" and tr.xaxis == "x"))
+    nores = xy(next(tr for tr in fig.data if tr.name == "pd-bidir-nocache · miss_no_handle_returned" and tr.xaxis == "x"))
     # Prompts are 1000 + 300 t tokens (max 1900): bins of 100 tokens, so one bin per turn index.
     assert sorted(nores) == [1300.0, 1600.0, 1900.0]
     (p50,) = fx.raw_sql(
@@ -592,7 +592,7 @@ def test_pages_follow_a_run_that_is_still_writing(monkeypatch, tmp_path):
         assert at.dataframe[0].value["n"][0] == 3
         at = open_page(monkeypatch, tmp_path, "turns")
         fig = next(f for t, f in charts(at).items() if t.startswith("Latency by turn index"))
-        assert sorted(xy(next(tr for tr in fig.data if tr.name == "hit · pd-bidir" and tr.xaxis == "x"))) == [1, 2]
+        assert sorted(xy(next(tr for tr in fig.data if tr.name == "pd-bidir · hit" and tr.xaxis == "x"))) == [1, 2]
         # A writer re-creating the views (read-write open) is not blocked by the open dashboard.
         duckdb.connect(str(tmp_path / "turnscope.duckdb")).close()
     finally:
