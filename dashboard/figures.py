@@ -80,10 +80,11 @@ def legend_below(fig: go.Figure, height: int | None = None) -> go.Figure:
     return fig
 
 
-def turn_axis(fig: go.Figure, max_turn: float, **kwargs) -> None:
-    """A turn-index x axis with half a turn of room on both sides, so markers at turn 0 and at the
-    last turn are drawn whole; one tick per turn up to 20 turns."""
-    fig.update_xaxes(range=[-0.5, float(max_turn) + 0.5], dtick=1 if max_turn <= 20 else None, **kwargs)
+def turn_axis(fig: go.Figure, max_turn: float, min_turn: float = 0, **kwargs) -> None:
+    """A turn-index x axis from `min_turn` to `max_turn` with half a turn of room on both sides,
+    so markers at the first and the last turn are drawn whole; one tick per turn up to 20 turns."""
+    fig.update_xaxes(range=[float(min_turn) - 0.5, float(max_turn) + 0.5], dtick=1 if max_turn <= 20 else None,
+                     **kwargs)
 
 
 def _ordered(values: pd.Series, order: list[str]) -> list[str]:
@@ -323,14 +324,19 @@ def time_split(df: pd.DataFrame) -> go.Figure:
     return fig
 
 
+#: Relative difference beyond which a mode's expected reuse gets its own line.
+EXPECTED_APART = 0.05
+
+
 def reuse_vs_expected(df: pd.DataFrame) -> go.Figure:
     """Measured reused tokens per later turn by turn index, one colour per mode (solid), against
     what was expected (black, dashed).
 
     `df`: ``dashboard.queries.reuse_vs_expected`` (mode, turn_index, turns, expected_tokens,
     measured_tokens: mean tokens per turn). The modes replay the same sessions, so their
-    expectations coincide: one expected line (the turn-weighted mean over modes) is drawn, and one
-    per mode only where a mode's expectation differs from it by more than 1%.
+    expectations nearly coincide: one expected line (the turn-weighted mean over modes) is drawn,
+    and one per mode only where a mode's expectation differs from it by more than
+    `EXPECTED_APART` (then without the shared line when no mode is left on it).
     """
     if df.empty:
         return empty_figure("no later turns with expected and measured reuse in the selection")
@@ -341,14 +347,16 @@ def reuse_vs_expected(df: pd.DataFrame) -> go.Figure:
     ref = pooled.set_index("turn_index")["expected_tokens"]
     apart = [
         m for m, g in df.groupby("mode")
-        if not np.allclose(g["expected_tokens"], ref.loc[g["turn_index"]].to_numpy(), rtol=0.01)
+        if not np.allclose(g["expected_tokens"], ref.loc[g["turn_index"]].to_numpy(), rtol=EXPECTED_APART)
     ]  # fmt: skip
-    fig.add_trace(go.Scatter(
-        x=pooled["turn_index"], y=pooled["expected_tokens"], name="expected" + (" (other modes)" if apart else ""),
-        mode="lines+markers", line={"color": "black", "dash": "dash"}, marker={"symbol": "line-ew-open", "size": 12},
-        customdata=pooled[["turns"]].to_numpy(),
-        hovertemplate="expected<br>turn %{x}: %{y:.0f} tokens (mean of %{customdata[0]})<extra></extra>",
-    ))  # fmt: skip
+    shared = len(apart) < df["mode"].nunique()
+    if shared:
+        fig.add_trace(go.Scatter(
+            x=pooled["turn_index"], y=pooled["expected_tokens"], name="expected" + (" (other modes)" if apart else ""),
+            mode="lines+markers", line={"color": "black", "dash": "dash"}, marker={"symbol": "line-ew-open", "size": 12},
+            customdata=pooled[["turns"]].to_numpy(),
+            hovertemplate="expected<br>turn %{x}: %{y:.0f} tokens (mean of %{customdata[0]})<extra></extra>",
+        ))  # fmt: skip
     for mode in _ordered(df["mode"], MODE_ORDER):
         g = df[df["mode"] == mode].sort_values("turn_index")
         color = MODE_COLORS.get(mode, "#7f7f7f")
@@ -367,7 +375,7 @@ def reuse_vs_expected(df: pd.DataFrame) -> go.Figure:
                     "<extra></extra>",
                 )
             )
-    turn_axis(fig, df["turn_index"].max(), title_text="turn index")
+    turn_axis(fig, df["turn_index"].max(), df["turn_index"].min(), title_text="turn index")
     fig.update_yaxes(title_text="reused prompt tokens per turn (mean)", rangemode="tozero")
     fig.update_layout(title="Expected vs measured reuse", legend_title_text="mode, reuse", margin={"t": 60})
     return legend_below(fig)

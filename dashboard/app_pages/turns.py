@@ -14,7 +14,7 @@ if not sel.run_ids:
     st.info("No runs match the sidebar's filters.")
     st.stop()
 f = sel.filter
-st.caption(f"Selection: {sel.describe()}. Medians over ok turns; colour is the proxy's reuse outcome.")
+st.caption(f"Selection: {sel.describe()}. Medians over ok turns; colour is the mode (the same on every page), the marker the proxy's reuse outcome.")
 
 # --- latency ----------------------------------------------------------------------------------
 by_label = st.segmented_control(
