@@ -628,7 +628,7 @@ def compare_by_turn(df: pd.DataFrame, a_name: str, b_name: str) -> go.Figure:
     faster), with its bootstrap 95% CI as error bars, each point coloured by its verdict, and a
     line at 1 (no difference).
 
-    `df`: ``dashboard.compare.ratio_by_turn`` (turn_index, n_a, n_b, median_a_s, median_b_s,
+    `df`: ``dashboard.compare_stats.ratio_by_turn`` (turn_index, n_a, n_b, median_a_s, median_b_s,
     ratio A / B, ci_low, ci_high; CI NaN when a side has fewer than 2 turns).
     """
     if df.empty:
@@ -678,7 +678,7 @@ CASE_COLORS = {"A": "#2ca02c", "B": "#4c4c4c"}
 def compare_cases(df: pd.DataFrame, a_name: str, b_name: str) -> go.Figure:
     """Median TTFT (ms) of A and B side by side for each favourable and unfavourable case.
 
-    `df`: ``dashboard.compare.case_table`` (case, side ``A``|``B``, turns, ttft_p50_s), cases
+    `df`: ``dashboard.compare_stats.case_table`` (case, side ``A``|``B``, turns, ttft_p50_s), cases
     in display order.
     """
     if df.empty:

@@ -305,7 +305,7 @@ def external_kv_tokens(con: duckdb.DuckDBPyConnection, run_ids: TurnFilter | Seq
 
 # --- filters ----------------------------------------------------------------------------------
 
-#: Turn kinds and gap kinds as the contract defines them (data/schema.sql, DESIGN §4): offered as
+#: Turn kinds and gap kinds as the contract defines them (data/schema.sql; docs/schema.md, `turns.kind`): offered as
 #: filters without scanning the turns.
 TURN_KINDS = ("turn", "retry", "edit", "fresh", "resume")
 GAP_KINDS = ("none", "tool", "think", "pause")

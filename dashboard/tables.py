@@ -154,7 +154,7 @@ def ratio_table(ratios: dict) -> pd.DataFrame:
 
 
 def case_table(df: pd.DataFrame) -> pd.DataFrame:
-    """``dashboard.compare.case_table`` (long: case, side, turns, ttft_p50_s) as one row per case:
+    """``dashboard.compare_stats.case_table`` (long: case, side, turns, ttft_p50_s) as one row per case:
     case, "n A", "n B", "p50 A (ms)", "p50 B (ms)"; blanks where a side has no such turns."""
     cols = ["case", "n A", "n B", "p50 A (ms)", "p50 B (ms)"]
     if df.empty:

@@ -7,7 +7,18 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import cards, compare, context, db, figures, headline, report, speedup, tables
+from dashboard import (
+    cards,
+    compare_stats,
+    context,
+    db,
+    figures,
+    headline,
+    html_reports,
+    queries,
+    speedup,
+    tables,
+)
 from dashboard.figures import MODE_ORDER
 from dashboard.loader import load
 
@@ -16,11 +27,11 @@ from dashboard.loader import load
 def _analyse(
     samples: pd.DataFrame, stats: pd.DataFrame, a_name: str, b_name: str
 ) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
-    """`compare.side_ratios`, `compare.ratio_by_turn` and `compare.case_table`, cached."""
+    """`compare_stats.side_ratios`, `compare_stats.ratio_by_turn` and `compare_stats.case_table`, cached."""
     return (
-        compare.side_ratios(samples, a_name, b_name, stats),
-        compare.ratio_by_turn(samples, stats),
-        compare.case_table(samples, stats),
+        compare_stats.side_ratios(samples, a_name, b_name, stats),
+        compare_stats.ratio_by_turn(samples, stats),
+        compare_stats.case_table(samples, stats),
     )
 
 
@@ -83,9 +94,9 @@ if wa != wb:
     )
 
 # Exact medians and counts over every turn; the bootstraps see whole sessions sampled to about
-# compare.SAMPLE_TURNS turns per side (all of them in smaller stores).
-stats = load(sel.root, "compare_stats", a_ids, b_ids, f, headline.MIN_TURN_INDEX)
-samples = load(sel.root, "compare_samples", a_ids, b_ids, f, compare.SAMPLE_TURNS)
+# compare_stats.SAMPLE_TURNS turns per side (all of them in smaller stores).
+stats = load(sel.root, queries.compare_stats, a_ids, b_ids, f, headline.MIN_TURN_INDEX)
+samples = load(sel.root, queries.compare_samples, a_ids, b_ids, f, compare_stats.SAMPLE_TURNS)
 if samples.empty or not {"A", "B"} <= set(samples["side"]):
     st.info("One side has no ok turns with a TTFT in the selection yet.")
     st.stop()
@@ -108,7 +119,7 @@ for col, (key, (title, what)) in zip(cols, titles.items(), strict=True):
     cards.speedup_card(col, title, r, f"Here baseline = B, bidirectional = A; ok turns: {what}.")
 fav_a, all_a = ratios["favourable"], ratios["all"]
 share = (fav_a.n_treatment if fav_a else 0) / all_a.n_treatment if all_a else None
-verdict = compare.verdict(ratios, share)
+verdict = compare_stats.verdict(ratios, share)
 st.markdown("\n\n".join(verdict))
 st.caption(
     "Favourable: a turn that continues its session (kind `turn`) within the proxy's TTL (the run's "
@@ -122,7 +133,7 @@ by_turn_fig = figures.compare_by_turn(by_turn, a_name, b_name)
 st.plotly_chart(by_turn_fig, key="compare_by_turn")
 if bool(by_turn["ci_subsampled"].any()) if not by_turn.empty else False:
     st.caption(
-        f"Turn indexes with more than {compare.MAX_CI_TURNS_PER_INDEX} turns on a side are bootstrapped on a "
+        f"Turn indexes with more than {compare_stats.MAX_CI_TURNS_PER_INDEX} turns on a side are bootstrapped on a "
         "random subset of them: their intervals are wider than with all."
     )
 
@@ -141,7 +152,7 @@ ratio_table = tables.ratio_table(ratios)
 description = f"A = {a_name} ({len(a_ids)} run(s)), B = {b_name} ({len(b_ids)} run(s)); {sel.describe()}"
 st.download_button(
     "Export this comparison as HTML",
-    data=lambda: report.compare_report(
+    data=lambda: html_reports.compare_report(
         a_name, b_name, description, verdict, ratio_table, by_turn_fig, cases_fig, case_view
     ),
     file_name=f"turnscope-compare-{a}-vs-{b}.html".replace("/", "_"),

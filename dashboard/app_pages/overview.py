@@ -1,11 +1,11 @@
-"""Overview: did KV reuse across turns pay off, per serving mode (DESIGN §7)."""
+"""Overview: did KV reuse across turns pay off, per serving mode (README, "A five-minute tour")."""
 
 from __future__ import annotations
 
 import pandas as pd
 import streamlit as st
 
-from dashboard import cards, context, db, figures, headline, report, speedup, tables
+from dashboard import cards, context, db, figures, headline, html_reports, queries, speedup, tables
 from dashboard.loader import load
 
 
@@ -23,7 +23,7 @@ if not sel.run_ids:
 
 run_ids = sel.run_ids
 f = sel.filter
-outcomes = load(sel.root, "reuse_outcomes", f, headline.MIN_TURN_INDEX)
+outcomes = load(sel.root, queries.reuse_outcomes, f, headline.MIN_TURN_INDEX)
 
 # --- headline ---------------------------------------------------------------------------------
 st.subheader("Headline: TTFT from the second turn on")
@@ -35,8 +35,8 @@ st.caption(
 )
 # Exact medians and counts over every turn; the bootstrap sees whole sessions sampled to about
 # MAX_CI_TURNS turns per mode (all of them in smaller stores).
-stats = load(sel.root, "ttft_stats", f, headline.MIN_TURN_INDEX)
-samples = load(sel.root, "ttft_samples", f, headline.MIN_TURN_INDEX, headline.MAX_CI_TURNS)
+stats = load(sel.root, queries.ttft_stats, f, headline.MIN_TURN_INDEX)
+samples = load(sel.root, queries.ttft_samples, f, headline.MIN_TURN_INDEX, headline.MAX_CI_TURNS)
 later_modes = {str(m) for m in stats["mode"].unique()}  # modes with ok turns after the first
 ratios = _ratios(samples, stats)
 scopes = list(dict.fromkeys((r.workload, r.history_mode) for r in ratios))
@@ -65,12 +65,12 @@ for line in headline.all_miss_warnings(outcomes):
 # --- per mode ---------------------------------------------------------------------------------
 left, right = st.columns([3, 2])
 with left:
-    by_turn = load(sel.root, "ttft_by_turn", f)
+    by_turn = load(sel.root, queries.ttft_by_turn, f)
     st.plotly_chart(figures.ttft_by_turn(by_turn), key="ttft_by_turn")
 with right:
     st.plotly_chart(figures.reuse_outcomes(outcomes), key="reuse_outcomes")
 
-ext = load(sel.root, "external_kv_tokens", run_ids)
+ext = load(sel.root, queries.external_kv_tokens, run_ids)
 st.plotly_chart(figures.external_kv_tokens(ext), key="external_kv_tokens")
 if ext.empty:
     st.caption(
@@ -82,7 +82,7 @@ if ext.empty:
 st.subheader("Runs")
 if f.narrows_turns:
     st.caption("The run table counts every turn of each run; the archetype and kind filters apply above.")
-summary = load(sel.root, "run_summary", run_ids)
+summary = load(sel.root, queries.run_summary, run_ids)
 st.dataframe(
     tables.run_summary_table(summary),
     hide_index=True,
@@ -99,7 +99,7 @@ st.dataframe(
 
 st.download_button(
     "Export these runs as HTML",
-    data=lambda: report.run_report(sel.store, f, sel.describe()),
+    data=lambda: html_reports.run_report(sel.store, f, sel.describe()),
     file_name="turnscope-runs.html",
     mime="text/html",
     icon=":material/download:",

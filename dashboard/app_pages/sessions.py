@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import context, figures, tables
+from dashboard import context, figures, queries, tables
 from dashboard.loader import load
 
 sel = context.current()
@@ -19,7 +19,7 @@ st.caption(
     "A session appears once it has finished (its row is written at the end)."
 )
 
-split = load(sel.root, "task_split", f)
+split = load(sel.root, queries.task_split, f)
 if split.empty:
     st.info("No finished sessions in the selection yet.")
 st.plotly_chart(figures.task_split(split), key="task_split")
@@ -30,7 +30,7 @@ st.caption(
 
 # --- one session ------------------------------------------------------------------------------
 st.subheader("One session")
-listed = load(sel.root, "session_list", f, 500)
+listed = load(sel.root, queries.session_list, f, 500)
 if listed.empty:
     st.info("No sessions to pick.")
     st.stop()
@@ -54,7 +54,7 @@ if pick is None:
     st.caption("Pick a session above to draw its timeline: each turn's gap, wait for the first token and stream.")
 else:
     run_id, session_id = pick.split("/", 1)
-    turns = load(sel.root, "session_turns", run_id, session_id)
+    turns = load(sel.root, queries.session_turns, run_id, session_id)
     st.plotly_chart(figures.session_timeline(turns), key="session_timeline")
     row = listed.iloc[keys.index(pick)]
     st.caption(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import context, figures, queries, report, tables
+from dashboard import context, figures, html_reports, queries, tables
 from dashboard.loader import load
 
 sel = context.current()
@@ -25,19 +25,19 @@ by_label = st.segmented_control(
     help="History length: the turn's prompt tokens (the whole history plus the new turn), in bins.",
 )
 by = "history" if by_label == "history length" else "turn_index"
-latency = load(sel.root, "latency_by", f, by)
+latency = load(sel.root, queries.latency_by, f, by)
 if latency.empty:
     st.info("No ok turns in the selection yet.")
 st.plotly_chart(figures.latency_panels(latency, by), key="latency_panels")
 
 # --- time split -------------------------------------------------------------------------------
 st.subheader("Where each turn's time went")
-kv = load(sel.root, "kv_transfer", f)
-split = load(sel.root, "time_split", f, queries.xfer_rates(kv))
+kv = load(sel.root, queries.kv_transfer, f)
+split = load(sel.root, queries.time_split, f, queries.xfer_rates(kv))
 st.plotly_chart(figures.time_split(split), key="time_split")
 st.caption(
     "Per turn: proxy = TTFT − the proxy's prefill leg (routing, queueing, D pulling P's KV and D's first "
-    "token); prefill leg = P's time, less the KV transfer; decode = E2E − TTFT. " + report.TRANSFER_NOTE
+    "token); prefill leg = P's time, less the KV transfer; decode = E2E − TTFT. " + html_reports.TRANSFER_NOTE
 )
 if not split.empty and int(split["transfer_unknown_turns"].sum()):
     st.warning(
@@ -56,7 +56,7 @@ min_short = st.number_input(
     help="Reuse is whole KV blocks, so a shortfall below one block (128 tokens on the embedded CPU model, "
     "16 on most GPUs) is expected; set this to your block size.",
 )
-vs = load(sel.root, "reuse_vs_expected", f, int(min_short))
+vs = load(sel.root, queries.reuse_vs_expected, f, int(min_short))
 st.plotly_chart(figures.reuse_vs_expected(vs), key="reuse_vs_expected")
 st.caption(
     "Expected: the longest common prefix of the previous turn's prompt + output ids and this prompt's ids. "
@@ -69,7 +69,7 @@ by_design = (
     else vs
 )
 by_design = by_design[by_design > 0] if len(by_design) else by_design
-short = load(sel.root, "reuse_shortfalls", f, int(min_short), 200)
+short = load(sel.root, queries.reuse_shortfalls, f, int(min_short), 200)
 if short.empty:
     st.success(
         f"No ok later turn of {covered} (the modes that can reuse KV from D) reused {int(min_short)} or more "

@@ -610,10 +610,10 @@ def test_compare_follows_the_archetype_filter(monkeypatch, store_root):
 
 
 def test_run_report_export(store_root):
-    from dashboard import db, report
+    from dashboard import db, html_reports
     from dashboard.queries import TurnFilter
 
-    html = report.run_report(db.Store(store_root), TurnFilter(tuple(fx.RUNS)), "4 runs")
+    html = html_reports.run_report(db.Store(store_root), TurnFilter(tuple(fx.RUNS)), "4 runs")
     ratio = compare_sql(store_root, "m.mode = 'pd-bidir'", "m.mode = 'aggregated'", "true")
     assert f"pd-bidir vs aggregated: speed-up {1 / ratio:.2f}x" in html
     assert html.count('class="plotly-graph-div"') == 8 and "<script src=" not in html.split("</script>", 1)[1]

@@ -40,12 +40,12 @@ def run_report(store: db.Store, f: TurnFilter, description: str = "") -> str:
     Runs every query it needs on `store` (read-only). Returns the document (str).
     """
 
-    def q(name: str, *args: object) -> pd.DataFrame:
-        return db.read(store, getattr(queries, name), *args)
+    def q(query, *args: object) -> pd.DataFrame:
+        return db.read(store, query, *args)
 
-    samples = q("ttft_samples", f, headline.MIN_TURN_INDEX, headline.MAX_CI_TURNS)
-    stats = q("ttft_stats", f, headline.MIN_TURN_INDEX)
-    outcomes = q("reuse_outcomes", f, headline.MIN_TURN_INDEX)
+    samples = q(queries.ttft_samples, f, headline.MIN_TURN_INDEX, headline.MAX_CI_TURNS)
+    stats = q(queries.ttft_stats, f, headline.MIN_TURN_INDEX)
+    outcomes = q(queries.reuse_outcomes, f, headline.MIN_TURN_INDEX)
     ratios = headline.headline_ratios(samples, stats=stats)
     head: list[str | go.Figure | pd.DataFrame] = [speedup.MEANING + "."]
     for r in ratios:
@@ -54,33 +54,33 @@ def run_report(store: db.Store, f: TurnFilter, description: str = "") -> str:
         head.append("No headline: the selection lacks both modes of every pair (pd-bidir-nocache vs pd-nocache, "
                     "pd-bidir vs aggregated).")  # fmt: skip
     head += headline.all_miss_warnings(outcomes)
-    summary = tables.run_summary_table(q("run_summary", f)).drop(columns=["started (UTC)"])
+    summary = tables.run_summary_table(q(queries.run_summary, f)).drop(columns=["started (UTC)"])
     sections = [
         Section("Headline: TTFT from the second turn on", tuple(head)),
         Section("Runs", (summary,)),
         Section(
             "Per mode",
             (
-                figures.ttft_by_turn(q("ttft_by_turn", f)),
+                figures.ttft_by_turn(q(queries.ttft_by_turn, f)),
                 figures.reuse_outcomes(outcomes),
-                figures.external_kv_tokens(q("external_kv_tokens", f)),
+                figures.external_kv_tokens(q(queries.external_kv_tokens, f)),
             ),
         ),
         Section(
             "Turns",
             (
-                figures.latency_panels(q("latency_by", f, "turn_index"), "turn_index"),
-                figures.time_split(q("time_split", f)),
+                figures.latency_panels(q(queries.latency_by, f, "turn_index"), "turn_index"),
+                figures.time_split(q(queries.time_split, f)),
                 TRANSFER_NOTE,
-                figures.reuse_vs_expected(q("reuse_vs_expected", f)),
+                figures.reuse_vs_expected(q(queries.reuse_vs_expected, f)),
             ),
         ),
-        Section("Sessions", (figures.task_split(q("task_split", f)),)),
+        Section("Sessions", (figures.task_split(q(queries.task_split, f)),)),
         Section(
             "Memory",
             (
-                figures.memory_timeline(q("memory_timeline", f), q("hit_rate_timeline", f)),
-                tables.reuse_cost_table(q("reuse_cost", f)),
+                figures.memory_timeline(q(queries.memory_timeline, f), q(queries.hit_rate_timeline, f)),
+                tables.reuse_cost_table(q(queries.reuse_cost, f)),
             ),
         ),
     ]
