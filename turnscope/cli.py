@@ -327,7 +327,7 @@ def print_sweep_summary(store: Path, run_ids: list[str]) -> None:
             for i, m in enumerate(modes):
                 r = row[row["mode"] == m]
                 if r.empty or r.iloc[0]["turns"] == 0:
-                    table.add_row(str(prefix) if i == 0 else "", m, "-", "-", "-")
+                    table.add_row(str(prefix) if i == 0 else "", m, "-", "-", "-", end_section=i == len(modes) - 1)
                     continue
                 r = r.iloc[0]
                 table.add_row(str(prefix) if i == 0 else "", m, f"{r.ttft_mean_s * 1e3:.0f} / {r.ttft_p90_s * 1e3:.0f}",

@@ -83,3 +83,24 @@ def test_wrap_items_breaks_between_items_with_a_hanging_indent():
     ]
     # An item longer than the line stays whole on a line of its own.
     assert console_text.wrap_items("x: ", ["a" * 50, "b"], 20) == ["x: " + "a" * 50 + ",", "   b"]
+
+
+def test_sweep_summary_in_a_log_file_fits_80_columns(tmp_path):
+    """`turnscope sweep`'s table: one row per (prefix, mode), so five modes fit 80 columns whole."""
+    from tests import sweep_store
+
+    root = sweep_store.build(tmp_path / "store")
+    code = (
+        "import duckdb; from pathlib import Path; from turnscope.cli import print_sweep_summary; "
+        f"root = Path({str(root)!r}); "
+        "ids = [r[0] for r in duckdb.connect(str(root / 'turnscope.duckdb'), read_only=True)"
+        ".execute('select run_id from runs').fetchall()]; print_sweep_summary(root, ids)"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    out = tmp_path / "sweep.log"
+    with out.open("w") as f:
+        subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, stdout=f, check=True, timeout=120)
+    lines = out.read_text(encoding="utf-8").splitlines()
+    assert max(len(line) for line in lines) <= 80 and "…" not in "\n".join(lines)
+    cells = {c.strip() for line in lines for c in line.split("│")}
+    assert set(sweep_store.MODES) <= cells, cells
