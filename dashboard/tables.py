@@ -44,7 +44,7 @@ def run_summary_table(df: pd.DataFrame) -> pd.DataFrame:
 def reuse_cost_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per run from ``dashboard.queries.reuse_cost``, for reading.
 
-    Columns: run, mode, "held (GiB·s)", "peak (MiB)", hits, "pulled (tokens)", "prefill ms/1k tok"
+    Columns: run, mode, history, "held (GiB·s)", "peak (MiB)", hits, "pulled (tokens)", "prefill ms/1k tok"
     (measured on turns that pulled nothing), "NIXL (s)", "saved (s, est.)", "GiB·s per s saved"
     (NaN when nothing was saved).
     """
@@ -52,6 +52,7 @@ def reuse_cost_table(df: pd.DataFrame) -> pd.DataFrame:
         {
             "run": df["run_label"],
             "mode": df["mode"],
+            "history": df["history_mode"],
             "held (GiB·s)": df["held_gib_s"],
             "peak (MiB)": df["peak_bytes"] / 2**20,
             "hits": df["hits"],

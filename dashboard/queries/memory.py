@@ -132,7 +132,7 @@ WITH hb AS (
     WHERE list_contains($run_ids::VARCHAR[], run_id) AND status = 'ok'
     GROUP BY run_id
 ), j AS (
-    SELECT r.run_id, coalesce(r.label, r.run_id) AS run_label, r.mode,
+    SELECT r.run_id, coalesce(r.label, r.run_id) AS run_label, r.mode, r.history_mode,
            held.held_byte_s / 1073741824.0 AS held_gib_s, held.peak_bytes,
            tk.hits, tk.later_turns, tk.reused_tokens,
            tk.compute_s / nullif(tk.compute_tokens, 0) AS prefill_s_per_token,
@@ -158,7 +158,7 @@ def reuse_cost(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) ->
     turns that pulled nothing (s/token); saved_s (estimate) = reused_tokens x prefill_s_per_token
     - xfer_s (the run's measured NIXL time, ``run_kv_transfer``); gib_s_per_saved_s =
     held_gib_s / saved_s, NULL when nothing was saved.
-    Columns: run_id, run_label, mode, held_gib_s, peak_bytes, hits, later_turns, reused_tokens,
+    Columns: run_id, run_label, mode, history_mode, held_gib_s, peak_bytes, hits, later_turns, reused_tokens,
     prefill_s_per_token, xfer_s, saved_s, gib_s_per_saved_s.
     """
     params = {"run_ids": _ids(as_filter(f).run_ids), "handle_bytes": HANDLE_BYTES}
