@@ -88,3 +88,16 @@ def test_forecast_only_for_undecided_headlines():
     assert need is not None and need.observed > 3 and need.smaller > need.observed  # 10% < 1/0.85 - 1
     assert need.sentence() in headline.verdict(undecided)
     assert "Forecast:" in need.sentence() and f"{need.observed} sessions per side" in need.sentence()
+
+
+def test_cli_bottom_line_carries_the_forecast_of_an_undecided_comparison():
+    from turnscope.cli import bottom_line_blocks
+
+    undecided = Ratio("pd-bidir", "pd", "w", "text", 12, 12, 0.17, 0.2, 0.85, 0.6, 1.2, 3, 3, 3, 3)
+    decided = Ratio("pd-bidir", "aggregated", "w", "text", 12, 12, 0.1, 0.2, 0.5, 0.4, 0.6, 3, 3, 3, 3)
+    (u, d) = bottom_line_blocks([undecided, decided])
+    need = headline.sessions_needed(undecided)
+    # 1 / 0.85 = 1.18x; the CI 0.6-1.2 inverted is 0.83-1.67x.
+    assert u[1] == "  speed-up 1.18x, 95% CI 0.83-1.67x: no clear difference"
+    assert u[-1] == "  " + need.sentence()
+    assert d[1] == "  speed-up 2.00x, 95% CI 1.67-2.50x: faster" and len(d) == 3  # no forecast once decided
