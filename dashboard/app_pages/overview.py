@@ -31,7 +31,8 @@ st.caption(
     f"{speedup.MEANING}: median TTFT of ok turns with turn_index ≥ 1 (turn 2 onward, where a "
     f"session can reuse KV); {int(headline.CONFIDENCE * 100)}% percentile-bootstrap confidence "
     "interval resampling whole sessions. The chip is the verdict: green when the interval lies above "
-    "1, red below, grey when it includes 1. The same numbers as the CLI's bottom line and the Sweep page."
+    "1, red below, grey when it includes 1. The CLI's bottom line prints the same numbers; Compare and Sweep "
+    "use the same convention."
 )
 # Exact medians and counts over every turn; the bootstrap sees whole sessions sampled to about
 # MAX_CI_TURNS turns per mode (all of them in smaller stores).
