@@ -62,6 +62,22 @@ OUTCOME_SYMBOLS = {
 }
 
 
+def run_colors(run_modes: pd.Series) -> dict[str, str]:
+    """A colour per run (`run_modes`: mode indexed by run_id) in its mode's colour (`MODE_COLORS`):
+    the first run of a mode in the mode's own colour, later runs of the same mode in lighter shades
+    of it, so a mode keeps its colour on every page and its runs stay apart."""
+    out: dict[str, str] = {}
+    seen: dict[str, int] = {}
+    for run_id, mode in run_modes.items():
+        k = seen.get(mode, 0)
+        seen[mode] = k + 1
+        base = MODE_COLORS.get(str(mode), "#7f7f7f").lstrip("#")
+        rgb = [int(base[i : i + 2], 16) for i in (0, 2, 4)]
+        mix = min(0.6, 0.3 * k)  # 0, 30%, 60% towards white
+        out[str(run_id)] = "#" + "".join(f"{round(c + (255 - c) * mix):02x}" for c in rgb)
+    return out
+
+
 def legend_below(fig: go.Figure, height: int | None = None) -> go.Figure:
     """Put `fig`'s legend in a horizontal band under the plot, inside the figure's own area (a
     legend on the right is clipped in narrow columns); `height` in pixels, if given."""

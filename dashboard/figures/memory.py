@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
-import plotly.express as px
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from dashboard.figures.common import empty_figure
+from dashboard.figures.common import empty_figure, run_colors
 
 
 def _run_names(df: pd.DataFrame) -> pd.Series:
@@ -45,9 +44,8 @@ def memory_timeline(mem: pd.DataFrame, hits: pd.DataFrame) -> go.Figure:
     names = pd.concat([mem[["run_id", "run_label", "mode"]], hits[["run_id", "run_label", "mode"]]]).drop_duplicates(
         "run_id"
     )
+    colors = run_colors(names.set_index("run_id")["mode"])
     names = names.assign(name=_run_names(names)).set_index("run_id")["name"]
-    palette = px.colors.qualitative.D3
-    colors = {r: palette[i % len(palette)] for i, r in enumerate(names.index)}
     legend_done: set[str] = set()
 
     def add(x, y, run_id, row, dash="solid", suffix="", hover=""):

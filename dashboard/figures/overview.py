@@ -15,6 +15,7 @@ from dashboard.figures.common import (
     _ordered,
     empty_figure,
     legend_below,
+    run_colors,
     turn_axis,
 )
 
@@ -100,7 +101,7 @@ def external_kv_tokens(df: pd.DataFrame) -> go.Figure:
 
     `df`: columns run_id, run_label, mode, elapsed_s (seconds since run start), tokens
     (cumulative) (``dashboard.queries.external_kv_tokens``). Steps, since a counter only moves
-    at scrapes.
+    at scrapes. Each run in its mode's colour (`run_colors`).
     """
     if df.empty:
         return empty_figure("no prefill samples of prompt_tokens_by_source{external_kv_transfer}")
@@ -109,11 +110,13 @@ def external_kv_tokens(df: pd.DataFrame) -> go.Figure:
     dup = d.groupby("run_label")["run_id"].transform("nunique") > 1
     d["run"] = d["run_label"].where(~dup, d["run_label"] + " (" + d["run_id"] + ")")
     d["run"] = d["run"] + " · " + d["mode"].astype(str)
+    by_run = run_colors(d.drop_duplicates("run_id").set_index("run_id")["mode"])
     fig = px.line(
         d,
         x="elapsed_s",
         y="tokens",
         color="run",
+        color_discrete_map={r: by_run[str(i)] for r, i in zip(d["run"], d["run_id"], strict=True)},
         line_shape="hv",
         markers=True,
         hover_data={"run_id": True, "mode": True},

@@ -250,3 +250,11 @@ def test_case_table_wide_by_hand():
     assert list(t["case"]) == ["continued within TTL", "fresh"]
     assert t.loc[0, "p50 A (ms)"] == pytest.approx(100.0) and t.loc[0, "n B"] == 3
     assert pd.isna(t.loc[1, "n B"]) and pd.isna(t.loc[1, "p50 B (ms)"])
+
+
+def test_runs_keep_their_modes_colour():
+    """Runs of one mode are drawn in that mode's colour (lighter for later runs), on every page."""
+    colors = figures.run_colors(pd.Series({"b1": "pd-bidir", "a1": "aggregated", "b2": "pd-bidir"}))
+    assert colors["b1"] == figures.MODE_COLORS["pd-bidir"] and colors["a1"] == figures.MODE_COLORS["aggregated"]
+    # #2ca02c 30% towards white: 0x2c + (0xff - 0x2c) * 0.3 = 105.7 -> 0x6a, 0xa0 -> 0xbd, 0x2c -> 0x6a.
+    assert colors["b2"] == "#6abd6a"
