@@ -74,7 +74,7 @@ def run_colors(run_modes: pd.Series) -> dict[str, str]:
         base = MODE_COLORS.get(str(mode), "#7f7f7f").lstrip("#")
         rgb = [int(base[i : i + 2], 16) for i in (0, 2, 4)]
         mix = min(0.6, 0.3 * k)  # 0, 30%, 60% towards white
-        out[str(run_id)] = "#" + "".join(f"{round(c + (255 - c) * mix):02x}" for c in rgb)
+        out[str(run_id)] = "#" + "".join(f"{int(c + (255 - c) * mix + 0.5):02x}" for c in rgb)
     return out
 
 

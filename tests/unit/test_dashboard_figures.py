@@ -256,5 +256,5 @@ def test_runs_keep_their_modes_colour():
     """Runs of one mode are drawn in that mode's colour (lighter for later runs), on every page."""
     colors = figures.run_colors(pd.Series({"b1": "pd-bidir", "a1": "aggregated", "b2": "pd-bidir"}))
     assert colors["b1"] == figures.MODE_COLORS["pd-bidir"] and colors["a1"] == figures.MODE_COLORS["aggregated"]
-    # #2ca02c 30% towards white: 0x2c + (0xff - 0x2c) * 0.3 = 105.7 -> 0x6a, 0xa0 -> 0xbd, 0x2c -> 0x6a.
-    assert colors["b2"] == "#6abd6a"
+    # #2ca02c 30% towards white: 44 + 0.3 x 211 = 107.3 -> 107 = 0x6b; 160 + 0.3 x 95 = 188.5 -> 189 = 0xbd.
+    assert colors["b2"] == "#6bbd6b"
