@@ -33,6 +33,7 @@ class Verdict(StrEnum):
 
     @property
     def decided(self) -> bool:
+        """True when the interval excludes 1 (faster or slower)."""
         return self in (Verdict.FASTER, Verdict.SLOWER)
 
 
@@ -73,10 +74,12 @@ class Speedup:
 
     @property
     def verdict(self) -> Verdict:
+        """`verdict_of` this speed-up's interval."""
         return verdict_of(self.ci_low, self.ci_high)
 
     @property
     def has_ci(self) -> bool:
+        """False when either end of the interval is NaN (fewer than 2 sessions on a side)."""
         return not (math.isnan(self.ci_low) or math.isnan(self.ci_high))
 
 
