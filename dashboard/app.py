@@ -18,7 +18,7 @@ if str(_REPO) not in sys.path:  # `streamlit run` puts dashboard/ on sys.path, n
 import pandas as pd
 import streamlit as st
 
-from dashboard import context, db, loader
+from dashboard import context, db, loader, queries
 from dashboard.figures import MODE_ORDER
 
 st.set_page_config(page_title="turnscope", page_icon=":material/query_stats:", layout="wide")
@@ -44,7 +44,7 @@ if st.sidebar.button("Refresh", icon=":material/refresh:", help="Re-read the sto
 def _load_runs() -> pd.DataFrame:
     """All runs, or an empty state drawn on the page followed by `st.stop()`."""
     try:
-        runs = loader.fetch(str(store.root), "runs")
+        runs = loader.fetch(str(store.root), queries.runs)
     except db.StoreMissing:
         st.info(
             f"No store yet at `{store.root}`: run `turnscope demo` to make one, or point "
@@ -87,7 +87,7 @@ if chosen:
     keep = keep[keep["run_id"].isin(chosen)]
 
 # Turn filters: the values present in the runs kept so far. Empty means all.
-options = loader.load(str(store.root), "filter_options", tuple(keep["run_id"].astype(str)))
+options = loader.load(str(store.root), queries.filter_options, tuple(keep["run_id"].astype(str)))
 
 
 def _values(field: str) -> list[str]:
@@ -105,7 +105,7 @@ archetypes = _turn_filter(
     "Archetype", "archetype", "ts_archetypes",
     "Session archetype (from the session's row, written when it ends: a running session has none yet).",
 )  # fmt: skip
-kinds = _turn_filter("Turn kind", "kind", "ts_kinds", "turn, retry, edit, fresh or resume (DESIGN §4).")
+kinds = _turn_filter("Turn kind", "kind", "ts_kinds", "turn, retry, edit, fresh or resume (docs/workloads.md).")
 gap_kinds = _turn_filter("Gap kind", "gap_kind", "ts_gap_kinds", "What the session waited on before the turn.")
 running = int((keep["status"] == "running").sum())
 st.sidebar.caption(

@@ -19,6 +19,9 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from dashboard import sample_size, speedup
+from dashboard.speedup import Verdict
+
 #: (treatment, baseline): the feature against the baselines operators run (one-way P/D with P's
 #: prefix cache on, aggregated serving), then the vendor's cache-miss scenario (P's cache off).
 PAIRS: tuple[tuple[str, str], ...] = (("pd-bidir", "pd"), ("pd-bidir", "aggregated"),
@@ -85,6 +88,20 @@ def _padded(values: np.ndarray, groups: np.ndarray | None) -> np.ndarray:
     return out
 
 
+def row_medians(x: np.ndarray) -> np.ndarray:
+    """The median of each row of `x` (shape (..., n)) ignoring NaN (the padding of whole-session
+    resamples): the same values as ``np.nanmedian(x, axis=-1)``, by one sort of the rows (NaN
+    sorts last) and the middle one or two of each row's valid values. ``np.nanmedian`` loops in
+    Python over rows longer than 600 values, which made the Overview's bootstraps take about a
+    second. Every row must hold at least one value.
+    """
+    s = np.sort(x, axis=-1)
+    n = np.count_nonzero(~np.isnan(x), axis=-1)
+    lo = np.take_along_axis(s, ((n - 1) // 2)[..., None], axis=-1)[..., 0]
+    hi = np.take_along_axis(s, (n // 2)[..., None], axis=-1)[..., 0]
+    return (lo + hi) / 2
+
+
 def ci_groups(n_groups: int, n_values: int, max_values: int | None) -> int:
     """How many of `n_groups` groups (holding `n_values` values in all) `median_ratio_ci`
     bootstraps under a `max_values` cap: all of them when ``n_values <= max_values`` (or no cap),
@@ -140,7 +157,7 @@ def median_ratio_ci(
         # ia, ib: resampled group indices, shape (..., n_groups); gather their turns, pooled.
         ta = pa[ia].reshape(*ia.shape[:-1], -1)
         tb = pb[ib].reshape(*ib.shape[:-1], -1)
-        return np.nanmedian(ta, axis=-1) / np.nanmedian(tb, axis=-1)
+        return row_medians(ta) / row_medians(tb)
 
     # Keep each vectorised batch at about 4 M floats whatever the sample sizes.
     batch = max(1, int(4e6 // max(pa.size, pb.size)))
@@ -315,42 +332,54 @@ def missing_pairs(modes_present: set[str], pairs: tuple[tuple[str, str], ...] = 
     return out
 
 
-def direction(r: Ratio) -> str:
-    """``faster`` / ``slower`` (the treatment; the CI excludes 1), ``no clear difference`` (it
-    includes 1) or ``too few sessions`` (no CI)."""
-    if not r.has_ci:
-        return "too few sessions"
-    return "faster" if r.ci_high < 1 else "slower" if r.ci_low > 1 else "no clear difference"
+def direction(r: Ratio) -> Verdict:
+    """What the CI says of the treatment (``dashboard.speedup.Verdict``): ``faster`` / ``slower``
+    (the CI excludes 1), ``no clear difference`` (it includes 1) or ``too few sessions`` (no CI)."""
+    return speedup.of(r).verdict
+
+
+def sessions_needed(r: Ratio) -> sample_size.SessionsNeeded | None:
+    """The sample-size forecast (``dashboard.sample_size``) for an undecided `r`; None when the
+    verdict is decided or there is no CI."""
+    if direction(r) is not Verdict.UNCLEAR:
+        return None
+    return sample_size.sessions_needed(speedup.of(r), r.ci_sessions_treatment or r.sessions_treatment,
+                                       r.ci_sessions_baseline or r.sessions_baseline)
 
 
 def verdict(r: Ratio) -> str:
-    """One plain sentence: faster, slower or no clear difference, with the numbers behind it."""
+    """One plain sentence: faster, slower or no clear difference, with the speed-up
+    (``dashboard.speedup``) and the numbers behind it; an undecided one ends with the forecast of
+    sessions needed (``dashboard.sample_size``)."""
     scope = f" ({r.workload or 'unnamed workload'}, history {r.history_mode or 'unknown'})"
     medians = (
         f"median TTFT from the second turn on {r.median_treatment_s * 1e3:.0f} ms vs "
         f"{r.median_baseline_s * 1e3:.0f} ms over {r.n_treatment} and {r.n_baseline} turns"
     )
     pct = round(CONFIDENCE * 100)
-    way = direction(r)
-    if way == "too few sessions":
+    s = speedup.of(r)
+    way = s.verdict
+    head = f"{speedup.LABEL} {speedup.fmt(s.value)}"
+    if way is Verdict.TOO_FEW:
         return (
-            f"{r.treatment} vs {r.baseline}{scope}: {r.ratio:.2f}x the baseline's TTFT "
-            f"({medians}); too few sessions for a confidence interval, so no verdict yet."
+            f"{r.treatment} vs {r.baseline}{scope}: {head} ({medians}); too few sessions for a "
+            "confidence interval, so no verdict yet."
         )
-    ci = f"{pct}% CI {r.ci_low:.2f}-{r.ci_high:.2f}x"
-    if way == "faster":
+    ci = f"{pct}% CI {speedup.fmt_ci(s.ci_low, s.ci_high)}"
+    if way is Verdict.FASTER:
         return (
-            f"{r.treatment} is faster than {r.baseline}{scope}: TTFT {r.ratio:.2f}x the baseline's "
-            f"({ci}; {medians}): it pays off against this baseline."
+            f"{r.treatment} is faster than {r.baseline}{scope}: {head} ({ci}; {medians}): it pays off "
+            "against this baseline."
         )
-    if way == "slower":
+    if way is Verdict.SLOWER:
         return (
-            f"{r.treatment} is slower than {r.baseline}{scope}: TTFT {r.ratio:.2f}x the baseline's "
-            f"({ci}; {medians}): it does not pay off against this baseline here."
+            f"{r.treatment} is slower than {r.baseline}{scope}: {head} ({ci}; {medians}): it does not pay "
+            "off against this baseline here."
         )
+    need = sessions_needed(r)
     return (
-        f"No clear difference between {r.treatment} and {r.baseline}{scope}: TTFT {r.ratio:.2f}x "
-        f"the baseline's, but the {ci} includes 1 ({medians})."
+        f"No clear difference between {r.treatment} and {r.baseline}{scope}: {head}, but the {ci} "
+        f"includes 1 ({medians})." + (f" {need.sentence()}" if need else "")
     )
 
 
@@ -359,7 +388,7 @@ def all_miss_warnings(outcomes: pd.DataFrame) -> list[str]:
 
     `outcomes` has columns mode, reuse, later_turns (see ``dashboard.queries.reuse_outcomes``).
     A ``pd-bidir*`` mode with later turns but no ``hit`` means every turn recomputed its whole
-    prompt (e.g. the decode handle never came back; DESIGN §2), which the page must say plainly.
+    prompt (e.g. the decode handle never came back; docs/design.md), which the page must say plainly.
     """
     out = []
     bidir = outcomes[outcomes["mode"].astype(str).str.startswith("pd-bidir")]

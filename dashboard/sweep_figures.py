@@ -1,6 +1,6 @@
 """Plotly figures of the Sweep page: pure functions, DataFrame in, `go.Figure` out.
 
-Inputs are `dashboard.sweep`'s frames (seconds, tokens); latencies are drawn in milliseconds.
+Inputs are `dashboard.sweep_stats`'s frames (seconds, tokens); latencies are drawn in milliseconds.
 Modes keep their colours from `dashboard.figures`; a speed-up pair takes its baseline's colour.
 """
 
@@ -11,6 +11,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from dashboard import speedup
 from dashboard.figures import MODE_COLORS, MODE_ORDER, _ordered, empty_figure
 
 IDEAL_NAME = "ideal: prefill of the new tokens + KV pull"
@@ -22,8 +23,8 @@ def ttft_vs_prefix(stats: pd.DataFrame, ideal: pd.DataFrame | None = None,
     """Mean (left) and p90 (right) TTFT against the swept prefix length, one line per mode, and
     the ideal (dashed black) where known.
 
-    `stats`: ``dashboard.sweep.point_stats`` (prefix_tokens, mode, turns, ttft_mean_s,
-    ttft_p90_s); `ideal`: ``dashboard.sweep.ideal_stats`` (prefix_tokens, ideal_mean_s,
+    `stats`: ``dashboard.sweep_stats.point_stats`` (prefix_tokens, mode, turns, ttft_mean_s,
+    ttft_p90_s); `ideal`: ``dashboard.sweep_stats.ideal_stats`` (prefix_tokens, ideal_mean_s,
     ideal_p90_s). Drawn in ms.
     """
     if stats.empty:
@@ -58,8 +59,8 @@ def speedup_vs_prefix(speedups: pd.DataFrame, limit: pd.DataFrame | None = None,
     """The speed-up ``TTFT(baseline) / TTFT(bidirectional)`` of each pair against prefix length,
     with its 95% CI as error bars, a line at 1 (no gain) and the ideal's limit (dashed).
 
-    `speedups`: ``dashboard.sweep.speedups`` (pair, baseline, prefix_tokens, speedup, ci_low,
-    ci_high; dimensionless); `limit`: ``dashboard.sweep.ideal_speedup`` (prefix_tokens, speedup).
+    `speedups`: ``dashboard.sweep_stats.speedups`` (pair, baseline, prefix_tokens, speedup, ci_low,
+    ci_high; dimensionless); `limit`: ``dashboard.sweep_stats.ideal_speedup`` (prefix_tokens, speedup).
     """
     if speedups.empty:
         return empty_figure("no point has both modes of a pair (pd-bidir-nocache/pd-nocache, pd-bidir/pd, "
@@ -72,6 +73,9 @@ def speedup_vs_prefix(speedups: pd.DataFrame, limit: pd.DataFrame | None = None,
         fig.add_trace(go.Scatter(
             x=g["prefix_tokens"], y=g["speedup"], mode="lines+markers", name=str(pair),
             line={"color": MODE_COLORS.get(str(g["baseline"].iloc[0]))},
+            marker={"size": 10, "color": [speedup.VERDICT_HEX[speedup.verdict_of(a, b)]
+                                          for a, b in zip(g["ci_low"], g["ci_high"], strict=True)],
+                    "line": {"color": MODE_COLORS.get(str(g["baseline"].iloc[0])), "width": 2}},
             error_y={"type": "data", "symmetric": False, "array": np.nan_to_num(hi),
                      "arrayminus": np.nan_to_num(lo), "visible": True},
             customdata=g[["ci_low", "ci_high"]].to_numpy(),
@@ -86,6 +90,7 @@ def speedup_vs_prefix(speedups: pd.DataFrame, limit: pd.DataFrame | None = None,
                   annotation_position="bottom left")
     fig.update_xaxes(title_text=x_title, rangemode="tozero")
     fig.update_yaxes(title_text=f"speed-up of {stat} TTFT (x)", rangemode="tozero")
-    fig.update_layout(title=f"Speed-up of {stat} TTFT: baseline / bidirectional, 95% CI (above 1: faster)",
+    fig.update_layout(title=f"Speed-up of {stat} TTFT: baseline / bidirectional, 95% CI (above 1: faster; "
+                            "marker green: CI above 1, red: below, grey: includes 1)",
                       legend_title_text="bidirectional vs baseline", margin={"t": 60})
     return fig

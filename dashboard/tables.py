@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from dashboard import speedup
+
 
 def run_summary_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per run from the ``run_summary`` view, latencies in ms.
@@ -42,7 +44,7 @@ def run_summary_table(df: pd.DataFrame) -> pd.DataFrame:
 def reuse_cost_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per run from ``dashboard.queries.reuse_cost``, for reading.
 
-    Columns: run, mode, "held (GiB·s)", "peak (MiB)", hits, "pulled (tokens)", "prefill ms/1k tok"
+    Columns: run, mode, history, "held (GiB·s)", "peak (MiB)", hits, "pulled (tokens)", "prefill ms/1k tok"
     (measured on turns that pulled nothing), "NIXL (s)", "saved (s, est.)", "GiB·s per s saved"
     (NaN when nothing was saved).
     """
@@ -50,6 +52,7 @@ def reuse_cost_table(df: pd.DataFrame) -> pd.DataFrame:
         {
             "run": df["run_label"],
             "mode": df["mode"],
+            "history": df["history_mode"],
             "held (GiB·s)": df["held_gib_s"],
             "peak (MiB)": df["peak_bytes"] / 2**20,
             "hits": df["hits"],
@@ -68,6 +71,7 @@ def shortfall_table(df: pd.DataFrame) -> pd.DataFrame:
         {
             "run": df["run_label"],
             "mode": df["mode"],
+            "history": df["history_mode"],
             "session": df["session_id"],
             "turn": df["turn_index"],
             "kind": df["kind"],
@@ -92,6 +96,7 @@ def session_table(df: pd.DataFrame) -> pd.DataFrame:
         {
             "run": df["run_label"],
             "mode": df["mode"],
+            "history": df["history_mode"],
             "session": df["session_id"],
             "archetype": df["archetype"],
             "turns": df["turns"],
@@ -124,18 +129,20 @@ def whatif_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def ratio_table(ratios: dict) -> pd.DataFrame:
-    """The Compare page's three `dashboard.headline.Ratio` values (or None) as rows: case, ratio,
-    CI low/high, median A/B (ms), turns and sessions per side."""
+    """The Compare page's three `dashboard.headline.Ratio` values (or None) as rows: turns, the
+    speed-up B / A (``dashboard.speedup``) with its CI and verdict, median A/B (ms), turns and
+    sessions per side."""
     rows = []
     for case, r in ratios.items():
         if r is None:
             continue
+        s = speedup.of(r)
         rows.append(
             {
                 "turns": case,
-                "TTFT ratio A/B": r.ratio,
-                "CI low": r.ci_low,
-                "CI high": r.ci_high,
+                f"{speedup.LABEL} (B/A)": speedup.fmt(s.value),
+                "95% CI": speedup.fmt_ci(s.ci_low, s.ci_high),
+                "verdict": s.verdict.value,
                 "median A (ms)": r.median_treatment_s * 1e3,
                 "median B (ms)": r.median_baseline_s * 1e3,
                 "n A": r.n_treatment,
@@ -148,7 +155,7 @@ def ratio_table(ratios: dict) -> pd.DataFrame:
 
 
 def case_table(df: pd.DataFrame) -> pd.DataFrame:
-    """``dashboard.compare.case_table`` (long: case, side, turns, ttft_p50_s) as one row per case:
+    """``dashboard.compare_stats.case_table`` (long: case, side, turns, ttft_p50_s) as one row per case:
     case, "n A", "n B", "p50 A (ms)", "p50 B (ms)"; blanks where a side has no such turns."""
     cols = ["case", "n A", "n B", "p50 A (ms)", "p50 B (ms)"]
     if df.empty:

@@ -27,6 +27,7 @@ from serving.prometheus_config import render_prometheus_config
 from serving.stack import ModeStack
 from serving.topology import MODES, ProxySettings, Topology, TopologyError, embedded_topology, load_topology
 from serving.workers import mode_workers, port_in_use, worker_command
+from turnscope import console_text
 from turnscope.evaluation import REPO_ROOT, default_settings, run_eval
 from turnscope.prefix_sweep import SWEEP_MODES, plan_sweep, run_sweep
 from turnscope.settings import SettingsError, TurnscopeSettings
@@ -167,29 +168,62 @@ def evaluate(
 
 
 def print_summary(store: Path, run_ids: list[str]) -> None:
-    """Print TTFT p50/p90 by turn index, reuse outcomes and P's external KV tokens per run."""
+    """Print TTFT p50/p90 by turn index, reuse outcomes and P's external KV tokens per run, then
+    the bottom line; every line fits the console's width (80 in a log file) without cutting a name."""
     ttft = report.ttft_by_turn(store, run_ids)
     outs = report.outcomes(store, run_ids)
     ext = report.external_kv_tokens(store, run_ids).set_index("run_id")["external_kv_tokens"].to_dict()
+    from dashboard import db, queries
+
+    runs = db.read(db.Store(store), queries.runs).set_index("run_id")
     for run_id in run_ids:
         rows = ttft[ttft.run_id == run_id]
-        table = Table(title=run_id, show_lines=False)
+        what = (f": {runs.at[run_id, 'mode']}, history {runs.at[run_id, 'history_mode']}"
+                if run_id in runs.index else "")
+        console_text.print_text(console, f"{run_id}{what}")
+        table = Table(show_lines=False)
         for col in ("turn", "turns", "TTFT p50 (ms)", "TTFT p90 (ms)"):
-            table.add_column(col, justify="right")
+            table.add_column(col, justify="right", overflow="fold")
         for r in rows.itertuples():
             table.add_row(str(r.turn_index), str(r.turns), f"{r.ttft_p50_s * 1000:.0f}", f"{r.ttft_p90_s * 1000:.0f}")
         console.print(table)
         o = outs[outs.run_id == run_id]
-        console.print("  reuse: " + ", ".join(f"{r.reuse}={r.turns}" for r in o.itertuples())
-                      + f"; prefill external_kv_transfer tokens: {int(ext.get(run_id) or 0)}")
+        console_text.print_list(console, "  reuse: ", [f"{r.reuse}={r.turns}" for r in o.itertuples()])
+        console_text.print_text(console, f"prefill external_kv_transfer tokens: {int(ext.get(run_id) or 0)}", "  ")
     print_bottom_line(store, run_ids)
+
+
+def bottom_line_blocks(ratios: list) -> list[list[str]]:
+    """The bottom line's text, one block of lines per comparison (``dashboard.headline.Ratio``):
+    the comparison and history mode; the speed-up (``dashboard.speedup``: the same number, label
+    and verdict as the Overview's cards) with its CI; medians and counts; for an undecided
+    verdict, the forecast sessions per side (``dashboard.sample_size``)."""
+    from dashboard import headline, speedup
+
+    pct = round(headline.CONFIDENCE * 100)
+    out = []
+    for r in ratios:
+        s = speedup.of(r)
+        lines = [
+            (f"{r.treatment} vs {r.baseline} (history {r.history_mode or 'unknown'}, "
+            f"workload {r.workload or 'unnamed'})"),
+            (f"  {speedup.LABEL} {speedup.fmt(s.value)}, {pct}% CI {speedup.fmt_ci(s.ci_low, s.ci_high)}: "
+            f"{s.verdict.value}"),
+            (f"  median TTFT {r.median_treatment_s * 1e3:.0f} vs {r.median_baseline_s * 1e3:.0f} ms over "
+            f"{r.n_treatment} vs {r.n_baseline} turns ({r.sessions_treatment} vs {r.sessions_baseline} sessions)"),
+        ]
+        need = headline.sessions_needed(r)
+        if need is not None:
+            lines.append("  " + need.sentence())
+        out.append(lines)
+    return out
 
 
 def print_bottom_line(store: Path, run_ids: list[str]) -> None:
     """Print the Overview page's headline for these runs: each pair of dashboard.headline.PAIRS
-    with median TTFT from the second turn on, the speed-up (baseline / bidirectional, the inverse
-    of the page's ratio) with its 95% bootstrap CI by session, and whether the CI excludes 1."""
-    from dashboard import db, headline, queries
+    with its speed-up (baseline / bidirectional median TTFT from the second turn on), 95% bootstrap
+    CI by session, verdict and, when undecided, the sessions a decision needs (`bottom_line_blocks`)."""
+    from dashboard import db, headline, queries, speedup
 
     f = queries.TurnFilter(run_ids=tuple(run_ids))
     dstore = db.Store(store)
@@ -198,17 +232,12 @@ def print_bottom_line(store: Path, run_ids: list[str]) -> None:
     ratios = headline.headline_ratios(samples, stats=stats)
     if not ratios:
         return
-    table = Table(title="Bottom line: TTFT from the second turn on (the dashboard's Overview)")
-    for col in ("bidirectional vs baseline", "history", "median TTFT (ms)", "speed-up", "95% CI", "verdict"):
-        table.add_column(col, justify="right" if col in ("median TTFT (ms)", "speed-up", "95% CI") else "left")
-    for r in ratios:
-        ci = f"{1 / r.ci_high:.2f}-{1 / r.ci_low:.2f}x" if r.has_ci else "n/a"
-        table.add_row(f"{r.treatment} vs {r.baseline}", str(r.history_mode),
-                      f"{r.median_treatment_s * 1e3:.0f} vs {r.median_baseline_s * 1e3:.0f}",
-                      f"{1 / r.ratio:.2f}x", ci, headline.direction(r))
-    console.print(table)
-    console.print("speed-up = baseline / bidirectional median TTFT (above 1: bidirectional transfer is faster); "
-                  "verdict: the 95% CI excludes 1 or not", highlight=False)
+    console.print()
+    console_text.print_text(console, "Bottom line: TTFT from the second turn on (the dashboard's Overview)")
+    console_text.print_text(console, speedup.MEANING + "; verdict: whether the 95% CI excludes 1")
+    for block in bottom_line_blocks(ratios):
+        for line in block:
+            console_text.print_text(console, line.strip(), "  " if line.startswith("  ") else "")
 
 
 SWEEP_MODE_LIST = ",".join(SWEEP_MODES)
@@ -320,26 +349,26 @@ def sweep(
 
 
 def print_sweep_summary(store: Path, run_ids: list[str]) -> None:
-    """Print mean / p90 TTFT (ms) per point and mode, with hits and P's external_kv_transfer tokens."""
+    """Print mean / p90 TTFT (ms) per point and mode, with hits and P's external_kv_transfer tokens:
+    one row per (prefix, mode), so the table fits 80 columns whatever the number of modes."""
     df = report.sweep_summary(store, run_ids)
     for history, g in df.groupby("history_mode", sort=True):
-        table = Table(title=f"TTFT mean / p90 (ms) by prefix tokens, history {history}; hits/later turns; "
-                            "P external_kv_transfer tokens")
+        console_text.print_text(console, f"Sweep, history {history}: TTFT mean / p90 (ms) by prefix tokens; hits of "
+                                         "later turns; P's external_kv_transfer tokens")
         modes = [m for m in SWEEP_MODES if m in set(g["mode"])] + sorted(set(g["mode"]) - set(SWEEP_MODES))
-        table.add_column("prefix", justify="right")
-        for m in modes:
-            table.add_column(m, justify="right")
+        table = Table()
+        for col in ("prefix", "mode", "TTFT mean / p90", "hits", "P ext. tokens"):
+            table.add_column(col, justify="left" if col == "mode" else "right", overflow="fold")
         for prefix, row in g.groupby("prefix_tokens", sort=True):
-            cells = []
-            for m in modes:
+            for i, m in enumerate(modes):
                 r = row[row["mode"] == m]
                 if r.empty or r.iloc[0]["turns"] == 0:
-                    cells.append("-")
+                    table.add_row(str(prefix) if i == 0 else "", m, "-", "-", "-", end_section=i == len(modes) - 1)
                     continue
                 r = r.iloc[0]
-                cells.append(f"{r.ttft_mean_s * 1e3:.0f} / {r.ttft_p90_s * 1e3:.0f}; {r.hits}/{r.later_turns}; "
-                             f"{int(r.external_kv_tokens)}")
-            table.add_row(str(prefix), *cells)
+                table.add_row(str(prefix) if i == 0 else "", m, f"{r.ttft_mean_s * 1e3:.0f} / {r.ttft_p90_s * 1e3:.0f}",
+                              f"{r.hits}/{r.later_turns}", f"{int(r.external_kv_tokens)}",
+                              end_section=i == len(modes) - 1)
         console.print(table)
 
 
@@ -424,7 +453,7 @@ def dashboard(store: StoreOpt = None,
     try:
         rc = subprocess.run([sys.executable, "-m", "streamlit", "run", str(REPO_ROOT / "dashboard" / "app.py"),
                              "--server.headless", "true", "--server.address", host, "--server.port", str(port),
-                             "--browser.gatherUsageStats", "false"], env=env, check=False).returncode
+                             "--browser.gatherUsageStats", "false", "--client.toolbarMode", "viewer"], env=env, check=False).returncode
     except KeyboardInterrupt:
         return
     if rc != 0:

@@ -32,6 +32,7 @@ from loadgen.workload import load_workload
 from serving.embedded_model import ModelSpec
 from serving.stack import ModeStack
 from serving.topology import MODES, Topology, embedded_topology
+from turnscope import console_text
 from turnscope.store import Store
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -194,7 +195,7 @@ def run_eval(s: EvalSettings, console: Console | None = None,
         console.print(f"[bold]mode {mode}[/bold]: starting workers")
         with ModeStack(mode, s.topology, s.log_dir, s.kv_bytes_per_token, console.print) as stack:
             outcomes = warm_up(stack.proxy_url, s.topology.served_model_name or s.topology.model)
-            console.print(f"  [{mode}] warm-up outcomes: {', '.join(outcomes)}")
+            console_text.print_list(console, f"  [{mode}] warm-up outcomes: ", outcomes)
             plans = runs.get(mode, []) if runs is not None else [
                 RunPlan(run_id=f"{s.label}-{stamp}-{mode}-{history}", history=history, settings=s)
                 for history in s.histories]

@@ -1,12 +1,24 @@
 """Compare: two runs or modes on the same workload, favourable and unfavourable turns side by side,
-with bootstrap confidence intervals and a plain-language verdict (DESIGN §7)."""
+as speed-ups B / A (``dashboard.speedup``) with bootstrap confidence intervals and a plain-language
+verdict."""
 
 from __future__ import annotations
 
 import pandas as pd
 import streamlit as st
 
-from dashboard import compare, context, db, figures, headline, report, tables
+from dashboard import (
+    cards,
+    compare_stats,
+    context,
+    db,
+    figures,
+    headline,
+    html_reports,
+    queries,
+    speedup,
+    tables,
+)
 from dashboard.figures import MODE_ORDER
 from dashboard.loader import load
 
@@ -15,11 +27,11 @@ from dashboard.loader import load
 def _analyse(
     samples: pd.DataFrame, stats: pd.DataFrame, a_name: str, b_name: str
 ) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
-    """`compare.side_ratios`, `compare.ratio_by_turn` and `compare.case_table`, cached."""
+    """`compare_stats.side_ratios`, `compare_stats.ratio_by_turn` and `compare_stats.case_table`, cached."""
     return (
-        compare.side_ratios(samples, a_name, b_name, stats),
-        compare.ratio_by_turn(samples, stats),
-        compare.case_table(samples, stats),
+        compare_stats.side_ratios(samples, a_name, b_name, stats),
+        compare_stats.ratio_by_turn(samples, stats),
+        compare_stats.case_table(samples, stats),
     )
 
 
@@ -82,9 +94,9 @@ if wa != wb:
     )
 
 # Exact medians and counts over every turn; the bootstraps see whole sessions sampled to about
-# compare.SAMPLE_TURNS turns per side (all of them in smaller stores).
-stats = load(sel.root, "compare_stats", a_ids, b_ids, f, headline.MIN_TURN_INDEX)
-samples = load(sel.root, "compare_samples", a_ids, b_ids, f, compare.SAMPLE_TURNS)
+# compare_stats.SAMPLE_TURNS turns per side (all of them in smaller stores).
+stats = load(sel.root, queries.compare_stats, a_ids, b_ids, f, headline.MIN_TURN_INDEX)
+samples = load(sel.root, queries.compare_samples, a_ids, b_ids, f, compare_stats.SAMPLE_TURNS)
 if samples.empty or not {"A", "B"} <= set(samples["side"]):
     st.info("One side has no ok turns with a TTFT in the selection yet.")
     st.stop()
@@ -104,29 +116,16 @@ for col, (key, (title, what)) in zip(cols, titles.items(), strict=True):
     if r is None:
         col.metric(title, "n/a", help=f"{what}: one side has no such turns")
         continue
-    col.metric(
-        title,
-        f"{r.ratio:.3f}×",
-        delta=f"{(r.ratio - 1) * 100:+.1f}% TTFT",
-        delta_color="inverse",
-        help=f"median TTFT(A) / median TTFT(B) over ok turns: {what}",
-    )
-    ci = f"{r.ci_low:.3f}–{r.ci_high:.3f}×" if r.has_ci else "n/a (fewer than 2 sessions)"
-    sub = " · CI from a random subset of sessions (wider than with all)" if r.ci_subsampled else ""
-    col.caption(
-        f"{pct}% CI {ci} · median {r.median_treatment_s * 1e3:.1f} ms vs {r.median_baseline_s * 1e3:.1f} ms · "
-        f"n = {r.n_treatment} vs {r.n_baseline} turns ({r.sessions_treatment} vs {r.sessions_baseline} "
-        f"sessions){sub}"
-    )
+    cards.speedup_card(col, title, r, f"Here baseline = B, bidirectional = A; ok turns: {what}.")
 fav_a, all_a = ratios["favourable"], ratios["all"]
 share = (fav_a.n_treatment if fav_a else 0) / all_a.n_treatment if all_a else None
-verdict = compare.verdict(ratios, share)
+verdict = compare_stats.verdict(ratios, share)
 st.markdown("\n\n".join(verdict))
 st.caption(
     "Favourable: a turn that continues its session (kind `turn`) within the proxy's TTL (the run's "
     "decoder_kv_blocks_ttl minus the handle margin), where reuse can help. Unfavourable: every other turn "
-    f"after the first. Ratios of medians with {pct}% percentile-bootstrap intervals (scipy), resampling "
-    "whole sessions."
+    f"after the first. {speedup.LABEL.capitalize()} = median TTFT of B / median TTFT of A (above 1: A is "
+    f"faster), with {pct}% percentile-bootstrap intervals (scipy) resampling whole sessions."
 )
 
 # --- by turn index ----------------------------------------------------------------------------
@@ -134,7 +133,7 @@ by_turn_fig = figures.compare_by_turn(by_turn, a_name, b_name)
 st.plotly_chart(by_turn_fig, key="compare_by_turn")
 if bool(by_turn["ci_subsampled"].any()) if not by_turn.empty else False:
     st.caption(
-        f"Turn indexes with more than {compare.MAX_CI_TURNS_PER_INDEX} turns on a side are bootstrapped on a "
+        f"Turn indexes with more than {compare_stats.MAX_CI_TURNS_PER_INDEX} turns on a side are bootstrapped on a "
         "random subset of them: their intervals are wider than with all."
     )
 
@@ -153,7 +152,7 @@ ratio_table = tables.ratio_table(ratios)
 description = f"A = {a_name} ({len(a_ids)} run(s)), B = {b_name} ({len(b_ids)} run(s)); {sel.describe()}"
 st.download_button(
     "Export this comparison as HTML",
-    data=lambda: report.compare_report(
+    data=lambda: html_reports.compare_report(
         a_name, b_name, description, verdict, ratio_table, by_turn_fig, cases_fig, case_view
     ),
     file_name=f"turnscope-compare-{a}-vs-{b}.html".replace("/", "_"),

@@ -1,11 +1,11 @@
 """Memory: KV usage and live handle bytes over time next to the hit rate, the cost of reuse, and
-what other decoder_kv_blocks_ttl values would have given (DESIGN §5 Memory, §7)."""
+what other decoder_kv_blocks_ttl values would have given (docs/schema.md: `metric_samples`, `run_kv_transfer`)."""
 
 from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import context, figures, tables
+from dashboard import context, figures, queries, tables
 from dashboard.loader import load
 
 #: TTLs (seconds) the what-if replays, besides the runs' own (at or below the proxy's 30 s margin nothing
@@ -23,8 +23,8 @@ st.caption(
     "rate and the what-if only."
 )
 
-mem = load(sel.root, "memory_timeline", f)
-hits = load(sel.root, "hit_rate_timeline", f)
+mem = load(sel.root, queries.memory_timeline, f)
+hits = load(sel.root, queries.hit_rate_timeline, f)
 st.plotly_chart(figures.memory_timeline(mem, hits), key="memory_timeline")
 if mem.empty:
     st.info(
@@ -34,7 +34,7 @@ if mem.empty:
 
 # --- cost of reuse ----------------------------------------------------------------------------
 st.subheader("The cost of reuse")
-cost = load(sel.root, "reuse_cost", f)
+cost = load(sel.root, queries.reuse_cost, f)
 if cost.empty:
     st.info("No selected run held handles or pulled KV from D (pd-bidir modes do).")
 else:
@@ -63,10 +63,10 @@ else:
 
 # --- what-if TTL ------------------------------------------------------------------------------
 st.subheader("What if the TTL were different?")
-config = load(sel.root, "run_config", f)
+config = load(sel.root, queries.run_config, f)
 current = sorted({float(t) for t in config["decoder_kv_blocks_ttl_s"].dropna()})
 ttls = tuple(sorted(set(WHATIF_TTLS_S) | set(current)))
-whatif = load(sel.root, "whatif_ttl", f, ttls)
+whatif = load(sel.root, queries.whatif_ttl, f, ttls)
 st.plotly_chart(figures.whatif_ttl(whatif, current), key="whatif_ttl")
 margins = sorted({float(m) for m in config["handle_ttl_margin_s"].dropna()})
 margin = ", ".join(f"{m:.0f}" for m in margins) or "30"

@@ -1,11 +1,11 @@
-"""Overview: did KV reuse across turns pay off, per serving mode (DESIGN §7)."""
+"""Overview: did KV reuse across turns pay off, per serving mode (README, "A five-minute tour")."""
 
 from __future__ import annotations
 
 import pandas as pd
 import streamlit as st
 
-from dashboard import context, db, figures, headline, report, tables
+from dashboard import cards, context, db, figures, headline, html_reports, queries, speedup, tables
 from dashboard.loader import load
 
 
@@ -23,20 +23,21 @@ if not sel.run_ids:
 
 run_ids = sel.run_ids
 f = sel.filter
-outcomes = load(sel.root, "reuse_outcomes", f, headline.MIN_TURN_INDEX)
+outcomes = load(sel.root, queries.reuse_outcomes, f, headline.MIN_TURN_INDEX)
 
 # --- headline ---------------------------------------------------------------------------------
 st.subheader("Headline: TTFT from the second turn on")
 st.caption(
-    "Ratio of median TTFT of ok turns with turn_index ≥ 1 (turn 2 onward, where a session can "
-    f"reuse KV), treatment over baseline; {int(headline.CONFIDENCE * 100)}% percentile-bootstrap "
-    "confidence interval resampling whole sessions. Below 1 means the treatment is faster "
-    "(the Sweep page, like the vendor, reports the inverse: speed-up = baseline / treatment)."
+    f"{speedup.MEANING}: median TTFT of ok turns with turn_index ≥ 1 (turn 2 onward, where a "
+    f"session can reuse KV); {int(headline.CONFIDENCE * 100)}% percentile-bootstrap confidence "
+    "interval resampling whole sessions. The chip is the verdict: green when the interval lies above "
+    "1, red below, grey when it includes 1. The CLI's bottom line prints the same numbers; Compare and Sweep "
+    "use the same convention."
 )
 # Exact medians and counts over every turn; the bootstrap sees whole sessions sampled to about
 # MAX_CI_TURNS turns per mode (all of them in smaller stores).
-stats = load(sel.root, "ttft_stats", f, headline.MIN_TURN_INDEX)
-samples = load(sel.root, "ttft_samples", f, headline.MIN_TURN_INDEX, headline.MAX_CI_TURNS)
+stats = load(sel.root, queries.ttft_stats, f, headline.MIN_TURN_INDEX)
+samples = load(sel.root, queries.ttft_samples, f, headline.MIN_TURN_INDEX, headline.MAX_CI_TURNS)
 later_modes = {str(m) for m in stats["mode"].unique()}  # modes with ok turns after the first
 ratios = _ratios(samples, stats)
 scopes = list(dict.fromkeys((r.workload, r.history_mode) for r in ratios))
@@ -45,26 +46,8 @@ for workload, history_mode in scopes:
     if len(scopes) > 1:  # a row of cards per workload and history mode keeps the card titles short
         st.markdown(f"**{workload or 'unnamed workload'} · history {history_mode or 'unknown'}**")
     for col, r in zip(st.columns(len(headline.PAIRS)), mine, strict=False):
-        ci = f"{r.ci_low:.3f}–{r.ci_high:.3f}×" if r.has_ci else "n/a (fewer than 2 sessions)"
-        col.metric(
-            label=f"{r.treatment} vs {r.baseline}",
-            value=f"{r.ratio:.3f}×",
-            delta=f"{(r.ratio - 1) * 100:+.1f}% TTFT",
-            delta_color="inverse",
-            help="median TTFT(treatment) / median TTFT(baseline), turn_index ≥ 1, ok turns",
-        )
-        sub = (
-            f" · CI from a random {r.ci_sessions_treatment} vs {r.ci_sessions_baseline} sessions (wider than "
-            "with all)"
-            if r.ci_subsampled
-            else ""
-        )
-        col.caption(
-            f"{int(headline.CONFIDENCE * 100)}% CI {ci} · median "
-            f"{r.median_treatment_s * 1e3:.1f} ms vs {r.median_baseline_s * 1e3:.1f} ms · "
-            f"n = {r.n_treatment} vs {r.n_baseline} turns "
-            f"({r.sessions_treatment} vs {r.sessions_baseline} sessions){sub}"
-        )
+        cards.speedup_card(col, f"{r.treatment} vs {r.baseline}", r,
+                           "Turn index ≥ 1, ok turns, whole sessions resampled.")
 for r in ratios:
     st.markdown(headline.verdict(r))
 if not ratios:
@@ -83,12 +66,12 @@ for line in headline.all_miss_warnings(outcomes):
 # --- per mode ---------------------------------------------------------------------------------
 left, right = st.columns([3, 2])
 with left:
-    by_turn = load(sel.root, "ttft_by_turn", f)
+    by_turn = load(sel.root, queries.ttft_by_turn, f)
     st.plotly_chart(figures.ttft_by_turn(by_turn), key="ttft_by_turn")
 with right:
     st.plotly_chart(figures.reuse_outcomes(outcomes), key="reuse_outcomes")
 
-ext = load(sel.root, "external_kv_tokens", run_ids)
+ext = load(sel.root, queries.external_kv_tokens, run_ids)
 st.plotly_chart(figures.external_kv_tokens(ext), key="external_kv_tokens")
 if ext.empty:
     st.caption(
@@ -100,7 +83,7 @@ if ext.empty:
 st.subheader("Runs")
 if f.narrows_turns:
     st.caption("The run table counts every turn of each run; the archetype and kind filters apply above.")
-summary = load(sel.root, "run_summary", run_ids)
+summary = load(sel.root, queries.run_summary, run_ids)
 st.dataframe(
     tables.run_summary_table(summary),
     hide_index=True,
@@ -117,7 +100,7 @@ st.dataframe(
 
 st.download_button(
     "Export these runs as HTML",
-    data=lambda: report.run_report(sel.store, f, sel.describe()),
+    data=lambda: html_reports.run_report(sel.store, f, sel.describe()),
     file_name="turnscope-runs.html",
     mime="text/html",
     icon=":material/download:",

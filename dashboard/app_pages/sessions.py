@@ -1,11 +1,11 @@
 """Sessions: task latency split into LLM, tool, think and pause, and one session's timeline
-(DESIGN §5 task latency, §7)."""
+(task latency: docs/schema.md, ``session_tasks``)."""
 
 from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import context, figures, tables
+from dashboard import context, figures, queries, tables
 from dashboard.loader import load
 
 sel = context.current()
@@ -19,7 +19,7 @@ st.caption(
     "A session appears once it has finished (its row is written at the end)."
 )
 
-split = load(sel.root, "task_split", f)
+split = load(sel.root, queries.task_split, f)
 if split.empty:
     st.info("No finished sessions in the selection yet.")
 st.plotly_chart(figures.task_split(split), key="task_split")
@@ -30,16 +30,16 @@ st.caption(
 
 # --- one session ------------------------------------------------------------------------------
 st.subheader("One session")
-listed = load(sel.root, "session_list", f, 500)
+listed = load(sel.root, queries.session_list, f, 500)
 if listed.empty:
     st.info("No sessions to pick.")
     st.stop()
 total = int(listed["total"].iloc[0])
 keys = (listed["run_id"].astype(str) + "/" + listed["session_id"].astype(str)).tolist()
 names = {
-    k: f"{row.session_id} · {row.run_label} · {row.mode} · {row.task_latency_s:.1f} s"
+    k: f"{row.session_id} · {row.run_label} · {row.mode} · {row.history_mode} · {row.task_latency_s:.1f} s"
     if row.task_latency_s == row.task_latency_s
-    else f"{row.session_id} · {row.run_label} · {row.mode}"
+    else f"{row.session_id} · {row.run_label} · {row.mode} · {row.history_mode}"
     for k, row in zip(keys, listed.itertuples(), strict=True)
 }
 pick = st.selectbox(
@@ -54,7 +54,7 @@ if pick is None:
     st.caption("Pick a session above to draw its timeline: each turn's gap, wait for the first token and stream.")
 else:
     run_id, session_id = pick.split("/", 1)
-    turns = load(sel.root, "session_turns", run_id, session_id)
+    turns = load(sel.root, queries.session_turns, run_id, session_id)
     st.plotly_chart(figures.session_timeline(turns), key="session_timeline")
     row = listed.iloc[keys.index(pick)]
     st.caption(
@@ -70,5 +70,6 @@ st.dataframe(
     column_config={
         c: st.column_config.NumberColumn(format="%.2f")
         for c in ("task (s)", "LLM (s)", "tool (s)", "think (s)", "pause (s)")
-    },
+    }
+    | {"run_id": st.column_config.TextColumn(width="large")},
 )

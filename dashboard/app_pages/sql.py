@@ -1,4 +1,4 @@
-"""SQL: a read-only console over the store's views (DESIGN §7)."""
+"""SQL: a read-only console over the store's views (docs/schema.md lists them)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import context, db, sweep, sweep_figures
+from dashboard import context, db, queries, speedup, sweep_figures, sweep_stats
 from dashboard.loader import load
 
 #: The vendor's published numbers (vLLM blog 2026-10-12, 1P1D on 2 x p5en.48xlarge, 8 x H200 each,
@@ -26,7 +26,7 @@ VENDOR = pd.DataFrame([
 
 @st.cache_data(ttl=db.CACHE_TTL_S, show_spinner="Bootstrapping the speed-ups' confidence intervals…")
 def _speedups(turns: pd.DataFrame, stat: str, min_turn_index: int) -> pd.DataFrame:
-    return sweep.speedups(turns, stat=stat, min_turn_index=min_turn_index)
+    return sweep_stats.speedups(turns, stat=stat, min_turn_index=min_turn_index)
 
 
 def _sweep_name(points: pd.DataFrame, sweep_id: str) -> str:
@@ -48,7 +48,7 @@ if not sel.run_ids:
     st.info("No runs match the sidebar's filters.")
     st.stop()
 
-points = load(sel.root, "sweep_points", sel.run_ids)
+points = load(sel.root, queries.sweep_points, sel.run_ids)
 if points.empty:
     st.info("No sweep among the selected runs: run `turnscope sweep` (the vendor's benchmark scaled to the "
             "embedded default takes about 13 minutes), then refresh.")
@@ -65,12 +65,12 @@ which = c2.radio("Turns", ["every request (the vendor's count)", "from the secon
                  key="sweep_turns", help="The vendor's benchmark averages over every request, the first turn of "
                                          "each conversation (nothing to reuse yet) included.")
 min_turn = 0 if which.startswith("every") else 1
-stat = c3.radio("Speed-up of", list(sweep.STATS), horizontal=True, key="sweep_stat",
+stat = c3.radio("Speed-up of", list(sweep_stats.STATS), horizontal=True, key="sweep_stat",
                 help="The vendor reports mean TTFT; p90 shows the tail.")
 
-turns = load(sel.root, "sweep_turns", sel.filter, sweep_id)
+turns = load(sel.root, queries.sweep_turns, sel.filter, sweep_id)
 turns = turns[turns["history_mode"] == history]
-transfer = load(sel.root, "sweep_transfer", sel.run_ids, sweep_id)
+transfer = load(sel.root, queries.sweep_transfer, sel.run_ids, sweep_id)
 transfer = transfer[transfer["history_mode"] == history]
 mine = mine[mine["history_mode"] == history]
 
@@ -86,17 +86,17 @@ st.caption(
     + f"history `{history}`; {len(mine)} runs ({', '.join(sorted(mine['status'].unique()))})."
 )
 
-stats = sweep.point_stats(turns, min_turn)
-fit = sweep.fit_prefill(turns)
-per_token = sweep.transfer_s_per_token(transfer)
-ideal_turns = sweep.ideal_turns(turns, fit, per_token, min_turn) if fit is not None else pd.DataFrame()
-ideal = sweep.ideal_stats(ideal_turns) if not ideal_turns.empty else pd.DataFrame()
+stats = sweep_stats.point_stats(turns, min_turn)
+fit = sweep_stats.fit_prefill(turns)
+per_token = sweep_stats.transfer_s_per_token(transfer)
+ideal_turns = sweep_stats.ideal_turns(turns, fit, per_token, min_turn) if fit is not None else pd.DataFrame()
+ideal = sweep_stats.ideal_stats(ideal_turns) if not ideal_turns.empty else pd.DataFrame()
 
 st.plotly_chart(sweep_figures.ttft_vs_prefix(stats, ideal, x_title), key="sweep_ttft")
 
 sp = _speedups(turns, stat, min_turn)
-limit = sweep.ideal_speedup(stats, ideal, stat) if not ideal.empty else None
-for line in sweep.verdicts(sp, stat):
+limit = sweep_stats.ideal_speedup(stats, ideal, stat) if not ideal.empty else None
+for line in sweep_stats.verdicts(sp, stat):
     st.markdown(line)
 st.plotly_chart(sweep_figures.speedup_vs_prefix(sp, limit, stat, x_title), key="sweep_speedup")
 
@@ -135,11 +135,12 @@ st.dataframe(
     pd.DataFrame({
         "pair": sp["pair"], "prefix tokens": sp["prefix_tokens"],
         f"bidirectional {stat} (ms)": sp["treatment_s"] * 1e3, f"baseline {stat} (ms)": sp["baseline_s"] * 1e3,
-        "speed-up": sp["speedup"], "95% CI low": sp["ci_low"], "95% CI high": sp["ci_high"],
+        speedup.LABEL: sp["speedup"], "95% CI low": sp["ci_low"], "95% CI high": sp["ci_high"],
+        "verdict": [speedup.verdict_of(lo, hi).value for lo, hi in zip(sp["ci_low"], sp["ci_high"], strict=True)],
         "turns (bidir / baseline)": sp["n_treatment"].astype(str) + " / " + sp["n_baseline"].astype(str),
     }),
     hide_index=True, key="sweep_speedups_table",
-    column_config={c: st.column_config.NumberColumn(format="%.3f") for c in ("speed-up", "95% CI low", "95% CI high")}
+    column_config={c: st.column_config.NumberColumn(format="%.2fx") for c in (speedup.LABEL, "95% CI low", "95% CI high")}
     | {c: st.column_config.NumberColumn(format="%.1f")
        for c in (f"bidirectional {stat} (ms)", f"baseline {stat} (ms)")},
 )

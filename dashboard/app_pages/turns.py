@@ -1,12 +1,14 @@
 """Turns: latency by turn index and history length, where each turn's time went, and expected vs
-measured reuse (DESIGN §7)."""
+measured reuse (only the modes that can reuse KV from D are listed)."""
 
 from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import context, figures, queries, report, tables, traffic_figures, traffic_queries
+from dashboard import context, figures, html_reports, queries, tables
+from dashboard.figures import traffic as traffic_figures
 from dashboard.loader import load
+from dashboard.queries import traffic as traffic_queries
 
 sel = context.current()
 st.title("Turns")
@@ -14,7 +16,7 @@ if not sel.run_ids:
     st.info("No runs match the sidebar's filters.")
     st.stop()
 f = sel.filter
-st.caption(f"Selection: {sel.describe()}. Medians over ok turns; colour is the proxy's reuse outcome.")
+st.caption(f"Selection: {sel.describe()}. Medians over ok turns; colour is the mode (the same on every page), the marker the proxy's reuse outcome.")
 
 # --- latency ----------------------------------------------------------------------------------
 by_label = st.segmented_control(
@@ -25,19 +27,19 @@ by_label = st.segmented_control(
     help="History length: the turn's prompt tokens (the whole history plus the new turn), in bins.",
 )
 by = "history" if by_label == "history length" else "turn_index"
-latency = load(sel.root, "latency_by", f, by)
+latency = load(sel.root, queries.latency_by, f, by)
 if latency.empty:
     st.info("No ok turns in the selection yet.")
 st.plotly_chart(figures.latency_panels(latency, by), key="latency_panels")
 
 # --- time split -------------------------------------------------------------------------------
 st.subheader("Where each turn's time went")
-kv = load(sel.root, "kv_transfer", f)
-split = load(sel.root, "time_split", f, queries.xfer_rates(kv))
+kv = load(sel.root, queries.kv_transfer, f)
+split = load(sel.root, queries.time_split, f, queries.xfer_rates(kv))
 st.plotly_chart(figures.time_split(split), key="time_split")
 st.caption(
     "Per turn: proxy = TTFT − the proxy's prefill leg (routing, queueing, D pulling P's KV and D's first "
-    "token); prefill leg = P's time, less the KV transfer; decode = E2E − TTFT. " + report.TRANSFER_NOTE
+    "token); prefill leg = P's time, less the KV transfer; decode = E2E − TTFT. " + html_reports.TRANSFER_NOTE
 )
 if not split.empty and int(split["transfer_unknown_turns"].sum()):
     st.warning(
@@ -56,22 +58,31 @@ min_short = st.number_input(
     help="Reuse is whole KV blocks, so a shortfall below one block (128 tokens on the embedded CPU model, "
     "16 on most GPUs) is expected; set this to your block size.",
 )
-vs = load(sel.root, "reuse_vs_expected", f, int(min_short))
+vs = load(sel.root, queries.reuse_vs_expected, f, int(min_short))
 st.plotly_chart(figures.reuse_vs_expected(vs), key="reuse_vs_expected")
 st.caption(
     "Expected: the longest common prefix of the previous turn's prompt + output ids and this prompt's ids. "
-    "Measured: tokens P pulled from D plus P's own prefix-cache hit (the server's cached_tokens without a proxy). "
-    "`pd-nocache` reuses nothing across turns, so every later turn of it falls short by design; "
-    "docs/schema.md's `below_expectation` query lists only the `pd-bidir*` modes."
+    "Measured: tokens P pulled from D plus P's own prefix-cache hit (the server's cached_tokens without a proxy)."
 )
-short = load(sel.root, "reuse_shortfalls", f, int(min_short), 200)
+covered = ", ".join(f"`{m}`" for m in queries.REUSE_FROM_D_MODES)
+by_design = (
+    vs[~vs["mode"].isin(queries.REUSE_FROM_D_MODES)].groupby("mode", sort=True)["short_turns"].sum()
+    if not vs.empty
+    else vs
+)
+by_design = by_design[by_design > 0] if len(by_design) else by_design
+short = load(sel.root, queries.reuse_shortfalls, f, int(min_short), 200)
 if short.empty:
-    st.success(f"No ok later turn reused {int(min_short)} or more tokens less than expected.")
+    st.success(
+        f"No ok later turn of {covered} (the modes that can reuse KV from D) reused {int(min_short)} or more "
+        "tokens less than expected."
+    )
 else:
     total = int(short["total"].iloc[0])
     st.markdown(
-        f"**{total} turn(s) where the engine reused at least {int(min_short)} tokens less than expected**"
-        + (f" (the {len(short)} largest shortfalls shown)" if total > len(short) else "")
+        f"**{total} turn(s) of {covered} where the engine reused at least {int(min_short)} tokens less than "
+        "expected**" + (f" (the {len(short)} largest shortfalls shown)" if total > len(short) else "")
+        + ": the modes that can reuse KV from D, so each is a miss worth a look."
     )
     st.dataframe(
         tables.shortfall_table(short),
@@ -81,10 +92,17 @@ else:
     )
 
 # --- replayed traces --------------------------------------------------------------------------
-trace_turns = traffic_queries.load(sel.root, "trace_reuse", sel.run_ids)
+trace_turns = load(sel.root, traffic_queries.trace_reuse, tuple(sel.run_ids))
 if not trace_turns.empty:
     st.subheader("Replayed traces: the trace's reuse vs the engine's")
     st.plotly_chart(traffic_figures.trace_vs_engine(trace_turns), key="trace_vs_engine")
     st.caption("Turns of replayed real traces (workload `traces` of format `kv_cache_tester`): the tokens the trace "
                "says the request shared with the previous one, times the trace's token_scale, against what the "
                "engine reused. Compactions in the trace are replayed as appends, so the engine may reuse more.")
+if len(by_design):
+    st.caption(
+        "Short by design, not listed: "
+        + ", ".join(f"`{m}` {int(n)} turn(s)" for m, n in by_design.items())
+        + ". `pd-nocache` recomputes every prompt; `pd` and `aggregated` reuse only their own prefix cache, "
+        "never KV from D."
+    )

@@ -15,6 +15,7 @@ import numpy as np
 import plotly.io as pio
 import pytest
 import streamlit as st
+from streamlit.proto.Metric_pb2 import Metric
 from streamlit.testing.v1 import AppTest
 
 from tests import dashboard_store
@@ -91,10 +92,12 @@ def test_overview_renders_with_headline_equal_to_sql(monkeypatch, store_root):
     # The same medians, computed by hand from the fixture's formulas.
     by_hand_bidir, by_hand_agg = later_turn_medians_by_hand()
     assert bidir == pytest.approx(by_hand_bidir) and agg == pytest.approx(by_hand_agg)
-    assert at.metric[0].value == f"{bidir / agg:.3f}×"
+    # The speed-up (baseline / bidirectional), as the CLI prints it; the chip is the verdict.
+    assert at.metric[0].value == f"{agg / bidir:.2f}x"
+    assert at.metric[0].proto.delta == "faster" and at.metric[0].proto.color == Metric.GREEN  # by verdict
 
     captions = [c.value for c in at.caption]
-    assert any(f"median {bidir * 1e3:.1f} ms vs {agg * 1e3:.1f} ms" in c for c in captions), captions
+    assert any(f"median TTFT {bidir * 1e3:.1f} ms vs {agg * 1e3:.1f} ms" in c for c in captions), captions
     # 17 = 2 runs x 3 sessions x 3 later turns, less the timed-out one; 9 = 3 x 3.
     assert any("n = 17 vs 9 turns (6 vs 3 sessions)" in c for c in captions), captions
     assert any("pd-bidir-nocache vs pd-nocache" in c and "`pd-nocache`" in c for c in captions), captions
@@ -203,11 +206,11 @@ def test_run_filter(monkeypatch, store_root):
     (expected,) = raw_sql(
         store_root,
         """
-        SELECT (SELECT median(ttft_s) FROM {turns} WHERE run_id = 'bidir-2' AND status = 'ok' AND turn_index >= 1)
-             / (SELECT median(ttft_s) FROM {turns} WHERE run_id = 'agg-1' AND status = 'ok' AND turn_index >= 1)
+        SELECT (SELECT median(ttft_s) FROM {turns} WHERE run_id = 'agg-1' AND status = 'ok' AND turn_index >= 1)
+             / (SELECT median(ttft_s) FROM {turns} WHERE run_id = 'bidir-2' AND status = 'ok' AND turn_index >= 1)
         """,
     )[0]
-    assert [m.value for m in at.metric] == [f"{expected:.3f}×"]
+    assert [m.value for m in at.metric] == [f"{expected:.2f}x"]
     assert not at.warning  # pd-bidir-nocache is filtered out
 
 
@@ -243,12 +246,38 @@ def test_cli_bottom_line_is_the_overview_headline_as_a_speed_up(store_root, caps
     (aggregated's median / pd-bidir's, hand-computed from the fixture's formulas)."""
     from turnscope.cli import print_bottom_line
 
-    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.setenv("COLUMNS", "80")
     print_bottom_line(store_root, list(dashboard_store.RUNS))
     out = capsys.readouterr().out
     by_hand_bidir, by_hand_agg = later_turn_medians_by_hand()
-    (row,) = [line for line in out.splitlines() if "pd-bidir vs aggregated" in line]
-    assert f"{by_hand_agg / by_hand_bidir:.2f}x" in row, out
-    assert f"{by_hand_bidir * 1e3:.0f} vs {by_hand_agg * 1e3:.0f}" in row
-    assert "faster" in row  # as the Overview's verdict on the same store says
+    lines = out.splitlines()
+    i = next(i for i, line in enumerate(lines) if line.startswith("pd-bidir vs aggregated"))
+    assert lines[i + 1].startswith(f"  speed-up {by_hand_agg / by_hand_bidir:.2f}x, 95% CI "), out
+    assert lines[i + 1].endswith(": faster")  # as the Overview's verdict on the same store says
+    assert f"median TTFT {by_hand_bidir * 1e3:.0f} vs {by_hand_agg * 1e3:.0f} ms" in lines[i + 2]
     assert "pd-bidir vs pd " not in out  # no pd run: no row
+    assert max(len(line) for line in lines) <= 80
+
+
+def test_cli_and_overview_show_the_same_comparison_the_same_way(store_root, capsys, monkeypatch):
+    """One convention: the CLI's bottom line and the Overview card give the same label, the same
+    speed-up, the same interval and the same verdict for the same comparison; the number is the
+    hand-computed speed-up (baseline median / bidirectional median, > 1 = bidirectional faster)."""
+    from turnscope.cli import print_bottom_line
+
+    monkeypatch.setenv("COLUMNS", "120")
+    print_bottom_line(store_root, list(dashboard_store.RUNS))
+    lines = capsys.readouterr().out.splitlines()
+    i = next(i for i, line in enumerate(lines) if line.startswith("pd-bidir vs aggregated"))
+    label, rest = lines[i + 1].strip().split(" ", 1)
+    cli_value, rest = rest.split(", 95% CI ")
+    cli_ci, cli_verdict = rest.split(": ")
+
+    at = run_app(monkeypatch, store_root)
+    (card,) = at.metric
+    assert card.label == "pd-bidir vs aggregated"
+    bidir, agg = later_turn_medians_by_hand()
+    assert card.value == cli_value == f"{agg / bidir:.2f}x"
+    assert card.proto.delta == cli_verdict == "faster"
+    caption = next(c.value for c in at.caption if c.value.startswith("speed-up 95% CI "))
+    assert label == "speed-up" and caption.startswith(f"{label} 95% CI {cli_ci} ·"), (caption, cli_ci)

@@ -89,8 +89,8 @@ def later_turns(run_ids=None):
 def test_turns_latency_by_turn_index_and_history(monkeypatch, store_root):
     at = open_page(monkeypatch, store_root, "turns")
     fig = next(f for t, f in charts(at).items() if t.startswith("Latency by turn index"))
-    ttft_hit = next(tr for tr in fig.data if tr.name == "hit · pd-bidir" and tr.xaxis == "x")
-    e2e_hit = next(tr for tr in fig.data if tr.name == "hit · pd-bidir" and tr.xaxis == "x3")
+    ttft_hit = next(tr for tr in fig.data if tr.name == "pd-bidir · hit" and tr.xaxis == "x")
+    e2e_hit = next(tr for tr in fig.data if tr.name == "pd-bidir · hit" and tr.xaxis == "x3")
     got, got_e2e = xy(ttft_hit), xy(e2e_hit)
     for turn in (1, 2, 3):
         (ttft, e2e) = fx.raw_sql(
@@ -108,7 +108,7 @@ def test_turns_latency_by_turn_index_and_history(monkeypatch, store_root):
     at.segmented_control(key="turns_by").set_value("history length")
     rerun(at)
     fig = next(f for t, f in charts(at).items() if t.startswith("Latency by history length"))
-    nores = xy(next(tr for tr in fig.data if tr.name == "miss_no_handle_returned · pd-bidir-nocache" and tr.xaxis == "x"))
+    nores = xy(next(tr for tr in fig.data if tr.name == "pd-bidir-nocache · miss_no_handle_returned" and tr.xaxis == "x"))
     # Prompts are 1000 + 300 t tokens (max 1900): bins of 100 tokens, so one bin per turn index.
     assert sorted(nores) == [1300.0, 1600.0, 1900.0]
     (p50,) = fx.raw_sql(
@@ -168,7 +168,8 @@ def test_turns_expected_vs_measured_reuse(monkeypatch, store_root):
     assert len(expected) == 2 + 1 + 9
     table = at.dataframe[0].value
     assert sorted(zip(table["run_id"], table["session"], table["turn"], strict=True)) == expected
-    assert any(m.value.startswith(f"**{len(expected)} turn(s) where the engine reused") for m in at.markdown)
+    assert any(m.value.startswith(f"**{len(expected)} turn(s) of `pd-bidir`, `pd-bidir-nocache` where the engine reused")
+               for m in at.markdown)
     mismatch = table[(table["run_id"] == "bidir-2") & (table["turn"] == 2)].iloc[0]
     assert mismatch["shortfall"] == fx.expected_reusable(2, 2) - 512
 
@@ -188,6 +189,46 @@ def test_turns_expected_vs_measured_reuse(monkeypatch, store_root):
         AND expected_reusable_tokens - coalesce(reused_tokens, 0) - coalesce(prefill_cached_tokens, 0) >= 1400
         AND reuse IS NOT NULL""")[0][0]  # fmt: skip
     assert len(at.dataframe[0].value) == big == 4  # the expired resumes, bnc-1's resume and retry
+
+
+def _add_run_short_by_design(root: Path, run_id: str, mode: str, sessions: int, p_cached: int) -> None:
+    """A run of `mode` whose later turns expected 1,000 reusable tokens and got `p_cached` from P's
+    own prefix cache (none from D): every one falls short, by design of the mode."""
+    w = Store(root).writer(run_id, "test", flush_interval_s=60)
+    try:
+        start = fx.T0 + dt.timedelta(hours=2)
+        w.append("runs_log", {"label": run_id, "mode": mode, "workload": fx.WORKLOAD, "history_mode": fx.HISTORY,
+                              "status": "complete", "started_at": start, "updated_at": start})
+        for s in range(sessions):
+            for t in range(3):
+                w.append("turns", {
+                    "session_id": f"{run_id}-s{s}", "turn_index": t, "request_id": f"{run_id}-s{s}-t{t}",
+                    "kind": "turn", "gap_kind": "tool", "gap_before_s": 1.0,
+                    "sent_at": start + dt.timedelta(seconds=10 * s + t), "ttft_s": 0.1, "e2e_s": 0.2,
+                    "prompt_tokens": 1200, "completion_tokens": 32, "status": "ok",
+                    "expected_reusable_tokens": 1000 if t else None, "reuse": "miss_no_handle" if t else None,
+                    "reused_tokens": 0, "prefill_cached_tokens": p_cached,
+                })  # fmt: skip
+    finally:
+        w.close()
+
+
+def test_shortfall_list_covers_only_modes_that_can_reuse_from_d(monkeypatch, tmp_path):
+    """`pd` and `pd-nocache` cannot reuse KV from D: their shortfalls are counted apart, not listed."""
+    root = fx.build(tmp_path / "store")
+    _add_run_short_by_design(root, "pdnc-1", "pd-nocache", sessions=3, p_cached=0)  # 3 x 2 later turns short
+    _add_run_short_by_design(root, "pd-1", "pd", sessions=2, p_cached=512)  # 1000 - 512 >= 128: 2 x 2 short
+    st.cache_data.clear()
+    at = open_page(monkeypatch, root, "turns")
+    table = at.dataframe[0].value
+    assert set(table["mode"]) == {"pd-bidir", "pd-bidir-nocache"}
+    assert sorted(zip(table["run_id"], table["session"], table["turn"], strict=True)) == shortfall_sql(
+        root, "AND run_id NOT IN ('pdnc-1', 'pd-1')")
+    assert set(table["history"]) == {fx.HISTORY}
+    heading = next(m.value for m in at.markdown if "where the engine reused" in m.value)
+    assert "`pd-bidir`, `pd-bidir-nocache`" in heading and heading.startswith("**12 turn(s)")
+    caption = next(c.value for c in at.caption if c.value.startswith("Short by design"))
+    assert "`pd` 4 turn(s)" in caption and "`pd-nocache` 6 turn(s)" in caption, caption
 
 
 def test_turn_kind_filter_applies_to_turns(monkeypatch, store_root):
@@ -215,7 +256,7 @@ def test_gap_kind_and_archetype_filters_narrow_the_headline(monkeypatch, store_r
            SELECT (SELECT median(ttft_s) FROM k WHERE mode = 'pd-bidir')
                 / (SELECT median(ttft_s) FROM k WHERE mode = 'aggregated')""",
     )[0]
-    assert [m.value for m in at.metric] == [f"{ratio:.3f}×"]
+    assert [m.value for m in at.metric] == [f"{1 / ratio:.2f}x"]  # the speed-up
 
 
 # --- Sessions -----------------------------------------------------------------------------------
@@ -390,20 +431,21 @@ def test_compare_modes_headline_equals_sql(monkeypatch, store_root):
     at = open_page(monkeypatch, store_root, "compare")
     a, b = "m.mode = 'pd-bidir'", "m.mode = 'aggregated'"
     metrics = {m.label: m.value for m in at.metric}
+    # Speed-ups B / A (the one convention: baseline over bidirectional).
     assert metrics == {
-        "all later turns": f"{compare_sql(store_root, a, b, 'true'):.3f}×",
-        "favourable turns": f"{compare_sql(store_root, a, b, FAVOURABLE):.3f}×",
-        "unfavourable turns": f"{compare_sql(store_root, a, b, 'NOT (' + FAVOURABLE + ')'):.3f}×",
+        "all later turns": f"{1 / compare_sql(store_root, a, b, 'true'):.2f}x",
+        "favourable turns": f"{1 / compare_sql(store_root, a, b, FAVOURABLE):.2f}x",
+        "unfavourable turns": f"{1 / compare_sql(store_root, a, b, 'NOT (' + FAVOURABLE + ')'):.2f}x",
     }
     # The favourable turns are turns 1 and 2 of every session: by hand.
     fav = statistics.median(fx.ttft_s(r, s, t) for r in ("bidir-1", "bidir-2") for s in range(3) for t in (1, 2))
     agg = statistics.median(fx.ttft_s("agg-1", s, t) for s in range(3) for t in (1, 2))
-    assert metrics["favourable turns"] == f"{fav / agg:.3f}×"
+    assert metrics["favourable turns"] == f"{agg / fav:.2f}x"
     text = "\n".join(m.value for m in at.markdown)
     assert "pd-bidir is faster than aggregated on favourable turns" in text and "Bottom line:" in text
 
-    fig = charts(at)["TTFT ratio by turn index, 95% bootstrap CI"]
-    ratio = xy(fig.data[0])
+    fig = next(f for t, f in charts(at).items() if t.startswith("Speed-up of A by turn index"))
+    ratio = {k: 1 / v for k, v in xy(fig.data[0]).items()}
     for turn in (0, 2):
         (expected,) = fx.raw_sql(
             store_root,
@@ -414,7 +456,7 @@ def test_compare_modes_headline_equals_sql(monkeypatch, store_root):
         assert ratio[turn] == pytest.approx(expected)
     lo = np.array(values(fig.data[0].error_y.arrayminus))
     hi = np.array(values(fig.data[0].error_y.array))
-    assert (lo >= 0).all() and (hi >= 0).all()  # the CI brackets the ratio
+    assert (lo >= 0).all() and (hi >= 0).all()  # the CI brackets the speed-up
 
     cases = frame(at, "case").set_index("case")
     assert list(cases.index) == ["continued within TTL", "resume", "edit", "retry"]
@@ -433,8 +475,8 @@ def test_compare_runs(monkeypatch, store_root):
     at.selectbox(key="cmp_b_runs").set_value("bidir-2")
     rerun(at)
     a, b = "m.run_id = 'bnc-1'", "m.run_id = 'bidir-2'"
-    assert at.metric[0].value == f"{compare_sql(store_root, a, b, 'true'):.3f}×"
-    assert at.metric[1].value == f"{compare_sql(store_root, a, b, FAVOURABLE):.3f}×"
+    assert at.metric[0].value == f"{1 / compare_sql(store_root, a, b, 'true'):.2f}x"
+    assert at.metric[1].value == f"{1 / compare_sql(store_root, a, b, FAVOURABLE):.2f}x"
     assert any("slower than" in m.value for m in at.markdown)
 
 
@@ -550,7 +592,7 @@ def test_pages_follow_a_run_that_is_still_writing(monkeypatch, tmp_path):
         assert at.dataframe[0].value["n"][0] == 3
         at = open_page(monkeypatch, tmp_path, "turns")
         fig = next(f for t, f in charts(at).items() if t.startswith("Latency by turn index"))
-        assert sorted(xy(next(tr for tr in fig.data if tr.name == "hit · pd-bidir" and tr.xaxis == "x"))) == [1, 2]
+        assert sorted(xy(next(tr for tr in fig.data if tr.name == "pd-bidir · hit" and tr.xaxis == "x"))) == [1, 2]
         # A writer re-creating the views (read-write open) is not blocked by the open dashboard.
         duckdb.connect(str(tmp_path / "turnscope.duckdb")).close()
     finally:
@@ -563,17 +605,17 @@ def test_compare_follows_the_archetype_filter(monkeypatch, store_root):
     rerun(at)
     where = "(run_id, session_id) IN (SELECT (run_id, session_id) FROM {sessions} WHERE archetype = 'coding')"
     a, b = "m.mode = 'pd-bidir'", "m.mode = 'aggregated'"
-    assert at.metric[0].value == f"{compare_sql(store_root, a, b, where):.3f}×"
-    assert at.metric[1].value == f"{compare_sql(store_root, a, b, where + ' AND ' + FAVOURABLE):.3f}×"
+    assert at.metric[0].value == f"{1 / compare_sql(store_root, a, b, where):.2f}x"
+    assert at.metric[1].value == f"{1 / compare_sql(store_root, a, b, where + ' AND ' + FAVOURABLE):.2f}x"
 
 
 def test_run_report_export(store_root):
-    from dashboard import db, report
+    from dashboard import db, html_reports
     from dashboard.queries import TurnFilter
 
-    html = report.run_report(db.Store(store_root), TurnFilter(tuple(fx.RUNS)), "4 runs")
+    html = html_reports.run_report(db.Store(store_root), TurnFilter(tuple(fx.RUNS)), "4 runs")
     ratio = compare_sql(store_root, "m.mode = 'pd-bidir'", "m.mode = 'aggregated'", "true")
-    assert f"pd-bidir vs aggregated: {ratio:.3f}x" in html
+    assert f"pd-bidir vs aggregated: speed-up {1 / ratio:.2f}x" in html
     assert html.count('class="plotly-graph-div"') == 8 and "<script src=" not in html.split("</script>", 1)[1]
     for title in ("Where each turn", "Task latency per session", "Memory next to reuse", "Expected vs measured reuse"):
         assert title in html

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from rich.console import Console
 
-from dashboard import db, queries, sweep
+from dashboard import db, queries, sweep_stats
 from serving.embedded_model import ensure_model
 from serving.topology import WorkerEntry, embedded_topology
 from tests.integration.vllm_stack import free_port
@@ -94,11 +94,11 @@ def test_tiny_vendor_sweep(tmp_path):
     assert sorted(points["prefix_tokens"]) == sorted(list(VALUES) * 2)
     turns = db.read(st, queries.sweep_turns, ids, "ci-sweep")
     transfer = db.read(st, queries.sweep_transfer, ids, "ci-sweep")
-    fit = sweep.fit_prefill(turns)
+    fit = sweep_stats.fit_prefill(turns)
     assert fit is not None and fit.marginal_s_per_token(2048) > 0
-    per_token = sweep.transfer_s_per_token(transfer)
+    per_token = sweep_stats.transfer_s_per_token(transfer)
     assert (per_token["bandwidth_bytes_per_s"] > 0).all(), per_token
-    ideal = sweep.ideal_stats(sweep.ideal_turns(turns, fit, per_token))
+    ideal = sweep_stats.ideal_stats(sweep_stats.ideal_turns(turns, fit, per_token))
     assert list(ideal["prefix_tokens"]) == list(VALUES)
-    sp = sweep.speedups(turns, min_turn_index=1)
+    sp = sweep_stats.speedups(turns, min_turn_index=1)
     assert len(sp) == 2 and sp.set_index("prefix_tokens").loc[2048, "speedup"] > 1

@@ -1,4 +1,4 @@
-"""dashboard.compare and dashboard.headline's sampling cap: pure functions on hand-made samples."""
+"""dashboard.compare_stats and dashboard.headline's sampling cap: pure functions on hand-made samples."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dashboard import compare, headline
+from dashboard import compare_stats, headline
 from dashboard.headline import Ratio
 
 
@@ -28,7 +28,7 @@ def _samples() -> pd.DataFrame:
 
 
 def test_ratio_by_turn_medians_by_hand():
-    out = compare.ratio_by_turn(_samples()).set_index("turn_index")
+    out = compare_stats.ratio_by_turn(_samples()).set_index("turn_index")
     # turn 1: A = 0.10..0.13 (median 0.115), B = 0.35..0.38 (median 0.365)
     assert out.loc[1, "median_a_s"] == pytest.approx(0.115)
     assert out.loc[1, "ratio"] == pytest.approx(0.115 / 0.365)
@@ -38,7 +38,7 @@ def test_ratio_by_turn_medians_by_hand():
 
 
 def test_side_ratios_and_cases_by_hand():
-    r = compare.side_ratios(_samples(), "bidir", "agg")
+    r = compare_stats.side_ratios(_samples(), "bidir", "agg")
     # favourable: turns 1 and 2 of 4 sessions each side
     fav_a = np.median([0.10 + 0.01 * s for s in range(4)] + [0.12 + 0.01 * s for s in range(4)])
     fav_b = np.median([0.35 + 0.01 * s for s in range(4)] + [0.40 + 0.01 * s for s in range(4)])
@@ -46,7 +46,7 @@ def test_side_ratios_and_cases_by_hand():
     assert r["favourable"].n_treatment == 8 and r["favourable"].sessions_treatment == 4
     assert r["unfavourable"].ratio == pytest.approx(np.median([0.40 + 0.01 * s for s in range(4)]) / 0.465)
     assert r["all"].n_baseline == 12
-    cases = compare.case_table(_samples())
+    cases = compare_stats.case_table(_samples())
     assert list(cases["case"].drop_duplicates()) == ["continued within TTL", "resume"]
     assert cases.set_index(["case", "side"]).loc[("resume", "A"), "turns"] == 4
 
@@ -65,10 +65,10 @@ def test_exact_stats_override_the_sample():
         ],
         columns=["side", "scope", "key", "turns", "sessions", "ttft_p50_s"],
     )
-    r = compare.side_ratios(_samples(), "a", "b", stats)
+    r = compare_stats.side_ratios(_samples(), "a", "b", stats)
     assert r["all"].ratio == pytest.approx(0.5) and r["all"].n_treatment == 1000 and r["all"].sessions_baseline == 90
     assert r["all"].ci_subsampled  # the CI saw 4 sessions of 100
-    by_turn = compare.ratio_by_turn(_samples(), stats).set_index("turn_index")
+    by_turn = compare_stats.ratio_by_turn(_samples(), stats).set_index("turn_index")
     assert by_turn.loc[1, "ratio"] == pytest.approx(0.1) and by_turn.loc[1, "ci_subsampled"]
 
 
@@ -87,14 +87,14 @@ def _r(lo: float, hi: float, ratio: float = 0.5) -> Ratio:
     ],
 )
 def test_verdict_bottom_lines(fav, unfav, bottom):
-    lines = compare.verdict({"all": _r(0.4, 0.6), "favourable": fav, "unfavourable": unfav}, 0.8)
+    lines = compare_stats.verdict({"all": _r(0.4, 0.6), "favourable": fav, "unfavourable": unfav}, 0.8)
     assert lines[-1].startswith("Bottom line:") and bottom in lines[-1], lines[-1]
     if "costs on the others" in bottom:
         assert "80% of a's later turns were favourable" in lines[-1]
 
 
 def test_verdict_without_turns():
-    assert compare.verdict({"all": None, "favourable": None, "unfavourable": None}) == [
+    assert compare_stats.verdict({"all": None, "favourable": None, "unfavourable": None}) == [
         "No turns after the first on both sides: nothing to compare yet."
     ]
 

@@ -40,10 +40,8 @@ def test_ttft_by_turn_facets_per_workload():
         }
     )
     fig = figures.ttft_by_turn(df)
-    assert {a.text for a in fig.layout.annotations} == {
-        "group=w · history text",
-        "group=w · history token_ids",
-    }
+    # Facets named in words, without plotly's "column=" prefix.
+    assert {a.text for a in fig.layout.annotations} == {"w · history text", "w · history token_ids"}
 
 
 def test_reuse_outcomes_stacked_in_outcome_order():
@@ -155,9 +153,27 @@ def test_latency_panels_ms_one_legend_entry_per_outcome_and_mode():
     )
     fig = figures.latency_panels(df, "turn_index")
     assert len(fig.data) == 9 and sum(bool(t.showlegend) for t in fig.data) == 3
-    hit_itl = next(t for t in fig.data if t.name == "hit · pd-bidir" and t.xaxis == "x2")
+    hit_itl = next(t for t in fig.data if t.name == "pd-bidir · hit" and t.xaxis == "x2")
     assert list(hit_itl.y) == pytest.approx([10.0])
-    assert hit_itl.line.color == figures.OUTCOME_COLORS["hit"]
+    # Colour is the mode (the same on every page), the marker the outcome.
+    first = next(t for t in fig.data if t.name == "pd-bidir · miss_first_turn")
+    assert hit_itl.line.color == first.line.color == figures.MODE_COLORS["pd-bidir"]
+    assert hit_itl.marker.symbol != first.marker.symbol
+    assert fig.layout.xaxis.range[0] < 0  # turn-0 markers drawn whole
+    assert fig.layout.legend.orientation == "h"  # under the plot, not clipped at the right
+
+
+def test_reuse_vs_expected_one_expected_line_when_modes_agree():
+    df = pd.DataFrame({"mode": ["pd", "pd-bidir", "pd", "pd-bidir"], "turn_index": [1, 1, 2, 2],
+                       "turns": [3, 1, 3, 1], "expected_tokens": [100.0, 100.0, 200.0, 202.0],
+                       "measured_tokens": [0.0, 100.0, 0.0, 190.0]})
+    fig = figures.reuse_vs_expected(df)
+    assert [t.name for t in fig.data] == ["expected", "pd, measured", "pd-bidir, measured"]
+    # turn 2: (3 x 200 + 1 x 202) / 4 = 200.5, by hand; pd-bidir's 202 is within 5% of it.
+    assert list(fig.data[0].y) == pytest.approx([100.0, 200.5])
+    far = df.assign(expected_tokens=[100.0, 150.0, 200.0, 300.0])
+    names = [t.name for t in figures.reuse_vs_expected(far).data]
+    assert "pd-bidir, expected" in names and "pd, expected" in names and "expected" not in names
 
 
 def test_time_split_bars_add_up_to_the_mean_e2e():
@@ -234,3 +250,11 @@ def test_case_table_wide_by_hand():
     assert list(t["case"]) == ["continued within TTL", "fresh"]
     assert t.loc[0, "p50 A (ms)"] == pytest.approx(100.0) and t.loc[0, "n B"] == 3
     assert pd.isna(t.loc[1, "n B"]) and pd.isna(t.loc[1, "p50 B (ms)"])
+
+
+def test_runs_keep_their_modes_colour():
+    """Runs of one mode are drawn in that mode's colour (lighter for later runs), on every page."""
+    colors = figures.run_colors(pd.Series({"b1": "pd-bidir", "a1": "aggregated", "b2": "pd-bidir"}))
+    assert colors["b1"] == figures.MODE_COLORS["pd-bidir"] and colors["a1"] == figures.MODE_COLORS["aggregated"]
+    # #2ca02c 30% towards white: 44 + 0.3 x 211 = 107.3 -> 107 = 0x6b; 160 + 0.3 x 95 = 188.5 -> 189 = 0xbd.
+    assert colors["b2"] == "#6bbd6b"

@@ -119,3 +119,15 @@ def test_session_bootstrap_needs_two_sessions():
         baseline_groups=np.array(["x", "y"]),
     )
     assert ratio == pytest.approx(0.2 / 0.3) and math.isnan(lo) and math.isnan(hi)
+
+
+def test_row_medians_match_numpys_nanmedian():
+    """headline.row_medians against numpy's own nanmedian (rows longer and shorter than 600, odd and
+    even counts of valid values, NaN padding anywhere)."""
+    rng = np.random.default_rng(3)
+    for shape in ((40, 7), (30, 1200)):
+        x = rng.lognormal(size=shape)
+        x[rng.random(shape) < 0.4] = np.nan
+        x[:, 0] = 1.0  # at least one value per row
+        assert np.allclose(headline.row_medians(x), np.nanmedian(x, axis=-1))
+    assert headline.row_medians(np.array([[1.0, np.nan, 3.0, np.nan], [4.0, 2.0, 8.0, 6.0]])).tolist() == [2.0, 5.0]

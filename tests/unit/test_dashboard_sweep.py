@@ -1,4 +1,4 @@
-"""dashboard.sweep and dashboard.sweep_figures as pure functions, against numbers worked out by hand."""
+"""dashboard.sweep_stats and dashboard.sweep_figures as pure functions, against numbers worked out by hand."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dashboard import sweep, sweep_figures
+from dashboard import sweep_figures, sweep_stats
 
 
 def frame(rows: list[tuple]) -> pd.DataFrame:
@@ -21,10 +21,10 @@ def frame(rows: list[tuple]) -> pd.DataFrame:
 
 def test_p90_is_linear_interpolation():
     # 0.9 x (5 - 1) = 3.6: 4 + 0.6 x (10 - 4) = 7.6
-    assert sweep.stat_of(np.array([1.0, 2.0, 3.0, 4.0, 10.0]), "p90") == pytest.approx(7.6)
-    assert sweep.stat_of(np.array([1.0, 2.0, 3.0, 4.0, 10.0]), "mean") == pytest.approx(4.0)
+    assert sweep_stats.stat_of(np.array([1.0, 2.0, 3.0, 4.0, 10.0]), "p90") == pytest.approx(7.6)
+    assert sweep_stats.stat_of(np.array([1.0, 2.0, 3.0, 4.0, 10.0]), "mean") == pytest.approx(4.0)
     with pytest.raises(ValueError, match="stat must be one of"):
-        sweep.stat_of(np.array([1.0]), "median")
+        sweep_stats.stat_of(np.array([1.0]), "median")
 
 
 def test_speedup_ci_with_two_sessions_a_side_is_the_extremes():
@@ -33,10 +33,10 @@ def test_speedup_ci_with_two_sessions_a_side_is_the_extremes():
     base = np.array([1.0, 1.2, 1.4, 1.6])        # sessions b0: mean 1.1, b1: mean 1.5
     treat = np.array([0.5, 0.5, 0.7, 0.9])       # sessions t0: mean 0.5, t1: mean 0.8
     bg, tg = np.array(["b0", "b0", "b1", "b1"]), np.array(["t0", "t0", "t1", "t1"])
-    s, lo, hi = sweep.speedup_ci(base, treat, baseline_groups=bg, treatment_groups=tg)
+    s, lo, hi = sweep_stats.speedup_ci(base, treat, baseline_groups=bg, treatment_groups=tg)
     assert s == pytest.approx(1.3 / 0.65)
     assert lo == pytest.approx(1.1 / 0.8) and hi == pytest.approx(1.5 / 0.5)
-    s1, lo1, hi1 = sweep.speedup_ci(base, treat[:2], baseline_groups=bg, treatment_groups=tg[:2])
+    s1, lo1, hi1 = sweep_stats.speedup_ci(base, treat[:2], baseline_groups=bg, treatment_groups=tg[:2])
     assert s1 == pytest.approx(1.3 / 0.5) and math.isnan(lo1) and math.isnan(hi1)  # one treatment session
 
 
@@ -48,32 +48,32 @@ def test_point_stats_and_speedups():
             rows.append(("pd-bidir-nocache", 100, "b", f"s{s}", t, 0.5 + extra, 200, None, "hit" if t else "x"))
     turns = frame(rows)
     turns.loc[len(turns)] = ["pd-nocache", 100, "a", "s0", 2, None, None, None, None, "timeout"]
-    st = sweep.point_stats(turns).set_index("mode")
+    st = sweep_stats.point_stats(turns).set_index("mode")
     assert st.loc["pd-nocache", ["turns", "sessions", "hits", "failed"]].tolist() == [4, 2, 0, 1]
     assert st.loc["pd-nocache", "ttft_mean_s"] == pytest.approx(1.5)                 # 1, 2, 1, 2
     assert st.loc["pd-nocache", "ttft_p90_s"] == pytest.approx(2.0)                  # 1 1 2 2 at 2.7
     assert st.loc["pd-bidir-nocache", "ttft_mean_s"] == pytest.approx(0.6)           # 0.5 0.5 0.7 0.7
     assert st.loc["pd-bidir-nocache", "hits"] == 2
-    sp = sweep.speedups(turns)
+    sp = sweep_stats.speedups(turns)
     assert sp["pair"].tolist() == ["pd-bidir-nocache vs pd-nocache"]
     r = sp.iloc[0]
     # Baseline sessions are identical (mean 1.5); treatment session means 0.5 and 0.7.
     assert (r.speedup, r.ci_low, r.ci_high) == pytest.approx((1.5 / 0.6, 1.5 / 0.7, 1.5 / 0.5))
-    later = sweep.speedups(turns, min_turn_index=1).iloc[0]
+    later = sweep_stats.speedups(turns, min_turn_index=1).iloc[0]
     assert later.speedup == pytest.approx(2.0 / 0.6)
 
 
 def test_fit_prefill_recovers_the_cost_curve():
     b0, a1, a2 = 0.04, 2e-4, 3e-8
     rows = [("pd-nocache", 0, "r", "s", 0, b0 + a1 * n + a2 * n * n, n, None, None) for n in (500, 1500, 3000, 4000)]
-    fit = sweep.fit_prefill(frame(rows))
+    fit = sweep_stats.fit_prefill(frame(rows))
     assert fit.degree == 2 and fit.turns == 4 and (fit.prompt_min, fit.prompt_max) == (500, 4000)
     assert (fit.b0_s, fit.a1_s, fit.a2_s) == pytest.approx((b0, a1, a2), rel=1e-6)
     assert fit.marginal_s_per_token(1000) == pytest.approx(a1 + 2 * a2 * 1000)
-    lin = sweep.fit_prefill(frame([("pd-nocache", 0, "r", "s", 0, 0.1 + 1e-3 * n, n, None, None) for n in (100, 300)]))
+    lin = sweep_stats.fit_prefill(frame([("pd-nocache", 0, "r", "s", 0, 0.1 + 1e-3 * n, n, None, None) for n in (100, 300)]))
     assert lin.degree == 1 and (lin.b0_s, lin.a1_s, lin.a2_s) == pytest.approx((0.1, 1e-3, 0.0))
-    assert sweep.fit_prefill(frame([("pd-nocache", 0, "r", "s", 0, 0.2, 100, None, None)] * 3)) is None
-    assert sweep.fit_prefill(frame(rows).assign(mode="pd")) is None
+    assert sweep_stats.fit_prefill(frame([("pd-nocache", 0, "r", "s", 0, 0.2, 100, None, None)] * 3)) is None
+    assert sweep_stats.fit_prefill(frame(rows).assign(mode="pd")) is None
 
 
 def transfer(rows: list[tuple]) -> pd.DataFrame:
@@ -88,16 +88,16 @@ def test_transfer_cost_per_token():
         ("pd-bidir", 100, 0.3, 12.288e6, 100, 4096),               # same bandwidth
         ("pd-bidir-nocache", 200, None, None, 0, 4096),            # nothing timed: the pooled figure
     ])
-    got = sweep.transfer_s_per_token(t).set_index("prefix_tokens")
+    got = sweep_stats.transfer_s_per_token(t).set_index("prefix_tokens")
     assert got.loc[100, "bandwidth_bytes_per_s"] == pytest.approx(40.96e6)
     assert got.loc[100, "s_per_token"] == pytest.approx(4096 / 40.96e6)  # 0.1 ms
     assert got.loc[200, "s_per_token"] == pytest.approx(4096 / 40.96e6)
-    unknown = sweep.transfer_s_per_token(t.assign(kv_bytes_per_token=None)).set_index("prefix_tokens")
+    unknown = sweep_stats.transfer_s_per_token(t.assign(kv_bytes_per_token=None)).set_index("prefix_tokens")
     assert unknown.loc[100, "s_per_token"] == pytest.approx(0.4 / 1000)   # NIXL seconds per reused token
 
 
 def test_ideal_turns_by_hand():
-    fit = sweep.PrefillFit(b0_s=0.05, a1_s=1e-3, a2_s=1e-7, degree=2, turns=9, prompt_min=0, prompt_max=0)
+    fit = sweep_stats.PrefillFit(b0_s=0.05, a1_s=1e-3, a2_s=1e-7, degree=2, turns=9, prompt_min=0, prompt_max=0)
     turns = frame([
         ("pd-nocache", 1000, "r", "s0", 0, 9.9, 1100, None, None),
         ("pd-nocache", 1000, "r", "s0", 1, 9.9, 1400, 1250, None),
@@ -105,17 +105,17 @@ def test_ideal_turns_by_hand():
         ("pd-bidir-nocache", 1000, "q", "s0", 1, 0.1, 1400, 1250, "hit"),
     ])
     per = pd.DataFrame({"prefix_tokens": [1000], "s_per_token": [2e-5]})
-    got = sweep.ideal_turns(turns, fit, per)
+    got = sweep_stats.ideal_turns(turns, fit, per)
     c = lambda x: 1e-3 * x + 1e-7 * x * x
     assert got["reusable_tokens"].tolist() == [0, 1250, 1700]
     assert got["ideal_s"].tolist() == pytest.approx([0.05 + c(1100), 0.05 + c(1400) - c(1250) + 1250 * 2e-5,
                                                      0.05 + 1700 * 2e-5])
-    st = sweep.ideal_stats(got).iloc[0]
+    st = sweep_stats.ideal_stats(got).iloc[0]
     assert st.ideal_mean_s == pytest.approx(got["ideal_s"].mean()) and st.turns == 3
     stats = pd.DataFrame({"prefix_tokens": [1000], "mode": ["pd-nocache"], "ttft_mean_s": [1.0], "ttft_p90_s": [2.0]})
-    lim = sweep.ideal_speedup(stats, sweep.ideal_stats(got))
+    lim = sweep_stats.ideal_speedup(stats, sweep_stats.ideal_stats(got))
     assert lim["speedup"].tolist() == pytest.approx([1.0 / got["ideal_s"].mean()])
-    assert sweep.ideal_turns(turns, fit, per.iloc[0:0]).empty  # no transfer figure: no ideal
+    assert sweep_stats.ideal_turns(turns, fit, per.iloc[0:0]).empty  # no transfer figure: no ideal
 
 
 def sp_frame(rows: list[tuple]) -> pd.DataFrame:
@@ -127,7 +127,7 @@ def test_verdicts():
                    ("a vs c", "c", 100, 0.9, 0.85, 0.95), ("a vs c", "c", 1000, 0.8, 0.7, 0.84),
                    ("a vs d", "d", 100, 1.0, 0.9, 1.1), ("a vs d", "d", 1000, 1.02, 0.95, 1.12),
                    ("a vs e", "e", 100, 1.5, math.nan, math.nan)])
-    v = sweep.verdicts(sp)
+    v = sweep_stats.verdicts(sp)
     assert v[0] == ("a vs b: 2.00x (95% CI 1.80-2.20x) mean TTFT speed-up at 1,000 prefix tokens, faster with "
                     "bidirectional transfer; 1.10x (95% CI 0.90-1.30x) at 100; the speed-up grows with prefix length.")
     assert "slower with bidirectional transfer" in v[1] and "the speed-up shrinks with prefix length" in v[1]

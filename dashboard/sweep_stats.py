@@ -41,6 +41,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from dashboard import speedup
 from dashboard.headline import _padded
 
 #: (treatment, baseline, what the pair answers): the vendor's A/B first, then the real baselines.
@@ -310,17 +311,17 @@ def verdicts(sp: pd.DataFrame, stat: str = "mean") -> list[str]:
         last, first = g.iloc[-1], g.iloc[0]
 
         def ci(r) -> str:
-            return "no CI" if math.isnan(r.ci_low) else f"95% CI {r.ci_low:.2f}-{r.ci_high:.2f}x"
+            return "no CI" if math.isnan(r.ci_low) else f"95% CI {speedup.fmt_ci(r.ci_low, r.ci_high)}"
 
-        if math.isnan(last.ci_low):
-            where = "no verdict (fewer than 2 sessions)"
-        elif last.ci_low > 1:
-            where = "faster with bidirectional transfer"
-        elif last.ci_high < 1:
-            where = "slower with bidirectional transfer"
-        else:
-            where = "no clear difference (the interval includes 1)"
-        out.append(f"{pair}: {last.speedup:.2f}x ({ci(last)}) {stat} TTFT speed-up at {last.prefix_tokens:,} "
-                   f"prefix tokens, {where}; {first.speedup:.2f}x ({ci(first)}) at {first.prefix_tokens:,}; "
+        v = speedup.verdict_of(last.ci_low, last.ci_high)
+        where = {
+            speedup.Verdict.TOO_FEW: "no verdict (fewer than 2 sessions)",
+            speedup.Verdict.FASTER: "faster with bidirectional transfer",
+            speedup.Verdict.SLOWER: "slower with bidirectional transfer",
+            speedup.Verdict.UNCLEAR: "no clear difference (the interval includes 1)",
+        }[v]
+        out.append(f"{pair}: {speedup.fmt(last.speedup)} ({ci(last)}) {stat} TTFT {speedup.LABEL} at "
+                   f"{last.prefix_tokens:,} prefix tokens, {where}; {speedup.fmt(first.speedup)} ({ci(first)}) at "
+                   f"{first.prefix_tokens:,}; "
                    f"{_trend(g)}.")
     return out

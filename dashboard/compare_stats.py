@@ -1,4 +1,4 @@
-"""Compare two runs or modes on the same workload (DESIGN §7): pure functions over the turn samples.
+"""Compare two runs or modes on the same workload: pure functions over the turn samples.
 
 The inputs are ``dashboard.queries.compare_samples``: one row per ok turn with side (``A`` the
 treatment, ``B`` the baseline), run_id, session_id, turn_index, kind, ttft_s (seconds),
@@ -6,14 +6,15 @@ favourable (a ``turn`` continued within the run's proxy TTL) and case_name, poss
 whole sessions; and optionally ``dashboard.queries.compare_stats``, the exact counts and medians
 over every turn (side, scope, key, turns, sessions, ttft_p50_s). Ratios are median TTFT of A
 over median TTFT of B (exact when `stats` is given) with percentile-bootstrap confidence
-intervals from the samples (`dashboard.headline`, scipy).
+intervals from the samples (`dashboard.headline`, scipy); the page and its sentences show them
+as speed-ups B / A (``dashboard.speedup``).
 """
 
 from __future__ import annotations
 
 import pandas as pd
 
-from dashboard import headline
+from dashboard import headline, speedup
 from dashboard.headline import Ratio
 
 #: Per turn index each session has one turn, so turns are resampled singly; at most this many per
@@ -140,22 +141,18 @@ def case_table(samples: pd.DataFrame, stats: pd.DataFrame | None = None) -> pd.D
 
 
 def _direction(r: Ratio | None) -> str:
-    """``faster`` / ``slower`` (the CI excludes 1), ``unclear`` (it includes 1 or there is none)
-    or ``missing``."""
+    """``faster`` / ``slower`` (the CI excludes 1: ``headline.direction``), ``unclear`` (it
+    includes 1 or there is none) or ``missing``."""
     if r is None:
         return "missing"
-    if not r.has_ci:
-        return "unclear"
-    if r.ci_high < 1:
-        return "faster"
-    if r.ci_low > 1:
-        return "slower"
-    return "unclear"
+    v = headline.direction(r)
+    return v.value if v.decided else "unclear"
 
 
 def _describe(r: Ratio, what: str) -> str:
     pct = round(headline.CONFIDENCE * 100)
-    ci = f"{pct}% CI {r.ci_low:.2f}-{r.ci_high:.2f}x" if r.has_ci else "too few sessions for a CI"
+    s = speedup.of(r)
+    ci = f"{pct}% CI {speedup.fmt_ci(s.ci_low, s.ci_high)}" if s.has_ci else "too few sessions for a CI"
     d = _direction(r)
     if d == "faster":
         head = f"{r.treatment} is faster than {r.baseline} on {what}"
@@ -164,7 +161,7 @@ def _describe(r: Ratio, what: str) -> str:
     else:
         head = f"No clear difference between {r.treatment} and {r.baseline} on {what}"
     return (
-        f"{head}: TTFT {r.ratio:.2f}x ({ci}; median {r.median_treatment_s * 1e3:.0f} vs "
+        f"{head}: {speedup.LABEL} {speedup.fmt(s.value)} ({ci}; median TTFT {r.median_treatment_s * 1e3:.0f} vs "
         f"{r.median_baseline_s * 1e3:.0f} ms over {r.n_treatment} and {r.n_baseline} turns)"
     )
 

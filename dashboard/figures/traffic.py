@@ -1,6 +1,6 @@
 """Figures of the Traffic page: pure functions, DataFrame in, ``go.Figure`` out (seconds, tokens).
 
-Inputs are the frames of ``dashboard.traffic_queries``. An empty input gives a figure that says so.
+Inputs are the frames of ``dashboard.queries.traffic``. An empty input gives a figure that says so.
 """
 
 from __future__ import annotations

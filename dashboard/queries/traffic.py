@@ -1,19 +1,14 @@
 """Queries of the Traffic page: the store's traffic views (docs/schema.md "Traffic reports").
 
-Each function takes a DuckDB connection and returns a DataFrame; :func:`load` caches them like
-``dashboard.loader`` (keyed by store, query name and arguments, for ``db.CACHE_TTL_S`` seconds).
+Each function takes a DuckDB connection and returns a DataFrame; the page calls them through
+``dashboard.loader.load`` (cached). Not re-exported by ``dashboard.queries``: the page names them
+``traffic.<function>``, since several (``summary``, ``sessions``) would clash there.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import duckdb
 import pandas as pd
-import streamlit as st
-
-from dashboard import db
 
 
 def reports(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
@@ -87,21 +82,3 @@ def trace_reuse(con: duckdb.DuckDBPyConnection, run_ids: tuple[str, ...]) -> pd.
         WHERE run_id IN (SELECT unnest(?)) AND trace_reusable_tokens IS NOT NULL AND turn_index > 0
           AND status = 'ok'
         ORDER BY run_id, session_id, turn_index""", [list(run_ids)]).df()
-
-
-@st.cache_data(ttl=db.CACHE_TTL_S, show_spinner=False)
-def fetch(store_root: str, query: str, *args: object) -> pd.DataFrame:
-    """``<query>(con, *args)`` of this module on ``store_root`` (cached; raises db's errors)."""
-    return db.read(db.Store(Path(store_root)), getattr(sys.modules[__name__], query), *args)
-
-
-def load(store_root: str, query: str, *args: object) -> pd.DataFrame:
-    """:func:`fetch` for the page: a store that cannot be read is said on the page, which stops."""
-    try:
-        return fetch(store_root, query, *args)
-    except db.StoreBusy:
-        st.warning(f"The store at `{store_root}` is being set up by a writer; refresh in a moment.")
-    except (db.StoreMissing, db.StoreInvalid) as exc:
-        st.error(f"The store at `{store_root}` cannot be read: {exc}")
-    st.stop()
-    raise AssertionError("unreachable")

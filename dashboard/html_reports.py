@@ -10,7 +10,7 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from dashboard import db, export, figures, headline, queries, tables
+from dashboard import db, export, figures, headline, queries, speedup, tables
 from dashboard.export import Section
 from dashboard.headline import Ratio
 from dashboard.queries import TurnFilter
@@ -22,13 +22,15 @@ TRANSFER_NOTE = (
 
 
 def ratio_line(r: Ratio) -> str:
-    """One headline number in words: ratio, CI, medians and counts."""
+    """One headline number in words: the speed-up (``dashboard.speedup``), its CI and verdict,
+    medians and counts."""
     pct = round(headline.CONFIDENCE * 100)
-    ci = f"{pct}% CI {r.ci_low:.3f}-{r.ci_high:.3f}x" if r.has_ci else "no CI (fewer than 2 sessions)"
+    s = speedup.of(r)
+    ci = f"{pct}% CI {speedup.fmt_ci(s.ci_low, s.ci_high)}" if s.has_ci else "no CI (fewer than 2 sessions)"
     return (
-        f"{r.treatment} vs {r.baseline}: {r.ratio:.3f}x ({ci}); median TTFT {r.median_treatment_s * 1e3:.1f} ms vs "
-        f"{r.median_baseline_s * 1e3:.1f} ms over {r.n_treatment} vs {r.n_baseline} turns "
-        f"({r.sessions_treatment} vs {r.sessions_baseline} sessions)."
+        f"{r.treatment} vs {r.baseline}: {speedup.LABEL} {speedup.fmt(s.value)} ({ci}; {s.verdict.value}); "
+        f"median TTFT {r.median_treatment_s * 1e3:.1f} ms vs {r.median_baseline_s * 1e3:.1f} ms over "
+        f"{r.n_treatment} vs {r.n_baseline} turns ({r.sessions_treatment} vs {r.sessions_baseline} sessions)."
     )
 
 
@@ -38,47 +40,47 @@ def run_report(store: db.Store, f: TurnFilter, description: str = "") -> str:
     Runs every query it needs on `store` (read-only). Returns the document (str).
     """
 
-    def q(name: str, *args: object) -> pd.DataFrame:
-        return db.read(store, getattr(queries, name), *args)
+    def q(query, *args: object) -> pd.DataFrame:
+        return db.read(store, query, *args)
 
-    samples = q("ttft_samples", f, headline.MIN_TURN_INDEX, headline.MAX_CI_TURNS)
-    stats = q("ttft_stats", f, headline.MIN_TURN_INDEX)
-    outcomes = q("reuse_outcomes", f, headline.MIN_TURN_INDEX)
+    samples = q(queries.ttft_samples, f, headline.MIN_TURN_INDEX, headline.MAX_CI_TURNS)
+    stats = q(queries.ttft_stats, f, headline.MIN_TURN_INDEX)
+    outcomes = q(queries.reuse_outcomes, f, headline.MIN_TURN_INDEX)
     ratios = headline.headline_ratios(samples, stats=stats)
-    head: list[str | go.Figure | pd.DataFrame] = []
+    head: list[str | go.Figure | pd.DataFrame] = [speedup.MEANING + "."]
     for r in ratios:
         head += [ratio_line(r), headline.verdict(r)]
     if not ratios:
         head.append("No headline: the selection lacks both modes of every pair (pd-bidir-nocache vs pd-nocache, "
                     "pd-bidir vs aggregated).")  # fmt: skip
     head += headline.all_miss_warnings(outcomes)
-    summary = tables.run_summary_table(q("run_summary", f)).drop(columns=["started (UTC)"])
+    summary = tables.run_summary_table(q(queries.run_summary, f)).drop(columns=["started (UTC)"])
     sections = [
         Section("Headline: TTFT from the second turn on", tuple(head)),
         Section("Runs", (summary,)),
         Section(
             "Per mode",
             (
-                figures.ttft_by_turn(q("ttft_by_turn", f)),
+                figures.ttft_by_turn(q(queries.ttft_by_turn, f)),
                 figures.reuse_outcomes(outcomes),
-                figures.external_kv_tokens(q("external_kv_tokens", f)),
+                figures.external_kv_tokens(q(queries.external_kv_tokens, f)),
             ),
         ),
         Section(
             "Turns",
             (
-                figures.latency_panels(q("latency_by", f, "turn_index"), "turn_index"),
-                figures.time_split(q("time_split", f)),
+                figures.latency_panels(q(queries.latency_by, f, "turn_index"), "turn_index"),
+                figures.time_split(q(queries.time_split, f)),
                 TRANSFER_NOTE,
-                figures.reuse_vs_expected(q("reuse_vs_expected", f)),
+                figures.reuse_vs_expected(q(queries.reuse_vs_expected, f)),
             ),
         ),
-        Section("Sessions", (figures.task_split(q("task_split", f)),)),
+        Section("Sessions", (figures.task_split(q(queries.task_split, f)),)),
         Section(
             "Memory",
             (
-                figures.memory_timeline(q("memory_timeline", f), q("hit_rate_timeline", f)),
-                tables.reuse_cost_table(q("reuse_cost", f)),
+                figures.memory_timeline(q(queries.memory_timeline, f), q(queries.hit_rate_timeline, f)),
+                tables.reuse_cost_table(q(queries.reuse_cost, f)),
             ),
         ),
     ]
@@ -99,7 +101,7 @@ def compare_report(
     table (all already computed by the page)."""
     sections = [
         Section(f"{a_name} (A) vs {b_name} (B)", (*verdict, ratio_table)),
-        Section("TTFT ratio by turn index", (by_turn_fig,)),
+        Section(f"{speedup.LABEL.capitalize()} by turn index", (by_turn_fig,)),
         Section("Favourable and unfavourable turns", (cases_fig, cases)),
     ]
     return export.html_report(f"turnscope: {a_name} vs {b_name}", sections, subtitle=description)

@@ -1,0 +1,286 @@
+"""The Memory page's queries: KV usage and handle bytes over time, the hit rate, what reuse
+costs in held memory, and what other decoder_kv_blocks_ttl values would have given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import duckdb
+import pandas as pd
+
+from dashboard.queries.common import HANDLE_BYTES, KV_USAGE, TurnFilter, _ids, _run, _where, as_filter
+
+# Per-pid copies of a gauge: the live one is the non-zero copy (loadgen/prom.gauge_value), so the
+# max over copies of one endpoint's scrape. Endpoints of one role are averaged (usage, 0..1) or
+# summed (handle bytes) per time bucket.
+_MEMORY_TIMELINE = """
+WITH s AS (
+    SELECT run_id, role, name, endpoint, scraped_at, max(value) AS value
+    FROM metric_samples
+    WHERE list_contains($run_ids::VARCHAR[], run_id) AND name IN ($kv_usage, $handle_bytes)
+      AND ((name = $kv_usage AND role IN ('prefill', 'decode', 'aggregated'))
+           OR (name = $handle_bytes AND role = 'proxy'))
+    GROUP BY ALL
+), span AS (
+    SELECT s.run_id, coalesce(any_value(r.started_at), min(s.scraped_at)) AS t0, max(s.scraped_at) AS t1
+    FROM s JOIN runs r USING (run_id)
+    GROUP BY s.run_id
+), w AS (
+    SELECT run_id, t0, greatest(epoch(t1 - t0) / $buckets, $min_bucket_s) AS bucket_s FROM span
+), per_endpoint AS (
+    SELECT s.run_id, s.role, s.name, s.endpoint,
+           floor(epoch(s.scraped_at - w.t0) / w.bucket_s) * w.bucket_s AS elapsed_s,
+           any_value(w.bucket_s) AS bucket_s, avg(s.value) AS value
+    FROM s JOIN w USING (run_id)
+    GROUP BY 1, 2, 3, 4, 5
+)
+SELECT p.run_id, coalesce(any_value(r.label), p.run_id) AS run_label, any_value(r.mode) AS mode, p.role, p.name,
+       p.elapsed_s, any_value(p.bucket_s) AS bucket_s,
+       CASE WHEN p.name = $handle_bytes THEN sum(p.value) ELSE avg(p.value) END AS value,
+       count(DISTINCT p.endpoint) AS endpoints
+FROM per_endpoint p JOIN runs r USING (run_id)
+GROUP BY p.run_id, p.role, p.name, p.elapsed_s
+ORDER BY p.run_id, p.role, p.name, p.elapsed_s
+"""
+
+
+def memory_timeline(
+    con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str], buckets: int = 300, min_bucket_s: float = 1.0
+) -> pd.DataFrame:
+    """KV usage of P, D (or the aggregated worker) and the proxy's live handle bytes over time.
+
+    From ``metric_samples`` of the runs of `f` (turn filters do not apply to scrapes): vLLM's
+    ``vllm:kv_cache_usage_perc`` (fraction 0..1) on prefill/decode/aggregated endpoints and
+    ``turnscope_handle_bytes_live`` (bytes) on the proxy. Time is bucketed per run into about
+    `buckets` buckets of at least `min_bucket_s` seconds; a bucket holds the mean of its scrapes,
+    averaged over a role's endpoints (usage) or summed over them (bytes).
+    Columns: run_id, run_label, mode, role, name, elapsed_s (bucket start, seconds since the run
+    started), bucket_s (bucket width, s), value, endpoints (count). One row per (run, role, name,
+    bucket).
+    """
+    params = {
+        "run_ids": _ids(as_filter(f).run_ids),
+        "kv_usage": KV_USAGE,
+        "handle_bytes": HANDLE_BYTES,
+        "buckets": max(int(buckets), 1),
+        "min_bucket_s": float(min_bucket_s),
+    }
+    return _run(con, _MEMORY_TIMELINE, params)
+
+
+_HIT_RATE_TIMELINE = """
+WITH span AS (
+    SELECT t.run_id, coalesce(any_value(r.started_at), min(t.sent_at)) AS t0, max(t.sent_at) AS t1
+    FROM turns t JOIN runs r USING (run_id)
+    WHERE list_contains($run_ids::VARCHAR[], t.run_id)
+    GROUP BY t.run_id
+), w AS (
+    SELECT run_id, t0, greatest(epoch(t1 - t0) / $buckets, $min_bucket_s) AS bucket_s FROM span
+)
+SELECT b.run_id, coalesce(any_value(r.label), b.run_id) AS run_label, any_value(r.mode) AS mode,
+       floor(epoch(b.sent_at - w.t0) / w.bucket_s) * w.bucket_s AS elapsed_s, any_value(w.bucket_s) AS bucket_s,
+       count(*) AS later_turns, count(*) FILTER (WHERE b.reuse = 'hit') AS hits,
+       count(*) FILTER (WHERE b.reuse = 'hit') / count(*) AS hit_rate
+FROM turn_rows b JOIN w USING (run_id) JOIN runs r USING (run_id)
+WHERE {where_b} AND b.turn_index >= 1 AND b.reuse IS NOT NULL AND b.sent_at IS NOT NULL
+GROUP BY b.run_id, floor(epoch(b.sent_at - w.t0) / w.bucket_s) * w.bucket_s
+ORDER BY b.run_id, elapsed_s
+"""
+
+
+def hit_rate_timeline(
+    con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str], buckets: int = 60, min_bucket_s: float = 1.0
+) -> pd.DataFrame:
+    """Reuse hit rate of later turns (turn_index >= 1, with a proxy outcome) over time, per run.
+
+    Turns are bucketed by when they were sent (about `buckets` buckets per run, each at least
+    `min_bucket_s` seconds). Columns: run_id, run_label, mode, elapsed_s (bucket start, seconds
+    since the run started), bucket_s, later_turns, hits, hit_rate (hits / later_turns, 0..1).
+    """
+    params = {**as_filter(f).params(), "buckets": max(int(buckets), 1), "min_bucket_s": float(min_bucket_s)}
+    return _run(con, _HIT_RATE_TIMELINE.format(where_b=_where(as_filter(f), "b")), params)
+
+
+# Handle bytes held: the step integral of the proxy's gauge over the run's scrapes (each scrape's
+# value held until the next one). Prefill seconds saved: tokens pulled from D x the run's compute
+# seconds per token (prefill leg / recomputed tokens over the turns that pulled nothing), less
+# the measured NIXL transfer time.
+_REUSE_COST = """
+WITH hb AS (
+    SELECT run_id, endpoint, scraped_at, max(value) AS bytes
+    FROM metric_samples
+    WHERE list_contains($run_ids::VARCHAR[], run_id) AND role = 'proxy' AND name = $handle_bytes
+    GROUP BY ALL
+), steps AS (
+    SELECT run_id, bytes,
+           bytes * epoch(lead(scraped_at) OVER (PARTITION BY run_id, endpoint ORDER BY scraped_at) - scraped_at)
+               AS byte_s
+    FROM hb
+), held AS (
+    SELECT run_id, sum(byte_s) AS held_byte_s, max(bytes) AS peak_bytes FROM steps GROUP BY run_id
+), tk AS (
+    SELECT run_id,
+           count(*) FILTER (WHERE reuse = 'hit')                        AS hits,
+           count(*) FILTER (WHERE turn_index >= 1 AND reuse IS NOT NULL) AS later_turns,
+           sum(reused_tokens)                                           AS reused_tokens,
+           sum(prefill_leg_s) FILTER (WHERE coalesce(reused_tokens, 0) = 0 AND recomputed_tokens > 0
+                                      AND prefill_leg_s IS NOT NULL)    AS compute_s,
+           sum(recomputed_tokens) FILTER (WHERE coalesce(reused_tokens, 0) = 0 AND recomputed_tokens > 0
+                                          AND prefill_leg_s IS NOT NULL) AS compute_tokens
+    FROM turns
+    WHERE list_contains($run_ids::VARCHAR[], run_id) AND status = 'ok'
+    GROUP BY run_id
+), j AS (
+    SELECT r.run_id, coalesce(r.label, r.run_id) AS run_label, r.mode, r.history_mode,
+           held.held_byte_s / 1073741824.0 AS held_gib_s, held.peak_bytes,
+           tk.hits, tk.later_turns, tk.reused_tokens,
+           tk.compute_s / nullif(tk.compute_tokens, 0) AS prefill_s_per_token,
+           k.xfer_s
+    FROM runs r
+    LEFT JOIN held USING (run_id) LEFT JOIN tk USING (run_id) LEFT JOIN run_kv_transfer k USING (run_id)
+    WHERE list_contains($run_ids::VARCHAR[], r.run_id) AND (held.run_id IS NOT NULL OR tk.reused_tokens > 0)
+)
+SELECT *, reused_tokens * prefill_s_per_token - coalesce(xfer_s, 0) AS saved_s,
+       CASE WHEN reused_tokens * prefill_s_per_token - coalesce(xfer_s, 0) > 0
+            THEN held_gib_s / (reused_tokens * prefill_s_per_token - coalesce(xfer_s, 0)) END AS gib_s_per_saved_s
+FROM j
+ORDER BY run_id
+"""
+
+
+def reuse_cost(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) -> pd.DataFrame:
+    """The memory cost of reuse per run: GiB-seconds of handle KV held per second of prefill saved.
+
+    For the runs of `f` that have handle-byte scrapes or pulled tokens (whole runs: turn filters
+    do not apply). held_gib_s: step integral of ``turnscope_handle_bytes_live`` over the scrapes
+    (GiB x s); prefill_s_per_token: sum of prefill legs / sum of recomputed tokens over the ok
+    turns that pulled nothing (s/token); saved_s (estimate) = reused_tokens x prefill_s_per_token
+    - xfer_s (the run's measured NIXL time, ``run_kv_transfer``); gib_s_per_saved_s =
+    held_gib_s / saved_s, NULL when nothing was saved.
+    Columns: run_id, run_label, mode, history_mode, held_gib_s, peak_bytes, hits, later_turns, reused_tokens,
+    prefill_s_per_token, xfer_s, saved_s, gib_s_per_saved_s.
+    """
+    params = {"run_ids": _ids(as_filter(f).run_ids), "handle_bytes": HANDLE_BYTES}
+    return _run(con, _REUSE_COST, params)
+
+
+
+# Per turn (all turns of the selected runs, so each turn's successor is known before filtering):
+# the KV D would hold after it (prompt + output tokens of an ok turn) for min(gap to the next
+# turn, TTL), or the whole TTL after a session's last turn. A later turn hits when it is not
+# `fresh` and its gap is below TTL - the proxy's margin.
+# Exact, in one pass: with the TTLs sorted T_0 < ... < T_k-1, each turn falls in the bin of the
+# first TTL above its next gap (bin_next) and above the gap it needs (bin_hit); then, for T_j,
+# held = sum(h x next gap) over bins <= j + T_j x sum(h) over bins > j, and hits = turns in bins
+# <= j. The per-turn work is two comparisons chains and one small group-by, whatever the number
+# of TTLs.
+_WHATIF_TTL = """
+WITH w AS (
+    SELECT run_id, turn_index, kind, gap_kind, gap_before_s,
+           CASE WHEN status = 'ok' THEN coalesce(prompt_tokens, 0) + coalesce(completion_tokens, 0) ELSE 0 END
+               ::DOUBLE AS held_tokens,
+           lead(gap_before_s) OVER (PARTITION BY hash(run_id, session_id) ORDER BY turn_index) AS next_gap_s
+    FROM turns
+    WHERE {where_sessions}
+), x AS (
+    SELECT w.run_id, w.turn_index, w.held_tokens, w.next_gap_s, c.kv_bytes_per_token,
+           -- the gap a hit must beat; NULL where no TTL can make the turn hit
+           CASE WHEN w.turn_index >= 1 AND w.kind IS DISTINCT FROM 'fresh'
+                THEN w.gap_before_s + c.handle_ttl_margin_s END AS needs_ttl_s
+    FROM w JOIN run_config c USING (run_id)
+    WHERE {where_turns}
+), bins AS (
+    SELECT run_id, any_value(kv_bytes_per_token) AS kv_bytes_per_token,
+           {bin_next} AS bin_next, {bin_hit} AS bin_hit,
+           count(*) FILTER (WHERE turn_index >= 1) AS later_turns,
+           count(*) FILTER (WHERE held_tokens > 0) AS holding_turns,
+           count(*) AS turns,
+           sum(held_tokens) AS h,
+           sum(held_tokens * coalesce(next_gap_s, 0)) AS h_next
+    FROM x
+    GROUP BY run_id, bin_next, bin_hit
+)
+SELECT sum(later_turns) AS later_turns,
+       coalesce(sum(holding_turns) FILTER (WHERE kv_bytes_per_token IS NULL), 0) AS turns_without_kv_bytes,
+       {totals}
+FROM bins
+"""
+_WHATIF_TOTALS = """sum(turns) FILTER (WHERE bin_hit <= {i}) AS hits_{i},
+       sum(CASE WHEN bin_next <= {i} THEN h_next ELSE h * {ttl} END) AS held_token_s_{i},
+       sum(CASE WHEN bin_next <= {i} THEN h_next ELSE h * {ttl} END * kv_bytes_per_token) / 1073741824.0
+           AS held_gib_s_{i}"""
+
+
+def _bin(column: str, ttls: list[float]) -> str:
+    """SQL: the index of the first of the sorted `ttls` above `column`, len(ttls) when none is
+    (or `column` is NULL)."""
+    whens = " ".join(f"WHEN {column} < {t!r} THEN {i}" for i, t in enumerate(ttls))
+    return f"CASE {whens} ELSE {len(ttls)} END"
+
+
+def whatif_ttl(
+    con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str], ttls_s: Sequence[float]
+) -> pd.DataFrame:
+    """What other ``decoder_kv_blocks_ttl`` values would have given, replayed from recorded gaps.
+
+    For each TTL in `ttls_s` (seconds) over the turns `f` keeps: a later turn (turn_index >= 1,
+    not ``fresh``) hits when its gap_before_s < TTL - the run's handle margin (``run_config``);
+    after each ok turn D holds its prompt + output tokens for min(gap to the session's next turn,
+    TTL), the whole TTL after the last turn recorded. Other causes of a miss (mismatch, transfer
+    failure) are not modelled. Columns: ttl_s, later_turns, hits, held_token_s (tokens x s),
+    held_gib_s (GiB x s, using runs.config kv_bytes_per_token; NULL parts skipped),
+    turns_without_kv_bytes (ok turns of runs with no kv_bytes_per_token). One row per TTL.
+    """
+    ff = as_filter(f)
+    ttls = sorted({float(t) for t in ttls_s})
+    if not ttls:
+        return pd.DataFrame(columns=_WHATIF_COLUMNS)
+    # The TTLs are floats formatted here (repr), never text from outside.
+    where_sessions = _where(TurnFilter(ff.run_ids, ff.archetypes))
+    where_turns = _where(TurnFilter((), (), ff.kinds, ff.gap_kinds), "w").replace(
+        "list_contains($run_ids::VARCHAR[], w.run_id)", "true"
+    )
+    sql = _WHATIF_TTL.format(
+        where_sessions=where_sessions,
+        where_turns=where_turns,
+        bin_next=_bin("next_gap_s", ttls),
+        bin_hit=_bin("needs_ttl_s", ttls),
+        totals=",\n       ".join(_WHATIF_TOTALS.format(i=i, ttl=repr(t)) for i, t in enumerate(ttls)),
+    )
+    wide = _run(con, sql, ff.params()).iloc[0]
+    rows = [
+        {
+            "ttl_s": t,
+            "later_turns": wide["later_turns"],
+            "hits": wide[f"hits_{i}"],
+            "held_token_s": wide[f"held_token_s_{i}"],
+            "held_gib_s": wide[f"held_gib_s_{i}"],
+            "turns_without_kv_bytes": wide["turns_without_kv_bytes"],
+        }
+        for i, t in enumerate(ttls)
+    ]
+    out = pd.DataFrame(rows, columns=_WHATIF_COLUMNS)
+    for c in ("later_turns", "hits", "turns_without_kv_bytes"):
+        out[c] = pd.to_numeric(out[c]).fillna(0).astype("int64")
+    return out
+
+
+_WHATIF_COLUMNS = ["ttl_s", "later_turns", "hits", "held_token_s", "held_gib_s", "turns_without_kv_bytes"]
+
+
+_RUN_CONFIG = """
+SELECT c.*, r.mode, coalesce(r.label, r.run_id) AS run_label, r.workload, r.history_mode
+FROM run_config c JOIN runs r USING (run_id)
+WHERE list_contains($run_ids::VARCHAR[], c.run_id)
+ORDER BY c.run_id
+"""
+
+
+def run_config(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) -> pd.DataFrame:
+    """Per-run settings (view ``run_config``) for the runs of `f`.
+
+    Columns: run_id, decoder_kv_blocks_ttl_s (s), handle_ttl_margin_s (s), kv_bytes_per_token
+    (bytes, NULL when unknown), mode, run_label, workload, history_mode.
+    """
+    return con.execute(_RUN_CONFIG, {"run_ids": _ids(as_filter(f).run_ids)}).df()

@@ -1,0 +1,206 @@
+"""The Overview page's queries: runs, TTFT by turn and the headline's samples and exact
+statistics, reuse outcomes, the run table and P's external KV tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import duckdb
+import pandas as pd
+
+from dashboard.queries.common import (
+    EXTERNAL_KV_SOURCE,
+    PROMPT_TOKENS_BY_SOURCE,
+    TurnFilter,
+    _ids,
+    _run,
+    _where,
+    as_filter,
+)
+
+_RUNS = """
+SELECT run_id, label, mode, workload, history_mode, model, status, started_at, finished_at
+FROM runs
+ORDER BY started_at DESC NULLS LAST, run_id
+"""
+
+_TTFT_BY_TURN = """
+SELECT mode, workload, history_mode, turn_index,
+       count(ttft_s)              AS turns,
+       quantile_cont(ttft_s, 0.5) AS ttft_p50_s,
+       quantile_cont(ttft_s, 0.9) AS ttft_p90_s
+FROM turn_rows
+WHERE {where} AND status = 'ok' AND ttft_s IS NOT NULL
+GROUP BY ALL
+ORDER BY mode, workload, history_mode, turn_index
+"""
+
+# Whole sessions are sampled by a hash of (run_id, session_id), so the same sessions are kept on
+# every call and a kept session keeps all its turns.
+_TTFT_SAMPLES = """
+WITH n AS (
+    SELECT mode, workload, history_mode, count(*) AS group_turns
+    FROM turn_rows
+    WHERE {where} AND status = 'ok' AND ttft_s IS NOT NULL AND turn_index >= $min_turn_index
+    GROUP BY ALL
+)
+SELECT b.run_id, b.mode, b.workload, b.history_mode, b.session_id, b.turn_index, b.ttft_s
+FROM turn_rows b JOIN n ON b.mode IS NOT DISTINCT FROM n.mode AND b.workload IS NOT DISTINCT FROM n.workload
+                             AND b.history_mode IS NOT DISTINCT FROM n.history_mode
+WHERE {where_b} AND b.status = 'ok' AND b.ttft_s IS NOT NULL AND b.turn_index >= $min_turn_index
+  AND ($max_turns::BIGINT IS NULL OR n.group_turns <= $max_turns::BIGINT
+       OR hash(b.run_id, b.session_id) % 1000000 < 1000000.0 * $max_turns::BIGINT / n.group_turns)
+ORDER BY b.run_id, b.session_id, b.turn_index
+"""
+
+_TTFT_STATS = """
+WITH per_session AS (
+    SELECT mode, workload, history_mode, run_id, session_id, count(*) AS n
+    FROM turn_rows
+    WHERE {where} AND status = 'ok' AND ttft_s IS NOT NULL AND turn_index >= $min_turn_index
+    GROUP BY ALL
+), session_counts AS (
+    SELECT mode, workload, history_mode, count(*) AS sessions FROM per_session GROUP BY ALL
+), medians AS (
+    SELECT mode, workload, history_mode, count(*) AS turns, quantile_cont(ttft_s, 0.5) AS ttft_p50_s
+    FROM turn_rows
+    WHERE {where} AND status = 'ok' AND ttft_s IS NOT NULL AND turn_index >= $min_turn_index
+    GROUP BY ALL
+)
+SELECT m.mode, m.workload, m.history_mode, m.turns, s.sessions, m.ttft_p50_s
+FROM medians m JOIN session_counts s ON m.mode IS NOT DISTINCT FROM s.mode AND m.workload IS NOT DISTINCT FROM s.workload
+                               AND m.history_mode IS NOT DISTINCT FROM s.history_mode
+ORDER BY ALL
+"""
+
+_REUSE_OUTCOMES = """
+SELECT mode, coalesce(reuse, 'not recorded') AS reuse,
+       count(*)                                          AS turns,
+       count(*) FILTER (WHERE turn_index >= $min_turn_index) AS later_turns
+FROM turn_rows
+WHERE {where}
+GROUP BY ALL
+ORDER BY mode, reuse
+"""
+
+_RUN_SUMMARY = """
+SELECT *
+FROM run_summary
+WHERE list_contains($run_ids::VARCHAR[], run_id)
+ORDER BY started_at NULLS LAST, run_id
+"""
+
+_PREFILL_COUNTER = """
+WITH inc AS (
+    SELECT run_id, endpoint, scraped_at, increase
+    FROM metric_increases
+    WHERE list_contains($run_ids::VARCHAR[], run_id) AND role = 'prefill' AND name = $name
+      AND json_extract_string(labels, '$.source') = $source
+)
+SELECT i.run_id, coalesce(r.label, i.run_id) AS run_label, r.mode, i.endpoint, i.scraped_at,
+       epoch(i.scraped_at - coalesce(r.started_at, min(i.scraped_at) OVER (PARTITION BY i.run_id)))
+           AS elapsed_s,
+       sum(i.increase) OVER (PARTITION BY i.run_id ORDER BY i.scraped_at, i.endpoint
+                             ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS tokens
+FROM inc i JOIN runs r USING (run_id)
+ORDER BY i.run_id, i.scraped_at, i.endpoint
+"""
+
+
+def runs(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
+    """Every run's latest status row (view ``runs``), newest first.
+
+    Columns: run_id, label, mode, workload, history_mode, model, status, started_at,
+    finished_at (UTC timestamps). One row per run.
+    """
+    return con.execute(_RUNS).df()
+
+
+def ttft_by_turn(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) -> pd.DataFrame:
+    """TTFT percentiles of ok turns by mode and turn index (0-based), pooled over the runs of `f`.
+
+    Columns: mode, workload, history_mode, turn_index, turns (count of ok turns with a TTFT),
+    ttft_p50_s, ttft_p90_s (seconds, linear interpolation like ``mode_ab``). One row per
+    (mode, workload, history_mode, turn_index).
+    """
+    return _run(con, _TTFT_BY_TURN.format(where=_where(as_filter(f))), as_filter(f).params())
+
+
+def ttft_samples(
+    con: duckdb.DuckDBPyConnection,
+    f: TurnFilter | Sequence[str],
+    min_turn_index: int = 1,
+    max_turns: int | None = None,
+) -> pd.DataFrame:
+    """Raw TTFT of the ok turns with ``turn_index >= min_turn_index`` that `f` keeps.
+
+    With `max_turns`, a (mode, workload, history_mode) group of more turns is sampled by whole
+    sessions (a hash of run and session id, so the same ones every time) to about `max_turns`
+    turns: the bootstrap's input. Exact medians and counts come from `ttft_stats`.
+    Columns: run_id, mode, workload, history_mode, session_id, turn_index, ttft_s (seconds).
+    One row per turn (kept), ordered by run, session and turn.
+    """
+    params = {
+        **as_filter(f).params(),
+        "min_turn_index": int(min_turn_index),
+        "max_turns": None if max_turns is None else int(max_turns),
+    }
+    ff = as_filter(f)
+    return _run(con, _TTFT_SAMPLES.format(where=_where(ff), where_b=_where(ff, "b")), params)
+
+
+def ttft_stats(
+    con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str], min_turn_index: int = 1
+) -> pd.DataFrame:
+    """Exact counts and median TTFT of the ok turns with ``turn_index >= min_turn_index`` that
+    `f` keeps, per (mode, workload, history_mode): the headline's point estimates.
+
+    Columns: mode, workload, history_mode, turns, sessions (distinct run and session),
+    ttft_p50_s (seconds, linear interpolation: numpy's median).
+    """
+    params = {**as_filter(f).params(), "min_turn_index": int(min_turn_index)}
+    return _run(con, _TTFT_STATS.format(where=_where(as_filter(f))), params)
+
+
+def reuse_outcomes(
+    con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str], min_turn_index: int = 1
+) -> pd.DataFrame:
+    """Count of turns (any status) by mode and the proxy's reuse outcome.
+
+    Columns: mode, reuse (outcome; ``not recorded`` where the turn has none, e.g. no proxy),
+    turns (all turns), later_turns (turns with ``turn_index >= min_turn_index``, those that
+    could reuse a handle). One row per (mode, reuse).
+    """
+    params = {**as_filter(f).params(), "min_turn_index": int(min_turn_index)}
+    return _run(con, _REUSE_OUTCOMES.format(where=_where(as_filter(f))), params)
+
+
+def run_summary(con: duckdb.DuckDBPyConnection, run_ids: TurnFilter | Sequence[str]) -> pd.DataFrame:
+    """The ``run_summary`` view for `run_ids`, oldest first.
+
+    Columns as in data/schema.sql: run_id, label, mode, workload, history_mode, status,
+    started_at, finished_at, turns, ok_turns, failed_turns, hits, ttft_p50_s, ttft_p90_s,
+    ttft_mean_s (seconds), reused_tokens (tokens). One row per run.
+    """
+    return con.execute(_RUN_SUMMARY, {"run_ids": _ids(as_filter(run_ids).run_ids)}).df()
+
+
+def external_kv_tokens(con: duckdb.DuckDBPyConnection, run_ids: TurnFilter | Sequence[str]) -> pd.DataFrame:
+    """Prompt tokens whose KV prefill workers pulled from elsewhere, cumulative over each run.
+
+    From ``metric_increases`` (counter deltas that tolerate restarts) of
+    ``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`` on ``role='prefill'``
+    endpoints, summed over endpoints. The first scrape of each series counts 0, so tokens from
+    before the run (workers reused across runs) are not counted.
+
+    Columns: run_id, run_label, mode, endpoint, scraped_at (UTC), elapsed_s (seconds since the
+    run's started_at, else since its first scrape), tokens (cumulative tokens, float). One row
+    per scrape of a prefill endpoint, ordered by run and time.
+    """
+    params = {
+        "run_ids": _ids(as_filter(run_ids).run_ids),
+        "name": PROMPT_TOKENS_BY_SOURCE,
+        "source": EXTERNAL_KV_SOURCE,
+    }
+    return _run(con, _PREFILL_COUNTER, params)
