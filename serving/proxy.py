@@ -42,6 +42,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
 from serving import handles as h
+from serving import reuse_rules as rules
 from serving.proxy_metrics import ProxyMetrics
 
 log = logging.getLogger("turnscope.proxy")
@@ -101,7 +102,7 @@ def classify_prefill(offered: int, prompt_len: int, cached: int | None, local_es
     failed or was declined (``miss_transfer_failed``). ``local_estimate`` must be taken when the
     request arrives: a concurrent request of the same session may warm P's cache meanwhile.
     """
-    reachable = min(offered, prompt_len)
+    reachable = rules.reachable_tokens(offered, prompt_len)
     if cached is None:
         return h.MISS_TRANSFER_FAILED, 0
     # P's own cache already covers the handle: nothing to pull. A pull makes P's report exactly
@@ -111,7 +112,7 @@ def classify_prefill(offered: int, prompt_len: int, cached: int | None, local_es
         return h.MISS_BELOW_THRESHOLD, 0
     if cached >= reachable - 1:
         return h.HIT, max(cached - local_estimate, 0)
-    if reachable - cached < threshold:
+    if rules.below_recompute_threshold(reachable - cached, threshold):
         return h.MISS_BELOW_THRESHOLD, 0
     return h.MISS_TRANSFER_FAILED, 0
 
@@ -126,7 +127,7 @@ class _PrefillFailed(Exception):
 
 def create_app(config: ProxyConfig) -> FastAPI:
     """Build the proxy's FastAPI app for ``config``."""
-    table = h.HandleTable(ttl_s=config.decoder_kv_blocks_ttl_s - config.handle_ttl_margin_s,
+    table = h.HandleTable(ttl_s=rules.proxy_handle_ttl_s(config.decoder_kv_blocks_ttl_s, config.handle_ttl_margin_s),
                           max_sessions=config.max_sessions)
     metrics = ProxyMetrics(table.live_handles, config.kv_bytes_per_token, handle_ttl_s=table.ttl_s)
     prefill_cycle = itertools.cycle(config.prefill or config.aggregated)
@@ -276,7 +277,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
         cached = p_params.get("remote_prefill_cached_tokens")
         local_estimate = 0
         if config.prefill_prefix_caching and prev and prev[0] == prefill.name and new_ids is not None:
-            local_estimate = (min(prev[1], len(new_ids)) // config.block_size) * config.block_size
+            local_estimate = rules.local_prefix_tokens(prev[1], len(new_ids), config.block_size)
         if session:
             last_prefill[session] = (prefill.name, prompt_len)
             last_prefill.move_to_end(session)
