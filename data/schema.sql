@@ -92,6 +92,35 @@ CREATE TABLE metric_samples (
     value       DOUBLE
 );
 
+-- Traffic reports (`turnscope traffic`, loadgen/traffic.py, docs/schema.md "Traffic"): traces read
+-- without serving. One traffic_log row per report; its requests are one traffic_requests row each,
+-- stored under runs/<traffic_id>/.
+CREATE TABLE traffic_log (
+    traffic_id                  VARCHAR NOT NULL,
+    label                       VARCHAR,
+    created_at                  TIMESTAMPTZ NOT NULL,
+    inputs                      JSON,          -- [{"path", "format"}] as read
+    ttl_s                       DOUBLE,        -- the configured decoder KV TTL the report is about (480)
+    recompute_threshold_tokens  INTEGER        -- vLLM's kv_recompute_threshold (64)
+);
+
+CREATE TABLE traffic_requests (
+    traffic_id            VARCHAR NOT NULL,
+    format                VARCHAR NOT NULL,   -- kv_cache_tester | tracelab | mooncake | azure | run
+    source                VARCHAR NOT NULL,   -- the trace's identity, one clock per source
+    session_id            VARCHAR NOT NULL,
+    parent_session_id     VARCHAR,            -- a sub-agent's parent session
+    request_index         INTEGER NOT NULL,   -- 0-based within the session
+    arrival_s             DOUBLE NOT NULL,    -- seconds since the source's first request
+    input_tokens          BIGINT NOT NULL,
+    output_tokens         BIGINT NOT NULL,
+    shared_prefix_tokens  BIGINT NOT NULL,    -- prefix of the session's previous request (0 first)
+    server_s              DOUBLE,
+    gap_s                 DOUBLE,             -- previous request's end -> this arrival
+    gap_kind              VARCHAR,            -- tool | think | pause | NULL
+    tool_s                DOUBLE
+);
+
 -- section: views
 
 -- The latest row of each run. A writer that records a running run rewrites its row every
@@ -230,3 +259,122 @@ SELECT run_id, label, mode, history_mode, status, started_at, finished_at,
        TRY_CAST(json_extract_string(workload_spec, '$.sweep.users') AS INTEGER)    AS users
 FROM runs
 WHERE json_extract_string(workload_spec, '$.sweep.id') IS NOT NULL;
+
+-- Traffic reports -----------------------------------------------------------------------------
+
+-- Every follow-up request (request_index > 0) with its gap: the trace's own gap (end of the
+-- previous request to this arrival, gap_basis 'end') or, where the trace has no server time
+-- (Mooncake), the arrival-to-arrival gap, an upper bound of the idle time (gap_basis 'arrival').
+CREATE VIEW traffic_followups AS
+SELECT * FROM (
+    SELECT traffic_id, format, source, session_id, parent_session_id, request_index, arrival_s,
+           input_tokens, shared_prefix_tokens, coalesce(gap_kind, 'unknown') AS gap_kind, tool_s,
+           coalesce(gap_s, arrival_s - lag(arrival_s) OVER w) AS gap_s,
+           CASE WHEN gap_s IS NOT NULL THEN 'end' ELSE 'arrival' END AS gap_basis
+    FROM traffic_requests
+    WINDOW w AS (PARTITION BY traffic_id, source, session_id ORDER BY request_index)
+) WHERE request_index > 0 AND gap_s IS NOT NULL;
+
+-- Share of follow-ups that arrive within each TTL, per gap kind and for all kinds ('all'):
+-- 30 s ... 1 h, plus the report's configured ttl_s (configured = true).
+CREATE VIEW traffic_ttl AS
+WITH ttls AS (
+    SELECT l.traffic_id, t.ttl_s, t.ttl_s = l.ttl_s AS configured
+    FROM traffic_log l,
+         (SELECT unnest([30.0, 60.0, 120.0, 300.0, 480.0, 600.0, 900.0, 1800.0, 3600.0]) AS ttl_s
+          UNION SELECT ttl_s FROM traffic_log WHERE ttl_s IS NOT NULL) t
+), k AS (
+    SELECT traffic_id, gap_kind, gap_s FROM traffic_followups
+    UNION ALL SELECT traffic_id, 'all', gap_s FROM traffic_followups
+)
+SELECT t.traffic_id, k.gap_kind, t.ttl_s, t.configured,
+       count(*) AS follow_ups,
+       count(*) FILTER (WHERE k.gap_s <= t.ttl_s) AS within_ttl,
+       count(*) FILTER (WHERE k.gap_s <= t.ttl_s) / count(*) AS share_within_ttl
+FROM ttls t JOIN k USING (traffic_id)
+GROUP BY ALL;
+
+-- Gap percentiles per gap kind (quantile_cont: linear interpolation), and the tool part of gaps
+-- where the trace says (tool_s over tool_known_gap_s: TraceLab's tool wall latencies).
+CREATE VIEW traffic_gaps AS
+SELECT traffic_id, gap_kind, count(*) AS follow_ups,
+       quantile_cont(gap_s, 0.5) AS gap_p50_s, quantile_cont(gap_s, 0.9) AS gap_p90_s,
+       quantile_cont(gap_s, 0.99) AS gap_p99_s, max(gap_s) AS gap_max_s,
+       sum(tool_s) AS tool_s, sum(gap_s) FILTER (WHERE tool_s IS NOT NULL) AS tool_known_gap_s
+FROM (SELECT * FROM traffic_followups UNION ALL BY NAME
+      SELECT * REPLACE ('all' AS gap_kind) FROM traffic_followups)
+GROUP BY ALL;
+
+-- Input tokens that were a prefix of the session's previous request (reusable) against new ones;
+-- reusable_in_ttl_tokens: of those, the ones whose gap is within the configured TTL and whose
+-- shared prefix reaches the recompute threshold (what bidirectional P/D could pull rather than
+-- recompute; vLLM recomputes a prefix shorter than kv_recompute_threshold).
+CREATE VIEW traffic_reuse AS
+WITH f AS (SELECT traffic_id, source, session_id, request_index, gap_s FROM traffic_followups)
+SELECT r.traffic_id, r.format,
+       count(*) AS requests,
+       sum(r.input_tokens) AS input_tokens,
+       sum(r.shared_prefix_tokens) AS reusable_tokens,
+       sum(r.input_tokens - r.shared_prefix_tokens) AS new_tokens,
+       sum(r.shared_prefix_tokens) / nullif(sum(r.input_tokens), 0) AS reusable_share,
+       coalesce(sum(r.shared_prefix_tokens) FILTER (
+           WHERE f.gap_s <= l.ttl_s AND r.shared_prefix_tokens >= l.recompute_threshold_tokens), 0)
+           AS reusable_in_ttl_tokens,
+       coalesce(sum(r.shared_prefix_tokens) FILTER (
+           WHERE f.gap_s <= l.ttl_s AND r.shared_prefix_tokens >= l.recompute_threshold_tokens), 0)
+           / nullif(sum(r.input_tokens), 0) AS reusable_in_ttl_share
+FROM traffic_requests r JOIN traffic_log l USING (traffic_id)
+LEFT JOIN f USING (traffic_id, source, session_id, request_index)
+GROUP BY GROUPING SETS ((r.traffic_id), (r.traffic_id, r.format));
+
+-- One row per session: its span on its source's clock and its context growth.
+CREATE VIEW traffic_sessions AS
+SELECT traffic_id, format, source, session_id, any_value(parent_session_id) AS parent_session_id,
+       count(*) AS requests,
+       min(arrival_s) AS start_s,
+       max(arrival_s + coalesce(server_s, 0)) AS end_s,
+       arg_min(input_tokens, request_index) AS first_input_tokens,
+       arg_max(input_tokens, request_index) AS last_input_tokens,
+       max(input_tokens) AS max_input_tokens,
+       CASE WHEN count(*) > 1 THEN regr_slope(input_tokens, request_index) END AS growth_tokens_per_request,
+       sum(input_tokens) AS input_tokens,
+       sum(shared_prefix_tokens) AS reusable_tokens
+FROM traffic_requests
+GROUP BY ALL;
+
+-- Sessions of the same source that overlap in time (a sub-agent with its parent, concurrent
+-- users): per source the most sessions active at once and how many overlap another one.
+CREATE VIEW traffic_overlap AS
+WITH ev AS (
+    SELECT traffic_id, source, start_s AS t, 1 AS d FROM traffic_sessions
+    UNION ALL SELECT traffic_id, source, end_s, -1 FROM traffic_sessions
+), c AS (
+    SELECT traffic_id, source,
+           sum(d) OVER (PARTITION BY traffic_id, source ORDER BY t, d ROWS UNBOUNDED PRECEDING) AS active
+    FROM ev
+), o AS (
+    SELECT traffic_id, source,
+           start_s < max(end_s) OVER (PARTITION BY traffic_id, source ORDER BY start_s, session_id
+                                      ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
+           OR lead(start_s) OVER (PARTITION BY traffic_id, source ORDER BY start_s, session_id) < end_s
+           AS overlapping
+    FROM traffic_sessions
+)
+SELECT traffic_id, source, m.max_active_sessions, n.sessions, n.overlapping_sessions
+FROM (SELECT traffic_id, source, max(active) AS max_active_sessions FROM c GROUP BY ALL) m
+JOIN (SELECT traffic_id, source, count(*) AS sessions,
+             count(*) FILTER (WHERE coalesce(overlapping, false)) AS overlapping_sessions
+      FROM o GROUP BY ALL) n USING (traffic_id, source);
+
+-- One session's timeline: its requests (server time) and the gaps between them, a gap longer
+-- than the report's TTL being a 'pause'.
+CREATE VIEW traffic_timeline AS
+SELECT r.traffic_id, r.source, r.session_id, r.parent_session_id, r.request_index,
+       'request' AS segment, r.arrival_s AS start_s, r.arrival_s + coalesce(r.server_s, 0) AS end_s,
+       r.input_tokens, r.shared_prefix_tokens
+FROM traffic_requests r
+UNION ALL
+SELECT f.traffic_id, f.source, f.session_id, f.parent_session_id, f.request_index,
+       CASE WHEN f.gap_s > l.ttl_s THEN 'pause' ELSE f.gap_kind END,
+       f.arrival_s - f.gap_s, f.arrival_s, f.input_tokens, f.shared_prefix_tokens
+FROM traffic_followups f JOIN traffic_log l USING (traffic_id);

@@ -41,6 +41,8 @@ EPILOG = """Examples:
 
   turnscope sweep                                       # the vendor's prefix sweep, 5 modes x 4 points (~13 min)
 
+  turnscope traffic data/traces/kv-cache-tester          # what the shipped Claude Code traces say about reuse
+
   turnscope serve --mode pd-bidir                       # then: locust -f loadgen/locustfile.py --host http://127.0.0.1:8200
 
   turnscope serve --topology data/topologies/vendor-h200-1p1d.yaml --mode pd-bidir --dry-run
@@ -211,6 +213,40 @@ def print_bottom_line(store: Path, run_ids: list[str]) -> None:
 
 SWEEP_MODE_LIST = ",".join(SWEEP_MODES)
 VENDOR_SWEEP = REPO_ROOT / "data" / "workloads" / "vendor-sweep.yaml"
+
+
+@app.command()
+def traffic(
+    paths: Annotated[list[Path], typer.Argument(
+        help="Trace files or directories: kv-cache-tester (a file or a directory of trace_*.json), TraceLab "
+             "round_trace.jsonl, Mooncake jsonl, Azure csv, or a store directory (its recorded runs).")],
+    format: Annotated[str | None, typer.Option(
+        "--format", help="Read every path as this format (kv_cache_tester, tracelab, mooncake, azure, run). "
+                         "Default: detected per path.")] = None,
+    store: StoreOpt = None,
+    label: Annotated[str | None, typer.Option(help="Label of this report.")] = None,
+    ttl_s: Annotated[float | None, typer.Option(
+        help="The decoder KV TTL to mark (seconds). Default: settings connector.decoder_kv_blocks_ttl.")] = None,
+) -> None:
+    """Read traces without serving them and print what they say about KV reuse across turns.
+
+    Sessions and requests, context growth, gaps by kind against TTLs of 30 s to 1 h, the share of
+    input tokens reusable from the session's previous request, and overlapping sessions. The rows
+    go to the store (tables traffic_log, traffic_requests; views traffic_*; docs/schema.md), shown
+    by the dashboard's Traffic page.
+    """
+    from loadgen.store import Store
+    from loadgen.traces.errors import TraceFormatError
+    from loadgen.traffic import build_report
+
+    s = settings()
+    try:
+        rep = build_report(Store(store or s.store), paths, format=format, label=label,
+                           ttl_s=ttl_s if ttl_s is not None else float(s.connector.decoder_kv_blocks_ttl),
+                           recompute_threshold_tokens=int(s.connector.kv_recompute_threshold))
+    except (TraceFormatError, ValueError, OSError, RuntimeError) as exc:
+        raise fail(str(exc)) from exc
+    typer.echo(rep.text())
 
 
 @app.command()

@@ -35,6 +35,14 @@ class AgentRequest:
     * ``gap_s``: seconds from the end of the session's previous request to this arrival (the
       client's time: tool calls, the human, pauses); ``None`` for a first request or when unknown.
     * ``tool_s``: the part of ``gap_s`` spent in tools, when the trace says; ``None`` otherwise.
+    * ``gap_kind``: what ended the gap, in the vocabulary of ``turns.gap_kind`` (docs/schema.md):
+      ``tool`` (the prompt ends with tool results: the gap was a tool's run plus the client's
+      overhead), ``think`` (a user message: the human's time), ``pause`` (a recorded run's planned
+      long pause); ``None`` for a first request or when the trace does not say.
+
+    Readers: :mod:`loadgen.traces.kv_cache_tester`, :mod:`loadgen.traces.tracelab`,
+    :mod:`loadgen.traces.recorded_runs` (the store's own runs), and
+    :mod:`loadgen.traces.agent_sources` for Mooncake / Azure.
     """
 
     source: str
@@ -48,6 +56,7 @@ class AgentRequest:
     server_s: float | None = None
     gap_s: float | None = None
     tool_s: float | None = None
+    gap_kind: str | None = None
 
     @property
     def new_tokens(self) -> int:

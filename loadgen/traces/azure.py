@@ -18,13 +18,11 @@ import datetime as dt
 from dataclasses import dataclass
 from pathlib import Path
 
+from loadgen.traces.errors import TraceFormatError
+
 #: The shipped copy (CC-BY-4.0, see data/traces/SOURCES.md).
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "data" / "traces" / "AzureLLMInferenceTrace_conv.csv"
 _COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
-
-
-class TraceFormatError(ValueError):
-    """A row of the CSV is invalid; the message names the file, line and column."""
 
 
 @dataclass(frozen=True)

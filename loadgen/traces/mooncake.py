@@ -37,13 +37,11 @@ from pathlib import Path
 
 import numpy as np
 
+from loadgen.traces.errors import TraceFormatError
+
 #: The shipped copy (Apache-2.0, see data/traces/SOURCES.md).
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "data" / "traces" / "conversation_trace.jsonl"
 BLOCK_TOKENS = 512
-
-
-class TraceFormatError(ValueError):
-    """A line of the trace is not a valid request; the message names the file, line and field."""
 
 
 @dataclass(frozen=True)

@@ -23,14 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loadgen.traces.errors import TraceFormatError
+
 #: The trace shipped with turnscope (MIT, see data/traces/SOURCES.md).
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "data" / "traces" / "gpt-4o-airline.json"
 
 _ROLES = ("system", "user", "assistant", "tool")
-
-
-class TraceFormatError(ValueError):
-    """The trace file is not valid tau-bench trajectories; the message names file and position."""
 
 
 @dataclass(frozen=True)

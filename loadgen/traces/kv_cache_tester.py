@@ -1,0 +1,224 @@
+"""Read kv-cache-tester traces (anonymised Claude Code sessions) as :class:`AgentRequest` records.
+
+File format (``traces/trace_*.json`` of callanjfox/kv-cache-tester, 24 of them shipped under
+``data/traces/kv-cache-tester/``, Apache-2.0, see data/traces/SOURCES.md): one JSON object per
+conversation with ``id``, ``block_size`` (64) and ``requests``, a list of
+
+* requests: ``t`` (seconds since the conversation's start), ``in`` / ``out`` (prompt and output
+  tokens), ``hash_ids`` (one id per *full* ``block_size``-token block of the prompt,
+  ``floor(in / block_size)`` of them; ids are scoped to the conversation and a sub-agent shares its
+  parent's namespace), ``api_time`` (the server's time for the request, seconds; absent on some
+  streamed requests), ``think_time`` (the client's time before it, seconds), ``input_types`` (what
+  the prompt ends with: ``tool_result`` or ``text``), ``stop``, ``model``;
+* sub-agents: ``{"type": "subagent", "t", "agent_id", "requests": [...]}``, ``t`` on the parent's
+  clock, its requests' ``t`` relative to the sub-agent's own start (nesting allowed).
+
+What is read (docs/workloads.md, issue 13):
+
+* every conversation is a session (id: the trace's ``id``); every sub-agent is a session of its
+  own (``<parent session>/<agent_id>``), starting at the parent's clock ``t`` plus its own offset
+  and running concurrently with the parent (``parent_session_id`` names the parent);
+* ``arrival_s`` = the sub-agent offsets plus ``t``, one clock per file (the conversation's start);
+* ``server_s`` = ``api_time``; ``gap_s`` = ``t - (t_prev + api_time_prev)`` (the client's time: a
+  tool or the human), clipped at 0; when the previous request has no ``api_time`` the request's
+  own ``think_time`` is the gap (the trace's own split), else ``None``;
+* ``shared_prefix_tokens`` = (leading hash ids in common with the session's previous request) x
+  ``block_size``, capped by ``in``: the prompt tokens the previous request already held, exact to
+  the block (the partial last block has no id, so up to ``block_size - 1`` more may be shared);
+* ``gap_kind`` = ``tool`` when ``input_types`` holds ``tool_result`` (the gap was a tool's run),
+  ``think`` otherwise (a user message).
+
+Errors (:class:`TraceFormatError`) name the file, the JSON line of a syntax error or the request's
+position (``requests[12].requests[3]``) and the field.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from loadgen.traces.agent_request import AgentRequest
+from loadgen.traces.errors import TraceFormatError
+
+#: The shipped copies (Apache-2.0, see data/traces/SOURCES.md).
+DEFAULT_DIR = Path(__file__).resolve().parents[2] / "data" / "traces" / "kv-cache-tester"
+#: Tokens per hash block when the file does not say (``block_size``).
+BLOCK_TOKENS = 64
+FORMAT = "kv_cache_tester"
+
+
+def trace_files(path: Path | str) -> list[Path]:
+    """The trace files under ``path``: the file itself, or a directory's ``*.json`` in name order.
+
+    Raises:
+        TraceFormatError: ``path`` does not exist, or is a directory without ``*.json`` files.
+    """
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(p.glob("*.json"))
+        if not files:
+            raise TraceFormatError(f"{p}: no *.json kv-cache-tester trace files in this directory")
+        return files
+    if not p.exists():
+        raise TraceFormatError(f"{p}: no such file or directory")
+    return [p]
+
+
+def common_leading(a: list[int], b: list[int]) -> int:
+    """How many leading elements ``a`` and ``b`` share (list slices compared in C, then bisection)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    if n and a[: n - 1] == b[: n - 1]:
+        return n - 1
+    lo, hi = 0, n - 1  # a[:lo] == b[:lo] holds, a[:hi] != b[:hi] holds
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _int(where: str, d: dict[str, Any], key: str) -> int:
+    v = d.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise TraceFormatError(f"{where}: {key}: expected an integer >= 0, got {v!r:.60}")
+    return v
+
+
+def _num(where: str, d: dict[str, Any], key: str, *, required: bool) -> float | None:
+    v = d.get(key)
+    if v is None and not required:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+        raise TraceFormatError(f"{where}: {key}: expected a number >= 0 (seconds), got {v!r:.60}")
+    return float(v)
+
+
+class _FileReader:
+    """Reads one trace file into AgentRequests (state: the file, its trace id and block size)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise TraceFormatError(f"{path}: cannot read the trace: {e}") from e
+        try:
+            self.doc = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise TraceFormatError(f"{path}:{e.lineno}: not valid JSON: column {e.colno}: {e.msg}") from e
+        if not isinstance(self.doc, dict):
+            raise TraceFormatError(f"{path}: expected a JSON object with 'requests' (a kv-cache-tester "
+                                   f"trace), got {type(self.doc).__name__}")
+        tid = self.doc.get("id", path.stem)
+        if not isinstance(tid, str) or not tid:
+            raise TraceFormatError(f"{path}: id: expected a non-empty string, got {tid!r:.60}")
+        self.trace_id = tid
+        bs = self.doc.get("block_size", BLOCK_TOKENS)
+        if isinstance(bs, bool) or not isinstance(bs, int) or bs <= 0:
+            raise TraceFormatError(f"{path}: block_size: expected an integer > 0, got {bs!r:.60}")
+        self.block = bs
+        self.source = f"kv-cache-tester:{tid}"
+
+    def requests(self) -> list[AgentRequest]:
+        """All requests of the file, parent and sub-agents, ordered by arrival (then session)."""
+        reqs = self.doc.get("requests")
+        if not isinstance(reqs, list):
+            raise TraceFormatError(f"{self.path}: requests: expected a list, got {type(reqs).__name__}")
+        out: list[AgentRequest] = []
+        self._session(reqs, "requests", self.trace_id, None, 0.0, out)
+        out.sort(key=lambda r: (r.arrival_s, r.session_id, r.request_index))
+        return out
+
+    def _session(self, items: list[Any], where: str, sid: str, parent: str | None, base_s: float,
+                 out: list[AgentRequest]) -> None:
+        prev: dict[str, Any] | None = None
+        prev_ids: list[int] = []
+        index = 0
+        subs = 0
+        for i, r in enumerate(items):
+            w = f"{self.path}: {where}[{i}]"
+            if not isinstance(r, dict):
+                raise TraceFormatError(f"{w}: expected a JSON object, got {type(r).__name__}")
+            t = _num(w, r, "t", required=True)
+            if r.get("type") == "subagent":
+                subs += 1
+                sub_reqs = r.get("requests")
+                if not isinstance(sub_reqs, list):
+                    raise TraceFormatError(f"{w}: requests: expected the sub-agent's list of requests, "
+                                           f"got {type(sub_reqs).__name__}")
+                agent = r.get("agent_id") or f"sub{subs}"
+                if not isinstance(agent, str):
+                    raise TraceFormatError(f"{w}: agent_id: expected a string, got {agent!r:.60}")
+                self._session(sub_reqs, f"{where}[{i}].requests", f"{sid}/{agent}", sid, base_s + t, out)
+                continue
+            n_in = _int(w, r, "in")
+            n_out = _int(w, r, "out")
+            ids = r.get("hash_ids")
+            if not isinstance(ids, list):
+                raise TraceFormatError(f"{w}: hash_ids: expected a list of integers, got {ids!r:.60}")
+            if len(ids) != n_in // self.block:
+                raise TraceFormatError(f"{w}: hash_ids: expected {n_in // self.block} ids (one per full "
+                                       f"{self.block}-token block of in={n_in}), got {len(ids)}")
+            api = _num(w, r, "api_time", required=False)
+            think = _num(w, r, "think_time", required=False)
+            if prev is not None and t < prev["t"]:
+                raise TraceFormatError(f"{w}: t: {t} is before the previous request's {prev['t']} "
+                                       f"(expected non-decreasing times within a session)")
+            types = r.get("input_types") or []
+            if not isinstance(types, list):
+                raise TraceFormatError(f"{w}: input_types: expected a list of strings, got {types!r:.60}")
+            if prev is None:
+                gap = None
+                shared = 0
+                kind = None
+            else:
+                if prev.get("api_time") is not None:
+                    gap = max(0.0, t - prev["t"] - float(prev["api_time"]))
+                else:
+                    gap = think
+                shared = min(n_in, common_leading(prev_ids, ids) * self.block)
+                kind = "tool" if "tool_result" in types else "think"
+            out.append(AgentRequest(
+                source=self.source, session_id=sid, request_index=index, arrival_s=base_s + t,
+                input_tokens=n_in, output_tokens=n_out, shared_prefix_tokens=shared,
+                parent_session_id=parent, server_s=api, gap_s=gap, tool_s=None, gap_kind=kind,
+            ))
+            index += 1
+            prev = r
+            prev_ids = ids
+
+
+def read_kv_cache_tester_file(path: Path | str) -> list[AgentRequest]:
+    """One trace file's requests (see the module doc), ordered by arrival.
+
+    Raises:
+        TraceFormatError: unreadable file, invalid JSON, or a request with a missing or mistyped
+            field; the message names the file, the request's position and the field.
+    """
+    return _FileReader(Path(path)).requests()
+
+
+def iter_kv_cache_tester(paths: Path | str | Iterable[Path | str] = DEFAULT_DIR) -> Iterator[AgentRequest]:
+    """Stream the requests of every trace file under ``paths`` (files or directories), one file at a
+    time (memory: one file's requests), each file's in arrival order.
+
+    Raises:
+        TraceFormatError: as :func:`read_kv_cache_tester_file`, or a path without trace files.
+    """
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    for p in paths:
+        for f in trace_files(p):
+            yield from read_kv_cache_tester_file(f)
+
+
+def read_kv_cache_tester(paths: Path | str | Iterable[Path | str] = DEFAULT_DIR) -> list[AgentRequest]:
+    """All requests of the trace files under ``paths`` (default: the 24 shipped traces), file by
+    file in name order, each file's in arrival order. Raises as :func:`iter_kv_cache_tester`."""
+    return list(iter_kv_cache_tester(paths))

@@ -1,0 +1,87 @@
+"""The store's own recorded runs as :class:`AgentRequest` records (turns rows -> requests).
+
+A run recorded by turnscope (docs/schema.md, tables ``turns`` and ``sessions``) is traffic too:
+this adapter reads its turns back so the traffic report and the planner treat it like any trace.
+
+Per turn row (one run = one source ``run:<run_id>``, one clock: seconds since the run's first
+``sent_at``):
+
+* ``session_id``, ``request_index`` = ``turn_index``, ``arrival_s`` from ``sent_at``;
+* ``input_tokens`` / ``output_tokens`` = ``prompt_tokens`` / ``completion_tokens`` (NULL -> 0:
+  a failed turn may have none);
+* ``shared_prefix_tokens`` = ``expected_reusable_tokens`` (the longest common prefix of the previous
+  request's prompt + output ids and this prompt's ids, computed by the client), else 0;
+* ``server_s`` = ``e2e_s``; ``gap_s`` = this ``sent_at`` minus the previous turn's ``sent_at`` +
+  ``e2e_s`` (the measured client time), clipped at 0, else the planned ``gap_before_s``;
+  ``gap_kind`` = ``turns.gap_kind`` (``none`` -> None), ``tool_s`` = ``gap_s`` for ``tool`` gaps.
+
+Reads through the store's DuckDB views (read-only), so it works on a store other writers are
+appending to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from loadgen.store import Store
+from loadgen.traces.agent_request import AgentRequest
+
+FORMAT = "run"
+
+_SQL = """
+SELECT run_id, session_id, turn_index,
+       epoch(sent_at) - epoch(min(sent_at) OVER (PARTITION BY run_id)) AS arrival_s,
+       coalesce(prompt_tokens, 0) AS input_tokens,
+       coalesce(completion_tokens, 0) AS output_tokens,
+       coalesce(expected_reusable_tokens, 0) AS shared_prefix_tokens,
+       e2e_s,
+       epoch(sent_at) - epoch(lag(sent_at) OVER s) - lag(e2e_s) OVER s AS measured_gap_s,
+       gap_before_s, gap_kind,
+       (lag(sent_at) OVER s) IS NULL AS first
+FROM turns
+WHERE sent_at IS NOT NULL {where}
+WINDOW s AS (PARTITION BY run_id, session_id ORDER BY turn_index)
+ORDER BY run_id, arrival_s, session_id, turn_index
+"""
+
+
+def iter_recorded_runs(store_root: Path | str, run_ids: Sequence[str] | None = None) -> Iterator[AgentRequest]:
+    """Stream the turns of ``run_ids`` (default: every run in the store) as AgentRequests.
+
+    Args:
+        store_root: the store directory (``turnscope.duckdb`` and ``runs/``), e.g. ``data/``.
+        run_ids: the runs to read; an unknown id yields nothing.
+
+    Raises:
+        FileNotFoundError: the store has no ``turnscope.duckdb`` (run ``turnscope init`` or any run
+            first); the message names the path.
+    """
+    store = Store(Path(store_root))
+    if not store.db_path.exists():
+        raise FileNotFoundError(f"{store.db_path}: no turnscope store here (expected turnscope.duckdb "
+                                f"with the views; any turnscope run creates it)")
+    where, params = "", []
+    if run_ids is not None:
+        where = f"AND run_id IN ({', '.join('?' for _ in run_ids)})" if run_ids else "AND false"
+        params = list(run_ids)
+    con = store.connect(read_only=True)
+    try:
+        cur = con.execute(_SQL.format(where=where), params)
+        while batch := cur.fetchmany(10_000):
+            for (run_id, sid, ti, arr, n_in, n_out, shared, e2e, mgap, planned, gkind, first) in batch:
+                gap = None if first else (max(0.0, mgap) if mgap is not None else planned)
+                kind = None if first or gkind in (None, "none") else gkind
+                yield AgentRequest(
+                    source=f"run:{run_id}", session_id=sid, request_index=int(ti), arrival_s=float(arr),
+                    input_tokens=int(n_in), output_tokens=int(n_out), shared_prefix_tokens=int(shared),
+                    server_s=e2e, gap_s=gap, tool_s=gap if kind == "tool" else None, gap_kind=kind,
+                )
+    finally:
+        con.close()
+
+
+def read_recorded_runs(store_root: Path | str, run_ids: Sequence[str] | None = None) -> list[AgentRequest]:
+    """All requests of ``run_ids`` (default: every run), per run in arrival order. Raises as
+    :func:`iter_recorded_runs`."""
+    return list(iter_recorded_runs(store_root, run_ids))

@@ -1,0 +1,257 @@
+"""The traffic report: what a trace says about KV reuse across turns, before anything is served.
+
+``turnscope traffic PATH...`` (and :func:`build_report`) streams every request of the given traces
+(:mod:`loadgen.traces.agent_sources`: kv-cache-tester, TraceLab, Mooncake, Azure, or the store's
+own recorded runs) into the store as one ``traffic_requests`` Parquet shard per report (row groups
+of :data:`BATCH_ROWS`, so memory holds one batch, not the trace) plus a ``traffic_log`` row; the
+statistics are the store's SQL views (data/schema.sql, docs/schema.md "Traffic"), computed by
+DuckDB: sessions and requests, context growth per session, the gap distribution by kind against
+TTLs of 30 s ... 1 h (the configured one marked), reusable vs new input tokens, sessions
+overlapping in time, and one session's timeline. :class:`TrafficReport` reads them back and prints
+them.
+
+Defaults: ``ttl_s`` 480 s is vLLM's ``decoder_kv_blocks_ttl`` and ``recompute_threshold_tokens`` 64
+is its ``kv_recompute_threshold`` (turnscope/settings.py, docs/configuration.md).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from loadgen.store import Store
+from loadgen.traces.agent_request import AgentRequest
+from loadgen.traces.agent_sources import detect_format, iter_agent_requests
+from loadgen.traces.errors import TraceFormatError
+
+#: vLLM's decoder_kv_blocks_ttl default (seconds) and kv_recompute_threshold default (tokens).
+DEFAULT_TTL_S = 480.0
+DEFAULT_RECOMPUTE_THRESHOLD_TOKENS = 64
+#: Rows per Parquet row group written (and held in memory) at a time.
+BATCH_ROWS = 65_536
+_FIELDS = ("source", "session_id", "parent_session_id", "request_index", "arrival_s", "input_tokens",
+           "output_tokens", "shared_prefix_tokens", "server_s", "gap_s", "gap_kind", "tool_s")
+
+
+def new_traffic_id() -> str:
+    """A fresh report id, ``traffic-<UTC time>-<6 hex>`` (a safe store path component)."""
+    return f"traffic-{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
+
+
+class TrafficWriter:
+    """Streams AgentRequests into one ``traffic_requests`` shard of a store (see the module doc).
+
+    The shard is written to ``runs/<traffic_id>/traffic_requests/<name>.parquet.tmp`` and renamed
+    into place by :meth:`close`, so readers never see a partial file. Memory: one batch of rows.
+    """
+
+    def __init__(self, store: Store, traffic_id: str):
+        self.store = store
+        self.traffic_id = traffic_id
+        self.schema = store.schema.tables["traffic_requests"].arrow_schema()
+        d = store.root / "runs" / traffic_id / "traffic_requests"
+        d.mkdir(parents=True, exist_ok=True)
+        self.path = d / f"traffic-{uuid.uuid4().hex[:8]}-0.parquet"
+        self._tmp = self.path.with_name(self.path.name + ".tmp")
+        self._writer = pq.ParquetWriter(self._tmp, self.schema)
+        self._cols: dict[str, list[Any]] = {f: [] for f in _FIELDS}
+        self._formats: list[str] = []
+        self.rows = 0
+
+    def write(self, requests: Iterable[AgentRequest], format: str) -> int:
+        """Append ``requests`` (tagged with ``format``); returns how many were written."""
+        n = 0
+        cols = self._cols
+        appenders = [(cols[f].append, f) for f in _FIELDS]
+        for r in requests:
+            for app, f in appenders:
+                app(getattr(r, f))
+            self._formats.append(format)
+            n += 1
+            if len(self._formats) >= BATCH_ROWS:
+                self._flush()
+        self.rows += n
+        return n
+
+    def _flush(self) -> None:
+        if not self._formats:
+            return
+        n = len(self._formats)
+        data = {"traffic_id": pa.array([self.traffic_id] * n, pa.string()),
+                "format": pa.array(self._formats, pa.string())}
+        for f in _FIELDS:
+            data[f] = pa.array(self._cols[f], self.schema.field(f).type)
+            self._cols[f] = []
+        self._formats = []
+        self._writer.write_table(pa.table(data).select(self.schema.names).cast(self.schema))
+
+    def discard(self) -> None:
+        """Drop the partial shard (nothing of this report stays in the store)."""
+        self._writer.close()
+        self._tmp.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """Write the last batch and move the shard into place."""
+        self._flush()
+        self._writer.close()
+        os.replace(self._tmp, self.path)
+
+
+@dataclass
+class TrafficReport:
+    """The views of one report, read back (rows as dicts; see docs/schema.md "Traffic")."""
+
+    traffic_id: str
+    summary: dict[str, Any]
+    reuse: list[dict[str, Any]]
+    gaps: list[dict[str, Any]]
+    ttl: list[dict[str, Any]]
+    overlap: dict[str, Any]
+
+    @classmethod
+    def read(cls, con: duckdb.DuckDBPyConnection, traffic_id: str) -> TrafficReport:
+        """Query the traffic views for ``traffic_id`` on an open store connection."""
+        def rows(sql: str) -> list[dict[str, Any]]:
+            cur = con.execute(sql, [traffic_id])
+            names = [d[0] for d in cur.description]
+            return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+
+        summary = rows("""
+            SELECT count(DISTINCT source) AS sources, count(*) AS sessions,
+                   count(*) FILTER (WHERE parent_session_id IS NOT NULL) AS sub_agents,
+                   sum(requests) AS requests,
+                   quantile_cont(requests, 0.5) AS requests_per_session_p50,
+                   quantile_cont(max_input_tokens, 0.5) AS max_context_p50_tokens,
+                   max(max_input_tokens) AS max_context_tokens,
+                   quantile_cont(growth_tokens_per_request, 0.5) AS growth_p50_tokens_per_request
+            FROM traffic_sessions WHERE traffic_id = ?""")[0]
+        summary |= rows("""
+            SELECT quantile_cont(input_tokens, 0.5) AS input_p50_tokens,
+                   quantile_cont(input_tokens, 0.9) AS input_p90_tokens
+            FROM traffic_requests WHERE traffic_id = ?""")[0]
+        summary |= rows("SELECT ttl_s, recompute_threshold_tokens FROM traffic_log WHERE traffic_id = ?")[0]
+        overlap = rows("""
+            SELECT max(max_active_sessions) AS max_active_sessions,
+                   sum(overlapping_sessions) AS overlapping_sessions, sum(sessions) AS sessions
+            FROM traffic_overlap WHERE traffic_id = ?""")[0]
+        return cls(
+            traffic_id, summary,
+            rows("SELECT * FROM traffic_reuse WHERE traffic_id = ? ORDER BY format NULLS FIRST"),
+            rows("SELECT * FROM traffic_gaps WHERE traffic_id = ? ORDER BY gap_kind"),
+            rows("SELECT * FROM traffic_ttl WHERE traffic_id = ? ORDER BY gap_kind, ttl_s"),
+            overlap,
+        )
+
+    def text(self) -> str:
+        """The report as plain lines for a terminal."""
+        s, o = self.summary, self.overlap
+        out = [f"traffic report {self.traffic_id}",
+               (f"  {s['sources']} sources, {s['sessions']} sessions ({s['sub_agents']} sub-agents), "
+               f"{s['requests']} requests (median {_n(s['requests_per_session_p50'])} per session)"),
+               (f"  input tokens per request: median {_n(s['input_p50_tokens'])}, p90 {_n(s['input_p90_tokens'])}; "
+               f"largest context per session: median {_n(s['max_context_p50_tokens'])}, max "
+               f"{_n(s['max_context_tokens'])}; context growth median {_n(s['growth_p50_tokens_per_request'])} "
+               f"tokens per request"),
+               (f"  sessions overlapping another of the same source: {o['overlapping_sessions']} of "
+               f"{o['sessions']}; most active at once: {o['max_active_sessions']}")]
+        for r in self.reuse:
+            what = "all" if r["format"] is None else r["format"]
+            out.append(f"  reuse ({what}): {_pct(r['reusable_share'])} of {_n(r['input_tokens'])} input tokens "
+                       f"were a prefix of the session's previous request ({_n(r['new_tokens'])} new); "
+                       f"{_pct(r['reusable_in_ttl_share'])} also within the {s['ttl_s']:g} s TTL and "
+                       f">= {s['recompute_threshold_tokens']} tokens")
+        out.append("  gaps (end of one request -> next of the session), seconds:")
+        for g in self.gaps:
+            tool = (f", in tools {_pct(g['tool_s'] / g['tool_known_gap_s'])} (where the trace says)"
+                    if g["tool_s"] is not None and g["tool_known_gap_s"] else "")
+            out.append(f"    {g['gap_kind']:8s} {g['follow_ups']:7d} follow-ups: p50 {g['gap_p50_s']:.1f}, "
+                       f"p90 {g['gap_p90_s']:.1f}, p99 {g['gap_p99_s']:.1f}, max {g['gap_max_s']:.1f}{tool}")
+        kinds = sorted({t["gap_kind"] for t in self.ttl})
+        ttls = sorted({(t["ttl_s"], t["configured"]) for t in self.ttl})
+        out.append("  follow-ups within TTL:  " + " ".join(
+            f"{_ttl(v)}{'*' if c else ''}".rjust(7) for v, c in ttls) + "   (* configured)")
+        by = {(t["gap_kind"], t["ttl_s"]): t for t in self.ttl}
+        for k in kinds:
+            out.append(f"    {k:8s}              " + " ".join(
+                _pct(by[(k, v)]["share_within_ttl"]).rjust(7) for v, _ in ttls))
+        return "\n".join(out)
+
+
+def _n(v: Any) -> str:
+    return "-" if v is None else f"{v:,.0f}"
+
+
+def _pct(v: Any) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def _ttl(s: float) -> str:
+    return f"{s / 3600:g}h" if s >= 3600 else (f"{s / 60:g}m" if s >= 60 else f"{s:g}s")
+
+
+def _format_hint(err: TraceFormatError, format: str | None, paths: Sequence[Path | str]) -> str:
+    """' (this file looks like <format>; ...)' when a path named with ``format`` detects as another."""
+    if format is None:
+        return ""
+    for p in paths:
+        if str(p) in str(err):
+            try:
+                found = detect_format(p)
+            except TraceFormatError:
+                return ""
+            if found != format:
+                return f" (the file looks like {found}, not {format}: drop --format or name {found})"
+    return ""
+
+
+def build_report(store: Store, paths: Sequence[Path | str], *, format: str | None = None,
+                 label: str | None = None, ttl_s: float = DEFAULT_TTL_S,
+                 recompute_threshold_tokens: int = DEFAULT_RECOMPUTE_THRESHOLD_TOKENS,
+                 traffic_id: str | None = None) -> TrafficReport:
+    """Read ``paths`` (each as ``format``, default detected per path), write the report's rows to
+    ``store`` and return it read back from the views.
+
+    Raises:
+        TraceFormatError: a path that cannot be read as its format (one line naming file, line,
+            field). Nothing is left in the store then (the partial shard is removed).
+        ValueError: ``ttl_s`` <= 0 or ``recompute_threshold_tokens`` < 0.
+    """
+    if not ttl_s > 0:
+        raise ValueError(f"ttl_s must be > 0 seconds, got {ttl_s}")
+    if recompute_threshold_tokens < 0:
+        raise ValueError(f"recompute_threshold_tokens must be >= 0, got {recompute_threshold_tokens}")
+    store.init()
+    tid = traffic_id or new_traffic_id()
+    w = TrafficWriter(store, tid)
+    inputs = []
+    try:
+        for p in paths:
+            fmt = format or detect_format(p)
+            w.write(iter_agent_requests(p, fmt), fmt)
+            inputs.append({"path": str(p), "format": fmt})
+        w.close()
+    except TraceFormatError as e:
+        w.discard()
+        raise TraceFormatError(f"{e}{_format_hint(e, format, paths)}") from None
+    except BaseException:
+        w.discard()
+        raise
+    with store.writer(tid, "traffic") as sw:
+        sw.append("traffic_log", {"traffic_id": tid, "label": label, "created_at": dt.datetime.now(dt.UTC),
+                                  "inputs": json.dumps(inputs), "ttl_s": float(ttl_s),
+                                  "recompute_threshold_tokens": int(recompute_threshold_tokens)})
+    con = store.connect(read_only=True)
+    try:
+        return TrafficReport.read(con, tid)
+    finally:
+        con.close()

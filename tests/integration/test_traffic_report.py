@@ -1,0 +1,91 @@
+"""`turnscope traffic` on the shipped traces, through the CLI and the store's views.
+
+Truths come from plain ``json`` walks of the files (tests/unit/test_agent_traces.py's hand route:
+the trace's own ``think_time`` for gaps, element-by-element hash comparison for shared prefixes,
+sub-agent intervals from ``t`` and ``api_time``), not from the reader or the views.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from loadgen.store import Store
+from loadgen.traces.kv_cache_tester import DEFAULT_DIR
+from tests.unit.test_agent_traces import TRACES, naive_common, truth, walk
+from turnscope.cli import app
+
+
+def cli(*args: str) -> tuple[int, str]:
+    r = CliRunner().invoke(app, list(args), env={"COLUMNS": "4000"})
+    return r.exit_code, r.output
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    store = Store(tmp_path_factory.mktemp("traffic") / "store")
+    code, out = cli("traffic", "--store", str(store.root), "--label", "shipped", str(DEFAULT_DIR))
+    assert code == 0, out
+    con = store.connect()
+    (tid,) = con.execute("SELECT traffic_id FROM traffic_log WHERE label = 'shipped'").fetchone()
+    yield con, tid, out
+    con.close()
+
+
+def test_counts_and_ttl_share(report):
+    con, tid, out = report
+    t = [truth(p) for p in TRACES]
+    sessions, requests, within = (sum(x[k] for x in t) for k in ("sessions", "requests", "within_ttl_or_bound"))
+    assert (sessions, requests) == (35, 740)
+    got = con.execute("SELECT count(*), sum(requests) FROM traffic_sessions WHERE traffic_id = ?", [tid]).fetchone()
+    assert got == (sessions, requests)
+    row = con.execute("SELECT follow_ups, within_ttl FROM traffic_ttl WHERE traffic_id = ? AND gap_kind = 'all' "
+                      "AND configured", [tid]).fetchone()
+    assert row == (requests - sessions, within)
+    assert f"{sessions} sessions (11 sub-agents), {requests} requests" in out
+
+
+def test_reusable_share(report):
+    con, tid, _ = report
+    total = shared = 0
+    for p in TRACES:
+        ss: list[list[dict]] = []
+        walk(json.loads(p.read_text())["requests"], ss)
+        for s in ss:
+            total += sum(r["in"] for r in s)
+            shared += sum(min(r["in"], 64 * naive_common(a["hash_ids"], r["hash_ids"])) for a, r in itertools.pairwise(s))
+    got = con.execute("SELECT input_tokens, reusable_tokens FROM traffic_reuse WHERE traffic_id = ? AND format IS NULL",
+                      [tid]).fetchone()
+    assert got == (total, shared)
+
+
+def test_sub_agents_overlap_their_parent(report):
+    """trace_0277: 4 sub-agents inside the parent's span; by hand from t and api_time."""
+    con, tid, _ = report
+    doc = json.loads((DEFAULT_DIR / "trace_0277.json").read_text())
+    spans = []
+    parent = [r for r in doc["requests"] if r.get("type") != "subagent"]
+    spans.append((parent[0]["t"], parent[-1]["t"] + parent[-1].get("api_time", 0)))
+    for sub in (r for r in doc["requests"] if r.get("type") == "subagent"):
+        last = sub["requests"][-1]
+        spans.append((sub["t"], sub["t"] + last["t"] + last.get("api_time", 0)))
+    overlapping = sum(1 for i, (a, b) in enumerate(spans)
+                      if any(a < d and c < b for j, (c, d) in enumerate(spans) if j != i))
+    got = con.execute("SELECT sessions, overlapping_sessions FROM traffic_overlap WHERE traffic_id = ? "
+                      "AND source = 'kv-cache-tester:trace_0277'", [tid]).fetchone()
+    assert got == (5, overlapping)
+    assert overlapping == 5  # every sub-agent runs while the parent's session is open
+
+
+def test_wrong_format_is_one_line(tmp_path):
+    code, out = cli("traffic", "--store", str(tmp_path / "s"), "--format", "mooncake",
+                    str(DEFAULT_DIR / "trace_0036.json"))
+    assert code == 2
+    line = " ".join(out.split())
+    assert "trace_0036.json:1: timestamp: expected an integer >= 0, got None" in line
+    assert "looks like kv_cache_tester" in line
+    assert "Traceback" not in out
+    assert not list((tmp_path / "s" / "runs").glob("traffic-*/traffic_requests/*.parquet"))

@@ -1,0 +1,223 @@
+"""Readers of real agent traffic: kv-cache-tester and TraceLab (loadgen/traces/, AgentRequest).
+
+Truths are computed here by another route than the readers': plain ``json`` and hand logic that
+walks the files (gaps from the trace's own ``think_time`` split, shared prefixes by a naive
+element-by-element comparison), plus a few hand-read literal values from the files (named in each
+test) and hand-made files for the error cases.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from loadgen.traces.errors import TraceFormatError
+from loadgen.traces.kv_cache_tester import (
+    DEFAULT_DIR,
+    common_leading,
+    read_kv_cache_tester,
+    read_kv_cache_tester_file,
+)
+from loadgen.traces.tracelab import DEFAULT_TRACE as TRACELAB
+from loadgen.traces.tracelab import read_tracelab
+
+TTL_S = 480.0
+TRACES = sorted(DEFAULT_DIR.glob("*.json"))
+
+
+def walk(items: list[dict], out: list[list[dict]]) -> None:
+    """Append each session's request list (the parent's, then each sub-agent's) to ``out``."""
+    mine: list[dict] = []
+    out.append(mine)
+    for r in items:
+        if r.get("type") == "subagent":
+            walk(r["requests"], out)
+        else:
+            mine.append(r)
+
+
+def truth(path: Path) -> dict[str, int]:
+    """Sessions, requests and follow-ups within 480 s of one file, by the trace's own think_time.
+
+    A follow-up's client time is the request's ``think_time`` (the trace's split of the interval
+    into server and client time); requests without one are left out of the within-480 count, and
+    out of the reader's count only when the previous request has no ``api_time`` either
+    (``within_ttl_or_bound`` counts those by their arrival-to-arrival gap, an upper bound).
+    """
+    sessions: list[list[dict]] = []
+    walk(json.loads(path.read_text())["requests"], sessions)
+    within = bound = 0
+    for s in sessions:
+        for prev, r in itertools.pairwise(s):
+            if "think_time" in r:
+                within += r["think_time"] <= TTL_S
+            elif "api_time" in prev:
+                within += r["t"] - prev["t"] - prev["api_time"] <= TTL_S
+            else:  # no split known: arrival to arrival bounds the gap from above
+                bound += r["t"] - prev["t"] <= TTL_S
+    return {"sessions": len(sessions), "requests": sum(len(s) for s in sessions), "within_ttl": within,
+            "within_ttl_or_bound": within + bound}
+
+
+@pytest.mark.parametrize("path", TRACES, ids=lambda p: p.stem)
+def test_kv_cache_tester_counts_per_trace(path):
+    got = read_kv_cache_tester_file(path)
+    t = truth(path)
+    assert len({r.session_id for r in got}) == t["sessions"]
+    assert len(got) == t["requests"]
+    within = sum(1 for r in got if r.gap_s is not None and r.gap_s <= TTL_S)
+    assert within == t["within_ttl"]
+
+
+def test_kv_cache_tester_corpus_totals():
+    """24 files, 740 requests, 11 sub-agents (data/traces/SOURCES.md)."""
+    got = read_kv_cache_tester()
+    assert len(TRACES) == 24
+    assert len(got) == 740
+    subs = {r.session_id for r in got if r.parent_session_id is not None}
+    assert len(subs) == 11
+    assert len({r.session_id for r in got}) == 24 + 11
+
+
+def naive_common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < len(a) and n < len(b) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("path", TRACES, ids=lambda p: p.stem)
+def test_shared_prefix_by_naive_comparison(path):
+    sessions: list[list[dict]] = []
+    walk(json.loads(path.read_text())["requests"], sessions)
+    want = []
+    for s in sessions:
+        want += [0] + [min(r["in"], 64 * naive_common(p["hash_ids"], r["hash_ids"])) for p, r in itertools.pairwise(s)]
+    got = read_kv_cache_tester_file(path)
+    by_session: dict[str, list] = {}
+    for r in got:
+        by_session.setdefault(r.session_id, []).append(r)
+    got_in_file_order = [r.shared_prefix_tokens for sid in by_session for r in
+                         sorted(by_session[sid], key=lambda r: r.request_index)]
+    assert sorted(got_in_file_order) == sorted(want)
+    assert sum(got_in_file_order) == sum(want)
+
+
+def named(path: Path, session: str, index: int):
+    (r,) = [r for r in read_kv_cache_tester_file(path) if r.session_id == session and r.request_index == index]
+    return r
+
+
+def test_named_requests_hand_read():
+    # trace_0036 request 1 (t=3360, in=72,464): its first 256 ids are request 0's first 256 of 259
+    # (the prompt was rewritten after block 256): 256 x 64 = 16,384 tokens shared. Request 0 ended
+    # at 0 + 4.05 s; request 1 arrived at 3360 s: a 3,355.95 s gap (the trace's think_time: 3356).
+    r = named(DEFAULT_DIR / "trace_0036.json", "trace_0036", 1)
+    assert r.shared_prefix_tokens == 16_384
+    assert r.gap_s == pytest.approx(3355.95)
+    assert r.server_s == pytest.approx(8.06)
+    assert r.gap_kind == "tool"
+    # trace_0043 request 17: a compaction; only 237 of the previous 683 ids survive: 15,168 tokens.
+    assert named(DEFAULT_DIR / "trace_0043.json", "trace_0043", 17).shared_prefix_tokens == 15_168
+    # trace_0277: the parent's request 1 (t=228) follows request 0 (305 ids) across three
+    # sub-agents: 305 x 64 = 19,520 shared; sub-agent agent_002 starts at 183.906 s and its second
+    # request (t=13 on its own clock) arrives at 196.906 s, concurrent with the parent.
+    p = DEFAULT_DIR / "trace_0277.json"
+    assert named(p, "trace_0277", 1).shared_prefix_tokens == 19_520
+    s = named(p, "trace_0277/agent_002", 1)
+    assert s.arrival_s == pytest.approx(196.906)
+    assert s.parent_session_id == "trace_0277"
+
+
+def test_common_leading_matches_naive():
+    cases = [([], []), ([1, 2, 3], [1, 2, 3, 4]), ([1, 2, 3], [1, 2, 9]), ([5], [6]),
+             (list(range(100)), list(range(57)) + [-1] * 10), (list(range(10)), list(range(10)))]
+    for a, b in cases:
+        assert common_leading(a, b) == naive_common(a, b)
+
+
+def iso(s: str) -> float:
+    return dt.datetime.strptime(s, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=dt.UTC).timestamp()
+
+
+def test_tracelab_against_plain_json():
+    rows = [json.loads(line) for line in TRACELAB.read_text().splitlines() if line.strip()]
+    got = read_tracelab()
+    assert len(got) == len(rows) == 19
+    assert {r.session_id for r in got} == {r["session_id"] for r in rows}
+    by_key = {(r.session_id, r.request_index): r for r in got}
+    for d in rows:
+        a = by_key[(d["session_id"], d["round_index"])]
+        assert a.input_tokens == d["prefix_tokens"] + d["newly_append_tokens"]
+        assert a.shared_prefix_tokens == d["prefix_tokens"]
+        assert a.output_tokens == d["output_tokens"]
+    # Hand-read: Claude round 0 ends with its tool_call at 05:40:31.647; round 1's last input event
+    # (the WebSearch result) is at 05:40:50.938: a 19.291 s gap, all of it covered by the WebSearch
+    # tool (emitted 05:40:31.647, 19,291 ms). Round 5 follows a user message: no tool time.
+    c1 = by_key[("claude:claude-public-example", 1)]
+    assert c1.gap_s == pytest.approx(iso("2026-06-01T05:40:50.938Z") - iso("2026-06-01T05:40:31.647Z"), abs=1e-3)
+    assert c1.tool_s == pytest.approx(19.291, abs=1e-3)
+    assert c1.gap_kind == "tool"
+    c5 = by_key[("claude:claude-public-example", 5)]
+    assert c5.gap_kind == "think" and c5.tool_s == 0.0 and c5.gap_s > 0
+    # every gap is within 480 s in these two sessions (the longest is seconds); count by hand route
+    follow = [r for r in got if r.request_index > 0]
+    assert len(follow) == 19 - 2
+    assert all(r.gap_s is not None and r.gap_s <= TTL_S for r in follow)
+
+
+def test_kv_cache_tester_errors_name_file_position_field(tmp_path):
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps({"id": "x", "requests": [
+        {"t": 0, "in": 130, "out": 5, "hash_ids": [1, 2], "api_time": 1.0},
+        {"type": "subagent", "t": 3, "requests": [{"t": 0, "in": None, "out": 1, "hash_ids": []}]}]}))
+    with pytest.raises(TraceFormatError, match=r"t\.json: requests\[1\]\.requests\[0\]: in: expected an integer >= 0, got None"):
+        read_kv_cache_tester_file(p)
+    p.write_text(json.dumps({"id": "x", "requests": [{"t": 0, "in": 130, "out": 5, "hash_ids": [1]}]}))
+    with pytest.raises(TraceFormatError, match=r"requests\[0\]: hash_ids: expected 2 ids"):
+        read_kv_cache_tester_file(p)
+    p.write_text('{"id": "x",\n "requests": [\n  {"t": 0,, }]}')
+    with pytest.raises(TraceFormatError, match=r"t\.json:3: not valid JSON"):
+        read_kv_cache_tester_file(p)
+
+
+def test_tracelab_errors_name_file_line_field(tmp_path):
+    lines = TRACELAB.read_text().splitlines()
+    bad = json.loads(lines[2])
+    bad["prefix_tokens"] = None
+    p = tmp_path / "r.jsonl"
+    p.write_text("\n".join([lines[0], lines[1], json.dumps(bad)]) + "\n")
+    with pytest.raises(TraceFormatError, match=r"r\.jsonl:3: prefix_tokens: expected an integer >= 0, got None"):
+        read_tracelab(p)
+
+
+def test_recorded_runs_adapter(tmp_path):
+    """Turns written to a store come back as requests: times from sent_at/e2e_s by hand."""
+    from loadgen.store import Store
+    from loadgen.traces.recorded_runs import read_recorded_runs
+
+    s = Store(tmp_path / "store")
+    s.init()
+    t0 = dt.datetime(2026, 11, 1, tzinfo=dt.UTC)
+    sec = dt.timedelta(seconds=1)
+    with s.writer("r1", "w") as w:
+        w.append("runs_log", {"run_id": "r1", "status": "complete", "updated_at": t0})
+        # session a: turn 0 at 0 s (2 s long), turn 1 at 7 s after a tool gap, turn 2 at 20 s
+        for i, (at, e2e, gk, exp) in enumerate([(0, 2.0, "none", None), (7, 1.5, "tool", 900), (20, 1.0, "think", 1200)]):
+            w.append("turns", {"session_id": "a", "turn_index": i, "sent_at": t0 + at * sec, "e2e_s": e2e,
+                               "prompt_tokens": 1000 + 300 * i, "completion_tokens": 40, "gap_kind": gk,
+                               "gap_before_s": 5.0, "expected_reusable_tokens": exp, "status": "ok"})
+        w.append("turns", {"session_id": "b", "turn_index": 0, "sent_at": t0 + 3 * sec, "e2e_s": 0.5,
+                           "prompt_tokens": 50, "completion_tokens": 5, "gap_kind": "none", "status": "ok"})
+    got = read_recorded_runs(s.root)
+    assert [(r.session_id, r.request_index, r.arrival_s) for r in got] == [("a", 0, 0.0), ("b", 0, 3.0), ("a", 1, 7.0), ("a", 2, 20.0)]
+    a1, a2 = got[2], got[3]
+    assert a1.gap_s == pytest.approx(7 - 2.0) and a1.tool_s == pytest.approx(5.0) and a1.gap_kind == "tool"
+    assert a2.gap_s == pytest.approx(20 - 7 - 1.5) and a2.tool_s is None and a2.gap_kind == "think"
+    assert (a1.shared_prefix_tokens, a2.shared_prefix_tokens, got[0].shared_prefix_tokens) == (900, 1200, 0)
+    assert {r.source for r in got} == {"run:r1"}
+    assert read_recorded_runs(s.root, ["nope"]) == []
