@@ -1,0 +1,100 @@
+"""The planner checked against reality: recorded runs planned from their own records and their
+own fitted profile (:mod:`turnscope.planner.fit`), compared turn by turn with what was measured.
+
+Two checks (issue "The planner"): the predicted outcome is the recorded one for every turn that did
+not fail (differences listed with why), and the predicted TTFT is within 25% median absolute
+relative error (MARE, |predicted - measured| / measured) of the measured TTFT, per mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+
+from loadgen.store import Store
+from loadgen.traces.recorded_runs import read_recorded_runs
+from turnscope.planner.fit import recorded_turns
+from turnscope.planner.profile import MODES, CostProfile
+from turnscope.planner.simulate import PlanSettings, Traffic, plan
+
+#: The TTFT check's bound: median absolute relative error per mode.
+MARE_BOUND = 0.25
+
+
+def run_settings(store: Store, run_id: str) -> PlanSettings:
+    """The connector and proxy settings ``run_id`` ran with (``run_config``; the recompute
+    threshold from ``runs.config.connector.kv_recompute_threshold``, 64 when absent)."""
+    con = store.connect()
+    try:
+        ttl, margin, thr = con.execute(
+            "SELECT c.decoder_kv_blocks_ttl_s, c.handle_ttl_margin_s, coalesce(TRY_CAST(json_extract_string("
+            "r.config, '$.connector.kv_recompute_threshold') AS INTEGER), 64) FROM run_config c JOIN runs r "
+            "USING (run_id) WHERE run_id = ?", [run_id]).fetchone()
+    finally:
+        con.close()
+    return PlanSettings(decoder_kv_blocks_ttl_s=ttl, handle_ttl_margin_s=margin, kv_recompute_threshold=thr)
+
+
+def check_runs(store: Store, run_ids: Sequence[str], profile: CostProfile) -> pd.DataFrame:
+    """Every turn of ``run_ids``, recorded next to predicted (each run planned in its own mode).
+
+    Columns: run_id, mode, session_id, turn_index, status, recorded_outcome, predicted_outcome,
+    outcome_match (NULL for failed turns), measured_ttft_s, predicted_ttft_s, why (for a
+    difference: what each side saw)."""
+    recorded = recorded_turns(store, run_ids)
+    frames = []
+    for run_id, rec in recorded.groupby("run_id", sort=False):
+        mode = str(rec["mode"].iloc[0])
+        if mode not in MODES:
+            continue
+        reqs = read_recorded_runs(store.root, [run_id])
+        tr = Traffic.of(reqs)
+        p = plan(tr, profile, run_settings(store, run_id).model_copy(update={"modes": (mode,)}))
+        m = p.modes[mode]
+        pred = pd.DataFrame({"session_id": tr.session, "turn_index": tr.request_index,
+                             "predicted_outcome": m.outcome_names(), "predicted_ttft_s": m.ttft_s,
+                             "predicted_age_s": m.handle_age_s, "predicted_pulled": m.pulled_tokens})
+        both = rec.merge(pred, on=["session_id", "turn_index"], how="left")
+        frames.append(both)
+    if not frames:
+        return pd.DataFrame()
+    df = pd.concat(frames, ignore_index=True)
+    ok = df["status"] == "ok"
+    rec_o = df["reuse"].where(df["reuse"].notna(), None)
+    pred_o = df["predicted_outcome"].where(df["predicted_outcome"].notna(), None)
+    match = [(a == b) if s else None for a, b, s in zip(rec_o, pred_o, ok, strict=True)]
+
+    def why(r) -> str | None:
+        if r.status != "ok" or r.recorded_outcome == r.predicted_outcome:
+            return None
+        return (f"recorded {r.recorded_outcome} ({int(r.reused_tokens)} tokens pulled, "
+                f"{int(r.local_tokens)} from P's cache), predicted {r.predicted_outcome} "
+                f"({int(r.predicted_pulled)} pulled"
+                + (f", handle {r.predicted_age_s:.1f} s old" if not np.isnan(r.predicted_age_s) else "") + ")")
+
+    out = pd.DataFrame({"run_id": df["run_id"], "mode": df["mode"], "session_id": df["session_id"],
+                        "turn_index": df["turn_index"], "status": df["status"], "recorded_outcome": rec_o,
+                        "predicted_outcome": pred_o, "outcome_match": match, "measured_ttft_s": df["ttft_s"],
+                        "predicted_ttft_s": df["predicted_ttft_s"], "reused_tokens": df["reused_tokens"],
+                        "local_tokens": df["local_tokens"], "predicted_pulled": df["predicted_pulled"],
+                        "predicted_age_s": df["predicted_age_s"]})
+    out["why"] = [why(r) for r in out.itertuples()]
+    return out.drop(columns=["reused_tokens", "local_tokens", "predicted_pulled", "predicted_age_s"])
+
+
+def check_summary(checks: pd.DataFrame) -> pd.DataFrame:
+    """Per mode: ok turns, outcome matches, MARE of TTFT and whether both checks pass.
+
+    Columns: mode, ok_turns, outcome_matches, outcome_check (all match), ttft_mare, ttft_check
+    (MARE <= 25%)."""
+    rows = []
+    for mode, g in checks[checks["status"] == "ok"].groupby("mode", sort=False):
+        g = g[g["measured_ttft_s"].notna()]
+        rel = (g["predicted_ttft_s"] - g["measured_ttft_s"]).abs() / g["measured_ttft_s"]
+        matches = int(g["outcome_match"].astype(bool).sum())
+        mare = float(rel.median()) if len(rel) else np.nan
+        rows.append({"mode": mode, "ok_turns": len(g), "outcome_matches": matches,
+                     "outcome_check": matches == len(g), "ttft_mare": mare, "ttft_check": bool(mare <= MARE_BOUND)})
+    return pd.DataFrame(rows)
