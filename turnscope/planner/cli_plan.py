@@ -42,9 +42,10 @@ def _ms(x: float) -> str:
 def describe(p, sp: pd.DataFrame, fr: pd.DataFrame, sessions: pd.DataFrame, checks: pd.DataFrame | None) -> str:
     """The plan in plain text, every figure labelled as a forecast with its profile."""
     tag = p.profile.label()
-    lines = [f"{tag}: {len(p.traffic):,} requests, {len(set(p.traffic.session)):,} sessions; proxy TTL "
-             f"{p.settings.proxy_ttl_s:.0f} s (decoder_kv_blocks_ttl {p.settings.decoder_kv_blocks_ttl_s:.0f} s), "
-             f"threshold {p.settings.kv_recompute_threshold} tokens."]
+    head = (f"{tag}: {len(p.traffic):,} requests, {len(set(p.traffic.session)):,} sessions; proxy TTL "
+            f"{p.settings.proxy_ttl_s:.0f} s (decoder_kv_blocks_ttl {p.settings.decoder_kv_blocks_ttl_s:.0f} s), "
+            f"threshold {p.settings.kv_recompute_threshold} tokens.")
+    lines = [head]
     lines += [f"  note: {n}" for n in p.notes]
     lines.append(f"\nSpeed-up per mode pair ({tag}; mean TTFT, baseline / treatment):")
     for r in sp.itertuples():
