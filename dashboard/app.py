@@ -30,6 +30,7 @@ PAGES = [
     st.Page("app_pages/memory.py", title="Memory", icon=":material/memory:"),
     st.Page("app_pages/compare.py", title="Compare", icon=":material/compare_arrows:"),
     st.Page("app_pages/sweep.py", title="Sweep", icon=":material/stacked_line_chart:"),
+    st.Page("app_pages/traffic.py", title="Traffic", icon=":material/airline_stops:"),
     st.Page("app_pages/plan.py", title="Plan", icon=":material/online_prediction:"),
     st.Page("app_pages/sql.py", title="SQL", icon=":material/terminal:"),
 ]

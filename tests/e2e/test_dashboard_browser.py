@@ -116,6 +116,20 @@ def sweep_url(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def traffic_url(tmp_path_factory):
+    """The dashboard store plus a traffic report of the 24 shipped kv-cache-tester traces."""
+    from loadgen.store import Store
+    from loadgen.traces.kv_cache_tester import DEFAULT_DIR
+    from loadgen.traffic import build_report
+
+    tmp = tmp_path_factory.mktemp("e2e-traffic")
+    root = dashboard_store.build(tmp / "store")
+    build_report(Store(root), [DEFAULT_DIR], label="kv-cache-tester")
+    with _streamlit(root, tmp) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
 def browser():
     from playwright.sync_api import sync_playwright
 
@@ -192,7 +206,7 @@ def test_overview_in_browser(dashboard_url, browser, tmp_path):
     assert metric.first.inner_text().strip().endswith("×")
     # Every page is in the navigation.
     nav = page.locator('[data-testid="stSidebarNav"]').inner_text()
-    for name in ("Overview", "Turns", "Sessions", "Memory", "Compare", "Sweep", "SQL"):
+    for name in ("Overview", "Turns", "Sessions", "Memory", "Compare", "Sweep", "Traffic", "SQL"):
         assert name in nav
     _shot(page, "overview")
     # The export is one self-contained HTML file: plotly.js inlined, no script from the network.
@@ -264,5 +278,18 @@ def test_sweep_in_browser(sweep_url, browser):
     body = page.inner_text("body")
     assert "pd-bidir-nocache vs pd-nocache:" in body and "the speed-up grows with prefix length" in body
     _shot(page, "sweep")
+    assert not errors, errors
+    page.close()
+
+
+def test_traffic_in_browser(traffic_url, browser):
+    """The Traffic page of the shipped traces: its numbers (740 requests, 35 sessions) and five charts,
+    the timeline of the session with the most requests (trace_0279, with its 2 sub-agents)."""
+    page, errors = _open(browser, f"{traffic_url}/traffic", "Traffic", 5)
+    values = page.locator('[data-testid="stMetricValue"]').all_inner_texts()
+    assert values[:2] == ["35", "740"]
+    body = page.inner_text("body")
+    assert "trace_0279" in body
+    _shot(page, "traffic")
     assert not errors, errors
     page.close()

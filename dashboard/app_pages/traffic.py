@@ -1,0 +1,74 @@
+"""Traffic: what a trace says about KV reuse across turns, before anything is served.
+
+Shows one traffic report (``turnscope traffic PATH...``; docs/schema.md "Traffic reports"):
+sessions and requests, the gap distribution by kind against TTLs (the configured one marked),
+reusable vs new input tokens, context growth per session, sessions overlapping in time, and one
+session's timeline with its sub-agents.
+"""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from dashboard import context
+from dashboard import traffic_figures as figs
+from dashboard.traffic_queries import load
+
+sel = context.current()
+root = sel.root
+st.title("Traffic")
+reports = load(root, "reports")
+if reports.empty:
+    st.info("No traffic report in this store yet: run `turnscope traffic data/traces/kv-cache-tester` "
+            "(or any trace file, or a store directory for its recorded runs).")
+    st.stop()
+names = {r.traffic_id: f"{r.label or r.traffic_id} · {r.created_at:%Y-%m-%d %H:%M} UTC" for r in reports.itertuples()}
+tid = st.selectbox("Report (newest first)", list(names), format_func=names.get)
+rep = reports.loc[reports["traffic_id"] == tid].iloc[0]
+ttl_s = float(rep["ttl_s"])
+threshold = int(rep["recompute_threshold_tokens"])
+st.caption(f"Inputs: {rep['inputs']}. Configured TTL {ttl_s:g} s; recompute threshold {threshold} tokens.")
+
+s = load(root, "summary", tid).iloc[0]
+reuse = load(root, "reuse", tid)
+total = reuse[reuse["format"].isna()].iloc[0]
+c = st.columns(5)
+c[0].metric("Sessions", f"{int(s['sessions']):,}", help=f"{int(s['sub_agents'])} of them sub-agents (own sessions)")
+c[1].metric("Requests", f"{int(s['requests']):,}")
+c[2].metric("Reusable input", f"{100 * total['reusable_share']:.1f}%",
+            help="Input tokens that were a prefix of the session's previous request")
+c[3].metric(f"Reusable within {ttl_s:g} s", f"{100 * total['reusable_in_ttl_share']:.1f}%",
+            help=f"Also within the TTL and at least {threshold} tokens: what bidirectional P/D could pull back")
+c[4].metric("Overlapping sessions", f"{int(s['overlapping_sessions'] or 0):,}",
+            help=f"Most active at once in one source: {s['max_active_sessions']}")
+
+st.subheader("Gaps against the TTL")
+ttl = load(root, "ttl", tid)
+st.plotly_chart(figs.ttl_shares(ttl), key="traffic_ttl")
+conf = ttl[ttl["configured"] & (ttl["gap_kind"] == "all")]
+if not conf.empty:
+    st.caption(f"{100 * conf['share_within_ttl'].iloc[0]:.1f}% of {int(conf['follow_ups'].iloc[0]):,} follow-ups "
+               f"arrive within the configured {ttl_s:g} s: their KV would still be on the decode worker. "
+               "A gap is the end of one request to the session's next; Mooncake has no server times, so its "
+               "gaps are arrival to arrival (an upper bound).")
+st.plotly_chart(figs.gap_histogram(load(root, "gaps", tid), ttl_s), key="traffic_gaps")
+
+st.subheader("Reusable vs new input tokens")
+st.plotly_chart(figs.reuse_split(reuse), key="traffic_reuse")
+
+st.subheader("Context growth")
+st.plotly_chart(figs.context_growth(load(root, "context_growth", tid)), key="traffic_growth")
+
+st.subheader("One session's timeline")
+sess = load(root, "sessions", tid)
+top = sess[sess["parent_session_id"].isna()]
+keys = [f"{r.source}|{r.session_id}" for r in top.itertuples()]
+labels = {f"{r.source}|{r.session_id}": f"{r.session_id} · {r.requests} requests · up to {r.max_input_tokens:,} tokens"
+          for r in top.itertuples()}
+pick = st.selectbox("Session (most requests first; sub-agents are drawn with their parent)", keys,
+                    format_func=labels.get)
+if pick:
+    source, sid = pick.split("|", 1)
+    st.plotly_chart(figs.session_timeline(load(root, "timeline", tid, source, sid)), key="traffic_timeline")
+    st.caption("Requests are the server's time; tool and think are the client's waits before a request; a pause "
+               f"is a wait over the {ttl_s:g} s TTL (the decode worker's KV has expired by then).")

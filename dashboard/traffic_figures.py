@@ -1,0 +1,111 @@
+"""Figures of the Traffic page: pure functions, DataFrame in, ``go.Figure`` out (seconds, tokens).
+
+Inputs are the frames of ``dashboard.traffic_queries``. An empty input gives a figure that says so.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+
+from dashboard.figures import empty_figure
+
+#: Colours per gap kind / timeline segment (the same kind looks the same on every chart).
+KIND_COLORS = {"all": "#4c4c4c", "tool": "#1f77b4", "think": "#ff7f0e", "pause": "#d62728",
+               "unknown": "#9467bd", "request": "#2ca02c"}
+
+
+def ttl_shares(ttl: pd.DataFrame) -> go.Figure:
+    """Share of follow-ups within each TTL (x, log seconds) per gap kind; the configured TTL is a
+    dashed vertical line."""
+    if ttl.empty:
+        return empty_figure("No follow-up requests in this report.")
+    fig = go.Figure()
+    for kind, g in ttl.groupby("gap_kind", sort=True):
+        g = g.sort_values("ttl_s")
+        fig.add_trace(go.Scatter(x=g["ttl_s"], y=100 * g["share_within_ttl"], mode="lines+markers", name=str(kind),
+                                 line={"color": KIND_COLORS.get(str(kind))},
+                                 customdata=g[["within_ttl", "follow_ups"]],
+                                 hovertemplate="TTL %{x:.0f} s: %{y:.1f}% (%{customdata[0]} of %{customdata[1]})"))
+    conf = ttl.loc[ttl["configured"], "ttl_s"]
+    if not conf.empty:
+        fig.add_vline(x=float(conf.iloc[0]), line_dash="dash",
+                      annotation_text=f"configured TTL {float(conf.iloc[0]):g} s")
+    fig.update_xaxes(type="log", title="TTL (s, log scale)")
+    fig.update_yaxes(title="follow-ups within the TTL (%)", range=[0, 102])
+    fig.update_layout(height=380, margin={"t": 30}, legend_title="gap kind")
+    return fig
+
+
+def gap_histogram(gaps: pd.DataFrame, ttl_s: float) -> go.Figure:
+    """Gap counts per kind on log-spaced bins (numpy.histogram), the TTL marked."""
+    g = gaps[gaps["gap_s"] > 0]
+    if g.empty:
+        return empty_figure("No gaps to draw.")
+    edges = np.logspace(np.log10(max(g["gap_s"].min(), 0.01)), np.log10(g["gap_s"].max() * 1.01), 40)
+    mids = np.sqrt(edges[:-1] * edges[1:])
+    fig = go.Figure()
+    for kind, k in g.groupby("gap_kind", sort=True):
+        counts, _ = np.histogram(k["gap_s"], bins=edges)
+        fig.add_trace(go.Bar(x=mids, y=counts, width=np.diff(edges), name=str(kind),
+                             marker_color=KIND_COLORS.get(str(kind))))
+    fig.add_vline(x=ttl_s, line_dash="dash", annotation_text=f"TTL {ttl_s:g} s")
+    fig.update_xaxes(type="log", title="gap: end of a request to the session's next (s, log scale)")
+    fig.update_yaxes(title="follow-ups")
+    fig.update_layout(barmode="stack", height=360, margin={"t": 30}, legend_title="gap kind", bargap=0)
+    return fig
+
+
+def reuse_split(reuse: pd.DataFrame) -> go.Figure:
+    """Per format: input tokens reusable within the TTL, reusable after it (or below the
+    recompute threshold), and new, as shares of all input tokens."""
+    if reuse.empty:
+        return empty_figure("No requests in this report.")
+    r = reuse.copy()
+    r["what"] = r["format"].astype(object).where(r["format"].notna(), "all")
+    total = r["input_tokens"].astype(float)
+    parts = {"reusable within the TTL": r["reusable_in_ttl_tokens"].astype(float),
+             "reusable, but late or under the threshold": (r["reusable_tokens"] - r["reusable_in_ttl_tokens"]).astype(float),
+             "new": r["new_tokens"].astype(float)}
+    colors = ["#2ca02c", "#bcbd22", "#7f7f7f"]
+    fig = go.Figure()
+    for (name, v), c in zip(parts.items(), colors, strict=True):
+        fig.add_trace(go.Bar(y=r["what"], x=100 * v / total, name=name, orientation="h", marker_color=c,
+                             hovertemplate="%{x:.1f}%"))
+    fig.update_xaxes(title="share of input tokens (%)", range=[0, 100])
+    fig.update_layout(barmode="stack", height=140 + 40 * len(r), margin={"t": 30}, legend={"orientation": "h"})
+    return fig
+
+
+def context_growth(growth: pd.DataFrame) -> go.Figure:
+    """Prompt tokens by request index, one line per session."""
+    if growth.empty:
+        return empty_figure("No sessions to draw.")
+    fig = go.Figure()
+    for sid, g in growth.groupby("session_id", sort=False):
+        fig.add_trace(go.Scatter(x=g["request_index"], y=g["input_tokens"], mode="lines", name=str(sid),
+                                 line={"width": 1}, hovertemplate=f"{sid}<br>request %{{x}}: %{{y:,}} tokens"))
+    fig.update_xaxes(title="request index in the session")
+    fig.update_yaxes(title="prompt tokens")
+    fig.update_layout(height=380, margin={"t": 30}, showlegend=False)
+    return fig
+
+
+def session_timeline(tl: pd.DataFrame) -> go.Figure:
+    """One session and its sub-agents: a row per session, segments (requests, tool/think waits,
+    pauses over the TTL) as horizontal bars on the source's clock (seconds)."""
+    if tl.empty:
+        return empty_figure("Pick a session.")
+    fig = go.Figure()
+    rows = list(dict.fromkeys(tl["session_id"]))
+    for seg, g in tl.groupby("segment", sort=True):
+        fig.add_trace(go.Bar(y=g["session_id"], x=g["end_s"] - g["start_s"], base=g["start_s"], orientation="h",
+                             name=str(seg), marker_color=KIND_COLORS.get(str(seg)),
+                             customdata=g[["request_index", "input_tokens", "shared_prefix_tokens"]],
+                             hovertemplate=(f"{seg}" + " before/of request %{customdata[0]}: %{x:.1f} s<br>"
+                                            "prompt %{customdata[1]:,} tokens, %{customdata[2]:,} shared")))
+    fig.update_yaxes(categoryorder="array", categoryarray=rows[::-1], title=None)
+    fig.update_xaxes(title="seconds since the trace's first request")
+    fig.update_layout(barmode="overlay", height=160 + 50 * len(rows), margin={"t": 30}, legend_title="segment")
+    return fig

@@ -1,0 +1,93 @@
+"""Queries of the Traffic page: the store's traffic views (docs/schema.md "Traffic reports").
+
+Each function takes a DuckDB connection and returns a DataFrame; :func:`load` caches them like
+``dashboard.loader`` (keyed by store, query name and arguments, for ``db.CACHE_TTL_S`` seconds).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import duckdb
+import pandas as pd
+import streamlit as st
+
+from dashboard import db
+
+
+def reports(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
+    """Every traffic report, newest first: id, label, created_at, inputs, ttl_s, threshold."""
+    return con.execute("SELECT * FROM traffic_log ORDER BY created_at DESC").df()
+
+
+def summary(con: duckdb.DuckDBPyConnection, traffic_id: str) -> pd.DataFrame:
+    """One row: sources, sessions, sub-agents, requests, context medians and overlap."""
+    return con.execute("""
+        SELECT count(DISTINCT source) AS sources, count(*) AS sessions,
+               count(*) FILTER (WHERE parent_session_id IS NOT NULL) AS sub_agents,
+               sum(requests) AS requests, quantile_cont(max_input_tokens, 0.5) AS max_context_p50_tokens,
+               max(max_input_tokens) AS max_context_tokens,
+               (SELECT sum(overlapping_sessions) FROM traffic_overlap WHERE traffic_id = $1) AS overlapping_sessions,
+               (SELECT max(max_active_sessions) FROM traffic_overlap WHERE traffic_id = $1) AS max_active_sessions
+        FROM traffic_sessions WHERE traffic_id = $1""", [traffic_id]).df()
+
+
+def reuse(con: duckdb.DuckDBPyConnection, traffic_id: str) -> pd.DataFrame:
+    """``traffic_reuse`` rows of the report (format NULL: all formats)."""
+    return con.execute("SELECT * FROM traffic_reuse WHERE traffic_id = ? ORDER BY format NULLS FIRST",
+                       [traffic_id]).df()
+
+
+def ttl(con: duckdb.DuckDBPyConnection, traffic_id: str) -> pd.DataFrame:
+    """``traffic_ttl`` rows of the report: share of follow-ups within each TTL, per gap kind."""
+    return con.execute("SELECT * FROM traffic_ttl WHERE traffic_id = ? ORDER BY gap_kind, ttl_s", [traffic_id]).df()
+
+
+def gaps(con: duckdb.DuckDBPyConnection, traffic_id: str) -> pd.DataFrame:
+    """Every follow-up's gap and kind (for the distribution), seconds."""
+    return con.execute("SELECT gap_kind, gap_s, gap_basis FROM traffic_followups WHERE traffic_id = ?",
+                       [traffic_id]).df()
+
+
+def sessions(con: duckdb.DuckDBPyConnection, traffic_id: str, limit: int = 2000) -> pd.DataFrame:
+    """Sessions of the report, most requests first (at most ``limit``): span and context growth."""
+    return con.execute("SELECT * FROM traffic_sessions WHERE traffic_id = ? ORDER BY requests DESC, session_id "
+                       "LIMIT ?", [traffic_id, limit]).df()
+
+
+def context_growth(con: duckdb.DuckDBPyConnection, traffic_id: str, limit: int = 40) -> pd.DataFrame:
+    """Prompt tokens by request index of the ``limit`` sessions with the most requests."""
+    return con.execute("""
+        SELECT r.session_id, r.request_index, r.input_tokens, r.shared_prefix_tokens
+        FROM traffic_requests r
+        JOIN (SELECT source, session_id FROM traffic_sessions WHERE traffic_id = $1
+              ORDER BY requests DESC, session_id LIMIT $2) s USING (source, session_id)
+        WHERE r.traffic_id = $1 ORDER BY r.session_id, r.request_index""", [traffic_id, limit]).df()
+
+
+def timeline(con: duckdb.DuckDBPyConnection, traffic_id: str, source: str, session_id: str) -> pd.DataFrame:
+    """``traffic_timeline`` of one session and of its sub-agents (their parent is the session)."""
+    return con.execute("""
+        SELECT * FROM traffic_timeline
+        WHERE traffic_id = ? AND source = ? AND (session_id = ? OR parent_session_id = ?)
+        ORDER BY parent_session_id NULLS FIRST, session_id, start_s""",
+                       [traffic_id, source, session_id, session_id]).df()
+
+
+@st.cache_data(ttl=db.CACHE_TTL_S, show_spinner=False)
+def fetch(store_root: str, query: str, *args: object) -> pd.DataFrame:
+    """``<query>(con, *args)`` of this module on ``store_root`` (cached; raises db's errors)."""
+    return db.read(db.Store(Path(store_root)), getattr(sys.modules[__name__], query), *args)
+
+
+def load(store_root: str, query: str, *args: object) -> pd.DataFrame:
+    """:func:`fetch` for the page: a store that cannot be read is said on the page, which stops."""
+    try:
+        return fetch(store_root, query, *args)
+    except db.StoreBusy:
+        st.warning(f"The store at `{store_root}` is being set up by a writer; refresh in a moment.")
+    except (db.StoreMissing, db.StoreInvalid) as exc:
+        st.error(f"The store at `{store_root}` cannot be read: {exc}")
+    st.stop()
+    raise AssertionError("unreachable")
