@@ -40,4 +40,4 @@ def sessions(con: duckdb.DuckDBPyConnection, plan_id: str) -> pd.DataFrame:
 def checks(con: duckdb.DuckDBPyConnection, plan_id: str) -> pd.DataFrame:
     """The plan's turn-by-turn check against recorded runs (plan_checks' columns)."""
     return con.execute("SELECT * EXCLUDE (plan_id) FROM plan_checks WHERE plan_id = ? "
-                       "ORDER BY run_id, session_id, turn_index", [plan_id]).df()
+                       "ORDER BY checked_run_id, session_id, turn_index", [plan_id]).df()

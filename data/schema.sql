@@ -196,7 +196,7 @@ CREATE TABLE plan_sessions (
 
 CREATE TABLE plan_checks (
     plan_id            VARCHAR NOT NULL,
-    run_id             VARCHAR NOT NULL,
+    checked_run_id     VARCHAR NOT NULL,   -- the recorded run (not run_id: a plan's shards are its own)
     mode               VARCHAR,
     session_id         VARCHAR NOT NULL,
     turn_index         INTEGER NOT NULL,
@@ -206,6 +206,10 @@ CREATE TABLE plan_checks (
     outcome_match      BOOLEAN,     -- NULL for a failed turn
     measured_ttft_s    DOUBLE,
     predicted_ttft_s   DOUBLE,
+    recorded_pulled_tokens   BIGINT,
+    predicted_pulled_tokens  BIGINT,
+    recorded_local_tokens    BIGINT,
+    predicted_local_tokens   BIGINT,
     why                VARCHAR
 );
 

@@ -63,7 +63,7 @@ if not ch.empty:
     diff = ch[ch["why"].notna()]
     if not diff.empty:
         st.caption("Turns whose forecast outcome differs from the recorded one, and why:")
-        st.dataframe(diff[["run_id", "session_id", "turn_index", "recorded_outcome", "predicted_outcome", "why"]],
+        st.dataframe(diff[["checked_run_id", "session_id", "turn_index", "recorded_outcome", "predicted_outcome", "why"]],
                      hide_index=True, key="plan_check_diff")
 with st.expander("The profile (every figure with its source)"):
     st.json(json.loads(row["profile"]))

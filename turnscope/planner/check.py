@@ -23,6 +23,11 @@ from turnscope.planner.simulate import PlanSettings, Traffic, plan
 MARE_BOUND = 0.25
 
 
+def _text(v) -> str | None:
+    """An outcome as text; None for NULL/NaN (aggregated serving has none)."""
+    return None if v is None or (isinstance(v, float) and np.isnan(v)) else str(v)
+
+
 def run_settings(store: Store, run_id: str) -> PlanSettings:
     """The connector and proxy settings ``run_id`` ran with (``run_config``; the recompute
     threshold from ``runs.config.connector.kv_recompute_threshold``, 64 when absent)."""
@@ -40,9 +45,10 @@ def run_settings(store: Store, run_id: str) -> PlanSettings:
 def check_runs(store: Store, run_ids: Sequence[str], profile: CostProfile) -> pd.DataFrame:
     """Every turn of ``run_ids``, recorded next to predicted (each run planned in its own mode).
 
-    Columns: run_id, mode, session_id, turn_index, status, recorded_outcome, predicted_outcome,
-    outcome_match (NULL for failed turns), measured_ttft_s, predicted_ttft_s, why (for a
-    difference: what each side saw)."""
+    Columns (the store's ``plan_checks``, docs/schema.md): checked_run_id, mode, session_id,
+    turn_index, status, recorded_outcome, predicted_outcome, outcome_match (None for failed turns),
+    measured_ttft_s, predicted_ttft_s, recorded_pulled_tokens, predicted_pulled_tokens,
+    recorded_local_tokens, predicted_local_tokens, why (for a difference: what each side saw)."""
     recorded = recorded_turns(store, run_ids)
     frames = []
     for run_id, rec in recorded.groupby("run_id", sort=False):
@@ -55,33 +61,35 @@ def check_runs(store: Store, run_ids: Sequence[str], profile: CostProfile) -> pd
         m = p.modes[mode]
         pred = pd.DataFrame({"session_id": tr.session, "turn_index": tr.request_index,
                              "predicted_outcome": m.outcome_names(), "predicted_ttft_s": m.ttft_s,
-                             "predicted_age_s": m.handle_age_s, "predicted_pulled": m.pulled_tokens})
+                             "predicted_age_s": m.handle_age_s, "predicted_pulled": m.pulled_tokens,
+                             "predicted_local": m.local_tokens})
         both = rec.merge(pred, on=["session_id", "turn_index"], how="left")
         frames.append(both)
     if not frames:
         return pd.DataFrame()
     df = pd.concat(frames, ignore_index=True)
     ok = df["status"] == "ok"
-    rec_o = df["reuse"].where(df["reuse"].notna(), None)
-    pred_o = df["predicted_outcome"].where(df["predicted_outcome"].notna(), None)
+    rec_o = [_text(v) for v in df["reuse"]]
+    pred_o = [_text(v) for v in df["predicted_outcome"]]
     match = [(a == b) if s else None for a, b, s in zip(rec_o, pred_o, ok, strict=True)]
 
     def why(r) -> str | None:
-        if r.status != "ok" or r.recorded_outcome == r.predicted_outcome:
+        if r.outcome_match is None or bool(r.outcome_match):   # a match, or a failed turn (not checked)
             return None
-        return (f"recorded {r.recorded_outcome} ({int(r.reused_tokens)} tokens pulled, "
-                f"{int(r.local_tokens)} from P's cache), predicted {r.predicted_outcome} "
-                f"({int(r.predicted_pulled)} pulled"
+        return (f"recorded {r.recorded_outcome} ({int(r.recorded_pulled_tokens)} tokens pulled, "
+                f"{int(r.recorded_local_tokens)} from P's cache), predicted {r.predicted_outcome} "
+                f"({int(r.predicted_pulled_tokens)} pulled, {int(r.predicted_local_tokens)} from P's cache"
                 + (f", handle {r.predicted_age_s:.1f} s old" if not np.isnan(r.predicted_age_s) else "") + ")")
 
-    out = pd.DataFrame({"run_id": df["run_id"], "mode": df["mode"], "session_id": df["session_id"],
+    out = pd.DataFrame({"checked_run_id": df["run_id"], "mode": df["mode"], "session_id": df["session_id"],
                         "turn_index": df["turn_index"], "status": df["status"], "recorded_outcome": rec_o,
                         "predicted_outcome": pred_o, "outcome_match": match, "measured_ttft_s": df["ttft_s"],
-                        "predicted_ttft_s": df["predicted_ttft_s"], "reused_tokens": df["reused_tokens"],
-                        "local_tokens": df["local_tokens"], "predicted_pulled": df["predicted_pulled"],
+                        "predicted_ttft_s": df["predicted_ttft_s"], "recorded_pulled_tokens": df["reused_tokens"],
+                        "predicted_pulled_tokens": df["predicted_pulled"],
+                        "recorded_local_tokens": df["local_tokens"], "predicted_local_tokens": df["predicted_local"],
                         "predicted_age_s": df["predicted_age_s"]})
     out["why"] = [why(r) for r in out.itertuples()]
-    return out.drop(columns=["reused_tokens", "local_tokens", "predicted_pulled", "predicted_age_s"])
+    return out.drop(columns=["predicted_age_s"])
 
 
 def check_summary(checks: pd.DataFrame) -> pd.DataFrame:

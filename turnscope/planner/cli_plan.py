@@ -66,7 +66,7 @@ def describe(p, sp: pd.DataFrame, fr: pd.DataFrame, sessions: pd.DataFrame, chec
                      f"{r.peak_held_bytes / GiB:,.2f} GiB, {r.held_gib_s:,.1f} GiB-s, {r.d_full_events} lost to D full")
     lines.append(f"\nSessions whose pauses or edits defeat reuse ({tag}; worst 10 of {len(sessions)}):")
     for r in sessions.head(10).itertuples():
-        lines.append(f"  {r.mode} {r.session_id}: {r.lost_tokens:,} tokens not reused: {r.reason}")
+        lines.append(f"  {r.mode} {r.source} {r.session_id}: {r.lost_tokens:,} tokens not reused: {r.reason}")
     if checks is not None and not checks.empty:
         lines.append("\nChecked against the recorded runs (planned from their own records and fitted profile):")
         for r in check_summary(checks).itertuples():
@@ -74,7 +74,7 @@ def describe(p, sp: pd.DataFrame, fr: pd.DataFrame, sessions: pd.DataFrame, chec
                          f"({'pass' if r.outcome_check else 'FAIL'}), TTFT MARE {r.ttft_mare:.1%} "
                          f"({'pass' if r.ttft_check else 'FAIL'}, bound 25%)")
         for r in checks[checks["why"].notna()].head(20).itertuples():
-            lines.append(f"    {r.run_id} {r.session_id} turn {r.turn_index}: {r.why}")
+            lines.append(f"    {r.checked_run_id} {r.session_id} turn {r.turn_index}: {r.why}")
     return "\n".join(lines)
 
 

@@ -73,6 +73,7 @@ def write_plan(store: Store, p: Plan, *, plan_id: str, label: str | None, inputs
         for row in _rows(sessions, ("requests", "expired", "mismatched", "d_full", "consumed", "lost_tokens")):
             w.append("plan_sessions", {"plan_id": plan_id} | row)
         if checks is not None and not checks.empty:
-            for row in _rows(checks, ("turn_index",)):
+            for row in _rows(checks, ("turn_index", "recorded_pulled_tokens", "predicted_pulled_tokens",
+                                      "recorded_local_tokens", "predicted_local_tokens")):
                 row["outcome_match"] = None if row["outcome_match"] is None else bool(row["outcome_match"])
                 w.append("plan_checks", {"plan_id": plan_id} | row)

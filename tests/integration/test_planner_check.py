@@ -1,0 +1,144 @@
+"""The planner's fitted profile and its check against recorded runs, over a store written by the real
+recorder (tests/planner_store.py), and ``turnscope plan --fit-runs`` through typer's CliRunner.
+
+Truths are the fixture's own constants and formulas (hand computations), never the planner's output;
+the store's plan_* tables are read back with hand-written SQL over the raw Parquet shards.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import duckdb
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from loadgen.store import Store
+from tests import planner_store as fx
+from turnscope.cli import app
+from turnscope.planner.check import check_runs, check_summary, run_settings
+from turnscope.planner.fit import FitError, fit_profile
+
+RUN_IDS = list(fx.RUNS.values())
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Store:
+    return Store(fx.build(tmp_path_factory.mktemp("planner-store")))
+
+
+@pytest.fixture(scope="module")
+def checks(store):
+    return check_runs(store, RUN_IDS, fit_profile(store, RUN_IDS))
+
+
+def test_fit_recovers_the_recorded_deployment(store):
+    prof = fit_profile(store, RUN_IDS)
+    assert prof.prefill_a1_s_per_token.value == pytest.approx(fx.A1, rel=1e-9)
+    assert prof.prefill_a2_s_per_token2.value == pytest.approx(fx.A2, rel=1e-7)
+    assert prof.b0_default_s.value == pytest.approx(fx.B0["pd-nocache"], abs=1e-12)
+    assert {m: pytest.approx(b.value, abs=1e-12) for m, b in prof.b0_s.items()} == fx.B0
+    assert prof.pull_bandwidth_bytes_per_s.value == pytest.approx(fx.BANDWIDTH)
+    assert prof.kv_bytes_per_token.value == fx.KV_BYTES and prof.block_size == fx.BLOCK
+    space = fx.NUM_BLOCKS * fx.BLOCK * fx.KV_BYTES  # 524,288,000 bytes per worker
+    assert (prof.prefill_kv_space_bytes.value, prof.decode_kv_space_bytes.value,
+            prof.aggregated_kv_space_bytes.value) == (space, space, space)
+    assert prof.decode_s_per_token.value == pytest.approx(fx.TPOT_S)
+    # every figure says where it comes from: the runs it was fitted from
+    assert all(fx.RUNS["pd-nocache"] in f.source for f in (prof.prefill_a1_s_per_token, prof.b0_default_s))
+
+
+def test_fit_needs_full_prefills_at_two_lengths(store):
+    with pytest.raises(FitError, match="pd-nocache turns at 2 or more prompt lengths"):
+        fit_profile(store, [fx.RUNS["pd-bidir"], fx.RUNS["pd"]])
+
+
+def test_run_settings_are_the_runs_own(store):
+    s = run_settings(store, fx.RUNS["pd-bidir"])
+    assert (s.decoder_kv_blocks_ttl_s, s.handle_ttl_margin_s, s.kv_recompute_threshold) == (
+        fx.TTL_S, fx.MARGIN_S, fx.THRESHOLD)
+    assert s.proxy_ttl_s == 15.0
+
+
+def test_every_outcome_but_the_failed_read_matches(checks):
+    ok = checks[checks["status"] == "ok"]
+    # 5 runs x 8 turns, less the timed-out one
+    assert len(ok) == 39 and len(checks) == 40
+    timed_out = checks[checks["status"] != "ok"]
+    assert list(timed_out["outcome_match"]) == [None] and timed_out["why"].isna().all()
+    diff = checks[checks["why"].notna()]
+    mode, s, k = fx.TRANSFER_FAILED
+    assert [(r.mode, r.session_id, r.turn_index) for r in diff.itertuples()] == [(mode, f"s{s}", k)]
+    why = diff["why"].iloc[0]
+    # the handle of turn 1 (1,300 prompt + 32 output - 1 = 1,331 tokens), 2 s old: the rules say hit
+    assert "recorded miss_transfer_failed" in why and "predicted hit (1331 pulled" in why and "2.0 s old" in why
+    # the hand-derived outcomes: below threshold, expired, hits
+    by = {(r.mode, r.session_id, r.turn_index): r.predicted_outcome for r in checks.itertuples()}
+    assert by[("pd-bidir", "s0", 2)] == "miss_below_threshold"
+    assert by[("pd-bidir", "s1", 3)] == by[("pd-bidir-nocache", "s1", 3)] == "miss_expired"
+    assert by[("pd-bidir", "s0", 1)] == "hit" and pd.isna(by[("aggregated", "s0", 1)])
+
+
+def test_pulled_and_own_cache_tokens_are_the_recorded_ones(checks):
+    ok = checks[(checks["status"] == "ok") & (checks["why"].isna()) & (checks["mode"] != "pd")]
+    assert (ok["predicted_pulled_tokens"] == ok["recorded_pulled_tokens"]).all()
+    assert (ok["predicted_local_tokens"] == ok["recorded_local_tokens"]).all()
+    # e.g. pd-bidir session 0 turn 1: P holds 896 of 1,000 tokens, pulls 1,031 - 896 = 135
+    r = checks[(checks["mode"] == "pd-bidir") & (checks["session_id"] == "s0") & (checks["turn_index"] == 1)].iloc[0]
+    assert (r.predicted_local_tokens, r.predicted_pulled_tokens) == (896, 135)
+
+
+def test_summary_against_hand_computed_errors(checks):
+    summ = check_summary(checks).set_index("mode")
+    assert summ.loc["pd-nocache", "ok_turns"] == 7
+    for mode in ("pd-nocache", "pd-bidir", "aggregated"):
+        assert summ.loc[mode, "ttft_mare"] == pytest.approx(0, abs=1e-9)
+        assert summ.loc[mode, "outcome_check"] and summ.loc[mode, "ttft_check"]
+    # pd-bidir-nocache: 7 of 8 outcomes; its TTFT MARE is the median of 7 zeros and one error
+    assert summ.loc["pd-bidir-nocache", "outcome_matches"] == 7
+    assert not summ.loc["pd-bidir-nocache", "outcome_check"] and summ.loc["pd-bidir-nocache", "ttft_check"]
+    # pd: the forecast's P cache holds what the recording says P lost: MARE by hand, above the bound
+    expected = statistics.median(fx.pd_relative_errors())
+    assert expected == pytest.approx(0.6039, abs=1e-4)
+    assert summ.loc["pd", "ttft_mare"] == pytest.approx(expected, rel=1e-9)
+    assert summ.loc["pd", "outcome_check"] and not summ.loc["pd", "ttft_check"]
+
+
+def test_cli_plan_fit_runs_writes_the_check(store, tmp_path):
+    r = CliRunner().invoke(app, ["plan", str(store.root), "--store", str(store.root), "--fit-runs", ",".join(RUN_IDS)],
+                           env={"COLUMNS": "4000"})
+    assert r.exit_code == 0, r.output
+    out = r.output
+    assert "FORECAST (profile fitted)" in out
+    assert "pd: outcome 8/8 ok turns (pass), TTFT MARE 60.4% (FAIL, bound 25%)" in out
+    assert "pd-bidir-nocache: outcome 7/8 ok turns (FAIL), TTFT MARE 0.0% (pass, bound 25%)" in out
+    # read back from the raw shards, not through the planner's code
+    con = duckdb.connect()
+    try:
+        rows = con.execute(f"SELECT checked_run_id, session_id, turn_index, predicted_outcome, outcome_match "
+                           f"FROM read_parquet('{store.root}/runs/plan-*/plan_checks/*.parquet') "
+                           f"WHERE outcome_match = false").fetchall()
+        n = con.execute(f"SELECT count(*) FROM read_parquet('{store.root}/runs/plan-*/plan_checks/*.parquet')").fetchone()
+    finally:
+        con.close()
+    assert rows == [(fx.RUNS["pd-bidir-nocache"], "s0", 2, "hit", False)]
+    assert n == (40,)
+
+
+def test_cli_plan_refuses_without_a_profile(tmp_path):
+    r = CliRunner().invoke(app, ["plan", str(tmp_path), "--store", str(tmp_path)], env={"COLUMNS": "4000"})
+    assert r.exit_code != 0
+    assert "give --profile FILE" in r.output and "Traceback" not in r.output
+
+
+def test_cli_plan_with_a_yaml_profile_over_a_trace(tmp_path):
+    """The shipped vendor profile over one shipped trace: every line labelled as a forecast."""
+    repo = Path(__file__).resolve().parents[2]
+    trace = min((repo / "data" / "traces" / "kv-cache-tester").glob("*.json"))
+    r = CliRunner().invoke(app, ["plan", str(trace), "--profile", str(repo / "data/profiles/vendor-h200.yaml"),
+                                 "--store", str(tmp_path)], env={"COLUMNS": "4000"})
+    assert r.exit_code == 0, r.output
+    assert r.output.splitlines()[0].startswith("FORECAST (profile vendor-h200)")
+    assert "pd-bidir-nocache vs pd-nocache" in r.output
