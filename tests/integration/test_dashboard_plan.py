@@ -88,6 +88,6 @@ def test_a_store_with_only_plans_shows_the_plan_page(monkeypatch, plans_only):
     assert text.count("FORECAST (profile vendor-h200)") >= len(rows)
     # outcome counts: hand SQL over the shards
     outcomes = next(d.value for d in at.dataframe if list(d.value.columns) == ["mode", "outcome", "requests"])
-    truth = dict(((m, o), n) for m, o, n in shards(
-        plans_only, "plan_requests", "SELECT mode, coalesce(outcome, 'none'), count(*) FROM {t} GROUP BY ALL"))
+    truth = {(m, o): n for m, o, n in shards(
+        plans_only, "plan_requests", "SELECT mode, coalesce(outcome, 'none'), count(*) FROM {t} GROUP BY ALL")}
     assert {(r.mode, r.outcome): r.requests for r in outcomes.itertuples()} == truth
