@@ -271,6 +271,9 @@ def plan(
     routing: Annotated[str, typer.Option(help="round_robin (the proxy's) or session (sticky).")] = "round_robin",
     store: StoreOpt = None,
     label: Annotated[str | None, typer.Option(help="Label of this plan.")] = None,
+    model: Annotated[Path | None, typer.Option(
+        help="The model's directory or config.json: its KV bytes per token replace the profile's "
+             "(serving/kv_size.py; sliding-window layouts are refused).")] = None,
 ) -> None:
     """Forecast what KV reuse across turns would do on a traffic, model and hardware, without serving it.
 
@@ -289,7 +292,7 @@ def plan(
                         margin_s=margin_s,
                         threshold=threshold if threshold is not None else int(s.connector.kv_recompute_threshold),
                         prefill_workers=prefill_workers, decode_workers=decode_workers, routing=routing,
-                        label=label)
+                        label=label, model=model)
     except (ValueError, OSError, RuntimeError) as exc:
         raise fail(str(exc)) from exc
     typer.echo(text)

@@ -142,3 +142,32 @@ def test_cli_plan_with_a_yaml_profile_over_a_trace(tmp_path):
     assert r.exit_code == 0, r.output
     assert r.output.splitlines()[0].startswith("FORECAST (profile vendor-h200)")
     assert "pd-bidir-nocache vs pd-nocache" in r.output
+
+
+def test_cli_plan_takes_the_models_kv_size(tmp_path):
+    """--model: DeepSeek-V3's published config (MLA): 61 layers x (512 + 64) x 2 bytes = 70,272 per token."""
+    repo = Path(__file__).resolve().parents[2]
+    trace = repo / "data" / "traces" / "kv-cache-tester" / "trace_0036.json"
+    r = CliRunner().invoke(app, ["plan", str(trace), "--profile", str(repo / "data/profiles/vendor-h200.yaml"),
+                                 "--model", str(repo / "tests/data/model_configs/DeepSeek-V3.json"),
+                                 "--store", str(tmp_path)], env={"COLUMNS": "4000"})
+    assert r.exit_code == 0, r.output
+    con = duckdb.connect()
+    try:
+        kv = con.execute(f"SELECT json_extract(profile, '$.kv_bytes_per_token.value')::DOUBLE "
+                         f"FROM read_parquet('{tmp_path}/runs/plan-*/plan_log/*.parquet')").fetchone()[0]
+    finally:
+        con.close()
+    assert kv == 61 * (512 + 64) * 2
+
+
+def test_cli_plan_refuses_a_sliding_window_model(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, '
+                   '"sliding_window": 4096, "torch_dtype": "bfloat16"}')
+    repo = Path(__file__).resolve().parents[2]
+    trace = repo / "data" / "traces" / "kv-cache-tester" / "trace_0036.json"
+    r = CliRunner().invoke(app, ["plan", str(trace), "--profile", str(repo / "data/profiles/vendor-h200.yaml"),
+                                 "--model", str(cfg), "--store", str(tmp_path / "s")], env={"COLUMNS": "4000"})
+    assert r.exit_code != 0 and "Traceback" not in r.output
+    assert f"{cfg}: field 'sliding_window' = 4096" in r.output

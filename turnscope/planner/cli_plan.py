@@ -15,7 +15,8 @@ from turnscope.planner import summary
 from turnscope.planner.check import check_runs, check_summary
 from turnscope.planner.fit import fit_profile
 from turnscope.planner.plan_store import new_plan_id, write_plan
-from turnscope.planner.profile import CostProfile, GiB, load_profile
+from serving.kv_size import kv_bytes_per_token_of_config, read_config
+from turnscope.planner.profile import CostProfile, GiB, Sourced, load_profile
 from turnscope.planner.simulate import BIDIR_MODES, PlanSettings, Traffic, plan
 
 
@@ -78,14 +79,28 @@ def describe(p, sp: pd.DataFrame, fr: pd.DataFrame, sessions: pd.DataFrame, chec
     return "\n".join(lines)
 
 
+def with_model(prof: CostProfile, model: Path) -> CostProfile:
+    """``prof`` with the KV bytes per token of ``model`` (a model directory or its config.json;
+    formulas in :mod:`serving.kv_size`, docs/planner.md). Raises serving.kv_size.KVSizeError (a
+    ValueError naming the file and field) for a refused layout or an unreadable config."""
+    cfg, where = read_config(model)
+    kv = kv_bytes_per_token_of_config(cfg, where=where)
+    return prof.model_copy(update={"model": f"{prof.model}; KV size of {where}".lstrip("; "),
+                                   "kv_bytes_per_token": Sourced(
+        value=kv, source=f"{where}: serving.kv_size (layers x KV heads x head dim x 2 x dtype bytes, or MLA's latent)")})
+
+
 def run_plan(paths: Sequence[Path], *, profile_path: Path | None, fit_runs: Sequence[str] | None,
              format: str | None, store_root: Path, ttl_s: float, margin_s: float, threshold: int,
-             prefill_workers: int, decode_workers: int, routing: str, label: str | None) -> str:
+             prefill_workers: int, decode_workers: int, routing: str, label: str | None,
+             model: Path | None = None) -> str:
     """The whole command (see the module doc). Raises ValueError/OSError with a clear message."""
     store = Store(Path(store_root))
     if profile_path is None and not fit_runs:
         raise ValueError("give --profile FILE (data/profiles/*.yaml) or --fit-runs RUN_IDS (fit from recorded runs)")
     prof: CostProfile = load_profile(profile_path) if profile_path else fit_profile(store, fit_runs)
+    if model is not None:
+        prof = with_model(prof, model)
     traffic, inputs = read_traffic(paths, format, fit_runs)
     settings = PlanSettings(decoder_kv_blocks_ttl_s=ttl_s, handle_ttl_margin_s=margin_s,
                             kv_recompute_threshold=threshold, prefill_workers=prefill_workers,
