@@ -6,20 +6,45 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
+#: Column order of the outcome table: baselines first, then what reuse adds.
+MODE_ORDER = ("aggregated", "pd-nocache", "pd", "pd-bidir-nocache", "pd-bidir")
+
 GiB = 2**30
 
 
+def outcome_table(outcomes: pd.DataFrame) -> pd.DataFrame:
+    """``plan_queries.outcomes`` (mode, outcome, requests) as outcome rows x mode columns, requests
+    (0 where a mode has none of an outcome); modes in the order of ``MODE_ORDER``."""
+    wide = outcomes.pivot_table(index="outcome", columns="mode", values="requests", aggfunc="sum", fill_value=0)
+    cols = [m for m in MODE_ORDER if m in wide.columns] + sorted(c for c in wide.columns if c not in MODE_ORDER)
+    return wide[cols].astype(int).rename_axis(columns=None)
+
+
 def frontier_figure(fr: pd.DataFrame, tag: str) -> go.Figure:
-    """Hit rate against GiB-seconds held per TTL x D-space point, the current point marked."""
-    df = fr.assign(space=fr["decode_kv_space_bytes"].map(lambda b: "unbounded" if pd.isna(b) else f"{b / GiB:,.0f} GiB"),
-                   ttl=fr["decoder_kv_blocks_ttl_s"].map(lambda t: f"{t:,.0f} s"),
-                   point=fr["current"].map({True: "current", False: "grid"}))
-    fig = px.scatter(df, x="held_gib_s", y="hit_rate", color="ttl", symbol="point", facet_col="mode",
-                     hover_data=["space", "ttft_saved_s", "peak_held_bytes", "d_full_events"],
+    """Hit rate against GiB-seconds held per TTL x D-space point (``plan_frontier`` rows), one panel
+    per mode, colour = TTL; the operator's current point ringed (a diamond)."""
+    modes = [m for m in ("pd-bidir-nocache", "pd-bidir") if m in set(fr["mode"])]
+    df = fr.assign(space=fr["decode_kv_space_bytes"].map(lambda b: "unbounded" if pd.isna(b) else f"{b / GiB:,.1f} GiB"),
+                   ttl=fr["decoder_kv_blocks_ttl_s"].map(lambda t: f"{t:,.0f} s"))
+    ttls = [f"{t:,.0f} s" for t in sorted(fr["decoder_kv_blocks_ttl_s"].unique())]
+    fig = px.scatter(df, x="held_gib_s", y="hit_rate", color="ttl", facet_col="mode",
+                     category_orders={"mode": modes, "ttl": ttls},
+                     hover_data={"space": True, "ttft_saved_s": ":,.1f", "peak_held_bytes": ":,.0f",
+                                 "d_full_events": True},
                      labels={"held_gib_s": "D pinned KV (GiB-s)", "hit_rate": "hit rate (later requests)",
-                             "ttl": "decoder_kv_blocks_ttl"},
+                             "ttl": "decoder_kv_blocks_ttl", "space": "D KV space", "ttft_saved_s": "TTFT saved (s)",
+                             "peak_held_bytes": "peak pinned (bytes)", "d_full_events": "handles lost to D full"},
                      title=f"{tag}: TTL x D memory frontier")
-    fig.update_traces(marker={"size": 10})
+    fig.update_traces(marker={"size": 9})
+    fig.for_each_annotation(lambda a: a.update(text=a.text.split("=")[-1]))
+    for i, mode in enumerate(modes, start=1):
+        cur = df[(df["mode"] == mode) & df["current"]]
+        fig.add_trace(go.Scatter(x=cur["held_gib_s"], y=cur["hit_rate"], mode="markers", name="current setting",
+                                 showlegend=i == 1, legendgroup="current",
+                                 marker={"symbol": "diamond-open", "size": 18, "color": "black", "line": {"width": 2}},
+                                 hovertext=[f"current: TTL {t}, D {sp}" for t, sp in zip(cur["ttl"], cur["space"], strict=True)]),
+                      row=1, col=i)
+    fig.update_yaxes(tickformat=".0%")
     return fig
 
 

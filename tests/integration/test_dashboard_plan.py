@@ -87,7 +87,9 @@ def test_a_store_with_only_plans_shows_the_plan_page(monkeypatch, plans_only):
         assert f"**{treatment} vs {baseline}**: {speedup:.2f}x" in text
     assert text.count("FORECAST (profile vendor-h200)") >= len(rows)
     # outcome counts: hand SQL over the shards
-    outcomes = next(d.value for d in at.dataframe if list(d.value.columns) == ["mode", "outcome", "requests"])
+    wide = next(d.value for d in at.dataframe if "miss_first_turn" in d.value.index)  # outcome x mode
+    assert list(wide.columns) == ["aggregated", "pd-nocache", "pd", "pd-bidir-nocache", "pd-bidir"]
+    shown = {(m, o): int(n) for o, row in wide.iterrows() for m, n in row.items() if n}
     truth = {(m, o): n for m, o, n in shards(
         plans_only, "plan_requests", "SELECT mode, coalesce(outcome, 'none'), count(*) FROM {t} GROUP BY ALL")}
-    assert {(r.mode, r.outcome): r.requests for r in outcomes.itertuples()} == truth
+    assert shown == truth

@@ -131,3 +131,13 @@ def test_finish_without_server_time_uses_forecast():
     p = plan(reqs, profile())
     assert p.modes["pd-bidir-nocache"].handle_age_s[1] == pytest.approx(449.99)
     assert math.isclose(float(np.nanmax(p.modes["pd-bidir-nocache"].handle_age_s)), 449.99)
+
+
+def test_same_session_id_in_two_sources_are_two_sessions():
+    # two recorded runs both name their session "s0": planned together, each keeps its own handle
+    a = [AgentRequest("run:a", "s0", 0, 0.0, 1000, 32, 0, server_s=1.0),
+         AgentRequest("run:a", "s0", 1, 5.0, 1300, 32, 1031, server_s=1.0)]
+    b = [AgentRequest("run:b", "s0", 0, 0.0, 1000, 32, 0, server_s=1.0),
+         AgentRequest("run:b", "s0", 1, 5.0, 1300, 32, 1031, server_s=1.0)]
+    p = plan(a + b, profile())
+    assert sorted(outcomes(p, "pd-bidir-nocache")) == ["hit", "hit", "miss_first_turn", "miss_first_turn"]

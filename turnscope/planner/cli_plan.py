@@ -11,11 +11,11 @@ import pandas as pd
 
 from loadgen.store import Store
 from loadgen.traces.agent_sources import detect_format, iter_agent_requests
+from serving.kv_size import kv_bytes_per_token_of_config, read_config
 from turnscope.planner import summary
 from turnscope.planner.check import check_runs, check_summary
 from turnscope.planner.fit import fit_profile
 from turnscope.planner.plan_store import new_plan_id, write_plan
-from serving.kv_size import kv_bytes_per_token_of_config, read_config
 from turnscope.planner.profile import CostProfile, GiB, Sourced, load_profile
 from turnscope.planner.simulate import BIDIR_MODES, PlanSettings, Traffic, plan
 

@@ -79,7 +79,7 @@ class Traffic:
 
     source: np.ndarray
     session: np.ndarray          # session ids (object)
-    session_code: np.ndarray     # int per session
+    session_code: np.ndarray     # int per (source, session)
     request_index: np.ndarray
     arrival_s: np.ndarray
     input_tokens: np.ndarray
@@ -111,8 +111,9 @@ class Traffic:
         """Columns of a frame with AgentRequest's field names (``session`` for ``session_id``)."""
         # arrival_s is per source file: make sessions of different files sort on one clock each
         df = df.sort_values(["arrival_s", "session", "request_index"], kind="stable").reset_index(drop=True)
-        codes, _ = pd.factorize(df["session"])
-        return cls(df["source"].to_numpy(), df["session"].to_numpy(), codes.astype(np.int64),
+        # a session is (source, session id): two traces (or two recorded runs) may reuse an id
+        codes = df.groupby(["source", "session"], sort=False).ngroup().to_numpy(np.int64)
+        return cls(df["source"].to_numpy(), df["session"].to_numpy(), codes,
                    df["request_index"].to_numpy(np.int64), df["arrival_s"].to_numpy(float),
                    df["input_tokens"].to_numpy(np.int64), df["output_tokens"].to_numpy(np.int64),
                    df["shared_prefix_tokens"].to_numpy(np.int64), df["server_s"].to_numpy(float),
