@@ -106,7 +106,7 @@ def pd_relative_errors() -> list[float]:
     return out
 
 
-def _turns(w, mode: str) -> None:
+def _turns(w, mode: str, aggregated_cached: bool) -> None:
     rid = RUNS[mode]
     for s in range(SESSIONS):
         t = 100.0 * s
@@ -126,7 +126,7 @@ def _turns(w, mode: str) -> None:
             row |= {"ttft_s": ttft, "e2e_s": ttft + 1.0, "tpot_s": TPOT_S, "prompt_tokens": n,
                     "completion_tokens": OUT, "status": "ok"}
             if mode == "aggregated":
-                row["cached_tokens"] = local
+                row["cached_tokens"] = local if aggregated_cached else None
             else:
                 row |= {"prefill_cached_tokens": local, "reused_tokens": pulled,
                         "recomputed_tokens": n - local - pulled}
@@ -153,8 +153,9 @@ def _metrics(w, mode: str) -> None:
                                             "value": 2.0 + frac * total})
 
 
-def build(root: Path) -> Path:
-    """Write the store under ``root``; returns ``root``."""
+def build(root: Path, aggregated_cached: bool = True) -> Path:
+    """Write the store under ``root``; returns ``root``. ``aggregated_cached`` False: the aggregated
+    run's ``cached_tokens`` are NULL (vLLM without ``usage.prompt_tokens_details``)."""
     store = Store(root)
     store.init()
     config = {"connector": {"decoder_kv_blocks_ttl": TTL_S, "kv_recompute_threshold": THRESHOLD},
@@ -166,6 +167,6 @@ def build(root: Path) -> Path:
                                   "history_mode": "token_ids", "model": "turnscope-tiny", "config": config,
                                   "started_at": start, "finished_at": start + dt.timedelta(seconds=300),
                                   "updated_at": start + dt.timedelta(seconds=300), "status": "complete"})
-            _turns(w, mode)
+            _turns(w, mode, aggregated_cached)
             _metrics(w, mode)
     return root

@@ -50,6 +50,19 @@ def test_fit_recovers_the_recorded_deployment(store):
     assert all(fx.RUNS["pd-nocache"] in f.source for f in (prof.prefill_a1_s_per_token, prof.b0_default_s))
 
 
+def test_fit_forecasts_an_unrecorded_own_cache_hit(tmp_path):
+    """Aggregated turns without cached_tokens: b0 is fitted with the planner's own-cache forecast,
+    whole blocks of the previous prompt + output (the fixture's truth), so it is still exact."""
+    store = Store(fx.build(tmp_path, aggregated_cached=False))
+    prof = fit_profile(store, RUN_IDS)
+    assert prof.b0_s["aggregated"].value == pytest.approx(fx.B0["aggregated"], abs=1e-12)
+    assert "own-cache hit of 8 turns not recorded" in prof.b0_s["aggregated"].source
+    # taken as 0 instead, b0 would absorb c(local) of the later turns: the median of 8 residuals
+    wrong = statistics.median(fx.B0["aggregated"] - (fx.c(fx.recorded("aggregated", s, k)[1]))
+                              for s in range(fx.SESSIONS) for k in range(fx.TURNS))
+    assert abs(wrong - fx.B0["aggregated"]) > 0.1
+
+
 def test_fit_needs_full_prefills_at_two_lengths(store):
     with pytest.raises(FitError, match="pd-nocache turns at 2 or more prompt lengths"):
         fit_profile(store, [fx.RUNS["pd-bidir"], fx.RUNS["pd"]])

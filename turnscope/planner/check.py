@@ -14,10 +14,8 @@ import numpy as np
 import pandas as pd
 
 from loadgen.store import Store
-from loadgen.traces.recorded_runs import read_recorded_runs
-from turnscope.planner.fit import recorded_turns
+from turnscope.planner.fit import plan_recorded_run, recorded_turns, run_settings  # noqa: F401 (re-exported)
 from turnscope.planner.profile import MODES, CostProfile
-from turnscope.planner.simulate import PlanSettings, Traffic, plan
 
 #: The TTFT check's bound: median absolute relative error per mode.
 MARE_BOUND = 0.25
@@ -28,18 +26,8 @@ def _text(v) -> str | None:
     return None if v is None or (isinstance(v, float) and np.isnan(v)) else str(v)
 
 
-def run_settings(store: Store, run_id: str) -> PlanSettings:
-    """The connector and proxy settings ``run_id`` ran with (``run_config``; the recompute
-    threshold from ``runs.config.connector.kv_recompute_threshold``, 64 when absent)."""
-    con = store.connect()
-    try:
-        ttl, margin, thr = con.execute(
-            "SELECT c.decoder_kv_blocks_ttl_s, c.handle_ttl_margin_s, coalesce(TRY_CAST(json_extract_string("
-            "r.config, '$.connector.kv_recompute_threshold') AS INTEGER), 64) FROM run_config c JOIN runs r "
-            "USING (run_id) WHERE run_id = ?", [run_id]).fetchone()
-    finally:
-        con.close()
-    return PlanSettings(decoder_kv_blocks_ttl_s=ttl, handle_ttl_margin_s=margin, kv_recompute_threshold=thr)
+def _count(v) -> str:
+    return "?" if v is None or pd.isna(v) else f"{int(v)}"
 
 
 def check_runs(store: Store, run_ids: Sequence[str], profile: CostProfile) -> pd.DataFrame:
@@ -55,10 +43,7 @@ def check_runs(store: Store, run_ids: Sequence[str], profile: CostProfile) -> pd
         mode = str(rec["mode"].iloc[0])
         if mode not in MODES:
             continue
-        reqs = read_recorded_runs(store.root, [run_id])
-        tr = Traffic.of(reqs)
-        p = plan(tr, profile, run_settings(store, run_id).model_copy(update={"modes": (mode,)}))
-        m = p.modes[mode]
+        tr, m = plan_recorded_run(store, str(run_id), mode, profile)
         pred = pd.DataFrame({"session_id": tr.session, "turn_index": tr.request_index,
                              "predicted_outcome": m.outcome_names(), "predicted_ttft_s": m.ttft_s,
                              "predicted_age_s": m.handle_age_s, "predicted_pulled": m.pulled_tokens,
@@ -77,7 +62,7 @@ def check_runs(store: Store, run_ids: Sequence[str], profile: CostProfile) -> pd
         if r.outcome_match is None or bool(r.outcome_match):   # a match, or a failed turn (not checked)
             return None
         return (f"recorded {r.recorded_outcome} ({int(r.recorded_pulled_tokens)} tokens pulled, "
-                f"{int(r.recorded_local_tokens)} from P's cache), predicted {r.predicted_outcome} "
+                f"{_count(r.recorded_local_tokens)} from P's cache), predicted {r.predicted_outcome} "
                 f"({int(r.predicted_pulled_tokens)} pulled, {int(r.predicted_local_tokens)} from P's cache"
                 + (f", handle {r.predicted_age_s:.1f} s old" if not np.isnan(r.predicted_age_s) else "") + ")")
 

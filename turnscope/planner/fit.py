@@ -7,6 +7,8 @@
   over NIXL seconds in the ``pd-bidir*`` runs, vLLM's ``vllm:nixl_*`` metrics), as bandwidth;
 * b0 per mode: the median, over the mode's ok turns, of TTFT minus ``c(n) - c(cached) +
   pull(pulled)`` with the turn's measured cached and pulled tokens (the fixed cost the mode adds);
+  where a run did not record the worker's own prefix-cache hit (aggregated serving: vLLM reports
+  ``usage.prompt_tokens_details`` only when asked), the planner's forecast of it for that run;
 * KV space of each role: ``num_gpu_blocks x block_size`` of vLLM's ``vllm:cache_config_info``
   gauge on that role's workers, times the model's KV bytes per token;
 * decode time per token: the median TPOT of the runs' ok turns.
@@ -26,17 +28,21 @@ import pandas as pd
 
 from dashboard import sweep
 from loadgen.store import Store
+from loadgen.traces.recorded_runs import read_recorded_runs
 from turnscope.planner.profile import MODES, CostProfile, Sourced
+from turnscope.planner.simulate import ModePlan, PlanSettings, Traffic, plan
 
 
 class FitError(ValueError):
     """The recorded runs do not hold what a fitted profile needs; the message says what."""
 
 
+#: One row per turn; ``local_tokens`` is NULL where the run did not record the worker's own
+#: prefix-cache hit (aggregated serving without ``usage.prompt_tokens_details``).
 TURNS_SQL = """
 SELECT t.run_id, r.mode, t.session_id, t.turn_index, t.status, t.ttft_s, t.e2e_s, t.tpot_s, t.prompt_tokens,
        t.completion_tokens, t.reuse, coalesce(t.reused_tokens, 0) AS reused_tokens,
-       CASE WHEN t.reuse IS NOT NULL THEN coalesce(t.prefill_cached_tokens, 0) ELSE coalesce(t.cached_tokens, 0)
+       CASE WHEN t.reuse IS NOT NULL THEN coalesce(t.prefill_cached_tokens, 0) ELSE t.cached_tokens
             END AS local_tokens,
        t.expected_reusable_tokens
 FROM turns t JOIN runs r USING (run_id)
@@ -52,6 +58,28 @@ def recorded_turns(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
         return con.execute(TURNS_SQL.format(ids=", ".join("?" for _ in run_ids)), list(run_ids)).df()
     finally:
         con.close()
+
+
+def run_settings(store: Store, run_id: str) -> PlanSettings:
+    """The connector and proxy settings ``run_id`` ran with (``run_config``: TTL and margin; the
+    recompute threshold from ``runs.config.connector.kv_recompute_threshold``, vLLM's 64 when absent)."""
+    con = store.connect()
+    try:
+        ttl, margin, thr = con.execute(
+            "SELECT c.decoder_kv_blocks_ttl_s, c.handle_ttl_margin_s, coalesce(TRY_CAST(json_extract_string("
+            "r.config, '$.connector.kv_recompute_threshold') AS INTEGER), 64) FROM run_config c JOIN runs r "
+            "USING (run_id) WHERE run_id = ?", [run_id]).fetchone()
+    finally:
+        con.close()
+    return PlanSettings(decoder_kv_blocks_ttl_s=ttl, handle_ttl_margin_s=margin, kv_recompute_threshold=thr)
+
+
+def plan_recorded_run(store: Store, run_id: str, mode: str, profile: CostProfile) -> tuple[Traffic, ModePlan]:
+    """``run_id``'s own turns (:mod:`loadgen.traces.recorded_runs`) planned in ``mode`` with the
+    run's settings (:func:`run_settings`) and ``profile``: the traffic and the mode's forecast."""
+    tr = Traffic.of(read_recorded_runs(store.root, [run_id]))
+    p = plan(tr, profile, run_settings(store, run_id).model_copy(update={"modes": (mode,)}))
+    return tr, p.modes[mode]
 
 
 def _transfer(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
@@ -114,7 +142,7 @@ def fit_profile(store: Store, run_ids: Sequence[str], name: str = "fitted") -> C
         pull_bandwidth_bytes_per_s=Sourced(value=bandwidth, source=f"{src}: P's vllm:nixl_bytes_transferred "
                                                                    "over vllm:nixl_xfer_time_seconds"),
         left_out=["pull_latency_s: not separable from the bandwidth in these runs (0)"])
-    prof.b0_s = _b0_per_mode(turns, prof, src)
+    prof.b0_s = _b0_per_mode(_with_forecast_local(store, turns, prof), prof, src)
     space = _kv_space(store, run_ids)
     for role, field in (("prefill", "prefill_kv_space_bytes"), ("decode", "decode_kv_space_bytes"),
                         ("aggregated", "aggregated_kv_space_bytes")):
@@ -141,17 +169,39 @@ def _block_size(store: Store, run_ids: Sequence[str]) -> int:
         return 128  # vLLM's CPU backend
 
 
+def _with_forecast_local(store: Store, turns: pd.DataFrame, prof: CostProfile) -> pd.DataFrame:
+    """``turns`` with ``local_known`` (the run recorded the worker's own-cache hit) and, where it did
+    not, ``local_tokens`` taken from the planner's own forecast of that run (``prof``'s cache model)."""
+    turns = turns.assign(local_known=turns["local_tokens"].notna())
+    for run_id in turns.loc[~turns["local_known"], "run_id"].unique():
+        mode = str(turns.loc[turns["run_id"] == run_id, "mode"].iloc[0])
+        if mode not in MODES:
+            continue
+        tr, m = plan_recorded_run(store, str(run_id), mode, prof)
+        forecast = pd.DataFrame({"run_id": run_id, "session_id": tr.session, "turn_index": tr.request_index,
+                                 "forecast_local": m.local_tokens})
+        turns = turns.merge(forecast, on=["run_id", "session_id", "turn_index"], how="left")
+        fill = turns["local_tokens"].isna() & (turns["run_id"] == run_id)
+        turns.loc[fill, "local_tokens"] = turns.loc[fill, "forecast_local"]
+        turns = turns.drop(columns="forecast_local")
+    return turns
+
+
 def _b0_per_mode(turns: pd.DataFrame, prof: CostProfile, src: str) -> dict[str, Sourced]:
     ok = turns[(turns["status"] == "ok") & turns["ttft_s"].notna() & turns["prompt_tokens"].notna()]
     out = {}
+    fit = prof.prefill_fit()
     for mode, g in ok.groupby("mode"):
         if mode not in MODES:
             continue
         n = g["prompt_tokens"].to_numpy(float)
         pulled = g["reused_tokens"].to_numpy(float)
-        cached = np.minimum(g["local_tokens"].to_numpy(float) + pulled, n)
-        fit = prof.prefill_fit()
+        cached = np.minimum(g["local_tokens"].fillna(0).to_numpy(float) + pulled, n)
         model = fit.cost_s(n) - fit.cost_s(cached) + prof.pull_s(pulled)
+        unknown = int((~g["local_known"]).sum())
+        how = (f"; the worker's own-cache hit of {unknown} turns not recorded: the planner's forecast of it"
+               if unknown else "")
         out[str(mode)] = Sourced(value=float(np.median(g["ttft_s"].to_numpy(float) - model)),
-                                 source=f"{src}: median of TTFT - c(n) + c(cached) - pull over {len(g)} {mode} turns")
+                                 source=f"{src}: median of TTFT - c(n) + c(cached) - pull over {len(g)} {mode} "
+                                        f"turns{how}")
     return out
