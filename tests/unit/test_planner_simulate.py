@@ -141,3 +141,35 @@ def test_same_session_id_in_two_sources_are_two_sessions():
          AgentRequest("run:b", "s0", 1, 5.0, 1300, 32, 1031, server_s=1.0)]
     p = plan(a + b, profile())
     assert sorted(outcomes(p, "pd-bidir-nocache")) == ["hit", "hit", "miss_first_turn", "miss_first_turn"]
+
+
+def test_system_prompt_shared_across_sessions():
+    # 1,300 shared tokens (10 whole blocks = 1,280): session b's first request finds them in P's
+    # cache (P served session a before); session a's first request does not (nothing before it)
+    reqs = [req("a", 0, 0.0, 1400, 0), req("b", 0, 10.0, 1500, 0), req("b", 1, 20.0, 1800, 1531)]
+    p = plan(reqs, profile(), PlanSettings(shared_prefix_tokens=1300))
+    assert list(p.modes["pd"].local_tokens) == [0, 1280, 1408]          # 1,500 prompt -> 11 blocks
+    assert list(p.modes["aggregated"].local_tokens) == [0, 1280, 1408]  # min(1532, 1531, 1799) -> 11 blocks
+    assert list(p.modes["pd-nocache"].local_tokens) == [0, 0, 0]        # P's prefix cache off
+    # pd TTFT of b's first request: 0.01 + 1e-4 x (1500 - 1280)
+    assert p.modes["pd"].ttft_s[1] == pytest.approx(0.01 + 0.022)
+
+
+def test_recorded_shared_prefix_is_p_s_first_turn_hit():
+    """P's prefix-cache hit on the first turns of pd/pd-bidir runs, each run's first session left out."""
+    import datetime as dt
+
+    import pandas as pd
+
+    from turnscope.planner.fit import recorded_shared_prefix_tokens
+
+    t0 = dt.datetime(2026, 12, 1, tzinfo=dt.UTC)
+    rows = []
+    for run, mode, locals_ in (("r1", "pd", [0, 1280, 1280]), ("r2", "pd-bidir", [0, 1280, 1152]),
+                               ("r3", "pd-nocache", [0, 0, 0])):
+        for s, local in enumerate(locals_):
+            rows.append({"run_id": run, "mode": mode, "session_id": f"s{s}", "turn_index": 0, "status": "ok",
+                         "sent_at": t0 + dt.timedelta(seconds=10 * s), "local_tokens": local})
+    # r1 and r2 without their first sessions: 1280, 1280, 1280, 1152 -> median 1280
+    assert recorded_shared_prefix_tokens(pd.DataFrame(rows)) == 1280
+    assert recorded_shared_prefix_tokens(pd.DataFrame(rows[6:])) == 0   # pd-nocache only: P's cache off

@@ -14,7 +14,12 @@ import numpy as np
 import pandas as pd
 
 from loadgen.store import Store
-from turnscope.planner.fit import plan_recorded_run, recorded_turns, run_settings  # noqa: F401 (re-exported)
+from turnscope.planner.fit import (  # noqa: F401 (run_settings re-exported)
+    plan_recorded_run,
+    recorded_shared_prefix_tokens,
+    recorded_turns,
+    run_settings,
+)
 from turnscope.planner.profile import MODES, CostProfile
 
 #: The TTFT check's bound: median absolute relative error per mode.
@@ -38,12 +43,13 @@ def check_runs(store: Store, run_ids: Sequence[str], profile: CostProfile) -> pd
     measured_ttft_s, predicted_ttft_s, recorded_pulled_tokens, predicted_pulled_tokens,
     recorded_local_tokens, predicted_local_tokens, why (for a difference: what each side saw)."""
     recorded = recorded_turns(store, run_ids)
+    shared = recorded_shared_prefix_tokens(recorded)
     frames = []
     for run_id, rec in recorded.groupby("run_id", sort=False):
         mode = str(rec["mode"].iloc[0])
         if mode not in MODES:
             continue
-        tr, m = plan_recorded_run(store, str(run_id), mode, profile)
+        tr, m = plan_recorded_run(store, str(run_id), mode, profile, shared)
         pred = pd.DataFrame({"session_id": tr.session, "turn_index": tr.request_index,
                              "predicted_outcome": m.outcome_names(), "predicted_ttft_s": m.ttft_s,
                              "predicted_age_s": m.handle_age_s, "predicted_pulled": m.pulled_tokens,

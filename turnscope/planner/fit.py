@@ -22,9 +22,11 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
+from scipy.optimize import least_squares
 
 from dashboard import sweep
 from loadgen.store import Store
@@ -40,7 +42,7 @@ class FitError(ValueError):
 #: One row per turn; ``local_tokens`` is NULL where the run did not record the worker's own
 #: prefix-cache hit (aggregated serving without ``usage.prompt_tokens_details``).
 TURNS_SQL = """
-SELECT t.run_id, r.mode, t.session_id, t.turn_index, t.status, t.ttft_s, t.e2e_s, t.tpot_s, t.prompt_tokens,
+SELECT t.run_id, r.mode, t.session_id, t.turn_index, t.sent_at, t.status, t.ttft_s, t.e2e_s, t.tpot_s, t.prompt_tokens,
        t.completion_tokens, t.reuse, coalesce(t.reused_tokens, 0) AS reused_tokens,
        CASE WHEN t.reuse IS NOT NULL THEN coalesce(t.prefill_cached_tokens, 0) ELSE t.cached_tokens
             END AS local_tokens,
@@ -74,12 +76,29 @@ def run_settings(store: Store, run_id: str) -> PlanSettings:
     return PlanSettings(decoder_kv_blocks_ttl_s=ttl, handle_ttl_margin_s=margin, kv_recompute_threshold=thr)
 
 
-def plan_recorded_run(store: Store, run_id: str, mode: str, profile: CostProfile) -> tuple[Traffic, ModePlan]:
+def recorded_shared_prefix_tokens(turns: pd.DataFrame) -> int:
+    """Tokens every session's first turn shares with the sessions before it (a system prompt), as P
+    found them in its prefix cache: the median ``prefill_cached_tokens`` of the first turns of
+    ``pd``/``pd-bidir`` runs, each run's first session left out (nothing before it); 0 when the
+    runs have none. The recorder keeps no token ids (only a hash of each prompt), so P's report is
+    the one record of what sessions share; the same traffic replayed in every mode shares the same."""
+    first = turns[turns["mode"].isin(["pd", "pd-bidir"]) & (turns["turn_index"] == 0)
+                  & (turns["status"] == "ok") & turns["local_tokens"].notna()]
+    first = first.sort_values("sent_at")
+    later = first[first.groupby("run_id").cumcount() > 0]
+    return int(later["local_tokens"].median()) if len(later) else 0
+
+
+def plan_recorded_run(store: Store, run_id: str, mode: str, profile: CostProfile,
+                      shared_prefix_tokens: int = 0) -> tuple[Traffic, ModePlan]:
     """``run_id``'s own turns (:mod:`loadgen.traces.recorded_runs`) planned in ``mode`` with the
-    run's settings (:func:`run_settings`) and ``profile``: the traffic and the mode's forecast."""
+    run's settings (:func:`run_settings`), ``shared_prefix_tokens`` (a system prompt shared across
+    sessions, :func:`recorded_shared_prefix_tokens`) and ``profile``: the traffic and the mode's
+    forecast."""
     tr = Traffic.of(read_recorded_runs(store.root, [run_id]))
-    p = plan(tr, profile, run_settings(store, run_id).model_copy(update={"modes": (mode,)}))
-    return tr, p.modes[mode]
+    settings = run_settings(store, run_id).model_copy(
+        update={"modes": (mode,), "shared_prefix_tokens": shared_prefix_tokens})
+    return tr, plan(tr, profile, settings).modes[mode]
 
 
 def _transfer(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
@@ -118,9 +137,6 @@ def fit_profile(store: Store, run_ids: Sequence[str], name: str = "fitted") -> C
     if turns.empty:
         raise FitError(f"no turns recorded for runs {', '.join(run_ids)}")
     where = f"runs {', '.join(sorted(set(turns['run_id'])))}"
-    fit = sweep.fit_prefill(turns)
-    if fit is None:
-        raise FitError(f"{where}: the prefill fit needs ok pd-nocache turns at 2 or more prompt lengths")
     transfer = _transfer(store, run_ids)
     per = sweep.transfer_s_per_token(transfer)
     kv = transfer["kv_bytes_per_token"].dropna()
@@ -135,14 +151,11 @@ def fit_profile(store: Store, run_ids: Sequence[str], name: str = "fitted") -> C
         name=name, description=f"Fitted from the recorded runs' own turns ({where}).",
         block_size=_block_size(store, run_ids),
         kv_bytes_per_token=Sourced(value=kv_bytes, source=f"{src} (runs.config.kv_bytes_per_token)"),
-        prefill_a1_s_per_token=Sourced(value=fit.a1_s, source=f"{src}: dashboard.sweep.fit_prefill over "
-                                                            f"{fit.turns} pd-nocache turns"),
-        prefill_a2_s_per_token2=Sourced(value=fit.a2_s, source=f"{src}: dashboard.sweep.fit_prefill"),
-        b0_default_s=Sourced(value=fit.b0_s, source=f"{src}: the pd-nocache fit's intercept"),
+        prefill_a1_s_per_token=Sourced(value=0.0, source="placeholder until fitted"),
+        b0_default_s=Sourced(value=0.0, source="placeholder until fitted"),
         pull_bandwidth_bytes_per_s=Sourced(value=bandwidth, source=f"{src}: P's vllm:nixl_bytes_transferred "
                                                                    "over vllm:nixl_xfer_time_seconds"),
         left_out=["pull_latency_s: not separable from the bandwidth in these runs (0)"])
-    prof.b0_s = _b0_per_mode(_with_forecast_local(store, turns, prof), prof, src)
     space = _kv_space(store, run_ids)
     for role, field in (("prefill", "prefill_kv_space_bytes"), ("decode", "decode_kv_space_bytes"),
                         ("aggregated", "aggregated_kv_space_bytes")):
@@ -152,7 +165,85 @@ def fit_profile(store: Store, run_ids: Sequence[str], name: str = "fitted") -> C
     tpot = turns.loc[(turns["status"] == "ok"), "tpot_s"].dropna()
     if not tpot.empty:
         prof.decode_s_per_token = Sourced(value=float(tpot.median()), source=f"{src}: median TPOT")
+    costs = fit_costs(_with_forecast_local(store, turns, prof), prof)   # the cache model needs no costs
+    if costs is None:
+        raise FitError(f"{where}: the cost fit needs ok turns with 3 or more distinct computed-token counts")
+    how = (f"{src}: {FIT_METHOD} over {costs.turns} ok turns of {len(costs.b0_s)} modes"
+           + (f" ({costs.forecast_local} turns' own-cache hit not recorded: the planner's forecast of it)"
+              if costs.forecast_local else ""))
+    prof.prefill_a1_s_per_token = Sourced(value=costs.a1_s, source=how)
+    prof.prefill_a2_s_per_token2 = Sourced(value=costs.a2_s, source=how)
+    if costs.aggregated_a1_s is not None:
+        prof.aggregated_prefill_a1_s_per_token = Sourced(value=costs.aggregated_a1_s, source=how)
+        prof.aggregated_prefill_a2_s_per_token2 = Sourced(value=costs.aggregated_a2_s, source=how)
+    prof.b0_s = {m: Sourced(value=v, source=how) for m, v in costs.b0_s.items()}
+    default = costs.b0_s.get("pd-nocache", float(np.median(list(costs.b0_s.values()))))
+    prof.b0_default_s = Sourced(value=default, source=f"{how}; pd-nocache's b0 (else the median of the modes')")
     return prof
+
+
+#: How :func:`fit_costs` fits (named in every fitted figure's source).
+FIT_METHOD = ("robust least squares of relative TTFT error (scipy.optimize.least_squares, soft_l1, "
+              "coefficients >= 0), b0 per mode")
+
+
+@dataclass(frozen=True)
+class CostFit:
+    """The fitted costs: ``b0_s`` per mode (s), ``a1_s`` (s/token), ``a2_s`` (s/token^2) of P/D
+    modes and the aggregated worker's (None: no aggregated turns), the ``turns`` fitted and how many
+    of them had a forecast (not recorded) own-cache hit."""
+
+    b0_s: dict[str, float]
+    a1_s: float
+    a2_s: float
+    turns: int
+    forecast_local: int
+    aggregated_a1_s: float | None = None
+    aggregated_a2_s: float | None = None
+
+
+def fit_costs(turns: pd.DataFrame, prof: CostProfile) -> CostFit | None:
+    """Fit ``ttft = b0[mode] + c(n) - c(cached) + pull(pulled)`` (docs/planner.md) jointly over the
+    ok turns of every mode, ``c(x) = a1 x + a2 x^2``: the computed tokens ``n - cached`` range
+    from a few dozen (a cache hit) to whole prompts (``pd-nocache``), which pins the slope down far
+    better than full prefills alone, whose prompt lengths a run barely varies. P/D modes share one
+    c (P's prefill plus the hand-off of the new tokens' KV to D); the aggregated worker has its own.
+
+    ``turns``: :data:`TURNS_SQL`'s columns with ``local_tokens`` filled and ``local_known``
+    (:func:`_with_forecast_local`); ``prof`` gives the pull cost. Residuals are relative to the
+    measured TTFT (the check's error), with scipy's robust ``soft_l1`` loss so that a few turns
+    slowed by a busy machine do not drag the fit; every coefficient >= 0 (a cost). Turns whose
+    cached tokens are a forecast (aggregated runs record none) are fitted from the second turn of a
+    session on: a first turn's hit on a system prompt shared across sessions is not forecast (the
+    planner does not model sharing across sessions) and would bend c. None when the P/D turns have
+    fewer than 3 distinct computed-token counts (a1 and a2 not identifiable)."""
+    ok = turns[(turns["status"] == "ok") & turns["ttft_s"].notna() & (turns["ttft_s"] > 0)
+               & turns["prompt_tokens"].notna() & turns["mode"].isin(MODES)
+               & (turns["local_known"] | (turns["turn_index"] >= 1))]
+    n = ok["prompt_tokens"].to_numpy(float)
+    pulled = ok["reused_tokens"].to_numpy(float)
+    cached = np.minimum(ok["local_tokens"].fillna(0).to_numpy(float) + pulled, n)
+    ttft = ok["ttft_s"].to_numpy(float)
+    y = ttft - prof.pull_s(pulled)
+    mode_col = ok["mode"].to_numpy()
+    agg = mode_col == "aggregated"
+    if np.unique((n - cached)[~agg]).size < 3:
+        return None
+    modes = sorted(set(mode_col))
+    lin, quad = (n - cached) / 1e3, (n * n - cached * cached) / 1e6   # scaled to O(1)
+    cols = [(mode_col == m).astype(float) for m in modes] + [lin * ~agg, quad * ~agg]
+    has_agg = bool(agg.any())
+    if has_agg:
+        cols += [lin * agg, quad * agg]
+    x = np.column_stack(cols)
+    start = np.r_[np.full(len(modes), max(float(np.median(y)) / 2, 1e-3)), np.tile([0.1, 0.01], 2 if has_agg else 1)]
+    res = least_squares(lambda th: (x @ th - y) / ttft, start, bounds=(0.0, np.inf), loss="soft_l1",
+                        f_scale=0.1, xtol=1e-15, ftol=1e-15, gtol=1e-15, max_nfev=10_000)
+    th = res.x
+    k = len(modes)
+    return CostFit({m: float(th[i]) for i, m in enumerate(modes)}, float(th[k] / 1e3), float(th[k + 1] / 1e6),
+                   len(ok), int((~ok["local_known"]).sum()),
+                   float(th[k + 2] / 1e3) if has_agg else None, float(th[k + 3] / 1e6) if has_agg else None)
 
 
 def _block_size(store: Store, run_ids: Sequence[str]) -> int:
@@ -177,7 +268,7 @@ def _with_forecast_local(store: Store, turns: pd.DataFrame, prof: CostProfile) -
         mode = str(turns.loc[turns["run_id"] == run_id, "mode"].iloc[0])
         if mode not in MODES:
             continue
-        tr, m = plan_recorded_run(store, str(run_id), mode, prof)
+        tr, m = plan_recorded_run(store, str(run_id), mode, prof, recorded_shared_prefix_tokens(turns))
         forecast = pd.DataFrame({"run_id": run_id, "session_id": tr.session, "turn_index": tr.request_index,
                                  "forecast_local": m.local_tokens})
         turns = turns.merge(forecast, on=["run_id", "session_id", "turn_index"], how="left")
@@ -185,23 +276,3 @@ def _with_forecast_local(store: Store, turns: pd.DataFrame, prof: CostProfile) -
         turns.loc[fill, "local_tokens"] = turns.loc[fill, "forecast_local"]
         turns = turns.drop(columns="forecast_local")
     return turns
-
-
-def _b0_per_mode(turns: pd.DataFrame, prof: CostProfile, src: str) -> dict[str, Sourced]:
-    ok = turns[(turns["status"] == "ok") & turns["ttft_s"].notna() & turns["prompt_tokens"].notna()]
-    out = {}
-    fit = prof.prefill_fit()
-    for mode, g in ok.groupby("mode"):
-        if mode not in MODES:
-            continue
-        n = g["prompt_tokens"].to_numpy(float)
-        pulled = g["reused_tokens"].to_numpy(float)
-        cached = np.minimum(g["local_tokens"].fillna(0).to_numpy(float) + pulled, n)
-        model = fit.cost_s(n) - fit.cost_s(cached) + prof.pull_s(pulled)
-        unknown = int((~g["local_known"]).sum())
-        how = (f"; the worker's own-cache hit of {unknown} turns not recorded: the planner's forecast of it"
-               if unknown else "")
-        out[str(mode)] = Sourced(value=float(np.median(g["ttft_s"].to_numpy(float) - model)),
-                                 source=f"{src}: median of TTFT - c(n) + c(cached) - pull over {len(g)} {mode} "
-                                        f"turns{how}")
-    return out

@@ -8,7 +8,8 @@ The model of one request's TTFT, seconds (n prompt tokens, of which ``cached`` a
 P's or the aggregated worker's own prefix-cache hit plus the tokens pulled from D)::
 
     ttft(mode) = b0[mode] + c(n) - c(cached) + pull(pulled)
-    c(x)       = a1 x + a2 x^2                      (prefill of x tokens from scratch, no b0)
+    c(x)       = a1 x + a2 x^2                      (prefill of x tokens from scratch, no b0;
+                                                     the aggregated worker may have its own a1, a2)
     pull(t)    = latency + t x kv_bytes_per_token / bandwidth   (0 when t = 0)
 
 ``c(n) - c(cached)`` is the cost of the new tokens after ``cached`` ones: attention makes it grow
@@ -46,7 +47,10 @@ class Sourced(BaseModel):
 class CostProfile(BaseModel):
     """The planner's costs for one deployment (seconds, tokens, bytes).
 
-    * ``prefill_a1_s_per_token``, ``prefill_a2_s_per_token2``: c(x) = a1 x + a2 x^2;
+    * ``prefill_a1_s_per_token``, ``prefill_a2_s_per_token2``: c(x) = a1 x + a2 x^2 in P/D modes
+      (P's prefill and the hand-off of the new tokens' KV to D);
+    * ``aggregated_prefill_a1_s_per_token``, ``aggregated_prefill_a2_s_per_token2``: c(x) of the
+      aggregated worker (absent: P's);
     * ``b0_s``: per-mode fixed cost (a mode absent uses ``b0_default_s``);
     * ``pull_latency_s``, ``pull_bandwidth_bytes_per_s``: P's pull of D's KV;
     * ``kv_bytes_per_token``: the model's KV size (``serving.kv_size``);
@@ -64,6 +68,8 @@ class CostProfile(BaseModel):
     kv_bytes_per_token: Sourced
     prefill_a1_s_per_token: Sourced
     prefill_a2_s_per_token2: Sourced | None = None
+    aggregated_prefill_a1_s_per_token: Sourced | None = None
+    aggregated_prefill_a2_s_per_token2: Sourced | None = None
     b0_default_s: Sourced
     b0_s: dict[str, Sourced] = Field(default_factory=dict)
     pull_latency_s: Sourced | None = None
@@ -83,10 +89,14 @@ class CostProfile(BaseModel):
 
     # -- the cost model -------------------------------------------------------------------------
 
-    def prefill_fit(self) -> PrefillFit:
-        """c(x) as the Sweep page's :class:`dashboard.sweep.PrefillFit` (b0 is per mode here)."""
-        a2 = self.prefill_a2_s_per_token2.value if self.prefill_a2_s_per_token2 else 0.0
-        return PrefillFit(0.0, self.prefill_a1_s_per_token.value, a2, 2 if a2 else 1, 0, 0, 0)
+    def prefill_fit(self, mode: str = "pd-nocache") -> PrefillFit:
+        """c(x) of ``mode`` as the Sweep page's :class:`dashboard.sweep.PrefillFit` (b0 is per mode
+        here): the aggregated worker's when the profile has it, else P's."""
+        a1, a2 = self.prefill_a1_s_per_token, self.prefill_a2_s_per_token2
+        if mode == "aggregated" and self.aggregated_prefill_a1_s_per_token is not None:
+            a1, a2 = self.aggregated_prefill_a1_s_per_token, self.aggregated_prefill_a2_s_per_token2
+        a2v = a2.value if a2 else 0.0
+        return PrefillFit(0.0, a1.value, a2v, 2 if a2v else 1, 0, 0, 0)
 
     def b0(self, mode: str) -> float:
         """The fixed cost of ``mode``, seconds."""
@@ -103,7 +113,7 @@ class CostProfile(BaseModel):
                pulled_tokens: np.ndarray) -> np.ndarray:
         """Predicted TTFT of each request in ``mode``, seconds (arrays of equal length; see the
         module doc). ``cached_tokens`` includes ``pulled_tokens``."""
-        fit = self.prefill_fit()
+        fit = self.prefill_fit(mode)
         n = np.asarray(prompt_tokens, dtype=float)
         cached = np.minimum(np.asarray(cached_tokens, dtype=float), n)
         return self.b0(mode) + fit.cost_s(n) - fit.cost_s(cached) + self.pull_s(pulled_tokens)

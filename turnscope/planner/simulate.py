@@ -54,7 +54,9 @@ class PlanSettings(BaseModel):
     """The connector's and the proxy's settings the plan applies (seconds, tokens).
 
     Defaults are vLLM's (``decoder_kv_blocks_ttl`` 480 s, ``kv_recompute_threshold`` 64) and the
-    proxy's (margin 30 s); ``block_size`` None takes the profile's."""
+    proxy's (margin 30 s); ``block_size`` None takes the profile's. ``shared_prefix_tokens``: tokens
+    every session's first request shares with the sessions before it (a common system prompt),
+    found in a worker's prefix cache once that worker has served any request (0: none)."""
 
     model_config = ConfigDict(extra="forbid")
     decoder_kv_blocks_ttl_s: float = Field(480.0, gt=0)
@@ -65,6 +67,7 @@ class PlanSettings(BaseModel):
     decode_workers: int = Field(1, gt=0)
     aggregated_workers: int = Field(1, gt=0)
     routing: str = Field("round_robin", pattern="^(round_robin|session)$")
+    shared_prefix_tokens: int = Field(0, ge=0)
     modes: tuple[str, ...] = MODES
 
     @property
@@ -179,12 +182,15 @@ def _worker_of(i: int, session_code: int, workers: int, routing: str) -> int:
 
 
 def own_cache_hits(tr: Traffic, capacity_tokens: int | None, block_size: int, workers: int, routing: str,
-                   with_output: bool) -> np.ndarray:
+                   with_output: bool, shared_prefix_tokens: int = 0) -> np.ndarray:
     """Each request's hit in its worker's own prefix cache, tokens: an LRU per worker of the
     sessions' last prompts (plus outputs when ``with_output``: the aggregated worker keeps the
-    KV it decoded), ``capacity_tokens`` per worker (None: unbounded)."""
+    KV it decoded), ``capacity_tokens`` per worker (None: unbounded). A session's first request on a
+    worker that served any request before hits the whole blocks of ``shared_prefix_tokens`` (a
+    system prompt all sessions share; held once per worker, outside the LRU's accounting)."""
     caches = [OrderedDict() for _ in range(workers)]
     totals = [0] * workers
+    served = [False] * workers
     hits = np.zeros(len(tr), dtype=np.int64)
     n_arr, shared, out = tr.input_tokens, tr.shared_prefix_tokens, tr.output_tokens
     codes = tr.session_code
@@ -197,6 +203,9 @@ def own_cache_hits(tr: Traffic, capacity_tokens: int | None, block_size: int, wo
         if held is not None:
             hits[i] = rules.local_prefix_tokens(held, int(shared[i]), block_size, n)
             totals[w] -= held
+        elif shared_prefix_tokens and served[w]:
+            hits[i] = rules.local_prefix_tokens(shared_prefix_tokens, shared_prefix_tokens, block_size, n)
+        served[w] = True
         keep = n + int(out[i]) if with_output else n
         cache[s] = keep
         cache.move_to_end(s)
@@ -365,13 +374,14 @@ def plan(requests: Iterable[AgentRequest] | Traffic, profile: CostProfile,
     p_hits = None
     if {"pd", "pd-bidir"} & set(settings.modes):
         p_hits = own_cache_hits(tr, profile.capacity_tokens("prefill"), block, settings.prefill_workers,
-                                settings.routing, with_output=False)
+                                settings.routing, with_output=False, shared_prefix_tokens=settings.shared_prefix_tokens)
     first_seen = ~pd.Series(tr.session_code).duplicated().to_numpy()
     out: dict[str, ModePlan] = {}
     for mode in settings.modes:
         if mode == "aggregated":
             local = own_cache_hits(tr, profile.capacity_tokens("aggregated"), block, settings.aggregated_workers,
-                                   settings.routing, with_output=True)
+                                   settings.routing, with_output=True,
+                                   shared_prefix_tokens=settings.shared_prefix_tokens)
             mp = ModePlan(mode, np.zeros(len(tr), dtype=np.int8), zeros, local,
                           profile.ttft_s(mode, n, local, zeros), np.full(len(tr), np.nan))
         elif mode in ("pd", "pd-nocache"):
