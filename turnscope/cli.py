@@ -274,6 +274,9 @@ def plan(
     model: Annotated[Path | None, typer.Option(
         help="The model's directory or config.json: its KV bytes per token replace the profile's "
              "(serving/kv_size.py; sliding-window layouts are refused).")] = None,
+    shared_prefix_tokens: Annotated[int | None, typer.Option(
+        help="Tokens every session's first request shares with earlier sessions (a system prompt), found in "
+             "a worker's prefix cache. Default: with --fit-runs, P's first-turn hits in those runs; else 0.")] = None,
 ) -> None:
     """Forecast what KV reuse across turns would do on a traffic, model and hardware, without serving it.
 
@@ -292,7 +295,7 @@ def plan(
                         margin_s=margin_s,
                         threshold=threshold if threshold is not None else int(s.connector.kv_recompute_threshold),
                         prefill_workers=prefill_workers, decode_workers=decode_workers, routing=routing,
-                        label=label, model=model)
+                        label=label, model=model, shared_prefix_tokens=shared_prefix_tokens)
     except (ValueError, OSError, RuntimeError) as exc:
         raise fail(str(exc)) from exc
     typer.echo(text)

@@ -14,7 +14,7 @@ from loadgen.traces.agent_sources import detect_format, iter_agent_requests
 from serving.kv_size import kv_bytes_per_token_of_config, read_config
 from turnscope.planner import summary
 from turnscope.planner.check import check_runs, check_summary
-from turnscope.planner.fit import fit_profile
+from turnscope.planner.fit import fit_profile, recorded_shared_prefix_tokens, recorded_turns
 from turnscope.planner.plan_store import new_plan_id, write_plan
 from turnscope.planner.profile import CostProfile, GiB, Sourced, load_profile
 from turnscope.planner.simulate import BIDIR_MODES, PlanSettings, Traffic, plan
@@ -43,7 +43,7 @@ def _ms(x: float) -> str:
 def describe(p, sp: pd.DataFrame, fr: pd.DataFrame, sessions: pd.DataFrame, checks: pd.DataFrame | None) -> str:
     """The plan in plain text, every figure labelled as a forecast with its profile."""
     tag = p.profile.label()
-    head = (f"{tag}: {len(p.traffic):,} requests, {len(set(p.traffic.session)):,} sessions; proxy TTL "
+    head = (f"{tag}: {len(p.traffic):,} requests, {len(set(p.traffic.session_code)):,} sessions; proxy TTL "
             f"{p.settings.proxy_ttl_s:.0f} s (decoder_kv_blocks_ttl {p.settings.decoder_kv_blocks_ttl_s:.0f} s), "
             f"threshold {p.settings.kv_recompute_threshold} tokens.")
     lines = [head]
@@ -61,7 +61,7 @@ def describe(p, sp: pd.DataFrame, fr: pd.DataFrame, sessions: pd.DataFrame, chec
                          + f"; D pinned at most {m.peak_held_bytes() / GiB:,.2f} GiB, {m.held_gib_s():,.1f} GiB-s")
     lines.append(f"\nTTL x D-memory frontier ({tag}; * = current):")
     for r in fr.itertuples():
-        space = "unbounded" if pd.isna(r.decode_kv_space_bytes) else f"{r.decode_kv_space_bytes / GiB:,.1f} GiB"
+        space = "unbounded" if pd.isna(r.decode_kv_space_bytes) else f"{r.decode_kv_space_bytes / GiB:,.3g} GiB"
         lines.append(f"  {'*' if r.current else ' '} {r.mode} TTL {r.decoder_kv_blocks_ttl_s:>6.0f} s, D {space:>12}: "
                      f"hit rate {r.hit_rate:.1%}, TTFT saved {r.ttft_saved_s:,.1f} s, peak "
                      f"{r.peak_held_bytes / GiB:,.2f} GiB, {r.held_gib_s:,.1f} GiB-s, {r.d_full_events} lost to D full")
@@ -93,7 +93,7 @@ def with_model(prof: CostProfile, model: Path) -> CostProfile:
 def run_plan(paths: Sequence[Path], *, profile_path: Path | None, fit_runs: Sequence[str] | None,
              format: str | None, store_root: Path, ttl_s: float, margin_s: float, threshold: int,
              prefill_workers: int, decode_workers: int, routing: str, label: str | None,
-             model: Path | None = None) -> str:
+             model: Path | None = None, shared_prefix_tokens: int | None = None) -> str:
     """The whole command (see the module doc). Raises ValueError/OSError with a clear message."""
     store = Store(Path(store_root))
     if profile_path is None and not fit_runs:
@@ -102,9 +102,11 @@ def run_plan(paths: Sequence[Path], *, profile_path: Path | None, fit_runs: Sequ
     if model is not None:
         prof = with_model(prof, model)
     traffic, inputs = read_traffic(paths, format, fit_runs)
+    if shared_prefix_tokens is None:
+        shared_prefix_tokens = recorded_shared_prefix_tokens(recorded_turns(store, fit_runs)) if fit_runs else 0
     settings = PlanSettings(decoder_kv_blocks_ttl_s=ttl_s, handle_ttl_margin_s=margin_s,
                             kv_recompute_threshold=threshold, prefill_workers=prefill_workers,
-                            decode_workers=decode_workers, routing=routing)
+                            decode_workers=decode_workers, routing=routing, shared_prefix_tokens=shared_prefix_tokens)
     p = plan(traffic, prof, settings)
     sp = summary.speedups(p)
     fr = pd.concat([summary.frontier(traffic, prof, settings, mode).assign(mode=mode) for mode in BIDIR_MODES],

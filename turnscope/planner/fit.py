@@ -1,20 +1,21 @@
 """A cost profile fitted from recorded runs' own turns (the planner's "measured here" profile).
 
-* c(x): the Sweep page's fit (``dashboard.sweep.fit_prefill``: least squares of TTFT against
-  prompt tokens over the ``pd-nocache`` turns, every one a full prefill on P; quadratic with 3 or
-  more prompt lengths);
+Formulas and sources in docs/planner.md ("Profiles"):
+
+* c(x) and b0 per mode: one robust joint fit (:func:`fit_costs`) of ``ttft - pull(pulled) =
+  b0[mode] + c(n) - c(cached)`` over the ok turns of every mode, with each turn's measured cached
+  and pulled tokens; P/D modes share c, the aggregated worker has its own;
 * P's pull of D's KV: the Sweep page's ``dashboard.sweep.transfer_s_per_token`` (P's NIXL bytes
   over NIXL seconds in the ``pd-bidir*`` runs, vLLM's ``vllm:nixl_*`` metrics), as bandwidth;
-* b0 per mode: the median, over the mode's ok turns, of TTFT minus ``c(n) - c(cached) +
-  pull(pulled)`` with the turn's measured cached and pulled tokens (the fixed cost the mode adds);
-  where a run did not record the worker's own prefix-cache hit (aggregated serving: vLLM reports
+* where a run did not record the worker's own prefix-cache hit (aggregated serving: vLLM reports
   ``usage.prompt_tokens_details`` only when asked), the planner's forecast of it for that run;
 * KV space of each role: ``num_gpu_blocks x block_size`` of vLLM's ``vllm:cache_config_info``
   gauge on that role's workers, times the model's KV bytes per token;
-* decode time per token: the median TPOT of the runs' ok turns.
+* decode time per token: the median TPOT of the runs' ok turns;
+* the system prompt shared across sessions: :func:`recorded_shared_prefix_tokens`.
 
-Raises :class:`FitError` when the runs cannot give a figure the planner needs (no ``pd-nocache``
-turns at 2+ prompt lengths, no timed KV transfer, no KV bytes per token).
+Raises :class:`FitError` when the runs cannot give a figure the planner needs (no turns, no timed
+KV transfer, no KV bytes per token, fewer than 3 distinct computed-token counts).
 """
 
 from __future__ import annotations
