@@ -49,11 +49,17 @@ def frontier_figure(fr: pd.DataFrame, tag: str) -> go.Figure:
 
 
 def check_figure(ch: pd.DataFrame) -> go.Figure:
-    """Predicted against measured TTFT of every ok turn of the checked runs, per mode."""
-    ok = ch[(ch["status"] == "ok") & ch["measured_ttft_s"].notna()]
-    fig = px.scatter(ok, x="measured_ttft_s", y="predicted_ttft_s", color="mode",
+    """Predicted against measured TTFT of every ok turn of the checked runs, per mode, on log axes
+    (TTFTs span two decades), with the line of equality and the check's +-25% band."""
+    ok = ch[(ch["status"] == "ok") & ch["measured_ttft_s"].notna() & (ch["predicted_ttft_s"] > 0)]
+    fig = px.scatter(ok, x="measured_ttft_s", y="predicted_ttft_s", color="mode", log_x=True, log_y=True,
+                     hover_data=["checked_run_id", "session_id", "turn_index"],
                      labels={"measured_ttft_s": "measured TTFT (s)", "predicted_ttft_s": "forecast TTFT (s)"},
                      title="Forecast against measured TTFT, recorded runs planned from their own records")
-    hi = float(max(ok["measured_ttft_s"].max(), ok["predicted_ttft_s"].max())) if len(ok) else 1.0
-    fig.add_trace(go.Scatter(x=[0, hi], y=[0, hi], mode="lines", name="equal", line={"dash": "dot"}))
+    if len(ok):
+        lo = float(min(ok["measured_ttft_s"].min(), ok["predicted_ttft_s"].min())) * 0.8
+        hi = float(max(ok["measured_ttft_s"].max(), ok["predicted_ttft_s"].max())) * 1.25
+        for k, name, dash in ((1.0, "equal", "dot"), (1.25, "+25%", "dash"), (0.75, "-25%", "dash")):
+            fig.add_trace(go.Scatter(x=[lo, hi], y=[lo * k, hi * k], mode="lines", name=name,
+                                     line={"dash": dash, "color": "grey", "width": 1}))
     return fig

@@ -56,7 +56,11 @@ if not fr.empty:
                "up is more later requests served from D's KV, right is more KV pinned on D over time. The "
                "diamond is the operator's current point.")
 st.subheader(f"Sessions whose pauses or edits defeat reuse ({tag})")
-st.dataframe(db.read(root, plan_queries.sessions, pid).head(50), hide_index=True, key="plan_sessions")
+defeated = db.read(root, plan_queries.sessions, pid)
+if defeated.empty:
+    st.caption("None: no session lost reuse to a pause past the TTL, an edit, a full D or an overlapping request.")
+else:
+    st.dataframe(defeated.head(50), hide_index=True, key="plan_sessions")
 ch = db.read(root, plan_queries.checks, pid)
 if not ch.empty:
     st.subheader("Checked against the recorded runs")
