@@ -3,7 +3,8 @@ own fitted profile (:mod:`turnscope.planner.fit`), compared turn by turn with wh
 
 Two checks (issue "The planner"): the predicted outcome is the recorded one for every turn that did
 not fail (differences listed with why), and the predicted TTFT is within 25% median absolute
-relative error (MARE, |predicted - measured| / measured) of the measured TTFT, per mode.
+relative error (MARE, |predicted - measured| / measured) of the measured TTFT, per mode
+(docs/planner.md, "Checked against recorded runs").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``turnscope plan``: read the traffic, get the profile (a file, or fitted from recorded runs),
 plan, summarise, check against the recorded runs when given, write to the store, and say it in
-plain text. Every line of the text is labelled as a FORECAST with its profile."""
+plain text. Every line of the text is labelled as a FORECAST with its profile (docs/planner.md)."""
 
 from __future__ import annotations
 
