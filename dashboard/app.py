@@ -31,9 +31,11 @@ PAGES = [
     st.Page("app_pages/compare.py", title="Compare", icon=":material/compare_arrows:"),
     st.Page("app_pages/sweep.py", title="Sweep", icon=":material/stacked_line_chart:"),
     st.Page("app_pages/traffic.py", title="Traffic", icon=":material/airline_stops:"),
+    st.Page("app_pages/plan.py", title="Plan", icon=":material/online_prediction:"),
     st.Page("app_pages/sql.py", title="SQL", icon=":material/terminal:"),
 ]
-nav = st.navigation(PAGES)
+#: Pages that need no recorded run (a store may hold only forecasts or traffic reports).
+WITHOUT_RUNS = ("Plan", "Traffic", "SQL")
 
 store = db.store_from_env()
 st.sidebar.caption(f"Store: `{store.root}`")
@@ -42,28 +44,47 @@ if st.sidebar.button("Refresh", icon=":material/refresh:", help="Re-read the sto
 
 
 def _load_runs() -> pd.DataFrame:
-    """All runs, or an empty state drawn on the page followed by `st.stop()`."""
+    """All runs (possibly none), or an empty state drawn on the page followed by `st.stop()`."""
     try:
-        runs = loader.fetch(str(store.root), queries.runs)
-    except db.StoreMissing:
+        return loader.fetch(str(store.root), queries.runs)
+    except (db.StoreMissing, db.StoreBusy, db.StoreInvalid) as exc:
+        st.navigation(PAGES)  # the menu stays while the page says why there is nothing to show
+        _say_unreadable(exc)
+    raise AssertionError("unreachable")  # st.stop() raises
+
+
+def _say_unreadable(exc: Exception) -> None:
+    """Say why the store cannot be read (StoreMissing, StoreBusy, StoreInvalid), then `st.stop()`."""
+    if isinstance(exc, db.StoreMissing):
         st.info(
             f"No store yet at `{store.root}`: run `turnscope demo` to make one, or point "
             f"`{db.ENV_VAR}` at an existing store directory."
         )
-        st.stop()
-    except db.StoreBusy:
+    elif isinstance(exc, db.StoreBusy):
         st.warning(f"The store at `{store.root}` is being set up by a writer; refresh in a moment.")
-        st.stop()
-    except db.StoreInvalid as exc:
+    else:
         st.error(f"`{store.db}` is not a turnscope store (see data/schema.sql): {exc}")
-        st.stop()
-    if runs.empty and nav.title != "Traffic":  # the Traffic page reads traffic reports, not runs
-        st.info(f"No runs yet in `{store.root}`: run `turnscope demo` (or `turnscope traffic` for the Traffic page).")
-        st.stop()
-    return runs
+    st.stop()
+
+
+def _has_rows(table: str) -> bool:
+    """Whether the store's `table` (plan_log, traffic_log) has a row."""
+    return not db.read(store, lambda con: con.execute(f"SELECT 1 FROM {table} LIMIT 1").df()).empty
 
 
 runs = _load_runs()
+if runs.empty:
+    if not (_has_rows("plan_log") or _has_rows("traffic_log")):
+        st.navigation(PAGES)
+        st.info(f"No runs yet in `{store.root}`: run `turnscope demo`.")
+        st.stop()
+    # Only forecasts or traffic reports: show the pages that read them, not the run filters.
+    nav = st.navigation([p for p in PAGES if p.title in WITHOUT_RUNS])
+    st.sidebar.caption("No recorded runs in this store: showing its forecasts and traffic reports.")
+    context.publish(context.Selection(store=store, runs=runs, run_ids=(), modes=()))
+    nav.run()
+    st.stop()
+nav = st.navigation(PAGES)
 
 present = [str(m) for m in runs["mode"].dropna().unique()]
 mode_options = [m for m in MODE_ORDER if m in present] + sorted(m for m in present if m not in MODE_ORDER)

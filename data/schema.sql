@@ -125,6 +125,98 @@ CREATE TABLE traffic_requests (
     tool_s                DOUBLE
 );
 
+-- Planner forecasts (`turnscope plan`, docs/planner.md): one plan_log row per plan, its rows under
+-- runs/<plan_id>/. Every figure is a FORECAST made with the profile named in plan_log.
+CREATE TABLE plan_log (
+    plan_id        VARCHAR NOT NULL,
+    label          VARCHAR,
+    created_at     TIMESTAMPTZ NOT NULL,
+    inputs         JSON,          -- [{"path", "format"}] as read
+    profile_name   VARCHAR,
+    profile        JSON,          -- the cost profile, every figure with its source
+    settings       JSON,          -- TTL, margin, threshold, workers, routing, modes
+    notes          JSON,          -- what the plan assumed or left out
+    requests       BIGINT,
+    forecast_label VARCHAR        -- "FORECAST (profile <name>)"
+);
+
+CREATE TABLE plan_requests (
+    plan_id               VARCHAR NOT NULL,
+    mode                  VARCHAR NOT NULL,
+    source                VARCHAR,
+    session_id            VARCHAR NOT NULL,
+    request_index         INTEGER NOT NULL,
+    arrival_s             DOUBLE,
+    input_tokens          BIGINT,
+    shared_prefix_tokens  BIGINT,
+    outcome               VARCHAR,   -- proxy outcome, or miss_d_full; NULL for aggregated
+    pulled_tokens         BIGINT,
+    local_tokens          BIGINT,
+    recomputed_tokens     BIGINT,
+    handle_age_s          DOUBLE,
+    ttft_s                DOUBLE
+);
+
+CREATE TABLE plan_speedups (
+    plan_id                VARCHAR NOT NULL,
+    treatment              VARCHAR NOT NULL,
+    baseline               VARCHAR NOT NULL,
+    requests               BIGINT,
+    later_requests         BIGINT,
+    treatment_hits         BIGINT,
+    treatment_ttft_mean_s  DOUBLE,
+    baseline_ttft_mean_s   DOUBLE,
+    speedup                DOUBLE,
+    later_speedup          DOUBLE
+);
+
+CREATE TABLE plan_frontier (
+    plan_id                  VARCHAR NOT NULL,
+    mode                     VARCHAR NOT NULL,
+    decoder_kv_blocks_ttl_s  DOUBLE,
+    decode_kv_space_bytes    DOUBLE,    -- NULL: unbounded
+    current                  BOOLEAN,
+    hit_rate                 DOUBLE,
+    ttft_saved_s             DOUBLE,
+    peak_held_bytes          DOUBLE,
+    held_gib_s               DOUBLE,
+    d_full_events            BIGINT
+);
+
+CREATE TABLE plan_sessions (
+    plan_id        VARCHAR NOT NULL,
+    mode           VARCHAR NOT NULL,
+    source         VARCHAR,
+    session_id     VARCHAR NOT NULL,
+    requests       BIGINT,
+    expired        BIGINT,
+    mismatched     BIGINT,
+    d_full         BIGINT,
+    consumed       BIGINT,
+    lost_tokens    BIGINT,
+    longest_gap_s  DOUBLE,
+    reason         VARCHAR
+);
+
+CREATE TABLE plan_checks (
+    plan_id            VARCHAR NOT NULL,
+    checked_run_id     VARCHAR NOT NULL,   -- the recorded run (not run_id: a plan's shards are its own)
+    mode               VARCHAR,
+    session_id         VARCHAR NOT NULL,
+    turn_index         INTEGER NOT NULL,
+    status             VARCHAR,
+    recorded_outcome   VARCHAR,
+    predicted_outcome  VARCHAR,
+    outcome_match      BOOLEAN,     -- NULL for a failed turn
+    measured_ttft_s    DOUBLE,
+    predicted_ttft_s   DOUBLE,
+    recorded_pulled_tokens   BIGINT,
+    predicted_pulled_tokens  BIGINT,
+    recorded_local_tokens    BIGINT,
+    predicted_local_tokens   BIGINT,
+    why                VARCHAR
+);
+
 -- section: views
 
 -- The latest row of each run. A writer that records a running run rewrites its row every

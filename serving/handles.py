@@ -26,6 +26,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from serving import reuse_rules as rules
+
 # Outcomes (docs/design.md, "The wire contract"). Exactly one per request.
 from turnscope.contract import (
     HIT,
@@ -88,19 +90,19 @@ def fit_handle(handle: Handle, new_ids: list[int], block_size: int) -> Fit:
     whole block remains the handle is not used (``params`` None). Raises ValueError for a
     non-positive block size.
     """
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
+    rules.whole_block_tokens(0, block_size)  # raises ValueError for a non-positive block size
     kv_ids = handle.kv_ids
     k = common_prefix_length(kv_ids, new_ids)
-    if k == len(kv_ids):
-        return Fit(copy.deepcopy(handle.params), len(kv_ids), None)
-    blocks = k // block_size
-    if blocks == 0:
+    usable = rules.usable_handle_tokens(len(kv_ids), k, block_size)
+    if usable == len(kv_ids):
+        return Fit(copy.deepcopy(handle.params), usable, None if k == len(kv_ids) else k)
+    if usable == 0:
         return Fit(None, 0, k)
     params = copy.deepcopy(handle.params)
-    params["remote_num_tokens"] = blocks * block_size
-    params["remote_block_ids"] = [list(group[:blocks]) for group in params.get("remote_block_ids") or []]
-    return Fit(params, blocks * block_size, k)
+    params["remote_num_tokens"] = usable
+    params["remote_block_ids"] = [list(group[:usable // block_size])
+                                  for group in params.get("remote_block_ids") or []]
+    return Fit(params, usable, k)
 
 
 @dataclass
@@ -180,7 +182,7 @@ class HandleTable:
         entry.taken_age_s = None if handle is None else self._clock() - handle.created_at
         if handle is None:
             return None, MISS_NO_HANDLE_RETURNED if entry.no_handle else MISS_CONSUMED
-        if self._clock() >= handle.expires_at:
+        if rules.handle_expired(self._clock() - handle.created_at, self.ttl_s):
             return None, MISS_EXPIRED
         return handle, None
 

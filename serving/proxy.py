@@ -48,6 +48,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
 from serving import handles as h
+from serving import reuse_rules as rules
 from serving.proxy_metrics import ProxyMetrics
 from serving.proxy_request import ProxiedRequest, RequestFacts
 from turnscope.contract import AGGREGATED, FACTS_FIELD, REQUEST_ID_HEADER, SESSION_FIELD, SESSION_HEADER
@@ -110,7 +111,7 @@ def classify_prefill(offered: int, prompt_len: int, cached: int | None, local_es
     failed or was declined (``miss_transfer_failed``). ``local_estimate`` must be taken when the
     request arrives: a concurrent request of the same session may warm P's cache meanwhile.
     """
-    reachable = min(offered, prompt_len)
+    reachable = rules.reachable_tokens(offered, prompt_len)
     if cached is None:
         return h.MISS_TRANSFER_FAILED, 0
     # P's own cache already covers the handle: nothing to pull. A pull makes P's report exactly
@@ -120,7 +121,7 @@ def classify_prefill(offered: int, prompt_len: int, cached: int | None, local_es
         return h.MISS_BELOW_THRESHOLD, 0
     if cached >= reachable - 1:
         return h.HIT, max(cached - local_estimate, 0)
-    if reachable - cached < threshold:
+    if rules.below_recompute_threshold(reachable - cached, threshold):
         return h.MISS_BELOW_THRESHOLD, 0
     return h.MISS_TRANSFER_FAILED, 0
 
@@ -167,7 +168,8 @@ class SessionProxy:
 
     def __init__(self, config: ProxyConfig):
         self.config = config
-        self.table = h.HandleTable(ttl_s=config.decoder_kv_blocks_ttl_s - config.handle_ttl_margin_s,
+        self.table = h.HandleTable(ttl_s=rules.proxy_handle_ttl_s(config.decoder_kv_blocks_ttl_s,
+                                                                  config.handle_ttl_margin_s),
                                    max_sessions=config.max_sessions)
         self.metrics = ProxyMetrics(self.table.live_handles, config.kv_bytes_per_token,
                                     handle_ttl_s=self.table.ttl_s)
@@ -335,7 +337,7 @@ class SessionProxy:
         local_estimate = 0
         prev = req.prev_prefill
         if cfg.prefill_prefix_caching and prev and prev[0] == req.prefill.name and req.new_ids is not None:
-            local_estimate = (min(prev[1], len(req.new_ids)) // cfg.block_size) * cfg.block_size
+            local_estimate = rules.local_prefix_tokens(prev[1], len(req.new_ids), cfg.block_size)
         if req.session:
             self.last_prefill.put(req.session, req.prefill.name, prompt_len)
         if req.handle_params is not None:

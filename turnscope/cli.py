@@ -44,6 +44,8 @@ EPILOG = """Examples:
 
   turnscope traffic data/traces/kv-cache-tester          # what the shipped Claude Code traces say about reuse
 
+  turnscope plan data/traces/kv-cache-tester --profile data/profiles/vendor-h200.yaml   # a FORECAST
+
   turnscope serve --mode pd-bidir                       # then: locust -f loadgen/locustfile.py --host http://127.0.0.1:8200
 
   turnscope serve --topology data/topologies/vendor-h200-1p1d.yaml --mode pd-bidir --dry-run
@@ -276,6 +278,56 @@ def traffic(
     except (TraceFormatError, ValueError, OSError, RuntimeError) as exc:
         raise fail(str(exc)) from exc
     typer.echo(rep.text())
+
+
+@app.command()
+def plan(
+    paths: Annotated[list[Path], typer.Argument(
+        help="Traffic: trace files or directories (as `turnscope traffic` reads them), or a store directory "
+             "(its recorded runs).")],
+    profile: Annotated[Path | None, typer.Option(
+        help="Cost profile YAML (data/profiles/*.yaml). Default: fitted from the recorded runs given by --fit-runs.")
+                       ] = None,
+    fit_runs: Annotated[str | None, typer.Option(
+        help="Comma-separated run ids of the store (--store) to fit the profile from, and to check the forecast "
+             "against (each run planned from its own records, turn by turn).")] = None,
+    format: Annotated[str | None, typer.Option("--format", help="Read every path as this format.")] = None,
+    ttl_s: Annotated[float | None, typer.Option(help="decoder_kv_blocks_ttl, seconds. Default: settings.")] = None,
+    margin_s: Annotated[float, typer.Option(help="The proxy's handle TTL margin, seconds.")] = 30.0,
+    threshold: Annotated[int | None, typer.Option(help="kv_recompute_threshold, tokens. Default: settings.")] = None,
+    prefill_workers: Annotated[int, typer.Option(help="Prefill workers.")] = 1,
+    decode_workers: Annotated[int, typer.Option(help="Decode workers.")] = 1,
+    routing: Annotated[str, typer.Option(help="round_robin (the proxy's) or session (sticky).")] = "round_robin",
+    store: StoreOpt = None,
+    label: Annotated[str | None, typer.Option(help="Label of this plan.")] = None,
+    model: Annotated[Path | None, typer.Option(
+        help="The model's directory or config.json: its KV bytes per token replace the profile's "
+             "(serving/kv_size.py; sliding-window layouts are refused).")] = None,
+    shared_prefix_tokens: Annotated[int | None, typer.Option(
+        help="Tokens every session's first request shares with earlier sessions (a system prompt), found in "
+             "a worker's prefix cache. Default: with --fit-runs, P's first-turn hits in those runs; else 0.")] = None,
+) -> None:
+    """Forecast what KV reuse across turns would do on a traffic, model and hardware, without serving it.
+
+    Per request: the proxy's outcome (with `miss_d_full` when D's KV space is full), tokens pulled / from
+    P's own cache / recomputed, D's pinned KV over time, TTFT per mode. Prints the speed-up per mode
+    pair, the TTL x D-memory frontier and the sessions whose pauses or edits defeat reuse; writes them to
+    the store (plan_* tables, docs/schema.md). Every figure is a FORECAST labelled with its profile.
+    """
+    from turnscope.planner.cli_plan import run_plan
+
+    s = settings()
+    try:
+        text = run_plan(paths, profile_path=profile, fit_runs=_split(fit_runs) if fit_runs else None,
+                        format=format, store_root=store or s.store,
+                        ttl_s=ttl_s if ttl_s is not None else float(s.connector.decoder_kv_blocks_ttl),
+                        margin_s=margin_s,
+                        threshold=threshold if threshold is not None else int(s.connector.kv_recompute_threshold),
+                        prefill_workers=prefill_workers, decode_workers=decode_workers, routing=routing,
+                        label=label, model=model, shared_prefix_tokens=shared_prefix_tokens)
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise fail(str(exc)) from exc
+    typer.echo(text)
 
 
 @app.command()

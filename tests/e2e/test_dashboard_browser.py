@@ -130,6 +130,27 @@ def traffic_url(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def plan_url(tmp_path_factory):
+    """Recorded runs (tests/planner_store.py), a forecast of the 24 shipped kv-cache-tester traces with
+    the vendor-h200 profile, then (newest, shown first) the runs planned from their own fitted profile."""
+    from typer.testing import CliRunner
+
+    from loadgen.traces.kv_cache_tester import DEFAULT_DIR
+    from tests import planner_store
+    from turnscope.cli import app
+
+    tmp = tmp_path_factory.mktemp("e2e-plan")
+    root = planner_store.build(tmp / "store")
+    for args in ([str(DEFAULT_DIR), "--profile", str(REPO / "data/profiles/vendor-h200.yaml"), "--label",
+                  "kv-cache-tester"],
+                 [str(root), "--fit-runs", ",".join(planner_store.RUNS.values()), "--label", "check"]):
+        r = CliRunner().invoke(app, ["plan", *args, "--store", str(root)], env={"COLUMNS": "4000"})
+        assert r.exit_code == 0, r.output
+    with _streamlit(root, tmp) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
 def browser():
     from playwright.sync_api import sync_playwright
 
@@ -208,7 +229,7 @@ def test_overview_in_browser(dashboard_url, browser, tmp_path):
     assert page.get_by_text("Deploy", exact=True).count() == 0
     # Every page is in the navigation.
     nav = page.locator('[data-testid="stSidebarNav"]').inner_text()
-    for name in ("Overview", "Turns", "Sessions", "Memory", "Compare", "Sweep", "Traffic", "SQL"):
+    for name in ("Overview", "Turns", "Sessions", "Memory", "Compare", "Sweep", "Traffic", "Plan", "SQL"):
         assert name in nav
     _shot(page, "overview")
     # The export is one self-contained HTML file: plotly.js inlined, no script from the network.
@@ -293,5 +314,24 @@ def test_traffic_in_browser(traffic_url, browser):
     body = page.inner_text("body")
     assert "trace_0279" in body
     _shot(page, "traffic")
+    assert not errors, errors
+    page.close()
+
+
+def test_plan_in_browser(plan_url, browser):
+    """The Plan page: the check against the recorded runs (newest plan), then the 24 traces' forecast
+    with its frontier; every figure labelled a FORECAST with its profile."""
+    page, errors = _open(browser, f"{plan_url}/plan", "Plan", 2)
+    body = page.inner_text("body")
+    assert "FORECAST (profile fitted)" in body and "Checked against the recorded runs" in body
+    assert "outcome differs from the recorded one" in body  # the table of differences (a canvas grid)
+    _shot(page, "plan-check")
+    page.locator('[data-testid="stSelectbox"]').first.click(timeout=60_000)
+    page.get_by_role("option", name="kv-cache-tester", exact=False).click(timeout=60_000)
+    page.get_by_text("FORECAST (profile vendor-h200): TTL x D memory frontier").first.wait_for(timeout=60_000)
+    _wait_charts(page, 1)
+    body = page.inner_text("body")
+    assert "pd-bidir-nocache vs pd-nocache" in body and "Checked against" not in body
+    _shot(page, "plan-forecast")
     assert not errors, errors
     page.close()

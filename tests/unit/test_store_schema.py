@@ -13,7 +13,11 @@ from turnscope.store import SCHEMA_PATH, load_schema
 
 def test_store_schema_types_from_contract() -> None:
     s = load_schema()
-    assert set(s.tables) == {"runs_log", "sessions", "turns", "metric_samples", "traffic_log", "traffic_requests"}
+    assert {"runs_log", "sessions", "turns", "metric_samples", "traffic_log", "traffic_requests"} <= set(s.tables)
+    # the plan_* tables (docs/schema.md "Plans"): a plan's checked run is not the shard's run_id
+    assert {"plan_log", "plan_requests", "plan_checks"} <= set(s.tables)
+    assert s.tables["plan_checks"].column("run_id") is None
+    assert not s.tables["plan_checks"].column("checked_run_id").nullable
     ms = s.tables["metric_samples"].arrow_schema()
     assert ms.field("scraped_at").type == pa.timestamp("us", tz="UTC")
     assert ms.field("labels").type == pa.string()

@@ -1,0 +1,85 @@
+"""Plan: what KV reuse across turns would do on a traffic, model and hardware (`turnscope plan`).
+
+Every figure on this page is a FORECAST made with the cost profile it names; the check against
+recorded runs (when the plan has one) shows how far to trust it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import context, db
+from dashboard.figures import plan as plan_figures
+from dashboard.plan_check import check_summary
+from dashboard.queries import plan as plan_queries
+
+sel = context.current()
+root = sel.store
+st.title("Plan")
+st.caption("Forecasts of `turnscope plan`: the proxy's and vLLM's rules applied to a traffic with a cost "
+           "profile, without serving it (docs/planner.md). Every figure is a FORECAST labelled with its profile. "
+           "The sidebar's run filters do not apply here.")
+try:
+    plans = db.read(root, plan_queries.plans)
+except (db.StoreMissing, db.StoreInvalid, db.StoreBusy) as exc:
+    st.info(f"No plans to show: {exc}")
+    st.stop()
+if plans.empty:
+    st.info("No plan yet: run `turnscope plan data/traces/kv-cache-tester --profile data/profiles/vendor-h200.yaml`.")
+    st.stop()
+
+
+def _name(pid: str) -> str:
+    r = plans[plans["plan_id"] == pid].iloc[0]
+    return f"{r['label'] or pid} · {r['forecast_label']} · {int(r['requests']):,} requests"
+
+
+pid = st.selectbox("Plan", plans["plan_id"].tolist(), format_func=_name, key="plan_id")
+row = plans[plans["plan_id"] == pid].iloc[0]
+tag = row["forecast_label"]
+st.subheader(tag)
+for note in json.loads(row["notes"] or "[]"):
+    st.caption(f"Note: {note}")
+sp = db.read(root, plan_queries.speedups, pid)
+for r in sp.itertuples():
+    st.markdown(f"**{r.treatment} vs {r.baseline}**: {r.speedup:.2f}x mean TTFT speed-up over {r.requests:,} "
+                f"requests ({r.later_speedup:.2f}x over {r.later_requests:,} later requests, {r.treatment_hits:,} "
+                f"hits) — {tag}")
+st.caption(f"Requests per forecast outcome and mode ({tag}); `none`: aggregated serving, where the proxy "
+           "decides no reuse. `miss_d_full`: the session's handle was not kept because D's KV space was full.")
+st.dataframe(plan_figures.outcome_table(db.read(root, plan_queries.outcomes, pid)), key="plan_outcomes")
+fr = db.read(root, plan_queries.frontier, pid)
+if not fr.empty:
+    st.plotly_chart(plan_figures.frontier_figure(fr, tag), key="plan_frontier")
+    st.caption("Each point re-plans the mode with another `decoder_kv_blocks_ttl` (colour) and D KV space (hover): "
+               "up is more later requests served from D's KV, right is more KV pinned on D over time. The "
+               "diamond is the operator's current point.")
+st.subheader(f"Sessions whose pauses or edits defeat reuse ({tag})")
+defeated = db.read(root, plan_queries.sessions, pid)
+if defeated.empty:
+    st.caption("None: no session lost reuse to a pause past the TTL, an edit, a full D or an overlapping request.")
+else:
+    st.dataframe(defeated.head(50), hide_index=True, key="plan_sessions")
+ch = db.read(root, plan_queries.checks, pid)
+if not ch.empty:
+    st.subheader("Checked against the recorded runs")
+    summ = check_summary(ch)
+    st.caption("Each recorded run planned from its own turns with the profile fitted from these runs: the "
+               "forecast outcome must be the recorded one on every ok turn, and the median absolute relative "
+               "error (MARE) of the forecast TTFT at most 25% per mode.")
+    st.dataframe(pd.DataFrame({"mode": summ["mode"], "ok turns": summ["ok_turns"],
+                               "outcome matches": summ["outcome_matches"], "outcome check": summ["outcome_check"],
+                               "TTFT MARE": summ["ttft_mare"], "TTFT check (<= 25%)": summ["ttft_check"]}),
+                 hide_index=True, key="plan_check_summary",
+                 column_config={"TTFT MARE": st.column_config.NumberColumn(format="percent")})
+    st.plotly_chart(plan_figures.check_figure(ch), key="plan_check_fig")
+    diff = ch[ch["why"].notna()]
+    if not diff.empty:
+        st.caption("Turns whose forecast outcome differs from the recorded one, and why:")
+        st.dataframe(diff[["checked_run_id", "session_id", "turn_index", "recorded_outcome", "predicted_outcome", "why"]],
+                     hide_index=True, key="plan_check_diff")
+with st.expander("The profile (every figure with its source)"):
+    st.json(json.loads(row["profile"]))

@@ -1,0 +1,65 @@
+"""The Plan page's figures (plotly), each titled as a FORECAST with its profile."""
+
+from __future__ import annotations
+
+import pandas as pd
+import plotly.express as px
+import plotly.graph_objects as go
+
+#: Column order of the outcome table: baselines first, then what reuse adds.
+MODE_ORDER = ("aggregated", "pd-nocache", "pd", "pd-bidir-nocache", "pd-bidir")
+
+GiB = 2**30
+
+
+def outcome_table(outcomes: pd.DataFrame) -> pd.DataFrame:
+    """``dashboard.queries.plan.outcomes`` (mode, outcome, requests) as outcome rows x mode columns, requests
+    (0 where a mode has none of an outcome); modes in the order of ``MODE_ORDER``."""
+    wide = outcomes.pivot_table(index="outcome", columns="mode", values="requests", aggfunc="sum", fill_value=0)
+    cols = [m for m in MODE_ORDER if m in wide.columns] + sorted(c for c in wide.columns if c not in MODE_ORDER)
+    return wide[cols].astype(int).rename_axis(columns=None)
+
+
+def frontier_figure(fr: pd.DataFrame, tag: str) -> go.Figure:
+    """Hit rate against GiB-seconds held per TTL x D-space point (``plan_frontier`` rows), one panel
+    per mode, colour = TTL; the operator's current point ringed (a diamond)."""
+    modes = [m for m in ("pd-bidir-nocache", "pd-bidir") if m in set(fr["mode"])]
+    df = fr.assign(space=fr["decode_kv_space_bytes"].map(lambda b: "unbounded" if pd.isna(b) else f"{b / GiB:,.1f} GiB"),
+                   ttl=fr["decoder_kv_blocks_ttl_s"].map(lambda t: f"{t:,.0f} s"))
+    ttls = [f"{t:,.0f} s" for t in sorted(fr["decoder_kv_blocks_ttl_s"].unique())]
+    fig = px.scatter(df, x="held_gib_s", y="hit_rate", color="ttl", facet_col="mode",
+                     category_orders={"mode": modes, "ttl": ttls},
+                     hover_data={"space": True, "ttft_saved_s": ":,.1f", "peak_held_bytes": ":,.0f",
+                                 "d_full_events": True},
+                     labels={"held_gib_s": "D pinned KV (GiB-s)", "hit_rate": "hit rate (later requests)",
+                             "ttl": "decoder_kv_blocks_ttl", "space": "D KV space", "ttft_saved_s": "TTFT saved (s)",
+                             "peak_held_bytes": "peak pinned (bytes)", "d_full_events": "handles lost to D full"},
+                     title=f"{tag}: TTL x D memory frontier")
+    fig.update_traces(marker={"size": 9})
+    fig.for_each_annotation(lambda a: a.update(text=a.text.split("=")[-1]))
+    for i, mode in enumerate(modes, start=1):
+        cur = df[(df["mode"] == mode) & df["current"]]
+        fig.add_trace(go.Scatter(x=cur["held_gib_s"], y=cur["hit_rate"], mode="markers", name="current setting",
+                                 showlegend=i == 1, legendgroup="current",
+                                 marker={"symbol": "diamond-open", "size": 18, "color": "black", "line": {"width": 2}},
+                                 hovertext=[f"current: TTL {t}, D {sp}" for t, sp in zip(cur["ttl"], cur["space"], strict=True)]),
+                      row=1, col=i)
+    fig.update_yaxes(tickformat=".0%")
+    return fig
+
+
+def check_figure(ch: pd.DataFrame) -> go.Figure:
+    """Predicted against measured TTFT of every ok turn of the checked runs, per mode, on log axes
+    (TTFTs span two decades), with the line of equality and the check's +-25% band."""
+    ok = ch[(ch["status"] == "ok") & ch["measured_ttft_s"].notna() & (ch["predicted_ttft_s"] > 0)]
+    fig = px.scatter(ok, x="measured_ttft_s", y="predicted_ttft_s", color="mode", log_x=True, log_y=True,
+                     hover_data=["checked_run_id", "session_id", "turn_index"],
+                     labels={"measured_ttft_s": "measured TTFT (s)", "predicted_ttft_s": "forecast TTFT (s)"},
+                     title="Forecast against measured TTFT, recorded runs planned from their own records")
+    if len(ok):
+        lo = float(min(ok["measured_ttft_s"].min(), ok["predicted_ttft_s"].min())) * 0.8
+        hi = float(max(ok["measured_ttft_s"].max(), ok["predicted_ttft_s"].max())) * 1.25
+        for k, name, dash in ((1.0, "equal", "dot"), (1.25, "+25%", "dash"), (0.75, "-25%", "dash")):
+            fig.add_trace(go.Scatter(x=[lo, hi], y=[lo * k, hi * k], mode="lines", name=name,
+                                     line={"dash": dash, "color": "grey", "width": 1}))
+    return fig

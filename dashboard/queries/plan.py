@@ -1,0 +1,43 @@
+"""The Plan page's SQL over the store's plan_* tables (docs/schema.md): one function per query,
+``(con, ...) -> DataFrame``, run through ``dashboard.db.read``. Every row is a FORECAST."""
+
+from __future__ import annotations
+
+import duckdb
+import pandas as pd
+
+
+def plans(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
+    """Every plan, newest first: plan_id, label, created_at, profile_name, forecast_label, requests,
+    notes (JSON text), profile (JSON text), settings (JSON text)."""
+    return con.execute("SELECT plan_id, label, created_at, profile_name, forecast_label, requests, notes, profile, "
+                       "settings FROM plan_log ORDER BY created_at DESC").df()
+
+
+def speedups(con: duckdb.DuckDBPyConnection, plan_id: str) -> pd.DataFrame:
+    """The plan's speed-ups per mode pair (plan_speedups' columns)."""
+    return con.execute("SELECT * EXCLUDE (plan_id) FROM plan_speedups WHERE plan_id = ?", [plan_id]).df()
+
+
+def outcomes(con: duckdb.DuckDBPyConnection, plan_id: str) -> pd.DataFrame:
+    """Requests per mode and outcome ('none' for aggregated): mode, outcome, requests."""
+    return con.execute("SELECT mode, coalesce(outcome, 'none') AS outcome, count(*) AS requests FROM plan_requests "
+                       "WHERE plan_id = ? GROUP BY ALL ORDER BY mode, requests DESC", [plan_id]).df()
+
+
+def frontier(con: duckdb.DuckDBPyConnection, plan_id: str) -> pd.DataFrame:
+    """The plan's TTL x D-memory frontier (plan_frontier's columns)."""
+    return con.execute("SELECT * EXCLUDE (plan_id) FROM plan_frontier WHERE plan_id = ? "
+                       "ORDER BY mode, decoder_kv_blocks_ttl_s, decode_kv_space_bytes", [plan_id]).df()
+
+
+def sessions(con: duckdb.DuckDBPyConnection, plan_id: str) -> pd.DataFrame:
+    """Sessions whose pauses or edits defeat reuse, most tokens lost first."""
+    return con.execute("SELECT * EXCLUDE (plan_id) FROM plan_sessions WHERE plan_id = ? ORDER BY lost_tokens DESC",
+                       [plan_id]).df()
+
+
+def checks(con: duckdb.DuckDBPyConnection, plan_id: str) -> pd.DataFrame:
+    """The plan's turn-by-turn check against recorded runs (plan_checks' columns)."""
+    return con.execute("SELECT * EXCLUDE (plan_id) FROM plan_checks WHERE plan_id = ? "
+                       "ORDER BY checked_run_id, session_id, turn_index", [plan_id]).df()

@@ -1,0 +1,95 @@
+"""The Plan page, run headless by Streamlit's AppTest over stores written by the real ``turnscope plan``.
+
+Truths: the recorded-run fixture's hand computations (tests/planner_store.py) for the check, and
+hand-written SQL over the raw Parquet shards for what the page shows of a plan.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import duckdb
+import pytest
+from streamlit.testing.v1 import AppTest
+from typer.testing import CliRunner
+
+from tests import planner_store as fx
+from turnscope.cli import app
+
+REPO = Path(__file__).resolve().parents[2]
+APP = REPO / "dashboard" / "app.py"
+TRACE = REPO / "data" / "traces" / "kv-cache-tester" / "trace_0036.json"
+VENDOR = REPO / "data" / "profiles" / "vendor-h200.yaml"
+
+
+def plan(*args: str) -> None:
+    r = CliRunner().invoke(app, ["plan", *args], env={"COLUMNS": "4000"})
+    assert r.exit_code == 0, r.output
+
+
+@pytest.fixture(scope="module")
+def checked_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = fx.build(tmp_path_factory.mktemp("checked"))
+    plan(str(root), "--store", str(root), "--fit-runs", ",".join(fx.RUNS.values()), "--label", "check")
+    return root
+
+
+@pytest.fixture(scope="module")
+def plans_only(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("plans-only")
+    plan(str(TRACE), "--profile", str(VENDOR), "--store", str(root), "--label", "one trace")
+    return root
+
+
+def open_plan(monkeypatch: pytest.MonkeyPatch, root: Path) -> AppTest:
+    monkeypatch.setenv("TURNSCOPE_STORE", str(root))
+    at = AppTest.from_file(str(APP), default_timeout=60).run()
+    at.switch_page("app_pages/plan.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.title[0].value == "Plan"
+    return at
+
+
+def shards(root: Path, table: str, sql: str) -> list[tuple]:
+    con = duckdb.connect()
+    try:
+        return con.execute(sql.format(t=f"read_parquet('{root}/runs/plan-*/{table}/*.parquet')")).fetchall()
+    finally:
+        con.close()
+
+
+def test_check_against_recorded_runs_is_shown(monkeypatch, checked_store):
+    at = open_plan(monkeypatch, checked_store)
+    assert any("FORECAST (profile fitted)" in h.value for h in at.subheader)
+    summ = next(d.value for d in at.dataframe if "TTFT MARE" in d.value.columns).set_index("mode")
+    assert summ.loc["pd", "TTFT MARE"] == pytest.approx(statistics.median(fx.pd_relative_errors()))
+    assert not summ.loc["pd", "TTFT check (<= 25%)"] and summ.loc["pd-nocache", "TTFT check (<= 25%)"]
+    assert summ.loc["pd-bidir-nocache", "outcome matches"] == 7 and summ.loc["pd-bidir-nocache", "ok turns"] == 8
+    diff = next(d.value for d in at.dataframe if "why" in d.value.columns)
+    assert list(zip(diff["session_id"], diff["turn_index"], diff["predicted_outcome"], strict=True)) == [("s0", 2, "hit")]
+    assert len(at.get("plotly_chart")) == 2  # the frontier and forecast-against-measured TTFT
+
+
+def test_a_store_with_only_plans_shows_the_plan_page(monkeypatch, plans_only):
+    monkeypatch.setenv("TURNSCOPE_STORE", str(plans_only))
+    at = AppTest.from_file(str(APP), default_timeout=60).run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert not any(i.value.startswith("No runs yet") for i in at.info)
+    assert any("No recorded runs" in c.value for c in at.sidebar.caption)
+    at.switch_page("app_pages/plan.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert any("FORECAST (profile vendor-h200)" in h.value for h in at.subheader)
+    # the speed-up lines are the plan_speedups rows, each labelled as a forecast
+    rows = shards(plans_only, "plan_speedups", "SELECT treatment, baseline, speedup FROM {t} ORDER BY treatment, baseline")
+    text = " ".join(m.value for m in at.markdown)
+    for treatment, baseline, speedup in rows:
+        assert f"**{treatment} vs {baseline}**: {speedup:.2f}x" in text
+    assert text.count("FORECAST (profile vendor-h200)") >= len(rows)
+    # outcome counts: hand SQL over the shards
+    wide = next(d.value for d in at.dataframe if "miss_first_turn" in d.value.index)  # outcome x mode
+    assert list(wide.columns) == ["aggregated", "pd-nocache", "pd", "pd-bidir-nocache", "pd-bidir"]
+    shown = {(m, o): int(n) for o, row in wide.iterrows() for m, n in row.items() if n}
+    truth = {(m, o): n for m, o, n in shards(
+        plans_only, "plan_requests", "SELECT mode, coalesce(outcome, 'none'), count(*) FROM {t} GROUP BY ALL")}
+    assert shown == truth

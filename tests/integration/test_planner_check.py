@@ -1,0 +1,197 @@
+"""The planner's fitted profile and its check against recorded runs, over a store written by the real
+recorder (tests/planner_store.py), and ``turnscope plan --fit-runs`` through typer's CliRunner.
+
+Truths are the fixture's own constants and formulas (hand computations), never the planner's output;
+the store's plan_* tables are read back with hand-written SQL over the raw Parquet shards.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import duckdb
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from dashboard.plan_check import check_summary
+from tests import planner_store as fx
+from turnscope.cli import app
+from turnscope.planner.check import check_runs, run_settings
+from turnscope.planner.fit import FitError, fit_profile
+from turnscope.store import Store
+
+RUN_IDS = list(fx.RUNS.values())
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Store:
+    return Store(fx.build(tmp_path_factory.mktemp("planner-store")))
+
+
+@pytest.fixture(scope="module")
+def checks(store):
+    return check_runs(store, RUN_IDS, fit_profile(store, RUN_IDS))
+
+
+def test_fit_recovers_the_recorded_deployment(store):
+    prof = fit_profile(store, RUN_IDS)
+    # the joint fit over every mode's turns (P/D modes share c; the aggregated worker has its own)
+    assert prof.prefill_a1_s_per_token.value == pytest.approx(fx.A1, rel=1e-6)
+    assert prof.prefill_a2_s_per_token2.value == pytest.approx(fx.A2, rel=1e-5)
+    assert prof.aggregated_prefill_a1_s_per_token.value == pytest.approx(fx.A1, rel=1e-6)
+    assert prof.aggregated_prefill_a2_s_per_token2.value == pytest.approx(fx.A2, rel=1e-5)
+    assert prof.b0_default_s.value == pytest.approx(fx.B0["pd-nocache"], abs=1e-9)
+    assert {m: pytest.approx(b.value, abs=1e-9) for m, b in prof.b0_s.items()} == fx.B0
+    assert prof.pull_bandwidth_bytes_per_s.value == pytest.approx(fx.BANDWIDTH)
+    assert prof.kv_bytes_per_token.value == fx.KV_BYTES and prof.block_size == fx.BLOCK
+    space = fx.NUM_BLOCKS * fx.BLOCK * fx.KV_BYTES  # 524,288,000 bytes per worker
+    assert (prof.prefill_kv_space_bytes.value, prof.decode_kv_space_bytes.value,
+            prof.aggregated_kv_space_bytes.value) == (space, space, space)
+    assert prof.decode_s_per_token.value == pytest.approx(fx.TPOT_S)
+    # every figure says where it comes from: the runs it was fitted from
+    assert all(fx.RUNS["pd-nocache"] in f.source for f in (prof.prefill_a1_s_per_token, prof.b0_default_s))
+
+
+def test_fit_forecasts_an_unrecorded_own_cache_hit(tmp_path):
+    """Aggregated turns without cached_tokens: b0 is fitted with the planner's own-cache forecast,
+    whole blocks of the previous prompt + output (the fixture's truth), so it is still exact."""
+    store = Store(fx.build(tmp_path, aggregated_cached=False))
+    prof = fit_profile(store, RUN_IDS)
+    assert prof.b0_s["aggregated"].value == pytest.approx(fx.B0["aggregated"], abs=1e-9)
+    assert prof.aggregated_prefill_a1_s_per_token.value == pytest.approx(fx.A1, rel=1e-6)
+    # 2 sessions x 3 later turns: first turns with a forecast hit are left out of the fit
+    assert "(6 turns' own-cache hit not recorded" in prof.b0_s["aggregated"].source
+    # taken as 0 instead, b0 would absorb c(local) of the later turns: the median of 8 residuals
+    wrong = statistics.median(fx.B0["aggregated"] - (fx.c(fx.recorded("aggregated", s, k)[1]))
+                              for s in range(fx.SESSIONS) for k in range(fx.TURNS))
+    assert abs(wrong - fx.B0["aggregated"]) > 0.1
+
+
+def test_fit_needs_a_timed_transfer(store):
+    with pytest.raises(FitError, match="no pd-bidir\\* run recorded a NIXL transfer on P"):
+        fit_profile(store, [fx.RUNS["pd-nocache"], fx.RUNS["pd"]])
+
+
+def test_fit_needs_turns(store):
+    with pytest.raises(FitError, match="no turns recorded for runs nope"):
+        fit_profile(store, ["nope"])
+
+
+def test_run_settings_are_the_runs_own(store):
+    s = run_settings(store, fx.RUNS["pd-bidir"])
+    assert (s.decoder_kv_blocks_ttl_s, s.handle_ttl_margin_s, s.kv_recompute_threshold) == (
+        fx.TTL_S, fx.MARGIN_S, fx.THRESHOLD)
+    assert s.proxy_ttl_s == 15.0
+
+
+def test_every_outcome_but_the_failed_read_matches(checks):
+    ok = checks[checks["status"] == "ok"]
+    # 5 runs x 8 turns, less the timed-out one
+    assert len(ok) == 39 and len(checks) == 40
+    timed_out = checks[checks["status"] != "ok"]
+    assert list(timed_out["outcome_match"]) == [None] and timed_out["why"].isna().all()
+    diff = checks[checks["why"].notna()]
+    mode, s, k = fx.TRANSFER_FAILED
+    assert [(r.mode, r.session_id, r.turn_index) for r in diff.itertuples()] == [(mode, f"s{s}", k)]
+    why = diff["why"].iloc[0]
+    # the handle of turn 1 (1,300 prompt + 32 output - 1 = 1,331 tokens), 2 s old: the rules say hit
+    assert "recorded miss_transfer_failed" in why and "predicted hit (1331 pulled" in why and "2.0 s old" in why
+    # the hand-derived outcomes: below threshold, expired, hits
+    by = {(r.mode, r.session_id, r.turn_index): r.predicted_outcome for r in checks.itertuples()}
+    assert by[("pd-bidir", "s0", 2)] == "miss_below_threshold"
+    assert by[("pd-bidir", "s1", 3)] == by[("pd-bidir-nocache", "s1", 3)] == "miss_expired"
+    assert by[("pd-bidir", "s0", 1)] == "hit" and pd.isna(by[("aggregated", "s0", 1)])
+
+
+def test_pulled_and_own_cache_tokens_are_the_recorded_ones(checks):
+    ok = checks[(checks["status"] == "ok") & (checks["why"].isna()) & (checks["mode"] != "pd")]
+    assert (ok["predicted_pulled_tokens"] == ok["recorded_pulled_tokens"]).all()
+    assert (ok["predicted_local_tokens"] == ok["recorded_local_tokens"]).all()
+    # e.g. pd-bidir session 0 turn 1: P holds 896 of 1,000 tokens, pulls 1,031 - 896 = 135
+    r = checks[(checks["mode"] == "pd-bidir") & (checks["session_id"] == "s0") & (checks["turn_index"] == 1)].iloc[0]
+    assert (r.predicted_local_tokens, r.predicted_pulled_tokens) == (896, 135)
+
+
+def test_summary_against_hand_computed_errors(checks):
+    summ = check_summary(checks).set_index("mode")
+    assert summ.loc["pd-nocache", "ok_turns"] == 7
+    for mode in ("pd-nocache", "pd-bidir", "aggregated"):
+        assert summ.loc[mode, "ttft_mare"] == pytest.approx(0, abs=1e-9)
+        assert summ.loc[mode, "outcome_check"] and summ.loc[mode, "ttft_check"]
+    # pd-bidir-nocache: 7 of 8 outcomes; its TTFT MARE is the median of 7 zeros and one error
+    assert summ.loc["pd-bidir-nocache", "outcome_matches"] == 7
+    assert not summ.loc["pd-bidir-nocache", "outcome_check"] and summ.loc["pd-bidir-nocache", "ttft_check"]
+    # pd: the forecast's P cache holds what the recording says P lost: MARE by hand, above the bound
+    expected = statistics.median(fx.pd_relative_errors())
+    assert expected == pytest.approx(0.6039, abs=1e-4)
+    assert summ.loc["pd", "ttft_mare"] == pytest.approx(expected, rel=1e-9)
+    assert summ.loc["pd", "outcome_check"] and not summ.loc["pd", "ttft_check"]
+
+
+def test_cli_plan_fit_runs_writes_the_check(store, tmp_path):
+    r = CliRunner().invoke(app, ["plan", str(store.root), "--store", str(store.root), "--fit-runs", ",".join(RUN_IDS)],
+                           env={"COLUMNS": "4000"})
+    assert r.exit_code == 0, r.output
+    out = r.output
+    assert "FORECAST (profile fitted)" in out
+    assert "pd: outcome 8/8 ok turns (pass), TTFT MARE 60.4% (FAIL, bound 25%)" in out
+    assert "pd-bidir-nocache: outcome 7/8 ok turns (FAIL), TTFT MARE 0.0% (pass, bound 25%)" in out
+    # read back from the raw shards, not through the planner's code
+    con = duckdb.connect()
+    try:
+        rows = con.execute(f"SELECT checked_run_id, session_id, turn_index, predicted_outcome, outcome_match "
+                           f"FROM read_parquet('{store.root}/runs/plan-*/plan_checks/*.parquet') "
+                           f"WHERE outcome_match = false").fetchall()
+        n = con.execute(f"SELECT count(*) FROM read_parquet('{store.root}/runs/plan-*/plan_checks/*.parquet')").fetchone()
+    finally:
+        con.close()
+    assert rows == [(fx.RUNS["pd-bidir-nocache"], "s0", 2, "hit", False)]
+    assert n == (40,)
+
+
+def test_cli_plan_refuses_without_a_profile(tmp_path):
+    r = CliRunner().invoke(app, ["plan", str(tmp_path), "--store", str(tmp_path)], env={"COLUMNS": "4000"})
+    assert r.exit_code != 0
+    assert "give --profile FILE" in r.output and "Traceback" not in r.output
+
+
+def test_cli_plan_with_a_yaml_profile_over_a_trace(tmp_path):
+    """The shipped vendor profile over one shipped trace: every line labelled as a forecast."""
+    repo = Path(__file__).resolve().parents[2]
+    trace = min((repo / "data" / "traces" / "kv-cache-tester").glob("*.json"))
+    r = CliRunner().invoke(app, ["plan", str(trace), "--profile", str(repo / "data/profiles/vendor-h200.yaml"),
+                                 "--store", str(tmp_path)], env={"COLUMNS": "4000"})
+    assert r.exit_code == 0, r.output
+    assert r.output.splitlines()[0].startswith("FORECAST (profile vendor-h200)")
+    assert "pd-bidir-nocache vs pd-nocache" in r.output
+
+
+def test_cli_plan_takes_the_models_kv_size(tmp_path):
+    """--model: DeepSeek-V3's published config (MLA): 61 layers x (512 + 64) x 2 bytes = 70,272 per token."""
+    repo = Path(__file__).resolve().parents[2]
+    trace = repo / "data" / "traces" / "kv-cache-tester" / "trace_0036.json"
+    r = CliRunner().invoke(app, ["plan", str(trace), "--profile", str(repo / "data/profiles/vendor-h200.yaml"),
+                                 "--model", str(repo / "tests/data/model_configs/DeepSeek-V3.json"),
+                                 "--store", str(tmp_path)], env={"COLUMNS": "4000"})
+    assert r.exit_code == 0, r.output
+    con = duckdb.connect()
+    try:
+        kv = con.execute(f"SELECT json_extract(profile, '$.kv_bytes_per_token.value')::DOUBLE "
+                         f"FROM read_parquet('{tmp_path}/runs/plan-*/plan_log/*.parquet')").fetchone()[0]
+    finally:
+        con.close()
+    assert kv == 61 * (512 + 64) * 2
+
+
+def test_cli_plan_refuses_a_sliding_window_model(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, '
+                   '"sliding_window": 4096, "torch_dtype": "bfloat16"}')
+    repo = Path(__file__).resolve().parents[2]
+    trace = repo / "data" / "traces" / "kv-cache-tester" / "trace_0036.json"
+    r = CliRunner().invoke(app, ["plan", str(trace), "--profile", str(repo / "data/profiles/vendor-h200.yaml"),
+                                 "--model", str(cfg), "--store", str(tmp_path / "s")], env={"COLUMNS": "4000"})
+    assert r.exit_code != 0 and "Traceback" not in r.output
+    assert f"{cfg}: field 'sliding_window' = 4096" in r.output

@@ -1,0 +1,172 @@
+"""Recorded runs as ``turnscope eval`` records them, written with loadgen.store's real writer, for the
+planner's fit and check (turnscope/planner/fit.py, check.py). Every value is a formula below,
+independent of the planner's code, so the tests' truths are hand computations.
+
+Five runs (``RUNS``: one per mode), token_ids history, ``SESSIONS`` = 2 sessions of ``TURNS`` = 4
+turns, one at a time (no overlap). Session s, turn k: n = 1000 + 300 k + 100 s prompt tokens,
+``OUT`` = 32 completion tokens; from k = 1 the prompt starts with the previous prompt and its 32
+generated ids (``expected_reusable_tokens`` = previous n + 32). Session s starts at 100 s x s; a turn
+ends ``ttft + 1`` s after it is sent (e2e), the next is sent ``GAP_S`` later, except session 1's last
+turn, sent ``LONG_GAP_S`` after (past the proxy's handle TTL: ``TTL_S`` - ``MARGIN_S`` = 15 s).
+
+Deployment: KV blocks of ``BLOCK`` tokens, ``KV_BYTES`` bytes per token, ``NUM_BLOCKS`` blocks per
+worker (vllm:cache_config_info), c(x) = A1 x + A2 x^2, pulls cost ``PULL_S_PER_TOKEN`` (P's NIXL
+counters rise by 0.5 s and 0.5 s x ``BANDWIDTH`` bytes in each pd-bidir* run), TPOT ``TPOT_S``.
+TTFT = B0[mode] + c(n) - c(local + pulled) + pulled x PULL_S_PER_TOKEN with the tokens below:
+
+- pd-nocache: local 0, no pull; outcomes miss_first_turn, then miss_no_handle_returned.
+  Session 1's last turn times out (not checked, not fitted).
+- pd: P's own cache would hold the previous prompt, but the recording says P found nothing
+  (``prefill_cached_tokens`` 0: P's cache lost it), so TTFT is a full prefill: the planner's
+  forecast (whole blocks of the previous prompt) is too fast there; ``pd_relative_errors`` gives each
+  turn's error by hand.
+- pd-bidir: local = whole blocks of the previous prompt; pull = previous n + 31 (D's handle: prompt +
+  output - 1) - local, recomputed instead when below 64 (``miss_below_threshold``): session 0 turn 2
+  (1331 - 1280 = 51). Session 1's last turn: ``miss_expired``.
+- pd-bidir-nocache: every later turn pulls previous n + 31 (``hit``), but session 0 turn 2 recorded
+  ``miss_transfer_failed`` (a NIXL read failed: full prefill) where the rules say ``hit``: the one
+  outcome the check must list. Session 1's last turn: ``miss_expired``.
+- aggregated: local = whole blocks of previous n + 32 (the worker keeps its output's KV), ``reuse``
+  NULL, ``cached_tokens`` = local.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+from turnscope.store import Store
+
+T0 = dt.datetime(2026, 11, 30, 9, 0, tzinfo=dt.UTC)
+MODES = ("pd-nocache", "pd", "pd-bidir", "pd-bidir-nocache", "aggregated")
+RUNS = {mode: f"eval-20261130T090000-{mode}-token_ids" for mode in MODES}
+SESSIONS, TURNS, OUT = 2, 4, 32
+BLOCK, KV_BYTES, NUM_BLOCKS = 128, 4096, 1000
+A1, A2 = 2e-4, 5e-8
+B0 = {"pd-nocache": 0.050, "pd": 0.060, "pd-bidir": 0.070, "pd-bidir-nocache": 0.080, "aggregated": 0.030}
+BANDWIDTH = 40.96e6  # bytes/s
+PULL_S_PER_TOKEN = KV_BYTES / BANDWIDTH  # 1e-4 s
+TTL_S, MARGIN_S, THRESHOLD = 20.0, 5.0, 64
+GAP_S, LONG_GAP_S = 2.0, 20.0
+TPOT_S = 0.03
+TRANSFER_FAILED = ("pd-bidir-nocache", 0, 2)
+TIMED_OUT = ("pd-nocache", 1, 3)
+EXPIRED = (1, 3)  # (session, turn) sent LONG_GAP_S after the previous turn ended
+
+
+def c(x: float) -> float:
+    return A1 * x + A2 * x * x
+
+
+def prompt(s: int, k: int) -> int:
+    return 1000 + 300 * k + 100 * s
+
+
+def whole_blocks(x: int) -> int:
+    return x // BLOCK * BLOCK
+
+
+def recorded(mode: str, s: int, k: int) -> tuple[str | None, int, int]:
+    """(reuse outcome, local tokens, pulled tokens) as the run recorded them."""
+    if k == 0:
+        return (None if mode == "aggregated" else "miss_first_turn"), 0, 0
+    prev = prompt(s, k - 1)
+    if mode == "aggregated":
+        return None, whole_blocks(prev + OUT), 0
+    if mode in ("pd-nocache", "pd"):
+        return "miss_no_handle_returned", 0, 0
+    local = whole_blocks(prev) if mode == "pd-bidir" else 0
+    if (s, k) == EXPIRED:
+        return "miss_expired", local, 0
+    if (mode, s, k) == TRANSFER_FAILED:
+        return "miss_transfer_failed", 0, 0
+    pull = prev + OUT - 1 - local
+    if pull < THRESHOLD:
+        return "miss_below_threshold", local, 0
+    return "hit", local, pull
+
+
+def ttft_s(mode: str, s: int, k: int) -> float:
+    _, local, pulled = recorded(mode, s, k)
+    return B0[mode] + c(prompt(s, k)) - c(local + pulled) + pulled * PULL_S_PER_TOKEN
+
+
+def failed(mode: str, s: int, k: int) -> bool:
+    return (mode, s, k) == TIMED_OUT
+
+
+def pd_relative_errors() -> list[float]:
+    """|forecast - measured| / measured of every ok pd turn: the forecast's P cache holds whole blocks
+    of the previous prompt (b0 fits exactly: the recording's residuals are all B0['pd'])."""
+    out = []
+    for s in range(SESSIONS):
+        for k in range(TURNS):
+            local = whole_blocks(prompt(s, k - 1)) if k else 0
+            out.append(c(local) / (B0["pd"] + c(prompt(s, k))))
+    return out
+
+
+def _turns(w, mode: str, aggregated_cached: bool) -> None:
+    rid = RUNS[mode]
+    for s in range(SESSIONS):
+        t = 100.0 * s
+        for k in range(TURNS):
+            if k:
+                t += LONG_GAP_S if (s, k) == EXPIRED else GAP_S
+            n = prompt(s, k)
+            reuse, local, pulled = recorded(mode, s, k)
+            row = {"run_id": rid, "session_id": f"s{s}", "turn_index": k, "kind": "turn",
+                   "gap_before_s": 0.0 if k == 0 else (LONG_GAP_S if (s, k) == EXPIRED else GAP_S),
+                   "gap_kind": "none" if k == 0 else "tool", "sent_at": T0 + dt.timedelta(seconds=t),
+                   "expected_reusable_tokens": prompt(s, k - 1) + OUT if k else None, "reuse": reuse}
+            if failed(mode, s, k):
+                w.append("turns", row | {"e2e_s": 120.0, "status": "timeout", "error": "timeout"})
+                break
+            ttft = ttft_s(mode, s, k)
+            row |= {"ttft_s": ttft, "e2e_s": ttft + 1.0, "tpot_s": TPOT_S, "prompt_tokens": n,
+                    "completion_tokens": OUT, "status": "ok"}
+            if mode == "aggregated":
+                row["cached_tokens"] = local if aggregated_cached else None
+            else:
+                row |= {"prefill_cached_tokens": local, "reused_tokens": pulled,
+                        "recomputed_tokens": n - local - pulled}
+            w.append("turns", row)
+            t += ttft + 1.0
+
+
+def _metrics(w, mode: str) -> None:
+    rid = RUNS[mode]
+    roles = {"aggregated": "http://127.0.0.1:8300"} if mode == "aggregated" else {
+        "prefill": "http://127.0.0.1:8100", "decode": "http://127.0.0.1:8200"}
+    base = {"engine": "0", "model_name": "turnscope-tiny"}
+    for i, frac in enumerate((0.0, 0.5, 1.0)):
+        at = T0 + dt.timedelta(seconds=100 * i)
+        for role, url in roles.items():
+            w.append("metric_samples", {"run_id": rid, "scraped_at": at, "endpoint": url, "role": role,
+                                        "name": "vllm:cache_config_info", "value": 1.0,
+                                        "labels": base | {"block_size": str(BLOCK), "num_gpu_blocks": str(NUM_BLOCKS)}})
+        if mode.startswith("pd-bidir"):
+            for name, total in (("vllm:nixl_xfer_time_seconds_sum", 0.5),
+                                ("vllm:nixl_bytes_transferred_sum", 0.5 * BANDWIDTH)):
+                w.append("metric_samples", {"run_id": rid, "scraped_at": at, "endpoint": roles["prefill"],
+                                            "role": "prefill", "name": name, "labels": base,
+                                            "value": 2.0 + frac * total})
+
+
+def build(root: Path, aggregated_cached: bool = True) -> Path:
+    """Write the store under ``root``; returns ``root``. ``aggregated_cached`` False: the aggregated
+    run's ``cached_tokens`` are NULL (vLLM without ``usage.prompt_tokens_details``)."""
+    store = Store(root)
+    store.init()
+    config = {"connector": {"decoder_kv_blocks_ttl": TTL_S, "kv_recompute_threshold": THRESHOLD},
+              "handle_ttl_margin_s": MARGIN_S, "kv_bytes_per_token": KV_BYTES}
+    for i, mode in enumerate(MODES):
+        start = T0 + dt.timedelta(minutes=i)
+        with store.writer(RUNS[mode], "test") as w:
+            w.append("runs_log", {"run_id": RUNS[mode], "label": "eval", "mode": mode, "workload": "planner-fixture",
+                                  "history_mode": "token_ids", "model": "turnscope-tiny", "config": config,
+                                  "started_at": start, "finished_at": start + dt.timedelta(seconds=300),
+                                  "updated_at": start + dt.timedelta(seconds=300), "status": "complete"})
+            _turns(w, mode, aggregated_cached)
+            _metrics(w, mode)
+    return root

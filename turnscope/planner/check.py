@@ -1,0 +1,83 @@
+"""The planner checked against reality: recorded runs planned from their own records and their
+own fitted profile (:mod:`turnscope.planner.fit`), compared turn by turn with what was measured.
+
+Two checks (issue "The planner"): the predicted outcome is the recorded one for every turn that did
+not fail (differences listed with why), and the predicted TTFT is within 25% median absolute
+relative error (MARE, |predicted - measured| / measured) of the measured TTFT, per mode
+(docs/planner.md, "Checked against recorded runs").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+
+from turnscope.planner.fit import (  # noqa: F401 (run_settings re-exported)
+    plan_recorded_run,
+    recorded_shared_prefix_tokens,
+    recorded_turns,
+    run_settings,
+)
+from turnscope.planner.profile import MODES, CostProfile
+from turnscope.store import Store
+
+#: The TTFT check's bound: median absolute relative error per mode.
+
+
+def _text(v) -> str | None:
+    """An outcome as text; None for NULL/NaN (aggregated serving has none)."""
+    return None if v is None or (isinstance(v, float) and np.isnan(v)) else str(v)
+
+
+def _count(v) -> str:
+    return "?" if v is None or pd.isna(v) else f"{int(v)}"
+
+
+def check_runs(store: Store, run_ids: Sequence[str], profile: CostProfile) -> pd.DataFrame:
+    """Every turn of ``run_ids``, recorded next to predicted (each run planned in its own mode).
+
+    Columns (the store's ``plan_checks``, docs/schema.md): checked_run_id, mode, session_id,
+    turn_index, status, recorded_outcome, predicted_outcome, outcome_match (None for failed turns),
+    measured_ttft_s, predicted_ttft_s, recorded_pulled_tokens, predicted_pulled_tokens,
+    recorded_local_tokens, predicted_local_tokens, why (for a difference: what each side saw)."""
+    recorded = recorded_turns(store, run_ids)
+    shared = recorded_shared_prefix_tokens(recorded)
+    frames = []
+    for run_id, rec in recorded.groupby("run_id", sort=False):
+        mode = str(rec["mode"].iloc[0])
+        if mode not in MODES:
+            continue
+        tr, m = plan_recorded_run(store, str(run_id), mode, profile, shared)
+        pred = pd.DataFrame({"session_id": tr.session, "turn_index": tr.request_index,
+                             "predicted_outcome": m.outcome_names(), "predicted_ttft_s": m.ttft_s,
+                             "predicted_age_s": m.handle_age_s, "predicted_pulled": m.pulled_tokens,
+                             "predicted_local": m.local_tokens})
+        both = rec.merge(pred, on=["session_id", "turn_index"], how="left")
+        frames.append(both)
+    if not frames:
+        return pd.DataFrame()
+    df = pd.concat(frames, ignore_index=True)
+    ok = df["status"] == "ok"
+    rec_o = [_text(v) for v in df["reuse"]]
+    pred_o = [_text(v) for v in df["predicted_outcome"]]
+    match = [(a == b) if s else None for a, b, s in zip(rec_o, pred_o, ok, strict=True)]
+
+    def why(r) -> str | None:
+        if r.outcome_match is None or bool(r.outcome_match):   # a match, or a failed turn (not checked)
+            return None
+        return (f"recorded {r.recorded_outcome} ({int(r.recorded_pulled_tokens)} tokens pulled, "
+                f"{_count(r.recorded_local_tokens)} from P's cache), predicted {r.predicted_outcome} "
+                f"({int(r.predicted_pulled_tokens)} pulled, {int(r.predicted_local_tokens)} from P's cache"
+                + (f", handle {r.predicted_age_s:.1f} s old" if not np.isnan(r.predicted_age_s) else "") + ")")
+
+    out = pd.DataFrame({"checked_run_id": df["run_id"], "mode": df["mode"], "session_id": df["session_id"],
+                        "turn_index": df["turn_index"], "status": df["status"], "recorded_outcome": rec_o,
+                        "predicted_outcome": pred_o, "outcome_match": match, "measured_ttft_s": df["ttft_s"],
+                        "predicted_ttft_s": df["predicted_ttft_s"], "recorded_pulled_tokens": df["reused_tokens"],
+                        "predicted_pulled_tokens": df["predicted_pulled"],
+                        "recorded_local_tokens": df["local_tokens"], "predicted_local_tokens": df["predicted_local"],
+                        "predicted_age_s": df["predicted_age_s"]})
+    out["why"] = [why(r) for r in out.itertuples()]
+    return out.drop(columns=["predicted_age_s"])

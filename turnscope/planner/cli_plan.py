@@ -1,0 +1,121 @@
+"""``turnscope plan``: read the traffic, get the profile (a file, or fitted from recorded runs),
+plan, summarise, check against the recorded runs when given, write to the store, and say it in
+plain text. Every line of the text is labelled as a FORECAST with its profile (docs/planner.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import pandas as pd
+
+from dashboard.plan_check import check_summary
+from loadgen.traces.agent_sources import detect_format, iter_agent_requests
+from serving.kv_size import kv_bytes_per_token_of_config, read_config
+from turnscope.planner import summary
+from turnscope.planner.check import check_runs
+from turnscope.planner.fit import fit_profile, recorded_shared_prefix_tokens, recorded_turns
+from turnscope.planner.plan_store import new_plan_id, write_plan
+from turnscope.planner.profile import CostProfile, GiB, Sourced, load_profile
+from turnscope.planner.simulate import BIDIR_MODES, PlanSettings, Traffic, plan
+from turnscope.store import Store
+
+
+def read_traffic(paths: Sequence[Path], format: str | None, run_ids: Sequence[str] | None = None
+                 ) -> tuple[Traffic, list[dict]]:
+    """Every request of ``paths`` (a store directory: its runs, or only ``run_ids``)."""
+    from loadgen.traces.recorded_runs import iter_recorded_runs
+
+    reqs, inputs = [], []
+    for path in paths:
+        fmt = format or detect_format(path)
+        inputs.append({"path": str(path), "format": fmt})
+        if fmt == "run" and run_ids:
+            reqs.extend(iter_recorded_runs(path, run_ids))
+        else:
+            reqs.extend(iter_agent_requests(path, fmt))
+    return Traffic.of(reqs), inputs
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:,.1f} ms"
+
+
+def describe(p, sp: pd.DataFrame, fr: pd.DataFrame, sessions: pd.DataFrame, checks: pd.DataFrame | None) -> str:
+    """The plan in plain text, every figure labelled as a forecast with its profile."""
+    tag = p.profile.label()
+    head = (f"{tag}: {len(p.traffic):,} requests, {len(set(p.traffic.session_code)):,} sessions; proxy TTL "
+            f"{p.settings.proxy_ttl_s:.0f} s (decoder_kv_blocks_ttl {p.settings.decoder_kv_blocks_ttl_s:.0f} s), "
+            f"threshold {p.settings.kv_recompute_threshold} tokens.")
+    lines = [head]
+    lines += [f"  note: {n}" for n in p.notes]
+    lines.append(f"\nSpeed-up per mode pair ({tag}; mean TTFT, baseline / treatment):")
+    for r in sp.itertuples():
+        lines.append(f"  {r.treatment} vs {r.baseline}: {r.speedup:.2f}x over {r.requests:,} requests "
+                     f"({r.later_speedup:.2f}x over the {r.later_requests:,} later ones; {r.treatment_hits:,} hits); "
+                     f"{_ms(r.treatment_ttft_mean_s)} vs {_ms(r.baseline_ttft_mean_s)}")
+    for mode in BIDIR_MODES:
+        if mode in p.modes:
+            m = p.modes[mode]
+            counts = pd.Series(m.outcome_names()).value_counts()
+            lines.append(f"  {mode} outcomes: " + ", ".join(f"{k} {v:,}" for k, v in counts.items())
+                         + f"; D pinned at most {m.peak_held_bytes() / GiB:,.2f} GiB, {m.held_gib_s():,.1f} GiB-s")
+    lines.append(f"\nTTL x D-memory frontier ({tag}; * = current):")
+    for r in fr.itertuples():
+        space = "unbounded" if pd.isna(r.decode_kv_space_bytes) else f"{r.decode_kv_space_bytes / GiB:,.3g} GiB"
+        lines.append(f"  {'*' if r.current else ' '} {r.mode} TTL {r.decoder_kv_blocks_ttl_s:>6.0f} s, D {space:>12}: "
+                     f"hit rate {r.hit_rate:.1%}, TTFT saved {r.ttft_saved_s:,.1f} s, peak "
+                     f"{r.peak_held_bytes / GiB:,.2f} GiB, {r.held_gib_s:,.1f} GiB-s, {r.d_full_events} lost to D full")
+    lines.append(f"\nSessions whose pauses or edits defeat reuse ({tag}; worst 10 of {len(sessions)}):")
+    for r in sessions.head(10).itertuples():
+        lines.append(f"  {r.mode} {r.source} {r.session_id}: {r.lost_tokens:,} tokens not reused: {r.reason}")
+    if checks is not None and not checks.empty:
+        lines.append("\nChecked against the recorded runs (planned from their own records and fitted profile):")
+        for r in check_summary(checks).itertuples():
+            lines.append(f"  {r.mode}: outcome {r.outcome_matches}/{r.ok_turns} ok turns "
+                         f"({'pass' if r.outcome_check else 'FAIL'}), TTFT MARE {r.ttft_mare:.1%} "
+                         f"({'pass' if r.ttft_check else 'FAIL'}, bound 25%)")
+        for r in checks[checks["why"].notna()].head(20).itertuples():
+            lines.append(f"    {r.checked_run_id} {r.session_id} turn {r.turn_index}: {r.why}")
+    return "\n".join(lines)
+
+
+def with_model(prof: CostProfile, model: Path) -> CostProfile:
+    """``prof`` with the KV bytes per token of ``model`` (a model directory or its config.json;
+    formulas in :mod:`serving.kv_size`, docs/planner.md). Raises serving.kv_size.KVSizeError (a
+    ValueError naming the file and field) for a refused layout or an unreadable config."""
+    cfg, where = read_config(model)
+    kv = kv_bytes_per_token_of_config(cfg, where=where)
+    return prof.model_copy(update={"model": f"{prof.model}; KV size of {where}".lstrip("; "),
+                                   "kv_bytes_per_token": Sourced(
+        value=kv, source=f"{where}: serving.kv_size (layers x KV heads x head dim x 2 x dtype bytes, or MLA's latent)")})
+
+
+def run_plan(paths: Sequence[Path], *, profile_path: Path | None, fit_runs: Sequence[str] | None,
+             format: str | None, store_root: Path, ttl_s: float, margin_s: float, threshold: int,
+             prefill_workers: int, decode_workers: int, routing: str, label: str | None,
+             model: Path | None = None, shared_prefix_tokens: int | None = None) -> str:
+    """The whole command (see the module doc). Raises ValueError/OSError with a clear message."""
+    store = Store(Path(store_root))
+    if profile_path is None and not fit_runs:
+        raise ValueError("give --profile FILE (data/profiles/*.yaml) or --fit-runs RUN_IDS (fit from recorded runs)")
+    prof: CostProfile = load_profile(profile_path) if profile_path else fit_profile(store, fit_runs)
+    if model is not None:
+        prof = with_model(prof, model)
+    traffic, inputs = read_traffic(paths, format, fit_runs)
+    if shared_prefix_tokens is None:
+        shared_prefix_tokens = recorded_shared_prefix_tokens(recorded_turns(store, fit_runs)) if fit_runs else 0
+    settings = PlanSettings(decoder_kv_blocks_ttl_s=ttl_s, handle_ttl_margin_s=margin_s,
+                            kv_recompute_threshold=threshold, prefill_workers=prefill_workers,
+                            decode_workers=decode_workers, routing=routing, shared_prefix_tokens=shared_prefix_tokens)
+    p = plan(traffic, prof, settings)
+    sp = summary.speedups(p)
+    fr = pd.concat([summary.frontier(traffic, prof, settings, mode).assign(mode=mode) for mode in BIDIR_MODES],
+                   ignore_index=True)
+    sessions = pd.concat([summary.defeated_sessions(p, mode).assign(mode=mode) for mode in BIDIR_MODES],
+                         ignore_index=True)
+    checks = check_runs(store, fit_runs, prof) if fit_runs else None
+    plan_id = new_plan_id()
+    write_plan(store, p, plan_id=plan_id, label=label, inputs=inputs, speedups=sp, frontiers=fr, sessions=sessions,
+               checks=checks)
+    return describe(p, sp, fr, sessions, checks) + f"\n\nWritten to {store.root} as plan {plan_id}."

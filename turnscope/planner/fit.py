@@ -1,0 +1,279 @@
+"""A cost profile fitted from recorded runs' own turns (the planner's "measured here" profile).
+
+Formulas and sources in docs/planner.md ("Profiles"):
+
+* c(x) and b0 per mode: one robust joint fit (:func:`fit_costs`) of ``ttft - pull(pulled) =
+  b0[mode] + c(n) - c(cached)`` over the ok turns of every mode, with each turn's measured cached
+  and pulled tokens; P/D modes share c, the aggregated worker has its own;
+* P's pull of D's KV: the Sweep page's ``dashboard.sweep_stats.transfer_s_per_token`` (P's NIXL bytes
+  over NIXL seconds in the ``pd-bidir*`` runs, vLLM's ``vllm:nixl_*`` metrics), as bandwidth;
+* where a run did not record the worker's own prefix-cache hit (aggregated serving: vLLM reports
+  ``usage.prompt_tokens_details`` only when asked), the planner's forecast of it for that run;
+* KV space of each role: ``num_gpu_blocks x block_size`` of vLLM's ``vllm:cache_config_info``
+  gauge on that role's workers, times the model's KV bytes per token;
+* decode time per token: the median TPOT of the runs' ok turns;
+* the system prompt shared across sessions: :func:`recorded_shared_prefix_tokens`.
+
+Raises :class:`FitError` when the runs cannot give a figure the planner needs (no turns, no timed
+KV transfer, no KV bytes per token, fewer than 3 distinct computed-token counts).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+from scipy.optimize import least_squares
+
+from dashboard import sweep_stats as sweep
+from loadgen.traces.recorded_runs import read_recorded_runs
+from turnscope.planner.profile import MODES, CostProfile, Sourced
+from turnscope.planner.simulate import ModePlan, PlanSettings, Traffic, plan
+from turnscope.store import Store
+
+
+class FitError(ValueError):
+    """The recorded runs do not hold what a fitted profile needs; the message says what."""
+
+
+#: One row per turn; ``local_tokens`` is NULL where the run did not record the worker's own
+#: prefix-cache hit (aggregated serving without ``usage.prompt_tokens_details``).
+TURNS_SQL = """
+SELECT t.run_id, r.mode, t.session_id, t.turn_index, t.sent_at, t.status, t.ttft_s, t.e2e_s, t.tpot_s, t.prompt_tokens,
+       t.completion_tokens, t.reuse, coalesce(t.reused_tokens, 0) AS reused_tokens,
+       CASE WHEN t.reuse IS NOT NULL THEN coalesce(t.prefill_cached_tokens, 0) ELSE t.cached_tokens
+            END AS local_tokens,
+       t.expected_reusable_tokens
+FROM turns t JOIN runs r USING (run_id)
+WHERE t.run_id IN ({ids})
+ORDER BY t.run_id, t.session_id, t.turn_index
+"""
+
+
+def recorded_turns(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
+    """The turns of ``run_ids`` with their run's mode (columns of :data:`TURNS_SQL`)."""
+    con = store.connect()
+    try:
+        return con.execute(TURNS_SQL.format(ids=", ".join("?" for _ in run_ids)), list(run_ids)).df()
+    finally:
+        con.close()
+
+
+def run_settings(store: Store, run_id: str) -> PlanSettings:
+    """The connector and proxy settings ``run_id`` ran with (``run_config``: TTL and margin; the
+    recompute threshold from ``runs.config.connector.kv_recompute_threshold``, vLLM's 64 when absent)."""
+    con = store.connect()
+    try:
+        ttl, margin, thr = con.execute(
+            "SELECT c.decoder_kv_blocks_ttl_s, c.handle_ttl_margin_s, coalesce(TRY_CAST(json_extract_string("
+            "r.config, '$.connector.kv_recompute_threshold') AS INTEGER), 64) FROM run_config c JOIN runs r "
+            "USING (run_id) WHERE run_id = ?", [run_id]).fetchone()
+    finally:
+        con.close()
+    return PlanSettings(decoder_kv_blocks_ttl_s=ttl, handle_ttl_margin_s=margin, kv_recompute_threshold=thr)
+
+
+def recorded_shared_prefix_tokens(turns: pd.DataFrame) -> int:
+    """Tokens every session's first turn shares with the sessions before it (a system prompt), as P
+    found them in its prefix cache: the median ``prefill_cached_tokens`` of the first turns of
+    ``pd``/``pd-bidir`` runs, each run's first session left out (nothing before it); 0 when the
+    runs have none. The recorder keeps no token ids (only a hash of each prompt), so P's report is
+    the one record of what sessions share; the same traffic replayed in every mode shares the same."""
+    first = turns[turns["mode"].isin(["pd", "pd-bidir"]) & (turns["turn_index"] == 0)
+                  & (turns["status"] == "ok") & turns["local_tokens"].notna()]
+    first = first.sort_values("sent_at")
+    later = first[first.groupby("run_id").cumcount() > 0]
+    return int(later["local_tokens"].median()) if len(later) else 0
+
+
+def plan_recorded_run(store: Store, run_id: str, mode: str, profile: CostProfile,
+                      shared_prefix_tokens: int = 0) -> tuple[Traffic, ModePlan]:
+    """``run_id``'s own turns (:mod:`loadgen.traces.recorded_runs`) planned in ``mode`` with the
+    run's settings (:func:`run_settings`), ``shared_prefix_tokens`` (a system prompt shared across
+    sessions, :func:`recorded_shared_prefix_tokens`) and ``profile``: the traffic and the mode's
+    forecast."""
+    tr = Traffic.of(read_recorded_runs(store.root, [run_id]))
+    settings = run_settings(store, run_id).model_copy(
+        update={"modes": (mode,), "shared_prefix_tokens": shared_prefix_tokens})
+    return tr, plan(tr, profile, settings).modes[mode]
+
+
+def _transfer(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
+    con = store.connect()
+    try:
+        return con.execute(
+            f"SELECT r.mode, 0 AS prefix_tokens, x.xfer_s, x.xfer_bytes, x.reused_tokens, c.kv_bytes_per_token "
+            f"FROM run_kv_transfer x JOIN runs r USING (run_id) JOIN run_config c USING (run_id) "
+            f"WHERE run_id IN ({', '.join('?' for _ in run_ids)})", list(run_ids)).df()
+    finally:
+        con.close()
+
+
+def _kv_space(store: Store, run_ids: Sequence[str]) -> dict[str, int]:
+    """Role -> tokens of KV space (num_gpu_blocks x block_size of vllm:cache_config_info)."""
+    con = store.connect()
+    try:
+        rows = con.execute(
+            "SELECT role, any_value(labels) FROM metric_samples WHERE name = 'vllm:cache_config_info' "
+            f"AND run_id IN ({', '.join('?' for _ in run_ids)}) GROUP BY role", list(run_ids)).fetchall()
+    finally:
+        con.close()
+    out = {}
+    for role, labels in rows:
+        lab = json.loads(labels) if isinstance(labels, str) else (labels or {})
+        try:
+            out[role] = int(lab["num_gpu_blocks"]) * int(lab["block_size"])
+        except (KeyError, TypeError, ValueError):
+            continue
+    return out
+
+
+def fit_profile(store: Store, run_ids: Sequence[str], name: str = "fitted") -> CostProfile:
+    """The profile of the deployment that recorded ``run_ids`` (see the module doc). Raises FitError."""
+    turns = recorded_turns(store, run_ids)
+    if turns.empty:
+        raise FitError(f"no turns recorded for runs {', '.join(run_ids)}")
+    where = f"runs {', '.join(sorted(set(turns['run_id'])))}"
+    transfer = _transfer(store, run_ids)
+    per = sweep.transfer_s_per_token(transfer)
+    kv = transfer["kv_bytes_per_token"].dropna()
+    if kv.empty:
+        raise FitError(f"{where}: KV bytes per token unknown (runs.config.kv_bytes_per_token)")
+    kv_bytes = float(kv.iloc[0])
+    if per.empty or math.isnan(float(per["bandwidth_bytes_per_s"].iloc[0])):
+        raise FitError(f"{where}: no pd-bidir* run recorded a NIXL transfer on P (vllm:nixl_* metrics)")
+    bandwidth = float(per["bandwidth_bytes_per_s"].iloc[0])
+    src = f"fitted from {where}"
+    prof = CostProfile(
+        name=name, description=f"Fitted from the recorded runs' own turns ({where}).",
+        block_size=_block_size(store, run_ids),
+        kv_bytes_per_token=Sourced(value=kv_bytes, source=f"{src} (runs.config.kv_bytes_per_token)"),
+        prefill_a1_s_per_token=Sourced(value=0.0, source="placeholder until fitted"),
+        b0_default_s=Sourced(value=0.0, source="placeholder until fitted"),
+        pull_bandwidth_bytes_per_s=Sourced(value=bandwidth, source=f"{src}: P's vllm:nixl_bytes_transferred "
+                                                                   "over vllm:nixl_xfer_time_seconds"),
+        left_out=["pull_latency_s: not separable from the bandwidth in these runs (0)"])
+    space = _kv_space(store, run_ids)
+    for role, field in (("prefill", "prefill_kv_space_bytes"), ("decode", "decode_kv_space_bytes"),
+                        ("aggregated", "aggregated_kv_space_bytes")):
+        if role in space:
+            setattr(prof, field, Sourced(value=space[role] * kv_bytes,
+                                         source=f"{src}: vllm:cache_config_info num_gpu_blocks x block_size"))
+    tpot = turns.loc[(turns["status"] == "ok"), "tpot_s"].dropna()
+    if not tpot.empty:
+        prof.decode_s_per_token = Sourced(value=float(tpot.median()), source=f"{src}: median TPOT")
+    costs = fit_costs(_with_forecast_local(store, turns, prof), prof)   # the cache model needs no costs
+    if costs is None:
+        raise FitError(f"{where}: the cost fit needs ok turns with 3 or more distinct computed-token counts")
+    how = (f"{src}: {FIT_METHOD} over {costs.turns} ok turns of {len(costs.b0_s)} modes"
+           + (f" ({costs.forecast_local} turns' own-cache hit not recorded: the planner's forecast of it)"
+              if costs.forecast_local else ""))
+    prof.prefill_a1_s_per_token = Sourced(value=costs.a1_s, source=how)
+    prof.prefill_a2_s_per_token2 = Sourced(value=costs.a2_s, source=how)
+    if costs.aggregated_a1_s is not None:
+        prof.aggregated_prefill_a1_s_per_token = Sourced(value=costs.aggregated_a1_s, source=how)
+        prof.aggregated_prefill_a2_s_per_token2 = Sourced(value=costs.aggregated_a2_s, source=how)
+    prof.b0_s = {m: Sourced(value=v, source=how) for m, v in costs.b0_s.items()}
+    default = costs.b0_s.get("pd-nocache", float(np.median(list(costs.b0_s.values()))))
+    prof.b0_default_s = Sourced(value=default, source=f"{how}; pd-nocache's b0 (else the median of the modes')")
+    return prof
+
+
+#: How :func:`fit_costs` fits (named in every fitted figure's source).
+FIT_METHOD = ("robust least squares of relative TTFT error (scipy.optimize.least_squares, soft_l1, "
+              "coefficients >= 0), b0 per mode")
+
+
+@dataclass(frozen=True)
+class CostFit:
+    """The fitted costs: ``b0_s`` per mode (s), ``a1_s`` (s/token), ``a2_s`` (s/token^2) of P/D
+    modes and the aggregated worker's (None: no aggregated turns), the ``turns`` fitted and how many
+    of them had a forecast (not recorded) own-cache hit."""
+
+    b0_s: dict[str, float]
+    a1_s: float
+    a2_s: float
+    turns: int
+    forecast_local: int
+    aggregated_a1_s: float | None = None
+    aggregated_a2_s: float | None = None
+
+
+def fit_costs(turns: pd.DataFrame, prof: CostProfile) -> CostFit | None:
+    """Fit ``ttft = b0[mode] + c(n) - c(cached) + pull(pulled)`` (docs/planner.md) jointly over the
+    ok turns of every mode, ``c(x) = a1 x + a2 x^2``: the computed tokens ``n - cached`` range
+    from a few dozen (a cache hit) to whole prompts (``pd-nocache``), which pins the slope down far
+    better than full prefills alone, whose prompt lengths a run barely varies. P/D modes share one
+    c (P's prefill plus the hand-off of the new tokens' KV to D); the aggregated worker has its own.
+
+    ``turns``: :data:`TURNS_SQL`'s columns with ``local_tokens`` filled and ``local_known``
+    (:func:`_with_forecast_local`); ``prof`` gives the pull cost. Residuals are relative to the
+    measured TTFT (the check's error), with scipy's robust ``soft_l1`` loss so that a few turns
+    slowed by a busy machine do not drag the fit; every coefficient >= 0 (a cost). Turns whose
+    cached tokens are a forecast (aggregated runs record none) are fitted from the second turn of a
+    session on: a first turn's hit on a system prompt shared across sessions is not forecast (the
+    planner does not model sharing across sessions) and would bend c. None when the P/D turns have
+    fewer than 3 distinct computed-token counts (a1 and a2 not identifiable)."""
+    ok = turns[(turns["status"] == "ok") & turns["ttft_s"].notna() & (turns["ttft_s"] > 0)
+               & turns["prompt_tokens"].notna() & turns["mode"].isin(MODES)
+               & (turns["local_known"] | (turns["turn_index"] >= 1))]
+    n = ok["prompt_tokens"].to_numpy(float)
+    pulled = ok["reused_tokens"].to_numpy(float)
+    cached = np.minimum(ok["local_tokens"].fillna(0).to_numpy(float) + pulled, n)
+    ttft = ok["ttft_s"].to_numpy(float)
+    y = ttft - prof.pull_s(pulled)
+    mode_col = ok["mode"].to_numpy()
+    agg = mode_col == "aggregated"
+    if np.unique((n - cached)[~agg]).size < 3:
+        return None
+    modes = sorted(set(mode_col))
+    lin, quad = (n - cached) / 1e3, (n * n - cached * cached) / 1e6   # scaled to O(1)
+    cols = [(mode_col == m).astype(float) for m in modes] + [lin * ~agg, quad * ~agg]
+    has_agg = bool(agg.any())
+    if has_agg:
+        cols += [lin * agg, quad * agg]
+    x = np.column_stack(cols)
+    start = np.r_[np.full(len(modes), max(float(np.median(y)) / 2, 1e-3)), np.tile([0.1, 0.01], 2 if has_agg else 1)]
+    res = least_squares(lambda th: (x @ th - y) / ttft, start, bounds=(0.0, np.inf), loss="soft_l1",
+                        f_scale=0.1, xtol=1e-15, ftol=1e-15, gtol=1e-15, max_nfev=10_000)
+    th = res.x
+    k = len(modes)
+    return CostFit({m: float(th[i]) for i, m in enumerate(modes)}, float(th[k] / 1e3), float(th[k + 1] / 1e6),
+                   len(ok), int((~ok["local_known"]).sum()),
+                   float(th[k + 2] / 1e3) if has_agg else None, float(th[k + 3] / 1e6) if has_agg else None)
+
+
+def _block_size(store: Store, run_ids: Sequence[str]) -> int:
+    con = store.connect()
+    try:
+        row = con.execute(
+            "SELECT any_value(labels) FROM metric_samples WHERE name = 'vllm:cache_config_info' "
+            f"AND run_id IN ({', '.join('?' for _ in run_ids)})", list(run_ids)).fetchone()
+    finally:
+        con.close()
+    try:
+        return int(json.loads(row[0])["block_size"])
+    except (TypeError, KeyError, ValueError, json.JSONDecodeError):
+        return 128  # vLLM's CPU backend
+
+
+def _with_forecast_local(store: Store, turns: pd.DataFrame, prof: CostProfile) -> pd.DataFrame:
+    """``turns`` with ``local_known`` (the run recorded the worker's own-cache hit) and, where it did
+    not, ``local_tokens`` taken from the planner's own forecast of that run (``prof``'s cache model)."""
+    turns = turns.assign(local_known=turns["local_tokens"].notna())
+    for run_id in turns.loc[~turns["local_known"], "run_id"].unique():
+        mode = str(turns.loc[turns["run_id"] == run_id, "mode"].iloc[0])
+        if mode not in MODES:
+            continue
+        tr, m = plan_recorded_run(store, str(run_id), mode, prof, recorded_shared_prefix_tokens(turns))
+        forecast = pd.DataFrame({"run_id": run_id, "session_id": tr.session, "turn_index": tr.request_index,
+                                 "forecast_local": m.local_tokens})
+        turns = turns.merge(forecast, on=["run_id", "session_id", "turn_index"], how="left")
+        fill = turns["local_tokens"].isna() & (turns["run_id"] == run_id)
+        turns.loc[fill, "local_tokens"] = turns.loc[fill, "forecast_local"]
+        turns = turns.drop(columns="forecast_local")
+    return turns

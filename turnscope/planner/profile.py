@@ -1,0 +1,155 @@
+"""A cost profile: what prefill, KV transfer and KV space cost on one deployment, for the planner.
+
+A profile is a YAML file (``data/profiles/*.yaml``, format in docs/planner.md) or is fitted from a
+recorded run's own turns (:mod:`turnscope.planner.fit`). Every figure carries its source; a figure
+that cannot be sourced is absent (``None``) and the planner says what it left out.
+
+The model of one request's TTFT, seconds (n prompt tokens, of which ``cached`` are not computed:
+P's or the aggregated worker's own prefix-cache hit plus the tokens pulled from D)::
+
+    ttft(mode) = b0[mode] + c(n) - c(cached) + pull(pulled)
+    c(x)       = a1 x + a2 x^2                      (prefill of x tokens from scratch, no b0;
+                                                     the aggregated worker may have its own a1, a2)
+    pull(t)    = latency + t x kv_bytes_per_token / bandwidth   (0 when t = 0)
+
+``c(n) - c(cached)`` is the cost of the new tokens after ``cached`` ones: attention makes it grow
+with the context (the same form as the Sweep page's ideal, ``dashboard.sweep_stats.PrefillFit``, whose
+``cost_s`` is reused here). ``b0`` is what a mode adds whatever the prompt (routing, the prefill
+leg's round trip, P/D's hand-off of P's KV to D, the first decode step).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dashboard.sweep_stats import PrefillFit
+
+MODES = ("aggregated", "pd", "pd-nocache", "pd-bidir", "pd-bidir-nocache")
+GiB = 2**30
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used; the message names the file and field."""
+
+
+class Sourced(BaseModel):
+    """A figure and where it comes from (a publication, a measurement, a derivation)."""
+
+    model_config = ConfigDict(extra="forbid")
+    value: float
+    source: str = Field(min_length=1)
+
+
+class CostProfile(BaseModel):
+    """The planner's costs for one deployment (seconds, tokens, bytes).
+
+    * ``prefill_a1_s_per_token``, ``prefill_a2_s_per_token2``: c(x) = a1 x + a2 x^2 in P/D modes
+      (P's prefill and the hand-off of the new tokens' KV to D);
+    * ``aggregated_prefill_a1_s_per_token``, ``aggregated_prefill_a2_s_per_token2``: c(x) of the
+      aggregated worker (absent: P's);
+    * ``b0_s``: per-mode fixed cost (a mode absent uses ``b0_default_s``);
+    * ``pull_latency_s``, ``pull_bandwidth_bytes_per_s``: P's pull of D's KV;
+    * ``kv_bytes_per_token``: the model's KV size (``serving.kv_size``);
+    * ``decode_kv_space_bytes``, ``prefill_kv_space_bytes``, ``aggregated_kv_space_bytes``: KV
+      space of one worker of that role (absent: unbounded, said so in every output);
+    * ``decode_s_per_token``: time per output token, for when a trace gives no server time;
+    * ``block_size``: KV block size in tokens (vLLM: 16 on GPU by default, 128 on CPU).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+    description: str = ""
+    model: str = ""
+    block_size: int = Field(gt=0)
+    kv_bytes_per_token: Sourced
+    prefill_a1_s_per_token: Sourced
+    prefill_a2_s_per_token2: Sourced | None = None
+    aggregated_prefill_a1_s_per_token: Sourced | None = None
+    aggregated_prefill_a2_s_per_token2: Sourced | None = None
+    b0_default_s: Sourced
+    b0_s: dict[str, Sourced] = Field(default_factory=dict)
+    pull_latency_s: Sourced | None = None
+    pull_bandwidth_bytes_per_s: Sourced
+    decode_kv_space_bytes: Sourced | None = None
+    prefill_kv_space_bytes: Sourced | None = None
+    aggregated_kv_space_bytes: Sourced | None = None
+    decode_s_per_token: Sourced | None = None
+    left_out: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _known_modes(self) -> CostProfile:
+        unknown = sorted(set(self.b0_s) - set(MODES))
+        if unknown:
+            raise ValueError(f"b0_s has unknown mode(s) {', '.join(unknown)}; modes are {', '.join(MODES)}")
+        return self
+
+    # -- the cost model -------------------------------------------------------------------------
+
+    def prefill_fit(self, mode: str = "pd-nocache") -> PrefillFit:
+        """c(x) of ``mode`` as the Sweep page's :class:`dashboard.sweep_stats.PrefillFit` (b0 is per mode
+        here): the aggregated worker's when the profile has it, else P's."""
+        a1, a2 = self.prefill_a1_s_per_token, self.prefill_a2_s_per_token2
+        if mode == "aggregated" and self.aggregated_prefill_a1_s_per_token is not None:
+            a1, a2 = self.aggregated_prefill_a1_s_per_token, self.aggregated_prefill_a2_s_per_token2
+        a2v = a2.value if a2 else 0.0
+        return PrefillFit(0.0, a1.value, a2v, 2 if a2v else 1, 0, 0, 0)
+
+    def b0(self, mode: str) -> float:
+        """The fixed cost of ``mode``, seconds."""
+        return (self.b0_s.get(mode) or self.b0_default_s).value
+
+    def pull_s(self, tokens: np.ndarray) -> np.ndarray:
+        """Seconds to pull ``tokens`` tokens of KV from D (0 where tokens is 0)."""
+        t = np.asarray(tokens, dtype=float)
+        latency = self.pull_latency_s.value if self.pull_latency_s else 0.0
+        per_token = self.kv_bytes_per_token.value / self.pull_bandwidth_bytes_per_s.value
+        return np.where(t > 0, latency + t * per_token, 0.0)
+
+    def ttft_s(self, mode: str, prompt_tokens: np.ndarray, cached_tokens: np.ndarray,
+               pulled_tokens: np.ndarray) -> np.ndarray:
+        """Predicted TTFT of each request in ``mode``, seconds (arrays of equal length; see the
+        module doc). ``cached_tokens`` includes ``pulled_tokens``."""
+        fit = self.prefill_fit(mode)
+        n = np.asarray(prompt_tokens, dtype=float)
+        cached = np.minimum(np.asarray(cached_tokens, dtype=float), n)
+        return self.b0(mode) + fit.cost_s(n) - fit.cost_s(cached) + self.pull_s(pulled_tokens)
+
+    def capacity_tokens(self, role: str) -> int | None:
+        """KV space of one worker of ``role`` (prefill, decode, aggregated) in tokens; None: unbounded."""
+        figure = {"prefill": self.prefill_kv_space_bytes, "decode": self.decode_kv_space_bytes,
+                  "aggregated": self.aggregated_kv_space_bytes}[role]
+        return None if figure is None else int(figure.value // self.kv_bytes_per_token.value)
+
+    def label(self) -> str:
+        """``FORECAST (profile <name>)``: how every planner output is labelled."""
+        return f"FORECAST (profile {self.name})"
+
+
+def load_profile(path: str | Path) -> CostProfile:
+    """Read a profile YAML file.
+
+    Raises:
+        ProfileError: unreadable file, bad YAML (with its line) or a field pydantic refuses (named
+            by its path, e.g. ``pull_bandwidth_bytes_per_s.source``).
+    """
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ProfileError(f"{path}: cannot read the profile: {e.strerror or e}") from e
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ProfileError(f"{path}:{where}: not valid YAML: {getattr(e, 'problem', e)}") from e
+    if not isinstance(data, dict):
+        raise ProfileError(f"{path}: expected a mapping of profile fields, got {type(data).__name__}")
+    try:
+        return CostProfile.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        raise ProfileError(f"{path}: field {field}: {first['msg']} ({len(e.errors())} error(s) in all)") from e

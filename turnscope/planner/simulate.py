@@ -1,0 +1,399 @@
+"""The planner's simulation: what the proxy and vLLM would do with each request of a traffic, per
+serving mode, and what it would cost (a FORECAST: every figure comes from a cost profile).
+
+Input: :class:`loadgen.traces.agent_request.AgentRequest` records (any traffic source), a
+:class:`turnscope.planner.profile.CostProfile` and :class:`PlanSettings`. The rules are the
+proxy's own (:mod:`serving.reuse_rules`; the model in docs/planner.md); what the simulation adds is
+time and space:
+
+* a session's requests arrive at ``arrival_s``; a request finishes ``server_s`` later when the
+  trace records it, else after the profile's ``pd-nocache`` TTFT plus ``output_tokens x
+  decode_s_per_token`` (0 when the profile has none: said in the plan's notes);
+* **D's pinned KV** (``pd-bidir*``): when a request finishes D pins the KV of its prompt and
+  output (:func:`serving.reuse_rules.handle_kv_tokens`, whole blocks) until P reads it (a hit) or
+  ``decoder_kv_blocks_ttl`` passes. vLLM never evicts pinned blocks; when the blocks already
+  pinned leave no room in D's KV space for a finishing turn's, the planner counts that turn's
+  handle as lost (``miss_d_full`` on the session's next request). In vLLM the same
+  over-subscription makes D queue or preempt requests instead: either way the reuse is gone;
+* **P's own prefix cache** (``pd``, ``pd-bidir``; the aggregated worker's for ``aggregated``):
+  per worker, an LRU of sessions holding each one's last prompt (the aggregated worker: prompt and
+  output), within the worker's KV space; a hit is the whole blocks both prompts share
+  (:func:`serving.reuse_rules.local_prefix_tokens`). Sessions go to workers round-robin per
+  request (the proxy's routing) or by session (``routing="session"``).
+
+Outcomes are the proxy's (``serving.handles``) plus ``miss_d_full``; ``aggregated`` has none
+(the proxy does not decide reuse there) and one-way P/D's later turns are
+``miss_no_handle_returned``, as the proxy records them.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+from pydantic import BaseModel, ConfigDict, Field
+
+from loadgen.traces.agent_request import AgentRequest
+from serving import handles as h
+from serving import reuse_rules as rules
+from turnscope.planner.profile import MODES, CostProfile, GiB
+
+#: The new outcome: the session's handle was not kept because D's KV space was full.
+MISS_D_FULL = "miss_d_full"
+#: Outcome codes of the simulation (index = code); ``None`` for aggregated serving.
+OUTCOMES = (None, h.HIT, h.MISS_FIRST_TURN, h.MISS_EXPIRED, h.MISS_CONSUMED, h.MISS_MISMATCH,
+            h.MISS_BELOW_THRESHOLD, h.MISS_TRANSFER_FAILED, h.MISS_NO_HANDLE_RETURNED, MISS_D_FULL)
+_CODE = {name: i for i, name in enumerate(OUTCOMES)}
+BIDIR_MODES = ("pd-bidir", "pd-bidir-nocache")
+
+
+class PlanSettings(BaseModel):
+    """The connector's and the proxy's settings the plan applies (seconds, tokens).
+
+    Defaults are vLLM's (``decoder_kv_blocks_ttl`` 480 s, ``kv_recompute_threshold`` 64) and the
+    proxy's (margin 30 s); ``block_size`` None takes the profile's. ``shared_prefix_tokens``: tokens
+    every session's first request shares with the sessions before it (a common system prompt),
+    found in a worker's prefix cache once that worker has served any request (0: none)."""
+
+    model_config = ConfigDict(extra="forbid")
+    decoder_kv_blocks_ttl_s: float = Field(480.0, gt=0)
+    handle_ttl_margin_s: float = Field(30.0, ge=0)
+    kv_recompute_threshold: int = Field(64, ge=0)
+    block_size: int | None = Field(None, gt=0)
+    prefill_workers: int = Field(1, gt=0)
+    decode_workers: int = Field(1, gt=0)
+    aggregated_workers: int = Field(1, gt=0)
+    routing: str = Field("round_robin", pattern="^(round_robin|session)$")
+    shared_prefix_tokens: int = Field(0, ge=0)
+    modes: tuple[str, ...] = MODES
+
+    @property
+    def proxy_ttl_s(self) -> float:
+        """The proxy's handle TTL (:func:`serving.reuse_rules.proxy_handle_ttl_s`)."""
+        return rules.proxy_handle_ttl_s(self.decoder_kv_blocks_ttl_s, self.handle_ttl_margin_s)
+
+
+@dataclass
+class Traffic:
+    """AgentRequest records as columns, sorted by arrival (ties: session, request index)."""
+
+    source: np.ndarray
+    session: np.ndarray          # session ids (object)
+    session_code: np.ndarray     # int per (source, session)
+    request_index: np.ndarray
+    arrival_s: np.ndarray
+    input_tokens: np.ndarray
+    output_tokens: np.ndarray
+    shared_prefix_tokens: np.ndarray
+    server_s: np.ndarray         # NaN where unknown
+    gap_s: np.ndarray            # NaN where unknown
+
+    @classmethod
+    def of(cls, requests: Iterable[AgentRequest]) -> Traffic:
+        """Columns of ``requests``. Raises ValueError when there are none."""
+        rows = list(requests)
+        if not rows:
+            raise ValueError("no requests to plan")
+        df = pd.DataFrame({
+            "source": [r.source for r in rows], "session": [r.session_id for r in rows],
+            "request_index": np.fromiter((r.request_index for r in rows), np.int64, len(rows)),
+            "arrival_s": np.fromiter((r.arrival_s for r in rows), float, len(rows)),
+            "input_tokens": np.fromiter((r.input_tokens for r in rows), np.int64, len(rows)),
+            "output_tokens": np.fromiter((r.output_tokens for r in rows), np.int64, len(rows)),
+            "shared_prefix_tokens": np.fromiter((r.shared_prefix_tokens for r in rows), np.int64, len(rows)),
+            "server_s": np.fromiter((np.nan if r.server_s is None else r.server_s for r in rows), float, len(rows)),
+            "gap_s": np.fromiter((np.nan if r.gap_s is None else r.gap_s for r in rows), float, len(rows)),
+        })
+        return cls.of_frame(df)
+
+    @classmethod
+    def of_frame(cls, df: pd.DataFrame) -> Traffic:
+        """Columns of a frame with AgentRequest's field names (``session`` for ``session_id``)."""
+        # arrival_s is per source file: make sessions of different files sort on one clock each
+        df = df.sort_values(["arrival_s", "session", "request_index"], kind="stable").reset_index(drop=True)
+        # a session is (source, session id): two traces (or two recorded runs) may reuse an id
+        codes = df.groupby(["source", "session"], sort=False).ngroup().to_numpy(np.int64)
+        return cls(df["source"].to_numpy(), df["session"].to_numpy(), codes,
+                   df["request_index"].to_numpy(np.int64), df["arrival_s"].to_numpy(float),
+                   df["input_tokens"].to_numpy(np.int64), df["output_tokens"].to_numpy(np.int64),
+                   df["shared_prefix_tokens"].to_numpy(np.int64), df["server_s"].to_numpy(float),
+                   df["gap_s"].to_numpy(float))
+
+    def __len__(self) -> int:
+        return len(self.arrival_s)
+
+
+@dataclass
+class ModePlan:
+    """One mode's forecast, one entry per request of the :class:`Traffic` (its order).
+
+    ``outcome`` holds codes into :data:`OUTCOMES`; tokens are counts; ``ttft_s`` seconds;
+    ``handle_age_s`` NaN where no handle was taken. ``held_t_s``/``held_bytes``: D's pinned KV
+    after each change (bidirectional modes; empty otherwise); ``d_full_events``: handles lost."""
+
+    mode: str
+    outcome: np.ndarray
+    pulled_tokens: np.ndarray
+    local_tokens: np.ndarray
+    ttft_s: np.ndarray
+    handle_age_s: np.ndarray
+    held_t_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    held_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    d_full_events: int = 0
+
+    prompt_tokens: np.ndarray | None = None
+
+    @property
+    def recomputed_tokens(self) -> np.ndarray:
+        """Prompt tokens computed (not pulled, not from the worker's own cache)."""
+        return self.prompt_tokens - self.pulled_tokens - self.local_tokens
+
+    def outcome_names(self) -> np.ndarray:
+        """The outcome of each request as text (None for aggregated serving)."""
+        return np.asarray(OUTCOMES, dtype=object)[self.outcome]
+
+    def peak_held_bytes(self) -> float:
+        """The most KV D held pinned at once, bytes (0 when none)."""
+        return float(self.held_bytes.max()) if self.held_bytes.size else 0.0
+
+    def held_gib_s(self) -> float:
+        """The integral of D's pinned KV over time, GiB-seconds."""
+        if self.held_bytes.size < 2:
+            return 0.0
+        return float(np.sum(self.held_bytes[:-1] * np.diff(self.held_t_s)) / GiB)
+
+
+@dataclass
+class Plan:
+    """A whole forecast: the traffic, the profile and settings, and one :class:`ModePlan` per mode."""
+
+    traffic: Traffic
+    profile: CostProfile
+    settings: PlanSettings
+    modes: dict[str, ModePlan]
+    notes: list[str]
+
+
+def _worker_of(i: int, session_code: int, workers: int, routing: str) -> int:
+    return session_code % workers if routing == "session" else i % workers
+
+
+def own_cache_hits(tr: Traffic, capacity_tokens: int | None, block_size: int, workers: int, routing: str,
+                   with_output: bool, shared_prefix_tokens: int = 0) -> np.ndarray:
+    """Each request's hit in its worker's own prefix cache, tokens: an LRU per worker of the
+    sessions' last prompts (plus outputs when ``with_output``: the aggregated worker keeps the
+    KV it decoded), ``capacity_tokens`` per worker (None: unbounded). A session's first request on a
+    worker that served any request before hits the whole blocks of ``shared_prefix_tokens`` (a
+    system prompt all sessions share; held once per worker, outside the LRU's accounting)."""
+    caches = [OrderedDict() for _ in range(workers)]
+    totals = [0] * workers
+    served = [False] * workers
+    hits = np.zeros(len(tr), dtype=np.int64)
+    n_arr, shared, out = tr.input_tokens, tr.shared_prefix_tokens, tr.output_tokens
+    codes = tr.session_code
+    for i in range(len(tr)):
+        s = int(codes[i])
+        w = _worker_of(i, s, workers, routing)
+        cache = caches[w]
+        n = int(n_arr[i])
+        held = cache.get(s)
+        if held is not None:
+            hits[i] = rules.local_prefix_tokens(held, int(shared[i]), block_size, n)
+            totals[w] -= held
+        elif shared_prefix_tokens and served[w]:
+            hits[i] = rules.local_prefix_tokens(shared_prefix_tokens, shared_prefix_tokens, block_size, n)
+        served[w] = True
+        keep = n + int(out[i]) if with_output else n
+        cache[s] = keep
+        cache.move_to_end(s)
+        totals[w] += keep
+        if capacity_tokens is not None:
+            while totals[w] > capacity_tokens and cache:
+                _, evicted = cache.popitem(last=False)
+                totals[w] -= evicted
+    return hits
+
+
+class _PinnedKV:
+    """D's pinned KV over time: bytes held, releases due at D's TTL, and the timeline."""
+
+    def __init__(self, capacity_bytes: float | None):
+        self.capacity = capacity_bytes
+        self.held = 0.0
+        self._due: list[tuple[float, int, float]] = []   # (release time, handle id, bytes)
+        self._released: set[int] = set()
+        self.t: list[float] = [0.0]
+        self.b: list[float] = [0.0]
+
+    def _record(self, t: float) -> None:
+        self.t.append(t)
+        self.b.append(self.held)
+
+    def release_due(self, now: float) -> None:
+        """Free every handle whose TTL passed by ``now``."""
+        while self._due and self._due[0][0] <= now:
+            t, hid, nbytes = heapq.heappop(self._due)
+            if hid in self._released:
+                self._released.discard(hid)
+                continue
+            self.held -= nbytes
+            self._record(t)
+
+    def pin(self, t: float, hid: int, nbytes: float, ttl_s: float) -> bool:
+        """Pin ``nbytes`` at ``t`` until read or ``t + ttl_s``; False (nothing pinned) when they
+        do not fit next to what is pinned."""
+        if self.capacity is not None and self.held + nbytes > self.capacity:
+            return False
+        self.held += nbytes
+        heapq.heappush(self._due, (t + ttl_s, hid, nbytes))
+        self._record(t)
+        return True
+
+    def read(self, t: float, hid: int, nbytes: float) -> None:
+        """P read the handle at ``t``: D frees its blocks."""
+        self._released.add(hid)
+        self.held -= nbytes
+        self._record(t)
+
+
+def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, local_hits: np.ndarray | None,
+                   finish_s: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, _PinnedKV, int]:
+    """The handle rules over the traffic, one bidirectional mode (``local_hits``: P's own-cache
+    hits of each request, None when P's prefix cache is off).
+
+    Returns (outcome codes, pulled tokens, local tokens, handle ages (NaN: none taken), D's pinned
+    KV, handles lost to a full D)."""
+    block = settings.block_size or profile.block_size
+    threshold = settings.kv_recompute_threshold
+    d_ttl = settings.decoder_kv_blocks_ttl_s
+    proxy_ttl = settings.proxy_ttl_s
+    cap = profile.decode_kv_space_bytes.value / settings.decode_workers if profile.decode_kv_space_bytes else None
+    kv_bytes = profile.kv_bytes_per_token.value
+    pinned = _PinnedKV(cap)
+    n_req = len(tr)
+    outcome = np.zeros(n_req, dtype=np.int8)
+    pulled = np.zeros(n_req, dtype=np.int64)
+    local = np.zeros(n_req, dtype=np.int64) if local_hits is None else local_hits.copy()
+    ages = np.full(n_req, np.nan)
+    seen: set[int] = set()
+    handle: dict[int, tuple[float, int, float, int]] = {}   # session -> (created, kv tokens, bytes, id)
+    lost: set[int] = set()
+    puts: list[tuple[float, int, int, int]] = []             # (finish time, request, session, kv tokens)
+    d_full = 0
+    codes, n_arr, out_arr, shared = tr.session_code, tr.input_tokens, tr.output_tokens, tr.shared_prefix_tokens
+    arrival = tr.arrival_s
+    c_hit, c_first, c_exp, c_cons = _CODE[h.HIT], _CODE[h.MISS_FIRST_TURN], _CODE[h.MISS_EXPIRED], _CODE[h.MISS_CONSUMED]
+    c_mis, c_below, c_fail, c_full = (_CODE[h.MISS_MISMATCH], _CODE[h.MISS_BELOW_THRESHOLD],
+                                      _CODE[h.MISS_TRANSFER_FAILED], _CODE[MISS_D_FULL])
+    for i in range(n_req):
+        t = float(arrival[i])
+        while puts and puts[0][0] <= t:          # turns finished before this arrival: D pins them
+            ft, j, s_j, kv = heapq.heappop(puts)
+            pinned.release_due(ft)
+            nbytes = rules.blocks_of(kv, block) * block * kv_bytes
+            if pinned.pin(ft, j, nbytes, d_ttl):
+                handle[s_j] = (ft, kv, nbytes, j)
+                lost.discard(s_j)
+            else:
+                handle.pop(s_j, None)
+                lost.add(s_j)
+                d_full += 1
+        pinned.release_due(t)
+        s = int(codes[i])
+        n = int(n_arr[i])
+        if s not in seen:
+            seen.add(s)
+            outcome[i] = c_first
+        elif s in handle:
+            created, kv, nbytes, hid = handle.pop(s)
+            age = t - created
+            ages[i] = age
+            if rules.handle_expired(age, proxy_ttl):
+                outcome[i] = c_exp
+            elif rules.p_declines_read(age, d_ttl):
+                outcome[i] = c_fail
+            else:
+                usable = rules.usable_handle_tokens(kv, int(shared[i]), block)
+                if usable == 0:
+                    outcome[i] = c_mis
+                else:
+                    count = rules.tokens_to_pull(usable, n, int(local[i]), threshold)
+                    if count == 0:
+                        outcome[i] = c_below
+                    else:
+                        outcome[i] = c_hit
+                        pulled[i] = count
+                        pinned.read(t, hid, nbytes)
+        elif s in lost:
+            lost.discard(s)
+            outcome[i] = c_full
+        else:
+            outcome[i] = c_cons
+        heapq.heappush(puts, (float(finish_s[i]), i, s, rules.handle_kv_tokens(n, int(out_arr[i]))))
+    while puts:                                  # the last turns of each session: pinned until TTL
+        ft, j, s_j, kv = heapq.heappop(puts)
+        pinned.release_due(ft)
+        nbytes = rules.blocks_of(kv, block) * block * kv_bytes
+        if not pinned.pin(ft, j, nbytes, d_ttl):
+            d_full += 1
+    pinned.release_due(float("inf"))
+    return outcome, pulled, local, ages, pinned, d_full
+
+
+def finish_times(tr: Traffic, profile: CostProfile) -> np.ndarray:
+    """When each request finishes, seconds on the traffic's clock (see the module doc)."""
+    nocache = profile.ttft_s("pd-nocache", tr.input_tokens, np.zeros(len(tr)), np.zeros(len(tr)))
+    decode = profile.decode_s_per_token.value if profile.decode_s_per_token else 0.0
+    e2e = np.where(np.isnan(tr.server_s), nocache + tr.output_tokens * decode, tr.server_s)
+    return tr.arrival_s + e2e
+
+
+def plan(requests: Iterable[AgentRequest] | Traffic, profile: CostProfile,
+         settings: PlanSettings | None = None) -> Plan:
+    """Forecast every request of ``requests`` in each of ``settings.modes``.
+
+    Raises ValueError for no requests or an unknown mode."""
+    settings = settings or PlanSettings()
+    tr = requests if isinstance(requests, Traffic) else Traffic.of(requests)
+    unknown = sorted(set(settings.modes) - set(MODES))
+    if unknown:
+        raise ValueError(f"unknown mode(s) {', '.join(unknown)}; modes are {', '.join(MODES)}")
+    block = settings.block_size or profile.block_size
+    n = tr.input_tokens
+    zeros = np.zeros(len(tr), dtype=np.int64)
+    notes = []
+    if profile.decode_kv_space_bytes is None:
+        notes.append("D's KV space is not in the profile: pinned KV is unbounded (no miss_d_full).")
+    if np.isnan(tr.server_s).any() and profile.decode_s_per_token is None:
+        notes.append("Some requests have no server time and the profile no decode time per token: they "
+                     "finish at their forecast TTFT (handles pinned earlier than in reality).")
+    finish = finish_times(tr, profile)
+    p_hits = None
+    if {"pd", "pd-bidir"} & set(settings.modes):
+        p_hits = own_cache_hits(tr, profile.capacity_tokens("prefill"), block, settings.prefill_workers,
+                                settings.routing, with_output=False, shared_prefix_tokens=settings.shared_prefix_tokens)
+    first_seen = ~pd.Series(tr.session_code).duplicated().to_numpy()
+    out: dict[str, ModePlan] = {}
+    for mode in settings.modes:
+        if mode == "aggregated":
+            local = own_cache_hits(tr, profile.capacity_tokens("aggregated"), block, settings.aggregated_workers,
+                                   settings.routing, with_output=True,
+                                   shared_prefix_tokens=settings.shared_prefix_tokens)
+            mp = ModePlan(mode, np.zeros(len(tr), dtype=np.int8), zeros, local,
+                          profile.ttft_s(mode, n, local, zeros), np.full(len(tr), np.nan))
+        elif mode in ("pd", "pd-nocache"):
+            local = p_hits if mode == "pd" else zeros
+            outcome = np.where(first_seen, _CODE[h.MISS_FIRST_TURN], _CODE[h.MISS_NO_HANDLE_RETURNED]).astype(np.int8)
+            mp = ModePlan(mode, outcome, zeros, local, profile.ttft_s(mode, n, local, zeros), np.full(len(tr), np.nan))
+        else:
+            outcome, pulled, local, ages, pinned, d_full = simulate_bidir(
+                tr, profile, settings, p_hits if mode == "pd-bidir" else None, finish)
+            mp = ModePlan(mode, outcome, pulled, local, profile.ttft_s(mode, n, local + pulled, pulled), ages,
+                          np.asarray(pinned.t), np.asarray(pinned.b), d_full)
+        mp.prompt_tokens = n
+        out[mode] = mp
+    return Plan(tr, profile, settings, out, notes)
