@@ -11,7 +11,7 @@ overlapping in time, and one session's timeline. :class:`TrafficReport` reads th
 them.
 
 Defaults: ``ttl_s`` 480 s is vLLM's ``decoder_kv_blocks_ttl`` and ``recompute_threshold_tokens`` 64
-is its ``kv_recompute_threshold`` (``serving.topology.Connector``, docs/configuration.md); the CLI
+is its ``kv_recompute_threshold`` (``turnscope.contract``, docs/configuration.md); the CLI
 passes the operator's settings.
 """
 
@@ -33,13 +33,13 @@ import pyarrow.parquet as pq
 from loadgen.traces.agent_request import AgentRequest
 from loadgen.traces.agent_sources import detect_format, iter_agent_requests
 from loadgen.traces.errors import TraceFormatError
-from serving.topology import Connector
+from turnscope.contract import DECODER_KV_BLOCKS_TTL_S, KV_RECOMPUTE_THRESHOLD_TOKENS
 from turnscope.store import Store
 
 #: vLLM's decoder_kv_blocks_ttl default (seconds) and kv_recompute_threshold default (tokens), as
-#: serving.topology.Connector defines them (one definition).
-DEFAULT_TTL_S = float(Connector.model_fields["decoder_kv_blocks_ttl"].default)
-DEFAULT_RECOMPUTE_THRESHOLD_TOKENS = int(Connector.model_fields["kv_recompute_threshold"].default)
+#: turnscope.contract defines them (one definition, also serving.topology.Connector's defaults).
+DEFAULT_TTL_S = float(DECODER_KV_BLOCKS_TTL_S)
+DEFAULT_RECOMPUTE_THRESHOLD_TOKENS = KV_RECOMPUTE_THRESHOLD_TOKENS
 #: Rows per Parquet row group written (and held in memory) at a time.
 BATCH_ROWS = 65_536
 _FIELDS = ("source", "session_id", "parent_session_id", "request_index", "arrival_s", "input_tokens",

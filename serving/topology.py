@@ -25,7 +25,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from turnscope.contract import MODES
+from turnscope.contract import DECODER_KV_BLOCKS_TTL_S, KV_RECOMPUTE_THRESHOLD_TOKENS, MODES
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -47,8 +47,8 @@ class Connector(_Strict):
     (vLLM's default is "fail") makes a failed or declined pull fall back to computing the prompt.
     """
 
-    kv_recompute_threshold: int = Field(64, ge=0)
-    decoder_kv_blocks_ttl: int = Field(480, gt=0)
+    kv_recompute_threshold: int = Field(KV_RECOMPUTE_THRESHOLD_TOKENS, ge=0)
+    decoder_kv_blocks_ttl: int = Field(DECODER_KV_BLOCKS_TTL_S, gt=0)
     kv_lease_duration: int = Field(30, gt=0)
     backends: list[str] = Field(default_factory=lambda: ["UCX"], min_length=1)
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"

@@ -82,6 +82,14 @@ MISS_NO_HANDLE_RETURNED = "miss_no_handle_returned"
 OUTCOMES = (HIT, MISS_FIRST_TURN, MISS_NO_SESSION_ID, MISS_EXPIRED, MISS_CONSUMED, MISS_MISMATCH,
             MISS_BELOW_THRESHOLD, MISS_TRANSFER_FAILED, MISS_NO_HANDLE_RETURNED)
 
+# -- the connector's defaults every part reasons with ------------------------------------------------
+
+#: vLLM's ``decoder_kv_blocks_ttl`` default, seconds: how long D keeps a finished request's KV
+#: blocks for P to pull (NixlConnector ``kv_connector_extra_config``, vLLM 0.32).
+DECODER_KV_BLOCKS_TTL_S = 480
+#: vLLM's ``kv_recompute_threshold`` default, tokens: below this many tokens to pull, P recomputes.
+KV_RECOMPUTE_THRESHOLD_TOKENS = 64
+
 # -- serving modes, histories, turns, gaps ----------------------------------------------------------
 
 AGGREGATED = "aggregated"
