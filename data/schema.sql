@@ -83,6 +83,7 @@ CREATE TABLE turns (
     reused_tokens             INTEGER,            -- tokens P pulled from D over NIXL
     recomputed_tokens         INTEGER,            -- tokens P computed
     handle_age_s              DOUBLE,
+    handle_tokens             INTEGER,            -- tokens of KV D kept for this turn's own handle (NULL: none)
     prompt_sha256             VARCHAR             -- hash of the rendered prompt ids (prompt text is not stored)
 );
 
@@ -289,6 +290,50 @@ SELECT run_id, endpoint, role, name, labels, scraped_at, value,
             ELSE value - prev END AS increase,
        (prev IS NOT NULL AND (value < prev OR restarted)) AS reset
 FROM ordered;
+
+-- The KV each turn's handle kept pinned on D, from the turn's end until the session's next turn
+-- pulled it (its proxy-measured handle age at use plus that turn's prefill leg) or, when the next
+-- turn did not pull it (no next turn, a miss of any kind), for D's whole decoder_kv_blocks_ttl
+-- (vLLM nixl/pull_scheduler.py: request_finished pins the blocks, _reap_expired_send_leases frees
+-- them). Each hold belongs to the run whose turn created it, also after the run's last turn.
+CREATE VIEW handle_holds AS
+WITH t AS (
+    SELECT run_id, session_id, turn_index, sent_at, e2e_s, handle_tokens,
+           lead(reuse)         OVER w AS next_reuse,
+           lead(handle_age_s)  OVER w AS next_handle_age_s,
+           lead(prefill_leg_s) OVER w AS next_prefill_leg_s
+    FROM turns
+    WINDOW w AS (PARTITION BY run_id, session_id ORDER BY turn_index)
+)
+SELECT t.run_id, t.session_id, t.turn_index, t.handle_tokens,
+       t.handle_tokens * c.kv_bytes_per_token                                AS handle_bytes,
+       t.sent_at + to_microseconds(CAST(round(coalesce(t.e2e_s, 0) * 1e6) AS BIGINT)) AS held_from,
+       CASE WHEN t.next_reuse = 'hit' THEN 'pulled' ELSE 'expired' END         AS ended_by,
+       CASE WHEN t.next_reuse = 'hit'
+            THEN least(coalesce(t.next_handle_age_s, 0) + coalesce(t.next_prefill_leg_s, 0),
+                       c.decoder_kv_blocks_ttl_s)
+            ELSE c.decoder_kv_blocks_ttl_s END                                 AS held_s
+FROM t JOIN run_config c USING (run_id)
+WHERE t.handle_tokens > 0;
+
+-- Per run: D's KV held for the run's handles (handle_holds), and D's KV usage at the run's first
+-- scrape (the baseline other runs left behind; fraction 0..1, the fullest engine of the fullest D).
+CREATE VIEW run_handle_memory AS
+WITH h AS (
+    SELECT run_id, count(*) AS handles,
+           count(*) FILTER (WHERE ended_by = 'pulled') AS pulled,
+           sum(handle_bytes * held_s) / 1073741824.0 AS held_gib_s,
+           max(held_from + to_microseconds(CAST(round(held_s * 1e6) AS BIGINT))) AS held_until
+    FROM handle_holds GROUP BY run_id
+), d AS (
+    SELECT run_id, arg_min(value, scraped_at) AS d_kv_usage_at_start
+    FROM (SELECT run_id, scraped_at, max(value) AS value FROM metric_samples
+          WHERE role = 'decode' AND name = 'vllm:kv_cache_usage_perc' GROUP BY run_id, scraped_at)
+    GROUP BY run_id
+)
+SELECT r.run_id, r.mode, coalesce(h.handles, 0) AS handles, coalesce(h.pulled, 0) AS pulled,
+       coalesce(h.held_gib_s, 0) AS held_gib_s, h.held_until, d.d_kv_usage_at_start
+FROM runs r LEFT JOIN h USING (run_id) LEFT JOIN d USING (run_id);
 
 CREATE VIEW run_summary AS
 SELECT r.run_id, r.label, r.mode, r.workload, r.history_mode, r.status, r.started_at, r.finished_at,

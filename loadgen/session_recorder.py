@@ -137,6 +137,7 @@ def turn_row(
         "reused_tokens": _int_fact(facts, "reused_tokens"),
         "recomputed_tokens": _int_fact(facts, "recomputed_tokens"),
         "handle_age_s": _float_fact(facts, "handle_age_s"),
+        "handle_tokens": _int_fact(facts, "handle_tokens"),
         "prompt_sha256": prompt_sha256(prompt_ids) if prompt_ids is not None else None,
     }
 

@@ -385,6 +385,7 @@ class SessionProxy:
             return Response(r.content, status_code=r.status_code, headers=headers, media_type="application/json")
         data = r.json()
         d_handle = data.pop("kv_transfer_params", None)
+        req.facts.handle_tokens = held_handle_tokens(d_handle)
         choice = (data.get("choices") or [{}])[0]
         self.finish_request(req, d_handle, data.get("prompt_token_ids") or choice.get("prompt_token_ids") or [],
                     choice.get("token_ids") or [], "ok")
@@ -463,6 +464,7 @@ class _StreamRelay:
         chunk = json.loads(data)
         if "kv_transfer_params" in chunk:
             self.d_handle = chunk.pop("kv_transfer_params")
+            self.req.facts.handle_tokens = held_handle_tokens(self.d_handle)
             chunk[FACTS_FIELD] = self.req.facts.public()
             return [sse(chunk)]
         if chunk.get("prompt_token_ids"):
@@ -477,6 +479,14 @@ class _StreamRelay:
                     self.proxy.metrics.ttft.labels(self.proxy.config.mode, self.req.facts.reuse or "none").observe(
                         time.perf_counter() - self.req.t_arrival)
         return [f"data: {data}\n\n".encode()]
+
+
+def held_handle_tokens(d_handle: dict | None) -> int | None:
+    """Tokens of KV D keeps pinned for a finished request's handle (its ``remote_num_tokens``), or
+    None when D returned no handle (no ``remote_block_ids``): the ``handle_tokens`` fact."""
+    if not d_handle or not d_handle.get("remote_block_ids"):
+        return None
+    return int(d_handle.get("remote_num_tokens") or 0)
 
 
 def create_app(config: ProxyConfig) -> FastAPI:

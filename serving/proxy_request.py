@@ -40,6 +40,7 @@ class RequestFacts:
     prefill_cached_tokens: int = 0
     handle_age_s: float | None = None
     divergence_position: int | None = None
+    handle_tokens: int | None = None
     reuse: str | None = None
     prefill_leg_s: float | None = None
     prefill_attempts: int | None = None

@@ -51,7 +51,10 @@ class PublicFacts(TypedDict):
     ``handle_age_s``: age of the handle offered. ``divergence_position``: first index where the
     prompt differs from the ids D holds KV for (:func:`common_prefix_length`), None if none.
     ``prefill_leg_s``: the prefill leg's wall time. ``prefill_attempts``: 1, or 2 when a leg
-    carrying a handle failed and was retried as a plain recompute.
+    carrying a handle failed and was retried as a plain recompute. ``handle_tokens``: tokens of KV D
+    kept for this request's own handle (D's ``remote_num_tokens``), pinned on D until the session's
+    next prefill pulls them or ``decoder_kv_blocks_ttl`` passes (vLLM ``nixl/pull_scheduler.py``
+    ``request_finished``, ``_reap_expired_send_leases``); None when D returned no handle.
     """
 
     reuse: str | None
@@ -63,6 +66,7 @@ class PublicFacts(TypedDict):
     divergence_position: int | None
     prefill_leg_s: float | None
     prefill_attempts: int | None
+    handle_tokens: int | None
 
 
 #: The keys of :class:`PublicFacts`, in wire order.

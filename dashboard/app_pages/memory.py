@@ -43,7 +43,10 @@ else:
         hide_index=True,
         key="reuse_cost",
         column_config={
-            "held (GiB·s)": st.column_config.NumberColumn(format="%.4f", help="handle KV held, GiB x seconds"),
+            "held (GiB·s)": st.column_config.NumberColumn(
+                format="%.4f", help="KV D kept pinned for the run's handles, GiB x seconds: each handle from its "
+                "turn's end to its pull by the next turn or D's decoder_kv_blocks_ttl, also after the run ended "
+                "(view run_handle_memory); runs recorded without handle sizes: the proxy's gauge during the run"),
             "peak (MiB)": st.column_config.NumberColumn(format="%.1f", help="peak handle KV"),
             "pulled (tokens)": st.column_config.NumberColumn(format="%d", help="tokens P pulled from D"),
             "prefill ms/1k tok": st.column_config.NumberColumn(

@@ -102,8 +102,10 @@ def hit_rate_timeline(
     return _run(con, _HIT_RATE_TIMELINE.format(where_b=_where(as_filter(f), "b")), params)
 
 
-# Handle bytes held: the step integral of the proxy's gauge over the run's scrapes (each scrape's
-# value held until the next one). Prefill seconds saved: tokens pulled from D x the run's compute
+# Handle bytes held: each of the run's handles from its turn's end to its pull or D's expiry
+# (view run_handle_memory), also past the run's end and never another run's; for runs recorded
+# without turns.handle_tokens, the step integral of the proxy's gauge over the run's scrapes (each
+# scrape's value held until the next one; it counts whatever the proxy held, other runs' too). Prefill seconds saved: tokens pulled from D x the run's compute
 # seconds per token (prefill leg / recomputed tokens over the turns that pulled nothing), less
 # the measured NIXL transfer time.
 _REUSE_COST = """
@@ -117,8 +119,15 @@ WITH hb AS (
            bytes * epoch(lead(scraped_at) OVER (PARTITION BY run_id, endpoint ORDER BY scraped_at) - scraped_at)
                AS byte_s
     FROM hb
-), held AS (
+), gauge AS (
     SELECT run_id, sum(byte_s) AS held_byte_s, max(bytes) AS peak_bytes FROM steps GROUP BY run_id
+), held AS (  -- each handle to its pull or expiry (run_handle_memory); the gauge for older runs
+    SELECT coalesce(m.run_id, g.run_id) AS run_id,
+           CASE WHEN m.handles > 0 THEN m.held_gib_s ELSE g.held_byte_s / 1073741824.0 END AS held_gib_s,
+           CASE WHEN m.handles > 0 THEN 'handles' WHEN g.run_id IS NOT NULL THEN 'gauge' END AS held_source,
+           g.peak_bytes
+    FROM (SELECT * FROM run_handle_memory WHERE list_contains($run_ids::VARCHAR[], run_id)) m
+    FULL JOIN gauge g USING (run_id)
 ), tk AS (
     SELECT run_id,
            count(*) FILTER (WHERE reuse = 'hit')                        AS hits,
@@ -133,13 +142,13 @@ WITH hb AS (
     GROUP BY run_id
 ), j AS (
     SELECT r.run_id, coalesce(r.label, r.run_id) AS run_label, r.mode, r.history_mode,
-           held.held_byte_s / 1073741824.0 AS held_gib_s, held.peak_bytes,
+           held.held_gib_s, held.held_source, held.peak_bytes,
            tk.hits, tk.later_turns, tk.reused_tokens,
            tk.compute_s / nullif(tk.compute_tokens, 0) AS prefill_s_per_token,
            k.xfer_s
     FROM runs r
     LEFT JOIN held USING (run_id) LEFT JOIN tk USING (run_id) LEFT JOIN run_kv_transfer k USING (run_id)
-    WHERE list_contains($run_ids::VARCHAR[], r.run_id) AND (held.run_id IS NOT NULL OR tk.reused_tokens > 0)
+    WHERE list_contains($run_ids::VARCHAR[], r.run_id) AND (held.held_source IS NOT NULL OR tk.reused_tokens > 0)
 )
 SELECT *, reused_tokens * prefill_s_per_token - coalesce(xfer_s, 0) AS saved_s,
        CASE WHEN reused_tokens * prefill_s_per_token - coalesce(xfer_s, 0) > 0
@@ -153,12 +162,14 @@ def reuse_cost(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) ->
     """The memory cost of reuse per run: GiB-seconds of handle KV held per second of prefill saved.
 
     For the runs of `f` that have handle-byte scrapes or pulled tokens (whole runs: turn filters
-    do not apply). held_gib_s: step integral of ``turnscope_handle_bytes_live`` over the scrapes
-    (GiB x s); prefill_s_per_token: sum of prefill legs / sum of recomputed tokens over the ok
+    do not apply). held_gib_s (GiB x s): ``run_handle_memory.held_gib_s`` (each handle of the run to
+    its pull or expiry) with held_source ``handles``; for runs without ``turns.handle_tokens``, the
+    step integral of ``turnscope_handle_bytes_live`` over the scrapes, held_source ``gauge``;
+    peak_bytes: the gauge's peak during the run; prefill_s_per_token: sum of prefill legs / sum of recomputed tokens over the ok
     turns that pulled nothing (s/token); saved_s (estimate) = reused_tokens x prefill_s_per_token
     - xfer_s (the run's measured NIXL time, ``run_kv_transfer``); gib_s_per_saved_s =
     held_gib_s / saved_s, NULL when nothing was saved.
-    Columns: run_id, run_label, mode, history_mode, held_gib_s, peak_bytes, hits, later_turns, reused_tokens,
+    Columns: run_id, run_label, mode, history_mode, held_gib_s, held_source, peak_bytes, hits, later_turns, reused_tokens,
     prefill_s_per_token, xfer_s, saved_s, gib_s_per_saved_s.
     """
     params = {"run_ids": _ids(as_filter(f).run_ids), "handle_bytes": HANDLE_BYTES}

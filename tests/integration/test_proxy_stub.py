@@ -39,8 +39,10 @@ def stubs():
 def test_handle_flows_from_decode_to_next_prefill_and_never_to_the_client(stubs):
     p, d = stubs
     with ProxyThread(config(p, d)) as proxy:
-        r1, _, _, text1 = stream(proxy.url, list(range(10)), "s1")
+        r1, _, facts1, text1 = stream(proxy.url, list(range(10)), "s1")
         assert r1.headers["x-turnscope-reuse"] == "miss_first_turn"
+        # the handle D kept for turn 1: 10 prompt + 4 generated - 1 tokens (the stub's remote_num_tokens)
+        assert facts1["handle_tokens"] == 13
         assert "kv_transfer_params" not in text1  # the handle stays in the proxy
         assert p.app.state.bodies[0]["kv_transfer_params"] == PREFILL_PARAMS
         assert p.app.state.bodies[0]["max_tokens"] == 1 and p.app.state.bodies[0]["stream"] is False
@@ -55,6 +57,7 @@ def test_handle_flows_from_decode_to_next_prefill_and_never_to_the_client(stubs)
     # D's 13 is pulled (5), and the 3 new tokens are computed
     assert facts2["remote_tokens"] == 13 and facts2["prefill_cached_tokens"] == 8
     assert facts2["reused_tokens"] == 5 and facts2["recomputed_tokens"] == 3
+    assert facts2["handle_tokens"] == len(prompt2) + 4 - 1  # turn 2's own handle
 
 
 def test_client_supplied_kv_transfer_params_are_dropped(stubs):

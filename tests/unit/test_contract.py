@@ -23,7 +23,7 @@ def test_public_fact_keys_are_the_typed_dict_in_wire_order() -> None:
     # the order the proxy sent them in before the contract existed (serving/proxy.py public_facts)
     assert PUBLIC_FACT_KEYS == ("reuse", "prefill_cached_tokens", "remote_tokens", "reused_tokens",
                                 "recomputed_tokens", "handle_age_s", "divergence_position", "prefill_leg_s",
-                                "prefill_attempts")
+                                "prefill_attempts", "handle_tokens")
     assert set(PublicFacts.__annotations__) == set(PUBLIC_FACT_KEYS)
 
 

@@ -1,0 +1,100 @@
+"""handle_holds / run_handle_memory against a hand computation: two runs back to back, known TTLs,
+known handle ages and prefill legs, and the outcomes that end a hold (a pull) or not (any miss).
+
+Written with the store's real writer; the truths below are computed by hand from the rows, not
+through the views.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+
+from turnscope.store import Store
+
+T0 = dt.datetime(2026, 12, 1, 10, 0, tzinfo=dt.UTC)
+KV = 4096  # bytes per token of both runs
+GIB = 2**30
+RUNS = {"run-a": (480, 0), "run-b": (120, 10)}  # run -> (decoder_kv_blocks_ttl s, start offset min)
+# (run, session, turn, handle_tokens, reuse, handle_age_s, prefill_leg_s)
+TURNS = [
+    ("run-a", "a0", 0, 1000, "miss_first_turn", None, 0.2),
+    ("run-a", "a0", 1, 1200, "hit", 10.0, 0.5),             # pulls a0/0's handle: held 10.0 + 0.5 s
+    ("run-a", "a1", 0, 500, "miss_first_turn", None, 0.2),
+    ("run-a", "a1", 1, 800, "miss_mismatch", None, 0.3),     # a1/0's handle not pulled: held the TTL
+    ("run-b", "b0", 0, 300, "miss_first_turn", None, 0.2),
+    ("run-b", "b0", 1, 400, "miss_expired", None, 0.2),      # b0/0's handle outlived the proxy's TTL
+    ("run-b", "b0", 2, None, "miss_no_handle_returned", None, 0.2),  # D kept nothing: no row
+]
+# By hand: bytes x seconds per hold, over 2^30.
+EXPECTED_GIB_S = {
+    "run-a": (1000 * KV * 10.5 + 1200 * KV * 480 + 500 * KV * 480 + 800 * KV * 480) / GIB,
+    "run-b": (300 * KV * 120 + 400 * KV * 120) / GIB,
+}
+D_USAGE_AT_START = {"run-a": 0.0, "run-b": 0.25}  # run-a's handles still pinned when run-b starts
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Store:
+    s = Store(tmp_path_factory.mktemp("store"))
+    s.init()
+    for run_id, (ttl_s, offset_min) in RUNS.items():
+        start = T0 + dt.timedelta(minutes=offset_min)
+        w = s.writer(run_id, "test", flush_interval_s=60)
+        try:
+            w.append("runs_log", {"run_id": run_id, "mode": "pd-bidir", "status": "complete", "started_at": start,
+                                  "updated_at": start, "config": {"kv_bytes_per_token": KV,
+                                                                  "connector": {"decoder_kv_blocks_ttl": ttl_s}}})
+            for k, (run, session, turn, tokens, reuse, age, leg) in enumerate(t for t in TURNS if t[0] == run_id):
+                w.append("turns", {"run_id": run, "session_id": session, "turn_index": turn, "status": "ok",
+                                   "sent_at": start + dt.timedelta(seconds=20 * k), "e2e_s": 1.5, "ttft_s": 0.3,
+                                   "reuse": reuse, "handle_age_s": age, "prefill_leg_s": leg,
+                                   "handle_tokens": tokens})
+            for sec, usage in ((1, D_USAGE_AT_START[run_id]), (30, 0.6)):
+                w.append("metric_samples", {"run_id": run_id, "scraped_at": start + dt.timedelta(seconds=sec),
+                                            "endpoint": "http://d", "role": "decode",
+                                            "name": "vllm:kv_cache_usage_perc", "labels": {}, "value": usage})
+        finally:
+            w.close()
+    return s
+
+
+def _rows(store: Store, sql: str) -> list[tuple]:
+    con = store.connect()
+    try:
+        return con.execute(sql).fetchall()
+    finally:
+        con.close()
+
+
+def test_each_hold_ends_at_its_pull_or_its_expiry(store: Store) -> None:
+    got = {(r, s, t): (ended, held) for r, s, t, ended, held in _rows(
+        store, "SELECT run_id, session_id, turn_index, ended_by, held_s FROM handle_holds")}
+    assert got == {
+        ("run-a", "a0", 0): ("pulled", pytest.approx(10.5)), ("run-a", "a0", 1): ("expired", 480.0),
+        ("run-a", "a1", 0): ("expired", 480.0), ("run-a", "a1", 1): ("expired", 480.0),
+        ("run-b", "b0", 0): ("expired", 120.0), ("run-b", "b0", 1): ("expired", 120.0),
+    }
+
+
+def test_run_memory_is_its_own_handles_to_their_end(store: Store) -> None:
+    rows = {r[0]: r[1:] for r in _rows(
+        store, "SELECT run_id, handles, pulled, held_gib_s, held_until, d_kv_usage_at_start FROM run_handle_memory")}
+    for run_id, expected in EXPECTED_GIB_S.items():
+        _, _, held, _, usage = rows[run_id]
+        assert held == pytest.approx(expected)
+        assert usage == D_USAGE_AT_START[run_id]
+    assert rows["run-a"][:2] == (4, 1) and rows["run-b"][:2] == (2, 0)
+    # run-a's last hold ends a TTL after its last turn (sent at +60 s, 1.5 s long): past run-b's start
+    assert rows["run-a"][3] == T0 + dt.timedelta(seconds=60 + 1.5 + 480)
+
+
+def test_memory_page_held_is_the_runs_own_handles(store: Store) -> None:
+    """The Memory page's "held (GiB·s)" (queries.reuse_cost) is run_handle_memory's figure."""
+    from dashboard import db, queries
+
+    df = db.read(db.Store(store.root), queries.reuse_cost, list(RUNS)).set_index("run_id")
+    for run_id, expected in EXPECTED_GIB_S.items():
+        assert df.loc[run_id, "held_gib_s"] == pytest.approx(expected)
+        assert df.loc[run_id, "held_source"] == "handles"
