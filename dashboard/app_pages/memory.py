@@ -3,6 +3,8 @@ what other decoder_kv_blocks_ttl values would have given (docs/schema.md: `metri
 
 from __future__ import annotations
 
+import dataclasses
+
 import streamlit as st
 
 from dashboard import context, figures, queries, tables
@@ -18,6 +20,8 @@ if not sel.run_ids:
     st.info("No runs match the sidebar's filters.")
     st.stop()
 f = sel.filter
+#: The serving modes whose decode worker keeps a finished turn's KV for the next one.
+HANDLE_MODES = ("pd-bidir", "pd-bidir-nocache")
 st.caption(
     f"Selection: {sel.describe()}. Scrapes are per run: the archetype and kind filters apply to the hit "
     "rate and the what-if only."
@@ -58,23 +62,29 @@ else:
         },
     )
     st.caption(
-        "KV held: the proxy's live handle bytes integrated over the run's scrapes (each value held until the "
-        "next scrape). Prefill saved (estimate): tokens pulled from D × the run's compute time per token "
+        "KV held: each of the run's handles from its turn's end until the next turn pulled it or D's "
+        "decoder_kv_blocks_ttl freed it, also after the run ended, never another run's (view run_handle_memory; "
+        "runs recorded without handle sizes: the proxy's live handle bytes over the run's scrapes). Prefill saved (estimate): tokens pulled from D × the run's compute time per token "
         "(prefill legs ÷ recomputed tokens over the turns that pulled nothing) − the measured NIXL time. "
         "The last column is the price: GiB of KV kept for a second, per second of prefill saved."
     )
 
 # --- what-if TTL ------------------------------------------------------------------------------
 st.subheader("What if the TTL were different?")
-config = load(sel.root, queries.run_config, f)
+# Only the runs whose decode workers keep handles: one-way and aggregated runs hold nothing.
+modes_of = dict(zip(sel.runs["run_id"], sel.runs["mode"], strict=True))
+held_runs = tuple(r for r in f.run_ids if modes_of.get(r) in HANDLE_MODES)
+f_held = dataclasses.replace(f, run_ids=held_runs)
+config = load(sel.root, queries.run_config, f_held)
 current = sorted({float(t) for t in config["decoder_kv_blocks_ttl_s"].dropna()})
 ttls = tuple(sorted(set(WHATIF_TTLS_S) | set(current)))
-whatif = load(sel.root, queries.whatif_ttl, f, ttls)
+whatif = load(sel.root, queries.whatif_ttl, f_held, ttls)
 st.plotly_chart(figures.whatif_ttl(whatif, current), key="whatif_ttl")
 margins = sorted({float(m) for m in config["handle_ttl_margin_s"].dropna()})
 margin = ", ".join(f"{m:.0f}" for m in margins) or "30"
 st.caption(
-    f"Replayed from the recorded gaps between turns: a later turn (not `fresh`) would hit when its gap is "
+    f"Replayed over the {len(held_runs)} selected run(s) in {' and '.join(f'`{m}`' for m in HANDLE_MODES)} "
+    "(the modes whose decode worker keeps handles) from the recorded gaps between turns: a later turn (not `fresh`) would hit when its gap is "
     f"below TTL − {margin} s (the proxy's margin); after each ok turn D holds its prompt + output tokens "
     "for min(gap to the next turn, TTL), the whole TTL after a session's last turn; KV bytes from each "
     "run's kv_bytes_per_token. Other misses (mismatch, failed transfer) are not modelled."
