@@ -38,11 +38,11 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from loadgen.stream_client import stream_turn  # noqa: E402
-from serving.embedded_model import ensure_model  # noqa: E402
-from serving.stack import ModeStack  # noqa: E402
-from serving.topology import embedded_topology  # noqa: E402
-from tests.integration.vllm_stack import free_port  # noqa: E402
+from loadgen.stream_client import stream_turn
+from serving.embedded_model import ensure_model
+from serving.stack import ModeStack
+from serving.topology import embedded_topology
+from tests.integration.vllm_stack import free_port
 
 MODEL = "turnscope-tiny"
 
@@ -63,7 +63,7 @@ def run_vllm_bench(base: str, model_dir: Path, args, out: Path) -> dict:
            "--random-output-len", str(args.output_tokens), "--num-prompts", str(args.requests),
            "--max-concurrency", str(args.concurrency), "--ignore-eos", "--seed", "1",
            "--save-result", "--result-dir", str(out), "--result-filename", "vllm.json"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     if p.returncode != 0:
         return {"sent": args.requests, "failed": args.requests, "ttft_ms": None, "note": p.stderr[-300:]}
     res = json.loads((out / "vllm.json").read_text())
@@ -78,7 +78,7 @@ def run_aiperf(exe: str, base: str, model_dir: Path, args, out: Path) -> dict:
            "--synthetic-input-tokens-stddev", "0", "--output-tokens-mean", str(args.output_tokens),
            "--extra-inputs", "ignore_eos:true", "--request-count", str(args.requests),
            "--concurrency", str(args.concurrency), "--artifact-dir", str(art), "--ui-type", "none"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     found = sorted(art.rglob("profile_export_aiperf.json"))
     if p.returncode != 0 or not found:
         return {"sent": args.requests, "failed": args.requests, "ttft_ms": None, "note": (p.stderr or p.stdout)[-300:]}
@@ -173,13 +173,13 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         with ModeStack(mode, topo, out, progress=lambda *a, **k: None) as stack:
             base = stack.proxy_url
-            clients = {"turnscope stream_client": lambda: run_own(base, prompts, args),
-                       "vllm bench serve": lambda: run_vllm_bench(base, model_dir, args, out),
-                       "openai SDK": lambda: run_openai_sdk(base, prompts, args)}
+            clients = {"turnscope stream_client": (run_own, (base, prompts, args)),
+                       "vllm bench serve": (run_vllm_bench, (base, model_dir, args, out)),
+                       "openai SDK": (run_openai_sdk, (base, prompts, args))}
             if args.aiperf:
-                clients["aiperf"] = lambda: run_aiperf(args.aiperf, base, model_dir, args, out)
-            for name, fn in clients.items():
-                res = fn()
+                clients["aiperf"] = (run_aiperf, (args.aiperf, base, model_dir, args, out))
+            for name, (fn, fn_args) in clients.items():
+                res = fn(*fn_args)
                 rows.append((mode, name, res))
                 print(f"{mode:12} {name:24} sent {res['sent']:3}  failed {res['failed']:3}  TTFT p50 "
                       f"{res['ttft_ms'] if res['ttft_ms'] is None else round(res['ttft_ms'], 1)} ms "
