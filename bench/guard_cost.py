@@ -27,11 +27,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from serving.embedded_model import ensure_model  # noqa: E402
-from serving.prompt_render import IncrementalRenderer  # noqa: E402
+from serving.embedded_model import ensure_model
+from serving.prompt_render import IncrementalRenderer
 
-WORDS = ("the flight UA123 leaves at 12:30 from gate B7 and the refund of 40 EUR was booked for the "
-         "passenger ok tool result status confirmed reservation id").split()
+WORDS = ["the", "flight", "UA123", "leaves", "at", "12:30", "from", "gate", "B7", "and", "the", "refund", "of", "40", "EUR", "was", "booked", "for", "the", "passenger", "ok", "tool", "result", "status", "confirmed", "reservation", "id"]
 
 
 def text(rng: random.Random, words: int) -> str:

@@ -7,7 +7,7 @@ generate request (``/v1/chat/completions`` or ``/v1/completions``) goes through 
 1. :meth:`~SessionProxy.admit`: the session key is the body field ``conversation_id`` (popped) or
    the ``X-Session-ID`` header (:mod:`turnscope.contract`). Client-supplied
    ``kv_transfer_params`` (top level, or inside ``vllm_xargs``) are dropped: they could read
-   another session's blocks. Workers are picked round-robin.
+   another session's blocks. P and D are picked by the configured policies (``serving.routing``).
 2. :meth:`~SessionProxy.match_handle`: under the session's lock the handle is popped (single use).
    If there is one, the request's rendered ids (the prefill worker's ``/tokenize``, or the prompt
    ids themselves) are compared with the ids D holds KV for, and the handle is trimmed to whole
@@ -32,7 +32,6 @@ turnscope's. The route functions of :func:`create_app` only delegate to the prox
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import time
@@ -51,6 +50,7 @@ from serving import handles as h
 from serving.prompt_render import IncrementalRenderer
 from serving.proxy_metrics import ProxyMetrics
 from serving.proxy_request import ProxiedRequest, RequestFacts
+from serving.routing import SESSION, Router, RoutingPolicy
 from turnscope.contract import AGGREGATED, FACTS_FIELD, REQUEST_ID_HEADER, SESSION_FIELD, SESSION_HEADER
 from turnscope.tokenize_client import TokenizeError, render_request, tokenize_async
 
@@ -85,6 +85,8 @@ class ProxyConfig(BaseModel):
     ``tokenizer_dir``: the served model's directory; when set (and it holds a fast tokenizer with
     a chat template) the token guard renders chat requests in-process, incrementally per session
     (``serving.prompt_render``); None: every guard render goes through P's ``/tokenize``.
+    ``prefill_routing`` / ``decode_routing``: how P and D are picked (``serving.routing``:
+    ``round-robin``, ``session``, ``prefix-aware``; docs/configuration.md, "Routing").
     """
 
     mode: str
@@ -101,6 +103,8 @@ class ProxyConfig(BaseModel):
     kv_bytes_per_token: int | None = None
     max_sessions: int = 100_000
     tokenizer_dir: str | None = None
+    prefill_routing: RoutingPolicy = SESSION
+    decode_routing: RoutingPolicy = SESSION
 
 
 def classify_prefill(offered: int, prompt_len: int, cached: int | None, local_estimate: int,
@@ -181,8 +185,10 @@ class SessionProxy:
         self.metrics = ProxyMetrics(self.table.live_handles, config.kv_bytes_per_token,
                                     handle_ttl_s=self.table.ttl_s)
         self.last_prefill = LastPrefill(config.max_sessions)
-        self._prefill_cycle = itertools.cycle(config.prefill or config.aggregated)
-        self._decode_cycle = itertools.cycle(config.decode or config.aggregated)
+        self.prefill_router = Router(config.prefill or config.aggregated, config.prefill_routing,
+                                     max_sessions=config.max_sessions)
+        self.decode_router = Router(config.decode or config.aggregated, config.decode_routing,
+                                    max_sessions=config.max_sessions)
         self.client: httpx.AsyncClient | None = None
         self.renderer = self._renderer(config)
 
@@ -243,6 +249,8 @@ class SessionProxy:
         try:
             p_resp = await self.prefill_leg(req)
         except (_PrefillFailed, httpx.HTTPError) as exc:
+            if isinstance(exc, httpx.TransportError):
+                self.prefill_router.mark_failed(req.prefill.name)
             return self.prefill_failed(req, exc)
         self.account_prefill(req, p_resp)
         return await self.decode_leg(req)
@@ -257,7 +265,7 @@ class SessionProxy:
         if isinstance(body.get("vllm_xargs"), dict):  # vLLM copies vllm_xargs into the params' source too
             body["vllm_xargs"].pop("kv_transfer_params", None)
         request_id = request.headers.get(REQUEST_ID_HEADER) or f"ts-{uuid.uuid4().hex}"
-        prefill, decode = next(self._prefill_cycle), next(self._decode_cycle)
+        prefill, decode = self.prefill_router.pick(session), self.decode_router.pick(session)
         facts = RequestFacts(request_id=request_id, mode=self.config.mode, prefill_engine=prefill.name,
                              decode_engine=decode.name)
         return ProxiedRequest(endpoint=endpoint, body=body, session=session, prefill=prefill, decode=decode,
@@ -373,6 +381,7 @@ class SessionProxy:
             local_estimate = (min(prev[1], len(req.new_ids)) // cfg.block_size) * cfg.block_size
         if req.session:
             self.last_prefill.put(req.session, req.prefill.name, prompt_len)
+            self.prefill_router.served(req.session, req.prefill.name, prompt_len)
         if req.handle_params is not None:
             req.outcome, facts.reused_tokens = classify_prefill(facts.remote_tokens, prompt_len, cached,
                                                                 local_estimate, cfg.kv_recompute_threshold)
@@ -450,6 +459,8 @@ class SessionProxy:
                     for piece in relay.on_event(event.data):
                         yield piece
         except httpx.HTTPError as exc:
+            if isinstance(exc, httpx.TransportError):
+                self.decode_router.mark_failed(req.decode.name)
             if not relay.finished:
                 relay.fail(f"error: {type(exc).__name__}")
                 yield sse({"error": {"message": f"decode worker {req.decode.name}: {type(exc).__name__}: {exc}",
@@ -461,6 +472,8 @@ class SessionProxy:
     def finish_request(self, req: ProxiedRequest, d_handle: dict | None, prompt_ids: list[int], gen_ids: list[int],
                status: str) -> None:
         """Keep D's handle for the session's next turn (or note that none came) and log the request."""
+        if req.session and status == "ok":
+            self.decode_router.served(req.session, req.decode.name, len(prompt_ids or req.new_ids or []) + len(gen_ids))
         if req.session and req.p_params is not None:
             if d_handle and d_handle.get("remote_block_ids"):
                 self.table.put(req.session, d_handle, req.decode.name, (prompt_ids or req.new_ids or []) + gen_ids)
