@@ -7,7 +7,7 @@ generate request (``/v1/chat/completions`` or ``/v1/completions``) goes through 
 1. :meth:`~SessionProxy.admit`: the session key is the body field ``conversation_id`` (popped) or
    the ``X-Session-ID`` header (:mod:`turnscope.contract`). Client-supplied
    ``kv_transfer_params`` (top level, or inside ``vllm_xargs``) are dropped: they could read
-   another session's blocks. Workers are picked round-robin.
+   another session's blocks. P and D are picked by the configured policies (``serving.routing``).
 2. :meth:`~SessionProxy.match_handle`: under the session's lock the handle is popped (single use).
    If there is one, the request's rendered ids (the prefill worker's ``/tokenize``, or the prompt
    ids themselves) are compared with the ids D holds KV for, and the handle is trimmed to whole
@@ -32,7 +32,6 @@ turnscope's. The route functions of :func:`create_app` only delegate to the prox
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import time
@@ -49,8 +48,10 @@ from pydantic import BaseModel, Field
 
 from serving import handles as h
 from serving import reuse_rules as rules
+from serving.prompt_render import IncrementalRenderer
 from serving.proxy_metrics import ProxyMetrics
 from serving.proxy_request import ProxiedRequest, RequestFacts
+from serving.routing import SESSION, Router, RoutingPolicy
 from turnscope.contract import AGGREGATED, FACTS_FIELD, REQUEST_ID_HEADER, SESSION_FIELD, SESSION_HEADER
 from turnscope.tokenize_client import TokenizeError, render_request, tokenize_async
 
@@ -62,6 +63,10 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_
 HANDLE_KEYS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port",
                "remote_num_tokens", "remote_blocks_expiry_time", "tp_size", "dcp_size", "pp_size",
                "transfer_mode")
+
+#: First item of :meth:`SessionProxy.relay_stream` when D answered 200: tells the caller to send the
+#: headers. A sentinel, never written to the client.
+STREAM_OPEN = object()
 
 
 class Worker(BaseModel):
@@ -78,6 +83,11 @@ class ProxyConfig(BaseModel):
     (vLLM's reference multi-turn proxy keeps 450 s against D's 480 s; P itself also declines a
     read within 5 s of D's deadline, ``_KV_BLOCKS_EXPIRY_SAFETY_MARGIN`` in ``pull_worker.py``).
     ``block_size`` is the KV block size of the workers (128 on vLLM's CPU backend).
+    ``tokenizer_dir``: the served model's directory; when set (and it holds a fast tokenizer with
+    a chat template) the token guard renders chat requests in-process, incrementally per session
+    (``serving.prompt_render``); None: every guard render goes through P's ``/tokenize``.
+    ``prefill_routing`` / ``decode_routing``: how P and D are picked (``serving.routing``:
+    ``round-robin``, ``session``, ``prefix-aware``; docs/configuration.md, "Routing").
     """
 
     mode: str
@@ -93,6 +103,9 @@ class ProxyConfig(BaseModel):
     decode_timeout_s: float = 300.0
     kv_bytes_per_token: int | None = None
     max_sessions: int = 100_000
+    tokenizer_dir: str | None = None
+    prefill_routing: RoutingPolicy = SESSION
+    decode_routing: RoutingPolicy = SESSION
 
 
 def classify_prefill(offered: int, prompt_len: int, cached: int | None, local_estimate: int,
@@ -174,9 +187,23 @@ class SessionProxy:
         self.metrics = ProxyMetrics(self.table.live_handles, config.kv_bytes_per_token,
                                     handle_ttl_s=self.table.ttl_s)
         self.last_prefill = LastPrefill(config.max_sessions)
-        self._prefill_cycle = itertools.cycle(config.prefill or config.aggregated)
-        self._decode_cycle = itertools.cycle(config.decode or config.aggregated)
+        self.prefill_router = Router(config.prefill or config.aggregated, config.prefill_routing,
+                                     max_sessions=config.max_sessions)
+        self.decode_router = Router(config.decode or config.aggregated, config.decode_routing,
+                                    max_sessions=config.max_sessions)
         self.client: httpx.AsyncClient | None = None
+        self.renderer = self._renderer(config)
+
+    @staticmethod
+    def _renderer(config: ProxyConfig) -> IncrementalRenderer | None:
+        """The in-process incremental renderer of the guard, or None (no usable tokenizer)."""
+        if not config.tokenizer_dir or config.mode == AGGREGATED:
+            return None
+        try:
+            return IncrementalRenderer(config.tokenizer_dir, config.max_sessions)
+        except (OSError, ValueError) as exc:
+            log.warning("no in-process renderer (%s); the token guard renders through P's /tokenize", exc)
+            return None
 
     async def start(self) -> None:
         """Open the HTTP client the legs use (decode timeout as its default)."""
@@ -224,6 +251,8 @@ class SessionProxy:
         try:
             p_resp = await self.prefill_leg(req)
         except (_PrefillFailed, httpx.HTTPError) as exc:
+            if isinstance(exc, httpx.TransportError):
+                self.prefill_router.mark_failed(req.prefill.name)
             return self.prefill_failed(req, exc)
         self.account_prefill(req, p_resp)
         return await self.decode_leg(req)
@@ -238,7 +267,7 @@ class SessionProxy:
         if isinstance(body.get("vllm_xargs"), dict):  # vLLM copies vllm_xargs into the params' source too
             body["vllm_xargs"].pop("kv_transfer_params", None)
         request_id = request.headers.get(REQUEST_ID_HEADER) or f"ts-{uuid.uuid4().hex}"
-        prefill, decode = next(self._prefill_cycle), next(self._decode_cycle)
+        prefill, decode = self.prefill_router.pick(session), self.decode_router.pick(session)
         facts = RequestFacts(request_id=request_id, mode=self.config.mode, prefill_engine=prefill.name,
                              decode_engine=decode.name)
         return ProxiedRequest(endpoint=endpoint, body=body, session=session, prefill=prefill, decode=decode,
@@ -270,16 +299,30 @@ class SessionProxy:
                 req.facts.remote_tokens = fit.usable_tokens
 
     async def rendered_ids(self, req: ProxiedRequest) -> list[int]:
-        """The token ids the worker will see for the request ([] when ``/tokenize`` fails)."""
+        """The token ids the worker will see for the request ([] when ``/tokenize`` fails).
+
+        A chat request of a session whose previous render is kept is rendered in-process from
+        that render plus the new tail (``serving.prompt_render``: cost follows the new tokens);
+        otherwise through P's ``/tokenize``, and that render is kept for the next request when
+        the in-process render agrees with it.
+        """
         prompt = req.body.get("prompt")
         if req.endpoint == "/v1/completions" and isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return prompt
+        chat = self.renderer is not None and req.endpoint == "/v1/chat/completions"
+        if chat:
+            ids = self.renderer.render(req.session, req.body)
+            if ids is not None:
+                return ids
         try:
-            return await tokenize_async(self.client, req.prefill.url, render_request(req.endpoint, req.body),
-                                        self.config.prefill_timeout_s)
+            ids = await tokenize_async(self.client, req.prefill.url, render_request(req.endpoint, req.body),
+                                       self.config.prefill_timeout_s)
         except TokenizeError as exc:
             log.warning("tokenize failed, dropping the handle: %s", exc)
             return []
+        if chat:
+            self.renderer.keep(req.session, req.body, ids)
+        return ids
 
     async def prefill_leg(self, req: ProxiedRequest) -> dict:
         """P computes the prompt (pulling D's KV when offered a handle). A leg with a handle that
@@ -340,6 +383,7 @@ class SessionProxy:
             local_estimate = rules.local_prefix_tokens(prev[1], len(req.new_ids), cfg.block_size)
         if req.session:
             self.last_prefill.put(req.session, req.prefill.name, prompt_len)
+            self.prefill_router.served(req.session, req.prefill.name, prompt_len)
         if req.handle_params is not None:
             req.outcome, facts.reused_tokens = classify_prefill(facts.remote_tokens, prompt_len, cached,
                                                                 local_estimate, cfg.kv_recompute_threshold)
@@ -369,7 +413,8 @@ class SessionProxy:
             return first
 
         async def chain():
-            yield first
+            if first is not STREAM_OPEN:  # the sentinel itself is never sent
+                yield first
             async for piece in body_stream:
                 yield piece
 
@@ -393,9 +438,15 @@ class SessionProxy:
         return JSONResponse(data, headers=headers)
 
     async def relay_stream(self, req: ProxiedRequest, d_body: dict):
-        """D's SSE stream relayed to the client: the first item is D's error Response or a comment
-        that sends the headers; D's handle is kept (:meth:`finish_request`) and replaced on the wire by the
-        request's public facts."""
+        """D's SSE stream relayed to the client, event for event and byte for byte, plus only the
+        additive ``turnscope`` field (:class:`_StreamRelay`).
+
+        The first item is D's error :class:`Response` (D answered an HTTP error: the client gets
+        that status) or :data:`STREAM_OPEN` (D answered 200: the caller sends the headers); the
+        sentinel is never sent, so the client reads exactly D's events (vLLM never sends SSE
+        comments, and vLLM's ``bench serve`` reader breaks on one, docs/design.md "The proxy").
+        D's handle is kept (:meth:`finish_request`) and replaced on the wire by the request's
+        public facts."""
         relay = _StreamRelay(self, req)
         self.metrics.overhead.observe(max(time.perf_counter() - req.t_arrival - req.waited_s, 0.0))
         try:
@@ -406,11 +457,13 @@ class SessionProxy:
                     relay.fail(f"http_{source.response.status_code}")
                     yield Response(content, status_code=source.response.status_code, media_type="application/json")
                     return
-                yield b": turnscope\n\n"  # an SSE comment: sends the headers, ignored by clients
+                yield STREAM_OPEN
                 async for event in source.aiter_sse():
                     for piece in relay.on_event(event.data):
                         yield piece
         except httpx.HTTPError as exc:
+            if isinstance(exc, httpx.TransportError):
+                self.decode_router.mark_failed(req.decode.name)
             if not relay.finished:
                 relay.fail(f"error: {type(exc).__name__}")
                 yield sse({"error": {"message": f"decode worker {req.decode.name}: {type(exc).__name__}: {exc}",
@@ -422,6 +475,8 @@ class SessionProxy:
     def finish_request(self, req: ProxiedRequest, d_handle: dict | None, prompt_ids: list[int], gen_ids: list[int],
                status: str) -> None:
         """Keep D's handle for the session's next turn (or note that none came) and log the request."""
+        if req.session and status == "ok":
+            self.decode_router.served(req.session, req.decode.name, len(prompt_ids or req.new_ids or []) + len(gen_ids))
         if req.session and req.p_params is not None:
             if d_handle and d_handle.get("remote_block_ids"):
                 self.table.put(req.session, d_handle, req.decode.name, (prompt_ids or req.new_ids or []) + gen_ids)
@@ -432,7 +487,18 @@ class SessionProxy:
 
 
 class _StreamRelay:
-    """What the streamed relay has seen of D's stream: prompt and generated ids, D's handle, TTFT."""
+    """What the streamed relay has seen of D's stream: prompt and generated ids, D's handle, TTFT.
+
+    Every event of D's goes to the client with its bytes unchanged, except two, which get the
+    additive ``turnscope`` field (:data:`turnscope.contract.FACTS_FIELD`) spliced in before their
+    closing brace (D's own bytes stay a prefix): the chunk where choice 0 finishes (its
+    ``finish_reason`` set: every vLLM stream has one) and the chunk carrying D's
+    ``kv_transfer_params`` (``serving.stream_handle_patch``), whose params are replaced by the
+    facts. Clients that know the field merge it (``loadgen.stream_client``); others ignore an
+    unknown key, as OpenAI clients do. No event is added, except when D's stream ends with
+    neither chunk: then one usage-shaped chunk (``choices: []``) carries the facts before
+    ``[DONE]``.
+    """
 
     def __init__(self, proxy: SessionProxy, req: ProxiedRequest):
         self.proxy = proxy
@@ -441,6 +507,8 @@ class _StreamRelay:
         self.gen_ids: list[int] = []
         self.d_handle: dict | None = None
         self.first_token_seen = False
+        self.facts_sent = False
+        self.last_chunk: dict = {}
         self.finished = False
 
     def fail(self, status: str) -> None:
@@ -453,22 +521,34 @@ class _StreamRelay:
         self.finished = True
         self.proxy.finish_request(self.req, self.d_handle, self.prompt_ids, self.gen_ids, "ok")
 
+    def with_facts(self, data: str) -> bytes:
+        """D's event ``data`` (a JSON object) with the ``turnscope`` field added before its last ``}``."""
+        self.facts_sent = True
+        facts = json.dumps(self.req.facts.public(), separators=(",", ":"))
+        body = data.rstrip()
+        return f"data: {body[:-1]},\"{FACTS_FIELD}\":{facts}}}\n\n".encode()
+
     def on_event(self, data: str) -> list[bytes]:
         """The bytes to send the client for one SSE event of D's."""
         if data == "[DONE]":
             # Keep the handle before the client can hang up on [DONE] (which cancels us).
             self.done()
-            out = [] if self.d_handle is not None else [
-                sse({"object": "turnscope.facts", "choices": [], FACTS_FIELD: self.req.facts.public()})]
+            out = []
+            if not self.facts_sent:
+                chunk = {k: self.last_chunk[k] for k in ("id", "object", "created", "model") if k in self.last_chunk}
+                out.append(sse(chunk | {"choices": [], FACTS_FIELD: self.req.facts.public()}))
             return out + [b"data: [DONE]\n\n"]
         chunk = json.loads(data)
+        self.last_chunk = chunk
         if "kv_transfer_params" in chunk:
             self.d_handle = chunk.pop("kv_transfer_params")
             self.req.facts.handle_tokens = held_handle_tokens(self.d_handle)
             chunk[FACTS_FIELD] = self.req.facts.public()
+            self.facts_sent = True
             return [sse(chunk)]
         if chunk.get("prompt_token_ids"):
             self.prompt_ids = chunk["prompt_token_ids"]
+        finishes = False
         for choice in chunk.get("choices") or ():
             if choice.get("prompt_token_ids"):
                 self.prompt_ids = choice["prompt_token_ids"]
@@ -478,6 +558,9 @@ class _StreamRelay:
                     self.first_token_seen = True
                     self.proxy.metrics.ttft.labels(self.proxy.config.mode, self.req.facts.reuse or "none").observe(
                         time.perf_counter() - self.req.t_arrival)
+            finishes = finishes or (choice.get("index", 0) == 0 and choice.get("finish_reason") is not None)
+        if finishes:
+            return [self.with_facts(data)]
         return [f"data: {data}\n\n".encode()]
 
 

@@ -49,7 +49,8 @@ class ModeStack:
                            handle_ttl_margin_s=t.proxy.handle_ttl_margin_s,
                            prefill_timeout_s=t.proxy.prefill_timeout_s, decode_timeout_s=t.proxy.decode_timeout_s,
                            prefill_prefix_caching=p_spec.prefix_caching if p_spec else True,
-                           block_size=self.block_size, kv_bytes_per_token=self.kv_bytes_per_token)
+                           block_size=self.block_size, kv_bytes_per_token=self.kv_bytes_per_token,
+                           tokenizer_dir=t.model if (Path(t.model) / "tokenizer.json").is_file() else None)
 
     def topology_row(self) -> dict:
         return {"name": self.topology.name, "mode": self.mode, "workers": [

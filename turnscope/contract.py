@@ -9,7 +9,7 @@ A generate request (``POST /v1/chat/completions`` or ``/v1/completions``) names 
 body field :data:`SESSION_FIELD` or the header :data:`SESSION_HEADER`. The proxy answers with
 headers known before the stream (:data:`REQUEST_ID_HEADER`, :data:`REUSE_HEADER`,
 :data:`PREFILL_MS_HEADER`, :data:`PREFILL_ENGINE_HEADER`, :data:`DECODE_ENGINE_HEADER`) and, in the
-final chunk, a :data:`FACTS_FIELD` object of :class:`PublicFacts`.
+finishing chunk, a :data:`FACTS_FIELD` object of :class:`PublicFacts`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ DECODE_ENGINE_HEADER = "x-turnscope-decode-engine"
 
 # -- response body: the facts of the final chunk ---------------------------------------------------
 
-#: Field of the final stream chunk (or of a non-streamed response) that holds :class:`PublicFacts`.
+#: Field added to the stream chunk where choice 0 finishes and to the chunk that carried D's handle
+#: (or to a non-streamed response) that holds :class:`PublicFacts` (an additive field only).
 FACTS_FIELD = "turnscope"
 
 

@@ -4,7 +4,8 @@ For proxy tests of pure routing logic (the real behaviour is tested through vllm
 token-id lists on ``/v1/completions``. P answers ``max_tokens=1`` legs with its params; when the
 request carries D's handle it "pulls" ``min(remote_num_tokens, prompt_len)`` tokens and reports
 them in ``remote_prefill_cached_tokens`` (as vLLM's ``PrefillStats`` does). D streams ``gen``
-token ids ``itl_s`` apart and ends with its handle (``remote_num_tokens`` = prompt + gen - 1).
+token ids ``itl_s`` apart (the last with ``finish_reason`` set, as vLLM does) and ends with its
+handle (``remote_num_tokens`` = prompt + gen - 1).
 Every request body is kept in ``bodies`` for assertions.
 """
 
@@ -64,7 +65,8 @@ def decode_app(gen: int = 4, itl_s: float = 0.0, status: int = 200, handle: bool
         async def events():
             for i in range(gen):
                 await asyncio.sleep(itl_s)
-                choice = {"index": 0, "text": f"t{i}", "token_ids": [100 + i], "finish_reason": None}
+                choice = {"index": 0, "text": f"t{i}", "token_ids": [100 + i],
+                          "finish_reason": "length" if i == gen - 1 else None}
                 if i == 0:
                     choice["prompt_token_ids"] = prompt
                 yield f"data: {json.dumps({'id': 'cmpl-d', 'choices': [choice]})}\n\n"

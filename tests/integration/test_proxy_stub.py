@@ -26,7 +26,10 @@ def stream(url, prompt, session=None, extra=None):
         text = r.read().decode()
     events = [json.loads(line[6:]) for line in text.splitlines()
               if line.startswith("data: ") and line != "data: [DONE]"]
-    facts = next((e["turnscope"] for e in events if "turnscope" in e), None)
+    facts = None  # merged over the chunks in order, as loadgen.stream_client does
+    for e in events:
+        if "turnscope" in e:
+            facts = {**(facts or {}), **e["turnscope"]}
     return r, events, facts, text
 
 
@@ -112,3 +115,19 @@ def test_metrics_count_outcomes_and_estimate_handle_bytes(stubs, caplog):
     assert health["handles_live"] == 2
     lines = [json.loads(r.message) for r in caplog.records if r.message.startswith("{")]
     assert [line["reuse"] for line in lines] == ["miss_first_turn", "miss_first_turn", "miss_no_session_id"]
+
+
+@pytest.mark.parametrize("policy", ["session", "round-robin"])
+def test_prefill_routing_policy_through_the_proxy(policy):
+    with AppThread(prefill_app()) as p0, AppThread(prefill_app()) as p1, AppThread(decode_app(gen=4)) as d:
+        cfg = ProxyConfig(mode="pd-bidir", prefill=[Worker(name="prefill-0", url=p0.url),
+                                                    Worker(name="prefill-1", url=p1.url)],
+                          decode=[Worker(name="decode-0", url=d.url)], block_size=4, prefill_routing=policy)
+        with ProxyThread(cfg) as proxy:
+            engines = [stream(proxy.url, list(range(10 + 5 * k)), "s1")[0].headers["x-turnscope-prefill-engine"]
+                       for k in range(4)]
+    served = (len(p0.app.state.bodies), len(p1.app.state.bodies))
+    if policy == "session":
+        assert len(set(engines)) == 1 and sorted(served) == [0, 4]
+    else:
+        assert engines == ["prefill-0", "prefill-1"] * 2 and served == (2, 2)

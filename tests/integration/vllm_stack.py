@@ -111,7 +111,8 @@ class VllmStack:
                "decoder_kv_blocks_ttl_s": self.connector.decoder_kv_blocks_ttl,
                "handle_ttl_margin_s": 5,
                "kv_recompute_threshold": self.connector.kv_recompute_threshold,
-               "kv_bytes_per_token": ModelSpec().kv_bytes_per_token}
+               "kv_bytes_per_token": ModelSpec().kv_bytes_per_token,
+               "tokenizer_dir": self.model}  # the guard's in-process incremental render, as turnscope serve runs it
         return ProxyConfig(**(cfg | overrides))
 
 

@@ -61,7 +61,9 @@ def _spy(monkeypatch, name):
 
 def test_proxy_uses_the_shared_rules(monkeypatch):
     ttl_calls = _spy(monkeypatch, "proxy_handle_ttl_s")
-    app = proxy.create_app(proxy.ProxyConfig(mode="pd-bidir", decoder_kv_blocks_ttl_s=100, handle_ttl_margin_s=7))
+    app = proxy.create_app(proxy.ProxyConfig(mode="pd-bidir", decoder_kv_blocks_ttl_s=100, handle_ttl_margin_s=7,
+                                             prefill=[proxy.Worker(name="p", url="http://127.0.0.1:9")],
+                                             decode=[proxy.Worker(name="d", url="http://127.0.0.1:9")]))
     assert ttl_calls == [(100, 7)] and app.state.table.ttl_s == 93
 
     reach, below = _spy(monkeypatch, "reachable_tokens"), _spy(monkeypatch, "below_recompute_threshold")
