@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import context, figures, tables
+from dashboard import capacity_section, context, figures, tables
 from dashboard.loader import load
 
 #: TTLs (seconds) the what-if replays, besides the runs' own (at or below the proxy's 30 s margin nothing
@@ -88,3 +88,6 @@ st.dataframe(
         "KV held (Mtoken·s)": st.column_config.NumberColumn(format="%.3f"),
     },
 )
+
+# --- capacity -------------------------------------------------------------------------------------
+capacity_section.render(sel)
