@@ -2,11 +2,15 @@
 *crossing*), and the latency reuse buys below it. Pure functions over
 ``dashboard.capacity_queries.capacity_steps`` rows of one ramp.
 
-Crossing: the smallest load step (concurrent sessions) at which the treatment (``pd-bidir``,
-D holds KV between turns) has a goodput below the baseline's (``pd``) by more than ``tolerance``
-(relative), or a TTFT p90 above the baseline's by more than ``tolerance``. The tolerance keeps
-noise at light load (where both modes serve every turn within the SLO) from reading as a
-crossing; it is 5% by default and stated with the answer.
+A step is *behind* when the treatment (``pd-bidir``, D holds KV between turns) has a goodput
+below the baseline's (``pd``) by more than ``tolerance`` (relative), or a TTFT p90 above the
+baseline's by more than ``tolerance``. The crossing is the smallest load step (concurrent
+sessions) from which the treatment is behind at that step and at every larger step measured:
+where the curves cross for good. A step behind with a later step not behind is reported as
+*transient* (on a shared 2-core machine one step's latency can be inflated by other work; the
+first capacity run here had such a step at 1 session, README). The tolerance keeps noise at
+light load, where both modes serve every turn within the SLO, from reading as a crossing; it is
+5% by default and stated with the answer.
 """
 
 from __future__ import annotations
@@ -39,12 +43,14 @@ class StepPair:
 class Crossing:
     """The answer for one ramp: the compared ``pairs`` (ascending load), the crossing load
     ``users`` (None: none within the steps measured), why (``"goodput"``, ``"ttft_p90"`` or both,
-    joined with " and "), and the ``tolerance`` used."""
+    joined with " and ") at that step, the ``tolerance`` used, and the ``transient`` steps (users)
+    below the crossing where the treatment was behind but not at every step after."""
 
     pairs: tuple[StepPair, ...]
     users: int | None
     reason: str | None
     tolerance: float
+    transient: tuple[int, ...] = ()
 
     @property
     def below(self) -> tuple[StepPair, ...]:
@@ -67,8 +73,9 @@ def step_pairs(steps: pd.DataFrame, baseline: str = BASELINE, treatment: str = T
 
 def find_crossing(steps: pd.DataFrame, tolerance: float = DEFAULT_TOLERANCE,
                   baseline: str = BASELINE, treatment: str = TREATMENT) -> Crossing:
-    """The smallest step where the treatment's goodput < baseline's x (1 - tolerance) or its TTFT
-    p90 > baseline's x (1 + tolerance); see the module doc. ``steps`` as for :func:`step_pairs`.
+    """The smallest step from which the treatment is behind at every larger step (behind: goodput
+    < baseline's x (1 - tolerance) or TTFT p90 > baseline's x (1 + tolerance)); see the module doc.
+    ``steps`` as for :func:`step_pairs`.
 
     Raises:
         ValueError: ``tolerance`` outside [0, 1).
@@ -76,15 +83,25 @@ def find_crossing(steps: pd.DataFrame, tolerance: float = DEFAULT_TOLERANCE,
     if not 0 <= tolerance < 1:
         raise ValueError(f"tolerance must be in [0, 1), got {tolerance}")
     pairs = step_pairs(steps, baseline, treatment)
-    for p in pairs:
-        why = []
-        if p.goodput_treatment < p.goodput_baseline * (1 - tolerance):
-            why.append("goodput")
-        if p.ttft_p90_treatment_s > p.ttft_p90_baseline_s * (1 + tolerance):
-            why.append("ttft_p90")
-        if why:
-            return Crossing(pairs, p.users, " and ".join(why), tolerance)
-    return Crossing(pairs, None, None, tolerance)
+    why = [behind(p, tolerance) for p in pairs]
+    start = len(pairs)
+    while start > 0 and why[start - 1]:
+        start -= 1
+    transient = tuple(p.users for p, w in zip(pairs[:start], why[:start], strict=True) if w)
+    if start == len(pairs):
+        return Crossing(pairs, None, None, tolerance, transient)
+    return Crossing(pairs, pairs[start].users, why[start], tolerance, transient)
+
+
+def behind(p: StepPair, tolerance: float = DEFAULT_TOLERANCE) -> str | None:
+    """Why the treatment is behind the baseline at step ``p`` (``"goodput"``, ``"ttft_p90"``, or
+    both joined with " and "), or None when it is not."""
+    why = []
+    if p.goodput_treatment < p.goodput_baseline * (1 - tolerance):
+        why.append("goodput")
+    if p.ttft_p90_treatment_s > p.ttft_p90_baseline_s * (1 + tolerance):
+        why.append("ttft_p90")
+    return " and ".join(why) or None
 
 
 def _ms(s: float) -> str:
@@ -98,9 +115,12 @@ def crossing_words(c: Crossing, baseline: str = BASELINE, treatment: str = TREAT
         return f"No load step was measured in both `{baseline}` and `{treatment}`: nothing to compare."
     steps = ", ".join(str(p.users) for p in c.pairs)
     tol = f"{c.tolerance:.0%}"
-    if c.users is None:
+    if c.users is None and not c.transient:
         head = (f"**No crossing within the steps measured** ({steps} concurrent sessions): `{treatment}`'s goodput "
                 f"never fell below `{baseline}`'s, nor its TTFT p90 above it, by more than {tol}.")
+    elif c.users is None:
+        head = (f"**No crossing within the steps measured** ({steps} concurrent sessions): `{treatment}` did not "
+                f"stay behind `{baseline}` (goodput lower or TTFT p90 higher by more than {tol}) up to the last step.")
     else:
         p = next(p for p in c.pairs if p.users == c.users)
         what = []
@@ -108,8 +128,12 @@ def crossing_words(c: Crossing, baseline: str = BASELINE, treatment: str = TREAT
             what.append(f"goodput {p.goodput_treatment:.2f} vs {p.goodput_baseline:.2f} turns/s")
         if "ttft_p90" in c.reason:
             what.append(f"TTFT p90 {_ms(p.ttft_p90_treatment_s)} vs {_ms(p.ttft_p90_baseline_s)}")
-        head = (f"**Holding KV starts to cost capacity at {c.users} concurrent sessions**: there `{treatment}` "
-                f"falls behind `{baseline}` by more than {tol} ({'; '.join(what)}; steps measured: {steps}).")
+        head = (f"**Holding KV starts to cost capacity at {c.users} concurrent sessions**: from there on "
+                f"`{treatment}` stays behind `{baseline}` by more than {tol} (at {c.users}: {'; '.join(what)}; "
+                f"steps measured: {steps}).")
+    if c.transient:
+        head += (f" It was behind at {', '.join(map(str, c.transient))} concurrent session(s) too, but not at "
+                 "every step after (one step's noise, or a cost that did not last).")
     below = c.below
     if not below:
         return head + " No step below it was measured, so what reuse buys before then is not known."

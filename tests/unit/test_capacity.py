@@ -115,6 +115,22 @@ def test_no_crossing_said_in_words():
         find_crossing(steps, tolerance=1.0)
 
 
+def test_a_step_behind_with_a_later_step_not_behind_is_transient():
+    # behind at 1 (p90), not at 2, behind at 3 (goodput) and 4 (both): the crossing is 3
+    steps = _steps([("pd", 1, 0.5, 0.20, 0.25), ("pd-bidir", 1, 0.5, 0.50, 1.10),
+                    ("pd", 2, 0.7, 0.31, 0.56), ("pd-bidir", 2, 0.7, 0.30, 0.55),
+                    ("pd", 3, 1.2, 0.30, 0.60), ("pd-bidir", 3, 1.0, 0.30, 0.60),
+                    ("pd", 4, 1.5, 0.30, 0.60), ("pd-bidir", 4, 1.0, 0.40, 0.90)])
+    c = find_crossing(steps)
+    assert (c.users, c.reason, c.transient, [p.users for p in c.below]) == (3, "goodput", (1,), [1, 2])
+    assert "It was behind at 1 concurrent session(s) too, but not at every step after" in crossing_words(c)
+    # and with no lasting crossing at all: behind only at 1
+    c = find_crossing(steps[steps["users"] <= 2])
+    assert (c.users, c.transient) == (None, (1,))
+    assert crossing_words(c).startswith("**No crossing within the steps measured** (1, 2 concurrent sessions): "
+                                        "`pd-bidir` did not stay behind")
+
+
 def test_crossing_at_the_first_step_says_nothing_below_is_known():
     steps = _steps([("pd", 1, 0.5, 0.30, 0.40), ("pd-bidir", 1, 0.2, 0.20, 0.30)])
     assert "No step below it was measured" in crossing_words(find_crossing(steps))
