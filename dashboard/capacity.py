@@ -131,6 +131,8 @@ def crossing_words(c: Crossing, baseline: str = BASELINE, treatment: str = TREAT
         head = (f"**Holding KV starts to cost capacity at {c.users} concurrent sessions**: from there on "
                 f"`{treatment}` stays behind `{baseline}` by more than {tol} (at {c.users}: {'; '.join(what)}; "
                 f"steps measured: {steps}).")
+        if c.users == c.pairs[-1].users:
+            head += " That is the last step measured: a larger one would show whether it lasts."
     if c.transient:
         head += (f" It was behind at {', '.join(map(str, c.transient))} concurrent session(s) too, but not at "
                  "every step after (one step's noise, or a cost that did not last).")

@@ -123,6 +123,7 @@ def test_a_step_behind_with_a_later_step_not_behind_is_transient():
                     ("pd", 4, 1.5, 0.30, 0.60), ("pd-bidir", 4, 1.0, 0.40, 0.90)])
     c = find_crossing(steps)
     assert (c.users, c.reason, c.transient, [p.users for p in c.below]) == (3, "goodput", (1,), [1, 2])
+    assert "That is the last step measured" not in crossing_words(c)
     assert "It was behind at 1 concurrent session(s) too, but not at every step after" in crossing_words(c)
     # and with no lasting crossing at all: behind only at 1
     c = find_crossing(steps[steps["users"] <= 2])
@@ -133,4 +134,5 @@ def test_a_step_behind_with_a_later_step_not_behind_is_transient():
 
 def test_crossing_at_the_first_step_says_nothing_below_is_known():
     steps = _steps([("pd", 1, 0.5, 0.30, 0.40), ("pd-bidir", 1, 0.2, 0.20, 0.30)])
-    assert "No step below it was measured" in crossing_words(find_crossing(steps))
+    words = crossing_words(find_crossing(steps))
+    assert "No step below it was measured" in words and "That is the last step measured" in words
