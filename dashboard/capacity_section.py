@@ -59,8 +59,9 @@ def render(sel: Selection) -> None:
         "meeting both per second of the step (first turn sent to last turn finished; DistServe, Zhong et al., "
         f"OSDI'24). D's KV space: {kv / 2**20:,.0f} MiB in both modes (P keeps the topology's); D pins a "
         f"finished turn's blocks until P pulls them or {first['decoder_kv_blocks_ttl_s']:.0f} s pass (pd-bidir). "
-        f"Crossing: the smallest step where pd-bidir's goodput is below pd's, or its TTFT p90 above, by more than "
-        f"{crossing.tolerance:.0%}."
+        "Crossing: the smallest step from which pd-bidir stays behind pd at every larger step (goodput lower, or "
+        f"TTFT p90 higher, by more than {crossing.tolerance:.0%}). The two modes' steps ran one after the other on "
+        "a shared machine: compare a step across modes with its E2E and D's numbers beside it."
     )
     st.dataframe(
         steps_table(mine.sort_values(["users", "mode"])), hide_index=True, key="capacity_table",
