@@ -113,3 +113,20 @@ def test_capacity_command_records_one_run_per_mode_and_step(tmp_path, monkeypatc
         for m in MODES:
             assert f"│ {u} │ {m} │ {n} │ {n} │" in out, (u, m)
     assert "No crossing within the steps measured" in out or "starts to cost capacity" in out
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--users", "3,2"], "load steps must be strictly ascending integers >= 1, got [3, 2]"),
+    (["--users", "1,two"], "--users takes comma-separated integers"),
+    (["--decode-kv-tokens", "100"], "--decode-kv-tokens 100 is below max_model_len 8192"),
+    (["--slo-ttft-s", "0"], "--slo-ttft-s and --slo-tpot-s must be > 0 seconds"),
+    (["--workload", "nope.yaml"], "workload file nope.yaml does not exist"),
+])
+def test_bad_input_is_a_clear_error_without_traceback(tmp_path, args, needle):
+    topo = yaml.safe_load((REPO / "data" / "topologies" / "embedded-cpu.yaml").read_text())
+    topo["model"] = str(tmp_path)
+    (tmp_path / "topo.yaml").write_text(yaml.safe_dump(topo))
+    r = CliRunner().invoke(app, ["capacity", "--topology", str(tmp_path / "topo.yaml"), "--store",
+                                 str(tmp_path / "store"), "--dry-run", *args], env={"COLUMNS": "4000"})
+    out = " ".join(r.output.split())
+    assert r.exit_code == 2 and needle in out and "Traceback" not in out, out
