@@ -519,3 +519,22 @@ SELECT f.traffic_id, f.source, f.session_id, f.parent_session_id, f.request_inde
        CASE WHEN f.gap_s > l.ttl_s THEN 'pause' ELSE f.gap_kind END,
        f.arrival_s - f.gap_s, f.arrival_s, f.input_tokens, f.shared_prefix_tokens
 FROM traffic_followups f JOIN traffic_log l USING (traffic_id);
+
+-- The runs of capacity ramps (`turnscope capacity`): each load step's parameters as recorded in
+-- runs.workload_spec ($.capacity) and its SLO (runs.config $.slo), next to its mode and history
+-- mode. One row per run of a ramp.
+CREATE VIEW capacity_steps AS
+SELECT run_id, label, mode, history_mode, status, started_at, finished_at,
+       json_extract_string(workload_spec, '$.capacity.id')                          AS capacity_id,
+       json_extract_string(workload_spec, '$.capacity.workload')                    AS capacity_workload,
+       TRY_CAST(json_extract_string(workload_spec, '$.capacity.step') AS INTEGER)     AS step_index,
+       TRY_CAST(json_extract_string(workload_spec, '$.capacity.users') AS INTEGER)    AS users,
+       TRY_CAST(json_extract_string(workload_spec, '$.capacity.sessions') AS INTEGER) AS sessions,
+       TRY_CAST(json_extract_string(workload_spec, '$.capacity.decode_kv_cache_bytes') AS BIGINT)
+           AS decode_kv_cache_bytes,
+       TRY_CAST(json_extract_string(workload_spec, '$.capacity.decoder_kv_blocks_ttl_s') AS DOUBLE)
+           AS decoder_kv_blocks_ttl_s,
+       TRY_CAST(json_extract_string(config, '$.slo.ttft_s') AS DOUBLE)                AS slo_ttft_s,
+       TRY_CAST(json_extract_string(config, '$.slo.tpot_s') AS DOUBLE)                AS slo_tpot_s
+FROM runs
+WHERE json_extract_string(workload_spec, '$.capacity.id') IS NOT NULL;

