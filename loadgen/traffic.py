@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import tempfile
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ DEFAULT_TTL_S = float(DECODER_KV_BLOCKS_TTL_S)
 DEFAULT_RECOMPUTE_THRESHOLD_TOKENS = KV_RECOMPUTE_THRESHOLD_TOKENS
 #: Rows per Parquet row group written (and held in memory) at a time.
 BATCH_ROWS = 65_536
+#: DuckDB's memory limit for the report's queries (it spills to disk past it).
+QUERY_MEMORY_LIMIT = "256MB"
 _FIELDS = ("source", "session_id", "parent_session_id", "request_index", "arrival_s", "input_tokens",
            "output_tokens", "shared_prefix_tokens", "server_s", "gap_s", "gap_kind", "tool_s")
 
@@ -256,6 +259,10 @@ def build_report(store: Store, paths: Sequence[Path | str], *, format: str | Non
                                   "recompute_threshold_tokens": int(recompute_threshold_tokens)})
     con = store.connect(read_only=True)
     try:
+        # Bound DuckDB's working memory (its default is 80% of RAM), spilling to a temporary
+        # directory instead, so the report's memory does not grow with the trace.
+        con.execute(f"SET memory_limit = '{QUERY_MEMORY_LIMIT}'")
+        con.execute(f"SET temp_directory = '{tempfile.gettempdir()}/turnscope-duckdb-{os.getpid()}'")
         return TrafficReport.read(con, tid)
     finally:
         con.close()
