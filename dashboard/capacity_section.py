@@ -16,7 +16,7 @@ from dashboard.queries import capacity as capacity_queries
 
 @st.cache_data(ttl=db.CACHE_TTL_S, show_spinner=False)
 def _steps(store_root: str, run_ids: tuple[str, ...]) -> pd.DataFrame:
-    return db.read(db.Store(Path(store_root)), capacity_queries.capacity_steps, run_ids)
+    return db.read(db.StoreLocation(Path(store_root)), capacity_queries.capacity_steps, run_ids)
 
 
 def steps_table(steps: pd.DataFrame) -> pd.DataFrame:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pandas as pd
 import streamlit as st
 
-from dashboard.db import Store
+from dashboard.db import StoreLocation
 from dashboard.queries import TurnFilter
 
 _KEY = "_turnscope_selection"
@@ -25,7 +25,7 @@ class Selection:
     `archetypes`, `kinds`, `gap_kinds`: the turn filters (empty tuple: all).
     """
 
-    store: Store
+    store: StoreLocation
     runs: pd.DataFrame
     run_ids: tuple[str, ...]
     modes: tuple[str, ...]

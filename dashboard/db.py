@@ -44,8 +44,9 @@ class StoreInvalid(Exception):
 
 
 @dataclass(frozen=True)
-class Store:
-    """A store directory; `db` is its DuckDB file of views."""
+class StoreLocation:
+    """Where a store is, as the dashboard reads it: the directory `root` and `db`, its DuckDB file
+    of views (the store itself, its schema and writer, is `turnscope.store.Store`)."""
 
     root: Path
 
@@ -57,10 +58,10 @@ class Store:
         return self.db.is_file()
 
 
-def store_from_env() -> Store:
+def store_from_env() -> StoreLocation:
     """The store named by ``$TURNSCOPE_STORE``, else ``<repo>/data``."""
     raw = os.environ.get(ENV_VAR, "").strip()
-    return Store(Path(raw).expanduser().resolve() if raw else DEFAULT_STORE)
+    return StoreLocation(Path(raw).expanduser().resolve() if raw else DEFAULT_STORE)
 
 
 def _is_lock_error(exc: Exception) -> bool:
@@ -69,7 +70,7 @@ def _is_lock_error(exc: Exception) -> bool:
 
 @contextmanager
 def connect(
-    store: Store, *, attempts: int = 5, backoff_s: float = 0.1
+    store: StoreLocation, *, attempts: int = 5, backoff_s: float = 0.1
 ) -> Iterator[duckdb.DuckDBPyConnection]:
     """Open `store` read-only for the duration of the ``with`` block, then close it.
 
@@ -97,7 +98,7 @@ def connect(
         con.close()
 
 
-def read(store: Store, query: Callable[..., pd.DataFrame], *args: Any) -> pd.DataFrame:
+def read(store: StoreLocation, query: Callable[..., pd.DataFrame], *args: Any) -> pd.DataFrame:
     """Call ``query(con, *args)`` on a fresh read-only connection to `store`; return its DataFrame.
 
     A missing view (the file is not a turnscope store, or predates data/schema.sql) raises

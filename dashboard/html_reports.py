@@ -34,7 +34,7 @@ def ratio_line(r: Ratio) -> str:
     )
 
 
-def run_report(store: db.Store, f: TurnFilter, description: str = "") -> str:
+def run_report(store: db.StoreLocation, f: TurnFilter, description: str = "") -> str:
     """The Overview of the runs of `f`, with the Turns, Sessions and Memory figures, as HTML.
 
     Runs every query it needs on `store` (read-only). Returns the document (str).

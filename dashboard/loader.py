@@ -25,7 +25,7 @@ Query = Callable[..., pd.DataFrame]
 def _fetch(store_root: str, name: str, _query: Query, *args: object) -> pd.DataFrame:
     """`_query(con, *args)` on `store_root`; `name` (the query's qualified name) is the cache key
     in its place (a leading underscore keeps Streamlit from hashing the function)."""
-    return db.read(db.Store(Path(store_root)), _query, *args)
+    return db.read(db.StoreLocation(Path(store_root)), _query, *args)
 
 
 def fetch(store_root: str, query: Query, *args: object) -> pd.DataFrame:

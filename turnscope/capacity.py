@@ -175,7 +175,7 @@ def print_capacity_summary(store: Path, run_ids: list[str], console: Console) ->
     from dashboard import capacity, db
     from dashboard.queries import capacity as capacity_queries
 
-    steps = db.read(db.Store(Path(store)), capacity_queries.capacity_steps, run_ids)
+    steps = db.read(db.StoreLocation(Path(store)), capacity_queries.capacity_steps, run_ids)
     if steps.empty:
         return
     table = Table(title=f"capacity ramp {steps['capacity_id'].iloc[0]}: SLO TTFT <= "

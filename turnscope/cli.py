@@ -177,7 +177,7 @@ def print_summary(store: Path, run_ids: list[str]) -> None:
     ext = report.external_kv_tokens(store, run_ids).set_index("run_id")["external_kv_tokens"].to_dict()
     from dashboard import db, queries
 
-    runs = db.read(db.Store(store), queries.runs).set_index("run_id")
+    runs = db.read(db.StoreLocation(store), queries.runs).set_index("run_id")
     for run_id in run_ids:
         rows = ttft[ttft.run_id == run_id]
         what = (f": {runs.at[run_id, 'mode']}, history {runs.at[run_id, 'history_mode']}"
@@ -228,7 +228,7 @@ def print_bottom_line(store: Path, run_ids: list[str]) -> None:
     from dashboard import db, headline, queries, speedup
 
     f = queries.TurnFilter(run_ids=tuple(run_ids))
-    dstore = db.Store(store)
+    dstore = db.StoreLocation(store)
     samples = db.read(dstore, queries.ttft_samples, f, headline.MIN_TURN_INDEX, headline.MAX_CI_TURNS)
     stats = db.read(dstore, queries.ttft_stats, f, headline.MIN_TURN_INDEX)
     ratios = headline.headline_ratios(samples, stats=stats)

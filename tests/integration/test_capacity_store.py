@@ -14,7 +14,7 @@ from tests import capacity_store as cs
 def steps(tmp_path_factory):
     root = cs.build(tmp_path_factory.mktemp("capstore"))
     ids = [cs.PLAIN] + [cs.run_id(m, u) for m in cs.MODES for u in cs.USERS]
-    return db.read(db.Store(root), capacity_queries.capacity_steps, ids)
+    return db.read(db.StoreLocation(root), capacity_queries.capacity_steps, ids)
 
 
 def test_one_row_per_step_and_mode_and_the_plain_run_left_out(steps):

@@ -59,7 +59,7 @@ def test_two_step_ramp_pins_the_first_steps_last_turn_on_d(tmp_path):
                        "ORDER BY sent_at DESC LIMIT 1").fetchone()[0]
     hits = con.execute("SELECT count(*) FROM turns WHERE reuse = 'hit'").fetchone()[0]
     con.close()
-    steps = db.read(db.Store(store), capacity_queries.capacity_steps, run_ids).set_index("users")
+    steps = db.read(db.StoreLocation(store), capacity_queries.capacity_steps, run_ids).set_index("users")
     assert list(steps["turns"]) == [4, 8] and list(steps["ok_turns"]) == [4, 8]
     # the first step's last turn is still pinned (TTL 60 s) when the second step's first scrape comes
     assert steps.at[2, "decode_kv_usage_start"] * (D_TOKENS // BLOCK) >= last // BLOCK

@@ -614,7 +614,7 @@ def test_run_report_export(store_root):
     from dashboard import db, html_reports
     from dashboard.queries import TurnFilter
 
-    html = html_reports.run_report(db.Store(store_root), TurnFilter(tuple(fx.RUNS)), "4 runs")
+    html = html_reports.run_report(db.StoreLocation(store_root), TurnFilter(tuple(fx.RUNS)), "4 runs")
     ratio = compare_sql(store_root, "m.mode = 'pd-bidir'", "m.mode = 'aggregated'", "true")
     assert f"pd-bidir vs aggregated: speed-up {1 / ratio:.2f}x" in html
     assert html.count('class="plotly-graph-div"') == 8 and "<script src=" not in html.split("</script>", 1)[1]

@@ -94,7 +94,7 @@ def test_memory_page_held_is_the_runs_own_handles(store: Store) -> None:
     """The Memory page's "held (GiB·s)" (queries.reuse_cost) is run_handle_memory's figure."""
     from dashboard import db, queries
 
-    df = db.read(db.Store(store.root), queries.reuse_cost, list(RUNS)).set_index("run_id")
+    df = db.read(db.StoreLocation(store.root), queries.reuse_cost, list(RUNS)).set_index("run_id")
     for run_id, expected in EXPECTED_GIB_S.items():
         assert df.loc[run_id, "held_gib_s"] == pytest.approx(expected)
         assert df.loc[run_id, "held_source"] == "handles"

@@ -94,8 +94,8 @@ def test_dashboard_percentiles_leave_the_inband_error_out(stores) -> None:
     f = queries.TurnFilter(run_ids=tuple(dashboard_store.RUNS))
     for query, args in ((queries.ttft_samples, (f, 0, 10_000)), (queries.ttft_stats, (f, 0)),
                         (queries.latency_by, (f, "turn_index"))):
-        a = db.read(db.Store(plain), query, *args)
-        b = db.read(db.Store(with_error), query, *args)
+        a = db.read(db.StoreLocation(plain), query, *args)
+        b = db.read(db.StoreLocation(with_error), query, *args)
         assert a.equals(b), query.__name__
 
 

@@ -111,7 +111,7 @@ def test_prompt_tokens_by_source_through_the_store(store: Path) -> None:
 
 def test_per_engine_kv_usage_is_the_fullest_engine_on_the_memory_page(store: Path) -> None:
     exp = json.loads((PROM / "per_engine_series.expect.json").read_text())["expect"]
-    df = db.read(db.Store(store), queries.memory_timeline, [RUN])
+    df = db.read(db.StoreLocation(store), queries.memory_timeline, [RUN])
     decode = df[(df.role == "decode") & (df.name == queries.KV_USAGE)]
     assert not decode.empty
     # The fullest engine (0.77) in every scrape: not engine 0's 0.41, not their sum 1.18.

@@ -88,7 +88,7 @@ def test_tiny_vendor_sweep(tmp_path):
     con.close()
 
     # The Sweep page's numbers on this store: the points, a prefill fit, a measured bandwidth, an ideal.
-    st = db.Store(store)
+    st = db.StoreLocation(store)
     ids = tuple(run_ids)
     points = db.read(st, queries.sweep_points, ids)
     assert sorted(points["prefix_tokens"]) == sorted(list(VALUES) * 2)
