@@ -30,7 +30,6 @@ between a parent's and its child's arrivals.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from loadgen.traces.errors import TraceFormatError
+from loadgen.traces.jsonl import iter_json_objects
 
 #: The shipped copy (Apache-2.0, see data/traces/SOURCES.md).
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "data" / "traces" / "conversation_trace.jsonl"
@@ -71,38 +71,24 @@ def load_mooncake(path: Path | str = DEFAULT_TRACE, *, limit: int | None = None)
     """
     path = Path(path)
     out: list[MooncakeRequest] = []
-    try:
-        fh = path.open(encoding="utf-8")
-    except OSError as e:
-        raise TraceFormatError(f"{path}: cannot read the trace: {e}") from e
-    with fh:
-        for lineno, line in enumerate(fh, 1):
-            if limit is not None and len(out) >= limit:
-                break
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TraceFormatError(f"{where}: not valid JSON: column {e.colno}: {e.msg}") from e
-            if not isinstance(d, dict):
-                raise TraceFormatError(f"{where}: expected a JSON object, got {type(d).__name__}")
-            for k in ("timestamp", "input_length", "output_length"):
-                v = d.get(k)
-                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                    raise TraceFormatError(f"{where}: {k}: expected an integer >= 0, got {v!r}")
-            h = d.get("hash_ids")
-            if not isinstance(h, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in h):
-                raise TraceFormatError(f"{where}: hash_ids: expected a list of integers, got {h!r:.80}")
-            need = -(-d["input_length"] // BLOCK_TOKENS)
-            if len(h) != need:
-                raise TraceFormatError(f"{where}: hash_ids: expected {need} ids for input_length "
-                                       f"{d['input_length']} ({BLOCK_TOKENS}-token blocks), got {len(h)}")
-            if out and d["timestamp"] < out[-1].timestamp_ms:
-                raise TraceFormatError(f"{where}: timestamp: {d['timestamp']} is before the previous "
-                                       f"line's {out[-1].timestamp_ms}")
-            out.append(MooncakeRequest(len(out), d["timestamp"], d["input_length"], d["output_length"], tuple(h)))
+    for where, _, d in iter_json_objects(path):
+        if limit is not None and len(out) >= limit:
+            break
+        for k in ("timestamp", "input_length", "output_length"):
+            v = d.get(k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise TraceFormatError(f"{where}: {k}: expected an integer >= 0, got {v!r}")
+        h = d.get("hash_ids")
+        if not isinstance(h, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in h):
+            raise TraceFormatError(f"{where}: hash_ids: expected a list of integers, got {h!r:.80}")
+        need = -(-d["input_length"] // BLOCK_TOKENS)
+        if len(h) != need:
+            raise TraceFormatError(f"{where}: hash_ids: expected {need} ids for input_length "
+                                   f"{d['input_length']} ({BLOCK_TOKENS}-token blocks), got {len(h)}")
+        if out and d["timestamp"] < out[-1].timestamp_ms:
+            raise TraceFormatError(f"{where}: timestamp: {d['timestamp']} is before the previous "
+                                   f"line's {out[-1].timestamp_ms}")
+        out.append(MooncakeRequest(len(out), d["timestamp"], d["input_length"], d["output_length"], tuple(h)))
     return out
 
 

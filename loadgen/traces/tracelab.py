@@ -33,13 +33,13 @@ Errors (:class:`TraceFormatError`) name the file, line and field. Timestamps are
 from __future__ import annotations
 
 import datetime as dt
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from loadgen.traces.agent_request import AgentRequest
 from loadgen.traces.errors import TraceFormatError
+from loadgen.traces.jsonl import iter_json_objects
 
 #: The shipped copy (CC-BY-4.0, see data/traces/SOURCES.md).
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "data" / "traces" / "tracelab_round_trace.jsonl"
@@ -156,28 +156,13 @@ def read_tracelab(path: Path | str = DEFAULT_TRACE) -> list[AgentRequest]:
     """
     path = Path(path)
     rounds: dict[str, dict[int, _Round]] = {}
-    try:
-        fh = path.open(encoding="utf-8")
-    except OSError as e:
-        raise TraceFormatError(f"{path}: cannot read the trace: {e}") from e
-    with fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TraceFormatError(f"{where}: not valid JSON: column {e.colno}: {e.msg}") from e
-            if not isinstance(d, dict):
-                raise TraceFormatError(f"{where}: expected a JSON object (one TraceLab round), "
-                                       f"got {type(d).__name__}")
-            r = _round(where, lineno, d)
-            sess = rounds.setdefault(r.session_id, {})
-            if r.round_index in sess:
-                raise TraceFormatError(f"{where}: round_index: {r.round_index} repeats line "
-                                       f"{sess[r.round_index].lineno} of session {r.session_id}")
-            sess[r.round_index] = r
+    for where, lineno, d in iter_json_objects(path, "a JSON object (one TraceLab round)"):
+        r = _round(where, lineno, d)
+        sess = rounds.setdefault(r.session_id, {})
+        if r.round_index in sess:
+            raise TraceFormatError(f"{where}: round_index: {r.round_index} repeats line "
+                                   f"{sess[r.round_index].lineno} of session {r.session_id}")
+        sess[r.round_index] = r
     if not rounds:
         return []
     t0 = min(r.arrival for s in rounds.values() for r in s.values())
