@@ -84,10 +84,13 @@ margins = sorted({float(m) for m in config["handle_ttl_margin_s"].dropna()})
 margin = ", ".join(f"{m:.0f}" for m in margins) or "30"
 st.caption(
     f"Replayed over the {len(held_runs)} selected run(s) in {' and '.join(f'`{m}`' for m in HANDLE_MODES)} "
-    "(the modes whose decode worker keeps handles) from the recorded gaps between turns: a later turn (not `fresh`) would hit when its gap is "
-    f"below TTL − {margin} s (the proxy's margin); after each ok turn D holds its prompt + output tokens "
-    "for min(gap to the next turn, TTL), the whole TTL after a session's last turn; KV bytes from each "
-    "run's kv_bytes_per_token. Other misses (mismatch, failed transfer) are not modelled."
+    "(the modes whose decode worker keeps handles) from the recorded gaps between turns: a later turn (not "
+    f"`fresh`, recorded a hit or a miss by expiry) would hit when its gap is below TTL − {margin} s (the "
+    "proxy's margin); a miss for another reason (mismatch, below the recompute threshold, failed transfer) "
+    "stays one. After each ok turn D holds its prompt + output tokens until the next turn pulls them, else "
+    "for the whole TTL (a session's last turn, every miss), as vLLM pins them; KV bytes from each run's "
+    "kv_bytes_per_token. At a run's own TTL this is the held GiB·s above, from the recorded gaps instead of "
+    "the proxy's handle ages."
 )
 if not whatif.empty and int(whatif["turns_without_kv_bytes"].max()):
     st.caption("Some runs have no kv_bytes_per_token in their config: their KV is left out of the GiB·s.")

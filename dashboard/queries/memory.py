@@ -178,28 +178,40 @@ def reuse_cost(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) ->
 
 
 # Per turn (all turns of the selected runs, so each turn's successor is known before filtering):
-# the KV D would hold after it (prompt + output tokens of an ok turn) for min(gap to the next
-# turn, TTL), or the whole TTL after a session's last turn. A later turn hits when it is not
-# `fresh` and its gap is below TTL - the proxy's margin.
+# the KV D would hold after it (prompt + output tokens of an ok turn) until the session's next turn
+# pulls it (the gap to that turn, when that turn hits at this TTL), else for the whole TTL (vLLM
+# pins a handle until it is read or expires: view handle_holds). A later turn hits when it is not
+# `fresh`, its recorded outcome was a hit or a miss by expiry (other misses do not depend on the
+# TTL), and its gap is below TTL - the proxy's margin.
 # Exact, in one pass: with the TTLs sorted T_0 < ... < T_k-1, each turn falls in the bin of the
-# first TTL above its next gap (bin_next) and above the gap it needs (bin_hit); then, for T_j,
+# first TTL above what its successor needs to hit (bin_next) and above what it needs itself
+# (bin_hit); then, for T_j,
 # held = sum(h x next gap) over bins <= j + T_j x sum(h) over bins > j, and hits = turns in bins
 # <= j. The per-turn work is two comparisons chains and one small group-by, whatever the number
 # of TTLs.
 _WHATIF_TTL = """
-WITH w AS (
-    SELECT run_id, turn_index, kind, gap_kind, gap_before_s,
-           CASE WHEN status = 'ok' THEN coalesce(prompt_tokens, 0) + coalesce(completion_tokens, 0) ELSE 0 END
+WITH t AS (
+    SELECT t.run_id, t.session_id, t.turn_index, t.kind, t.gap_kind, t.gap_before_s,
+           CASE WHEN t.status = 'ok' THEN coalesce(t.prompt_tokens, 0) + coalesce(t.completion_tokens, 0) ELSE 0 END
                ::DOUBLE AS held_tokens,
-           lead(gap_before_s) OVER (PARTITION BY hash(run_id, session_id) ORDER BY turn_index) AS next_gap_s
-    FROM turns
+           -- the TTL this turn needs to pull the previous turn's handle; NULL where no TTL can make
+           -- it (turn 0, `fresh`, or a recorded miss that does not depend on the TTL: mismatch,
+           -- below threshold, failed transfer, no handle)
+           CASE WHEN t.turn_index >= 1 AND t.kind IS DISTINCT FROM 'fresh'
+                     AND (t.reuse IS NULL OR t.reuse IN ('hit', 'miss_expired'))
+                THEN t.gap_before_s + c.handle_ttl_margin_s END AS needs_ttl_s,
+           c.kv_bytes_per_token
+    FROM turns t JOIN run_config c USING (run_id)
+), w AS (
+    SELECT *,
+           lead(gap_before_s) OVER (PARTITION BY hash(run_id, session_id) ORDER BY turn_index) AS next_gap_s,
+           lead(needs_ttl_s) OVER (PARTITION BY hash(run_id, session_id) ORDER BY turn_index) AS next_needs_ttl_s
+    FROM t
     WHERE {where_sessions}
 ), x AS (
-    SELECT w.run_id, w.turn_index, w.held_tokens, w.next_gap_s, c.kv_bytes_per_token,
-           -- the gap a hit must beat; NULL where no TTL can make the turn hit
-           CASE WHEN w.turn_index >= 1 AND w.kind IS DISTINCT FROM 'fresh'
-                THEN w.gap_before_s + c.handle_ttl_margin_s END AS needs_ttl_s
-    FROM w JOIN run_config c USING (run_id)
+    SELECT w.run_id, w.turn_index, w.held_tokens, w.next_gap_s, w.next_needs_ttl_s, w.kv_bytes_per_token,
+           w.needs_ttl_s
+    FROM w
     WHERE {where_turns}
 ), bins AS (
     SELECT run_id, any_value(kv_bytes_per_token) AS kv_bytes_per_token,
@@ -236,10 +248,13 @@ def whatif_ttl(
     """What other ``decoder_kv_blocks_ttl`` values would have given, replayed from recorded gaps.
 
     For each TTL in `ttls_s` (seconds) over the turns `f` keeps: a later turn (turn_index >= 1,
-    not ``fresh``) hits when its gap_before_s < TTL - the run's handle margin (``run_config``);
-    after each ok turn D holds its prompt + output tokens for min(gap to the session's next turn,
-    TTL), the whole TTL after the last turn recorded. Other causes of a miss (mismatch, transfer
-    failure) are not modelled. Columns: ttl_s, later_turns, hits, held_token_s (tokens x s),
+    not ``fresh``, recorded ``hit`` or ``miss_expired``) hits when its gap_before_s < TTL - the
+    run's handle margin (``run_config``); a recorded miss of another kind (mismatch, below
+    threshold, failed transfer, no handle) stays a miss at every TTL. After each ok turn D holds
+    its prompt + output tokens until the session's next turn pulls them (the gap to it, when that
+    turn hits at this TTL), else for the whole TTL, as vLLM pins a handle until it is read or
+    expires (the rule of the ``handle_holds`` view, so at a run's own TTL the held GiB·s is close
+    to ``run_handle_memory.held_gib_s``). Columns: ttl_s, later_turns, hits, held_token_s (tokens x s),
     held_gib_s (GiB x s, using runs.config kv_bytes_per_token; NULL parts skipped),
     turns_without_kv_bytes (ok turns of runs with no kv_bytes_per_token). One row per TTL.
     """
@@ -255,7 +270,7 @@ def whatif_ttl(
     sql = _WHATIF_TTL.format(
         where_sessions=where_sessions,
         where_turns=where_turns,
-        bin_next=_bin("next_gap_s", ttls),
+        bin_next=_bin("next_needs_ttl_s", ttls),
         bin_hit=_bin("needs_ttl_s", ttls),
         totals=",\n       ".join(_WHATIF_TOTALS.format(i=i, ttl=repr(t)) for i, t in enumerate(ttls)),
     )

@@ -361,22 +361,31 @@ def test_memory_cost_of_reuse(monkeypatch, store_root):
 
 def whatif_by_hand(ttl: float, sessions=range(fx.SESSIONS), kinds=None) -> tuple[int, int, float]:
     """(later turns, hits, GiB x s held) replayed from the fixture's gaps for one TTL, over the
-    turns of `sessions` whose kind is in `kinds` (all when None); a kept turn's handle is held
-    until its successor in the session, kept or not."""
+    turns of `sessions` whose kind is in `kinds` (all when None), in the runs that keep handles.
+    A turn can hit only when its recorded outcome depends on the TTL (a hit or a miss by expiry);
+    a kept turn's KV is held until its successor in the session pulls it (the gap, when the
+    successor hits at this TTL), else for the whole TTL."""
     later = hits = 0
     byte_s = 0.0
+
+    def hits_at(r: str, s: int, t: int) -> bool:
+        gap, _, kind = fx.gap(s, t)
+        return (t >= 1 and kind != "fresh" and fx.reuse(r, s, t) in ("hit", "miss_expired")
+                and gap < ttl - fx.MARGIN_S)
+
     for r in (r for r, (mode, *_) in fx.RUNS.items() if mode.startswith("pd-bidir")):  # runs that hold handles
         for s in sessions:
             for t in range(fx.TURNS):
-                gap, _, kind = fx.gap(s, t)
+                _, _, kind = fx.gap(s, t)
                 if kinds is not None and kind not in kinds:
                     continue
                 if t >= 1:
                     later += 1
-                    hits += kind != "fresh" and gap < ttl - fx.MARGIN_S
+                    hits += hits_at(r, s, t)
                 if fx.ttft_s(r, s, t) is None:
                     continue  # a failed turn leaves no KV behind
-                held_for = min(fx.gap(s, t + 1)[0], ttl) if t + 1 < fx.TURNS else ttl
+                pulled = t + 1 < fx.TURNS and hits_at(r, s, t + 1)
+                held_for = fx.gap(s, t + 1)[0] if pulled else ttl
                 byte_s += (fx.prompt_tokens(t) + 32) * fx.KV_BYTES_PER_TOKEN * held_for
     return later, hits, byte_s / GIB
 
@@ -391,8 +400,11 @@ def test_memory_whatif_ttl(monkeypatch, store_root):
         assert (row["later turns"], row["hits"]) == (later, hits)
         assert row["KV held (GiB·s)"] == pytest.approx(gib_s)
     # The 500 s pause hits only once TTL - 30 s exceeds it.
-    # 3 pd-bidir* runs x 3 sessions x 3 later turns (the aggregated run holds nothing and is left out)
-    assert table.loc[480.0, "hits"] == 27 - 3 and table.loc[900.0, "hits"] == 27
+    # 3 pd-bidir* runs x 3 sessions x 3 later turns = 27 (the aggregated run holds nothing and is
+    # left out); bnc-1's 9 never had a handle and bidir-2's mismatch is not the TTL's: 17 can hit,
+    # and at 480 s the 2 resumes after a 500 s pause do not.
+    assert table.loc[900.0, "later turns"] == 27
+    assert table.loc[480.0, "hits"] == 17 - 2 and table.loc[900.0, "hits"] == 17
     fig = next(f for t, f in charts(at).items() if t.startswith("What if the TTL"))
     assert [shape.x0 for shape in fig.layout.shapes] == [480.0]  # the configured TTL, marked
 
@@ -405,7 +417,9 @@ def test_memory_whatif_follows_the_filters(monkeypatch, store_root):
     table = frame(at, "decoder_kv_blocks_ttl (s)").set_index("decoder_kv_blocks_ttl (s)")
     for ttl in (60.0, 480.0):
         later, hits, gib_s = whatif_by_hand(ttl, sessions=(2,), kinds=("turn",))
-        assert (table.loc[ttl, "later turns"], table.loc[ttl, "hits"]) == (later, hits) == (6, 6)
+        # session 2's 2 `turn` turns in the 3 pd-bidir* runs: bnc-1's never had a handle, and
+        # bidir-2's second is its mismatch: 2 + 1 can hit
+        assert (table.loc[ttl, "later turns"], table.loc[ttl, "hits"]) == (later, hits) == (6, 3)
         assert table.loc[ttl, "KV held (GiB·s)"] == pytest.approx(gib_s)
 
 

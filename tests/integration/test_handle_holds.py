@@ -16,23 +16,23 @@ from turnscope.store import Store
 T0 = dt.datetime(2026, 12, 1, 10, 0, tzinfo=dt.UTC)
 KV = 4096  # bytes per token of both runs
 GIB = 2**30
-RUNS = {"run-a": (480, 0), "run-b": (120, 10)}  # run -> (decoder_kv_blocks_ttl s, start offset min)
-# (run, session, turn, handle_tokens, reuse, handle_age_s, prefill_leg_s)
+RUNS = {"run-a": (480, 0), "run-b": (120, 10), "run-c": (480, 20)}  # run -> (D's TTL s, start offset min)
+# (run, session, turn, handle_tokens, reuse, handle_age_s, prefill_leg_s, gap_before_s)
 TURNS = [
-    ("run-a", "a0", 0, 1000, "miss_first_turn", None, 0.2),
-    ("run-a", "a0", 1, 1200, "hit", 10.0, 0.5),             # pulls a0/0's handle: held 10.0 + 0.5 s
-    ("run-a", "a1", 0, 500, "miss_first_turn", None, 0.2),
-    ("run-a", "a1", 1, 800, "miss_mismatch", None, 0.3),     # a1/0's handle not pulled: held the TTL
-    ("run-b", "b0", 0, 300, "miss_first_turn", None, 0.2),
-    ("run-b", "b0", 1, 400, "miss_expired", None, 0.2),      # b0/0's handle outlived the proxy's TTL
-    ("run-b", "b0", 2, None, "miss_no_handle_returned", None, 0.2),  # D kept nothing: no row
+    ("run-a", "a0", 0, 1000, "miss_first_turn", None, 0.2, 0.0),
+    ("run-a", "a0", 1, 1200, "hit", 10.0, 0.5, 9.9),        # pulls a0/0's handle: held 10.0 + 0.5 s
+    ("run-a", "a1", 0, 500, "miss_first_turn", None, 0.2, 0.0),
+    ("run-a", "a1", 1, 800, "miss_mismatch", None, 0.3, 5.0),  # a1/0's handle not pulled: held the TTL
+    ("run-b", "b0", 0, 300, "miss_first_turn", None, 0.2, 0.0),
+    ("run-b", "b0", 1, 400, "miss_expired", None, 0.2, 100.0),  # 100 s > 120 - 30: b0/0's handle expired
+    ("run-c", "c0", 0, None, "miss_first_turn", None, 0.2, 0.0),  # D kept nothing (one-way): no row
 ]
 # By hand: bytes x seconds per hold, over 2^30.
 EXPECTED_GIB_S = {
     "run-a": (1000 * KV * 10.5 + 1200 * KV * 480 + 500 * KV * 480 + 800 * KV * 480) / GIB,
     "run-b": (300 * KV * 120 + 400 * KV * 120) / GIB,
 }
-D_USAGE_AT_START = {"run-a": 0.0, "run-b": 0.25}  # run-a's handles still pinned when run-b starts
+D_USAGE_AT_START = {"run-a": 0.0, "run-b": 0.25, "run-c": 0.1}  # run-a's handles still pinned later
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +46,15 @@ def store(tmp_path_factory) -> Store:
             w.append("runs_log", {"run_id": run_id, "mode": "pd-bidir", "status": "complete", "started_at": start,
                                   "updated_at": start, "config": {"kv_bytes_per_token": KV,
                                                                   "connector": {"decoder_kv_blocks_ttl": ttl_s}}})
-            for k, (run, session, turn, tokens, reuse, age, leg) in enumerate(t for t in TURNS if t[0] == run_id):
+            for k, (run, session, turn, tokens, reuse, age, leg, gap) in enumerate(
+                    t for t in TURNS if t[0] == run_id):
+                # D's handle holds prompt + output - 1 tokens (serving.reuse_rules): 32-token replies
+                prompt = (tokens or 500) + 1 - 32
                 w.append("turns", {"run_id": run, "session_id": session, "turn_index": turn, "status": "ok",
                                    "sent_at": start + dt.timedelta(seconds=20 * k), "e2e_s": 1.5, "ttft_s": 0.3,
                                    "reuse": reuse, "handle_age_s": age, "prefill_leg_s": leg,
-                                   "handle_tokens": tokens})
+                                   "handle_tokens": tokens, "prompt_tokens": prompt, "completion_tokens": 32,
+                                   "gap_before_s": gap})
             for sec, usage in ((1, D_USAGE_AT_START[run_id]), (30, 0.6)):
                 w.append("metric_samples", {"run_id": run_id, "scraped_at": start + dt.timedelta(seconds=sec),
                                             "endpoint": "http://d", "role": "decode",
@@ -86,6 +90,7 @@ def test_run_memory_is_its_own_handles_to_their_end(store: Store) -> None:
         assert held == pytest.approx(expected)
         assert usage == D_USAGE_AT_START[run_id]
     assert rows["run-a"][:2] == (4, 1) and rows["run-b"][:2] == (2, 0)
+    assert rows["run-c"][:3] == (0, 0, 0.0)  # no handles: nothing held
     # run-a's last hold ends a TTL after its last turn (sent at +60 s, 1.5 s long): past run-b's start
     assert rows["run-a"][3] == T0 + dt.timedelta(seconds=60 + 1.5 + 480)
 
@@ -98,3 +103,14 @@ def test_memory_page_held_is_the_runs_own_handles(store: Store) -> None:
     for run_id, expected in EXPECTED_GIB_S.items():
         assert df.loc[run_id, "held_gib_s"] == pytest.approx(expected)
         assert df.loc[run_id, "held_source"] == "handles"
+
+
+@pytest.mark.parametrize("run_id", ["run-a", "run-b"])
+def test_whatif_at_the_runs_own_ttl_agrees_with_the_held_memory(store: Store, run_id: str) -> None:
+    """The Memory page's what-if replayed at the run's own TTL and its measured held GiB·s are the
+    same rule from two routes (recorded gaps vs the proxy's handle ages): within 5%."""
+    from dashboard import db, queries
+
+    ttl_s = float(RUNS[run_id][0])
+    whatif = db.read(db.StoreLocation(store.root), queries.whatif_ttl, [run_id], (ttl_s,)).iloc[0]
+    assert whatif["held_gib_s"] == pytest.approx(EXPECTED_GIB_S[run_id], rel=0.05)
