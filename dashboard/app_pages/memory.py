@@ -37,13 +37,18 @@ if mem.empty:
     )
 
 # --- cost of reuse ----------------------------------------------------------------------------
+#: Display formats of the cost table (the Styler's, so that missing figures show blank).
+COST_FORMATS = {"held (GiB·s)": "{:.4f}", "peak (MiB)": "{:.1f}", "pulled (tokens)": "{:,.0f}",
+                "prefill ms/1k tok": "{:.2f}", "NIXL (s)": "{:.3f}", "saved (s, est.)": "{:.3f}",
+                "GiB·s per s saved": "{:.4f}"}
 st.subheader("The cost of reuse")
 cost = load(sel.root, queries.reuse_cost, f)
 if cost.empty:
     st.info("No selected run held handles or pulled KV from D (pd-bidir modes do).")
 else:
     st.dataframe(
-        tables.reuse_cost_table(cost),
+        # blanks, not "None", where a figure does not apply (no NIXL time, nothing saved)
+        tables.reuse_cost_table(cost).style.format(COST_FORMATS, na_rep=""),
         hide_index=True,
         key="reuse_cost",
         column_config={
@@ -90,7 +95,9 @@ st.caption(
     "stays one. After each ok turn D holds its prompt + output tokens until the next turn pulls them, else "
     "for the whole TTL (a session's last turn, every miss), as vLLM pins them; KV bytes from each run's "
     "kv_bytes_per_token. At a run's own TTL this is the held GiB·s above, from the recorded gaps instead of "
-    "the proxy's handle ages."
+    "the proxy's handle ages. D's KV space is no limit here: for a what-if where held KV can fill D (handles "
+    "lost, `miss_d_full`), plan these runs with `turnscope plan <store> --fit-runs <run ids>` (Plan page: "
+    "the TTL x D memory frontier; docs/planner.md)."
 )
 if not whatif.empty and int(whatif["turns_without_kv_bytes"].max()):
     st.caption("Some runs have no kv_bytes_per_token in their config: their KV is left out of the GiB·s.")

@@ -20,6 +20,15 @@ def _run_names(df: pd.DataFrame) -> pd.Series:
 ROLE_DASHES = {"decode": "solid", "prefill": "dash", "aggregated": "dot"}
 
 
+def _hit_rate_title(hits: pd.DataFrame) -> str:
+    """The hit-rate panel's title, with its window: the later turns sent in each time bucket."""
+    widths = sorted({round(float(w), 1) for w in hits.get("bucket_s", pd.Series(dtype=float)).dropna()})
+    if not widths:
+        return "reuse hit rate of later turns"
+    window = f"{widths[0]:g} s" if len(widths) == 1 else f"{widths[0]:g}-{widths[-1]:g} s"
+    return f"reuse hit rate of the later turns sent in each {window} window"
+
+
 def memory_timeline(mem: pd.DataFrame, hits: pd.DataFrame) -> go.Figure:
     """KV usage of P and D (%), the proxy's live handle bytes (MiB) and the reuse hit rate (%)
     over time since each run started, one colour per run, in three stacked panels.
@@ -38,7 +47,7 @@ def memory_timeline(mem: pd.DataFrame, hits: pd.DataFrame) -> go.Figure:
         subplot_titles=[
             "KV cache usage (vllm:kv_cache_usage_perc), D solid, P dashed",
             "KV held for live handles (turnscope_handle_bytes_live)",
-            "reuse hit rate of later turns",
+            _hit_rate_title(hits),
         ],
     )
     names = pd.concat([mem[["run_id", "run_label", "mode"]], hits[["run_id", "run_label", "mode"]]]).drop_duplicates(
