@@ -9,6 +9,7 @@ the starts of the (fake) worker stack counted here.
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 from typing import ClassVar
@@ -121,7 +122,10 @@ def test_sweep_command_records_one_run_per_mode_and_point(tmp_path, monkeypatch,
             later = [q["messages"][-1]["content"] for q in reqs if len(q["messages"]) > 2]
             assert tok.count(later) == [30] * SESSIONS * (TURNS - 1)
             assert {q["cache_salt"] for q in reqs} == {run_id}  # each point its own prefix cache
-    # The summary at the end: a row per point, a column per mode; the stub reports every later turn
-    # of a conversation as a hit (2 of the 2 later turns per point), and there is no P to scrape.
-    assert "TTFT mean / p90 (ms) by prefix tokens, history text" in out
-    assert "│ 60 │" in out and "│ 120 │" in out and out.count("; 2/2; 0 │") == 4
+    # The summary at the end: a row per (point, mode), so it fits 80 columns; the stub reports every
+    # later turn of a conversation as a hit (2 of the 2 later turns per point), and there is no P to
+    # scrape (0 external tokens).
+    assert "Sweep, history text: TTFT mean / p90 (ms) by prefix tokens" in out
+    rows = re.findall(r"│ (\d*) ?│ (pd-[a-z-]+) │ \d+ / \d+ │ (\d+/\d+) │ (\d+) │", out)
+    assert rows == [("60", "pd-nocache", "2/2", "0"), ("", "pd-bidir", "2/2", "0"),
+                    ("120", "pd-nocache", "2/2", "0"), ("", "pd-bidir", "2/2", "0")], out
