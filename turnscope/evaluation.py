@@ -25,6 +25,7 @@ from rich.console import Console
 
 from loadgen.scraper import MetricsScraper
 from loadgen.traces.azure import load_azure
+from loadgen.traces.kv_cache_tester import read_kv_cache_tester
 from loadgen.traces.mooncake import load_mooncake
 from loadgen.traces.taubench import load_taubench
 from loadgen.traces.vllm_multiturn import load_vllm_multiturn
@@ -42,7 +43,7 @@ HEARTBEAT_S = 5.0
 #: At most this many seconds of final scrapes after a run's last turn (loadgen.scraper.MetricsScraper.stop).
 FINAL_SCRAPE_SETTLE_S = 5.0
 _TRACE_READERS = {"mooncake": load_mooncake, "azure": load_azure, "taubench": load_taubench,
-                  "vllm_multiturn": load_vllm_multiturn}
+                  "vllm_multiturn": load_vllm_multiturn, "kv_cache_tester": read_kv_cache_tester}
 
 
 class Slo(BaseModel):

@@ -28,3 +28,19 @@ def test_locust_is_told_that_failed_requests_are_not_an_error_exit(monkeypatch, 
     assert run_locust(s, "r1", "http://127.0.0.1:9", "text", "pd") == 0
     argv = seen["argv"]
     assert argv[argv.index("--exit-code-on-error") + 1] == "0"
+
+
+def test_every_shipped_workload_passes_the_runs_own_check() -> None:
+    """`turnscope eval` reads each workload and the traces it names before anything starts
+    (turnscope.evaluation.check_workload): every shipped workload, every trace format, passes."""
+    from pathlib import Path
+
+    from loadgen.workload import load_workload
+    from turnscope.evaluation import check_workload
+
+    files = sorted((Path(__file__).resolve().parents[2] / "data" / "workloads").glob("*.yaml"))
+    formats = set()
+    for f in files:
+        check_workload(f)
+        formats |= {src.format for src in load_workload(f).traces}
+    assert {"kv_cache_tester", "taubench", "mooncake"} <= formats  # the checks above covered them
