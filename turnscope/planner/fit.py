@@ -113,8 +113,9 @@ def _transfer(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
         con.close()
 
 
-def _kv_space(store: Store, run_ids: Sequence[str]) -> dict[str, int]:
-    """Role -> tokens of KV space (num_gpu_blocks x block_size of vllm:cache_config_info)."""
+def _cache_config(store: Store, run_ids: Sequence[str]) -> dict[str, dict]:
+    """Role -> the labels of its workers' ``vllm:cache_config_info`` (``block_size``,
+    ``num_gpu_blocks``, ...) in ``run_ids``' scrapes; roles without that gauge are absent."""
     con = store.connect()
     try:
         rows = con.execute(
@@ -124,7 +125,19 @@ def _kv_space(store: Store, run_ids: Sequence[str]) -> dict[str, int]:
         con.close()
     out = {}
     for role, labels in rows:
-        lab = json.loads(labels) if isinstance(labels, str) else (labels or {})
+        try:
+            lab = json.loads(labels) if isinstance(labels, str) else (labels or {})
+        except json.JSONDecodeError:
+            continue
+        if isinstance(lab, dict):
+            out[role] = lab
+    return out
+
+
+def _kv_space(store: Store, run_ids: Sequence[str]) -> dict[str, int]:
+    """Role -> tokens of KV space (num_gpu_blocks x block_size of vllm:cache_config_info)."""
+    out = {}
+    for role, lab in _cache_config(store, run_ids).items():
         try:
             out[role] = int(lab["num_gpu_blocks"]) * int(lab["block_size"])
         except (KeyError, TypeError, ValueError):
@@ -248,17 +261,13 @@ def fit_costs(turns: pd.DataFrame, prof: CostProfile) -> CostFit | None:
 
 
 def _block_size(store: Store, run_ids: Sequence[str]) -> int:
-    con = store.connect()
-    try:
-        row = con.execute(
-            "SELECT any_value(labels) FROM metric_samples WHERE name = 'vllm:cache_config_info' "
-            f"AND run_id IN ({', '.join('?' for _ in run_ids)})", list(run_ids)).fetchone()
-    finally:
-        con.close()
-    try:
-        return int(json.loads(row[0])["block_size"])
-    except (TypeError, KeyError, ValueError, json.JSONDecodeError):
-        return 128  # vLLM's CPU backend
+    """Tokens per KV block the runs' workers report (vllm:cache_config_info); 128 when none does."""
+    for lab in _cache_config(store, run_ids).values():
+        try:
+            return int(lab["block_size"])
+        except (KeyError, TypeError, ValueError):
+            continue
+    return 128  # vLLM's CPU backend
 
 
 def _with_forecast_local(store: Store, turns: pd.DataFrame, prof: CostProfile) -> pd.DataFrame:
