@@ -3,20 +3,13 @@ TTFT and D's KV usage on y, one line per mode), the crossing in words, and each 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pandas as pd
 import streamlit as st
 
-from dashboard import capacity, db
+from dashboard import capacity, db, loader
 from dashboard.context import Selection
 from dashboard.figures import capacity as capacity_figures
 from dashboard.queries import capacity as capacity_queries
-
-
-@st.cache_data(ttl=db.CACHE_TTL_S, show_spinner=False)
-def _steps(store_root: str, run_ids: tuple[str, ...]) -> pd.DataFrame:
-    return db.read(db.StoreLocation(Path(store_root)), capacity_queries.capacity_steps, run_ids)
 
 
 def steps_table(steps: pd.DataFrame) -> pd.DataFrame:
@@ -38,7 +31,8 @@ def render(sel: Selection) -> None:
     """Draw the section for the capacity ramps among the selected runs (a note when there is none)."""
     st.subheader("Capacity: when holding KV costs sessions")
     try:
-        steps = _steps(sel.root, tuple(sel.run_ids))
+        # the pages' cache (dashboard.loader), but a store that cannot be read only hides this section
+        steps = loader.fetch(sel.root, capacity_queries.capacity_steps, tuple(sel.run_ids))
     except (db.StoreBusy, db.StoreMissing, db.StoreInvalid) as exc:
         st.warning(f"The capacity steps cannot be read: {exc}")
         return
