@@ -3,9 +3,8 @@ and follow the archetype rules, token counts are exact, time scaling is exact.""
 
 from __future__ import annotations
 
-import re
-
 import math
+import re
 from pathlib import Path
 
 import numpy as np
