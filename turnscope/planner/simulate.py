@@ -41,6 +41,7 @@ from loadgen.traces.agent_request import AgentRequest
 from serving import handles as h
 from serving import reuse_rules as rules
 from turnscope.planner.profile import MODES, CostProfile, GiB
+from turnscope.planner.queueing import fifo_waits
 
 #: The new outcome: the session's handle was not kept because D's KV space was full.
 MISS_D_FULL = "miss_d_full"
@@ -57,7 +58,11 @@ class PlanSettings(BaseModel):
     Defaults are vLLM's (``decoder_kv_blocks_ttl`` 480 s, ``kv_recompute_threshold`` 64) and the
     proxy's (margin 30 s); ``block_size`` None takes the profile's. ``shared_prefix_tokens``: tokens
     every session's first request shares with the sessions before it (a common system prompt),
-    found in a worker's prefix cache once that worker has served any request (0: none)."""
+    found in a worker's prefix cache once that worker has served any request (0: none).
+    ``queue_prefills``: a request waits for the prompts before it on its prefill (or aggregated)
+    worker (:mod:`turnscope.planner.queueing`; False: every request finds its worker idle).
+    ``rendered_prompts``: the requests are chat messages the workers render to token ids (a
+    ``text`` history; the profile's ``render_s_per_token``); False: token ids, nothing rendered."""
 
     model_config = ConfigDict(extra="forbid")
     decoder_kv_blocks_ttl_s: float = Field(480.0, gt=0)
@@ -69,6 +74,8 @@ class PlanSettings(BaseModel):
     aggregated_workers: int = Field(1, gt=0)
     routing: str = Field("round_robin", pattern="^(round_robin|session)$")
     shared_prefix_tokens: int = Field(0, ge=0)
+    queue_prefills: bool = True
+    rendered_prompts: bool = False
     modes: tuple[str, ...] = MODES
 
     @property
@@ -131,8 +138,9 @@ class Traffic:
 class ModePlan:
     """One mode's forecast, one entry per request of the :class:`Traffic` (its order).
 
-    ``outcome`` holds codes into :data:`OUTCOMES`; tokens are counts; ``ttft_s`` seconds;
-    ``handle_age_s`` NaN where no handle was taken. ``held_t_s``/``held_bytes``: D's pinned KV
+    ``outcome`` holds codes into :data:`OUTCOMES`; tokens are counts; ``ttft_s`` seconds (of
+    which ``queue_wait_s`` waiting for the prefill worker); ``handle_age_s`` NaN where no handle
+    was taken. ``held_t_s``/``held_bytes``: D's pinned KV
     after each change (bidirectional modes; empty otherwise); ``d_full_events``: handles lost."""
 
     mode: str
@@ -141,6 +149,7 @@ class ModePlan:
     local_tokens: np.ndarray
     ttft_s: np.ndarray
     handle_age_s: np.ndarray
+    queue_wait_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
     held_t_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
     held_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
     d_full_events: int = 0
@@ -180,6 +189,40 @@ class Plan:
 
 def _worker_of(i: int, session_code: int, workers: int, routing: str) -> int:
     return session_code % workers if routing == "session" else i % workers
+
+
+def workers_of(tr: Traffic, workers: int, routing: str) -> np.ndarray:
+    """The worker each request of ``tr`` goes to (as :func:`own_cache_hits` routes it)."""
+    return tr.session_code % workers if routing == "session" else np.arange(len(tr)) % workers
+
+
+#: Renders of a chat request's messages to token ids before its first token, per mode: the
+#: aggregated worker's; P's and D's (each gets the chat request: ``serving.proxy`` prefill and
+#: decode legs). A request that takes a handle is rendered once more by the proxy to match it
+#: against D's ids (``SessionProxy.rendered_ids``: P's ``/tokenize`` or the in-process renderer).
+RENDERS = {"aggregated": 1, "pd": 2, "pd-nocache": 2, "pd-bidir": 2, "pd-bidir-nocache": 2}
+#: Outcomes of a request that took a handle (the proxy rendered its ids to fit it).
+_TOOK_HANDLE = (h.HIT, h.MISS_BELOW_THRESHOLD, h.MISS_MISMATCH, h.MISS_TRANSFER_FAILED)
+
+
+def mode_ttft(tr: Traffic, profile: CostProfile, settings: PlanSettings, mode: str, cached: np.ndarray,
+              pulled: np.ndarray, outcome: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each request's forecast TTFT in ``mode`` and its wait for the prefill worker, seconds:
+    ``profile.ttft_s`` + the FIFO wait (:func:`turnscope.planner.queueing.fifo_waits`, the
+    worker's time per request ``c(n) - c(cached)``; a pull does not hold the worker: vLLM waits for
+    remote KV outside the running batch) + the chat renders (:data:`RENDERS`) when
+    ``settings.rendered_prompts``."""
+    n = tr.input_tokens
+    ttft = profile.ttft_s(mode, n, cached, pulled)
+    wait = np.zeros(len(tr))
+    if settings.queue_prefills:
+        workers = settings.aggregated_workers if mode == "aggregated" else settings.prefill_workers
+        wait = fifo_waits(tr.arrival_s, profile.prefill_compute_s(mode, n, cached),
+                          workers_of(tr, workers, settings.routing))
+    if settings.rendered_prompts:
+        took = np.isin(outcome, [_CODE[o] for o in _TOOK_HANDLE])
+        ttft = ttft + profile.render_s(n, RENDERS[mode] + took)
+    return ttft + wait, wait
 
 
 def own_cache_hits(tr: Traffic, capacity_tokens: int | None, block_size: int, workers: int, routing: str,
@@ -378,22 +421,23 @@ def plan(requests: Iterable[AgentRequest] | Traffic, profile: CostProfile,
                                 settings.routing, with_output=False, shared_prefix_tokens=settings.shared_prefix_tokens)
     first_seen = ~pd.Series(tr.session_code).duplicated().to_numpy()
     out: dict[str, ModePlan] = {}
+    no_age = np.full(len(tr), np.nan)
     for mode in settings.modes:
+        held_t, held_b, d_full, ages, pulled = np.zeros(0), np.zeros(0), 0, no_age, zeros
         if mode == "aggregated":
             local = own_cache_hits(tr, profile.capacity_tokens("aggregated"), block, settings.aggregated_workers,
                                    settings.routing, with_output=True,
                                    shared_prefix_tokens=settings.shared_prefix_tokens)
-            mp = ModePlan(mode, np.zeros(len(tr), dtype=np.int8), zeros, local,
-                          profile.ttft_s(mode, n, local, zeros), np.full(len(tr), np.nan))
+            outcome = np.zeros(len(tr), dtype=np.int8)
         elif mode in ("pd", "pd-nocache"):
             local = p_hits if mode == "pd" else zeros
             outcome = np.where(first_seen, _CODE[h.MISS_FIRST_TURN], _CODE[h.MISS_NO_HANDLE_RETURNED]).astype(np.int8)
-            mp = ModePlan(mode, outcome, zeros, local, profile.ttft_s(mode, n, local, zeros), np.full(len(tr), np.nan))
         else:
             outcome, pulled, local, ages, pinned, d_full = simulate_bidir(
                 tr, profile, settings, p_hits if mode == "pd-bidir" else None, finish)
-            mp = ModePlan(mode, outcome, pulled, local, profile.ttft_s(mode, n, local + pulled, pulled), ages,
-                          np.asarray(pinned.t), np.asarray(pinned.b), d_full)
+            held_t, held_b = np.asarray(pinned.t), np.asarray(pinned.b)
+        ttft, wait = mode_ttft(tr, profile, settings, mode, local + pulled, pulled, outcome)
+        mp = ModePlan(mode, outcome, pulled, local, ttft, ages, wait, held_t, held_b, d_full)
         mp.prompt_tokens = n
         out[mode] = mp
     return Plan(tr, profile, settings, out, notes)
