@@ -207,8 +207,8 @@ FIT_METHOD = ("robust least squares of relative TTFT error (scipy.optimize.least
               "coefficients >= 0), b0 per mode, each turn's FIFO wait for its prefill worker")
 #: Rounds of the fit / queue fixed point (the waits depend on the fitted costs); it stops earlier
 #: when no wait moves by more than :data:`QUEUE_TOLERANCE_S`.
-QUEUE_ROUNDS = 20
-QUEUE_TOLERANCE_S = 1e-4
+QUEUE_ROUNDS = 30
+QUEUE_TOLERANCE_S = 1e-7
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from loadgen.traces.agent_request import AgentRequest
 from serving import handles as h
 from serving import reuse_rules as rules
+from turnscope.planner.pinned_blocks import PinnedBlocks
 from turnscope.planner.profile import MODES, CostProfile, GiB
 from turnscope.planner.queueing import fifo_waits
 
@@ -261,50 +262,8 @@ def own_cache_hits(tr: Traffic, capacity_tokens: int | None, block_size: int, wo
     return hits
 
 
-class _PinnedKV:
-    """D's pinned KV over time: bytes held, releases due at D's TTL, and the timeline."""
-
-    def __init__(self, capacity_bytes: float | None):
-        self.capacity = capacity_bytes
-        self.held = 0.0
-        self._due: list[tuple[float, int, float]] = []   # (release time, handle id, bytes)
-        self._released: set[int] = set()
-        self.t: list[float] = [0.0]
-        self.b: list[float] = [0.0]
-
-    def _record(self, t: float) -> None:
-        self.t.append(t)
-        self.b.append(self.held)
-
-    def release_due(self, now: float) -> None:
-        """Free every handle whose TTL passed by ``now``."""
-        while self._due and self._due[0][0] <= now:
-            t, hid, nbytes = heapq.heappop(self._due)
-            if hid in self._released:
-                self._released.discard(hid)
-                continue
-            self.held -= nbytes
-            self._record(t)
-
-    def pin(self, t: float, hid: int, nbytes: float, ttl_s: float) -> bool:
-        """Pin ``nbytes`` at ``t`` until read or ``t + ttl_s``; False (nothing pinned) when they
-        do not fit next to what is pinned."""
-        if self.capacity is not None and self.held + nbytes > self.capacity:
-            return False
-        self.held += nbytes
-        heapq.heappush(self._due, (t + ttl_s, hid, nbytes))
-        self._record(t)
-        return True
-
-    def read(self, t: float, hid: int, nbytes: float) -> None:
-        """P read the handle at ``t``: D frees its blocks."""
-        self._released.add(hid)
-        self.held -= nbytes
-        self._record(t)
-
-
 def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, local_hits: np.ndarray | None,
-                   finish_s: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, _PinnedKV, int]:
+                   finish_s: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, PinnedBlocks, int]:
     """The handle rules over the traffic, one bidirectional mode (``local_hits``: P's own-cache
     hits of each request, None when P's prefix cache is off).
 
@@ -314,18 +273,19 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
     threshold = settings.kv_recompute_threshold
     d_ttl = settings.decoder_kv_blocks_ttl_s
     proxy_ttl = settings.proxy_ttl_s
-    cap = profile.decode_kv_space_bytes.value / settings.decode_workers if profile.decode_kv_space_bytes else None
     kv_bytes = profile.kv_bytes_per_token.value
-    pinned = _PinnedKV(cap)
+    cap = (int(profile.decode_kv_space_bytes.value / settings.decode_workers // (block * kv_bytes))
+           if profile.decode_kv_space_bytes else None)
+    pinned = PinnedBlocks(cap, block, block * kv_bytes, settings.shared_prefix_tokens // block)
     n_req = len(tr)
     outcome = np.zeros(n_req, dtype=np.int8)
     pulled = np.zeros(n_req, dtype=np.int64)
     local = np.zeros(n_req, dtype=np.int64) if local_hits is None else local_hits.copy()
     ages = np.full(n_req, np.nan)
     seen: set[int] = set()
-    handle: dict[int, tuple[float, int, float, int]] = {}   # session -> (created, kv tokens, bytes, id)
+    handle: dict[int, tuple[float, int, int, int]] = {}     # session -> (created, kv tokens, id, ordinal)
     lost: set[int] = set()
-    puts: list[tuple[float, int, int, int]] = []             # (finish time, request, session, kv tokens)
+    puts: list[tuple[float, int, int, int, int]] = []        # (finish time, request, session, kv tokens, ordinal)
     d_full = 0
     codes, n_arr, out_arr, shared = tr.session_code, tr.input_tokens, tr.output_tokens, tr.shared_prefix_tokens
     arrival = tr.arrival_s
@@ -335,11 +295,10 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
     for i in range(n_req):
         t = float(arrival[i])
         while puts and puts[0][0] <= t:          # turns finished before this arrival: D pins them
-            ft, j, s_j, kv = heapq.heappop(puts)
+            ft, j, s_j, kv, o_j = heapq.heappop(puts)
             pinned.release_due(ft)
-            nbytes = rules.blocks_of(kv, block) * block * kv_bytes
-            if pinned.pin(ft, j, nbytes, d_ttl):
-                handle[s_j] = (ft, kv, nbytes, j)
+            if pinned.pin(ft, j, s_j, o_j, rules.blocks_of(kv, block), d_ttl):
+                handle[s_j] = (ft, kv, j, o_j)
                 lost.discard(s_j)
             else:
                 handle.pop(s_j, None)
@@ -352,7 +311,7 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
             seen.add(s)
             outcome[i] = c_first
         elif s in handle:
-            created, kv, nbytes, hid = handle.pop(s)
+            created, kv, hid, o_h = handle.pop(s)
             age = t - created
             ages[i] = age
             if rules.handle_expired(age, proxy_ttl):
@@ -370,18 +329,18 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
                     else:
                         outcome[i] = c_hit
                         pulled[i] = count
-                        pinned.read(t, hid, nbytes)
+                        pinned.read(t, hid, s, o_h)
         elif s in lost:
             lost.discard(s)
             outcome[i] = c_full
         else:
             outcome[i] = c_cons
-        heapq.heappush(puts, (float(finish_s[i]), i, s, rules.handle_kv_tokens(n, int(out_arr[i]))))
+        kv_i = rules.handle_kv_tokens(n, int(out_arr[i]))
+        heapq.heappush(puts, (float(finish_s[i]), i, s, kv_i, pinned.add_request(s, kv_i, int(shared[i]))))
     while puts:                                  # the last turns of each session: pinned until TTL
-        ft, j, s_j, kv = heapq.heappop(puts)
+        ft, j, s_j, kv, o_j = heapq.heappop(puts)
         pinned.release_due(ft)
-        nbytes = rules.blocks_of(kv, block) * block * kv_bytes
-        if not pinned.pin(ft, j, nbytes, d_ttl):
+        if not pinned.pin(ft, j, s_j, o_j, rules.blocks_of(kv, block), d_ttl):
             d_full += 1
     pinned.release_due(float("inf"))
     return outcome, pulled, local, ages, pinned, d_full
