@@ -257,7 +257,9 @@ def fit_costs(turns: pd.DataFrame, prof: CostProfile, queue: bool = True) -> Cos
 
     ``render`` (turns of ``text`` runs only): the chat render per prompt token, times the renders
     on the TTFT path (:data:`turnscope.planner.simulate.RENDERS`, plus one for a turn that took a
-    handle): identified by how it grows with the whole prompt while c grows with the computed part.
+    handle). Fitted only when the runs hold both ``text`` and ``token_ids`` turns: the same work
+    sent as token ids renders nothing, which is what separates the render from b0 and c; over text
+    turns alone b0 absorbs it (None).
 
     ``turns``: :data:`TURNS_SQL`'s columns with ``local_tokens`` filled and ``local_known``
     (:func:`_with_forecast_local`); ``prof`` gives the pull cost. Residuals are relative to the
@@ -292,7 +294,7 @@ def fit_costs(turns: pd.DataFrame, prof: CostProfile, queue: bool = True) -> Cos
     if has_agg:
         cols += [lin * agg, quad * agg]
     text = (ok["history_mode"] == "text").to_numpy() if "history_mode" in ok else np.zeros(len(ok), bool)
-    has_text = bool(text.any())
+    has_text = bool(text.any()) and not bool(text.all())   # identifiable only against token-id turns
     if has_text:
         renders = np.array([RENDERS[m] for m in mode_col]) + ok["reuse"].isin(_TOOK_HANDLE).to_numpy()
         cols.append(text * renders * n / 1e3)
