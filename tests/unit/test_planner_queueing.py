@@ -84,3 +84,20 @@ def test_chat_renders_on_the_ttft_path():
     for mode, renders in (("aggregated", [1, 1]), ("pd", [2, 2]), ("pd-bidir-nocache", [2, 3])):
         extra = chat.modes[mode].ttft_s - ids.modes[mode].ttft_s
         assert list(extra) == pytest.approx([1e-5 * 1000 * renders[0], 1e-5 * 1300 * renders[1]])
+
+
+def test_the_wait_is_stored_with_the_request(tmp_path):
+    import duckdb
+    import pandas as pd
+
+    from turnscope.planner.plan_store import write_plan
+    from turnscope.store import Store
+
+    p = plan(reqs(), profile(), PlanSettings(modes=("aggregated",)))
+    empty = pd.DataFrame()
+    write_plan(Store(tmp_path), p, plan_id="plan-q", label=None, inputs=[], speedups=empty, frontiers=empty,
+               sessions=empty)
+    rows = duckdb.connect().execute(
+        f"SELECT session_id, queue_wait_s, ttft_s FROM read_parquet('{tmp_path}/runs/plan-*/plan_requests/*.parquet') "
+        "ORDER BY session_id").fetchall()
+    assert [(s, pytest.approx(w), pytest.approx(t)) for s, w, t in rows] == [("a", 0.0, 0.11), ("b", 0.09, 0.2)]
