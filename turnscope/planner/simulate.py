@@ -11,15 +11,20 @@ time and space:
   decode_s_per_token`` (0 when the profile has none: said in the plan's notes);
 * **D's pinned KV** (``pd-bidir*``): when a request finishes D pins the KV of its prompt and
   output (:func:`serving.reuse_rules.handle_kv_tokens`, whole blocks) until P reads it (a hit) or
-  ``decoder_kv_blocks_ttl`` passes. vLLM never evicts pinned blocks; when the blocks already
-  pinned leave no room in D's KV space for a finishing turn's, the planner counts that turn's
-  handle as lost (``miss_d_full`` on the session's next request). In vLLM the same
+  ``decoder_kv_blocks_ttl`` passes, counted in distinct blocks (handles sharing a prefix hold it
+  once: :mod:`turnscope.planner.pinned_blocks`). vLLM never evicts pinned blocks; when the blocks
+  already pinned leave no room in D's KV space for those a finishing turn's handle adds, the
+  planner counts that turn's handle as lost (``miss_d_full`` on the session's next request). In vLLM the same
   over-subscription makes D queue or preempt requests instead: either way the reuse is gone;
 * **P's own prefix cache** (``pd``, ``pd-bidir``; the aggregated worker's for ``aggregated``):
   per worker, an LRU of sessions holding each one's last prompt (the aggregated worker: prompt and
   output), within the worker's KV space; a hit is the whole blocks both prompts share
   (:func:`serving.reuse_rules.local_prefix_tokens`). Sessions go to workers round-robin per
   request (the proxy's routing) or by session (``routing="session"``).
+
+* **TTFT** (:func:`mode_ttft`): the profile's cost of each request, plus its FIFO wait for its
+  prefill (or aggregated) worker (:mod:`turnscope.planner.queueing`) and, for chat traffic, the
+  renders of its messages to token ids.
 
 Outcomes are the proxy's (``serving.handles``) plus ``miss_d_full``; ``aggregated`` has none
 (the proxy does not decide reuse there) and one-way P/D's later turns are
