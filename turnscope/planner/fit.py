@@ -32,7 +32,8 @@ from scipy.optimize import least_squares
 from dashboard import sweep_stats as sweep
 from loadgen.traces.recorded_runs import read_recorded_runs
 from turnscope.planner.profile import MODES, CostProfile, Sourced
-from turnscope.planner.simulate import ModePlan, PlanSettings, Traffic, plan
+from turnscope.planner.queueing import fifo_waits
+from turnscope.planner.simulate import RENDERS, TOOK_HANDLE, ModePlan, PlanSettings, Traffic, plan
 from turnscope.store import Store
 
 
@@ -215,7 +216,7 @@ QUEUE_TOLERANCE_S = 1e-7
 class CostFit:
     """The fitted costs: ``b0_s`` per mode (s), ``a1_s`` (s/token), ``a2_s`` (s/token^2) of P/D
     modes and the aggregated worker's (None: no aggregated turns), ``render_s`` per prompt token
-    and render (None: no ``text`` turns), the ``turns`` fitted, how many of them had a forecast
+    and render (None: the runs are not both ``text`` and ``token_ids``), the ``turns`` fitted, how many of them had a forecast
     (not recorded) own-cache hit, and the fit/queue rounds taken."""
 
     b0_s: dict[str, float]
@@ -233,8 +234,6 @@ def _queue_waits(turns: pd.DataFrame, service_s: np.ndarray) -> np.ndarray:
     """Each turn's FIFO wait for its run's prefill (or aggregated) worker, given every turn's
     worker time ``service_s`` (``turns`` in :func:`fit_costs`'s order: run, then sent_at). The
     recorded runs have one prefill and one aggregated worker (the embedded topology)."""
-    from turnscope.planner.queueing import fifo_waits
-
     waits = np.zeros(len(turns))
     arrival = turns["arrival_s"].to_numpy(float)
     for idx in turns.groupby("run_id", sort=False).indices.values():
@@ -269,8 +268,6 @@ def fit_costs(turns: pd.DataFrame, prof: CostProfile, queue: bool = True) -> Cos
     session on: a first turn's hit on a system prompt shared across sessions is not forecast (the
     planner does not model sharing across sessions) and would bend c. None when the P/D turns have
     fewer than 3 distinct computed-token counts (a1 and a2 not identifiable)."""
-    from turnscope.planner.simulate import _TOOK_HANDLE, RENDERS
-
     turns = turns[turns["mode"].isin(MODES) & turns["sent_at"].notna()].copy()
     turns["arrival_s"] = (pd.to_datetime(turns["sent_at"]) - pd.to_datetime(turns["sent_at"]).min()).dt.total_seconds()
     turns = turns.sort_values(["run_id", "arrival_s", "session_id", "turn_index"], kind="stable").reset_index(drop=True)
@@ -296,7 +293,7 @@ def fit_costs(turns: pd.DataFrame, prof: CostProfile, queue: bool = True) -> Cos
     text = (ok["history_mode"] == "text").to_numpy() if "history_mode" in ok else np.zeros(len(ok), bool)
     has_text = bool(text.any()) and not bool(text.all())   # identifiable only against token-id turns
     if has_text:
-        renders = np.array([RENDERS[m] for m in mode_col]) + ok["reuse"].isin(_TOOK_HANDLE).to_numpy()
+        renders = np.array([RENDERS[m] for m in mode_col]) + ok["reuse"].isin(TOOK_HANDLE).to_numpy()
         cols.append(text * renders * n / 1e3)
     x = np.column_stack(cols)
     k = len(modes)

@@ -208,7 +208,7 @@ def workers_of(tr: Traffic, workers: int, routing: str) -> np.ndarray:
 #: against D's ids (``SessionProxy.rendered_ids``: P's ``/tokenize`` or the in-process renderer).
 RENDERS = {"aggregated": 1, "pd": 2, "pd-nocache": 2, "pd-bidir": 2, "pd-bidir-nocache": 2}
 #: Outcomes of a request that took a handle (the proxy rendered its ids to fit it).
-_TOOK_HANDLE = (h.HIT, h.MISS_BELOW_THRESHOLD, h.MISS_MISMATCH, h.MISS_TRANSFER_FAILED)
+TOOK_HANDLE = (h.HIT, h.MISS_BELOW_THRESHOLD, h.MISS_MISMATCH, h.MISS_TRANSFER_FAILED)
 
 
 def mode_ttft(tr: Traffic, profile: CostProfile, settings: PlanSettings, mode: str, cached: np.ndarray,
@@ -226,7 +226,7 @@ def mode_ttft(tr: Traffic, profile: CostProfile, settings: PlanSettings, mode: s
         wait = fifo_waits(tr.arrival_s, profile.prefill_compute_s(mode, n, cached),
                           workers_of(tr, workers, settings.routing))
     if settings.rendered_prompts:
-        took = np.isin(outcome, [_CODE[o] for o in _TOOK_HANDLE])
+        took = np.isin(outcome, [_CODE[o] for o in TOOK_HANDLE])
         ttft = ttft + profile.render_s(n, RENDERS[mode] + took)
     return ttft + wait, wait
 
