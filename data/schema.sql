@@ -157,7 +157,8 @@ CREATE TABLE plan_requests (
     local_tokens          BIGINT,
     recomputed_tokens     BIGINT,
     handle_age_s          DOUBLE,
-    ttft_s                DOUBLE
+    ttft_s                DOUBLE,
+    queue_wait_s          DOUBLE     -- of ttft_s, the wait for the prefill (or aggregated) worker
 );
 
 CREATE TABLE plan_speedups (

@@ -106,32 +106,49 @@ def pd_relative_errors() -> list[float]:
     return out
 
 
-def _turns(w, mode: str, aggregated_cached: bool) -> None:
+def _turns(w, mode: str, aggregated_cached: bool, overlap_s: float | None = None) -> None:
+    """The run's turns. Sessions start 100 s apart (one at a time), or ``overlap_s`` apart: then a
+    turn sent while the other session's prompt is being computed waits for it (one worker, first
+    come first served: an event loop here, the worker busy for c(n) - c(local + pulled) per turn)."""
     rid = RUNS[mode]
-    for s in range(SESSIONS):
-        t = 100.0 * s
-        for k in range(TURNS):
-            if k:
-                t += LONG_GAP_S if (s, k) == EXPIRED else GAP_S
-            n = prompt(s, k)
-            reuse, local, pulled = recorded(mode, s, k)
-            row = {"run_id": rid, "session_id": f"s{s}", "turn_index": k, "kind": "turn",
-                   "gap_before_s": 0.0 if k == 0 else (LONG_GAP_S if (s, k) == EXPIRED else GAP_S),
-                   "gap_kind": "none" if k == 0 else "tool", "sent_at": T0 + dt.timedelta(seconds=t),
-                   "expected_reusable_tokens": prompt(s, k - 1) + OUT if k else None, "reuse": reuse}
-            if failed(mode, s, k):
-                w.append("turns", row | {"e2e_s": 120.0, "status": "timeout", "error": "timeout"})
-                break
-            ttft = ttft_s(mode, s, k)
-            row |= {"ttft_s": ttft, "e2e_s": ttft + 1.0, "tpot_s": TPOT_S, "prompt_tokens": n,
-                    "completion_tokens": OUT, "status": "ok"}
-            if mode == "aggregated":
-                row["cached_tokens"] = local if aggregated_cached else None
-            else:
-                row |= {"prefill_cached_tokens": local, "reused_tokens": pulled,
-                        "recomputed_tokens": n - local - pulled}
-            w.append("turns", row)
-            t += ttft + 1.0
+    start = 100.0 if overlap_s is None else overlap_s
+    send = {s: start * s for s in range(SESSIONS)}
+    turn = dict.fromkeys(range(SESSIONS), 0)
+    free = 0.0
+    while send:
+        s = min(send, key=lambda x: (send[x], x))
+        t, k = send[s], turn[s]
+        n = prompt(s, k)
+        reuse, local, pulled = recorded(mode, s, k)
+        gap = 0.0 if k == 0 else (LONG_GAP_S if (s, k) == EXPIRED else GAP_S)
+        row = {"run_id": rid, "session_id": f"s{s}", "turn_index": k, "kind": "turn",
+               "gap_before_s": gap, "gap_kind": "none" if k == 0 else "tool", "sent_at": T0 + dt.timedelta(seconds=t),
+               "expected_reusable_tokens": prompt(s, k - 1) + OUT if k else None, "reuse": reuse}
+        if failed(mode, s, k):
+            w.append("turns", row | {"e2e_s": 120.0, "status": "timeout", "error": "timeout"})
+            del send[s]
+            continue
+        begin = max(t, free)
+        free = begin + c(n) - c(local + pulled)
+        ttft = ttft_s(mode, s, k) + (begin - t)
+        WAITS[(mode, s, k)] = begin - t
+        row |= {"ttft_s": ttft, "e2e_s": ttft + 1.0, "tpot_s": TPOT_S, "prompt_tokens": n,
+                "completion_tokens": OUT, "status": "ok"}
+        if mode == "aggregated":
+            row["cached_tokens"] = local if aggregated_cached else None
+        else:
+            row |= {"prefill_cached_tokens": local, "reused_tokens": pulled,
+                    "recomputed_tokens": n - local - pulled}
+        w.append("turns", row)
+        turn[s] = k + 1
+        if turn[s] == TURNS:
+            del send[s]
+        else:
+            send[s] = t + ttft + 1.0 + (LONG_GAP_S if (s, k + 1) == EXPIRED else GAP_S)
+
+
+#: (mode, session, turn) -> seconds the turn waited for the worker in the last :func:`build`.
+WAITS: dict[tuple[str, int, int], float] = {}
 
 
 def _metrics(w, mode: str) -> None:
@@ -153,9 +170,11 @@ def _metrics(w, mode: str) -> None:
                                             "value": 2.0 + frac * total})
 
 
-def build(root: Path, aggregated_cached: bool = True) -> Path:
+def build(root: Path, aggregated_cached: bool = True, overlap_s: float | None = None) -> Path:
     """Write the store under ``root``; returns ``root``. ``aggregated_cached`` False: the aggregated
-    run's ``cached_tokens`` are NULL (vLLM without ``usage.prompt_tokens_details``)."""
+    run's ``cached_tokens`` are NULL (vLLM without ``usage.prompt_tokens_details``). ``overlap_s``:
+    session 1 starts that long after session 0 (default: 100 s, one session at a time)."""
+    WAITS.clear()
     store = Store(root)
     store.init()
     config = {"connector": {"decoder_kv_blocks_ttl": TTL_S, "kv_recompute_threshold": THRESHOLD},
@@ -167,6 +186,6 @@ def build(root: Path, aggregated_cached: bool = True) -> Path:
                                   "history_mode": "token_ids", "model": "turnscope-tiny", "config": config,
                                   "started_at": start, "finished_at": start + dt.timedelta(seconds=300),
                                   "updated_at": start + dt.timedelta(seconds=300), "status": "complete"})
-            _turns(w, mode, aggregated_cached)
+            _turns(w, mode, aggregated_cached, overlap_s)
             _metrics(w, mode)
     return root

@@ -312,6 +312,9 @@ def plan(
     shared_prefix_tokens: Annotated[int | None, typer.Option(
         help="Tokens every session's first request shares with earlier sessions (a system prompt), found in "
              "a worker's prefix cache. Default: with --fit-runs, P's first-turn hits in those runs; else 0.")] = None,
+    queue: Annotated[bool, typer.Option(
+        "--queue/--no-queue", help="Requests wait for the prompts before them on their prefill (or aggregated) "
+                                   "worker, first come first served (docs/planner.md, \"Queueing\").")] = True,
 ) -> None:
     """Forecast what KV reuse across turns would do on a traffic, model and hardware, without serving it.
 
@@ -330,7 +333,7 @@ def plan(
                         margin_s=margin_s,
                         threshold=threshold if threshold is not None else int(s.connector.kv_recompute_threshold),
                         prefill_workers=prefill_workers, decode_workers=decode_workers, routing=routing,
-                        label=label, model=model, shared_prefix_tokens=shared_prefix_tokens)
+                        label=label, model=model, shared_prefix_tokens=shared_prefix_tokens, queue=queue)
     except (ValueError, OSError, RuntimeError) as exc:
         raise fail(str(exc)) from exc
     typer.echo(text)

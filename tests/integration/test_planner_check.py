@@ -195,3 +195,28 @@ def test_cli_plan_refuses_a_sliding_window_model(tmp_path):
                                  "--model", str(cfg), "--store", str(tmp_path / "s")], env={"COLUMNS": "4000"})
     assert r.exit_code != 0 and "Traceback" not in r.output
     assert f"{cfg}: field 'sliding_window' = 4096" in r.output
+
+
+def test_overlapping_sessions_wait_for_the_worker(tmp_path):
+    """Session 1 starts 10 ms after session 0: its turns wait for session 0's prompt on the one
+    worker (the fixture's event loop). The fit recovers the costs and the check forecasts each
+    turn's measured TTFT, wait included, from recorded arrivals and forecast worker times."""
+    store = Store(fx.build(tmp_path, overlap_s=0.01))
+    waited = {key: w for key, w in fx.WAITS.items() if w > 0}
+    assert len(waited) >= 5                     # the case is one of queueing
+    prof = fit_profile(store, RUN_IDS)
+    assert prof.prefill_a1_s_per_token.value == pytest.approx(fx.A1, rel=1e-4)
+    assert {m: pytest.approx(b.value, abs=1e-6) for m, b in prof.b0_s.items()} == fx.B0
+    ok = check_runs(store, RUN_IDS, prof)
+    ok = ok[ok["status"] == "ok"]
+    for r in ok.itertuples():
+        mode, s, k = r.mode, int(r.session_id[1:]), int(r.turn_index)
+        # the fixture's planned differences: pd (P's cache lost what the forecast keeps) and the failed
+        # read (a full prefill where the forecast pulls), and session 1's turn 2 queued behind that read
+        if mode == "pd" or (mode, s, k) in (fx.TRANSFER_FAILED, ("pd-bidir-nocache", 1, 2)):
+            continue
+        assert r.predicted_ttft_s == pytest.approx(r.measured_ttft_s, abs=1e-6), (mode, s, k)
+    # the waits are in it: without them the forecast of a waiting turn is short by the wait
+    m, s, k = next((m, s, k) for (m, s, k) in waited if m == "aggregated")
+    row = ok[(ok["mode"] == m) & (ok["session_id"] == f"s{s}") & (ok["turn_index"] == k)].iloc[0]
+    assert row.measured_ttft_s - fx.ttft_s(m, s, k) == pytest.approx(fx.WAITS[(m, s, k)])

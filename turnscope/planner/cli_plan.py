@@ -94,7 +94,7 @@ def with_model(prof: CostProfile, model: Path) -> CostProfile:
 def run_plan(paths: Sequence[Path], *, profile_path: Path | None, fit_runs: Sequence[str] | None,
              format: str | None, store_root: Path, ttl_s: float, margin_s: float, threshold: int,
              prefill_workers: int, decode_workers: int, routing: str, label: str | None,
-             model: Path | None = None, shared_prefix_tokens: int | None = None) -> str:
+             model: Path | None = None, shared_prefix_tokens: int | None = None, queue: bool = True) -> str:
     """The whole command (see the module doc). Raises ValueError/OSError with a clear message."""
     store = Store(Path(store_root))
     if profile_path is None and not fit_runs:
@@ -107,7 +107,8 @@ def run_plan(paths: Sequence[Path], *, profile_path: Path | None, fit_runs: Sequ
         shared_prefix_tokens = recorded_shared_prefix_tokens(recorded_turns(store, fit_runs)) if fit_runs else 0
     settings = PlanSettings(decoder_kv_blocks_ttl_s=ttl_s, handle_ttl_margin_s=margin_s,
                             kv_recompute_threshold=threshold, prefill_workers=prefill_workers,
-                            decode_workers=decode_workers, routing=routing, shared_prefix_tokens=shared_prefix_tokens)
+                            decode_workers=decode_workers, routing=routing, shared_prefix_tokens=shared_prefix_tokens,
+                            queue_prefills=queue)
     p = plan(traffic, prof, settings)
     sp = summary.speedups(p)
     fr = pd.concat([summary.frontier(traffic, prof, settings, mode).assign(mode=mode) for mode in BIDIR_MODES],

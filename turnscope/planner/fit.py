@@ -32,7 +32,8 @@ from scipy.optimize import least_squares
 from dashboard import sweep_stats as sweep
 from loadgen.traces.recorded_runs import read_recorded_runs
 from turnscope.planner.profile import MODES, CostProfile, Sourced
-from turnscope.planner.simulate import ModePlan, PlanSettings, Traffic, plan
+from turnscope.planner.queueing import fifo_waits
+from turnscope.planner.simulate import RENDERS, TOOK_HANDLE, ModePlan, PlanSettings, Traffic, plan
 from turnscope.store import Store
 
 
@@ -43,7 +44,7 @@ class FitError(ValueError):
 #: One row per turn; ``local_tokens`` is NULL where the run did not record the worker's own
 #: prefix-cache hit (aggregated serving without ``usage.prompt_tokens_details``).
 TURNS_SQL = """
-SELECT t.run_id, r.mode, t.session_id, t.turn_index, t.sent_at, t.status, t.ttft_s, t.e2e_s, t.tpot_s, t.prompt_tokens,
+SELECT t.run_id, r.mode, r.history_mode, t.session_id, t.turn_index, t.sent_at, t.status, t.ttft_s, t.e2e_s, t.tpot_s, t.prompt_tokens,
        t.completion_tokens, t.reuse, coalesce(t.reused_tokens, 0) AS reused_tokens,
        CASE WHEN t.reuse IS NOT NULL THEN coalesce(t.prefill_cached_tokens, 0) ELSE t.cached_tokens
             END AS local_tokens,
@@ -65,16 +66,18 @@ def recorded_turns(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
 
 def run_settings(store: Store, run_id: str) -> PlanSettings:
     """The connector and proxy settings ``run_id`` ran with (``run_config``: TTL and margin; the
-    recompute threshold from ``runs.config.connector.kv_recompute_threshold``, vLLM's 64 when absent)."""
+    recompute threshold from ``runs.config.connector.kv_recompute_threshold``, vLLM's 64 when absent;
+    ``rendered_prompts`` for a ``text`` history: chat messages the workers render)."""
     con = store.connect()
     try:
-        ttl, margin, thr = con.execute(
+        ttl, margin, thr, history = con.execute(
             "SELECT c.decoder_kv_blocks_ttl_s, c.handle_ttl_margin_s, coalesce(TRY_CAST(json_extract_string("
-            "r.config, '$.connector.kv_recompute_threshold') AS INTEGER), 64) FROM run_config c JOIN runs r "
-            "USING (run_id) WHERE run_id = ?", [run_id]).fetchone()
+            "r.config, '$.connector.kv_recompute_threshold') AS INTEGER), 64), r.history_mode FROM run_config c "
+            "JOIN runs r USING (run_id) WHERE run_id = ?", [run_id]).fetchone()
     finally:
         con.close()
-    return PlanSettings(decoder_kv_blocks_ttl_s=ttl, handle_ttl_margin_s=margin, kv_recompute_threshold=thr)
+    return PlanSettings(decoder_kv_blocks_ttl_s=ttl, handle_ttl_margin_s=margin, kv_recompute_threshold=thr,
+                        rendered_prompts=history == "text")
 
 
 def recorded_shared_prefix_tokens(turns: pd.DataFrame) -> int:
@@ -183,10 +186,14 @@ def fit_profile(store: Store, run_ids: Sequence[str], name: str = "fitted") -> C
     if costs is None:
         raise FitError(f"{where}: the cost fit needs ok turns with 3 or more distinct computed-token counts")
     how = (f"{src}: {FIT_METHOD} over {costs.turns} ok turns of {len(costs.b0_s)} modes"
+           + f" ({costs.rounds} fit/queue rounds)"
            + (f" ({costs.forecast_local} turns' own-cache hit not recorded: the planner's forecast of it)"
               if costs.forecast_local else ""))
     prof.prefill_a1_s_per_token = Sourced(value=costs.a1_s, source=how)
     prof.prefill_a2_s_per_token2 = Sourced(value=costs.a2_s, source=how)
+    if costs.render_s is not None:
+        prof.render_s_per_token = Sourced(value=costs.render_s, source=how + "; chat render per prompt token "
+                                          "and render, from the text-history turns")
     if costs.aggregated_a1_s is not None:
         prof.aggregated_prefill_a1_s_per_token = Sourced(value=costs.aggregated_a1_s, source=how)
         prof.aggregated_prefill_a2_s_per_token2 = Sourced(value=costs.aggregated_a2_s, source=how)
@@ -198,14 +205,19 @@ def fit_profile(store: Store, run_ids: Sequence[str], name: str = "fitted") -> C
 
 #: How :func:`fit_costs` fits (named in every fitted figure's source).
 FIT_METHOD = ("robust least squares of relative TTFT error (scipy.optimize.least_squares, soft_l1, "
-              "coefficients >= 0), b0 per mode")
+              "coefficients >= 0), b0 per mode, each turn's FIFO wait for its prefill worker")
+#: Rounds of the fit / queue fixed point (the waits depend on the fitted costs); it stops earlier
+#: when no wait moves by more than :data:`QUEUE_TOLERANCE_S`.
+QUEUE_ROUNDS = 30
+QUEUE_TOLERANCE_S = 1e-7
 
 
 @dataclass(frozen=True)
 class CostFit:
     """The fitted costs: ``b0_s`` per mode (s), ``a1_s`` (s/token), ``a2_s`` (s/token^2) of P/D
-    modes and the aggregated worker's (None: no aggregated turns), the ``turns`` fitted and how many
-    of them had a forecast (not recorded) own-cache hit."""
+    modes and the aggregated worker's (None: no aggregated turns), ``render_s`` per prompt token
+    and render (None: the runs are not both ``text`` and ``token_ids``), the ``turns`` fitted, how many of them had a forecast
+    (not recorded) own-cache hit, and the fit/queue rounds taken."""
 
     b0_s: dict[str, float]
     a1_s: float
@@ -214,14 +226,39 @@ class CostFit:
     forecast_local: int
     aggregated_a1_s: float | None = None
     aggregated_a2_s: float | None = None
+    render_s: float | None = None
+    rounds: int = 1
 
 
-def fit_costs(turns: pd.DataFrame, prof: CostProfile) -> CostFit | None:
-    """Fit ``ttft = b0[mode] + c(n) - c(cached) + pull(pulled)`` (docs/planner.md) jointly over the
-    ok turns of every mode, ``c(x) = a1 x + a2 x^2``: the computed tokens ``n - cached`` range
-    from a few dozen (a cache hit) to whole prompts (``pd-nocache``), which pins the slope down far
-    better than full prefills alone, whose prompt lengths a run barely varies. P/D modes share one
-    c (P's prefill plus the hand-off of the new tokens' KV to D); the aggregated worker has its own.
+def _queue_waits(turns: pd.DataFrame, service_s: np.ndarray) -> np.ndarray:
+    """Each turn's FIFO wait for its run's prefill (or aggregated) worker, given every turn's
+    worker time ``service_s`` (``turns`` in :func:`fit_costs`'s order: run, then sent_at). The
+    recorded runs have one prefill and one aggregated worker (the embedded topology)."""
+    waits = np.zeros(len(turns))
+    arrival = turns["arrival_s"].to_numpy(float)
+    for idx in turns.groupby("run_id", sort=False).indices.values():
+        waits[idx] = fifo_waits(arrival[idx], service_s[idx], np.zeros(len(idx), dtype=np.int64))
+    return waits
+
+
+def fit_costs(turns: pd.DataFrame, prof: CostProfile, queue: bool = True) -> CostFit | None:
+    """Fit ``ttft = b0[mode] + wait + c(n) - c(cached) + pull(pulled) + render x n x renders``
+    (docs/planner.md) jointly over the ok turns of every mode, ``c(x) = a1 x + a2 x^2``: the
+    computed tokens ``n - cached`` range from a few dozen (a cache hit) to whole prompts
+    (``pd-nocache``), which pins the slope down far better than full prefills alone, whose prompt
+    lengths a run barely varies. P/D modes share one c (P's prefill plus the hand-off of the new
+    tokens' KV to D); the aggregated worker has its own.
+
+    ``wait`` (``queue``): the turn's FIFO wait for its worker behind the turns sent before it in
+    its run (:mod:`turnscope.planner.queueing`, the recorded ``sent_at`` as arrivals), with every
+    turn's worker time ``c(n) - c(cached)`` from the costs being fitted: the fit and the waits are
+    iterated to a fixed point (at most :data:`QUEUE_ROUNDS`). The waits use no measured TTFT.
+
+    ``render`` (turns of ``text`` runs only): the chat render per prompt token, times the renders
+    on the TTFT path (:data:`turnscope.planner.simulate.RENDERS`, plus one for a turn that took a
+    handle). Fitted only when the runs hold both ``text`` and ``token_ids`` turns: the same work
+    sent as token ids renders nothing, which is what separates the render from b0 and c; over text
+    turns alone b0 absorbs it (None).
 
     ``turns``: :data:`TURNS_SQL`'s columns with ``local_tokens`` filled and ``local_known``
     (:func:`_with_forecast_local`); ``prof`` gives the pull cost. Residuals are relative to the
@@ -231,14 +268,18 @@ def fit_costs(turns: pd.DataFrame, prof: CostProfile) -> CostFit | None:
     session on: a first turn's hit on a system prompt shared across sessions is not forecast (the
     planner does not model sharing across sessions) and would bend c. None when the P/D turns have
     fewer than 3 distinct computed-token counts (a1 and a2 not identifiable)."""
-    ok = turns[(turns["status"] == "ok") & turns["ttft_s"].notna() & (turns["ttft_s"] > 0)
-               & turns["prompt_tokens"].notna() & turns["mode"].isin(MODES)
-               & (turns["local_known"] | (turns["turn_index"] >= 1))]
-    n = ok["prompt_tokens"].to_numpy(float)
-    pulled = ok["reused_tokens"].to_numpy(float)
-    cached = np.minimum(ok["local_tokens"].fillna(0).to_numpy(float) + pulled, n)
+    turns = turns[turns["mode"].isin(MODES) & turns["sent_at"].notna()].copy()
+    turns["arrival_s"] = (pd.to_datetime(turns["sent_at"]) - pd.to_datetime(turns["sent_at"]).min()).dt.total_seconds()
+    turns = turns.sort_values(["run_id", "arrival_s", "session_id", "turn_index"], kind="stable").reset_index(drop=True)
+    n_all = turns["prompt_tokens"].fillna(0).to_numpy(float)
+    pulled_all = turns["reused_tokens"].fillna(0).to_numpy(float)
+    cached_all = np.minimum(turns["local_tokens"].fillna(0).to_numpy(float) + pulled_all, n_all)
+    agg_all = (turns["mode"] == "aggregated").to_numpy()
+    fitted = ((turns["status"] == "ok") & turns["ttft_s"].notna() & (turns["ttft_s"] > 0)
+              & turns["prompt_tokens"].notna() & (turns["local_known"] | (turns["turn_index"] >= 1))).to_numpy()
+    ok = turns[fitted]
+    n, pulled, cached = n_all[fitted], pulled_all[fitted], cached_all[fitted]
     ttft = ok["ttft_s"].to_numpy(float)
-    y = ttft - prof.pull_s(pulled)
     mode_col = ok["mode"].to_numpy()
     agg = mode_col == "aggregated"
     if np.unique((n - cached)[~agg]).size < 3:
@@ -249,15 +290,38 @@ def fit_costs(turns: pd.DataFrame, prof: CostProfile) -> CostFit | None:
     has_agg = bool(agg.any())
     if has_agg:
         cols += [lin * agg, quad * agg]
+    text = (ok["history_mode"] == "text").to_numpy() if "history_mode" in ok else np.zeros(len(ok), bool)
+    has_text = bool(text.any()) and not bool(text.all())   # identifiable only against token-id turns
+    if has_text:
+        renders = np.array([RENDERS[m] for m in mode_col]) + ok["reuse"].isin(TOOK_HANDLE).to_numpy()
+        cols.append(text * renders * n / 1e3)
     x = np.column_stack(cols)
-    start = np.r_[np.full(len(modes), max(float(np.median(y)) / 2, 1e-3)), np.tile([0.1, 0.01], 2 if has_agg else 1)]
-    res = least_squares(lambda th: (x @ th - y) / ttft, start, bounds=(0.0, np.inf), loss="soft_l1",
-                        f_scale=0.1, xtol=1e-15, ftol=1e-15, gtol=1e-15, max_nfev=10_000)
-    th = res.x
     k = len(modes)
+    waits = np.zeros(len(turns))
+    th = np.r_[np.full(k, 1e-3), np.tile([0.1, 0.01], 2 if has_agg else 1), [0.0] if has_text else []]
+    rounds = 0
+    for rounds in range(1, QUEUE_ROUNDS + 1):
+        y = ttft - prof.pull_s(pulled) - waits[fitted]
+        start = th.copy()
+        start[:k] = np.maximum(start[:k], max(float(np.median(y)) / 2, 1e-3)) if rounds == 1 else start[:k]
+        th = least_squares(lambda t, y=y: (x @ t - y) / ttft, start, bounds=(0.0, np.inf), loss="soft_l1",
+                           f_scale=0.1, xtol=1e-15, ftol=1e-15, gtol=1e-15, max_nfev=10_000).x
+        if not queue:
+            break
+        a1, a2 = th[k] / 1e3, th[k + 1] / 1e6
+        service = a1 * (n_all - cached_all) + a2 * (n_all ** 2 - cached_all ** 2)
+        if has_agg:
+            ga1, ga2 = th[k + 2] / 1e3, th[k + 3] / 1e6
+            service = np.where(agg_all, ga1 * (n_all - cached_all) + ga2 * (n_all ** 2 - cached_all ** 2), service)
+        new = _queue_waits(turns, service)
+        moved = float(np.max(np.abs(new - waits))) if len(new) else 0.0
+        waits = new
+        if moved <= QUEUE_TOLERANCE_S:
+            break
     return CostFit({m: float(th[i]) for i, m in enumerate(modes)}, float(th[k] / 1e3), float(th[k + 1] / 1e6),
                    len(ok), int((~ok["local_known"]).sum()),
-                   float(th[k + 2] / 1e3) if has_agg else None, float(th[k + 3] / 1e6) if has_agg else None)
+                   float(th[k + 2] / 1e3) if has_agg else None, float(th[k + 3] / 1e6) if has_agg else None,
+                   float(th[-1] / 1e3) if has_text else None, rounds)
 
 
 def _block_size(store: Store, run_ids: Sequence[str]) -> int:

@@ -65,7 +65,8 @@ def write_plan(store: Store, p: Plan, *, plan_id: str, label: str | None, inputs
                     "input_tokens": int(tr.input_tokens[i]), "shared_prefix_tokens": int(tr.shared_prefix_tokens[i]),
                     "outcome": names[i], "pulled_tokens": int(m.pulled_tokens[i]),
                     "local_tokens": int(m.local_tokens[i]), "recomputed_tokens": int(rec[i]),
-                    "handle_age_s": None if math.isnan(age) else age, "ttft_s": float(m.ttft_s[i])})
+                    "handle_age_s": None if math.isnan(age) else age, "ttft_s": float(m.ttft_s[i]),
+                    "queue_wait_s": float(m.queue_wait_s[i])})
         for row in _rows(speedups, ("requests", "later_requests", "treatment_hits")):
             w.append("plan_speedups", {"plan_id": plan_id} | row)
         for row in _rows(frontiers, ("d_full_events",)):

@@ -12,6 +12,10 @@ P's or the aggregated worker's own prefix-cache hit plus the tokens pulled from 
                                                      the aggregated worker may have its own a1, a2)
     pull(t)    = latency + t x kv_bytes_per_token / bandwidth   (0 when t = 0)
 
+The planner adds two terms of the traffic, not of one request (:mod:`turnscope.planner.simulate`):
+the wait for the prefill worker (``+ wait``, FIFO per worker, :mod:`turnscope.planner.queueing`)
+and, for chat requests the workers render to token ids, ``render_s_per_token x n x renders``.
+
 ``c(n) - c(cached)`` is the cost of the new tokens after ``cached`` ones: attention makes it grow
 with the context (the same form as the Sweep page's ideal, ``dashboard.sweep_stats.PrefillFit``, whose
 ``cost_s`` is reused here). ``b0`` is what a mode adds whatever the prompt (routing, the prefill
@@ -57,6 +61,9 @@ class CostProfile(BaseModel):
     * ``decode_kv_space_bytes``, ``prefill_kv_space_bytes``, ``aggregated_kv_space_bytes``: KV
       space of one worker of that role (absent: unbounded, said so in every output);
     * ``decode_s_per_token``: time per output token, for when a trace gives no server time;
+    * ``render_s_per_token``: time to render a chat request's messages to token ids (the chat
+      template and the tokenizer), per prompt token, per render on the TTFT path (traffic sent as
+      token ids renders nothing; absent: 0);
     * ``block_size``: KV block size in tokens (vLLM: 16 on GPU by default, 128 on CPU).
     """
 
@@ -78,6 +85,7 @@ class CostProfile(BaseModel):
     prefill_kv_space_bytes: Sourced | None = None
     aggregated_kv_space_bytes: Sourced | None = None
     decode_s_per_token: Sourced | None = None
+    render_s_per_token: Sourced | None = None
     left_out: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -108,6 +116,20 @@ class CostProfile(BaseModel):
         latency = self.pull_latency_s.value if self.pull_latency_s else 0.0
         per_token = self.kv_bytes_per_token.value / self.pull_bandwidth_bytes_per_s.value
         return np.where(t > 0, latency + t * per_token, 0.0)
+
+    def prefill_compute_s(self, mode: str, prompt_tokens: np.ndarray, cached_tokens: np.ndarray) -> np.ndarray:
+        """Seconds of the prefill worker's time for each request: ``c(n) - c(cached)`` (no b0, no
+        pull: the time a request holds its worker, :mod:`turnscope.planner.queueing`)."""
+        fit = self.prefill_fit(mode)
+        n = np.asarray(prompt_tokens, dtype=float)
+        cached = np.minimum(np.asarray(cached_tokens, dtype=float), n)
+        return fit.cost_s(n) - fit.cost_s(cached)
+
+    def render_s(self, prompt_tokens: np.ndarray, renders: np.ndarray) -> np.ndarray:
+        """Seconds spent rendering chat requests to token ids before their first token:
+        ``render_s_per_token x prompt tokens x renders`` (0 without the figure)."""
+        per = self.render_s_per_token.value if self.render_s_per_token else 0.0
+        return per * np.asarray(prompt_tokens, dtype=float) * np.asarray(renders, dtype=float)
 
     def ttft_s(self, mode: str, prompt_tokens: np.ndarray, cached_tokens: np.ndarray,
                pulled_tokens: np.ndarray) -> np.ndarray:

@@ -11,15 +11,20 @@ time and space:
   decode_s_per_token`` (0 when the profile has none: said in the plan's notes);
 * **D's pinned KV** (``pd-bidir*``): when a request finishes D pins the KV of its prompt and
   output (:func:`serving.reuse_rules.handle_kv_tokens`, whole blocks) until P reads it (a hit) or
-  ``decoder_kv_blocks_ttl`` passes. vLLM never evicts pinned blocks; when the blocks already
-  pinned leave no room in D's KV space for a finishing turn's, the planner counts that turn's
-  handle as lost (``miss_d_full`` on the session's next request). In vLLM the same
+  ``decoder_kv_blocks_ttl`` passes, counted in distinct blocks (handles sharing a prefix hold it
+  once: :mod:`turnscope.planner.pinned_blocks`). vLLM never evicts pinned blocks; when the blocks
+  already pinned leave no room in D's KV space for those a finishing turn's handle adds, the
+  planner counts that turn's handle as lost (``miss_d_full`` on the session's next request). In vLLM the same
   over-subscription makes D queue or preempt requests instead: either way the reuse is gone;
 * **P's own prefix cache** (``pd``, ``pd-bidir``; the aggregated worker's for ``aggregated``):
   per worker, an LRU of sessions holding each one's last prompt (the aggregated worker: prompt and
   output), within the worker's KV space; a hit is the whole blocks both prompts share
   (:func:`serving.reuse_rules.local_prefix_tokens`). Sessions go to workers round-robin per
   request (the proxy's routing) or by session (``routing="session"``).
+
+* **TTFT** (:func:`mode_ttft`): the profile's cost of each request, plus its FIFO wait for its
+  prefill (or aggregated) worker (:mod:`turnscope.planner.queueing`) and, for chat traffic, the
+  renders of its messages to token ids.
 
 Outcomes are the proxy's (``serving.handles``) plus ``miss_d_full``; ``aggregated`` has none
 (the proxy does not decide reuse there) and one-way P/D's later turns are
@@ -40,7 +45,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from loadgen.traces.agent_request import AgentRequest
 from serving import handles as h
 from serving import reuse_rules as rules
+from turnscope.planner.pinned_blocks import PinnedBlocks
 from turnscope.planner.profile import MODES, CostProfile, GiB
+from turnscope.planner.queueing import fifo_waits
 
 #: The new outcome: the session's handle was not kept because D's KV space was full.
 MISS_D_FULL = "miss_d_full"
@@ -57,7 +64,11 @@ class PlanSettings(BaseModel):
     Defaults are vLLM's (``decoder_kv_blocks_ttl`` 480 s, ``kv_recompute_threshold`` 64) and the
     proxy's (margin 30 s); ``block_size`` None takes the profile's. ``shared_prefix_tokens``: tokens
     every session's first request shares with the sessions before it (a common system prompt),
-    found in a worker's prefix cache once that worker has served any request (0: none)."""
+    found in a worker's prefix cache once that worker has served any request (0: none).
+    ``queue_prefills``: a request waits for the prompts before it on its prefill (or aggregated)
+    worker (:mod:`turnscope.planner.queueing`; False: every request finds its worker idle).
+    ``rendered_prompts``: the requests are chat messages the workers render to token ids (a
+    ``text`` history; the profile's ``render_s_per_token``); False: token ids, nothing rendered."""
 
     model_config = ConfigDict(extra="forbid")
     decoder_kv_blocks_ttl_s: float = Field(480.0, gt=0)
@@ -69,6 +80,8 @@ class PlanSettings(BaseModel):
     aggregated_workers: int = Field(1, gt=0)
     routing: str = Field("round_robin", pattern="^(round_robin|session)$")
     shared_prefix_tokens: int = Field(0, ge=0)
+    queue_prefills: bool = True
+    rendered_prompts: bool = False
     modes: tuple[str, ...] = MODES
 
     @property
@@ -131,8 +144,9 @@ class Traffic:
 class ModePlan:
     """One mode's forecast, one entry per request of the :class:`Traffic` (its order).
 
-    ``outcome`` holds codes into :data:`OUTCOMES`; tokens are counts; ``ttft_s`` seconds;
-    ``handle_age_s`` NaN where no handle was taken. ``held_t_s``/``held_bytes``: D's pinned KV
+    ``outcome`` holds codes into :data:`OUTCOMES`; tokens are counts; ``ttft_s`` seconds (of
+    which ``queue_wait_s`` waiting for the prefill worker); ``handle_age_s`` NaN where no handle
+    was taken. ``held_t_s``/``held_bytes``: D's pinned KV
     after each change (bidirectional modes; empty otherwise); ``d_full_events``: handles lost."""
 
     mode: str
@@ -141,6 +155,7 @@ class ModePlan:
     local_tokens: np.ndarray
     ttft_s: np.ndarray
     handle_age_s: np.ndarray
+    queue_wait_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
     held_t_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
     held_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
     d_full_events: int = 0
@@ -182,6 +197,40 @@ def _worker_of(i: int, session_code: int, workers: int, routing: str) -> int:
     return session_code % workers if routing == "session" else i % workers
 
 
+def workers_of(tr: Traffic, workers: int, routing: str) -> np.ndarray:
+    """The worker each request of ``tr`` goes to (as :func:`own_cache_hits` routes it)."""
+    return tr.session_code % workers if routing == "session" else np.arange(len(tr)) % workers
+
+
+#: Renders of a chat request's messages to token ids before its first token, per mode: the
+#: aggregated worker's; P's and D's (each gets the chat request: ``serving.proxy`` prefill and
+#: decode legs). A request that takes a handle is rendered once more by the proxy to match it
+#: against D's ids (``SessionProxy.rendered_ids``: P's ``/tokenize`` or the in-process renderer).
+RENDERS = {"aggregated": 1, "pd": 2, "pd-nocache": 2, "pd-bidir": 2, "pd-bidir-nocache": 2}
+#: Outcomes of a request that took a handle (the proxy rendered its ids to fit it).
+TOOK_HANDLE = (h.HIT, h.MISS_BELOW_THRESHOLD, h.MISS_MISMATCH, h.MISS_TRANSFER_FAILED)
+
+
+def mode_ttft(tr: Traffic, profile: CostProfile, settings: PlanSettings, mode: str, cached: np.ndarray,
+              pulled: np.ndarray, outcome: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each request's forecast TTFT in ``mode`` and its wait for the prefill worker, seconds:
+    ``profile.ttft_s`` + the FIFO wait (:func:`turnscope.planner.queueing.fifo_waits`, the
+    worker's time per request ``c(n) - c(cached)``; a pull does not hold the worker: vLLM waits for
+    remote KV outside the running batch) + the chat renders (:data:`RENDERS`) when
+    ``settings.rendered_prompts``."""
+    n = tr.input_tokens
+    ttft = profile.ttft_s(mode, n, cached, pulled)
+    wait = np.zeros(len(tr))
+    if settings.queue_prefills:
+        workers = settings.aggregated_workers if mode == "aggregated" else settings.prefill_workers
+        wait = fifo_waits(tr.arrival_s, profile.prefill_compute_s(mode, n, cached),
+                          workers_of(tr, workers, settings.routing))
+    if settings.rendered_prompts:
+        took = np.isin(outcome, [_CODE[o] for o in TOOK_HANDLE])
+        ttft = ttft + profile.render_s(n, RENDERS[mode] + took)
+    return ttft + wait, wait
+
+
 def own_cache_hits(tr: Traffic, capacity_tokens: int | None, block_size: int, workers: int, routing: str,
                    with_output: bool, shared_prefix_tokens: int = 0) -> np.ndarray:
     """Each request's hit in its worker's own prefix cache, tokens: an LRU per worker of the
@@ -218,50 +267,8 @@ def own_cache_hits(tr: Traffic, capacity_tokens: int | None, block_size: int, wo
     return hits
 
 
-class _PinnedKV:
-    """D's pinned KV over time: bytes held, releases due at D's TTL, and the timeline."""
-
-    def __init__(self, capacity_bytes: float | None):
-        self.capacity = capacity_bytes
-        self.held = 0.0
-        self._due: list[tuple[float, int, float]] = []   # (release time, handle id, bytes)
-        self._released: set[int] = set()
-        self.t: list[float] = [0.0]
-        self.b: list[float] = [0.0]
-
-    def _record(self, t: float) -> None:
-        self.t.append(t)
-        self.b.append(self.held)
-
-    def release_due(self, now: float) -> None:
-        """Free every handle whose TTL passed by ``now``."""
-        while self._due and self._due[0][0] <= now:
-            t, hid, nbytes = heapq.heappop(self._due)
-            if hid in self._released:
-                self._released.discard(hid)
-                continue
-            self.held -= nbytes
-            self._record(t)
-
-    def pin(self, t: float, hid: int, nbytes: float, ttl_s: float) -> bool:
-        """Pin ``nbytes`` at ``t`` until read or ``t + ttl_s``; False (nothing pinned) when they
-        do not fit next to what is pinned."""
-        if self.capacity is not None and self.held + nbytes > self.capacity:
-            return False
-        self.held += nbytes
-        heapq.heappush(self._due, (t + ttl_s, hid, nbytes))
-        self._record(t)
-        return True
-
-    def read(self, t: float, hid: int, nbytes: float) -> None:
-        """P read the handle at ``t``: D frees its blocks."""
-        self._released.add(hid)
-        self.held -= nbytes
-        self._record(t)
-
-
 def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, local_hits: np.ndarray | None,
-                   finish_s: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, _PinnedKV, int]:
+                   finish_s: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, PinnedBlocks, int]:
     """The handle rules over the traffic, one bidirectional mode (``local_hits``: P's own-cache
     hits of each request, None when P's prefix cache is off).
 
@@ -271,18 +278,19 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
     threshold = settings.kv_recompute_threshold
     d_ttl = settings.decoder_kv_blocks_ttl_s
     proxy_ttl = settings.proxy_ttl_s
-    cap = profile.decode_kv_space_bytes.value / settings.decode_workers if profile.decode_kv_space_bytes else None
     kv_bytes = profile.kv_bytes_per_token.value
-    pinned = _PinnedKV(cap)
+    cap = (int(profile.decode_kv_space_bytes.value / settings.decode_workers // (block * kv_bytes))
+           if profile.decode_kv_space_bytes else None)
+    pinned = PinnedBlocks(cap, block, block * kv_bytes, settings.shared_prefix_tokens // block)
     n_req = len(tr)
     outcome = np.zeros(n_req, dtype=np.int8)
     pulled = np.zeros(n_req, dtype=np.int64)
     local = np.zeros(n_req, dtype=np.int64) if local_hits is None else local_hits.copy()
     ages = np.full(n_req, np.nan)
     seen: set[int] = set()
-    handle: dict[int, tuple[float, int, float, int]] = {}   # session -> (created, kv tokens, bytes, id)
+    handle: dict[int, tuple[float, int, int, int]] = {}     # session -> (created, kv tokens, id, ordinal)
     lost: set[int] = set()
-    puts: list[tuple[float, int, int, int]] = []             # (finish time, request, session, kv tokens)
+    puts: list[tuple[float, int, int, int, int]] = []        # (finish time, request, session, kv tokens, ordinal)
     d_full = 0
     codes, n_arr, out_arr, shared = tr.session_code, tr.input_tokens, tr.output_tokens, tr.shared_prefix_tokens
     arrival = tr.arrival_s
@@ -292,11 +300,10 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
     for i in range(n_req):
         t = float(arrival[i])
         while puts and puts[0][0] <= t:          # turns finished before this arrival: D pins them
-            ft, j, s_j, kv = heapq.heappop(puts)
+            ft, j, s_j, kv, o_j = heapq.heappop(puts)
             pinned.release_due(ft)
-            nbytes = rules.blocks_of(kv, block) * block * kv_bytes
-            if pinned.pin(ft, j, nbytes, d_ttl):
-                handle[s_j] = (ft, kv, nbytes, j)
+            if pinned.pin(ft, j, s_j, o_j, rules.blocks_of(kv, block), d_ttl):
+                handle[s_j] = (ft, kv, j, o_j)
                 lost.discard(s_j)
             else:
                 handle.pop(s_j, None)
@@ -309,7 +316,7 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
             seen.add(s)
             outcome[i] = c_first
         elif s in handle:
-            created, kv, nbytes, hid = handle.pop(s)
+            created, kv, hid, o_h = handle.pop(s)
             age = t - created
             ages[i] = age
             if rules.handle_expired(age, proxy_ttl):
@@ -327,18 +334,18 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
                     else:
                         outcome[i] = c_hit
                         pulled[i] = count
-                        pinned.read(t, hid, nbytes)
+                        pinned.read(t, hid, s, o_h)
         elif s in lost:
             lost.discard(s)
             outcome[i] = c_full
         else:
             outcome[i] = c_cons
-        heapq.heappush(puts, (float(finish_s[i]), i, s, rules.handle_kv_tokens(n, int(out_arr[i]))))
+        kv_i = rules.handle_kv_tokens(n, int(out_arr[i]))
+        heapq.heappush(puts, (float(finish_s[i]), i, s, kv_i, pinned.add_request(s, kv_i, int(shared[i]))))
     while puts:                                  # the last turns of each session: pinned until TTL
-        ft, j, s_j, kv = heapq.heappop(puts)
+        ft, j, s_j, kv, o_j = heapq.heappop(puts)
         pinned.release_due(ft)
-        nbytes = rules.blocks_of(kv, block) * block * kv_bytes
-        if not pinned.pin(ft, j, nbytes, d_ttl):
+        if not pinned.pin(ft, j, s_j, o_j, rules.blocks_of(kv, block), d_ttl):
             d_full += 1
     pinned.release_due(float("inf"))
     return outcome, pulled, local, ages, pinned, d_full
@@ -378,22 +385,23 @@ def plan(requests: Iterable[AgentRequest] | Traffic, profile: CostProfile,
                                 settings.routing, with_output=False, shared_prefix_tokens=settings.shared_prefix_tokens)
     first_seen = ~pd.Series(tr.session_code).duplicated().to_numpy()
     out: dict[str, ModePlan] = {}
+    no_age = np.full(len(tr), np.nan)
     for mode in settings.modes:
+        held_t, held_b, d_full, ages, pulled = np.zeros(0), np.zeros(0), 0, no_age, zeros
         if mode == "aggregated":
             local = own_cache_hits(tr, profile.capacity_tokens("aggregated"), block, settings.aggregated_workers,
                                    settings.routing, with_output=True,
                                    shared_prefix_tokens=settings.shared_prefix_tokens)
-            mp = ModePlan(mode, np.zeros(len(tr), dtype=np.int8), zeros, local,
-                          profile.ttft_s(mode, n, local, zeros), np.full(len(tr), np.nan))
+            outcome = np.zeros(len(tr), dtype=np.int8)
         elif mode in ("pd", "pd-nocache"):
             local = p_hits if mode == "pd" else zeros
             outcome = np.where(first_seen, _CODE[h.MISS_FIRST_TURN], _CODE[h.MISS_NO_HANDLE_RETURNED]).astype(np.int8)
-            mp = ModePlan(mode, outcome, zeros, local, profile.ttft_s(mode, n, local, zeros), np.full(len(tr), np.nan))
         else:
             outcome, pulled, local, ages, pinned, d_full = simulate_bidir(
                 tr, profile, settings, p_hits if mode == "pd-bidir" else None, finish)
-            mp = ModePlan(mode, outcome, pulled, local, profile.ttft_s(mode, n, local + pulled, pulled), ages,
-                          np.asarray(pinned.t), np.asarray(pinned.b), d_full)
+            held_t, held_b = np.asarray(pinned.t), np.asarray(pinned.b)
+        ttft, wait = mode_ttft(tr, profile, settings, mode, local + pulled, pulled, outcome)
+        mp = ModePlan(mode, outcome, pulled, local, ttft, ages, wait, held_t, held_b, d_full)
         mp.prompt_tokens = n
         out[mode] = mp
     return Plan(tr, profile, settings, out, notes)

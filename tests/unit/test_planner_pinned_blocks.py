@@ -1,0 +1,114 @@
+"""D's pinned KV as distinct blocks (turnscope/planner/pinned_blocks.py) against hand-computed cases.
+
+Block 128 tokens, 4096 KV bytes/token (one block = 524,288 bytes). A turn of 1000 prompt + 32 output
+tokens leaves a handle of 1031 tokens: 9 blocks, 8 of them full; the next turn of 1300 tokens that
+shares all 1031 leaves 1331 tokens: 11 blocks, sharing min(1031, 1031, 1331) // 128 = 8 blocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadgen.traces.agent_request import AgentRequest
+from tests.unit.test_planner_simulate import profile
+from turnscope.planner.pinned_blocks import PinnedBlocks
+from turnscope.planner.simulate import PlanSettings, plan
+
+BLOCK = 128 * 4096
+
+
+def test_two_handles_of_a_session_hold_the_prefix_once():
+    d = PinnedBlocks(None, 128, BLOCK)
+    o0 = d.add_request(1, 1031, 0)
+    o1 = d.add_request(1, 1331, 1031)
+    assert d.pin(1.0, 0, 1, o0, 9, 480) and d.pin(6.0, 1, 1, o1, 11, 480)
+    assert d.held_blocks == 9 + (11 - 8)          # the prefix once, plus each handle's own suffix
+    d.read(7.0, 0, 1, o0)                          # the first handle released: the shared 8 blocks stay
+    assert d.held_blocks == 11
+    d.read(8.0, 1, 1, o1)
+    assert d.held_blocks == 0
+    assert d.b == [0.0, 9 * BLOCK, 12 * BLOCK, 11 * BLOCK, 0.0]
+
+
+def test_release_of_the_later_handle_keeps_the_earlier_whole():
+    d = PinnedBlocks(None, 128, BLOCK)
+    o0, o1 = d.add_request(1, 1031, 0), d.add_request(1, 1331, 1031)
+    d.pin(1.0, 0, 1, o0, 9, 480)
+    d.pin(6.0, 1, 1, o1, 11, 480)
+    d.read(7.0, 1, 1, o1)
+    assert d.held_blocks == 9
+
+
+def test_an_edit_cuts_the_shared_prefix_along_the_chain():
+    # request 1 keeps only 300 tokens of request 0 (2 blocks); request 2 keeps all of request 1:
+    # request 0 and 2 share min(2, 10) = 2 blocks
+    d = PinnedBlocks(None, 128, BLOCK)
+    o0 = d.add_request(1, 1031, 0)
+    d.add_request(1, 1331, 300)
+    o2 = d.add_request(1, 1500, 1331)
+    d.pin(1.0, 0, 1, o0, 9, 480)
+    d.pin(9.0, 2, 1, o2, 12, 480)
+    assert d.held_blocks == 9 + (12 - 2)
+
+
+def test_sessions_share_the_system_prompt_only():
+    # a 512-token system prompt (4 blocks) opens both sessions: 9 + 9 - 4 distinct blocks
+    d = PinnedBlocks(None, 128, BLOCK, system_blocks=4)
+    a, b = d.add_request(1, 1031, 0), d.add_request(2, 1031, 0)
+    d.pin(1.0, 0, 1, a, 9, 480)
+    d.pin(2.0, 1, 2, b, 9, 480)
+    assert d.held_blocks == 14
+    d.read(3.0, 0, 1, a)                           # b still holds the system prompt's blocks
+    assert d.held_blocks == 9
+    d.release_due(2.0 + 480)
+    assert d.held_blocks == 0
+
+
+def test_capacity_counts_distinct_blocks():
+    d = PinnedBlocks(12, 128, BLOCK)
+    o0, o1 = d.add_request(1, 1031, 0), d.add_request(1, 1331, 1031)
+    assert d.pin(1.0, 0, 1, o0, 9, 480)
+    assert d.pin(6.0, 1, 1, o1, 11, 480)           # adds 3 blocks: 12 of 12
+    o2 = d.add_request(2, 1031, 0)
+    assert not d.pin(7.0, 2, 2, o2, 9, 480)        # another session's 9 do not fit
+    assert d.held_blocks == 12
+
+
+def test_plan_keeps_a_below_threshold_handle_next_to_its_successor():
+    # pd-bidir: P holds the 1024-token prompt, so turn 1 pulls 7 tokens < 64: its handle (1031 tokens)
+    # is taken but not read and stays pinned; turn 1's own handle (1331 tokens) shares 8 blocks with it.
+    # D holds 12 blocks: both fit as distinct blocks (9 + 3), where counting each handle's own (9 + 11)
+    # would lose turn 1's handle and make turn 2 miss_d_full.
+    space = {"decode_kv_space_bytes": {"value": 12 * BLOCK, "source": "test"}}
+    reqs = [AgentRequest("t", "a", 0, 0.0, 1024, 8, 0, server_s=1.0),
+            AgentRequest("t", "a", 1, 5.0, 1300, 32, 1031, server_s=1.0),
+            AgentRequest("t", "a", 2, 10.0, 1400, 32, 1331, server_s=1.0)]
+    p = plan(reqs, profile(**space), PlanSettings(modes=("pd-bidir",)))
+    m = p.modes["pd-bidir"]
+    assert list(m.outcome_names()) == ["miss_first_turn", "miss_below_threshold", "miss_below_threshold"]
+    # turn 2's own handle (1431 tokens, 12 blocks, 10 shared with turn 1's) would add 2: 14 > 12, lost
+    assert m.d_full_events == 1
+    assert m.peak_held_bytes() == 12 * BLOCK
+
+
+def test_plan_shares_the_system_prompt_across_sessions_on_d():
+    # two sessions open with a 512-token system prompt; D holds 14 blocks: 9 + 9 - 4 fit
+    space = {"decode_kv_space_bytes": {"value": 14 * BLOCK, "source": "test"}}
+    reqs = [AgentRequest("t", "a", 0, 0.0, 1000, 32, 0, server_s=1.0),
+            AgentRequest("t", "b", 0, 0.5, 1000, 32, 0, server_s=1.0),
+            AgentRequest("t", "a", 1, 5.0, 1300, 32, 1031, server_s=1.0),
+            AgentRequest("t", "b", 1, 5.5, 1300, 32, 1031, server_s=1.0)]
+    shared = PlanSettings(modes=("pd-bidir-nocache",), shared_prefix_tokens=512)
+    m = plan(reqs, profile(**space), shared).modes["pd-bidir-nocache"]
+    assert list(m.outcome_names()) == ["miss_first_turn", "miss_first_turn", "hit", "hit"]
+    assert m.peak_held_bytes() == 14 * BLOCK
+    alone = PlanSettings(modes=("pd-bidir-nocache",))   # no system prompt: 18 blocks do not fit in 14
+    assert list(plan(reqs, profile(**space), alone).modes["pd-bidir-nocache"].outcome_names())[3] == "miss_d_full"
+
+
+@pytest.mark.parametrize("capacity", [None, 100])
+def test_timeline_ends_empty(capacity):
+    d = PinnedBlocks(capacity, 128, BLOCK)
+    o = d.add_request(1, 1031, 0)
+    d.pin(0.0, 0, 1, o, 9, 10.0)
+    d.release_due(float("inf"))
+    assert d.t == [0.0, 0.0, 10.0] and d.b[-1] == 0.0

@@ -1,0 +1,103 @@
+"""FIFO waits for the prefill worker (turnscope/planner/queueing.py) and their place in the TTFT
+forecast, against hand-computed cases and an independent event-by-event loop.
+
+Profile (tests/unit/test_planner_simulate.py): c(x) = 1e-4 x, b0 10 ms, pull 1 GB/s, 4096 bytes/token."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from loadgen.traces.agent_request import AgentRequest
+from tests.unit.test_planner_simulate import profile
+from turnscope.planner.queueing import fifo_waits
+from turnscope.planner.simulate import PlanSettings, plan
+
+
+def test_waits_by_hand():
+    # one worker: the second waits until 1.0 (0.9 s), the third finds it idle (1.5 < 5)
+    assert list(fifo_waits(np.array([0.0, 0.1, 5.0]), np.array([1.0, 0.5, 0.2]), np.zeros(3))) == \
+        pytest.approx([0.0, 0.9, 0.0])
+    # a queue of three at once: 0, 1, 1 + 0.5
+    assert list(fifo_waits(np.zeros(3), np.array([1.0, 0.5, 0.2]), np.zeros(3))) == pytest.approx([0, 1.0, 1.5])
+    # two workers: each request alone on its worker
+    assert list(fifo_waits(np.array([0.0, 0.1]), np.array([1.0, 0.5]), np.array([0, 1]))) == [0.0, 0.0]
+
+
+def test_waits_match_an_event_loop():
+    rng = np.random.default_rng(3)
+    arrival = np.sort(rng.uniform(0, 20, 300))
+    service = rng.exponential(0.2, 300)
+    worker = rng.integers(0, 3, 300)
+    free = {0: 0.0, 1: 0.0, 2: 0.0}
+    expected = []
+    for a, s, w in zip(arrival, service, worker, strict=True):
+        start = max(a, free[w])
+        expected.append(start - a)
+        free[w] = start + s
+    assert fifo_waits(arrival, service, worker) == pytest.approx(expected, abs=1e-12)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="sorted"):
+        fifo_waits(np.array([1.0, 0.0]), np.ones(2), np.zeros(2))
+    with pytest.raises(ValueError, match="length"):
+        fifo_waits(np.zeros(2), np.ones(3), np.zeros(2))
+
+
+def reqs():
+    return [AgentRequest("t", "a", 0, 0.0, 1000, 32, 0, server_s=1.0),
+            AgentRequest("t", "b", 0, 0.01, 1000, 32, 0, server_s=1.0)]
+
+
+def test_second_arrival_waits_for_the_first_prefill():
+    # both computed from scratch (0.1 s each): b waits 0.1 - 0.01 = 0.09 s on the one worker
+    p = plan(reqs(), profile())
+    for mode in ("aggregated", "pd", "pd-nocache"):
+        assert list(p.modes[mode].queue_wait_s) == pytest.approx([0.0, 0.09])
+        assert p.modes[mode].ttft_s[1] == pytest.approx(0.01 + 0.09 + 0.1)
+    off = plan(reqs(), profile(), PlanSettings(queue_prefills=False))
+    assert off.modes["aggregated"].ttft_s[1] == pytest.approx(0.01 + 0.1)
+    two = plan(reqs(), profile(), PlanSettings(prefill_workers=2, aggregated_workers=2))
+    assert two.modes["pd"].queue_wait_s[1] == 0.0
+
+
+def test_a_hit_holds_the_worker_for_its_new_tokens_only():
+    # a's second request pulls 1031 tokens and computes 269 (0.0269 s); b arrives 5 ms later and
+    # waits 0.0219 s: the pull (4.2 ms) does not hold P
+    r = [AgentRequest("t", "a", 0, 0.0, 1000, 32, 0, server_s=1.0),
+         AgentRequest("t", "a", 1, 5.0, 1300, 32, 1031, server_s=1.0),
+         AgentRequest("t", "b", 0, 5.005, 1000, 32, 0, server_s=1.0)]
+    m = plan(r, profile(), PlanSettings(modes=("pd-bidir-nocache",))).modes["pd-bidir-nocache"]
+    assert m.queue_wait_s[2] == pytest.approx(0.0269 - 0.005)
+    assert m.ttft_s[1] == pytest.approx(0.01 + 0.0269 + 1031 * 4096 / 1e9)
+
+
+def test_chat_renders_on_the_ttft_path():
+    # 1e-5 s per prompt token and render: aggregated renders once, P/D twice (P and D), and a
+    # request that takes a handle once more (the proxy matches it against D's ids)
+    prof = profile(render_s_per_token={"value": 1e-5, "source": "test"})
+    r = [AgentRequest("t", "a", 0, 0.0, 1000, 32, 0, server_s=1.0),
+         AgentRequest("t", "a", 1, 5.0, 1300, 32, 1031, server_s=1.0)]
+    chat = plan(r, prof, PlanSettings(rendered_prompts=True))
+    ids = plan(r, prof)
+    for mode, renders in (("aggregated", [1, 1]), ("pd", [2, 2]), ("pd-bidir-nocache", [2, 3])):
+        extra = chat.modes[mode].ttft_s - ids.modes[mode].ttft_s
+        assert list(extra) == pytest.approx([1e-5 * 1000 * renders[0], 1e-5 * 1300 * renders[1]])
+
+
+def test_the_wait_is_stored_with_the_request(tmp_path):
+    import duckdb
+    import pandas as pd
+
+    from turnscope.planner.plan_store import write_plan
+    from turnscope.store import Store
+
+    p = plan(reqs(), profile(), PlanSettings(modes=("aggregated",)))
+    empty = pd.DataFrame()
+    write_plan(Store(tmp_path), p, plan_id="plan-q", label=None, inputs=[], speedups=empty, frontiers=empty,
+               sessions=empty)
+    rows = duckdb.connect().execute(
+        f"SELECT session_id, queue_wait_s, ttft_s FROM read_parquet('{tmp_path}/runs/plan-*/plan_requests/*.parquet') "
+        "ORDER BY session_id").fetchall()
+    assert [(s, pytest.approx(w), pytest.approx(t)) for s, w, t in rows] == [("a", 0.0, 0.11), ("b", 0.09, 0.2)]
