@@ -47,7 +47,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
 from serving import handles as h
-from serving import reuse_rules as rules
+from turnscope import reuse_rules as rules
 from serving.prompt_render import IncrementalRenderer
 from serving.proxy_metrics import ProxyMetrics
 from serving.proxy_request import ProxiedRequest, RequestFacts
