@@ -386,7 +386,7 @@ def whatif_by_hand(ttl: float, sessions=range(fx.SESSIONS), kinds=None) -> tuple
                     continue  # a failed turn leaves no KV behind
                 pulled = t + 1 < fx.TURNS and hits_at(r, s, t + 1)
                 held_for = fx.gap(s, t + 1)[0] if pulled else ttl
-                byte_s += (fx.prompt_tokens(t) + 32) * fx.KV_BYTES_PER_TOKEN * held_for
+                byte_s += (fx.prompt_tokens(t) + 32 - 1) * fx.KV_BYTES_PER_TOKEN * held_for  # remote_num_tokens
     return later, hits, byte_s / GIB
 
 
