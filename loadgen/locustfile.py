@@ -233,6 +233,12 @@ def _on_test_stop(environment: Any, **_: Any) -> None:
 
 @events.quitting.add_listener
 def _on_quitting(environment: Any, **_: Any) -> None:
+    # Locust fires `quitting` before it stops the users (locust/main.py: shutdown, e.g. on
+    # SIGTERM): stop them first, so that each request in flight is recorded (a `cancelled` row, and
+    # a failed Locust event) and the run row says `stopped` before the writers close.
+    runner = environment.runner
+    if runner is not None and not isinstance(runner, MasterRunner):
+        runner.stop()
     recorder.close_writer()
     recorder.close_run_writer()
 
