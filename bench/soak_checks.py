@@ -44,6 +44,8 @@ def locust_posts(json_file: Path) -> dict[str, tuple[int, int]]:
     Raises ValueError naming the file when it is not that list."""
     try:
         entries = json.loads(Path(json_file).read_text())
+        if not isinstance(entries, list):
+            raise TypeError(f"a {type(entries).__name__}, not a list")
         return {e["name"]: (int(e["num_requests"]), int(e["num_failures"])) for e in entries if e["method"] == "POST"}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{json_file}: not Locust's --json-file stats (a list of entries with method, name, "
