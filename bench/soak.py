@@ -34,7 +34,8 @@ threads, table sizes), ``summary.json``, Locust's CSVs and log. The store is ``-
     .venv/bin/python bench/soak.py --minutes 5 --users 20           # a shorter look
     .venv/bin/python bench/soak.py --stub --minutes 1 --users 20 --time-scale 0.02 --warmup-min 0.25
         # checks this script itself against stub P/D workers (tests/integration/kv_stub.py), no vLLM;
-        # the stubs' TTL is a third of a run shorter than 10 min (20 s here), so the table fills
+        # the stubs' TTL is two thirds of a run shorter than 10 min (40 s here, proxy margin 20 s),
+        # so that the handle table fills within the run
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ class StubStack:
         self.config = ProxyConfig(mode="pd-bidir", prefill=[Worker(name="prefill-0", url=self.p.url)],
                                   decode=[Worker(name="decode-0", url=self.d.url)], block_size=4,
                                   kv_recompute_threshold=2, prefill_prefix_caching=False,
-                                  decoder_kv_blocks_ttl_s=ttl_s, handle_ttl_margin_s=min(30.0, ttl_s / 4),
+                                  decoder_kv_blocks_ttl_s=ttl_s, handle_ttl_margin_s=min(30.0, ttl_s / 2),
                                   kv_bytes_per_token=16)
 
     def __enter__(self) -> Self:
@@ -141,6 +142,31 @@ def proxy_request_total(url: str) -> float:
                if s.name == "turnscope_requests_total")
 
 
+def settled_proxy_requests(log: Path, offset: int, store: Store, run_id: str, quiet_s: float = 15.0,
+                           limit_s: float = 180.0) -> list[tuple[str, str]]:
+    """The proxy's request lines after ``offset`` (the warm-up's end), read once the proxy has
+    finished what it took: it logs a request when it ends, and turns cut off at the stop may still
+    be in its prefill leg on a busy machine. Waits until every stored request id of the run is
+    logged, or nothing new was logged for ``quiet_s`` seconds (a request that never reached the
+    proxy is never logged), at most ``limit_s``."""
+    con = store.connect()
+    try:
+        wanted = {r[0] for r in con.execute("SELECT request_id FROM turns WHERE run_id = ?", [run_id]).fetchall()}
+    finally:
+        con.close()
+    t_end, last_n, last_change = time.monotonic() + limit_s, -1, time.monotonic()
+    while True:
+        with open(log, "rb") as f:
+            f.seek(offset)
+            served = proxy_requests(f.read().decode("utf-8", errors="replace").splitlines())
+        now = time.monotonic()
+        if len(served) != last_n:
+            last_n, last_change = len(served), now
+        if wanted <= {i for i, _ in served} or now - last_change >= quiet_s or now >= t_end:
+            return served
+        time.sleep(1.0)
+
+
 def slope_per_10min(ts: list[float], ys: list[float]) -> float:
     if len(ts) < 2:
         return 0.0
@@ -171,8 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--stub", action="store_true", help="stub P/D workers instead of vLLM (checks this script)")
     ap.add_argument("--stub-ttl-s", type=float, default=None,
-                    help="--stub: the decode stub's KV TTL, seconds (default 480, or a third of a run shorter "
-                         "than 10 minutes, at least 20 s, so that the handle table fills within the run)")
+                    help="--stub: the decode stub's KV TTL, seconds (default 480; for a run shorter than 10 "
+                         "minutes, two thirds of it, at least 40 s, so that the handle table fills within the run; "
+                         "the proxy's margin is half the TTL, at most 30 s: a handle offered late in a busy "
+                         "stream's life must still be on D)")
     a = ap.parse_args(argv)
 
     run_id = f"soak-{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%S}-{a.mode}"
@@ -181,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     settings = TurnscopeSettings.load()
     if a.stub:
-        stub_ttl = a.stub_ttl_s if a.stub_ttl_s is not None else (480.0 if a.minutes >= 10 else max(20.0, a.minutes * 20))
+        stub_ttl = a.stub_ttl_s if a.stub_ttl_s is not None else (480.0 if a.minutes >= 10 else max(40.0, a.minutes * 40))
         stack = StubStack(out, ttl_s=stub_ttl)
         ttl_s = stack.config.decoder_kv_blocks_ttl_s - stack.config.handle_ttl_margin_s
         model_name, tokenizer = "turnscope-tiny", str(ensure_model(settings.model))
@@ -250,9 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             scraper.stop(final_settle_s=10.0)
             sw.close()
         samples.append(sample(proxy, stack.proxy_url, t0))
-        with open(stack.proxy_log, "rb") as f:  # the proxy's lines after the warm-up's
-            f.seek(log_offset)
-            served = proxy_requests(f.read().decode("utf-8", errors="replace").splitlines())
+        served = settled_proxy_requests(stack.proxy_log, log_offset, store, run_id)
 
     with open(out / "samples.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(samples[0]))
