@@ -78,7 +78,10 @@ else:
 st.subheader("What if the TTL were different?")
 # Only the runs whose decode workers keep handles: one-way and aggregated runs hold nothing.
 modes_of = dict(zip(sel.runs["run_id"], sel.runs["mode"], strict=True))
-labels_of = dict(zip(sel.runs["run_id"], sel.runs["label"].fillna(sel.runs["run_id"]), strict=True))
+# a run's name on the page: its label, with its id where labels repeat (a demo's runs share theirs)
+_labels = sel.runs["label"].fillna(sel.runs["run_id"])
+_dup = _labels.map(_labels.value_counts()) > 1
+labels_of = dict(zip(sel.runs["run_id"], _labels.where(~_dup, sel.runs["run_id"]), strict=True))
 held_runs = tuple(r for r in f.run_ids if modes_of.get(r) in HANDLE_MODES)
 f_held = dataclasses.replace(f, run_ids=held_runs)
 config = load(sel.root, queries.run_config, f_held)

@@ -135,11 +135,14 @@ def whatif_ttl(df: pd.DataFrame, current_ttls_s: list[float] | None = None) -> g
     fig.add_trace(go.Scatter(x=tot["ttl_s"], y=tot["held_gib_s"], name="KV held (GiB x s)", mode="lines+markers",
                              line={"color": "#9467bd"}, legendgroup="totals",
                              hovertemplate="TTL %{x:.0f} s: %{y:.4g} GiB x s<extra></extra>"), row=2, col=1)
-    names = df.drop_duplicates("run_id").set_index("run_id")["run_label"].fillna("")
-    colors = run_colors(pd.Series("pd-bidir", index=names.index))
+    runs = df.drop_duplicates("run_id").assign(run_label=lambda d: d["run_label"].fillna(d["run_id"]))
+    if "mode" not in runs:
+        runs = runs.assign(mode="pd-bidir")
+    colors = run_colors(runs.set_index("run_id")["mode"])
+    names = runs.assign(name=_run_names(runs)).set_index("run_id")["name"]
     for run_id, g in df.groupby("run_id", sort=True):
         g = g.sort_values("ttl_s")
-        name, color = str(names[run_id]) or run_id, colors[run_id]
+        name, color = names[run_id], colors[run_id]
         fig.add_trace(go.Scatter(x=g["ttl_s"], y=g["peak_held_bytes"] / MiB, name=name, legendgroup=run_id,
                                  mode="lines+markers", line={"color": color},
                                  hovertemplate=f"{name}<br>TTL %{{x:.0f}} s: peak %{{y:.1f}} MiB<extra></extra>"),
@@ -165,7 +168,7 @@ def whatif_ttl(df: pd.DataFrame, current_ttls_s: list[float] | None = None) -> g
     for ttl in sorted(set(current_ttls_s or [])):
         fig.add_vline(x=ttl, line_dash="dot", line_color="#4c4c4c")
         # On a log axis an annotation's x is log10 of the value (add_vline's own label would not be).
-        fig.add_annotation(x=float(np.log10(ttl)), y=1.0, xref="x", yref="paper", text=f"configured {ttl:g} s",
+        fig.add_annotation(x=float(np.log10(ttl)), y=1.035, xref="x", yref="paper", text=f"configured {ttl:g} s",
                            showarrow=False, yanchor="bottom", font={"size": 11})
     ticks = sorted(set(tot["ttl_s"].tolist()))
     fig.update_xaxes(type="log", tickvals=ticks, ticktext=[f"{t:g}" for t in ticks])

@@ -383,7 +383,7 @@ def whatif_ttl_d_limit(
     without the gauge is replayed without a limit (capacity_bytes NaN) and in tokens, a run
     without ``kv_bytes_per_token`` is left out (no bytes to compare). TTLs at or below a run's
     handle margin are skipped for it (nothing could be offered).
-    Columns: :data:`turnscope.planner.ttl_whatif.RESULT_COLUMNS` plus run_label, block_size,
+    Columns: :data:`turnscope.planner.ttl_whatif.RESULT_COLUMNS` plus run_label, mode, block_size,
     decode_workers. One row per (run, TTL).
     """
     run_ids = list(as_filter(f).run_ids)
@@ -402,6 +402,7 @@ def whatif_ttl_d_limit(
     turns = con.execute(_WHATIF_TURNS, {"run_ids": _ids(list(runs))}).df()
     out = whatif_ttl_limited(turns[["run_id", *TURN_COLUMNS]], runs, ttls_s)
     out["run_label"] = out["run_id"].map(cfg["run_label"])
+    out["mode"] = out["run_id"].map(cfg["mode"])
     out["block_size"] = out["run_id"].map(space["block_size"]) if len(space) else pd.NA
     out["decode_workers"] = out["run_id"].map(space["decode_workers"]) if len(space) else pd.NA
-    return out[[*RESULT_COLUMNS, "run_label", "block_size", "decode_workers"]]
+    return out[[*RESULT_COLUMNS, "run_label", "mode", "block_size", "decode_workers"]]

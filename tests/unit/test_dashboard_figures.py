@@ -143,7 +143,7 @@ def test_whatif_empty_and_marks_the_configured_ttl_and_ds_space():
     held = next(t for t in fig.data if t.name == "KV held (GiB x s)")
     assert list(held.y) == pytest.approx([3.0, 12.0])
     space = [t for t in fig.data if t.name.endswith(": D's KV space")]
-    assert [t.name for t in space] == ["one: D's KV space"] and list(space[0].y) == [100.0, 100.0]
+    assert [t.name for t in space] == ["one · pd-bidir: D's KV space"] and list(space[0].y) == [100.0, 100.0]
     over = next(t for t in fig.data if t.name == "exceeds D's KV space")
     assert (list(over.x), list(over.y)) == ([480.0], [130.0])
     assert {s.x0 for s in fig.layout.shapes} == {480.0}  # one line per panel
