@@ -175,7 +175,8 @@ def whatif_ttl(df: pd.DataFrame, current_ttls_s: list[float] | None = None) -> g
     fig.update_xaxes(title_text="decoder_kv_blocks_ttl (s, log scale)", row=3, col=1)
     fig.update_yaxes(title_text="% of later turns", range=[0, 105], row=1, col=1)
     fig.update_yaxes(title_text="GiB x s", rangemode="tozero", row=2, col=1)
-    fig.update_yaxes(title_text="MiB", rangemode="tozero", row=3, col=1)
+    # log scale: D's space (GiB) and the peaks (often MiB) on one axis, runs of any size side by side
+    fig.update_yaxes(title_text="MiB (log scale)", type="log", row=3, col=1)
     fig.update_layout(title="What if the TTL were different? (recorded turns replayed, D's KV space the limit)",
                       height=820, margin={"t": 90}, legend={"orientation": "h", "y": -0.08})
     return fig
