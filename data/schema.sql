@@ -43,7 +43,9 @@ CREATE TABLE sessions (
     tool_wait_s     DOUBLE,
     think_s         DOUBLE,
     pause_s         DOUBLE,
-    status          VARCHAR       -- ok | error | cancelled
+    status          VARCHAR,      -- ok | error | cancelled
+    planned_turns   INTEGER,      -- own turns the plan held (fresh requests excluded)
+    stop_reason     VARCHAR       -- complete | max_prompt_tokens | tokenize_error | cancelled
 );
 
 CREATE TABLE turns (

@@ -41,6 +41,19 @@ def outcomes(store: Path, run_ids: list[str]) -> pd.DataFrame:
                            [run_ids]).df()
 
 
+def stopped_early(store: Path, run_ids: list[str]) -> pd.DataFrame:
+    """Per run and stop reason, the sessions that ended before their plan's last turn (``sessions.
+    stop_reason`` other than ``complete``; rows written before that column existed are left out).
+    Columns: run_id, stop_reason, sessions, turns_not_sent (planned_turns - turns, summed)."""
+    with _connect(store) as con:
+        return con.execute("""
+            SELECT run_id, stop_reason, count(*) AS sessions,
+                   sum(planned_turns - turns)::BIGINT AS turns_not_sent
+            FROM sessions
+            WHERE stop_reason IS NOT NULL AND stop_reason <> 'complete' AND run_id IN (SELECT unnest($1))
+            GROUP BY ALL ORDER BY run_id, stop_reason""", [run_ids]).df()
+
+
 def external_kv_tokens(store: Path, run_ids: list[str]) -> pd.DataFrame:
     """Per run: how much the prefill worker's ``prompt_tokens_by_source_total{source=
     "external_kv_transfer"}`` rose during the run (tokens P pulled from D, restarts handled by

@@ -156,7 +156,8 @@ class SessionResult:
     """What :func:`run_session` played: the turn records and the stored ``sessions`` row.
 
     ``stopped`` says why the session ended: ``complete`` (all planned turns), ``max_prompt_tokens``
-    (the next prompt would have exceeded it), ``tokenize_error`` or ``cancelled``.
+    (the next prompt would have exceeded it), ``tokenize_error`` (a reply could not be
+    re-tokenized for the next prompt) or ``cancelled``; it is stored as ``sessions.stop_reason``.
     """
 
     turns: list[TurnRecord] = field(default_factory=list)
@@ -219,7 +220,8 @@ class SessionRecorder:
         e2e = result.e2e_s or 0.0
         self.writer.append("sessions", self._session_row(session_id, f"{self.plan.source}#fresh{k}", [e2e], e2e,
                                                          result.sent_at, dict.fromkeys(GAP_KINDS, 0.0),
-                                                         "ok" if result.status == "ok" else "error"))
+                                                         "ok" if result.status == "ok" else "error",
+                                                         planned_turns=1, stop_reason="complete"))
         if result.status != "ok":
             self.all_ok = False
         if self.on_turn is not None:
@@ -229,7 +231,9 @@ class SessionRecorder:
         """Append the session's ``sessions`` row (status ``ok``/``error`` unless given) and return the result."""
         status = status or ("ok" if self.all_ok else "error")
         row = self._session_row(self.plan.session_id, self.plan.source, self.own_e2e, task_latency_s, started,
-                                self.gaps, status)
+                                self.gaps, status,
+                                planned_turns=sum(1 for t in self.plan.turns if t.kind != "fresh"),
+                                stop_reason=self.result.stopped)
         self.writer.append("sessions", row)
         self.result.session_row = row
         return self.result
@@ -241,7 +245,8 @@ class SessionRecorder:
         return rec
 
     def _session_row(self, session_id: str, source: str, e2e: list[float], task: float,
-                     started: dt.datetime | None, gap_sums: dict[str, float], status: str) -> dict[str, Any]:
+                     started: dt.datetime | None, gap_sums: dict[str, float], status: str, *,
+                     planned_turns: int, stop_reason: str) -> dict[str, Any]:
         return {
             "run_id": self.run_id,
             "session_id": session_id,
@@ -256,4 +261,6 @@ class SessionRecorder:
             "think_s": gap_sums["think"],
             "pause_s": gap_sums["pause"],
             "status": status,
+            "planned_turns": planned_turns,
+            "stop_reason": stop_reason,
         }

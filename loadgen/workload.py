@@ -80,7 +80,6 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import numpy as np
-import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -94,6 +93,7 @@ from pydantic import (
 
 from loadgen.session import SessionPlan, TurnPlan, plan_from_conversation
 from loadgen.synth_text import TextSynth, _key_ints
+from turnscope import yaml_file
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD_DIR = REPO_ROOT / "data" / "workloads"
@@ -474,25 +474,8 @@ class Workload(_Model):
         return [(w / total, a) for w, a in entries]
 
 
-def _errors(path: Path, e: ValidationError) -> str:
-    lines = []
-    for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
-        lines.append(f"{path}: {loc}: {err['msg']}")
-    return "\n".join(lines)
-
-
 def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise WorkloadError(f"{path}: cannot read the workload: {e}") from e
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1} column {mark.column + 1}: " if mark is not None else ""
-        raise WorkloadError(f"{path}: {where}not valid YAML: {getattr(e, 'problem', e)}") from e
-    if not isinstance(raw, dict):
-        raise WorkloadError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    raw = yaml_file.read_mapping(path, "workload", WorkloadError)
     raw.setdefault("name", path.stem)
     return raw
 
@@ -529,7 +512,7 @@ def load_workload(path: Path | str, _stack: tuple[Path, ...] = ()) -> Workload:
     try:
         w = Workload.model_validate(raw)
     except ValidationError as e:
-        raise WorkloadError(_errors(p, e)) from None
+        raise WorkloadError(yaml_file.describe_validation(p, e, "workload")) from None
     mix: list[MixEntry] = []
     for i, e in enumerate(w.mix):
         if e.include is None:

@@ -22,9 +22,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from turnscope import yaml_file
 from turnscope.contract import DECODER_KV_BLOCKS_TTL_S, KV_RECOMPUTE_THRESHOLD_TOKENS, MODES
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -146,21 +146,7 @@ class Topology(_Strict):
 def load_topology(path: Path) -> Topology:
     """Read and validate a topology YAML file. Raises TopologyError naming the file and field."""
     path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise TopologyError(f"{path}: cannot read topology: {exc}") from exc
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise TopologyError(f"{path}:{where} not valid YAML: {getattr(exc, 'problem', exc)}") from exc
-    if not isinstance(raw, dict):
-        raise TopologyError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
-    try:
-        topo = Topology.model_validate(raw)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(top)'}: {e['msg']}" for e in exc.errors())
-        raise TopologyError(f"{path}: invalid topology: {problems}") from exc
+    topo = yaml_file.load_model(path, Topology, "topology", TopologyError)
     model = Path(topo.model)
     if topo.launch and not model.is_absolute():  # relative to the file, whether built yet or not
         topo.model = str((path.parent / model).resolve())

@@ -170,11 +170,13 @@ def evaluate(
 
 
 def print_summary(store: Path, run_ids: list[str]) -> None:
-    """Print TTFT p50/p90 by turn index, reuse outcomes and P's external KV tokens per run, then
+    """Print TTFT p50/p90 by turn index, reuse outcomes, P's external KV tokens and the sessions
+    that stopped before their last planned turn (e.g. at ``max_prompt_tokens``) per run, then
     the bottom line; every line fits the console's width (80 in a log file) without cutting a name."""
     ttft = report.ttft_by_turn(store, run_ids)
     outs = report.outcomes(store, run_ids)
     ext = report.external_kv_tokens(store, run_ids).set_index("run_id")["external_kv_tokens"].to_dict()
+    stopped = report.stopped_early(store, run_ids)
     from dashboard import db, queries
 
     runs = db.read(db.StoreLocation(store), queries.runs).set_index("run_id")
@@ -192,6 +194,10 @@ def print_summary(store: Path, run_ids: list[str]) -> None:
         o = outs[outs.run_id == run_id]
         console_text.print_list(console, "  reuse: ", [f"{r.reuse}={r.turns}" for r in o.itertuples()])
         console_text.print_text(console, f"prefill external_kv_transfer tokens: {int(ext.get(run_id) or 0)}", "  ")
+        cut = [f"{r.sessions} by {r.stop_reason} ({r.turns_not_sent} planned turns not sent)"
+               for r in stopped[stopped.run_id == run_id].itertuples()]
+        if cut:
+            console_text.print_list(console, "  sessions stopped early: ", cut)
     print_bottom_line(store, run_ids)
 
 

@@ -43,7 +43,6 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -58,6 +57,7 @@ from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource
 from pydantic_settings import SettingsError as _PydanticSettingsError
 
 from serving.topology import Connector
+from turnscope import yaml_file
 from turnscope.redaction import REDACTED, redact
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -278,13 +278,7 @@ def _read_config(path: Path) -> dict[str, Any]:
         except tomllib.TOMLDecodeError as exc:
             raise SettingsError(f"{path}: not valid TOML: {exc}") from None
     elif suffix in (".yaml", ".yml"):
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" line {mark.line + 1}, column {mark.column + 1}:" if mark else ""
-            raise SettingsError(f"{path}:{where} not valid YAML: {getattr(exc, 'problem', exc)}") from None
-        data = {} if data is None else data
+        data = yaml_file.parse_mapping(text, path, "settings", SettingsError)
     else:
         raise SettingsError(f"{path}: unknown config file type {suffix!r}; use .toml, .yaml or .yml")
     if not isinstance(data, dict):
@@ -314,25 +308,7 @@ def _file_lines(path: Path) -> dict[tuple[str, ...], int]:
         return {}
     if path.suffix.lower() == ".toml":
         return _toml_lines(text)
-    try:
-        root = yaml.compose(text)
-    except yaml.YAMLError:
-        return {}
-    out: dict[tuple[str, ...], int] = {}
-
-    def walk(node: Any, prefix: tuple[str, ...]) -> None:
-        if isinstance(node, yaml.MappingNode):
-            for key, value in node.value:
-                loc = (*prefix, str(key.value))
-                out[loc] = key.start_mark.line + 1
-                walk(value, loc)
-        elif isinstance(node, yaml.SequenceNode):
-            for i, item in enumerate(node.value):
-                out[(*prefix, str(i))] = item.start_mark.line + 1
-                walk(item, (*prefix, str(i)))
-
-    walk(root, ())
-    return out
+    return yaml_file.key_lines(text)
 
 
 def _outside_quotes(text: str) -> Iterator[tuple[int, str]]:

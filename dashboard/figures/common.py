@@ -34,16 +34,18 @@ OUTCOME_ORDER = [
     "miss_no_handle_returned",
     "not recorded",
 ]
+#: Colour per reuse outcome, where colour means the outcome (bars of outcomes per mode). None of
+#: them is a mode's colour (`MODE_COLORS`), so green never means both "hit" and `pd-bidir`.
 OUTCOME_COLORS = {
-    "hit": "#2ca02c",
+    "hit": "#00a6a6",
     "miss_first_turn": "#aec7e8",
     "miss_no_session_id": "#c49c94",
     "miss_expired": "#ffbb78",
     "miss_consumed": "#f7b6d2",
     "miss_mismatch": "#d62728",
     "miss_below_threshold": "#dbdb8d",
-    "miss_transfer_failed": "#8c564b",
-    "miss_no_handle_returned": "#ff7f0e",
+    "miss_transfer_failed": "#7f2704",
+    "miss_no_handle_returned": "#e7298a",
     "not recorded": "#c7c7c7",
 }
 

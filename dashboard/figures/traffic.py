@@ -32,7 +32,7 @@ def ttl_shares(ttl: pd.DataFrame) -> go.Figure:
     if not conf.empty:
         fig.add_vline(x=float(conf.iloc[0]), line_dash="dash",
                       annotation_text=f"configured TTL {float(conf.iloc[0]):g} s")
-    fig.update_xaxes(type="log", title="TTL (s, log scale)")
+    fig.update_xaxes(type="log", dtick=1, title="TTL (s, log scale; one tick per decade)")
     fig.update_yaxes(title="follow-ups within the TTL (%)", range=[0, 102])
     fig.update_layout(height=380, margin={"t": 30}, legend_title="gap kind")
     return fig
@@ -51,7 +51,7 @@ def gap_histogram(gaps: pd.DataFrame, ttl_s: float) -> go.Figure:
         fig.add_trace(go.Bar(x=mids, y=counts, width=np.diff(edges), name=str(kind),
                              marker_color=KIND_COLORS.get(str(kind))))
     fig.add_vline(x=ttl_s, line_dash="dash", annotation_text=f"TTL {ttl_s:g} s")
-    fig.update_xaxes(type="log", title="gap: end of a request to the session's next (s, log scale)")
+    fig.update_xaxes(type="log", dtick=1, title="gap: end of a request to the session's next (s, log scale; one tick per decade)")
     fig.update_yaxes(title="follow-ups")
     fig.update_layout(barmode="stack", height=360, margin={"t": 30}, legend_title="gap kind", bargap=0)
     return fig

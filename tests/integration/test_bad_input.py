@@ -188,7 +188,7 @@ def test_truncated_topology_yaml_is_refused(store, tmp_path):
     full = (REPO / "data" / "topologies" / "embedded-cpu.yaml").read_text()
     cut = full[: full.index("decode:")]  # P listed, D lost
     code, out = cli("serve", "--topology", str(_topology(tmp_path, cut)), "--dry-run")
-    assert code == 2 and "topo.yaml: invalid topology" in out and "needs prefill and decode workers" in out, out
+    assert code == 2 and "topo.yaml: topology: " in out and "needs prefill and decode workers" in out, out
 
 
 # --------------------------------------------------------------------- modes, models, ports, store
@@ -256,7 +256,7 @@ def test_locust_refuses_bad_input_with_a_named_error_and_records_no_run(store, t
     if case == "workload":
         w = workload(tmp_path, "name: w\nmix:\n  - {weight: 1, include: coding-agent.yaml\n")
         args += ["--turnscope-workload", str(w)]
-        expected = f"{w}: line 4 column 1: not valid YAML"
+        expected = f"{w}: line 4, column 1: not valid YAML"
     else:
         (tmp_path / "a-file").write_text("x")
         args[-1] = str(tmp_path / "a-file")

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from loadgen import eval_report
 from loadgen.session import plan_from_conversation
 from loadgen.session_player import run_session
 from loadgen.traces.taubench import Conversation
@@ -178,8 +179,8 @@ def test_interrupted_session_is_recorded_as_cancelled(store):
     state = StubState(ttft_s=0.01, itl_s=0.0, reply_ids=lambda i: list(REPLY))
     with pytest.raises(Interrupt):
         play(store, state, "text", on_turn=on_turn)
-    (s,) = rows(store, "SELECT turns, status FROM sessions")
-    assert s == {"turns": 2, "status": "cancelled"}
+    (s,) = rows(store, "SELECT turns, status, planned_turns, stop_reason FROM sessions")
+    assert s == {"turns": 2, "status": "cancelled", "planned_turns": 3, "stop_reason": "cancelled"}
     assert len(rows(store, "SELECT * FROM turns")) == 2
 
 
@@ -196,8 +197,12 @@ def test_session_stops_before_a_prompt_over_the_limit(store):
     limit = chatml_len(CONV.messages[:2] + [{"role": "assistant", "content": "okxy."}, CONV.messages[3]])
     result = play(store, state, "text", max_prompt_tokens=limit)  # turn 1 fits exactly, turn 2 does not
     assert result.stopped == "max_prompt_tokens" and len(state.requests) == 2
-    (s,) = rows(store, "SELECT turns, status FROM sessions")
-    assert s == {"turns": 2, "status": "ok"}
+    (s,) = rows(store, "SELECT turns, status, planned_turns, stop_reason FROM sessions")
+    # the hand conversation has 3 user/tool turns; the third was not sent
+    assert s == {"turns": 2, "status": "ok", "planned_turns": 3, "stop_reason": "max_prompt_tokens"}
+    # what `turnscope eval` prints for the run: one session stopped early, one planned turn not sent
+    cut = eval_report.stopped_early(store.root, ["r1"]).to_dict("records")
+    assert cut == [{"run_id": "r1", "stop_reason": "max_prompt_tokens", "sessions": 1, "turns_not_sent": 1}]
 
 
 # ----------------------------------------------------------------------------------- Locust

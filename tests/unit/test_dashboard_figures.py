@@ -271,3 +271,12 @@ def test_runs_keep_their_modes_colour():
     assert colors["b1"] == figures.MODE_COLORS["pd-bidir"] and colors["a1"] == figures.MODE_COLORS["aggregated"]
     # #2ca02c 30% towards white: 44 + 0.3 x 211 = 107.3 -> 107 = 0x6b; 160 + 0.3 x 95 = 188.5 -> 189 = 0xbd.
     assert colors["b2"] == "#6bbd6b"
+
+
+def test_no_outcome_colour_is_a_mode_colour():
+    # colour means the mode on every page; where it means the outcome instead, it must not collide
+    from dashboard.figures import MODE_COLORS, OUTCOME_COLORS
+
+    clash = {o: c for o, c in OUTCOME_COLORS.items() if c.lower() in {m.lower() for m in MODE_COLORS.values()}}
+    assert clash == {}
+    assert len(set(OUTCOME_COLORS.values())) == len(OUTCOME_COLORS)

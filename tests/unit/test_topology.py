@@ -63,7 +63,7 @@ def test_embedded_cpu_topology_file_is_the_embedded_default(tmp_path):
     ("name: x\nmodel: m\naggregated: [{port: 1}]\nconnector: {kv_recompute_threshold: -1}\n",
      "connector.kv_recompute_threshold: Input should be greater than or equal to 0"),
     ("name: x\nmodel: m\naggregated: [{port: 1, colour: red}]\n", "aggregated.0.colour: Extra inputs"),
-    ("name: x\nmodel: [unclosed\n", "line 3, column 1 not valid YAML"),
+    ("name: x\nmodel: [unclosed\n", "line 3, column 1: not valid YAML"),
     ("name: x\nmodel: m\n", "needs prefill and decode workers, or aggregated workers"),
 ])
 def test_invalid_topology_names_file_and_field(tmp_path, text, expected):

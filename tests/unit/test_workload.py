@@ -4,6 +4,7 @@ and follow the archetype rules, token counts are exact, time scaling is exact.""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -104,13 +105,22 @@ def test_mixed_includes_the_four_archetypes_with_normalised_weights():
 def test_errors_name_the_file_and_the_field(tmp_path, patch, field):
     with pytest.raises(WorkloadError) as e:
         workload(tmp_path, archetype=arch(**patch))
-    assert f"w.yaml: {field}" in str(e.value)
+    assert re.search(rf"w.yaml: line \d+: workload field {re.escape(field)}:", str(e.value)), str(e.value)
+
+
+@pytest.mark.parametrize("key, value", [("colour", "red"), ("retry_p", -0.1)])
+def test_errors_name_the_line_that_sets_the_field(tmp_path, key, value):
+    with pytest.raises(WorkloadError) as e:
+        workload(tmp_path, archetype=arch(**{key: value}))
+    text = (tmp_path / "w.yaml").read_text().splitlines()
+    line = next(i for i, t in enumerate(text, 1) if t.strip().startswith(f"{key}:"))
+    assert f"w.yaml: line {line}: workload field mix.0.archetype.{key}:" in str(e.value)
 
 
 def test_yaml_syntax_errors_name_the_line(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("name: x\nmix:\n  - weight: [1\n")
-    with pytest.raises(WorkloadError, match=r"bad.yaml: line \d+ column \d+: not valid YAML"):
+    with pytest.raises(WorkloadError, match=r"bad.yaml: line \d+, column \d+: not valid YAML"):
         load_workload(p)
 
 
@@ -123,7 +133,7 @@ def test_include_cycles_and_missing_traces_are_errors(tmp_path):
     with pytest.raises(WorkloadError, match=r"c.yaml: traces.0.path: nowhere.csv: no such file"):
         load_workload(tmp_path / "c.yaml")
     (tmp_path / "d.yaml").write_text("name: d\ntraces: [{format: vllm_multiturn}]\n")
-    with pytest.raises(WorkloadError, match=r"d.yaml: traces.0: .*'path' is required"):
+    with pytest.raises(WorkloadError, match=r"d.yaml: line 2: workload field traces.0: .*'path' is required"):
         load_workload(tmp_path / "d.yaml")
 
 

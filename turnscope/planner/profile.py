@@ -23,10 +23,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dashboard.sweep_stats import PrefillFit
+from turnscope import yaml_file
 
 MODES = ("aggregated", "pd", "pd-nocache", "pd-bidir", "pd-bidir-nocache")
 GiB = 2**30
@@ -136,20 +136,4 @@ def load_profile(path: str | Path) -> CostProfile:
         ProfileError: unreadable file, bad YAML (with its line) or a field pydantic refuses (named
             by its path, e.g. ``pull_bandwidth_bytes_per_s.source``).
     """
-    path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise ProfileError(f"{path}: cannot read the profile: {e.strerror or e}") from e
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise ProfileError(f"{path}:{where}: not valid YAML: {getattr(e, 'problem', e)}") from e
-    if not isinstance(data, dict):
-        raise ProfileError(f"{path}: expected a mapping of profile fields, got {type(data).__name__}")
-    try:
-        return CostProfile.model_validate(data)
-    except ValidationError as e:
-        first = e.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or "(top level)"
-        raise ProfileError(f"{path}: field {field}: {first['msg']} ({len(e.errors())} error(s) in all)") from e
+    return yaml_file.load_model(Path(path), CostProfile, "profile", ProfileError)
