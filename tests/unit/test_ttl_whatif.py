@@ -6,10 +6,11 @@ The truths are worked out by hand below from the turns, not through the code.
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import pytest
 
-from turnscope.planner.ttl_whatif import RunKV, replay_run, whatif_ttl_limited
+from turnscope.planner.ttl_whatif import RunKV, RunTurns, replay_run, replay_unlimited, whatif_ttl_limited
 
 GIB = 2**30
 # 1 byte per token, 16-token blocks, D's space 100 blocks = 1,600 bytes, the proxy's margin 30 s.
@@ -77,3 +78,40 @@ def test_ttl_independent_misses_and_failed_turns() -> None:
     # (800, 816) and B1 (656) for the whole TTL.
     assert (r.later_turns, r.hits) == (2, 0)
     assert r.held_gib_s == pytest.approx((800 + 816 + 656) * 480 / GIB)
+
+
+@pytest.mark.parametrize("ttl", [40.0, 120.0, 480.0])
+def test_the_unlimited_replay_is_the_ledger_with_no_limit(ttl):
+    """replay_unlimited (arrays: each hold known from the turns) against the handle ledger turn by
+    turn with no limit: the same hits, peak and GiB·s on random traffic (overlapping turns of a
+    session, failed turns, TTL-independent misses and fresh requests included)."""
+    rng = np.random.default_rng(7)
+    rows = []
+    for k in range(40):   # sessions played as the session player plays them: one request at a time
+        sent = float(rng.uniform(0, 600))
+        for i in range(int(rng.integers(1, 15))):
+            fresh = i > 0 and rng.random() < 0.05
+            e2e = float(rng.uniform(0.1, 30))
+            rows.append({"run_id": "r", "session_id": f"s{k}~fresh{i}" if fresh else f"s{k}",
+                         "turn_index": 0 if fresh else i, "kind": "fresh" if fresh else "turn",
+                         "status": "ok" if rng.random() < 0.9 else "error", "sent_s": sent, "e2e_s": e2e,
+                         "prompt_tokens": int(rng.integers(10, 5000)), "completion_tokens": int(rng.integers(0, 300)),
+                         "reuse": str(rng.choice(["hit", "miss_expired", "miss_mismatch", "none"]))})
+            sent += e2e + float(rng.exponential(ttl / 2))
+    df = pd.DataFrame(rows).replace({"reuse": {"none": None}})
+    kv = RunKV(30.0, 2.0, 16, None)
+    ledger = replay_run(df, ttl, kv, None)
+    fast = replay_unlimited(RunTurns(df, kv), ttl, kv)
+    assert (fast.later_turns, fast.hits) == (ledger.later_turns, ledger.hits) and ledger.hits > 0
+    assert fast.peak_held_bytes == ledger.peak_held_bytes
+    assert fast.held_gib_s == pytest.approx(ledger.held_gib_s, rel=1e-12)
+
+
+def test_overlapping_requests_of_a_session_are_replayed_by_the_ledger():
+    # B1 is sent before B0 ends (2 s < 0.5 + 2.5): no array replay; the rows still come (ledger)
+    turns = [("A", 0, 0.0, 1.0, 800, 1, "miss_first_turn"), ("A", 1, 5.0, 1.0, 815, 2, "hit"),
+             ("B", 0, 0.5, 2.5, 640, 1, "miss_first_turn"), ("B", 1, 2.0, 1.0, 655, 2, "hit")]
+    rt = RunTurns(frame(turns), KV)
+    assert not rt.sequential and RunTurns(frame(), KV).sequential
+    out = whatif_ttl_limited(frame(turns), {"r": KV}, [480.0]).iloc[0]
+    assert (out["hits"], out["demand_peak_bytes"]) == (1, replay_run(frame(turns), 480.0, KV, None).peak_held_bytes)

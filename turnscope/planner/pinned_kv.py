@@ -11,14 +11,16 @@ session's next request; in vLLM the same over-subscription makes D queue or pree
 instead: either way the reuse is gone). The KV of requests still running on D is not counted
 against the space (an upper bound on what handles can use).
 
-Units: seconds on the caller's clock, bytes. Only the standard library: every part may import it
-(docs/design.md).
+Units: seconds on the caller's clock, bytes. Only the standard library and numpy: every part may
+import it (docs/design.md).
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+
+import numpy as np
 
 GiB = 2**30
 
@@ -154,3 +156,16 @@ class HandleLedger:
     def close(self) -> None:
         """Pin every handle still finishing (a session's last requests) and let all expire."""
         self._settle(float("inf"))
+
+
+def interval_load(start_s: np.ndarray, end_s: np.ndarray, nbytes: np.ndarray) -> tuple[float, float]:
+    """``(peak bytes, GiB x s)`` of holds ``[start_s, end_s)`` of ``nbytes`` each, with no limit
+    on the space (arrays of one length; at equal times releases count before pins, as in
+    :class:`PinnedKV`, whose timeline these are when nothing is lost). (0, 0) for no holds."""
+    if len(start_s) == 0:
+        return 0.0, 0.0
+    t = np.concatenate([end_s, start_s])
+    d = np.concatenate([-nbytes, nbytes]).astype(float)
+    order = np.lexsort((d, t))   # by time, releases (negative) first
+    held = np.cumsum(d[order])
+    return float(max(held.max(), 0.0)), float(np.sum(nbytes * (end_s - start_s)) / GiB)

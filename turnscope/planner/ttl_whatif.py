@@ -15,9 +15,12 @@ the run's own record rather than forecast:
 * after each ``ok`` turn D pins ``remote_num_tokens`` = prompt + output - 1 tokens
   (:func:`turnscope.reuse_rules.handle_kv_tokens`) in whole KV blocks of the run's block size (D
   allocates blocks; its space is ``num_gpu_blocks`` of them), times the run's KV bytes per token;
-* each run is replayed alone, on its own clock (``sent_at``; a turn ends at ``sent_at + e2e_s``),
-  against one D of ``capacity_bytes`` (None: unbounded), and once more without a limit for the
-  KV the TTL would ask of D (``demand_peak_bytes``).
+* each run is replayed alone, on its own clock (``sent_at``; a turn ends at ``sent_at + e2e_s``):
+  first with no limit (:func:`replay_unlimited`: with nothing lost each hold is known from the
+  turns alone, so the replay is a few array operations, fast enough for a page over millions of
+  turns), which gives the KV the TTL would ask of D (``demand_peak_bytes``); where that peak
+  exceeds D's space (``capacity_bytes``), the handle ledger replays the run turn by turn within it
+  (:func:`replay_run`). Without a binding limit the two are the same replay (tested).
 
 Inputs are plain frames (the dashboard reads them with SQL), so this module imports neither the
 serving nor the load-generation code.
@@ -32,7 +35,7 @@ import numpy as np
 import pandas as pd
 
 from turnscope import reuse_rules as rules
-from turnscope.planner.pinned_kv import LOST, Handle, HandleLedger
+from turnscope.planner.pinned_kv import LOST, Handle, HandleLedger, interval_load
 
 #: Recorded outcomes the TTL decides; any other recorded miss stays a miss at every TTL.
 TTL_OUTCOMES = ("hit", "miss_expired")
@@ -109,6 +112,54 @@ def replay_run(turns: pd.DataFrame, ttl_s: float, kv: RunKV, capacity_bytes: flo
     return Replay(later, hits, lost_hits, ledger.lost_handles, ledger.kv.held_gib_s(), ledger.kv.peak_bytes())
 
 
+class RunTurns:
+    """One run's turns as arrays in replay order (by send time, session, turn index), with what
+    every TTL's replay shares: send and end times (s, on the run's clock), ok, the bytes D pins
+    after each turn, whether a turn is a later one, whether the TTL decides it, and the index of
+    the session's previous turn (-1: none)."""
+
+    def __init__(self, turns: pd.DataFrame, kv: RunKV):
+        t = turns.sort_values(["sent_s", "session_id", "turn_index"], kind="stable").reset_index(drop=True)
+        self.frame = t
+        sent = t["sent_s"].to_numpy(float)
+        self.sent = sent - (sent.min() if len(sent) else 0.0)
+        self.end = self.sent + t["e2e_s"].fillna(0.0).to_numpy(float)
+        self.ok = (t["status"] == "ok").to_numpy()
+        prompt = t["prompt_tokens"].fillna(0).astype("int64").to_numpy()
+        completion = t["completion_tokens"].fillna(0).astype("int64").to_numpy()
+        self.nbytes = np.array([handle_bytes(int(p), int(c), kv) for p, c in zip(prompt, completion, strict=True)])
+        self.later = ((t["turn_index"] >= 1) & (t["kind"] != "fresh")).to_numpy()
+        self.decided_by_ttl = (t["reuse"].isna() | t["reuse"].isin(TTL_OUTCOMES)).to_numpy()
+        previous = t.assign(_i=np.arange(len(t))).groupby("session_id", sort=False)["_i"].shift(1)
+        self.prev = previous.fillna(-1).astype("int64").to_numpy()
+        has_prev = self.prev >= 0
+        #: every request sent after its session's previous one ended (as the session player sends
+        #: them); otherwise a session's next request may take an older handle, which only the
+        #: ledger replays
+        self.sequential = not bool(np.any(has_prev & (self.sent < self.end[np.where(has_prev, self.prev, 0)])))
+
+
+def replay_unlimited(rt: RunTurns, ttl_s: float, kv: RunKV) -> Replay:
+    """The replay with no limit on D's space (what :func:`replay_run` gives with
+    ``capacity_bytes=None``), from arrays: a later turn the TTL decides hits when its session's
+    previous turn was ok, had ended by the time it was sent, and its handle is younger than the
+    proxy's TTL (and P would still read it); each ok turn's handle is held from its end to the
+    next turn's send when that one hits, else for ``ttl_s``. For sessions whose requests do not
+    overlap (``rt.sequential``); :func:`whatif_ttl_limited` replays other runs with the ledger."""
+    proxy_ttl = ttl_s - kv.handle_ttl_margin_s
+    has_prev = rt.prev >= 0
+    p = np.where(has_prev, rt.prev, 0)
+    age = rt.sent - rt.end[p]
+    usable = has_prev & rt.ok[p] & (age >= 0)
+    hit = (rt.later & rt.decided_by_ttl & usable & ~rules.handle_expired(age, proxy_ttl)
+           & ~rules.p_declines_read(age, ttl_s))
+    release = rt.end + ttl_s
+    release[p[hit]] = rt.sent[hit]
+    held = rt.ok
+    peak, gib_s = interval_load(rt.end[held], release[held], rt.nbytes[held])
+    return Replay(int(rt.later.sum()), int(hit.sum()), 0, 0, gib_s, peak)
+
+
 def whatif_ttl_limited(turns: pd.DataFrame, runs: dict[str, RunKV], ttls_s: Sequence[float]) -> pd.DataFrame:
     """Every run of ``runs`` replayed at every TTL of ``ttls_s`` (seconds) within its D's KV space.
 
@@ -119,12 +170,14 @@ def whatif_ttl_limited(turns: pd.DataFrame, runs: dict[str, RunKV], ttls_s: Sequ
     unknown, no limit)."""
     rows = []
     for run_id, kv in runs.items():
-        rt = turns[turns["run_id"] == run_id]
+        frame = turns[turns["run_id"] == run_id]
+        rt = RunTurns(frame, kv)
         for ttl in sorted({float(x) for x in ttls_s}):
             if ttl <= kv.handle_ttl_margin_s:
                 continue  # the proxy would offer no handle at all
-            limited = replay_run(rt, ttl, kv, kv.capacity_bytes)
-            demand = limited if kv.capacity_bytes is None else replay_run(rt, ttl, kv, None)
+            demand = replay_unlimited(rt, ttl, kv) if rt.sequential else replay_run(rt.frame, ttl, kv, None)
+            binds = kv.capacity_bytes is not None and demand.peak_held_bytes > kv.capacity_bytes
+            limited = replay_run(rt.frame, ttl, kv, kv.capacity_bytes) if binds else demand
             rows.append({"run_id": run_id, "ttl_s": ttl, "later_turns": limited.later_turns, "hits": limited.hits,
                          "lost_hits": limited.lost_hits, "lost_handles": limited.lost_handles,
                          "held_gib_s": limited.held_gib_s, "peak_held_bytes": limited.peak_held_bytes,
