@@ -5,16 +5,22 @@ embedded topology, or ``--topology``), warms them up, runs Locust headless (``--
 a time) with the /metrics scraper writing into the store, and samples the proxy process every
 ``--sample-s`` seconds. The clock starts when the first turn reaches the proxy (Locust plans every
 session first, a minute or two for 1,500 sessions); after ``--minutes`` Locust is stopped
-(SIGTERM: users stop, the turns in flight are neither counted nor stored, stats are written). At
+(SIGTERM: users stop, the turns in flight are recorded ``cancelled``, stats are written). At
 the end it checks, printing PASS or FAIL for each (exit code 1 when one fails):
 
-1. **rows stored == turns sent**: ``turns`` rows of the run == requests Locust fired (its
-   ``POST <kind>`` events, failed ones included, from its ``--csv`` stats); the proxy's own
-   request counter is printed beside them.
-2. **proxy RSS flat after warm-up**: over the samples after ``--warmup-min`` minutes, the median
-   of the last quarter exceeds the median of the first quarter by at most 5 % (or 16 MiB, the
-   larger); the least-squares slope is printed in MiB per 10 minutes.
-3. **open file descriptors flat**: the same rule for the proxy's open fds (10 % or 16 fds).
+1. **rows: stored = Locust = proxy**: three counts of the same turns, each well defined
+   (``bench/soak_checks.py``): the run's ``turns`` rows (every status; a turn cut off in flight when
+   Locust stops is a ``cancelled`` row), Locust's ``POST <kind>`` events from its ``--json-file``
+   (written after its users stopped; failures included), and the requests the proxy logged after
+   the warm-up (one JSON line per request, by the request id the load generator sent). They must
+   agree per kind, no request id may be stored twice, and every request the proxy served must be
+   a stored row.
+2. **proxy RSS flat once the handle table is full**: over the samples from the warm-up's end or
+   one proxy TTL after the first turn, whichever is later (until a TTL has passed the table only
+   grows, as it should), the median of the last quarter exceeds the median of the first quarter by
+   at most 5 % (or 16 MiB, the larger); the least-squares slope is printed in MiB per 10 minutes.
+   Fewer than 4 such samples fail: run longer than the TTL.
+3. **open file descriptors flat**: the same samples and rule for the proxy's open fds (10 % or 16 fds).
 4. **handle table bounded by the TTL**: at every sample, the handles the proxy holds are at most
    the sessions (own id each, fresh requests included) that finished an ok turn within the last
    proxy TTL (``decoder_kv_blocks_ttl`` minus the margin), counted from the store afterwards, plus
@@ -27,7 +33,9 @@ threads, table sizes), ``summary.json``, Locust's CSVs and log. The store is ``-
     .venv/bin/python bench/soak.py                                  # 20 min, 100 users, pd-bidir
     .venv/bin/python bench/soak.py --minutes 5 --users 20           # a shorter look
     .venv/bin/python bench/soak.py --stub --minutes 1 --users 20 --time-scale 0.02 --warmup-min 0.25
-        # checks this script itself against stub P/D workers (tests/integration/kv_stub.py), no vLLM
+        # checks this script itself against stub P/D workers (tests/integration/kv_stub.py), no vLLM;
+        # the stubs' TTL is two thirds of a run shorter than 10 min (40 s here, proxy margin 20 s),
+        # so that the handle table fills within the run
 """
 
 from __future__ import annotations
@@ -50,6 +58,14 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.soak_checks import (
+    StoredTurn,
+    flat,
+    locust_posts,
+    proxy_requests,
+    rows_check,
+    steady_from_s,
+)
 from loadgen.scraper import MetricsScraper
 from serving.embedded_model import ensure_model
 from serving.proxy import ProxyConfig, Worker
@@ -74,11 +90,12 @@ class StubStack:
         self.p = StubProcess("prefill", free_port(), log_dir / "p-events.jsonl", ttl_s=ttl_s)
         self.d = StubProcess("decode", free_port(), log_dir / "d-events.jsonl", ttl_s=ttl_s)
         self.proxy_url = f"http://127.0.0.1:{free_port()}"
+        self.proxy_log = log_dir / "proxy.log"
         self.proxy: subprocess.Popen | None = None
         self.config = ProxyConfig(mode="pd-bidir", prefill=[Worker(name="prefill-0", url=self.p.url)],
                                   decode=[Worker(name="decode-0", url=self.d.url)], block_size=4,
                                   kv_recompute_threshold=2, prefill_prefix_caching=False,
-                                  decoder_kv_blocks_ttl_s=ttl_s, handle_ttl_margin_s=min(30.0, ttl_s / 4),
+                                  decoder_kv_blocks_ttl_s=ttl_s, handle_ttl_margin_s=min(30.0, ttl_s / 2),
                                   kv_bytes_per_token=16)
 
     def __enter__(self) -> Self:
@@ -87,7 +104,7 @@ class StubStack:
         cfg = self.log_dir / "proxy.json"
         cfg.write_text(self.config.model_dump_json())
         port = self.proxy_url.rsplit(":", 1)[1]
-        with open(self.log_dir / "proxy.log", "ab") as log:
+        with open(self.proxy_log, "ab") as log:
             self.proxy = subprocess.Popen([sys.executable, "-m", "serving.proxy_server", str(cfg), "--port", port],
                                           cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         wait_http(self.proxy_url + "/health", 30, self.proxy)
@@ -116,8 +133,8 @@ def sample(proxy: psutil.Process, url: str, t0: float) -> dict:
             "handles_live": health.get("handles_live"), "handles_held": health.get("handles_held")}
 
 
-def proxy_requests(url: str) -> float:
-    """Sum of the proxy's ``turnscope_requests_total`` over its labels."""
+def proxy_request_total(url: str) -> float:
+    """Sum of the proxy's ``turnscope_requests_total`` over its labels (requests passed to D)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(url + "/metrics", timeout=10).text
@@ -125,11 +142,29 @@ def proxy_requests(url: str) -> float:
                if s.name == "turnscope_requests_total")
 
 
-def flat(values: list[float], rel: float, floor: float) -> tuple[bool, float, float]:
-    """(last-quarter median - first-quarter median <= max(rel * first, floor), first, last)."""
-    q = max(1, len(values) // 4)
-    first, last = statistics.median(values[:q]), statistics.median(values[-q:])
-    return last - first <= max(rel * first, floor), first, last
+def settled_proxy_requests(log: Path, offset: int, store: Store, run_id: str, quiet_s: float = 15.0,
+                           limit_s: float = 180.0) -> list[tuple[str, str]]:
+    """The proxy's request lines after ``offset`` (the warm-up's end), read once the proxy has
+    finished what it took: it logs a request when it ends, and turns cut off at the stop may still
+    be in its prefill leg on a busy machine. Waits until every stored request id of the run is
+    logged, or nothing new was logged for ``quiet_s`` seconds (a request that never reached the
+    proxy is never logged), at most ``limit_s``."""
+    con = store.connect()
+    try:
+        wanted = {r[0] for r in con.execute("SELECT request_id FROM turns WHERE run_id = ?", [run_id]).fetchall()}
+    finally:
+        con.close()
+    t_end, last_n, last_change = time.monotonic() + limit_s, -1, time.monotonic()
+    while True:
+        with open(log, "rb") as f:
+            f.seek(offset)
+            served = proxy_requests(f.read().decode("utf-8", errors="replace").splitlines())
+        now = time.monotonic()
+        if len(served) != last_n:
+            last_n, last_change = len(served), now
+        if wanted <= {i for i, _ in served} or now - last_change >= quiet_s or now >= t_end:
+            return served
+        time.sleep(1.0)
 
 
 def slope_per_10min(ts: list[float], ys: list[float]) -> float:
@@ -138,12 +173,6 @@ def slope_per_10min(ts: list[float], ys: list[float]) -> float:
     mt, my = statistics.fmean(ts), statistics.fmean(ys)
     den = sum((t - mt) ** 2 for t in ts)
     return 0.0 if den == 0 else sum((t - mt) * (y - my) for t, y in zip(ts, ys, strict=True)) / den * 600
-
-
-def locust_turns_sent(stats_csv: Path) -> int:
-    """Requests Locust fired for turns (its ``POST <kind>`` rows, failures included)."""
-    with open(stats_csv) as f:
-        return sum(int(r["Request Count"]) for r in csv.DictReader(f) if r["Type"] == "POST")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,7 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--store", type=Path, default=ROOT / "data")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--stub", action="store_true", help="stub P/D workers instead of vLLM (checks this script)")
-    ap.add_argument("--stub-ttl-s", type=float, default=480.0, help="--stub: the decode stub's KV TTL, seconds")
+    ap.add_argument("--stub-ttl-s", type=float, default=None,
+                    help="--stub: the decode stub's KV TTL, seconds (default 480; for a run shorter than 10 "
+                         "minutes, two thirds of it, at least 40 s, so that the handle table fills within the run; "
+                         "the proxy's margin is half the TTL, at most 30 s: a handle offered late in a busy "
+                         "stream's life must still be on D)")
     a = ap.parse_args(argv)
 
     run_id = f"soak-{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%S}-{a.mode}"
@@ -176,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     settings = TurnscopeSettings.load()
     if a.stub:
-        stack = StubStack(out, ttl_s=a.stub_ttl_s)
+        stub_ttl = a.stub_ttl_s if a.stub_ttl_s is not None else (480.0 if a.minutes >= 10 else max(40.0, a.minutes * 40))
+        stack = StubStack(out, ttl_s=stub_ttl)
         ttl_s = stack.config.decoder_kv_blocks_ttl_s - stack.config.handle_ttl_margin_s
         model_name, tokenizer = "turnscope-tiny", str(ensure_model(settings.model))
     else:
@@ -188,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             topo = embedded_topology(str(ensure_model(settings.model)))
         stack = ModeStack(a.mode, topo, out)
         ttl_s = topo.connector.decoder_kv_blocks_ttl - topo.proxy.handle_ttl_margin_s
+        stack.proxy_log = out / f"{a.mode}-proxy.log"
         model_name = topo.served_model_name or topo.model
         tokenizer = topo.model if Path(topo.model, "tokenizer.json").exists() else ""
     warmup_min = a.warmup_min if a.warmup_min is not None else max(5.0, ttl_s / 60 + 1)
@@ -200,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         proxy = psutil.Process(stack.proxy.pid)
         warm = warm_up(stack.proxy_url, model_name)
         print(f"warm-up: {', '.join(warm)}", flush=True)
-        before = proxy_requests(stack.proxy_url)
+        before = proxy_request_total(stack.proxy_url)
+        log_offset = stack.proxy_log.stat().st_size if stack.proxy_log.exists() else 0  # the warm-up's lines end here
         sw = store.writer(run_id, f"soak-scraper-{os.getpid()}")
         scraper = MetricsScraper(stack.endpoints(), sw, run_id, interval_s=5.0)
         scraper.start()
@@ -208,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                   "-u", str(a.users), "-r", str(max(1, a.users // 10)),
                   "--run-time", f"{int(a.minutes * 60) + 3600}s",  # a safety net: the soak stops it
                   "--host", stack.proxy_url, "--only-summary", "--loglevel", "WARNING", "--exit-code-on-error", "0",
-                  "--csv", str(out / "locust"), "--turnscope-store", str(a.store), "--turnscope-run-id", run_id,
+                  "--csv", str(out / "locust"), "--json-file", str(out / "locust"), "--turnscope-store", str(a.store), "--turnscope-run-id", run_id,
                   "--turnscope-workload", a.workload, "--turnscope-time-scale", str(a.time_scale),
                   "--turnscope-sessions", str(a.sessions), "--turnscope-model", model_name,
                   "--turnscope-max-prompt-tokens", str(max_prompt), "--turnscope-mode", a.mode,
@@ -219,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             locust = subprocess.Popen(argv_l, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         try:
             t_plan = time.monotonic()
-            while locust.poll() is None and proxy_requests(stack.proxy_url) == before:
+            while locust.poll() is None and proxy_request_total(stack.proxy_url) == before:
                 time.sleep(0.5)  # Locust plans the sessions
             t0 = time.monotonic()
             print(f"first turn after {t0 - t_plan:.0f} s of planning; soaking {a.minutes} min", flush=True)
@@ -242,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             scraper.stop(final_settle_s=10.0)
             sw.close()
         samples.append(sample(proxy, stack.proxy_url, t0))
-        proxy_sent = proxy_requests(stack.proxy_url) - before
+        served = settled_proxy_requests(stack.proxy_log, log_offset, store, run_id)
 
     with open(out / "samples.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(samples[0]))
@@ -251,28 +287,33 @@ def main(argv: list[str] | None = None) -> int:
 
     con = store.connect()
     try:
-        stored = con.execute("SELECT count(*) FROM turns WHERE run_id = ?", [run_id]).fetchone()[0]
+        stored = [StoredTurn(*r) for r in con.execute(
+            "SELECT kind, status, request_id FROM turns WHERE run_id = ?", [run_id]).fetchall()]
         ends = con.execute(
             "SELECT session_id, epoch(sent_at) + e2e_s FROM turns WHERE run_id = ? AND status = 'ok'",
             [run_id]).fetchall()
         status = (con.execute("SELECT status FROM runs WHERE run_id = ?", [run_id]).fetchone() or ["?"])[0]
     finally:
         con.close()
-    sent = locust_turns_sent(out / "locust_stats.csv")
+    locust_sent = locust_posts(out / "locust.json")
     checks: dict[str, tuple[bool, str]] = {}
-    detail = f"stored {stored}, Locust sent {sent}, the proxy counted {proxy_sent:.0f}"
-    checks["rows stored == turns sent"] = (stored == sent, detail)
-    steady = [s for s in samples if s["t_s"] >= warmup_min * 60]
+    checks["rows: stored = Locust = proxy"] = rows_check(stored, locust_sent, served)
+    steady_s = steady_from_s(warmup_min * 60, ttl_s)
+    steady = [s for s in samples if s["t_s"] >= steady_s]
+    rss_name = f"proxy RSS flat once the handle table is full (from t={steady_s:.0f} s)"
     if len(steady) >= 4:
         ok, first, last = flat([s["rss_bytes"] for s in steady], 0.05, 16 * MIB)
         slope = slope_per_10min([s["t_s"] for s in steady], [s["rss_bytes"] / MIB for s in steady])
-        detail = (f"{first / MIB:.1f} -> {last / MIB:.1f} MiB (medians of the first and last quarter), "
-                  f"slope {slope:+.2f} MiB/10 min")
-        checks["proxy RSS flat after warm-up"] = (ok, detail)
+        detail = (f"{first / MIB:.1f} -> {last / MIB:.1f} MiB (medians of the first and last quarter of "
+                  f"{len(steady)} samples), slope {slope:+.2f} MiB/10 min; handles held "
+                  f"{steady[0]['handles_held']} -> {steady[-1]['handles_held']}")
+        checks[rss_name] = (ok, detail)
         ok, first, last = flat([s["fds"] for s in steady], 0.10, 16)
-        checks["open fds flat after warm-up"] = (ok, f"{first:.0f} -> {last:.0f} (medians of the first and last quarter)")
+        checks["open fds flat once the handle table is full"] = (
+            ok, f"{first:.0f} -> {last:.0f} (medians of the first and last quarter)")
     else:
-        checks["proxy RSS flat after warm-up"] = (False, f"only {len(steady)} samples after the warm-up")
+        too_few = f"only {len(steady)} samples after t={steady_s:.0f} s (the later of the warm-up and one proxy TTL)"
+        checks[rss_name] = (False, too_few + ": run longer")
     # A handle is stored when its turn ends at the proxy (a moment before the client sees the end):
     # at time t the proxy may hold one per session whose ok turn ended in (t - TTL, t], plus the
     # warm-up's two sessions; 5 s of slack for the client's later clock.
@@ -297,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         detail = f"{soaked:.0f} s: Locust ended first (every planned session played? raise --sessions; see locust.log)"
         checks["ran the whole duration"] = (False, detail)
     summary = {"run_id": run_id, "users": a.users, "minutes": a.minutes, "soaked_s": round(soaked, 1),
-               "run_status": status, "turns_stored": stored, "turns_sent": sent, "proxy_requests": proxy_sent,
+               "run_status": status, "turns_stored": len(stored),
+               "locust_posts": sum(n for n, _ in locust_sent.values()), "proxy_served": len(served),
                "checks": {k: {"pass": ok, "detail": d} for k, (ok, d) in checks.items()}}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"\nsoak {run_id}: {soaked / 60:.1f} min of load, run status {status}")

@@ -112,18 +112,24 @@ def session_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def whatif_table(df: pd.DataFrame) -> pd.DataFrame:
-    """``dashboard.queries.whatif_ttl`` for reading: TTL (s), hit rate (0..1), KV held."""
-    later = df["later_turns"].astype(float)
+    """``dashboard.queries.whatif_ttl_d_limit`` summed per TTL (``figures.whatif_totals``) for
+    reading: TTL (s), later turns, hits, hit rate (0..1), later turns whose handle was lost to a
+    full D, KV held (GiB·s), and how many runs' held KV would exceed their D's space."""
+    from dashboard.figures.memory import whatif_totals
+
+    tot = whatif_totals(df)
+    later = tot["later_turns"].astype(float)
     with np.errstate(divide="ignore", invalid="ignore"):
-        rate = np.where(later > 0, df["hits"].astype(float) / later, np.nan)
+        rate = np.where(later > 0, tot["hits"].astype(float) / later, np.nan)
     return pd.DataFrame(
         {
-            "decoder_kv_blocks_ttl (s)": df["ttl_s"],
-            "later turns": df["later_turns"],
-            "hits": df["hits"],
+            "decoder_kv_blocks_ttl (s)": tot["ttl_s"].to_numpy(),
+            "later turns": tot["later_turns"].to_numpy(),
+            "hits": tot["hits"].to_numpy(),
             "hit rate": rate,
-            "KV held (GiB·s)": df["held_gib_s"],
-            "KV held (Mtoken·s)": df["held_token_s"] / 1e6,
+            "lost: D full": tot["lost_hits"].to_numpy(),
+            "KV held (GiB·s)": tot["held_gib_s"].to_numpy(),
+            "runs over D's space": [f"{o} of {n}" for o, n in zip(tot["runs_over"], tot["runs"], strict=True)],
         }
     )
 

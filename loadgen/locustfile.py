@@ -47,7 +47,10 @@ this file wires them to Locust's events.
 Locust statistics: one ``POST <kind>`` request event per turn (``turn``, ``retry``, ``edit``,
 ``fresh``, ``resume``), fired at stream end with response_time = E2E (ms), and one ``TTFT TTFT``
 event with response_time = TTFT (ms); failed turns (errors, and timeouts, whose reason names the
-timeout) fire both as failures with the reason. Locust's own percentiles are rounded: analyse the
+timeout) fire both as failures with the reason; so does a turn cut off in flight when the test
+stops (status ``cancelled``, stored too). Locust rewrites its ``--csv`` files once a second and
+not at the end, so the last second's turns can be missing there; ``--json-file`` is written after
+the users stopped and holds every event. Locust's own percentiles are rounded: analyse the
 store.
 
 Timeouts: each turn may take up to ``--turnscope-timeout-s`` (default: the workload's
@@ -233,6 +236,12 @@ def _on_test_stop(environment: Any, **_: Any) -> None:
 
 @events.quitting.add_listener
 def _on_quitting(environment: Any, **_: Any) -> None:
+    # Locust fires `quitting` before it stops the users (locust/main.py: shutdown, e.g. on
+    # SIGTERM): stop them first, so that each request in flight is recorded (a `cancelled` row, and
+    # a failed Locust event) and the run row says `stopped` before the writers close.
+    runner = environment.runner
+    if runner is not None and not isinstance(runner, MasterRunner):
+        runner.stop()
     recorder.close_writer()
     recorder.close_run_writer()
 

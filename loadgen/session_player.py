@@ -26,8 +26,12 @@ Turn kinds (:data:`turnscope.contract.TURN_KINDS`, docs/workloads.md), all sent 
   store and towards the proxy) with a ``sessions`` row of its own; the history is untouched.
 
 Every request carries the session key (body :data:`~turnscope.contract.SESSION_FIELD` and header
-:data:`~turnscope.contract.SESSION_HEADER`), ``return_token_ids: true``, ``max_tokens`` and
-``temperature``. A failed turn (``error``/``timeout``) is recorded with its reason and the session
+:data:`~turnscope.contract.SESSION_HEADER`), a request id of its own (header
+:data:`~turnscope.contract.REQUEST_ID_HEADER`, ``lg-<32 hex>``; the proxy uses it as the request's
+id, so its log and the ``turns`` row name the same request), ``return_token_ids: true``,
+``max_tokens`` and ``temperature``. Every request sent gets a ``turns`` row: one interrupted in
+flight (Locust stopping its users, Ctrl-C) is recorded ``cancelled`` with its request id before
+the interruption goes on. A failed turn (``error``/``timeout``) is recorded with its reason and the session
 goes on, with the trace's reply standing in for the missing one. A session stops early, before
 sending, when a prompt would exceed ``max_prompt_tokens``.
 """
@@ -37,6 +41,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,7 +61,7 @@ from loadgen.session_history import (
 from loadgen.session_recorder import RowWriter, SessionRecorder, SessionResult, TurnRecord, turn_row
 from loadgen.stream_client import GeventClient, TurnResult, stream_turn
 from loadgen.token_prompt import TokenizeFn, TurnJoiner
-from turnscope.contract import HISTORY_MODES, SESSION_FIELD, SESSION_HEADER
+from turnscope.contract import HISTORY_MODES, REQUEST_ID_HEADER, SESSION_FIELD, SESSION_HEADER
 from turnscope.tokenize_client import TokenizeClient
 
 log = logging.getLogger(__name__)
@@ -140,6 +145,26 @@ class GapClock:
         return self.last_end - self.first_send
 
 
+@dataclass
+class InFlight:
+    """A request sent whose ``turns`` row is not written yet: what is needed to write it if the
+    session is interrupted (``fresh_k``: the plan index of a fresh side request, else None)."""
+
+    tp: TurnPlan
+    turn_k: int
+    fresh_k: int | None
+    request_id: str
+    gap_s: float
+    sent_at: dt.datetime
+    t_send: float
+    result: TurnResult | None = None
+
+
+def new_request_id() -> str:
+    """A fresh request id, ``lg-`` + 32 hex digits (uuid4)."""
+    return f"lg-{uuid.uuid4().hex}"
+
+
 class SessionPlayer:
     """Plays one session: for each turn, prepare -> wait -> send -> record -> advance.
 
@@ -169,6 +194,7 @@ class SessionPlayer:
         self.conversation_id = options.conversation_id or f"{run_id}/{plan.session_id}"
         self.run_id = run_id
         self.index = 0  # turn_index of the next own turn
+        self.in_flight: InFlight | None = None  # sent, row not written yet
 
     def play(self) -> SessionResult:
         """Play every turn, then record the session. Returns what happened.
@@ -196,7 +222,7 @@ class SessionPlayer:
     def play_turn(self, k: int, tp: TurnPlan) -> None:
         """One of the session's own turns (raises :class:`StopSession` to end the session)."""
         prompt = self.history.prepare(tp, k)  # counts as part of the gap
-        result, gap = self._send(tp, self.conversation_id, prompt)
+        result, gap = self._send(tp, k, None, self.conversation_id, prompt)
         if self.index > 0:
             self.recorder.gap(tp.gap_kind, gap)
         prompt_ids = self.history.prompt_ids_of(result, prompt, k)
@@ -205,6 +231,7 @@ class SessionPlayer:
                        result=result, gap_before_s=gap, prompt_ids=prompt_ids,
                        expected_reusable_tokens=expected, divergence_position=divergence)
         self.index += 1
+        self.in_flight = None
         self.recorder.own_turn(row, result, prompt_ids)
         self.history.advance(tp, prompt, result, prompt_ids, k)
 
@@ -214,13 +241,14 @@ class SessionPlayer:
             prompt = self.history.prepare_fresh(tp, k)
         except SkipRequest:
             return
-        result, gap = self._send(tp, f"{self.conversation_id}~fresh{k}", prompt)
+        result, gap = self._send(tp, k, k, f"{self.conversation_id}~fresh{k}", prompt)
         self.recorder.gap(tp.gap_kind, gap)  # the agent's time before its side call
         prompt_ids = self.history.prompt_ids_of(result, prompt, None)
         session_id = f"{self.plan.session_id}~fresh{k}"
         row = turn_row(run_id=self.run_id, session_id=session_id, turn_index=0, plan=tp, result=result,
                        gap_before_s=gap, prompt_ids=prompt_ids, expected_reusable_tokens=None,
                        divergence_position=None)
+        self.in_flight = None
         self.recorder.fresh_turn(k, session_id, row, result, prompt_ids)
 
     def request_body(self, tp: TurnPlan, conversation_id: str, prompt: Prompt) -> dict[str, Any]:
@@ -233,22 +261,54 @@ class SessionPlayer:
         body.update(o.extra_body)
         return body
 
-    def _send(self, tp: TurnPlan, conversation_id: str, prompt: Prompt) -> tuple[TurnResult, float]:
-        """Sleep out the rest of the gap, send, time the turn. Returns ``(result, gap_s)``."""
+    def _send(self, tp: TurnPlan, k: int, fresh_k: int | None, conversation_id: str,
+              prompt: Prompt) -> tuple[TurnResult, float]:
+        """Sleep out the rest of the gap, send, time the turn. Returns ``(result, gap_s)``; the
+        request stays :attr:`in_flight` until its row is written."""
         body = self.request_body(tp, conversation_id, prompt)
         self.clock.wait(tp)
         gap = self.clock.sending()
-        result = self.send(self.url, body, {SESSION_HEADER: conversation_id})
+        request_id = new_request_id()
+        self.in_flight = InFlight(tp, k, fresh_k, request_id, gap, dt.datetime.now(dt.UTC), time.perf_counter())
+        result = self.send(self.url, body, {SESSION_HEADER: conversation_id, REQUEST_ID_HEADER: request_id})
+        if result.request_id is None:
+            result.request_id = request_id
+        self.in_flight.result = result
         self.clock.finished(result)
         return result, gap
 
+    def _record_in_flight(self) -> None:
+        """Write the row of the request interrupted in flight: ``cancelled`` with the time it had
+        run, or, when it had finished and only its row was missing, what it measured."""
+        f = self.in_flight
+        self.in_flight = None
+        result = f.result
+        if result is None:
+            result = TurnResult(sent_at=f.sent_at, status="cancelled", request_id=f.request_id,
+                                error="cancelled: the load generator stopped with the request in flight",
+                                e2e_s=time.perf_counter() - f.t_send)
+        if f.fresh_k is None:
+            row = turn_row(run_id=self.run_id, session_id=self.plan.session_id, turn_index=self.index, plan=f.tp,
+                           result=result, gap_before_s=f.gap_s, prompt_ids=None, expected_reusable_tokens=None,
+                           divergence_position=None)
+            self.index += 1
+            self.recorder.own_turn(row, result, None)
+        else:
+            session_id = f"{self.plan.session_id}~fresh{f.fresh_k}"
+            row = turn_row(run_id=self.run_id, session_id=session_id, turn_index=0, plan=f.tp, result=result,
+                           gap_before_s=f.gap_s, prompt_ids=None, expected_reusable_tokens=None,
+                           divergence_position=None)
+            self.recorder.fresh_turn(f.fresh_k, session_id, row, result, None)
+
     def _cancel(self) -> None:
-        """Interrupted: keep what was measured (a ``cancelled`` session row)."""
+        """Interrupted: keep what was measured (the request in flight's row, a ``cancelled`` session row)."""
         self.recorder.result.stopped = "cancelled"
         try:
+            if self.in_flight is not None:
+                self._record_in_flight()
             self.recorder.finish(self.clock.task_latency_s, self.clock.first_sent_at, "cancelled")
         except Exception:  # never mask the original exception
-            log.exception("session %s: could not record the cancelled session",
+            log.exception("session %s: could not record the cancelled request or session",
                           self.plan.session_id)
 
 

@@ -26,7 +26,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from serving import reuse_rules as rules
+from turnscope import reuse_rules as rules
 
 # Outcomes (docs/design.md, "The wire contract"). Exactly one per request.
 from turnscope.contract import (

@@ -47,11 +47,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
 from serving import handles as h
-from serving import reuse_rules as rules
 from serving.prompt_render import IncrementalRenderer
 from serving.proxy_metrics import ProxyMetrics
 from serving.proxy_request import ProxiedRequest, RequestFacts
 from serving.routing import SESSION, Router, RoutingPolicy
+from turnscope import reuse_rules as rules
 from turnscope.contract import AGGREGATED, FACTS_FIELD, REQUEST_ID_HEADER, SESSION_FIELD, SESSION_HEADER
 from turnscope.tokenize_client import TokenizeError, render_request, tokenize_async
 

@@ -78,39 +78,53 @@ else:
 st.subheader("What if the TTL were different?")
 # Only the runs whose decode workers keep handles: one-way and aggregated runs hold nothing.
 modes_of = dict(zip(sel.runs["run_id"], sel.runs["mode"], strict=True))
+# a run's name on the page: its label, with its id where labels repeat (a demo's runs share theirs)
+_labels = sel.runs["label"].fillna(sel.runs["run_id"])
+_dup = _labels.map(_labels.value_counts()) > 1
+labels_of = dict(zip(sel.runs["run_id"], _labels.where(~_dup, sel.runs["run_id"]), strict=True))
 held_runs = tuple(r for r in f.run_ids if modes_of.get(r) in HANDLE_MODES)
 f_held = dataclasses.replace(f, run_ids=held_runs)
 config = load(sel.root, queries.run_config, f_held)
 current = sorted({float(t) for t in config["decoder_kv_blocks_ttl_s"].dropna()})
 ttls = tuple(sorted(set(WHATIF_TTLS_S) | set(current)))
-whatif = load(sel.root, queries.whatif_ttl, f_held, ttls)
+whatif = load(sel.root, queries.whatif_ttl_d_limit, f_held, ttls)
 st.plotly_chart(figures.whatif_ttl(whatif, current), key="whatif_ttl")
 margins = sorted({float(m) for m in config["handle_ttl_margin_s"].dropna()})
 margin = ", ".join(f"{m:.0f}" for m in margins) or "30"
+replayed = sorted(set(whatif["run_id"])) if not whatif.empty else []
+unlimited = sorted(set(whatif.loc[whatif["capacity_bytes"].isna(), "run_id"])) if not whatif.empty else []
+left_out = sorted(set(held_runs) - set(replayed))
+runs_text = ", ".join(f"`{labels_of.get(r, r)}`" for r in replayed) or "none"
 st.caption(
-    f"Replayed over the {len(held_runs)} selected run(s) in {' and '.join(f'`{m}`' for m in HANDLE_MODES)} "
-    "(the modes whose decode worker keeps handles) from the recorded gaps between turns: a later turn (not "
-    f"`fresh`, recorded a hit or a miss by expiry) would hit when its gap is below TTL − {margin} s (the "
-    "proxy's margin); a miss for another reason (mismatch, below the recompute threshold, failed transfer) "
-    "stays one. After each ok turn D holds its prompt + output tokens until the next turn pulls them, else "
-    "for the whole TTL (a session's last turn, every miss), as vLLM pins them; KV bytes from each run's "
-    "kv_bytes_per_token. At a run's own TTL this is the held GiB·s above, from the recorded gaps instead of "
-    "the proxy's handle ages. D's KV space is no limit here: for a what-if where held KV can fill D (handles "
-    "lost, `miss_d_full`), plan these runs with `turnscope plan <store> --fit-runs <run ids>` (Plan page: "
-    "the TTL x D memory frontier; docs/planner.md)."
+    f"Runs replayed: {runs_text} ({len(replayed)} of the {len(f.run_ids)} selected: only runs in "
+    f"{' and '.join(f'`{m}`' for m in HANDLE_MODES)}, whose decode worker keeps handles; whole runs, the "
+    "sidebar's archetype and kind filters do not apply, since D holds every turn's KV). Each run is replayed "
+    "alone from its recorded turns (send times and durations) by the planner's handle ledger "
+    "(`turnscope/planner/pinned_kv.py`): after each ok turn D pins prompt + output − 1 tokens in whole KV "
+    "blocks until the session's next turn pulls them or the TTL passes; a later turn (not `fresh`, recorded "
+    f"a hit or a miss by expiry) pulls when its handle is younger than TTL − {margin} s (the proxy's margin); a "
+    "miss for another reason (mismatch, below the recompute threshold, failed transfer) stays one. The limit "
+    "is D's KV space from the run's `vllm:cache_config_info` (num_gpu_blocks × block_size × kv_bytes_per_token, "
+    "summed over its decode workers): a handle that does not fit next to those pinned is lost, and the "
+    "session's next turn misses (the planner's `miss_d_full`; in vLLM, D would queue or preempt instead). "
+    "The KV of requests running on D is not counted against the space, so the limit is an upper bound."
 )
-if not whatif.empty and int(whatif["turns_without_kv_bytes"].max()):
-    st.caption("Some runs have no kv_bytes_per_token in their config: their KV is left out of the GiB·s.")
-st.dataframe(
-    tables.whatif_table(whatif),
-    hide_index=True,
-    key="whatif_table",
-    column_config={
-        "hit rate": st.column_config.NumberColumn(format="percent"),
-        "KV held (GiB·s)": st.column_config.NumberColumn(format="%.4f"),
-        "KV held (Mtoken·s)": st.column_config.NumberColumn(format="%.3f"),
-    },
-)
+if unlimited:
+    st.caption("No `vllm:cache_config_info` from D in " + ", ".join(f"`{labels_of.get(r, r)}`" for r in unlimited)
+               + ": replayed with no limit and in tokens (no block size).")
+if left_out:
+    st.caption("Left out (no kv_bytes_per_token in the run's config): "
+               + ", ".join(f"`{labels_of.get(r, r)}`" for r in left_out) + ".")
+if not whatif.empty:
+    st.dataframe(
+        tables.whatif_table(whatif),
+        hide_index=True,
+        key="whatif_table",
+        column_config={
+            "hit rate": st.column_config.NumberColumn(format="percent"),
+            "KV held (GiB·s)": st.column_config.NumberColumn(format="%.4f"),
+        },
+    )
 
 # --- capacity -------------------------------------------------------------------------------------
 capacity_section.render(sel)

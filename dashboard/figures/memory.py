@@ -94,45 +94,89 @@ def memory_timeline(mem: pd.DataFrame, hits: pd.DataFrame) -> go.Figure:
     return fig
 
 
-def whatif_ttl(df: pd.DataFrame, current_ttls_s: list[float] | None = None) -> go.Figure:
-    """Hit rate (%) and KV held (GiB x s, or token x s without kv_bytes_per_token) that each
-    ``decoder_kv_blocks_ttl`` would have given, with the runs' configured TTLs marked.
+MiB = 2**20
 
-    `df`: ``dashboard.queries.whatif_ttl`` (ttl_s, later_turns, hits, held_token_s, held_gib_s).
+
+def whatif_totals(df: pd.DataFrame) -> pd.DataFrame:
+    """``dashboard.queries.whatif_ttl_d_limit`` rows (one per run and TTL) summed per TTL: ttl_s,
+    later_turns, hits, lost_hits, held_gib_s (sums over runs), runs, runs_over (runs whose held KV
+    would exceed their D's space at that TTL: demand_peak_bytes > capacity_bytes)."""
+    over = (df["demand_peak_bytes"] > df["capacity_bytes"]).astype(int)
+    return (df.assign(runs_over=over, runs=1)
+            .groupby("ttl_s", as_index=False)[["later_turns", "hits", "lost_hits", "held_gib_s", "runs", "runs_over"]]
+            .sum().sort_values("ttl_s"))
+
+
+def whatif_ttl(df: pd.DataFrame, current_ttls_s: list[float] | None = None) -> go.Figure:
+    """What each ``decoder_kv_blocks_ttl`` would have given with D's KV space as the limit, in three
+    full-width panels over the TTL (log axis), the runs' configured TTLs marked: the hit rate of
+    later turns (%, and the share lost because D was full), the KV held (GiB x s, summed over the
+    runs), and per run the peak KV held pinned (MiB: solid within D's space, dotted what the TTL
+    would ask with no limit) with D's KV space as a dashed line, red crosses where the demand
+    exceeds it.
+
+    `df`: ``dashboard.queries.whatif_ttl_d_limit`` (run_id, run_label, ttl_s, later_turns, hits,
+    lost_hits, held_gib_s, peak_held_bytes, demand_peak_bytes, capacity_bytes).
     """
     if df.empty or not (df["later_turns"] > 0).any():
         return empty_figure("no later turns to replay in the selection")
-    d = df.sort_values("ttl_s")
-    rate = np.where(d["later_turns"] > 0, d["hits"] / d["later_turns"].where(d["later_turns"] > 0), np.nan)
-    use_bytes = d["held_gib_s"].notna().all()
-    held = d["held_gib_s"] if use_bytes else d["held_token_s"]
-    held_title = "KV held (GiB x s)" if use_bytes else "KV held (tokens x s; kv_bytes_per_token unknown)"
-    fig = make_subplots(specs=[[{"secondary_y": True}]])
-    fig.add_trace(
-        go.Scatter(x=d["ttl_s"], y=rate * 100, name="hit rate", mode="lines+markers", line={"color": "#2ca02c"},
-                   hovertemplate="TTL %{x:.0f} s: %{y:.1f} % of later turns hit<extra></extra>"),
-        secondary_y=False,
-    )  # fmt: skip
-    fig.add_trace(
-        go.Scatter(x=d["ttl_s"], y=held, name=held_title, mode="lines+markers", line={"color": "#9467bd", "dash": "dash"},
-                   hovertemplate="TTL %{x:.0f} s: %{y:.3g}<extra></extra>"),
-        secondary_y=True,
-    )  # fmt: skip
+    tot = whatif_totals(df)
+    later = tot["later_turns"].where(tot["later_turns"] > 0)
+    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.08, subplot_titles=[
+        "hit rate of later turns (all selected runs)", "KV held pinned on D (GiB x s, all selected runs)",
+        "peak KV held pinned on D, per run (dotted: with no limit), D's KV space dashed"])
+    fig.add_trace(go.Scatter(x=tot["ttl_s"], y=tot["hits"] / later * 100, name="hit rate", mode="lines+markers",
+                             line={"color": "#2ca02c"}, legendgroup="totals",
+                             hovertemplate="TTL %{x:.0f} s: %{y:.1f} % of later turns hit<extra></extra>"), row=1, col=1)
+    fig.add_trace(go.Scatter(x=tot["ttl_s"], y=tot["lost_hits"] / later * 100, name="lost: D full",
+                             mode="lines+markers", line={"color": "#d62728", "dash": "dash"}, legendgroup="totals",
+                             hovertemplate="TTL %{x:.0f} s: %{y:.1f} % of later turns found their handle lost "
+                                           "(D full)<extra></extra>"), row=1, col=1)
+    fig.add_trace(go.Scatter(x=tot["ttl_s"], y=tot["held_gib_s"], name="KV held (GiB x s)", mode="lines+markers",
+                             line={"color": "#9467bd"}, legendgroup="totals",
+                             hovertemplate="TTL %{x:.0f} s: %{y:.4g} GiB x s<extra></extra>"), row=2, col=1)
+    runs = df.drop_duplicates("run_id").assign(run_label=lambda d: d["run_label"].fillna(d["run_id"]))
+    if "mode" not in runs:
+        runs = runs.assign(mode="pd-bidir")
+    colors = run_colors(runs.set_index("run_id")["mode"])
+    names = runs.assign(name=_run_names(runs)).set_index("run_id")["name"]
+    for run_id, g in df.groupby("run_id", sort=True):
+        g = g.sort_values("ttl_s")
+        name, color = names[run_id], colors[run_id]
+        fig.add_trace(go.Scatter(x=g["ttl_s"], y=g["peak_held_bytes"] / MiB, name=name, legendgroup=run_id,
+                                 mode="lines+markers", line={"color": color},
+                                 hovertemplate=f"{name}<br>TTL %{{x:.0f}} s: peak %{{y:.1f}} MiB<extra></extra>"),
+                      row=3, col=1)
+        fig.add_trace(go.Scatter(x=g["ttl_s"], y=g["demand_peak_bytes"] / MiB, name=f"{name}: no limit",
+                                 legendgroup=run_id, showlegend=False, mode="lines", line={"color": color, "dash": "dot"},
+                                 hovertemplate=f"{name}<br>TTL %{{x:.0f}} s: %{{y:.1f}} MiB asked with no limit"
+                                               "<extra></extra>"), row=3, col=1)
+        cap = g["capacity_bytes"].dropna()
+        if not cap.empty:
+            fig.add_trace(go.Scatter(x=g["ttl_s"], y=np.full(len(g), float(cap.iloc[0]) / MiB),
+                                     name=f"{name}: D's KV space", legendgroup=run_id, showlegend=False,
+                                     mode="lines", line={"color": color, "dash": "dash", "width": 1},
+                                     hovertemplate=f"{name}<br>D's KV space %{{y:.1f}} MiB<extra></extra>"),
+                          row=3, col=1)
+            over = g[g["demand_peak_bytes"] > g["capacity_bytes"]]
+            if not over.empty:
+                fig.add_trace(go.Scatter(x=over["ttl_s"], y=over["demand_peak_bytes"] / MiB,
+                                         name="exceeds D's KV space", legendgroup="over", mode="markers",
+                                         marker={"symbol": "x", "size": 11, "color": "#d62728"},
+                                         hovertemplate=f"{name}<br>TTL %{{x:.0f}} s: %{{y:.1f}} MiB would exceed "
+                                                       "D's KV space<extra></extra>"), row=3, col=1)
     for ttl in sorted(set(current_ttls_s or [])):
         fig.add_vline(x=ttl, line_dash="dot", line_color="#4c4c4c")
         # On a log axis an annotation's x is log10 of the value (add_vline's own label would not be).
-        fig.add_annotation(
-            x=float(np.log10(ttl)), y=1.0, xref="x", yref="paper", text=f"configured {ttl:g} s",
-            showarrow=False, yanchor="bottom", font={"size": 11},
-        )  # fmt: skip
-    ticks = sorted(set(d["ttl_s"].tolist()))
-    fig.update_xaxes(
-        title_text="decoder_kv_blocks_ttl (s, log scale)",
-        type="log",
-        tickvals=ticks,
-        ticktext=[f"{t:g}" for t in ticks],
-    )
-    fig.update_yaxes(title_text="hit rate of later turns (%)", range=[0, 105], secondary_y=False)
-    fig.update_yaxes(title_text=held_title, rangemode="tozero", secondary_y=True)
-    fig.update_layout(title="What if the TTL were different? (replayed from the recorded gaps)", margin={"t": 60})
+        fig.add_annotation(x=float(np.log10(ttl)), y=1.035, xref="x", yref="paper", text=f"configured {ttl:g} s",
+                           showarrow=False, yanchor="bottom", font={"size": 11})
+    ticks = sorted(set(tot["ttl_s"].tolist()))
+    fig.update_xaxes(type="log", tickvals=ticks, ticktext=[f"{t:g}" for t in ticks])
+    fig.update_xaxes(title_text="decoder_kv_blocks_ttl (s, log scale)", row=3, col=1)
+    fig.update_yaxes(title_text="% of later turns", range=[0, 105], row=1, col=1)
+    fig.update_yaxes(title_text="GiB x s", rangemode="tozero", row=2, col=1)
+    # log scale: D's space (GiB) and the peaks (often MiB) on one axis, runs of any size side by side
+    fig.update_yaxes(title_text="MiB (log scale)", type="log", row=3, col=1)
+    fig.update_layout(title="What if the TTL were different? (recorded turns replayed, D's KV space the limit)",
+                      height=820, margin={"t": 90}, legend={"orientation": "h", "y": -0.08})
     return fig

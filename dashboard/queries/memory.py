@@ -4,12 +4,14 @@ costs in held memory, and what other decoder_kv_blocks_ttl values would have giv
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 import duckdb
 import pandas as pd
 
 from dashboard.queries.common import HANDLE_BYTES, KV_USAGE, TurnFilter, _ids, _run, _where, as_filter
+from turnscope.planner.ttl_whatif import RESULT_COLUMNS, TURN_COLUMNS, RunKV, whatif_ttl_limited
 
 # Per-pid copies of a gauge: the live one is the non-zero copy (loadgen/prom.gauge_value), so the
 # max over copies of one endpoint's scrape. Endpoints of one role are averaged (usage, 0..1) or
@@ -177,8 +179,10 @@ def reuse_cost(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) ->
 
 
 
+# The unlimited replay in SQL: the second route that checks whatif_ttl_d_limit (the page's) when D's
+# space does not bind, and the one that follows the turn filters.
 # Per turn (all turns of the selected runs, so each turn's successor is known before filtering):
-# the KV D would hold after it (prompt + output tokens of an ok turn) until the session's next turn
+# the KV D would hold after it (an ok turn's remote_num_tokens: prompt + output - 1) until the session's next turn
 # pulls it (the gap to that turn, when that turn hits at this TTL), else for the whole TTL (vLLM
 # pins a handle until it is read or expires: view handle_holds). A later turn hits when it is not
 # `fresh`, its recorded outcome was a hit or a miss by expiry (other misses do not depend on the
@@ -192,8 +196,10 @@ def reuse_cost(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) ->
 _WHATIF_TTL = """
 WITH t AS (
     SELECT t.run_id, t.session_id, t.turn_index, t.kind, t.gap_kind, t.gap_before_s,
-           CASE WHEN t.status = 'ok' THEN coalesce(t.prompt_tokens, 0) + coalesce(t.completion_tokens, 0) ELSE 0 END
-               ::DOUBLE AS held_tokens,
+           -- D's remote_num_tokens: prompt + output - 1 (turnscope.reuse_rules.handle_kv_tokens)
+           CASE WHEN t.status <> 'ok' THEN 0
+                WHEN coalesce(t.completion_tokens, 0) > 0 THEN coalesce(t.prompt_tokens, 0) + t.completion_tokens - 1
+                ELSE coalesce(t.prompt_tokens, 0) END::DOUBLE AS held_tokens,
            -- the TTL this turn needs to pull the previous turn's handle; NULL where no TTL can make
            -- it (turn 0, `fresh`, or a recorded miss that does not depend on the TTL: mismatch,
            -- below threshold, failed transfer, no handle)
@@ -251,7 +257,8 @@ def whatif_ttl(
     not ``fresh``, recorded ``hit`` or ``miss_expired``) hits when its gap_before_s < TTL - the
     run's handle margin (``run_config``); a recorded miss of another kind (mismatch, below
     threshold, failed transfer, no handle) stays a miss at every TTL. After each ok turn D holds
-    its prompt + output tokens until the session's next turn pulls them (the gap to it, when that
+    its prompt + output - 1 tokens (``remote_num_tokens``, :func:`turnscope.reuse_rules.handle_kv_tokens`;
+    not rounded to blocks, no limit on D's space) until the session's next turn pulls them (the gap to it, when that
     turn hits at this TTL), else for the whole TTL, as vLLM pins a handle until it is read or
     expires (the rule of the ``handle_holds`` view, so at a run's own TTL the held GiB·s is close
     to ``run_handle_memory.held_gib_s``). Columns: ttl_s, later_turns, hits, held_token_s (tokens x s),
@@ -310,3 +317,92 @@ def run_config(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) ->
     (bytes, NULL when unknown), mode, run_label, workload, history_mode.
     """
     return con.execute(_RUN_CONFIG, {"run_ids": _ids(as_filter(f).run_ids)}).df()
+
+
+_CACHE_CONFIG = """
+SELECT run_id, role, endpoint, any_value(labels) AS labels
+FROM metric_samples
+WHERE name = 'vllm:cache_config_info' AND list_contains($run_ids::VARCHAR[], run_id)
+GROUP BY run_id, role, endpoint
+ORDER BY run_id, role, endpoint
+"""
+
+
+def cache_config(con: duckdb.DuckDBPyConnection, run_ids: Sequence[str]) -> pd.DataFrame:
+    """The labels of vLLM's ``vllm:cache_config_info`` gauge (``block_size``, ``num_gpu_blocks``,
+    ... as vLLM reports them) per run, role and worker endpoint, from the runs' scrapes: the one
+    reader of it (the planner's fit uses it too). Columns: run_id, role, endpoint, labels (a dict;
+    rows whose labels are not a JSON object are dropped)."""
+    df = con.execute(_CACHE_CONFIG, {"run_ids": _ids(run_ids)}).df()
+    labels = [json.loads(v) if isinstance(v, str) else v for v in df["labels"]]
+    df = df.assign(labels=labels)
+    keep = pd.Series([isinstance(v, dict) for v in labels], index=df.index, dtype=bool)
+    return df.loc[keep].reset_index(drop=True)
+
+
+def _int_label(labels: dict, key: str) -> int | None:
+    try:
+        return int(labels[key])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def decode_kv_space(con: duckdb.DuckDBPyConnection, run_ids: Sequence[str]) -> pd.DataFrame:
+    """D's KV space per run from :func:`cache_config` on the ``decode`` role: block_size (tokens),
+    decode_workers (endpoints that reported), kv_space_tokens (``num_gpu_blocks x block_size``
+    summed over those workers). Runs without the gauge on D are absent."""
+    cc = cache_config(con, run_ids)
+    rows = []
+    for run_id, g in cc[cc["role"] == "decode"].groupby("run_id", sort=True):
+        sizes = [(_int_label(lab, "block_size"), _int_label(lab, "num_gpu_blocks")) for lab in g["labels"]]
+        sizes = [(b, n) for b, n in sizes if b and n]
+        if sizes:
+            rows.append({"run_id": run_id, "block_size": sizes[0][0], "decode_workers": len(sizes),
+                         "kv_space_tokens": sum(b * n for b, n in sizes)})
+    return pd.DataFrame(rows, columns=["run_id", "block_size", "decode_workers", "kv_space_tokens"])
+
+
+_WHATIF_TURNS = """
+SELECT t.run_id, t.session_id, t.turn_index, t.kind, t.status, epoch(t.sent_at) AS sent_s, t.e2e_s,
+       t.prompt_tokens, t.completion_tokens, t.reuse
+FROM turns t
+WHERE list_contains($run_ids::VARCHAR[], t.run_id) AND t.sent_at IS NOT NULL
+"""
+
+
+def whatif_ttl_d_limit(
+    con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str], ttls_s: Sequence[float]
+) -> pd.DataFrame:
+    """The TTL what-if with D's KV space as the limit (:mod:`turnscope.planner.ttl_whatif`: the
+    planner's handle ledger over each run's recorded turns), for the runs of `f`, whole runs (D
+    holds every turn's KV whatever a filter keeps: the archetype and kind filters do not apply).
+
+    D's KV space: :func:`decode_kv_space` (``num_gpu_blocks x block_size`` of D's
+    ``vllm:cache_config_info``, summed over the run's decode workers) x the run's
+    ``kv_bytes_per_token`` (``run_config``); handles are whole blocks of that block size. A run
+    without the gauge is replayed without a limit (capacity_bytes NaN) and in tokens, a run
+    without ``kv_bytes_per_token`` is left out (no bytes to compare). TTLs at or below a run's
+    handle margin are skipped for it (nothing could be offered).
+    Columns: :data:`turnscope.planner.ttl_whatif.RESULT_COLUMNS` plus run_label, mode, block_size,
+    decode_workers. One row per (run, TTL).
+    """
+    run_ids = list(as_filter(f).run_ids)
+    cfg = con.execute(_RUN_CONFIG, {"run_ids": _ids(run_ids)}).df().set_index("run_id")
+    space = decode_kv_space(con, run_ids).set_index("run_id")
+    runs: dict[str, RunKV] = {}
+    for run_id, c in cfg.iterrows():
+        if pd.isna(c["kv_bytes_per_token"]):
+            continue
+        kvb = float(c["kv_bytes_per_token"])
+        sp = space.loc[run_id] if run_id in space.index else None
+        runs[str(run_id)] = RunKV(
+            handle_ttl_margin_s=float(c["handle_ttl_margin_s"]), kv_bytes_per_token=kvb,
+            block_size=None if sp is None else int(sp["block_size"]),
+            capacity_bytes=None if sp is None else float(sp["kv_space_tokens"]) * kvb)
+    turns = con.execute(_WHATIF_TURNS, {"run_ids": _ids(list(runs))}).df()
+    out = whatif_ttl_limited(turns[["run_id", *TURN_COLUMNS]], runs, ttls_s)
+    out["run_label"] = out["run_id"].map(cfg["run_label"])
+    out["mode"] = out["run_id"].map(cfg["mode"])
+    out["block_size"] = out["run_id"].map(space["block_size"]) if len(space) else pd.NA
+    out["decode_workers"] = out["run_id"].map(space["decode_workers"]) if len(space) else pd.NA
+    return out[[*RESULT_COLUMNS, "run_label", "mode", "block_size", "decode_workers"]]

@@ -48,7 +48,7 @@ def store(tmp_path_factory) -> Store:
                                                                   "connector": {"decoder_kv_blocks_ttl": ttl_s}}})
             for k, (run, session, turn, tokens, reuse, age, leg, gap) in enumerate(
                     t for t in TURNS if t[0] == run_id):
-                # D's handle holds prompt + output - 1 tokens (serving.reuse_rules): 32-token replies
+                # D's handle holds prompt + output - 1 tokens (turnscope.reuse_rules): 32-token replies
                 prompt = (tokens or 500) + 1 - 32
                 w.append("turns", {"run_id": run, "session_id": session, "turn_index": turn, "status": "ok",
                                    "sent_at": start + dt.timedelta(seconds=20 * k), "e2e_s": 1.5, "ttft_s": 0.3,

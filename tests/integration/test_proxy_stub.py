@@ -131,3 +131,30 @@ def test_prefill_routing_policy_through_the_proxy(policy):
         assert len(set(engines)) == 1 and sorted(served) == [0, 4]
     else:
         assert engines == ["prefill-0", "prefill-1"] * 2 and served == (2, 2)
+
+
+@pytest.mark.parametrize("leave", ["mid_stream", "during_prefill"])
+def test_a_request_the_client_leaves_is_logged_as_it_ends(caplog, leave):
+    """The proxy's log holds every request it took, one the client walked away from included
+    (the soak's rows check joins it to the stored rows by request id): logged ``incomplete`` once
+    the client is gone, not whenever the garbage collector closes the relay."""
+    import time
+
+    caplog.set_level(logging.INFO, logger="turnscope.proxy")
+    slow_p = 1.0 if leave == "during_prefill" else 0.0
+    with AppThread(prefill_app(delay_s=slow_p)) as p, AppThread(decode_app(gen=200, itl_s=0.05)) as d, \
+            ProxyThread(config(p, d)) as proxy:
+        body = {"model": "m", "prompt": list(range(10)), "max_tokens": 200, "stream": True, "conversation_id": "s"}
+        try:
+            with httpx.stream("POST", proxy.url + "/v1/completions", json=body, headers={"x-request-id": "lg-left"},
+                              timeout=httpx.Timeout(30, read=0.3 if slow_p else 30)) as r:
+                next(r.iter_raw())  # the first event, then the client closes the connection (10 s of stream left)
+        except httpx.ReadTimeout:
+            pass  # gave up during the 1 s prefill leg: the connection is closed
+        deadline = time.monotonic() + 5 + slow_p
+        logged = []
+        while time.monotonic() < deadline and not logged:
+            logged = [json.loads(x.message) for x in caplog.records
+                      if x.message.startswith("{") and '"lg-left"' in x.message]
+            time.sleep(0.1)
+    assert [(e["request_id"], e["status"]) for e in logged] == [("lg-left", "incomplete")]

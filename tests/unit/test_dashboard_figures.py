@@ -125,18 +125,31 @@ def test_new_figures_say_when_empty(fn):
     assert len(fig.data) == 0 and fig.layout.annotations[0].text.startswith("no ")
 
 
-def test_whatif_empty_and_marks_the_configured_ttl():
-    empty = pd.DataFrame(columns=["ttl_s", "later_turns", "hits", "held_token_s", "held_gib_s"])
-    assert figures.whatif_ttl(empty).layout.annotations[0].text.startswith("no ")
-    df = pd.DataFrame(
-        {"ttl_s": [60.0, 480.0], "later_turns": [10, 10], "hits": [2, 9], "held_token_s": [1e6, 8e6], "held_gib_s": [1.0, 8.0]}
-    )
+def test_whatif_empty_and_marks_the_configured_ttl_and_ds_space():
+    cols = ["run_id", "run_label", "ttl_s", "later_turns", "hits", "lost_hits", "held_gib_s", "peak_held_bytes",
+            "demand_peak_bytes", "capacity_bytes"]
+    assert figures.whatif_ttl(pd.DataFrame(columns=cols)).layout.annotations[0].text.startswith("no ")
+    mib = 2**20
+    # two runs: r1 over its 100 MiB at 480 s, r2 with no known space
+    df = pd.DataFrame([["r1", "one", 60.0, 10, 2, 0, 1.0, 50 * mib, 50 * mib, 100 * mib],
+                       ["r1", "one", 480.0, 10, 6, 3, 8.0, 100 * mib, 130 * mib, 100 * mib],
+                       ["r2", "two", 60.0, 10, 4, 0, 2.0, 20 * mib, 20 * mib, float("nan")],
+                       ["r2", "two", 480.0, 10, 8, 0, 4.0, 40 * mib, 40 * mib, float("nan")]], columns=cols)
     fig = figures.whatif_ttl(df, [480.0])
     rate = next(t for t in fig.data if t.name == "hit rate")
-    assert list(rate.y) == pytest.approx([20.0, 90.0])
-    assert [s.x0 for s in fig.layout.shapes] == [480.0]
-    no_bytes = figures.whatif_ttl(df.assign(held_gib_s=[None, None]))
-    assert "tokens x s" in no_bytes.data[1].name
+    assert list(rate.y) == pytest.approx([30.0, 70.0])  # (2 + 4) / 20, (6 + 8) / 20
+    lost = next(t for t in fig.data if t.name == "lost: D full")
+    assert list(lost.y) == pytest.approx([0.0, 15.0])
+    held = next(t for t in fig.data if t.name == "KV held (GiB x s)")
+    assert list(held.y) == pytest.approx([3.0, 12.0])
+    space = [t for t in fig.data if t.name.endswith(": D's KV space")]
+    assert [t.name for t in space] == ["one · pd-bidir: D's KV space"] and list(space[0].y) == [100.0, 100.0]
+    over = next(t for t in fig.data if t.name == "exceeds D's KV space")
+    assert (list(over.x), list(over.y)) == ([480.0], [130.0])
+    assert {s.x0 for s in fig.layout.shapes} == {480.0}  # one line per panel
+    table = tables.whatif_table(df)
+    assert list(table["runs over D's space"]) == ["0 of 2", "1 of 2"]
+    assert list(table["hit rate"]) == pytest.approx([0.3, 0.7])
 
 
 def test_latency_panels_ms_one_legend_entry_per_outcome_and_mode():

@@ -11,20 +11,26 @@ import pytest
 from loadgen.traces.agent_request import AgentRequest
 from tests.unit.test_planner_simulate import profile
 from turnscope.planner.pinned_blocks import PinnedBlocks
+from turnscope.planner.pinned_kv import Handle
 from turnscope.planner.simulate import PlanSettings, plan
 
 BLOCK = 128 * 4096
+
+
+def _h(hid: int, session: int, ordinal: int, blocks: int = 0) -> Handle:
+    """A handle as the ledger hands it to the store (times and tokens do not matter here)."""
+    return Handle(0.0, blocks * 128, blocks * BLOCK, hid, session, ordinal, blocks)
 
 
 def test_two_handles_of_a_session_hold_the_prefix_once():
     d = PinnedBlocks(None, 128, BLOCK)
     o0 = d.add_request(1, 1031, 0)
     o1 = d.add_request(1, 1331, 1031)
-    assert d.pin(1.0, 0, 1, o0, 9, 480) and d.pin(6.0, 1, 1, o1, 11, 480)
+    assert d.pin(1.0, _h(0, 1, o0, 9), 480) and d.pin(6.0, _h(1, 1, o1, 11), 480)
     assert d.held_blocks == 9 + (11 - 8)          # the prefix once, plus each handle's own suffix
-    d.read(7.0, 0, 1, o0)                          # the first handle released: the shared 8 blocks stay
+    d.read(7.0, _h(0, 1, o0))                          # the first handle released: the shared 8 blocks stay
     assert d.held_blocks == 11
-    d.read(8.0, 1, 1, o1)
+    d.read(8.0, _h(1, 1, o1))
     assert d.held_blocks == 0
     assert d.b == [0.0, 9 * BLOCK, 12 * BLOCK, 11 * BLOCK, 0.0]
 
@@ -32,9 +38,9 @@ def test_two_handles_of_a_session_hold_the_prefix_once():
 def test_release_of_the_later_handle_keeps_the_earlier_whole():
     d = PinnedBlocks(None, 128, BLOCK)
     o0, o1 = d.add_request(1, 1031, 0), d.add_request(1, 1331, 1031)
-    d.pin(1.0, 0, 1, o0, 9, 480)
-    d.pin(6.0, 1, 1, o1, 11, 480)
-    d.read(7.0, 1, 1, o1)
+    d.pin(1.0, _h(0, 1, o0, 9), 480)
+    d.pin(6.0, _h(1, 1, o1, 11), 480)
+    d.read(7.0, _h(1, 1, o1))
     assert d.held_blocks == 9
 
 
@@ -45,8 +51,8 @@ def test_an_edit_cuts_the_shared_prefix_along_the_chain():
     o0 = d.add_request(1, 1031, 0)
     d.add_request(1, 1331, 300)
     o2 = d.add_request(1, 1500, 1331)
-    d.pin(1.0, 0, 1, o0, 9, 480)
-    d.pin(9.0, 2, 1, o2, 12, 480)
+    d.pin(1.0, _h(0, 1, o0, 9), 480)
+    d.pin(9.0, _h(2, 1, o2, 12), 480)
     assert d.held_blocks == 9 + (12 - 2)
 
 
@@ -54,10 +60,10 @@ def test_sessions_share_the_system_prompt_only():
     # a 512-token system prompt (4 blocks) opens both sessions: 9 + 9 - 4 distinct blocks
     d = PinnedBlocks(None, 128, BLOCK, system_blocks=4)
     a, b = d.add_request(1, 1031, 0), d.add_request(2, 1031, 0)
-    d.pin(1.0, 0, 1, a, 9, 480)
-    d.pin(2.0, 1, 2, b, 9, 480)
+    d.pin(1.0, _h(0, 1, a, 9), 480)
+    d.pin(2.0, _h(1, 2, b, 9), 480)
     assert d.held_blocks == 14
-    d.read(3.0, 0, 1, a)                           # b still holds the system prompt's blocks
+    d.read(3.0, _h(0, 1, a))                           # b still holds the system prompt's blocks
     assert d.held_blocks == 9
     d.release_due(2.0 + 480)
     assert d.held_blocks == 0
@@ -66,10 +72,10 @@ def test_sessions_share_the_system_prompt_only():
 def test_capacity_counts_distinct_blocks():
     d = PinnedBlocks(12, 128, BLOCK)
     o0, o1 = d.add_request(1, 1031, 0), d.add_request(1, 1331, 1031)
-    assert d.pin(1.0, 0, 1, o0, 9, 480)
-    assert d.pin(6.0, 1, 1, o1, 11, 480)           # adds 3 blocks: 12 of 12
+    assert d.pin(1.0, _h(0, 1, o0, 9), 480)
+    assert d.pin(6.0, _h(1, 1, o1, 11), 480)           # adds 3 blocks: 12 of 12
     o2 = d.add_request(2, 1031, 0)
-    assert not d.pin(7.0, 2, 2, o2, 9, 480)        # another session's 9 do not fit
+    assert not d.pin(7.0, _h(2, 2, o2, 9), 480)        # another session's 9 do not fit
     assert d.held_blocks == 12
 
 
@@ -109,6 +115,6 @@ def test_plan_shares_the_system_prompt_across_sessions_on_d():
 def test_timeline_ends_empty(capacity):
     d = PinnedBlocks(capacity, 128, BLOCK)
     o = d.add_request(1, 1031, 0)
-    d.pin(0.0, 0, 1, o, 9, 10.0)
+    d.pin(0.0, _h(0, 1, o, 9), 10.0)
     d.release_due(float("inf"))
     assert d.t == [0.0, 0.0, 10.0] and d.b[-1] == 0.0

@@ -156,3 +156,38 @@ def test_gap_clock_sleeps_the_planned_gap_less_what_has_passed():
     assert len(sleeps) == 1 and 4.9 < sleeps[0] <= 5.0
     clock.wait(TurnPlan([U2], REF, 0.0, "think"))       # a gap already over: no sleep
     assert len(sleeps) == 1
+
+
+class Stopped(BaseException):
+    """What Locust's kill raises in a user (gevent's GreenletExit is a BaseException too)."""
+
+
+class StoppingServer(FakeServer):
+    """Answers the first request; the second is interrupted in flight (the user is killed)."""
+
+    def __call__(self, url, body, headers):
+        if len(self.sent) == 1:
+            self.sent.append((url, body, headers))
+            raise Stopped()
+        return super().__call__(url, body, headers)
+
+
+@pytest.mark.parametrize("second", ["turn", "fresh"])
+def test_a_request_interrupted_in_flight_is_a_cancelled_row_with_its_request_id(second):
+    second_turn = (TurnPlan([U2], REF, 1.0, "think") if second == "turn"
+                   else TurnPlan([{"role": "user", "content": "f"}], REF, 1.0, "think", kind="fresh"))
+    plan = SessionPlan("s", "src", [TurnPlan([SYS, U1], REF), second_turn, TurnPlan([U2], REF, 1.0, "think")])
+    writer, server, fired = ListWriter(), StoppingServer(["a", "b"]), []
+    p = player(plan, TextHistory(tokenize, "s"), server, writer)
+    p.recorder.on_turn = fired.append
+    with pytest.raises(Stopped):
+        p.play()
+    turns = writer.table("turns")
+    ids = [h["x-request-id"] for _, _, h in server.sent]
+    assert len(set(ids)) == 2 and all(i.startswith("lg-") and len(i) == 35 for i in ids)
+    # two requests sent, two rows: the first ok, the second cancelled, each with the id it was sent with
+    assert [(r["status"], r["request_id"]) for r in turns] == [("ok", ids[0]), ("cancelled", ids[1])]
+    assert turns[1]["kind"] == second and turns[1]["e2e_s"] >= 0
+    assert turns[1]["session_id"] == ("s" if second == "turn" else "s~fresh1")
+    assert [r.row["status"] for r in fired] == ["ok", "cancelled"]  # Locust hears of both
+    assert [r["status"] for r in writer.table("sessions")][-1] == "cancelled"

@@ -20,7 +20,6 @@ KV transfer, no KV bytes per token, fewer than 3 distinct computed-token counts)
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ import pandas as pd
 from scipy.optimize import least_squares
 
 from dashboard import sweep_stats as sweep
+from dashboard.queries.memory import cache_config
 from loadgen.traces.recorded_runs import read_recorded_runs
 from turnscope.planner.profile import MODES, CostProfile, Sourced
 from turnscope.planner.queueing import fifo_waits
@@ -118,23 +118,14 @@ def _transfer(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
 
 def _cache_config(store: Store, run_ids: Sequence[str]) -> dict[str, dict]:
     """Role -> the labels of its workers' ``vllm:cache_config_info`` (``block_size``,
-    ``num_gpu_blocks``, ...) in ``run_ids``' scrapes; roles without that gauge are absent."""
+    ``num_gpu_blocks``, ...) in ``run_ids``' scrapes (:func:`dashboard.queries.memory.cache_config`,
+    the one reader of the gauge); roles without that gauge are absent."""
     con = store.connect()
     try:
-        rows = con.execute(
-            "SELECT role, any_value(labels) FROM metric_samples WHERE name = 'vllm:cache_config_info' "
-            f"AND run_id IN ({', '.join('?' for _ in run_ids)}) GROUP BY role", list(run_ids)).fetchall()
+        cc = cache_config(con, run_ids)
     finally:
         con.close()
-    out = {}
-    for role, labels in rows:
-        try:
-            lab = json.loads(labels) if isinstance(labels, str) else (labels or {})
-        except json.JSONDecodeError:
-            continue
-        if isinstance(lab, dict):
-            out[role] = lab
-    return out
+    return {role: g["labels"].iloc[0] for role, g in cc.groupby("role", sort=True)}
 
 
 def _kv_space(store: Store, run_ids: Sequence[str]) -> dict[str, int]:

@@ -27,6 +27,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+from turnscope.planner.pinned_kv import Handle, HeldTimeline
+
 
 @dataclass
 class _SessionChain:
@@ -40,7 +42,7 @@ class _SessionChain:
     sys: int = 0                                            # system-prompt blocks held
 
 
-class PinnedBlocks:
+class PinnedBlocks(HeldTimeline):
     """Distinct KV blocks D holds pinned, over time (blocks of ``block_size`` tokens,
     ``block_bytes`` bytes each; ``capacity_blocks`` None: unbounded; ``system_blocks``: whole
     blocks of a system prompt every session starts with).
@@ -50,6 +52,7 @@ class PinnedBlocks:
     time passes. ``t``/``b``: the timeline (seconds, bytes held after each change)."""
 
     def __init__(self, capacity_blocks: int | None, block_size: int, block_bytes: float, system_blocks: int = 0):
+        super().__init__()
         self.capacity = capacity_blocks
         self.block_size = block_size
         self.block_bytes = block_bytes
@@ -59,8 +62,6 @@ class PinnedBlocks:
         self._sys_holders: dict[int, int] = {}            # system blocks held by a session -> sessions
         self._due: list[tuple[float, int, int, int]] = []  # (release time, handle id, session, ordinal)
         self._released: set[int] = set()
-        self.t: list[float] = [0.0]
-        self.b: list[float] = [0.0]
 
     # -- the chain ----------------------------------------------------------------------------
 
@@ -113,14 +114,14 @@ class PinnedBlocks:
         st.live, st.own, st.sys = live, own, sys
 
     def _record(self, t: float) -> None:
-        self.t.append(t)
-        self.b.append(self.held_bytes)
+        self._record_bytes(t, self.held_bytes)
 
     # -- pinning ------------------------------------------------------------------------------
 
-    def pin(self, t: float, hid: int, session: int, ordinal: int, blocks: int, ttl_s: float) -> bool:
-        """Pin request ``ordinal``'s ``blocks`` at ``t`` until read or ``t + ttl_s``; False
-        (nothing pinned) when the blocks it adds do not fit next to what is pinned."""
+    def pin(self, t: float, handle: Handle, ttl_s: float) -> bool:
+        """Pin request ``handle.ordinal``'s ``handle.blocks`` at ``t`` until read or ``t + ttl_s``;
+        False (nothing pinned) when the blocks it adds do not fit next to what is pinned."""
+        hid, session, ordinal, blocks = handle.hid, handle.session, handle.ordinal, handle.blocks
         st = self.sessions[session]
         live = dict(st.live)
         live[ordinal] = blocks
@@ -145,10 +146,10 @@ class PinnedBlocks:
         live.pop(ordinal, None)
         self._set(st, live, *self._held_by(st, live))
 
-    def read(self, t: float, hid: int, session: int, ordinal: int) -> None:
+    def read(self, t: float, handle: Handle) -> None:
         """P read the handle at ``t``: D frees its references (blocks another handle holds stay)."""
-        self._released.add(hid)
-        self._release(session, ordinal)
+        self._released.add(handle.hid)
+        self._release(handle.session, handle.ordinal)
         self._record(t)
 
     def release_due(self, now: float) -> None:

@@ -3,23 +3,25 @@ serving mode, and what it would cost (a FORECAST: every figure comes from a cost
 
 Input: :class:`loadgen.traces.agent_request.AgentRequest` records (any traffic source), a
 :class:`turnscope.planner.profile.CostProfile` and :class:`PlanSettings`. The rules are the
-proxy's own (:mod:`serving.reuse_rules`; the model in docs/planner.md); what the simulation adds is
+proxy's own (:mod:`turnscope.reuse_rules`; the model in docs/planner.md); what the simulation adds is
 time and space:
 
 * a session's requests arrive at ``arrival_s``; a request finishes ``server_s`` later when the
   trace records it, else after the profile's ``pd-nocache`` TTFT plus ``output_tokens x
   decode_s_per_token`` (0 when the profile has none: said in the plan's notes);
 * **D's pinned KV** (``pd-bidir*``): when a request finishes D pins the KV of its prompt and
-  output (:func:`serving.reuse_rules.handle_kv_tokens`, whole blocks) until P reads it (a hit) or
-  ``decoder_kv_blocks_ttl`` passes, counted in distinct blocks (handles sharing a prefix hold it
-  once: :mod:`turnscope.planner.pinned_blocks`). vLLM never evicts pinned blocks; when the blocks
-  already pinned leave no room in D's KV space for those a finishing turn's handle adds, the
-  planner counts that turn's handle as lost (``miss_d_full`` on the session's next request). In vLLM the same
-  over-subscription makes D queue or preempt requests instead: either way the reuse is gone;
+  output (:func:`turnscope.reuse_rules.handle_kv_tokens`, whole blocks) until P reads it (a hit) or
+  ``decoder_kv_blocks_ttl`` passes (:class:`turnscope.planner.pinned_kv.HandleLedger`, the
+  lifecycle shared with the Memory page's what-if), counted in distinct blocks (handles sharing a
+  prefix hold it once: :mod:`turnscope.planner.pinned_blocks`). vLLM never evicts pinned blocks;
+  when the blocks already pinned leave no room in D's KV space for those a finishing turn's handle
+  adds, the planner counts that turn's handle as lost (``miss_d_full`` on the session's next
+  request). In vLLM the same over-subscription makes D queue or preempt requests instead: either
+  way the reuse is gone;
 * **P's own prefix cache** (``pd``, ``pd-bidir``; the aggregated worker's for ``aggregated``):
   per worker, an LRU of sessions holding each one's last prompt (the aggregated worker: prompt and
   output), within the worker's KV space; a hit is the whole blocks both prompts share
-  (:func:`serving.reuse_rules.local_prefix_tokens`). Sessions go to workers round-robin per
+  (:func:`turnscope.reuse_rules.local_prefix_tokens`). Sessions go to workers round-robin per
   request (the proxy's routing) or by session (``routing="session"``).
 
 * **TTFT** (:func:`mode_ttft`): the profile's cost of each request, plus its FIFO wait for its
@@ -33,7 +35,6 @@ Outcomes are the proxy's (``serving.handles``) plus ``miss_d_full``; ``aggregate
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -44,8 +45,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from loadgen.traces.agent_request import AgentRequest
 from serving import handles as h
-from serving import reuse_rules as rules
+from turnscope import reuse_rules as rules
 from turnscope.planner.pinned_blocks import PinnedBlocks
+from turnscope.planner.pinned_kv import LOST, Handle, HandleLedger
 from turnscope.planner.profile import MODES, CostProfile, GiB
 from turnscope.planner.queueing import fifo_waits
 
@@ -86,7 +88,7 @@ class PlanSettings(BaseModel):
 
     @property
     def proxy_ttl_s(self) -> float:
-        """The proxy's handle TTL (:func:`serving.reuse_rules.proxy_handle_ttl_s`)."""
+        """The proxy's handle TTL (:func:`turnscope.reuse_rules.proxy_handle_ttl_s`)."""
         return rules.proxy_handle_ttl_s(self.decoder_kv_blocks_ttl_s, self.handle_ttl_margin_s)
 
 
@@ -282,16 +284,13 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
     cap = (int(profile.decode_kv_space_bytes.value / settings.decode_workers // (block * kv_bytes))
            if profile.decode_kv_space_bytes else None)
     pinned = PinnedBlocks(cap, block, block * kv_bytes, settings.shared_prefix_tokens // block)
+    ledger = HandleLedger(pinned, d_ttl)
     n_req = len(tr)
     outcome = np.zeros(n_req, dtype=np.int8)
     pulled = np.zeros(n_req, dtype=np.int64)
     local = np.zeros(n_req, dtype=np.int64) if local_hits is None else local_hits.copy()
     ages = np.full(n_req, np.nan)
     seen: set[int] = set()
-    handle: dict[int, tuple[float, int, int, int]] = {}     # session -> (created, kv tokens, id, ordinal)
-    lost: set[int] = set()
-    puts: list[tuple[float, int, int, int, int]] = []        # (finish time, request, session, kv tokens, ordinal)
-    d_full = 0
     codes, n_arr, out_arr, shared = tr.session_code, tr.input_tokens, tr.output_tokens, tr.shared_prefix_tokens
     arrival = tr.arrival_s
     c_hit, c_first, c_exp, c_cons = _CODE[h.HIT], _CODE[h.MISS_FIRST_TURN], _CODE[h.MISS_EXPIRED], _CODE[h.MISS_CONSUMED]
@@ -299,32 +298,21 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
                                       _CODE[h.MISS_TRANSFER_FAILED], _CODE[MISS_D_FULL])
     for i in range(n_req):
         t = float(arrival[i])
-        while puts and puts[0][0] <= t:          # turns finished before this arrival: D pins them
-            ft, j, s_j, kv, o_j = heapq.heappop(puts)
-            pinned.release_due(ft)
-            if pinned.pin(ft, j, s_j, o_j, rules.blocks_of(kv, block), d_ttl):
-                handle[s_j] = (ft, kv, j, o_j)
-                lost.discard(s_j)
-            else:
-                handle.pop(s_j, None)
-                lost.add(s_j)
-                d_full += 1
-        pinned.release_due(t)
         s = int(codes[i])
         n = int(n_arr[i])
+        taken = ledger.take(t, s)   # pins the turns finished before this arrival, frees expired ones
         if s not in seen:
             seen.add(s)
             outcome[i] = c_first
-        elif s in handle:
-            created, kv, hid, o_h = handle.pop(s)
-            age = t - created
+        elif isinstance(taken, Handle):
+            age = t - taken.created_s
             ages[i] = age
             if rules.handle_expired(age, proxy_ttl):
                 outcome[i] = c_exp
             elif rules.p_declines_read(age, d_ttl):
                 outcome[i] = c_fail
             else:
-                usable = rules.usable_handle_tokens(kv, int(shared[i]), block)
+                usable = rules.usable_handle_tokens(taken.kv_tokens, int(shared[i]), block)
                 if usable == 0:
                     outcome[i] = c_mis
                 else:
@@ -334,21 +322,17 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
                     else:
                         outcome[i] = c_hit
                         pulled[i] = count
-                        pinned.read(t, hid, s, o_h)
-        elif s in lost:
-            lost.discard(s)
+                        ledger.read(t, taken)
+        elif taken is LOST:
             outcome[i] = c_full
         else:
             outcome[i] = c_cons
-        kv_i = rules.handle_kv_tokens(n, int(out_arr[i]))
-        heapq.heappush(puts, (float(finish_s[i]), i, s, kv_i, pinned.add_request(s, kv_i, int(shared[i]))))
-    while puts:                                  # the last turns of each session: pinned until TTL
-        ft, j, s_j, kv, o_j = heapq.heappop(puts)
-        pinned.release_due(ft)
-        if not pinned.pin(ft, j, s_j, o_j, rules.blocks_of(kv, block), d_ttl):
-            d_full += 1
-    pinned.release_due(float("inf"))
-    return outcome, pulled, local, ages, pinned, d_full
+        kv = rules.handle_kv_tokens(n, int(out_arr[i]))
+        ordinal = pinned.add_request(s, kv, int(shared[i]))   # its place in the session's chain of prefixes
+        ledger.finished(float(finish_s[i]), i, s, kv, rules.blocks_of(kv, block) * block * kv_bytes,
+                        ordinal=ordinal, blocks=rules.blocks_of(kv, block))
+    ledger.close()                               # the last turns of each session: pinned until TTL
+    return outcome, pulled, local, ages, pinned, ledger.lost_handles
 
 
 def finish_times(tr: Traffic, profile: CostProfile) -> np.ndarray:
