@@ -20,9 +20,6 @@ from serving.workers import WorkerProcess, mode_workers, port_in_use, wait_http,
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-
-
-
 class ModeStack:
     """The running workers + proxy of one mode (a context manager that always stops them)."""
 
@@ -50,13 +47,16 @@ class ModeStack:
                            prefill_timeout_s=t.proxy.prefill_timeout_s, decode_timeout_s=t.proxy.decode_timeout_s,
                            prefill_prefix_caching=p_spec.prefix_caching if p_spec else True,
                            block_size=self.block_size, kv_bytes_per_token=self.kv_bytes_per_token,
+                           prefill_routing=t.proxy.prefill_routing, decode_routing=t.proxy.decode_routing,
                            tokenizer_dir=t.model if (Path(t.model) / "tokenizer.json").is_file() else None)
 
     def topology_row(self) -> dict:
         return {"name": self.topology.name, "mode": self.mode, "workers": [
             {"name": w.spec.name, "role": w.spec.role, "url": w.spec.url, "cores": w.spec.cores,
              "prefix_caching": w.spec.prefix_caching, "bidirectional": w.spec.bidirectional,
-             "nixl": w.spec.nixl} for w in self.workers], "proxy": self.proxy_url}
+             "nixl": w.spec.nixl} for w in self.workers], "proxy": self.proxy_url,
+                "prefill_routing": self.topology.proxy.prefill_routing,
+                "decode_routing": self.topology.proxy.decode_routing}
 
     def endpoints(self) -> list[tuple[str, str]]:
         return [(w.spec.url, w.spec.role) for w in self.workers] + [(self.proxy_url, "proxy")]

@@ -25,6 +25,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from serving.routing import SESSION, RoutingPolicy
 from turnscope.contract import DECODER_KV_BLOCKS_TTL_S, KV_RECOMPUTE_THRESHOLD_TOKENS, MODES
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -75,13 +76,18 @@ class RoleSettings(_Strict):
 
 
 class ProxySettings(_Strict):
-    """Where the proxy listens and its per-leg timeouts (seconds)."""
+    """Where the proxy listens, its per-leg timeouts (seconds) and how it picks P and D
+    (``prefill_routing``, ``decode_routing``: ``serving.routing``; docs/configuration.md,
+    "Routing"; default ``session``). turnscope's ``--prefill-routing``/``--decode-routing``
+    options win over a topology file's."""
 
     host: str = "127.0.0.1"
     port: int = Field(8200, gt=0, lt=65536)
     prefill_timeout_s: float = Field(30.0, gt=0)
     decode_timeout_s: float = Field(300.0, gt=0)
     handle_ttl_margin_s: float = Field(30.0, ge=0)
+    prefill_routing: RoutingPolicy = SESSION
+    decode_routing: RoutingPolicy = SESSION
 
 
 class Topology(_Strict):
