@@ -49,7 +49,7 @@ from httpx_sse import aconnect_sse
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.integration.vllm_stack import free_port  # noqa: E402
+from tests.integration.vllm_stack import free_port
 
 HARNESS_CORE, PROXY_CORE = 0, 1
 
@@ -89,13 +89,9 @@ uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=Fa
 """
 
 
-def pinned(core: int):
-    """A ``preexec_fn`` that pins the child process (and all its threads) to ``core``."""
-    return lambda: os.sched_setaffinity(0, {core})
-
-
 def spawn(argv: list[str], core: int) -> subprocess.Popen:
-    return subprocess.Popen(argv, cwd=ROOT, env=os.environ | {"PYTHONPATH": str(ROOT)}, preexec_fn=pinned(core))
+    """Start ``argv`` pinned to ``core`` (``taskset`` execs it: the pid is the program's own)."""
+    return subprocess.Popen(["taskset", "-c", str(core), *argv], cwd=ROOT, env=os.environ | {"PYTHONPATH": str(ROOT)})
 
 
 def wait(url: str) -> None:
@@ -222,8 +218,8 @@ def main() -> None:
             asyncio.run(measure("passthrough", n, min(n, requests), urls, f"warm-{n}"))
             rounds: dict[str, list[Round]] = {k: [] for k in ("direct", "passthrough", "turnscope")}
             for r in range(args.rounds):
-                for path in rounds:
-                    rounds[path].append(run_path(path, n, requests, urls, ps, f"{path}-{n}-{r}"))
+                for path, samples in rounds.items():
+                    samples.append(run_path(path, n, requests, urls, ps, f"{path}-{n}-{r}"))
             results[n] = {k: [vars(x) for x in v] for k, v in rounds.items()}
             print(f"\n{n} stream(s), {requests} requests per path and round")
             print(f"  {'path':<12} {'TTFT p50':>9} {'p99':>9}  {'added p50 vs direct':>24} {'added p99 vs direct':>24}"
