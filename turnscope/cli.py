@@ -164,7 +164,9 @@ def evaluate(
     max_tokens: Annotated[int, typer.Option(help="Output tokens per turn.")] = 32,
     gap_s: Annotated[float, typer.Option(help="Seconds between replayed turns (tool/think gap).")] = 1.0,
     topology: TopologyOpt = None,
-    prefill_routing: PrefillRoutingOpt = None,
+    prefill_routing: Annotated[str | None, typer.Option(help=_ROUTING_HELP.format(role="prefill") + " Several, "
+                               "comma-separated (round-robin,session): each mode's workers start once and every "
+                               "history mode is run once per policy, the proxy restarted between them.")] = None,
     decode_routing: DecodeRoutingOpt = None,
     store: StoreOpt = None,
     label: Annotated[str, typer.Option(help="Label of these runs.")] = "eval",
@@ -174,15 +176,22 @@ def evaluate(
     Each mode's workers start, warm up, serve every history mode as its own run (own cold prefix
     cache), and stop. Rows go to the store; `turnscope dashboard` shows them.
     """
-    s = settings(prefill_routing=prefill_routing, decode_routing=decode_routing)
-    topo = _topology(topology, prefill_routing, decode_routing)
+    p_routings = _split(prefill_routing) if prefill_routing else []
+    bad = [p for p in p_routings if p not in ROUTING_POLICIES]
+    if bad or (prefill_routing is not None and not p_routings):
+        raise fail(f"--prefill-routing takes policies of {', '.join(ROUTING_POLICIES)}, comma-separated; "
+                   f"got {prefill_routing!r}")
+    first = p_routings[0] if p_routings else None
+    s = settings(prefill_routing=first, decode_routing=decode_routing)
+    topo = _topology(topology, first, decode_routing)
     store = store or s.store
     if workload is not None and not workload.exists():
         raise fail(f"workload file {workload} does not exist (shipped ones: data/workloads/*.yaml)")
     ev = default_settings(Path(topo.model), topology=topo, modes=_split(modes), histories=_split(histories),
                           sessions=sessions, users=users, max_turns=max_turns, max_tokens=max_tokens, gap_s=gap_s,
                           store=store, label=label, workload=workload, time_scale=time_scale,
-                          turn_timeout_s=s.turn_timeout_s, operator_config=s.effective())
+                          turn_timeout_s=s.turn_timeout_s, operator_config=s.effective(),
+                          prefill_routings=p_routings if len(p_routings) > 1 else None)
     if s.kv_bytes_per_token:
         ev.kv_bytes_per_token = s.kv_bytes_per_token
     t0 = time.monotonic()

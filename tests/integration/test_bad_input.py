@@ -203,9 +203,12 @@ def test_unknown_mode_is_refused(store):
 
 
 def test_unknown_routing_policy_is_refused(store, monkeypatch):
-    code, out = cli(*eval_args(store, "--prefill-routing", "random"))
-    assert code == 2 and "Invalid value for '--prefill-routing': Value error, 'random' is not one of 'round-robin', 'session', " \
-        "'prefix-aware'" in out, out
+    code, out = cli(*eval_args(store, "--prefill-routing", "session,random"))
+    assert code == 2 and "--prefill-routing takes policies of round-robin, session, prefix-aware, comma-separated; " \
+        "got 'session,random'" in out, out
+    code, out = cli("serve", "--dry-run", "--prefill-routing", "random")
+    assert code == 2 and "Invalid value for '--prefill-routing': Value error, 'random' is not one of " \
+        "'round-robin', 'session', 'prefix-aware'" in out, out
     monkeypatch.setenv("TURNSCOPE_DECODE_ROUTING", "sticky")
     code, out = cli("serve", "--dry-run")
     assert code == 2 and "decode_routing: Input should be" in out and "from env TURNSCOPE_DECODE_ROUTING" in out, out
