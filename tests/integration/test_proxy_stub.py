@@ -168,3 +168,27 @@ def test_decode_routing_policy_through_the_proxy(policy):
         assert len(set(engines)) == 1 and sorted(served) == [0, 4]
     else:
         assert engines == ["decode-0", "decode-1"] * 2 and served == (2, 2)
+
+
+def test_round_robin_credits_the_prefix_a_prefill_worker_kept_from_an_earlier_turn():
+    """Turns go P0, P1, P0: turn 2's P0 still holds turn 0's prompt (10 tokens: 2 whole blocks
+    of 4), so of what P0 reports cached for turn 2, 8 tokens are its own prefix cache and only the
+    rest was pulled from D (the stub P reports local + pulled as one count, as vLLM does)."""
+    gen = [100, 101, 102, 103]  # decode_app(gen=4)'s ids
+    with AppThread(prefill_app()) as p0, AppThread(prefill_app()) as p1, AppThread(decode_app(gen=4)) as d:
+        cfg = ProxyConfig(mode="pd-bidir", prefill=[Worker(name="prefill-0", url=p0.url),
+                                                    Worker(name="prefill-1", url=p1.url)],
+                          decode=[Worker(name="decode-0", url=d.url)], block_size=4, kv_recompute_threshold=2,
+                          prefill_routing="round-robin")
+        prompts = [list(range(10))]
+        prompts.append(prompts[0] + gen + list(range(200, 206)))
+        prompts.append(prompts[1] + gen + list(range(300, 306)))
+        with ProxyThread(cfg) as proxy:
+            out = [stream(proxy.url, p, "s-rr") for p in prompts]
+    assert [r.headers["x-turnscope-prefill-engine"] for r, *_ in out] == ["prefill-0", "prefill-1", "prefill-0"]
+    facts = out[2][2]
+    assert facts["reuse"] == "hit" and facts["remote_tokens"] > 8
+    assert facts["prefill_cached_tokens"] == 8
+    assert facts["reused_tokens"] == facts["remote_tokens"] - 8
+    # turn 1 on P1, which never saw the session: everything P1 reports cached was pulled
+    assert out[1][2]["prefill_cached_tokens"] == 0 and out[1][2]["reused_tokens"] == out[1][2]["remote_tokens"]
