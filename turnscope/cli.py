@@ -66,8 +66,8 @@ StoreOpt = Annotated[Path | None, typer.Option(help="Store directory (Parquet sh
 TopologyOpt = Annotated[Path | None, typer.Option(
     help="Topology YAML (workers, model, connector settings). Default: the embedded CPU layout from settings.")]
 _ROUTING_HELP = (f"How the proxy picks the {{role}} worker of a request: {', '.join(ROUTING_POLICIES)} "
-                 "(docs/configuration.md, \"Routing\"). Default: settings `{{role}}_routing` (session); "
-                 "wins over a topology file's `proxy.{{role}}_routing`. Recorded with each run.")
+                 "(docs/configuration.md, \"Routing\"). Default: settings `{role}_routing` (session); "
+                 "wins over a topology file's `proxy.{role}_routing`. Recorded with each run.")
 PrefillRoutingOpt = Annotated[RoutingPolicy | None, typer.Option(help=_ROUTING_HELP.format(role="prefill"))]
 DecodeRoutingOpt = Annotated[RoutingPolicy | None, typer.Option(help=_ROUTING_HELP.format(role="decode"))]
 
