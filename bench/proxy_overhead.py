@@ -58,7 +58,8 @@ import sys, uvicorn
 from tests.integration.pd_stub import prefill_app, decode_app
 role, port, delay_ms, tokens, itl_ms = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
 app = prefill_app(delay_s=delay_ms / 1000) if role == "prefill" else decode_app(gen=tokens, itl_s=itl_ms / 1000)
-uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, backlog=4096)
+uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, backlog=4096,
+            timeout_keep_alive=300)
 """
 
 PASSTHROUGH = """
@@ -85,7 +86,8 @@ async def completions(request: Request):
 @app.get("/health")
 async def health():
     return {}
-uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, backlog=4096)
+uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, backlog=4096,
+            timeout_keep_alive=300)
 """
 
 
@@ -105,9 +107,10 @@ def wait(url: str) -> None:
 
 
 def cpu_s(proc: psutil.Process) -> float:
-    """User + system CPU seconds of ``proc`` and its children so far."""
+    """User + system CPU seconds of ``proc`` itself so far (not its children: this client's
+    children are the stubs and proxies, counted on their own)."""
     t = proc.cpu_times()
-    return t.user + t.system + sum(c.cpu_times().user + c.cpu_times().system for c in proc.children(recursive=True))
+    return t.user + t.system
 
 
 async def first_token(client: httpx.AsyncClient, url: str, body: dict, t0: float) -> float:
@@ -131,20 +134,26 @@ async def one_request(client: httpx.AsyncClient, path: str, urls: dict, body: di
     return await first_token(client, urls[path], body, t0)
 
 
-async def measure(path: str, streams: int, requests: int, urls: dict, tag: str) -> np.ndarray:
-    """TTFT samples (seconds) of ``requests`` requests over ``streams`` closed-loop streams."""
+async def measure(path: str, streams: int, requests: int, urls: dict, tag: str) -> tuple[np.ndarray, int]:
+    """TTFT samples (seconds) of ``requests`` requests over ``streams`` closed-loop streams, and
+    how many requests failed (an HTTP error: counted, not sampled)."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     samples: list[float] = []
+    failed = 0
     counter = iter(range(requests))
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
         async def stream():
+            nonlocal failed
             for i in counter:
                 body = {"model": "m", "prompt": list(range(64)), "max_tokens": 8, "stream": True,
                         "conversation_id": f"{tag}-{i}"}
-                samples.append(await one_request(client, path, urls, body))
+                try:
+                    samples.append(await one_request(client, path, urls, body))
+                except httpx.HTTPError:
+                    failed += 1
 
         await asyncio.gather(*(stream() for _ in range(streams)))
-    return np.array(samples)
+    return np.array(samples), failed
 
 
 @dataclass
@@ -155,6 +164,7 @@ class Round:
     p99_ms: float
     proxy_cpu_ms_per_request: float | None
     harness_load: float
+    failed: int
 
 
 def run_path(path: str, streams: int, requests: int, urls: dict, procs: dict, tag: str) -> Round:
@@ -163,12 +173,12 @@ def run_path(path: str, streams: int, requests: int, urls: dict, procs: dict, ta
     p_cpu0 = cpu_s(proxy) if proxy else 0.0
     h_cpu0 = sum(cpu_s(p) for p in harness)
     t0 = time.perf_counter()
-    ttft = asyncio.run(measure(path, streams, requests, urls, tag))
+    ttft, failed = asyncio.run(measure(path, streams, requests, urls, tag))
     wall = time.perf_counter() - t0
     p50, p99 = np.percentile(ttft, [50, 99]) * 1000
     return Round(float(p50), float(p99),
                  (cpu_s(proxy) - p_cpu0) * 1000 / requests if proxy else None,
-                 (sum(cpu_s(p) for p in harness) - h_cpu0) / wall)
+                 (sum(cpu_s(p) for p in harness) - h_cpu0) / wall, failed)
 
 
 def spread(values: list[float]) -> str:
@@ -223,7 +233,7 @@ def main() -> None:
             results[n] = {k: [vars(x) for x in v] for k, v in rounds.items()}
             print(f"\n{n} stream(s), {requests} requests per path and round")
             print(f"  {'path':<12} {'TTFT p50':>9} {'p99':>9}  {'added p50 vs direct':>24} {'added p99 vs direct':>24}"
-                  f"  {'proxy CPU/req':>13} {'core 0 load':>11}")
+                  f"  {'proxy CPU/req':>13} {'core 0 load':>11} {'failed':>6}")
             for path, rs in rounds.items():
                 d = rounds["direct"]
                 add50 = [x.p50_ms - y.p50_ms for x, y in zip(rs, d, strict=True)]
@@ -234,7 +244,7 @@ def main() -> None:
                     else (spread(add50), spread(add99))
                 print(f"  {path:<12} {np.median([x.p50_ms for x in rs]):>9.2f} {np.median([x.p99_ms for x in rs]):>9.2f}"
                       f"  {added[0]:>24} {added[1]:>24}  {(f'{np.median(cpu):.2f} ms' if cpu else '-'):>13}"
-                      f" {np.median([x.harness_load for x in rs]):>10.0%}")
+                      f" {np.median([x.harness_load for x in rs]):>10.0%} {sum(x.failed for x in rs):>6}")
             t, p = rounds["turnscope"], rounds["passthrough"]
             print(f"  turnscope - passthrough: p50 {spread([x.p50_ms - y.p50_ms for x, y in zip(t, p, strict=True)])}"
                   f" ms, p99 {spread([x.p99_ms - y.p99_ms for x, y in zip(t, p, strict=True)])} ms")
