@@ -28,6 +28,31 @@ FAVOURABLE = "continued within TTL"
 UNFAVOURABLE_CASES = ("continued after TTL", "resume", "edit", "retry", "fresh")
 
 
+def routing_text(prefill: object, decode: object) -> str | None:
+    """How a run's proxy picked its workers, in words (``P session · D session``), or None when
+    the run recorded neither policy (view ``run_config``; docs/configuration.md, "Routing")."""
+    def known(v: object) -> str | None:
+        return v if isinstance(v, str) and v else None
+
+    p, d = known(prefill), known(decode)
+    if p is None and d is None:
+        return None
+    return f"P {p or '?'} · D {d or '?'}"
+
+
+def compare_arms(runs: pd.DataFrame) -> pd.Series:
+    """What the Compare page's ``modes`` view groups runs by, per row of `runs` (the
+    ``dashboard.queries.runs`` columns): the mode, or ``mode · P x · D y`` (:func:`routing_text`)
+    when the runs of one mode in `runs` ran with more than one routing, so a comparison of
+    routing policies on the same mode never pools them."""
+    routing = pd.Series([routing_text(p, d) for p, d in zip(runs["prefill_routing"], runs["decode_routing"],
+                                                              strict=True)], index=runs.index, dtype=object)
+    mode = runs["mode"].astype(str)
+    varies = routing.fillna("").groupby(mode).transform("nunique") > 1
+    labelled = mode + " · " + routing.fillna("routing unknown")
+    return mode.where(~varies, labelled)
+
+
 def _exact(stats: pd.DataFrame | None, scope: str) -> dict[tuple[str, str], headline.Exact]:
     """(side, key) -> exact counts and median of `stats` rows of `scope`."""
     if stats is None or stats.empty:

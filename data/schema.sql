@@ -243,7 +243,9 @@ SELECT run_id,
            AS decoder_kv_blocks_ttl_s,
        coalesce(TRY_CAST(json_extract_string(config, '$.handle_ttl_margin_s') AS DOUBLE), 30.0)
            AS handle_ttl_margin_s,
-       TRY_CAST(json_extract_string(config, '$.kv_bytes_per_token') AS BIGINT) AS kv_bytes_per_token
+       TRY_CAST(json_extract_string(config, '$.kv_bytes_per_token') AS BIGINT) AS kv_bytes_per_token,
+       json_extract_string(config, '$.topology.proxy.prefill_routing') AS prefill_routing,
+       json_extract_string(config, '$.topology.proxy.decode_routing') AS decode_routing
 FROM runs;
 
 -- Per-turn breakdown with the run's mode and history mode, and the session's archetype (from the

@@ -148,22 +148,26 @@ class _PrefillFailed(Exception):
 
 
 class LastPrefill:
-    """Which P served each session last, and its prompt length: P's prefix cache can hold that much.
+    """What each P last computed of each session: the prompt tokens its prefix cache can hold.
 
-    Bounded like the handle table (least recently served out first), ``max_sessions`` entries.
+    Kept per (session, P): with several P a session can come back to a P that served an earlier
+    turn (``round-robin`` routing, a failover), and that P's cache holds that turn's prompt, not
+    the last one's. Bounded like the handle table (least recently served session out first),
+    ``max_sessions`` sessions.
     """
 
     def __init__(self, max_sessions: int):
         self.max_sessions = max_sessions
-        self._entries: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        self._entries: OrderedDict[str, dict[str, int]] = OrderedDict()
 
-    def get(self, session: str | None) -> tuple[str, int] | None:
-        """``(worker name, prompt tokens)`` of the session's last prefill, or None."""
-        return self._entries.get(session) if session else None
+    def get(self, session: str | None, worker: str) -> tuple[str, int] | None:
+        """``(worker, prompt tokens)`` of the session's last prefill on ``worker``, or None."""
+        tokens = (self._entries.get(session) or {}).get(worker) if session else None
+        return None if tokens is None else (worker, tokens)
 
     def put(self, session: str, worker: str, prompt_tokens: int) -> None:
         """Record a prefill of ``prompt_tokens`` for the session on ``worker``."""
-        self._entries[session] = (worker, prompt_tokens)
+        self._entries.setdefault(session, {})[worker] = prompt_tokens
         self._entries.move_to_end(session)
         while len(self._entries) > self.max_sessions:
             self._entries.popitem(last=False)
@@ -272,7 +276,7 @@ class SessionProxy:
                              decode_engine=decode.name)
         return ProxiedRequest(endpoint=endpoint, body=body, session=session, prefill=prefill, decode=decode,
                               facts=facts, t_arrival=t_arrival,
-                              prev_prefill=self.last_prefill.get(session))  # P's cache for it, as of now
+                              prev_prefill=self.last_prefill.get(session, prefill.name))  # this P's cache, now
 
     async def match_handle(self, req: ProxiedRequest) -> None:
         """Under the session's lock, pop its handle (single use) and fit it to the request's ids."""

@@ -84,8 +84,9 @@ class ProxiedRequest:
         facts: what the proxy reports about it.
         t_arrival: ``time.perf_counter()`` when it arrived.
         waited_s: seconds spent waiting on workers before the decode leg (``/tokenize``, prefill).
-        prev_prefill: ``(worker name, prompt tokens)`` of the session's previous prefill, as of
-            arrival (what P's prefix cache can hold for it); None: unknown.
+        prev_prefill: ``(worker name, prompt tokens)`` of the session's last prefill on the P
+            picked for this request, as of arrival (what that P's prefix cache can hold for it);
+            None: that P never served the session (or it was forgotten).
         new_ids: the request's rendered ids, when a handle was matched against them.
         handle_params: the (trimmed) handle offered to P; None: none.
         outcome: the reuse outcome so far.

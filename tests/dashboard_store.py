@@ -234,7 +234,10 @@ def session_row(run_id: str, session: int) -> dict:
 def config(run_id: str) -> dict:
     if run_id == "bnc-1":
         return {"kv_bytes_per_token": KV_BYTES_PER_TOKEN}  # TTL left out: vLLM's default 480 s
-    return {"connector": {"decoder_kv_blocks_ttl": int(TTL_S)}, "kv_bytes_per_token": KV_BYTES_PER_TOKEN}
+    # the proxy's routing as `turnscope eval` records it (both pd-bidir runs alike: the Compare page pools them)
+    proxy = {"prefill_routing": "session", "decode_routing": "session"} if run_id.startswith("bidir") else {}
+    return {"connector": {"decoder_kv_blocks_ttl": int(TTL_S)}, "kv_bytes_per_token": KV_BYTES_PER_TOKEN,
+            "topology": {"proxy": proxy}}
 
 
 def _sample(w, at, endpoint, role, name, value, labels=None) -> None:

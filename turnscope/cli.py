@@ -24,6 +24,7 @@ from rich.table import Table
 from loadgen import eval_report as report
 from serving.embedded_model import DEFAULT_MODEL_DIR, ensure_model
 from serving.prometheus_config import render_prometheus_config
+from serving.routing import ROUTING_POLICIES, RoutingPolicy
 from serving.stack import ModeStack
 from serving.topology import MODES, ProxySettings, Topology, TopologyError, embedded_topology, load_topology
 from serving.workers import mode_workers, port_in_use, worker_command
@@ -64,6 +65,11 @@ StoreOpt = Annotated[Path | None, typer.Option(help="Store directory (Parquet sh
                                                     "views). Default: settings `store` (data/).")]
 TopologyOpt = Annotated[Path | None, typer.Option(
     help="Topology YAML (workers, model, connector settings). Default: the embedded CPU layout from settings.")]
+_ROUTING_HELP = (f"How the proxy picks the {{role}} worker of a request: {', '.join(ROUTING_POLICIES)} "
+                 "(docs/configuration.md, \"Routing\"). Default: settings `{role}_routing` (session); "
+                 "wins over a topology file's `proxy.{role}_routing`. Recorded with each run.")
+PrefillRoutingOpt = Annotated[RoutingPolicy | None, typer.Option(help=_ROUTING_HELP.format(role="prefill"))]
+DecodeRoutingOpt = Annotated[RoutingPolicy | None, typer.Option(help=_ROUTING_HELP.format(role="decode"))]
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
@@ -80,6 +86,7 @@ def main(config: Annotated[Path | None, typer.Option(
     your agent sessions, against your real baseline?"""
     # systemd, docker and `kill` stop turnscope the way Ctrl-C does: the workers it started stop too
     signal.signal(signal.SIGTERM, _interrupt)
+    _state["config"] = config
     try:
         _state["settings"] = TurnscopeSettings.load(config)
     except SettingsError as exc:
@@ -90,13 +97,23 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def settings() -> TurnscopeSettings:
-    return _state.get("settings") or TurnscopeSettings.load()
+def settings(**options: object) -> TurnscopeSettings:
+    """The settings of this invocation; ``options`` are command-line options that override them
+    (None: not given), so ``effective()`` records what the run used."""
+    given = {k: v for k, v in options.items() if v is not None}
+    if not given:
+        return _state.get("settings") or TurnscopeSettings.load()
+    try:
+        return TurnscopeSettings.load(_state.get("config"), **given)
+    except SettingsError as exc:
+        raise fail(str(exc)) from exc
 
 
-def _topology(path: Path | None) -> Topology:
-    """The topology at ``path``, or the embedded layout built from the settings (model built if missing)."""
-    s = settings()
+def _topology(path: Path | None, prefill_routing: str | None = None, decode_routing: str | None = None) -> Topology:
+    """The topology at ``path``, or the embedded layout built from the settings (model built if
+    missing). The routing options, when given, replace the topology's (a file's ``proxy`` section);
+    the embedded layout takes the settings' ``prefill_routing``/``decode_routing``."""
+    s = settings(prefill_routing=prefill_routing, decode_routing=decode_routing)
     if path is None:
         if s.model == DEFAULT_MODEL_DIR:
             with console.status("building the embedded model"):
@@ -105,12 +122,18 @@ def _topology(path: Path | None) -> Topology:
                                  side_channel_port=s.ports.side_channel_base, proxy_port=s.ports.proxy,
                                  connector=s.topology_connector())
         topo.proxy = ProxySettings(host=s.host, port=s.ports.proxy, prefill_timeout_s=s.prefill_timeout_s,
-                                   decode_timeout_s=s.decode_timeout_s, handle_ttl_margin_s=s.handle_ttl_margin_s)
+                                   decode_timeout_s=s.decode_timeout_s, handle_ttl_margin_s=s.handle_ttl_margin_s,
+                                   prefill_routing=s.prefill_routing, decode_routing=s.decode_routing)
         return topo
     try:
-        return load_topology(path)
+        topo = load_topology(path)
     except TopologyError as exc:
         raise fail(str(exc)) from exc
+    if prefill_routing is not None:
+        topo.proxy.prefill_routing = prefill_routing
+    if decode_routing is not None:
+        topo.proxy.decode_routing = decode_routing
+    return topo
 
 
 def _split(value: str) -> list[str]:
@@ -141,6 +164,10 @@ def evaluate(
     max_tokens: Annotated[int, typer.Option(help="Output tokens per turn.")] = 32,
     gap_s: Annotated[float, typer.Option(help="Seconds between replayed turns (tool/think gap).")] = 1.0,
     topology: TopologyOpt = None,
+    prefill_routing: Annotated[str | None, typer.Option(help=_ROUTING_HELP.format(role="prefill") + " Several, "
+                               "comma-separated (round-robin,session): each mode's workers start once and every "
+                               "history mode is run once per policy, the proxy restarted between them.")] = None,
+    decode_routing: DecodeRoutingOpt = None,
     store: StoreOpt = None,
     label: Annotated[str, typer.Option(help="Label of these runs.")] = "eval",
 ) -> None:
@@ -149,15 +176,22 @@ def evaluate(
     Each mode's workers start, warm up, serve every history mode as its own run (own cold prefix
     cache), and stop. Rows go to the store; `turnscope dashboard` shows them.
     """
-    s = settings()
-    topo = _topology(topology)
+    p_routings = _split(prefill_routing) if prefill_routing else []
+    bad = [p for p in p_routings if p not in ROUTING_POLICIES]
+    if bad or (prefill_routing is not None and not p_routings):
+        raise fail(f"--prefill-routing takes policies of {', '.join(ROUTING_POLICIES)}, comma-separated; "
+                   f"got {prefill_routing!r}")
+    first = p_routings[0] if p_routings else None
+    s = settings(prefill_routing=first, decode_routing=decode_routing)
+    topo = _topology(topology, first, decode_routing)
     store = store or s.store
     if workload is not None and not workload.exists():
         raise fail(f"workload file {workload} does not exist (shipped ones: data/workloads/*.yaml)")
     ev = default_settings(Path(topo.model), topology=topo, modes=_split(modes), histories=_split(histories),
                           sessions=sessions, users=users, max_turns=max_turns, max_tokens=max_tokens, gap_s=gap_s,
                           store=store, label=label, workload=workload, time_scale=time_scale,
-                          turn_timeout_s=s.turn_timeout_s, operator_config=s.effective())
+                          turn_timeout_s=s.turn_timeout_s, operator_config=s.effective(),
+                          prefill_routings=p_routings if len(p_routings) > 1 else None)
     if s.kv_bytes_per_token:
         ev.kv_bytes_per_token = s.kv_bytes_per_token
     t0 = time.monotonic()
@@ -352,6 +386,8 @@ def sweep(
              "Default: the file's own values.")] = None,
     values: Annotated[str | None, typer.Option(help="Comma-separated token counts replacing the points.")] = None,
     topology: TopologyOpt = None,
+    prefill_routing: PrefillRoutingOpt = None,
+    decode_routing: DecodeRoutingOpt = None,
     store: StoreOpt = None,
     label: Annotated[str, typer.Option(help="Label of the runs.")] = "sweep",
     sweep_id: Annotated[str | None, typer.Option(
@@ -366,7 +402,7 @@ def sweep(
     page. On GPU nodes: `turnscope sweep --topology data/topologies/vendor-h200-1p1d.yaml --scale
     published --histories text --modes <the attached mode>` (README, "Running the vendor sweep on GPUs").
     """
-    s = settings()
+    s = settings(prefill_routing=prefill_routing, decode_routing=decode_routing)
     if not workload.exists():
         raise fail(f"workload file {workload} does not exist (the vendor's: data/workloads/vendor-sweep.yaml)")
     try:
@@ -378,7 +414,7 @@ def sweep(
         plan = plan_sweep(workload, sweep_id=sweep_id, out_dir=LOG_DIR / "sweeps", scale=scale, values=points)
     except ValueError as exc:  # WorkloadError: the file, its sweep, the scale or the values
         raise fail(str(exc)) from exc
-    topo = _topology(topology)
+    topo = _topology(topology, prefill_routing, decode_routing)
     if not topo.launch and modes == SWEEP_MODE_LIST:
         modes = topo.attached_mode  # attached workers run one mode: the one they were started in
     store = store or s.store
@@ -455,6 +491,8 @@ def capacity(
     history: Annotated[str, typer.Option(help="History mode: token_ids (ids match exactly) or text.")
                        ] = "token_ids",
     topology: TopologyOpt = None,
+    prefill_routing: PrefillRoutingOpt = None,
+    decode_routing: DecodeRoutingOpt = None,
     store: StoreOpt = None,
     label: Annotated[str, typer.Option(help="Label of the runs.")] = "capacity",
     capacity_id: Annotated[str | None, typer.Option(help="Name of the ramp, prefix of its run ids "
@@ -470,7 +508,7 @@ def capacity(
     from turnscope.capacity import plan_capacity, print_capacity_summary, run_capacity
     from turnscope.evaluation import Slo
 
-    s = settings()
+    s = settings(prefill_routing=prefill_routing, decode_routing=decode_routing)
     if not workload.exists():
         raise fail(f"workload file {workload} does not exist (the shipped one: data/workloads/capacity.yaml)")
     try:
@@ -481,7 +519,7 @@ def capacity(
         slo = Slo(ttft_s=slo_ttft_s, tpot_s=slo_tpot_s)
     except ValueError as exc:
         raise fail(f"--slo-ttft-s and --slo-tpot-s must be > 0 seconds, got {slo_ttft_s} and {slo_tpot_s}") from exc
-    topo = _topology(topology)
+    topo = _topology(topology, prefill_routing, decode_routing)
     store = store or s.store
     ev = default_settings(Path(topo.model), topology=topo, modes=_split(modes), histories=[history], store=store,
                           label=label, max_tokens=32, turn_timeout_s=s.turn_timeout_s, operator_config=s.effective())
@@ -517,6 +555,8 @@ def capacity(
 def serve(
     mode: Annotated[str, typer.Option(help=f"Serving mode, one of: {', '.join(MODES)}.")] = "pd-bidir",
     topology: TopologyOpt = None,
+    prefill_routing: PrefillRoutingOpt = None,
+    decode_routing: DecodeRoutingOpt = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each worker's command and environment.")
                        ] = False,
     prometheus_config: Annotated[bool, typer.Option(
@@ -527,7 +567,7 @@ def serve(
 
     Point Locust's web UI at the proxy: `locust -f loadgen/locustfile.py --host http://127.0.0.1:8200`.
     """
-    topo = _topology(topology)
+    topo = _topology(topology, prefill_routing, decode_routing)
     try:
         specs = mode_workers(mode, topo)
     except ValueError as exc:
@@ -544,7 +584,8 @@ def serve(
             console.print(f"# {spec.name} ({spec.role}) {where}, {spec.url}", highlight=False)
             console.print(" ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(a) for a in argv]),
                           highlight=False, soft_wrap=True)
-        console.print(f"# proxy on {stack.proxy_url}", highlight=False)
+        console.print(f"# proxy on {stack.proxy_url}, prefill routing {topo.proxy.prefill_routing}, "
+                      f"decode routing {topo.proxy.decode_routing}", highlight=False)
         console.print(" ".join(map(shlex.quote, stack.proxy_command(log_dir / f"{mode}-proxy.json"))),
                       highlight=False, soft_wrap=True)
         return

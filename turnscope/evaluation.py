@@ -31,6 +31,7 @@ from loadgen.traces.taubench import load_taubench
 from loadgen.traces.vllm_multiturn import load_vllm_multiturn
 from loadgen.workload import load_workload
 from serving.embedded_model import ModelSpec
+from serving.routing import RoutingPolicy
 from serving.stack import ModeStack
 from serving.topology import MODES, Topology, embedded_topology
 from turnscope import console_text
@@ -78,6 +79,9 @@ class EvalSettings(BaseModel):
     operator_config: dict = Field(default_factory=dict)  # TurnscopeSettings.effective(), saved per run
     log_dir: Path = REPO_ROOT / "data" / "runs" / "_logs"
     slo: Slo | None = None            # the latency bounds goodput is counted at (turnscope capacity)
+    # P routing policies to run in turn on each mode's workers (the proxy restarted between them);
+    # None: the topology's proxy.prefill_routing only
+    prefill_routings: list[RoutingPolicy] | None = None
 
 
 def _versions() -> dict:
@@ -180,6 +184,8 @@ def run_eval(s: EvalSettings, console: Console | None = None,
 
     ``runs`` (mode -> runs) replaces the history loop: each mode of ``s.modes`` starts its workers
     once and makes those runs on them, in order (``turnscope sweep`` passes one run per point).
+    ``s.prefill_routings`` (several): every history is run once per P routing policy on the same
+    workers, the proxy restarted between policies (run ids end in ``-p<policy>``).
     """
     console = console or Console()
     for mode in s.modes:
@@ -208,11 +214,22 @@ def run_eval(s: EvalSettings, console: Console | None = None,
         with ModeStack(mode, s.topology, s.log_dir, s.kv_bytes_per_token, console.print) as stack:
             outcomes = warm_up(stack.proxy_url, s.topology.served_model_name or s.topology.model)
             console_text.print_list(console, f"  [{mode}] warm-up outcomes: ", outcomes)
-            plans = runs.get(mode, []) if runs is not None else [
-                RunPlan(run_id=f"{s.label}-{stamp}-{mode}-{history}", history=history, settings=s)
-                for history in s.histories]
-            for plan in plans:
+            routings = s.prefill_routings or [stack.topology.proxy.prefill_routing]
+            plans = [(None, p) for p in runs.get(mode, [])] if runs is not None else [
+                (routing, RunPlan(run_id=f"{s.label}-{stamp}-{mode}-{history}"
+                                  + (f"-p{routing}" if len(routings) > 1 else ""), history=history, settings=s))
+                for routing in routings for history in s.histories]
+            for routing, plan in plans:
+                if routing is not None and routing != stack.topology.proxy.prefill_routing:
+                    stack.restart_proxy(routing)
+                    console.print(f"  [{mode}] proxy restarted with prefill routing {routing}")
                 run_id, history, rs = plan.run_id, plan.history, plan.settings
+                # the proxy's routing as it ran (config.topology.proxy; the run_config view reads it)
+                rs = rs.model_copy(update={
+                    "topology": rs.topology.model_copy(update={"proxy": stack.topology.proxy}),
+                    "operator_config": rs.operator_config | (
+                        {"prefill_routing": stack.topology.proxy.prefill_routing}
+                        if "prefill_routing" in rs.operator_config else {})})
                 time.sleep(plan.settle_s)
                 run_ids.append(run_id)
                 row = {"run_id": run_id, "label": rs.label, "mode": mode, "workload": rs.workload.stem if rs.workload else "tau-bench-airline",

@@ -1,7 +1,8 @@
 """turnscope's operator settings: one pydantic-settings model, from env vars and a config file.
 
 What an operator sets (docs/configuration.md): where the store and the model are, the ports of the
-embedded layout, the NixlConnector settings, and the per-turn and per-leg timeouts. Sources, the
+embedded layout, the NixlConnector settings, the per-turn and per-leg timeouts, and the proxy's
+routing policies for P and D. Sources, the
 first that sets a field wins:
 
 1. arguments given in code (``TurnscopeSettings.load(store=...)``, CLI options);
@@ -56,6 +57,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 from pydantic_settings import SettingsError as _PydanticSettingsError
 
+from serving.routing import SESSION, RoutingPolicy
 from serving.topology import Connector
 from turnscope import yaml_file
 from turnscope.redaction import REDACTED, redact
@@ -166,6 +168,8 @@ class TurnscopeSettings(BaseSettings):
     decode_timeout_s: float = Field(300.0, gt=0, description="proxy: the decode leg, seconds")
     handle_ttl_margin_s: float = Field(30.0, ge=0, description="proxy TTL = decoder_kv_blocks_ttl minus this")
     kv_bytes_per_token: int | None = Field(None, gt=0, description="model KV bytes per token; None: unknown")
+    prefill_routing: RoutingPolicy = Field(SESSION, description="proxy: how P is picked (serving.routing)")
+    decode_routing: RoutingPolicy = Field(SESSION, description="proxy: how D is picked (serving.routing)")
 
     @field_validator("store", "model", mode="after")
     @classmethod

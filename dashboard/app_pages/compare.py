@@ -47,7 +47,10 @@ by = st.segmented_control("Compare", ["modes", "runs"], default="modes", key="cm
 if by == "runs":
     options = runs["run_id"].astype(str).tolist()
     labels = {
-        r.run_id: f"{r.label if isinstance(r.label, str) and r.label else r.run_id} · {r.mode} · {r.history_mode}"
+        r.run_id: " · ".join(
+            x for x in (r.label if isinstance(r.label, str) and r.label else r.run_id, r.mode,
+                        compare_stats.routing_text(r.prefill_routing, r.decode_routing), r.history_mode) if x
+        )
         for r in runs.itertuples()
     }
     default_a, default_b = 0, 1
@@ -58,8 +61,10 @@ else:
                            help="Runs of one history mode each side; `pooled` mixes them.")
         if history != "pooled":
             runs = runs[runs["history_mode"] == history]
-    present = [str(m) for m in runs["mode"].dropna().unique()]
-    options = [m for m in MODE_ORDER if m in present] + sorted(m for m in present if m not in MODE_ORDER)
+    runs = runs.assign(arm=compare_stats.compare_arms(runs))  # a mode, or mode · routing when that varies
+    present = [str(m) for m in runs["arm"].dropna().unique()]
+    order = {m: i for i, m in enumerate(MODE_ORDER)}
+    options = sorted(present, key=lambda arm: (order.get(arm.split(" · ")[0], len(order)), arm))
     labels = {m: m for m in options}
     pair = next(((t, b) for t, b in headline.PAIRS if t in options and b in options), None)
     default_a, default_b = (options.index(pair[0]), options.index(pair[1])) if pair else (0, 1)
@@ -76,7 +81,7 @@ if a == b:
 if by == "runs":
     a_runs, b_runs = runs[runs["run_id"] == a], runs[runs["run_id"] == b]
 else:
-    a_runs, b_runs = runs[runs["mode"] == a], runs[runs["mode"] == b]
+    a_runs, b_runs = runs[runs["arm"] == a], runs[runs["arm"] == b]
 a_ids, b_ids = tuple(a_runs["run_id"].astype(str)), tuple(b_runs["run_id"].astype(str))
 a_name, b_name = labels[a], labels[b]
 

@@ -20,9 +20,10 @@ from dashboard.queries.common import (
 )
 
 _RUNS = """
-SELECT run_id, label, mode, workload, history_mode, model, status, started_at, finished_at
-FROM runs
-ORDER BY started_at DESC NULLS LAST, run_id
+SELECT r.run_id, r.label, r.mode, r.workload, r.history_mode, r.model, r.status, r.started_at, r.finished_at,
+       c.prefill_routing, c.decode_routing
+FROM runs r LEFT JOIN run_config c USING (run_id)
+ORDER BY r.started_at DESC NULLS LAST, r.run_id
 """
 
 _TTFT_BY_TURN = """
@@ -112,7 +113,8 @@ def runs(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
     """Every run's latest status row (view ``runs``), newest first.
 
     Columns: run_id, label, mode, workload, history_mode, model, status, started_at,
-    finished_at (UTC timestamps). One row per run.
+    finished_at (UTC timestamps), prefill_routing, decode_routing (the proxy's policies, view
+    ``run_config``; None when the run did not record them). One row per run.
     """
     return con.execute(_RUNS).df()
 

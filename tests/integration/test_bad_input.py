@@ -202,6 +202,31 @@ def test_unknown_mode_is_refused(store):
     unchanged(store)
 
 
+def test_unknown_routing_policy_is_refused(store, monkeypatch):
+    code, out = cli(*eval_args(store, "--prefill-routing", "session,random"))
+    assert code == 2 and "--prefill-routing takes policies of round-robin, session, prefix-aware, comma-separated; " \
+        "got 'session,random'" in out, out
+    code, out = cli("serve", "--dry-run", "--prefill-routing", "random")
+    assert code == 2 and "Invalid value for '--prefill-routing': Value error, 'random' is not one of " \
+        "'round-robin', 'session', 'prefix-aware'" in out, out
+    monkeypatch.setenv("TURNSCOPE_DECODE_ROUTING", "sticky")
+    code, out = cli("serve", "--dry-run")
+    assert code == 2 and "decode_routing: Input should be" in out and "from env TURNSCOPE_DECODE_ROUTING" in out, out
+    unchanged(store)
+
+
+def test_routing_options_win_over_the_topology_file(monkeypatch):
+    """The 2P1D file says session for both; the option replaces one, the env var does not touch a file's."""
+    topo = "data/topologies/embedded-cpu-2p1d.yaml"
+    code, out = cli("serve", "--topology", topo, "--mode", "pd", "--dry-run")
+    assert code == 0 and "prefill routing session, decode routing session" in out, out
+    monkeypatch.setenv("TURNSCOPE_PREFILL_ROUTING", "prefix-aware")
+    code, out = cli("serve", "--topology", topo, "--mode", "pd", "--dry-run", "--prefill-routing", "round-robin")
+    assert code == 0 and "prefill routing round-robin, decode routing session" in out, out
+    code, out = cli("serve", "--mode", "pd", "--dry-run")  # the embedded layout takes the settings'
+    assert code == 0 and "prefill routing prefix-aware, decode routing session" in out, out
+
+
 def test_model_path_that_does_not_exist_is_refused(store, tmp_path):
     topo = _topology(tmp_path, (REPO / "data" / "topologies" / "embedded-cpu.yaml").read_text()
                      .replace("../models/turnscope-tiny", str(tmp_path / "no-model")))

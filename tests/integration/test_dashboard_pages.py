@@ -488,6 +488,10 @@ def test_compare_runs(monkeypatch, store_root):
     at = open_page(monkeypatch, store_root, "compare")
     at.segmented_control(key="cmp_by").set_value("runs")
     rerun(at)
+    # each run is named with its routing policies when it recorded them (tests/dashboard_store.config)
+    options = at.selectbox(key="cmp_a_runs").options
+    assert "bidir b · pd-bidir · P session · D session · token_ids" in options, options
+    assert "bidir nocache · pd-bidir-nocache · token_ids" in options, options
     at.selectbox(key="cmp_a_runs").set_value("bnc-1")
     at.selectbox(key="cmp_b_runs").set_value("bidir-2")
     rerun(at)

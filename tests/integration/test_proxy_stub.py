@@ -158,3 +158,64 @@ def test_a_request_the_client_leaves_is_logged_as_it_ends(caplog, leave):
                       if x.message.startswith("{") and '"lg-left"' in x.message]
             time.sleep(0.1)
     assert [(e["request_id"], e["status"]) for e in logged] == [("lg-left", "incomplete")]
+
+
+def test_session_routing_fails_over_when_its_prefill_worker_goes_away():
+    """A session's P stops answering: that request fails with a 502 naming it (no handle was at
+    stake), the proxy skips the worker, and the session's next turns stay on the other P."""
+    with AppThread(prefill_app()) as p0, AppThread(prefill_app()) as p1, \
+            AppThread(decode_app(gen=4)) as d:
+        workers = {"prefill-0": p0, "prefill-1": p1}
+        cfg = ProxyConfig(mode="pd", prefill=[Worker(name=n, url=t.url) for n, t in workers.items()],
+                          decode=[Worker(name="decode-0", url=d.url)], block_size=4, prefill_routing="session")
+        with ProxyThread(cfg) as proxy:
+            first = stream(proxy.url, list(range(10)), "s-fail")[0].headers["x-turnscope-prefill-engine"]
+            survivor = next(n for n in workers if n != first)
+            workers[first].__exit__()  # its server stops: connections are refused
+            r = httpx.post(proxy.url + "/v1/completions", timeout=30,
+                           json={"model": "m", "prompt": list(range(15)), "max_tokens": 4, "conversation_id": "s-fail"})
+            assert r.status_code == 502 and f"prefill worker {first}" in r.text
+            engines = [stream(proxy.url, list(range(15 + k)), "s-fail")[0].headers["x-turnscope-prefill-engine"]
+                       for k in range(3)]
+        assert engines == [survivor] * 3
+        assert len(workers[survivor].app.state.bodies) == 3
+
+
+@pytest.mark.parametrize("policy", ["session", "round-robin"])
+def test_decode_routing_policy_through_the_proxy(policy):
+    with AppThread(prefill_app()) as p, AppThread(decode_app(gen=4)) as d0, AppThread(decode_app(gen=4)) as d1:
+        cfg = ProxyConfig(mode="pd", prefill=[Worker(name="prefill-0", url=p.url)],
+                          decode=[Worker(name="decode-0", url=d0.url), Worker(name="decode-1", url=d1.url)],
+                          block_size=4, decode_routing=policy)
+        with ProxyThread(cfg) as proxy:
+            engines = [stream(proxy.url, list(range(10 + 5 * k)), "s1")[0].headers["x-turnscope-decode-engine"]
+                       for k in range(4)]
+    served = (len(d0.app.state.bodies), len(d1.app.state.bodies))
+    if policy == "session":
+        assert len(set(engines)) == 1 and sorted(served) == [0, 4]
+    else:
+        assert engines == ["decode-0", "decode-1"] * 2 and served == (2, 2)
+
+
+def test_round_robin_credits_the_prefix_a_prefill_worker_kept_from_an_earlier_turn():
+    """Turns go P0, P1, P0: turn 2's P0 still holds turn 0's prompt (10 tokens: 2 whole blocks
+    of 4), so of what P0 reports cached for turn 2, 8 tokens are its own prefix cache and only the
+    rest was pulled from D (the stub P reports local + pulled as one count, as vLLM does)."""
+    gen = [100, 101, 102, 103]  # decode_app(gen=4)'s ids
+    with AppThread(prefill_app()) as p0, AppThread(prefill_app()) as p1, AppThread(decode_app(gen=4)) as d:
+        cfg = ProxyConfig(mode="pd-bidir", prefill=[Worker(name="prefill-0", url=p0.url),
+                                                    Worker(name="prefill-1", url=p1.url)],
+                          decode=[Worker(name="decode-0", url=d.url)], block_size=4, kv_recompute_threshold=2,
+                          prefill_routing="round-robin")
+        prompts = [list(range(10))]
+        prompts.append(prompts[0] + gen + list(range(200, 206)))
+        prompts.append(prompts[1] + gen + list(range(300, 306)))
+        with ProxyThread(cfg) as proxy:
+            out = [stream(proxy.url, p, "s-rr") for p in prompts]
+    assert [r.headers["x-turnscope-prefill-engine"] for r, *_ in out] == ["prefill-0", "prefill-1", "prefill-0"]
+    facts = out[2][2]
+    assert facts["reuse"] == "hit" and facts["remote_tokens"] > 8
+    assert facts["prefill_cached_tokens"] == 8
+    assert facts["reused_tokens"] == facts["remote_tokens"] - 8
+    # turn 1 on P1, which never saw the session: everything P1 reports cached was pulled
+    assert out[1][2]["prefill_cached_tokens"] == 0 and out[1][2]["reused_tokens"] == out[1][2]["remote_tokens"]

@@ -146,6 +146,8 @@ def _run_rows(run_id: str, mode: str, t0: dt.datetime, ttl: int) -> list[dict]:
            "config": {"connector": {"decoder_kv_blocks_ttl": ttl, "kv_recompute_threshold": 64,
                                     "kv_lease_duration": 30, "backends": ["UCX"]}, "turn_timeout_s": 120.0},
            "started_at": t0, "status": "running", "updated_at": t0}
+    if mode == "pd-bidir-nocache":  # run B recorded its proxy's routing as `turnscope eval` does; run A did not
+        row["config"]["topology"] = {"proxy": {"prefill_routing": "round-robin", "decode_routing": "session"}}
     end = t0 + dt.timedelta(minutes=5)
     return [row, row | {"finished_at": end, "status": "complete", "updated_at": end}]
 
@@ -272,6 +274,12 @@ def test_every_example_query_runs_in_the_duckdb_shell(store: Store, tmp_path: Pa
 
 def _close(a, b) -> bool:
     return a == b or (isinstance(a, float) and isinstance(b, (int, float)) and math.isclose(a, b, abs_tol=1e-9))
+
+
+def test_run_config_routing(con) -> None:
+    got = {r: (p, d) for r, p, d in con.execute(
+        "SELECT run_id, prefill_routing, decode_routing FROM run_config").fetchall()}
+    assert got == {RUN_A: (None, None), RUN_B: ("round-robin", "session")}
 
 
 def test_ttft_by_turn(con) -> None:

@@ -37,6 +37,7 @@ class FakeStack:
 
     def __init__(self, mode, topology, log_dir, kv_bytes_per_token=None, progress=None):
         self.mode = mode
+        self.topology = topology
         self.proxy_url = self.url
 
     def __enter__(self):

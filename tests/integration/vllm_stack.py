@@ -70,13 +70,15 @@ class ProxyThread(AppThread):
 
 
 class VllmStack:
-    """P + D (``mode``) and a reference worker; ``proxy(**overrides)`` builds a proxy over P/D."""
+    """P + D (``mode``; ``prefill_workers`` P) and a reference worker; ``proxy_config(**overrides)``
+    configures a proxy over every P and D."""
 
-    def __init__(self, mode: str, log_dir: Path, connector: Connector | None = None):
+    def __init__(self, mode: str, log_dir: Path, connector: Connector | None = None, prefill_workers: int = 1):
         self.model = str(ensure_model())
         self.connector = connector or Connector()
         topo = embedded_topology(self.model, connector=self.connector)
-        topo.prefill = [WorkerEntry(port=free_port(), side_channel_port=free_port(), cores=[0])]
+        topo.prefill = [WorkerEntry(port=free_port(), side_channel_port=free_port(), cores=[0])
+                        for _ in range(prefill_workers)]  # several P share core 0, as embedded-cpu-2p1d.yaml
         topo.decode = [WorkerEntry(port=free_port(), side_channel_port=free_port(), cores=[1])]
         topo.aggregated = [WorkerEntry(port=free_port(), cores=[0])]
         self.topology = topo
@@ -106,7 +108,8 @@ class VllmStack:
         return next(w.spec for w in self.workers if w.spec.role == role)
 
     def proxy_config(self, **overrides) -> ProxyConfig:
-        cfg = {"mode": self.mode, "prefill": [Worker(name="prefill-0", url=self.worker("prefill").url)],
+        cfg = {"mode": self.mode, "prefill": [Worker(name=w.spec.name, url=w.spec.url) for w in self.workers
+                                              if w.spec.role == "prefill"],
                "decode": [Worker(name="decode-0", url=self.worker("decode").url)],
                "decoder_kv_blocks_ttl_s": self.connector.decoder_kv_blocks_ttl,
                "handle_ttl_margin_s": 5,

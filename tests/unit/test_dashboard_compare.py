@@ -115,3 +115,18 @@ def test_capped_bootstrap_keeps_the_exact_ratio_and_widens_the_interval():
     assert capped[2] - capped[1] > full[2] - full[1]  # a tenth of the data: a wider interval
     assert capped == headline.median_ratio_ci(a, b, n_resamples=500, max_values=400)  # seeded
     assert not math.isnan(capped[1])
+
+
+def test_compare_arms_split_a_mode_only_when_its_runs_differ_in_routing():
+    runs = pd.DataFrame({
+        "mode": ["pd", "pd", "pd-bidir", "pd-bidir", "aggregated"],
+        "prefill_routing": ["round-robin", "session", "session", "session", None],
+        "decode_routing": ["session", "session", "session", "session", None],
+    })
+    assert compare_stats.compare_arms(runs).tolist() == [
+        "pd · P round-robin · D session", "pd · P session · D session", "pd-bidir", "pd-bidir", "aggregated"]
+    # a run that recorded no routing next to one that did: kept apart, and said so
+    mixed = pd.DataFrame({"mode": ["pd", "pd"], "prefill_routing": [None, "session"], "decode_routing": [None, "session"]})
+    assert compare_stats.compare_arms(mixed).tolist() == ["pd · routing unknown", "pd · P session · D session"]
+    assert compare_stats.routing_text(None, float("nan")) is None
+    assert compare_stats.routing_text("prefix-aware", None) == "P prefix-aware · D ?"

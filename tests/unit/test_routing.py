@@ -70,3 +70,23 @@ def test_no_session_goes_round_robin_and_bad_policy_is_refused():
     assert [r.pick(None).name for _ in range(3)] == ["prefill-0", "prefill-1", "prefill-2"]
     with pytest.raises(ValueError, match="routing policy must be one of"):
         Router(W, "random")
+
+
+def test_round_robin_skips_a_failed_worker_and_tries_all_when_all_failed():
+    clock = Clock()
+    r = Router(W, "round-robin", cooldown_s=10.0, clock=clock)
+    r.mark_failed("prefill-1")
+    assert [r.pick("s").name for _ in range(4)] == ["prefill-0", "prefill-2", "prefill-0", "prefill-2"]
+    for w in W:
+        r.mark_failed(w.name)
+    assert {r.pick("s").name for _ in range(3)} == {"prefill-0", "prefill-1", "prefill-2"}  # none left out
+
+
+def test_prefix_aware_forgets_the_least_recently_served_sessions_beyond_its_bound():
+    r = Router(W, "prefix-aware", max_sessions=2)
+    hashed = {s: Router(W, "session").pick(s).name for s in ("a", "b", "c")}
+    elsewhere = {s: next(w.name for w in W if w.name != hashed[s]) for s in hashed}
+    for s in ("a", "b", "c"):
+        r.served(s, elsewhere[s], 1_000)
+    assert r.pick("a").name == hashed["a"]  # "a" was forgotten: back to the session hash
+    assert (r.pick("b").name, r.pick("c").name) == (elsewhere["b"], elsewhere["c"])

@@ -51,6 +51,22 @@ def test_defaults_agree_with_the_serving_side() -> None:
             (proxy.prefill_timeout_s, proxy.decode_timeout_s, proxy.handle_ttl_margin_s)
     assert s.connector.decoder_kv_blocks_ttl == ProxyConfig(mode="pd").decoder_kv_blocks_ttl_s
     assert s.ports.proxy == ProxySettings().port
+    # every mode, baselines included, routes by session unless told otherwise (docs/configuration.md)
+    for proxy in (ProxyConfig(mode="pd"), ProxySettings()):
+        assert (s.prefill_routing, s.decode_routing) == (proxy.prefill_routing, proxy.decode_routing) == \
+            ("session", "session")
+
+
+def test_routing_from_env_and_bad_policy_named(monkeypatch) -> None:
+    monkeypatch.setenv("TURNSCOPE_PREFILL_ROUTING", "round-robin")
+    s = TurnscopeSettings.load()
+    assert (s.prefill_routing, s.decode_routing) == ("round-robin", "session")
+    assert s.effective()["prefill_routing"] == "round-robin"
+    assert TurnscopeSettings.load(prefill_routing="prefix-aware").prefill_routing == "prefix-aware"  # CLI wins
+    monkeypatch.setenv("TURNSCOPE_DECODE_ROUTING", "random")
+    with pytest.raises(SettingsError, match=r"decode_routing: Input should be 'round-robin', 'session' or "
+                                            r"'prefix-aware'; got 'random' \(from env TURNSCOPE_DECODE_ROUTING\)"):
+        TurnscopeSettings.load()
 
 
 def test_env_overrides(monkeypatch) -> None:

@@ -86,3 +86,25 @@ def test_vendor_aggregated_baseline_topology():
     assert flag(argv, "--max-model-len") == "32768"
     with pytest.raises(ValueError, match="cannot run mode 'pd'"):
         mode_workers("pd", topo)
+
+
+def test_embedded_2p1d_topology_shares_core_0_between_the_two_prefill_workers():
+    """Two P on core 0 (P's compute as in 1P1D), D alone on core 1, distinct ports and NIXL side
+    channels, and the proxy's routing read from the file (docs/configuration.md, "Routing")."""
+    topo = load_topology(TOPOLOGIES / "embedded-cpu-2p1d.yaml")
+    p0, p1, d = mode_workers("pd-bidir", topo)
+    assert [w.name for w in (p0, p1, d)] == ["prefill-0", "prefill-1", "decode-0"]
+    envs = [worker_command(w)[1] for w in (p0, p1, d)]
+    assert [e["VLLM_CPU_OMP_THREADS_BIND"] for e in envs] == ["0", "0", "1"]
+    assert [e["VLLM_NIXL_SIDE_CHANNEL_PORT"] for e in envs] == ["5600", "5602", "5601"]
+    assert [w.port for w in (p0, p1, d)] == [8100, 8103, 8101]
+    assert (topo.proxy.prefill_routing, topo.proxy.decode_routing) == ("session", "session")
+    assert topo.model == load_topology(TOPOLOGIES / "embedded-cpu.yaml").model
+
+
+def test_topology_refuses_an_unknown_routing_policy(tmp_path):
+    path = tmp_path / "t.yaml"
+    path.write_text("name: x\nmodel: m\naggregated: [{port: 1}]\nproxy: {prefill_routing: random}\n")
+    with pytest.raises(TopologyError, match="proxy.prefill_routing: Input should be 'round-robin', 'session' or "
+                                            "'prefix-aware'"):
+        load_topology(path)
