@@ -237,11 +237,15 @@ FROM (
 -- Per-run settings read from runs.config (JSON), with the defaults that applied when a key is
 -- absent: vLLM's decoder_kv_blocks_ttl (480 s) and the proxy's handle TTL margin (30 s; the proxy
 -- offers a handle for decoder_kv_blocks_ttl minus this). kv_bytes_per_token is NULL when unknown.
+-- turnscope eval/sweep/capacity record the topology they ran ($.topology.connector, $.topology.proxy);
+-- a config written by other tools may give the keys at the top level ($.connector, $.handle_ttl_margin_s).
 CREATE VIEW run_config AS
 SELECT run_id,
-       coalesce(TRY_CAST(json_extract_string(config, '$.connector.decoder_kv_blocks_ttl') AS DOUBLE), 480.0)
+       coalesce(TRY_CAST(json_extract_string(config, '$.topology.connector.decoder_kv_blocks_ttl') AS DOUBLE),
+                TRY_CAST(json_extract_string(config, '$.connector.decoder_kv_blocks_ttl') AS DOUBLE), 480.0)
            AS decoder_kv_blocks_ttl_s,
-       coalesce(TRY_CAST(json_extract_string(config, '$.handle_ttl_margin_s') AS DOUBLE), 30.0)
+       coalesce(TRY_CAST(json_extract_string(config, '$.topology.proxy.handle_ttl_margin_s') AS DOUBLE),
+                TRY_CAST(json_extract_string(config, '$.handle_ttl_margin_s') AS DOUBLE), 30.0)
            AS handle_ttl_margin_s,
        TRY_CAST(json_extract_string(config, '$.kv_bytes_per_token') AS BIGINT) AS kv_bytes_per_token,
        json_extract_string(config, '$.topology.proxy.prefill_routing') AS prefill_routing,

@@ -55,6 +55,9 @@ def test_eval_runs_each_routing_policy_on_the_same_workers(tmp_path, monkeypatch
     topo = yaml.safe_load((REPO / "data" / "topologies" / "embedded-cpu-2p1d.yaml").read_text())
     (tmp_path / "model").mkdir()
     topo["model"] = str(tmp_path / "model")
+    # not the defaults (480 s, 30 s): run_config must read them from where eval records them
+    topo.setdefault("connector", {})["decoder_kv_blocks_ttl"] = 120
+    topo.setdefault("proxy", {})["handle_ttl_margin_s"] = 12.0
     (tmp_path / "topo.yaml").write_text(yaml.safe_dump(topo))
     store = tmp_path / "store"
     with StubServer(StubState(ttft_s=0.01, itl_s=0.0)) as srv:
@@ -75,7 +78,9 @@ def test_eval_runs_each_routing_policy_on_the_same_workers(tmp_path, monkeypatch
     con = duckdb.connect(str(store / "turnscope.duckdb"), read_only=True)
     rows = con.execute("SELECT r.run_id, r.mode, c.prefill_routing, c.decode_routing, r.config FROM runs r "
                        "JOIN run_config c USING (run_id) ORDER BY r.started_at").fetchall()
+    ttls = con.execute("SELECT DISTINCT decoder_kv_blocks_ttl_s, handle_ttl_margin_s FROM run_config").fetchall()
     con.close()
+    assert ttls == [(120.0, 12.0)]
     assert [(m, p, d) for _, m, p, d, _ in rows] == [
         ("pd", "round-robin", "session"), ("pd", "session", "session"),
         ("pd-bidir", "round-robin", "session"), ("pd-bidir", "session", "session")]
