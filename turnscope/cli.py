@@ -337,7 +337,7 @@ def plan(
     threshold: Annotated[int | None, typer.Option(help="kv_recompute_threshold, tokens. Default: settings.")] = None,
     prefill_workers: Annotated[int, typer.Option(help="Prefill workers.")] = 1,
     decode_workers: Annotated[int, typer.Option(help="Decode workers.")] = 1,
-    routing: Annotated[str, typer.Option(help="round_robin (the proxy's) or session (sticky).")] = "round_robin",
+    routing: Annotated[str, typer.Option(help="How requests go to P (and aggregated) workers: session (sticky, the proxy's default) or round-robin (prefix-aware is not modelled).")] = "session",
     store: StoreOpt = None,
     label: Annotated[str | None, typer.Option(help="Label of this plan.")] = None,
     model: Annotated[Path | None, typer.Option(

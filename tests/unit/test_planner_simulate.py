@@ -119,7 +119,7 @@ def test_p_cache_eviction():
 
 def test_round_robin_routing_splits_p_caches():
     reqs = [req("a", 0, 0.0, 1000, 0), req("a", 1, 5.0, 1300, 1031)]
-    two = PlanSettings(prefill_workers=2)
+    two = PlanSettings(prefill_workers=2, routing="round-robin")
     assert plan(reqs, profile(), two).modes["pd"].local_tokens[1] == 0       # the other P
     sticky = PlanSettings(prefill_workers=2, routing="session")
     assert plan(reqs, profile(), sticky).modes["pd"].local_tokens[1] == 896

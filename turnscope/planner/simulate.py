@@ -22,7 +22,8 @@ time and space:
   per worker, an LRU of sessions holding each one's last prompt (the aggregated worker: prompt and
   output), within the worker's KV space; a hit is the whole blocks both prompts share
   (:func:`turnscope.reuse_rules.local_prefix_tokens`). Sessions go to workers round-robin per
-  request (the proxy's routing) or by session (``routing="session"``).
+  request (``routing="round-robin"``) or by session (``"session"``, the proxy's default:
+  :mod:`serving.routing`; its ``prefix-aware`` policy is not modelled).
 
 * **TTFT** (:func:`mode_ttft`): the profile's cost of each request, plus its FIFO wait for its
   prefill (or aggregated) worker (:mod:`turnscope.planner.queueing`) and, for chat traffic, the
@@ -38,6 +39,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import pandas as pd
@@ -45,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from loadgen.traces.agent_request import AgentRequest
 from serving import handles as h
+from serving.routing import SESSION
 from turnscope import reuse_rules as rules
 from turnscope.planner.pinned_blocks import PinnedBlocks
 from turnscope.planner.pinned_kv import LOST, Handle, HandleLedger
@@ -80,7 +83,7 @@ class PlanSettings(BaseModel):
     prefill_workers: int = Field(1, gt=0)
     decode_workers: int = Field(1, gt=0)
     aggregated_workers: int = Field(1, gt=0)
-    routing: str = Field("round_robin", pattern="^(round_robin|session)$")
+    routing: Literal["round-robin", "session"] = SESSION
     shared_prefix_tokens: int = Field(0, ge=0)
     queue_prefills: bool = True
     rendered_prompts: bool = False
@@ -196,12 +199,12 @@ class Plan:
 
 
 def _worker_of(i: int, session_code: int, workers: int, routing: str) -> int:
-    return session_code % workers if routing == "session" else i % workers
+    return session_code % workers if routing == SESSION else i % workers
 
 
 def workers_of(tr: Traffic, workers: int, routing: str) -> np.ndarray:
     """The worker each request of ``tr`` goes to (as :func:`own_cache_hits` routes it)."""
-    return tr.session_code % workers if routing == "session" else np.arange(len(tr)) % workers
+    return tr.session_code % workers if routing == SESSION else np.arange(len(tr)) % workers
 
 
 #: Renders of a chat request's messages to token ids before its first token, per mode: the
