@@ -7,7 +7,8 @@ is also rendered the old way (P's ``/tokenize``, recorded next to the proxy's ow
 are fitted to the same handle (``serving.handles.fit_handle``): the ids, the divergence position,
 the outcome and the trimmed token count must be equal on plain extensions, on edits of earlier
 messages (the new guard falls back to P), and where the reply's text re-tokenizes into other ids
-than D generated (a divergence inside the history). Outputs of every turn are compared with a
+than D generated (a divergence inside the history; when it happens: it cannot be forced through
+chat). Outputs of every turn are compared with a
 fresh worker with prefix caching off (greedy, ``ignore_eos``).
 """
 
@@ -107,6 +108,7 @@ def test_incremental_guard_decides_and_trims_as_the_old_one(pd_bidir_stack):
     # edit; every other matched turn is incremental
     assert seen["fallback"] == 3 + 1 and seen["incremental"] == 3 * 4 - 4, seen
     assert seen["edit"] == 1
+    # a reply whose text re-tokenizes into other ids is checked like every turn when it happens
+    # (seen["retokenized"]); it cannot be forced through chat, and did not happen in the run of
+    # 2026-12-01 (README, "The token guard, at long histories")
     print("guard cases:", seen)
-    if seen["retokenized"] == 0:
-        pytest.skip(f"no reply re-tokenized into other ids in these sessions ({seen})")
