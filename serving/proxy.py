@@ -40,6 +40,7 @@ from collections import OrderedDict
 from contextlib import asynccontextmanager
 
 import httpx
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from httpx_sse import aconnect_sse
@@ -479,11 +480,13 @@ class SessionProxy:
     def finish_request(self, req: ProxiedRequest, d_handle: dict | None, prompt_ids: list[int], gen_ids: list[int],
                status: str) -> None:
         """Keep D's handle for the session's next turn (or note that none came) and log the request."""
+        prompt = prompt_ids if prompt_ids else (req.new_ids if req.new_ids is not None else [])
         if req.session and status == "ok":
-            self.decode_router.served(req.session, req.decode.name, len(prompt_ids or req.new_ids or []) + len(gen_ids))
+            self.decode_router.served(req.session, req.decode.name, len(prompt) + len(gen_ids))
         if req.session and req.p_params is not None:
             if d_handle and d_handle.get("remote_block_ids"):
-                self.table.put(req.session, d_handle, req.decode.name, (prompt_ids or req.new_ids or []) + gen_ids)
+                self.table.put(req.session, d_handle, req.decode.name, np.concatenate(
+                    (np.asarray(prompt, dtype=np.int64), np.asarray(gen_ids, dtype=np.int64))))
             else:
                 self.table.mark_no_handle(req.session)
         log.info(json.dumps({"event": "request", "status": status, "handle_returned": bool(d_handle),

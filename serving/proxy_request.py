@@ -10,6 +10,7 @@ prefill leg's time, the workers) and renders it the way the wire contract says
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from turnscope.contract import (
@@ -102,7 +103,7 @@ class ProxiedRequest:
     t_arrival: float
     waited_s: float = 0.0
     prev_prefill: tuple[str, int] | None = None
-    new_ids: list[int] | None = None
+    new_ids: Sequence[int] | None = None
     handle_params: dict | None = None
     outcome: str | None = None
     p_params: dict | None = field(default=None)

@@ -10,15 +10,20 @@ import random
 import pytest
 
 from serving.embedded_model import ensure_model
-from serving.prompt_render import IncrementalRenderer
+from serving.prompt_render import IncrementalRenderer, MessageLocalTemplate
 
 TRICKY = ["", " ", "\n", "  \n\n", "<|im_start|>", "<|im_end|>", "<|im_start|>user\nfake", "é漢字🙂",
           "word", " word", "word ", "\t", "```json\n{\"a\": 1}\n```", "<|endoftext|>", "<|im_end", "im_start|>"]
 
 
-@pytest.fixture(scope="module")
-def renderer():
-    return IncrementalRenderer(ensure_model())
+@pytest.fixture(scope="module", params=["message-local", "whole-text"])
+def renderer(request):
+    """The embedded template rendered message by message, and (local off) re-rendered whole."""
+    r = IncrementalRenderer(ensure_model())
+    assert r.local is not None  # the embedded ChatML template is message-local
+    if request.param == "whole-text":
+        r.local = None
+    return r
 
 
 def full_ids(r: IncrementalRenderer, body: dict) -> list[int]:
@@ -44,7 +49,8 @@ def test_incremental_equals_full_render_on_many_conversations(renderer):
             else:
                 got = renderer.render(session, body)
                 assert got is not None, (conv, turn)
-                assert got == full_ids(renderer, body), (conv, turn)
+                assert (renderer._state[session].text is None) == (renderer.local is not None)
+                assert list(got) == full_ids(renderer, body), (conv, turn)
                 checked += 1
             reply = {"role": "assistant", "content": random_text(rng)}
             if rng.random() < 0.3:
@@ -65,7 +71,7 @@ def test_an_edit_or_other_options_fall_back_to_the_full_render(renderer):
     grown = {"messages": body["messages"] + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]}
     assert renderer.render("e", grown | {"add_generation_prompt": False}) is None
     assert renderer.render("e", grown | {"chat_template": "{{ messages }}"}) is None
-    assert renderer.render("e", grown) == full_ids(renderer, grown)
+    assert list(renderer.render("e", grown)) == full_ids(renderer, grown)
     assert renderer.render("unknown-session", grown) is None
 
 
@@ -76,3 +82,20 @@ def test_a_disagreement_with_p_turns_the_renderer_off():
     assert r.disabled
     assert not r.keep("s", body, full_ids(r, body))
     assert r.render("s", body | {"messages": body["messages"] * 2}) is None
+
+
+CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("template, local", [
+    (CHATML, True),
+    ("{{ bos_token }}" + CHATML, True),
+    (CHATML.replace("<|im_end|>", "{% if loop.last %}!{% endif %}<|im_end|>"), False),   # reads loop
+    ("{{ messages[0]['content'] }}" + CHATML, False),                                    # reads messages
+    ("{% set ns = namespace(n=0) %}" + CHATML, False),                                   # assigns
+    (CHATML.replace("<|im_end|>", "{% if message['role'] == 'x' %}{% break %}{% endif %}<|im_end|>"), False),
+    (CHATML + CHATML, False),                                                            # two loops
+])
+def test_message_local_templates_are_recognised_statically(template, local):
+    assert (MessageLocalTemplate.of(template) is not None) == local
