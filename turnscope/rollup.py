@@ -1,0 +1,195 @@
+"""Per-run rollups beside the shards: what the dashboard reads instead of the plain views once a
+run has finished (docs/schema.md, "Rollups").
+
+A finished run's rows never change, yet every page view would re-read its shards through the
+plain views (a glob over every run's files, a cast per column, then the derived views' joins and
+windows). ``Rollups.write`` stores, per finished run, under ``<root>/rollups/<run_id>/``:
+
+- ``turns.parquet``, ``sessions.parquet``, ``metric_samples.parquet``: the rows of the run's
+  shards (``runs/<run_id>/<table>/*.parquet``) in one file each, read through the base view's
+  casts and sorted (turns by session and turn, scrapes by series and time, so a filter on a metric
+  name skips the other series' row groups);
+- ``run_summary.parquet``, ``run_kv_transfer.parquet``, ``run_handle_memory.parquet``: the run's
+  row of each of those plain views (each is computed per run, so a run's row depends on its own
+  rows only);
+- ``manifest.json`` (written last): the store version (``Store.version``), the shard files of the
+  run the rollup was made from (``turns``, ``sessions``, ``metric_samples``, ``runs_log``) and
+  each rolled-up relation's column types.
+
+A rollup is *fresh* while its manifest's version is the store's and the run's shard files are
+exactly those listed; any shard added later (a late writer, a new status row) makes it stale and
+the run is read from its shards again until the next ``write``. Only runs whose status (view
+``runs``) is no longer ``running`` are rolled up.
+
+``Rollups.install(con)`` shadows, on one read-only connection, the base views ``turns``,
+``sessions``, ``metric_samples`` and the views ``run_summary``, ``run_kv_transfer``,
+``run_handle_memory`` with TEMP views of the same name and columns: the fresh runs' rollup files,
+then the plain relation over the other runs only (their shard directories; a view through the
+store file's own catalog). DuckDB resolves an unqualified name to the TEMP view first, also inside
+the store's derived views, so every query on that connection reads rollups where fresh. The store
+file itself keeps only the plain views (operators' SQL sees the shards).
+tests/integration/test_rollups.py checks every dashboard query gives the same figures both ways.
+
+Rollup files are written as temporary files and renamed into place (atomic on POSIX), like
+shards; no DuckDB file is opened for writing, so rollups never take a lock a reader needs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import duckdb
+import pyarrow.parquet as pq
+
+from turnscope.store import Store, _ident, _sql_str, connect_read_only
+
+#: The directory of rollups under a store root.
+ROLLUP_DIR = "rollups"
+MANIFEST = "manifest.json"
+#: Per-run views materialised per run (one row per run).
+SUMMARY_VIEWS: tuple[str, ...] = ("run_summary", "run_kv_transfer", "run_handle_memory")
+#: Shard tables whose files a rollup records (a change in any makes it stale).
+WATCHED_TABLES: tuple[str, ...] = ("turns", "sessions", "metric_samples", "runs_log")
+
+
+@dataclass(frozen=True)
+class Freshness:
+    """Which runs of a store have a fresh rollup (`fresh`) and the column types of each rolled-up
+    relation (`columns`: relation -> [(column, DuckDB type)], from a fresh manifest)."""
+
+    fresh: tuple[str, ...]
+    columns: dict[str, list[list[str]]]
+
+
+class Rollups:
+    """The rollups of the store `store` (see the module docstring).
+
+    Args:
+        store: the store (its schema gives the base views' casts, its version the manifests').
+    """
+
+    def __init__(self, store: Store):
+        self.store = store
+        self.dir = store.root / ROLLUP_DIR
+
+    # -- listing ------------------------------------------------------------------------------
+
+    def shard_listing(self, run_id: str) -> dict[str, list[str]]:
+        """The shard file names of `run_id` per watched table (sorted; [] when none)."""
+        out = {}
+        for table in WATCHED_TABLES:
+            d = self.store.root / "runs" / run_id / table
+            try:
+                out[table] = sorted(n for n in os.listdir(d) if n.endswith(".parquet"))
+            except FileNotFoundError:
+                out[table] = []
+        return out
+
+    def _manifest(self, run_id: str) -> dict | None:
+        try:
+            return json.loads((self.dir / run_id / MANIFEST).read_text(encoding="utf-8"))
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def freshness(self) -> Freshness:
+        """The runs whose rollup is fresh: manifest of this store version, same shard files."""
+        fresh, columns = [], {}
+        try:
+            candidates = sorted(os.listdir(self.dir))
+        except FileNotFoundError:
+            return Freshness((), {})
+        for run_id in candidates:
+            m = self._manifest(run_id)
+            if m and m.get("version") == self.store.version and m.get("shards") == self.shard_listing(run_id):
+                fresh.append(run_id)
+                columns = m["columns"]
+        return Freshness(tuple(fresh), columns)
+
+    def recorded_runs(self) -> list[str]:
+        """The run ids with a ``runs_log`` shard directory (``runs/<run_id>/runs_log/``)."""
+        runs_dir = self.store.root / "runs"
+        try:
+            names = sorted(e.name for e in os.scandir(runs_dir) if e.is_dir())
+        except FileNotFoundError:
+            return []
+        return [n for n in names if (runs_dir / n / "runs_log").is_dir() and n != "_schema"]
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def write(self, run_id: str) -> bool:
+        """Roll up `run_id` from its shards and the plain views; returns False (writing nothing)
+        when the run is unknown or still ``running``, or a shard appeared while it was read.
+
+        Raises:
+            duckdb.IOException: the store's DuckDB file is missing or held by a writer.
+            OSError: a rollup file could not be written.
+        """
+        before = self.shard_listing(run_id)
+        out = self.dir / run_id
+        columns: dict[str, list[list[str]]] = {}
+        con = connect_read_only(self.store.root)
+        try:
+            rows = con.execute("SELECT status FROM runs WHERE run_id = $r", {"r": run_id}).fetchall()
+            if not rows or rows[0][0] == "running":
+                return False
+            out.mkdir(parents=True, exist_ok=True)
+            for view in SUMMARY_VIEWS:
+                sql = f"SELECT * FROM {_ident(view)} WHERE run_id = {_sql_str(run_id)}"
+                self._copy(con, sql, out / f"{view}.parquet", columns, view)
+        finally:
+            con.close()
+        if self.shard_listing(run_id) != before:
+            return False
+        manifest = {"run_id": run_id, "version": self.store.version, "shards": before, "columns": columns}
+        tmp = out / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, out / MANIFEST)
+        return True
+
+    @staticmethod
+    def _copy(con: duckdb.DuckDBPyConnection, sql: str, target: Path, columns: dict, name: str) -> None:
+        rel = con.sql(sql)
+        columns[name] = [[c, str(t)] for c, t in zip(rel.columns, rel.types, strict=True)]
+        table = rel.arrow()
+        if hasattr(table, "read_all"):  # a RecordBatchReader in newer DuckDB
+            table = table.read_all()
+        tmp = target.with_name(target.name + ".tmp")
+        pq.write_table(table, tmp)
+        os.replace(tmp, target)
+
+    def write_finished(self) -> list[str]:
+        """Roll up every run that is no longer running and has no fresh rollup; returns their
+        ids (those written)."""
+        con = connect_read_only(self.store.root)
+        try:
+            done = [r for (r,) in con.execute("SELECT run_id FROM runs WHERE status <> 'running' ORDER BY run_id").fetchall()]
+        finally:
+            con.close()
+        fresh = set(self.freshness().fresh)
+        return [r for r in done if r not in fresh and self.write(r)]
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def install(self, con: duckdb.DuckDBPyConnection) -> tuple[str, ...]:
+        """Shadow the rolled-up relations on `con` with TEMP views reading the fresh runs'
+        rollups and the other runs' shards (see the module docstring); returns the fresh run ids
+        (none: nothing is installed and `con` reads the plain views)."""
+        state = self.freshness()
+        if not state.fresh:
+            return ()
+        catalog = con.execute("SELECT current_database()").fetchall()[0][0]
+        fresh = set(state.fresh)
+        live = [r for r in self.recorded_runs() if r not in fresh]
+        for view in SUMMARY_VIEWS:
+            cols = ", ".join(f"CAST({_ident(c)} AS {t}) AS {_ident(c)}" for c, t in state.columns[view])
+            files = "[" + ", ".join(_sql_str(str(self.dir / r / f"{view}.parquet")) for r in state.fresh) + "]"
+            sql = f"SELECT {cols} FROM read_parquet({files})"
+            if live:  # the plain view for the other runs (DuckDB pushes the run filter into its scans)
+                ids = ", ".join(_sql_str(r) for r in live)
+                sql += f" UNION ALL SELECT * FROM {_ident(catalog)}.main.{_ident(view)} WHERE run_id IN ({ids})"
+            con.execute(f"CREATE OR REPLACE TEMP VIEW {_ident(view)} AS {sql}")
+        return state.fresh
+
