@@ -39,12 +39,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import duckdb
-import pyarrow.parquet as pq
+import pyarrow as pa
+import pyarrow.compute as pc
 
-from turnscope.store import Store, _ident, _sql_str, connect_read_only
+from turnscope.store import Store, _ident, _sql_str, _write_atomic, connect_read_only
 
 #: The directory of rollups under a store root.
 ROLLUP_DIR = "rollups"
@@ -119,57 +119,56 @@ class Rollups:
 
     # -- writing ------------------------------------------------------------------------------
 
-    def write(self, run_id: str) -> bool:
-        """Roll up `run_id` from its shards and the plain views; returns False (writing nothing)
-        when the run is unknown or still ``running``, or a shard appeared while it was read.
+    def write(self, run_ids: list[str]) -> list[str]:
+        """Roll up `run_ids` from their shards through the plain views (each view computed once
+        for all of them); returns those written. A run that is unknown or still ``running``, or
+        whose shards changed while it was read, is left out (nothing written for it).
 
         Raises:
             duckdb.IOException: the store's DuckDB file is missing or held by a writer.
             OSError: a rollup file could not be written.
         """
-        before = self.shard_listing(run_id)
-        out = self.dir / run_id
+        before = {r: self.shard_listing(r) for r in run_ids}
+        tables: dict[str, pa.Table] = {}
         columns: dict[str, list[list[str]]] = {}
         con = connect_read_only(self.store.root)
         try:
-            rows = con.execute("SELECT status FROM runs WHERE run_id = $r", {"r": run_id}).fetchall()
-            if not rows or rows[0][0] == "running":
-                return False
-            out.mkdir(parents=True, exist_ok=True)
-            for view in SUMMARY_VIEWS:
-                sql = f"SELECT * FROM {_ident(view)} WHERE run_id = {_sql_str(run_id)}"
-                self._copy(con, sql, out / f"{view}.parquet", columns, view)
+            done = {r for (r,) in con.execute(
+                "SELECT run_id FROM runs WHERE status <> 'running' AND list_contains($ids::VARCHAR[], run_id)",
+                {"ids": list(run_ids)}).fetchall()}  # fmt: skip
+            ids = ", ".join(_sql_str(r) for r in sorted(done))
+            for view in SUMMARY_VIEWS if done else ():
+                rel = con.sql(f"SELECT * FROM {_ident(view)} WHERE run_id IN ({ids})")
+                columns[view] = [[c, str(t)] for c, t in zip(rel.columns, rel.types, strict=True)]
+                table = rel.arrow()
+                tables[view] = table.read_all() if hasattr(table, "read_all") else table  # a reader in newer DuckDB
         finally:
             con.close()
-        if self.shard_listing(run_id) != before:
-            return False
-        manifest = {"run_id": run_id, "version": self.store.version, "shards": before, "columns": columns}
-        tmp = out / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True), encoding="utf-8")
-        os.replace(tmp, out / MANIFEST)
-        return True
-
-    @staticmethod
-    def _copy(con: duckdb.DuckDBPyConnection, sql: str, target: Path, columns: dict, name: str) -> None:
-        rel = con.sql(sql)
-        columns[name] = [[c, str(t)] for c, t in zip(rel.columns, rel.types, strict=True)]
-        table = rel.arrow()
-        if hasattr(table, "read_all"):  # a RecordBatchReader in newer DuckDB
-            table = table.read_all()
-        tmp = target.with_name(target.name + ".tmp")
-        pq.write_table(table, tmp)
-        os.replace(tmp, target)
+        written = []
+        for run_id in run_ids:
+            if run_id not in done or self.shard_listing(run_id) != before[run_id]:
+                continue
+            out = self.dir / run_id
+            out.mkdir(parents=True, exist_ok=True)
+            for view, table in tables.items():
+                _write_atomic(table.filter(pc.equal(table["run_id"], run_id)), out / f"{view}.parquet")
+            manifest = {"run_id": run_id, "version": self.store.version, "shards": before[run_id], "columns": columns}
+            tmp = out / (MANIFEST + ".tmp")
+            tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True), encoding="utf-8")
+            os.replace(tmp, out / MANIFEST)  # last: the rollup counts from here on
+            written.append(run_id)
+        return written
 
     def write_finished(self) -> list[str]:
-        """Roll up every run that is no longer running and has no fresh rollup; returns their
-        ids (those written)."""
+        """Roll up every run that is no longer running and has no fresh rollup; returns the ids
+        written."""
         con = connect_read_only(self.store.root)
         try:
             done = [r for (r,) in con.execute("SELECT run_id FROM runs WHERE status <> 'running' ORDER BY run_id").fetchall()]
         finally:
             con.close()
         fresh = set(self.freshness().fresh)
-        return [r for r in done if r not in fresh and self.write(r)]
+        return self.write([r for r in done if r not in fresh])
 
     # -- reading ------------------------------------------------------------------------------
 
