@@ -133,6 +133,7 @@ class Rollups:
         columns: dict[str, list[list[str]]] = {}
         con = connect_read_only(self.store.root)
         try:
+            con.execute("SET enable_progress_bar = false")
             done = {r for (r,) in con.execute(
                 "SELECT run_id FROM runs WHERE status <> 'running' AND list_contains($ids::VARCHAR[], run_id)",
                 {"ids": list(run_ids)}).fetchall()}  # fmt: skip
