@@ -1,34 +1,29 @@
-"""Per-run rollups beside the shards: what the dashboard reads instead of the plain views once a
-run has finished (docs/schema.md, "Rollups").
+"""Per-run rollups beside the shards: what the dashboard reads instead of the plain per-run views
+once a run has finished (docs/schema.md, "Rollups").
 
-A finished run's rows never change, yet every page view would re-read its shards through the
-plain views (a glob over every run's files, a cast per column, then the derived views' joins and
-windows). ``Rollups.write`` stores, per finished run, under ``<root>/rollups/<run_id>/``:
+A finished run's rows never change, yet the views ``run_summary``, ``run_kv_transfer`` and
+``run_handle_memory`` recompute every run from all its turns and scrapes (windows over every
+scrape series, percentiles over every turn: seconds at millions of turns). ``Rollups.write``
+stores, per finished run, under ``<root>/rollups/<run_id>/``:
 
-- ``turns.parquet``, ``sessions.parquet``, ``metric_samples.parquet``: the rows of the run's
-  shards (``runs/<run_id>/<table>/*.parquet``) in one file each, read through the base view's
-  casts and sorted (turns by session and turn, scrapes by series and time, so a filter on a metric
-  name skips the other series' row groups);
 - ``run_summary.parquet``, ``run_kv_transfer.parquet``, ``run_handle_memory.parquet``: the run's
-  row of each of those plain views (each is computed per run, so a run's row depends on its own
-  rows only);
+  row of each of those plain views, as the view gives it (each view is computed per run: a run's
+  row depends on its own rows only);
 - ``manifest.json`` (written last): the store version (``Store.version``), the shard files of the
   run the rollup was made from (``turns``, ``sessions``, ``metric_samples``, ``runs_log``) and
-  each rolled-up relation's column types.
+  each view's column types.
 
 A rollup is *fresh* while its manifest's version is the store's and the run's shard files are
 exactly those listed; any shard added later (a late writer, a new status row) makes it stale and
-the run is read from its shards again until the next ``write``. Only runs whose status (view
-``runs``) is no longer ``running`` are rolled up.
+the run is read through the plain views again until the next ``write``. Only runs whose status
+(view ``runs``) is no longer ``running`` are rolled up.
 
-``Rollups.install(con)`` shadows, on one read-only connection, the base views ``turns``,
-``sessions``, ``metric_samples`` and the views ``run_summary``, ``run_kv_transfer``,
-``run_handle_memory`` with TEMP views of the same name and columns: the fresh runs' rollup files,
-then the plain relation over the other runs only (their shard directories; a view through the
-store file's own catalog). DuckDB resolves an unqualified name to the TEMP view first, also inside
-the store's derived views, so every query on that connection reads rollups where fresh. The store
-file itself keeps only the plain views (operators' SQL sees the shards).
-tests/integration/test_rollups.py checks every dashboard query gives the same figures both ways.
+``Rollups.install(con)`` shadows, on one read-only connection, those three views with TEMP views
+of the same name and columns: the fresh runs' rollup rows, then the plain view (through the store
+file's own catalog) for the other runs. DuckDB resolves an unqualified name to the TEMP view
+first, so every query on that connection reads the rollups where fresh; the store file keeps
+only the plain views (operators' SQL reads the shards). tests/integration/test_rollups.py checks
+that every dashboard query gives the same figures both ways.
 
 Rollup files are written as temporary files and renamed into place (atomic on POSIX), like
 shards; no DuckDB file is opened for writing, so rollups never take a lock a reader needs.
