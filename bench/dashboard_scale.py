@@ -8,7 +8,8 @@ proxy's per-turn facts, and /metrics scrapes every second (P's and D's KV usage 
 per-pid copy, the proxy's handle bytes, P's NIXL histogram, plus 20 unrelated series per endpoint,
 as vLLM exposes many more than the dashboard reads).
 
-Then, with the dashboard's caches cleared, each page is rendered by Streamlit's AppTest (the
+Then the finished runs are rolled up (``turnscope.rollup``, as ``turnscope rollup`` and the end of
+an eval do; ``--no-rollups`` reads the plain views only) and, with the dashboard's caches cleared, each page is rendered by Streamlit's AppTest (the
 same script a browser gets; no browser paint) and every query the page runs is timed inside
 ``dashboard.queries`` (wall clock, and the process's CPU time over DuckDB's threads). Each page is
 rendered cold (empty cache) `--repeats` times and the fastest is kept, per page and per query,
@@ -394,6 +395,8 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the temp store")
     ap.add_argument("--rebuild", action="store_true", help="rebuild even if --store already holds one")
     ap.add_argument("--repeats", type=int, default=3, help="cold renders per page; the fastest is kept (default 3)")
+    ap.add_argument("--no-rollups", action="store_true",
+                    help="read the plain views only (no per-run rollups, turnscope/rollup.py): the before figures")
     args = ap.parse_args()
     root = args.store or Path(tempfile.mkdtemp(prefix="turnscope-bench-"))
     try:
@@ -403,6 +406,18 @@ def main() -> int:
             t0 = time.perf_counter()
             build(root, args.turns)
             print(f"built {args.turns:,} turns in {root} in {time.perf_counter() - t0:.1f} s")
+        if args.no_rollups:
+            from dashboard import db
+
+            db.use_rollups = False  # the plain views only: the "before" of docs/schema.md's rollups
+            print("rollups: not read (--no-rollups)")
+        else:
+            from turnscope.rollup import Rollups
+
+            t0 = time.perf_counter()
+            written = Rollups(Store(root)).write_finished()
+            print(f"rollups: {len(written)} run(s) rolled up in {time.perf_counter() - t0:.1f} s "
+                  "(`turnscope rollup`; a finished eval does it at its end)")  # fmt: skip
         size = sum(p.stat().st_size for p in (root / "runs").rglob("*.parquet"))
         print(f"store: {root} ({size / 2**20:.0f} MiB of Parquet), {os.cpu_count()} CPUs, "
               f"load average before {os.getloadavg()[0]:.1f}")  # fmt: skip

@@ -13,6 +13,7 @@ short TTL lets rows of a run that is still writing show up on refresh.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -23,6 +24,9 @@ from typing import Any
 
 import duckdb
 import pandas as pd
+
+from turnscope.rollup import Rollups
+from turnscope.store import Store
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ENV_VAR = "TURNSCOPE_STORE"
@@ -98,8 +102,22 @@ def connect(
         con.close()
 
 
+@functools.lru_cache(maxsize=8)
+def rollups_of(root: Path) -> Rollups:
+    """The rollups of the store at `root` (`turnscope.rollup`; its schema is parsed once)."""
+    return Rollups(Store(root))
+
+
+#: Whether `read` reads finished runs from their rollups (`turnscope.rollup`) where fresh; the
+#: figures are the same either way (tests/integration/test_rollups.py), only faster.
+use_rollups = True
+
+
 def read(store: StoreLocation, query: Callable[..., pd.DataFrame], *args: Any) -> pd.DataFrame:
     """Call ``query(con, *args)`` on a fresh read-only connection to `store`; return its DataFrame.
+
+    Where `use_rollups`, the connection first reads the finished runs with fresh rollups from
+    them (`turnscope.rollup.Rollups.install`: TEMP views shadowing the base and per-run views).
 
     A missing view (the file is not a turnscope store, or predates data/schema.sql) raises
     `StoreInvalid`. One retry covers a shard renamed or removed between DuckDB's glob and its
@@ -108,6 +126,8 @@ def read(store: StoreLocation, query: Callable[..., pd.DataFrame], *args: Any) -
     for attempt in range(2):
         with connect(store) as con:
             try:
+                if use_rollups:
+                    rollups_of(store.root).install(con)
                 return query(con, *args)
             except duckdb.CatalogException as exc:
                 raise StoreInvalid(f"{store.db}: {exc}") from exc

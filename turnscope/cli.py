@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Annotated
 
+import duckdb
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -200,6 +201,7 @@ def evaluate(
     except (ValueError, RuntimeError, OSError) as exc:  # bad input, a worker or port, the store
         raise fail(str(exc)) from exc
     console.print(f"evaluation finished in {time.monotonic() - t0:.0f} s")
+    roll_up_quietly(store)
     print_summary(store, run_ids)
 
 
@@ -284,6 +286,39 @@ def print_bottom_line(store: Path, run_ids: list[str]) -> None:
 
 SWEEP_MODE_LIST = ",".join(SWEEP_MODES)
 VENDOR_SWEEP = REPO_ROOT / "data" / "workloads" / "vendor-sweep.yaml"
+
+
+@app.command()
+def rollup(store: StoreOpt = None) -> None:
+    """Roll up every finished run that has no fresh rollup: its run_summary, run_kv_transfer and
+    run_handle_memory rows, stored beside the shards so the dashboard need not recompute them
+    (turnscope/rollup.py; docs/schema.md, "Rollups"). A finished eval does this itself; the plain
+    views are unchanged."""
+    from turnscope.rollup import Rollups
+    from turnscope.store import Store
+
+    root = store or settings().store
+    if not (root / "turnscope.duckdb").exists():
+        raise fail(f"no store at {root} (expected {root / 'turnscope.duckdb'}): run `turnscope demo` to make one")
+    t0 = time.monotonic()
+    try:
+        written = Rollups(Store(root)).write_finished()
+    except (OSError, duckdb.Error) as exc:
+        raise fail(f"rollup of {root}: {exc}") from exc
+    typer.echo(f"rolled up {len(written)} run(s) in {time.monotonic() - t0:.1f} s"
+               + (f": {', '.join(written)}" if written else " (every finished run was fresh)"))
+
+
+def roll_up_quietly(store: Path) -> None:
+    """Roll up the store's finished runs after a run (`turnscope rollup`); a failure is said, not
+    raised: the rows are stored and the dashboard reads the plain views meanwhile."""
+    from turnscope.rollup import Rollups
+    from turnscope.store import Store
+
+    try:
+        Rollups(Store(store)).write_finished()
+    except (OSError, duckdb.Error) as exc:
+        console.print(f"[yellow]rollup skipped[/yellow] ({exc}); `turnscope rollup` makes it later", highlight=False)
 
 
 @app.command()

@@ -222,6 +222,19 @@ class Store:
         """The absolute glob matching every complete shard of ``table`` (all runs)."""
         return str(self.root / "runs" / "*" / table / "*.parquet")
 
+    def schema_shard(self, table: str) -> Path:
+        """The empty typed shard of ``table`` (``runs/_schema/<table>/empty.parquet``)."""
+        return self.root / "runs" / _SCHEMA_DIR / table / "empty.parquet"
+
+    def base_select(self, table: str, paths: list[str]) -> str:
+        """SQL of ``table``'s base view over the Parquet files or globs `paths` (absolute): every
+        column cast to its schema type, in schema order (``read_parquet(..., union_by_name = true)``).
+        The base views use ``[table_glob(table)]``; `turnscope.rollup` the shards of some runs only."""
+        t = self.schema.tables[table]
+        cols = ", ".join(f"CAST({_ident(c.name)} AS {c.sql_type}) AS {_ident(c.name)}" for c in t.columns)
+        files = _sql_str(paths[0]) if len(paths) == 1 else "[" + ", ".join(_sql_str(p) for p in paths) + "]"
+        return f"SELECT {cols} FROM read_parquet({files}, union_by_name = true)"
+
     def init(self) -> None:
         """Create the empty typed shards and the views; idempotent.
 
@@ -239,9 +252,8 @@ class Store:
         """
         self.check_writable()
         for t in self.schema.tables.values():
-            d = self.root / "runs" / _SCHEMA_DIR / t.name
-            d.mkdir(parents=True, exist_ok=True)
-            target = d / "empty.parquet"
+            target = self.schema_shard(t.name)
+            target.parent.mkdir(parents=True, exist_ok=True)
             if not target.exists() or pq.read_schema(target) != t.arrow_schema():
                 _write_atomic(pa.Table.from_pylist([], schema=t.arrow_schema()), target)
         if self._current_version() == self.version:
@@ -301,11 +313,7 @@ class Store:
             for (name,) in existing:
                 con.execute(f"DROP VIEW IF EXISTS {_ident(name)} CASCADE")
             for t in self.schema.tables.values():
-                cols = ", ".join(f"CAST({_ident(c.name)} AS {c.sql_type}) AS {_ident(c.name)}" for c in t.columns)
-                con.execute(
-                    f"CREATE VIEW {_ident(t.name)} AS SELECT {cols} FROM "
-                    f"read_parquet({_sql_str(self.table_glob(t.name))}, union_by_name = true)"
-                )
+                con.execute(f"CREATE VIEW {_ident(t.name)} AS {self.base_select(t.name, [self.table_glob(t.name)])}")
             try:
                 con.execute(self.schema.views_sql)
             except duckdb.Error as e:

@@ -38,38 +38,47 @@ ORDER BY mode, workload, history_mode, turn_index
 """
 
 # Whole sessions are sampled by a hash of (run_id, session_id), so the same sessions are kept on
-# every call and a kept session keeps all its turns.
+# every call and a kept session keeps all its turns. mode, workload and history_mode are the run's
+# (turn_rows joins runs), so a group's turn count is the sum of its runs' counts: the turns are read
+# once (MATERIALIZED) and joined back on run_id only.
 _TTFT_SAMPLES = """
-WITH n AS (
-    SELECT mode, workload, history_mode, count(*) AS group_turns
+WITH b AS MATERIALIZED (
+    SELECT run_id, mode, workload, history_mode, session_id, turn_index, ttft_s
     FROM turn_rows
     WHERE {where} AND status = 'ok' AND ttft_s IS NOT NULL AND turn_index >= $min_turn_index
-    GROUP BY ALL
+), per_run AS (
+    SELECT run_id, any_value(mode) AS mode, any_value(workload) AS workload,
+           any_value(history_mode) AS history_mode, count(*) AS run_turns
+    FROM b GROUP BY run_id
+), n AS (
+    SELECT run_id, sum(run_turns) OVER (PARTITION BY mode, workload, history_mode) AS group_turns FROM per_run
 )
 SELECT b.run_id, b.mode, b.workload, b.history_mode, b.session_id, b.turn_index, b.ttft_s
-FROM turn_rows b JOIN n ON b.mode IS NOT DISTINCT FROM n.mode AND b.workload IS NOT DISTINCT FROM n.workload
-                             AND b.history_mode IS NOT DISTINCT FROM n.history_mode
-WHERE {where_b} AND b.status = 'ok' AND b.ttft_s IS NOT NULL AND b.turn_index >= $min_turn_index
-  AND ($max_turns::BIGINT IS NULL OR n.group_turns <= $max_turns::BIGINT
-       OR hash(b.run_id, b.session_id) % 1000000 < 1000000.0 * $max_turns::BIGINT / n.group_turns)
+FROM b JOIN n USING (run_id)
+WHERE $max_turns::BIGINT IS NULL OR n.group_turns <= $max_turns::BIGINT
+   OR hash(b.run_id, b.session_id) % 1000000 < 1000000.0 * $max_turns::BIGINT / n.group_turns
 ORDER BY b.run_id, b.session_id, b.turn_index
 """
 
+# Sessions are counted per run, then summed per group (a session belongs to one run).
 _TTFT_STATS = """
-WITH per_session AS (
-    SELECT mode, workload, history_mode, run_id, session_id, count(*) AS n
+WITH b AS MATERIALIZED (
+    SELECT run_id, session_id, mode, workload, history_mode, ttft_s
     FROM turn_rows
     WHERE {where} AND status = 'ok' AND ttft_s IS NOT NULL AND turn_index >= $min_turn_index
-    GROUP BY ALL
+), per_run AS (
+    SELECT run_id, count(*) AS sessions FROM (SELECT run_id, session_id FROM b GROUP BY ALL) GROUP BY run_id
 ), session_counts AS (
-    SELECT mode, workload, history_mode, count(*) AS sessions FROM per_session GROUP BY ALL
+    SELECT r.mode, r.workload, r.history_mode, sum(p.sessions) AS sessions
+    FROM per_run p JOIN (SELECT run_id, any_value(mode) AS mode, any_value(workload) AS workload,
+                                any_value(history_mode) AS history_mode FROM b GROUP BY run_id) r USING (run_id)
+    GROUP BY ALL
 ), medians AS (
     SELECT mode, workload, history_mode, count(*) AS turns, quantile_cont(ttft_s, 0.5) AS ttft_p50_s
-    FROM turn_rows
-    WHERE {where} AND status = 'ok' AND ttft_s IS NOT NULL AND turn_index >= $min_turn_index
+    FROM b
     GROUP BY ALL
 )
-SELECT m.mode, m.workload, m.history_mode, m.turns, s.sessions, m.ttft_p50_s
+SELECT m.mode, m.workload, m.history_mode, m.turns, CAST(s.sessions AS BIGINT) AS sessions, m.ttft_p50_s
 FROM medians m JOIN session_counts s ON m.mode IS NOT DISTINCT FROM s.mode AND m.workload IS NOT DISTINCT FROM s.workload
                                AND m.history_mode IS NOT DISTINCT FROM s.history_mode
 ORDER BY ALL
@@ -148,8 +157,7 @@ def ttft_samples(
         "min_turn_index": int(min_turn_index),
         "max_turns": None if max_turns is None else int(max_turns),
     }
-    ff = as_filter(f)
-    return _run(con, _TTFT_SAMPLES.format(where=_where(ff), where_b=_where(ff, "b")), params)
+    return _run(con, _TTFT_SAMPLES.format(where=_where(as_filter(f))), params)
 
 
 def ttft_stats(
