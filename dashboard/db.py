@@ -113,14 +113,28 @@ def rollups_of(root: Path) -> Rollups:
 use_rollups = True
 
 
+def _invalid_reason(store: StoreLocation, con: duckdb.DuckDBPyConnection, exc: duckdb.Error) -> str:
+    """Why a query found no view or column it needs: views written by another turnscope version
+    (their ``_turnscope_schema_version`` is not this schema's), or not a turnscope store at all."""
+    try:
+        (held,) = con.execute("SELECT version FROM _turnscope_schema_version").fetchone()
+    except duckdb.Error:
+        held = None
+    if held is not None and held != Store(store.root).version:
+        return (f"{store.db} holds the views of another turnscope version (data/schema.sql changed "
+                f"since they were written): run `turnscope rollup --store {store.root}` (it recreates "
+                f"them; the shards are not touched), then refresh. ({exc})")
+    return f"{store.db}: {exc}"
+
+
 def read(store: StoreLocation, query: Callable[..., pd.DataFrame], *args: Any) -> pd.DataFrame:
     """Call ``query(con, *args)`` on a fresh read-only connection to `store`; return its DataFrame.
 
     Where `use_rollups`, the connection first reads the finished runs with fresh rollups from
     them (`turnscope.rollup.Rollups.install`: TEMP views shadowing the base and per-run views).
 
-    A missing view (the file is not a turnscope store, or predates data/schema.sql) raises
-    `StoreInvalid`. One retry covers a shard renamed or removed between DuckDB's glob and its
+    A missing view or column (the file is not a turnscope store, or its views are of another
+    schema version: the message says how to recreate them) raises `StoreInvalid`. One retry covers a shard renamed or removed between DuckDB's glob and its
     read (writers rename temp files into place).
     """
     for attempt in range(2):
@@ -129,8 +143,8 @@ def read(store: StoreLocation, query: Callable[..., pd.DataFrame], *args: Any) -
                 if use_rollups:
                     rollups_of(store.root).install(con)
                 return query(con, *args)
-            except duckdb.CatalogException as exc:
-                raise StoreInvalid(f"{store.db}: {exc}") from exc
+            except (duckdb.CatalogException, duckdb.BinderException) as exc:
+                raise StoreInvalid(_invalid_reason(store, con, exc)) from exc
             except duckdb.IOException:
                 if attempt == 1:
                     raise

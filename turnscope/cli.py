@@ -292,8 +292,9 @@ VENDOR_SWEEP = REPO_ROOT / "data" / "workloads" / "vendor-sweep.yaml"
 def rollup(store: StoreOpt = None) -> None:
     """Roll up every finished run that has no fresh rollup: its run_summary, run_kv_transfer and
     run_handle_memory rows, stored beside the shards so the dashboard need not recompute them
-    (turnscope/rollup.py; docs/schema.md, "Rollups"). A finished eval does this itself; the plain
-    views are unchanged."""
+    (turnscope/rollup.py; docs/schema.md, "Rollups"). A finished eval does this itself. It first
+    recreates the store's views if they are of another schema version (a store written by an
+    older turnscope); the shards are never changed."""
     from turnscope.rollup import Rollups
     from turnscope.store import Store
 
@@ -302,8 +303,9 @@ def rollup(store: StoreOpt = None) -> None:
         raise fail(f"no store at {root} (expected {root / 'turnscope.duckdb'}): run `turnscope demo` to make one")
     t0 = time.monotonic()
     try:
+        Store(root).init()  # views of this schema version first (a store written by an older turnscope)
         written = Rollups(Store(root)).write_finished()
-    except (OSError, duckdb.Error) as exc:
+    except (OSError, RuntimeError, ValueError, duckdb.Error) as exc:
         raise fail(f"rollup of {root}: {exc}") from exc
     typer.echo(f"rolled up {len(written)} run(s) in {time.monotonic() - t0:.1f} s"
                + (f": {', '.join(written)}" if written else " (every finished run was fresh)"))

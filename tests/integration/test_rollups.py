@@ -165,3 +165,28 @@ def test_rollup_cli(tmp_path):
     assert "rolled up 0 run(s)" in again.output
     missing = CliRunner().invoke(app, ["rollup", "--store", str(tmp_path / "none")])
     assert missing.exit_code != 0 and "no store at" in missing.output
+
+
+def test_views_of_an_older_schema_are_named_and_recreated_by_rollup(tmp_path):
+    """A store whose views were written by an older turnscope (its run_config lacked the routing
+    columns): the dashboard says so and how to fix it; `turnscope rollup` recreates the views."""
+    from typer.testing import CliRunner
+
+    from turnscope.cli import app
+    from turnscope.store import SCHEMA_PATH
+
+    root = fx.build(tmp_path / "store")
+    old_sql = SCHEMA_PATH.read_text().replace(
+        ",\n       json_extract_string(config, '$.topology.proxy.prefill_routing') AS prefill_routing,\n"
+        "       json_extract_string(config, '$.topology.proxy.decode_routing') AS decode_routing\n",
+        "\n")
+    assert old_sql != SCHEMA_PATH.read_text()  # the older view really lacks the columns
+    (tmp_path / "old.sql").write_text(old_sql)
+    (root / "turnscope.duckdb").unlink()
+    Store(root, tmp_path / "old.sql").init()
+    loc = db.StoreLocation(root)
+    with pytest.raises(db.StoreInvalid, match=r"another turnscope version.*turnscope rollup --store"):
+        db.read(loc, queries.runs)
+    out = CliRunner().invoke(app, ["rollup", "--store", str(root)])
+    assert out.exit_code == 0, out.output
+    assert set(db.read(loc, queries.runs)["run_id"]) == set(fx.RUNS)
