@@ -58,14 +58,15 @@ def whole_block_tokens(tokens: int, block_size: int) -> int:
 
 
 def blocks_of(tokens: int, block_size: int) -> int:
-    """KV blocks that hold ``tokens`` tokens (the last one partly filled)."""
+    """KV blocks that hold ``tokens`` tokens (the last one partly filled); elementwise on arrays."""
     return -(-tokens // block_size)
 
 
 def handle_kv_tokens(prompt_tokens: int, output_tokens: int) -> int:
     """Tokens whose KV D holds after a turn (``remote_num_tokens``): prompt plus output less the
-    last sampled token; 0 when nothing was generated."""
-    return max(prompt_tokens + output_tokens - 1, 0) if output_tokens > 0 else prompt_tokens
+    last sampled token; the prompt alone when nothing was generated. Elementwise on integer
+    numpy arrays too (the Memory page's what-if replays whole runs at once)."""
+    return prompt_tokens + output_tokens - (output_tokens > 0)
 
 
 def usable_handle_tokens(kv_tokens: int, common_prefix_tokens: int, block_size: int) -> int:

@@ -73,11 +73,14 @@ class Replay:
     peak_held_bytes: float
 
 
-def handle_bytes(prompt_tokens: int, completion_tokens: int, kv: RunKV) -> float:
-    """Bytes D pins after an ok turn: whole blocks of ``remote_num_tokens`` x KV bytes per token."""
+def handle_bytes(prompt_tokens: int | np.ndarray, completion_tokens: int | np.ndarray, kv: RunKV) -> float | np.ndarray:
+    """Bytes D pins after an ok turn: whole blocks of ``remote_num_tokens`` x KV bytes per token
+    (elementwise on integer arrays: a float array)."""
     tokens = rules.handle_kv_tokens(prompt_tokens, completion_tokens)
     if kv.block_size:
         tokens = rules.blocks_of(tokens, kv.block_size) * kv.block_size
+    if isinstance(tokens, np.ndarray):
+        return tokens.astype(float) * kv.kv_bytes_per_token
     return float(tokens * kv.kv_bytes_per_token)
 
 
@@ -127,7 +130,7 @@ class RunTurns:
         self.ok = (t["status"] == "ok").to_numpy()
         prompt = t["prompt_tokens"].fillna(0).astype("int64").to_numpy()
         completion = t["completion_tokens"].fillna(0).astype("int64").to_numpy()
-        self.nbytes = np.array([handle_bytes(int(p), int(c), kv) for p, c in zip(prompt, completion, strict=True)])
+        self.nbytes = handle_bytes(prompt, completion, kv)
         self.later = ((t["turn_index"] >= 1) & (t["kind"] != "fresh")).to_numpy()
         self.decided_by_ttl = (t["reuse"].isna() | t["reuse"].isin(TTL_OUTCOMES)).to_numpy()
         previous = t.assign(_i=np.arange(len(t))).groupby("session_id", sort=False)["_i"].shift(1)
