@@ -65,6 +65,15 @@ def reuse_cost_table(df: pd.DataFrame) -> pd.DataFrame:
     )
 
 
+def blank_missing(df: pd.DataFrame, formats: dict[str, str]) -> pd.DataFrame:
+    """`df` with each column of `formats` as text: its values formatted (``str.format``), and ""
+    where a value is missing (Streamlit prints "None" for a missing number in any table)."""
+    out = df.copy()
+    for col, fmt in formats.items():
+        out[col] = [("" if pd.isna(v) else fmt.format(v)) for v in out[col]]
+    return out
+
+
 def shortfall_table(df: pd.DataFrame) -> pd.DataFrame:
     """``dashboard.queries.reuse_shortfalls`` for reading (tokens; gap and handle age in s)."""
     return pd.DataFrame(

@@ -37,18 +37,21 @@ if mem.empty:
     )
 
 # --- cost of reuse ----------------------------------------------------------------------------
-#: Display formats of the cost table (the Styler's, so that missing figures show blank).
+#: Display formats of the cost table's columns that can be blank (see BLANKABLE).
 COST_FORMATS = {"held (GiB·s)": "{:.4f}", "peak (MiB)": "{:.1f}", "pulled (tokens)": "{:,.0f}",
                 "prefill ms/1k tok": "{:.2f}", "NIXL (s)": "{:.3f}", "saved (s, est.)": "{:.3f}",
                 "GiB·s per s saved": "{:.4f}"}
+#: Cost-table columns that have no value for some runs (no NIXL time measured, nothing saved).
+BLANKABLE = ("NIXL (s)", "GiB·s per s saved")
 st.subheader("The cost of reuse")
 cost = load(sel.root, queries.reuse_cost, f)
 if cost.empty:
     st.info("No selected run held handles or pulled KV from D (pd-bidir modes do).")
 else:
     st.dataframe(
-        # blanks, not "None", where a figure does not apply (no NIXL time, nothing saved)
-        tables.reuse_cost_table(cost).style.format(COST_FORMATS, na_rep=""),
+        # blanks, not "None", where a figure does not apply (no NIXL time, nothing saved): Streamlit
+        # prints None for a missing number whatever the Styler says, so those two columns are text
+        tables.blank_missing(tables.reuse_cost_table(cost), {c: COST_FORMATS[c] for c in BLANKABLE}),
         hide_index=True,
         key="reuse_cost",
         column_config={
@@ -61,9 +64,9 @@ else:
             "prefill ms/1k tok": st.column_config.NumberColumn(
                 format="%.2f", help="P's compute time per 1,000 tokens, on turns that pulled nothing"
             ),
-            "NIXL (s)": st.column_config.NumberColumn(format="%.3f", help="P's measured NIXL transfer time"),
+            "NIXL (s)": st.column_config.TextColumn(help="P's measured NIXL transfer time (blank: none measured)"),
             "saved (s, est.)": st.column_config.NumberColumn(format="%.3f", help="prefill seconds saved, estimated"),
-            "GiB·s per s saved": st.column_config.NumberColumn(format="%.4f"),
+            "GiB·s per s saved": st.column_config.TextColumn(help="blank: nothing saved"),
         },
     )
     st.caption(

@@ -280,3 +280,16 @@ def test_no_outcome_colour_is_a_mode_colour():
     clash = {o: c for o, c in OUTCOME_COLORS.items() if c.lower() in {m.lower() for m in MODE_COLORS.values()}}
     assert clash == {}
     assert len(set(OUTCOME_COLORS.values())) == len(OUTCOME_COLORS)
+
+
+def test_missing_figures_show_blank_not_none():
+    import math
+
+    import pandas as pd
+
+    from dashboard import tables
+
+    df = pd.DataFrame({"run": ["a", "b"], "NIXL (s)": [0.1304, math.nan], "x": [1.0, None]})
+    out = tables.blank_missing(df, {"NIXL (s)": "{:.3f}"})
+    assert list(out["NIXL (s)"]) == ["0.130", ""]
+    assert out["x"].isna().tolist() == [False, True]  # columns not named are untouched
