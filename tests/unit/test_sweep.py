@@ -159,9 +159,9 @@ def test_plan_errors_name_the_problem(tmp_path, kw, message):
 
 
 def test_sweep_section_errors_name_the_field(tmp_path):
-    with pytest.raises(WorkloadError, match=r"s.yaml: sweep.values: .*distinct"):
+    with pytest.raises(WorkloadError, match=r"s.yaml: line \d+: workload field sweep.values: .*distinct"):
         load_workload(_sweep_file(tmp_path, values=[5, 5]))
-    with pytest.raises(WorkloadError, match=r"s.yaml: sweep.field"):
+    with pytest.raises(WorkloadError, match=r"s.yaml: line \d+: workload field sweep.field"):
         load_workload(_sweep_file(tmp_path, field="output_tokens"))
     with pytest.raises(WorkloadError, match=r"sweep.scales.published.archetype.turns"):
         sweep_workloads(load_workload(_sweep_file(tmp_path, scales={"published": {
