@@ -118,7 +118,8 @@ def classify_prefill(offered: int, prompt_len: int, cached: int | None, local_es
 
     ``offered`` is the handle's usable tokens, ``prompt_len`` P's prompt length, ``cached`` P's
     ``remote_prefill_cached_tokens`` (local prefix hits + tokens pulled; vLLM ``PrefillStats``),
-    ``local_estimate`` the tokens P can have in its own prefix cache for this session. vLLM's rule
+    ``local_estimate`` the tokens of this prompt P can have in its own prefix cache (from any
+    session: ``serving.prefix_index``). vLLM's rule
     (``nixl/pull_scheduler.py: get_num_new_matched_tokens``): P pulls
     ``min(offered, prompt_len) - local_hit`` tokens unless that count is below
     ``kv_recompute_threshold``. So a report reaching ``min(offered, prompt_len)`` (one token of
