@@ -36,7 +36,6 @@ import json
 import logging
 import time
 import uuid
-from collections import OrderedDict
 from contextlib import asynccontextmanager
 
 import httpx
@@ -48,6 +47,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
 from serving import handles as h
+from serving.prefix_index import DEFAULT_CAPACITY_BLOCKS, BlockChains, PrefixIndex
 from serving.prompt_render import IncrementalRenderer
 from serving.proxy_metrics import ProxyMetrics
 from serving.proxy_request import ProxiedRequest, RequestFacts
@@ -89,6 +89,8 @@ class ProxyConfig(BaseModel):
     (``serving.prompt_render``); None: every guard render goes through P's ``/tokenize``.
     ``prefill_routing`` / ``decode_routing``: how P and D are picked (``serving.routing``:
     ``round-robin``, ``session``, ``prefix-aware``; docs/configuration.md, "Routing").
+    ``prefill_cache_blocks``: KV blocks of each P's prefix cache the proxy's prefix index keeps
+    (``serving.prefix_index``; default the embedded topology's P, 1,024 blocks of 128 tokens).
     """
 
     mode: str
@@ -105,6 +107,7 @@ class ProxyConfig(BaseModel):
     kv_bytes_per_token: int | None = None
     max_sessions: int = 100_000
     tokenizer_dir: str | None = None
+    prefill_cache_blocks: int = Field(DEFAULT_CAPACITY_BLOCKS, gt=0)
     prefill_routing: RoutingPolicy = SESSION
     decode_routing: RoutingPolicy = SESSION
 
@@ -115,7 +118,8 @@ def classify_prefill(offered: int, prompt_len: int, cached: int | None, local_es
 
     ``offered`` is the handle's usable tokens, ``prompt_len`` P's prompt length, ``cached`` P's
     ``remote_prefill_cached_tokens`` (local prefix hits + tokens pulled; vLLM ``PrefillStats``),
-    ``local_estimate`` the tokens P can have in its own prefix cache for this session. vLLM's rule
+    ``local_estimate`` the tokens of this prompt P can have in its own prefix cache (from any
+    session: ``serving.prefix_index``). vLLM's rule
     (``nixl/pull_scheduler.py: get_num_new_matched_tokens``): P pulls
     ``min(offered, prompt_len) - local_hit`` tokens unless that count is below
     ``kv_recompute_threshold``. So a report reaching ``min(offered, prompt_len)`` (one token of
@@ -148,32 +152,6 @@ class _PrefillFailed(Exception):
         self.response = response
 
 
-class LastPrefill:
-    """What each P last computed of each session: the prompt tokens its prefix cache can hold.
-
-    Kept per (session, P): with several P a session can come back to a P that served an earlier
-    turn (``round-robin`` routing, a failover), and that P's cache holds that turn's prompt, not
-    the last one's. Bounded like the handle table (least recently served session out first),
-    ``max_sessions`` sessions.
-    """
-
-    def __init__(self, max_sessions: int):
-        self.max_sessions = max_sessions
-        self._entries: OrderedDict[str, dict[str, int]] = OrderedDict()
-
-    def get(self, session: str | None, worker: str) -> tuple[str, int] | None:
-        """``(worker, prompt tokens)`` of the session's last prefill on ``worker``, or None."""
-        tokens = (self._entries.get(session) or {}).get(worker) if session else None
-        return None if tokens is None else (worker, tokens)
-
-    def put(self, session: str, worker: str, prompt_tokens: int) -> None:
-        """Record a prefill of ``prompt_tokens`` for the session on ``worker``."""
-        self._entries.setdefault(session, {})[worker] = prompt_tokens
-        self._entries.move_to_end(session)
-        while len(self._entries) > self.max_sessions:
-            self._entries.popitem(last=False)
-
-
 class SessionProxy:
     """The session-aware proxy: handle table, metrics, HTTP client and routing, and one method per
     step of a request (the module doc lists the steps; docs/design.md follows one turn).
@@ -191,7 +169,8 @@ class SessionProxy:
                                    max_sessions=config.max_sessions)
         self.metrics = ProxyMetrics(self.table.live_handles, config.kv_bytes_per_token,
                                     handle_ttl_s=self.table.ttl_s)
-        self.last_prefill = LastPrefill(config.max_sessions)
+        self.block_chains = BlockChains(config.block_size, config.max_sessions)
+        self.prefix_indexes: dict[str, PrefixIndex] = {}
         self.prefill_router = Router(config.prefill or config.aggregated, config.prefill_routing,
                                      max_sessions=config.max_sessions)
         self.decode_router = Router(config.decode or config.aggregated, config.decode_routing,
@@ -253,6 +232,7 @@ class SessionProxy:
             req.facts.prefill_engine = None
             return await self.decode_leg(req)
         await self.match_handle(req)
+        self.estimate_local_hit(req)
         try:
             p_resp = await self.prefill_leg(req)
         except (_PrefillFailed, httpx.HTTPError) as exc:
@@ -276,8 +256,7 @@ class SessionProxy:
         facts = RequestFacts(request_id=request_id, mode=self.config.mode, prefill_engine=prefill.name,
                              decode_engine=decode.name)
         return ProxiedRequest(endpoint=endpoint, body=body, session=session, prefill=prefill, decode=decode,
-                              facts=facts, t_arrival=t_arrival,
-                              prev_prefill=self.last_prefill.get(session, prefill.name))  # this P's cache, now
+                              facts=facts, t_arrival=t_arrival)
 
     async def match_handle(self, req: ProxiedRequest) -> None:
         """Under the session's lock, pop its handle (single use) and fit it to the request's ids."""
@@ -302,6 +281,39 @@ class SessionProxy:
             else:
                 req.handle_params = fit.params
                 req.facts.remote_tokens = fit.usable_tokens
+
+    def prefix_index(self, worker: str) -> PrefixIndex:
+        """The prefix index of prefill worker ``worker`` (made on first use: workers can join)."""
+        index = self.prefix_indexes.get(worker)
+        if index is None:
+            index = self.prefix_indexes[worker] = PrefixIndex(self.config.block_size,
+                                                              self.config.prefill_cache_blocks)
+        return index
+
+    def estimate_local_hit(self, req: ProxiedRequest) -> None:
+        """Before the prefill leg: the tokens of the request's ids P's own prefix cache can hold,
+        from any session (:class:`serving.prefix_index.PrefixIndex`), into ``req.local_estimate``.
+        Needs the ids (rendered when a handle was matched) and P's prefix caching on; else 0.
+        Taken before P is asked: a concurrent request may warm P's cache meanwhile
+        (:func:`classify_prefill` reads a report above the reachable tokens as a local hit)."""
+        if not self.config.prefill_prefix_caching or not req.new_ids:
+            return
+        req.chain = self.block_chains.chain(req.session, req.new_ids)
+        held = self.prefix_index(req.prefill.name).held_tokens(req.chain)
+        req.local_estimate = rules.local_prefix_tokens(held, len(req.new_ids), self.config.block_size)
+
+    def record_prefill(self, req: ProxiedRequest, prompt_ids) -> None:
+        """P computed (or pulled) ``prompt_ids``: its prefix index keeps their full blocks, once
+        per request (the rendered ids when the request had them, else the prompt ids D returned:
+        the same request, the same tokenizer)."""
+        if req.recorded or not self.config.prefill_prefix_caching or req.prefill is None:
+            return
+        if req.chain is None:
+            if prompt_ids is None or len(prompt_ids) == 0:
+                return
+            req.chain = self.block_chains.chain(req.session, prompt_ids)
+        self.prefix_index(req.prefill.name).record(req.chain)
+        req.recorded = True
 
     async def rendered_ids(self, req: ProxiedRequest) -> list[int]:
         """The token ids the worker will see for the request ([] when ``/tokenize`` fails).
@@ -373,8 +385,9 @@ class SessionProxy:
                             headers=req.facts.identity_headers())
 
     def account_prefill(self, req: ProxiedRequest, p_resp: dict) -> None:
-        """From P's answer: the reuse outcome and token counts (:func:`classify_prefill`), metrics,
-        and P's cache for the session's next request."""
+        """From P's answer: the reuse outcome and token counts (:func:`classify_prefill`, P's
+        local hit estimated by :meth:`estimate_local_hit`), metrics, and P's prefix index
+        (:meth:`record_prefill`, when the ids are known already)."""
         cfg, facts = self.config, req.facts
         leg_s = facts.prefill_leg_s or 0.0
         req.waited_s += leg_s
@@ -382,16 +395,13 @@ class SessionProxy:
         req.p_params = p_resp.get("kv_transfer_params") or {}
         prompt_len = int((p_resp.get("usage") or {}).get("prompt_tokens") or 0)
         cached = req.p_params.get("remote_prefill_cached_tokens")
-        local_estimate = 0
-        prev = req.prev_prefill
-        if cfg.prefill_prefix_caching and prev and prev[0] == req.prefill.name and req.new_ids is not None:
-            local_estimate = rules.local_prefix_tokens(prev[1], len(req.new_ids), cfg.block_size)
+        if req.chain is not None:
+            self.record_prefill(req, req.new_ids)
         if req.session:
-            self.last_prefill.put(req.session, req.prefill.name, prompt_len)
             self.prefill_router.served(req.session, req.prefill.name, prompt_len)
         if req.handle_params is not None:
             req.outcome, facts.reused_tokens = classify_prefill(facts.remote_tokens, prompt_len, cached,
-                                                                local_estimate, cfg.kv_recompute_threshold)
+                                                                req.local_estimate, cfg.kv_recompute_threshold)
         cached_n = int(cached or 0)
         facts.prefill_cached_tokens = max(cached_n - facts.reused_tokens, 0)
         facts.recomputed_tokens = max(prompt_len - cached_n, 0)
@@ -481,6 +491,8 @@ class SessionProxy:
                status: str) -> None:
         """Keep D's handle for the session's next turn (or note that none came) and log the request."""
         prompt = prompt_ids if prompt_ids else (req.new_ids if req.new_ids is not None else [])
+        if req.p_params is not None:
+            self.record_prefill(req, prompt)
         if req.session and status == "ok":
             self.decode_router.served(req.session, req.decode.name, len(prompt) + len(gen_ids))
         if req.session and req.p_params is not None:

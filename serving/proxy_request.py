@@ -85,10 +85,12 @@ class ProxiedRequest:
         facts: what the proxy reports about it.
         t_arrival: ``time.perf_counter()`` when it arrived.
         waited_s: seconds spent waiting on workers before the decode leg (``/tokenize``, prefill).
-        prev_prefill: ``(worker name, prompt tokens)`` of the session's last prefill on the P
-            picked for this request, as of arrival (what that P's prefix cache can hold for it);
-            None: that P never served the session (or it was forgotten).
         new_ids: the request's rendered ids, when a handle was matched against them.
+        chain: the block hashes of the request's prompt (``serving.prefix_index.BlockChains``),
+            once known; None before.
+        local_estimate: tokens of the prompt the picked P's prefix cache holds, from any session,
+            as the proxy knows before the prefill leg (``serving.prefix_index.PrefixIndex``).
+        recorded: whether the picked P's prefix index has this request's prompt yet.
         handle_params: the (trimmed) handle offered to P; None: none.
         outcome: the reuse outcome so far.
         p_params: P's returned ``kv_transfer_params`` for D (None in aggregated mode).
@@ -102,8 +104,10 @@ class ProxiedRequest:
     facts: RequestFacts
     t_arrival: float
     waited_s: float = 0.0
-    prev_prefill: tuple[str, int] | None = None
     new_ids: Sequence[int] | None = None
+    chain: list[bytes] | None = None
+    local_estimate: int = 0
+    recorded: bool = False
     handle_params: dict | None = None
     outcome: str | None = None
     p_params: dict | None = field(default=None)

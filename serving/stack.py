@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from serving.kv_size import kv_bytes_per_token as kv_bytes_per_token_of
+from serving.prefix_index import DEFAULT_CAPACITY_BLOCKS
 from serving.proxy import ProxyConfig, Worker
 from serving.topology import Topology
 from serving.workers import WorkerProcess, mode_workers, port_in_use, wait_http, worker_block_size
@@ -48,7 +49,17 @@ class ModeStack:
                            prefill_prefix_caching=p_spec.prefix_caching if p_spec else True,
                            block_size=self.block_size, kv_bytes_per_token=self.kv_bytes_per_token,
                            prefill_routing=t.proxy.prefill_routing, decode_routing=t.proxy.decode_routing,
+                           prefill_cache_blocks=self.prefill_cache_blocks(p_spec),
                            tokenizer_dir=t.model if (Path(t.model) / "tokenizer.json").is_file() else None)
+
+    def prefill_cache_blocks(self, p_spec) -> int:
+        """KV blocks of P's cache for the proxy's prefix index (``serving.prefix_index``): P's
+        ``--kv-cache-memory-bytes`` over the bytes of one block (block size x KV bytes per token)
+        when both are known, else :data:`serving.prefix_index.DEFAULT_CAPACITY_BLOCKS`."""
+        kv_bytes = p_spec.kv_cache_bytes if p_spec else None
+        if kv_bytes and self.kv_bytes_per_token:
+            return max(kv_bytes // (self.block_size * self.kv_bytes_per_token), 1)
+        return DEFAULT_CAPACITY_BLOCKS
 
     def topology_row(self) -> dict:
         return {"name": self.topology.name, "mode": self.mode, "workers": [

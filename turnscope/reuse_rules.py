@@ -106,8 +106,9 @@ def local_prefix_tokens(cached_tokens: int, common_prefix_tokens: int, block_siz
 
     With ``prompt_tokens`` given, never the whole prompt: vLLM recomputes at least the last prompt
     token (``max_cache_hit_length = num_tokens - 1``, vllm/v1/core/kv_cache_manager.py); the
-    planner passes it. The proxy's estimate, taken before P reports, passes the new prompt's
-    length as ``common_prefix_tokens`` and no cap."""
+    planner passes it. The proxy's estimate, taken before P reports, passes the tokens its
+    per-P prefix index holds of the new prompt (``serving.prefix_index``) as ``cached_tokens``,
+    the new prompt's length as ``common_prefix_tokens``, and no cap."""
     limit = min(cached_tokens, common_prefix_tokens)
     if prompt_tokens is not None:
         limit = min(limit, max(prompt_tokens - 1, 0))

@@ -219,3 +219,54 @@ def test_round_robin_credits_the_prefix_a_prefill_worker_kept_from_an_earlier_tu
     assert facts["reused_tokens"] == facts["remote_tokens"] - 8
     # turn 1 on P1, which never saw the session: everything P1 reports cached was pulled
     assert out[1][2]["prefill_cached_tokens"] == 0 and out[1][2]["reused_tokens"] == out[1][2]["remote_tokens"]
+
+
+def test_round_robin_counts_a_prefix_another_session_left_on_a_prefill_worker_as_local():
+    """Two sessions share an 8-token prefix (2 whole blocks of 4). Round-robin over P0, P1: A0 on
+    P0, A1 on P1, B0 on P0, B1 on P1. P1 never served B, but A1 left the shared prefix there, so
+    of the 16 tokens P1 reports cached for B1 (D's handle: B0's 13 + 4 generated - 1; the stub
+    reports local + pulled as one count, as vLLM does) 8 are P1's own and 8 were pulled."""
+    gen = [100, 101, 102, 103]  # decode_app(gen=4)'s ids
+    shared = list(range(8))
+    a0 = shared + [10, 11, 12]
+    a1 = a0 + gen + list(range(13, 19))
+    b0 = shared + [50, 51, 52, 53, 54]
+    b1 = b0 + gen + list(range(60, 66))
+    with AppThread(prefill_app()) as p0, AppThread(prefill_app()) as p1, AppThread(decode_app(gen=4)) as d:
+        cfg = ProxyConfig(mode="pd-bidir", prefill=[Worker(name="prefill-0", url=p0.url),
+                                                    Worker(name="prefill-1", url=p1.url)],
+                          decode=[Worker(name="decode-0", url=d.url)], block_size=4, kv_recompute_threshold=2,
+                          prefill_routing="round-robin")
+        with ProxyThread(cfg) as proxy:
+            out = [stream(proxy.url, p, s) for p, s in ((a0, "A"), (a1, "A"), (b0, "B"), (b1, "B"))]
+    assert [r.headers["x-turnscope-prefill-engine"] for r, *_ in out] == ["prefill-0", "prefill-1"] * 2
+    facts = out[3][2]
+    assert facts["reuse"] == "hit" and facts["remote_tokens"] == 13 + 4 - 1
+    assert facts["prefill_cached_tokens"] == 8  # the shared prefix, from A1 on P1
+    assert facts["reused_tokens"] == 16 - 8
+    assert facts["recomputed_tokens"] == len(b1) - 16 == 7
+    # A1 on P1, which held nothing yet: all 14 cached tokens (A0's 11 + 4 - 1) were pulled
+    assert out[1][2]["prefill_cached_tokens"] == 0 and out[1][2]["reused_tokens"] == 14
+
+
+def test_one_prefill_worker_with_session_routing_keeps_the_per_session_accounting():
+    """One P, sessions sharing an 8-token prefix, interleaved. Each turn with a handle gets as
+    P's own hit the whole blocks of the session's previous prompt (the rule before the prefix
+    index: whole_blocks(previous prompt)), and the rest of what P reports as pulled."""
+    gen = [100, 101, 102, 103]
+    shared = list(range(8))
+    a0 = shared + [10, 11, 12]  # 11 tokens
+    b0 = shared + [50, 51, 52, 53, 54]  # 13
+    a1 = a0 + gen + list(range(13, 19))  # 21
+    b1 = b0 + gen + list(range(60, 66))  # 23
+    a2 = a1 + gen + list(range(19, 25))  # 31
+    turns = (("a0", a0), ("b0", b0), ("a1", a1), ("b1", b1), ("a2", a2))
+    with AppThread(prefill_app()) as p, AppThread(decode_app(gen=4)) as d, ProxyThread(config(p, d)) as proxy:
+        out = {name: stream(proxy.url, ids, name[0])[2] for name, ids in turns}
+    # (handle tokens = previous prompt + 4 - 1, P's own hit = whole blocks of the previous prompt)
+    expected = {"a1": (14, 8), "b1": (16, 12), "a2": (24, 20)}
+    for name, (remote, local) in expected.items():
+        f = out[name]
+        assert f["reuse"] == "hit" and f["remote_tokens"] == remote, name
+        assert (f["prefill_cached_tokens"], f["reused_tokens"]) == (local, remote - local), name
+    assert out["b0"]["reused_tokens"] == 0 and out["b0"]["prefill_cached_tokens"] == 0  # no handle, stub reports 0

@@ -1,0 +1,87 @@
+"""The proxy's per-P prefix index (serving/prefix_index.py): chained block hashes, the chained
+lookup, LRU eviction at capacity, and a turn's cost following its new blocks."""
+
+import hashlib
+import struct
+
+import numpy as np
+import pytest
+
+from serving.prefix_index import ROOT_HASH, BlockChains, PrefixIndex, hash_block
+from serving.stack import ModeStack
+from serving.topology import embedded_topology
+
+
+def by_hand(parent: bytes, ids: list[int]) -> bytes:
+    """BLAKE2b-128 of the parent hash then the ids as little-endian int64, written out by hand."""
+    return hashlib.blake2b(parent + struct.pack(f"<{len(ids)}q", *ids), digest_size=16).digest()
+
+
+def test_block_hash_is_blake2b_of_parent_and_int64_ids():
+    assert hash_block(ROOT_HASH, np.array([1, 2, 3, 4])) == by_hand(ROOT_HASH, [1, 2, 3, 4])
+    h0 = by_hand(ROOT_HASH, [0, 1, 2, 3])
+    assert BlockChains(4).chain(None, list(range(10))) == [h0, by_hand(h0, [4, 5, 6, 7])]  # 2 full blocks
+
+
+def test_a_block_hash_covers_every_block_before_it():
+    chains = BlockChains(4)
+    a = chains.chain(None, [0, 1, 2, 3, 9, 9, 9, 9])
+    b = chains.chain(None, [0, 1, 2, 5, 9, 9, 9, 9])  # same second block, different first
+    assert a[0] != b[0] and a[1] != b[1]
+
+
+def test_held_tokens_count_only_leading_blocks_all_held():
+    index = PrefixIndex(block_size=4, capacity_blocks=100)
+    index.record([b"h0", b"h1", b"h2"])
+    assert index.held_tokens([b"h0", b"h1", b"h2", b"h3"]) == 12
+    assert index.held_tokens([b"h0", b"hX", b"h2"]) == 4  # h2 held, but not the block before it
+    assert index.held_tokens([b"hX", b"h1"]) == 0
+    assert index.held_tokens([]) == 0
+
+
+def test_lru_evicts_the_least_recently_used_tail_blocks_first():
+    index = PrefixIndex(block_size=4, capacity_blocks=3)
+    a, b = [b"a0", b"a1"], [b"b0", b"b1"]
+    index.record(a)
+    index.record(b)  # 4 blocks > 3: a's tail block a1 (older than a0) goes
+    assert len(index) == 3
+    assert index.held_tokens(a) == 4 and index.held_tokens(b) == 8
+    index.record(a)  # a used again: now b's tail b1 is the oldest
+    assert index.held_tokens(a) == 8 and index.held_tokens(b) == 4
+
+
+def test_a_session_turn_hashes_only_the_blocks_past_its_previous_prompt():
+    chains, fresh = BlockChains(4), BlockChains(4)
+    turn0 = list(range(40))  # 10 blocks
+    turn1 = turn0 + list(range(100, 113))  # 13 more tokens: 3 more full blocks (13 // 4)
+    chains.chain("s", turn0)
+    assert chains.hash_calls == 10
+    got = chains.chain("s", turn1)
+    assert chains.hash_calls == 10 + 3
+    assert got == fresh.chain(None, turn1)  # the same chain as hashing everything anew
+    diverged = turn1[:21] + [999] + turn1[22:]  # differs in block 5 (tokens 20-23): blocks 5-12 anew
+    got = chains.chain("s", diverged)
+    assert chains.hash_calls == 13 + 8
+    assert got == fresh.chain(None, diverged)
+    chains.chain("other", turn0)  # another session has no previous prompt here: all 10 blocks
+    assert chains.hash_calls == 21 + 10
+
+
+def test_sessions_beyond_max_sessions_are_forgotten_oldest_first():
+    chains = BlockChains(4, max_sessions=1)
+    chains.chain("a", list(range(8)))
+    chains.chain("b", list(range(8)))
+    chains.chain("a", list(range(8)))  # "a" was forgotten: hashed again
+    assert chains.hash_calls == 6
+
+
+@pytest.mark.parametrize("kw", [{"block_size": 0}, {"block_size": 4, "capacity_blocks": 0}])
+def test_bad_sizes_are_refused(kw):
+    with pytest.raises(ValueError, match="must be positive"):
+        PrefixIndex(**kw)
+
+
+def test_the_stack_sizes_the_index_from_p_kv_space(tmp_path):
+    """512 MiB of KV space / (128 tokens x 4,096 bytes per token) = 1,024 blocks."""
+    stack = ModeStack("pd-bidir", embedded_topology(str(tmp_path / "model")), tmp_path, kv_bytes_per_token=4096)
+    assert stack.proxy_config().prefill_cache_blocks == 512 * 2**20 // (128 * 4096) == 1024
