@@ -296,7 +296,7 @@ class SessionProxy:
         Needs the ids (rendered when a handle was matched) and P's prefix caching on; else 0.
         Taken before P is asked: a concurrent request may warm P's cache meanwhile
         (:func:`classify_prefill` reads a report above the reachable tokens as a local hit)."""
-        if not self.config.prefill_prefix_caching or not req.new_ids:
+        if not self.config.prefill_prefix_caching or req.new_ids is None or len(req.new_ids) == 0:
             return
         req.chain = self.block_chains.chain(req.session, req.new_ids)
         held = self.prefix_index(req.prefill.name).held_tokens(req.chain)
