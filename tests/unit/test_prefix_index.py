@@ -85,3 +85,27 @@ def test_the_stack_sizes_the_index_from_p_kv_space(tmp_path):
     """512 MiB of KV space / (128 tokens x 4,096 bytes per token) = 1,024 blocks."""
     stack = ModeStack("pd-bidir", embedded_topology(str(tmp_path / "model")), tmp_path, kv_bytes_per_token=4096)
     assert stack.proxy_config().prefill_cache_blocks == 512 * 2**20 // (128 * 4096) == 1024
+
+
+def test_the_proxy_estimates_from_rendered_ids_given_as_an_array():
+    """An in-process chat render gives the request's ids as an int64 array (serving.prompt_render):
+    the proxy's local-hit estimate takes them as the same ids given as a list."""
+    import numpy as np
+
+    from serving.proxy import ProxyConfig, SessionProxy, Worker
+    from serving.proxy_request import ProxiedRequest, RequestFacts
+
+    cfg = ProxyConfig(mode="pd-bidir", prefill=[Worker(name="p0", url="http://127.0.0.1:1")],
+                      decode=[Worker(name="d0", url="http://127.0.0.1:2")], block_size=4)
+    proxy = SessionProxy(cfg)
+    p0, d0 = cfg.prefill[0], cfg.decode[0]
+    ids = list(range(10))
+    seen = ProxiedRequest("/v1/completions", {}, "a", p0, d0, RequestFacts(request_id="1", mode="pd-bidir", prefill_engine="p0", decode_engine="d0"), 0.0,
+                          new_ids=ids)
+    proxy.estimate_local_hit(seen)
+    proxy.record_prefill(seen, ids)  # P0 now holds 2 whole blocks of these ids
+    for given in (ids + [10, 11], np.asarray(ids + [10, 11], dtype=np.int64)):
+        req = ProxiedRequest("/v1/chat/completions", {}, "b", p0, d0, RequestFacts(request_id="2", mode="pd-bidir", prefill_engine="p0", decode_engine="d0"),
+                             0.0, new_ids=given)
+        proxy.estimate_local_hit(req)
+        assert req.local_estimate == 8
