@@ -9,18 +9,26 @@ stores, per finished run, under ``<root>/rollups/<run_id>/``:
 - ``run_summary.parquet``, ``run_kv_transfer.parquet``, ``run_handle_memory.parquet``: the run's
   row of each of those plain views, as the view gives it (each view is computed per run: a run's
   row depends on its own rows only);
-- ``manifest.json`` (written last): the store version (``Store.version``), the shard files of the
-  run the rollup was made from (``turns``, ``sessions``, ``metric_samples``, ``runs_log``) and
-  each view's column types.
+- ``run_whatif_d_limit.parquet``: the Memory page's TTL what-if with D's KV space as the limit
+  (``dashboard.queries.whatif_ttl_d_limit``: a replay of every turn of the run, the page's slowest
+  query at scale) at :data:`~turnscope.planner.ttl_whatif.WHATIF_TTLS_S` and the TTLs of the runs
+  rolled up with it (a run's own TTL among them); the query reads these rows for a rolled-up run
+  whenever every TTL it is asked for is in that grid, and replays the run otherwise;
+- ``manifest.json`` (written last): the store version (``Store.version``), the what-if's TTL grid,
+  the shard files of the run the rollup was made from (``turns``, ``sessions``,
+  ``metric_samples``, ``runs_log``) and each relation's column types.
 
-A rollup is *fresh* while its manifest's version is the store's and the run's shard files are
+A rollup is *fresh* while its manifest's version is the store's, its what-if grid is this
+turnscope's :data:`~turnscope.planner.ttl_whatif.WHATIF_TTLS_S`, and the run's shard files are
 exactly those listed; any shard added later (a late writer, a new status row) makes it stale and
 the run is read through the plain views again until the next ``write``. Only runs whose status
 (view ``runs``) is no longer ``running`` are rolled up.
 
 ``Rollups.install(con)`` shadows, on one read-only connection, those three views with TEMP views
 of the same name and columns: the fresh runs' rollup rows, then the plain view (through the store
-file's own catalog) for the other runs. DuckDB resolves an unqualified name to the TEMP view
+file's own catalog) for the other runs. It also creates two TEMP views that exist only where
+rollups do: ``run_whatif_d_limit`` (the fresh runs' what-if rows) and ``rolled_up_runs``
+(``run_id``: the fresh runs, whose what-if rows are complete for the grid). DuckDB resolves an unqualified name to the TEMP view
 first, so every query on that connection reads the rollups where fresh; the store file keeps
 only the plain views (operators' SQL reads the shards). tests/integration/test_rollups.py checks
 that every dashboard query gives the same figures both ways.
@@ -39,6 +47,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from turnscope.planner.ttl_whatif import WHATIF_TTLS_S
 from turnscope.store import Store, _ident, _sql_str, _write_atomic, connect_read_only
 
 #: The directory of rollups under a store root.
@@ -46,6 +55,10 @@ ROLLUP_DIR = "rollups"
 MANIFEST = "manifest.json"
 #: Per-run views materialised per run (one row per run).
 SUMMARY_VIEWS: tuple[str, ...] = ("run_summary", "run_kv_transfer", "run_handle_memory")
+#: The rolled-up what-if (no plain view computes it: it is a replay in Python) and the TEMP view
+#: naming the runs it covers.
+WHATIF_RELATION = "run_whatif_d_limit"
+ROLLED_UP_RUNS = "rolled_up_runs"
 #: Shard tables whose files a rollup records (a change in any makes it stale).
 WATCHED_TABLES: tuple[str, ...] = ("turns", "sessions", "metric_samples", "runs_log")
 
@@ -98,7 +111,8 @@ class Rollups:
             return Freshness((), {})
         for run_id in candidates:
             m = self._manifest(run_id)
-            if m and m.get("version") == self.store.version and m.get("shards") == self.shard_listing(run_id):
+            if (m and m.get("version") == self.store.version and m.get("whatif_ttls_s") == list(WHATIF_TTLS_S)
+                    and m.get("shards") == self.shard_listing(run_id)):
                 fresh.append(run_id)
                 columns = m["columns"]
         return Freshness(tuple(fresh), columns)
@@ -116,7 +130,7 @@ class Rollups:
 
     def write(self, run_ids: list[str]) -> list[str]:
         """Roll up `run_ids` from their shards through the plain views (each view computed once
-        for all of them); returns those written. A run that is unknown or still ``running``, or
+        for all of them) and the what-if (:meth:`_whatif`); returns those written. A run that is unknown or still ``running``, or
         whose shards changed while it was read, is left out (nothing written for it).
 
         Raises:
@@ -138,6 +152,8 @@ class Rollups:
                 columns[view] = [[c, str(t)] for c, t in zip(rel.columns, rel.types, strict=True)]
                 table = rel.arrow()
                 tables[view] = table.read_all() if hasattr(table, "read_all") else table  # a reader in newer DuckDB
+            if done:
+                tables[WHATIF_RELATION], columns[WHATIF_RELATION] = self._whatif(con, sorted(done))
         finally:
             con.close()
         written = []
@@ -148,12 +164,31 @@ class Rollups:
             out.mkdir(parents=True, exist_ok=True)
             for view, table in tables.items():
                 _write_atomic(table.filter(pc.equal(table["run_id"], run_id)), out / f"{view}.parquet")
-            manifest = {"run_id": run_id, "version": self.store.version, "shards": before[run_id], "columns": columns}
+            manifest = {"run_id": run_id, "version": self.store.version, "whatif_ttls_s": list(WHATIF_TTLS_S),
+                        "shards": before[run_id], "columns": columns}
             tmp = out / (MANIFEST + ".tmp")
             tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True), encoding="utf-8")
             os.replace(tmp, out / MANIFEST)  # last: the rollup counts from here on
             written.append(run_id)
         return written
+
+    @staticmethod
+    def _whatif(con: duckdb.DuckDBPyConnection, run_ids: list[str]) -> tuple[pa.Table, list[list[str]]]:
+        """The what-if rows of `run_ids` on `con` (plain views: nothing installed) at the grid
+        :data:`WHATIF_TTLS_S` plus the runs' own TTLs, as a table and its column types."""
+        from dashboard.queries.memory import (  # the dashboard imports this module
+            run_config,
+            whatif_ttl_d_limit,
+        )
+
+        own = run_config(con, run_ids)["decoder_kv_blocks_ttl_s"].dropna()
+        grid = sorted(set(WHATIF_TTLS_S) | {float(t) for t in own})
+        frame = whatif_ttl_d_limit(con, run_ids, grid, rollups=False)
+        rel = con.from_df(frame.drop(columns=["run_label", "mode"]).astype(
+            {"block_size": "Int64", "decode_workers": "Int64"}))
+        table = rel.arrow()
+        table = table.read_all() if hasattr(table, "read_all") else table
+        return table, [[c, str(t)] for c, t in zip(rel.columns, rel.types, strict=True)]
 
     def write_finished(self) -> list[str]:
         """Roll up every run that is no longer running and has no fresh rollup; returns the ids
@@ -186,5 +221,10 @@ class Rollups:
                 ids = ", ".join(_sql_str(r) for r in live)
                 sql += f" UNION ALL SELECT * FROM {_ident(catalog)}.main.{_ident(view)} WHERE run_id IN ({ids})"
             con.execute(f"CREATE OR REPLACE TEMP VIEW {_ident(view)} AS {sql}")
+        cols = ", ".join(f"CAST({_ident(c)} AS {t}) AS {_ident(c)}" for c, t in state.columns[WHATIF_RELATION])
+        files = "[" + ", ".join(_sql_str(str(self.dir / r / f"{WHATIF_RELATION}.parquet")) for r in state.fresh) + "]"
+        con.execute(f"CREATE OR REPLACE TEMP VIEW {_ident(WHATIF_RELATION)} AS SELECT {cols} FROM read_parquet({files})")
+        ids = ", ".join(f"({_sql_str(r)})" for r in state.fresh)
+        con.execute(f"CREATE OR REPLACE TEMP VIEW {_ident(ROLLED_UP_RUNS)} AS SELECT * FROM (VALUES {ids}) AS v(run_id)")
         return state.fresh
 

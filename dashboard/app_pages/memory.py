@@ -9,10 +9,7 @@ import streamlit as st
 
 from dashboard import capacity_section, context, figures, queries, tables
 from dashboard.loader import load
-
-#: TTLs (seconds) the what-if replays, besides the runs' own (at or below the proxy's 30 s margin nothing
-#: could ever hit).
-WHATIF_TTLS_S = (60.0, 120.0, 240.0, 480.0, 900.0, 1800.0, 3600.0)
+from turnscope.planner.ttl_whatif import WHATIF_TTLS_S
 
 sel = context.current()
 st.title("Memory")

@@ -48,6 +48,12 @@ for r in sp.itertuples():
     st.markdown(f"**{r.treatment} vs {r.baseline}**: {r.speedup:.2f}x mean TTFT speed-up over {r.requests:,} "
                 f"requests ({r.later_speedup:.2f}x over {r.later_requests:,} later requests, {r.treatment_hits:,} "
                 f"hits) — {tag}")
+parts = db.read(root, plan_queries.ttft_parts, pid)
+if not parts.empty:
+    st.caption(f"Forecast TTFT per mode and the part of it spent waiting for a prefill (or aggregated) worker: "
+               f"the planner queues requests first come, first served, per worker ({tag}). A large queue share "
+               "means the speed-ups above come from less queueing, which depends on the traffic's arrival rate.")
+    st.dataframe(plan_figures.ttft_parts_table(parts), hide_index=True, key="plan_ttft_parts")
 st.caption(f"Requests per forecast outcome and mode ({tag}); `none`: aggregated serving, where the proxy "
            "decides no reuse. `miss_d_full`: the session's handle was not kept because D's KV space was full.")
 st.dataframe(plan_figures.outcome_table(db.read(root, plan_queries.outcomes, pid)), key="plan_outcomes")

@@ -20,6 +20,19 @@ def outcome_table(outcomes: pd.DataFrame) -> pd.DataFrame:
     return wide[cols].astype(int).rename_axis(columns=None)
 
 
+def ttft_parts_table(parts: pd.DataFrame) -> pd.DataFrame:
+    """``dashboard.queries.plan.ttft_parts`` for display: modes in ``MODE_ORDER``, seconds as
+    milliseconds (rounded to 0.1 ms), the queue share as a percentage (rounded to 0.1%)."""
+    order = {m: i for i, m in enumerate(MODE_ORDER)}
+    df = parts.sort_values("mode", key=lambda s: s.map(lambda m: order.get(m, len(order)))).reset_index(drop=True)
+    ms = (df[["ttft_mean_s", "ttft_p50_s", "ttft_p95_s", "queue_wait_mean_s", "queue_wait_p95_s"]] * 1000).round(1)
+    return pd.DataFrame({"mode": df["mode"], "requests": df["requests"].astype(int),
+                         "TTFT mean (ms)": ms["ttft_mean_s"], "TTFT p50 (ms)": ms["ttft_p50_s"],
+                         "TTFT p95 (ms)": ms["ttft_p95_s"], "queue wait mean (ms)": ms["queue_wait_mean_s"],
+                         "queue wait p95 (ms)": ms["queue_wait_p95_s"],
+                         "queue share of TTFT (%)": (df["queue_share"] * 100).round(1)})
+
+
 def frontier_figure(fr: pd.DataFrame, tag: str) -> go.Figure:
     """Hit rate against GiB-seconds held per TTL x D-space point (``plan_frontier`` rows), one panel
     per mode, colour = TTL; the operator's current point ringed (a diamond)."""

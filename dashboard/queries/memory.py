@@ -11,7 +11,14 @@ import duckdb
 import pandas as pd
 
 from dashboard.queries.common import HANDLE_BYTES, KV_USAGE, TurnFilter, _ids, _run, _where, as_filter
-from turnscope.planner.ttl_whatif import RESULT_COLUMNS, TURN_COLUMNS, RunKV, whatif_ttl_limited
+from turnscope.planner.ttl_whatif import (
+    RESULT_COLUMNS,
+    TURN_COLUMNS,
+    WHATIF_TTLS_S,
+    RunKV,
+    whatif_ttl_limited,
+)
+from turnscope.rollup import ROLLED_UP_RUNS, WHATIF_RELATION
 
 # Seconds between two instants are (epoch_us(a) - epoch_us(b)) / 1e6: the same figure as
 # epoch(a - b), without TIMESTAMPTZ arithmetic, which costs ~0.4 s per million rows (time zone
@@ -379,7 +386,7 @@ WHERE list_contains($run_ids::VARCHAR[], t.run_id) AND t.sent_at IS NOT NULL
 
 
 def whatif_ttl_d_limit(
-    con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str], ttls_s: Sequence[float]
+    con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str], ttls_s: Sequence[float], *, rollups: bool = True
 ) -> pd.DataFrame:
     """The TTL what-if with D's KV space as the limit (:mod:`turnscope.planner.ttl_whatif`: the
     planner's handle ledger over each run's recorded turns), for the runs of `f`, whole runs (D
@@ -391,12 +398,68 @@ def whatif_ttl_d_limit(
     without the gauge is replayed without a limit (capacity_bytes NaN) and in tokens, a run
     without ``kv_bytes_per_token`` is left out (no bytes to compare). TTLs at or below a run's
     handle margin are skipped for it (nothing could be offered).
+
+    Where `con` has rollups installed (:meth:`turnscope.rollup.Rollups.install`) and `rollups`, a
+    rolled-up run asked only for TTLs of the rollup's grid (``WHATIF_TTLS_S`` and the run's own
+    TTL) is read from its rollup rows, the same figures without the replay
+    (tests/integration/test_rollups.py); every other run is replayed here.
     Columns: :data:`turnscope.planner.ttl_whatif.RESULT_COLUMNS` plus run_label, mode, block_size,
-    decode_workers. One row per (run, TTL).
+    decode_workers (Int64, NA without the gauge). One row per (run, TTL), by run_id then ttl_s.
     """
     run_ids = list(as_filter(f).run_ids)
+    ttls = sorted({float(t) for t in ttls_s})
     cfg = con.execute(_RUN_CONFIG, {"run_ids": _ids(run_ids)}).df().set_index("run_id")
-    space = decode_kv_space(con, run_ids).set_index("run_id")
+    covered = _covered_runs(con, cfg, ttls) if rollups else set()
+    parts = [_rolled_whatif(con, covered, ttls)] if covered else []
+    replay_ids = [r for r in cfg.index if r not in covered]
+    if replay_ids:
+        parts.append(_replay_whatif(con, cfg.loc[replay_ids], ttls))
+    parts = [p for p in parts if len(p)]
+    out = (pd.concat(parts, ignore_index=True) if parts
+           else pd.DataFrame({c: [] for c in (*RESULT_COLUMNS, "block_size", "decode_workers")}))
+    out = out.sort_values(["run_id", "ttl_s"], kind="stable").reset_index(drop=True)
+    out["run_label"] = out["run_id"].map(cfg["run_label"])
+    out["mode"] = out["run_id"].map(cfg["mode"])
+    for c in ("later_turns", "hits", "lost_hits", "lost_handles"):
+        out[c] = out[c].astype("int64")
+    for c in ("ttl_s", "held_gib_s", "peak_held_bytes", "demand_peak_bytes", "capacity_bytes"):
+        out[c] = out[c].astype("float64")
+    for c in ("block_size", "decode_workers"):
+        out[c] = out[c].astype("Int64")
+    return out[[*RESULT_COLUMNS, "run_label", "mode", "block_size", "decode_workers"]]
+
+
+def _covered_runs(con: duckdb.DuckDBPyConnection, cfg: pd.DataFrame, ttls: list[float]) -> set[str]:
+    """The runs of `cfg` (``run_config`` rows by run_id) whose rollup covers `ttls` (every one in
+    the grid the rollup holds); none where `con` has no rollups installed."""
+    installed = con.execute(
+        "SELECT count(*) FROM duckdb_views() WHERE temporary AND view_name = $name", {"name": ROLLED_UP_RUNS}
+    ).fetchone()[0]
+    if not installed:
+        return set()
+    fresh = {r for (r,) in con.execute(f"SELECT run_id FROM {ROLLED_UP_RUNS}").fetchall()}
+    out = set()
+    for run_id, c in cfg.iterrows():
+        grid = set(WHATIF_TTLS_S)
+        if not pd.isna(c["decoder_kv_blocks_ttl_s"]):
+            grid.add(float(c["decoder_kv_blocks_ttl_s"]))
+        if run_id in fresh and set(ttls) <= grid:
+            out.add(str(run_id))
+    return out
+
+
+def _rolled_whatif(con: duckdb.DuckDBPyConnection, covered: set[str], ttls: list[float]) -> pd.DataFrame:
+    """The rollup rows of the `covered` runs at `ttls` (:func:`_covered_runs`)."""
+    return con.execute(
+        f"SELECT * FROM {WHATIF_RELATION} WHERE list_contains($run_ids::VARCHAR[], run_id)"
+        " AND list_contains($ttls::DOUBLE[], ttl_s)",
+        {"run_ids": _ids(sorted(covered)), "ttls": ttls},
+    ).df()
+
+
+def _replay_whatif(con: duckdb.DuckDBPyConnection, cfg: pd.DataFrame, ttls: list[float]) -> pd.DataFrame:
+    """The runs of `cfg` (``run_config`` rows by run_id) replayed at `ttls` from their turns."""
+    space = decode_kv_space(con, list(cfg.index)).set_index("run_id")
     runs: dict[str, RunKV] = {}
     for run_id, c in cfg.iterrows():
         if pd.isna(c["kv_bytes_per_token"]):
@@ -408,9 +471,7 @@ def whatif_ttl_d_limit(
             block_size=None if sp is None else int(sp["block_size"]),
             capacity_bytes=None if sp is None else float(sp["kv_space_tokens"]) * kvb)
     turns = con.execute(_WHATIF_TURNS, {"run_ids": _ids(list(runs))}).df()
-    out = whatif_ttl_limited(turns[["run_id", *TURN_COLUMNS]], runs, ttls_s)
-    out["run_label"] = out["run_id"].map(cfg["run_label"])
-    out["mode"] = out["run_id"].map(cfg["mode"])
+    out = whatif_ttl_limited(turns[["run_id", *TURN_COLUMNS]], runs, ttls)
     out["block_size"] = out["run_id"].map(space["block_size"]) if len(space) else pd.NA
     out["decode_workers"] = out["run_id"].map(space["decode_workers"]) if len(space) else pd.NA
-    return out[[*RESULT_COLUMNS, "run_label", "mode", "block_size", "decode_workers"]]
+    return out

@@ -25,6 +25,22 @@ def outcomes(con: duckdb.DuckDBPyConnection, plan_id: str) -> pd.DataFrame:
                        "WHERE plan_id = ? GROUP BY ALL ORDER BY mode, requests DESC", [plan_id]).df()
 
 
+def ttft_parts(con: duckdb.DuckDBPyConnection, plan_id: str) -> pd.DataFrame:
+    """Forecast TTFT per mode and the part of it spent waiting for the prefill (or aggregated)
+    worker (the planner's FIFO queue, turnscope/planner/queueing.py): mode, requests,
+    ttft_mean_s, ttft_p50_s, ttft_p95_s, queue_wait_mean_s, queue_wait_p95_s (seconds),
+    queue_share (mean wait / mean TTFT, 0..1; NULL when the TTFT sums to 0). Requests with no
+    forecast TTFT are left out of the figures, not counted as 0."""
+    return con.execute("""
+        SELECT mode, count(ttft_s) AS requests,
+               avg(ttft_s) AS ttft_mean_s, quantile_cont(ttft_s, 0.5) AS ttft_p50_s,
+               quantile_cont(ttft_s, 0.95) AS ttft_p95_s,
+               avg(coalesce(queue_wait_s, 0)) FILTER (WHERE ttft_s IS NOT NULL) AS queue_wait_mean_s,
+               quantile_cont(coalesce(queue_wait_s, 0), 0.95) FILTER (WHERE ttft_s IS NOT NULL) AS queue_wait_p95_s,
+               sum(coalesce(queue_wait_s, 0)) FILTER (WHERE ttft_s IS NOT NULL) / nullif(sum(ttft_s), 0) AS queue_share
+        FROM plan_requests WHERE plan_id = ? GROUP BY mode ORDER BY mode""", [plan_id]).df()
+
+
 def frontier(con: duckdb.DuckDBPyConnection, plan_id: str) -> pd.DataFrame:
     """The plan's TTL x D-memory frontier (plan_frontier's columns)."""
     return con.execute("SELECT * EXCLUDE (plan_id) FROM plan_frontier WHERE plan_id = ? "

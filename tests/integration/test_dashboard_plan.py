@@ -93,3 +93,13 @@ def test_a_store_with_only_plans_shows_the_plan_page(monkeypatch, plans_only):
     truth = {(m, o): n for m, o, n in shards(
         plans_only, "plan_requests", "SELECT mode, coalesce(outcome, 'none'), count(*) FROM {t} GROUP BY ALL")}
     assert shown == truth
+    # forecast TTFT and queue wait per mode: the shards' rows summed by hand in Python
+    parts = next(d.value for d in at.dataframe if "queue share of TTFT (%)" in d.value.columns).set_index("mode")
+    rows = shards(plans_only, "plan_requests", "SELECT mode, ttft_s, coalesce(queue_wait_s, 0) FROM {t}")
+    for mode in {m for m, _, _ in rows}:
+        ttft = [t for m, t, _ in rows if m == mode]
+        wait = [w for m, _, w in rows if m == mode]
+        assert parts.loc[mode, "requests"] == len(ttft)
+        assert parts.loc[mode, "TTFT mean (ms)"] == pytest.approx(1000 * statistics.fmean(ttft), abs=0.05)
+        assert parts.loc[mode, "TTFT p50 (ms)"] == pytest.approx(1000 * statistics.median(ttft), abs=0.05)
+        assert parts.loc[mode, "queue share of TTFT (%)"] == pytest.approx(100 * sum(wait) / sum(ttft), abs=0.05)

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import datetime as dt
 
+import pandas as pd
 import pytest
 
 from dashboard import db, queries
+from dashboard.queries import memory
+from turnscope.planner.ttl_whatif import WHATIF_TTLS_S
+from turnscope.rollup import Rollups
 from turnscope.store import Store
 
 T0 = dt.datetime(2026, 12, 1, 10, 0, tzinfo=dt.UTC)
@@ -60,13 +64,17 @@ def _write(store: Store, run_id: str, turns: list, kv: int, block: int, blocks: 
         w.close()
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    store = Store(tmp_path_factory.mktemp("store"))
+def _build(path) -> Store:
+    store = Store(path)
     store.init()
     for run_id, (kv, block, blocks) in RUNS.items():
         _write(store, run_id, BIND if run_id != "free" else FREE, kv, block, blocks)
-    return db.StoreLocation(store.root)
+    return store
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return db.StoreLocation(_build(tmp_path_factory.mktemp("store")).root)
 
 
 def test_ds_space_comes_from_cache_config_info(root) -> None:
@@ -103,3 +111,24 @@ def test_the_hits_rise_with_the_ttl(root) -> None:
     # (s0/2, s0/3, s2/1, which pulled and then failed; s1/3 is a mismatch at any TTL); of the 500 s
     # ones only s1/1 at 900 (s2/2 has no handle: s2/1 failed, D kept nothing).
     assert list(out["hits"]) == [3, 6, 7]
+
+
+def test_a_rolled_up_run_gives_the_same_rows_without_a_replay(tmp_path, monkeypatch) -> None:
+    """Rollups (turnscope.rollup) keep each finished run's what-if at the page's TTL grid: the
+    dashboard reads those rows instead of replaying the run (the replay is made to fail here),
+    and they are the replay's rows; a TTL outside the grid is still replayed."""
+    store = _build(tmp_path / "store")
+    loc = db.StoreLocation(store.root)
+    replayed = db.read(loc, queries.whatif_ttl_d_limit, list(RUNS), WHATIF_TTLS_S)  # nothing rolled up yet
+    assert sorted(Rollups(store).write_finished()) == sorted(RUNS)
+
+    def no_replay(*args, **kwargs):
+        raise AssertionError("replayed")
+
+    monkeypatch.setattr(memory, "whatif_ttl_limited", no_replay)
+    rolled = db.read(loc, queries.whatif_ttl_d_limit, list(RUNS), WHATIF_TTLS_S)
+    pd.testing.assert_frame_equal(rolled, replayed)
+    bind = db.read(loc, queries.whatif_ttl_d_limit, ["bind"], (480.0,)).iloc[0]
+    assert (bind["hits"], bind["lost_hits"], bind["lost_handles"]) == (2, 1, 2)  # the hand figures above
+    with pytest.raises(AssertionError, match="replayed"):
+        db.read(loc, queries.whatif_ttl_d_limit, ["bind"], (75.0,))
