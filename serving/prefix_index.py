@@ -33,6 +33,17 @@ DEFAULT_CAPACITY_BLOCKS = 1024
 ROOT_HASH = b"\0" * 16
 
 
+def root_hash(cache_salt: str | None) -> bytes:
+    """The parent hash of a prompt's first block for a request with ``cache_salt`` (None or "":
+    :data:`ROOT_HASH`). vLLM adds a request's ``cache_salt`` to its first block's hash only
+    (``vllm/v1/core/kv_cache_utils.py: generate_block_hash_extra_keys``), so prompts with
+    different salts share no block: turnscope's runs each send their own (``--turnscope-cache-salt``,
+    the run id) and replay the same sessions on the same workers."""
+    if not cache_salt:
+        return ROOT_HASH
+    return hashlib.blake2b(b"cache_salt\0" + cache_salt.encode("utf-8"), digest_size=16).digest()
+
+
 def hash_block(parent: bytes, block_ids: np.ndarray) -> bytes:
     """The hash of one full block: 16 bytes of BLAKE2b over the parent block's hash and the
     block's token ids as little-endian int64 (``block_ids``: shape ``(block_size,)``)."""
@@ -68,28 +79,30 @@ class BlockChains:
         self.block_size = block_size
         self.max_sessions = max_sessions
         self.hash_calls = 0
-        self._last: OrderedDict[str, tuple[np.ndarray, list[bytes]]] = OrderedDict()
+        self._last: OrderedDict[str, tuple[np.ndarray, list[bytes], str | None]] = OrderedDict()
 
-    def chain(self, session: str | None, ids: Sequence[int] | np.ndarray) -> list[bytes]:
-        """The hashes of the full blocks of ``ids`` (``len(ids) // block_size`` of them), in order.
+    def chain(self, session: str | None, ids: Sequence[int] | np.ndarray, cache_salt: str | None = None) -> list[bytes]:
+        """The hashes of the full blocks of ``ids`` (``len(ids) // block_size`` of them), in order,
+        the first block's parent being :func:`root_hash` of the request's ``cache_salt``.
 
-        Blocks within the whole-block prefix ``ids`` shares with the session's previous prompt are
-        taken from that prompt's chain; only the rest are hashed. The chain is kept as the
-        session's last (``session`` None: nothing kept, every block hashed)."""
+        Blocks within the whole-block prefix ``ids`` shares with the session's previous prompt (of
+        the same salt) are taken from that prompt's chain; only the rest are hashed. The chain is
+        kept as the session's last (``session`` None: nothing kept, every block hashed)."""
         arr = np.asarray(ids, dtype=np.int64)
         n_blocks = len(arr) // self.block_size
         hashes: list[bytes] = []
+        salt = cache_salt or None
         prev = self._last.get(session) if session else None
-        if prev is not None:
+        if prev is not None and prev[2] == salt:
             reuse = min(common_prefix_len(prev[0], arr) // self.block_size, n_blocks)
             hashes = prev[1][:reuse]
-        parent = hashes[-1] if hashes else ROOT_HASH
+        parent = hashes[-1] if hashes else root_hash(salt)
         for b in range(len(hashes), n_blocks):
             parent = hash_block(parent, arr[b * self.block_size:(b + 1) * self.block_size])
             hashes.append(parent)
             self.hash_calls += 1
         if session:
-            self._last[session] = (arr, hashes)
+            self._last[session] = (arr, hashes, salt)
             self._last.move_to_end(session)
             while len(self._last) > self.max_sessions:
                 self._last.popitem(last=False)

@@ -298,7 +298,7 @@ class SessionProxy:
         (:func:`classify_prefill` reads a report above the reachable tokens as a local hit)."""
         if not self.config.prefill_prefix_caching or req.new_ids is None or len(req.new_ids) == 0:
             return
-        req.chain = self.block_chains.chain(req.session, req.new_ids)
+        req.chain = self.block_chains.chain(req.session, req.new_ids, req.cache_salt)
         held = self.prefix_index(req.prefill.name).held_tokens(req.chain)
         req.local_estimate = rules.local_prefix_tokens(held, len(req.new_ids), self.config.block_size)
 
@@ -311,7 +311,7 @@ class SessionProxy:
         if req.chain is None:
             if prompt_ids is None or len(prompt_ids) == 0:
                 return
-            req.chain = self.block_chains.chain(req.session, prompt_ids)
+            req.chain = self.block_chains.chain(req.session, prompt_ids, req.cache_salt)
         self.prefix_index(req.prefill.name).record(req.chain)
         req.recorded = True
 

@@ -111,3 +111,10 @@ class ProxiedRequest:
     handle_params: dict | None = None
     outcome: str | None = None
     p_params: dict | None = field(default=None)
+
+    @property
+    def cache_salt(self) -> str | None:
+        """The body's ``cache_salt`` (vLLM's per-request prefix-cache salt; None: none or not a
+        string): P's prefix cache, and so the proxy's prefix index, keeps salted prompts apart."""
+        salt = self.body.get("cache_salt")
+        return salt if isinstance(salt, str) and salt else None

@@ -66,3 +66,40 @@ def test_a_shared_prefix_another_session_left_on_p_is_counted_local(two_prefill_
     facts = r_b1.json()["turnscope"]
     assert facts["reuse"] == "hit"
     assert facts["prefill_cached_tokens"] == hits and facts["reused_tokens"] == pulled
+
+
+def test_the_same_session_under_another_cache_salt_is_pulled_again(two_prefill_bidir_stack):
+    """turnscope's eval plays the same sessions once per history mode on the same workers, each run
+    with its own ``cache_salt`` (the run id). P's prefix cache keeps salted prompts apart (vLLM
+    salts a prompt's first block), so run 2's second turn finds only run 2's first prompt on P and
+    pulls the rest of D's tokens: P's counters say so, and so must the proxy's facts (before the
+    proxy salted its prefix index it counted run 1's blocks as P's own: 0 pulled)."""
+    stack = two_prefill_bidir_stack
+    rng = random.Random(47)
+    x0 = [rng.randrange(10, 4000) for _ in range(1000)]  # 7 whole blocks (896 tokens)
+    extra = [rng.randrange(10, 4000) for _ in range(150)]
+
+    def session(proxy_url, salt):
+        facts, counts = [], []
+        ids = x0
+        for _ in range(2):
+            body = {"model": MODEL, "prompt": ids, "max_tokens": GEN, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True, "conversation_id": f"{salt}/s0", "cache_salt": salt}
+            before = {p: p_counters(stack, p) for p in ("prefill-0", "prefill-1")}
+            r = httpx.post(proxy_url + "/v1/completions", json=body, timeout=180)
+            assert r.status_code == 200, r.text
+            p = r.headers["x-turnscope-prefill-engine"]
+            counts.append(tuple(a - b for a, b in zip(p_counters(stack, p), before[p], strict=True)))
+            facts.append(r.json()["turnscope"])
+            ids = ids + r.json()["choices"][0]["token_ids"] + extra
+        return facts, counts
+
+    one_p = stack.proxy_config().prefill[:1]  # both runs on the same P, as eval's runs share workers
+    with ProxyThread(stack.proxy_config(prefill=one_p)) as proxy:
+        for salt in ("salt-run-1", "salt-run-2"):
+            facts, counts = session(proxy.url, salt)
+            local = (len(x0) // BLOCK) * BLOCK  # P holds this run's first prompt only: 896
+            offered = len(x0) + GEN - 1
+            assert counts[1] == (local, offered - local), salt  # P's own counters, by vLLM's rules
+            assert facts[1]["reuse"] == "hit", (salt, facts[1])
+            assert (facts[1]["prefill_cached_tokens"], facts[1]["reused_tokens"]) == counts[1], salt

@@ -109,3 +109,37 @@ def test_the_proxy_estimates_from_rendered_ids_given_as_an_array():
                              0.0, new_ids=given)
         proxy.estimate_local_hit(req)
         assert req.local_estimate == 8
+
+
+def test_a_cache_salt_keeps_the_same_prompt_apart():
+    """vLLM adds a request's cache_salt to its first block's hash only
+    (vllm/v1/core/kv_cache_utils.py: generate_block_hash_extra_keys): the same ids under another
+    salt share no block with the unsalted or differently salted ones, and under the same salt
+    they do. turnscope's eval replays the same sessions on the same P once per history mode, each
+    run with its own salt: P then finds none of the earlier run's blocks."""
+    from serving.proxy import ProxyConfig, SessionProxy, Worker
+    from serving.proxy_request import ProxiedRequest, RequestFacts
+
+    cfg = ProxyConfig(mode="pd-bidir", prefill=[Worker(name="p0", url="http://127.0.0.1:1")],
+                      decode=[Worker(name="d0", url="http://127.0.0.1:2")], block_size=4)
+    proxy = SessionProxy(cfg)
+    p0, d0 = cfg.prefill[0], cfg.decode[0]
+    ids = list(range(10))
+
+    def estimate(session: str, salt: str | None) -> int:
+        body = {} if salt is None else {"cache_salt": salt}
+        req = ProxiedRequest("/v1/completions", body, session, p0, d0,
+                             RequestFacts(request_id=session, mode="pd-bidir", prefill_engine="p0", decode_engine="d0"),
+                             0.0, new_ids=ids)
+        proxy.estimate_local_hit(req)
+        proxy.record_prefill(req, ids)
+        return req.local_estimate
+
+    assert estimate("run-1/s0", "run-1") == 0  # nothing on P yet
+    assert estimate("run-1/s1", "run-1") == 8  # same salt, another session: 2 whole blocks
+    assert estimate("run-2/s0", "run-2") == 0  # the same ids under run 2's salt: none held
+    assert estimate("plain/s0", None) == 0  # nor unsalted
+    chains = BlockChains(4)
+    salted = chains.chain("s", ids, "a")
+    assert chains.chain("s", ids, "b") != salted and chains.chain("s", ids, "a") == salted
+    assert chains.chain(None, ids) == BlockChains(4).chain(None, ids, "")  # "" is no salt
