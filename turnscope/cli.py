@@ -410,6 +410,61 @@ def plan(
     typer.echo(text)
 
 
+@app.command("profile-from-timing")
+def profile_from_timing(
+    timing: Annotated[Path, typer.Argument(help="bench/layer_prefill.py's JSON output (one layer timed on a GPU).")],
+    base: Annotated[Path, typer.Option(help="The profile whose other figures are kept (e.g. "
+                                             "data/profiles/vendor-h200.yaml).")],
+    out: Annotated[Path, typer.Option(help="Where to write the new profile YAML.")],
+    name: Annotated[str | None, typer.Option(help="The new profile's name (default: BASE's name + -measured).")
+                    ] = None,
+    anchor_tokens: Annotated[int | None, typer.Option(
+        help="Prompt tokens of a published TTFT computed from scratch: b0 is re-derived so that the profile "
+             "meets it (b0 = TTFT - c(tokens)). With --anchor-ttft-s.")] = None,
+    anchor_ttft_s: Annotated[float | None, typer.Option(help="The published TTFT at --anchor-tokens, seconds.")] = None,
+    anchor_source: Annotated[str, typer.Option(help="Where the anchor was published.")] = "published",
+    check_tokens: Annotated[int | None, typer.Option(
+        help="Prompt tokens of a second published TTFT to check the measured curve against.")] = None,
+    check_ttft_s: Annotated[float | None, typer.Option(help="The published TTFT at --check-tokens, seconds.")] = None,
+) -> None:
+    """Write a cost profile whose prefill curve c(x) was measured: one decoder layer's timings fitted
+    as a1 x + a2 x^2 and scaled by the layer count; every other figure from BASE (docs/planner.md,
+    "Profiles: measured on a GPU")."""
+    from turnscope.planner import layer_timing as lt
+    from turnscope.planner.profile import load_profile
+
+    for flag, pair in (("--anchor-tokens/--anchor-ttft-s", (anchor_tokens, anchor_ttft_s)),
+                       ("--check-tokens/--check-ttft-s", (check_tokens, check_ttft_s))):
+        if (pair[0] is None) != (pair[1] is None):
+            raise fail(f"{flag}: give both or neither")
+    try:
+        measured = lt.load_layer_timing(timing)
+        curve = lt.fit_layer_curve(measured.points)
+        anchor = (lt.PublishedTTFT(anchor_tokens, anchor_ttft_s, anchor_source)
+                  if anchor_tokens is not None else None)
+        profile = lt.measured_profile(load_profile(base), measured, curve, name=name, anchor=anchor)
+    except (ValueError, OSError) as exc:
+        raise fail(str(exc)) from exc
+    layers = measured.shape.layers
+    lines = [f"profile {profile.name}: prefill curve MEASURED on {measured.device} ({measured.dtype}, tp "
+             f"{measured.shape.tp}, {measured.measured_at}), every other figure from {base}"]
+    for point, resid in zip(curve.points, curve.relative_residuals):
+        lines.append(f"  {point.tokens:>9,} tokens: {point.layer_s * 1e3:9.3f} ms per layer, "
+                     f"{point.layer_s * layers:8.3f} s for {layers} layers (fit {resid:+.1%}), "
+                     f"{lt.achieved_flops_per_s(measured, point) / 1e12:.3g} TFLOP/s")
+    lines.append(f"  c(x) = {profile.prefill_a1_s_per_token.value:.4g} x + "
+                 f"{profile.prefill_a2_s_per_token2.value:.4g} x^2 s; b0 {profile.b0_default_s.value:.4g} s "
+                 f"({'re-derived from the anchor' if anchor else 'from the base profile'})")
+    if check_tokens is not None:
+        published = lt.PublishedTTFT(check_tokens, check_ttft_s, "published")
+        ttft, err = lt.check_against(profile, published)
+        lines.append(f"  check: pd-nocache TTFT at {check_tokens:,} tokens {ttft:.3f} s against {check_ttft_s:.3f} s "
+                     f"published ({err:+.1%})")
+    lt.write_profile(profile, out, "\n".join([f"Written by `turnscope profile-from-timing {timing}`.", *lines]))
+    lines.append(f"wrote {out}")
+    typer.echo("\n".join(lines))
+
+
 @app.command()
 def sweep(
     workload: Annotated[Path, typer.Option(help="Workload YAML with a `sweep` section.")] = VENDOR_SWEEP,

@@ -1,0 +1,96 @@
+"""bench/layer_prefill.py through real PyTorch: the layer it times computes what transformers' own
+Llama and Qwen3 decoder layers compute (the same weights, the same input), and its timings become a
+profile the planner loads, through the real CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from bench.layer_prefill import build_layer, layer_forward, rope_tables  # noqa: E402
+from turnscope.planner.layer_shape import DecoderLayerShape  # noqa: E402
+from turnscope.planner.profile import load_profile  # noqa: E402
+
+SMALL = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 64, "max_position_embeddings": 512,
+         "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+
+
+def _weights_of(layer, shape: DecoderLayerShape) -> dict:
+    """transformers' layer weights in layer_forward's layout (matrices as (in, out))."""
+    attn, mlp = layer.self_attn, layer.mlp
+    w = {"q": attn.q_proj.weight.T, "k": attn.k_proj.weight.T, "v": attn.v_proj.weight.T,
+         "o": attn.o_proj.weight.T, "gate": mlp.gate_proj.weight.T, "up": mlp.up_proj.weight.T,
+         "down": mlp.down_proj.weight.T, "norm1": layer.input_layernorm.weight,
+         "norm2": layer.post_attention_layernorm.weight}
+    if shape.qk_norm:
+        w["q_norm"], w["k_norm"] = attn.q_norm.weight, attn.k_norm.weight
+    return {k: v.detach().contiguous() for k, v in w.items()}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_timed_layer_is_transformers_decoder_layer(arch):
+    config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                             "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
+    torch.manual_seed(0)
+    config = config_cls(**SMALL)
+    config._attn_implementation = "eager"  # transformers' own attention, not the SDPA call under test
+    model = model_cls(config).eval()
+    for p in model.parameters():  # norms start at 1: give them values so a missing norm shows
+        if p.ndim == 1:
+            p.data.uniform_(0.5, 1.5)
+    shape = DecoderLayerShape.from_config(config.to_dict())
+    assert shape.qk_norm == (arch == "qwen3")
+    ours = build_layer(shape, torch.float32, "cpu")
+    theirs = _weights_of(model.model.layers[0], shape)
+    assert {k: tuple(v.shape) for k, v in ours.items()} == {k: tuple(v.shape) for k, v in theirs.items()}
+    assert sum(v.numel() for v in ours.values()) == shape.params == sum(
+        p.numel() for p in model.model.layers[0].parameters())
+    ids = torch.randint(0, SMALL["vocab_size"], (1, 50))
+    with torch.no_grad():
+        hidden = model.model(ids, output_hidden_states=True).hidden_states
+        cos, sin = rope_tables(50, shape.head_dim, torch.float32, "cpu", theta=config.rope_parameters["rope_theta"])
+        out = layer_forward(theirs, shape, hidden[0], cos, sin)
+    assert torch.allclose(out, hidden[1], atol=1e-5, rtol=1e-4), (out - hidden[1]).abs().max()
+
+
+def test_timings_of_a_small_layer_become_a_profile_the_planner_loads(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(SMALL | {"model_type": "llama", "num_hidden_layers": 4}))
+    timing = tmp_path / "layer.json"
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "layer_prefill.py"), "--config", str(config),
+                          "--tokens", "128,512,1024", "--repeats", "3", "--warmup", "1", "--out", str(timing)],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    doc = json.loads(timing.read_text())
+    assert [p["tokens"] for p in doc["points"]] == [128, 512, 1024]
+    assert all(len(p["samples_s"]) == 3 and p["layer_s"] == sorted(p["samples_s"])[1] for p in doc["points"])
+    out = tmp_path / "measured.yaml"
+    cli = subprocess.run([sys.executable, "-m", "turnscope.cli", "profile-from-timing", str(timing),
+                          "--base", str(REPO / "data" / "profiles" / "embedded-cpu.yaml"), "--out", str(out)],
+                         capture_output=True, text=True, timeout=120, cwd=REPO, check=False)
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    assert "prefill curve MEASURED on CPU" in cli.stdout
+    profile = load_profile(out)
+    fit = profile.prefill_fit("pd")
+    for p in doc["points"]:  # c(x) is 4 layers x the measured layer time (the fit's error allowed)
+        assert fit.cost_s(p["tokens"]) == pytest.approx(4 * p["layer_s"], rel=0.5)
+
+
+def test_a_model_it_cannot_time_exits_2_naming_the_field(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(SMALL | {"kv_lora_rank": 512}))
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "layer_prefill.py"), "--config", str(config),
+                          "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 2
+    assert f"{config}: field 'kv_lora_rank'" in run.stderr

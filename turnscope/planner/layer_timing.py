@@ -1,0 +1,180 @@
+"""A cost profile whose prefill curve was measured: one decoder layer timed on the target GPU
+(``bench/layer_prefill.py``), fitted and scaled to the model, the rest of the profile kept from a
+published one (docs/planner.md, "Profiles: measured on a GPU").
+
+From the timings t_i of one layer's prefill of x_i tokens from scratch::
+
+    t(x) = a1 x + a2 x^2            one layer, fitted with non-negative least squares of the
+                                    relative error (scipy.optimize.nnls on rows divided by t_i)
+    c(x) = layers x t(x)            the model's prefill of x tokens (the profile's c(x))
+
+``b0`` is kept from the base profile, or re-derived from a published TTFT of one prompt length
+(the anchor: ``b0 = ttft - c(tokens)``), so that the profile still meets that published point; a
+second published point (the check) then says how far the measured curve is from the publication.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from scipy.optimize import nnls
+
+from turnscope import yaml_file
+from turnscope.planner.layer_shape import LAYER_TIMING_FORMAT, DecoderLayerShape
+from turnscope.planner.profile import CostProfile, ProfileError, Sourced
+
+
+class TimingPoint(BaseModel):
+    """One prompt length's timing: ``tokens``, the median ``layer_s`` (seconds, one layer) and the
+    per-repeat ``samples_s``."""
+
+    model_config = ConfigDict(extra="forbid")
+    tokens: int = Field(gt=0)
+    layer_s: float = Field(gt=0)
+    samples_s: list[float] = Field(default_factory=list)
+
+
+class LayerTiming(BaseModel):
+    """The JSON document ``bench/layer_prefill.py`` writes (format ``turnscope-layer-timing/1``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    format: str
+    config: str
+    model_type: str = ""
+    shape: DecoderLayerShape
+    dtype: str
+    device: str
+    torch: str
+    attention: str
+    measured_at: str
+    points: list[TimingPoint] = Field(min_length=2)
+
+    @field_validator("format")
+    @classmethod
+    def _known_format(cls, value: str) -> str:
+        if value != LAYER_TIMING_FORMAT:
+            raise ValueError(f"expected {LAYER_TIMING_FORMAT!r} (bench/layer_prefill.py's output), got {value!r}")
+        return value
+
+
+def load_layer_timing(path: str | Path) -> LayerTiming:
+    """Read ``bench/layer_prefill.py``'s JSON output.
+
+    Raises:
+        ProfileError: unreadable file, bad JSON (with its line) or a field that is missing or of the
+            wrong kind (named by its path, e.g. ``points.1.layer_s``).
+    """
+    return yaml_file.load_model(Path(path), LayerTiming, "layer timing", ProfileError)
+
+
+@dataclass(frozen=True)
+class LayerCurve:
+    """t(x) = ``a1_s`` x + ``a2_s`` x^2 of one layer (seconds per token, per token squared), fitted
+    to ``points``; ``relative_residuals`` is (fit - measured) / measured per point."""
+
+    a1_s: float
+    a2_s: float
+    points: tuple[TimingPoint, ...]
+    relative_residuals: tuple[float, ...]
+
+    def layer_s(self, tokens: float) -> float:
+        """Seconds of one layer's prefill of ``tokens`` tokens."""
+        return self.a1_s * tokens + self.a2_s * tokens * tokens
+
+
+def fit_layer_curve(points: list[TimingPoint]) -> LayerCurve:
+    """Fit t(x) = a1 x + a2 x^2 with a1, a2 >= 0 minimising the relative error (each point's row
+    divided by its time, so short and long prompts weigh alike), by ``scipy.optimize.nnls``.
+
+    Raises:
+        ProfileError: fewer than two distinct lengths (a1 and a2 are not separable).
+    """
+    x = np.array([p.tokens for p in points], dtype=float)
+    t = np.array([p.layer_s for p in points], dtype=float)
+    if len(np.unique(x)) < 2:
+        raise ProfileError("layer timing: field points: at least two distinct token counts are needed to fit a1 and a2")
+    (a1, a2), _ = nnls(np.column_stack([x / t, x * x / t]), np.ones_like(t))
+    fitted = a1 * x + a2 * x * x
+    return LayerCurve(float(a1), float(a2), tuple(points), tuple(float(r) for r in (fitted - t) / t))
+
+
+@dataclass(frozen=True)
+class PublishedTTFT:
+    """A published TTFT (seconds) of a prompt of ``tokens`` tokens computed from scratch, and where
+    it was published."""
+
+    tokens: int
+    ttft_s: float
+    source: str
+
+
+def measured_profile(base: CostProfile, timing: LayerTiming, curve: LayerCurve, name: str | None = None,
+                     anchor: PublishedTTFT | None = None) -> CostProfile:
+    """``base`` with its prefill curve replaced by the measured one (c(x) = layers x t(x)), and
+    ``b0_default_s`` re-derived from ``anchor`` when given (``anchor.ttft_s - c(anchor.tokens)``;
+    per-mode b0 figures are dropped with it, since they were derived against the old curve).
+
+    The new figures' sources say they were measured, on what and how; ``left_out`` loses the lines
+    about the figures now measured.
+
+    Raises:
+        ProfileError: the anchor's published TTFT is shorter than the measured prefill alone (b0
+            would be negative: the timing is not of the published set-up).
+    """
+    layers = timing.shape.layers
+    a1, a2 = curve.a1_s * layers, curve.a2_s * layers
+    lengths = ", ".join(f"{p.tokens:,}" for p in curve.points)
+    how = (f"MEASURED {timing.measured_at}: one {timing.model_type or 'decoder'} layer of {timing.config} "
+           f"(tp {timing.shape.tp}: {timing.shape.heads} query / {timing.shape.kv_heads} KV heads, MLP "
+           f"{timing.shape.intermediate} per GPU) with random {timing.dtype} weights on {timing.device}, "
+           f"torch {timing.torch}, {timing.attention}; median times at {lengths} tokens, t(x) = a1 x + a2 x^2 "
+           f"fitted by scipy.optimize.nnls of relative error (residuals "
+           f"{', '.join(f'{r:+.1%}' for r in curve.relative_residuals)}), x {layers} layers "
+           "(bench/layer_prefill.py, turnscope.planner.layer_timing). Not timed: embedding and LM head, "
+           "tensor parallelism's all-reduces, vLLM's scheduler and paged-KV writes")
+    update: dict = {"prefill_a1_s_per_token": Sourced(value=a1, source=how),
+                    "prefill_a2_s_per_token2": Sourced(value=a2, source=how)}
+    replaced = ["prefill_a1_s_per_token", "prefill_a2_s_per_token2"]
+    if anchor is not None:
+        c = a1 * anchor.tokens + a2 * anchor.tokens ** 2
+        b0 = anchor.ttft_s - c
+        if b0 < 0:
+            raise ProfileError(f"anchor: the published TTFT {anchor.ttft_s:.3f} s at {anchor.tokens:,} tokens is "
+                               f"shorter than the measured prefill alone ({c:.3f} s): the timing is not of the "
+                               "published set-up (another GPU, tensor parallelism or dtype?)")
+        update["b0_default_s"] = Sourced(value=b0, source=(
+            f"derived: {anchor.ttft_s:.4g} s published at {anchor.tokens:,} tokens ({anchor.source}) minus the "
+            f"measured c({anchor.tokens:,}) = {c:.4g} s"))
+        update["b0_s"] = {}
+        replaced += ["b0_default_s", "b0_s"]
+    left_out = [line for line in base.left_out if not any(line.startswith(f) for f in replaced)]
+    data = base.model_dump() | update | {"left_out": left_out, "name": name or f"{base.name}-measured",
+                                         "description": (f"{base.description} Prefill curve measured on "
+                                                         f"{timing.device} (bench/layer_prefill.py).").strip()}
+    return CostProfile.model_validate(data)
+
+
+def check_against(profile: CostProfile, published: PublishedTTFT) -> tuple[float, float]:
+    """The profile's TTFT of a prompt computed from scratch in ``pd-nocache`` (b0 + c(n): no cache,
+    no pull) at ``published.tokens``, and its relative error against ``published.ttft_s``."""
+    ttft = float(profile.ttft_s("pd-nocache", np.array([published.tokens]), np.zeros(1), np.zeros(1))[0])
+    return ttft, (ttft - published.ttft_s) / published.ttft_s
+
+
+def achieved_flops_per_s(timing: LayerTiming, point: TimingPoint) -> float:
+    """FLOPs per second one layer reached at ``point`` (``DecoderLayerShape.prefill_flops`` over
+    the median time), to compare with the GPU's published peak."""
+    matmul, attention = timing.shape.prefill_flops(point.tokens)
+    return (matmul + attention) / point.layer_s
+
+
+def write_profile(profile: CostProfile, path: Path, header: str) -> None:
+    """Write ``profile`` as a YAML profile file (the format ``load_profile`` reads), with ``header``
+    as its leading comment."""
+    body = yaml.safe_dump(profile.model_dump(exclude_none=True), sort_keys=False, width=100, allow_unicode=True)
+    comment = "".join(f"# {line}\n".replace("# \n", "#\n") for line in header.splitlines())
+    path.write_text(comment + body)
