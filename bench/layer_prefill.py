@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from turnscope.planner.layer_shape import (  # noqa: E402
+from turnscope.planner.layer_shape import (
     LAYER_TIMING_FORMAT,
     DecoderLayerShape,
     LayerShapeError,
@@ -83,7 +83,6 @@ def _rope(x, cos, sin):
 def layer_forward(w: dict, shape: DecoderLayerShape, x, cos, sin):
     """One decoder layer over ``x`` of shape (1, tokens, hidden): pre-norm attention with causal
     masking and grouped KV heads, then the gated SiLU MLP; returns a tensor of ``x``'s shape."""
-    import torch
     import torch.nn.functional as F
 
     n = x.shape[1]
@@ -200,10 +199,12 @@ def measure(config_path: Path, tp: int, tokens: list[int], dtype_name: str, devi
     for n in tokens:
         samples = timer.time(n)
         points.append({"tokens": n, "layer_s": statistics.median(samples), "samples_s": samples})
+    # timezone.utc, not datetime.UTC: a GPU image's Python may be older than 3.11
     return {"format": LAYER_TIMING_FORMAT, "config": str(config_path), "model_type": text.get("model_type", ""),
             "shape": asdict(shape), "dtype": dtype_name, "device": device_name(device),
             "torch": torch.__version__, "attention": "torch.nn.functional.scaled_dot_product_attention",
-            "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "points": points}
+            "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),  # noqa: UP017
+            "points": points}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -446,8 +446,8 @@ def profile_from_timing(
     except (ValueError, OSError) as exc:
         raise fail(str(exc)) from exc
     layers = measured.shape.layers
-    lines = [f"profile {profile.name}: prefill curve MEASURED on {measured.device} ({measured.dtype}, tp "
-             f"{measured.shape.tp}, {measured.measured_at}), every other figure from {base}"]
+    lines = [(f"profile {profile.name}: prefill curve MEASURED on {measured.device} ({measured.dtype}, tp "
+              f"{measured.shape.tp}, {measured.measured_at}), every other figure from {base}")]
     for point, resid in zip(curve.points, curve.relative_residuals):
         lines.append(f"  {point.tokens:>9,} tokens: {point.layer_s * 1e3:9.3f} ms per layer, "
                      f"{point.layer_s * layers:8.3f} s for {layers} layers (fit {resid:+.1%}), "
