@@ -6,24 +6,26 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
-#: Column order of the outcome table: baselines first, then what reuse adds.
-MODE_ORDER = ("aggregated", "pd-nocache", "pd", "pd-bidir-nocache", "pd-bidir")
+from dashboard.figures.common import MODE_COLORS, legend_below
+
+#: Column order of the Plan page's tables: baselines first, then what reuse adds.
+PLAN_TABLE_MODES = ("aggregated", "pd-nocache", "pd", "pd-bidir-nocache", "pd-bidir")
 
 GiB = 2**30
 
 
 def outcome_table(outcomes: pd.DataFrame) -> pd.DataFrame:
     """``dashboard.queries.plan.outcomes`` (mode, outcome, requests) as outcome rows x mode columns, requests
-    (0 where a mode has none of an outcome); modes in the order of ``MODE_ORDER``."""
+    (0 where a mode has none of an outcome); modes in the order of ``PLAN_TABLE_MODES``."""
     wide = outcomes.pivot_table(index="outcome", columns="mode", values="requests", aggfunc="sum", fill_value=0)
-    cols = [m for m in MODE_ORDER if m in wide.columns] + sorted(c for c in wide.columns if c not in MODE_ORDER)
+    cols = [m for m in PLAN_TABLE_MODES if m in wide.columns] + sorted(c for c in wide.columns if c not in PLAN_TABLE_MODES)
     return wide[cols].astype(int).rename_axis(columns=None)
 
 
 def ttft_parts_table(parts: pd.DataFrame) -> pd.DataFrame:
-    """``dashboard.queries.plan.ttft_parts`` for display: modes in ``MODE_ORDER``, seconds as
+    """``dashboard.queries.plan.ttft_parts`` for display: modes in ``PLAN_TABLE_MODES``, seconds as
     milliseconds (rounded to 0.1 ms), the queue share as a percentage (rounded to 0.1%)."""
-    order = {m: i for i, m in enumerate(MODE_ORDER)}
+    order = {m: i for i, m in enumerate(PLAN_TABLE_MODES)}
     df = parts.sort_values("mode", key=lambda s: s.map(lambda m: order.get(m, len(order)))).reset_index(drop=True)
     ms = (df[["ttft_mean_s", "ttft_p50_s", "ttft_p95_s", "queue_wait_mean_s", "queue_wait_p95_s"]] * 1000).round(1)
     return pd.DataFrame({"mode": df["mode"], "requests": df["requests"].astype(int),
@@ -58,7 +60,7 @@ def frontier_figure(fr: pd.DataFrame, tag: str) -> go.Figure:
                                  hovertext=[f"current: TTL {t}, D {sp}" for t, sp in zip(cur["ttl"], cur["space"], strict=True)]),
                       row=1, col=i)
     fig.update_yaxes(tickformat=".0%")
-    return fig
+    return legend_below(fig, height=520)
 
 
 def check_figure(ch: pd.DataFrame) -> go.Figure:
@@ -66,7 +68,7 @@ def check_figure(ch: pd.DataFrame) -> go.Figure:
     (TTFTs span two decades), with the line of equality and the check's +-25% band."""
     ok = ch[(ch["status"] == "ok") & ch["measured_ttft_s"].notna() & (ch["predicted_ttft_s"] > 0)]
     fig = px.scatter(ok, x="measured_ttft_s", y="predicted_ttft_s", color="mode", log_x=True, log_y=True,
-                     hover_data=["checked_run_id", "session_id", "turn_index"],
+                     color_discrete_map=MODE_COLORS, hover_data=["checked_run_id", "session_id", "turn_index"],
                      labels={"measured_ttft_s": "measured TTFT (s)", "predicted_ttft_s": "forecast TTFT (s)"},
                      title="Forecast against measured TTFT, recorded runs planned from their own records")
     if len(ok):
@@ -75,4 +77,6 @@ def check_figure(ch: pd.DataFrame) -> go.Figure:
         for k, name, dash in ((1.0, "equal", "dot"), (1.25, "+25%", "dash"), (0.75, "-25%", "dash")):
             fig.add_trace(go.Scatter(x=[lo, hi], y=[lo * k, hi * k], mode="lines", name=name,
                                      line={"dash": dash, "color": "grey", "width": 1}))
-    return fig
+    fig.update_xaxes(dtick="D2")  # log axes: labels at 1, 2 and 5 of each decade, not every digit
+    fig.update_yaxes(dtick="D2")
+    return legend_below(fig, height=520)

@@ -293,3 +293,16 @@ def test_missing_figures_show_blank_not_none():
     out = tables.blank_missing(df, {"NIXL (s)": "{:.3f}"})
     assert list(out["NIXL (s)"]) == ["0.130", ""]
     assert out["x"].isna().tolist() == [False, True]  # columns not named are untouched
+
+
+def test_plan_check_figure_draws_each_mode_in_its_colour_with_the_legend_below():
+    from dashboard.figures.common import MODE_COLORS
+    from dashboard.figures.plan import check_figure
+
+    ch = pd.DataFrame({"status": "ok", "mode": ["pd", "pd-bidir", "aggregated"], "measured_ttft_s": [0.2, 0.1, 0.3],
+                       "predicted_ttft_s": [0.25, 0.1, 0.3], "checked_run_id": "r", "session_id": "s",
+                       "turn_index": [1, 1, 1]})
+    fig = check_figure(ch)
+    colours = {t.name: t.marker.color for t in fig.data if t.mode == "markers"}
+    assert colours == {m: MODE_COLORS[m] for m in ("pd", "pd-bidir", "aggregated")}
+    assert fig.layout.legend.orientation == "h" and fig.layout.legend.y < 0
