@@ -430,39 +430,19 @@ def profile_from_timing(
     """Write a cost profile whose prefill curve c(x) was measured: one decoder layer's timings fitted
     as a1 x + a2 x^2 and scaled by the layer count; every other figure from BASE (docs/planner.md,
     "Profiles: measured on a GPU")."""
-    from turnscope.planner import layer_timing as lt
-    from turnscope.planner.profile import load_profile
+    from turnscope.planner.layer_timing import PublishedTTFT, write_measured_profile
 
     for flag, pair in (("--anchor-tokens/--anchor-ttft-s", (anchor_tokens, anchor_ttft_s)),
                        ("--check-tokens/--check-ttft-s", (check_tokens, check_ttft_s))):
         if (pair[0] is None) != (pair[1] is None):
             raise fail(f"{flag}: give both or neither")
+    anchor = PublishedTTFT(anchor_tokens, anchor_ttft_s, anchor_source) if anchor_tokens is not None else None
+    check = PublishedTTFT(check_tokens, check_ttft_s, "published") if check_tokens is not None else None
     try:
-        measured = lt.load_layer_timing(timing)
-        curve = lt.fit_layer_curve(measured.points)
-        anchor = (lt.PublishedTTFT(anchor_tokens, anchor_ttft_s, anchor_source)
-                  if anchor_tokens is not None else None)
-        profile = lt.measured_profile(load_profile(base), measured, curve, name=name, anchor=anchor)
+        text = write_measured_profile(timing, base, out, name=name, anchor=anchor, check=check)
     except (ValueError, OSError) as exc:
         raise fail(str(exc)) from exc
-    layers = measured.shape.layers
-    lines = [(f"profile {profile.name}: prefill curve MEASURED on {measured.device} ({measured.dtype}, tp "
-              f"{measured.shape.tp}, {measured.measured_at}), every other figure from {base}")]
-    for point, resid in zip(curve.points, curve.relative_residuals):
-        lines.append(f"  {point.tokens:>9,} tokens: {point.layer_s * 1e3:9.3f} ms per layer, "
-                     f"{point.layer_s * layers:8.3f} s for {layers} layers (fit {resid:+.1%}), "
-                     f"{lt.achieved_flops_per_s(measured, point) / 1e12:.3g} TFLOP/s")
-    lines.append(f"  c(x) = {profile.prefill_a1_s_per_token.value:.4g} x + "
-                 f"{profile.prefill_a2_s_per_token2.value:.4g} x^2 s; b0 {profile.b0_default_s.value:.4g} s "
-                 f"({'re-derived from the anchor' if anchor else 'from the base profile'})")
-    if check_tokens is not None:
-        published = lt.PublishedTTFT(check_tokens, check_ttft_s, "published")
-        ttft, err = lt.check_against(profile, published)
-        lines.append(f"  check: pd-nocache TTFT at {check_tokens:,} tokens {ttft:.3f} s against {check_ttft_s:.3f} s "
-                     f"published ({err:+.1%})")
-    lt.write_profile(profile, out, "\n".join([f"Written by `turnscope profile-from-timing {timing}`.", *lines]))
-    lines.append(f"wrote {out}")
-    typer.echo("\n".join(lines))
+    typer.echo(text)
 
 
 @app.command()

@@ -102,3 +102,24 @@ def test_a_model_it_cannot_time_exits_2_naming_the_field(tmp_path):
                           "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode == 2
     assert f"{config}: field 'kv_lora_rank'" in run.stderr
+
+
+def test_profile_from_timing_refuses_half_an_anchor_and_a_bad_file(tmp_path):
+    base = str(REPO / "data" / "profiles" / "vendor-h200.yaml")
+    half = subprocess.run([sys.executable, "-m", "turnscope.cli", "profile-from-timing", str(tmp_path / "x.json"),
+                           "--base", base, "--out", str(tmp_path / "p.yaml"), "--anchor-tokens", "4175"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO, check=False)
+    assert half.returncode == 2 and "--anchor-tokens/--anchor-ttft-s: give both or neither" in half.stdout + half.stderr
+    doc = {"format": "turnscope-layer-timing/1", "config": "c.json", "model_type": "llama",
+           "shape": {"hidden": 8, "heads": 2, "kv_heads": 1, "head_dim": 4, "intermediate": 16, "layers": 2},
+           "dtype": "float32", "device": "cpu", "torch": "2", "attention": "sdpa", "measured_at": "now",
+           "points": "three"}
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc, indent=2))
+    line = next(i for i, text in enumerate(bad.read_text().splitlines(), 1) if '"points"' in text)
+    run = subprocess.run([sys.executable, "-m", "turnscope.cli", "profile-from-timing", str(bad), "--base", base,
+                          "--out", str(tmp_path / "p.yaml")], capture_output=True, text=True, timeout=120,
+                         cwd=REPO, check=False)
+    said = " ".join((run.stdout + run.stderr).split())  # the console wraps long lines
+    assert run.returncode == 2 and f"{bad}: line {line}: layer timing field points" in said, said
+    assert not (tmp_path / "p.yaml").exists()

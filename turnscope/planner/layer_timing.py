@@ -25,7 +25,7 @@ from scipy.optimize import nnls
 
 from turnscope import yaml_file
 from turnscope.planner.layer_shape import LAYER_TIMING_FORMAT, DecoderLayerShape
-from turnscope.planner.profile import CostProfile, ProfileError, Sourced
+from turnscope.planner.profile import CostProfile, ProfileError, Sourced, load_profile
 
 
 class TimingPoint(BaseModel):
@@ -178,3 +178,36 @@ def write_profile(profile: CostProfile, path: Path, header: str) -> None:
     body = yaml.safe_dump(profile.model_dump(exclude_none=True), sort_keys=False, width=100, allow_unicode=True)
     comment = "".join(f"# {line}\n".replace("# \n", "#\n") for line in header.splitlines())
     path.write_text(comment + body)
+
+
+def write_measured_profile(timing_path: Path, base_path: Path, out: Path, name: str | None = None,
+                           anchor: PublishedTTFT | None = None, check: PublishedTTFT | None = None) -> str:
+    """``turnscope profile-from-timing``: read the timings and the base profile, fit, write the
+    measured profile to ``out`` (its header says the same as the returned report) and return the
+    report: each length's time per layer and for the model, the fit's residual, the FLOP rate
+    reached, c(x), b0, and the check's error when ``check`` is given.
+
+    Raises:
+        ProfileError: as :func:`load_layer_timing`, ``load_profile``, :func:`fit_layer_curve` and
+            :func:`measured_profile`.
+        OSError: ``out`` cannot be written.
+    """
+    timing = load_layer_timing(timing_path)
+    curve = fit_layer_curve(timing.points)
+    profile = measured_profile(load_profile(base_path), timing, curve, name=name, anchor=anchor)
+    layers = timing.shape.layers
+    lines = [(f"profile {profile.name}: prefill curve MEASURED on {timing.device} ({timing.dtype}, tp "
+              f"{timing.shape.tp}, {timing.measured_at}), every other figure from {base_path}")]
+    for point, resid in zip(curve.points, curve.relative_residuals, strict=True):
+        lines.append(f"  {point.tokens:>9,} tokens: {point.layer_s * 1e3:9.3f} ms per layer, "
+                     f"{point.layer_s * layers:8.3f} s for {layers} layers (fit {resid:+.1%}), "
+                     f"{achieved_flops_per_s(timing, point) / 1e12:.3g} TFLOP/s")
+    lines.append(f"  c(x) = {profile.prefill_a1_s_per_token.value:.4g} x + "
+                 f"{profile.prefill_a2_s_per_token2.value:.4g} x^2 s; b0 {profile.b0_default_s.value:.4g} s "
+                 f"({'re-derived from the anchor' if anchor else 'from the base profile'})")
+    if check is not None:
+        ttft, err = check_against(profile, check)
+        lines.append(f"  check: pd-nocache TTFT at {check.tokens:,} tokens {ttft:.3f} s against "
+                     f"{check.ttft_s:.3f} s published ({err:+.1%})")
+    write_profile(profile, out, "\n".join([f"Written by `turnscope profile-from-timing {timing_path}`.", *lines]))
+    return "\n".join([*lines, f"wrote {out}"])
