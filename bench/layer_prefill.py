@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, default=1, help="Tensor-parallel GPUs per worker (default 1).")
     parser.add_argument("--tokens", default="1024,4096,16384,32768",
                         help="Comma-separated prompt lengths to time (default %(default)s).")
-    parser.add_argument("--dtype", default=None, help="bfloat16 on CUDA, float32 elsewhere (default).")
+    parser.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                        help="bfloat16 on CUDA, float32 elsewhere (default).")
     parser.add_argument("--device", default=None, help="cuda when available, else cpu (default).")
     parser.add_argument("--repeats", type=int, default=5, help="Timed calls per length (default 5).")
     parser.add_argument("--warmup", type=int, default=2, help="Untimed calls first (default 2).")
@@ -223,13 +224,19 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {device}: this PyTorch sees no CUDA device")
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     try:
         tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
     except ValueError:
         parser.error(f"--tokens: expected comma-separated integers, got {args.tokens!r}")
-    if len(tokens) < 2 or min(tokens) <= 0:
-        parser.error("--tokens: at least two positive lengths are needed to fit a1 and a2")
+    if len(set(tokens)) < 2 or min(tokens) <= 0:
+        parser.error("--tokens: at least two distinct positive lengths are needed to fit a1 and a2")
+    if args.repeats < 1 or args.warmup < 0:
+        parser.error("--repeats must be at least 1 and --warmup at least 0")
+    if not args.out.parent.is_dir():  # checked before the timing, so that no measurement is lost
+        parser.error(f"--out {args.out}: folder {args.out.parent} does not exist")
     try:
         doc = measure(args.config, args.tp, tokens, dtype, device, args.repeats, args.warmup)
     except LayerShapeError as e:

@@ -436,9 +436,9 @@ def profile_from_timing(
                        ("--check-tokens/--check-ttft-s", (check_tokens, check_ttft_s))):
         if (pair[0] is None) != (pair[1] is None):
             raise fail(f"{flag}: give both or neither")
-    anchor = PublishedTTFT(anchor_tokens, anchor_ttft_s, anchor_source) if anchor_tokens is not None else None
-    check = PublishedTTFT(check_tokens, check_ttft_s, "published") if check_tokens is not None else None
     try:
+        anchor = PublishedTTFT(anchor_tokens, anchor_ttft_s, anchor_source) if anchor_tokens is not None else None
+        check = PublishedTTFT(check_tokens, check_ttft_s, "published check") if check_tokens is not None else None
         text = write_measured_profile(timing, base, out, name=name, anchor=anchor, check=check)
     except (ValueError, OSError) as exc:
         raise fail(str(exc)) from exc

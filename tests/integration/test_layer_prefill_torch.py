@@ -93,6 +93,15 @@ def test_timings_of_a_small_layer_become_a_profile_the_planner_loads(tmp_path):
     assert profile.prefill_a2_s_per_token2.value == pytest.approx(4 * a2, rel=1e-4, abs=1e-15)
     for p in doc["points"]:  # the CLI's table: 4 layers x each median
         assert f"{p['layer_s'] * 4:8.3f} s for 4 layers" in cli.stdout
+    assert "WARNING: timed on a CPU" in cli.stdout
+    # a plan made with it says where its prefill curve comes from
+    trace = REPO / "data" / "traces" / "kv-cache-tester" / "trace_0036.json"
+    plan = subprocess.run([sys.executable, "-m", "turnscope.cli", "plan", str(trace), "--profile", str(out),
+                           "--store", str(tmp_path / "store")], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          check=False)
+    assert plan.returncode == 0, (plan.stdout + plan.stderr)[-2000:]
+    said = " ".join(plan.stdout.split())
+    assert "prefill curve of profile embedded-cpu-measured: MEASURED" in said and "on CPU" in said, said[:600]
 
 
 def test_a_model_it_cannot_time_exits_2_naming_the_field(tmp_path):

@@ -70,3 +70,16 @@ def test_deepseek_v3_is_refused():
 def test_tensor_parallelism_must_divide_the_heads():
     with pytest.raises(LayerShapeError, match="'num_attention_heads' = 64 is not divisible by tensor parallelism 3"):
         DecoderLayerShape.from_config(_config("Qwen3-32B"), tp=3)
+
+
+def test_kv_heads_and_tp_must_divide_one_another():
+    cfg = _config("Qwen3-32B") | {"num_key_value_heads": 3, "num_attention_heads": 48}
+    with pytest.raises(LayerShapeError, match="'num_key_value_heads' = 3 and tensor parallelism 8"):
+        DecoderLayerShape.from_config(cfg, tp=8)
+
+
+def test_a_missing_head_dim_the_width_does_not_give_is_refused():
+    cfg = {k: v for k, v in _config("Qwen3-32B").items() if k != "head_dim"} | {"num_attention_heads": 48,
+                                                                              "hidden_size": 5000}
+    with pytest.raises(LayerShapeError, match="'head_dim' is absent and 'hidden_size' = 5000"):
+        DecoderLayerShape.from_config(cfg)

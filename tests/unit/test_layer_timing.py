@@ -14,6 +14,7 @@ from turnscope.planner.profile import ProfileError, load_profile
 
 REPO = Path(__file__).resolve().parents[2]
 VENDOR = REPO / "data" / "profiles" / "vendor-h200.yaml"
+EMBEDDED = REPO / "data" / "profiles" / "embedded-cpu.yaml"
 A1, A2 = 2.0e-6, 3.0e-11  # one layer: seconds per token, per token squared
 
 
@@ -96,3 +97,60 @@ def test_bad_timing_file_names_the_field(tmp_path, change, message):
     change(doc)
     with pytest.raises(ProfileError, match=message):
         _load(tmp_path, doc)
+
+
+def test_aggregated_workers_own_curve_keeps_its_b0_and_is_flagged(tmp_path):
+    """embedded-cpu gives the aggregated worker its own c(x) and b0: both are kept (not measured);
+    the P/D modes' b0, derived against the replaced curve, go with the anchor."""
+    timing = _load(tmp_path, _timing(a1=3.0e-7, a2=1.0e-13))
+    curve = lt.fit_layer_curve(timing.points)
+    base = load_profile(EMBEDDED)
+    assert {"aggregated", "pd"} <= set(base.b0_s)
+    anchor = lt.PublishedTTFT(4175, 2.0, "a run")
+    profile = lt.measured_profile(base, timing, curve, anchor=anchor)
+    assert profile.b0_s == {"aggregated": base.b0_s["aggregated"]}
+    assert profile.aggregated_prefill_a1_s_per_token == base.aggregated_prefill_a1_s_per_token
+    assert "the aggregated worker's own c(x) is kept from the base profile (not measured)" in lt.warnings_of(
+        base, timing, curve, [(anchor, None)])
+    # without an own curve the aggregated worker is costed by P's (measured) curve: no b0 of its own
+    assert lt.measured_profile(load_profile(VENDOR), timing, curve, anchor=anchor).b0_s == {}
+
+
+def test_warnings_for_a_profile_not_to_trust(tmp_path):
+    doc = _timing(tokens=(64, 128, 256), a1=3.0e-7, a2=1.0e-13)
+    doc["points"][1]["layer_s"] *= 1.5  # the fit cannot follow this point
+    doc["device"] = "CPU x86_64 (1 threads)"
+    timing = _load(tmp_path, doc)
+    curve = lt.fit_layer_curve(timing.points)
+    base = load_profile(VENDOR)
+    warnings = lt.warnings_of(base, timing, curve, [(lt.PublishedTTFT(4175, 0.158, "blog"), None),
+                                                    (lt.PublishedTTFT(200, 0.778, "blog"), 0.30)])
+    assert any(w.startswith("the fit misses a timed length by") for w in warnings)
+    assert "4,175 tokens (blog) is outside the timed lengths (64-256): the curve is extrapolated there" in warnings
+    assert not any(w.startswith("200 tokens") for w in warnings)  # inside the timed lengths
+    assert any(w.startswith("the measured curve is +30.0% off the TTFT published at 200 tokens") for w in warnings)
+    assert "timed on a CPU (CPU x86_64 (1 threads)): not a GPU's prefill curve" in warnings
+    clean = lt.warnings_of(base, _load(tmp_path, _timing()), lt.fit_layer_curve(_load(tmp_path, _timing()).points),
+                           [(lt.PublishedTTFT(4175, 0.158, "blog"), None), (lt.PublishedTTFT(26175, 0.778, "blog"), -0.1)])
+    assert clean == []
+
+
+@pytest.mark.parametrize("tokens, ttft", [(0, 0.1), (-5, 0.1), (100, 0.0), (100, float("nan")), (100, -1.0)])
+def test_published_points_must_be_positive(tokens, ttft):
+    with pytest.raises(ProfileError, match="published TTFT"):
+        lt.PublishedTTFT(tokens, ttft, "blog")
+
+
+def test_a_timing_of_zero_layers_is_refused(tmp_path):
+    doc = _timing()
+    doc["shape"]["layers"] = 0
+    with pytest.raises(ProfileError, match="layer timing field shape: .*layers must be a positive integer, got 0"):
+        _load(tmp_path, doc)
+
+
+def test_the_output_may_not_overwrite_an_input(tmp_path):
+    _load(tmp_path, _timing())
+    with pytest.raises(ProfileError, match="would overwrite an input"):
+        lt.write_measured_profile(tmp_path / "layer.json", VENDOR, tmp_path / "layer.json")
+    with pytest.raises(ProfileError, match="does not exist"):
+        lt.write_measured_profile(tmp_path / "layer.json", VENDOR, tmp_path / "no" / "p.yaml")

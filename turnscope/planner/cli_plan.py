@@ -48,6 +48,8 @@ def describe(p, sp: pd.DataFrame, fr: pd.DataFrame, sessions: pd.DataFrame, chec
             f"{p.settings.proxy_ttl_s:.0f} s (decoder_kv_blocks_ttl {p.settings.decoder_kv_blocks_ttl_s:.0f} s), "
             f"threshold {p.settings.kv_recompute_threshold} tokens.")
     lines = [head]
+    curve = p.profile.prefill_a1_s_per_token.source.split(": ")[0]
+    lines.append(f"  prefill curve of profile {p.profile.name}: {curve} (every figure's source: the profile file)")
     lines += [f"  note: {n}" for n in p.notes]
     lines.append(f"\nSpeed-up per mode pair ({tag}; mean TTFT, baseline / treatment):")
     for r in sp.itertuples():

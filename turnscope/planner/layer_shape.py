@@ -10,12 +10,15 @@ Tensor parallelism of ``tp`` GPUs (Megatron-LM, Shoeybi et al. 2019, section 3: 
 heads, the MLP's first matrices by columns and the last by rows) gives each GPU ``heads / tp``
 query heads, ``max(1, kv_heads / tp)`` KV heads (vLLM replicates KV heads when there are fewer than
 ``tp``: vllm/model_executor/layers/linear.py ``QKVParallelLinear``) and ``intermediate / tp`` of
-the MLP. The two all-reduces per layer are not part of the shape (nor of the timing).
+the MLP. The two all-reduces per layer are not part of the shape (nor of the timing). The MLP is
+timed SiLU-gated whatever ``hidden_act`` says (an elementwise op: its cost is not the layer's).
 
 Refused, with :class:`LayerShapeError` naming the file and field: mixture-of-experts layers
 (``num_experts``, ``num_local_experts``, ``n_routed_experts``: a token's cost depends on routing),
 multi-head latent attention (``kv_lora_rank``), sliding-window and hybrid layers (as
-:mod:`serving.kv_size` refuses them), and head counts ``tp`` does not divide.
+:mod:`serving.kv_size` refuses them), query heads or MLP width that ``tp`` does not divide, KV
+heads and ``tp`` neither of which divides the other, and a missing ``head_dim`` that the width
+does not give. Q/K/V biases (Qwen2) are left out of the shape: one addition per output.
 """
 
 from __future__ import annotations
@@ -86,16 +89,22 @@ class DecoderLayerShape:
         hidden = _positive_int(cfg, "hidden_size", where)
         heads = _positive_int(cfg, "num_attention_heads", where)
         kv_heads = _positive_int(cfg, "num_key_value_heads", where) if "num_key_value_heads" in cfg else heads
-        head_dim = _positive_int(cfg, "head_dim", where) if cfg.get("head_dim") else hidden // heads
+        if cfg.get("head_dim"):
+            head_dim = _positive_int(cfg, "head_dim", where)
+        elif hidden % heads:
+            raise LayerShapeError(f"{where}: field 'head_dim' is absent and 'hidden_size' = {hidden} is not "
+                                  f"divisible by 'num_attention_heads' = {heads}")
+        else:
+            head_dim = hidden // heads
         intermediate = _positive_int(cfg, "intermediate_size", where)
         layers = _positive_int(cfg, "num_hidden_layers", where)
         for name, count in (("num_attention_heads", heads), ("intermediate_size", intermediate)):
             if count % tp:
                 raise LayerShapeError(f"{where}: field {name!r} = {count} is not divisible by tensor "
                                       f"parallelism {tp}")
-        if kv_heads >= tp and kv_heads % tp:
-            raise LayerShapeError(f"{where}: field 'num_key_value_heads' = {kv_heads} is not divisible by "
-                                  f"tensor parallelism {tp}")
+        if (kv_heads >= tp and kv_heads % tp) or (kv_heads < tp and tp % kv_heads):
+            raise LayerShapeError(f"{where}: field 'num_key_value_heads' = {kv_heads} and tensor parallelism {tp}: "
+                                  "one must divide the other (vLLM's QKVParallelLinear)")
         qk_norm = str(cfg.get("model_type", "")).startswith("qwen3")
         return cls(hidden=hidden, heads=heads // tp, kv_heads=max(1, kv_heads // tp), head_dim=head_dim,
                    intermediate=intermediate // tp, layers=layers, tp=tp, qk_norm=qk_norm)

@@ -53,6 +53,14 @@ class LayerTiming(BaseModel):
     measured_at: str
     points: list[TimingPoint] = Field(min_length=2)
 
+    @field_validator("shape")
+    @classmethod
+    def _positive_shape(cls, shape: DecoderLayerShape) -> DecoderLayerShape:
+        for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "layers", "tp"):
+            if getattr(shape, name) <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(shape, name)}")
+        return shape
+
     @field_validator("format")
     @classmethod
     def _known_format(cls, value: str) -> str:
@@ -105,21 +113,42 @@ def fit_layer_curve(points: list[TimingPoint]) -> LayerCurve:
 @dataclass(frozen=True)
 class PublishedTTFT:
     """A published TTFT (seconds) of a prompt of ``tokens`` tokens computed from scratch, and where
-    it was published."""
+    it was published.
+
+    Raises:
+        ProfileError: tokens not a positive integer, or a TTFT that is not a positive finite number.
+    """
 
     tokens: int
     ttft_s: float
     source: str
 
+    def __post_init__(self) -> None:
+        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens <= 0:
+            raise ProfileError(f"published TTFT ({self.source}): tokens must be a positive integer, got {self.tokens!r}")
+        if not (np.isfinite(self.ttft_s) and self.ttft_s > 0):
+            raise ProfileError(f"published TTFT ({self.source}): the TTFT must be a positive number of seconds, "
+                               f"got {self.ttft_s!r}")
+
+
+#: A fit that misses a timed length by more than this is flagged (relative error).
+FIT_WARNING = 0.10
+#: A check against a published TTFT off by more than the planner's own bound is flagged
+#: (docs/planner.md, "Checked against recorded runs": 25%).
+CHECK_WARNING = 0.25
+
 
 def measured_profile(base: CostProfile, timing: LayerTiming, curve: LayerCurve, name: str | None = None,
                      anchor: PublishedTTFT | None = None) -> CostProfile:
-    """``base`` with its prefill curve replaced by the measured one (c(x) = layers x t(x)), and
-    ``b0_default_s`` re-derived from ``anchor`` when given (``anchor.ttft_s - c(anchor.tokens)``;
-    per-mode b0 figures are dropped with it, since they were derived against the old curve).
+    """``base`` with its prefill curve in P/D modes replaced by the measured one (c(x) = layers x
+    t(x)), and ``b0_default_s`` re-derived from ``anchor`` when given (``anchor.ttft_s -
+    c(anchor.tokens)``). With an anchor, per-mode b0 figures derived against the old curve are
+    dropped: every mode's but the aggregated worker's when the base gives that worker its own c(x),
+    which is kept (not measured) with its b0.
 
-    The new figures' sources say they were measured, on what and how; ``left_out`` loses the lines
-    about the figures now measured.
+    The new figures' sources say they were measured, on what and how (their first clause, up to
+    ': ', is what ``turnscope plan`` prints); ``left_out`` loses the lines about the figures now
+    measured.
 
     Raises:
         ProfileError: the anchor's published TTFT is shorter than the measured prefill alone (b0
@@ -128,14 +157,14 @@ def measured_profile(base: CostProfile, timing: LayerTiming, curve: LayerCurve, 
     layers = timing.shape.layers
     a1, a2 = curve.a1_s * layers, curve.a2_s * layers
     lengths = ", ".join(f"{p.tokens:,}" for p in curve.points)
-    how = (f"MEASURED {timing.measured_at}: one {timing.model_type or 'decoder'} layer of {timing.config} "
-           f"(tp {timing.shape.tp}: {timing.shape.heads} query / {timing.shape.kv_heads} KV heads, MLP "
-           f"{timing.shape.intermediate} per GPU) with random {timing.dtype} weights on {timing.device}, "
-           f"torch {timing.torch}, {timing.attention}; median times at {lengths} tokens, t(x) = a1 x + a2 x^2 "
-           f"fitted by scipy.optimize.nnls of relative error (residuals "
+    how = (f"MEASURED {timing.measured_at[:10]} on {timing.device} ({timing.dtype}, tp {timing.shape.tp}): one "
+           f"{timing.model_type or 'decoder'} layer of {timing.config} ({timing.shape.heads} query / "
+           f"{timing.shape.kv_heads} KV heads, MLP {timing.shape.intermediate} per GPU) with random weights, torch "
+           f"{timing.torch}, {timing.attention}, at {timing.measured_at}; median times at {lengths} tokens, "
+           f"t(x) = a1 x + a2 x^2 fitted by scipy.optimize.nnls of relative error (residuals "
            f"{', '.join(f'{r:+.1%}' for r in curve.relative_residuals)}), x {layers} layers "
            "(bench/layer_prefill.py, turnscope.planner.layer_timing). Not timed: embedding and LM head, "
-           "tensor parallelism's all-reduces, vLLM's scheduler and paged-KV writes")
+           "tensor parallelism's all-reduces, vLLM's scheduler and paged-KV writes, P's hand-off of KV to D")
     update: dict = {"prefill_a1_s_per_token": Sourced(value=a1, source=how),
                     "prefill_a2_s_per_token2": Sourced(value=a2, source=how)}
     replaced = ["prefill_a1_s_per_token", "prefill_a2_s_per_token2"]
@@ -149,13 +178,41 @@ def measured_profile(base: CostProfile, timing: LayerTiming, curve: LayerCurve, 
         update["b0_default_s"] = Sourced(value=b0, source=(
             f"derived: {anchor.ttft_s:.4g} s published at {anchor.tokens:,} tokens ({anchor.source}) minus the "
             f"measured c({anchor.tokens:,}) = {c:.4g} s"))
-        update["b0_s"] = {}
+        own_curve = base.aggregated_prefill_a1_s_per_token is not None
+        update["b0_s"] = {m: f for m, f in base.b0_s.items() if own_curve and m == "aggregated"}
         replaced += ["b0_default_s", "b0_s"]
     left_out = [line for line in base.left_out if not any(line.startswith(f) for f in replaced)]
     data = base.model_dump() | update | {"left_out": left_out, "name": name or f"{base.name}-measured",
                                          "description": (f"{base.description} Prefill curve measured on "
                                                          f"{timing.device} (bench/layer_prefill.py).").strip()}
     return CostProfile.model_validate(data)
+
+
+def warnings_of(base: CostProfile, timing: LayerTiming, curve: LayerCurve,
+                published: list[tuple[PublishedTTFT, float | None]]) -> list[str]:
+    """What an operator should know before trusting a measured profile: a fit that misses a timed
+    length by more than :data:`FIT_WARNING`, a published point outside the timed lengths (the
+    curve extrapolated), a check off by more than :data:`CHECK_WARNING` (``published`` pairs each
+    point with its relative error, None for the anchor), a CPU timing, and an aggregated c(x) kept
+    from the base."""
+    out: list[str] = []
+    worst = max(curve.relative_residuals, key=abs)
+    if abs(worst) > FIT_WARNING:
+        out.append(f"the fit misses a timed length by {worst:+.1%} (over {FIT_WARNING:.0%}): time more lengths "
+                   "or more repeats")
+    lo, hi = min(p.tokens for p in curve.points), max(p.tokens for p in curve.points)
+    for point, err in published:
+        if not lo <= point.tokens <= hi:
+            out.append(f"{point.tokens:,} tokens ({point.source}) is outside the timed lengths ({lo:,}-{hi:,}): "
+                       "the curve is extrapolated there")
+        if err is not None and abs(err) > CHECK_WARNING:
+            out.append(f"the measured curve is {err:+.1%} off the TTFT published at {point.tokens:,} tokens (over "
+                       f"{CHECK_WARNING:.0%}): the timing may not be of the published set-up")
+    if timing.device.startswith("CPU"):
+        out.append(f"timed on a CPU ({timing.device}): not a GPU's prefill curve")
+    if base.aggregated_prefill_a1_s_per_token is not None:
+        out.append("the aggregated worker's own c(x) is kept from the base profile (not measured)")
+    return out
 
 
 def check_against(profile: CostProfile, published: PublishedTTFT) -> tuple[float, float]:
@@ -192,12 +249,19 @@ def write_measured_profile(timing_path: Path, base_path: Path, out: Path, name: 
             :func:`measured_profile`.
         OSError: ``out`` cannot be written.
     """
+    if Path(out).resolve() in {Path(timing_path).resolve(), Path(base_path).resolve()}:
+        raise ProfileError(f"--out {out}: would overwrite an input; give another path")
+    if not Path(out).parent.is_dir():
+        raise ProfileError(f"--out {out}: folder {Path(out).parent} does not exist")
     timing = load_layer_timing(timing_path)
     curve = fit_layer_curve(timing.points)
-    profile = measured_profile(load_profile(base_path), timing, curve, name=name, anchor=anchor)
+    base = load_profile(base_path)
+    profile = measured_profile(base, timing, curve, name=name, anchor=anchor)
     layers = timing.shape.layers
+    kept = "b0 re-derived from the anchor, every other figure" if anchor else "every other figure"
     lines = [(f"profile {profile.name}: prefill curve MEASURED on {timing.device} ({timing.dtype}, tp "
-              f"{timing.shape.tp}, {timing.measured_at}), every other figure from {base_path}")]
+              f"{timing.shape.tp}, {timing.measured_at}) for {timing.config}; {kept} from {base_path} "
+              f"({base.model or base.name})")]
     for point, resid in zip(curve.points, curve.relative_residuals, strict=True):
         lines.append(f"  {point.tokens:>9,} tokens: {point.layer_s * 1e3:9.3f} ms per layer, "
                      f"{point.layer_s * layers:8.3f} s for {layers} layers (fit {resid:+.1%}), "
@@ -205,9 +269,12 @@ def write_measured_profile(timing_path: Path, base_path: Path, out: Path, name: 
     lines.append(f"  c(x) = {profile.prefill_a1_s_per_token.value:.4g} x + "
                  f"{profile.prefill_a2_s_per_token2.value:.4g} x^2 s; b0 {profile.b0_default_s.value:.4g} s "
                  f"({'re-derived from the anchor' if anchor else 'from the base profile'})")
+    published: list[tuple[PublishedTTFT, float | None]] = [(anchor, None)] if anchor else []
     if check is not None:
         ttft, err = check_against(profile, check)
+        published.append((check, err))
         lines.append(f"  check: pd-nocache TTFT at {check.tokens:,} tokens {ttft:.3f} s against "
                      f"{check.ttft_s:.3f} s published ({err:+.1%})")
+    lines += [f"  WARNING: {w}" for w in warnings_of(base, timing, curve, published)]
     write_profile(profile, out, "\n".join([f"Written by `turnscope profile-from-timing {timing_path}`.", *lines]))
     return "\n".join([*lines, f"wrote {out}"])
