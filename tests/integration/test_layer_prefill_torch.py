@@ -94,6 +94,7 @@ def test_timings_of_a_small_layer_become_a_profile_the_planner_loads(tmp_path):
     for p in doc["points"]:  # the CLI's table: 4 layers x each median
         assert f"{p['layer_s'] * 4:8.3f} s for 4 layers" in cli.stdout
     assert "WARNING: timed on a CPU" in cli.stdout
+    assert "WARNING: timed on a CPU" in load_profile(out).description  # shown with the profile on the Plan page
     # a plan made with it says where its prefill curve comes from
     trace = REPO / "data" / "traces" / "kv-cache-tester" / "trace_0036.json"
     plan = subprocess.run([sys.executable, "-m", "turnscope.cli", "plan", str(trace), "--profile", str(out),

@@ -240,9 +240,10 @@ def write_profile(profile: CostProfile, path: Path, header: str) -> None:
 def write_measured_profile(timing_path: Path, base_path: Path, out: Path, name: str | None = None,
                            anchor: PublishedTTFT | None = None, check: PublishedTTFT | None = None) -> str:
     """``turnscope profile-from-timing``: read the timings and the base profile, fit, write the
-    measured profile to ``out`` (its header says the same as the returned report) and return the
-    report: each length's time per layer and for the model, the fit's residual, the FLOP rate
-    reached, c(x), b0, and the check's error when ``check`` is given.
+    measured profile to ``out`` (its header says the same as the returned report; the check and
+    the warnings also end its ``description``) and return the report: each length's time per layer
+    and for the model, the fit's residual, the FLOP rate reached, c(x), b0, the check's error when
+    ``check`` is given, and :func:`warnings_of`.
 
     Raises:
         ProfileError: as :func:`load_layer_timing`, ``load_profile``, :func:`fit_layer_curve` and
@@ -275,6 +276,11 @@ def write_measured_profile(timing_path: Path, base_path: Path, out: Path, name: 
         published.append((check, err))
         lines.append(f"  check: pd-nocache TTFT at {check.tokens:,} tokens {ttft:.3f} s against "
                      f"{check.ttft_s:.3f} s published ({err:+.1%})")
-    lines += [f"  WARNING: {w}" for w in warnings_of(base, timing, curve, published)]
+    warnings = warnings_of(base, timing, curve, published)
+    lines += [f"  WARNING: {w}" for w in warnings]
+    # the check and the warnings travel with the profile (the Plan page shows its fields, not this header)
+    said = [line.strip() for line in lines if line.lstrip().startswith(("check:", "WARNING:"))]
+    if said:
+        profile = profile.model_copy(update={"description": " ".join([profile.description, *said])})
     write_profile(profile, out, "\n".join([f"Written by `turnscope profile-from-timing {timing_path}`.", *lines]))
     return "\n".join([*lines, f"wrote {out}"])
