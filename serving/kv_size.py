@@ -35,11 +35,27 @@ class KVSizeError(ValueError):
     """A config.json whose KV size cannot be computed; the message names the file and field."""
 
 
-def _int_field(cfg: dict, name: str, where: str) -> int:
+def positive_int_field(cfg: dict, name: str, where: str, error: type[ValueError] = KVSizeError) -> int:
+    """``cfg[name]`` of a config.json, which must be a positive integer.
+
+    Raises:
+        error: the field is missing or not a positive integer (the message names ``where`` and it).
+    """
     value = cfg.get(name)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise KVSizeError(f"{where}: field {name!r} must be a positive integer, got {value!r}")
+        raise error(f"{where}: field {name!r} must be a positive integer, got {value!r}")
     return value
+
+
+def windowed_layers(cfg: dict) -> str | None:
+    """What makes some of ``cfg``'s layers not full attention, as ``field 'sliding_window' = 4096``
+    or ``field 'layer_types' has sliding_attention layers``; None when every layer attends to the
+    whole context (a ``sliding_window`` with ``use_sliding_window: false`` is not in use)."""
+    window = cfg.get("sliding_window")
+    if window and cfg.get("use_sliding_window", True) is not False:
+        return f"field 'sliding_window' = {window}"
+    other = sorted({str(t) for t in cfg.get("layer_types") or []} - {"full_attention"})
+    return f"field 'layer_types' has {', '.join(other)} layers" if other else None
 
 
 def _dtype_bytes(dtype: object, where: str) -> int:
@@ -63,33 +79,27 @@ def kv_bytes_per_token_of_config(cfg: dict, kv_dtype: str | None = None, where: 
             non-positive shape field, or an unknown dtype; the message names ``where`` and the field.
     """
     cfg = cfg.get("text_config", cfg)
-    window = cfg.get("sliding_window")
-    if window and cfg.get("use_sliding_window", True) is not False:
-        raise KVSizeError(f"{where}: field 'sliding_window' = {window}: sliding-window layers hold only the "
-                          "last window's tokens, so bytes per token depend on context length; not modelled")
-    layer_types = cfg.get("layer_types")
-    if layer_types:
-        other = sorted({str(t) for t in layer_types} - {"full_attention"})
-        if other:
-            raise KVSizeError(f"{where}: field 'layer_types' has {', '.join(other)} layers: only full-attention "
-                              "layers are modelled (a sliding or linear layer's KV does not grow per token)")
+    windowed = windowed_layers(cfg)
+    if windowed:
+        raise KVSizeError(f"{where}: {windowed}: only full-attention layers are modelled (a sliding-window or "
+                          "linear layer's KV does not grow per token, so bytes per token depend on context length)")
     if cfg.get("index_head_dim"):
         raise KVSizeError(f"{where}: field 'index_head_dim': DeepSeek sparse attention keeps an indexer cache "
                           "next to the MLA latent; its size is not modelled")
-    layers = _int_field(cfg, "num_hidden_layers", where)
+    layers = positive_int_field(cfg, "num_hidden_layers", where)
     dtype = kv_dtype or cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
     if cfg.get("kv_lora_rank"):
-        rank = _int_field(cfg, "kv_lora_rank", where)
-        rope = _int_field(cfg, "qk_rope_head_dim", where)
+        rank = positive_int_field(cfg, "kv_lora_rank", where)
+        rope = positive_int_field(cfg, "qk_rope_head_dim", where)
         if dtype == "fp8_ds_mla":
             return layers * FP8_DS_MLA_BYTES_PER_LAYER
         return layers * (rank + rope) * _dtype_bytes(dtype, where)
-    heads = _int_field(cfg, "num_attention_heads", where)
-    kv_heads = _int_field(cfg, "num_key_value_heads", where) if cfg.get("num_key_value_heads") else heads
+    heads = positive_int_field(cfg, "num_attention_heads", where)
+    kv_heads = positive_int_field(cfg, "num_key_value_heads", where) if cfg.get("num_key_value_heads") else heads
     if cfg.get("head_dim"):
-        head_dim = _int_field(cfg, "head_dim", where)
+        head_dim = positive_int_field(cfg, "head_dim", where)
     else:
-        head_dim = _int_field(cfg, "hidden_size", where) // heads
+        head_dim = positive_int_field(cfg, "hidden_size", where) // heads
     return layers * kv_heads * head_dim * 2 * _dtype_bytes(dtype, where)
 
 

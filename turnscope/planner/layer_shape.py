@@ -15,7 +15,7 @@ timed SiLU-gated whatever ``hidden_act`` says (an elementwise op: its cost is no
 
 Refused, with :class:`LayerShapeError` naming the file and field: mixture-of-experts layers
 (``num_experts``, ``num_local_experts``, ``n_routed_experts``: a token's cost depends on routing),
-multi-head latent attention (``kv_lora_rank``), sliding-window and hybrid layers (as
+multi-head latent attention (``kv_lora_rank``), sliding-window and hybrid layers (``serving.kv_size.windowed_layers``, as
 :mod:`serving.kv_size` refuses them), query heads or MLP width that ``tp`` does not divide, KV
 heads and ``tp`` neither of which divides the other, and a missing ``head_dim`` that the width
 does not give. Q/K/V biases (Qwen2) are left out of the shape: one addition per output.
@@ -24,6 +24,8 @@ does not give. Q/K/V biases (Qwen2) are left out of the shape: one addition per 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from serving.kv_size import positive_int_field, windowed_layers
 
 #: The JSON format ``bench/layer_prefill.py`` writes and :mod:`turnscope.planner.layer_timing` reads.
 LAYER_TIMING_FORMAT = "turnscope-layer-timing/1"
@@ -36,10 +38,7 @@ class LayerShapeError(ValueError):
 
 
 def _positive_int(cfg: dict, name: str, where: str) -> int:
-    value = cfg.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise LayerShapeError(f"{where}: field {name!r} must be a positive integer, got {value!r}")
-    return value
+    return positive_int_field(cfg, name, where, LayerShapeError)
 
 
 @dataclass(frozen=True)
@@ -78,14 +77,10 @@ class DecoderLayerShape:
         if cfg.get("kv_lora_rank"):
             raise LayerShapeError(f"{where}: field 'kv_lora_rank': multi-head latent attention is not timed; "
                                   "only standard (MHA/GQA/MQA) attention is")
-        window = cfg.get("sliding_window")
-        if window and cfg.get("use_sliding_window", True) is not False:
-            raise LayerShapeError(f"{where}: field 'sliding_window' = {window}: sliding-window attention is not "
-                                  "timed (its cost stops growing past the window)")
-        other = sorted({str(t) for t in cfg.get("layer_types") or []} - {"full_attention"})
-        if other:
-            raise LayerShapeError(f"{where}: field 'layer_types' has {', '.join(other)} layers: only "
-                                  "full-attention layers are timed")
+        windowed = windowed_layers(cfg)
+        if windowed:
+            raise LayerShapeError(f"{where}: {windowed}: only full-attention layers are timed (a sliding-window "
+                                  "layer's cost stops growing past the window)")
         hidden = _positive_int(cfg, "hidden_size", where)
         heads = _positive_int(cfg, "num_attention_heads", where)
         kv_heads = _positive_int(cfg, "num_key_value_heads", where) if "num_key_value_heads" in cfg else heads
