@@ -89,10 +89,6 @@ class LayerCurve:
     points: tuple[TimingPoint, ...]
     relative_residuals: tuple[float, ...]
 
-    def layer_s(self, tokens: float) -> float:
-        """Seconds of one layer's prefill of ``tokens`` tokens."""
-        return self.a1_s * tokens + self.a2_s * tokens * tokens
-
 
 def fit_layer_curve(points: list[TimingPoint]) -> LayerCurve:
     """Fit t(x) = a1 x + a2 x^2 with a1, a2 >= 0 minimising the relative error (each point's row
