@@ -87,21 +87,23 @@ class SessionsNeeded:
 
     def sentence(self) -> str:
         """One line for a page or the CLI."""
+        # a speed-up that reads 1.00x gets more digits, so a count in the hundreds of thousands says why
+        shown = f"{self.observed_effect:.2f}x" if round(self.observed_effect, 2) != 1 else f"{self.observed_effect:.4f}x"
         obs = (
-            f"about {self.observed} sessions per side would settle the observed {self.observed_effect:.2f}x"
+            f"about {self.observed:,} sessions per side would settle the observed {shown}"
             if self.observed is not None
             else "the observed speed-up is exactly 1"
         )
         pct = round((self.smaller_effect - 1) * 100)
         return (
-            f"Forecast: {obs}, {self.smaller} for a {pct}% speed-up ({self.smaller_effect:.2f}x) "
+            f"Forecast: {obs}, {self.smaller:,} for a {pct}% speed-up ({self.smaller_effect:.2f}x) "
             f"(the 95% CI excluding 1 in {POWER:.0%} of reruns, at this run's spread)."
         )
 
     def short(self) -> str:
         """The counts alone, for a table cell: ``need ~N/side (M for 1.10x)``."""
-        obs = "n/a" if self.observed is None else f"~{self.observed}"
-        return f"need {obs}/side ({self.smaller} for {self.smaller_effect:.2f}x)"
+        obs = "n/a" if self.observed is None else f"~{self.observed:,}"
+        return f"need {obs}/side ({self.smaller:,} for {self.smaller_effect:.2f}x)"
 
 
 def sessions_needed(s: Speedup, sessions_treatment: int, sessions_baseline: int,

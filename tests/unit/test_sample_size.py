@@ -87,7 +87,17 @@ def test_forecast_only_for_undecided_headlines():
     need = headline.sessions_needed(undecided)
     assert need is not None and need.observed > 3 and need.smaller > need.observed  # 10% < 1/0.85 - 1
     assert need.sentence() in headline.verdict(undecided)
-    assert "Forecast:" in need.sentence() and f"{need.observed} sessions per side" in need.sentence()
+    assert "Forecast:" in need.sentence() and f"{need.observed:,} sessions per side" in need.sentence()
+
+
+def test_a_forecast_of_an_effect_that_reads_one_shows_why_its_count_is_large():
+    from dashboard.sample_size import SessionsNeeded
+
+    need = SessionsNeeded(observed_effect=1.003, observed=330011, smaller=588)
+    assert need.sentence().startswith("Forecast: about 330,011 sessions per side would settle the observed 1.0030x, "
+                                      "588 for a 10% speed-up (1.10x)")
+    assert need.short() == "need ~330,011/side (588 for 1.10x)"
+    assert "observed 0.85x" in SessionsNeeded(observed_effect=0.85, observed=66, smaller=205).sentence()
 
 
 def test_cli_bottom_line_carries_the_forecast_of_an_undecided_comparison():
