@@ -123,9 +123,10 @@ CREATE TABLE traffic_requests (
     output_tokens         BIGINT NOT NULL,
     shared_prefix_tokens  BIGINT NOT NULL,    -- prefix of the session's previous request (0 first)
     server_s              DOUBLE,
-    gap_s                 DOUBLE,             -- previous request's end -> this arrival
+    gap_s                 DOUBLE,             -- previous request's end -> this arrival, in [0, start to start]
     gap_kind              VARCHAR,            -- tool | think | pause | NULL
-    tool_s                DOUBLE
+    tool_s                DOUBLE,
+    gap_estimated         BOOLEAN             -- the trace does not say when the previous request ended
 );
 
 -- Planner forecasts (`turnscope plan`, docs/planner.md): one plan_log row per plan, its rows under
@@ -412,15 +413,16 @@ WHERE json_extract_string(workload_spec, '$.sweep.id') IS NOT NULL;
 
 -- Traffic reports -----------------------------------------------------------------------------
 
--- Every follow-up request (request_index > 0) with its gap: the trace's own gap (end of the
--- previous request to this arrival, gap_basis 'end') or, where the trace has no server time
--- (Mooncake), the arrival-to-arrival gap, an upper bound of the idle time (gap_basis 'arrival').
+-- Every follow-up request (request_index > 0) with its gap (end of the previous request to this
+-- arrival), gap_estimated where the trace does not say when the previous request ended (the
+-- reader's estimate, within [0, start to start]; docs/workloads.md "Gaps"). A row written without
+-- a gap (a report of an older turnscope) gets the arrival-to-arrival upper bound, estimated.
 CREATE VIEW traffic_followups AS
 SELECT * FROM (
     SELECT traffic_id, format, source, session_id, parent_session_id, request_index, arrival_s,
            input_tokens, shared_prefix_tokens, coalesce(gap_kind, 'unknown') AS gap_kind, tool_s,
            coalesce(gap_s, arrival_s - lag(arrival_s) OVER w) AS gap_s,
-           CASE WHEN gap_s IS NOT NULL THEN 'end' ELSE 'arrival' END AS gap_basis
+           coalesce(gap_estimated, gap_s IS NULL) AS gap_estimated
     FROM traffic_requests
     WINDOW w AS (PARTITION BY traffic_id, source, session_id ORDER BY request_index)
 ) WHERE request_index > 0 AND gap_s IS NOT NULL;
@@ -444,10 +446,12 @@ SELECT t.traffic_id, k.gap_kind, t.ttl_s, t.configured,
 FROM ttls t JOIN k USING (traffic_id)
 GROUP BY ALL;
 
--- Gap percentiles per gap kind (quantile_cont: linear interpolation), and the tool part of gaps
--- where the trace says (tool_s over tool_known_gap_s: TraceLab's tool wall latencies).
+-- Gap percentiles per gap kind (quantile_cont: linear interpolation), how many of the gaps are
+-- estimates, and the tool part of gaps where the trace says (tool_s over tool_known_gap_s:
+-- TraceLab's tool wall latencies).
 CREATE VIEW traffic_gaps AS
 SELECT traffic_id, gap_kind, count(*) AS follow_ups,
+       count(*) FILTER (WHERE gap_estimated) AS estimated_gaps,
        quantile_cont(gap_s, 0.5) AS gap_p50_s, quantile_cont(gap_s, 0.9) AS gap_p90_s,
        quantile_cont(gap_s, 0.99) AS gap_p99_s, max(gap_s) AS gap_max_s,
        sum(tool_s) AS tool_s, sum(gap_s) FILTER (WHERE tool_s IS NOT NULL) AS tool_known_gap_s

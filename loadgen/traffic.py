@@ -46,7 +46,7 @@ BATCH_ROWS = 65_536
 #: DuckDB's memory limit for the report's queries (it spills to disk past it).
 QUERY_MEMORY_LIMIT = "256MB"
 _FIELDS = ("source", "session_id", "parent_session_id", "request_index", "arrival_s", "input_tokens",
-           "output_tokens", "shared_prefix_tokens", "server_s", "gap_s", "gap_kind", "tool_s")
+           "output_tokens", "shared_prefix_tokens", "server_s", "gap_s", "gap_kind", "tool_s", "gap_estimated")
 
 
 def new_traffic_id() -> str:
@@ -177,11 +177,15 @@ class TrafficReport:
                        f"were a prefix of the session's previous request ({_n(r['new_tokens'])} new); "
                        f"{_pct(r['reusable_in_ttl_share'])} also within the {s['ttl_s']:g} s TTL and "
                        f">= {s['recompute_threshold_tokens']} tokens")
-        out.append("  gaps (end of one request -> next of the session), seconds:")
+        every = [g for g in self.gaps if g["gap_kind"] == "all"]
+        estimated = every[0]["estimated_gaps"] if every else 0
+        out.append(f"  gaps (end of one request -> next of the session), seconds; {estimated} gaps estimated "
+                   f"(the trace does not say when the previous request ended: docs/workloads.md, \"Gaps\"):")
         for g in self.gaps:
             tool = (f", in tools {_pct(g['tool_s'] / g['tool_known_gap_s'])} (where the trace says)"
                     if g["tool_s"] is not None and g["tool_known_gap_s"] else "")
-            out.append(f"    {g['gap_kind']:8s} {g['follow_ups']:7d} follow-ups: p50 {g['gap_p50_s']:.1f}, "
+            est = f" ({g['estimated_gaps']} estimated)" if g["estimated_gaps"] else ""
+            out.append(f"    {g['gap_kind']:8s} {g['follow_ups']:7d} follow-ups{est}: p50 {g['gap_p50_s']:.1f}, "
                        f"p90 {g['gap_p90_s']:.1f}, p99 {g['gap_p99_s']:.1f}, max {g['gap_max_s']:.1f}{tool}")
         kinds = sorted({t["gap_kind"] for t in self.ttl})
         ttls = sorted({(t["ttl_s"], t["configured"]) for t in self.ttl})

@@ -40,8 +40,8 @@ def ttl(con: duckdb.DuckDBPyConnection, traffic_id: str) -> pd.DataFrame:
 
 
 def gaps(con: duckdb.DuckDBPyConnection, traffic_id: str) -> pd.DataFrame:
-    """Every follow-up's gap and kind (for the distribution), seconds."""
-    return con.execute("SELECT gap_kind, gap_s, gap_basis FROM traffic_followups WHERE traffic_id = ?",
+    """Every follow-up's gap and kind (for the distribution), seconds, and whether it is estimated."""
+    return con.execute("SELECT gap_kind, gap_s, gap_estimated FROM traffic_followups WHERE traffic_id = ?",
                        [traffic_id]).df()
 
 

@@ -33,7 +33,12 @@ class AgentRequest:
       of recomputing (before the recompute threshold and block rounding are applied).
     * ``server_s``: the server's time for the request (prefill + decode) if the trace records it.
     * ``gap_s``: seconds from the end of the session's previous request to this arrival (the
-      client's time: tool calls, the human, pauses); ``None`` for a first request or when unknown.
+      client's time: tool calls, the human, pauses); ``None`` for a first request only. Every
+      reader keeps it within ``[0, arrival_s - previous arrival_s]`` (:func:`bounded_gap`): the
+      previous request ended no earlier than it started and no later than this one arrived.
+    * ``gap_estimated``: True when the trace does not say when the previous request ended, so
+      ``gap_s`` is an estimate within those bounds (the rule per format: docs/workloads.md,
+      "Gaps"); False for a measured gap and for a first request.
     * ``tool_s``: the part of ``gap_s`` spent in tools, when the trace says; ``None`` otherwise.
     * ``gap_kind``: what ended the gap, in the vocabulary of ``turns.gap_kind`` (docs/schema.md):
       ``tool`` (the prompt ends with tool results: the gap was a tool's run plus the client's
@@ -57,9 +62,27 @@ class AgentRequest:
     gap_s: float | None = None
     tool_s: float | None = None
     gap_kind: str | None = None
+    gap_estimated: bool = False
 
     @property
     def new_tokens(self) -> int:
         """Prompt tokens not shared with the session's previous request (what must be prefilled
         even when the whole shared prefix is reused)."""
         return self.input_tokens - self.shared_prefix_tokens
+
+
+def bounded_gap(gap_s: float, start_to_start_s: float) -> float:
+    """``gap_s`` clipped to ``[0, start_to_start_s]``, seconds.
+
+    A session's requests are sequential: the previous request ended after it started and before
+    this one arrived, so the client's time between them lies within ``[0, start_to_start_s]``,
+    where ``start_to_start_s`` is this request's ``arrival_s`` minus the previous one's (computed
+    from those two floats, so the bound holds exactly on the records). A measured gap leaves it
+    only by rounding of the trace's times (integer seconds against a server time in hundredths).
+
+    Raises:
+        ValueError: ``start_to_start_s`` < 0 (the requests are out of order).
+    """
+    if start_to_start_s < 0:
+        raise ValueError(f"start_to_start_s must be >= 0 (requests in arrival order), got {start_to_start_s}")
+    return min(max(gap_s, 0.0), start_to_start_s)

@@ -6,8 +6,8 @@ Formats (``FORMATS``) and what they give:
   :mod:`loadgen.traces.tracelab`, :mod:`loadgen.traces.recorded_runs`;
 * ``mooncake``: sessions inferred from the hash chains (:func:`loadgen.traces.mooncake.infer_sessions`);
   shared prefix = common leading 512-token hash ids with the session's previous request x 512,
-  capped by both prompts' lengths; no server time, so ``gap_s`` is ``None`` (the report falls back
-  to arrival-to-arrival gaps, an upper bound of the idle time);
+  capped by both prompts' lengths; no server time, so ``gap_s`` is the arrival-to-arrival upper
+  bound of the idle time, ``gap_estimated`` True (docs/workloads.md, "Gaps");
 * ``azure``: every row a one-request session (the trace has no session ids).
 
 :func:`detect_format` picks the format from the path: a directory holding ``turnscope.duckdb``
@@ -22,7 +22,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from loadgen.traces.agent_request import AgentRequest
+from loadgen.traces.agent_request import AgentRequest, bounded_gap
 from loadgen.traces.errors import TraceFormatError
 from loadgen.traces.kv_cache_tester import common_leading
 
@@ -74,15 +74,20 @@ def _mooncake(path: Path) -> Iterator[AgentRequest]:
     for s in sessions:
         sid = f"m{s.requests[0]}"
         prev = None
+        prev_arrival = 0.0
         for k, i in enumerate(s.requests):
             r = reqs[i]
+            arrival = r.timestamp_ms / 1000.0
             shared = 0
+            gap = None
             if prev is not None:
                 shared = min(r.input_length, prev.input_length,
                              common_leading(list(prev.hash_ids), list(r.hash_ids)) * BLOCK_TOKENS)
-            yield AgentRequest(source, sid, k, r.timestamp_ms / 1000.0, r.input_length, r.output_length,
-                               shared_prefix_tokens=shared)
+                gap = bounded_gap(arrival - prev_arrival, arrival - prev_arrival)  # no server time: the bound
+            yield AgentRequest(source, sid, k, arrival, r.input_length, r.output_length,
+                               shared_prefix_tokens=shared, gap_s=gap, gap_estimated=prev is not None)
             prev = r
+            prev_arrival = arrival
 
 
 def _azure(path: Path) -> Iterator[AgentRequest]:

@@ -13,15 +13,23 @@ conversation with ``id``, ``block_size`` (64) and ``requests``, a list of
 * sub-agents: ``{"type": "subagent", "t", "agent_id", "requests": [...]}``, ``t`` on the parent's
   clock, its requests' ``t`` relative to the sub-agent's own start (nesting allowed).
 
-What is read (docs/workloads.md, issue 13):
+What is read (docs/workloads.md):
 
 * every conversation is a session (id: the trace's ``id``); every sub-agent is a session of its
   own (``<parent session>/<agent_id>``), starting at the parent's clock ``t`` plus its own offset
   and running concurrently with the parent (``parent_session_id`` names the parent);
 * ``arrival_s`` = the sub-agent offsets plus ``t``, one clock per file (the conversation's start);
 * ``server_s`` = ``api_time``; ``gap_s`` = ``t - (t_prev + api_time_prev)`` (the client's time: a
-  tool or the human), clipped at 0; when the previous request has no ``api_time`` the request's
-  own ``think_time`` is the gap (the trace's own split), else ``None``;
+  tool or the human), clipped to ``[0, t - t_prev]`` (``t`` is in whole seconds, ``api_time`` in
+  hundredths, so the difference can dip below 0);
+* when the previous request has no ``api_time`` (a streamed request, often) the trace does not
+  say when it ended: ``gap_s`` = ``t - t_prev``, the start-to-start upper bound, with
+  ``gap_estimated`` True. ``think_time`` is not used: it counts from the end of the last request
+  that *had* an ``api_time`` (on the 24 shipped traces, within a second in all 101 such cases),
+  so after a run of streamed requests it exceeds the time between the two requests (trace_0183:
+  445 s for requests 31 s apart). The upper bound is the rule that never credits reuse the
+  trace does not prove: a follow-up counted within a TTL is within it whatever the previous
+  request's server time was (docs/workloads.md, "Gaps");
 * ``shared_prefix_tokens`` = (leading hash ids in common with the session's previous request) x
   ``block_size``, capped by ``in``: the prompt tokens the previous request already held, exact to
   the block (the partial last block has no id, so up to ``block_size - 1`` more may be shared);
@@ -39,7 +47,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from loadgen.traces.agent_request import AgentRequest
+from loadgen.traces.agent_request import AgentRequest, bounded_gap
 from loadgen.traces.errors import TraceFormatError
 
 #: The shipped copies (Apache-2.0, see data/traces/SOURCES.md).
@@ -172,7 +180,7 @@ class _FileReader:
                     raise _FieldError(f"hash_ids: expected {n_in // self.block} ids (one per full "
                                       f"{self.block}-token block of in={n_in}), got {len(ids)}")
                 api = _num(r, "api_time", required=False)
-                think = _num(r, "think_time", required=False)
+                _num(r, "think_time", required=False)  # validated; not read (see the module doc)
                 if prev is not None and t < prev_t:
                     raise _FieldError(f"t: {t} is before the previous request's {prev_t} "
                                       f"(expected non-decreasing times within a session)")
@@ -181,16 +189,20 @@ class _FileReader:
                     raise _FieldError(f"input_types: expected a list of strings, got {types!r:.60}")
             except _FieldError as e:
                 raise TraceFormatError(f"{self.path}: {where}[{i}]: {e}") from None
+            arrival = base_s + t
             if prev is None:
                 gap = None
                 shared = 0
                 kind = None
+                estimated = False
             else:
-                gap = max(0.0, t - prev_t - prev_api) if prev_api is not None else think
+                start_to_start = arrival - (base_s + prev_t)
+                estimated = prev_api is None
+                gap = bounded_gap(start_to_start if estimated else t - prev_t - prev_api, start_to_start)
                 shared = min(n_in, common_leading(prev_ids, ids) * self.block)
                 kind = "tool" if "tool_result" in types else "think"
-            out.append(AgentRequest(self.source, sid, index, base_s + t, n_in, n_out, shared, parent, api, gap,
-                                    None, kind))
+            out.append(AgentRequest(self.source, sid, index, arrival, n_in, n_out, shared, parent, api, gap,
+                                    None, kind, estimated))
             index += 1
             prev = r
             prev_t = t

@@ -12,8 +12,12 @@ Per turn row (one run = one source ``run:<run_id>``, one clock: seconds since th
 * ``shared_prefix_tokens`` = ``expected_reusable_tokens`` (the longest common prefix of the previous
   request's prompt + output ids and this prompt's ids, computed by the client), else 0;
 * ``server_s`` = ``e2e_s``; ``gap_s`` = this ``sent_at`` minus the previous turn's ``sent_at`` +
-  ``e2e_s`` (the measured client time), clipped at 0, else the planned ``gap_before_s``;
-  ``gap_kind`` = ``turns.gap_kind`` (``none`` -> None), ``tool_s`` = ``gap_s`` for ``tool`` gaps.
+  ``e2e_s`` (the measured client time), clipped to ``[0, start to start]``
+  (:func:`~loadgen.traces.agent_request.bounded_gap`). When the previous turn has no ``e2e_s`` (it
+  failed or timed out) its end is not recorded: ``gap_s`` is the planned ``gap_before_s`` (what the
+  client waits after a turn ends, failed or not), else the start-to-start bound, clipped the same
+  way, with ``gap_estimated`` True;
+* ``gap_kind`` = ``turns.gap_kind`` (``none`` -> None), ``tool_s`` = ``gap_s`` for ``tool`` gaps.
 
 Reads through the store's DuckDB views (read-only), so it works on a store other writers are
 appending to.
@@ -24,26 +28,39 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from loadgen.traces.agent_request import AgentRequest
+from loadgen.traces.agent_request import AgentRequest, bounded_gap
 from turnscope.store import Store
 
 FORMAT = "run"
 
 _SQL = """
-SELECT run_id, session_id, turn_index,
-       epoch(sent_at) - epoch(min(sent_at) OVER (PARTITION BY run_id)) AS arrival_s,
-       coalesce(prompt_tokens, 0) AS input_tokens,
-       coalesce(completion_tokens, 0) AS output_tokens,
-       coalesce(expected_reusable_tokens, 0) AS shared_prefix_tokens,
-       e2e_s,
-       epoch(sent_at) - epoch(lag(sent_at) OVER s) - lag(e2e_s) OVER s AS measured_gap_s,
-       gap_before_s, gap_kind,
-       (lag(sent_at) OVER s) IS NULL AS first
-FROM turns
-WHERE sent_at IS NOT NULL {where}
+SELECT run_id, session_id, turn_index, arrival_s, input_tokens, output_tokens, shared_prefix_tokens, e2e_s,
+       measured_gap_s, gap_before_s, gap_kind, lag(arrival_s) OVER s AS prev_arrival_s
+FROM (
+    SELECT run_id, session_id, turn_index,
+           epoch(sent_at) - epoch(min(sent_at) OVER (PARTITION BY run_id)) AS arrival_s,
+           coalesce(prompt_tokens, 0) AS input_tokens,
+           coalesce(completion_tokens, 0) AS output_tokens,
+           coalesce(expected_reusable_tokens, 0) AS shared_prefix_tokens,
+           e2e_s,
+           epoch(sent_at) - epoch(lag(sent_at) OVER s) - lag(e2e_s) OVER s AS measured_gap_s,
+           gap_before_s, gap_kind
+    FROM turns
+    WHERE sent_at IS NOT NULL {where}
+    WINDOW s AS (PARTITION BY run_id, session_id ORDER BY turn_index)
+)
 WINDOW s AS (PARTITION BY run_id, session_id ORDER BY turn_index)
 ORDER BY run_id, arrival_s, session_id, turn_index
 """
+
+
+def _gap(arrival_s: float, prev_arrival_s: float, measured_s: float | None,
+         planned_s: float | None) -> tuple[float, bool]:
+    """(gap_s, gap_estimated) of a follow-up turn, seconds (see the module doc)."""
+    start_to_start = arrival_s - prev_arrival_s
+    if measured_s is not None:
+        return bounded_gap(measured_s, start_to_start), False
+    return bounded_gap(start_to_start if planned_s is None else planned_s, start_to_start), True
 
 
 def iter_recorded_runs(store_root: Path | str, run_ids: Sequence[str] | None = None) -> Iterator[AgentRequest]:
@@ -69,13 +86,15 @@ def iter_recorded_runs(store_root: Path | str, run_ids: Sequence[str] | None = N
     try:
         cur = con.execute(_SQL.format(where=where), params)
         while batch := cur.fetchmany(10_000):
-            for (run_id, sid, ti, arr, n_in, n_out, shared, e2e, mgap, planned, gkind, first) in batch:
-                gap = None if first else (max(0.0, mgap) if mgap is not None else planned)
+            for (run_id, sid, ti, arr, n_in, n_out, shared, e2e, mgap, planned, gkind, prev_arr) in batch:
+                first = prev_arr is None
+                gap, estimated = (None, False) if first else _gap(float(arr), float(prev_arr), mgap, planned)
                 kind = None if first or gkind in (None, "none") else gkind
                 yield AgentRequest(
                     source=f"run:{run_id}", session_id=sid, request_index=int(ti), arrival_s=float(arr),
                     input_tokens=int(n_in), output_tokens=int(n_out), shared_prefix_tokens=int(shared),
                     server_s=e2e, gap_s=gap, tool_s=gap if kind == "tool" else None, gap_kind=kind,
+                    gap_estimated=estimated,
                 )
     finally:
         con.close()

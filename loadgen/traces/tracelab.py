@@ -13,13 +13,15 @@ File format (``example_sessions/derived/round_trace.jsonl`` of uw-syfi/TraceLab,
 * ``tools``: ``[{tool_call_id, emitted_at, tool_wall_latency_ms, result_at}]``, the tools the
   round's reply called.
 
-What is read (issue 13):
+What is read (docs/workloads.md):
 
 * sessions by ``session_id``, requests by ``round_index``;
 * ``arrival_s``: the last input event (the request goes out once every tool result is in), seconds
   since the earliest arrival in the file (one clock per file: sessions recorded months apart stay
   months apart); ``server_s``: arrival to the round's last event (the call's end);
-* ``gap_s``: the previous round's end to this arrival, clipped at 0; ``tool_s``: the part of it
+* ``gap_s``: the previous round's end to this arrival, clipped to ``[0, start to start]``
+  (:func:`~loadgen.traces.agent_request.bounded_gap`; every round's events say when it ended, so
+  no gap is estimated); ``tool_s``: the part of it
   covered by the previous round's tools (the union of ``[emitted_at, emitted_at +
   tool_wall_latency_ms]`` clipped to the gap), the rest being the client's and the human's time;
 * ``shared_prefix_tokens`` = ``prefix_tokens`` (what the provider's cache held: a lower bound of
@@ -37,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadgen.traces.agent_request import AgentRequest
+from loadgen.traces.agent_request import AgentRequest, bounded_gap
 from loadgen.traces.errors import TraceFormatError
 from loadgen.traces.jsonl import iter_json_objects
 
@@ -169,18 +171,25 @@ def read_tracelab(path: Path | str = DEFAULT_TRACE) -> list[AgentRequest]:
     out: list[AgentRequest] = []
     for sid, sess in rounds.items():
         prev: _Round | None = None
+        prev_arrival = 0.0
         for k, ri in enumerate(sorted(sess)):
             r = sess[ri]
+            arrival = round(r.arrival - t0, 3)
             gap = tool = None
             if prev is not None:
-                gap = round(max(0.0, r.arrival - prev.end), 3)
-                tool = round(_covered(prev.tools, prev.end, r.arrival), 3) if gap > 0 else 0.0
+                if arrival < prev_arrival:
+                    raise TraceFormatError(f"{path}:{r.lineno}: timing_events: round {ri} of session {sid} "
+                                           f"arrives before round {prev.round_index} (line {prev.lineno}); "
+                                           f"expected arrivals in round_index order")
+                gap = bounded_gap(round(r.arrival - prev.end, 3), arrival - prev_arrival)
+                tool = min(round(_covered(prev.tools, prev.end, r.arrival), 3), gap) if gap > 0 else 0.0
             out.append(AgentRequest(
-                source=f"tracelab:{path.stem}", session_id=sid, request_index=k, arrival_s=round(r.arrival - t0, 3),
+                source=f"tracelab:{path.stem}", session_id=sid, request_index=k, arrival_s=arrival,
                 input_tokens=r.input_tokens, output_tokens=r.output_tokens,
                 shared_prefix_tokens=r.prefix_tokens, server_s=round(r.end - r.arrival, 3), gap_s=gap, tool_s=tool,
                 gap_kind=None if prev is None else ("tool" if r.first_input == "tool_result" else "think"),
             ))
             prev = r
+            prev_arrival = arrival
     out.sort(key=lambda a: (a.arrival_s, a.session_id, a.request_index))
     return out

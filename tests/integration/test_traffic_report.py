@@ -1,7 +1,7 @@
 """`turnscope traffic` on the shipped traces, through the CLI and the store's views.
 
 Truths come from plain ``json`` walks of the files (tests/unit/test_agent_traces.py's hand route:
-the trace's own ``think_time`` for gaps, element-by-element hash comparison for shared prefixes,
+``t`` and ``api_time`` for gaps (start to start where ``api_time`` is missing), element-by-element hash comparison for shared prefixes,
 sub-agent intervals from ``t`` and ``api_time``), not from the reader or the views.
 """
 
@@ -38,7 +38,7 @@ def report(tmp_path_factory):
 def test_counts_and_ttl_share(report):
     con, tid, out = report
     t = [truth(p) for p in TRACES]
-    sessions, requests, within = (sum(x[k] for x in t) for k in ("sessions", "requests", "within_ttl_or_bound"))
+    sessions, requests, within = (sum(x[k] for x in t) for k in ("sessions", "requests", "within_ttl"))
     assert (sessions, requests) == (35, 740)
     got = con.execute("SELECT count(*), sum(requests) FROM traffic_sessions WHERE traffic_id = ?", [tid]).fetchone()
     assert got == (sessions, requests)

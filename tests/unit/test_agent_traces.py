@@ -1,7 +1,7 @@
 """Readers of real agent traffic: kv-cache-tester and TraceLab (loadgen/traces/, AgentRequest).
 
 Truths are computed here by another route than the readers': plain ``json`` and hand logic that
-walks the files (gaps from the trace's own ``think_time`` split, shared prefixes by a naive
+walks the files (gaps from ``t`` and ``api_time``, shared prefixes by a naive
 element-by-element comparison), plus a few hand-read literal values from the files (named in each
 test) and hand-made files for the error cases.
 """
@@ -41,26 +41,25 @@ def walk(items: list[dict], out: list[list[dict]]) -> None:
 
 
 def truth(path: Path) -> dict[str, int]:
-    """Sessions, requests and follow-ups within 480 s of one file, by the trace's own think_time.
+    """Sessions, requests, follow-ups within 480 s and estimated gaps of one file, by hand.
 
-    A follow-up's client time is the request's ``think_time`` (the trace's split of the interval
-    into server and client time); requests without one are left out of the within-480 count, and
-    out of the reader's count only when the previous request has no ``api_time`` either
-    (``within_ttl_or_bound`` counts those by their arrival-to-arrival gap, an upper bound).
+    A follow-up's gap is ``t - t_prev - api_time_prev`` when the previous request has an
+    ``api_time`` (0 if rounding makes it negative); otherwise the trace does not say when the
+    previous request ended and the gap is bounded by start to start, ``t - t_prev`` (estimated).
+    ``think_time`` is not the gap then: it counts from the last request that had an ``api_time``.
     """
     sessions: list[list[dict]] = []
     walk(json.loads(path.read_text())["requests"], sessions)
-    within = bound = 0
+    within = estimated = 0
     for s in sessions:
         for prev, r in itertools.pairwise(s):
-            if "think_time" in r:
-                within += r["think_time"] <= TTL_S
-            elif "api_time" in prev:
-                within += r["t"] - prev["t"] - prev["api_time"] <= TTL_S
-            else:  # no split known: arrival to arrival bounds the gap from above
-                bound += r["t"] - prev["t"] <= TTL_S
+            if "api_time" in prev:
+                within += max(0.0, r["t"] - prev["t"] - prev["api_time"]) <= TTL_S
+            else:
+                estimated += 1
+                within += r["t"] - prev["t"] <= TTL_S
     return {"sessions": len(sessions), "requests": sum(len(s) for s in sessions), "within_ttl": within,
-            "within_ttl_or_bound": within + bound}
+            "estimated": estimated}
 
 
 @pytest.mark.parametrize("path", TRACES, ids=lambda p: p.stem)
@@ -69,8 +68,10 @@ def test_kv_cache_tester_counts_per_trace(path):
     t = truth(path)
     assert len({r.session_id for r in got}) == t["sessions"]
     assert len(got) == t["requests"]
-    within = sum(1 for r in got if r.gap_s is not None and r.gap_s <= TTL_S)
-    assert within == t["within_ttl"]
+    follow = [r for r in got if r.request_index > 0]
+    assert all(r.gap_s is not None for r in follow)
+    assert sum(1 for r in follow if r.gap_s <= TTL_S) == t["within_ttl"]
+    assert sum(1 for r in got if r.gap_estimated) == t["estimated"]
 
 
 def test_kv_cache_tester_corpus_totals():
