@@ -47,12 +47,15 @@ st.subheader("Gaps against the TTL")
 ttl = load(root, traffic.ttl, tid)
 st.plotly_chart(figs.ttl_shares(ttl), key="traffic_ttl")
 conf = ttl[ttl["configured"] & (ttl["gap_kind"] == "all")]
+gaps = load(root, traffic.gaps, tid)
 if not conf.empty:
     st.caption(f"{100 * conf['share_within_ttl'].iloc[0]:.1f}% of {int(conf['follow_ups'].iloc[0]):,} follow-ups "
                f"arrive within the configured {ttl_s:g} s: their KV would still be on the decode worker. "
-               "A gap is the end of one request to the session's next; Mooncake has no server times, so its "
-               "gaps are arrival to arrival (an upper bound).")
-st.plotly_chart(figs.gap_histogram(load(root, traffic.gaps, tid), ttl_s), key="traffic_gaps")
+               "A gap is the end of one request to the session's next, never longer than start to start; "
+               f"{int(gaps['gap_estimated'].sum()):,} gaps estimated where the trace does not say when the previous "
+               "request ended (start to start, an upper bound: Mooncake, kv-cache-tester after a request "
+               "without api_time).")
+st.plotly_chart(figs.gap_histogram(gaps, ttl_s), key="traffic_gaps")
 
 st.subheader("Reusable vs new input tokens")
 st.plotly_chart(figs.reuse_split(reuse), key="traffic_reuse")

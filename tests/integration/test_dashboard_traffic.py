@@ -11,7 +11,7 @@ from streamlit.testing.v1 import AppTest
 
 from loadgen.traces.kv_cache_tester import DEFAULT_DIR
 from loadgen.traffic import build_report
-from tests.unit.test_agent_traces import TRACES, walk
+from tests.unit.test_agent_traces import TRACES, truth, walk
 from turnscope.store import Store
 
 APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
@@ -35,3 +35,5 @@ def test_traffic_page_without_runs(monkeypatch, tmp_path):
     values = [m.value for m in at.metric]
     assert values[:2] == [f"{sessions:,}", f"{requests:,}"]
     assert len(at.get("plotly_chart")) == 5
+    estimated = sum(truth(p)["estimated"] for p in TRACES)
+    assert any(f"{estimated:,} gaps estimated" in c.value for c in at.caption)

@@ -48,6 +48,21 @@ def test_counts_and_ttl_share(report):
     assert f"{sessions} sessions (11 sub-agents), {requests} requests" in out
 
 
+def test_estimated_gaps_counted(report):
+    """Follow-ups of a request without api_time: their gap is estimated, counted per kind and in
+    the printed report (the plain-json walk's count: 104 of 705, data/traces/kv-cache-tester)."""
+    con, tid, out = report
+    estimated = sum(truth(p)["estimated"] for p in TRACES)
+    assert estimated == 104
+    got = con.execute("SELECT estimated_gaps, follow_ups FROM traffic_gaps WHERE traffic_id = ? AND gap_kind = 'all'",
+                      [tid]).fetchone()
+    assert got == (estimated, 705)
+    assert con.execute("SELECT count(*) FROM traffic_requests WHERE traffic_id = ? AND gap_estimated",
+                       [tid]).fetchone() == (estimated,)
+    assert f"{estimated} gaps estimated" in out
+    assert "705 follow-ups (104 estimated)" in out
+
+
 def test_reusable_share(report):
     con, tid, _ = report
     total = shared = 0
