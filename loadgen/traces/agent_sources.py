@@ -22,7 +22,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from loadgen.traces.agent_request import AgentRequest, bounded_gap
+from loadgen.traces.agent_request import AgentRequest
 from loadgen.traces.errors import TraceFormatError
 from loadgen.traces.kv_cache_tester import common_leading
 
@@ -83,7 +83,7 @@ def _mooncake(path: Path) -> Iterator[AgentRequest]:
             if prev is not None:
                 shared = min(r.input_length, prev.input_length,
                              common_leading(list(prev.hash_ids), list(r.hash_ids)) * BLOCK_TOKENS)
-                gap = bounded_gap(arrival - prev_arrival, arrival - prev_arrival)  # no server time: the bound
+                gap = arrival - prev_arrival  # no server time: the start-to-start bound, estimated
             yield AgentRequest(source, sid, k, arrival, r.input_length, r.output_length,
                                shared_prefix_tokens=shared, gap_s=gap, gap_estimated=prev is not None)
             prev = r
