@@ -26,6 +26,7 @@ import pytest
 
 from loadgen.traces.agent_request import AgentRequest, bounded_gap
 from loadgen.traces.agent_sources import iter_agent_requests
+from loadgen.traces.errors import TraceFormatError
 from loadgen.traces.kv_cache_tester import DEFAULT_DIR, read_kv_cache_tester_file
 from loadgen.traces.recorded_runs import read_recorded_runs
 from turnscope.store import Store
@@ -164,7 +165,34 @@ def _think_times(doc: dict, records: dict) -> dict[tuple[str, int], float | None
     return out
 
 
-# ----------------------------------------------------------------------- Mooncake, recorded runs
+# ----------------------------------------------------------------------- TraceLab, Mooncake, recorded runs
+
+
+def _tracelab_lines() -> list[dict]:
+    return [json.loads(x) for x in (SHIPPED / "tracelab_round_trace.jsonl").read_text().splitlines()[:2]]
+
+
+def test_tracelab_round_ending_after_the_next_arrival_has_gap_zero(tmp_path):
+    """Round 0's last event moved to 05:41:00, after round 1's last tool result (05:40:50.938):
+    the measured gap is 0 (not -9.06 s), and so is its tool part."""
+    r0, r1 = _tracelab_lines()
+    r0["timing_events"].append({"event_type": "text", "timestamp": "2026-06-01T05:41:00.000Z"})
+    p = tmp_path / "r.jsonl"
+    p.write_text("".join(json.dumps(x) + "\n" for x in (r0, r1)))
+    got = list(iter_agent_requests(p, "tracelab"))
+    assert [(r.request_index, r.gap_s, r.tool_s, r.gap_estimated) for r in got] == [
+        (0, None, None, False), (1, 0.0, 0.0, False)]
+
+
+def test_tracelab_rounds_out_of_order_name_the_line(tmp_path):
+    """Lines 1 and 2 with their round_index swapped: round 1 (line 1) arrives before round 0."""
+    r0, r1 = _tracelab_lines()
+    r0["round_index"], r1["round_index"] = 1, 0
+    p = tmp_path / "r.jsonl"
+    p.write_text("".join(json.dumps(x) + "\n" for x in (r0, r1)))
+    with pytest.raises(TraceFormatError, match=r"r\.jsonl:1: timing_events: round 1 of session "
+                                                r"claude:claude-public-example arrives before round 0 \(line 2\)"):
+        list(iter_agent_requests(p, "tracelab"))
 
 
 def test_mooncake_gap_is_start_to_start_estimated(tmp_path):
