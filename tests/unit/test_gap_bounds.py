@@ -22,6 +22,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from loadgen.traces.agent_request import AgentRequest, bounded_gap
@@ -127,6 +128,50 @@ def test_kv_cache_tester_rounding_below_zero_is_zero(tmp_path):
         {"t": 9, "in": 128, "out": 5, "hash_ids": [1, 2], "think_time": 3}]}))
     got = read_kv_cache_tester_file(p)
     assert [(r.gap_s, r.gap_estimated) for r in got] == [(None, False), (0.0, False), (3.0, False)]
+
+
+def _random_requests(rng: np.random.Generator, n: int, depth: int) -> list[dict]:
+    """``n`` requests at whole-second times, api_time missing on about a third, think_time
+    anything (up to 10,000 s), a sub-agent now and then (nested up to ``depth``)."""
+    out, t, ids = [], 0, []
+    for _ in range(n):
+        t += int(rng.integers(0, 40))
+        ids = ids + [int(x) for x in rng.integers(0, 10**6, int(rng.integers(0, 3)))]
+        r = {"t": t, "in": 64 * len(ids) + int(rng.integers(0, 64)), "out": int(rng.integers(1, 500)),
+             "hash_ids": ids, "think_time": float(rng.uniform(0, 10_000))}
+        if rng.random() > 0.35:
+            r["api_time"] = round(float(rng.exponential(15.0)), 2)  # may exceed the time to the next
+        out.append(r)
+        if depth and rng.random() < 0.1:
+            out.append({"type": "subagent", "t": t, "requests": _random_requests(rng, int(rng.integers(1, 6)),
+                                                                                 depth - 1)})
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_kv_cache_tester_traces(tmp_path, seed):
+    """Seeded random traces: every follow-up within its bounds, estimated exactly after a request
+    without api_time (counted here from the generated requests)."""
+    rng = np.random.default_rng(seed)
+    doc = {"id": f"r{seed}", "block_size": 64, "requests": _random_requests(rng, 60, 2)}
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps(doc))
+    got = read_kv_cache_tester_file(p)
+    assert gap_violations(got) == []
+    sessions: list[list[dict]] = []
+    _walk(doc["requests"], sessions)
+    want = sum(1 for s in sessions for prev, _ in itertools.pairwise(s) if "api_time" not in prev)
+    assert sum(r.gap_estimated for r in got) == want
+
+
+def _walk(items: list[dict], out: list[list[dict]]) -> None:
+    mine: list[dict] = []
+    out.append(mine)
+    for r in items:
+        if r.get("type") == "subagent":
+            _walk(r["requests"], out)
+        else:
+            mine.append(r)
 
 
 def test_old_think_time_rule_breaks_the_bound():
