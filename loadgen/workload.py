@@ -788,7 +788,8 @@ def plan_kv_cache_tester(src: TraceSource, si: int, w: Workload, synth: TextSynt
     as ``turns.trace_reusable_tokens``) and the new tokens. A compaction in the trace (a prompt
     that keeps less than the previous one) is replayed as an append: the replayed history only
     grows, so on those turns the engine can reuse more than ``trace_reusable_tokens``. Gaps: the
-    trace's client time (``gap_s``) as ``gap_before_s`` and, with ``replay_timestamps``, the
+    trace's client time (``gap_s``; the start-to-start bound where the trace does not say when the
+    previous request ended, docs/workloads.md "Gaps") as ``gap_before_s`` and, with ``replay_timestamps``, the
     arrival offset as ``at_s`` (both times ``time_scale``); a gap over ``w.ttl_s`` makes a
     ``resume``. Text is :class:`TextSynth`'s, keyed by session and request.
     """
