@@ -168,10 +168,23 @@ CREATE TABLE plan_speedups (
     requests               BIGINT,
     later_requests         BIGINT,
     treatment_hits         BIGINT,
-    treatment_ttft_mean_s  DOUBLE,
+    treatment_ttft_median_s DOUBLE,   -- later requests (request_index >= 1), the headline's
+    baseline_ttft_median_s DOUBLE,
+    speedup                DOUBLE,    -- the Overview's: baseline / treatment median TTFT, later requests
+    speedup_ci_low         DOUBLE,    -- its session-bootstrap 95% CI (dashboard/headline.py)
+    speedup_ci_high        DOUBLE,
+    treatment_ttft_mean_s  DOUBLE,    -- secondary: every request
     baseline_ttft_mean_s   DOUBLE,
-    speedup                DOUBLE,
-    later_speedup          DOUBLE
+    mean_speedup           DOUBLE,    -- secondary: baseline / treatment mean TTFT, every request
+    later_mean_speedup     DOUBLE,
+    treatment_queue_share  DOUBLE,    -- mean wait for the prefill worker / mean TTFT
+    baseline_queue_share   DOUBLE,
+    speedup_interval_low   DOUBLE,    -- 80% forecast interval from the profile's held-out errors
+    speedup_interval_high  DOUBLE,    -- (NULL: the profile has none)
+    treatment_ttft_interval_low_s  DOUBLE,
+    treatment_ttft_interval_high_s DOUBLE,
+    baseline_ttft_interval_low_s   DOUBLE,
+    baseline_ttft_interval_high_s  DOUBLE
 );
 
 CREATE TABLE plan_frontier (
@@ -181,6 +194,8 @@ CREATE TABLE plan_frontier (
     decode_kv_space_bytes    DOUBLE,    -- NULL: unbounded
     current                  BOOLEAN,
     hit_rate                 DOUBLE,
+    hit_rate_interval_low    DOUBLE,    -- 80% forecast interval (NULL: no held-out errors)
+    hit_rate_interval_high   DOUBLE,
     ttft_saved_s             DOUBLE,
     peak_held_bytes          DOUBLE,
     held_gib_s               DOUBLE,

@@ -84,7 +84,7 @@ def test_a_store_with_only_plans_shows_the_plan_page(monkeypatch, plans_only):
     rows = shards(plans_only, "plan_speedups", "SELECT treatment, baseline, speedup FROM {t} ORDER BY treatment, baseline")
     text = " ".join(m.value for m in at.markdown)
     for treatment, baseline, speedup in rows:
-        assert f"**{treatment} vs {baseline}**: {speedup:.2f}x" in text
+        assert f"**{treatment} vs {baseline}**: speed-up {speedup:.2f}x" in text
     assert text.count("FORECAST (profile vendor-h200)") >= len(rows)
     # outcome counts: hand SQL over the shards
     wide = next(d.value for d in at.dataframe if "miss_first_turn" in d.value.index)  # outcome x mode
