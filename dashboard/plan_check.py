@@ -39,13 +39,14 @@ def check_summary(checks: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def with_interval(text: str, low: float, high: float, fmt) -> str:
+def with_interval(text: str, low: float, high: float, fmt, unit: str = "") -> str:
     """``text`` followed by its forecast interval, ``"1.80x (80% interval 1.50-2.20x)"``, or by
     ``"(no held-out interval)"`` when either end is NaN/None (the profile was never checked on
-    runs it was not fitted on; docs/planner.md "Forecast intervals"). ``fmt`` formats one end."""
+    runs it was not fitted on; docs/planner.md "Forecast intervals"). ``fmt`` formats one end (a
+    number), ``unit`` follows the second (``"x"``, ``" ms"``, ``"%"``)."""
     if low is None or high is None or pd.isna(low) or pd.isna(high):
         return f"{text} (no held-out interval)"
-    return f"{text} (80% interval {fmt(low)}-{fmt(high)})"
+    return f"{text} (80% interval {fmt(low)}-{fmt(high)}{unit})"
 
 
 def headline_check(checks: pd.DataFrame) -> pd.DataFrame:

@@ -52,7 +52,8 @@ st.caption(f"{speedup.MEANING}; as on the Overview: the median TTFT of requests 
               else "No held-out interval: this profile was never checked on runs it was not fitted on "
                    "(`turnscope plan-check --write-profile`)."))
 for r in sp.itertuples():
-    head = with_interval(speedup.fmt(r.speedup), r.speedup_interval_low, r.speedup_interval_high, speedup.fmt)
+    head = with_interval(speedup.fmt(r.speedup), r.speedup_interval_low, r.speedup_interval_high,
+                         lambda x: f"{x:.2f}", "x")
     st.markdown(f"**{r.treatment} vs {r.baseline}**: {speedup.LABEL} {head}, 95% CI "
                 f"{speedup.fmt_ci(r.speedup_ci_low, r.speedup_ci_high)}; median TTFT "
                 f"{r.treatment_ttft_median_s * 1e3:,.1f} ms vs {r.baseline_ttft_median_s * 1e3:,.1f} ms over "

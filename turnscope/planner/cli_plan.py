@@ -48,6 +48,18 @@ def _ms(x: float) -> str:
     return f"{x * 1e3:,.1f} ms"
 
 
+def _ms_n(x: float) -> str:
+    return f"{x * 1e3:,.1f}"
+
+
+def _x(x: float) -> str:
+    return f"{x:.2f}"
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:.1f}"
+
+
 def describe(p, sp: pd.DataFrame, fr: pd.DataFrame, sessions: pd.DataFrame, checks: pd.DataFrame | None) -> str:
     """The plan in plain text, every figure labelled as a forecast with its profile."""
     tag = p.profile.label()
@@ -74,7 +86,7 @@ def describe(p, sp: pd.DataFrame, fr: pd.DataFrame, sessions: pd.DataFrame, chec
     for r in frontier_highlights(fr).itertuples():
         space = "unbounded" if pd.isna(r.decode_kv_space_bytes) else f"{r.decode_kv_space_bytes / GiB:,.3g} GiB"
         iv = with_interval if p.profile.held_out else _plain
-        rate = iv(f"{r.hit_rate:.1%}", r.hit_rate_interval_low, r.hit_rate_interval_high, lambda x: f"{x:.1%}")
+        rate = iv(f"{r.hit_rate:.1%}", r.hit_rate_interval_low, r.hit_rate_interval_high, _pct, "%")
         lines.append(f"  {r.mode} TTL {r.decoder_kv_blocks_ttl_s:,.0f} s, D {space}: hit rate {rate}, TTFT saved "
                      f"{r.ttft_saved_s:,.1f} s, peak {r.peak_held_bytes / GiB:,.2f} GiB, {r.held_gib_s:,.1f} GiB-s, "
                      f"{r.d_full_events} lost to D full [{r.why}]")
@@ -99,7 +111,7 @@ def describe(p, sp: pd.DataFrame, fr: pd.DataFrame, sessions: pd.DataFrame, chec
     return "\n".join(lines)
 
 
-def _plain(text: str, low: float, high: float, fmt) -> str:
+def _plain(text: str, low: float, high: float, fmt, unit: str = "") -> str:
     return text
 
 
@@ -116,11 +128,13 @@ def speedup_lines(r, has_intervals: bool) -> list[str]:
     """A ``plan_speedups`` row in words: the headline (the Overview's convention) with its CI and
     forecast interval ("no held-out interval" without one), the medians (with their intervals when
     ``has_intervals``), then the secondary figures (means, queueing), labelled as such."""
-    head = with_interval(speedup.fmt(r.speedup), r.speedup_interval_low, r.speedup_interval_high, speedup.fmt)
+    head = with_interval(speedup.fmt(r.speedup), r.speedup_interval_low, r.speedup_interval_high, _x, "x")
     ci = speedup.fmt_ci(r.speedup_ci_low, r.speedup_ci_high)
     iv = with_interval if has_intervals else _plain
-    t_med = iv(_ms(r.treatment_ttft_median_s), r.treatment_ttft_interval_low_s, r.treatment_ttft_interval_high_s, _ms)
-    b_med = iv(_ms(r.baseline_ttft_median_s), r.baseline_ttft_interval_low_s, r.baseline_ttft_interval_high_s, _ms)
+    t_med = iv(_ms(r.treatment_ttft_median_s), r.treatment_ttft_interval_low_s, r.treatment_ttft_interval_high_s,
+               _ms_n, " ms")
+    b_med = iv(_ms(r.baseline_ttft_median_s), r.baseline_ttft_interval_low_s, r.baseline_ttft_interval_high_s,
+               _ms_n, " ms")
     return [(f"  {r.treatment} vs {r.baseline}: {speedup.LABEL} {head}, 95% CI {ci}; median TTFT {t_med} vs "
             f"{b_med} over {r.later_requests:,} later requests ({r.treatment_hits:,} hits)"),
             (f"    secondary: mean TTFT {_ms(r.treatment_ttft_mean_s)} vs {_ms(r.baseline_ttft_mean_s)} "

@@ -1,0 +1,112 @@
+"""``turnscope plan-check``: a profile fitted on one store forecasts another store's runs, recorded on a
+machine 1.5 times slower (tests/planner_store.py, ``slow``), each run planned alone; the errors and
+the intervals they give are hand computations from the fixture's formulas."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from tests import planner_store as fx
+from turnscope.cli import app
+from turnscope.planner.held_out import check_split, held_out_check
+from turnscope.planner.profile import load_profile
+
+SLOW = 1.5
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The linear-interpolation quantile, by hand: position q (n - 1) between the sorted values."""
+    v = sorted(values)
+    pos = q * (len(v) - 1)
+    lo = math.floor(pos)
+    return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (pos - lo)
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return fx.build(tmp_path_factory.mktemp("fit")), fx.build(tmp_path_factory.mktemp("check"), slow=SLOW)
+
+
+def failed_read_ratio() -> float:
+    """The pd-bidir-nocache turn whose read failed: measured 1.5 x a full prefill, forecast a pull."""
+    mode, s, k = fx.TRANSFER_FAILED
+    pull = fx.prompt(s, k - 1) + fx.OUT - 1
+    forecast = fx.B0[mode] + fx.c(fx.prompt(s, k)) - fx.c(pull) + pull * fx.PULL_S_PER_TOKEN
+    return SLOW * (fx.B0[mode] + fx.c(fx.prompt(s, k))) / forecast
+
+
+def test_held_out_errors_per_mode(stores):
+    fit, check = stores
+    split = check_split(str(fit), None, str(check), None)
+    assert len(split.fit_runs) == len(split.check_runs) == 5
+    prof, _, summ = held_out_check(split)
+    summ = summ.set_index("mode")
+    slow_error = (SLOW - 1) / SLOW                   # |f - 1.5 f| / (1.5 f) = 1/3
+    for mode in ("pd-nocache", "pd-bidir", "aggregated"):
+        assert summ.loc[mode, "ttft_mare"] == pytest.approx(slow_error, rel=1e-6)
+        assert summ.loc[mode, "ttft_p90_error"] == pytest.approx(slow_error, rel=1e-6)
+    # pd-bidir-nocache: seven turns 1/3 off, the failed read |1/r - 1| off
+    errors = [slow_error] * 7 + [abs(1 / failed_read_ratio() - 1)]
+    assert summ.loc["pd-bidir-nocache", "ttft_mare"] == pytest.approx(statistics.median(errors), rel=1e-6)
+    assert summ.loc["pd-bidir-nocache", "ttft_p90_error"] == pytest.approx(quantile(errors, 0.9), rel=1e-6)
+    # hit rates over the 6 later turns: pd-bidir 4/6 both (below threshold, expired); pd-bidir-nocache
+    # recorded 4/6 (failed read, expired), forecast 5/6: +16.7 pp
+    assert summ.loc["pd-bidir", "hit_rate_error_pp"] == pytest.approx(0)
+    assert summ.loc["pd-bidir-nocache", "hit_rate_error_pp"] == pytest.approx(100 / 6)
+    assert not summ.loc["pd-bidir-nocache", "hit_rate_pass"] and summ.loc["pd-bidir", "hit_rate_pass"]
+    # pulled tokens: every recorded hit pulls what the forecast pulls; the forecast adds the failed read's
+    recorded = sum(fx.recorded("pd-bidir-nocache", s, k)[2] for s in range(fx.SESSIONS) for k in range(fx.TURNS))
+    extra = fx.prompt(0, 1) + fx.OUT - 1
+    assert summ.loc["pd-bidir-nocache", "pulled_error"] == pytest.approx(extra / recorded)
+    assert summ.loc["pd-bidir", "pulled_error"] == pytest.approx(0)
+    assert np.isnan(summ.loc["pd-nocache", "pulled_error"])
+    # the intervals' source: measured / forecast percentiles
+    assert prof.held_out.ttft_ratio["pd-nocache"] == pytest.approx((SLOW, SLOW), rel=1e-6)
+    ratios = [SLOW] * 7 + [failed_read_ratio()]
+    assert prof.held_out.ttft_ratio["pd-bidir-nocache"] == pytest.approx(
+        (quantile(ratios, 0.1), quantile(ratios, 0.9)), rel=1e-6)
+    assert prof.held_out.hit_rate_error["pd-bidir-nocache"] == pytest.approx((-1 / 6, -1 / 6))
+
+
+def test_a_run_both_fitted_and_checked_is_refused(stores):
+    fit, _ = stores
+    with pytest.raises(ValueError, match="both fitted and checked"):
+        held_out_check(check_split(str(fit), [fx.RUNS["pd"]], str(fit), [fx.RUNS["pd"]]))
+
+
+def test_cli_plan_check_then_plan_with_intervals(stores, tmp_path):
+    fit, check = stores
+    out = tmp_path / "held-out.yaml"
+    r = CliRunner().invoke(app, ["plan-check", "--fit-store", str(fit), "--check-store", str(check),
+                                 "--write-profile", str(out)], env={"COLUMNS": "4000"})
+    assert r.exit_code == 0, r.output
+    assert f"fitted on 5 runs of store {fit}" in r.output and f"checked on 5 runs of store {check}" in r.output
+    assert "pd-nocache: 1 runs, 7 ok turns, outcome 7/7; TTFT MARE 33.3% (FAIL), p90 33.3% (FAIL)" in r.output
+    assert "hit rate 83.3% vs 66.7% recorded (+16.7 pp, FAIL)" in r.output
+    prof = load_profile(out)
+    assert prof.held_out.ttft_ratio["aggregated"] == pytest.approx((SLOW, SLOW), rel=1e-6)
+    # a plan with that profile: every interval moved by the held-out percentiles (docs/planner.md)
+    store = check
+    r = CliRunner().invoke(app, ["plan", str(check), "--format", "run", "--profile", str(out), "--store", str(store),
+                                 "--fit-runs", ",".join(fx.RUNS.values())], env={"COLUMNS": "4000"})
+    assert r.exit_code == 0, r.output
+    assert "intervals: 80%, from the held-out errors stored with profile fitted" in r.output
+    con = duckdb.connect()
+    try:
+        row = con.execute(f"SELECT speedup, speedup_interval_low, speedup_interval_high, baseline_ttft_median_s, "
+                          f"baseline_ttft_interval_low_s FROM read_parquet('{store}/runs/plan-*/plan_speedups/*.parquet') "
+                          f"WHERE treatment = 'pd-bidir-nocache' AND baseline = 'pd-nocache'").fetchone()
+    finally:
+        con.close()
+    s, lo, hi, base, base_lo = row
+    rt = (quantile(ratios := [SLOW] * 7 + [failed_read_ratio()], 0.1), quantile(ratios, 0.9))
+    assert lo == pytest.approx(s * SLOW / rt[1], rel=1e-6) and hi == pytest.approx(s * SLOW / rt[0], rel=1e-6)
+    assert base_lo == pytest.approx(base * SLOW, rel=1e-6)
+    assert f"speed-up {s:.2f}x (80% interval {lo:.2f}-{hi:.2f}x)" in r.output
