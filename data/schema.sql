@@ -30,6 +30,20 @@ CREATE TABLE runs_log (
     heartbeat_s    DOUBLE         -- a running run's row is rewritten this often (NULL: never)
 );
 
+-- The speed probe (turnscope/speed_probe.py, docs/planner.md "Speed probe"): the same fixed prefill
+-- sent straight to the run's prefill (or aggregated) worker at the run's start and end.
+CREATE TABLE run_probes (
+    run_id         VARCHAR NOT NULL,
+    phase          VARCHAR NOT NULL,   -- start | end
+    target         VARCHAR,            -- the role probed: prefill | aggregated
+    endpoint       VARCHAR,            -- the worker's URL
+    sent_at        TIMESTAMPTZ,
+    prompt_tokens  INTEGER,
+    ttft_s         DOUBLE,             -- NULL when the probe failed
+    status         VARCHAR,            -- ok | error
+    error          VARCHAR
+);
+
 CREATE TABLE sessions (
     run_id          VARCHAR NOT NULL,
     session_id      VARCHAR NOT NULL,
@@ -233,7 +247,8 @@ CREATE TABLE plan_checks (
     predicted_pulled_tokens  BIGINT,
     recorded_local_tokens    BIGINT,
     predicted_local_tokens   BIGINT,
-    why                VARCHAR
+    why                VARCHAR,
+    speed_factor       DOUBLE       -- run's speed probe TTFT / the profile's (b0, c(x) scaled); NULL: not scaled
 );
 
 -- section: views

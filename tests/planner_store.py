@@ -192,7 +192,7 @@ def build(root: Path, aggregated_cached: bool = True, overlap_s: float | None = 
                                   "updated_at": start + dt.timedelta(seconds=300), "status": "complete"})
             _turns(w, mode, aggregated_cached, overlap_s, slow)
             for when, ttft in zip(("start", "end"), probe_s or (), strict=False):
-                w.append("run_probes", {"run_id": RUNS[mode], "at": when, "sent_at": start, "prompt_tokens": PROBE_TOKENS,
+                w.append("run_probes", {"run_id": RUNS[mode], "phase": when, "sent_at": start, "prompt_tokens": PROBE_TOKENS,
                                         "ttft_s": ttft, "status": "ok", "target": "prefill"})
             _metrics(w, mode)
     return root

@@ -110,3 +110,30 @@ def test_cli_plan_check_then_plan_with_intervals(stores, tmp_path):
     assert lo == pytest.approx(s * SLOW / rt[1], rel=1e-6) and hi == pytest.approx(s * SLOW / rt[0], rel=1e-6)
     assert base_lo == pytest.approx(base * SLOW, rel=1e-6)
     assert f"speed-up {s:.2f}x (80% interval {lo:.2f}-{hi:.2f}x)" in r.output
+
+
+def test_the_speed_probe_puts_the_forecast_on_the_runs_speed(tmp_path):
+    """Fitted where the probe took 0.2 s, checked on runs 1.5 times slower whose probe took 0.3 s:
+    b0 and c(x) scaled by 0.3 / 0.2 = 1.5 make every forecast without a pull exact again; a pull is
+    not scaled (the fixture's slow machine slows it too), which leaves pd-bidir 0.5 x pull off."""
+    fit = fx.build(tmp_path / "fit", probe_s=(0.19, 0.21))
+    check = fx.build(tmp_path / "check", slow=SLOW, probe_s=(0.3, 0.3))
+    prof, checks, summ = held_out_check(check_split(str(fit), None, str(check), None))
+    assert prof.probe_ttft_s.value == pytest.approx(0.2)
+    assert checks["speed_factor"].tolist() == [pytest.approx(SLOW)] * len(checks)
+    summ = summ.set_index("mode")
+    for mode in ("pd-nocache", "aggregated"):
+        assert summ.loc[mode, "ttft_mare"] == pytest.approx(0, abs=1e-6)
+        assert summ.loc[mode, "ttft_p90_error"] == pytest.approx(0, abs=1e-6)
+    errors = []
+    for s in range(fx.SESSIONS):
+        for k in range(fx.TURNS):
+            pull_s = fx.recorded("pd-bidir", s, k)[2] * fx.PULL_S_PER_TOKEN
+            errors.append((SLOW - 1) * pull_s / (SLOW * fx.ttft_s("pd-bidir", s, k)))
+    assert summ.loc["pd-bidir", "ttft_mare"] == pytest.approx(statistics.median(errors), rel=1e-5)
+    assert summ.loc["pd-bidir", "ttft_p90_error"] == pytest.approx(quantile(errors, 0.9), rel=1e-5)
+    # without a probe on the checked runs nothing is scaled: the slow machine's 1/3 error again
+    plain = fx.build(tmp_path / "plain", slow=SLOW)
+    _, checks, summ = held_out_check(check_split(str(fit), None, str(plain), None))
+    assert checks["speed_factor"].isna().all()
+    assert summ.set_index("mode").loc["pd-nocache", "ttft_mare"] == pytest.approx((SLOW - 1) / SLOW, rel=1e-6)

@@ -12,6 +12,8 @@ Formulas and sources in docs/planner.md ("Profiles"):
 * KV space of each role: ``num_gpu_blocks x block_size`` of vLLM's ``vllm:cache_config_info``
   gauge on that role's workers, times the model's KV bytes per token;
 * decode time per token: the median TPOT of the runs' ok turns;
+* the speed probe's TTFT where the costs were measured: the median of the runs' median probe
+  TTFTs (``run_probes``), so a forecast of another run can be put on that run's speed;
 * the system prompt shared across sessions: :func:`recorded_shared_prefix_tokens`.
 
 Raises :class:`FitError` when the runs cannot give a figure the planner needs (no turns, no timed
@@ -105,6 +107,29 @@ def plan_recorded_run(store: Store, run_id: str, mode: str, profile: CostProfile
     return tr, plan(tr, profile, settings).modes[mode]
 
 
+def probe_ttft_s(store: Store, run_ids: Sequence[str]) -> dict[str, float]:
+    """Run id -> the median TTFT of its ok speed probes (``run_probes``, :mod:`turnscope.speed_probe`),
+    seconds; runs without one are absent."""
+    con = store.connect()
+    try:
+        rows = con.execute(f"SELECT run_id, median(ttft_s) FROM run_probes WHERE status = 'ok' AND ttft_s > 0 "
+                           f"AND run_id IN ({', '.join('?' for _ in run_ids)}) GROUP BY run_id",
+                           list(run_ids)).fetchall()
+    finally:
+        con.close()
+    return {r: float(t) for r, t in rows}
+
+
+def on_run_speed(profile: CostProfile, run_probe_s: float | None) -> tuple[CostProfile, float | None]:
+    """``profile`` put on a run's machine speed: scaled by the run's probe TTFT over the profile's
+    (:meth:`CostProfile.at_speed`) when both exist; else unchanged. Returns (profile, factor or None)."""
+    if run_probe_s is None or profile.probe_ttft_s is None:
+        return profile, None
+    factor = run_probe_s / profile.probe_ttft_s.value
+    return profile.at_speed(factor, f"speed probe {run_probe_s * 1e3:.1f} ms on the run vs "
+                                    f"{profile.probe_ttft_s.value * 1e3:.1f} ms where fitted"), factor
+
+
 def _transfer(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
     con = store.connect()
     try:
@@ -170,6 +195,11 @@ def fit_profile(store: Store, run_ids: Sequence[str], name: str = "fitted") -> C
         if role in space:
             setattr(prof, field, Sourced(value=space[role] * kv_bytes,
                                          source=f"{src}: vllm:cache_config_info num_gpu_blocks x block_size"))
+    probes = probe_ttft_s(store, run_ids)
+    if probes:
+        prof.probe_ttft_s = Sourced(value=float(np.median(list(probes.values()))),
+                                    source=f"{src}: median over {len(probes)} runs of each run's median speed probe "
+                                           "TTFT (run_probes)")
     tpot = turns.loc[(turns["status"] == "ok"), "tpot_s"].dropna()
     if not tpot.empty:
         prof.decode_s_per_token = Sourced(value=float(tpot.median()), source=f"{src}: median TPOT")

@@ -164,6 +164,21 @@ class CostProfile(BaseModel):
         cached = np.minimum(np.asarray(cached_tokens, dtype=float), n)
         return self.b0(mode) + fit.cost_s(n) - fit.cost_s(cached) + self.pull_s(pulled_tokens)
 
+    def at_speed(self, factor: float, why: str) -> CostProfile:
+        """This profile on a machine ``factor`` times slower (> 1) or faster (< 1): every b0 and the
+        prefill curves c(x) (P's and the aggregated worker's) multiplied by ``factor``; pulls, KV
+        space, decode and render unchanged (docs/planner.md "Speed probe"). ``why`` joins each
+        scaled figure's source."""
+        def scaled(f: Sourced | None) -> Sourced | None:
+            return None if f is None else Sourced(value=f.value * factor, source=f"{f.source}; x {factor:.4g} ({why})")
+
+        return self.model_copy(update={
+            "b0_default_s": scaled(self.b0_default_s), "b0_s": {m: scaled(b) for m, b in self.b0_s.items()},
+            "prefill_a1_s_per_token": scaled(self.prefill_a1_s_per_token),
+            "prefill_a2_s_per_token2": scaled(self.prefill_a2_s_per_token2),
+            "aggregated_prefill_a1_s_per_token": scaled(self.aggregated_prefill_a1_s_per_token),
+            "aggregated_prefill_a2_s_per_token2": scaled(self.aggregated_prefill_a2_s_per_token2)})
+
     def capacity_tokens(self, role: str) -> int | None:
         """KV space of one worker of ``role`` (prefill, decode, aggregated) in tokens; None: unbounded."""
         figure = {"prefill": self.prefill_kv_space_bytes, "decode": self.decode_kv_space_bytes,
