@@ -48,6 +48,8 @@ EPILOG = """Examples:
 
   turnscope plan data/traces/kv-cache-tester --profile data/profiles/vendor-h200.yaml   # a FORECAST
 
+  turnscope plan-check --fit-store OLD --check-store NEW --write-profile p.yaml   # forecast runs not fitted on
+
   turnscope serve --mode pd-bidir                       # then: locust -f loadgen/locustfile.py --host http://127.0.0.1:8200
 
   turnscope serve --topology data/topologies/vendor-h200-1p1d.yaml --mode pd-bidir --dry-run
