@@ -74,11 +74,16 @@ def headline_check(checks: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+#: The smallest change of hit rate (share) the frontier's rows that matter show: 1 percentage point.
+HIT_RATE_STEP = 0.01
+
+
 def frontier_highlights(fr: pd.DataFrame) -> pd.DataFrame:
     """The few rows of a frontier (``plan_frontier`` rows: :func:`turnscope.planner.summary.frontier`'s, with a ``mode`` column) that matter, per
     mode: the current point; the best (the highest hit rate, then the fewest GiB-s pinned); and
     each point where the hit rate changes, along the TTL at the current D space and along the D
-    space at the current TTL (the smallest TTL or space reaching each new hit rate). Same columns
+    space at the current TTL (the smallest TTL or space whose hit rate differs by at least
+    :data:`HIT_RATE_STEP` from the last point kept on that line, starting from its first). Same columns
     plus ``why`` (every reason the row is kept, "; "-joined), in frontier order."""
     keep: dict[int, list[str]] = {}
     for _mode, g in fr.groupby("mode", sort=False):
@@ -95,9 +100,11 @@ def frontier_highlights(fr: pd.DataFrame) -> pd.DataFrame:
         for line, axis, what in ((same_space, "decoder_kv_blocks_ttl_s", "TTL"),
                                  (same_ttl, "decode_kv_space_bytes", "D space")):
             line = line.sort_values(axis, kind="stable")
-            changed = line["hit_rate"].diff().fillna(0).abs() > 1e-12
-            for ix in line.index[changed.to_numpy()]:
-                keep.setdefault(ix, []).append(f"hit rate changes ({what})")
+            last = float(line["hit_rate"].iloc[0])
+            for ix, rate in zip(line.index[1:], line["hit_rate"].iloc[1:], strict=True):
+                if abs(float(rate) - last) >= HIT_RATE_STEP:
+                    keep.setdefault(ix, []).append(f"hit rate changes ({what})")
+                    last = float(rate)
     out = fr.loc[sorted(keep)].copy()
     out["why"] = ["; ".join(keep[ix]) for ix in out.index]
     return out.reset_index(drop=True)

@@ -48,6 +48,11 @@ def _ms(x: float) -> str:
     return f"{x * 1e3:,.1f} ms"
 
 
+def _gib(b: float) -> str:
+    g = b / GiB
+    return f"{g:,.0f} GiB" if g >= 100 else f"{g:,.3g} GiB"
+
+
 def _ms_n(x: float) -> str:
     return f"{x * 1e3:,.1f}"
 
@@ -84,7 +89,7 @@ def describe(p, sp: pd.DataFrame, fr: pd.DataFrame, sessions: pd.DataFrame, chec
     lines.append(f"\nTTL x D-memory frontier ({tag}; the rows that matter of {len(fr)} re-plans, all on the "
                  "Plan page):")
     for r in frontier_highlights(fr).itertuples():
-        space = "unbounded" if pd.isna(r.decode_kv_space_bytes) else f"{r.decode_kv_space_bytes / GiB:,.3g} GiB"
+        space = "unbounded" if pd.isna(r.decode_kv_space_bytes) else _gib(r.decode_kv_space_bytes)
         iv = with_interval if p.profile.held_out else _plain
         rate = iv(f"{r.hit_rate:.1%}", r.hit_rate_interval_low, r.hit_rate_interval_high, _pct, "%")
         lines.append(f"  {r.mode} TTL {r.decoder_kv_blocks_ttl_s:,.0f} s, D {space}: hit rate {rate}, TTFT saved "
