@@ -441,12 +441,12 @@ def plan_check(
         split = held_out.check_split(str(fit_root), _split(fit_runs) if fit_runs else None, str(check_store),
                                      _split(check_runs) if check_runs else None,
                                      str(profile) if profile else None)
-        prof, _, summ = held_out.held_out_check(split, load_profile(profile) if profile else None)
+        prof, checks, summ = held_out.held_out_check(split, load_profile(profile) if profile else None)
         if write_profile is not None:
             write_yaml(prof, write_profile, f"turnscope plan-check: {split.describe()}")
     except (ValueError, OSError) as exc:
         raise fail(str(exc)) from exc
-    typer.echo(held_out.describe(split, summ))
+    typer.echo(held_out.describe(split, summ, checks))
     if write_profile is not None:
         typer.echo(f"Profile {prof.name} with its held-out errors written to {write_profile}.")
 

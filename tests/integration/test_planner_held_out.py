@@ -90,6 +90,11 @@ def test_cli_plan_check_then_plan_with_intervals(stores, tmp_path):
     assert f"fitted on 5 runs of store {fit}" in r.output and f"checked on 5 runs of store {check}" in r.output
     assert "pd-nocache: 1 runs, 7 ok turns, outcome 7/7; TTFT MARE 33.3% (FAIL), p90 33.3% (FAIL)" in r.output
     assert "hit rate 83.3% vs 66.7% recorded (+16.7 pp, FAIL)" in r.output
+    # the Overview's speed-up of the checked runs: the slow machine slows both sides alike
+    later = [(s, k) for s in range(fx.SESSIONS) for k in range(1, fx.TURNS)]
+    base = statistics.median(fx.ttft_s("pd-nocache", s, k) for s, k in later if not fx.failed("pd-nocache", s, k))
+    measured = base / statistics.median(fx.ttft_s("pd-bidir-nocache", s, k) for s, k in later)
+    assert f"pd-bidir-nocache vs pd-nocache: measured {measured:.2f}x, forecast" in r.output
     prof = load_profile(out)
     assert prof.held_out.ttft_ratio["aggregated"] == pytest.approx((SLOW, SLOW), rel=1e-6)
     # a plan with that profile: every interval moved by the held-out percentiles (docs/planner.md)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from dashboard.plan_check import headline_check
 from serving import handles as h
 from turnscope.planner.check import check_runs
 from turnscope.planner.fit import fit_profile
@@ -132,8 +133,10 @@ def held_out_check(split: Split, profile: CostProfile | None = None
     return prof, checks, held_out_summary(checks)
 
 
-def describe(split: Split, summary: pd.DataFrame) -> str:
-    """The held-out table in plain text, the split named, pass/FAIL against :data:`TARGETS`."""
+def describe(split: Split, summary: pd.DataFrame, checks: pd.DataFrame | None = None) -> str:
+    """The held-out table in plain text, the split named, pass/FAIL against :data:`TARGETS`; with
+    ``checks``, the Overview's speed-up of the checked runs measured and forecast
+    (:func:`dashboard.plan_check.headline_check`)."""
     def verdict(v) -> str:
         return "n/a" if v is None else ("pass" if v else "FAIL")
 
@@ -149,6 +152,12 @@ def describe(split: Split, summary: pd.DataFrame) -> str:
         lines.append(f"  {r.mode}: {r.runs} runs, {r.ok_turns} ok turns, outcome {r.outcome_matches}/{r.ok_turns}; "
                      f"TTFT MARE {r.ttft_mare:.1%} ({verdict(r.ttft_pass)}), p90 {r.ttft_p90_error:.1%} "
                      f"({verdict(r.p90_pass)}); {hit}; {pulled}")
+    hc = headline_check(checks) if checks is not None else pd.DataFrame()
+    if not hc.empty:
+        lines.append("  the Overview's speed-up of the checked runs (baseline / bidirectional median TTFT from the second "
+                     "turn on):")
+        lines += [f"    {r.treatment} vs {r.baseline}: measured {r.measured_speedup:.2f}x, forecast "
+                  f"{r.forecast_speedup:.2f}x ({r.forecast_error:+.1%})" for r in hc.itertuples()]
     return "\n".join(lines)
 
 
