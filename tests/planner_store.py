@@ -131,7 +131,7 @@ def _turns(w, mode: str, aggregated_cached: bool, overlap_s: float | None = None
             continue
         begin = max(t, free)
         free = begin + c(n) - c(local + pulled)
-        ttft = slow * ttft_s(mode, s, k) + (begin - t)
+        ttft = slow * ttft_s(mode, s, k) - (slow - 1) * pulled * PULL_S_PER_TOKEN + (begin - t)
         WAITS[(mode, s, k)] = begin - t
         row |= {"ttft_s": ttft, "e2e_s": ttft + 1.0, "tpot_s": TPOT_S, "prompt_tokens": n,
                 "completion_tokens": OUT, "status": "ok"}
@@ -171,13 +171,16 @@ def _metrics(w, mode: str) -> None:
                                             "value": 2.0 + frac * total})
 
 
-def build(root: Path, aggregated_cached: bool = True, overlap_s: float | None = None, slow: float = 1.0,
-          probe_s: tuple[float, float] | None = None) -> Path:
+def build(root: Path, aggregated_cached: bool = True, overlap_s: float | None = None,
+          slow: float | dict[str, float] = 1.0,
+          probe_s: tuple[float, float] | dict[str, tuple[float, float]] | None = None) -> Path:
     """Write the store under ``root``; returns ``root``. ``aggregated_cached`` False: the aggregated
     run's ``cached_tokens`` are NULL (vLLM without ``usage.prompt_tokens_details``). ``overlap_s``:
     session 1 starts that long after session 0 (default: 100 s, one session at a time). ``slow``:
-    every TTFT is ``slow`` times the formula's (a slower machine; without overlap). ``probe_s``:
-    every run records the speed probe's TTFT at its start and end (``run_probes``)."""
+    every TTFT's compute (all but the pull) is ``slow`` times the formula's (a slower machine; the
+    network as fast; without overlap), or per mode
+    (a dict; absent modes 1). ``probe_s``: every run (or per mode) records the speed probe's TTFT at
+    its start and end (``run_probes``)."""
     WAITS.clear()
     store = Store(root)
     store.init()
@@ -190,8 +193,9 @@ def build(root: Path, aggregated_cached: bool = True, overlap_s: float | None = 
                                   "history_mode": "token_ids", "model": "turnscope-tiny", "config": config,
                                   "started_at": start, "finished_at": start + dt.timedelta(seconds=300),
                                   "updated_at": start + dt.timedelta(seconds=300), "status": "complete"})
-            _turns(w, mode, aggregated_cached, overlap_s, slow)
-            for when, ttft in zip(("start", "end"), probe_s or (), strict=False):
+            _turns(w, mode, aggregated_cached, overlap_s, slow.get(mode, 1.0) if isinstance(slow, dict) else slow)
+            probes = probe_s.get(mode) if isinstance(probe_s, dict) else probe_s
+            for when, ttft in zip(("start", "end"), probes or (), strict=False):
                 w.append("run_probes", {"run_id": RUNS[mode], "phase": when, "sent_at": start, "prompt_tokens": PROBE_TOKENS,
                                         "ttft_s": ttft, "status": "ok", "target": "prefill"})
             _metrics(w, mode)
