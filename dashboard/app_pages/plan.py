@@ -113,5 +113,11 @@ if not ch.empty:
         st.caption("Turns whose forecast outcome differs from the recorded one, and why:")
         st.dataframe(diff[["checked_run_id", "session_id", "turn_index", "recorded_outcome", "predicted_outcome", "why"]],
                      hide_index=True, key="plan_check_diff")
+if held_out:
+    st.subheader("Held-out errors of this profile (the intervals' source)")
+    st.caption(f"{held_out['split']}: {held_out['runs']} runs, {held_out['turns']:,} ok turns not fitted on. Per mode the "
+               "10th and 90th percentiles of measured / forecast TTFT and of recorded minus forecast hit rate "
+               "(`turnscope plan-check`, docs/planner.md).")
+    st.dataframe(plan_figures.held_out_table(held_out), hide_index=True, key="plan_held_out")
 with st.expander("The profile (every figure with its source)"):
     st.json(json.loads(row["profile"]))

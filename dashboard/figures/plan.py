@@ -65,6 +65,19 @@ def frontier_highlights_table(fr: pd.DataFrame) -> pd.DataFrame:
                          "lost to D full": hl["d_full_events"], "why shown": hl["why"]})
 
 
+def held_out_table(held_out: dict) -> pd.DataFrame:
+    """A profile's ``held_out`` (JSON: ``ttft_ratio`` and ``hit_rate_error`` per mode, each [p10,
+    p90]) as one row per mode: measured / forecast TTFT p10 and p90 (rounded to 0.001), recorded
+    minus forecast hit rate p10 and p90 (percentage points, 0.1; blank without handles)."""
+    ratio, hit = held_out.get("ttft_ratio", {}), held_out.get("hit_rate_error", {})
+    modes = [m for m in PLAN_TABLE_MODES if m in ratio] + sorted(set(ratio) - set(PLAN_TABLE_MODES))
+    return pd.DataFrame({"mode": modes,
+                         "measured / forecast TTFT, p10": [round(ratio[m][0], 3) for m in modes],
+                         "measured / forecast TTFT, p90": [round(ratio[m][1], 3) for m in modes],
+                         "hit rate error (pp), p10": [round(hit[m][0] * 100, 1) if m in hit else None for m in modes],
+                         "hit rate error (pp), p90": [round(hit[m][1] * 100, 1) if m in hit else None for m in modes]})
+
+
 def frontier_figure(fr: pd.DataFrame, tag: str) -> go.Figure:
     """Hit rate against GiB-seconds held per TTL x D-space point (``plan_frontier`` rows), one panel
     per mode, colour = TTL; the operator's current point ringed (a diamond)."""

@@ -11,6 +11,7 @@ from pathlib import Path
 import duckdb
 import numpy as np
 import pytest
+from streamlit.testing.v1 import AppTest
 from typer.testing import CliRunner
 
 from tests import planner_store as fx
@@ -99,7 +100,7 @@ def test_a_run_both_fitted_and_checked_is_refused(stores):
         held_out_check(check_split(str(fit), [fx.RUNS["pd"]], str(fit), [fx.RUNS["pd"]]))
 
 
-def test_cli_plan_check_then_plan_with_intervals(stores, tmp_path):
+def test_cli_plan_check_then_plan_with_intervals(stores, tmp_path, monkeypatch):
     fit, check = stores
     out = tmp_path / "held-out.yaml"
     r = CliRunner().invoke(app, ["plan-check", "--fit-store", str(fit), "--check-store", str(check),
@@ -134,6 +135,16 @@ def test_cli_plan_check_then_plan_with_intervals(stores, tmp_path):
     assert lo == pytest.approx(s * SLOW / rt[1], rel=1e-6) and hi == pytest.approx(s * SLOW / rt[0], rel=1e-6)
     assert base_lo == pytest.approx(base * SLOW, rel=1e-6)
     assert f"speed-up {s:.2f}x (80% interval {lo:.2f}-{hi:.2f}x)" in r.output
+    # the Plan page shows the intervals and the profile's held-out errors
+    monkeypatch.setenv("TURNSCOPE_STORE", str(store))
+    at = AppTest.from_file(str(Path(__file__).resolve().parents[2] / "dashboard" / "app.py"), default_timeout=60).run()
+    at.switch_page("app_pages/plan.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    text = " ".join(m.value for m in at.markdown)
+    assert f"**pd-bidir-nocache vs pd-nocache**: speed-up {s:.2f}x (80% interval {lo:.2f}-{hi:.2f}x)" in text
+    table = next(d.value for d in at.dataframe if "measured / forecast TTFT, p90" in d.value.columns).set_index("mode")
+    assert table.loc["pd-nocache", "measured / forecast TTFT, p10"] == pytest.approx(SLOW, abs=1e-3)
+    assert table.loc["pd-bidir-nocache", "hit rate error (pp), p90"] == pytest.approx(round(-100 / 6, 1))
 
 
 def test_the_speed_probe_puts_the_forecast_on_the_runs_speed(tmp_path):
