@@ -30,6 +30,20 @@ CREATE TABLE runs_log (
     heartbeat_s    DOUBLE         -- a running run's row is rewritten this often (NULL: never)
 );
 
+-- The speed probe (turnscope/speed_probe.py, docs/planner.md "Speed probe"): the same fixed prefill
+-- sent straight to the run's prefill (or aggregated) worker at the run's start and end.
+CREATE TABLE run_probes (
+    run_id         VARCHAR NOT NULL,
+    phase          VARCHAR NOT NULL,   -- start | end
+    target         VARCHAR,            -- the role probed: prefill | aggregated
+    endpoint       VARCHAR,            -- the worker's URL
+    sent_at        TIMESTAMPTZ,
+    prompt_tokens  INTEGER,
+    ttft_s         DOUBLE,             -- NULL when the probe failed
+    status         VARCHAR,            -- ok | error
+    error          VARCHAR
+);
+
 CREATE TABLE sessions (
     run_id          VARCHAR NOT NULL,
     session_id      VARCHAR NOT NULL,
@@ -169,10 +183,23 @@ CREATE TABLE plan_speedups (
     requests               BIGINT,
     later_requests         BIGINT,
     treatment_hits         BIGINT,
-    treatment_ttft_mean_s  DOUBLE,
+    treatment_ttft_median_s DOUBLE,   -- later requests (request_index >= 1), the headline's
+    baseline_ttft_median_s DOUBLE,
+    speedup                DOUBLE,    -- the Overview's: baseline / treatment median TTFT, later requests
+    speedup_ci_low         DOUBLE,    -- its session-bootstrap 95% CI (dashboard/headline.py)
+    speedup_ci_high        DOUBLE,
+    treatment_ttft_mean_s  DOUBLE,    -- secondary: every request
     baseline_ttft_mean_s   DOUBLE,
-    speedup                DOUBLE,
-    later_speedup          DOUBLE
+    mean_speedup           DOUBLE,    -- secondary: baseline / treatment mean TTFT, every request
+    later_mean_speedup     DOUBLE,
+    treatment_queue_share  DOUBLE,    -- mean wait for the prefill worker / mean TTFT
+    baseline_queue_share   DOUBLE,
+    speedup_interval_low   DOUBLE,    -- 80% forecast interval from the profile's held-out errors
+    speedup_interval_high  DOUBLE,    -- (NULL: the profile has none)
+    treatment_ttft_interval_low_s  DOUBLE,
+    treatment_ttft_interval_high_s DOUBLE,
+    baseline_ttft_interval_low_s   DOUBLE,
+    baseline_ttft_interval_high_s  DOUBLE
 );
 
 CREATE TABLE plan_frontier (
@@ -182,6 +209,8 @@ CREATE TABLE plan_frontier (
     decode_kv_space_bytes    DOUBLE,    -- NULL: unbounded
     current                  BOOLEAN,
     hit_rate                 DOUBLE,
+    hit_rate_interval_low    DOUBLE,    -- 80% forecast interval (NULL: no held-out errors)
+    hit_rate_interval_high   DOUBLE,
     ttft_saved_s             DOUBLE,
     peak_held_bytes          DOUBLE,
     held_gib_s               DOUBLE,
@@ -219,7 +248,8 @@ CREATE TABLE plan_checks (
     predicted_pulled_tokens  BIGINT,
     recorded_local_tokens    BIGINT,
     predicted_local_tokens   BIGINT,
-    why                VARCHAR
+    why                VARCHAR,
+    speed_factor       DOUBLE       -- run's speed probe TTFT / the profile's (b0, c(x) scaled); NULL: not scaled
 );
 
 -- section: views

@@ -49,6 +49,7 @@ PULL_S_PER_TOKEN = KV_BYTES / BANDWIDTH  # 1e-4 s
 TTL_S, MARGIN_S, THRESHOLD = 20.0, 5.0, 64
 GAP_S, LONG_GAP_S = 2.0, 20.0
 TPOT_S = 0.03
+PROBE_TOKENS = 256
 TRANSFER_FAILED = ("pd-bidir-nocache", 0, 2)
 TIMED_OUT = ("pd-nocache", 1, 3)
 EXPIRED = (1, 3)  # (session, turn) sent LONG_GAP_S after the previous turn ended
@@ -106,7 +107,7 @@ def pd_relative_errors() -> list[float]:
     return out
 
 
-def _turns(w, mode: str, aggregated_cached: bool, overlap_s: float | None = None) -> None:
+def _turns(w, mode: str, aggregated_cached: bool, overlap_s: float | None = None, slow: float = 1.0) -> None:
     """The run's turns. Sessions start 100 s apart (one at a time), or ``overlap_s`` apart: then a
     turn sent while the other session's prompt is being computed waits for it (one worker, first
     come first served: an event loop here, the worker busy for c(n) - c(local + pulled) per turn)."""
@@ -130,7 +131,7 @@ def _turns(w, mode: str, aggregated_cached: bool, overlap_s: float | None = None
             continue
         begin = max(t, free)
         free = begin + c(n) - c(local + pulled)
-        ttft = ttft_s(mode, s, k) + (begin - t)
+        ttft = slow * ttft_s(mode, s, k) - (slow - 1) * pulled * PULL_S_PER_TOKEN + (begin - t)
         WAITS[(mode, s, k)] = begin - t
         row |= {"ttft_s": ttft, "e2e_s": ttft + 1.0, "tpot_s": TPOT_S, "prompt_tokens": n,
                 "completion_tokens": OUT, "status": "ok"}
@@ -170,10 +171,16 @@ def _metrics(w, mode: str) -> None:
                                             "value": 2.0 + frac * total})
 
 
-def build(root: Path, aggregated_cached: bool = True, overlap_s: float | None = None) -> Path:
+def build(root: Path, aggregated_cached: bool = True, overlap_s: float | None = None,
+          slow: float | dict[str, float] = 1.0,
+          probe_s: tuple[float, float] | dict[str, tuple[float, float]] | None = None) -> Path:
     """Write the store under ``root``; returns ``root``. ``aggregated_cached`` False: the aggregated
     run's ``cached_tokens`` are NULL (vLLM without ``usage.prompt_tokens_details``). ``overlap_s``:
-    session 1 starts that long after session 0 (default: 100 s, one session at a time)."""
+    session 1 starts that long after session 0 (default: 100 s, one session at a time). ``slow``:
+    every TTFT's compute (all but the pull) is ``slow`` times the formula's (a slower machine; the
+    network as fast; without overlap), or per mode
+    (a dict; absent modes 1). ``probe_s``: every run (or per mode) records the speed probe's TTFT at
+    its start and end (``run_probes``)."""
     WAITS.clear()
     store = Store(root)
     store.init()
@@ -186,6 +193,10 @@ def build(root: Path, aggregated_cached: bool = True, overlap_s: float | None = 
                                   "history_mode": "token_ids", "model": "turnscope-tiny", "config": config,
                                   "started_at": start, "finished_at": start + dt.timedelta(seconds=300),
                                   "updated_at": start + dt.timedelta(seconds=300), "status": "complete"})
-            _turns(w, mode, aggregated_cached, overlap_s)
+            _turns(w, mode, aggregated_cached, overlap_s, slow.get(mode, 1.0) if isinstance(slow, dict) else slow)
+            probes = probe_s.get(mode) if isinstance(probe_s, dict) else probe_s
+            for when, ttft in zip(("start", "end"), probes or (), strict=False):
+                w.append("run_probes", {"run_id": RUNS[mode], "phase": when, "sent_at": start, "prompt_tokens": PROBE_TOKENS,
+                                        "ttft_s": ttft, "status": "ok", "target": "prefill"})
             _metrics(w, mode)
     return root

@@ -48,6 +48,8 @@ EPILOG = """Examples:
 
   turnscope plan data/traces/kv-cache-tester --profile data/profiles/vendor-h200.yaml   # a FORECAST
 
+  turnscope plan-check --fit-store OLD --check-store NEW --write-profile p.yaml   # forecast runs not fitted on
+
   turnscope serve --mode pd-bidir                       # then: locust -f loadgen/locustfile.py --host http://127.0.0.1:8200
 
   turnscope serve --topology data/topologies/vendor-h200-1p1d.yaml --mode pd-bidir --dry-run
@@ -408,6 +410,45 @@ def plan(
     except (ValueError, OSError, RuntimeError) as exc:
         raise fail(str(exc)) from exc
     typer.echo(text)
+
+
+@app.command("plan-check")
+def plan_check(
+    check_store: Annotated[Path, typer.Option(help="The store whose runs are checked (forecast and compared).")],
+    fit_store: Annotated[Path | None, typer.Option(
+        help="The store whose runs the profile is fitted on. Default: --check-store (then the checked runs "
+             "are its other runs).")] = None,
+    fit_runs: Annotated[str | None, typer.Option(help="Comma-separated run ids to fit on. Default: every run "
+                                                      "of --fit-store in a planned mode.")] = None,
+    check_runs: Annotated[str | None, typer.Option(help="Comma-separated run ids to check. Default: every run "
+                                                        "of --check-store in a planned mode not fitted on.")] = None,
+    profile: Annotated[Path | None, typer.Option(
+        help="Check this profile file instead of fitting one (e.g. data/profiles/embedded-cpu.yaml).")] = None,
+    write_profile: Annotated[Path | None, typer.Option(
+        help="Write the profile with its held-out errors (the source of every forecast interval) to this "
+             "YAML file.")] = None,
+) -> None:
+    """Held-out check: fit a profile on one store or set of runs, forecast others it was not fitted on
+    (each run planned alone, on its own clock), and print per mode the TTFT median absolute relative
+    error, the p90 TTFT error, the hit-rate error (pp) and the pulled-token error, with the split named
+    (docs/planner.md, "Held-out check")."""
+    from turnscope.planner import held_out
+    from turnscope.planner.layer_timing import write_profile as write_yaml
+    from turnscope.planner.profile import load_profile
+
+    fit_root = fit_store or check_store
+    try:
+        split = held_out.check_split(str(fit_root), _split(fit_runs) if fit_runs else None, str(check_store),
+                                     _split(check_runs) if check_runs else None,
+                                     str(profile) if profile else None)
+        prof, checks, summ = held_out.held_out_check(split, load_profile(profile) if profile else None)
+        if write_profile is not None:
+            write_yaml(prof, write_profile, f"turnscope plan-check: {split.describe()}")
+    except (ValueError, OSError) as exc:
+        raise fail(str(exc)) from exc
+    typer.echo(held_out.describe(split, summ, checks))
+    if write_profile is not None:
+        typer.echo(f"Profile {prof.name} with its held-out errors written to {write_profile}.")
 
 
 @app.command("profile-from-timing")

@@ -34,7 +34,7 @@ from serving.embedded_model import ModelSpec
 from serving.routing import RoutingPolicy
 from serving.stack import ModeStack
 from serving.topology import MODES, Topology, embedded_topology
-from turnscope import console_text
+from turnscope import console_text, speed_probe
 from turnscope.store import Store
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -244,6 +244,9 @@ def run_eval(s: EvalSettings, console: Console | None = None,
                 writer.append("runs_log", row)
                 writer.flush()
                 writer.keep_alive("runs_log", row, HEARTBEAT_S)
+                served = s.topology.served_model_name or s.topology.model
+                # the speed probe before the scraper's first scrape and after its last: not in the run's counters
+                speed_probe.probe_run(writer, run_id, "start", stack.endpoints(), served)
                 run_writer = store.writer(run_id, f"scraper-{os.getpid()}")
                 scraper = MetricsScraper(stack.endpoints(), run_writer, run_id, interval_s=1.0)
                 scraper.start()
@@ -256,6 +259,7 @@ def run_eval(s: EvalSettings, console: Console | None = None,
                     # the proxy's counters settle, so this run's increases hold its last turn too.
                     scraper.stop(final_settle_s=FINAL_SCRAPE_SETTLE_S)
                     run_writer.close()
+                    speed_probe.probe_run(writer, run_id, "end", stack.endpoints(), served)
                     writer.stop_keep_alive()
                     now = dt.datetime.now(dt.UTC)
                     writer.append("runs_log", row | {"finished_at": now, "status": status, "updated_at": now,

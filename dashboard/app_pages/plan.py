@@ -11,9 +11,9 @@ import json
 import pandas as pd
 import streamlit as st
 
-from dashboard import context, db
+from dashboard import context, db, speedup
 from dashboard.figures import plan as plan_figures
-from dashboard.plan_check import check_summary
+from dashboard.plan_check import CHECK_MEANING, check_summary, headline_check, with_interval
 from dashboard.queries import plan as plan_queries
 
 sel = context.current()
@@ -43,11 +43,25 @@ tag = row["forecast_label"]
 st.subheader(tag)
 for note in json.loads(row["notes"] or "[]"):
     st.caption(f"Note: {note}")
+profile = json.loads(row["profile"])
+held_out = profile.get("held_out")
 sp = db.read(root, plan_queries.speedups, pid)
+st.caption(f"{speedup.MEANING}; as on the Overview: the median TTFT of requests from the second turn on, with its "
+           "95% CI over sessions. "
+           + (f"Forecast intervals (80%) from the profile's held-out errors ({held_out['split']})." if held_out
+              else "No held-out interval: this profile was never checked on runs it was not fitted on "
+                   "(`turnscope plan-check --write-profile`)."))
 for r in sp.itertuples():
-    st.markdown(f"**{r.treatment} vs {r.baseline}**: {r.speedup:.2f}x mean TTFT speed-up over {r.requests:,} "
-                f"requests ({r.later_speedup:.2f}x over {r.later_requests:,} later requests, {r.treatment_hits:,} "
-                f"hits) — {tag}")
+    head = with_interval(speedup.fmt(r.speedup), r.speedup_interval_low, r.speedup_interval_high,
+                         lambda x: f"{x:.2f}", "x")
+    st.markdown(f"**{r.treatment} vs {r.baseline}**: {speedup.LABEL} {head}, 95% CI "
+                f"{speedup.fmt_ci(r.speedup_ci_low, r.speedup_ci_high)}; median TTFT "
+                f"{r.treatment_ttft_median_s * 1e3:,.1f} ms vs {r.baseline_ttft_median_s * 1e3:,.1f} ms over "
+                f"{r.later_requests:,} later requests ({r.treatment_hits:,} hits) — {tag}")
+if not sp.empty:
+    st.caption("Secondary figures (not the headline): mean TTFT over every request, and the share of it spent "
+               "queueing for a prefill worker.")
+    st.dataframe(plan_figures.secondary_table(sp), hide_index=True, key="plan_secondary")
 parts = db.read(root, plan_queries.ttft_parts, pid)
 if not parts.empty:
     st.caption(f"Forecast TTFT per mode and the part of it spent waiting for a prefill (or aggregated) worker: "
@@ -60,6 +74,9 @@ st.dataframe(plan_figures.outcome_table(db.read(root, plan_queries.outcomes, pid
 fr = db.read(root, plan_queries.frontier, pid)
 if not fr.empty:
     st.plotly_chart(plan_figures.frontier_figure(fr, tag), key="plan_frontier")
+    st.caption(f"The points that matter ({tag}): the current one, the best hit rate, and where the hit rate "
+               "changes along the TTL (at the current D space) and along the D space (at the current TTL).")
+    st.dataframe(plan_figures.frontier_highlights_table(fr), hide_index=True, key="plan_frontier_rows")
     st.caption("Each point re-plans the mode with another `decoder_kv_blocks_ttl` (colour) and D KV space (hover): "
                "up is more later requests served from D's KV, right is more KV pinned on D over time. The "
                "diamond is the operator's current point.")
@@ -73,19 +90,34 @@ ch = db.read(root, plan_queries.checks, pid)
 if not ch.empty:
     st.subheader("Checked against the recorded runs")
     summ = check_summary(ch)
-    st.caption("Each recorded run planned from its own turns with the profile fitted from these runs: the "
-               "forecast outcome must be the recorded one on every ok turn, and the median absolute relative "
-               "error (MARE) of the forecast TTFT at most 25% per mode.")
+    st.caption(f"What this table calculates: {CHECK_MEANING}.")
     st.dataframe(pd.DataFrame({"mode": summ["mode"], "ok turns": summ["ok_turns"],
                                "outcome matches": summ["outcome_matches"], "outcome check": summ["outcome_check"],
                                "TTFT MARE": summ["ttft_mare"], "TTFT check (<= 25%)": summ["ttft_check"]}),
                  hide_index=True, key="plan_check_summary",
                  column_config={"TTFT MARE": st.column_config.NumberColumn(format="percent")})
+    hc = headline_check(ch)
+    if not hc.empty:
+        st.caption("The Overview's speed-up of these runs (baseline / bidirectional median TTFT from the second "
+                   "turn on), over the measured TTFTs and over the forecast ones (each run planned alone in its "
+                   "own mode):")
+        st.dataframe(pd.DataFrame({"treatment": hc["treatment"], "baseline": hc["baseline"],
+                                   "measured speed-up": hc["measured_speedup"].round(2),
+                                   "forecast speed-up": hc["forecast_speedup"].round(2),
+                                   "forecast error": hc["forecast_error"]}),
+                     hide_index=True, key="plan_headline_check",
+                     column_config={"forecast error": st.column_config.NumberColumn(format="percent")})
     st.plotly_chart(plan_figures.check_figure(ch), key="plan_check_fig")
     diff = ch[ch["why"].notna()]
     if not diff.empty:
         st.caption("Turns whose forecast outcome differs from the recorded one, and why:")
         st.dataframe(diff[["checked_run_id", "session_id", "turn_index", "recorded_outcome", "predicted_outcome", "why"]],
                      hide_index=True, key="plan_check_diff")
+if held_out:
+    st.subheader("Held-out errors of this profile (the intervals' source)")
+    st.caption(f"{held_out['split']}: {held_out['runs']} runs, {held_out['turns']:,} ok turns not fitted on. Per mode the "
+               "10th and 90th percentiles of measured / forecast TTFT and of recorded minus forecast hit rate "
+               "(`turnscope plan-check`, docs/planner.md).")
+    st.dataframe(plan_figures.held_out_table(held_out), hide_index=True, key="plan_held_out")
 with st.expander("The profile (every figure with its source)"):
     st.json(json.loads(row["profile"]))

@@ -7,6 +7,7 @@ import plotly.express as px
 import plotly.graph_objects as go
 
 from dashboard.figures.common import MODE_COLORS, legend_below
+from dashboard.plan_check import frontier_highlights
 
 #: Column order of the Plan page's tables: baselines first, then what reuse adds.
 PLAN_TABLE_MODES = ("aggregated", "pd-nocache", "pd", "pd-bidir-nocache", "pd-bidir")
@@ -33,6 +34,48 @@ def ttft_parts_table(parts: pd.DataFrame) -> pd.DataFrame:
                          "TTFT p95 (ms)": ms["ttft_p95_s"], "queue wait mean (ms)": ms["queue_wait_mean_s"],
                          "queue wait p95 (ms)": ms["queue_wait_p95_s"],
                          "queue share of TTFT (%)": (df["queue_share"] * 100).round(1)})
+
+
+def secondary_table(sp: pd.DataFrame) -> pd.DataFrame:
+    """``plan_speedups`` rows' secondary figures for display: mean TTFT (ms, every request), the
+    mean-TTFT ratio (every request, later requests) and the queue's share of mean TTFT (%)."""
+    return pd.DataFrame({"pair": sp["treatment"] + " vs " + sp["baseline"],
+                         "treatment mean TTFT (ms)": (sp["treatment_ttft_mean_s"] * 1000).round(1),
+                         "baseline mean TTFT (ms)": (sp["baseline_ttft_mean_s"] * 1000).round(1),
+                         "mean-TTFT ratio, all requests": sp["mean_speedup"].round(2),
+                         "mean-TTFT ratio, later requests": sp["later_mean_speedup"].round(2),
+                         "treatment queueing (% of mean TTFT)": (sp["treatment_queue_share"] * 100).round(1),
+                         "baseline queueing (% of mean TTFT)": (sp["baseline_queue_share"] * 100).round(1)})
+
+
+def frontier_highlights_table(fr: pd.DataFrame) -> pd.DataFrame:
+    """The frontier's rows that matter (``dashboard.plan_check.frontier_highlights``) for display:
+    TTL (s), D space (GiB or unbounded), hit rate (%) with its 80% interval (blank: none), GiB-s
+    pinned, peak GiB, handles lost to D full, and why the row is shown."""
+    hl = frontier_highlights(fr)
+    return pd.DataFrame({"mode": hl["mode"], "TTL (s)": hl["decoder_kv_blocks_ttl_s"],
+                         "D KV space": hl["decode_kv_space_bytes"].map(
+                             lambda b: "unbounded" if pd.isna(b) else f"{b / GiB:,.3g} GiB"),
+                         "hit rate (%)": (hl["hit_rate"] * 100).round(1),
+                         "80% interval (%)": [None if pd.isna(lo) else f"{lo:.1%}-{hi:.1%}" for lo, hi in
+                                              zip(hl["hit_rate_interval_low"], hl["hit_rate_interval_high"],
+                                                  strict=True)],
+                         "pinned (GiB-s)": hl["held_gib_s"].round(1),
+                         "peak pinned (GiB)": (hl["peak_held_bytes"] / GiB).round(3),
+                         "lost to D full": hl["d_full_events"], "why shown": hl["why"]})
+
+
+def held_out_table(held_out: dict) -> pd.DataFrame:
+    """A profile's ``held_out`` (JSON: ``ttft_ratio`` and ``hit_rate_error`` per mode, each [p10,
+    p90]) as one row per mode: measured / forecast TTFT p10 and p90 (rounded to 0.001), recorded
+    minus forecast hit rate p10 and p90 (percentage points, 0.1; blank without handles)."""
+    ratio, hit = held_out.get("ttft_ratio", {}), held_out.get("hit_rate_error", {})
+    modes = [m for m in PLAN_TABLE_MODES if m in ratio] + sorted(set(ratio) - set(PLAN_TABLE_MODES))
+    return pd.DataFrame({"mode": modes,
+                         "measured / forecast TTFT, p10": [round(ratio[m][0], 3) for m in modes],
+                         "measured / forecast TTFT, p90": [round(ratio[m][1], 3) for m in modes],
+                         "hit rate error (pp), p10": [round(hit[m][0] * 100, 1) if m in hit else None for m in modes],
+                         "hit rate error (pp), p90": [round(hit[m][1] * 100, 1) if m in hit else None for m in modes]})
 
 
 def frontier_figure(fr: pd.DataFrame, tag: str) -> go.Figure:

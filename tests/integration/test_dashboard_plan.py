@@ -69,6 +69,25 @@ def test_check_against_recorded_runs_is_shown(monkeypatch, checked_store):
     diff = next(d.value for d in at.dataframe if "why" in d.value.columns)
     assert list(zip(diff["session_id"], diff["turn_index"], diff["predicted_outcome"], strict=True)) == [("s0", 2, "hit")]
     assert len(at.get("plotly_chart")) == 2  # the frontier and forecast-against-measured TTFT
+    # the check says what it calculates: each run alone, in its own mode, against its own measurement
+    assert any("What this table calculates: each recorded run planned alone" in c.value for c in at.caption)
+    # the Overview's speed-up of the runs, measured and forecast, by hand: median TTFT of later ok turns
+    hc = next(d.value for d in at.dataframe if "measured speed-up" in d.value.columns)
+    row = hc[(hc["treatment"] == "pd-bidir-nocache") & (hc["baseline"] == "pd-nocache")].iloc[0]
+    later = [(s, k) for s in range(fx.SESSIONS) for k in range(1, fx.TURNS)]
+    base = statistics.median(fx.ttft_s("pd-nocache", s, k) for s, k in later if not fx.failed("pd-nocache", s, k))
+    measured = statistics.median(fx.ttft_s("pd-bidir-nocache", s, k) for s, k in later)
+
+    def forecast(s: int, k: int) -> float:   # the failed read forecast as the hit the rules say
+        pull = fx.prompt(s, k - 1) + fx.OUT - 1 if (s, k) != fx.EXPIRED else 0
+        return fx.B0["pd-bidir-nocache"] + fx.c(fx.prompt(s, k)) - fx.c(pull) + pull * fx.PULL_S_PER_TOKEN
+
+    assert row["measured speed-up"] == pytest.approx(round(base / measured, 2))
+    assert row["forecast speed-up"] == pytest.approx(round(base / statistics.median(forecast(s, k) for s, k in later), 2))
+    # the frontier's rows that matter, and the secondary figures, each in its own table
+    rows = next(d.value for d in at.dataframe if "why shown" in d.value.columns)
+    assert set(rows["mode"]) == {"pd-bidir", "pd-bidir-nocache"} and rows["why shown"].str.contains("current").sum() == 2
+    assert any("mean-TTFT ratio, all requests" in d.value.columns for d in at.dataframe)
 
 
 def test_a_store_with_only_plans_shows_the_plan_page(monkeypatch, plans_only):
@@ -84,7 +103,7 @@ def test_a_store_with_only_plans_shows_the_plan_page(monkeypatch, plans_only):
     rows = shards(plans_only, "plan_speedups", "SELECT treatment, baseline, speedup FROM {t} ORDER BY treatment, baseline")
     text = " ".join(m.value for m in at.markdown)
     for treatment, baseline, speedup in rows:
-        assert f"**{treatment} vs {baseline}**: {speedup:.2f}x" in text
+        assert f"**{treatment} vs {baseline}**: speed-up {speedup:.2f}x" in text
     assert text.count("FORECAST (profile vendor-h200)") >= len(rows)
     # outcome counts: hand SQL over the shards
     wide = next(d.value for d in at.dataframe if "miss_first_turn" in d.value.index)  # outcome x mode

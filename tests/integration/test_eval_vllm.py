@@ -69,3 +69,15 @@ def test_eval_pd_nocache_vs_bidir(tmp_path):
     ttft = dict(con.execute("""select mode, median(ttft_s) from turn_breakdown
                                where turn_index >= 1 and status = 'ok' group by mode""").fetchall())
     assert ttft["pd-bidir-nocache"] < ttft["pd-nocache"]
+    # the speed probe: a full prefill of the same 256 ids on P at each run's start and end, outside the
+    # run's scrapes (P's prompt-token counter over the run counts the turns' prompts only)
+    probes = con.execute("select run_id, phase, target, prompt_tokens, status, ttft_s from run_probes "
+                         "order by run_id, phase desc").fetchall()
+    assert [(r, p, t, n, st) for r, p, t, n, st, _ in probes] == [
+        (run_id, phase, "prefill", 256, "ok") for run_id in sorted(run_ids) for phase in ("start", "end")]
+    assert all(0 < ttft < 30 for *_, ttft in probes)
+    counted = dict(con.execute("""
+        select run_id, sum(increase) from metric_increases
+        where role = 'prefill' and name = 'vllm:prompt_tokens_total' group by run_id""").fetchall())
+    prompts = dict(con.execute("select run_id, sum(prompt_tokens) from turns group by run_id").fetchall())
+    assert counted == prompts

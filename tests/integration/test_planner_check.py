@@ -220,3 +220,57 @@ def test_overlapping_sessions_wait_for_the_worker(tmp_path):
     m, s, k = next((m, s, k) for (m, s, k) in waited if m == "aggregated")
     row = ok[(ok["mode"] == m) & (ok["session_id"] == f"s{s}") & (ok["turn_index"] == k)].iloc[0]
     assert row.measured_ttft_s - fx.ttft_s(m, s, k) == pytest.approx(fx.WAITS[(m, s, k)])
+
+
+def test_each_recorded_run_is_planned_on_its_own_clock(store):
+    """The five runs overlap in wall time (started a minute apart, each over 100 s long) and each run's
+    clock starts at its first turn, so planned as one traffic the five copies of each turn would
+    arrive together and queue for one prefill worker. Planned each on its own, no request waits:
+    every pd-nocache forecast is B0 + c(n), and the headline is the Overview's median ratio over the
+    30 later requests, both by hand from the fixture's formulas."""
+    r = CliRunner().invoke(app, ["plan", str(store.root), "--store", str(store.root), "--fit-runs", ",".join(RUN_IDS),
+                                 "--label", "own-clock"], env={"COLUMNS": "4000"})
+    assert r.exit_code == 0, r.output
+    con = duckdb.connect()
+    try:
+        pid = con.execute(f"SELECT plan_id FROM read_parquet('{store.root}/runs/plan-*/plan_log/*.parquet') "
+                          f"WHERE label = 'own-clock'").fetchone()[0]
+        rows = con.execute(f"SELECT mode, source, session_id, request_index, input_tokens, ttft_s, queue_wait_s "
+                           f"FROM read_parquet('{store.root}/runs/{pid}/plan_requests/*.parquet')").fetchall()
+        sp = con.execute(f"SELECT speedup, treatment_ttft_median_s, baseline_ttft_median_s, treatment_queue_share "
+                         f"FROM read_parquet('{store.root}/runs/{pid}/plan_speedups/*.parquet') "
+                         f"WHERE treatment = 'pd-bidir-nocache' AND baseline = 'pd-nocache'").fetchone()
+        checks = con.execute(f"SELECT checked_run_id, session_id, turn_index, predicted_ttft_s "
+                             f"FROM read_parquet('{store.root}/runs/{pid}/plan_checks/*.parquet') "
+                             f"WHERE mode = 'pd-nocache' AND status = 'ok'").fetchall()
+    finally:
+        con.close()
+    assert len(rows) == 5 * 5 * fx.SESSIONS * fx.TURNS          # 5 modes x 5 runs x 8 turns
+    assert all(w == 0 for *_, w in rows)
+
+    def n_of(source: str, session: str, k: int) -> int:
+        s = int(session[1:])
+        return 0 if source == f"run:{fx.RUNS[fx.TIMED_OUT[0]]}" and (s, k) == fx.TIMED_OUT[1:] else fx.prompt(s, k)
+
+    for mode, source, session, k, n, ttft, _ in rows:
+        assert n == n_of(source, session, k)
+        if mode == "pd-nocache":
+            assert ttft == pytest.approx(fx.B0["pd-nocache"] + fx.c(n), rel=1e-5)
+    # each checked run's own forecast: no wait either
+    assert len(checks) == 7 and all(t == pytest.approx(fx.B0["pd-nocache"] + fx.c(fx.prompt(int(s[1:]), k)), rel=1e-5)
+                                    for _, s, k, t in checks)
+    # the headline: medians over the later requests of the 5 runs (a handle of prompt + 32 - 1 pulled;
+    # the timed-out turn, 0 tokens, pulls nothing and costs b0)
+    base, bidir = [], []
+    for mode in fx.MODES:
+        for s in range(fx.SESSIONS):
+            for k in range(1, fx.TURNS):
+                n = n_of(f"run:{fx.RUNS[mode]}", f"s{s}", k)
+                base.append(fx.B0["pd-nocache"] + fx.c(n))
+                pull = fx.prompt(s, k - 1) + fx.OUT - 1 if n else 0
+                bidir.append(fx.B0["pd-bidir-nocache"] + fx.c(n) - fx.c(pull) + pull * fx.PULL_S_PER_TOKEN)
+    assert sp[1] == pytest.approx(statistics.median(bidir), rel=1e-5)
+    assert sp[2] == pytest.approx(statistics.median(base), rel=1e-5)
+    assert sp[0] == pytest.approx(statistics.median(base) / statistics.median(bidir), rel=1e-5)
+    assert sp[3] == 0
+    assert "speed-up 1.63x" in r.output and "queueing 0% vs 0% of mean TTFT" in r.output

@@ -173,3 +173,22 @@ def test_recorded_shared_prefix_is_p_s_first_turn_hit():
     # r1 and r2 without their first sessions: 1280, 1280, 1280, 1152 -> median 1280
     assert recorded_shared_prefix_tokens(pd.DataFrame(rows)) == 1280
     assert recorded_shared_prefix_tokens(pd.DataFrame(rows[6:])) == 0   # pd-nocache only: P's cache off
+
+
+def test_sources_planned_alone_do_not_queue_or_share_d():
+    """Two recorded runs of the same session at the same clock times: planned alone each is the
+    hand-computed case above (no wait, the same pinned KV); their pinned KV is two runs' worth, the
+    peak one run's. Planned together, the second run's prompts wait behind the first's."""
+    def run(src: str) -> list[AgentRequest]:
+        return [AgentRequest(src, "a", 0, 0.0, 1000, 32, 0, server_s=1.0),
+                AgentRequest(src, "a", 1, 5.0, 1300, 32, 1031, server_s=1.0)]
+
+    alone = plan(run("run:x") + run("run:y"), profile(), PlanSettings(separate_sources=True))
+    m = alone.modes["pd-bidir-nocache"]
+    assert list(m.queue_wait_s) == [0, 0, 0, 0]
+    assert list(m.ttft_s) == pytest.approx([0.01 + 0.1, 0.01 + 0.1, 0.01 + 0.0269 + 0.004222976,
+                                            0.01 + 0.0269 + 0.004222976])
+    assert m.peak_held_bytes() == 11 * 128 * 4096
+    assert m.held_gib_s() == pytest.approx(2 * (HANDLE_BYTES * 4 + 11 * 128 * 4096 * 480) / 2**30)
+    stacked = plan(run("run:x") + run("run:y"), profile()).modes["pd-nocache"]
+    assert stacked.queue_wait_s[1] == pytest.approx(0.1)   # waits for the other run's first prompt

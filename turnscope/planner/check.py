@@ -1,5 +1,6 @@
-"""The planner checked against reality: recorded runs planned from their own records and their
-own fitted profile (:mod:`turnscope.planner.fit`), compared turn by turn with what was measured.
+"""The planner checked against reality: recorded runs planned each alone, from their own records,
+with a profile (fitted from them, from other runs, or a file; put on each run's machine speed by
+its speed probe where both have one), compared turn by turn with what was measured.
 
 Two checks (issue "The planner"): the predicted outcome is the recorded one for every turn that did
 not fail (differences listed with why), and the predicted TTFT is within 25% median absolute
@@ -15,7 +16,9 @@ import numpy as np
 import pandas as pd
 
 from turnscope.planner.fit import (  # noqa: F401 (run_settings re-exported)
+    on_run_speed,
     plan_recorded_run,
+    probe_ttft_s,
     recorded_shared_prefix_tokens,
     recorded_turns,
     run_settings,
@@ -41,20 +44,24 @@ def check_runs(store: Store, run_ids: Sequence[str], profile: CostProfile) -> pd
     Columns (the store's ``plan_checks``, docs/schema.md): checked_run_id, mode, session_id,
     turn_index, status, recorded_outcome, predicted_outcome, outcome_match (None for failed turns),
     measured_ttft_s, predicted_ttft_s, recorded_pulled_tokens, predicted_pulled_tokens,
-    recorded_local_tokens, predicted_local_tokens, why (for a difference: what each side saw)."""
+    recorded_local_tokens, predicted_local_tokens, why (for a difference: what each side saw),
+    speed_factor (the run's speed probe TTFT over the profile's, by which b0 and c(x) were scaled
+    for this run: :func:`turnscope.planner.fit.on_run_speed`; NaN: not scaled)."""
     recorded = recorded_turns(store, run_ids)
     shared = recorded_shared_prefix_tokens(recorded)
+    probes = probe_ttft_s(store, run_ids)
     frames = []
     for run_id, rec in recorded.groupby("run_id", sort=False):
         mode = str(rec["mode"].iloc[0])
         if mode not in MODES:
             continue
-        tr, m = plan_recorded_run(store, str(run_id), mode, profile, shared)
+        run_profile, factor = on_run_speed(profile, probes.get(str(run_id)))
+        tr, m = plan_recorded_run(store, str(run_id), mode, run_profile, shared)
         pred = pd.DataFrame({"session_id": tr.session, "turn_index": tr.request_index,
                              "predicted_outcome": m.outcome_names(), "predicted_ttft_s": m.ttft_s,
                              "predicted_age_s": m.handle_age_s, "predicted_pulled": m.pulled_tokens,
                              "predicted_local": m.local_tokens})
-        both = rec.merge(pred, on=["session_id", "turn_index"], how="left")
+        both = rec.merge(pred, on=["session_id", "turn_index"], how="left").assign(speed_factor=factor)
         frames.append(both)
     if not frames:
         return pd.DataFrame()
@@ -78,6 +85,6 @@ def check_runs(store: Store, run_ids: Sequence[str], profile: CostProfile) -> pd
                         "predicted_ttft_s": df["predicted_ttft_s"], "recorded_pulled_tokens": df["reused_tokens"],
                         "predicted_pulled_tokens": df["predicted_pulled"],
                         "recorded_local_tokens": df["local_tokens"], "predicted_local_tokens": df["predicted_local"],
-                        "predicted_age_s": df["predicted_age_s"]})
+                        "predicted_age_s": df["predicted_age_s"], "speed_factor": df["speed_factor"]})
     out["why"] = [why(r) for r in out.itertuples()]
     return out.drop(columns=["predicted_age_s"])

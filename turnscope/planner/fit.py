@@ -12,6 +12,10 @@ Formulas and sources in docs/planner.md ("Profiles"):
 * KV space of each role: ``num_gpu_blocks x block_size`` of vLLM's ``vllm:cache_config_info``
   gauge on that role's workers, times the model's KV bytes per token;
 * decode time per token: the median TPOT of the runs' ok turns;
+* the speed probe's TTFT where the costs were measured: the median of the runs' median probe
+  TTFTs (``run_probes``), so a forecast of another run can be put on that run's speed; the fit
+  puts each run's turns on that speed first (:func:`run_speed_factors`), so runs of different
+  modes recorded while the machine ran at different speeds are compared on one;
 * the system prompt shared across sessions: :func:`recorded_shared_prefix_tokens`.
 
 Raises :class:`FitError` when the runs cannot give a figure the planner needs (no turns, no timed
@@ -105,6 +109,39 @@ def plan_recorded_run(store: Store, run_id: str, mode: str, profile: CostProfile
     return tr, plan(tr, profile, settings).modes[mode]
 
 
+def probe_ttft_s(store: Store, run_ids: Sequence[str]) -> dict[str, float]:
+    """Run id -> the median TTFT of its ok speed probes (``run_probes``, :mod:`turnscope.speed_probe`),
+    seconds; runs without one are absent."""
+    con = store.connect()
+    try:
+        rows = con.execute(f"SELECT run_id, median(ttft_s) FROM run_probes WHERE status = 'ok' AND ttft_s > 0 "
+                           f"AND run_id IN ({', '.join('?' for _ in run_ids)}) GROUP BY run_id",
+                           list(run_ids)).fetchall()
+    finally:
+        con.close()
+    return {r: float(t) for r, t in rows}
+
+
+def run_speed_factors(probes: dict[str, float]) -> dict[str, float]:
+    """Run id -> its speed probe TTFT over the median of the runs' (:func:`probe_ttft_s`): how many
+    times slower than the reference (the profile's ``probe_ttft_s``) its machine ran; empty when
+    no run has a probe."""
+    if not probes:
+        return {}
+    ref = float(np.median(list(probes.values())))
+    return {r: t / ref for r, t in probes.items()}
+
+
+def on_run_speed(profile: CostProfile, run_probe_s: float | None) -> tuple[CostProfile, float | None]:
+    """``profile`` put on a run's machine speed: scaled by the run's probe TTFT over the profile's
+    (:meth:`CostProfile.at_speed`) when both exist; else unchanged. Returns (profile, factor or None)."""
+    if run_probe_s is None or profile.probe_ttft_s is None:
+        return profile, None
+    factor = run_probe_s / profile.probe_ttft_s.value
+    return profile.at_speed(factor, f"speed probe {run_probe_s * 1e3:.1f} ms on the run vs "
+                                    f"{profile.probe_ttft_s.value * 1e3:.1f} ms where fitted"), factor
+
+
 def _transfer(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
     con = store.connect()
     try:
@@ -170,13 +207,21 @@ def fit_profile(store: Store, run_ids: Sequence[str], name: str = "fitted") -> C
         if role in space:
             setattr(prof, field, Sourced(value=space[role] * kv_bytes,
                                          source=f"{src}: vllm:cache_config_info num_gpu_blocks x block_size"))
+    probes = probe_ttft_s(store, run_ids)
+    if probes:
+        prof.probe_ttft_s = Sourced(value=float(np.median(list(probes.values()))),
+                                    source=f"{src}: median over {len(probes)} runs of each run's median speed probe "
+                                           "TTFT (run_probes)")
     tpot = turns.loc[(turns["status"] == "ok"), "tpot_s"].dropna()
     if not tpot.empty:
         prof.decode_s_per_token = Sourced(value=float(tpot.median()), source=f"{src}: median TPOT")
-    costs = fit_costs(_with_forecast_local(store, turns, prof), prof)   # the cache model needs no costs
+    speed = run_speed_factors(probes)
+    costs = fit_costs(_with_forecast_local(store, turns, prof), prof, speed=speed)   # the cache model needs no costs
     if costs is None:
         raise FitError(f"{where}: the cost fit needs ok turns with 3 or more distinct computed-token counts")
     how = (f"{src}: {FIT_METHOD} over {costs.turns} ok turns of {len(costs.b0_s)} modes"
+           + (f", each run's TTFT put on the median speed probe's speed (factors "
+              f"{min(speed.values()):.3g}-{max(speed.values()):.3g})" if speed else "")
            + f" ({costs.rounds} fit/queue rounds)"
            + (f" ({costs.forecast_local} turns' own-cache hit not recorded: the planner's forecast of it)"
               if costs.forecast_local else ""))
@@ -232,7 +277,8 @@ def _queue_waits(turns: pd.DataFrame, service_s: np.ndarray) -> np.ndarray:
     return waits
 
 
-def fit_costs(turns: pd.DataFrame, prof: CostProfile, queue: bool = True) -> CostFit | None:
+def fit_costs(turns: pd.DataFrame, prof: CostProfile, queue: bool = True,
+              speed: dict[str, float] | None = None) -> CostFit | None:
     """Fit ``ttft = b0[mode] + wait + c(n) - c(cached) + pull(pulled) + render x n x renders``
     (docs/planner.md) jointly over the ok turns of every mode, ``c(x) = a1 x + a2 x^2``: the
     computed tokens ``n - cached`` range from a few dozen (a cache hit) to whole prompts
@@ -258,10 +304,16 @@ def fit_costs(turns: pd.DataFrame, prof: CostProfile, queue: bool = True) -> Cos
     cached tokens are a forecast (aggregated runs record none) are fitted from the second turn of a
     session on: a first turn's hit on a system prompt shared across sessions is not forecast (the
     planner does not model sharing across sessions) and would bend c. None when the P/D turns have
-    fewer than 3 distinct computed-token counts (a1 and a2 not identifiable)."""
+    fewer than 3 distinct computed-token counts (a1 and a2 not identifiable).
+
+    ``speed``: run id -> how many times slower than the reference its machine ran (its speed probe
+    over the reference's, :func:`run_speed_factors`; absent: 1). A run's turns are fitted as
+    ``ttft = f (b0 + c(n) - c(cached) + wait + render) + pull``: its compute put on the reference
+    speed, its waits computed from its own (f times longer) worker times; pulls are not scaled."""
     turns = turns[turns["mode"].isin(MODES) & turns["sent_at"].notna()].copy()
     turns["arrival_s"] = (pd.to_datetime(turns["sent_at"]) - pd.to_datetime(turns["sent_at"]).min()).dt.total_seconds()
     turns = turns.sort_values(["run_id", "arrival_s", "session_id", "turn_index"], kind="stable").reset_index(drop=True)
+    f_all = turns["run_id"].map(speed or {}).fillna(1.0).to_numpy(float)
     n_all = turns["prompt_tokens"].fillna(0).to_numpy(float)
     pulled_all = turns["reused_tokens"].fillna(0).to_numpy(float)
     cached_all = np.minimum(turns["local_tokens"].fillna(0).to_numpy(float) + pulled_all, n_all)
@@ -271,6 +323,7 @@ def fit_costs(turns: pd.DataFrame, prof: CostProfile, queue: bool = True) -> Cos
     ok = turns[fitted]
     n, pulled, cached = n_all[fitted], pulled_all[fitted], cached_all[fitted]
     ttft = ok["ttft_s"].to_numpy(float)
+    f = f_all[fitted]
     mode_col = ok["mode"].to_numpy()
     agg = mode_col == "aggregated"
     if np.unique((n - cached)[~agg]).size < 3:
@@ -292,10 +345,10 @@ def fit_costs(turns: pd.DataFrame, prof: CostProfile, queue: bool = True) -> Cos
     th = np.r_[np.full(k, 1e-3), np.tile([0.1, 0.01], 2 if has_agg else 1), [0.0] if has_text else []]
     rounds = 0
     for rounds in range(1, QUEUE_ROUNDS + 1):
-        y = ttft - prof.pull_s(pulled) - waits[fitted]
+        y = (ttft - prof.pull_s(pulled)) / f - waits[fitted]
         start = th.copy()
         start[:k] = np.maximum(start[:k], max(float(np.median(y)) / 2, 1e-3)) if rounds == 1 else start[:k]
-        th = least_squares(lambda t, y=y: (x @ t - y) / ttft, start, bounds=(0.0, np.inf), loss="soft_l1",
+        th = least_squares(lambda t, y=y: (x @ t - y) / (ttft / f), start, bounds=(0.0, np.inf), loss="soft_l1",
                            f_scale=0.1, xtol=1e-15, ftol=1e-15, gtol=1e-15, max_nfev=10_000).x
         if not queue:
             break
@@ -304,7 +357,7 @@ def fit_costs(turns: pd.DataFrame, prof: CostProfile, queue: bool = True) -> Cos
         if has_agg:
             ga1, ga2 = th[k + 2] / 1e3, th[k + 3] / 1e6
             service = np.where(agg_all, ga1 * (n_all - cached_all) + ga2 * (n_all ** 2 - cached_all ** 2), service)
-        new = _queue_waits(turns, service)
+        new = _queue_waits(turns, service * f_all) / f_all   # real-time waits, on the reference speed
         moved = float(np.max(np.abs(new - waits))) if len(new) else 0.0
         waits = new
         if moved <= QUEUE_TOLERANCE_S:

@@ -228,7 +228,7 @@ def achieved_flops_per_s(timing: LayerTiming, point: TimingPoint) -> float:
 def write_profile(profile: CostProfile, path: Path, header: str) -> None:
     """Write ``profile`` as a YAML profile file (the format ``load_profile`` reads), with ``header``
     as its leading comment."""
-    body = yaml.safe_dump(profile.model_dump(exclude_none=True), sort_keys=False, width=100, allow_unicode=True)
+    body = yaml.safe_dump(profile.model_dump(mode="json", exclude_none=True), sort_keys=False, width=100, allow_unicode=True)
     comment = "".join(f"# {line}\n".replace("# \n", "#\n") for line in header.splitlines())
     path.write_text(comment + body)
 

@@ -48,6 +48,24 @@ class Sourced(BaseModel):
     source: str = Field(min_length=1)
 
 
+class HeldOutErrors(BaseModel):
+    """How far the profile's forecasts were off on runs it was not fitted on (``turnscope
+    plan-check``, docs/planner.md "Held-out check"), the source of every forecast interval.
+
+    ``split``: what was fitted on and what was checked; ``runs``/``turns``: the checked runs and
+    ok turns. Per mode: ``ttft_ratio`` = [10th, 90th] percentile of measured / forecast TTFT over
+    the checked ok turns (a forecast x reads "x (80% interval x lo - x hi)"); ``hit_rate_error``
+    = [10th, 90th] percentile over the checked runs of the recorded minus the forecast hit rate
+    (share of later ok turns, -1..1)."""
+
+    model_config = ConfigDict(extra="forbid")
+    split: str = Field(min_length=1)
+    runs: int = Field(ge=1)
+    turns: int = Field(ge=1)
+    ttft_ratio: dict[str, tuple[float, float]] = Field(default_factory=dict)
+    hit_rate_error: dict[str, tuple[float, float]] = Field(default_factory=dict)
+
+
 class CostProfile(BaseModel):
     """The planner's costs for one deployment (seconds, tokens, bytes).
 
@@ -64,7 +82,11 @@ class CostProfile(BaseModel):
     * ``render_s_per_token``: time to render a chat request's messages to token ids (the chat
       template and the tokenizer), per prompt token, per render on the TTFT path (traffic sent as
       token ids renders nothing; absent: 0);
-    * ``block_size``: KV block size in tokens (vLLM: 16 on GPU by default, 128 on CPU).
+    * ``block_size``: KV block size in tokens (vLLM: 16 on GPU by default, 128 on CPU);
+    * ``held_out``: the errors of this profile's forecasts on runs it was not fitted on
+      (:class:`HeldOutErrors`; absent: no held-out check, so no forecast interval);
+    * ``probe_ttft_s``: the speed probe's median TTFT on the machine the costs were fitted on
+      (docs/planner.md "Speed probe"; absent: forecasts are not scaled to a run's speed).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -86,6 +108,8 @@ class CostProfile(BaseModel):
     aggregated_kv_space_bytes: Sourced | None = None
     decode_s_per_token: Sourced | None = None
     render_s_per_token: Sourced | None = None
+    held_out: HeldOutErrors | None = None
+    probe_ttft_s: Sourced | None = None
     left_out: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -139,6 +163,21 @@ class CostProfile(BaseModel):
         n = np.asarray(prompt_tokens, dtype=float)
         cached = np.minimum(np.asarray(cached_tokens, dtype=float), n)
         return self.b0(mode) + fit.cost_s(n) - fit.cost_s(cached) + self.pull_s(pulled_tokens)
+
+    def at_speed(self, factor: float, why: str) -> CostProfile:
+        """This profile on a machine ``factor`` times slower (> 1) or faster (< 1): every b0 and the
+        prefill curves c(x) (P's and the aggregated worker's) multiplied by ``factor``; pulls, KV
+        space, decode and render unchanged (docs/planner.md "Speed probe"). ``why`` joins each
+        scaled figure's source."""
+        def scaled(f: Sourced | None) -> Sourced | None:
+            return None if f is None else Sourced(value=f.value * factor, source=f"{f.source}; x {factor:.4g} ({why})")
+
+        return self.model_copy(update={
+            "b0_default_s": scaled(self.b0_default_s), "b0_s": {m: scaled(b) for m, b in self.b0_s.items()},
+            "prefill_a1_s_per_token": scaled(self.prefill_a1_s_per_token),
+            "prefill_a2_s_per_token2": scaled(self.prefill_a2_s_per_token2),
+            "aggregated_prefill_a1_s_per_token": scaled(self.aggregated_prefill_a1_s_per_token),
+            "aggregated_prefill_a2_s_per_token2": scaled(self.aggregated_prefill_a2_s_per_token2)})
 
     def capacity_tokens(self, role: str) -> int | None:
         """KV space of one worker of ``role`` (prefill, decode, aggregated) in tokens; None: unbounded."""

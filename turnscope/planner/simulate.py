@@ -73,7 +73,11 @@ class PlanSettings(BaseModel):
     ``queue_prefills``: a request waits for the prompts before it on its prefill (or aggregated)
     worker (:mod:`turnscope.planner.queueing`; False: every request finds its worker idle).
     ``rendered_prompts``: the requests are chat messages the workers render to token ids (a
-    ``text`` history; the profile's ``render_s_per_token``); False: token ids, nothing rendered."""
+    ``text`` history; the profile's ``render_s_per_token``); False: token ids, nothing rendered.
+    ``separate_sources``: each source of the traffic is planned alone, on its own clock and its own
+    deployment (its own workers, queues, caches and D), never stacked with the other sources: recorded
+    runs (each run served on its own); False: every source's requests share one clock and one
+    deployment (trace files of one traffic)."""
 
     model_config = ConfigDict(extra="forbid")
     decoder_kv_blocks_ttl_s: float = Field(480.0, gt=0)
@@ -87,6 +91,7 @@ class PlanSettings(BaseModel):
     shared_prefix_tokens: int = Field(0, ge=0)
     queue_prefills: bool = True
     rendered_prompts: bool = False
+    separate_sources: bool = False
     modes: tuple[str, ...] = MODES
 
     @property
@@ -144,6 +149,17 @@ class Traffic:
     def __len__(self) -> int:
         return len(self.arrival_s)
 
+    def select(self, rows: np.ndarray) -> Traffic:
+        """The requests at positions ``rows`` (ascending), in their order, sessions renumbered."""
+        codes = pd.factorize(self.session_code[rows])[0].astype(np.int64)
+        return Traffic(self.source[rows], self.session[rows], codes, self.request_index[rows],
+                       self.arrival_s[rows], self.input_tokens[rows], self.output_tokens[rows],
+                       self.shared_prefix_tokens[rows], self.server_s[rows], self.gap_s[rows])
+
+    def source_rows(self) -> list[np.ndarray]:
+        """The positions of each source's requests (ascending), sources in order of first arrival."""
+        return [np.asarray(ix) for ix in pd.Series(self.source).groupby(self.source, sort=False).indices.values()]
+
 
 @dataclass
 class ModePlan:
@@ -185,6 +201,29 @@ class ModePlan:
         if self.held_bytes.size < 2:
             return 0.0
         return float(np.sum(self.held_bytes[:-1] * np.diff(self.held_t_s)) / GiB)
+
+    @classmethod
+    def merged(cls, parts: list[tuple[np.ndarray, ModePlan]], n: int) -> ModePlan:
+        """One mode's plans of separate parts of a traffic (``(rows, plan)``: the part's positions in
+        the whole traffic of ``n`` requests) as one plan of the whole: per-request arrays put back
+        at their rows; D's pinned KV of each part laid end to end in time (each part had its own D:
+        the peak is the largest part's, the GiB-seconds their sum); handles lost summed."""
+        mode = parts[0][1].mode
+        out = cls(mode, np.zeros(n, np.int8), np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n),
+                  np.full(n, np.nan), np.zeros(n), prompt_tokens=np.zeros(n, np.int64))
+        held_t, held_b, end = [], [], 0.0
+        for rows, m in parts:
+            for name in ("outcome", "pulled_tokens", "local_tokens", "ttft_s", "handle_age_s", "queue_wait_s",
+                         "prompt_tokens"):
+                getattr(out, name)[rows] = getattr(m, name)
+            if m.held_t_s.size:
+                held_t.append(m.held_t_s - m.held_t_s[0] + end)
+                held_b.append(m.held_bytes)
+                end = float(held_t[-1][-1])
+            out.d_full_events += m.d_full_events
+        if held_t:
+            out.held_t_s, out.held_bytes = np.concatenate(held_t), np.concatenate(held_b)
+        return out
 
 
 @dataclass
@@ -350,9 +389,12 @@ def plan(requests: Iterable[AgentRequest] | Traffic, profile: CostProfile,
          settings: PlanSettings | None = None) -> Plan:
     """Forecast every request of ``requests`` in each of ``settings.modes``.
 
+    With ``settings.separate_sources`` each source is planned alone (:func:`plan_each_source`).
     Raises ValueError for no requests or an unknown mode."""
     settings = settings or PlanSettings()
     tr = requests if isinstance(requests, Traffic) else Traffic.of(requests)
+    if settings.separate_sources and len(set(tr.source)) > 1:
+        return plan_each_source(tr, profile, settings)
     unknown = sorted(set(settings.modes) - set(MODES))
     if unknown:
         raise ValueError(f"unknown mode(s) {', '.join(unknown)}; modes are {', '.join(MODES)}")
@@ -392,3 +434,15 @@ def plan(requests: Iterable[AgentRequest] | Traffic, profile: CostProfile,
         mp.prompt_tokens = n
         out[mode] = mp
     return Plan(tr, profile, settings, out, notes)
+
+
+def plan_each_source(tr: Traffic, profile: CostProfile, settings: PlanSettings) -> Plan:
+    """Each source of ``tr`` planned alone (its own clock, workers, queues, caches and D: a recorded
+    run as it was served), merged into one :class:`Plan` of the whole traffic
+    (:meth:`ModePlan.merged`); the notes are the parts' (each said once)."""
+    alone = settings.model_copy(update={"separate_sources": False})
+    parts = [(rows, plan(tr.select(rows), profile, alone)) for rows in tr.source_rows()]
+    modes = {mode: ModePlan.merged([(rows, p.modes[mode]) for rows, p in parts], len(tr)) for mode in alone.modes}
+    notes = list(dict.fromkeys(n for _, p in parts for n in p.notes))
+    notes.append(f"Each of the {len(parts)} sources (recorded runs) planned alone, on its own clock and deployment.")
+    return Plan(tr, profile, settings, modes, notes)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from dashboard import headline, speedup
 from dashboard.sweep_stats import PAIRS
 from serving import handles as h
+from turnscope.planner import intervals
 from turnscope.planner.profile import CostProfile, Sourced
 from turnscope.planner.simulate import BIDIR_MODES, MISS_D_FULL, Plan, PlanSettings, Traffic, plan
 
@@ -24,22 +26,57 @@ FRONTIER_SPACE_FACTORS = (0.125, 0.25, 0.5, 1.0, 2.0)
 
 
 def speedups(p: Plan) -> pd.DataFrame:
-    """Mean-TTFT speed-up (baseline / treatment; > 1: the treatment is faster) of each pair of
-    :data:`PLAN_PAIRS` whose two modes were planned, over all requests and over later requests
-    (request_index >= 1). Columns: treatment, baseline, requests, later_requests, treatment_hits,
-    treatment_ttft_mean_s, baseline_ttft_mean_s, speedup, later_speedup."""
+    """Each pair of :data:`PLAN_PAIRS` whose two modes were planned, on the Overview's convention
+    (:func:`dashboard.headline.ratio_of`, the one definition): ``speedup`` = median forecast TTFT of
+    the baseline / of the treatment over later requests (``request_index >= 1``: the second turn
+    on), with the headline's session bootstrap 95% CI; > 1: the treatment is faster. Means and the
+    queue's share are secondary figures, labelled as such wherever shown.
+
+    Columns: treatment, baseline, requests, later_requests, treatment_hits, treatment_ttft_median_s,
+    baseline_ttft_median_s (later requests, s), speedup, speedup_ci_low, speedup_ci_high,
+    treatment_ttft_mean_s, baseline_ttft_mean_s (every request, s), mean_speedup (baseline /
+    treatment mean TTFT, every request), later_mean_speedup (later requests), treatment_queue_share,
+    baseline_queue_share (mean wait for the prefill worker / mean TTFT, every request),
+    speedup_interval_low/high, treatment_ttft_interval_low_s/high_s, baseline_ttft_interval_low_s/high_s
+    (the 80% forecast intervals of the speed-up and the medians from the profile's held-out errors,
+    :mod:`turnscope.planner.intervals`; NaN: the profile has none)."""
     later = p.traffic.request_index >= 1
     rows = []
     for t, b in PLAN_PAIRS:
         if t not in p.modes or b not in p.modes:
             continue
-        tt, bb = p.modes[t].ttft_s, p.modes[b].ttft_s
-        rows.append({"treatment": t, "baseline": b, "requests": len(tt), "later_requests": int(later.sum()),
-                     "treatment_hits": int((p.modes[t].outcome_names() == h.HIT).sum()),
-                     "treatment_ttft_mean_s": float(tt.mean()), "baseline_ttft_mean_s": float(bb.mean()),
-                     "speedup": float(bb.mean() / tt.mean()),
-                     "later_speedup": float(bb[later].mean() / tt[later].mean()) if later.any() else np.nan})
+        tm, bm = p.modes[t], p.modes[b]
+        tt, bb = tm.ttft_s, bm.ttft_s
+        row = {"treatment": t, "baseline": b, "requests": len(tt), "later_requests": int(later.sum()),
+               "treatment_hits": int((tm.outcome_names() == h.HIT).sum()),
+               "treatment_ttft_median_s": np.nan, "baseline_ttft_median_s": np.nan,
+               "speedup": np.nan, "speedup_ci_low": np.nan, "speedup_ci_high": np.nan}
+        if later.any():
+            r = headline.ratio_of(_later_frame(p, tt, later), _later_frame(p, bb, later),
+                                  treatment_name=t, baseline_name=b)
+            s = speedup.of(r)
+            row |= {"treatment_ttft_median_s": r.median_treatment_s, "baseline_ttft_median_s": r.median_baseline_s,
+                    "speedup": s.value, "speedup_ci_low": s.ci_low, "speedup_ci_high": s.ci_high}
+        row |= {"treatment_ttft_mean_s": float(tt.mean()), "baseline_ttft_mean_s": float(bb.mean()),
+                "mean_speedup": float(bb.mean() / tt.mean()),
+                "later_mean_speedup": float(bb[later].mean() / tt[later].mean()) if later.any() else np.nan,
+                "treatment_queue_share": float(tm.queue_wait_s.sum() / tt.sum()) if tt.sum() else np.nan,
+                "baseline_queue_share": float(bm.queue_wait_s.sum() / bb.sum()) if bb.sum() else np.nan}
+        lo, hi = intervals.speedup_interval(p.profile, t, b, row["speedup"])
+        tlo, thi = intervals.ttft_interval(p.profile, t, row["treatment_ttft_median_s"])
+        blo, bhi = intervals.ttft_interval(p.profile, b, row["baseline_ttft_median_s"])
+        row |= {"speedup_interval_low": lo, "speedup_interval_high": hi, "treatment_ttft_interval_low_s": tlo,
+                "treatment_ttft_interval_high_s": thi, "baseline_ttft_interval_low_s": blo,
+                "baseline_ttft_interval_high_s": bhi}
+        rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _later_frame(p: Plan, ttft_s: np.ndarray, later: np.ndarray) -> pd.DataFrame:
+    """The later requests' forecast TTFT with their session (source as ``run_id``), the frame
+    :func:`dashboard.headline.ratio_of` takes."""
+    tr = p.traffic
+    return pd.DataFrame({"ttft_s": ttft_s[later], "run_id": tr.source[later], "session_id": tr.session[later]})
 
 
 def frontier(traffic: Traffic, profile: CostProfile, settings: PlanSettings, mode: str = "pd-bidir",
@@ -50,7 +87,9 @@ def frontier(traffic: Traffic, profile: CostProfile, settings: PlanSettings, mod
     -- unbounded -- when it has none), plus the current point.
 
     Columns: decoder_kv_blocks_ttl_s, decode_kv_space_bytes (NaN: unbounded), current (the
-    settings' TTL and the profile's space), hit_rate (hits over later requests), ttft_saved_s (sum
+    settings' TTL and the profile's space), hit_rate (hits over later requests),
+    hit_rate_interval_low/high (its 80% forecast interval, :mod:`turnscope.planner.intervals`; NaN:
+    none), ttft_saved_s (sum
     over requests of the ``pd`` forecast minus ``mode``'s, seconds; for ``pd-bidir-nocache`` against
     ``pd-nocache``), peak_held_bytes, held_gib_s, d_full_events."""
     base_mode = "pd-nocache" if mode == "pd-bidir-nocache" else "pd"
@@ -67,9 +106,11 @@ def frontier(traffic: Traffic, profile: CostProfile, settings: PlanSettings, mod
             update={"decode_kv_space_bytes": Sourced(value=s, source="frontier grid point")})
         m = plan(traffic, prof, settings.model_copy(update={"decoder_kv_blocks_ttl_s": ttl, "modes": (mode,)})).modes[mode]
         names = m.outcome_names()
+        rate = float((names[later] == h.HIT).mean()) if later.any() else np.nan
+        lo, hi = intervals.hit_rate_interval(profile, mode, rate)
         rows.append({"decoder_kv_blocks_ttl_s": ttl, "decode_kv_space_bytes": np.nan if s is None else s,
-                     "current": (ttl, s) == current,
-                     "hit_rate": float((names[later] == h.HIT).mean()) if later.any() else np.nan,
+                     "current": (ttl, s) == current, "hit_rate": rate,
+                     "hit_rate_interval_low": lo, "hit_rate_interval_high": hi,
                      "ttft_saved_s": float((base.ttft_s - m.ttft_s).sum()), "peak_held_bytes": m.peak_held_bytes(),
                      "held_gib_s": m.held_gib_s(), "d_full_events": m.d_full_events})
     return pd.DataFrame(rows)

@@ -1,0 +1,182 @@
+"""``turnscope plan-check``: a profile fitted on one store forecasts another store's runs, recorded on a
+machine 1.5 times slower (tests/planner_store.py, ``slow``), each run planned alone; the errors and
+the intervals they give are hand computations from the fixture's formulas."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pytest
+from streamlit.testing.v1 import AppTest
+from typer.testing import CliRunner
+
+from tests import planner_store as fx
+from turnscope.cli import app
+from turnscope.planner.fit import fit_profile
+from turnscope.planner.held_out import check_split, held_out_check
+from turnscope.planner.profile import load_profile
+from turnscope.store import Store
+
+SLOW = 1.5
+RUN_IDS = list(fx.RUNS.values())
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The linear-interpolation quantile, by hand: position q (n - 1) between the sorted values."""
+    v = sorted(values)
+    pos = q * (len(v) - 1)
+    lo = math.floor(pos)
+    return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (pos - lo)
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return fx.build(tmp_path_factory.mktemp("fit")), fx.build(tmp_path_factory.mktemp("check"), slow=SLOW)
+
+
+def measured(mode: str, s: int, k: int, slow: float = SLOW) -> float:
+    """The slow machine's TTFT: compute ``slow`` times the formula's, the pull as fast."""
+    return slow * fx.ttft_s(mode, s, k) - (slow - 1) * fx.recorded(mode, s, k)[2] * fx.PULL_S_PER_TOKEN
+
+
+def forecast(mode: str, s: int, k: int) -> float:
+    """The fitted profile's forecast (the fixture's costs): the recorded tokens, except the failed read,
+    which the rules forecast as the hit it should have been."""
+    if (mode, s, k) != fx.TRANSFER_FAILED:
+        return fx.ttft_s(mode, s, k)
+    pull = fx.prompt(s, k - 1) + fx.OUT - 1
+    return fx.B0[mode] + fx.c(fx.prompt(s, k)) - fx.c(pull) + pull * fx.PULL_S_PER_TOKEN
+
+
+def ok_turns(mode: str) -> list[tuple[int, int]]:
+    return [(s, k) for s in range(fx.SESSIONS) for k in range(fx.TURNS) if not fx.failed(mode, s, k)]
+
+
+def errors(mode: str) -> list[float]:
+    return [abs(forecast(mode, s, k) - measured(mode, s, k)) / measured(mode, s, k) for s, k in ok_turns(mode)]
+
+
+def ratios(mode: str) -> list[float]:
+    return [measured(mode, s, k) / forecast(mode, s, k) for s, k in ok_turns(mode)]
+
+
+def test_held_out_errors_per_mode(stores):
+    fit, check = stores
+    split = check_split(str(fit), None, str(check), None)
+    assert len(split.fit_runs) == len(split.check_runs) == 5
+    prof, _, summ = held_out_check(split)
+    summ = summ.set_index("mode")
+    slow_error = (SLOW - 1) / SLOW                   # |f - 1.5 f| / (1.5 f) = 1/3 where nothing is pulled
+    for mode in ("pd-nocache", "aggregated"):
+        assert errors(mode) == pytest.approx([slow_error] * len(ok_turns(mode)))
+    for mode in ("pd-nocache", "aggregated", "pd-bidir", "pd-bidir-nocache"):
+        assert summ.loc[mode, "ttft_mare"] == pytest.approx(statistics.median(errors(mode)), rel=1e-6), mode
+        assert summ.loc[mode, "ttft_p90_error"] == pytest.approx(quantile(errors(mode), 0.9), rel=1e-6), mode
+    # hit rates over the 6 later turns: pd-bidir 4/6 both (below threshold, expired); pd-bidir-nocache
+    # recorded 4/6 (failed read, expired), forecast 5/6: +16.7 pp
+    assert summ.loc["pd-bidir", "hit_rate_error_pp"] == pytest.approx(0)
+    assert summ.loc["pd-bidir-nocache", "hit_rate_error_pp"] == pytest.approx(100 / 6)
+    assert not summ.loc["pd-bidir-nocache", "hit_rate_pass"] and summ.loc["pd-bidir", "hit_rate_pass"]
+    # pulled tokens: every recorded hit pulls what the forecast pulls; the forecast adds the failed read's
+    recorded = sum(fx.recorded("pd-bidir-nocache", s, k)[2] for s in range(fx.SESSIONS) for k in range(fx.TURNS))
+    extra = fx.prompt(0, 1) + fx.OUT - 1
+    assert summ.loc["pd-bidir-nocache", "pulled_error"] == pytest.approx(extra / recorded)
+    assert summ.loc["pd-bidir", "pulled_error"] == pytest.approx(0)
+    assert np.isnan(summ.loc["pd-nocache", "pulled_error"])
+    # the intervals' source: measured / forecast percentiles
+    assert prof.held_out.ttft_ratio["pd-nocache"] == pytest.approx((SLOW, SLOW), rel=1e-6)
+    r = ratios("pd-bidir-nocache")
+    assert prof.held_out.ttft_ratio["pd-bidir-nocache"] == pytest.approx((quantile(r, 0.1), quantile(r, 0.9)), rel=1e-6)
+    assert prof.held_out.hit_rate_error["pd-bidir-nocache"] == pytest.approx((-1 / 6, -1 / 6))
+
+
+def test_a_run_both_fitted_and_checked_is_refused(stores):
+    fit, _ = stores
+    with pytest.raises(ValueError, match="both fitted and checked"):
+        held_out_check(check_split(str(fit), [fx.RUNS["pd"]], str(fit), [fx.RUNS["pd"]]))
+
+
+def test_cli_plan_check_then_plan_with_intervals(stores, tmp_path, monkeypatch):
+    fit, check = stores
+    out = tmp_path / "held-out.yaml"
+    r = CliRunner().invoke(app, ["plan-check", "--fit-store", str(fit), "--check-store", str(check),
+                                 "--write-profile", str(out)], env={"COLUMNS": "4000"})
+    assert r.exit_code == 0, r.output
+    assert f"fitted on 5 runs of store {fit}" in r.output and f"checked on 5 runs of store {check}" in r.output
+    assert "pd-nocache: 1 runs, 7 ok turns, outcome 7/7; TTFT MARE 33.3% (FAIL), p90 33.3% (FAIL)" in r.output
+    assert "hit rate 83.3% vs 66.7% recorded (+16.7 pp, FAIL)" in r.output
+    # the Overview's speed-up of the checked runs: the slow machine slows both sides alike
+    later = [(s, k) for s in range(fx.SESSIONS) for k in range(1, fx.TURNS)]
+    slow_base = statistics.median(measured("pd-nocache", s, k) for s, k in later if not fx.failed("pd-nocache", s, k))
+    speedup = slow_base / statistics.median(measured("pd-bidir-nocache", s, k) for s, k in later)
+    assert f"pd-bidir-nocache vs pd-nocache: measured {speedup:.2f}x, forecast" in r.output
+    prof = load_profile(out)
+    assert prof.held_out.ttft_ratio["aggregated"] == pytest.approx((SLOW, SLOW), rel=1e-6)
+    # a plan with that profile: every interval moved by the held-out percentiles (docs/planner.md)
+    store = check
+    r = CliRunner().invoke(app, ["plan", str(check), "--format", "run", "--profile", str(out), "--store", str(store),
+                                 "--fit-runs", ",".join(fx.RUNS.values())], env={"COLUMNS": "4000"})
+    assert r.exit_code == 0, r.output
+    assert "intervals: 80%, from the held-out errors stored with profile fitted" in r.output
+    con = duckdb.connect()
+    try:
+        row = con.execute(f"SELECT speedup, speedup_interval_low, speedup_interval_high, baseline_ttft_median_s, "
+                          f"baseline_ttft_interval_low_s FROM read_parquet('{store}/runs/plan-*/plan_speedups/*.parquet') "
+                          f"WHERE treatment = 'pd-bidir-nocache' AND baseline = 'pd-nocache'").fetchone()
+    finally:
+        con.close()
+    s, lo, hi, base, base_lo = row
+    rr = ratios("pd-bidir-nocache")
+    rt = (quantile(rr, 0.1), quantile(rr, 0.9))
+    assert lo == pytest.approx(s * SLOW / rt[1], rel=1e-6) and hi == pytest.approx(s * SLOW / rt[0], rel=1e-6)
+    assert base_lo == pytest.approx(base * SLOW, rel=1e-6)
+    assert f"speed-up {s:.2f}x (80% interval {lo:.2f}-{hi:.2f}x)" in r.output
+    # the Plan page shows the intervals and the profile's held-out errors
+    monkeypatch.setenv("TURNSCOPE_STORE", str(store))
+    at = AppTest.from_file(str(Path(__file__).resolve().parents[2] / "dashboard" / "app.py"), default_timeout=60).run()
+    at.switch_page("app_pages/plan.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    text = " ".join(m.value for m in at.markdown)
+    assert f"**pd-bidir-nocache vs pd-nocache**: speed-up {s:.2f}x (80% interval {lo:.2f}-{hi:.2f}x)" in text
+    table = next(d.value for d in at.dataframe if "measured / forecast TTFT, p90" in d.value.columns).set_index("mode")
+    assert table.loc["pd-nocache", "measured / forecast TTFT, p10"] == pytest.approx(SLOW, abs=1e-3)
+    assert table.loc["pd-bidir-nocache", "hit rate error (pp), p90"] == pytest.approx(round(-100 / 6, 1))
+
+
+def test_the_speed_probe_puts_the_forecast_on_the_runs_speed(tmp_path):
+    """Fitted where the probe took 0.2 s, checked on runs 1.5 times slower whose probe took 0.3 s:
+    b0 and c(x) scaled by 0.3 / 0.2 = 1.5 make every forecast exact again (pulls are not scaled: the
+    fixture's slow machine has the same network)."""
+    fit = fx.build(tmp_path / "fit", probe_s=(0.19, 0.21))
+    check = fx.build(tmp_path / "check", slow=SLOW, probe_s=(0.3, 0.3))
+    prof, checks, summ = held_out_check(check_split(str(fit), None, str(check), None))
+    assert prof.probe_ttft_s.value == pytest.approx(0.2)
+    assert checks["speed_factor"].tolist() == [pytest.approx(SLOW)] * len(checks)
+    summ = summ.set_index("mode")
+    for mode in ("pd-nocache", "pd-bidir", "aggregated"):
+        assert summ.loc[mode, "ttft_mare"] == pytest.approx(0, abs=1e-6)
+        assert summ.loc[mode, "ttft_p90_error"] == pytest.approx(0, abs=1e-6)
+    # without a probe on the checked runs nothing is scaled: the slow machine's 1/3 error again
+    plain = fx.build(tmp_path / "plain", slow=SLOW)
+    _, checks, summ = held_out_check(check_split(str(fit), None, str(plain), None))
+    assert checks["speed_factor"].isna().all()
+    assert summ.set_index("mode").loc["pd-nocache", "ttft_mare"] == pytest.approx((SLOW - 1) / SLOW, rel=1e-6)
+
+
+def test_the_fit_puts_each_run_on_one_speed(tmp_path):
+    """Each mode recorded at another machine speed (its compute 1x, 1.2x, 1.5x, 2x, 0.8x the formula's,
+    pulls as fast), its probe saying so (0.2 s times the same): fitted on the probes' median speed
+    (0.24 s, the 1.2x run's), c(x) and every b0 are the fixture's times 1.2."""
+    slow = {"pd-nocache": 1.0, "pd": 1.2, "pd-bidir": 1.5, "pd-bidir-nocache": 2.0, "aggregated": 0.8}
+    probes = {m: (0.2 * f, 0.2 * f) for m, f in slow.items()}
+    prof = fit_profile(Store(fx.build(tmp_path / "s", slow=slow, probe_s=probes)), RUN_IDS)
+    assert prof.probe_ttft_s.value == pytest.approx(0.24)
+    assert prof.prefill_a1_s_per_token.value == pytest.approx(1.2 * fx.A1, rel=1e-3)
+    assert prof.prefill_a2_s_per_token2.value == pytest.approx(1.2 * fx.A2, rel=1e-3)
+    for mode, b0 in fx.B0.items():
+        assert prof.b0_s[mode].value == pytest.approx(1.2 * b0, rel=1e-3), mode
+    assert "put on the median speed probe's speed" in prof.b0_s["pd"].source

@@ -1,0 +1,104 @@
+"""The speed probe (turnscope/speed_probe.py) against the local OpenAI-compatible stub, whose time to
+first token is injected: the probe alone, and `turnscope eval` recording a probe at each run's start
+and end in ``run_probes``. Truths: the injected delay and the stub's own log of requests."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import duckdb
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from tests.integration.openai_stub import StubServer, StubState
+from turnscope import evaluation, speed_probe
+from turnscope.cli import LOG_DIR, app
+
+REPO = Path(__file__).resolve().parents[2]
+DELAY_S = 0.2
+#: The stub sleeps DELAY_S before its first token: the probe cannot be faster, and on a loaded
+#: 2-core machine is at most this much slower.
+SLACK_S = 1.0
+
+
+def test_probe_measures_the_time_to_the_first_token():
+    with StubServer(StubState(ttft_s=DELAY_S, itl_s=0.0)) as srv:
+        row = speed_probe.probe(srv.url, "stub", salt="s1")
+        sent = srv.state.requests
+    assert row["status"] == "ok" and row["error"] is None
+    assert DELAY_S <= row["ttft_s"] < DELAY_S + SLACK_S
+    body = sent[0]
+    assert body["prompt_ids"] == speed_probe.probe_ids() and len(body["prompt_ids"]) == 256
+    assert (body["max_tokens"], body["cache_salt"], body["stream"]) == (1, "s1", True)
+
+
+def test_probe_failure_is_a_row_not_an_exception():
+    with StubServer(StubState(fail_requests={0})) as srv:
+        row = speed_probe.probe(srv.url, "stub", salt="x")
+    assert row["status"] == "error" and row["ttft_s"] is None and "500" in row["error"]
+
+
+def test_probe_target_prefers_the_prefill_worker():
+    eps = [("http://d", "decode"), ("http://p", "prefill"), ("http://x", "proxy")]
+    assert speed_probe.probe_target(eps) == ("http://p", "prefill")
+    assert speed_probe.probe_target([("http://a", "aggregated")]) == ("http://a", "aggregated")
+    assert speed_probe.probe_target([("http://x", "proxy")]) is None
+
+
+class ProbeStack:
+    """Stands in for serving.stack.ModeStack: the stub is the proxy and the prefill worker."""
+
+    url = ""
+
+    def __init__(self, mode, topology, log_dir, kv_bytes_per_token=None, progress=None):
+        self.mode, self.topology, self.proxy_url = mode, topology, self.url
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def endpoints(self):
+        return [(self.url, "prefill")]
+
+    def topology_row(self):
+        return {"mode": self.mode, "workers": []}
+
+
+def test_eval_records_a_probe_at_each_runs_start_and_end(tmp_path, monkeypatch):
+    topo = yaml.safe_load((REPO / "data" / "topologies" / "embedded-cpu-2p1d.yaml").read_text())
+    (tmp_path / "model").mkdir()
+    topo["model"] = str(tmp_path / "model")
+    (tmp_path / "topo.yaml").write_text(yaml.safe_dump(topo))
+    store = tmp_path / "store"
+    with StubServer(StubState(ttft_s=DELAY_S, itl_s=0.0)) as srv:
+        ProbeStack.url = srv.url
+        monkeypatch.setattr(evaluation, "ModeStack", ProbeStack)
+        r = CliRunner().invoke(app, ["eval", "--topology", str(tmp_path / "topo.yaml"), "--store", str(store),
+                                     "--modes", "pd", "--histories", "text", "--sessions", "1",
+                                     "--max-turns", "1", "--gap-s", "0", "--label", "stub-probe"],
+                               env={"COLUMNS": "4000"})
+        salts = [q.get("cache_salt") for q in srv.state.requests if q.get("max_tokens") == 1
+                 and q["prompt_ids"] == speed_probe.probe_ids()]
+    for f in LOG_DIR.glob("stub-probe-*-locust.log"):
+        f.unlink()
+    shutil.rmtree(tmp_path / "model")
+    assert r.exit_code == 0, " ".join(r.output.split())
+    con = duckdb.connect(str(store / "turnscope.duckdb"), read_only=True)
+    rows = con.execute("SELECT p.run_id, phase, target, endpoint, prompt_tokens, ttft_s, p.status, p.sent_at >= r.started_at "
+                       "FROM run_probes p JOIN runs r USING (run_id) ORDER BY phase DESC").fetchall()
+    con.close()
+    run_id = rows[0][0]
+    assert [(a, t, e, n, s, after) for _, a, t, e, n, _, s, after in rows] == [
+        ("start", "prefill", srv.url, 256, "ok", True), ("end", "prefill", srv.url, 256, "ok", True)]
+    assert all(DELAY_S <= ttft < DELAY_S + SLACK_S for *_, ttft, _, _ in rows)
+    # each probe its own salt: no prefix cache holds the prompt
+    assert salts == [f"turnscope-probe-{run_id}-start", f"turnscope-probe-{run_id}-end"]
+
+
+@pytest.mark.parametrize("tokens", [1, 256, 4096])
+def test_probe_ids_are_fixed(tokens):
+    assert speed_probe.probe_ids(tokens) == speed_probe.probe_ids(tokens) and len(speed_probe.probe_ids(tokens)) == tokens

@@ -1,0 +1,174 @@
+"""The held-out check: a profile fitted on some runs (or read from a file) forecasts other runs it
+was not fitted on, each planned alone on its own clock (:func:`turnscope.planner.check.check_runs`),
+and the errors per mode are what the profile's forecast intervals come from
+(:class:`turnscope.planner.profile.HeldOutErrors`; docs/planner.md "Held-out check").
+
+Per mode, over the checked runs' ok turns (``plan_checks`` rows):
+
+* ``ttft_mare``: median of |forecast - measured| / measured TTFT; ``ttft_p90_error``: its 90th
+  percentile (numpy's linear interpolation);
+* ``hit_rate_error_pp``: forecast minus recorded hit rate (``hit`` turns over later ok turns,
+  pooled over the mode's runs), percentage points; NaN for modes without handles;
+* ``pulled_error``: forecast / recorded total tokens pulled from D, minus 1; NaN where none was
+  recorded;
+* pass or fail against :data:`TARGETS` (hit rate within 2 pp, TTFT MARE within 20%, p90 within 25%).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from dashboard.plan_check import headline_check
+from serving import handles as h
+from turnscope.planner.check import check_runs
+from turnscope.planner.fit import fit_profile
+from turnscope.planner.profile import MODES, CostProfile, HeldOutErrors
+from turnscope.store import Store
+
+#: Targets on runs recorded at another time than the fit: TTFT MARE, p90 TTFT error, hit-rate error (pp).
+TARGETS = {"ttft_mare": 0.20, "ttft_p90_error": 0.25, "hit_rate_error_pp": 2.0}
+#: The percentiles of an interval (an 80% interval).
+INTERVAL_Q = (0.10, 0.90)
+
+
+@dataclass(frozen=True)
+class Split:
+    """What was fitted on and what was checked: store directories and run ids (``fit_runs`` empty
+    when the profile came from a file, named by ``profile_path``)."""
+
+    fit_store: str | None
+    fit_runs: tuple[str, ...]
+    check_store: str
+    check_runs: tuple[str, ...]
+    profile_path: str | None = None
+
+    def describe(self) -> str:
+        """The split in words, e.g. ``fitted on 5 runs of store A (ids); checked on 5 runs of store B (ids)``."""
+        fit = (f"profile file {self.profile_path}" if self.profile_path else
+               f"fitted on {len(self.fit_runs)} runs of store {self.fit_store} ({', '.join(self.fit_runs)})")
+        return f"{fit}; checked on {len(self.check_runs)} runs of store {self.check_store} ({', '.join(self.check_runs)})"
+
+
+def runs_of(store: Store) -> list[str]:
+    """The store's runs in a planned mode (``runs.mode`` in :data:`MODES`), oldest first."""
+    con = store.connect(read_only=True)
+    try:
+        rows = con.execute(f"SELECT run_id FROM runs WHERE mode IN ({', '.join('?' for _ in MODES)}) "
+                           "ORDER BY started_at, run_id", list(MODES)).fetchall()
+    finally:
+        con.close()
+    return [r[0] for r in rows]
+
+
+def held_out_summary(checks: pd.DataFrame) -> pd.DataFrame:
+    """Per mode (see the module doc). Columns: mode, runs, ok_turns, outcome_matches, ttft_mare,
+    ttft_p90_error, hit_rate_recorded, hit_rate_forecast, hit_rate_error_pp, pulled_recorded,
+    pulled_forecast, pulled_error, ttft_pass, p90_pass, hit_rate_pass (None where not applicable)."""
+    rows = []
+    ok = checks[(checks["status"] == "ok") & checks["measured_ttft_s"].notna()]
+    for mode, g in ok.groupby("mode", sort=False):
+        rel = ((g["predicted_ttft_s"] - g["measured_ttft_s"]).abs() / g["measured_ttft_s"]).to_numpy(float)
+        later = g[g["turn_index"] >= 1]
+        bidir = str(mode).startswith("pd-bidir") and len(later)
+        rec_hit = float((later["recorded_outcome"] == h.HIT).mean()) if bidir else np.nan
+        pred_hit = float((later["predicted_outcome"] == h.HIT).mean()) if bidir else np.nan
+        rec_pull, pred_pull = int(g["recorded_pulled_tokens"].fillna(0).sum()), int(g["predicted_pulled_tokens"].sum())
+        row = {"mode": mode, "runs": int(g["checked_run_id"].nunique()), "ok_turns": len(g),
+               "outcome_matches": int(g["outcome_match"].astype(bool).sum()),
+               "ttft_mare": float(np.median(rel)), "ttft_p90_error": float(np.quantile(rel, 0.9)),
+               "hit_rate_recorded": rec_hit, "hit_rate_forecast": pred_hit,
+               "hit_rate_error_pp": (pred_hit - rec_hit) * 100,
+               "pulled_recorded": rec_pull, "pulled_forecast": pred_pull,
+               "pulled_error": pred_pull / rec_pull - 1 if rec_pull else np.nan}
+        row |= {"ttft_pass": row["ttft_mare"] <= TARGETS["ttft_mare"],
+                "p90_pass": row["ttft_p90_error"] <= TARGETS["ttft_p90_error"],
+                "hit_rate_pass": None if np.isnan(rec_hit) else abs(row["hit_rate_error_pp"]) <= TARGETS["hit_rate_error_pp"]}
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def held_out_errors(checks: pd.DataFrame, split: Split) -> HeldOutErrors:
+    """The intervals' source (:class:`HeldOutErrors`): per mode the 10th and 90th percentiles of
+    measured / forecast TTFT over the ok turns, and of recorded minus forecast hit rate over the runs
+    (later ok turns of each run)."""
+    ok = checks[(checks["status"] == "ok") & checks["measured_ttft_s"].notna() & (checks["predicted_ttft_s"] > 0)]
+    ratio, hit = {}, {}
+    for mode, g in ok.groupby("mode", sort=True):
+        r = (g["measured_ttft_s"] / g["predicted_ttft_s"]).to_numpy(float)
+        ratio[str(mode)] = tuple(float(x) for x in np.quantile(r, INTERVAL_Q))
+        later = g[g["turn_index"] >= 1]
+        if str(mode).startswith("pd-bidir") and len(later):
+            per_run = later.groupby("checked_run_id").apply(
+                lambda x: float((x["recorded_outcome"] == h.HIT).mean() - (x["predicted_outcome"] == h.HIT).mean()),
+                include_groups=False).to_numpy(float)
+            hit[str(mode)] = tuple(float(x) for x in np.quantile(per_run, INTERVAL_Q))
+    return HeldOutErrors(split=split.describe(), runs=int(ok["checked_run_id"].nunique()), turns=len(ok),
+                         ttft_ratio=ratio, hit_rate_error=hit)
+
+
+def held_out_check(split: Split, profile: CostProfile | None = None
+                   ) -> tuple[CostProfile, pd.DataFrame, pd.DataFrame]:
+    """Fit on ``split``'s fit runs (or take ``profile``), check on its check runs, each planned alone.
+
+    Returns (the profile with its ``held_out`` errors, the turn-by-turn checks (``plan_checks``
+    columns), :func:`held_out_summary`). Raises ValueError when a checked run is among the fitted
+    ones (not held out), when there is nothing to check, or :class:`turnscope.planner.fit.FitError`."""
+    same = split.fit_store is not None and Store(split.fit_store).root.resolve() == Store(split.check_store).root.resolve()
+    overlap = sorted(set(split.fit_runs) & set(split.check_runs)) if same else []
+    if overlap:
+        raise ValueError(f"runs {', '.join(overlap)} are both fitted and checked: a held-out check needs runs the "
+                         "profile was not fitted on")
+    if not split.check_runs:
+        raise ValueError(f"no runs to check in store {split.check_store} (runs in modes {', '.join(MODES)})")
+    if profile is None:
+        profile = fit_profile(Store(split.fit_store), list(split.fit_runs))
+    checks = check_runs(Store(split.check_store), list(split.check_runs), profile)
+    if checks.empty:
+        raise ValueError(f"runs {', '.join(split.check_runs)} of store {split.check_store} have no turns to check")
+    prof = profile.model_copy(update={"held_out": held_out_errors(checks, split)})
+    return prof, checks, held_out_summary(checks)
+
+
+def describe(split: Split, summary: pd.DataFrame, checks: pd.DataFrame | None = None) -> str:
+    """The held-out table in plain text, the split named, pass/FAIL against :data:`TARGETS`; with
+    ``checks``, the Overview's speed-up of the checked runs measured and forecast
+    (:func:`dashboard.plan_check.headline_check`)."""
+    def verdict(v) -> str:
+        return "n/a" if v is None else ("pass" if v else "FAIL")
+
+    lines = [f"Held-out check ({split.describe()}); each checked run planned alone, on its own clock:",
+             (f"  targets: TTFT MARE <= {TARGETS['ttft_mare']:.0%}, p90 <= {TARGETS['ttft_p90_error']:.0%}, "
+             f"hit rate within {TARGETS['hit_rate_error_pp']:.0f} pp")]
+    for r in summary.itertuples():
+        hit = ("hit rate n/a" if np.isnan(r.hit_rate_recorded) else
+               f"hit rate {r.hit_rate_forecast:.1%} vs {r.hit_rate_recorded:.1%} recorded "
+               f"({r.hit_rate_error_pp:+.1f} pp, {verdict(r.hit_rate_pass)})")
+        pulled = ("pulled n/a" if np.isnan(r.pulled_error) else
+                  f"pulled {r.pulled_forecast:,} vs {r.pulled_recorded:,} tokens ({r.pulled_error:+.1%})")
+        lines.append(f"  {r.mode}: {r.runs} runs, {r.ok_turns} ok turns, outcome {r.outcome_matches}/{r.ok_turns}; "
+                     f"TTFT MARE {r.ttft_mare:.1%} ({verdict(r.ttft_pass)}), p90 {r.ttft_p90_error:.1%} "
+                     f"({verdict(r.p90_pass)}); {hit}; {pulled}")
+    hc = headline_check(checks) if checks is not None else pd.DataFrame()
+    if not hc.empty:
+        lines.append("  the Overview's speed-up of the checked runs (baseline / bidirectional median TTFT from the second "
+                     "turn on):")
+        lines += [f"    {r.treatment} vs {r.baseline}: measured {r.measured_speedup:.2f}x, forecast "
+                  f"{r.forecast_speedup:.2f}x ({r.forecast_error:+.1%})" for r in hc.itertuples()]
+    return "\n".join(lines)
+
+
+def check_split(fit_store: str | None, fit_runs: Sequence[str] | None, check_store: str,
+                check_runs_: Sequence[str] | None, profile_path: str | None = None) -> Split:
+    """The :class:`Split` with defaults filled: every planned run of the fit store; every planned run of
+    the check store not fitted on."""
+    fit = tuple(fit_runs) if fit_runs else (tuple(runs_of(Store(fit_store))) if fit_store and not profile_path else ())
+    if check_runs_:
+        chk = tuple(check_runs_)
+    else:
+        same = fit_store is not None and Store(fit_store).root.resolve() == Store(check_store).root.resolve()
+        chk = tuple(r for r in runs_of(Store(check_store)) if not (same and r in fit))
+    return Split(None if profile_path else fit_store, fit, check_store, chk, profile_path)

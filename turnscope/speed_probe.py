@@ -1,0 +1,88 @@
+"""The speed probe: a small fixed prefill sent at a run's start and end, so a forecast of the run
+can be put on that run's machine speed from a measurement that is not the turns being forecast
+(docs/planner.md, "Speed probe").
+
+One probe = one streamed ``/v1/completions`` request of :data:`PROBE_TOKENS` fixed token ids
+(:func:`probe_ids`, the same every time), ``max_tokens`` 1, temperature 0, sent straight to the
+run's prefill worker (P/D modes) or aggregated worker, with a ``cache_salt`` of its own so that
+no prefix cache holds it (vLLM adds the salt to the first block's hash): every probe is a full
+prefill of the same prompt. Its TTFT is the time from sending to the first streamed token
+(``httpx_sse``). It is sent before the run's metrics scraper starts and after it stops, so the
+run's counters do not count it. Rows: the store's ``run_probes`` table (docs/schema.md).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import time
+from collections.abc import Sequence
+
+import httpx
+from httpx_sse import SSEError, connect_sse
+
+#: Prompt tokens of a probe (a short prefill: fast on any machine, long enough to be compute).
+PROBE_TOKENS = 256
+#: Seconds a probe may take before it is recorded as an error.
+PROBE_TIMEOUT_S = 60.0
+#: Roles a probe goes to, in order of preference (the first a run's workers have).
+PROBE_ROLES = ("prefill", "aggregated")
+
+
+def probe_ids(tokens: int = PROBE_TOKENS) -> list[int]:
+    """The probe's prompt: ``tokens`` fixed token ids (10 + 7 i mod 1000: ordinary vocabulary ids
+    of any tokenizer, no special tokens)."""
+    return [10 + (7 * i) % 1000 for i in range(tokens)]
+
+
+def probe_target(endpoints: Sequence[tuple[str, str]]) -> tuple[str, str] | None:
+    """The (url, role) a probe goes to: the first ``prefill`` worker, else the first ``aggregated``
+    one; None when the run has neither (e.g. an attached deployment seen only through its proxy)."""
+    for role in PROBE_ROLES:
+        for url, r in endpoints:
+            if r == role:
+                return url, r
+    return None
+
+
+def probe(url: str, model: str, salt: str, tokens: int = PROBE_TOKENS,
+          timeout_s: float = PROBE_TIMEOUT_S) -> dict:
+    """Send one probe to the worker at ``url``; returns a ``run_probes`` row without ``run_id``/``phase``:
+    sent_at, endpoint, prompt_tokens, ttft_s (None on error), status (``ok`` | ``error``), error.
+    Never raises for a network or HTTP failure (the row says it)."""
+    body = {"model": model, "prompt": probe_ids(tokens), "max_tokens": 1, "temperature": 0, "stream": True,
+            "cache_salt": salt}
+    row = {"sent_at": dt.datetime.now(dt.UTC), "endpoint": url, "prompt_tokens": tokens, "ttft_s": None,
+           "status": "error", "error": None}
+    t0 = time.perf_counter()
+    try:
+        with httpx.Client(timeout=timeout_s) as client, connect_sse(client, "POST", url + "/v1/completions",
+                                                                     json=body) as source:
+            source.response.raise_for_status()
+            for event in source.iter_sse():
+                if event.data == "[DONE]":
+                    break
+                choices = json.loads(event.data).get("choices") or []
+                if any(c.get("text") or c.get("token_ids") for c in choices):
+                    row |= {"ttft_s": time.perf_counter() - t0, "status": "ok"}
+                    break
+            else:
+                row["error"] = "the stream ended without a token"
+    except (httpx.HTTPError, SSEError, ValueError) as exc:
+        row["error"] = f"{type(exc).__name__}: {exc}"
+    if row["status"] == "error" and row["error"] is None:
+        row["error"] = "no token before [DONE]"
+    return row
+
+
+def probe_run(writer, run_id: str, phase: str, endpoints: Sequence[tuple[str, str]], model: str) -> dict | None:
+    """Probe the run's target worker (:func:`probe_target`) and append the ``run_probes`` row
+    (``phase``: ``start`` | ``end``) with ``writer`` (a store writer of the run); None when the run has
+    no worker to probe."""
+    target = probe_target(endpoints)
+    if target is None:
+        return None
+    url, role = target
+    row = {"run_id": run_id, "phase": phase, "target": role} | probe(url, model, salt=f"turnscope-probe-{run_id}-{phase}")
+    writer.append("run_probes", row)
+    return row
