@@ -64,7 +64,12 @@ class CostProfile(BaseModel):
     * ``render_s_per_token``: time to render a chat request's messages to token ids (the chat
       template and the tokenizer), per prompt token, per render on the TTFT path (traffic sent as
       token ids renders nothing; absent: 0);
-    * ``block_size``: KV block size in tokens (vLLM: 16 on GPU by default, 128 on CPU).
+    * ``block_size``: KV block size in tokens (vLLM: 16 on GPU by default, 128 on CPU);
+    * ``host_kv_space_bytes``, ``host_read_bandwidth_bytes_per_s``, ``host_read_latency_s``: a
+      host-memory KV tier of one prefill worker (vLLM's OffloadingConnector) and the link P reads
+      it back over (absent: no host-tier forecast; :mod:`turnscope.planner.ledger`);
+    * ``gpus_per_worker``, ``gpu_memory_bytes``: GPUs of one worker and the memory of one GPU, to
+      turn held GiB-seconds and prefill seconds into GPU-hours (absent: 1 GPU; no memory price).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -86,6 +91,11 @@ class CostProfile(BaseModel):
     aggregated_kv_space_bytes: Sourced | None = None
     decode_s_per_token: Sourced | None = None
     render_s_per_token: Sourced | None = None
+    host_kv_space_bytes: Sourced | None = None
+    host_read_bandwidth_bytes_per_s: Sourced | None = None
+    host_read_latency_s: Sourced | None = None
+    gpus_per_worker: Sourced | None = None
+    gpu_memory_bytes: Sourced | None = None
     left_out: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
