@@ -18,7 +18,7 @@ from turnscope.planner.simulate import PlanSettings
 def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | None, current: Setting,
                   margin_s: float, ttft_slo_s: float | None, d_kv_gib: float | None, gpu_hour_usd: float | None,
                   host_gib_hour_usd: float | None, max_prefill_workers: int, serve_model: str,
-                  shared_prefix_tokens: int = 0, grid: Grid = Grid()) -> str:
+                  shared_prefix_tokens: int = 0, grid: Grid | None = None) -> str:
     """The whole command. Raises ValueError/OSError with a clear message (an unknown strategy, a
     negative price, an unreadable traffic or profile)."""
     if current.strategy not in STRATEGIES:
@@ -40,5 +40,5 @@ def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | No
                                  "routing": current.routing})
     head = f"Traffic: {', '.join(i['path'] + ' (' + i['format'] + ')' for i in inputs)}; {len(traffic):,} requests."
     table = describe_ledger(ledger(traffic, prof, at, prices), prof, at, prices)
-    rec = recommend(traffic, prof, base, current, limits, grid)
+    rec = recommend(traffic, prof, base, current, limits, grid or Grid())
     return "\n\n".join([head, table, describe(rec, prof, base, limits, serve_model)])

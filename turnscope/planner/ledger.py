@@ -45,6 +45,7 @@ import numpy as np
 import pandas as pd
 
 from turnscope.planner.profile import CostProfile, GiB
+from turnscope.planner.queueing import fifo_waits
 from turnscope.planner.simulate import (
     ModePlan,
     PlanSettings,
@@ -55,7 +56,6 @@ from turnscope.planner.simulate import (
     simulate_bidir,
     workers_of,
 )
-from turnscope.planner.queueing import fifo_waits
 
 #: Strategy name -> the planner mode it is costed as.
 STRATEGIES = {"recompute": "pd-nocache", "pd": "pd", "pd+host": "pd", "pd-bidir": "pd-bidir",
@@ -260,11 +260,11 @@ def describe_ledger(df: pd.DataFrame, profile: CostProfile, settings: PlanSettin
     host = ("host tier " + (f"{profile.host_kv_space_bytes.value / GiB:,.0f} GiB per P worker, read at "
             f"{profile.host_read_bandwidth_bytes_per_s.value / 1e9:,.1f} GB/s"
             if profile.host_kv_space_bytes and profile.host_read_bandwidth_bytes_per_s else "not in the profile"))
-    lines = [f"Ledger of retention strategies ({tag}; TTL {settings.decoder_kv_blocks_ttl_s:.0f} s, threshold "
-             f"{settings.kv_recompute_threshold}, {settings.prefill_workers}P{settings.decode_workers}D, routing "
-             f"{settings.routing}; {host}; prices: GPU-hour "
-             f"{'not given' if prices.gpu_hour_usd is None else f'${prices.gpu_hour_usd:g}'}, host GiB-hour "
-             f"{'not given' if prices.host_gib_hour_usd is None else f'${prices.host_gib_hour_usd:g}'}).",
+    gpu_price = "not given" if prices.gpu_hour_usd is None else f"${prices.gpu_hour_usd:g}"
+    host_price = "not given" if prices.host_gib_hour_usd is None else f"${prices.host_gib_hour_usd:g}"
+    lines = [(f"Ledger of retention strategies ({tag}; TTL {settings.decoder_kv_blocks_ttl_s:.0f} s, threshold "
+              f"{settings.kv_recompute_threshold}, {settings.prefill_workers}P{settings.decode_workers}D, routing "
+              f"{settings.routing}; {host}; prices: GPU-hour {gpu_price}, host GiB-hour {host_price})."),
              "  TTFT interval: none (the planner gives point forecasts; its held-out errors are not applied here)."]
     for r in df.itertuples():
         lines.append(

@@ -298,16 +298,20 @@ def describe(r: Recommendation, profile: CostProfile, base: PlanSettings, limits
     tag = profile.label()
     cur, rec = r.current, r.recommended
     slo = "none" if limits.ttft_slo_s is None else f"p90 TTFT <= {limits.ttft_slo_s:g} s"
-    lines = [f"Recommendation ({tag}; {len(r.searched)} settings searched; SLO {slo}; D KV space at most "
-             f"{_fmt('decode_kv_bytes', limits.decode_kv_bytes)}; prices: "
-             f"{'GPU-hour $%g' % limits.prices.gpu_hour_usd if limits.prices.gpu_hour_usd is not None else 'none'}"
-             f"{', host GiB-hour $%g' % limits.prices.host_gib_hour_usd if limits.prices.host_gib_hour_usd is not None else ''}).",
+    gpu_price = "none" if limits.prices.gpu_hour_usd is None else f"GPU-hour ${limits.prices.gpu_hour_usd:g}"
+    host_price = ("" if limits.prices.host_gib_hour_usd is None
+                  else f", host GiB-hour ${limits.prices.host_gib_hour_usd:g}")
+
+    def line(name: str, e: Evaluated) -> str:
+        return (f"  {name:<11} {e.setting.label()}: mean TTFT {e.ttft_mean_s * 1e3:,.1f} ms, p90 "
+                f"{e.ttft_p90_s * 1e3:,.1f} ms, D pinned {e.row['d_pinned_gib_s']:,.0f} GiB-s, host "
+                f"{e.row['host_gib_s']:,.0f} GiB-s")
+
+    lines = [(f"Recommendation ({tag}; {len(r.searched)} settings searched; SLO {slo}; D KV space at most "
+              f"{_fmt('decode_kv_bytes', limits.decode_kv_bytes)}; prices: {gpu_price}{host_price})."),
              "  interval: none (point forecasts; the planner's held-out errors are not applied).",
-             f"  current     {cur.setting.label()}: mean TTFT {cur.ttft_mean_s * 1e3:,.1f} ms, p90 {cur.ttft_p90_s * 1e3:,.1f} ms"
-             f", D pinned {cur.row['d_pinned_gib_s']:,.0f} GiB-s, host {cur.row['host_gib_s']:,.0f} GiB-s",
-             f"  recommended {rec.setting.label()}: mean TTFT {rec.ttft_mean_s * 1e3:,.1f} ms, p90 {rec.ttft_p90_s * 1e3:,.1f} ms"
-             f", D pinned {rec.row['d_pinned_gib_s']:,.0f} GiB-s, host {rec.row['host_gib_s']:,.0f} GiB-s"
-             + ("" if rec.feasible else " (NO setting meets the SLO: the one closest to it)")]
+             line("current", cur),
+             line("recommended", rec) + ("" if rec.feasible else " (NO setting meets the SLO: the one closest to it)")]
     for knob, e in r.knob_effects.items():
         cost = "" if e.cost_usd is None or cur.cost_usd is None else f", cost {e.cost_usd - cur.cost_usd:+,.2f} USD"
         lines.append(f"  knob {knob}: {_fmt(knob, getattr(cur.setting, knob))} -> "
