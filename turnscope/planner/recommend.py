@@ -197,6 +197,8 @@ def role_argv(s: Setting, role: str, model: str, host_kv_bytes: float | None) ->
         offload = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                    "kv_connector_extra_config": {"cpu_bytes_to_use": int(host_kv_bytes)}}
         argv[i] = json.dumps({"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                              "kv_buffer_device": nixl["kv_buffer_device"],
+                              "kv_load_failure_policy": nixl["kv_load_failure_policy"],
                               "kv_connector_extra_config": {"connectors": [nixl, offload]}})
     return argv
 
