@@ -432,6 +432,7 @@ def recommend(
         help="Price of one GiB-hour of host memory, USD (no default).")] = None,
     max_prefill_workers: Annotated[int, typer.Option(help="Search prefill workers 1..this.")] = 1,
     serve_model: Annotated[str, typer.Option(help="The model argument to print in the vllm serve flags.")] = "MODEL",
+    platform: Annotated[str, typer.Option(help="Render the flags for this platform: gpu or cpu.")] = "gpu",
 ) -> None:
     """Recommend what to deploy for a traffic (a FORECAST): the ledger of KV retention strategies
     (recompute, P's prefix cache, with a host tier, D-retention, both) and the best setting of TTL,
@@ -445,7 +446,8 @@ def recommend(
             paths, profile_path=profile, format=format,
             current=Setting(current_strategy, ttl_s, threshold, None, prefill_workers, 1, routing),
             margin_s=margin_s, ttft_slo_s=ttft_slo_s, d_kv_gib=d_kv_gib, gpu_hour_usd=gpu_hour_usd,
-            host_gib_hour_usd=host_gib_hour_usd, max_prefill_workers=max_prefill_workers, serve_model=serve_model)
+            host_gib_hour_usd=host_gib_hour_usd, max_prefill_workers=max_prefill_workers, serve_model=serve_model,
+            platform=platform)
     except (ValueError, OSError, RuntimeError) as exc:
         raise fail(str(exc)) from exc
     typer.echo(text)

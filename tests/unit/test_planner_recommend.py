@@ -114,3 +114,14 @@ def test_config_diff_changes_only_the_knobs():
     assert len(changed) == 4   # the kv-transfer-config of each role, old and new
     assert all(json.loads(line.split(" ", 3)[-1])["kv_connector_extra_config"]["decoder_kv_blocks_ttl"]
                in (480, 1800) for line in changed)
+
+
+def test_knobs_that_buy_nothing_stay_as_they_are():
+    # D's space does not bind (one 10,199-token handle in 1e9 bytes or half of it): the grid's first
+    # tie (half the space) is put back to the current (the profile's space), so the diff omits it
+    prof = profile(prefill_kv_space_bytes={"value": 500 * KV} | SRC,
+                   decode_kv_space_bytes={"value": 1e9} | SRC).model_copy(update={"host_kv_space_bytes": None})
+    grid = Grid(ttls_s=(480.0,), thresholds=(64,), space_factors=(0.5, 1.0), routings=("session",))
+    r = recommend(covered_traffic(), prof, NO_QUEUE, Setting("pd"), Limits(), grid)
+    assert r.recommended.setting == Setting("pd-bidir")
+    assert set(r.knob_effects) == {"strategy"}

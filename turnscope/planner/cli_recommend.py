@@ -18,9 +18,11 @@ from turnscope.planner.simulate import PlanSettings
 def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | None, current: Setting,
                   margin_s: float, ttft_slo_s: float | None, d_kv_gib: float | None, gpu_hour_usd: float | None,
                   host_gib_hour_usd: float | None, max_prefill_workers: int, serve_model: str,
-                  shared_prefix_tokens: int = 0, grid: Grid | None = None) -> str:
+                  shared_prefix_tokens: int = 0, grid: Grid | None = None, platform: str = "gpu") -> str:
     """The whole command. Raises ValueError/OSError with a clear message (an unknown strategy, a
     negative price, an unreadable traffic or profile)."""
+    if platform not in ("cpu", "gpu"):
+        raise ValueError(f"--platform {platform!r}: expected cpu or gpu")
     if current.strategy not in STRATEGIES:
         raise ValueError(f"--current-strategy {current.strategy!r}: expected one of {', '.join(STRATEGIES)}")
     for name, v in (("--gpu-hour-usd", gpu_hour_usd), ("--host-gib-hour-usd", host_gib_hour_usd),
@@ -41,4 +43,4 @@ def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | No
     head = f"Traffic: {', '.join(i['path'] + ' (' + i['format'] + ')' for i in inputs)}; {len(traffic):,} requests."
     table = describe_ledger(ledger(traffic, prof, at, prices), prof, at, prices)
     rec = recommend(traffic, prof, base, current, limits, grid or Grid())
-    return "\n\n".join([head, table, describe(rec, prof, base, limits, serve_model)])
+    return "\n\n".join([head, table, describe(rec, prof, base, limits, serve_model, platform)])

@@ -251,7 +251,9 @@ def ledger(tr: Traffic, profile: CostProfile, settings: PlanSettings, prices: Pr
 
 
 def _money(v: float | None) -> str:
-    return "n/a (no price)" if v is None or pd.isna(v) else f"${v:,.4f}"
+    if v is None or pd.isna(v):
+        return "n/a (no price)"
+    return f"-${-v:,.4f}" if v < 0 else f"${v:,.4f}"
 
 
 def describe_ledger(df: pd.DataFrame, profile: CostProfile, settings: PlanSettings, prices: Prices) -> str:

@@ -154,6 +154,11 @@ def candidates(profile: CostProfile, current: Setting, limits: Limits, grid: Gri
     return out
 
 
+def _held(e: Evaluated) -> float:
+    """GiB-seconds a setting holds out of other requests' reach (D pinned plus host)."""
+    return float(e.row["d_pinned_gib_s"] + e.row["host_gib_s"])
+
+
 def _holds(s: Setting) -> bool:
     return s.strategy in BIDIR or s.strategy in HOST_STRATEGIES
 
@@ -168,7 +173,7 @@ def choose(evaluated: list[Evaluated], priced: bool) -> Evaluated:
     if priced:
         near = [e for e in feasible if e.ttft_mean_s <= best * (1 + MIN_GAIN)]
         return min(near, key=lambda e: (e.cost_usd, e.ttft_mean_s))
-    winner = min(feasible, key=lambda e: e.ttft_mean_s)
+    winner = min(feasible, key=lambda e: (e.ttft_mean_s, _held(e)))
     simple = [e for e in feasible if not _holds(e.setting)]
     if _holds(winner.setting) and simple:
         plain = min(simple, key=lambda e: e.ttft_mean_s)
@@ -179,13 +184,13 @@ def choose(evaluated: list[Evaluated], priced: bool) -> Evaluated:
 
 # -- rendering ------------------------------------------------------------------------------------
 
-def role_argv(s: Setting, role: str, model: str, host_kv_bytes: float | None) -> list[str]:
+def role_argv(s: Setting, role: str, model: str, host_kv_bytes: float | None, platform: str = "gpu") -> list[str]:
     """``vllm serve`` arguments (after ``vllm serve``) of one ``role`` (prefill, decode) in ``s``,
-    rendered by :func:`serving.workers.worker_command` on the GPU platform; a host tier on P wraps
+    rendered by :func:`serving.workers.worker_command` on ``platform`` (gpu, cpu); a host tier on P wraps
     the NixlConnector and vLLM's OffloadingConnector (``cpu_bytes_to_use``) in ``MultiConnector``."""
     bidir = s.strategy in BIDIR
     spec = WorkerSpec(name=role, role=role, host="0.0.0.0", port=8100 if role == "prefill" else 8200, model=model,
-                      platform="gpu", nixl=True, bidirectional=bidir,
+                      platform=platform, nixl=True, bidirectional=bidir,
                       prefix_caching=not (role == "prefill" and s.strategy == "recompute"),
                       connector=Connector(kv_recompute_threshold=s.threshold, decoder_kv_blocks_ttl=int(s.ttl_s)),
                       kv_cache_bytes=int(s.decode_kv_bytes) if role == "decode" and s.decode_kv_bytes else None)
@@ -203,10 +208,10 @@ def role_argv(s: Setting, role: str, model: str, host_kv_bytes: float | None) ->
     return argv
 
 
-def _lines(s: Setting, model: str, host_kv_bytes: float | None) -> list[str]:
+def _lines(s: Setting, model: str, host_kv_bytes: float | None, platform: str) -> list[str]:
     out = [f"# proxy: prefill routing {s.routing}; {s.prefill_workers} prefill, {s.decode_workers} decode worker(s)"]
     for role in ("prefill", "decode"):
-        argv = role_argv(s, role, model, host_kv_bytes)
+        argv = role_argv(s, role, model, host_kv_bytes, platform)
         out.append(f"# {role}: vllm serve")
         flags, i = [], 0
         while i < len(argv):
@@ -220,10 +225,11 @@ def _lines(s: Setting, model: str, host_kv_bytes: float | None) -> list[str]:
     return out
 
 
-def config_diff(current: Setting, recommended: Setting, model: str, host_kv_bytes: float | None) -> str:
+def config_diff(current: Setting, recommended: Setting, model: str, host_kv_bytes: float | None,
+                platform: str = "gpu") -> str:
     """A unified diff of the two settings' flags, one flag per line, prefixed by role."""
-    return "\n".join(difflib.unified_diff(_lines(current, model, host_kv_bytes),
-                                          _lines(recommended, model, host_kv_bytes),
+    return "\n".join(difflib.unified_diff(_lines(current, model, host_kv_bytes, platform),
+                                          _lines(recommended, model, host_kv_bytes, platform),
                                           "current", "recommended", lineterm="", n=50))
 
 
@@ -271,12 +277,29 @@ def what_would_change(tr: Traffic, profile: CostProfile, base: PlanSettings, cur
     return out
 
 
+def _fewer_changes(tr: Traffic, profile: CostProfile, base: PlanSettings, current: Setting, rec: Evaluated,
+                   limits: Limits) -> Evaluated:
+    """``rec`` with every knob put back to its current value where that costs no mean TTFT, no
+    held memory and no money (0.1% slack): a diff lists only the knobs that buy something."""
+    for knob in KNOBS[1:]:
+        value = getattr(current, knob)
+        if getattr(rec.setting, knob) == value:
+            continue
+        back = evaluate(tr, profile, base, replace(rec.setting, **{knob: value}), limits)
+        same_cost = back.cost_usd is None or rec.cost_usd is None or back.cost_usd <= rec.cost_usd + 1e-3 * abs(rec.cost_usd)
+        if (back.feasible and back.ttft_mean_s <= rec.ttft_mean_s * 1.001 and _held(back) <= _held(rec) * 1.001 + 1e-9
+                and same_cost):
+            rec = back
+    return rec
+
+
 def recommend(tr: Traffic, profile: CostProfile, base: PlanSettings, current: Setting, limits: Limits,
               grid: Grid = Grid()) -> Recommendation:
     """Search :func:`candidates` and pick with :func:`choose` (see the module doc)."""
     searched = [evaluate(tr, profile, base, s, limits) for s in candidates(profile, current, limits, grid)]
     cur = evaluate(tr, profile, base, current, limits)
     rec = choose(searched, limits.prices.gpu_hour_usd is not None)
+    rec = _fewer_changes(tr, profile, base, current, rec, limits)
     effects = {}
     for knob in KNOBS:
         value = getattr(rec.setting, knob)
@@ -295,7 +318,8 @@ def _fmt(knob: str, v) -> str:
     return str(v)
 
 
-def describe(r: Recommendation, profile: CostProfile, base: PlanSettings, limits: Limits, model: str) -> str:
+def describe(r: Recommendation, profile: CostProfile, base: PlanSettings, limits: Limits, model: str,
+             platform: str = "gpu") -> str:
     """The recommendation in plain text: a FORECAST with its inputs, the knobs, the config diff."""
     tag = profile.label()
     cur, rec = r.current, r.recommended
@@ -327,5 +351,5 @@ def describe(r: Recommendation, profile: CostProfile, base: PlanSettings, limits
         lines += [f"    {w}" for w in r.what_would_change]
     host_kv = profile.host_kv_space_bytes.value if profile.host_kv_space_bytes else None
     lines.append("\nConfig diff (current -> recommended; one flag per line, by role):")
-    lines.append(config_diff(cur.setting, rec.setting, model, host_kv) or "  (no change)")
+    lines.append(config_diff(cur.setting, rec.setting, model, host_kv, platform) or "  (no change)")
     return "\n".join(lines)
