@@ -108,12 +108,13 @@ def test_d_full_by_hand():
     assert b["prefill_gpu_s_saved"] == pytest.approx(1031 * 1e-4 * 2)
 
 
-def test_pd_and_bidir_ttft_are_the_planners():
-    # a second route: with queueing on, the ledger's pd and pd-bidir TTFTs are plan()'s
+@pytest.mark.parametrize("rendered", [False, True])
+def test_pd_and_bidir_ttft_are_the_planners(rendered):
+    # a second route: with queueing on (and chat renders), the ledger's pd and pd-bidir TTFTs are plan()'s
     tr = Traffic.of([AgentRequest("t", s, k, 2.0 * k + 0.5 * j, 1000 + 300 * k, 32, 0 if k == 0 else 700 + 300 * k,
                                   server_s=1.0) for j, s in enumerate("abc") for k in range(3)])
-    prof = profile(prefill_kv_space_bytes={"value": 2500 * KV} | SRC)
-    settings = PlanSettings()
+    prof = profile(prefill_kv_space_bytes={"value": 2500 * KV} | SRC, render_s_per_token={"value": 2e-5} | SRC)
+    settings = PlanSettings(rendered_prompts=rendered)
     p = plan(tr, prof, settings)
     r = rows(ledger(tr, prof, settings))
     later = tr.request_index >= 1

@@ -19,7 +19,8 @@ Five strategies, forecast with the planner's rules and profile (:mod:`turnscope.
   covers the rest.
 
 Per strategy (one row of :func:`ledger`): hit rate (later requests, ``request_index`` >= 1, that
-reuse any tokens), TTFT p50 of the later requests, held GiB-seconds per tier (P's GPU prefix cache,
+reuse any tokens), TTFT p50 of the later requests (the planner's :func:`~turnscope.planner.simulate.mode_ttft` terms:
+the profile's cost, the FIFO wait for P, chat renders; plus the host read), held GiB-seconds per tier (P's GPU prefix cache,
 D's pinned KV, host memory), prefill GPU-seconds saved against ``recompute`` (the prefill worker's
 time ``c(n) - c(cached)`` summed, times the profile's ``gpus_per_worker``), and, only with prices
 the caller gives, the cost of the memory held per million saved prefill tokens. The host-tier
@@ -47,6 +48,9 @@ import pandas as pd
 from turnscope.planner.profile import CostProfile, GiB
 from turnscope.planner.queueing import fifo_waits
 from turnscope.planner.simulate import (
+    OUTCOMES,
+    RENDERS,
+    TOOK_HANDLE,
     ModePlan,
     PlanSettings,
     Traffic,
@@ -183,15 +187,19 @@ def forecast_strategy(tr: Traffic, profile: CostProfile, settings: PlanSettings,
     local, host_read, host = gpu.hits, zeros, None
     if strategy in HOST_STRATEGIES:
         local, host_read, host = _with_host(tr, profile, settings, gpu)
-    pulled, d_gib_s, d_full = zeros, 0.0, 0
+    pulled, d_gib_s, d_full, took = zeros, 0.0, 0, np.zeros(len(tr), dtype=bool)
     if mode == "pd-bidir":
-        _, pulled, local, _, pinned, d_full = simulate_bidir(tr, profile, settings, local, finish_times(tr, profile))
+        outcome, pulled, local, _, pinned, d_full = simulate_bidir(tr, profile, settings, local,
+                                                                   finish_times(tr, profile))
         d_gib_s = pinned.held_gib_s()
+        took = np.isin(np.asarray(OUTCOMES, dtype=object)[outcome], TOOK_HANDLE)
     cached = local + pulled
     compute = profile.prefill_compute_s(mode, tr.input_tokens, cached)
     ttft = profile.ttft_s(mode, tr.input_tokens, cached, pulled)
     if host is not None:
         ttft = ttft + host_read_s(profile, host_read)
+    if settings.rendered_prompts:
+        ttft = ttft + profile.render_s(tr.input_tokens, RENDERS[mode] + took)
     if settings.queue_prefills:
         ttft = ttft + fifo_waits(tr.arrival_s, compute, workers_of(tr, settings.prefill_workers, settings.routing))
     return StrategyForecast(strategy, mode, local, host_read, pulled, ttft, compute, gpu.held_gib_s(end_s), d_gib_s,
