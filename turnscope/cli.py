@@ -449,6 +449,47 @@ def plan_check(
     typer.echo(held_out.describe(split, summ, checks))
     if write_profile is not None:
         typer.echo(f"Profile {prof.name} with its held-out errors written to {write_profile}.")
+@app.command()
+def recommend(
+    paths: Annotated[list[Path], typer.Argument(
+        help="Traffic: trace files or directories (as `turnscope plan` reads them).")],
+    profile: Annotated[Path, typer.Option(help="Cost profile YAML (data/profiles/*.yaml).")],
+    format: Annotated[str | None, typer.Option("--format", help="Read every path as this format.")] = None,
+    current_strategy: Annotated[str, typer.Option(
+        help="The current setting's strategy: recompute, pd, pd+host, pd-bidir or pd-bidir+host.")] = "pd-bidir",
+    ttl_s: Annotated[float, typer.Option(help="Current decoder_kv_blocks_ttl, seconds.")] = 480.0,
+    threshold: Annotated[int, typer.Option(help="Current kv_recompute_threshold, tokens.")] = 64,
+    prefill_workers: Annotated[int, typer.Option(help="Current prefill workers.")] = 1,
+    routing: Annotated[str, typer.Option(help="Current prefill routing: session or round-robin.")] = "session",
+    margin_s: Annotated[float, typer.Option(help="The proxy's handle TTL margin, seconds.")] = 30.0,
+    ttft_slo_s: Annotated[float | None, typer.Option(help="SLO on p90 TTFT, seconds (default: none).")] = None,
+    d_kv_gib: Annotated[float | None, typer.Option(
+        help="The most KV space one decode worker may have, GiB (default: the profile's).")] = None,
+    gpu_hour_usd: Annotated[float | None, typer.Option(
+        help="Price of one GPU-hour, USD (no default: without it, physical figures only).")] = None,
+    host_gib_hour_usd: Annotated[float | None, typer.Option(
+        help="Price of one GiB-hour of host memory, USD (no default).")] = None,
+    max_prefill_workers: Annotated[int, typer.Option(help="Search prefill workers 1..this.")] = 1,
+    serve_model: Annotated[str, typer.Option(help="The model argument to print in the vllm serve flags.")] = "MODEL",
+    platform: Annotated[str, typer.Option(help="Render the flags for this platform: gpu or cpu.")] = "gpu",
+) -> None:
+    """Recommend what to deploy for a traffic (a FORECAST): the ledger of KV retention strategies
+    (recompute, P's prefix cache, with a host tier, D-retention, both) and the best setting of TTL,
+    threshold, D KV space, P count and routing as a diff of each role's `vllm serve` flags
+    (docs/planner.md, "Ledger and recommendation")."""
+    from turnscope.planner.cli_recommend import run_recommend
+    from turnscope.planner.recommend import Setting
+
+    try:
+        text = run_recommend(
+            paths, profile_path=profile, format=format,
+            current=Setting(current_strategy, ttl_s, threshold, None, prefill_workers, 1, routing),
+            margin_s=margin_s, ttft_slo_s=ttft_slo_s, d_kv_gib=d_kv_gib, gpu_hour_usd=gpu_hour_usd,
+            host_gib_hour_usd=host_gib_hour_usd, max_prefill_workers=max_prefill_workers, serve_model=serve_model,
+            platform=platform)
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise fail(str(exc)) from exc
+    typer.echo(text)
 
 
 @app.command("profile-from-timing")

@@ -87,6 +87,11 @@ class CostProfile(BaseModel):
       (:class:`HeldOutErrors`; absent: no held-out check, so no forecast interval);
     * ``probe_ttft_s``: the speed probe's median TTFT on the machine the costs were fitted on
       (docs/planner.md "Speed probe"; absent: forecasts are not scaled to a run's speed).
+    * ``host_kv_space_bytes``, ``host_read_bandwidth_bytes_per_s``, ``host_read_latency_s``: a
+      host-memory KV tier of one prefill worker (vLLM's OffloadingConnector) and the link P reads
+      it back over (absent: no host-tier forecast; :mod:`turnscope.planner.ledger`);
+    * ``gpus_per_worker``, ``gpu_memory_bytes``: GPUs of one worker and the memory of one GPU, to
+      turn held GiB-seconds and prefill seconds into GPU-hours (absent: 1 GPU; no memory price).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -110,6 +115,11 @@ class CostProfile(BaseModel):
     render_s_per_token: Sourced | None = None
     held_out: HeldOutErrors | None = None
     probe_ttft_s: Sourced | None = None
+    host_kv_space_bytes: Sourced | None = None
+    host_read_bandwidth_bytes_per_s: Sourced | None = None
+    host_read_latency_s: Sourced | None = None
+    gpus_per_worker: Sourced | None = None
+    gpu_memory_bytes: Sourced | None = None
     left_out: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")

@@ -1,0 +1,286 @@
+"""The ledger of KV retention strategies on one traffic (a FORECAST): where each strategy holds a
+session's KV between its turns, for how long, what it saves and what it costs.
+
+Five strategies, forecast with the planner's rules and profile (:mod:`turnscope.planner.simulate`):
+
+* ``recompute`` (``pd-nocache``): P's prefix cache off; every prompt computed in full;
+* ``pd``: P's prefix cache in GPU memory (an LRU of sessions' last prompts per P worker);
+* ``pd+host``: P's prefix cache backed by a host-memory tier (vLLM's ``OffloadingConnector``, CPU
+  offload: KV written to host DRAM, read back over the host link). The tier is inclusive: every
+  prompt P computed is also stored there, an LRU of ``host_kv_space_bytes`` per P worker. A request
+  whose prefix is in P's GPU cache reads nothing; one whose prefix was evicted from GPU but is
+  still in host memory reads the tokens beyond its GPU hit back, ``host_read_latency_s +
+  tokens x kv_bytes_per_token / host_read_bandwidth_bytes_per_s`` seconds on the TTFT path (vLLM
+  loads them whatever their cost: there is no recompute threshold on that path);
+* ``pd-bidir``: D keeps each finished turn's KV pinned for the next turn (bidirectional transfer),
+  P's prefix cache on;
+* ``pd-bidir+host``: ``pd-bidir`` with P's prefix cache backed by the host tier (NixlConnector and
+  OffloadingConnector under vLLM's ``MultiConnector``): P's hit counts GPU and host, D's handle
+  covers the rest.
+
+Per strategy (one row of :func:`ledger`): hit rate (later requests, ``request_index`` >= 1, that
+reuse any tokens), TTFT p50 of the later requests (the planner's :func:`~turnscope.planner.simulate.mode_ttft` terms:
+the profile's cost, the FIFO wait for P, chat renders; plus the host read), held GiB-seconds per tier (P's GPU prefix cache,
+D's pinned KV, host memory), prefill GPU-seconds saved against ``recompute`` (the prefill worker's
+time ``c(n) - c(cached)`` summed, times the profile's ``gpus_per_worker``), and, only with prices
+the caller gives, the cost of the memory held per million saved prefill tokens. The host-tier
+strategies are forecasts only: upstream's OffloadingConnector is GPU-only (CUDA streams and
+kernels), so nothing here can measure it on the CPU default.
+
+Costs (docs/planner.md, "Ledger and recommendation"); only what a strategy holds out of other
+requests' reach is priced: D's pinned KV (never evicted) and the host tier. P's GPU prefix cache is
+reported but not priced: vLLM evicts it whenever a running request needs the space::
+
+    GPU memory $ = D pinned GiB-s / (gpu_memory_bytes / GiB) / 3600 x gpu_hour_usd
+    host memory $ = host GiB-s / 3600 x host_gib_hour_usd
+    saved prefill $ = prefill GPU-s saved / 3600 x gpu_hour_usd
+    per M saved tokens = $ / (saved prefill tokens / 1e6)
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from turnscope.planner.profile import CostProfile, GiB
+from turnscope.planner.queueing import fifo_waits
+from turnscope.planner.simulate import (
+    OUTCOMES,
+    RENDERS,
+    TOOK_HANDLE,
+    ModePlan,
+    PlanSettings,
+    Traffic,
+    finish_times,
+    own_cache_hits,
+    plan,
+    simulate_bidir,
+    workers_of,
+)
+
+#: Strategy name -> the planner mode it is costed as.
+STRATEGIES = {"recompute": "pd-nocache", "pd": "pd", "pd+host": "pd", "pd-bidir": "pd-bidir",
+              "pd-bidir+host": "pd-bidir"}
+HOST_STRATEGIES = ("pd+host", "pd-bidir+host")
+#: Columns of :func:`ledger`.
+LEDGER_COLUMNS = ("strategy", "mode", "later_requests", "hit_rate", "reused_tokens", "host_read_tokens",
+                  "ttft_p50_later_s", "ttft_mean_s", "p_cache_gib_s", "d_pinned_gib_s", "host_gib_s",
+                  "d_full_events", "prefill_gpu_s_saved", "gpu_memory_usd", "host_memory_usd",
+                  "saved_prefill_usd", "memory_usd_per_m_saved_tokens", "net_usd_per_m_saved_tokens")
+
+
+@dataclass(frozen=True)
+class Prices:
+    """What the user pays: ``gpu_hour_usd`` per GPU-hour, ``host_gib_hour_usd`` per GiB-hour of host
+    memory. Either may be None (not given): the figures it prices are left out, never guessed."""
+
+    gpu_hour_usd: float | None = None
+    host_gib_hour_usd: float | None = None
+
+
+@dataclass
+class LruTier:
+    """One worker-set's prefix cache as the planner models it (:func:`own_cache_hits`): hits per
+    request and the bytes held after each request (``t`` seconds, ``b`` bytes, summed over workers)."""
+
+    hits: np.ndarray
+    t: np.ndarray
+    b: np.ndarray
+
+    def held_gib_s(self, end_s: float) -> float:
+        """The integral of the held bytes up to ``end_s`` (the last held level lasts until then)."""
+        if self.t.size == 0:
+            return 0.0
+        dt = np.diff(np.append(self.t, max(end_s, float(self.t[-1]))))
+        return float(np.sum(self.b * dt) / GiB)
+
+
+def lru_tier(tr: Traffic, capacity_tokens: int | None, block_size: int, workers: int, routing: str,
+             kv_bytes_per_token: float, shared_prefix_tokens: int = 0) -> LruTier:
+    """P's prefix cache of ``capacity_tokens`` per worker (None: unbounded) over ``tr``: its hits are
+    :func:`turnscope.planner.simulate.own_cache_hits`'s (the same call), and the bytes it holds are
+    the same LRU's contents replayed (the sessions' last prompts, whole tokens, times
+    ``kv_bytes_per_token``) after each request, at the request's arrival."""
+    hits = own_cache_hits(tr, capacity_tokens, block_size, workers, routing, with_output=False,
+                          shared_prefix_tokens=shared_prefix_tokens)
+    caches = [OrderedDict() for _ in range(workers)]
+    totals = np.zeros(workers, dtype=np.int64)
+    held = np.zeros(len(tr))
+    for i, w in enumerate(workers_of(tr, workers, routing)):
+        s = int(tr.session_code[i])
+        cache = caches[w]
+        totals[w] -= cache.pop(s, 0)
+        cache[s] = int(tr.input_tokens[i])
+        totals[w] += cache[s]
+        if capacity_tokens is not None:
+            while totals[w] > capacity_tokens and cache:
+                totals[w] -= cache.popitem(last=False)[1]
+        held[i] = totals.sum() * kv_bytes_per_token
+    return LruTier(hits, tr.arrival_s.astype(float), held)
+
+
+def host_read_s(profile: CostProfile, tokens: np.ndarray) -> np.ndarray:
+    """Seconds to read ``tokens`` tokens of KV back from the host tier (0 where tokens is 0).
+
+    Raises ValueError when the profile has no host read bandwidth."""
+    if profile.host_read_bandwidth_bytes_per_s is None:
+        raise ValueError(f"profile {profile.name!r} has no host_read_bandwidth_bytes_per_s: the host-tier "
+                         "strategies cannot be forecast")
+    t = np.asarray(tokens, dtype=float)
+    latency = profile.host_read_latency_s.value if profile.host_read_latency_s else 0.0
+    return np.where(t > 0, latency + t * profile.kv_bytes_per_token.value
+                    / profile.host_read_bandwidth_bytes_per_s.value, 0.0)
+
+
+@dataclass
+class StrategyForecast:
+    """One strategy over the traffic: per request ``local`` (P's hit, GPU and host), ``host_read``
+    (of which read from host memory), ``pulled`` (from D), ``ttft_s``; the tiers' GiB-seconds."""
+
+    strategy: str
+    mode: str
+    local: np.ndarray
+    host_read: np.ndarray
+    pulled: np.ndarray
+    ttft_s: np.ndarray
+    compute_s: np.ndarray
+    p_cache_gib_s: float
+    d_pinned_gib_s: float
+    host_gib_s: float
+    d_full_events: int
+
+
+def _with_host(tr: Traffic, profile: CostProfile, settings: PlanSettings, gpu: LruTier) -> tuple[np.ndarray, np.ndarray, LruTier]:
+    """P's hits with the host tier: (local hit, tokens of it read from host, the host LRU)."""
+    if profile.host_kv_space_bytes is None:
+        raise ValueError(f"profile {profile.name!r} has no host_kv_space_bytes: the host-tier strategies "
+                         "cannot be forecast")
+    block = settings.block_size or profile.block_size
+    cap = int(profile.host_kv_space_bytes.value // profile.kv_bytes_per_token.value)
+    host = lru_tier(tr, cap, block, settings.prefill_workers, settings.routing, profile.kv_bytes_per_token.value,
+                    settings.shared_prefix_tokens)
+    local = np.maximum(gpu.hits, host.hits)
+    return local, local - gpu.hits, host
+
+
+def forecast_strategy(tr: Traffic, profile: CostProfile, settings: PlanSettings, strategy: str,
+                      gpu: LruTier | None = None) -> StrategyForecast:
+    """Forecast one of :data:`STRATEGIES` (see the module doc). ``gpu``: P's GPU prefix cache when
+    already computed. Raises ValueError for an unknown strategy or a host strategy on a profile
+    without a host tier."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; strategies are {', '.join(STRATEGIES)}")
+    mode = STRATEGIES[strategy]
+    block = settings.block_size or profile.block_size
+    end_s = float(finish_times(tr, profile).max())
+    zeros = np.zeros(len(tr), dtype=np.int64)
+    if strategy == "recompute":
+        m: ModePlan = plan(tr, profile, settings.model_copy(update={"modes": (mode,)})).modes[mode]
+        return StrategyForecast(strategy, mode, zeros, zeros, zeros, m.ttft_s,
+                                profile.prefill_compute_s(mode, tr.input_tokens, zeros), 0.0, 0.0, 0.0, 0)
+    if gpu is None:
+        gpu = lru_tier(tr, profile.capacity_tokens("prefill"), block, settings.prefill_workers, settings.routing,
+                       profile.kv_bytes_per_token.value, settings.shared_prefix_tokens)
+    local, host_read, host = gpu.hits, zeros, None
+    if strategy in HOST_STRATEGIES:
+        local, host_read, host = _with_host(tr, profile, settings, gpu)
+    pulled, d_gib_s, d_full, took = zeros, 0.0, 0, np.zeros(len(tr), dtype=bool)
+    if mode == "pd-bidir":
+        outcome, pulled, local, _, pinned, d_full = simulate_bidir(tr, profile, settings, local,
+                                                                   finish_times(tr, profile))
+        d_gib_s = pinned.held_gib_s()
+        took = np.isin(np.asarray(OUTCOMES, dtype=object)[outcome], TOOK_HANDLE)
+    cached = local + pulled
+    compute = profile.prefill_compute_s(mode, tr.input_tokens, cached)
+    ttft = profile.ttft_s(mode, tr.input_tokens, cached, pulled)
+    if host is not None:
+        ttft = ttft + host_read_s(profile, host_read)
+    if settings.rendered_prompts:
+        ttft = ttft + profile.render_s(tr.input_tokens, RENDERS[mode] + took)
+    if settings.queue_prefills:
+        ttft = ttft + fifo_waits(tr.arrival_s, compute, workers_of(tr, settings.prefill_workers, settings.routing))
+    return StrategyForecast(strategy, mode, local, host_read, pulled, ttft, compute, gpu.held_gib_s(end_s), d_gib_s,
+                            0.0 if host is None else host.held_gib_s(end_s), d_full)
+
+
+def _usd_per_m(usd: float | None, tokens: int) -> float | None:
+    return None if usd is None or tokens <= 0 else usd / (tokens / 1e6)
+
+
+def ledger_row(f: StrategyForecast, base: StrategyForecast, tr: Traffic, profile: CostProfile,
+               prices: Prices) -> dict:
+    """One row of :func:`ledger` (columns :data:`LEDGER_COLUMNS`; money None where no price)."""
+    later = tr.request_index >= 1
+    reused = f.local + f.pulled
+    gpus = profile.gpus_per_worker.value if profile.gpus_per_worker else 1.0
+    saved_gpu_s = float((base.compute_s - f.compute_s).sum()) * gpus
+    saved_tokens = int(reused.sum())
+    gpu_gib_s = f.d_pinned_gib_s   # P's prefix cache is evictable: reported, not priced
+    gpu_mem_usd = host_usd = saved_usd = None
+    if prices.gpu_hour_usd is not None:
+        saved_usd = saved_gpu_s / 3600 * prices.gpu_hour_usd
+        if profile.gpu_memory_bytes is not None:
+            gpu_mem_usd = gpu_gib_s / (profile.gpu_memory_bytes.value / GiB) / 3600 * prices.gpu_hour_usd
+    if prices.host_gib_hour_usd is not None:
+        host_usd = f.host_gib_s / 3600 * prices.host_gib_hour_usd
+    memory_usd = None
+    if gpu_mem_usd is not None and (host_usd is not None or f.host_gib_s == 0):
+        memory_usd = gpu_mem_usd + (host_usd or 0.0)
+    net = None if memory_usd is None or saved_usd is None else memory_usd - saved_usd
+    return {"strategy": f.strategy, "mode": f.mode, "later_requests": int(later.sum()),
+            "hit_rate": float((reused[later] > 0).mean()) if later.any() else np.nan,
+            "reused_tokens": saved_tokens, "host_read_tokens": int(f.host_read.sum()),
+            "ttft_p50_later_s": float(np.median(f.ttft_s[later])) if later.any() else np.nan,
+            "ttft_mean_s": float(f.ttft_s.mean()), "p_cache_gib_s": f.p_cache_gib_s,
+            "d_pinned_gib_s": f.d_pinned_gib_s, "host_gib_s": f.host_gib_s, "d_full_events": f.d_full_events,
+            "prefill_gpu_s_saved": saved_gpu_s, "gpu_memory_usd": gpu_mem_usd, "host_memory_usd": host_usd,
+            "saved_prefill_usd": saved_usd, "memory_usd_per_m_saved_tokens": _usd_per_m(memory_usd, saved_tokens),
+            "net_usd_per_m_saved_tokens": _usd_per_m(net, saved_tokens)}
+
+
+def ledger(tr: Traffic, profile: CostProfile, settings: PlanSettings, prices: Prices = Prices(),
+           strategies: tuple[str, ...] | None = None) -> pd.DataFrame:
+    """Every strategy of ``strategies`` (default: all of :data:`STRATEGIES`, the host ones only when
+    the profile has a host tier) over ``tr``: a frame with :data:`LEDGER_COLUMNS` (seconds, GiB-s,
+    tokens, USD). Every figure is a FORECAST of ``profile``."""
+    if strategies is None:
+        has_host = profile.host_kv_space_bytes is not None and profile.host_read_bandwidth_bytes_per_s is not None
+        strategies = tuple(s for s in STRATEGIES if has_host or s not in HOST_STRATEGIES)
+    block = settings.block_size or profile.block_size
+    gpu = lru_tier(tr, profile.capacity_tokens("prefill"), block, settings.prefill_workers, settings.routing,
+                   profile.kv_bytes_per_token.value, settings.shared_prefix_tokens)
+    base = forecast_strategy(tr, profile, settings, "recompute")
+    rows = [ledger_row(forecast_strategy(tr, profile, settings, s, gpu) if s != "recompute" else base,
+                       base, tr, profile, prices) for s in strategies]
+    return pd.DataFrame(rows, columns=list(LEDGER_COLUMNS))
+
+
+def _money(v: float | None) -> str:
+    if v is None or pd.isna(v):
+        return "n/a (no price)"
+    return f"-${-v:,.4f}" if v < 0 else f"${v:,.4f}"
+
+
+def describe_ledger(df: pd.DataFrame, profile: CostProfile, settings: PlanSettings, prices: Prices) -> str:
+    """The ledger in plain text, labelled as a forecast with its inputs."""
+    tag = profile.label()
+    host = ("host tier " + (f"{profile.host_kv_space_bytes.value / GiB:,.0f} GiB per P worker, read at "
+            f"{profile.host_read_bandwidth_bytes_per_s.value / 1e9:,.1f} GB/s"
+            if profile.host_kv_space_bytes and profile.host_read_bandwidth_bytes_per_s else "not in the profile"))
+    gpu_price = "not given" if prices.gpu_hour_usd is None else f"${prices.gpu_hour_usd:g}"
+    host_price = "not given" if prices.host_gib_hour_usd is None else f"${prices.host_gib_hour_usd:g}"
+    lines = [(f"Ledger of retention strategies ({tag}; TTL {settings.decoder_kv_blocks_ttl_s:.0f} s, threshold "
+              f"{settings.kv_recompute_threshold}, {settings.prefill_workers}P{settings.decode_workers}D, routing "
+              f"{settings.routing}; {host}; prices: GPU-hour {gpu_price}, host GiB-hour {host_price})."),
+             "  TTFT interval: none (the planner gives point forecasts; its held-out errors are not applied here)."]
+    for r in df.itertuples():
+        lines.append(
+            f"  {r.strategy:<14} hit rate {r.hit_rate:6.1%}, TTFT p50 (turn 2 on) {r.ttft_p50_later_s * 1e3:9,.1f} ms; "
+            f"held GPU {r.p_cache_gib_s + r.d_pinned_gib_s:12,.1f} GiB-s (P cache {r.p_cache_gib_s:,.1f}, "
+            f"D pinned {r.d_pinned_gib_s:,.1f}), host {r.host_gib_s:12,.1f} GiB-s; prefill GPU-s saved "
+            f"{r.prefill_gpu_s_saved:,.1f}; memory per M saved tokens {_money(r.memory_usd_per_m_saved_tokens)}, "
+            f"net of saved prefill {_money(r.net_usd_per_m_saved_tokens)}")
+    return "\n".join(lines)

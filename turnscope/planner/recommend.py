@@ -1,0 +1,355 @@
+"""``turnscope recommend``: what to deploy for a traffic (a FORECAST), as a config diff.
+
+From a traffic, a cost profile and the user's limits (:class:`Limits`: an SLO on TTFT, D's KV
+space, prices), every setting of a small grid (:class:`Grid`: retention strategy of
+:mod:`turnscope.planner.ledger`, ``decoder_kv_blocks_ttl``, ``kv_recompute_threshold``, D's KV
+space, prefill workers, routing) is forecast with the ledger's model, and one is recommended:
+
+1. feasible settings: p90 TTFT over all requests within the SLO (when given) and D's KV space
+   within the limit (the grid never goes past it);
+2. without prices: the lowest mean TTFT; a setting that holds KV on D (``pd-bidir*``) or in host
+   memory must beat the best setting without that hold by more than :data:`MIN_GAIN` of mean TTFT,
+   else the simpler setting is recommended (holding memory for a gain inside the planner's error is
+   not a recommendation);
+3. with prices (``gpu_hour_usd`` given): among feasible settings within :data:`MIN_GAIN` of the best
+   mean TTFT, the lowest cost: priced memory held (:mod:`turnscope.planner.ledger`) less the saved
+   prefill, plus the GPU-hours of prefill workers beyond one over the traffic's span.
+
+The recommendation is printed as the ``vllm serve`` flags and ``--kv-transfer-config`` JSON of each
+role (rendered by :func:`serving.workers.worker_command`, the command turnscope itself starts
+workers with) and the proxy's routing, current next to recommended, with each changed knob's
+forecast gain (that knob alone changed from the current setting).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from serving.topology import Connector
+from serving.workers import WorkerSpec, worker_command
+from turnscope.planner.ledger import HOST_STRATEGIES, STRATEGIES, Prices, forecast_strategy, ledger_row
+from turnscope.planner.profile import CostProfile, GiB, Sourced
+from turnscope.planner.simulate import PlanSettings, Traffic
+
+#: A setting that holds memory must beat the best one without it by this fraction of mean TTFT.
+MIN_GAIN = 0.05
+BIDIR = ("pd-bidir", "pd-bidir+host")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One deployable setting: ``strategy`` (:data:`turnscope.planner.ledger.STRATEGIES`),
+    ``ttl_s`` (``decoder_kv_blocks_ttl``, s), ``threshold`` (``kv_recompute_threshold``, tokens),
+    ``decode_kv_bytes`` (one D's KV space, bytes; None: the profile's, unbounded), P and D counts,
+    ``routing`` (the proxy's prefill routing)."""
+
+    strategy: str
+    ttl_s: float = 480.0
+    threshold: int = 64
+    decode_kv_bytes: float | None = None
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    routing: str = "session"
+
+    def label(self) -> str:
+        """The setting in one line (TTL, threshold and D space only where they matter)."""
+        text = f"{self.strategy}, {self.prefill_workers}P{self.decode_workers}D, routing {self.routing}"
+        if self.strategy in BIDIR:
+            space = "profile's" if self.decode_kv_bytes is None else f"{self.decode_kv_bytes / GiB:,.1f} GiB"
+            text += f", TTL {self.ttl_s:g} s, threshold {self.threshold}, D KV {space}"
+        return text
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The user's limits: ``ttft_slo_s`` (p90 TTFT, s; None: none), ``decode_kv_bytes`` (the most
+    KV space one D may have, bytes; None: the profile's), ``prices``, ``max_prefill_workers``."""
+
+    ttft_slo_s: float | None = None
+    decode_kv_bytes: float | None = None
+    prices: Prices = field(default_factory=Prices)
+    max_prefill_workers: int = 1
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The values searched (seconds, tokens, fractions of D's KV space limit)."""
+
+    ttls_s: tuple[float, ...] = (120.0, 480.0, 1800.0, 3600.0)
+    thresholds: tuple[int, ...] = (0, 64, 512)
+    space_factors: tuple[float, ...] = (0.25, 0.5, 1.0)
+    routings: tuple[str, ...] = ("session", "round-robin")
+
+
+@dataclass
+class Evaluated:
+    """A setting and its forecast: ``row`` (a ledger row), ``ttft_p90_s``, ``cost_usd`` (None
+    without prices), ``feasible``."""
+
+    setting: Setting
+    row: dict
+    ttft_p90_s: float
+    cost_usd: float | None
+    feasible: bool
+
+    @property
+    def ttft_mean_s(self) -> float:
+        return float(self.row["ttft_mean_s"])
+
+
+def _profile_for(profile: CostProfile, s: Setting) -> CostProfile:
+    if s.decode_kv_bytes is None:
+        return profile
+    return profile.model_copy(update={"decode_kv_space_bytes": Sourced(value=s.decode_kv_bytes,
+                                                                          source="recommendation grid point")})
+
+
+def settings_for(base: PlanSettings, s: Setting) -> PlanSettings:
+    """``base`` with the setting's TTL, threshold, worker counts and routing."""
+    return base.model_copy(update={"decoder_kv_blocks_ttl_s": s.ttl_s, "kv_recompute_threshold": s.threshold,
+                                   "prefill_workers": s.prefill_workers, "decode_workers": s.decode_workers,
+                                   "routing": s.routing})
+
+
+def evaluate(tr: Traffic, profile: CostProfile, base: PlanSettings, s: Setting, limits: Limits) -> Evaluated:
+    """Forecast ``s`` on ``tr`` (see the module doc for the cost)."""
+    prof, ps = _profile_for(profile, s), settings_for(base, s)
+    f = forecast_strategy(tr, prof, ps, s.strategy)
+    recompute = forecast_strategy(tr, prof, ps, "recompute")
+    row = ledger_row(f, recompute, tr, prof, limits.prices)
+    p90 = float(np.quantile(f.ttft_s, 0.9))
+    cost = None
+    if limits.prices.gpu_hour_usd is not None:
+        gpus = profile.gpus_per_worker.value if profile.gpus_per_worker else 1.0
+        span_h = float(tr.arrival_s.max() - tr.arrival_s.min()) / 3600
+        memory = (row["gpu_memory_usd"] or 0.0) + (row["host_memory_usd"] or 0.0)
+        cost = memory - row["saved_prefill_usd"] + (s.prefill_workers - 1) * gpus * span_h * limits.prices.gpu_hour_usd
+    feasible = limits.ttft_slo_s is None or p90 <= limits.ttft_slo_s
+    return Evaluated(s, row, p90, cost, feasible)
+
+
+def candidates(profile: CostProfile, current: Setting, limits: Limits, grid: Grid) -> list[Setting]:
+    """The settings searched: every strategy the profile can forecast, P counts up to the limit,
+    the grid's routings; bidirectional ones over TTL x threshold x D space (within the limit)."""
+    has_host = profile.host_kv_space_bytes is not None and profile.host_read_bandwidth_bytes_per_s is not None
+    space_max = limits.decode_kv_bytes or (profile.decode_kv_space_bytes.value if profile.decode_kv_space_bytes
+                                           else None)
+    spaces = [None] if space_max is None else [space_max * f for f in grid.space_factors]
+    out = []
+    for strategy in STRATEGIES:
+        if strategy in HOST_STRATEGIES and not has_host:
+            continue
+        for p in range(1, limits.max_prefill_workers + 1):
+            for routing in grid.routings:
+                one = replace(current, strategy=strategy, prefill_workers=p, routing=routing)
+                if strategy in BIDIR:
+                    out += [replace(one, ttl_s=t, threshold=k, decode_kv_bytes=d) for t in grid.ttls_s
+                            for k in grid.thresholds for d in spaces]
+                else:
+                    out.append(one)
+    return out
+
+
+def _held(e: Evaluated) -> float:
+    """GiB-seconds a setting holds out of other requests' reach (D pinned plus host)."""
+    return float(e.row["d_pinned_gib_s"] + e.row["host_gib_s"])
+
+
+def _holds(s: Setting) -> bool:
+    return s.strategy in BIDIR or s.strategy in HOST_STRATEGIES
+
+
+def choose(evaluated: list[Evaluated], priced: bool) -> Evaluated:
+    """The recommended setting of ``evaluated`` (rules in the module doc); when none is feasible,
+    the lowest p90 TTFT."""
+    feasible = [e for e in evaluated if e.feasible]
+    if not feasible:
+        return min(evaluated, key=lambda e: e.ttft_p90_s)
+    best = min(e.ttft_mean_s for e in feasible)
+    if priced:
+        near = [e for e in feasible if e.ttft_mean_s <= best * (1 + MIN_GAIN)]
+        return min(near, key=lambda e: (e.cost_usd, e.ttft_mean_s))
+    winner = min(feasible, key=lambda e: (e.ttft_mean_s, _held(e)))
+    simple = [e for e in feasible if not _holds(e.setting)]
+    if _holds(winner.setting) and simple:
+        plain = min(simple, key=lambda e: e.ttft_mean_s)
+        if winner.ttft_mean_s > plain.ttft_mean_s * (1 - MIN_GAIN):
+            return plain
+    return winner
+
+
+# -- rendering ------------------------------------------------------------------------------------
+
+def role_argv(s: Setting, role: str, model: str, host_kv_bytes: float | None, platform: str = "gpu") -> list[str]:
+    """``vllm serve`` arguments (after ``vllm serve``) of one ``role`` (prefill, decode) in ``s``,
+    rendered by :func:`serving.workers.worker_command` on ``platform`` (gpu, cpu); a host tier on P wraps
+    the NixlConnector and vLLM's OffloadingConnector (``cpu_bytes_to_use``) in ``MultiConnector``."""
+    bidir = s.strategy in BIDIR
+    spec = WorkerSpec(name=role, role=role, host="0.0.0.0", port=8100 if role == "prefill" else 8200, model=model,
+                      platform=platform, nixl=True, bidirectional=bidir,
+                      prefix_caching=not (role == "prefill" and s.strategy == "recompute"),
+                      connector=Connector(kv_recompute_threshold=s.threshold, decoder_kv_blocks_ttl=int(s.ttl_s)),
+                      kv_cache_bytes=int(s.decode_kv_bytes) if role == "decode" and s.decode_kv_bytes else None)
+    argv, _ = worker_command(spec)
+    argv = argv[argv.index("--model"):]
+    if role == "prefill" and s.strategy in HOST_STRATEGIES and host_kv_bytes:
+        i = argv.index("--kv-transfer-config") + 1
+        nixl = json.loads(argv[i])
+        offload = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                   "kv_connector_extra_config": {"cpu_bytes_to_use": int(host_kv_bytes)}}
+        argv[i] = json.dumps({"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                              "kv_buffer_device": nixl["kv_buffer_device"],
+                              "kv_load_failure_policy": nixl["kv_load_failure_policy"],
+                              "kv_connector_extra_config": {"connectors": [nixl, offload]}})
+    return argv
+
+
+def _lines(s: Setting, model: str, host_kv_bytes: float | None, platform: str) -> list[str]:
+    out = [f"# proxy: prefill routing {s.routing}; {s.prefill_workers} prefill, {s.decode_workers} decode worker(s)"]
+    for role in ("prefill", "decode"):
+        argv = role_argv(s, role, model, host_kv_bytes, platform)
+        out.append(f"# {role}: vllm serve")
+        flags, i = [], 0
+        while i < len(argv):
+            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                flags.append(f"  {argv[i]} {argv[i + 1]}")
+                i += 2
+            else:
+                flags.append(f"  {argv[i]}")
+                i += 1
+        out += [f"{role}{f}" for f in flags]
+    return out
+
+
+def config_diff(current: Setting, recommended: Setting, model: str, host_kv_bytes: float | None,
+                platform: str = "gpu") -> str:
+    """A unified diff of the two settings' flags, one flag per line, prefixed by role."""
+    return "\n".join(difflib.unified_diff(_lines(current, model, host_kv_bytes, platform),
+                                          _lines(recommended, model, host_kv_bytes, platform),
+                                          "current", "recommended", lineterm="", n=50))
+
+
+KNOBS = ("strategy", "ttl_s", "threshold", "decode_kv_bytes", "prefill_workers", "routing")
+
+
+@dataclass
+class Recommendation:
+    """What :func:`recommend` found: the current and recommended :class:`Evaluated`, each changed
+    knob's forecast alone (``knob_effects``: knob -> Evaluated), every setting searched, and the
+    ``what_would_change`` lines (bidirectional transfer against ``pd`` under other conditions)."""
+
+    current: Evaluated
+    recommended: Evaluated
+    knob_effects: dict[str, Evaluated]
+    searched: list[Evaluated]
+    what_would_change: list[str]
+
+    @property
+    def enables_bidir(self) -> bool:
+        return self.recommended.setting.strategy in BIDIR
+
+
+def what_would_change(tr: Traffic, profile: CostProfile, base: PlanSettings, current: Setting,
+                      limits: Limits) -> list[str]:
+    """Mean TTFT of ``pd-bidir`` against ``pd`` (the current TTL and threshold) when sessions
+    outgrow P's cache (an eighth of P's KV space), with two P workers round-robin, and with the
+    traffic's gaps halved (arrivals at half the time)."""
+    cases = []
+    if profile.prefill_kv_space_bytes is not None:
+        small = profile.model_copy(update={"prefill_kv_space_bytes": Sourced(
+            value=profile.prefill_kv_space_bytes.value / 8, source="what-if: an eighth of P's KV space")})
+        cases.append(("P's KV space an eighth of the profile's (sessions per P past P's cache)", small, current))
+    cases.append(("two P workers, round-robin routing", profile,
+                  replace(current, prefill_workers=2, routing="round-robin")))
+    half = Traffic(**{**tr.__dict__, "arrival_s": tr.arrival_s / 2})
+    out = []
+    for label, prof, s in cases + [("gaps halved (arrivals at half the time)", profile, current)]:
+        traffic = half if label.startswith("gaps") else tr
+        pd_ = evaluate(traffic, prof, base, replace(s, strategy="pd"), limits)
+        bd = evaluate(traffic, prof, base, replace(s, strategy="pd-bidir"), limits)
+        gain = 1 - bd.ttft_mean_s / pd_.ttft_mean_s
+        out.append(f"{label}: pd-bidir mean TTFT {bd.ttft_mean_s * 1e3:,.1f} ms vs pd {pd_.ttft_mean_s * 1e3:,.1f} ms "
+                   f"({gain:+.1%}; D pinned {bd.row['d_pinned_gib_s']:,.0f} GiB-s)")
+    return out
+
+
+def _fewer_changes(tr: Traffic, profile: CostProfile, base: PlanSettings, current: Setting, rec: Evaluated,
+                   limits: Limits) -> Evaluated:
+    """``rec`` with every knob put back to its current value where that costs no mean TTFT, no
+    held memory and no money (0.1% slack): a diff lists only the knobs that buy something."""
+    for knob in KNOBS[1:]:
+        value = getattr(current, knob)
+        if getattr(rec.setting, knob) == value:
+            continue
+        back = evaluate(tr, profile, base, replace(rec.setting, **{knob: value}), limits)
+        same_cost = back.cost_usd is None or rec.cost_usd is None or back.cost_usd <= rec.cost_usd + 1e-3 * abs(rec.cost_usd)
+        if (back.feasible and back.ttft_mean_s <= rec.ttft_mean_s * 1.001 and _held(back) <= _held(rec) * 1.001 + 1e-9
+                and same_cost):
+            rec = back
+    return rec
+
+
+def recommend(tr: Traffic, profile: CostProfile, base: PlanSettings, current: Setting, limits: Limits,
+              grid: Grid = Grid()) -> Recommendation:
+    """Search :func:`candidates` and pick with :func:`choose` (see the module doc)."""
+    searched = [evaluate(tr, profile, base, s, limits) for s in candidates(profile, current, limits, grid)]
+    cur = evaluate(tr, profile, base, current, limits)
+    rec = choose(searched, limits.prices.gpu_hour_usd is not None)
+    rec = _fewer_changes(tr, profile, base, current, rec, limits)
+    effects = {}
+    for knob in KNOBS:
+        value = getattr(rec.setting, knob)
+        if value != getattr(current, knob):
+            one = replace(current, **{knob: value})
+            if knob != "strategy" and current.strategy not in BIDIR and knob in ("ttl_s", "threshold", "decode_kv_bytes"):
+                one = replace(one, strategy=rec.setting.strategy)
+            effects[knob] = evaluate(tr, profile, base, one, limits)
+    changes = [] if rec.setting.strategy in BIDIR else what_would_change(tr, profile, base, current, limits)
+    return Recommendation(cur, rec, effects, searched, changes)
+
+
+def _fmt(knob: str, v) -> str:
+    if knob == "decode_kv_bytes":
+        return "profile's" if v is None else f"{v / GiB:,.1f} GiB"
+    return str(v)
+
+
+def describe(r: Recommendation, profile: CostProfile, base: PlanSettings, limits: Limits, model: str,
+             platform: str = "gpu") -> str:
+    """The recommendation in plain text: a FORECAST with its inputs, the knobs, the config diff."""
+    tag = profile.label()
+    cur, rec = r.current, r.recommended
+    slo = "none" if limits.ttft_slo_s is None else f"p90 TTFT <= {limits.ttft_slo_s:g} s"
+    gpu_price = "none" if limits.prices.gpu_hour_usd is None else f"GPU-hour ${limits.prices.gpu_hour_usd:g}"
+    host_price = ("" if limits.prices.host_gib_hour_usd is None
+                  else f", host GiB-hour ${limits.prices.host_gib_hour_usd:g}")
+
+    def line(name: str, e: Evaluated) -> str:
+        return (f"  {name:<11} {e.setting.label()}: mean TTFT {e.ttft_mean_s * 1e3:,.1f} ms, p90 "
+                f"{e.ttft_p90_s * 1e3:,.1f} ms, D pinned {e.row['d_pinned_gib_s']:,.0f} GiB-s, host "
+                f"{e.row['host_gib_s']:,.0f} GiB-s")
+
+    lines = [(f"Recommendation ({tag}; {len(r.searched)} settings searched; SLO {slo}; D KV space at most "
+              f"{_fmt('decode_kv_bytes', limits.decode_kv_bytes)}; prices: {gpu_price}{host_price})."),
+             "  interval: none (point forecasts; the planner's held-out errors are not applied).",
+             line("current", cur),
+             line("recommended", rec) + ("" if rec.feasible else " (NO setting meets the SLO: the one closest to it)")]
+    for knob, e in r.knob_effects.items():
+        cost = "" if e.cost_usd is None or cur.cost_usd is None else f", cost {e.cost_usd - cur.cost_usd:+,.2f} USD"
+        lines.append(f"  knob {knob}: {_fmt(knob, getattr(cur.setting, knob))} -> "
+                     f"{_fmt(knob, getattr(rec.setting, knob))} alone: mean TTFT "
+                     f"{(e.ttft_mean_s - cur.ttft_mean_s) * 1e3:+,.1f} ms, D pinned "
+                     f"{e.row['d_pinned_gib_s'] - cur.row['d_pinned_gib_s']:+,.0f} GiB-s, host "
+                     f"{e.row['host_gib_s'] - cur.row['host_gib_s']:+,.0f} GiB-s{cost}")
+    if not r.enables_bidir:
+        lines.append("  Do not enable bidirectional transfer for this traffic: holding the previous turn on D does "
+                     f"not beat the best setting without it by more than {MIN_GAIN:.0%} of mean TTFT. What would change it:")
+        lines += [f"    {w}" for w in r.what_would_change]
+    host_kv = profile.host_kv_space_bytes.value if profile.host_kv_space_bytes else None
+    lines.append("\nConfig diff (current -> recommended; one flag per line, by role):")
+    lines.append(config_diff(cur.setting, rec.setting, model, host_kv, platform) or "  (no change)")
+    return "\n".join(lines)
