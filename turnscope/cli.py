@@ -705,7 +705,8 @@ def dashboard(store: StoreOpt = None,
     env = os.environ | {"TURNSCOPE_STORE": str(store)}
     console.print(f"dashboard: http://{host}:{port}  (SQL: .venv/bin/duckdb {store / 'turnscope.duckdb'})")
     try:
-        rc = subprocess.run([sys.executable, "-m", "streamlit", "run", str(REPO_ROOT / "dashboard" / "app.py"),
+        # dashboard/serve.py: `streamlit run dashboard/app.py` with the pages' libraries imported first
+        rc = subprocess.run([sys.executable, str(REPO_ROOT / "dashboard" / "serve.py"),
                              "--server.headless", "true", "--server.address", host, "--server.port", str(port),
                              "--browser.gatherUsageStats", "false", "--client.toolbarMode", "viewer"], env=env, check=False).returncode
     except KeyboardInterrupt:
