@@ -106,7 +106,9 @@ def test_relative_links_resolve(path):
 
 def test_readme_is_short():
     lines = (REPO / "README.md").read_text(encoding="utf-8").count("\n")
-    assert lines <= README_MAX_LINES, f"README.md has {lines} lines (at most {README_MAX_LINES}): move detail to docs/"
+    assert lines <= README_MAX_LINES, (
+        f"README.md has {lines} lines (at most {README_MAX_LINES}): move detail to docs/"
+    )
 
 
 def test_docs_cite_no_tracker_issues():
