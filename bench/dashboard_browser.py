@@ -86,11 +86,41 @@ IDLE_PROBE = """
 
 @dataclass
 class PageTimes:
-    """Seconds from navigation to idle, one per repeat."""
+    """Seconds from navigation to idle, one per repeat; and the CPU seconds the visit cost the
+    server and the browser (`visit`), which other work on the machine does not inflate the way it
+    inflates wall time."""
 
     page: str
     cold: list[float] = field(default_factory=list)
     warm: list[float] = field(default_factory=list)
+    cold_cpu: list[tuple[float, float]] = field(default_factory=list)
+    warm_cpu: list[tuple[float, float]] = field(default_factory=list)
+
+    def add(self, which: str, visit: tuple[float, float, float]) -> None:
+        getattr(self, which).append(visit[0])
+        getattr(self, f"{which}_cpu").append(visit[1:])
+
+
+def _cpu_by_pid(pids: list[int]) -> dict[int, float]:
+    """User + system CPU seconds of each process of `pids` still alive."""
+    import psutil
+
+    out = {}
+    for pid in pids:
+        try:
+            c = psutil.Process(pid).cpu_times()
+            out[pid] = c.user + c.system
+        except psutil.Error:
+            pass
+    return out
+
+
+def _browser_pids(server_pid: int) -> list[int]:
+    """This process's Chromium processes (under Playwright's driver), the server excluded."""
+    import psutil
+
+    return [c.pid for c in psutil.Process().children(recursive=True)
+            if c.pid != server_pid and "chrom" in (c.name() or "").lower()]  # fmt: skip
 
 
 def _free_port() -> int:
@@ -103,7 +133,7 @@ def _free_port() -> int:
 def streamlit_server(root: Path, log: Path, launcher: str = "turnscope"):
     """The dashboard over the store at `root`, started as `turnscope dashboard` starts it
     (`launcher` "turnscope": dashboard/serve.py) or by a plain `streamlit run dashboard/app.py`
-    ("streamlit"); yields its URL once /_stcore/health answers. Raises RuntimeError if it exits,
+    ("streamlit"); yields (its URL, the server's pid) once /_stcore/health answers. Raises RuntimeError if it exits,
     TimeoutError if it is not healthy within TIMEOUT_S."""
     port = _free_port()
     out = log.open("a")
@@ -129,7 +159,7 @@ def streamlit_server(root: Path, log: Path, launcher: str = "turnscope"):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"streamlit at {url} not healthy within {TIMEOUT_S} s")
             time.sleep(0.2)
-        yield url
+        yield url, proc.pid
     finally:
         proc.terminate()
         try:
@@ -140,12 +170,14 @@ def streamlit_server(root: Path, log: Path, launcher: str = "turnscope"):
         out.close()
 
 
-def visit(context, url: str, title: str) -> float:
-    """Open `url` in a new tab of `context`; seconds from navigation start until the page is idle
-    (see IDLE_PROBE). Raises RuntimeError if the page shows a Python exception."""
+def visit(context, url: str, title: str, server_pid: int) -> tuple[float, float, float]:
+    """Open `url` in a new tab of `context`; (seconds from navigation start until the page is idle
+    (see IDLE_PROBE), CPU seconds of the server process, CPU seconds of Chromium's processes) over
+    the visit. Raises RuntimeError if the page shows a Python exception."""
     import json
 
     page = context.new_page()
+    server0, browser0 = _cpu_by_pid([server_pid]), _cpu_by_pid(_browser_pids(server_pid))
     try:
         page.add_init_script(IDLE_PROBE % json.dumps(title))
         page.goto(url, wait_until="commit")
@@ -155,7 +187,11 @@ def visit(context, url: str, title: str) -> float:
         )  # fmt: skip
         if page.locator('[data-testid="stException"]').count():
             raise RuntimeError(f"{url}: {page.locator('[data-testid=stException]').first.inner_text()[:500]}")
-        return page.evaluate("window.__tsIdleSince") / 1e3
+        idle_s = page.evaluate("window.__tsIdleSince") / 1e3
+        server1, browser1 = _cpu_by_pid([server_pid]), _cpu_by_pid(_browser_pids(server_pid))
+        server_cpu = sum(v - server0.get(k, 0.0) for k, v in server1.items())
+        browser_cpu = sum(v - browser0.get(k, 0.0) for k, v in browser1.items())
+        return idle_s, server_cpu, browser_cpu
     finally:
         page.close()
 
@@ -173,14 +209,15 @@ def measure(
             for rep in range(repeats):
                 for r in results:
                     path, title = PAGES[r.page]
-                    with streamlit_server(root, log, launcher) as url:
+                    with streamlit_server(root, log, launcher) as (url, pid):
                         context = browser.new_context(viewport={"width": 1440, "height": 1200})
                         try:
-                            r.cold.append(visit(context, f"{url}/{path}", title))
-                            r.warm.append(visit(context, f"{url}/{path}", title))
+                            r.add("cold", visit(context, f"{url}/{path}", title, pid))
+                            r.add("warm", visit(context, f"{url}/{path}", title, pid))
                         finally:
                             context.close()
-                    print(f"  repeat {rep + 1}/{repeats} {r.page:<9} cold {r.cold[-1]:5.2f} s  warm {r.warm[-1]:5.2f} s",
+                    print(f"  repeat {rep + 1}/{repeats} {r.page:<9} cold {r.cold[-1]:5.2f} s  warm {r.warm[-1]:5.2f} s"
+                          f"  CPU server+browser cold {sum(r.cold_cpu[-1]):5.2f} s warm {sum(r.warm_cpu[-1]):5.2f} s",
                           flush=True)  # fmt: skip
         finally:
             browser.close()
@@ -193,13 +230,19 @@ def report(results: list[PageTimes], what: str, target_s: float) -> bool:
     n = len(results[0].cold) if results else 0
     print(f"\n{what}: seconds from navigation to Streamlit idle in Chromium, median of {n} (min-max); "
           f"target cold <= {target_s:g} s")  # fmt: skip
-    print("| page | cold (s) | warm (s) |\n|---|---|---|")
+    print("| page | cold (s) | warm (s) | CPU cold: server + browser (s) | CPU warm: server + browser (s) |\n"
+          "|---|---|---|---|---|")  # fmt: skip
     for r in results:
         cold, warm = statistics.median(r.cold), statistics.median(r.warm)
         miss = cold > target_s
         ok &= not miss
+        cpu = {
+            w: [statistics.median(c[i] for c in getattr(r, f"{w}_cpu")) for i in (0, 1)]
+            for w in ("cold", "warm")
+        }
         print(f"| {r.page} | {cold:.2f} ({min(r.cold):.2f}-{max(r.cold):.2f}){' **over**' if miss else ''} "
-              f"| {warm:.2f} ({min(r.warm):.2f}-{max(r.warm):.2f}) |")  # fmt: skip
+              f"| {warm:.2f} ({min(r.warm):.2f}-{max(r.warm):.2f}) "
+              f"| {cpu['cold'][0]:.2f} + {cpu['cold'][1]:.2f} | {cpu['warm'][0]:.2f} + {cpu['warm'][1]:.2f} |")  # fmt: skip
     return ok
 
 
