@@ -181,13 +181,16 @@ def visit(context, url: str, title: str, server_pid: int) -> tuple[float, float,
     try:
         page.add_init_script(IDLE_PROBE % json.dumps(title))
         page.goto(url, wait_until="commit")
-        page.wait_for_function(
-            f"window.__tsIdleSince !== null && performance.now() - window.__tsIdleSince > {QUIET_S * 1e3}",
+        # The start of the quiet stretch is read in the same evaluation that sees it long enough: a
+        # rerun right after would set it back to null.
+        since = page.wait_for_function(
+            "(() => { const s = window.__tsIdleSince;"
+            f" return s !== null && performance.now() - s > {QUIET_S * 1e3} ? String(s) : ''; }})()",
             timeout=TIMEOUT_S * 1e3, polling=50,
-        )  # fmt: skip
+        ).json_value()  # fmt: skip
         if page.locator('[data-testid="stException"]').count():
             raise RuntimeError(f"{url}: {page.locator('[data-testid=stException]').first.inner_text()[:500]}")
-        idle_s = page.evaluate("window.__tsIdleSince") / 1e3
+        idle_s = float(since) / 1e3
         server1, browser1 = _cpu_by_pid([server_pid]), _cpu_by_pid(_browser_pids(server_pid))
         server_cpu = sum(v - server0.get(k, 0.0) for k, v in server1.items())
         browser_cpu = sum(v - browser0.get(k, 0.0) for k, v in browser1.items())
