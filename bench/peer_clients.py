@@ -1,4 +1,4 @@
-"""Peer-client check (issue 15, item 4): clients no one here wrote, against every serving mode
+"""Peer-client check: clients no one here wrote, against every serving mode
 through the proxy, with turnscope's own client on the same load as a second measurement of TTFT.
 
 For each mode (default ``pd-bidir pd aggregated``) the embedded default is started
@@ -19,8 +19,8 @@ EOS ignored) at ``--concurrency``:
 * turnscope's own client (``loadgen.stream_client.stream_turn``).
 
 Prints one row per client and mode: requests sent, failed, TTFT median (ms). A client whose reader
-cannot parse the stream shows up as failed requests. CPU-heavy: run under
-``flock /work/.cpu-heavy.lock``.
+cannot parse the stream shows up as failed requests. CPU-heavy: run it when nothing else loads
+the machine.
 
     python bench/peer_clients.py --aiperf /tmp/aiperf/bin/aiperf --guidellm /tmp/guidellm/bin/guidellm
 """

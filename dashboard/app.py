@@ -131,7 +131,7 @@ gap_kinds = _turn_filter("Gap kind", "gap_kind", "ts_gap_kinds", "What the sessi
 running = int((keep["status"] == "running").sum())
 st.sidebar.caption(
     f"{len(keep)} of {len(runs)} runs selected"
-    + (f"; {running} still running (results refresh every {db.CACHE_TTL_S} s)" if running else "")
+    + (f"; {running} still running (new rows show on the next rerun)" if running else "")
 )
 
 context.publish(

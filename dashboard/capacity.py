@@ -8,7 +8,7 @@ baseline's by more than ``tolerance``. The crossing is the smallest load step (c
 sessions) from which the treatment is behind at that step and at every larger step measured:
 where the curves cross for good. A step behind with a later step not behind is reported as
 *transient* (on a shared 2-core machine one step's latency can be inflated by other work; the
-first capacity run here had such a step at 1 session, README). The tolerance keeps noise at
+first capacity run here had such a step at 1 session, docs/capacity.md). The tolerance keeps noise at
 light load, where both modes serve every turn within the SLO, from reading as a crossing; it is
 5% by default and stated with the answer.
 """

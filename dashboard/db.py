@@ -7,8 +7,9 @@ never writes it.
 Connections are short-lived on purpose. A DuckDB read-only connection still holds a shared lock
 on ``turnscope.duckdb`` for as long as it is open, and that lock makes a writer that (re)creates
 the views (``Store(root).init()`` at the start of a run) fail. So every query opens the file
-read-only, reads, and closes it; `st.cache_data` (see `load`) keeps repeated reruns cheap, and its
-short TTL lets rows of a run that is still writing show up on refresh.
+read-only, reads, and closes it; `st.cache_data` (``dashboard.loader``) keeps repeated reruns and
+visits cheap, keyed by the store's version so that rows of a run that is still writing show up on
+the next rerun.
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 ENV_VAR = "TURNSCOPE_STORE"
 DB_FILE = "turnscope.duckdb"
 DEFAULT_STORE = REPO_ROOT / "data"
-CACHE_TTL_S = 5
+#: How long a cached result may live (s). Query results are keyed by the store's version
+#: (``dashboard.loader.store_version``) and derived results (bootstraps) by their input rows, so the
+#: TTL only bounds how long an unused entry holds memory, not how fresh a result is.
+CACHE_TTL_S = 3600
 
 
 class StoreMissing(Exception):

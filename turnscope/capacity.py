@@ -1,7 +1,7 @@
 """``turnscope capacity``: ramp concurrent sessions step by step against ``pd`` and ``pd-bidir``
 with the same small decode (D) KV space, one run per (mode, step). Planning and wiring only.
 
-The question (README "Capacity: when holding KV costs sessions"): at how many concurrent
+The question (docs/capacity.md): at how many concurrent
 sessions does holding KV on D (``bidirectional_kv_xfer``) start to cost capacity, and how much
 latency does reuse buy below that point. vLLM 0.32 pins a finished request's blocks on D until
 P pulls them or ``decoder_kv_blocks_ttl`` passes (``nixl/pull_scheduler.py: request_finished``,

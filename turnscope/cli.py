@@ -554,7 +554,7 @@ def sweep(
 
     `turnscope sweep` on the embedded default takes about 13 minutes; then open the dashboard's Sweep
     page. On GPU nodes: `turnscope sweep --topology data/topologies/vendor-h200-1p1d.yaml --scale
-    published --histories text --modes <the attached mode>` (README, "Running the vendor sweep on GPUs").
+    published --histories text --modes <the attached mode>` (docs/gpu-runbook.md).
     """
     s = settings(prefill_routing=prefill_routing, decode_routing=decode_routing)
     if not workload.exists():
@@ -636,7 +636,7 @@ def capacity(
         help="D's KV space in tokens (x the model's KV bytes per token = --kv-cache-memory-bytes of D; P keeps "
              "the topology's). At least max_model_len.")] = 16_384,
     ttl_s: Annotated[int, typer.Option(help="decoder_kv_blocks_ttl (seconds) D pins a finished turn's blocks; "
-                                            "scaled to the workload's session length (README).")] = 20,
+                                            "scaled to the workload's session length (docs/capacity.md).")] = 20,
     handle_ttl_margin_s: Annotated[float, typer.Option(help="The proxy offers a handle for TTL minus this (s).")
                                    ] = 5.0,
     settle_s: Annotated[float, typer.Option(help="Seconds between steps (0: back to back, a step-load ramp).")
@@ -787,7 +787,8 @@ def dashboard(store: StoreOpt = None,
     env = os.environ | {"TURNSCOPE_STORE": str(store)}
     console.print(f"dashboard: http://{host}:{port}  (SQL: .venv/bin/duckdb {store / 'turnscope.duckdb'})")
     try:
-        rc = subprocess.run([sys.executable, "-m", "streamlit", "run", str(REPO_ROOT / "dashboard" / "app.py"),
+        # dashboard/serve.py: `streamlit run dashboard/app.py` with the pages' libraries imported first
+        rc = subprocess.run([sys.executable, str(REPO_ROOT / "dashboard" / "serve.py"),
                              "--server.headless", "true", "--server.address", host, "--server.port", str(port),
                              "--browser.gatherUsageStats", "false", "--client.toolbarMode", "viewer"], env=env, check=False).returncode
     except KeyboardInterrupt:

@@ -270,7 +270,7 @@ def run_eval(s: EvalSettings, console: Console | None = None,
 
 
 def default_settings(model: Path, topology: Topology | None = None, **overrides) -> EvalSettings:
-    """Settings for the embedded default (the README's numbers come from these)."""
+    """Settings for the embedded default (the numbers of docs/results.md come from these)."""
     spec = ModelSpec()
     return EvalSettings(topology=topology or embedded_topology(str(model)),
                         kv_bytes_per_token=spec.kv_bytes_per_token, **overrides)
