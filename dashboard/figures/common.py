@@ -99,6 +99,17 @@ def turn_axis(fig: go.Figure, max_turn: float, min_turn: float = 0, **kwargs) ->
                      **kwargs)
 
 
+def zero_based(values: pd.Series, headroom: float = 0.08) -> list[float]:
+    """An axis range from 0 to the largest finite of `values` plus `headroom` (a fraction of it).
+
+    Written out instead of plotly's ``rangemode='tozero'``: on facets whose axes are matched
+    (``matches='y'``, as plotly express makes them) plotly.js ignores the data under ``tozero`` and
+    fixes the range at [0, 4], which draws the panels blank."""
+    top = pd.to_numeric(values, errors="coerce").max()
+    top = float(top) if pd.notna(top) and top > 0 else 1.0
+    return [0.0, top * (1 + headroom)]
+
+
 def _ordered(values: pd.Series, order: list[str]) -> list[str]:
     present = [str(v) for v in pd.unique(values.dropna())]
     return [v for v in order if v in present] + sorted(v for v in present if v not in order)
