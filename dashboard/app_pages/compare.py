@@ -92,11 +92,15 @@ def _workloads(df: pd.DataFrame) -> set[tuple[str, str]]:
 
 wa, wb = _workloads(a_runs), _workloads(b_runs)
 if wa != wb:
-    st.warning(
-        "A and B did not run the same workload (workload · history): "
-        f"A {sorted(wa)}, B {sorted(wb)}. A comparison across workloads says little; narrow the runs "
-        "in the sidebar."
-    )
+    st.warning(compare_stats.workload_mismatch(wa, wb))
+
+
+def _one_mode(df: pd.DataFrame) -> str | None:
+    modes = df["mode"].dropna().unique()
+    return str(modes[0]) if len(modes) == 1 else None
+
+
+a_mode, b_mode = _one_mode(a_runs), _one_mode(b_runs)
 
 # Exact medians and counts over every turn; the bootstraps see whole sessions sampled to about
 # compare_stats.SAMPLE_TURNS turns per side (all of them in smaller stores).
@@ -144,7 +148,7 @@ if bool(by_turn["ci_subsampled"].any()) if not by_turn.empty else False:
 
 # --- side by side -----------------------------------------------------------------------------
 st.subheader("Favourable and unfavourable turns, side by side")
-cases_fig = figures.compare_cases(cases, a_name, b_name)
+cases_fig = figures.compare_cases(cases, a_name, b_name, a_mode, b_mode)
 left, right = st.columns([1, 1])
 left.plotly_chart(cases_fig, key="compare_cases")
 case_view = tables.case_table(cases)

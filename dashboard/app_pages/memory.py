@@ -7,7 +7,7 @@ import dataclasses
 
 import streamlit as st
 
-from dashboard import capacity_section, context, figures, queries, tables
+from dashboard import capacity_section, context, figures, hit_rate, queries, tables
 from dashboard.loader import load
 from turnscope.planner.ttl_whatif import WHATIF_TTLS_S
 
@@ -121,7 +121,7 @@ if not whatif.empty:
         hide_index=True,
         key="whatif_table",
         column_config={
-            "hit rate": st.column_config.NumberColumn(format="percent"),
+            hit_rate.LABEL: st.column_config.NumberColumn(format="percent"),
             "KV held (GiB·s)": st.column_config.NumberColumn(format="%.4f"),
         },
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import cards, context, db, figures, headline, html_reports, queries, speedup, tables
+from dashboard import cards, context, db, figures, headline, hit_rate, html_reports, queries, speedup, tables
 from dashboard.loader import load
 
 
@@ -89,7 +89,7 @@ st.dataframe(
     hide_index=True,
     key="run_summary",
     column_config={
-        "hit rate (all turns)": st.column_config.NumberColumn(format="percent"),
+        hit_rate.LABEL: st.column_config.NumberColumn(format="percent"),
         "TTFT p50 (ms)": st.column_config.NumberColumn(format="%.1f"),
         "TTFT p90 (ms)": st.column_config.NumberColumn(format="%.1f"),
         "TTFT mean (ms)": st.column_config.NumberColumn(format="%.1f"),

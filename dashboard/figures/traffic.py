@@ -10,10 +10,12 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from dashboard.figures import empty_figure
+from dashboard.palette import NEUTRAL, NEUTRAL_DARK, OUTCOME_COLORS, TIME_COLORS
 
 #: Colours per gap kind / timeline segment (the same kind looks the same on every chart).
-KIND_COLORS = {"all": "#4c4c4c", "tool": "#1f77b4", "think": "#ff7f0e", "pause": "#d62728",
-               "unknown": "#9467bd", "request": "#2ca02c"}
+#: Gap kind -> colour (``dashboard.palette.TIME_COLORS``: time between turns, never a mode's colour).
+KIND_COLORS = {"all": NEUTRAL_DARK, "tool": TIME_COLORS["tool"], "think": TIME_COLORS["think"],
+               "pause": TIME_COLORS["pause"], "unknown": TIME_COLORS["unknown"], "request": TIME_COLORS["llm"]}
 
 
 def ttl_shares(ttl: pd.DataFrame) -> go.Figure:
@@ -68,7 +70,8 @@ def reuse_split(reuse: pd.DataFrame) -> go.Figure:
     parts = {"reusable within the TTL": r["reusable_in_ttl_tokens"].astype(float),
              "reusable, but late or under the threshold": (r["reusable_tokens"] - r["reusable_in_ttl_tokens"]).astype(float),
              "new": r["new_tokens"].astype(float)}
-    colors = ["#2ca02c", "#bcbd22", "#7f7f7f"]
+    # as the reuse outcomes they would be: a hit, a miss that costs (expired), nothing to reuse (quiet)
+    colors = [OUTCOME_COLORS["hit"], OUTCOME_COLORS["miss_expired"], OUTCOME_COLORS["miss_first_turn"]]
     fig = go.Figure()
     for (name, v), c in zip(parts.items(), colors, strict=True):
         fig.add_trace(go.Bar(y=r["what"], x=100 * v / total, name=name, orientation="h", marker_color=c,
@@ -124,7 +127,7 @@ def trace_vs_engine(turns: pd.DataFrame) -> go.Figure:
                                                "trace %{x:,} tokens, engine %{y:,}"))
     top = float(max(turns["trace_reusable_tokens"].max(), turns["measured_reused_tokens"].fillna(0).max(), 1))
     fig.add_trace(go.Scatter(x=[0, top], y=[0, top], mode="lines", name="as the trace says",
-                             line={"dash": "dot", "color": "#7f7f7f"}))
+                             line={"dash": "dot", "color": NEUTRAL}))
     fig.update_xaxes(title="the trace's reusable tokens (scaled)")
     fig.update_yaxes(title="tokens the engine reused")
     fig.update_layout(height=380, margin={"t": 30}, legend_title="reuse")
