@@ -34,7 +34,7 @@ def test_capacity_summary_piped_keeps_every_number_whole(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
     env["PYTHONPATH"] = str(REPO)
     out = subprocess.run([sys.executable, "-c", SCRIPT, str(root)], cwd=REPO, env=env, check=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True).stdout
+                         capture_output=True, text=True).stdout
     assert "…" not in out, out
     assert max(len(line) for line in out.splitlines()) <= 80, out
     for (mode, users), p50 in capacity_store.EXPECTED_TTFT_P50.items():
