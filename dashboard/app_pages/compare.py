@@ -131,10 +131,8 @@ share = (fav_a.n_treatment if fav_a else 0) / all_a.n_treatment if all_a else No
 verdict = compare_stats.verdict(ratios, share)
 st.markdown("\n\n".join(verdict))
 st.caption(
-    "Favourable: a turn that continues its session (kind `turn`) within the proxy's TTL (the run's "
-    "decoder_kv_blocks_ttl minus the handle margin), where reuse can help. Unfavourable: every other turn "
-    f"after the first. {speedup.LABEL.capitalize()} = median TTFT of B / median TTFT of A (above 1: A is "
-    f"faster), with {pct}% percentile-bootstrap intervals (scipy) resampling whole sessions."
+    f"{speedup.LABEL.capitalize()} = median TTFT of B / median TTFT of A (above 1: A is faster), {pct}% bootstrap "
+    "CI over whole sessions. Favourable: continued (kind `turn`) within the proxy's TTL; unfavourable: the rest."
 )
 
 # --- by turn index ----------------------------------------------------------------------------

@@ -18,6 +18,14 @@ KIND_COLORS = {"all": NEUTRAL_DARK, "tool": TIME_COLORS["tool"], "think": TIME_C
                "pause": TIME_COLORS["pause"], "unknown": TIME_COLORS["unknown"], "request": TIME_COLORS["llm"]}
 
 
+def _ttl_line(fig: go.Figure, ttl_s: float, text: str) -> None:
+    """A dashed vertical line at `ttl_s` on the log x axis, labelled `text` at its top (an annotation's
+    x on a log axis is log10 of the value; add_vline's own label would land off the plot)."""
+    fig.add_vline(x=ttl_s, line_dash="dash", line_color=NEUTRAL_DARK)
+    fig.add_annotation(x=float(np.log10(ttl_s)), y=1.0, xref="x", yref="paper", text=text, showarrow=False,
+                       yanchor="bottom", xanchor="left", font={"size": 11})
+
+
 def ttl_shares(ttl: pd.DataFrame) -> go.Figure:
     """Share of follow-ups within each TTL (x, log seconds) per gap kind; the configured TTL is a
     dashed vertical line."""
@@ -32,8 +40,7 @@ def ttl_shares(ttl: pd.DataFrame) -> go.Figure:
                                  hovertemplate="TTL %{x:.0f} s: %{y:.1f}% (%{customdata[0]} of %{customdata[1]})"))
     conf = ttl.loc[ttl["configured"], "ttl_s"]
     if not conf.empty:
-        fig.add_vline(x=float(conf.iloc[0]), line_dash="dash",
-                      annotation_text=f"configured TTL {float(conf.iloc[0]):g} s")
+        _ttl_line(fig, float(conf.iloc[0]), f"configured TTL {float(conf.iloc[0]):g} s")
     fig.update_xaxes(type="log", dtick=1, title="TTL (s, log scale; one tick per decade)")
     fig.update_yaxes(title="follow-ups within the TTL (%)", range=[0, 102])
     fig.update_layout(height=380, margin={"t": 30}, legend_title="gap kind")
@@ -52,7 +59,7 @@ def gap_histogram(gaps: pd.DataFrame, ttl_s: float) -> go.Figure:
         counts, _ = np.histogram(k["gap_s"], bins=edges)
         fig.add_trace(go.Bar(x=mids, y=counts, width=np.diff(edges), name=str(kind),
                              marker_color=KIND_COLORS.get(str(kind))))
-    fig.add_vline(x=ttl_s, line_dash="dash", annotation_text=f"TTL {ttl_s:g} s")
+    _ttl_line(fig, ttl_s, f"configured TTL {ttl_s:g} s")
     fig.update_xaxes(type="log", dtick=1, title="gap: end of a request to the session's next (s, log scale; one tick per decade)")
     fig.update_yaxes(title="follow-ups")
     fig.update_layout(barmode="stack", height=360, margin={"t": 30}, legend_title="gap kind", bargap=0)
@@ -65,6 +72,8 @@ def reuse_split(reuse: pd.DataFrame) -> go.Figure:
     if reuse.empty:
         return empty_figure("No requests in this report.")
     r = reuse.copy()
+    if r["format"].notna().sum() == 1:  # one format: its row is the "all" row, drawn once
+        r = r[r["format"].notna()]
     r["what"] = r["format"].astype(object).where(r["format"].notna(), "all")
     total = r["input_tokens"].astype(float)
     parts = {"reusable within the TTL": r["reusable_in_ttl_tokens"].astype(float),
