@@ -62,11 +62,12 @@ c1, c2, c3 = st.columns(3)
 history = c1.radio("History mode", histories, horizontal=True, key="sweep_history") if len(histories) > 1 \
     else histories[0]
 which = c2.radio("Turns", ["every request (the vendor's count)", "from the second turn"], horizontal=True,
-                 key="sweep_turns", help="The vendor's benchmark averages over every request, the first turn of "
+                 key="sweep_turns", index=1, help="The vendor's benchmark averages over every request, the first turn of "
                                          "each conversation (nothing to reuse yet) included.")
 min_turn = 0 if which.startswith("every") else 1
 stat = c3.radio("Speed-up of", list(sweep_stats.STATS), horizontal=True, key="sweep_stat",
-                help="The vendor reports mean TTFT; p90 shows the tail.")
+                help="The median from the second turn is the dashboard's convention (as on the Overview); the "
+                     "vendor reports the mean over every request; p90 shows the tail.")
 
 turns = load(sel.root, queries.sweep_turns, sel.filter, sweep_id)
 turns = turns[turns["history_mode"] == history]
