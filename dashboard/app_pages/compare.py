@@ -14,6 +14,7 @@ from dashboard import (
     db,
     figures,
     headline,
+    hit_rate,
     html_reports,
     queries,
     speedup,
@@ -126,6 +127,15 @@ for col, (key, (title, what)) in zip(cols, titles.items(), strict=True):
         col.metric(title, "n/a", help=f"{what}: one side has no such turns")
         continue
     cards.speedup_card(col, title, r, f"Here baseline = B, bidirectional = A; ok turns: {what}.")
+rates = load(sel.root, queries.side_hit_rates, a_ids, b_ids, f).set_index("side")["hit_rate"]
+
+
+def _pct(side: str) -> str:
+    v = rates.get(side)
+    return "n/a" if v is None or pd.isna(v) else f"{100 * v:.0f}%"
+
+
+st.caption(f"{hit_rate.LABEL.capitalize()}: A {_pct('A')}, B {_pct('B')} (no proxy outcome: n/a).")
 fav_a, all_a = ratios["favourable"], ratios["all"]
 share = (fav_a.n_treatment if fav_a else 0) / all_a.n_treatment if all_a else None
 verdict = compare_stats.verdict(ratios, share)

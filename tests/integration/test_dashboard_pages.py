@@ -451,6 +451,12 @@ FAVOURABLE = "kind = 'turn' AND gap_before_s < 450"
 def test_compare_modes_headline_equals_sql(monkeypatch, store_root):
     at = open_page(monkeypatch, store_root, "compare")
     a, b = "m.mode = 'pd-bidir'", "m.mode = 'aggregated'"
+    # Hit rate of A's later turns (dashboard.hit_rate), from the fixture's outcomes by hand: 2 runs x 3
+    # sessions x 3 later turns = 18; not hits: each run's resume after the 500 s pause (expired) and
+    # bidir-2's mismatch: 15 / 18 = 83%. B (aggregated) has no proxy outcome.
+    later = [fx.reuse(r, s, t) for r in ("bidir-1", "bidir-2") for s in range(fx.SESSIONS) for t in range(1, fx.TURNS)]
+    assert len(later) == 18 and later.count("hit") == 15
+    assert any(c.value.startswith("Hit rate (later turns): A 83%, B n/a") for c in at.caption), [c.value for c in at.caption]
     metrics = {m.label: m.value for m in at.metric}
     # Speed-ups B / A (the one convention: baseline over bidirectional).
     assert metrics == {
