@@ -40,9 +40,8 @@ def _sweep_name(points: pd.DataFrame, sweep_id: str) -> str:
 sel = context.current()
 st.title("Sweep")
 st.caption(
-    "The vendor's benchmark (vLLM blog 2026-10-12: multi-turn conversations with a prefix swept over "
-    "lengths, 1P1D, P's prefix cache off as the baseline), run by `turnscope sweep`, next to the real "
-    "baselines: P's prefix cache on (`pd`) and aggregated serving. Each point is its own run per mode."
+    "The vendor's benchmark (vLLM blog 2026-10-12: a prefix swept over lengths, 1P1D, P's prefix cache off) run by "
+    "`turnscope sweep`, next to the real baselines `pd` and `aggregated`; each point is its own run per mode."
 )
 if not sel.run_ids:
     st.info("No runs match the sidebar's filters.")
