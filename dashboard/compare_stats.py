@@ -235,7 +235,7 @@ def workload_mismatch(a: set[tuple[str, str]], b: set[tuple[str, str]]) -> str:
     """The warning when A's and B's runs differ in (workload, history_mode) pairs `a`, `b`, in words:
     "history" alone when only the history mode differs, "workload" otherwise."""
     def words(pairs: set[tuple[str, str]]) -> str:
-        return "; ".join(f"{w} with history {h}" for w, h in sorted(pairs))
+        return " and ".join(f"{w} with history {h}" for w, h in sorted(pairs))
 
     what = "carry history differently" if {w for w, _ in a} == {w for w, _ in b} else "did not run the same workload"
     advice = ("TTFT depends on how history is sent, so the speed-up mixes that in"

@@ -135,7 +135,8 @@ def _pct(side: str) -> str:
     return "n/a" if v is None or pd.isna(v) else f"{100 * v:.0f}%"
 
 
-st.caption(f"{hit_rate.LABEL.capitalize()}: A {_pct('A')}, B {_pct('B')} (no proxy outcome: n/a).")
+st.caption(f"{hit_rate.LABEL.capitalize()}: A {_pct('A')}, B {_pct('B')}"
+           + (" (n/a: no proxy outcome, as in aggregated serving)." if "n/a" in (_pct("A"), _pct("B")) else "."))
 fav_a, all_a = ratios["favourable"], ratios["all"]
 share = (fav_a.n_treatment if fav_a else 0) / all_a.n_treatment if all_a else None
 verdict = compare_stats.verdict(ratios, share)

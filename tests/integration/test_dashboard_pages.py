@@ -456,7 +456,7 @@ def test_compare_modes_headline_equals_sql(monkeypatch, store_root):
     # bidir-2's mismatch: 15 / 18 = 83%. B (aggregated) has no proxy outcome.
     later = [fx.reuse(r, s, t) for r in ("bidir-1", "bidir-2") for s in range(fx.SESSIONS) for t in range(1, fx.TURNS)]
     assert len(later) == 18 and later.count("hit") == 15
-    assert any(c.value.startswith("Hit rate (later turns): A 83%, B n/a") for c in at.caption), [c.value for c in at.caption]
+    assert any(c.value.startswith("Hit rate (later turns): A 83%, B n/a (n/a: no proxy outcome") for c in at.caption), [c.value for c in at.caption]
     metrics = {m.label: m.value for m in at.metric}
     # Speed-ups B / A (the one convention: baseline over bidirectional).
     assert metrics == {
