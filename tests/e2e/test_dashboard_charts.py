@@ -129,9 +129,9 @@ def check_figures(page, where: str) -> int:
     return len(figures)
 
 
-def _check_pages(browser, url: str, store: str) -> dict[str, int]:  # noqa: F811
+def _check_pages(browser, url: str, store: str, pages=PAGES) -> dict[str, int]:  # noqa: F811
     counts: dict[str, int] = {}
-    for path, title in PAGES:
+    for path, title in pages:
         page = browser.new_page(viewport={"width": WIDTH, "height": 4000})
         errors: list[str] = []
         page.on("pageerror", lambda e, errors=errors: errors.append(str(e)))
@@ -211,3 +211,17 @@ def test_every_chart_shows_its_data_demo_store(demo_url, browser, tmp_path):  # 
 def test_every_chart_shows_its_data_planned_store(planned_url, browser):  # noqa: F811
     counts = _check_pages(browser, planned_url, "planned store")
     assert counts["Overview"] >= 3 and counts["Traffic"] >= 5 and counts["Plan"] >= 2, counts
+
+
+@pytest.mark.parametrize(("fixture", "path", "title", "least"), [
+    ("sweep_store", "sweep", "Sweep", 2),  # a prefix sweep: TTFT and speed-up against prefix length
+    ("capacity_store", "memory", "Memory", 3),  # a capacity ramp: the Memory page's capacity section
+])
+def test_every_chart_shows_its_data_sweep_and_capacity(browser, tmp_path, fixture, path, title, least):  # noqa: F811
+    """The pages whose figures need a sweep or a capacity ramp, on the stores that hold one."""
+    import importlib
+
+    build = importlib.import_module(f"tests.{fixture}").build
+    with _streamlit(build(tmp_path / "store"), tmp_path) as url:
+        counts = _check_pages(browser, url, fixture, [(path, title)])
+    assert counts[title] >= least, counts
