@@ -72,8 +72,9 @@ with right:
     st.plotly_chart(figures.reuse_outcomes(outcomes), key="reuse_outcomes")
 
 ext = load(sel.root, queries.external_kv_tokens, run_ids)
-st.plotly_chart(figures.external_kv_tokens(ext), key="external_kv_tokens")
-if ext.empty:
+if not ext.empty:  # an empty chart would only repeat the sentence below
+    st.plotly_chart(figures.external_kv_tokens(ext), key="external_kv_tokens")
+else:
     st.caption(
         'No prefill scrapes of `vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}` '
         "in the selected runs (aggregated runs have no prefill worker)."
