@@ -210,7 +210,7 @@ def test_every_chart_shows_its_data_demo_store(demo_url, browser, tmp_path):  # 
 
 def test_every_chart_shows_its_data_planned_store(planned_url, browser):  # noqa: F811
     counts = _check_pages(browser, planned_url, "planned store")
-    assert counts["Overview"] >= 3 and counts["Traffic"] >= 5 and counts["Plan"] >= 2, counts
+    assert counts["Overview"] >= 2 and counts["Traffic"] >= 5 and counts["Plan"] >= 2, counts
 
 
 @pytest.mark.parametrize(("fixture", "path", "title", "least"), [
