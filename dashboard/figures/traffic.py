@@ -10,6 +10,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from dashboard.figures import empty_figure
+from dashboard.figures.common import log_ticks
 from dashboard.palette import NEUTRAL, NEUTRAL_DARK, OUTCOME_COLORS, TIME_COLORS
 
 #: Colours per gap kind / timeline segment (the same kind looks the same on every chart).
@@ -41,7 +42,8 @@ def ttl_shares(ttl: pd.DataFrame) -> go.Figure:
     conf = ttl.loc[ttl["configured"], "ttl_s"]
     if not conf.empty:
         _ttl_line(fig, float(conf.iloc[0]), f"configured TTL {float(conf.iloc[0]):g} s")
-    fig.update_xaxes(type="log", dtick=1, title="TTL (s, log scale; one tick per decade)")
+    vals, texts = log_ticks(ttl["ttl_s"])
+    fig.update_xaxes(type="log", tickvals=vals, ticktext=texts, title="TTL (s, log scale)")
     fig.update_yaxes(title="follow-ups within the TTL (%)", range=[0, 102])
     fig.update_layout(height=380, margin={"t": 30}, legend_title="gap kind")
     return fig
@@ -60,7 +62,9 @@ def gap_histogram(gaps: pd.DataFrame, ttl_s: float) -> go.Figure:
         fig.add_trace(go.Bar(x=mids, y=counts, width=np.diff(edges), name=str(kind),
                              marker_color=KIND_COLORS.get(str(kind))))
     _ttl_line(fig, ttl_s, f"configured TTL {ttl_s:g} s")
-    fig.update_xaxes(type="log", dtick=1, title="gap: end of a request to the session's next (s, log scale; one tick per decade)")
+    vals, texts = log_ticks(g["gap_s"])
+    fig.update_xaxes(type="log", tickvals=vals, ticktext=texts,
+                     title="gap: end of a request to the session's next (s, log scale)")
     fig.update_yaxes(title="follow-ups")
     fig.update_layout(barmode="stack", height=360, margin={"t": 30}, legend_title="gap kind", bargap=0)
     return fig
@@ -86,7 +90,8 @@ def reuse_split(reuse: pd.DataFrame) -> go.Figure:
         fig.add_trace(go.Bar(y=r["what"], x=100 * v / total, name=name, orientation="h", marker_color=c,
                              hovertemplate="%{x:.1f}%"))
     fig.update_xaxes(title="share of input tokens (%)", range=[0, 100])
-    fig.update_layout(barmode="stack", height=140 + 40 * len(r), margin={"t": 30}, legend={"orientation": "h"})
+    fig.update_layout(barmode="stack", height=160 + 40 * len(r), margin={"t": 40},  # legend above: clear of the ticks
+                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "x": 0})
     return fig
 
 
