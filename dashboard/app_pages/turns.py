@@ -38,7 +38,7 @@ kv = load(sel.root, queries.kv_transfer, f)
 split = load(sel.root, queries.time_split, f, queries.xfer_rates(kv))
 st.plotly_chart(figures.time_split(split), key="time_split")
 st.caption("Per turn: proxy = TTFT − the proxy's prefill leg; prefill leg = P's time, less the KV transfer; "
-           "decode = E2E − TTFT. Means per turn.")
+           "decode = E2E − TTFT; the KV transfer is an estimate. Means per turn.")
 with st.expander("What each part holds"):
     st.markdown("Proxy: routing, queueing, D pulling P's KV and D's first token. " + html_reports.TRANSFER_NOTE)
 if not split.empty and int(split["transfer_unknown_turns"].sum()):
