@@ -102,11 +102,12 @@ READ_FIGURES = r"""
 def _settle(page) -> None:
     """Wait until Streamlit is idle and the number of drawn figures stops changing."""
     _wait_idle(page)
-    last = -1
-    for _ in range(20):
-        page.wait_for_timeout(700)
+    last, same = -1, 0
+    for _ in range(40):  # three looks in a row, 1 s apart, with the same count
+        page.wait_for_timeout(1000)
         n = page.evaluate("document.querySelectorAll('.js-plotly-plot .main-svg').length")
-        if n == last:
+        same = same + 1 if n == last else 0
+        if same >= 2:
             break
         last = n
     _wait_idle(page)
