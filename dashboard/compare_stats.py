@@ -229,3 +229,15 @@ def verdict(ratios: dict[str, Ratio | None], favourable_share: float | None = No
     else:
         out.append(f"Bottom line: no favourable turns on both sides, so the case for {a} is not tested here.")
     return out
+
+
+def workload_mismatch(a: set[tuple[str, str]], b: set[tuple[str, str]]) -> str:
+    """The warning when A's and B's runs differ in (workload, history_mode) pairs `a`, `b`, in words:
+    "history" alone when only the history mode differs, "workload" otherwise."""
+    def words(pairs: set[tuple[str, str]]) -> str:
+        return " and ".join(f"{w} with history {h}" for w, h in sorted(pairs))
+
+    what = "carry history differently" if {w for w, _ in a} == {w for w, _ in b} else "did not run the same workload"
+    advice = ("TTFT depends on how history is sent, so the speed-up mixes that in"
+              if what.startswith("carry") else "a comparison across workloads says little")
+    return f"A and B {what}: A ran {words(a)}, B ran {words(b)}; {advice}. Narrow the runs in the sidebar."

@@ -383,6 +383,21 @@ def verdict(r: Ratio) -> str:
     )
 
 
+def answer(ratios: list[Ratio]) -> str:
+    """The headline's answer in one sentence: per comparison, the treatment's verdict against its
+    baseline with the speed-up and its CI (``dashboard.speedup``), e.g. "pd-bidir vs pd: faster,
+    1.62x (95% CI 1.20-2.05x)". Empty for no ratios."""
+    pct = round(CONFIDENCE * 100)
+    parts = []
+    for r in ratios:
+        s = speedup.of(r)
+        ci = f" ({pct}% CI {speedup.fmt_ci(s.ci_low, s.ci_high)})" if s.has_ci else ""
+        scope = f" [{r.workload or 'unnamed'} · {r.history_mode or '?'}]" if len({(x.workload, x.history_mode)
+                                                                               for x in ratios}) > 1 else ""
+        parts.append(f"{r.treatment} vs {r.baseline}{scope}: {s.verdict.value}, {speedup.fmt(s.value)}{ci}")
+    return "; ".join(parts) + "." if parts else ""
+
+
 def all_miss_warnings(outcomes: pd.DataFrame) -> list[str]:
     """Modes whose proxy reused nothing: a plain sentence for each.
 

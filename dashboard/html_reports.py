@@ -47,7 +47,7 @@ def run_report(store: db.StoreLocation, f: TurnFilter, description: str = "") ->
     stats = q(queries.ttft_stats, f, headline.MIN_TURN_INDEX)
     outcomes = q(queries.reuse_outcomes, f, headline.MIN_TURN_INDEX)
     ratios = headline.headline_ratios(samples, stats=stats)
-    head: list[str | go.Figure | pd.DataFrame] = [speedup.MEANING + "."]
+    head: list[str | go.Figure | pd.DataFrame] = [speedup.MEANING + ".", headline.answer(ratios)]
     for r in ratios:
         head += [ratio_line(r), headline.verdict(r)]
     if not ratios:

@@ -5,20 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dashboard import speedup
+from dashboard import hit_rate, speedup
 
 
 def run_summary_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per run from the ``run_summary`` view, latencies in ms.
 
     `df`: ``dashboard.queries.run_summary`` (seconds, counts). Returns columns run, mode, history,
-    status, turns, ok, failed, hits, "hit rate (all turns)" (hits / turns, 0..1; first turns cannot
-    hit), TTFT p50/p90/mean (ms), reused tokens, workload, started (UTC), run_id: the
-    numbers first, so they are in view without scrolling.
+    status, turns, ok, failed, hits, `hit_rate.LABEL` (``dashboard.hit_rate``: hits / later turns,
+    0..1; NaN without a proxy outcome), TTFT p50/p90/mean (ms), reused tokens, workload, started
+    (UTC), run_id: the numbers first, so they are in view without scrolling.
     """
-    turns = df["turns"].astype(float)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        hit_rate = np.where(turns > 0, df["hits"].astype(float) / turns, np.nan)
     return pd.DataFrame(
         {
             "run": df["label"].where(df["label"].notna(), df["run_id"]),
@@ -29,7 +26,7 @@ def run_summary_table(df: pd.DataFrame) -> pd.DataFrame:
             "ok": df["ok_turns"],
             "failed": df["failed_turns"],
             "hits": df["hits"],
-            "hit rate (all turns)": hit_rate,
+            hit_rate.LABEL: hit_rate.rate(df[hit_rate.HITS], df[hit_rate.LATER_TURNS]).to_numpy(),
             "TTFT p50 (ms)": df["ttft_p50_s"] * 1e3,
             "TTFT p90 (ms)": df["ttft_p90_s"] * 1e3,
             "TTFT mean (ms)": df["ttft_mean_s"] * 1e3,
@@ -121,21 +118,19 @@ def session_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def whatif_table(df: pd.DataFrame) -> pd.DataFrame:
-    """``dashboard.queries.whatif_ttl_d_limit`` summed per TTL (``figures.whatif_totals``) for
-    reading: TTL (s), later turns, hits, hit rate (0..1), later turns whose handle was lost to a
-    full D, KV held (GiB·s), and how many runs' held KV would exceed their D's space."""
+    """``dashboard.queries.whatif_ttl_d_limit`` summed per mode and TTL (``figures.whatif_totals``) for
+    reading: mode, TTL (s), later turns, hits, `hit_rate.LABEL` (0..1), later turns whose handle was
+    lost to a full D, KV held (GiB·s), and how many runs' held KV would exceed their D's space."""
     from dashboard.figures.memory import whatif_totals
 
     tot = whatif_totals(df)
-    later = tot["later_turns"].astype(float)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        rate = np.where(later > 0, tot["hits"].astype(float) / later, np.nan)
     return pd.DataFrame(
         {
+            "mode": tot["mode"].to_numpy(),
             "decoder_kv_blocks_ttl (s)": tot["ttl_s"].to_numpy(),
             "later turns": tot["later_turns"].to_numpy(),
             "hits": tot["hits"].to_numpy(),
-            "hit rate": rate,
+            hit_rate.LABEL: hit_rate.rate(tot["hits"], tot["later_turns"]).to_numpy(),
             "lost: D full": tot["lost_hits"].to_numpy(),
             "KV held (GiB·s)": tot["held_gib_s"].to_numpy(),
             "runs over D's space": [f"{o} of {n}" for o, n in zip(tot["runs_over"], tot["runs"], strict=True)],

@@ -31,6 +31,7 @@ from rich.console import Console
 
 from loadgen.workload import load_workload
 from serving.topology import RoleSettings, Topology
+from turnscope import console_text
 from turnscope.evaluation import EvalSettings, RunPlan, Slo, run_eval
 
 #: The two modes compared, baseline first: P's prefix cache on in both, D holding KV only in pd-bidir.
@@ -195,6 +196,6 @@ def print_capacity_summary(store: Path, run_ids: list[str], console: Console) ->
                       f"{num(r.decode_kv_usage_start * 100, '.0f')}/{num(r.decode_kv_usage_max * 100, '.0f')}",
                       num(r.handle_bytes_max / 2**20, ".1f"), num(r.decode_waiting_max, ".0f"),
                       num(r.decode_preemptions, ".0f"))
-    console.print(table)
+    console_text.print_table(console, table)
     console.print(capacity.crossing_words(capacity.find_crossing(steps)).replace("**", "").replace("`", ""),
                   highlight=False)

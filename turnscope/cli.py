@@ -228,7 +228,7 @@ def print_summary(store: Path, run_ids: list[str]) -> None:
             table.add_column(col, justify="right", overflow="fold")
         for r in rows.itertuples():
             table.add_row(str(r.turn_index), str(r.turns), f"{r.ttft_p50_s * 1000:.0f}", f"{r.ttft_p90_s * 1000:.0f}")
-        console.print(table)
+        console_text.print_table(console, table)
         o = outs[outs.run_id == run_id]
         console_text.print_list(console, "  reuse: ", [f"{r.reuse}={r.turns}" for r in o.itertuples()])
         console_text.print_text(console, f"prefill external_kv_transfer tokens: {int(ext.get(run_id) or 0)}", "  ")
@@ -620,7 +620,7 @@ def print_sweep_summary(store: Path, run_ids: list[str]) -> None:
                 table.add_row(str(prefix) if i == 0 else "", m, f"{r.ttft_mean_s * 1e3:.0f} / {r.ttft_p90_s * 1e3:.0f}",
                               f"{r.hits}/{r.later_turns}", f"{int(r.external_kv_tokens)}",
                               end_section=i == len(modes) - 1)
-        console.print(table)
+        console_text.print_table(console, table)
 
 
 @app.command()

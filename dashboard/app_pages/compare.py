@@ -14,6 +14,7 @@ from dashboard import (
     db,
     figures,
     headline,
+    hit_rate,
     html_reports,
     queries,
     speedup,
@@ -92,11 +93,15 @@ def _workloads(df: pd.DataFrame) -> set[tuple[str, str]]:
 
 wa, wb = _workloads(a_runs), _workloads(b_runs)
 if wa != wb:
-    st.warning(
-        "A and B did not run the same workload (workload · history): "
-        f"A {sorted(wa)}, B {sorted(wb)}. A comparison across workloads says little; narrow the runs "
-        "in the sidebar."
-    )
+    st.warning(compare_stats.workload_mismatch(wa, wb))
+
+
+def _one_mode(df: pd.DataFrame) -> str | None:
+    modes = df["mode"].dropna().unique()
+    return str(modes[0]) if len(modes) == 1 else None
+
+
+a_mode, b_mode = _one_mode(a_runs), _one_mode(b_runs)
 
 # Exact medians and counts over every turn; the bootstraps see whole sessions sampled to about
 # compare_stats.SAMPLE_TURNS turns per side (all of them in smaller stores).
@@ -122,15 +127,23 @@ for col, (key, (title, what)) in zip(cols, titles.items(), strict=True):
         col.metric(title, "n/a", help=f"{what}: one side has no such turns")
         continue
     cards.speedup_card(col, title, r, f"Here baseline = B, bidirectional = A; ok turns: {what}.")
+rates = load(sel.root, queries.side_hit_rates, a_ids, b_ids, f).set_index("side")["hit_rate"]
+
+
+def _pct(side: str) -> str:
+    v = rates.get(side)
+    return "n/a" if v is None or pd.isna(v) else f"{100 * v:.0f}%"
+
+
+st.caption(f"{hit_rate.LABEL.capitalize()}: A {_pct('A')}, B {_pct('B')}"
+           + (" (n/a: no proxy outcome, as in aggregated serving)." if "n/a" in (_pct("A"), _pct("B")) else "."))
 fav_a, all_a = ratios["favourable"], ratios["all"]
 share = (fav_a.n_treatment if fav_a else 0) / all_a.n_treatment if all_a else None
 verdict = compare_stats.verdict(ratios, share)
 st.markdown("\n\n".join(verdict))
 st.caption(
-    "Favourable: a turn that continues its session (kind `turn`) within the proxy's TTL (the run's "
-    "decoder_kv_blocks_ttl minus the handle margin), where reuse can help. Unfavourable: every other turn "
-    f"after the first. {speedup.LABEL.capitalize()} = median TTFT of B / median TTFT of A (above 1: A is "
-    f"faster), with {pct}% percentile-bootstrap intervals (scipy) resampling whole sessions."
+    f"{speedup.LABEL.capitalize()} = median TTFT of B / median TTFT of A (above 1: A is faster), {pct}% bootstrap "
+    "CI over whole sessions. Favourable: continued (kind `turn`) within the proxy's TTL; unfavourable: the rest."
 )
 
 # --- by turn index ----------------------------------------------------------------------------
@@ -144,7 +157,7 @@ if bool(by_turn["ci_subsampled"].any()) if not by_turn.empty else False:
 
 # --- side by side -----------------------------------------------------------------------------
 st.subheader("Favourable and unfavourable turns, side by side")
-cases_fig = figures.compare_cases(cases, a_name, b_name)
+cases_fig = figures.compare_cases(cases, a_name, b_name, a_mode, b_mode)
 left, right = st.columns([1, 1])
 left.plotly_chart(cases_fig, key="compare_cases")
 case_view = tables.case_table(cases)

@@ -7,7 +7,7 @@ import dataclasses
 
 import streamlit as st
 
-from dashboard import capacity_section, context, figures, queries, tables
+from dashboard import capacity_section, context, figures, hit_rate, queries, tables
 from dashboard.loader import load
 from turnscope.planner.ttl_whatif import WHATIF_TTLS_S
 
@@ -66,13 +66,15 @@ else:
             "GiB·s per s saved": st.column_config.TextColumn(help="blank: nothing saved"),
         },
     )
-    st.caption(
+    st.caption("The last column is the price: GiB of KV kept pinned for a second, per second of prefill saved.")
+    with st.expander("How held KV and prefill saved are measured"):
+        st.markdown(
         "KV held: each of the run's handles from its turn's end until the next turn pulled it or D's "
         "decoder_kv_blocks_ttl freed it, also after the run ended, never another run's (view run_handle_memory; "
         "runs recorded without handle sizes: the proxy's live handle bytes over the run's scrapes). Prefill saved (estimate): tokens pulled from D × the run's compute time per token "
         "(prefill legs ÷ recomputed tokens over the turns that pulled nothing) − the measured NIXL time. "
         "The last column is the price: GiB of KV kept for a second, per second of prefill saved."
-    )
+        )
 
 # --- what-if TTL ------------------------------------------------------------------------------
 st.subheader("What if the TTL were different?")
@@ -96,9 +98,13 @@ unlimited = sorted(set(whatif.loc[whatif["capacity_bytes"].isna(), "run_id"])) i
 left_out = sorted(set(held_runs) - set(replayed))
 runs_text = ", ".join(f"`{labels_of.get(r, r)}`" for r in replayed) or "none"
 st.caption(
-    f"Runs replayed: {runs_text} ({len(replayed)} of the {len(f.run_ids)} selected: only runs in "
-    f"{' and '.join(f'`{m}`' for m in HANDLE_MODES)}, whose decode worker keeps handles; whole runs, the "
-    "sidebar's archetype and kind filters do not apply, since D holds every turn's KV). Each run is replayed "
+    f"Runs replayed: {runs_text} ({len(replayed)} of the {len(f.run_ids)} selected: "
+    f"{' and '.join(f'`{m}`' for m in HANDLE_MODES)} runs, whole). Hit rate: {hit_rate.LABEL}, per mode."
+)
+with st.expander("How the what-if is replayed"):
+    st.markdown(
+    "Only runs whose decode worker keeps handles; whole runs: the "
+    "sidebar's archetype and kind filters do not apply, since D holds every turn's KV. Each run is replayed "
     "alone from its recorded turns (send times and durations) by the planner's handle ledger "
     "(`turnscope/planner/pinned_kv.py`): after each ok turn D pins prompt + output − 1 tokens in whole KV "
     "blocks until the session's next turn pulls them or the TTL passes; a later turn (not `fresh`, recorded "
@@ -108,7 +114,7 @@ st.caption(
     "summed over its decode workers): a handle that does not fit next to those pinned is lost, and the "
     "session's next turn misses (the planner's `miss_d_full`; in vLLM, D would queue or preempt instead). "
     "The KV of requests running on D is not counted against the space, so the limit is an upper bound."
-)
+    )
 if unlimited:
     st.caption("No `vllm:cache_config_info` from D in " + ", ".join(f"`{labels_of.get(r, r)}`" for r in unlimited)
                + ": replayed with no limit and in tokens (no block size).")
@@ -121,7 +127,7 @@ if not whatif.empty:
         hide_index=True,
         key="whatif_table",
         column_config={
-            "hit rate": st.column_config.NumberColumn(format="percent"),
+            hit_rate.LABEL: st.column_config.NumberColumn(format="percent"),
             "KV held (GiB·s)": st.column_config.NumberColumn(format="%.4f"),
         },
     )

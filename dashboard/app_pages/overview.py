@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import cards, context, db, figures, headline, html_reports, queries, speedup, tables
+from dashboard import cards, context, db, figures, headline, hit_rate, html_reports, queries, speedup, tables
 from dashboard.loader import load
 
 
@@ -28,11 +28,8 @@ outcomes = load(sel.root, queries.reuse_outcomes, f, headline.MIN_TURN_INDEX)
 # --- headline ---------------------------------------------------------------------------------
 st.subheader("Headline: TTFT from the second turn on")
 st.caption(
-    f"{speedup.MEANING}: median TTFT of ok turns with turn_index ≥ 1 (turn 2 onward, where a "
-    f"session can reuse KV); {int(headline.CONFIDENCE * 100)}% percentile-bootstrap confidence "
-    "interval resampling whole sessions. The chip is the verdict: green when the interval lies above "
-    "1, red below, grey when it includes 1. The CLI's bottom line prints the same numbers; Compare and Sweep "
-    "use the same convention."
+    f"{speedup.MEANING}, medians of ok turns from the second on; {int(headline.CONFIDENCE * 100)}% bootstrap CI "
+    "over whole sessions. Same convention in Compare, Sweep, the exports and the CLI (docs/design.md)."
 )
 # Exact medians and counts over every turn; the bootstrap sees whole sessions sampled to about
 # MAX_CI_TURNS turns per mode (all of them in smaller stores).
@@ -48,8 +45,11 @@ for workload, history_mode in scopes:
     for col, r in zip(st.columns(len(headline.PAIRS)), mine, strict=False):
         cards.speedup_card(col, f"{r.treatment} vs {r.baseline}", r,
                            "Turn index ≥ 1, ok turns, whole sessions resampled.")
-for r in ratios:
-    st.markdown(headline.verdict(r))
+if ratios:
+    st.markdown(f"**{headline.answer(ratios)}**")
+    with st.expander("The numbers behind each verdict"):
+        for r in ratios:
+            st.markdown(headline.verdict(r))
 if not ratios:
     present = ", ".join(f"`{m}`" for m in sorted(later_modes)) or "none"
     st.info(
@@ -72,8 +72,9 @@ with right:
     st.plotly_chart(figures.reuse_outcomes(outcomes), key="reuse_outcomes")
 
 ext = load(sel.root, queries.external_kv_tokens, run_ids)
-st.plotly_chart(figures.external_kv_tokens(ext), key="external_kv_tokens")
-if ext.empty:
+if not ext.empty:  # an empty chart would only repeat the sentence below
+    st.plotly_chart(figures.external_kv_tokens(ext), key="external_kv_tokens")
+else:
     st.caption(
         'No prefill scrapes of `vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}` '
         "in the selected runs (aggregated runs have no prefill worker)."
@@ -89,7 +90,7 @@ st.dataframe(
     hide_index=True,
     key="run_summary",
     column_config={
-        "hit rate (all turns)": st.column_config.NumberColumn(format="percent"),
+        hit_rate.LABEL: st.column_config.NumberColumn(format="percent"),
         "TTFT p50 (ms)": st.column_config.NumberColumn(format="%.1f"),
         "TTFT p90 (ms)": st.column_config.NumberColumn(format="%.1f"),
         "TTFT mean (ms)": st.column_config.NumberColumn(format="%.1f"),

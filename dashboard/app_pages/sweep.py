@@ -40,9 +40,8 @@ def _sweep_name(points: pd.DataFrame, sweep_id: str) -> str:
 sel = context.current()
 st.title("Sweep")
 st.caption(
-    "The vendor's benchmark (vLLM blog 2026-10-12: multi-turn conversations with a prefix swept over "
-    "lengths, 1P1D, P's prefix cache off as the baseline), run by `turnscope sweep`, next to the real "
-    "baselines: P's prefix cache on (`pd`) and aggregated serving. Each point is its own run per mode."
+    "The vendor's benchmark (vLLM blog 2026-10-12: a prefix swept over lengths, 1P1D, P's prefix cache off) run by "
+    "`turnscope sweep`, next to the real baselines `pd` and `aggregated`; each point is its own run per mode."
 )
 if not sel.run_ids:
     st.info("No runs match the sidebar's filters.")
@@ -62,11 +61,12 @@ c1, c2, c3 = st.columns(3)
 history = c1.radio("History mode", histories, horizontal=True, key="sweep_history") if len(histories) > 1 \
     else histories[0]
 which = c2.radio("Turns", ["every request (the vendor's count)", "from the second turn"], horizontal=True,
-                 key="sweep_turns", help="The vendor's benchmark averages over every request, the first turn of "
+                 key="sweep_turns", index=1, help="The vendor's benchmark averages over every request, the first turn of "
                                          "each conversation (nothing to reuse yet) included.")
 min_turn = 0 if which.startswith("every") else 1
 stat = c3.radio("Speed-up of", list(sweep_stats.STATS), horizontal=True, key="sweep_stat",
-                help="The vendor reports mean TTFT; p90 shows the tail.")
+                help="The median from the second turn is the dashboard's convention (as on the Overview); the "
+                     "vendor reports the mean over every request; p90 shows the tail.")
 
 turns = load(sel.root, queries.sweep_turns, sel.filter, sweep_id)
 turns = turns[turns["history_mode"] == history]

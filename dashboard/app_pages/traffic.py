@@ -23,12 +23,15 @@ if reports.empty:
     st.info("No traffic report in this store yet: run `turnscope traffic data/traces/kv-cache-tester` "
             "(or any trace file, or a store directory for its recorded runs).")
     st.stop()
-names = {r.traffic_id: f"{r.label or r.traffic_id} · {r.created_at:%Y-%m-%d %H:%M} UTC" for r in reports.itertuples()}
-tid = st.selectbox("Report (newest first)", list(names), format_func=names.get)
+names = {r.traffic_id: traffic.report_name(r.label, r.inputs, r.created_at, r.traffic_id)
+         for r in reports.itertuples()}
+tid = st.selectbox(f"Report ({len(names)} in the store, newest first)", list(names), format_func=names.get)
 rep = reports.loc[reports["traffic_id"] == tid].iloc[0]
 ttl_s = float(rep["ttl_s"])
 threshold = int(rep["recompute_threshold_tokens"])
-st.caption(f"Inputs: {rep['inputs']}. Configured TTL {ttl_s:g} s; recompute threshold {threshold} tokens.")
+st.markdown(f"Showing **{names[tid]}** (id `{tid}`).")
+st.caption(f"Configured TTL {ttl_s:g} s; recompute threshold {threshold} tokens. Inputs: "
+           + "; ".join(traffic.input_paths(rep["inputs"])))
 
 s = load(root, traffic.summary, tid).iloc[0]
 reuse = load(root, traffic.reuse, tid)

@@ -37,10 +37,10 @@ st.subheader("Where each turn's time went")
 kv = load(sel.root, queries.kv_transfer, f)
 split = load(sel.root, queries.time_split, f, queries.xfer_rates(kv))
 st.plotly_chart(figures.time_split(split), key="time_split")
-st.caption(
-    "Per turn: proxy = TTFT − the proxy's prefill leg (routing, queueing, D pulling P's KV and D's first "
-    "token); prefill leg = P's time, less the KV transfer; decode = E2E − TTFT. " + html_reports.TRANSFER_NOTE
-)
+st.caption("Per turn: proxy = TTFT − the proxy's prefill leg; prefill leg = P's time, less the KV transfer; "
+           "decode = E2E − TTFT; the KV transfer is an estimate. Means per turn.")
+with st.expander("What each part holds"):
+    st.markdown("Proxy: routing, queueing, D pulling P's KV and D's first token. " + html_reports.TRANSFER_NOTE)
 if not split.empty and int(split["transfer_unknown_turns"].sum()):
     st.warning(
         f"{int(split['transfer_unknown_turns'].sum())} turns pulled KV in runs without a NIXL timing on the "
@@ -96,9 +96,8 @@ trace_turns = load(sel.root, traffic_queries.trace_reuse, tuple(sel.run_ids))
 if not trace_turns.empty:
     st.subheader("Replayed traces: the trace's reuse vs the engine's")
     st.plotly_chart(traffic_figures.trace_vs_engine(trace_turns), key="trace_vs_engine")
-    st.caption("Turns of replayed real traces (workload `traces` of format `kv_cache_tester`): the tokens the trace "
-               "says the request shared with the previous one, times the trace's token_scale, against what the "
-               "engine reused. Compactions in the trace are replayed as appends, so the engine may reuse more.")
+    st.caption("Replayed real traces (`kv_cache_tester`): tokens the trace says were shared with the previous "
+               "request (× token_scale) against what the engine reused; compactions replay as appends.")
 if len(by_design):
     st.caption(
         "Short by design, not listed: "

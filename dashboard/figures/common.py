@@ -1,54 +1,33 @@
-"""What every page's figures share: the mode order and the one mode -> colour map, reuse
-outcome colours and markers, the empty figure, the legend band and the turn axis.
+"""What every page's figures share: the mode order, the reuse outcomes' order and markers (their
+colours and the modes' are ``dashboard.palette``'s), the empty figure, the legend band and the turn axis.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from dashboard.palette import MODE_COLORS, OUTCOME_COLORS  # noqa: F401  (re-exported)
 from turnscope.contract import ATTACH_MODE, MODES
 
 #: Serving modes in display order (README, "What each mode compares"); unknown modes sort after these.
 MODE_ORDER = [*MODES, ATTACH_MODE]
-#: The one mode -> colour map: every chart that tells modes apart uses it (sweep_figures too), and
-#: uses another channel (marker symbol, facet) for anything else, such as the reuse outcome.
-MODE_COLORS = {
-    "aggregated": "#4c4c4c",
-    "pd": "#1f77b4",
-    "pd-bidir": "#2ca02c",
-    "pd-nocache": "#ff7f0e",
-    "pd-bidir-nocache": "#9467bd",
-    "attach": "#8c564b",
-}
+#: The mode, outcome and time palettes live in ``dashboard.palette`` (re-exported here).
 #: Reuse outcomes of the proxy (docs/schema.md, ``turns.reuse``), hit first.
+#: Hit first, then the misses that cost (loud), then those expected by design (quiet, last).
 OUTCOME_ORDER = [
     "hit",
-    "miss_first_turn",
-    "miss_no_session_id",
     "miss_expired",
     "miss_consumed",
     "miss_mismatch",
-    "miss_below_threshold",
     "miss_transfer_failed",
+    "miss_no_session_id",
+    "miss_below_threshold",
+    "miss_first_turn",
     "miss_no_handle_returned",
     "not recorded",
 ]
-#: Colour per reuse outcome, where colour means the outcome (bars of outcomes per mode). None of
-#: them is a mode's colour (`MODE_COLORS`), so green never means both "hit" and `pd-bidir`.
-OUTCOME_COLORS = {
-    "hit": "#00a6a6",
-    "miss_first_turn": "#aec7e8",
-    "miss_no_session_id": "#c49c94",
-    "miss_expired": "#ffbb78",
-    "miss_consumed": "#f7b6d2",
-    "miss_mismatch": "#d62728",
-    "miss_below_threshold": "#dbdb8d",
-    "miss_transfer_failed": "#7f2704",
-    "miss_no_handle_returned": "#e7298a",
-    "not recorded": "#c7c7c7",
-}
-
 
 #: Marker per reuse outcome, where colour already means the mode: filled for a hit, open for the
 #: misses an operator expects (first turn), crossed and other shapes for the rest.
@@ -97,6 +76,35 @@ def turn_axis(fig: go.Figure, max_turn: float, min_turn: float = 0, **kwargs) ->
     so markers at the first and the last turn are drawn whole; one tick per turn up to 20 turns."""
     fig.update_xaxes(range=[float(min_turn) - 0.5, float(max_turn) + 0.5], dtick=1 if max_turn <= 20 else None,
                      **kwargs)
+
+
+def zero_based(values: pd.Series, headroom: float = 0.08) -> list[float]:
+    """An axis range from 0 to the largest finite of `values` plus `headroom` (a fraction of it).
+
+    Written out instead of plotly's ``rangemode='tozero'``: on facets whose axes are matched
+    (``matches='y'``, as plotly express makes them) plotly.js ignores the data under ``tozero`` and
+    fixes the range at [0, 4], which draws the panels blank."""
+    top = pd.to_numeric(values, errors="coerce").max()
+    top = float(top) if pd.notna(top) and top > 0 else 1.0
+    return [0.0, top * (1 + headroom)]
+
+
+def log_ticks(values: pd.Series) -> tuple[list[float], list[str]]:
+    """Tick values and texts for a log axis over the positive finite `values`: 1-2-5 steps per decade
+    written as whole numbers ("1", "2", "5", "10", "20", "50", "100", "1,000"; below 1 as "0.5",
+    "0.2"), instead of plotly's "5, 2, 100, 5, 2"; every value spanned has a tick below and above."""
+    v = pd.to_numeric(values, errors="coerce")
+    v = v[(v > 0) & np.isfinite(v)]
+    if v.empty:
+        return [], []
+    lo, hi = int(np.floor(np.log10(v.min()))), int(np.ceil(np.log10(v.max())))
+    ticks = [m * 10.0**e for e in range(lo, hi + 1) for m in (1, 2, 5)]
+    below = [t for t in ticks if t <= v.min()]
+    above = [t for t in ticks if t >= v.max()]
+    ticks = [t for t in ticks if (below[-1] if below else ticks[0]) <= t <= (above[0] if above else ticks[-1])]
+    if len(ticks) > 12:  # many decades: one tick per decade
+        ticks = [10.0**e for e in range(lo, hi + 1)]
+    return ticks, [f"{t:,.0f}" if t >= 1 else f"{t:g}" for t in ticks]
 
 
 def _ordered(values: pd.Series, order: list[str]) -> list[str]:

@@ -9,6 +9,7 @@ import plotly.graph_objects as go
 
 from dashboard import speedup
 from dashboard.figures.common import empty_figure
+from dashboard.palette import AB_COLORS, NEUTRAL, NEUTRAL_DARK, side_colors
 
 
 def compare_by_turn(df: pd.DataFrame, a_name: str, b_name: str) -> go.Figure:
@@ -31,14 +32,14 @@ def compare_by_turn(df: pd.DataFrame, a_name: str, b_name: str) -> go.Figure:
             y=up,
             mode="lines+markers",
             name=f"{speedup.LABEL} {b_name} / {a_name}",
-            line={"color": "#7f7f7f"},
+            line={"color": NEUTRAL},
             marker={"color": [speedup.VERDICT_HEX[v] for v in verdicts], "size": 10},
             error_y={
                 "type": "data",
                 "symmetric": False,
                 "array": (hi - up).to_numpy(),
                 "arrayminus": (up - lo).to_numpy(),
-                "color": "#7f7f7f",
+                "color": NEUTRAL,
             },
             customdata=np.column_stack(
                 [d["median_a_s"] * 1e3, d["median_b_s"] * 1e3, d["n_a"], d["n_b"], lo, hi, [v.value for v in verdicts]]
@@ -48,7 +49,7 @@ def compare_by_turn(df: pd.DataFrame, a_name: str, b_name: str) -> go.Figure:
             "n = %{customdata[2]} vs %{customdata[3]}<extra></extra>",
         )
     )
-    fig.add_hline(y=1.0, line_dash="dot", line_color="#4c4c4c", annotation_text="no difference")
+    fig.add_hline(y=1.0, line_dash="dot", line_color=NEUTRAL_DARK, annotation_text="no difference")
     fig.update_xaxes(title_text="turn index (0 = first turn)", dtick=1 if d["turn_index"].max() <= 20 else None)
     fig.update_yaxes(title_text=f"{speedup.LABEL}: TTFT {b_name} / {a_name} (medians)", rangemode="tozero")
     fig.update_layout(
@@ -60,15 +61,19 @@ def compare_by_turn(df: pd.DataFrame, a_name: str, b_name: str) -> go.Figure:
     return fig
 
 
-CASE_COLORS = {"A": "#2ca02c", "B": "#4c4c4c"}
+#: Neutral side colours (``dashboard.palette.AB_COLORS``), used unless each side is one mode of its own.
+CASE_COLORS = AB_COLORS
 
 
-def compare_cases(df: pd.DataFrame, a_name: str, b_name: str) -> go.Figure:
+def compare_cases(df: pd.DataFrame, a_name: str, b_name: str, a_mode: str | None = None,
+                  b_mode: str | None = None) -> go.Figure:
     """Median TTFT (ms) of A and B side by side for each favourable and unfavourable case.
 
     `df`: ``dashboard.compare_stats.case_table`` (case, side ``A``|``B``, turns, ttft_p50_s), cases
-    in display order.
+    in display order. Each side in its mode's colour when `a_mode` and `b_mode` are two different
+    modes, else in the neutral A/B colours (``dashboard.palette.side_colors``).
     """
+    colors = side_colors(a_mode, b_mode)
     if df.empty:
         return empty_figure("no later turns on either side")
     fig = go.Figure()
@@ -79,7 +84,7 @@ def compare_cases(df: pd.DataFrame, a_name: str, b_name: str) -> go.Figure:
                 x=g["case"],
                 y=g["ttft_p50_s"] * 1e3,
                 name=f"{side}: {name}",
-                marker_color=CASE_COLORS[side],
+                marker_color=colors[side],
                 customdata=g[["turns"]].to_numpy(),
                 hovertemplate=f"{name}<br>%{{x}}: %{{y:.1f}} ms (median of %{{customdata[0]}} turns)<extra></extra>",
             )

@@ -8,7 +8,9 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from dashboard.figures.common import empty_figure, run_colors
+from dashboard import hit_rate
+from dashboard.figures.common import empty_figure, log_ticks, run_colors
+from dashboard.palette import ALARM, NEUTRAL_DARK, mode_color
 
 
 def _run_names(df: pd.DataFrame) -> pd.Series:
@@ -98,43 +100,53 @@ MiB = 2**20
 
 
 def whatif_totals(df: pd.DataFrame) -> pd.DataFrame:
-    """``dashboard.queries.whatif_ttl_d_limit`` rows (one per run and TTL) summed per TTL: ttl_s,
-    later_turns, hits, lost_hits, held_gib_s (sums over runs), runs, runs_over (runs whose held KV
-    would exceed their D's space at that TTL: demand_peak_bytes > capacity_bytes)."""
-    over = (df["demand_peak_bytes"] > df["capacity_bytes"]).astype(int)
-    return (df.assign(runs_over=over, runs=1)
-            .groupby("ttl_s", as_index=False)[["later_turns", "hits", "lost_hits", "held_gib_s", "runs", "runs_over"]]
-            .sum().sort_values("ttl_s"))
+    """``dashboard.queries.whatif_ttl_d_limit`` rows (one per run and TTL) summed per mode and TTL
+    (modes are never pooled, ``dashboard.hit_rate``): mode, ttl_s, later_turns, hits, lost_hits,
+    held_gib_s (sums over the mode's runs), runs, runs_over (runs whose held KV would exceed their D's
+    space at that TTL: demand_peak_bytes > capacity_bytes). Rows without a mode count as ``pd-bidir``."""
+    d = df if "mode" in df else df.assign(mode="pd-bidir")
+    over = (d["demand_peak_bytes"] > d["capacity_bytes"]).astype(int)
+    return (d.assign(runs_over=over, runs=1)
+            .groupby(["mode", "ttl_s"], as_index=False)[["later_turns", "hits", "lost_hits", "held_gib_s", "runs",
+                                                          "runs_over"]]
+            .sum().sort_values(["mode", "ttl_s"]))
 
 
 def whatif_ttl(df: pd.DataFrame, current_ttls_s: list[float] | None = None) -> go.Figure:
     """What each ``decoder_kv_blocks_ttl`` would have given with D's KV space as the limit, in three
-    full-width panels over the TTL (log axis), the runs' configured TTLs marked: the hit rate of
-    later turns (%, and the share lost because D was full), the KV held (GiB x s, summed over the
-    runs), and per run the peak KV held pinned (MiB: solid within D's space, dotted what the TTL
-    would ask with no limit) with D's KV space as a dashed line, red crosses where the demand
-    exceeds it.
+    full-width panels over the TTL (log axis), the runs' configured TTLs marked: per mode, the hit
+    rate of later turns (%, solid; dotted: the share lost because D was full) and the KV held (GiB x s,
+    summed over the mode's runs), each in its mode's colour; and per run the peak KV held pinned (MiB:
+    solid within D's space, dotted what the TTL would ask with no limit) with D's KV space as a dashed
+    line, red crosses where the demand exceeds it.
 
-    `df`: ``dashboard.queries.whatif_ttl_d_limit`` (run_id, run_label, ttl_s, later_turns, hits,
+    `df`: ``dashboard.queries.whatif_ttl_d_limit`` (run_id, run_label, mode, ttl_s, later_turns, hits,
     lost_hits, held_gib_s, peak_held_bytes, demand_peak_bytes, capacity_bytes).
     """
     if df.empty or not (df["later_turns"] > 0).any():
         return empty_figure("no later turns to replay in the selection")
     tot = whatif_totals(df)
-    later = tot["later_turns"].where(tot["later_turns"] > 0)
     fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.08, subplot_titles=[
-        "hit rate of later turns (all selected runs)", "KV held pinned on D (GiB x s, all selected runs)",
+        f"{hit_rate.LABEL} per mode (dotted: lost because D was full)", "KV held pinned on D (GiB x s) per mode",
         "peak KV held pinned on D, per run (dotted: with no limit), D's KV space dashed"])
-    fig.add_trace(go.Scatter(x=tot["ttl_s"], y=tot["hits"] / later * 100, name="hit rate", mode="lines+markers",
-                             line={"color": "#2ca02c"}, legendgroup="totals",
-                             hovertemplate="TTL %{x:.0f} s: %{y:.1f} % of later turns hit<extra></extra>"), row=1, col=1)
-    fig.add_trace(go.Scatter(x=tot["ttl_s"], y=tot["lost_hits"] / later * 100, name="lost: D full",
-                             mode="lines+markers", line={"color": "#d62728", "dash": "dash"}, legendgroup="totals",
-                             hovertemplate="TTL %{x:.0f} s: %{y:.1f} % of later turns found their handle lost "
-                                           "(D full)<extra></extra>"), row=1, col=1)
-    fig.add_trace(go.Scatter(x=tot["ttl_s"], y=tot["held_gib_s"], name="KV held (GiB x s)", mode="lines+markers",
-                             line={"color": "#9467bd"}, legendgroup="totals",
-                             hovertemplate="TTL %{x:.0f} s: %{y:.4g} GiB x s<extra></extra>"), row=2, col=1)
+    for mode, g in tot.groupby("mode", sort=False):
+        color = mode_color(mode)
+        rate = hit_rate.rate(g["hits"], g["later_turns"]) * 100
+        lost = hit_rate.rate(g["lost_hits"], g["later_turns"]) * 100
+        fig.add_trace(go.Scatter(x=g["ttl_s"], y=rate, name=f"{mode} · hit rate", mode="lines+markers",
+                                 line={"color": color}, legendgroup=f"mode-{mode}",
+                                 hovertemplate=f"{mode}<br>TTL %{{x:.0f}} s: %{{y:.1f}} % of later turns hit"
+                                               "<extra></extra>"), row=1, col=1)
+        fig.add_trace(go.Scatter(x=g["ttl_s"], y=lost, name=f"{mode} · lost: D full", mode="lines+markers",
+                                 line={"color": color, "dash": "dot"}, marker={"symbol": "x"},
+                                 legendgroup=f"mode-{mode}",
+                                 hovertemplate=f"{mode}<br>TTL %{{x:.0f}} s: %{{y:.1f}} % of later turns found "
+                                               "their handle lost (D full)<extra></extra>"), row=1, col=1)
+        fig.add_trace(go.Scatter(x=g["ttl_s"], y=g["held_gib_s"], name=f"{mode} · KV held (GiB x s)",
+                                 mode="lines+markers", line={"color": color}, legendgroup=f"mode-{mode}",
+                                 showlegend=False,
+                                 hovertemplate=f"{mode}<br>TTL %{{x:.0f}} s: %{{y:.4g}} GiB x s<extra></extra>"),
+                      row=2, col=1)
     runs = df.drop_duplicates("run_id").assign(run_label=lambda d: d["run_label"].fillna(d["run_id"]))
     if "mode" not in runs:
         runs = runs.assign(mode="pd-bidir")
@@ -162,11 +174,11 @@ def whatif_ttl(df: pd.DataFrame, current_ttls_s: list[float] | None = None) -> g
             if not over.empty:
                 fig.add_trace(go.Scatter(x=over["ttl_s"], y=over["demand_peak_bytes"] / MiB,
                                          name="exceeds D's KV space", legendgroup="over", mode="markers",
-                                         marker={"symbol": "x", "size": 11, "color": "#d62728"},
+                                         marker={"symbol": "x", "size": 11, "color": ALARM},
                                          hovertemplate=f"{name}<br>TTL %{{x:.0f}} s: %{{y:.1f}} MiB would exceed "
                                                        "D's KV space<extra></extra>"), row=3, col=1)
     for ttl in sorted(set(current_ttls_s or [])):
-        fig.add_vline(x=ttl, line_dash="dot", line_color="#4c4c4c")
+        fig.add_vline(x=ttl, line_dash="dot", line_color=NEUTRAL_DARK)
         # On a log axis an annotation's x is log10 of the value (add_vline's own label would not be).
         fig.add_annotation(x=float(np.log10(ttl)), y=1.035, xref="x", yref="paper", text=f"configured {ttl:g} s",
                            showarrow=False, yanchor="bottom", font={"size": 11})
@@ -176,7 +188,9 @@ def whatif_ttl(df: pd.DataFrame, current_ttls_s: list[float] | None = None) -> g
     fig.update_yaxes(title_text="% of later turns", range=[0, 105], row=1, col=1)
     fig.update_yaxes(title_text="GiB x s", rangemode="tozero", row=2, col=1)
     # log scale: D's space (GiB) and the peaks (often MiB) on one axis, runs of any size side by side
-    fig.update_yaxes(title_text="MiB (log scale)", type="log", row=3, col=1)
+    mib = pd.concat([df["peak_held_bytes"], df["demand_peak_bytes"], df["capacity_bytes"]]) / MiB
+    vals, texts = log_ticks(mib)
+    fig.update_yaxes(title_text="MiB (log scale)", type="log", tickvals=vals, ticktext=texts, row=3, col=1)
     fig.update_layout(title="What if the TTL were different? (recorded turns replayed, D's KV space the limit)",
                       height=820, margin={"t": 90}, legend={"orientation": "h", "y": -0.08})
     return fig

@@ -17,6 +17,7 @@ from dashboard.figures.common import (
     legend_below,
     run_colors,
     turn_axis,
+    zero_based,
 )
 
 
@@ -67,7 +68,7 @@ def ttft_by_turn(df: pd.DataFrame) -> go.Figure:
     # Facet titles in words ("w · history text"), not plotly's "column=value".
     fig.for_each_annotation(lambda a: a.update(text=a.text.split("=", 1)[-1]))
     turn_axis(fig, long["turn_index"].max())
-    fig.update_yaxes(rangemode="tozero")
+    fig.update_yaxes(range=zero_based(long["ttft_ms"]))
     fig.update_layout(legend_title_text="mode, percentile", margin={"t": 60})
     return legend_below(fig)
 

@@ -7,15 +7,16 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from dashboard.figures.common import MODE_ORDER, OUTCOME_COLORS, empty_figure
+from dashboard.palette import ALARM, TIME_COLORS
 
 #: Gap kinds, in colours no reuse outcome uses (the session timeline shows both).
-GAP_COLORS = {"tool": "#bcbd22", "think": "#17becf", "pause": "#c5b0d5", "none": "#e0e0e0"}
+GAP_COLORS = {k: TIME_COLORS[k] for k in ("tool", "think", "pause", "none")}
 TASK_PARTS = (
-    ("llm_s", "LLM (sum of E2E)", "#1f77b4"),
+    ("llm_s", "LLM (sum of E2E)", TIME_COLORS["llm"]),
     ("tool_wait_s", "tool wait", GAP_COLORS["tool"]),
     ("think_s", "think", GAP_COLORS["think"]),
     ("pause_s", "pause", GAP_COLORS["pause"]),
-    ("other_s", "other (client between turns)", "#e0e0e0"),
+    ("other_s", "other (client between turns)", TIME_COLORS["other"]),
 )
 
 
@@ -105,11 +106,11 @@ def session_timeline(df: pd.DataFrame) -> go.Figure:
             bar(row, start, ttft, f"to first token: {outcome}", OUTCOME_COLORS.get(outcome, "#7f7f7f"),
                 f"{row['row']}<br>TTFT {ttft * 1e3:.1f} ms ({outcome})")  # fmt: skip
             if pd.notna(e2e) and e2e > ttft:
-                bar(row, start + ttft, e2e - ttft, "streaming", "#1f77b4",
+                bar(row, start + ttft, e2e - ttft, "streaming", TIME_COLORS["decode"],
                     f"{row['row']}<br>streaming {(e2e - ttft) * 1e3:.1f} ms")  # fmt: skip
         else:
             length = float(e2e) if pd.notna(e2e) else 0.0
-            bar(row, start, length, f"failed ({row['status']})", "#d62728",
+            bar(row, start, length, f"failed ({row['status']})", ALARM,
                 f"{row['row']}<br>{row['status']}, no token")  # fmt: skip
     fig.update_layout(
         barmode="overlay",

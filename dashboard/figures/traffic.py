@@ -10,10 +10,21 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from dashboard.figures import empty_figure
+from dashboard.figures.common import log_ticks
+from dashboard.palette import NEUTRAL, NEUTRAL_DARK, OUTCOME_COLORS, TIME_COLORS
 
 #: Colours per gap kind / timeline segment (the same kind looks the same on every chart).
-KIND_COLORS = {"all": "#4c4c4c", "tool": "#1f77b4", "think": "#ff7f0e", "pause": "#d62728",
-               "unknown": "#9467bd", "request": "#2ca02c"}
+#: Gap kind -> colour (``dashboard.palette.TIME_COLORS``: time between turns, never a mode's colour).
+KIND_COLORS = {"all": NEUTRAL_DARK, "tool": TIME_COLORS["tool"], "think": TIME_COLORS["think"],
+               "pause": TIME_COLORS["pause"], "unknown": TIME_COLORS["unknown"], "request": TIME_COLORS["llm"]}
+
+
+def _ttl_line(fig: go.Figure, ttl_s: float, text: str) -> None:
+    """A dashed vertical line at `ttl_s` on the log x axis, labelled `text` at its top (an annotation's
+    x on a log axis is log10 of the value; add_vline's own label would land off the plot)."""
+    fig.add_vline(x=ttl_s, line_dash="dash", line_color=NEUTRAL_DARK)
+    fig.add_annotation(x=float(np.log10(ttl_s)), y=1.0, xref="x", yref="paper", text=text, showarrow=False,
+                       yanchor="bottom", xanchor="left", font={"size": 11})
 
 
 def ttl_shares(ttl: pd.DataFrame) -> go.Figure:
@@ -30,9 +41,9 @@ def ttl_shares(ttl: pd.DataFrame) -> go.Figure:
                                  hovertemplate="TTL %{x:.0f} s: %{y:.1f}% (%{customdata[0]} of %{customdata[1]})"))
     conf = ttl.loc[ttl["configured"], "ttl_s"]
     if not conf.empty:
-        fig.add_vline(x=float(conf.iloc[0]), line_dash="dash",
-                      annotation_text=f"configured TTL {float(conf.iloc[0]):g} s")
-    fig.update_xaxes(type="log", dtick=1, title="TTL (s, log scale; one tick per decade)")
+        _ttl_line(fig, float(conf.iloc[0]), f"configured TTL {float(conf.iloc[0]):g} s")
+    vals, texts = log_ticks(ttl["ttl_s"])
+    fig.update_xaxes(type="log", tickvals=vals, ticktext=texts, title="TTL (s, log scale)")
     fig.update_yaxes(title="follow-ups within the TTL (%)", range=[0, 102])
     fig.update_layout(height=380, margin={"t": 30}, legend_title="gap kind")
     return fig
@@ -50,8 +61,10 @@ def gap_histogram(gaps: pd.DataFrame, ttl_s: float) -> go.Figure:
         counts, _ = np.histogram(k["gap_s"], bins=edges)
         fig.add_trace(go.Bar(x=mids, y=counts, width=np.diff(edges), name=str(kind),
                              marker_color=KIND_COLORS.get(str(kind))))
-    fig.add_vline(x=ttl_s, line_dash="dash", annotation_text=f"TTL {ttl_s:g} s")
-    fig.update_xaxes(type="log", dtick=1, title="gap: end of a request to the session's next (s, log scale; one tick per decade)")
+    _ttl_line(fig, ttl_s, f"configured TTL {ttl_s:g} s")
+    vals, texts = log_ticks(g["gap_s"])
+    fig.update_xaxes(type="log", tickvals=vals, ticktext=texts,
+                     title="gap: end of a request to the session's next (s, log scale)")
     fig.update_yaxes(title="follow-ups")
     fig.update_layout(barmode="stack", height=360, margin={"t": 30}, legend_title="gap kind", bargap=0)
     return fig
@@ -63,18 +76,22 @@ def reuse_split(reuse: pd.DataFrame) -> go.Figure:
     if reuse.empty:
         return empty_figure("No requests in this report.")
     r = reuse.copy()
+    if r["format"].notna().sum() == 1:  # one format: its row is the "all" row, drawn once
+        r = r[r["format"].notna()]
     r["what"] = r["format"].astype(object).where(r["format"].notna(), "all")
     total = r["input_tokens"].astype(float)
     parts = {"reusable within the TTL": r["reusable_in_ttl_tokens"].astype(float),
              "reusable, but late or under the threshold": (r["reusable_tokens"] - r["reusable_in_ttl_tokens"]).astype(float),
              "new": r["new_tokens"].astype(float)}
-    colors = ["#2ca02c", "#bcbd22", "#7f7f7f"]
+    # as the reuse outcomes they would be: a hit, a miss that costs (expired), nothing to reuse (quiet)
+    colors = [OUTCOME_COLORS["hit"], OUTCOME_COLORS["miss_expired"], OUTCOME_COLORS["miss_first_turn"]]
     fig = go.Figure()
     for (name, v), c in zip(parts.items(), colors, strict=True):
         fig.add_trace(go.Bar(y=r["what"], x=100 * v / total, name=name, orientation="h", marker_color=c,
                              hovertemplate="%{x:.1f}%"))
     fig.update_xaxes(title="share of input tokens (%)", range=[0, 100])
-    fig.update_layout(barmode="stack", height=140 + 40 * len(r), margin={"t": 30}, legend={"orientation": "h"})
+    fig.update_layout(barmode="stack", height=160 + 40 * len(r), margin={"t": 40},  # legend above: clear of the ticks
+                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "x": 0})
     return fig
 
 
@@ -124,7 +141,7 @@ def trace_vs_engine(turns: pd.DataFrame) -> go.Figure:
                                                "trace %{x:,} tokens, engine %{y:,}"))
     top = float(max(turns["trace_reusable_tokens"].max(), turns["measured_reused_tokens"].fillna(0).max(), 1))
     fig.add_trace(go.Scatter(x=[0, top], y=[0, top], mode="lines", name="as the trace says",
-                             line={"dash": "dot", "color": "#7f7f7f"}))
+                             line={"dash": "dot", "color": NEUTRAL}))
     fig.update_xaxes(title="the trace's reusable tokens (scaled)")
     fig.update_yaxes(title="tokens the engine reused")
     fig.update_layout(height=380, margin={"t": 30}, legend_title="reuse")

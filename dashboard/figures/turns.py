@@ -18,6 +18,7 @@ from dashboard.figures.common import (
     legend_below,
     turn_axis,
 )
+from dashboard.palette import TIME_COLORS
 
 LATENCY_METRICS = (("ttft_p50_s", "TTFT p50"), ("itl_p50_s", "ITL p50"), ("e2e_p50_s", "E2E p50"))
 
@@ -77,11 +78,11 @@ def latency_panels(df: pd.DataFrame, by: str = "turn_index") -> go.Figure:
 
 #: Parts of a turn's time, in stacking order, with their colours.
 TIME_PARTS = (
-    ("proxy_s", "proxy, queue, D's first token", "#9edae5"),
-    ("prefill_s", "prefill leg (compute)", "#1f77b4"),
-    ("kv_transfer_est_s", "KV transfer from D (estimate)", "#ff7f0e"),
-    ("unsplit_ttft_s", "to first token (no proxy: not split)", "#7f7f7f"),
-    ("decode_s", "decode (after first token)", "#2ca02c"),
+    ("proxy_s", "proxy, queue, D's first token", TIME_COLORS["proxy"]),
+    ("prefill_s", "prefill leg (compute)", TIME_COLORS["prefill"]),
+    ("kv_transfer_est_s", "KV transfer from D (estimate)", TIME_COLORS["transfer"]),
+    ("unsplit_ttft_s", "to first token (no proxy: not split)", TIME_COLORS["unsplit"]),
+    ("decode_s", "decode (after first token)", TIME_COLORS["decode"]),
 )
 
 

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import duckdb
 import pandas as pd
 
+from dashboard import hit_rate
 from dashboard.queries.common import TurnFilter, _ids, _run, _where
 
 # Favourable: a continuation (kind 'turn') within the proxy's TTL (decoder_kv_blocks_ttl minus the
@@ -118,3 +119,25 @@ def compare_stats(
     """
     params = _compare_params(a_run_ids, b_run_ids, f) | {"min_turn_index": int(min_turn_index)}
     return _run(con, _COMPARE_STATS.format(where=_compare_where(f)), params)
+
+
+_SIDE_HIT_RATES = """
+SELECT CASE WHEN list_contains($a::VARCHAR[], t.run_id) THEN 'A' ELSE 'B' END AS side, {counts}
+FROM turn_rows t
+WHERE (list_contains($a::VARCHAR[], t.run_id) OR list_contains($b::VARCHAR[], t.run_id)) AND {where}
+GROUP BY 1 ORDER BY 1
+"""
+
+
+def side_hit_rates(
+    con: duckdb.DuckDBPyConnection,
+    a_run_ids: Sequence[str],
+    b_run_ids: Sequence[str],
+    f: TurnFilter | None = None,
+) -> pd.DataFrame:
+    """Each side's reuse hit rate by ``dashboard.hit_rate``'s one definition (hits / later turns with
+    a proxy outcome). `f`'s archetype, kind and gap-kind filters apply. Columns: side (``A`` | ``B``),
+    later_turns, later_hits, hit_rate (0..1, NaN without a later turn); a side with no turn is absent."""
+    params = _compare_params(a_run_ids, b_run_ids, f)
+    df = _run(con, _SIDE_HIT_RATES.format(counts=hit_rate.counts_sql("t"), where=_compare_where(f)), params)
+    return df.assign(hit_rate=hit_rate.rate(df[hit_rate.HITS], df[hit_rate.LATER_TURNS]))

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import duckdb
 import pandas as pd
 
+from dashboard import hit_rate
 from dashboard.queries.common import HANDLE_BYTES, KV_USAGE, TurnFilter, _ids, _run, _where, as_filter
 from turnscope.planner.ttl_whatif import (
     RESULT_COLUMNS,
@@ -97,10 +98,9 @@ WITH b AS MATERIALIZED (
 )
 SELECT b.run_id, coalesce(any_value(r.label), b.run_id) AS run_label, any_value(r.mode) AS mode,
        floor((epoch_us(b.sent_at) - epoch_us(w.t0)) / 1e6 / w.bucket_s) * w.bucket_s AS elapsed_s, any_value(w.bucket_s) AS bucket_s,
-       count(*) AS later_turns, count(*) FILTER (WHERE b.reuse = 'hit') AS hits,
-       count(*) FILTER (WHERE b.reuse = 'hit') / count(*) AS hit_rate
+       {counts}
 FROM b JOIN w USING (run_id) JOIN runs r USING (run_id)
-WHERE {where_b} AND b.turn_index >= 1 AND b.reuse IS NOT NULL AND b.sent_at IS NOT NULL
+WHERE {where_b} AND {later} AND b.sent_at IS NOT NULL
 GROUP BY b.run_id, floor((epoch_us(b.sent_at) - epoch_us(w.t0)) / 1e6 / w.bucket_s) * w.bucket_s
 ORDER BY b.run_id, elapsed_s
 """
@@ -116,7 +116,10 @@ def hit_rate_timeline(
     since the run started), bucket_s, later_turns, hits, hit_rate (hits / later_turns, 0..1).
     """
     params = {**as_filter(f).params(), "buckets": max(int(buckets), 1), "min_bucket_s": float(min_bucket_s)}
-    return _run(con, _HIT_RATE_TIMELINE.format(where_b=_where(as_filter(f), "b")), params)
+    sql = _HIT_RATE_TIMELINE.format(where_b=_where(as_filter(f), "b"), counts=hit_rate.counts_sql("b"),
+                                    later=hit_rate.later_turn_sql("b"))
+    df = _run(con, sql, params).rename(columns={hit_rate.HITS: "hits"})
+    return df.assign(hit_rate=hit_rate.rate(df["hits"], df["later_turns"]))
 
 
 # Handle bytes held: each of the run's handles from its turn's end to its pull or D's expiry
@@ -148,7 +151,7 @@ WITH hb AS (
 ), tk AS (
     SELECT run_id,
            count(*) FILTER (WHERE reuse = 'hit')                        AS hits,
-           count(*) FILTER (WHERE turn_index >= 1 AND reuse IS NOT NULL) AS later_turns,
+           {later_counts},
            sum(reused_tokens)                                           AS reused_tokens,
            sum(prefill_leg_s) FILTER (WHERE coalesce(reused_tokens, 0) = 0 AND recomputed_tokens > 0
                                       AND prefill_leg_s IS NOT NULL)    AS compute_s,
@@ -190,7 +193,7 @@ def reuse_cost(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) ->
     prefill_s_per_token, xfer_s, saved_s, gib_s_per_saved_s.
     """
     params = {"run_ids": _ids(as_filter(f).run_ids), "handle_bytes": HANDLE_BYTES}
-    return _run(con, _REUSE_COST, params)
+    return _run(con, _REUSE_COST.replace("{later_counts}", hit_rate.counts_sql()), params)
 
 
 

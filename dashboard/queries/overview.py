@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import duckdb
 import pandas as pd
 
+from dashboard import hit_rate
 from dashboard.queries.common import (
     EXTERNAL_KV_SOURCE,
     PROMPT_TOKENS_BY_SOURCE,
@@ -94,11 +95,16 @@ GROUP BY ALL
 ORDER BY mode, reuse
 """
 
-_RUN_SUMMARY = """
-SELECT *
-FROM run_summary
-WHERE list_contains($run_ids::VARCHAR[], run_id)
-ORDER BY started_at NULLS LAST, run_id
+_RUN_SUMMARY = f"""
+WITH later AS (
+    SELECT run_id, {hit_rate.counts_sql()}
+    FROM turns WHERE list_contains($run_ids::VARCHAR[], run_id)
+    GROUP BY run_id
+)
+SELECT s.*, coalesce(later.later_turns, 0) AS later_turns, coalesce(later.later_hits, 0) AS later_hits
+FROM run_summary s LEFT JOIN later USING (run_id)
+WHERE list_contains($run_ids::VARCHAR[], s.run_id)
+ORDER BY s.started_at NULLS LAST, s.run_id
 """
 
 _PREFILL_COUNTER = """
@@ -191,7 +197,8 @@ def run_summary(con: duckdb.DuckDBPyConnection, run_ids: TurnFilter | Sequence[s
 
     Columns as in data/schema.sql: run_id, label, mode, workload, history_mode, status,
     started_at, finished_at, turns, ok_turns, failed_turns, hits, ttft_p50_s, ttft_p90_s,
-    ttft_mean_s (seconds), reused_tokens (tokens). One row per run.
+    ttft_mean_s (seconds), reused_tokens (tokens), then later_turns and later_hits
+    (``dashboard.hit_rate``). One row per run.
     """
     return con.execute(_RUN_SUMMARY, {"run_ids": _ids(as_filter(run_ids).run_ids)}).df()
 

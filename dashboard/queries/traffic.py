@@ -82,3 +82,26 @@ def trace_reuse(con: duckdb.DuckDBPyConnection, run_ids: tuple[str, ...]) -> pd.
         WHERE run_id IN (SELECT unnest(?)) AND trace_reusable_tokens IS NOT NULL AND turn_index > 0
           AND status = 'ok'
         ORDER BY run_id, session_id, turn_index""", [list(run_ids)]).df()
+
+
+def input_paths(inputs: object) -> list[str]:
+    """The paths (with their format) a report read, from ``traffic_log.inputs`` (JSON text or a
+    list of {"path", "format"}); a value it cannot read comes back as its text."""
+    import json
+
+    items = json.loads(inputs) if isinstance(inputs, str) else inputs
+    if not isinstance(items, list):
+        return [str(inputs)]
+    return [f"{i.get('path')} ({i.get('format')})" if isinstance(i, dict) else str(i) for i in items]
+
+
+def report_name(label: object, inputs: object, created_at: object, traffic_id: str) -> str:
+    """A report as listed: its label (else its id), its sources (the last part of each input path)
+    and its time, e.g. ``kv-cache-tester · kv-cache-tester · 2026-12-01 09:00 UTC``."""
+    from pathlib import PurePath
+
+    paths = input_paths(inputs)
+    sources = ", ".join(PurePath(p.rsplit(" (", 1)[0]).name for p in paths[:3]) + (
+        f" +{len(paths) - 3} more" if len(paths) > 3 else "")
+    when = pd.Timestamp(created_at).strftime("%Y-%m-%d %H:%M UTC") if created_at is not None else "?"
+    return f"{label if isinstance(label, str) and label else traffic_id} · {sources} · {when}"

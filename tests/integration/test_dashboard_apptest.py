@@ -196,7 +196,7 @@ def test_run_that_just_started(monkeypatch, tmp_path):
     assert any("1 still running" in c.value for c in at.sidebar.caption)
     table = at.dataframe[0].value
     assert list(table["run_id"]) == ["live-1"] and table.loc[0, "turns"] == 0
-    assert len(at.get("plotly_chart")) == 3
+    assert len(at.get("plotly_chart")) == 2  # by turn and outcomes; no external-KV chart without samples
 
 
 def test_run_filter(monkeypatch, store_root):

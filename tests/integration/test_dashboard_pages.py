@@ -359,12 +359,13 @@ def test_memory_cost_of_reuse(monkeypatch, store_root):
     assert cost.loc["bidir nocache", "GiB·s per s saved"] == ""  # nothing saved: a blank, not None
 
 
-def whatif_by_hand(ttl: float, sessions=range(fx.SESSIONS), kinds=None) -> tuple[int, int, float]:
+def whatif_by_hand(ttl: float, sessions=range(fx.SESSIONS), kinds=None, mode: str | None = None
+                   ) -> tuple[int, int, float]:
     """(later turns, hits, GiB x s held) replayed from the fixture's gaps for one TTL, over the
     turns of `sessions` whose kind is in `kinds` (all when None), in the runs that keep handles.
     A turn can hit only when its recorded outcome depends on the TTL (a hit or a miss by expiry);
     a kept turn's KV is held until its successor in the session pulls it (the gap, when the
-    successor hits at this TTL), else for the whole TTL."""
+    successor hits at this TTL), else for the whole TTL. `mode`: that mode's runs only (else all)."""
     later = hits = 0
     byte_s = 0.0
 
@@ -373,7 +374,7 @@ def whatif_by_hand(ttl: float, sessions=range(fx.SESSIONS), kinds=None) -> tuple
         return (t >= 1 and kind != "fresh" and fx.reuse(r, s, t) in ("hit", "miss_expired")
                 and gap < ttl - fx.MARGIN_S)
 
-    for r in (r for r, (mode, *_) in fx.RUNS.items() if mode.startswith("pd-bidir")):  # runs that hold handles
+    for r in (r for r, (m, *_) in fx.RUNS.items() if m.startswith("pd-bidir") and mode in (None, m)):  # hold handles
         for s in sessions:
             for t in range(fx.TURNS):
                 _, _, kind = fx.gap(s, t)
@@ -392,19 +393,23 @@ def whatif_by_hand(ttl: float, sessions=range(fx.SESSIONS), kinds=None) -> tuple
 
 def test_memory_whatif_ttl(monkeypatch, store_root):
     at = open_page(monkeypatch, store_root, "memory")
-    table = frame(at, "decoder_kv_blocks_ttl (s)").set_index("decoder_kv_blocks_ttl (s)")
-    assert 480.0 in table.index  # the runs' own TTL is always replayed
-    for ttl in (60.0, 120.0, 480.0, 900.0):
-        later, hits, gib_s = whatif_by_hand(ttl)
-        row = table.loc[ttl]
-        assert (row["later turns"], row["hits"]) == (later, hits)
-        assert row["KV held (GiB·s)"] == pytest.approx(gib_s)
+    table = frame(at, "decoder_kv_blocks_ttl (s)").set_index(["mode", "decoder_kv_blocks_ttl (s)"])
+    assert ("pd-bidir", 480.0) in table.index  # the runs' own TTL is always replayed
+    # one row per mode and TTL: modes are never pooled (dashboard.hit_rate)
+    for mode in ("pd-bidir", "pd-bidir-nocache"):
+        for ttl in (60.0, 120.0, 480.0, 900.0):
+            later, hits, gib_s = whatif_by_hand(ttl, mode=mode)
+            row = table.loc[(mode, ttl)]
+            assert (row["later turns"], row["hits"]) == (later, hits)
+            assert row["KV held (GiB·s)"] == pytest.approx(gib_s)
+            assert row["hit rate (later turns)"] == pytest.approx(hits / later)
     # The 500 s pause hits only once TTL - 30 s exceeds it.
-    # 3 pd-bidir* runs x 3 sessions x 3 later turns = 27 (the aggregated run holds nothing and is
-    # left out); bnc-1's 9 never had a handle and bidir-2's mismatch is not the TTL's: 17 can hit,
-    # and at 480 s the 2 resumes after a 500 s pause do not.
-    assert table.loc[900.0, "later turns"] == 27
-    assert table.loc[480.0, "hits"] == 17 - 2 and table.loc[900.0, "hits"] == 17
+    # 2 pd-bidir runs x 3 sessions x 3 later turns = 18; bidir-2's mismatch is not the TTL's: 17 can
+    # hit, and at 480 s the 2 resumes after a 500 s pause do not. bnc-1's 9 never had a handle.
+    assert table.loc[("pd-bidir", 900.0), "later turns"] == 18
+    assert table.loc[("pd-bidir", 480.0), "hits"] == 17 - 2 and table.loc[("pd-bidir", 900.0), "hits"] == 17
+    assert table.loc[("pd-bidir-nocache", 900.0), "later turns"] == 9
+    assert table.loc[("pd-bidir-nocache", 900.0), "hits"] == 0
     fig = next(f for t, f in charts(at).items() if t.startswith("What if the TTL"))
     assert {shape.x0 for shape in fig.layout.shapes} == {480.0}  # the configured TTL, marked in each panel
 
@@ -419,9 +424,9 @@ def test_memory_whatif_replays_whole_runs_whatever_the_filters(monkeypatch, stor
     rerun(at)
     after = frame(at, "decoder_kv_blocks_ttl (s)")
     pd.testing.assert_frame_equal(before, after)
-    later, hits, _ = whatif_by_hand(480.0)
-    assert (after.set_index("decoder_kv_blocks_ttl (s)").loc[480.0, ["later turns", "hits"]].tolist()
-            == [later, hits] == [27, 15])
+    later, hits, _ = whatif_by_hand(480.0, mode="pd-bidir")
+    got = after.set_index(["mode", "decoder_kv_blocks_ttl (s)"]).loc[("pd-bidir", 480.0), ["later turns", "hits"]]
+    assert got.tolist() == [later, hits] == [18, 15]
 
 
 # --- Compare ------------------------------------------------------------------------------------
@@ -446,6 +451,12 @@ FAVOURABLE = "kind = 'turn' AND gap_before_s < 450"
 def test_compare_modes_headline_equals_sql(monkeypatch, store_root):
     at = open_page(monkeypatch, store_root, "compare")
     a, b = "m.mode = 'pd-bidir'", "m.mode = 'aggregated'"
+    # Hit rate of A's later turns (dashboard.hit_rate), from the fixture's outcomes by hand: 2 runs x 3
+    # sessions x 3 later turns = 18; not hits: each run's resume after the 500 s pause (expired) and
+    # bidir-2's mismatch: 15 / 18 = 83%. B (aggregated) has no proxy outcome.
+    later = [fx.reuse(r, s, t) for r in ("bidir-1", "bidir-2") for s in range(fx.SESSIONS) for t in range(1, fx.TURNS)]
+    assert len(later) == 18 and later.count("hit") == 15
+    assert any(c.value.startswith("Hit rate (later turns): A 83%, B n/a (n/a: no proxy outcome") for c in at.caption), [c.value for c in at.caption]
     metrics = {m.label: m.value for m in at.metric}
     # Speed-ups B / A (the one convention: baseline over bidirectional).
     assert metrics == {

@@ -24,13 +24,33 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return sx.build(tmp_path_factory.mktemp("sweep-store"))
 
 
-def open_sweep(monkeypatch: pytest.MonkeyPatch, root: Path) -> AppTest:
+def open_sweep(monkeypatch: pytest.MonkeyPatch, root: Path, vendor: bool = True) -> AppTest:
+    """The Sweep page; with `vendor`, switched to the vendor's view (mean TTFT over every request)
+    from the page's default (the dashboard's convention: the median from the second turn)."""
     monkeypatch.setenv("TURNSCOPE_STORE", str(root))
     at = AppTest.from_file(str(APP), default_timeout=60).run()
     at.switch_page("app_pages/sweep.py").run()
     assert not at.exception, [e.value for e in at.exception]
     assert at.title[0].value == "Sweep"
+    if vendor and any(r.key == "sweep_turns" for r in at.radio):  # a store without sweeps has no radios
+        at.radio(key="sweep_turns").set_value("every request (the vendor's count)").run()
+        at.radio(key="sweep_stat").set_value("mean").run()
     return at
+
+
+def median(xs: list[float]) -> float:
+    v = sorted(xs)
+    mid = len(v) // 2
+    return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
+
+
+def test_default_is_the_median_from_the_second_turn(monkeypatch, root):
+    """The page opens on the dashboard's convention: baseline / bidirectional median TTFT of turns >= 1."""
+    at = open_sweep(monkeypatch, root, vendor=False)
+    fig = next(f for t, f in charts(at).items() if t.startswith("Speed-up of median TTFT: baseline / bidirectional"))
+    vendor = next(tr for tr in fig.data if tr.name == "pd-bidir-nocache vs pd-nocache")
+    want = [median(ttfts("pd-nocache", p, 1)) / median(ttfts("pd-bidir-nocache", p, 1)) for p in sx.PREFIXES]
+    assert values(vendor.y) == pytest.approx(want, rel=1e-9)
 
 
 def values(v) -> list:

@@ -294,10 +294,10 @@ def test_ttft_by_turn(con) -> None:
 
 
 def test_ttft_ratio_by_turn(con) -> None:
-    got = {r["turn_index"]: r["p50_ratio"] for r in run(con, "ttft_ratio_by_turn")}
-    # turn 1: 0.25 / 0.70 = 0.357142...; turn 2: 0.425 / 0.80 = 0.53125; turn 3: 0.925 / 0.80 = 1.15625
-    # (worse: an expiry and a failed pull); DuckDB's round() takes halves away from zero.
-    assert got == {0: 1.0, 1: 0.3571, 2: 0.5313, 3: 1.1563}
+    got = {r["turn_index"]: r["speedup"] for r in run(con, "ttft_ratio_by_turn")}
+    # baseline / bidirectional: turn 1: 0.70 / 0.25 = 2.8; turn 2: 0.80 / 0.425 = 1.882352...;
+    # turn 3: 0.80 / 0.925 = 0.864864... (slower: an expiry and a failed pull).
+    assert got == {0: 1.0, 1: 2.8, 2: 1.8824, 3: 0.8649}
 
 
 def test_reuse_outcomes(con) -> None:

@@ -93,6 +93,8 @@ def test_run_summary_table_ms_and_hit_rate():
             "ok_turns": [4, 0],
             "failed_turns": [0, 0],
             "hits": [2, 0],
+            "later_turns": [3, 0],  # 4 turns, the first cannot hit
+            "later_hits": [2, 0],
             "ttft_p50_s": [0.25, None],
             "ttft_p90_s": [0.5, None],
             "ttft_mean_s": [0.3, None],
@@ -102,8 +104,9 @@ def test_run_summary_table_ms_and_hit_rate():
     t = tables.run_summary_table(df)
     assert list(t["run"]) == ["x", "b"] and list(t.columns[:3]) == ["run", "mode", "history"]
     assert t.loc[0, "TTFT p50 (ms)"] == pytest.approx(250.0)
-    assert t.loc[0, "hit rate (all turns)"] == pytest.approx(0.5) and pd.isna(
-        t.loc[1, "hit rate (all turns)"]
+    # hits over later turns (2 / 3), not over all turns (2 / 4); no later turn: no rate
+    assert t.loc[0, "hit rate (later turns)"] == pytest.approx(2 / 3) and pd.isna(
+        t.loc[1, "hit rate (later turns)"]
     )
 
 
@@ -136,11 +139,11 @@ def test_whatif_empty_and_marks_the_configured_ttl_and_ds_space():
                        ["r2", "two", 60.0, 10, 4, 0, 2.0, 20 * mib, 20 * mib, float("nan")],
                        ["r2", "two", 480.0, 10, 8, 0, 4.0, 40 * mib, 40 * mib, float("nan")]], columns=cols)
     fig = figures.whatif_ttl(df, [480.0])
-    rate = next(t for t in fig.data if t.name == "hit rate")
+    rate = next(t for t in fig.data if t.name == "pd-bidir · hit rate")
     assert list(rate.y) == pytest.approx([30.0, 70.0])  # (2 + 4) / 20, (6 + 8) / 20
-    lost = next(t for t in fig.data if t.name == "lost: D full")
+    lost = next(t for t in fig.data if t.name == "pd-bidir · lost: D full")
     assert list(lost.y) == pytest.approx([0.0, 15.0])
-    held = next(t for t in fig.data if t.name == "KV held (GiB x s)")
+    held = next(t for t in fig.data if t.name == "pd-bidir · KV held (GiB x s)")
     assert list(held.y) == pytest.approx([3.0, 12.0])
     space = [t for t in fig.data if t.name.endswith(": D's KV space")]
     assert [t.name for t in space] == ["one · pd-bidir: D's KV space"] and list(space[0].y) == [100.0, 100.0]
@@ -149,7 +152,7 @@ def test_whatif_empty_and_marks_the_configured_ttl_and_ds_space():
     assert {s.x0 for s in fig.layout.shapes} == {480.0}  # one line per panel
     table = tables.whatif_table(df)
     assert list(table["runs over D's space"]) == ["0 of 2", "1 of 2"]
-    assert list(table["hit rate"]) == pytest.approx([0.3, 0.7])
+    assert list(table["hit rate (later turns)"]) == pytest.approx([0.3, 0.7])
 
 
 def test_latency_panels_ms_one_legend_entry_per_outcome_and_mode():
@@ -306,3 +309,35 @@ def test_plan_check_figure_draws_each_mode_in_its_colour_with_the_legend_below()
     colours = {t.name: t.marker.color for t in fig.data if t.mode == "markers"}
     assert colours == {m: MODE_COLORS[m] for m in ("pd", "pd-bidir", "aggregated")}
     assert fig.layout.legend.orientation == "h" and fig.layout.legend.y < 0
+
+
+def test_log_ticks_whole_numbers_in_1_2_5_steps():
+    from dashboard.figures.common import log_ticks
+
+    vals, texts = log_ticks(pd.Series([3.0, 140.0, float("nan"), 0.0]))
+    assert vals == [2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0]
+    assert texts == ["2", "5", "10", "20", "50", "100", "200"]
+    # five decades: one tick per decade, still whole numbers
+    assert log_ticks(pd.Series([0.3, 1500.0]))[1] == ["0.1", "1", "10", "100", "1,000", "10,000"]
+
+
+def test_palettes_keep_meanings_apart():
+    from dashboard import palette
+
+    modes = set(palette.MODE_COLORS.values())
+    assert not modes & set(palette.OUTCOME_COLORS.values()) and not modes & set(palette.TIME_COLORS.values())
+    assert not modes & set(palette.AB_COLORS.values())
+    # by-design outcomes are greys (r = g = b), misses that cost are not
+    grey = [o for o, c in palette.OUTCOME_COLORS.items() if c[1:3] == c[3:5] == c[5:7]]
+    assert sorted(grey) == sorted(palette.QUIET_OUTCOMES)
+    assert palette.side_colors("pd-bidir", "pd") == {"A": "#2ca02c", "B": "#1f77b4"}
+    assert palette.side_colors("pd-bidir", "pd-bidir") == palette.AB_COLORS
+
+
+def test_workload_mismatch_in_words():
+    from dashboard.compare_stats import workload_mismatch
+
+    msg = workload_mismatch({("tau-bench-airline", "token_ids")}, {("tau-bench-airline", "text")})
+    assert "A ran tau-bench-airline with history token_ids, B ran tau-bench-airline with history text" in msg
+    assert "carry history differently" in msg and "across workloads" not in msg and "(" not in msg
+    assert "did not run the same workload" in workload_mismatch({("a", "text")}, {("b", "text")})

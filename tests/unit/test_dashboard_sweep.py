@@ -23,8 +23,9 @@ def test_p90_is_linear_interpolation():
     # 0.9 x (5 - 1) = 3.6: 4 + 0.6 x (10 - 4) = 7.6
     assert sweep_stats.stat_of(np.array([1.0, 2.0, 3.0, 4.0, 10.0]), "p90") == pytest.approx(7.6)
     assert sweep_stats.stat_of(np.array([1.0, 2.0, 3.0, 4.0, 10.0]), "mean") == pytest.approx(4.0)
+    assert sweep_stats.stat_of(np.array([1.0, 2.0, 3.0, 4.0, 10.0, np.nan]), "median") == pytest.approx(3.0)
     with pytest.raises(ValueError, match="stat must be one of"):
-        sweep_stats.stat_of(np.array([1.0]), "median")
+        sweep_stats.stat_of(np.array([1.0]), "p50")
 
 
 def test_speedup_ci_with_two_sessions_a_side_is_the_extremes():

@@ -1,0 +1,228 @@
+"""Every chart shows its data, checked in a real browser.
+
+For every page of the dashboard, on two stores (the dashboard test store, tests/dashboard_store.py,
+and the planner's recorded runs with a traffic report and two plans), and on the "Export these runs
+as HTML" file, this reads each drawn Plotly figure back from the DOM (``el._fullLayout``'s axes as
+plotly.js rendered them, matched and overlaying axes included, and ``el._fullData``'s points) and
+checks:
+
+- every finite point of every visible trace lies inside the rendered range of its own axes (log axes
+  compared in log10, dates in ms, categories by index: plotly.js's own ``d2l``/``r2l`` conversions);
+- a figure with points draws marks (a line, a marker, a bar), so no figure with rows is blank.
+
+The truth is independent of the dashboard's code: where plotly.js put the axes against the data it
+was given. A blank chart (an axis range fixed at [0, 4] while the data sit at 36-923 ms) fails here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests import dashboard_store
+from tests.e2e.test_dashboard_browser import (  # noqa: F401  (browser: a fixture used below)
+    CHROMIUM,
+    REPO,
+    WIDTH,
+    _streamlit,
+    _wait_idle,
+    browser,
+)
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing: apt-get install chromium"),
+]
+
+#: (URL path, heading) of every page of dashboard/app.py.
+PAGES = [
+    ("", "Overview"),
+    ("turns", "Turns"),
+    ("sessions", "Sessions"),
+    ("memory", "Memory"),
+    ("compare", "Compare"),
+    ("sweep", "Sweep"),
+    ("traffic", "Traffic"),
+    ("plan", "Plan"),
+    ("sql", "SQL"),
+]
+
+#: Reads every drawn figure: per trace, the points outside its axes' rendered ranges; per figure,
+#: the number of points and of drawn marks. Runs in the page.
+READ_FIGURES = r"""
+() => {
+  const out = [];
+  const arr = (v) => (v == null ? [] : (typeof v === 'string' ? [v] : Array.from(v)));
+  for (const el of document.querySelectorAll('.js-plotly-plot')) {
+    const fl = el._fullLayout, fd = el._fullData;
+    if (!fl || !fd) { out.push({title: '(not drawn)', points: -1, marks: 0, outside: []}); continue; }
+    const title = (fl.title && fl.title.text) || '';
+    let points = 0;
+    const outside = [];
+    for (const tr of fd) {
+      if (tr.visible !== true) continue;
+      const axes = [];
+      let tracePoints = 0;
+      if (tr.xaxis) axes.push(['x', 'xaxis' + tr.xaxis.slice(1)]);
+      if (tr.yaxis) axes.push(['y', 'yaxis' + tr.yaxis.slice(1)]);
+      for (const [key, name] of axes) {
+        const ax = fl[name];
+        if (!ax || !ax.range) continue;
+        const vals = arr(tr[key]);
+        const lo = Math.min(ax.r2l(ax.range[0]), ax.r2l(ax.range[1]));
+        const hi = Math.max(ax.r2l(ax.range[0]), ax.r2l(ax.range[1]));
+        const slack = (hi - lo) * 1e-6;
+        let n = 0;
+        for (const v of vals) {
+          if (v === null || v === undefined || v === '') continue;
+          const l = ax.d2l(v);
+          if (!Number.isFinite(l)) continue;
+          n += 1;
+          if (l < lo - slack || l > hi + slack) {
+            outside.push({trace: tr.name || String(tr.index), axis: name, type: ax.type,
+                          value: String(v), range: [lo, hi]});
+            break;
+          }
+        }
+        tracePoints = Math.max(tracePoints, n);
+      }
+      points += tracePoints;
+    }
+    const marks = el.querySelectorAll(
+      '.scatterlayer .trace path.js-line, .scatterlayer .point, .barlayer .point path, '
+      + '.boxlayer path.box, .heatmaplayer image, .scatterlayer path.js-fill').length;
+    out.push({title, points, marks, outside: outside.slice(0, 5)});
+  }
+  return out;
+}
+"""
+
+
+def _settle(page) -> None:
+    """Wait until Streamlit is idle and the number of drawn figures stops changing."""
+    _wait_idle(page)
+    last, same = -1, 0
+    for _ in range(40):  # three looks in a row, 1 s apart, with the same count
+        page.wait_for_timeout(1000)
+        n = page.evaluate("document.querySelectorAll('.js-plotly-plot .main-svg').length")
+        same = same + 1 if n == last else 0
+        if same >= 2:
+            break
+        last = n
+    _wait_idle(page)
+
+
+def check_figures(page, where: str) -> int:
+    """Assert every drawn figure on `page` shows its data; returns the number of figures checked."""
+    figures = page.evaluate(READ_FIGURES)
+    problems = []
+    for i, f in enumerate(figures):
+        name = f"{where} figure {i} {f['title']!r}"
+        if f["points"] < 0:
+            problems.append(f"{name}: never drawn")
+            continue
+        if f["outside"]:
+            problems.append(f"{name}: points outside the drawn axes: {f['outside']}")
+        if f["points"] > 0 and f["marks"] == 0:
+            problems.append(f"{name}: {f['points']} points but nothing drawn")
+    assert not problems, "\n".join(problems)
+    return len(figures)
+
+
+def _check_pages(browser, url: str, store: str, pages=PAGES) -> dict[str, int]:  # noqa: F811
+    counts: dict[str, int] = {}
+    for path, title in pages:
+        page = browser.new_page(viewport={"width": WIDTH, "height": 4000})
+        errors: list[str] = []
+        page.on("pageerror", lambda e, errors=errors: errors.append(str(e)))
+        page.goto(f"{url}/{path}", wait_until="domcontentloaded")
+        page.get_by_role("heading", name=title, exact=True).wait_for(timeout=60_000)
+        _settle(page)
+        if title == "Sessions" and page.locator('[data-testid="stSelectbox"]').count():
+            page.locator('[data-testid="stSelectbox"]').first.click(timeout=60_000)
+            page.get_by_role("option").first.click(timeout=60_000)
+            _settle(page)
+        assert page.locator('[data-testid="stException"]').count() == 0, f"{store} {title}: an exception"
+        counts[title] = check_figures(page, f"{store} {title}")
+        assert not errors, errors
+        page.close()
+    return counts
+
+
+@pytest.fixture(scope="module")
+def demo_url(tmp_path_factory):
+    """Like the demo's store, more than one (workload, history) group: the dashboard test store's runs
+    (coding-agent, token_ids) plus the planner's (planner-fixture), so the Overview draws one panel per
+    group on shared axes."""
+    from tests import planner_store
+
+    tmp = tmp_path_factory.mktemp("charts-demo")
+    root = dashboard_store.build(tmp / "store")
+    planner_store.build(root)
+    with _streamlit(root, tmp) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def planned_url(tmp_path_factory):
+    """The planner's recorded runs (tests/planner_store.py), a traffic report of the 24 shipped
+    kv-cache-tester traces, a forecast of them with the vendor-h200 profile, and the runs planned from
+    their own fitted profile."""
+    from typer.testing import CliRunner
+
+    from loadgen.traces.kv_cache_tester import DEFAULT_DIR
+    from loadgen.traffic import build_report
+    from tests import planner_store
+    from turnscope.cli import app
+    from turnscope.store import Store
+
+    tmp = tmp_path_factory.mktemp("charts-planned")
+    root = planner_store.build(tmp / "store")
+    build_report(Store(root), [DEFAULT_DIR], label="kv-cache-tester")
+    for args in ([str(DEFAULT_DIR), "--profile", str(REPO / "data/profiles/vendor-h200.yaml"), "--label",
+                  "kv-cache-tester"],
+                 [str(root), "--fit-runs", ",".join(planner_store.RUNS.values()), "--label", "check"]):
+        r = CliRunner().invoke(app, ["plan", *args, "--store", str(root)], env={"COLUMNS": "4000"})
+        assert r.exit_code == 0, r.output
+    with _streamlit(root, tmp) as url:
+        yield url
+
+
+def test_every_chart_shows_its_data_demo_store(demo_url, browser, tmp_path):  # noqa: F811
+    counts = _check_pages(browser, demo_url, "demo store")
+    # the pages that draw from runs drew figures (a page of empty states would pass vacuously)
+    assert counts["Overview"] >= 3 and counts["Turns"] >= 3 and counts["Memory"] >= 2, counts
+    # The HTML export, opened as a file.
+    page = browser.new_page(viewport={"width": WIDTH, "height": 4000}, accept_downloads=True)
+    page.goto(demo_url, wait_until="domcontentloaded")
+    page.get_by_role("heading", name="Overview", exact=True).wait_for(timeout=60_000)
+    _settle(page)
+    with page.expect_download(timeout=60_000) as dl:
+        page.get_by_role("button", name="Export these runs as HTML").click(timeout=60_000)
+    saved = Path(tmp_path) / "runs.html"
+    dl.value.save_as(saved)
+    page.goto(saved.as_uri(), wait_until="load")
+    page.wait_for_function("document.querySelectorAll('.js-plotly-plot .main-svg').length >= 8", timeout=60_000)
+    page.wait_for_timeout(1000)
+    assert check_figures(page, "HTML export") >= 8
+    page.close()
+
+
+def test_every_chart_shows_its_data_planned_store(planned_url, browser):  # noqa: F811
+    counts = _check_pages(browser, planned_url, "planned store")
+    assert counts["Overview"] >= 2 and counts["Traffic"] >= 5 and counts["Plan"] >= 2, counts
+
+
+@pytest.mark.parametrize(("fixture", "path", "title", "least"), [
+    ("sweep_store", "sweep", "Sweep", 2),  # a prefix sweep: TTFT and speed-up against prefix length
+    ("capacity_store", "memory", "Memory", 3),  # a capacity ramp: the Memory page's capacity section
+])
+def test_every_chart_shows_its_data_sweep_and_capacity(browser, tmp_path, fixture, path, title, least):  # noqa: F811
+    """The pages whose figures need a sweep or a capacity ramp, on the stores that hold one."""
+    import importlib
+
+    build = importlib.import_module(f"tests.{fixture}").build
+    with _streamlit(build(tmp_path / "store"), tmp_path) as url:
+        counts = _check_pages(browser, url, fixture, [(path, title)])
+    assert counts[title] >= least, counts
