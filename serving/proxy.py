@@ -226,11 +226,16 @@ class SessionProxy:
     # -- a generate request, step by step -----------------------------------------------------------
 
     async def generate(self, endpoint: str, request: Request) -> Response:
-        """One generate request: admit, match the handle, prefill leg, decode leg (streamed relay)."""
+        """One generate request: admit, match the handle, prefill leg, decode leg (streamed relay).
+        In P/D modes a request P/D cannot serve (:func:`pd_request_error`) is answered 400 first,
+        with neither worker called and the session's handle left in place."""
         req = await self.admit(endpoint, request)
         if self.config.mode == AGGREGATED:
             req.facts.prefill_engine = None
             return await self.decode_leg(req)
+        problem = pd_request_error(req.body)
+        if problem is not None:
+            return self.reject(req, *problem)
         await self.match_handle(req)
         self.estimate_local_hit(req)
         try:
@@ -241,6 +246,14 @@ class SessionProxy:
             return self.prefill_failed(req, exc)
         self.account_prefill(req, p_resp)
         return await self.decode_leg(req)
+
+    def reject(self, req: ProxiedRequest, param: str, message: str) -> Response:
+        """A 400 in OpenAI's error shape naming the body field ``param`` (as vLLM's own 400s do),
+        counted in ``turnscope_rejected_requests_total{param}`` and logged; no worker is called."""
+        self.metrics.rejected.labels(param).inc()
+        log.info(json.dumps({"event": "request", "status": "rejected", "param": param, **req.facts.log_fields()}))
+        return JSONResponse({"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}},
+                            status_code=400, headers={REQUEST_ID_HEADER: req.facts.request_id})
 
     async def admit(self, endpoint: str, request: Request) -> ProxiedRequest:
         """Read the body, take the session key out of it, drop client-supplied
@@ -581,6 +594,22 @@ class _StreamRelay:
         if finishes:
             return [self.with_facts(data)]
         return [f"data: {data}\n\n".encode()]
+
+
+def pd_request_error(body: dict) -> tuple[str, str] | None:
+    """``(param, message)`` when P/D cannot serve the request body, else None.
+
+    ``n`` above 1: P would split the request into ``n`` child requests whose KV blocks one
+    ``kv_transfer_params`` cannot describe, so D would get the blocks of one child, or none (vLLM
+    issue "[Bug] n>1 with PD disaggregation", vllm-project/vllm#38900). A non-integer ``n`` is left
+    to the workers' own validation.
+    """
+    n = body.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+        return "n", (f"n={n}: this proxy serves one choice per request in P/D modes (n must be 1); P/D "
+                     "disaggregation cannot hand the KV of several choices from the prefill to the decode worker. "
+                     "Send n separate requests, or serve aggregated.")
+    return None
 
 
 def held_handle_tokens(d_handle: dict | None) -> int | None:

@@ -35,6 +35,9 @@ class ProxyMetrics:
             "Prompt tokens by where their KV came from: pulled from the decode worker (remote_decode), "
             "the prefill worker's prefix cache (local_prefix), or computed (recomputed).",
             ["mode", "source"], registry=r)
+        self.rejected = Counter("turnscope_rejected_requests",
+                                "Requests answered 400 by the proxy itself, neither worker called, by the body "
+                                "field at fault (n: n > 1 in a P/D mode).", ["param"], registry=r)
         self.prefill_attempts = Counter("turnscope_prefill_retries",
                                         "Prefill legs retried as a plain recompute after a failed pull.",
                                         registry=r)
