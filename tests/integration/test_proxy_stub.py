@@ -157,7 +157,7 @@ def test_a_request_the_client_leaves_is_logged_as_it_ends(caplog, leave):
             logged = [json.loads(x.message) for x in caplog.records
                       if x.message.startswith("{") and '"lg-left"' in x.message]
             time.sleep(0.1)
-    assert [(e["request_id"], e["status"]) for e in logged] == [("lg-left", "incomplete")]
+    assert [(e["request_id"], e["status"]) for e in logged] == [("lg-left", "client_disconnected")]
 
 
 def test_session_routing_fails_over_when_its_prefill_worker_goes_away():
