@@ -67,6 +67,16 @@ def external_kv_tokens(store: Path, run_ids: list[str]) -> pd.DataFrame:
             GROUP BY run_id ORDER BY run_id""", [run_ids, EXTERNAL_KV_METRIC]).df()
 
 
+def pd_check_failures(store: Path, run_ids: list[str]) -> dict[str, str]:
+    """Run id -> why the run failed the P/D check (its decode worker computed prompts itself;
+    ``turnscope.pd_check``), for the runs of ``run_ids`` that did."""
+    from dashboard.queries import decode_prompt_sources
+    from turnscope.pd_check import failed_runs
+
+    with _connect(store) as con:
+        return failed_runs(decode_prompt_sources(con, run_ids))
+
+
 def sweep_summary(store: Path, run_ids: list[str]) -> pd.DataFrame:
     """Per run of a prefix sweep (view ``sweep_points``): its mode, history mode and point, ok
     turns, mean and p90 TTFT (seconds; ``quantile_cont``), hits, turns after the first, and how
