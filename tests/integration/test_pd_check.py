@@ -79,3 +79,16 @@ def test_the_rule_by_hand():
     assert decode_computed_prompts("aggregated", 10, 5000.0, 0.0) is None
     assert decode_computed_prompts("pd", 0, 5000.0, 0.0) is None  # no turn went through P
     assert decode_computed_prompts("pd", 10, None, None) is None  # D not scraped
+
+
+def test_the_overview_shows_the_failed_run(tmp_path, monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    from tests.integration.test_dashboard_apptest import APP, TIMEOUT_S
+
+    root = build(tmp_path / "store")
+    monkeypatch.setenv("TURNSCOPE_STORE", str(root))
+    at = AppTest.from_file(str(APP), default_timeout=TIMEOUT_S).run()
+    assert not at.exception, [e.value for e in at.exception]
+    errors = [e.value for e in at.error]
+    assert errors == [f"Run `bad` failed its P/D check. {decode_computed_prompts('pd', 10, 4000.0, 0.0)}"]
