@@ -341,7 +341,11 @@ class GeventClient:
 
 class _GeventSSE:
     """What ``httpx_sse.EventSource`` reads of a response (``headers.get``, ``iter_text``), over a
-    geventhttpclient response: each line of the body is handed on as soon as it is complete."""
+    geventhttpclient response: each line of the body is handed on as soon as it is complete.
+
+    Lines are cut at LF, so a stream whose lines end in CR alone (allowed by SSE, sent by no
+    OpenAI-compatible server turnscope knows) is parsed right but handed on only at its end: its
+    times would be late (tests/integration/test_stream_splits.py checks the parse)."""
 
     def __init__(self, resp: Any):
         self.resp = resp
