@@ -284,6 +284,7 @@ class SessionProxy:
                 self.prefill_router.mark_failed(req.prefill.name)
             return self.prefill_failed(req, exc)
         self.account_prefill(req, p_resp)
+        req.phase = PHASE_BEFORE_FIRST_TOKEN  # P has answered: its blocks wait for D
         return await self.decode_leg(req)
 
     def reject(self, req: ProxiedRequest, param: str, message: str) -> Response:
