@@ -121,3 +121,28 @@ def test_a_prefill_worker_refusing_every_request_is_never_reported_as_pd():
         assert "x-turnscope-reuse" not in r.headers and r.token_ids == [] and r.ttft_s is None
         assert r.headers["x-turnscope-prefill-engine"] == "prefill-0"
     assert whole.status_code == 400 and whole.json()["error"]["type"] == "prefill_failed"
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["stream", "whole"])
+def test_a_client_leaving_between_ps_answer_and_the_decode_leg_never_reaches_d(streamed):
+    """The proxy is held 2 s between P's answer and the decode leg (its decode leg wrapped on the
+    instance); the client leaves 0.5 s into the hold: D is never called, the disconnect is counted
+    in ``before_first_token`` (P's blocks wait for a D that will not come: the lease frees them)."""
+    import asyncio
+
+    with AppThread(prefill_app()) as p, AppThread(decode_app(gen=200, itl_s=ITL_S)) as d, \
+            ProxyThread(config(p, d)) as proxy:
+        sp = proxy.app.state.proxy
+        decode_leg = sp.decode_leg
+
+        async def held(req):
+            await asyncio.sleep(2.0)
+            return await decode_leg(req)
+
+        sp.decode_leg = held
+        leave_after(proxy.url, streamed, "s1", 0.5)
+        assert wait_for(lambda: metric(proxy.url, "turnscope_proxy_client_disconnects_total")) == 1.0
+        assert metric(proxy.url, "turnscope_proxy_client_disconnects_total", phase="before_first_token") == 1.0
+        time.sleep(2.0)  # past the hold: a cancelled leg never reaches D
+        assert len(p.app.state.bodies) == 1 and d.app.state.bodies == []
+        assert httpx.get(proxy.url + "/health", timeout=5).json()["handles_live"] == 0
