@@ -11,6 +11,7 @@ from pathlib import Path
 import duckdb
 import pandas as pd
 
+from turnscope import pd_check
 from turnscope.store import connect_read_only
 
 EXTERNAL_KV_METRIC = "vllm:prompt_tokens_by_source_total"
@@ -70,11 +71,8 @@ def external_kv_tokens(store: Path, run_ids: list[str]) -> pd.DataFrame:
 def pd_check_failures(store: Path, run_ids: list[str]) -> dict[str, str]:
     """Run id -> why the run failed the P/D check (its decode worker computed prompts itself;
     ``turnscope.pd_check``), for the runs of ``run_ids`` that did."""
-    from dashboard.queries import decode_prompt_sources
-    from turnscope.pd_check import failed_runs
-
     with _connect(store) as con:
-        return failed_runs(decode_prompt_sources(con, run_ids))
+        return pd_check.failed_runs(pd_check.decode_prompt_sources(con, run_ids))
 
 
 def sweep_summary(store: Path, run_ids: list[str]) -> pd.DataFrame:

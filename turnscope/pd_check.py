@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import math
 
+#: vLLM's counter of prompt tokens by where their KV came from (``PromptTokenStats``).
+PROMPT_TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+
 #: Prompt tokens D may compute itself per turn it got from P: the last prompt token.
 LOCAL_TOKENS_PER_PD_TURN = 1
 
@@ -47,10 +50,43 @@ def decode_computed_prompts(mode: str, pd_turns: int, local_compute: float | Non
 def failed_runs(sources) -> dict[str, str]:
     """Run id -> the sentence that fails it, for the runs of ``sources`` whose decode worker
     computed prompts itself (``sources``: rows with run_id, mode, pd_turns, local_compute,
-    external_kv, as ``dashboard.queries.decode_prompt_sources`` returns them)."""
+    external_kv, as :func:`decode_prompt_sources` returns them)."""
     out = {}
     for r in sources.itertuples():
         problem = decode_computed_prompts(str(r.mode), int(r.pd_turns), r.local_compute, r.external_kv)
         if problem is not None:
             out[r.run_id] = problem
     return out
+
+
+_DECODE_PROMPT_SOURCES = """
+WITH t AS (
+    SELECT run_id, count(*) FILTER (WHERE reuse IS NOT NULL) AS pd_turns
+    FROM turns WHERE run_id IN (SELECT unnest($run_ids)) GROUP BY run_id
+), d AS (
+    SELECT run_id,
+           sum(increase) FILTER (WHERE json_extract_string(labels, '$.source') = 'local_compute') AS local_compute,
+           sum(increase) FILTER (WHERE json_extract_string(labels, '$.source') = 'external_kv_transfer') AS external_kv
+    FROM metric_increases
+    WHERE role = 'decode' AND name = $name AND run_id IN (SELECT unnest($run_ids))
+    GROUP BY run_id
+)
+SELECT r.run_id, r.mode, coalesce(t.pd_turns, 0) AS pd_turns, d.local_compute, d.external_kv
+FROM runs r LEFT JOIN t USING (run_id) LEFT JOIN d USING (run_id)
+WHERE r.run_id IN (SELECT unnest($run_ids))
+ORDER BY r.run_id
+"""
+
+
+def decode_prompt_sources(con, run_ids: list[str]):
+    """Per run of ``run_ids``: the turns the proxy sent through P and where the decode worker's
+    prompt tokens came from, the inputs of :func:`failed_runs`, read on a DuckDB connection to
+    the store's views.
+
+    ``pd_turns``: turns with a reuse outcome (P answered and D was called). ``local_compute`` /
+    ``external_kv``: how much :data:`PROMPT_TOKENS_BY_SOURCE` rose on ``role='decode'`` endpoints
+    for ``source="local_compute"`` / ``"external_kv_transfer"`` (tokens, from the
+    ``metric_increases`` view; NULL when D was not scraped). Returns a DataFrame with columns
+    run_id, mode, pd_turns, local_compute, external_kv, one row per run.
+    """
+    return con.execute(_DECODE_PROMPT_SOURCES, {"run_ids": list(run_ids), "name": PROMPT_TOKENS_BY_SOURCE}).df()

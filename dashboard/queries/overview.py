@@ -18,6 +18,7 @@ from dashboard.queries.common import (
     _where,
     as_filter,
 )
+from turnscope import pd_check
 
 _RUNS = """
 SELECT r.run_id, r.label, r.mode, r.workload, r.history_mode, r.model, r.status, r.started_at, r.finished_at,
@@ -216,35 +217,8 @@ def external_kv_tokens(con: duckdb.DuckDBPyConnection, run_ids: TurnFilter | Seq
     return _run(con, _PREFILL_COUNTER, params)
 
 
-_DECODE_PROMPT_SOURCES = """
-WITH t AS (
-    SELECT run_id, count(*) FILTER (WHERE reuse IS NOT NULL) AS pd_turns
-    FROM turns WHERE run_id IN (SELECT unnest($run_ids)) GROUP BY run_id
-), d AS (
-    SELECT run_id,
-           sum(increase) FILTER (WHERE json_extract_string(labels, '$.source') = 'local_compute') AS local_compute,
-           sum(increase) FILTER (WHERE json_extract_string(labels, '$.source') = $source) AS external_kv
-    FROM metric_increases
-    WHERE role = 'decode' AND name = $name AND run_id IN (SELECT unnest($run_ids))
-    GROUP BY run_id
-)
-SELECT r.run_id, r.mode, coalesce(t.pd_turns, 0) AS pd_turns, d.local_compute, d.external_kv
-FROM runs r LEFT JOIN t USING (run_id) LEFT JOIN d USING (run_id)
-WHERE r.run_id IN (SELECT unnest($run_ids))
-ORDER BY r.run_id
-"""
-
 
 def decode_prompt_sources(con: duckdb.DuckDBPyConnection, run_ids: TurnFilter | Sequence[str]) -> pd.DataFrame:
-    """Per run: the turns the proxy sent through P and where the decode worker's prompt tokens
-    came from, the inputs of the run's P/D check (``turnscope.pd_check``).
-
-    ``pd_turns``: turns with a reuse outcome (P answered and D was called). ``local_compute`` /
-    ``external_kv``: how much ``vllm:prompt_tokens_by_source_total`` rose on ``role='decode'``
-    endpoints for ``source="local_compute"`` / ``"external_kv_transfer"`` (tokens, from
-    ``metric_increases``; NULL when D was not scraped). Columns: run_id, mode, pd_turns,
-    local_compute, external_kv. One row per run.
-    """
-    params = {"run_ids": _ids(as_filter(run_ids).run_ids), "name": PROMPT_TOKENS_BY_SOURCE,
-              "source": EXTERNAL_KV_SOURCE}
-    return con.execute(_DECODE_PROMPT_SOURCES, params).df()
+    """Per run: the inputs of its P/D check (``turnscope.pd_check.decode_prompt_sources``: columns
+    run_id, mode, pd_turns, local_compute, external_kv)."""
+    return pd_check.decode_prompt_sources(con, _ids(as_filter(run_ids).run_ids))
