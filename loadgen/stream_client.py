@@ -53,10 +53,9 @@ from typing import Any, Self
 import httpx
 from httpx_sse import EventSource, SSEError
 
-from turnscope.contract import FACTS_FIELD, REQUEST_ID_HEADER
+from turnscope.contract import FACTS_FIELD, REQUEST_ID_HEADER, error_body_text
 
 _DONE = "[DONE]"
-_ERROR_BODY_LIMIT = 500  # characters of a non-JSON error body kept in TurnResult.error
 
 
 @dataclass
@@ -226,29 +225,12 @@ class ChunkAccumulator:
         return r
 
 
-def _error_text(status: int, text: str) -> str:
-    """``HTTP <status>: <message>`` from an error body (OpenAI ``error.message``, or ``message``,
-    ``detail``, ``error``; else the first characters of the body)."""
-    try:
-        body = json.loads(text)
-    except ValueError:
-        body = None
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict) and err.get("message"):
-            return f"HTTP {status}: {err['message']}"
-        for k in ("message", "detail", "error"):
-            if body.get(k):
-                return f"HTTP {status}: {body[k]}"
-    return f"HTTP {status}: {text[:_ERROR_BODY_LIMIT]}"
-
-
 def _error_message(resp: httpx.Response) -> str:
     try:
         text = resp.read().decode(resp.encoding or "utf-8", errors="replace")
     except httpx.HTTPError as e:
         return f"HTTP {resp.status_code} (body unreadable: {e})"
-    return _error_text(resp.status_code, text)
+    return error_body_text(resp.status_code, text)
 
 
 class GeventClient:
@@ -359,7 +341,11 @@ class GeventClient:
 
 class _GeventSSE:
     """What ``httpx_sse.EventSource`` reads of a response (``headers.get``, ``iter_text``), over a
-    geventhttpclient response: each line of the body is handed on as soon as it is complete."""
+    geventhttpclient response: each line of the body is handed on as soon as it is complete.
+
+    Lines are cut at LF, so a stream whose lines end in CR alone (allowed by SSE, sent by no
+    OpenAI-compatible server turnscope knows) is parsed right but handed on only at its end: its
+    times would be late (tests/integration/test_stream_splits.py checks the parse)."""
 
     def __init__(self, resp: Any):
         self.resp = resp
@@ -460,7 +446,7 @@ def _exchange_gevent(client: GeventClient, url: str, payload: dict, req_headers:
         result.request_id = result.headers.get(REQUEST_ID_HEADER)
         if not 200 <= resp.status_code < 300:
             text = resp.read().decode("utf-8", errors="replace")
-            st.failure = ("error", _error_text(resp.status_code, text))
+            st.failure = ("error", error_body_text(resp.status_code, text))
         else:
             _consume(EventSource(_GeventSSE(resp)).iter_sse(), acc, t0, timeout_s, cancel, st)
     except SSEError as e:

@@ -32,6 +32,7 @@ turnscope's. The route functions of :func:`create_app` only delegate to the prox
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -47,13 +48,27 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
 from serving import handles as h
+from serving.client_disconnect import run_until_client_gone
 from serving.prefix_index import DEFAULT_CAPACITY_BLOCKS, BlockChains, PrefixIndex
 from serving.prompt_render import IncrementalRenderer
 from serving.proxy_metrics import ProxyMetrics
-from serving.proxy_request import ProxiedRequest, RequestFacts
+from serving.proxy_request import (
+    CLIENT_DISCONNECTED,
+    PHASE_BEFORE_FIRST_TOKEN,
+    PHASE_STREAMING,
+    ProxiedRequest,
+    RequestFacts,
+)
 from serving.routing import SESSION, Router, RoutingPolicy
 from turnscope import reuse_rules as rules
-from turnscope.contract import AGGREGATED, FACTS_FIELD, REQUEST_ID_HEADER, SESSION_FIELD, SESSION_HEADER
+from turnscope.contract import (
+    AGGREGATED,
+    FACTS_FIELD,
+    REQUEST_ID_HEADER,
+    SESSION_FIELD,
+    SESSION_HEADER,
+    error_body_text,
+)
 from turnscope.tokenize_client import TokenizeError, render_request, tokenize_async
 
 log = logging.getLogger("turnscope.proxy")
@@ -145,11 +160,12 @@ def classify_prefill(offered: int, prompt_len: int, cached: int | None, local_es
 
 
 class _PrefillFailed(Exception):
-    """The prefill leg failed; ``response`` is what to send the client."""
+    """P answered the prefill leg with HTTP ``status``; ``body`` is its answer (bytes)."""
 
-    def __init__(self, response: Response):
-        super().__init__("prefill leg failed")
-        self.response = response
+    def __init__(self, status: int, body: bytes):
+        super().__init__(f"prefill worker answered HTTP {status}")
+        self.status = status
+        self.body = body
 
 
 class SessionProxy:
@@ -226,10 +242,38 @@ class SessionProxy:
     # -- a generate request, step by step -----------------------------------------------------------
 
     async def generate(self, endpoint: str, request: Request) -> Response:
-        """One generate request: admit, match the handle, prefill leg, decode leg (streamed relay)."""
+        """One generate request: admit, then :meth:`serve` it unless the client goes away first.
+
+        In P/D modes a request P/D cannot serve (:func:`pd_request_error`) is answered 400 first,
+        with neither worker called and the session's handle left in place. A client that
+        disconnects before the response starts (during the prefill leg, or before D's stream
+        opens, or during a non-streamed decode leg) has the legs in flight cancelled, which closes
+        their connections to the workers (``serving.client_disconnect``): :meth:`client_left`."""
         req = await self.admit(endpoint, request)
         if self.config.mode == AGGREGATED:
             req.facts.prefill_engine = None
+        else:
+            problem = pd_request_error(req.body)
+            if problem is not None:
+                return self.reject(req, *problem)
+        gone, response = await run_until_client_gone(request.receive, self.serve(req))
+        if gone:
+            self.client_left(req)
+            return Response(status_code=499)  # nobody reads it: the client is gone (nginx's 499)
+        return response
+
+    def client_left(self, req: ProxiedRequest) -> None:
+        """The client went away before the request ended: counted by the phase it was in
+        (``turnscope_proxy_client_disconnects_total{phase}``, apart from errors), logged
+        ``client_disconnected``, and no handle kept for it. Once per request."""
+        if req.finished:
+            return
+        self.metrics.client_disconnects.labels(req.phase).inc()
+        self.finish_request(req, None, [], [], CLIENT_DISCONNECTED)
+
+    async def serve(self, req: ProxiedRequest) -> Response:
+        """Aggregated: the decode leg alone. P/D: match the handle, prefill leg, decode leg."""
+        if self.config.mode == AGGREGATED:
             return await self.decode_leg(req)
         await self.match_handle(req)
         self.estimate_local_hit(req)
@@ -240,7 +284,16 @@ class SessionProxy:
                 self.prefill_router.mark_failed(req.prefill.name)
             return self.prefill_failed(req, exc)
         self.account_prefill(req, p_resp)
+        req.phase = PHASE_BEFORE_FIRST_TOKEN  # P has answered: its blocks wait for D
         return await self.decode_leg(req)
+
+    def reject(self, req: ProxiedRequest, param: str, message: str) -> Response:
+        """A 400 in OpenAI's error shape naming the body field ``param`` (as vLLM's own 400s do),
+        counted in ``turnscope_rejected_requests_total{param}`` and logged; no worker is called."""
+        self.metrics.rejected.labels(param).inc()
+        log.info(json.dumps({"event": "request", "status": "rejected", "param": param, **req.facts.log_fields()}))
+        return JSONResponse({"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}},
+                            status_code=400, headers={REQUEST_ID_HEADER: req.facts.request_id})
 
     async def admit(self, endpoint: str, request: Request) -> ProxiedRequest:
         """Read the body, take the session key out of it, drop client-supplied
@@ -371,18 +424,28 @@ class SessionProxy:
         p_body.update(max_tokens=1, stream=False, kv_transfer_params=PREFILL_PARAMS | handle)
         r = await self.client.post(req.prefill.url + req.endpoint, json=p_body, timeout=self.config.prefill_timeout_s)
         if r.status_code != 200:
-            raise _PrefillFailed(Response(r.content, status_code=r.status_code, media_type="application/json"))
+            raise _PrefillFailed(r.status_code, r.content)
         return r.json()
 
     def prefill_failed(self, req: ProxiedRequest, exc: Exception) -> Response:
-        """The client's answer when the prefill leg failed: P's error, or a 502, naming the workers."""
-        log.info(json.dumps({"event": "request", "status": "prefill_failed", **req.facts.log_fields()}))
+        """The client's answer when the prefill leg failed; D is never called, so the turn is not
+        served by D alone as if P/D had happened (vllm-project/router issue 2). P's HTTP error keeps
+        P's status, its message prefixed with the worker's name and status (``prefill worker
+        prefill-0 answered HTTP 400: ...``); an unreachable or timed-out P is a 502 naming it. No
+        reuse header: there was no reuse. Counted in ``turnscope_prefill_failures_total{reason}``."""
         if isinstance(exc, _PrefillFailed):
-            exc.response.headers.update(req.facts.identity_headers())
-            return exc.response
-        return JSONResponse({"error": {"message": f"prefill worker {req.prefill.name}: {type(exc).__name__}: {exc}",
-                                       "type": "prefill_failed"}}, status_code=502,
-                            headers=req.facts.identity_headers())
+            status, reason = exc.status, f"http_{exc.status}"
+            message = f"prefill worker {req.prefill.name} answered " + error_body_text(
+                exc.status, exc.body.decode("utf-8", errors="replace"))
+        else:
+            status, reason = 502, type(exc).__name__
+            message = f"prefill worker {req.prefill.name}: {type(exc).__name__}: {exc}"
+        self.metrics.prefill_failures.labels(reason).inc()
+        req.finished = True
+        log.info(json.dumps({"event": "request", "status": "prefill_failed", "error": message,
+                             **req.facts.log_fields()}))
+        return JSONResponse({"error": {"message": message, "type": "prefill_failed", "code": status}},
+                            status_code=status, headers=req.facts.identity_headers())
 
     def account_prefill(self, req: ProxiedRequest, p_resp: dict) -> None:
         """From P's answer: the reuse outcome and token counts (:func:`classify_prefill`, P's
@@ -413,6 +476,7 @@ class SessionProxy:
     async def decode_leg(self, req: ProxiedRequest) -> Response:
         """D generates with P's params; its answer goes to the client with the facts' headers,
         streamed (:meth:`relay_stream`) or whole."""
+        req.phase = PHASE_BEFORE_FIRST_TOKEN
         d_body = dict(req.body)
         d_body["return_token_ids"] = True
         if req.p_params is not None:
@@ -428,10 +492,13 @@ class SessionProxy:
             return first
 
         async def chain():
-            if first is not STREAM_OPEN:  # the sentinel itself is never sent
-                yield first
-            async for piece in body_stream:
-                yield piece
+            try:
+                if first is not STREAM_OPEN:  # the sentinel itself is never sent
+                    yield first
+                async for piece in body_stream:
+                    yield piece
+            finally:  # the client left at a yield of ours: close D's stream now, not at garbage collection
+                await body_stream.aclose()
 
         return StreamingResponse(chain(), media_type="text/event-stream", headers=headers)
 
@@ -476,6 +543,11 @@ class SessionProxy:
                 async for event in source.aiter_sse():
                     for piece in relay.on_event(event.data):
                         yield piece
+        except (asyncio.CancelledError, GeneratorExit):
+            # Starlette cancels the response when its client disconnects (or closes this relay
+            # at a yield); leaving `aconnect_sse` closes D's stream, so D aborts the request.
+            self.client_left(req)
+            raise
         except httpx.HTTPError as exc:
             if isinstance(exc, httpx.TransportError):
                 self.decode_router.mark_failed(req.decode.name)
@@ -489,7 +561,11 @@ class SessionProxy:
 
     def finish_request(self, req: ProxiedRequest, d_handle: dict | None, prompt_ids: list[int], gen_ids: list[int],
                status: str) -> None:
-        """Keep D's handle for the session's next turn (or note that none came) and log the request."""
+        """Keep D's handle for the session's next turn (or note that none came) and log the request.
+        Once per request (later calls do nothing)."""
+        if req.finished:
+            return
+        req.finished = True
         prompt = prompt_ids if prompt_ids else (req.new_ids if req.new_ids is not None else [])
         if req.p_params is not None:
             self.record_prefill(req, prompt)
@@ -528,16 +604,18 @@ class _StreamRelay:
         self.first_token_seen = False
         self.facts_sent = False
         self.last_chunk: dict = {}
-        self.finished = False
+
+    @property
+    def finished(self) -> bool:
+        """Whether the request has ended (answered, failed, or left by its client)."""
+        return self.req.finished
 
     def fail(self, status: str) -> None:
         """The request ended without D's answer: no handle (:meth:`SessionProxy.finish_request`)."""
-        self.finished = True
         self.proxy.finish_request(self.req, None, [], [], status)
 
     def done(self) -> None:
         """D sent ``[DONE]``: keep its handle with the ids it holds KV for."""
-        self.finished = True
         self.proxy.finish_request(self.req, self.d_handle, self.prompt_ids, self.gen_ids, "ok")
 
     def with_facts(self, data: str) -> bytes:
@@ -575,12 +653,29 @@ class _StreamRelay:
                 self.gen_ids.extend(choice["token_ids"])
                 if not self.first_token_seen:
                     self.first_token_seen = True
+                    self.req.phase = PHASE_STREAMING
                     self.proxy.metrics.ttft.labels(self.proxy.config.mode, self.req.facts.reuse or "none").observe(
                         time.perf_counter() - self.req.t_arrival)
             finishes = finishes or (choice.get("index", 0) == 0 and choice.get("finish_reason") is not None)
         if finishes:
             return [self.with_facts(data)]
         return [f"data: {data}\n\n".encode()]
+
+
+def pd_request_error(body: dict) -> tuple[str, str] | None:
+    """``(param, message)`` when P/D cannot serve the request body, else None.
+
+    ``n`` above 1: P would split the request into ``n`` child requests whose KV blocks one
+    ``kv_transfer_params`` cannot describe, so D would get the blocks of one child, or none (vLLM
+    issue "[Bug] n>1 with PD disaggregation", vllm-project/vllm#38900). A non-integer ``n`` is left
+    to the workers' own validation.
+    """
+    n = body.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+        return "n", (f"n={n}: this proxy serves one choice per request in P/D modes (n must be 1); P/D "
+                     "disaggregation cannot hand the KV of several choices from the prefill to the decode worker. "
+                     "Send n separate requests, or serve aggregated.")
+    return None
 
 
 def held_handle_tokens(d_handle: dict | None) -> int | None:

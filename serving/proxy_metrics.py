@@ -35,6 +35,17 @@ class ProxyMetrics:
             "Prompt tokens by where their KV came from: pulled from the decode worker (remote_decode), "
             "the prefill worker's prefix cache (local_prefix), or computed (recomputed).",
             ["mode", "source"], registry=r)
+        self.rejected = Counter("turnscope_rejected_requests",
+                                "Requests answered 400 by the proxy itself, neither worker called, by the body "
+                                "field at fault (n: n > 1 in a P/D mode).", ["param"], registry=r)
+        self.client_disconnects = Counter(
+            "turnscope_proxy_client_disconnects",
+            "Requests whose client went away before they ended, by the phase they were in (prefill, "
+            "before_first_token, streaming); the legs in flight are closed. Not errors.", ["phase"], registry=r)
+        self.prefill_failures = Counter(
+            "turnscope_prefill_failures",
+            "Prefill legs that failed, so the request was answered with the failure and D never called, by "
+            "reason (http_<status> of P, or the transport error's name).", ["reason"], registry=r)
         self.prefill_attempts = Counter("turnscope_prefill_retries",
                                         "Prefill legs retried as a plain recompute after a failed pull.",
                                         registry=r)

@@ -23,6 +23,17 @@ from turnscope.contract import (
     PublicFacts,
 )
 
+#: Phases of a request, the ``phase`` label of ``turnscope_proxy_client_disconnects_total``: the
+#: prefill leg (with the handle match and its render), the decode leg before the first token was
+#: relayed (the whole decode leg of a non-streamed request; every phase of an aggregated one
+#: before its first token), and the streamed decode after it.
+PHASE_PREFILL = "prefill"
+PHASE_BEFORE_FIRST_TOKEN = "before_first_token"
+PHASE_STREAMING = "streaming"
+PHASES = (PHASE_PREFILL, PHASE_BEFORE_FIRST_TOKEN, PHASE_STREAMING)
+#: The proxy's log status of a request whose client went away before it ended.
+CLIENT_DISCONNECTED = "client_disconnected"
+
 
 @dataclass
 class RequestFacts:
@@ -94,6 +105,8 @@ class ProxiedRequest:
         handle_params: the (trimmed) handle offered to P; None: none.
         outcome: the reuse outcome so far.
         p_params: P's returned ``kv_transfer_params`` for D (None in aggregated mode).
+        phase: where the request is (:data:`PHASES`).
+        finished: whether it has ended (answered, failed, or left by its client): logged once.
     """
 
     endpoint: str
@@ -111,6 +124,8 @@ class ProxiedRequest:
     handle_params: dict | None = None
     outcome: str | None = None
     p_params: dict | None = field(default=None)
+    phase: str = PHASE_PREFILL
+    finished: bool = False
 
     @property
     def cache_salt(self) -> str | None:

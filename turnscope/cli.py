@@ -215,6 +215,7 @@ def print_summary(store: Path, run_ids: list[str]) -> None:
     outs = report.outcomes(store, run_ids)
     ext = report.external_kv_tokens(store, run_ids).set_index("run_id")["external_kv_tokens"].to_dict()
     stopped = report.stopped_early(store, run_ids)
+    pd_failed = report.pd_check_failures(store, run_ids)
     from dashboard import db, queries
 
     runs = db.read(db.StoreLocation(store), queries.runs).set_index("run_id")
@@ -232,6 +233,8 @@ def print_summary(store: Path, run_ids: list[str]) -> None:
         o = outs[outs.run_id == run_id]
         console_text.print_list(console, "  reuse: ", [f"{r.reuse}={r.turns}" for r in o.itertuples()])
         console_text.print_text(console, f"prefill external_kv_transfer tokens: {int(ext.get(run_id) or 0)}", "  ")
+        if run_id in pd_failed:
+            console_text.print_text(console, f"FAILED: {pd_failed[run_id]}", "  ")
         cut = [f"{r.sessions} by {r.stop_reason} ({r.turns_not_sent} planned turns not sent)"
                for r in stopped[stopped.run_id == run_id].itertuples()]
         if cut:

@@ -14,6 +14,7 @@ finishing chunk, a :data:`FACTS_FIELD` object of :class:`PublicFacts`.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any, TypedDict
 
@@ -126,3 +127,26 @@ def common_prefix_length(a: Sequence[Any], b: Sequence[Any]) -> int:
         return 0
     differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
     return int(differ[0]) if differ.size else n
+
+
+#: Characters of a non-JSON error body kept by :func:`error_body_text`.
+ERROR_BODY_LIMIT = 500
+
+
+def error_body_text(status: int, text: str) -> str:
+    """``HTTP <status>: <message>`` from an HTTP error body: OpenAI's ``error.message``, or a
+    top-level ``message``, ``detail`` or ``error``; else the body's first :data:`ERROR_BODY_LIMIT`
+    characters. The one reading of a worker's or the proxy's error body (the streaming client
+    stores it in ``turns.error``; the proxy quotes P's with it)."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return f"HTTP {status}: {err['message']}"
+        for k in ("message", "detail", "error"):
+            if body.get(k):
+                return f"HTTP {status}: {body[k]}"
+    return f"HTTP {status}: {text[:ERROR_BODY_LIMIT]}"

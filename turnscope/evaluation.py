@@ -119,6 +119,20 @@ def run_status(returncode: int) -> str:
     return "aborted" if returncode < 0 else "failed"
 
 
+def pd_checked_status(store: Path, run_id: str, status: str, console: Console) -> str:
+    """``failed`` for a complete run whose decode worker computed its prompts itself (P/D did not
+    happen: ``turnscope.pd_check``), said on the console; else ``status`` unchanged."""
+    if status != "complete":
+        return status
+    from loadgen.eval_report import pd_check_failures
+
+    problem = pd_check_failures(store, [run_id]).get(run_id)
+    if problem is None:
+        return status
+    console_text.print_text(console, f"[{run_id}] failed: {problem}")
+    return "failed"
+
+
 def warm_up(proxy_url: str, model: str, turns: int = 2, prompt_tokens: int = 600) -> list[str]:
     """Two-turn sessions with random token ids through the proxy (compile caches, NIXL handshakes
     in both directions). Returns the reuse outcomes seen; failures are returned, not raised."""
@@ -260,6 +274,7 @@ def run_eval(s: EvalSettings, console: Console | None = None,
                     scraper.stop(final_settle_s=FINAL_SCRAPE_SETTLE_S)
                     run_writer.close()
                     speed_probe.probe_run(writer, run_id, "end", stack.endpoints(), served)
+                    status = pd_checked_status(s.store, run_id, status, console)
                     writer.stop_keep_alive()
                     now = dt.datetime.now(dt.UTC)
                     writer.append("runs_log", row | {"finished_at": now, "status": status, "updated_at": now,

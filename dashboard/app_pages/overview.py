@@ -7,6 +7,7 @@ import streamlit as st
 
 from dashboard import cards, context, db, figures, headline, hit_rate, html_reports, queries, speedup, tables
 from dashboard.loader import load
+from turnscope import pd_check
 
 
 @st.cache_data(ttl=db.CACHE_TTL_S, show_spinner="Bootstrapping the headline's confidence intervals…")
@@ -62,6 +63,8 @@ if ratios:
         st.caption(line)
 for line in headline.all_miss_warnings(outcomes):
     st.warning(line)
+for run_id, line in pd_check.failed_runs(load(sel.root, queries.decode_prompt_sources, run_ids)).items():
+    st.error(f"Run `{run_id}` failed its P/D check. {line}")
 
 # --- per mode ---------------------------------------------------------------------------------
 left, right = st.columns([3, 2])

@@ -19,6 +19,7 @@ from dashboard.queries.common import (
     _where,
     as_filter,
 )
+from turnscope import pd_check
 
 _RUNS = """
 SELECT r.run_id, r.label, r.mode, r.workload, r.history_mode, r.model, r.status, r.started_at, r.finished_at,
@@ -221,3 +222,10 @@ def external_kv_tokens(con: duckdb.DuckDBPyConnection, run_ids: TurnFilter | Seq
         "source": EXTERNAL_KV_SOURCE,
     }
     return _run(con, _PREFILL_COUNTER, params)
+
+
+
+def decode_prompt_sources(con: duckdb.DuckDBPyConnection, run_ids: TurnFilter | Sequence[str]) -> pd.DataFrame:
+    """Per run: the inputs of its P/D check (``turnscope.pd_check.decode_prompt_sources``: columns
+    run_id, mode, pd_turns, local_compute, external_kv)."""
+    return pd_check.decode_prompt_sources(con, _ids(as_filter(run_ids).run_ids))

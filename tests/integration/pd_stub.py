@@ -4,15 +4,18 @@ For proxy tests of pure routing logic (the real behaviour is tested through vllm
 token-id lists on ``/v1/completions``. P answers ``max_tokens=1`` legs with its params; when the
 request carries D's handle it "pulls" ``min(remote_num_tokens, prompt_len)`` tokens and reports
 them in ``remote_prefill_cached_tokens`` (as vLLM's ``PrefillStats`` does). D streams ``gen``
-token ids ``itl_s`` apart (the last with ``finish_reason`` set, as vLLM does) and ends with its
+(at most ``max_tokens``) token ids ``itl_s`` apart (the last with ``finish_reason`` set, as vLLM does) and ends with its
 handle (``remote_num_tokens`` = prompt + gen - 1).
-Every request body is kept in ``bodies`` for assertions.
+Every request body is kept in ``bodies`` for assertions; ``closed`` keeps, for each request the
+proxy closed before the stub answered it, ``(monotonic time of the close, request index, events
+sent)`` (P checks its connection every 10 ms of its delay; D notices when its stream is cancelled).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -20,18 +23,28 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tests.integration.vllm_stack import free_port  # noqa: F401  (re-exported for tests)
 
 
-def prefill_app(hang_with_handle_s: float = 0.0, delay_s: float = 0.0) -> FastAPI:
+def prefill_app(hang_with_handle_s: float = 0.0, delay_s: float = 0.0, status: int = 200) -> FastAPI:
     app = FastAPI()
     app.state.bodies = []
+    app.state.closed = []
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await request.json()
         app.state.bodies.append(body)
+        index = len(app.state.bodies) - 1
+        if status != 200:  # vLLM's error shape
+            return JSONResponse({"error": {"message": f"prefill stub refuses request {index}", "type": "BadRequestError",
+                                           "param": None, "code": status}}, status_code=status)
         params = body.get("kv_transfer_params") or {}
         if params.get("remote_block_ids") and hang_with_handle_s:
             await asyncio.sleep(hang_with_handle_s)
-        await asyncio.sleep(delay_s)
+        deadline = time.monotonic() + delay_s
+        while time.monotonic() < deadline:
+            if await request.is_disconnected():
+                app.state.closed.append((time.monotonic(), index, 0))
+                return JSONResponse({}, status_code=499)
+            await asyncio.sleep(min(0.01, max(deadline - time.monotonic(), 0)))
         n = len(body["prompt"])
         cached = min(params.get("remote_num_tokens") or 0, n) if params.get("remote_block_ids") else 0
         return JSONResponse({
@@ -50,9 +63,11 @@ def prefill_app(hang_with_handle_s: float = 0.0, delay_s: float = 0.0) -> FastAP
     return app
 
 
-def decode_app(gen: int = 4, itl_s: float = 0.0, status: int = 200, handle: bool = True) -> FastAPI:
+def decode_app(gen: int = 4, itl_s: float = 0.0, status: int = 200, handle: bool = True,
+               first_token_s: float = 0.0) -> FastAPI:
     app = FastAPI()
     app.state.bodies = []
+    app.state.closed = []
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -61,19 +76,27 @@ def decode_app(gen: int = 4, itl_s: float = 0.0, status: int = 200, handle: bool
         if status != 200:
             return JSONResponse({"error": {"message": "boom"}}, status_code=status)
         prompt = body["prompt"]
+        index = len(app.state.bodies) - 1
+        n_gen = min(gen, int(body.get("max_tokens") or gen))
 
         async def events():
-            for i in range(gen):
-                await asyncio.sleep(itl_s)
-                choice = {"index": 0, "text": f"t{i}", "token_ids": [100 + i],
-                          "finish_reason": "length" if i == gen - 1 else None}
-                if i == 0:
-                    choice["prompt_token_ids"] = prompt
-                yield f"data: {json.dumps({'id': 'cmpl-d', 'choices': [choice]})}\n\n"
+            sent = 0
+            try:
+                for i in range(n_gen):
+                    await asyncio.sleep(itl_s + (first_token_s if i == 0 else 0.0))
+                    choice = {"index": 0, "text": f"t{i}", "token_ids": [100 + i],
+                              "finish_reason": "length" if i == n_gen - 1 else None}
+                    if i == 0:
+                        choice["prompt_token_ids"] = prompt
+                    yield f"data: {json.dumps({'id': 'cmpl-d', 'choices': [choice]})}\n\n"
+                    sent += 1
+            except (asyncio.CancelledError, GeneratorExit):
+                app.state.closed.append((time.monotonic(), index, sent))
+                raise
             if handle:
                 kv = {"do_remote_prefill": False, "do_remote_decode": True, "remote_block_ids": [[9, 8]],
                       "remote_engine_id": "D", "remote_request_id": f"d-{len(app.state.bodies)}",
-                      "remote_host": "127.0.0.1", "remote_port": 2, "remote_num_tokens": len(prompt) + gen - 1,
+                      "remote_host": "127.0.0.1", "remote_port": 2, "remote_num_tokens": len(prompt) + n_gen - 1,
                       "remote_blocks_expiry_time": 1e12}
                 yield f"data: {json.dumps({'id': 'cmpl-d', 'choices': [], 'kv_transfer_params': kv})}\n\n"
             yield "data: [DONE]\n\n"

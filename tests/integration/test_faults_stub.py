@@ -129,7 +129,7 @@ EXPECTED = [  # (status, reuse, http_status, a piece of the error)
     ("ok", "miss_first_turn", 200, None),
     ("ok", "miss_transfer_failed", 200, None),
     ("ok", "hit", 200, None),
-    ("error", None, 500, "HTTP 500: injected HTTP 500 by prefill-"),
+    ("error", None, 500, "HTTP 500: prefill worker prefill-0 answered HTTP 500: injected HTTP 500 by prefill-"),
     ("ok", "miss_consumed", 200, None),
     ("error", "hit", 200, "decode worker decode-0: RemoteProtocolError"),
     ("ok", "miss_first_turn", 200, None),

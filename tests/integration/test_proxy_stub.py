@@ -157,7 +157,7 @@ def test_a_request_the_client_leaves_is_logged_as_it_ends(caplog, leave):
             logged = [json.loads(x.message) for x in caplog.records
                       if x.message.startswith("{") and '"lg-left"' in x.message]
             time.sleep(0.1)
-    assert [(e["request_id"], e["status"]) for e in logged] == [("lg-left", "incomplete")]
+    assert [(e["request_id"], e["status"]) for e in logged] == [("lg-left", "client_disconnected")]
 
 
 def test_session_routing_fails_over_when_its_prefill_worker_goes_away():
@@ -270,3 +270,35 @@ def test_one_prefill_worker_with_session_routing_keeps_the_per_session_accountin
         assert f["reuse"] == "hit" and f["remote_tokens"] == remote, name
         assert (f["prefill_cached_tokens"], f["reused_tokens"]) == (local, remote - local), name
     assert out["b0"]["reused_tokens"] == 0 and out["b0"]["prefill_cached_tokens"] == 0  # no handle, stub reports 0
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_n_above_1_is_refused_in_pd_modes_without_calling_either_worker(stubs, streamed):
+    """``n`` > 1 cannot go through P/D (P's child requests have blocks one ``kv_transfer_params``
+    cannot describe): a 400 naming ``n``, neither stub called, the session's handle left for its
+    next turn (still a hit). Truths: the stubs' request logs."""
+    p, d = stubs
+    with ProxyThread(config(p, d)) as proxy:
+        stream(proxy.url, list(range(10)), "s1")
+        calls = (len(p.app.state.bodies), len(d.app.state.bodies))
+        body = {"model": "m", "prompt": list(range(10)) + [100, 101, 102, 103, 5], "max_tokens": 4, "n": 2,
+                "stream": streamed, "conversation_id": "s1"}
+        r = httpx.post(proxy.url + "/v1/completions", json=body, headers={"x-request-id": "n2"}, timeout=30)
+        assert (len(p.app.state.bodies), len(d.app.state.bodies)) == calls == (1, 1)
+        assert r.status_code == 400 and r.headers["x-request-id"] == "n2"
+        err = r.json()["error"]
+        assert err["param"] == "n" and err["message"].startswith("n=2: ") and err["code"] == 400
+        # n=1 is served as usual, and the session's handle was not spent by the refused request
+        r2, _, _, _ = stream(proxy.url, list(range(10)) + [100, 101, 102, 103, 5], "s1", extra={"n": 1})
+        assert r2.headers["x-turnscope-reuse"] == "hit"
+        rejected = [s.value for fam in text_string_to_metric_families(httpx.get(proxy.url + "/metrics").text)
+                    for s in fam.samples if s.name == "turnscope_rejected_requests_total"]
+    assert rejected == [1.0]
+
+
+def test_n_above_1_is_served_in_aggregated_mode():
+    with AppThread(decode_app(gen=4)) as d, ProxyThread(ProxyConfig(
+            mode="aggregated", aggregated=[Worker(name="aggregated-0", url=d.url)])) as proxy:
+        r, events, _, _ = stream(proxy.url, list(range(10)), "s1", extra={"n": 2})
+    assert r.status_code == 200 and len(events) == 5
+    assert len(d.app.state.bodies) == 1 and d.app.state.bodies[0]["n"] == 2

@@ -1,0 +1,94 @@
+"""The per-run P/D check (``turnscope.pd_check``) through a real store: a run whose decode worker
+computed its prompts itself is failed, on the CLI's summary and by ``turnscope eval``'s status.
+
+Truths: hand-set counters. Run ``good`` has 10 turns through P and D's ``local_compute`` rises by
+10 (one recomputed last token per turn, what vLLM does when every block was loaded: measured in
+test_disconnect_vllm.py); ``bad`` has the same turns and D computing 4,000 prompt tokens itself
+(the prefill legs did not feed D); ``agg`` is aggregated (nothing to check); ``unscraped`` has no
+decode samples (nothing to check).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+
+from rich.console import Console
+
+from loadgen.eval_report import pd_check_failures
+from turnscope import cli
+from turnscope.evaluation import pd_checked_status
+from turnscope.pd_check import decode_computed_prompts
+from turnscope.store import Store
+
+T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+NAME = "vllm:prompt_tokens_by_source_total"
+RUNS = {"good": ("pd-bidir", 10, 5000), "bad": ("pd", 4000, 0), "agg": ("aggregated", None, None),
+        "unscraped": ("pd-bidir", None, None)}
+
+
+def build(root):
+    store = Store(root)
+    store.init()
+    for run_id, (mode, local, external) in RUNS.items():
+        w = store.writer(run_id, "t", flush_interval_s=60)
+        w.append("runs_log", {"label": "t", "mode": mode, "workload": "w", "history_mode": "text", "model": "m",
+                              "started_at": T0, "status": "complete", "finished_at": T0, "updated_at": T0})
+        for k in range(10):
+            w.append("turns", {"session_id": f"{run_id}-s", "turn_index": k, "request_id": f"{run_id}-{k}",
+                               "sent_at": T0 + dt.timedelta(seconds=k), "status": "ok", "ttft_s": 0.1,
+                               "prompt_tokens": 400, "reuse": None if mode == "aggregated" else "miss_first_turn"})
+        if local is not None:
+            for i, frac in enumerate((0.0, 0.5, 1.0)):  # the first scrape counts 0
+                at = T0 + dt.timedelta(seconds=i)
+                for source, total in (("local_compute", local), ("external_kv_transfer", external)):
+                    w.append("metric_samples", {"scraped_at": at, "endpoint": "http://127.0.0.1:8200", "role": "decode",
+                                                "name": NAME, "labels": {"source": source},
+                                                "value": 100.0 + frac * total})
+        w.close()
+    return root
+
+
+def test_a_run_whose_decode_worker_computed_its_prompts_fails_the_check(tmp_path):
+    root = build(tmp_path / "store")
+    failures = pd_check_failures(root, list(RUNS))
+    assert set(failures) == {"bad"}
+    assert failures["bad"] == decode_computed_prompts("pd", 10, 4000.0, 0.0)
+    assert "computed 4,000 prompt tokens itself" in failures["bad"] and "for 10 turns" in failures["bad"]
+    out = io.StringIO()
+    console = Console(file=out, width=200)
+    assert pd_checked_status(root, "bad", "complete", console) == "failed"
+    assert pd_checked_status(root, "good", "complete", console) == "complete"
+    assert pd_checked_status(root, "bad", "aborted", console) == "aborted"
+    assert "[bad] failed: P/D did not happen" in out.getvalue()
+
+
+def test_the_summary_says_which_run_failed_and_why(tmp_path, monkeypatch):
+    root = build(tmp_path / "store")
+    out = io.StringIO()
+    monkeypatch.setattr(cli, "console", Console(file=out, width=200))
+    cli.print_summary(root, list(RUNS))
+    text = out.getvalue()
+    assert text.count("FAILED: P/D did not happen") == 1
+    assert text.index("bad: pd,") < text.index("FAILED") < text.index("agg: aggregated,")  # under its run
+
+
+def test_the_rule_by_hand():
+    assert decode_computed_prompts("pd-bidir", 10, 10.0, 990.0) is None  # one token per turn: P/D happened
+    assert decode_computed_prompts("pd-bidir", 10, 11.0, 990.0) is not None
+    assert decode_computed_prompts("aggregated", 10, 5000.0, 0.0) is None
+    assert decode_computed_prompts("pd", 0, 5000.0, 0.0) is None  # no turn went through P
+    assert decode_computed_prompts("pd", 10, None, None) is None  # D not scraped
+
+
+def test_the_overview_shows_the_failed_run(tmp_path, monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    from tests.integration.test_dashboard_apptest import APP, TIMEOUT_S
+
+    root = build(tmp_path / "store")
+    monkeypatch.setenv("TURNSCOPE_STORE", str(root))
+    at = AppTest.from_file(str(APP), default_timeout=TIMEOUT_S).run()
+    assert not at.exception, [e.value for e in at.exception]
+    errors = [e.value for e in at.error]
+    assert errors == [f"Run `bad` failed its P/D check. {decode_computed_prompts('pd', 10, 4000.0, 0.0)}"]

