@@ -236,6 +236,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default="baseline,eager", help=f"comma list of {', '.join(VARIANTS)}")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--first", choices=["given", "reversed"], default="given",
+                    help="order of the variants in the first round (the next rounds alternate)")
     ap.add_argument("--ttft-repeats", type=int, default=3, help="TTFT requests per prompt length per launch")
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/turnscope-worker-startup"))
@@ -247,17 +249,16 @@ def main() -> None:
         ap.error(f"unknown variant(s) {unknown}; expected {list(VARIANTS)}")
     args.log_dir.mkdir(parents=True, exist_ok=True)
     model, rng = str(ensure_model()), random.Random()
-    launches = []
+    # runs split over several invocations (each under the lock) are reported together
+    launches = [Launch(**d) for d in json.loads(args.json.read_text())] if args.json and args.json.exists() else []
     for r in range(args.rounds):
-        for v in (variants if r % 2 == 0 else variants[::-1]):
+        for v in (variants if (r + (args.first == 'reversed')) % 2 == 0 else variants[::-1]):
             t = time.monotonic()
             launches.append(launch(v, model, args.log_dir, args, rng))
             print(f"round {r + 1} {v}: healthy in {max(p['total'] for p in launches[-1].phases.values()):.0f} s "
                   f"(launch + checks {time.monotonic() - t:.0f} s)", flush=True)
-    if args.json:  # runs split over several invocations (each under the lock) are reported together
-        old = [Launch(**d) for d in json.loads(args.json.read_text())] if args.json.exists() else []
-        launches = old + launches
-        args.json.write_text(json.dumps([la.__dict__ for la in launches], indent=1))
+            if args.json:  # after every launch: a run cut short keeps what it measured
+                args.json.write_text(json.dumps([la.__dict__ for la in launches], indent=1))
     report(launches, variants)
 
 
