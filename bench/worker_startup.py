@@ -29,6 +29,7 @@ import argparse
 import json
 import random
 import re
+import signal
 import statistics
 import sys
 import threading
@@ -243,6 +244,7 @@ def main() -> None:
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/turnscope-worker-startup"))
     ap.add_argument("--json", type=Path, help="append every launch's numbers here and report all launches in it")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` stops it: the workers are stopped too
     variants = args.variants.split(",")
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
