@@ -33,9 +33,12 @@ class SharedStack:
 
     def __init__(self):
         self.stack = None
+        self.failed: str | None = None  # why the start failed: not tried again by the next module
         self.last_user: str | None = None  # nodeid of the last collected test using pd_bidir_stack
 
     def get(self, tmp_path_factory):
+        if self.failed:
+            raise RuntimeError(f"the shared pd-bidir stack failed to start earlier in this session: {self.failed}")
         if self.stack is None:
             from serving.topology import Connector
             from tests.integration.vllm_stack import VllmStack
@@ -45,8 +48,9 @@ class SharedStack:
                               connector=Connector(decoder_kv_blocks_ttl=ttl))
             try:
                 stack.start()
-            except BaseException:
+            except BaseException as exc:
                 stack.stop()
+                self.failed = str(exc)[:2000]
                 raise
             self.stack = stack
         return self.stack
