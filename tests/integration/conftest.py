@@ -1,4 +1,5 @@
 import os
+import signal
 
 import pytest
 
@@ -73,6 +74,20 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_teardown(item, nextitem):
     if item.nodeid == SHARED.last_user or nextitem is None:
         SHARED.stop()
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config):
+    # `timeout` and CI runners stop pytest with SIGTERM: handled as Ctrl-C, so that fixtures and
+    # pytest_sessionfinish stop the vLLM workers (their own process groups) instead of orphaning them.
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    SHARED.stop()
 
 
 @pytest.fixture(scope="module")
