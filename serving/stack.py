@@ -1,6 +1,7 @@
 """One serving mode running: its workers (launched or attached) and turnscope's proxy in front.
 
-``ModeStack`` starts the workers of a mode (``serving.workers``), waits on ``/health``, re-pins
+``ModeStack`` claims every port it will bind (``serving.port_claims``: a second turnscope started
+moments later fails at once instead of after loading a model), starts the workers of a mode (``serving.workers``), waits on ``/health``, re-pins
 them on the CPU platform, reads the KV block size they report, writes the proxy's configuration
 and starts ``python -m serving.proxy_server``; on exit it stops everything it started.
 """
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 from serving.kv_size import kv_bytes_per_token as kv_bytes_per_token_of
+from serving.port_claims import PortClaims
 from serving.prefix_index import DEFAULT_CAPACITY_BLOCKS
 from serving.proxy import ProxyConfig, Worker
 from serving.topology import Topology
@@ -32,6 +34,7 @@ class ModeStack:
         self.workers = [WorkerProcess(spec, self.log_dir / f"{mode}-{spec.name}.log")
                         for spec in mode_workers(mode, topology)]
         self.proxy: subprocess.Popen | None = None
+        self.port_claims = PortClaims()
         self.proxy_url = f"http://{topology.proxy.host}:{topology.proxy.port}"
         self.block_size = 128  # vLLM's CPU block size; replaced by what the workers report
 
@@ -85,11 +88,15 @@ class ModeStack:
             raise
 
     def check_ports(self) -> None:
-        """Raise RuntimeError naming the first port a launched worker (HTTP or NIXL side channel) or
-        the proxy needs that something already listens on, before anything is started."""
+        """Claim every port a launched worker (HTTP or NIXL side channel) or the proxy will bind
+        (``serving.port_claims``), then check that nothing listens there yet, before anything is
+        started. Raises RuntimeError (``PortTaken`` for a claim held by another turnscope) naming
+        the first port that is taken."""
         needed = [(f"worker {w.spec.name}", w.spec.host, port) for w in self.workers if w.spec.launch
                   for port in filter(None, (w.spec.port, w.spec.side_channel_port))]
         needed.append(("the proxy", self.topology.proxy.host, self.topology.proxy.port))
+        for who, host, port in needed:
+            self.port_claims.claim(host, port, who)
         for who, host, port in needed:
             if port_in_use("127.0.0.1" if host in ("0.0.0.0", "::", "") else host, port):
                 raise RuntimeError(f"port {port} on {host} ({who}) is already in use: another turnscope, vLLM "
@@ -139,4 +146,5 @@ class ModeStack:
         self._stop_proxy()
         for w in self.workers:
             w.stop()
+        self.port_claims.release()
         return False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import socket
 import subprocess
 from pathlib import Path
@@ -260,6 +261,29 @@ def test_port_in_use_is_named_and_nothing_starts(store, tmp_path, busy):
         assert code == 2 and f"port {ports[busy]} on 127.0.0.1" in out and "nothing was started" in out, out
         code, out = cli(*eval_args(store, "--topology", str(topo_path)))
         assert code == 2 and f"port {ports[busy]} on 127.0.0.1" in out, out
+    unchanged(store)
+
+
+def test_a_second_stack_on_ports_another_is_starting_on_fails_before_starting_anything(store, tmp_path):
+    """A stack that has claimed its ports but whose workers do not listen yet (still loading their
+    model) makes a second stack on the same ports fail at once, naming the first port and the
+    claimant's pid (this process); once the first releases, the ports can be claimed again."""
+    topo_path, ports = _embedded_topology_file(tmp_path)
+    first = ModeStack("pd-bidir", load_topology(topo_path), tmp_path / "logs-a")
+    first.check_ports()  # claimed; nothing listens on any of them
+    try:
+        second = ModeStack("pd-bidir", load_topology(topo_path), tmp_path / "logs-b")
+        with pytest.raises(RuntimeError, match=rf"port {ports['p']} on 127\.0\.0\.1 \(worker prefill-0\) is "
+                                               rf"already claimed .*\(pid {os.getpid()}\); nothing was started"):
+            second.__enter__()
+        assert all(w.proc is None for w in second.workers) and second.proxy is None
+        code, out = cli("serve", "--topology", str(topo_path), "--mode", "pd-bidir")
+        assert code == 2 and f"port {ports['p']} on 127.0.0.1" in out and "nothing was started" in out, out
+    finally:
+        first.port_claims.release()
+    again = ModeStack("pd-bidir", load_topology(topo_path), tmp_path / "logs-c")
+    again.check_ports()
+    again.port_claims.release()
     unchanged(store)
 
 

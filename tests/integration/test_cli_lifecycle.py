@@ -72,12 +72,14 @@ def test_dashboard_stops_with_sigterm_and_refuses_a_taken_port(tmp_path):
 
 @pytest.mark.vllm
 def test_serve_stops_its_workers_on_sigterm_and_a_racing_second_instance_fails(tmp_path):
-    """Two `serve --mode aggregated` started a second apart on the same ports: exactly one serves
-    (the other's worker cannot bind and it exits non-zero, never claiming to serve); SIGTERM to
-    the survivor stops its worker and proxy and frees every port."""
+    """Two `serve --mode aggregated` started a second apart on the same ports: exactly one serves;
+    the other finds the ports claimed by the first (``serving.port_claims``) and exits non-zero
+    within seconds, before loading a model and never claiming to serve; SIGTERM to the survivor
+    stops its worker and proxy and frees every port."""
     topo, ports = _embedded_topology_file(tmp_path)
     argv = [*CLI, "serve", "--topology", str(topo), "--mode", "aggregated"]
     logs = [tmp_path / "serve-a.log", tmp_path / "serve-b.log"]
+    started = time.monotonic()
     first = spawn([*argv, "--log-dir", str(tmp_path / "logs-a")], logs[0])
     time.sleep(1.0)
     second = spawn([*argv, "--log-dir", str(tmp_path / "logs-b")], logs[1])
@@ -90,6 +92,8 @@ def test_serve_stops_its_workers_on_sigterm_and_a_racing_second_instance_fails(t
         assert len(losers) == 1, [log.read_text()[-2000:] for log in logs]
         loser, winner = losers[0], 1 - losers[0]
         assert procs[loser].returncode != 0
+        assert time.monotonic() - started < 90, "the loser loaded a model before failing"
+        assert "already claimed by another turnscope" in " ".join(logs[loser].read_text().split())
         assert "serving through the proxy" not in logs[loser].read_text(), logs[loser].read_text()[-3000:]
         wait_for(logs[winner], "serving through the proxy", procs[winner], 400)
         serving = tree(procs[winner].pid)
