@@ -41,7 +41,7 @@ import pyarrow.parquet as pq
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from turnscope.contract import MODES
+from turnscope.modes import MODES
 from turnscope.store import Store
 
 HISTORIES = ("text", "token_ids")

@@ -21,11 +21,12 @@ from scipy import stats
 
 from dashboard import sample_size, speedup
 from dashboard.speedup import Verdict
+from turnscope import modes
 
 #: (treatment, baseline): the feature against the baselines operators run (one-way P/D with P's
-#: prefix cache on, aggregated serving), then the vendor's cache-miss scenario (P's cache off).
-PAIRS: tuple[tuple[str, str], ...] = (("pd-bidir", "pd"), ("pd-bidir", "aggregated"),
-                                      ("pd-bidir-nocache", "pd-nocache"))
+#: prefix cache on, aggregated serving), then the vendor's cache-miss scenario (P's cache off);
+#: each mode's measured ``ServingMode.baselines``, treatments in display order.
+PAIRS: tuple[tuple[str, str], ...] = tuple((t, b) for t, b, _ in modes.pairs())
 #: First turn index (0-based) that can reuse a previous turn's KV.
 MIN_TURN_INDEX = 1
 CONFIDENCE = 0.95
@@ -387,11 +388,11 @@ def all_miss_warnings(outcomes: pd.DataFrame) -> list[str]:
     """Modes whose proxy reused nothing: a plain sentence for each.
 
     `outcomes` has columns mode, reuse, later_turns (see ``dashboard.queries.reuse_outcomes``).
-    A ``pd-bidir*`` mode with later turns but no ``hit`` means every turn recomputed its whole
+    A bidirectional mode (``turnscope.modes.BIDIRECTIONAL_MODES``) with later turns but no ``hit`` means every turn recomputed its whole
     prompt (e.g. the decode handle never came back; docs/design.md), which the page must say plainly.
     """
     out = []
-    bidir = outcomes[outcomes["mode"].astype(str).str.startswith("pd-bidir")]
+    bidir = outcomes[outcomes["mode"].astype(str).isin(modes.BIDIRECTIONAL_MODES)]
     for mode, g in bidir.groupby("mode", sort=True):
         later = int(g["later_turns"].sum())
         hits = int(g.loc[g["reuse"] == "hit", "later_turns"].sum())

@@ -43,13 +43,11 @@ from scipy import stats
 
 from dashboard import speedup
 from dashboard.headline import _padded
+from turnscope import modes
 
 #: (treatment, baseline, what the pair answers): the vendor's A/B first, then the real baselines.
-PAIRS: tuple[tuple[str, str, str], ...] = (
-    ("pd-bidir-nocache", "pd-nocache", "the vendor's comparison: P's prefix cache off"),
-    ("pd-bidir", "pd", "against one-way P/D with P's prefix cache on"),
-    ("pd-bidir", "aggregated", "against aggregated serving with prefix caching"),
-)
+#: (each mode's measured ``ServingMode.baselines``, treatments in ``turnscope.modes.SWEEP_ORDER``.)
+PAIRS: tuple[tuple[str, str, str], ...] = modes.pairs(order=modes.SWEEP_ORDER)
 #: The mode whose turns are made ideal, and whose turns the prefill fit uses.
 IDEAL_BASELINE = "pd-nocache"
 STATS = ("mean", "p90")
@@ -219,7 +217,7 @@ def transfer_s_per_token(transfer: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame(columns=cols)
     kv = transfer["kv_bytes_per_token"].dropna()
     kv_bytes = float(kv.iloc[0]) if not kv.empty else math.nan
-    bidir = transfer[transfer["mode"].astype(str).str.startswith("pd-bidir")]
+    bidir = transfer[transfer["mode"].astype(str).isin(modes.BIDIRECTIONAL_MODES)]
 
     def figures(g: pd.DataFrame) -> dict:
         xs, xb, rt = (float(g[c].fillna(0).sum()) for c in ("xfer_s", "xfer_bytes", "reused_tokens"))

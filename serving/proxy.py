@@ -53,7 +53,8 @@ from serving.proxy_metrics import ProxyMetrics
 from serving.proxy_request import ProxiedRequest, RequestFacts
 from serving.routing import SESSION, Router, RoutingPolicy
 from turnscope import reuse_rules as rules
-from turnscope.contract import AGGREGATED, FACTS_FIELD, REQUEST_ID_HEADER, SESSION_FIELD, SESSION_HEADER
+from turnscope.contract import FACTS_FIELD, REQUEST_ID_HEADER, SESSION_FIELD, SESSION_HEADER
+from turnscope.modes import AGGREGATED
 from turnscope.tokenize_client import TokenizeError, render_request, tokenize_async
 
 log = logging.getLogger("turnscope.proxy")

@@ -26,7 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from serving.routing import SESSION, RoutingPolicy
 from turnscope import yaml_file
-from turnscope.contract import DECODER_KV_BLOCKS_TTL_S, KV_RECOMPUTE_THRESHOLD_TOKENS, MODES
+from turnscope.contract import DECODER_KV_BLOCKS_TTL_S, KV_RECOMPUTE_THRESHOLD_TOKENS
+from turnscope.modes import MODES, SERVING_MODES
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -148,8 +149,8 @@ class Topology(_Strict):
         """The modes this topology can run."""
         if not self.launch:
             return [self.attached_mode]
-        return ([m for m in MODES if m != "aggregated"] if self.prefill else []) + \
-            (["aggregated"] if self.aggregated else [])
+        runnable = [m for m in SERVING_MODES if getattr(self, m.roles[0])]
+        return [m.name for m in sorted(runnable, key=lambda m: not m.disaggregated)]  # P/D modes first
 
 
 def load_topology(path: Path) -> Topology:

@@ -97,14 +97,8 @@ DECODER_KV_BLOCKS_TTL_S = 480
 #: vLLM's ``kv_recompute_threshold`` default, tokens: below this many tokens to pull, P recomputes.
 KV_RECOMPUTE_THRESHOLD_TOKENS = 64
 
-# -- serving modes, histories, turns, gaps ----------------------------------------------------------
+# -- histories, turns, gaps (the serving modes: turnscope.modes) ----------------------------------
 
-AGGREGATED = "aggregated"
-#: The serving modes turnscope launches (docs/configuration.md): one aggregated worker, or P/D with
-#: or without bidirectional KV transfer and P's prefix cache.
-MODES = (AGGREGATED, "pd", "pd-bidir", "pd-nocache", "pd-bidir-nocache")
-#: What a run records as its mode when it drives a server turnscope did not launch.
-ATTACH_MODE = "attach"
 #: How the session player keeps a session's history (docs/workloads.md): re-sent messages, or ids.
 HISTORY_MODES = ("text", "token_ids")
 #: Kinds of turn (``turns.kind``, docs/schema.md).

@@ -33,8 +33,9 @@ from loadgen.workload import load_workload
 from serving.embedded_model import ModelSpec
 from serving.routing import RoutingPolicy
 from serving.stack import ModeStack
-from serving.topology import MODES, Topology, embedded_topology
+from serving.topology import Topology, embedded_topology
 from turnscope import console_text
+from turnscope.modes import MODES, serving_mode
 from turnscope.store import Store
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -189,8 +190,7 @@ def run_eval(s: EvalSettings, console: Console | None = None,
     """
     console = console or Console()
     for mode in s.modes:
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        serving_mode(mode)  # raises ValueError for an unknown mode
         if mode not in s.topology.modes():
             raise ValueError(f"topology {s.topology.name!r} cannot run mode {mode!r} "
                              f"(it runs: {', '.join(s.topology.modes())})")

@@ -7,20 +7,14 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from turnscope.contract import ATTACH_MODE, MODES
+from turnscope.modes import ATTACH_COLOUR, ATTACH_MODE, MODES, SERVING_MODES
 
-#: Serving modes in display order (README, "What each mode compares"); unknown modes sort after these.
+#: Serving modes in display order (``turnscope.modes.SERVING_MODES``); unknown modes sort after these.
 MODE_ORDER = [*MODES, ATTACH_MODE]
-#: The one mode -> colour map: every chart that tells modes apart uses it (sweep_figures too), and
-#: uses another channel (marker symbol, facet) for anything else, such as the reuse outcome.
-MODE_COLORS = {
-    "aggregated": "#4c4c4c",
-    "pd": "#1f77b4",
-    "pd-bidir": "#2ca02c",
-    "pd-nocache": "#ff7f0e",
-    "pd-bidir-nocache": "#9467bd",
-    "attach": "#8c564b",
-}
+#: The one mode -> colour map (each mode's ``ServingMode.colour``): every chart that tells modes
+#: apart uses it (sweep_figures too), and uses another channel (marker symbol, facet) for anything
+#: else, such as the reuse outcome.
+MODE_COLORS = {m.name: m.colour for m in SERVING_MODES} | {ATTACH_MODE: ATTACH_COLOUR}
 #: Reuse outcomes of the proxy (docs/schema.md, ``turns.reuse``), hit first.
 OUTCOME_ORDER = [
     "hit",

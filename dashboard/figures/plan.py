@@ -7,9 +7,10 @@ import plotly.express as px
 import plotly.graph_objects as go
 
 from dashboard.figures.common import MODE_COLORS, legend_below
+from turnscope.modes import BIDIRECTIONAL_MODES, PLAN_TABLE_ORDER
 
 #: Column order of the Plan page's tables: baselines first, then what reuse adds.
-PLAN_TABLE_MODES = ("aggregated", "pd-nocache", "pd", "pd-bidir-nocache", "pd-bidir")
+PLAN_TABLE_MODES = PLAN_TABLE_ORDER
 
 GiB = 2**30
 
@@ -38,7 +39,7 @@ def ttft_parts_table(parts: pd.DataFrame) -> pd.DataFrame:
 def frontier_figure(fr: pd.DataFrame, tag: str) -> go.Figure:
     """Hit rate against GiB-seconds held per TTL x D-space point (``plan_frontier`` rows), one panel
     per mode, colour = TTL; the operator's current point ringed (a diamond)."""
-    modes = [m for m in ("pd-bidir-nocache", "pd-bidir") if m in set(fr["mode"])]
+    modes = [m for m in PLAN_TABLE_MODES if m in BIDIRECTIONAL_MODES and m in set(fr["mode"])]
     df = fr.assign(space=fr["decode_kv_space_bytes"].map(lambda b: "unbounded" if pd.isna(b) else f"{b / GiB:,.1f} GiB"),
                    ttl=fr["decoder_kv_blocks_ttl_s"].map(lambda t: f"{t:,.0f} s"))
     ttls = [f"{t:,.0f} s" for t in sorted(fr["decoder_kv_blocks_ttl_s"].unique())]

@@ -10,6 +10,7 @@ import duckdb
 import pandas as pd
 
 from dashboard.queries.common import TurnFilter, _ids, _run, _where, as_filter
+from turnscope.modes import BIDIRECTIONAL_MODES
 
 _LATENCY_BY_TURN = """
 SELECT mode, coalesce(reuse, 'not recorded') AS reuse, turn_index AS x,
@@ -198,7 +199,7 @@ LIMIT $limit
 #: The modes whose later turns can reuse KV from the decode worker (bidirectional transfer): only
 #: there is a shortfall an engine miss. ``pd-nocache`` recomputes every prompt by design; ``pd``
 #: and ``aggregated`` reuse only their own prefix cache (README, "What each mode compares").
-REUSE_FROM_D_MODES: tuple[str, ...] = ("pd-bidir", "pd-bidir-nocache")
+REUSE_FROM_D_MODES: tuple[str, ...] = BIDIRECTIONAL_MODES
 
 
 def reuse_shortfalls(

@@ -31,8 +31,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dashboard.sweep_stats import PrefillFit
 from turnscope import yaml_file
+from turnscope.modes import PLAN_ORDER
 
-MODES = ("aggregated", "pd", "pd-nocache", "pd-bidir", "pd-bidir-nocache")
+#: The modes the planner forecasts, aggregated first, then one-way and bidirectional P/D.
+MODES = PLAN_ORDER
 GiB = 2**30
 
 

@@ -49,6 +49,7 @@ from loadgen.traces.agent_request import AgentRequest
 from serving import handles as h
 from serving.routing import SESSION
 from turnscope import reuse_rules as rules
+from turnscope.modes import BIDIRECTIONAL_MODES, serving_mode
 from turnscope.planner.pinned_blocks import PinnedBlocks
 from turnscope.planner.pinned_kv import LOST, Handle, HandleLedger
 from turnscope.planner.profile import MODES, CostProfile, GiB
@@ -60,7 +61,7 @@ MISS_D_FULL = "miss_d_full"
 OUTCOMES = (None, h.HIT, h.MISS_FIRST_TURN, h.MISS_EXPIRED, h.MISS_CONSUMED, h.MISS_MISMATCH,
             h.MISS_BELOW_THRESHOLD, h.MISS_TRANSFER_FAILED, h.MISS_NO_HANDLE_RETURNED, MISS_D_FULL)
 _CODE = {name: i for i, name in enumerate(OUTCOMES)}
-BIDIR_MODES = ("pd-bidir", "pd-bidir-nocache")
+BIDIR_MODES = BIDIRECTIONAL_MODES
 
 
 class PlanSettings(BaseModel):
@@ -367,25 +368,27 @@ def plan(requests: Iterable[AgentRequest] | Traffic, profile: CostProfile,
                      "finish at their forecast TTFT (handles pinned earlier than in reality).")
     finish = finish_times(tr, profile)
     p_hits = None
-    if {"pd", "pd-bidir"} & set(settings.modes):
+    if any(serving_mode(m).disaggregated and serving_mode(m).prefill_prefix_cache for m in settings.modes):
         p_hits = own_cache_hits(tr, profile.capacity_tokens("prefill"), block, settings.prefill_workers,
                                 settings.routing, with_output=False, shared_prefix_tokens=settings.shared_prefix_tokens)
     first_seen = ~pd.Series(tr.session_code).duplicated().to_numpy()
     out: dict[str, ModePlan] = {}
     no_age = np.full(len(tr), np.nan)
     for mode in settings.modes:
+        serving = serving_mode(mode)
+        p_cache = p_hits if serving.prefill_prefix_cache else None
         held_t, held_b, d_full, ages, pulled = np.zeros(0), np.zeros(0), 0, no_age, zeros
-        if mode == "aggregated":
+        if not serving.disaggregated:
             local = own_cache_hits(tr, profile.capacity_tokens("aggregated"), block, settings.aggregated_workers,
                                    settings.routing, with_output=True,
                                    shared_prefix_tokens=settings.shared_prefix_tokens)
             outcome = np.zeros(len(tr), dtype=np.int8)
-        elif mode in ("pd", "pd-nocache"):
-            local = p_hits if mode == "pd" else zeros
+        elif not serving.bidirectional:
+            local = zeros if p_cache is None else p_cache
             outcome = np.where(first_seen, _CODE[h.MISS_FIRST_TURN], _CODE[h.MISS_NO_HANDLE_RETURNED]).astype(np.int8)
         else:
             outcome, pulled, local, ages, pinned, d_full = simulate_bidir(
-                tr, profile, settings, p_hits if mode == "pd-bidir" else None, finish)
+                tr, profile, settings, p_cache, finish)
             held_t, held_b = np.asarray(pinned.t), np.asarray(pinned.b)
         ttft, wait = mode_ttft(tr, profile, settings, mode, local + pulled, pulled, outcome)
         mp = ModePlan(mode, outcome, pulled, local, ttft, ages, wait, held_t, held_b, d_full)

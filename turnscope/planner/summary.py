@@ -11,13 +11,14 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dashboard.sweep_stats import PAIRS
 from serving import handles as h
+from turnscope import modes
 from turnscope.planner.profile import CostProfile, Sourced
-from turnscope.planner.simulate import BIDIR_MODES, MISS_D_FULL, Plan, PlanSettings, Traffic, plan
+from turnscope.planner.simulate import MISS_D_FULL, Plan, PlanSettings, Traffic, plan
 
-#: Mode pairs: the Sweep page's three, and bidirectional transfer with P's cache on against off.
-PLAN_PAIRS = tuple((t, b) for t, b, _ in PAIRS) + (("pd-bidir", "pd-bidir-nocache"),)
+#: Mode pairs: the Sweep page's three, and bidirectional transfer with P's cache on against off
+#: (every ``ServingMode.baselines``, treatments in the sweep's order).
+PLAN_PAIRS = tuple((t, b) for t, b, _ in modes.pairs(measured_only=False, order=modes.SWEEP_ORDER))
 #: Frontier grid: decoder_kv_blocks_ttl values (seconds) and multiples of the profile's D KV space.
 FRONTIER_TTLS_S = (30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1800.0, 3600.0)
 FRONTIER_SPACE_FACTORS = (0.125, 0.25, 0.5, 1.0, 2.0)
@@ -120,7 +121,7 @@ def defeated_sessions(p: Plan, mode: str = "pd-bidir-nocache") -> pd.DataFrame:
 def outcome_counts(p: Plan) -> pd.DataFrame:
     """Requests per mode and outcome. Columns: mode, outcome ('none' for aggregated), requests."""
     rows = []
-    for mode in BIDIR_MODES + ("pd", "pd-nocache", "aggregated"):
+    for mode in modes.ordered(lambda m: (not m.bidirectional, not m.disaggregated)):
         if mode in p.modes:
             s = pd.Series(p.modes[mode].outcome_names()).fillna("none").value_counts()
             rows += [{"mode": mode, "outcome": k, "requests": int(v)} for k, v in s.items()]
