@@ -49,7 +49,7 @@ from turnscope import modes
 #: (each mode's measured ``ServingMode.baselines``, treatments in ``turnscope.modes.SWEEP_ORDER``.)
 PAIRS: tuple[tuple[str, str, str], ...] = modes.pairs(order=modes.SWEEP_ORDER)
 #: The mode whose turns are made ideal, and whose turns the prefill fit uses.
-IDEAL_BASELINE = "pd-nocache"
+IDEAL_BASELINE = modes.RECOMPUTE_MODE
 STATS = ("mean", "p90")
 CONFIDENCE = 0.95
 

@@ -84,6 +84,10 @@ SERVING_MODES: tuple[ServingMode, ...] = (
 MODES: tuple[str, ...] = tuple(m.name for m in SERVING_MODES)
 _BY_NAME = {m.name: m for m in SERVING_MODES}
 
+#: The P/D mode whose P computes every prompt from scratch (no prefix cache, no pull): the reference
+#: prefill cost (the planner's c(x), the Sweep page's ideal).
+RECOMPUTE_MODE: str = next(m.name for m in SERVING_MODES
+                           if m.disaggregated and not m.bidirectional and not m.prefill_prefix_cache)
 #: The modes whose later turns can reuse KV held on the decode worker (bidirectional transfer),
 #: in display order.
 BIDIRECTIONAL_MODES: tuple[str, ...] = tuple(m.name for m in SERVING_MODES if m.bidirectional)
@@ -95,6 +99,16 @@ def serving_mode(name: str) -> ServingMode:
         return _BY_NAME[name]
     except KeyError:
         raise ValueError(f"unknown mode {name!r}; expected one of {', '.join(MODES)}") from None
+
+
+def one_way(name: str) -> str:
+    """The one-way P/D mode (no bidirectional transfer) with the same P's prefix cache as ``name``'s
+    (``pd-bidir`` -> ``pd``, ``pd-bidir-nocache`` -> ``pd-nocache``). Raises ValueError if none."""
+    m = serving_mode(name)
+    for other in SERVING_MODES:
+        if other.disaggregated and not other.bidirectional and other.prefill_prefix_cache == m.prefill_prefix_cache:
+            return other.name
+    raise ValueError(f"no one-way P/D mode with P's prefix cache as in {name!r}")
 
 
 def ordered(key: Callable[[ServingMode], object], names: Iterable[str] = MODES) -> tuple[str, ...]:

@@ -55,3 +55,8 @@ def test_unknown_mode_names_the_known_ones():
     with pytest.raises(ValueError, match=r"unknown mode 'pd-fast'; expected one of aggregated, pd, pd-bidir"):
         modes.serving_mode("pd-fast")
     assert len({m.colour.lower() for m in modes.SERVING_MODES} | {modes.ATTACH_COLOUR}) == len(TABLE) + 1
+
+
+def test_one_way_counterpart_and_recompute_mode():
+    assert modes.one_way("pd-bidir") == "pd" and modes.one_way("pd-bidir-nocache") == "pd-nocache"
+    assert modes.RECOMPUTE_MODE == "pd-nocache"  # P/D, one-way, P's cache off: every prompt computed

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dashboard.sweep_stats import PrefillFit
 from turnscope import yaml_file
-from turnscope.modes import PLAN_ORDER
+from turnscope.modes import PLAN_ORDER, RECOMPUTE_MODE
 
 #: The modes the planner forecasts, aggregated first, then one-way and bidirectional P/D.
 MODES = PLAN_ORDER
@@ -99,7 +99,7 @@ class CostProfile(BaseModel):
 
     # -- the cost model -------------------------------------------------------------------------
 
-    def prefill_fit(self, mode: str = "pd-nocache") -> PrefillFit:
+    def prefill_fit(self, mode: str = RECOMPUTE_MODE) -> PrefillFit:
         """c(x) of ``mode`` as the Sweep page's :class:`dashboard.sweep_stats.PrefillFit` (b0 is per mode
         here): the aggregated worker's when the profile has it, else P's."""
         a1, a2 = self.prefill_a1_s_per_token, self.prefill_a2_s_per_token2

@@ -49,7 +49,7 @@ from loadgen.traces.agent_request import AgentRequest
 from serving import handles as h
 from serving.routing import SESSION
 from turnscope import reuse_rules as rules
-from turnscope.modes import BIDIRECTIONAL_MODES, serving_mode
+from turnscope.modes import BIDIRECTIONAL_MODES, RECOMPUTE_MODE, SERVING_MODES, serving_mode
 from turnscope.planner.pinned_blocks import PinnedBlocks
 from turnscope.planner.pinned_kv import LOST, Handle, HandleLedger
 from turnscope.planner.profile import MODES, CostProfile, GiB
@@ -212,7 +212,7 @@ def workers_of(tr: Traffic, workers: int, routing: str) -> np.ndarray:
 #: aggregated worker's; P's and D's (each gets the chat request: ``serving.proxy`` prefill and
 #: decode legs). A request that takes a handle is rendered once more by the proxy to match it
 #: against D's ids (``SessionProxy.rendered_ids``: P's ``/tokenize`` or the in-process renderer).
-RENDERS = {"aggregated": 1, "pd": 2, "pd-nocache": 2, "pd-bidir": 2, "pd-bidir-nocache": 2}
+RENDERS = {m.name: 2 if m.disaggregated else 1 for m in SERVING_MODES}
 #: Outcomes of a request that took a handle (the proxy rendered its ids to fit it).
 TOOK_HANDLE = (h.HIT, h.MISS_BELOW_THRESHOLD, h.MISS_MISMATCH, h.MISS_TRANSFER_FAILED)
 
@@ -341,7 +341,7 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
 
 def finish_times(tr: Traffic, profile: CostProfile) -> np.ndarray:
     """When each request finishes, seconds on the traffic's clock (see the module doc)."""
-    nocache = profile.ttft_s("pd-nocache", tr.input_tokens, np.zeros(len(tr)), np.zeros(len(tr)))
+    nocache = profile.ttft_s(RECOMPUTE_MODE, tr.input_tokens, np.zeros(len(tr)), np.zeros(len(tr)))
     decode = profile.decode_s_per_token.value if profile.decode_s_per_token else 0.0
     e2e = np.where(np.isnan(tr.server_s), nocache + tr.output_tokens * decode, tr.server_s)
     return tr.arrival_s + e2e

@@ -54,7 +54,7 @@ def frontier(traffic: Traffic, profile: CostProfile, settings: PlanSettings, mod
     settings' TTL and the profile's space), hit_rate (hits over later requests), ttft_saved_s (sum
     over requests of the ``pd`` forecast minus ``mode``'s, seconds; for ``pd-bidir-nocache`` against
     ``pd-nocache``), peak_held_bytes, held_gib_s, d_full_events."""
-    base_mode = "pd-nocache" if mode == "pd-bidir-nocache" else "pd"
+    base_mode = modes.one_way(mode)
     base = plan(traffic, profile, settings.model_copy(update={"modes": (base_mode,)})).modes[base_mode]
     later = traffic.request_index >= 1
     space = profile.decode_kv_space_bytes
