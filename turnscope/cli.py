@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from loadgen import eval_report as report
+from loadgen.traces.formats import REQUEST_FORMATS
 from serving.embedded_model import DEFAULT_MODEL_DIR, ensure_model
 from serving.prometheus_config import render_prometheus_config
 from serving.routing import ROUTING_POLICIES, RoutingPolicy
@@ -330,7 +331,7 @@ def traffic(
         help="Trace files or directories: kv-cache-tester (a file or a directory of trace_*.json), TraceLab "
              "round_trace.jsonl, Mooncake jsonl, Azure csv, or a store directory (its recorded runs).")],
     format: Annotated[str | None, typer.Option(
-        "--format", help="Read every path as this format (kv_cache_tester, tracelab, mooncake, azure, run). "
+        "--format", help=f"Read every path as this format ({', '.join(REQUEST_FORMATS)}). "
                          "Default: detected per path.")] = None,
     store: StoreOpt = None,
     label: Annotated[str | None, typer.Option(help="Label of this report.")] = None,

@@ -24,11 +24,7 @@ from pydantic import BaseModel, Field
 from rich.console import Console
 
 from loadgen.scraper import MetricsScraper
-from loadgen.traces.azure import load_azure
-from loadgen.traces.kv_cache_tester import read_kv_cache_tester
-from loadgen.traces.mooncake import load_mooncake
-from loadgen.traces.taubench import load_taubench
-from loadgen.traces.vllm_multiturn import load_vllm_multiturn
+from loadgen.traces.formats import check_trace
 from loadgen.workload import load_workload
 from serving.embedded_model import ModelSpec
 from serving.routing import RoutingPolicy
@@ -44,8 +40,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 HEARTBEAT_S = 5.0
 #: At most this many seconds of final scrapes after a run's last turn (loadgen.scraper.MetricsScraper.stop).
 FINAL_SCRAPE_SETTLE_S = 5.0
-_TRACE_READERS = {"mooncake": load_mooncake, "azure": load_azure, "taubench": load_taubench,
-                  "vllm_multiturn": load_vllm_multiturn, "kv_cache_tester": read_kv_cache_tester}
 
 
 class Slo(BaseModel):
@@ -107,8 +101,7 @@ def check_workload(path: Path) -> None:
     """
     w = load_workload(path)
     for src in w.traces:
-        reader = _TRACE_READERS[src.format]
-        reader(src.path) if src.path else reader()
+        check_trace(src.format, src.path)
 
 
 def run_status(returncode: int) -> str:
