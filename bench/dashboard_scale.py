@@ -415,7 +415,7 @@ def main() -> int:
             db.use_rollups = False  # the plain views only: the "before" of docs/schema.md's rollups
             print("rollups: not read (--no-rollups)")
         else:
-            from turnscope.rollup import Rollups
+            from dashboard.rollup import Rollups
 
             t0 = time.perf_counter()
             written = Rollups(Store(root)).write_finished()

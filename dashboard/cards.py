@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from streamlit.delta_generator import DeltaGenerator
 
-from dashboard import headline, speedup
-from dashboard.headline import Ratio
-from dashboard.speedup import Verdict
+from turnscope.analysis import headline, speedup
+from turnscope.analysis.headline import Ratio
+from turnscope.analysis.speedup import Verdict
 
 _ARROWS = {Verdict.FASTER: "up", Verdict.SLOWER: "down", Verdict.UNCLEAR: "off", Verdict.TOO_FEW: "off"}
 

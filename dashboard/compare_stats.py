@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from dashboard import headline, speedup
-from dashboard.headline import Ratio
+from turnscope.analysis import headline, speedup
+from turnscope.analysis.headline import Ratio
 
 #: Per turn index each session has one turn, so turns are resampled singly; at most this many per
 #: side go into each index's bootstrap (a seeded random subset beyond it: a wider interval).

@@ -25,7 +25,7 @@ from typing import Any
 import duckdb
 import pandas as pd
 
-from turnscope.rollup import Rollups
+from dashboard.rollup import Rollups
 from turnscope.store import Store
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -11,8 +11,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from dashboard import speedup
 from dashboard.figures import MODE_COLORS, MODE_ORDER, _ordered, empty_figure
+from turnscope.analysis import speedup
 
 IDEAL_NAME = "ideal: prefill of the new tokens + KV pull"
 LIMIT_NAME = "limit: pd-nocache / ideal"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dashboard import speedup
+from turnscope.analysis import speedup
 
 
 def run_summary_table(df: pd.DataFrame) -> pd.DataFrame:

@@ -244,7 +244,7 @@ def bottom_line_blocks(ratios: list) -> list[list[str]]:
     the comparison and history mode; the speed-up (``dashboard.speedup``: the same number, label
     and verdict as the Overview's cards) with its CI; medians and counts; for an undecided
     verdict, the forecast sessions per side (``dashboard.sample_size``)."""
-    from dashboard import headline, speedup
+    from turnscope.analysis import headline, speedup
 
     pct = round(headline.CONFIDENCE * 100)
     out = []
@@ -269,7 +269,8 @@ def print_bottom_line(store: Path, run_ids: list[str]) -> None:
     """Print the Overview page's headline for these runs: each pair of dashboard.headline.PAIRS
     with its speed-up (baseline / bidirectional median TTFT from the second turn on), 95% bootstrap
     CI by session, verdict and, when undecided, the sessions a decision needs (`bottom_line_blocks`)."""
-    from dashboard import db, headline, queries, speedup
+    from dashboard import db, queries
+    from turnscope.analysis import headline, speedup
 
     f = queries.TurnFilter(run_ids=tuple(run_ids))
     dstore = db.StoreLocation(store)
@@ -297,7 +298,7 @@ def rollup(store: StoreOpt = None) -> None:
     (turnscope/rollup.py; docs/schema.md, "Rollups"). A finished eval does this itself. It first
     recreates the store's views if they are of another schema version (a store written by an
     older turnscope); the shards are never changed."""
-    from turnscope.rollup import Rollups
+    from dashboard.rollup import Rollups
     from turnscope.store import Store
 
     root = store or settings().store
@@ -316,7 +317,7 @@ def rollup(store: StoreOpt = None) -> None:
 def roll_up_quietly(store: Path) -> None:
     """Roll up the store's finished runs after a run (`turnscope rollup`); a failure is said, not
     raised: the rows are stored and the dashboard reads the plain views meanwhile."""
-    from turnscope.rollup import Rollups
+    from dashboard.rollup import Rollups
     from turnscope.store import Store
 
     try:

@@ -13,8 +13,8 @@ import streamlit as st
 
 from dashboard import context, db
 from dashboard.figures import plan as plan_figures
-from dashboard.plan_check import check_summary
 from dashboard.queries import plan as plan_queries
+from turnscope.analysis.plan_check import check_summary
 
 sel = context.current()
 root = sel.store

@@ -10,8 +10,9 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import context, db, queries, speedup, sweep_figures, sweep_stats
+from dashboard import context, db, queries, sweep_figures
 from dashboard.loader import load
+from turnscope.analysis import speedup, sweep_stats
 from turnscope.modes import BIDIRECTIONAL_MODES
 
 #: The vendor's published numbers (vLLM blog 2026-10-12, 1P1D on 2 x p5en.48xlarge, 8 x H200 each,

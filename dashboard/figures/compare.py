@@ -7,8 +7,8 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from dashboard import speedup
 from dashboard.figures.common import empty_figure
+from turnscope.analysis import speedup
 
 
 def compare_by_turn(df: pd.DataFrame, a_name: str, b_name: str) -> go.Figure:

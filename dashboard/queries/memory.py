@@ -11,6 +11,7 @@ import duckdb
 import pandas as pd
 
 from dashboard.queries.common import HANDLE_BYTES, KV_USAGE, TurnFilter, _ids, _run, _where, as_filter
+from dashboard.rollup import ROLLED_UP_RUNS, WHATIF_RELATION
 from turnscope.planner.ttl_whatif import (
     RESULT_COLUMNS,
     TURN_COLUMNS,
@@ -18,7 +19,6 @@ from turnscope.planner.ttl_whatif import (
     RunKV,
     whatif_ttl_limited,
 )
-from turnscope.rollup import ROLLED_UP_RUNS, WHATIF_RELATION
 
 # Seconds between two instants are (epoch_us(a) - epoch_us(b)) / 1e6: the same figure as
 # epoch(a - b), without TIMESTAMPTZ arithmetic, which costs ~0.4 s per million rows (time zone

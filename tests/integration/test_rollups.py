@@ -19,9 +19,9 @@ import pandas as pd
 import pytest
 
 from dashboard import db, queries
+from dashboard.rollup import MANIFEST, ROLLUP_DIR, SUMMARY_VIEWS, Rollups
 from tests import dashboard_store as fx
 from turnscope.planner.ttl_whatif import WHATIF_TTLS_S
-from turnscope.rollup import MANIFEST, ROLLUP_DIR, SUMMARY_VIEWS, Rollups
 from turnscope.store import Store
 
 TTLS = (60.0, 120.0, 480.0, 900.0)

@@ -8,8 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dashboard import headline
-from dashboard.headline import Ratio
+from turnscope.analysis import headline
+from turnscope.analysis.headline import Ratio
 
 
 def test_median_ratio_and_ci():

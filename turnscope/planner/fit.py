@@ -28,9 +28,9 @@ import numpy as np
 import pandas as pd
 from scipy.optimize import least_squares
 
-from dashboard import sweep_stats as sweep
 from dashboard.queries.memory import cache_config
 from loadgen.traces.recorded_runs import read_recorded_runs
+from turnscope.analysis import sweep_stats as sweep
 from turnscope.modes import RECOMPUTE_MODE, SERVING_MODES
 from turnscope.planner.profile import MODES, CostProfile, Sourced
 from turnscope.planner.queueing import fifo_waits

@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dashboard.sweep_stats import PrefillFit
 from turnscope import yaml_file
+from turnscope.analysis.sweep_stats import PrefillFit
 from turnscope.modes import PLAN_ORDER, RECOMPUTE_MODE
 
 #: The modes the planner forecasts, aggregated first, then one-way and bidirectional P/D.

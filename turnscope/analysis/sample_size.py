@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from scipy import stats
 
-from dashboard.speedup import Speedup
+from turnscope.analysis.speedup import Speedup
 
 #: Probability that a rerun at the recommended count decides (the CI excludes 1).
 POWER = 0.8

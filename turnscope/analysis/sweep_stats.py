@@ -41,9 +41,9 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from dashboard import speedup
-from dashboard.headline import _padded
 from turnscope import modes
+from turnscope.analysis import speedup
+from turnscope.analysis.headline import _padded
 
 #: (treatment, baseline, what the pair answers): the vendor's A/B first, then the real baselines.
 #: (each mode's measured ``ServingMode.baselines``, treatments in ``turnscope.modes.SWEEP_ORDER``.)

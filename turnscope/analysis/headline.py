@@ -19,9 +19,9 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from dashboard import sample_size, speedup
-from dashboard.speedup import Verdict
 from turnscope import modes
+from turnscope.analysis import sample_size, speedup
+from turnscope.analysis.speedup import Verdict
 
 #: (treatment, baseline): the feature against the baselines operators run (one-way P/D with P's
 #: prefix cache on, aggregated serving), then the vendor's cache-miss scenario (P's cache off);
