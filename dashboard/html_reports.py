@@ -23,7 +23,7 @@ TRANSFER_NOTE = (
 
 
 def ratio_line(r: Ratio) -> str:
-    """One headline number in words: the speed-up (``dashboard.speedup``), its CI and verdict,
+    """One headline number in words: the speed-up (``turnscope.analysis.speedup``), its CI and verdict,
     medians and counts."""
     pct = round(headline.CONFIDENCE * 100)
     s = speedup.of(r)

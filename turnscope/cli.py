@@ -240,10 +240,10 @@ def print_summary(store: Path, run_ids: list[str]) -> None:
 
 
 def bottom_line_blocks(ratios: list) -> list[list[str]]:
-    """The bottom line's text, one block of lines per comparison (``dashboard.headline.Ratio``):
-    the comparison and history mode; the speed-up (``dashboard.speedup``: the same number, label
+    """The bottom line's text, one block of lines per comparison (``turnscope.analysis.headline.Ratio``):
+    the comparison and history mode; the speed-up (``turnscope.analysis.speedup``: the same number, label
     and verdict as the Overview's cards) with its CI; medians and counts; for an undecided
-    verdict, the forecast sessions per side (``dashboard.sample_size``)."""
+    verdict, the forecast sessions per side (``turnscope.analysis.sample_size``)."""
     from turnscope.analysis import headline, speedup
 
     pct = round(headline.CONFIDENCE * 100)
@@ -266,7 +266,7 @@ def bottom_line_blocks(ratios: list) -> list[list[str]]:
 
 
 def print_bottom_line(store: Path, run_ids: list[str]) -> None:
-    """Print the Overview page's headline for these runs: each pair of dashboard.headline.PAIRS
+    """Print the Overview page's headline for these runs: each pair of turnscope.analysis.headline.PAIRS
     with its speed-up (baseline / bidirectional median TTFT from the second turn on), 95% bootstrap
     CI by session, verdict and, when undecided, the sessions a decision needs (`bottom_line_blocks`)."""
     from dashboard import db, queries
@@ -295,7 +295,7 @@ VENDOR_SWEEP = REPO_ROOT / "data" / "workloads" / "vendor-sweep.yaml"
 def rollup(store: StoreOpt = None) -> None:
     """Roll up every finished run that has no fresh rollup: its run_summary, run_kv_transfer and
     run_handle_memory rows, stored beside the shards so the dashboard need not recompute them
-    (turnscope/rollup.py; docs/schema.md, "Rollups"). A finished eval does this itself. It first
+    (dashboard/rollup.py; docs/schema.md, "Rollups"). A finished eval does this itself. It first
     recreates the store's views if they are of another schema version (a store written by an
     older turnscope); the shards are never changed."""
     from dashboard.rollup import Rollups

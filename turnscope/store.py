@@ -229,7 +229,7 @@ class Store:
     def base_select(self, table: str, paths: list[str]) -> str:
         """SQL of ``table``'s base view over the Parquet files or globs `paths` (absolute): every
         column cast to its schema type, in schema order (``read_parquet(..., union_by_name = true)``).
-        The base views use ``[table_glob(table)]``; `turnscope.rollup` the shards of some runs only."""
+        The base views use ``[table_glob(table)]``; `dashboard.rollup` the shards of some runs only."""
         t = self.schema.tables[table]
         cols = ", ".join(f"CAST({_ident(c.name)} AS {c.sql_type}) AS {_ident(c.name)}" for c in t.columns)
         files = _sql_str(paths[0]) if len(paths) == 1 else "[" + ", ".join(_sql_str(p) for p in paths) + "]"

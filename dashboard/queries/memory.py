@@ -399,7 +399,7 @@ def whatif_ttl_d_limit(
     without ``kv_bytes_per_token`` is left out (no bytes to compare). TTLs at or below a run's
     handle margin are skipped for it (nothing could be offered).
 
-    Where `con` has rollups installed (:meth:`turnscope.rollup.Rollups.install`) and `rollups`, a
+    Where `con` has rollups installed (:meth:`dashboard.rollup.Rollups.install`) and `rollups`, a
     rolled-up run asked only for TTLs of the rollup's grid (``WHATIF_TTLS_S`` and the run's own
     TTL) is read from its rollup rows, the same figures without the replay
     (tests/integration/test_rollups.py); every other run is replayed here.

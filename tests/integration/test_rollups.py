@@ -1,4 +1,4 @@
-"""Per-run rollups (turnscope/rollup.py) give the dashboard the same figures as the plain views.
+"""Per-run rollups (dashboard/rollup.py) give the dashboard the same figures as the plain views.
 
 Second route: every query of ``dashboard.queries`` is run over a real store (the dashboard
 fixture, written by turnscope.store's writer) once on the plain views (``db.use_rollups = False``)

@@ -1,4 +1,4 @@
-"""dashboard.compare_stats and dashboard.headline's sampling cap: pure functions on hand-made samples."""
+"""dashboard.compare_stats and turnscope.analysis.headline's sampling cap: pure functions on hand-made samples."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""dashboard.headline: the ratio, its bootstrap CI, and the sentences the Overview prints."""
+"""turnscope.analysis.headline: the ratio, its bootstrap CI, and the sentences the Overview prints."""
 
 from __future__ import annotations
 

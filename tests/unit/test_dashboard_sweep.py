@@ -1,4 +1,4 @@
-"""dashboard.sweep_stats and dashboard.sweep_figures as pure functions, against numbers worked out by hand."""
+"""turnscope.analysis.sweep_stats and dashboard.sweep_figures as pure functions, against numbers worked out by hand."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""dashboard.sample_size: the sessions-per-side forecast, checked by simulation and by hand.
+"""turnscope.analysis.sample_size: the sessions-per-side forecast, checked by simulation and by hand.
 
 Truth here is independent of the forecast's formula: synthetic runs drawn with a known speed-up
 and a known per-session spread, their intervals from the headline's real bootstrap
-(dashboard.headline.median_ratio_ci), and the fraction of them that decide counted.
+(turnscope.analysis.headline.median_ratio_ci), and the fraction of them that decide counted.
 """
 
 from __future__ import annotations

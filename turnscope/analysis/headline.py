@@ -334,13 +334,13 @@ def missing_pairs(modes_present: set[str], pairs: tuple[tuple[str, str], ...] = 
 
 
 def direction(r: Ratio) -> Verdict:
-    """What the CI says of the treatment (``dashboard.speedup.Verdict``): ``faster`` / ``slower``
+    """What the CI says of the treatment (``turnscope.analysis.speedup.Verdict``): ``faster`` / ``slower``
     (the CI excludes 1), ``no clear difference`` (it includes 1) or ``too few sessions`` (no CI)."""
     return speedup.of(r).verdict
 
 
 def sessions_needed(r: Ratio) -> sample_size.SessionsNeeded | None:
-    """The sample-size forecast (``dashboard.sample_size``) for an undecided `r`; None when the
+    """The sample-size forecast (``turnscope.analysis.sample_size``) for an undecided `r`; None when the
     verdict is decided or there is no CI."""
     if direction(r) is not Verdict.UNCLEAR:
         return None
@@ -350,8 +350,8 @@ def sessions_needed(r: Ratio) -> sample_size.SessionsNeeded | None:
 
 def verdict(r: Ratio) -> str:
     """One plain sentence: faster, slower or no clear difference, with the speed-up
-    (``dashboard.speedup``) and the numbers behind it; an undecided one ends with the forecast of
-    sessions needed (``dashboard.sample_size``)."""
+    (``turnscope.analysis.speedup``) and the numbers behind it; an undecided one ends with the forecast of
+    sessions needed (``turnscope.analysis.sample_size``)."""
     scope = f" ({r.workload or 'unnamed workload'}, history {r.history_mode or 'unknown'})"
     medians = (
         f"median TTFT from the second turn on {r.median_treatment_s * 1e3:.0f} ms vs "

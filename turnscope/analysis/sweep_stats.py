@@ -12,7 +12,7 @@ Statistics follow the vendor's benchmark (vLLM's benchmarks/multi_turn, as used 
 of 2026-10-12): the mean TTFT over the requests of a point (and the 90th percentile), and the
 speed-up ``TTFT(baseline) / TTFT(bidirectional)`` (the blog's "1.6x lower TTFT" is 1.6 here).
 Confidence intervals are percentile bootstraps (scipy.stats.bootstrap) resampling whole
-sessions, the two runs independently, as on the Overview page (``dashboard.headline``).
+sessions, the two runs independently, as on the Overview page (``turnscope.analysis.headline``).
 
 The ideal (what bidirectional transfer could give at best on this deployment): each turn of the
 ``pd-nocache`` run of a point, with the KV of everything the previous turn left behind

@@ -5,7 +5,7 @@ Formulas and sources in docs/planner.md ("Profiles"):
 * c(x) and b0 per mode: one robust joint fit (:func:`fit_costs`) of ``ttft - pull(pulled) =
   b0[mode] + c(n) - c(cached)`` over the ok turns of every mode, with each turn's measured cached
   and pulled tokens; P/D modes share c, the aggregated worker has its own;
-* P's pull of D's KV: the Sweep page's ``dashboard.sweep_stats.transfer_s_per_token`` (P's NIXL bytes
+* P's pull of D's KV: the Sweep page's ``turnscope.analysis.sweep_stats.transfer_s_per_token`` (P's NIXL bytes
   over NIXL seconds in the ``pd-bidir*`` runs, vLLM's ``vllm:nixl_*`` metrics), as bandwidth;
 * where a run did not record the worker's own prefix-cache hit (aggregated serving: vLLM reports
   ``usage.prompt_tokens_details`` only when asked), the planner's forecast of it for that run;
