@@ -11,7 +11,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from dashboard.figures import MODE_COLORS, MODE_ORDER, _ordered, empty_figure
+from dashboard.figures import MODE_COLORS, MODE_ORDER, empty_figure, ordered_present
 from turnscope.analysis import speedup
 
 IDEAL_NAME = "ideal: prefill of the new tokens + KV pull"
@@ -30,7 +30,7 @@ def ttft_vs_prefix(stats: pd.DataFrame, ideal: pd.DataFrame | None = None,
     if stats.empty:
         return empty_figure("no ok turns in this sweep")
     fig = make_subplots(rows=1, cols=2, subplot_titles=("mean TTFT", "p90 TTFT"), horizontal_spacing=0.08)
-    for mode in _ordered(stats["mode"], MODE_ORDER):
+    for mode in ordered_present(stats["mode"], MODE_ORDER):
         g = stats[stats["mode"] == mode].sort_values("prefix_tokens")
         for col, stat in ((1, "mean"), (2, "p90")):
             fig.add_trace(go.Scatter(

@@ -92,7 +92,7 @@ from pydantic import (
 )
 
 from loadgen.session import SessionPlan, TurnPlan, plan_from_conversation
-from loadgen.synth_text import TextSynth, _key_ints
+from loadgen.synth_text import TextSynth, seed_ints
 from loadgen.traces.formats import REPLAY_FORMATS, resolve, trace_format
 from turnscope import yaml_file
 
@@ -891,7 +891,7 @@ def plan_workload(w: Workload, synth: TextSynth, *, time_scale: float = 1.0,
         system = {}
         for _, a in arch:
             if a.name not in system:
-                tokens = _tokens(a.system_prompt_tokens, _rng(w.seed, 2, *_key_ints(a.name)), ts, low=0)
+                tokens = _tokens(a.system_prompt_tokens, _rng(w.seed, 2, *seed_ints(a.name)), ts, low=0)
                 system[a.name] = synth.text(tokens, f"system/{a.name}") if tokens else ""
         for i in range(n):
             pick = int(_rng(w.seed, 0, i).choice(len(arch), p=weights))

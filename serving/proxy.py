@@ -51,9 +51,16 @@ from serving.prefix_index import DEFAULT_CAPACITY_BLOCKS, BlockChains, PrefixInd
 from serving.prompt_render import IncrementalRenderer
 from serving.proxy_metrics import ProxyMetrics
 from serving.proxy_request import ProxiedRequest, RequestFacts
-from serving.routing import SESSION, Router, RoutingPolicy
+from serving.routing import Router
 from turnscope import reuse_rules as rules
-from turnscope.contract import FACTS_FIELD, REQUEST_ID_HEADER, SESSION_FIELD, SESSION_HEADER
+from turnscope.contract import (
+    FACTS_FIELD,
+    REQUEST_ID_HEADER,
+    SESSION,
+    SESSION_FIELD,
+    SESSION_HEADER,
+    RoutingPolicy,
+)
 from turnscope.modes import AGGREGATED
 from turnscope.tokenize_client import TokenizeError, render_request, tokenize_async
 

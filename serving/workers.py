@@ -25,7 +25,8 @@ from pathlib import Path
 import httpx
 import psutil
 
-from serving.topology import LOCAL_HOSTS, Connector, RoleSettings, Topology
+from serving.topology import LOCAL_HOSTS, RoleSettings, Topology
+from turnscope.connector import Connector
 from turnscope.modes import serving_mode
 
 

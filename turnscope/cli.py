@@ -26,11 +26,11 @@ from loadgen import eval_report as report
 from loadgen.traces.formats import REQUEST_FORMATS
 from serving.embedded_model import DEFAULT_MODEL_DIR, ensure_model
 from serving.prometheus_config import render_prometheus_config
-from serving.routing import ROUTING_POLICIES, RoutingPolicy
 from serving.stack import ModeStack
 from serving.topology import ProxySettings, Topology, TopologyError, embedded_topology, load_topology
 from serving.workers import mode_workers, port_in_use, worker_command
 from turnscope import console_text
+from turnscope.contract import ROUTING_POLICIES, RoutingPolicy
 from turnscope.evaluation import REPO_ROOT, default_settings, run_eval
 from turnscope.modes import MODES
 from turnscope.prefix_sweep import SWEEP_MODES, plan_sweep, run_sweep

@@ -15,7 +15,7 @@ finishing chunk, a :data:`FACTS_FIELD` object of :class:`PublicFacts`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, TypedDict
+from typing import Any, Literal, TypedDict
 
 import numpy as np
 
@@ -96,6 +96,13 @@ OUTCOMES = (HIT, MISS_FIRST_TURN, MISS_NO_SESSION_ID, MISS_EXPIRED, MISS_CONSUME
 DECODER_KV_BLOCKS_TTL_S = 480
 #: vLLM's ``kv_recompute_threshold`` default, tokens: below this many tokens to pull, P recomputes.
 KV_RECOMPUTE_THRESHOLD_TOKENS = 64
+
+# -- routing: how the proxy picks a worker of a role (serving.routing) ------------------------------
+
+ROUND_ROBIN, SESSION, PREFIX_AWARE = "round-robin", "session", "prefix-aware"
+#: The routing policies a run may choose, for P and for D (docs/configuration.md, "Routing").
+ROUTING_POLICIES = (ROUND_ROBIN, SESSION, PREFIX_AWARE)
+RoutingPolicy = Literal["round-robin", "session", "prefix-aware"]
 
 # -- histories, turns, gaps (the serving modes: turnscope.modes) ----------------------------------
 

@@ -27,10 +27,10 @@ from loadgen.scraper import MetricsScraper
 from loadgen.traces.formats import check_trace
 from loadgen.workload import load_workload
 from serving.embedded_model import ModelSpec
-from serving.routing import RoutingPolicy
 from serving.stack import ModeStack
 from serving.topology import Topology, embedded_topology
 from turnscope import console_text
+from turnscope.contract import RoutingPolicy
 from turnscope.modes import MODES, serving_mode
 from turnscope.store import Store
 

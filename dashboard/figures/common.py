@@ -93,7 +93,8 @@ def turn_axis(fig: go.Figure, max_turn: float, min_turn: float = 0, **kwargs) ->
                      **kwargs)
 
 
-def _ordered(values: pd.Series, order: list[str]) -> list[str]:
+def ordered_present(values: pd.Series, order: list[str]) -> list[str]:
+    """The distinct values of ``values`` (as strings) in ``order``, the others after them, sorted."""
     present = [str(v) for v in pd.unique(values.dropna())]
     return [v for v in order if v in present] + sorted(v for v in present if v not in order)
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import duckdb
 import pandas as pd
 
-from dashboard.queries.common import TurnFilter, _ids, _run, _where
+from dashboard.queries.common import TurnFilter, id_list, run_sql, where_sql
 
 # Favourable: a continuation (kind 'turn') within the proxy's TTL (decoder_kv_blocks_ttl minus the
 # margin), the case reuse is made for. Everything else after the first turn is unfavourable, by
@@ -70,12 +70,12 @@ ORDER BY side, scope, key
 def _compare_where(f: TurnFilter | None) -> str:
     """`f`'s archetype and kind filters over ``turn_rows t`` (its run ids are replaced by
     the two sides')."""
-    w = _where(TurnFilter((), *(((f.archetypes, f.kinds, f.gap_kinds)) if f else ((), (), ()))), "t")
+    w = where_sql(TurnFilter((), *(((f.archetypes, f.kinds, f.gap_kinds)) if f else ((), (), ()))), "t")
     return w.replace("list_contains($run_ids::VARCHAR[], t.run_id)", "true")
 
 
 def _compare_params(a_run_ids: Sequence[str], b_run_ids: Sequence[str], f: TurnFilter | None) -> dict:
-    params = {**(f or TurnFilter(())).params(), "a": _ids(a_run_ids), "b": _ids(b_run_ids)}
+    params = {**(f or TurnFilter(())).params(), "a": id_list(a_run_ids), "b": id_list(b_run_ids)}
     params.pop("run_ids")
     return params
 
@@ -98,7 +98,7 @@ def compare_samples(
     after TTL`` or the turn's kind). One row per turn kept.
     """
     params = _compare_params(a_run_ids, b_run_ids, f) | {"max_turns": None if max_turns is None else int(max_turns)}
-    return _run(con, _COMPARE_SAMPLES.format(where=_compare_where(f)), params)
+    return run_sql(con, _COMPARE_SAMPLES.format(where=_compare_where(f)), params)
 
 
 def compare_stats(
@@ -117,4 +117,4 @@ def compare_stats(
     session; counted for scope ``later`` only, 0 otherwise), ttft_p50_s (seconds).
     """
     params = _compare_params(a_run_ids, b_run_ids, f) | {"min_turn_index": int(min_turn_index)}
-    return _run(con, _COMPARE_STATS.format(where=_compare_where(f)), params)
+    return run_sql(con, _COMPARE_STATS.format(where=_compare_where(f)), params)

@@ -13,10 +13,10 @@ from dashboard.queries.common import (
     EXTERNAL_KV_SOURCE,
     PROMPT_TOKENS_BY_SOURCE,
     TurnFilter,
-    _ids,
-    _run,
-    _where,
     as_filter,
+    id_list,
+    run_sql,
+    where_sql,
 )
 
 _RUNS = """
@@ -135,7 +135,7 @@ def ttft_by_turn(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) 
     ttft_p50_s, ttft_p90_s (seconds, linear interpolation like ``mode_ab``). One row per
     (mode, workload, history_mode, turn_index).
     """
-    return _run(con, _TTFT_BY_TURN.format(where=_where(as_filter(f))), as_filter(f).params())
+    return run_sql(con, _TTFT_BY_TURN.format(where=where_sql(as_filter(f))), as_filter(f).params())
 
 
 def ttft_samples(
@@ -157,7 +157,7 @@ def ttft_samples(
         "min_turn_index": int(min_turn_index),
         "max_turns": None if max_turns is None else int(max_turns),
     }
-    return _run(con, _TTFT_SAMPLES.format(where=_where(as_filter(f))), params)
+    return run_sql(con, _TTFT_SAMPLES.format(where=where_sql(as_filter(f))), params)
 
 
 def ttft_stats(
@@ -170,7 +170,7 @@ def ttft_stats(
     ttft_p50_s (seconds, linear interpolation: numpy's median).
     """
     params = {**as_filter(f).params(), "min_turn_index": int(min_turn_index)}
-    return _run(con, _TTFT_STATS.format(where=_where(as_filter(f))), params)
+    return run_sql(con, _TTFT_STATS.format(where=where_sql(as_filter(f))), params)
 
 
 def reuse_outcomes(
@@ -183,7 +183,7 @@ def reuse_outcomes(
     could reuse a handle). One row per (mode, reuse).
     """
     params = {**as_filter(f).params(), "min_turn_index": int(min_turn_index)}
-    return _run(con, _REUSE_OUTCOMES.format(where=_where(as_filter(f))), params)
+    return run_sql(con, _REUSE_OUTCOMES.format(where=where_sql(as_filter(f))), params)
 
 
 def run_summary(con: duckdb.DuckDBPyConnection, run_ids: TurnFilter | Sequence[str]) -> pd.DataFrame:
@@ -193,7 +193,7 @@ def run_summary(con: duckdb.DuckDBPyConnection, run_ids: TurnFilter | Sequence[s
     started_at, finished_at, turns, ok_turns, failed_turns, hits, ttft_p50_s, ttft_p90_s,
     ttft_mean_s (seconds), reused_tokens (tokens). One row per run.
     """
-    return con.execute(_RUN_SUMMARY, {"run_ids": _ids(as_filter(run_ids).run_ids)}).df()
+    return con.execute(_RUN_SUMMARY, {"run_ids": id_list(as_filter(run_ids).run_ids)}).df()
 
 
 def external_kv_tokens(con: duckdb.DuckDBPyConnection, run_ids: TurnFilter | Sequence[str]) -> pd.DataFrame:
@@ -209,8 +209,8 @@ def external_kv_tokens(con: duckdb.DuckDBPyConnection, run_ids: TurnFilter | Seq
     per scrape of a prefill endpoint, ordered by run and time.
     """
     params = {
-        "run_ids": _ids(as_filter(run_ids).run_ids),
+        "run_ids": id_list(as_filter(run_ids).run_ids),
         "name": PROMPT_TOKENS_BY_SOURCE,
         "source": EXTERNAL_KV_SOURCE,
     }
-    return _run(con, _PREFILL_COUNTER, params)
+    return run_sql(con, _PREFILL_COUNTER, params)

@@ -75,7 +75,7 @@ class Ratio:
         )
 
 
-def _padded(values: np.ndarray, groups: np.ndarray | None) -> np.ndarray:
+def padded_groups(values: np.ndarray, groups: np.ndarray | None) -> np.ndarray:
     """`values` as a (n_groups, max group size) array, one row per group, NaN-padded."""
     if groups is None:
         return values.reshape(-1, 1)
@@ -143,8 +143,8 @@ def median_ratio_ci(
     if a.size == 0 or b.size == 0:
         raise ValueError("median_ratio_ci needs at least one value in each sample")
     ratio = float(np.median(a) / np.median(b))
-    pa = _padded(a, None if treatment_groups is None else np.asarray(treatment_groups))
-    pb = _padded(b, None if baseline_groups is None else np.asarray(baseline_groups))
+    pa = padded_groups(a, None if treatment_groups is None else np.asarray(treatment_groups))
+    pb = padded_groups(b, None if baseline_groups is None else np.asarray(baseline_groups))
     if pa.shape[0] < 2 or pb.shape[0] < 2:
         return ratio, math.nan, math.nan
     pick = np.random.default_rng(seed + 1)

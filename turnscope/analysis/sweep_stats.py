@@ -43,7 +43,7 @@ from scipy import stats
 
 from turnscope import modes
 from turnscope.analysis import speedup
-from turnscope.analysis.headline import _padded
+from turnscope.analysis.headline import padded_groups
 
 #: (treatment, baseline, what the pair answers): the vendor's A/B first, then the real baselines.
 #: (each mode's measured ``ServingMode.baselines``, treatments in ``turnscope.modes.SWEEP_ORDER``.)
@@ -108,8 +108,8 @@ def speedup_ci(baseline_s: np.ndarray, treatment_s: np.ndarray, *, baseline_grou
     if a.size == 0 or b.size == 0:
         raise ValueError("speedup_ci needs at least one value on each side")
     point = float(stat_of(a, stat) / stat_of(b, stat))
-    pa = _padded(a, None if baseline_groups is None else np.asarray(baseline_groups))
-    pb = _padded(b, None if treatment_groups is None else np.asarray(treatment_groups))
+    pa = padded_groups(a, None if baseline_groups is None else np.asarray(baseline_groups))
+    pb = padded_groups(b, None if treatment_groups is None else np.asarray(treatment_groups))
     if pa.shape[0] < 2 or pb.shape[0] < 2:
         return point, math.nan, math.nan
 

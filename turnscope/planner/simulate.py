@@ -47,8 +47,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from loadgen.traces.agent_request import AgentRequest
 from serving import handles as h
-from serving.routing import SESSION
 from turnscope import reuse_rules as rules
+from turnscope.contract import SESSION
 from turnscope.modes import BIDIRECTIONAL_MODES, RECOMPUTE_MODE, SERVING_MODES, serving_mode
 from turnscope.planner.pinned_blocks import PinnedBlocks
 from turnscope.planner.pinned_kv import LOST, Handle, HandleLedger
