@@ -4,7 +4,6 @@ costs in held memory, and what other decoder_kv_blocks_ttl values would have giv
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 
 import duckdb
@@ -19,6 +18,7 @@ from dashboard.queries.common import (
     run_sql,
     where_sql,
 )
+from turnscope.analysis.worker_cache import cache_config
 from turnscope.planner.ttl_whatif import (
     RESULT_COLUMNS,
     TURN_COLUMNS,
@@ -344,27 +344,6 @@ def run_config(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) ->
     (bytes, NULL when unknown), mode, run_label, workload, history_mode.
     """
     return con.execute(_RUN_CONFIG, {"run_ids": id_list(as_filter(f).run_ids)}).df()
-
-
-_CACHE_CONFIG = """
-SELECT run_id, role, endpoint, any_value(labels) AS labels
-FROM metric_samples
-WHERE name = 'vllm:cache_config_info' AND list_contains($run_ids::VARCHAR[], run_id)
-GROUP BY run_id, role, endpoint
-ORDER BY run_id, role, endpoint
-"""
-
-
-def cache_config(con: duckdb.DuckDBPyConnection, run_ids: Sequence[str]) -> pd.DataFrame:
-    """The labels of vLLM's ``vllm:cache_config_info`` gauge (``block_size``, ``num_gpu_blocks``,
-    ... as vLLM reports them) per run, role and worker endpoint, from the runs' scrapes: the one
-    reader of it (the planner's fit uses it too). Columns: run_id, role, endpoint, labels (a dict;
-    rows whose labels are not a JSON object are dropped)."""
-    df = con.execute(_CACHE_CONFIG, {"run_ids": id_list(run_ids)}).df()
-    labels = [json.loads(v) if isinstance(v, str) else v for v in df["labels"]]
-    df = df.assign(labels=labels)
-    keep = pd.Series([isinstance(v, dict) for v in labels], index=df.index, dtype=bool)
-    return df.loc[keep].reset_index(drop=True)
 
 
 def _int_label(labels: dict, key: str) -> int | None:

@@ -28,9 +28,9 @@ import numpy as np
 import pandas as pd
 from scipy.optimize import least_squares
 
-from dashboard.queries.memory import cache_config
 from loadgen.traces.recorded_runs import read_recorded_runs
 from turnscope.analysis import sweep_stats as sweep
+from turnscope.analysis.worker_cache import cache_config
 from turnscope.modes import RECOMPUTE_MODE, SERVING_MODES
 from turnscope.planner.profile import MODES, CostProfile, Sourced
 from turnscope.planner.queueing import fifo_waits
@@ -120,7 +120,7 @@ def _transfer(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
 
 def _cache_config(store: Store, run_ids: Sequence[str]) -> dict[str, dict]:
     """Role -> the labels of its workers' ``vllm:cache_config_info`` (``block_size``,
-    ``num_gpu_blocks``, ...) in ``run_ids``' scrapes (:func:`dashboard.queries.memory.cache_config`,
+    ``num_gpu_blocks``, ...) in ``run_ids``' scrapes (:func:`turnscope.analysis.worker_cache.cache_config`,
     the one reader of the gauge); roles without that gauge are absent."""
     con = store.connect()
     try:
