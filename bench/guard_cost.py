@@ -1,4 +1,5 @@
-"""The token guard's added time per turn against history length (issue 15, item 1).
+"""The token guard's added time per turn against history length (within the proxy's overhead
+budget: bench/proxy_overhead.py).
 
 Before offering D's handle the proxy needs the new request's rendered ids. Side by side, at
 histories of about 1k, 8k, 32k and 128k tokens (the embedded model's tokenizer and chat template;
@@ -6,7 +7,7 @@ the in-process tokenizer serves histories longer than the workers' ``max_model_l
 
 * **full re-render**: the whole conversation through the chat template and the tokenizer, in
   process (what P's ``/tokenize`` does, without its HTTP hop: a lower bound of the old guard,
-  which issue 15 measured through P at about 1.5-1.8 ms per 1,000 tokens), then
+  measured through P at about 1.5-1.8 ms per 1,000 tokens), then
   ``fit_handle`` against D's handle (the previous prompt plus its reply);
 * **incremental**: ``serving.prompt_render.IncrementalRenderer.render`` from the session's previous
   render plus the new turn (about 120 new tokens: the reply and the next user message), then the
@@ -18,7 +19,7 @@ the in-process tokenizer serves histories longer than the workers' ``max_model_l
 Each cell is the p50 / p99 of ``--repeats`` guards (ms); the incremental ids are checked equal to
 the full render's, and the fit to use the whole handle, every time. Target: incremental <= 2 ms
 p50 at 128k, flat in history length.
-CPU-bound: run under ``flock /work/.cpu-heavy.lock``.
+CPU-bound: run it alone on the machine (no other benchmark or vLLM worker at the same time).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Peer-client check (issue 15, item 4): clients no one here wrote, against every serving mode
+"""Peer-client check (the proxy must be transparent to any OpenAI-compatible client): clients no one here wrote, against every serving mode
 through the proxy, with turnscope's own client on the same load as a second measurement of TTFT.
 
 For each mode (default ``pd-bidir pd aggregated``) the embedded default is started
@@ -20,7 +20,7 @@ EOS ignored) at ``--concurrency``:
 
 Prints one row per client and mode: requests sent, failed, TTFT median (ms). A client whose reader
 cannot parse the stream shows up as failed requests. CPU-heavy: run under
-``flock /work/.cpu-heavy.lock``.
+a lock of your own if the machine is shared (e.g. ``flock /tmp/turnscope-bench.lock``).
 
     python bench/peer_clients.py --aiperf /tmp/aiperf/bin/aiperf --guidellm /tmp/guidellm/bin/guidellm
 """

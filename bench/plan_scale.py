@@ -1,6 +1,6 @@
 """The planner at scale: 1,000,000 synthetic agent requests planned in every mode (target < 60 s on
 the project's 2-core machine). Prints wall time, peak memory (RSS high-water mark) and the ratio to
-the target. Run under the shared lock: ``flock /work/.cpu-heavy.lock .venv/bin/python bench/plan_scale.py``.
+the target. Run it alone on the machine: ``.venv/bin/python bench/plan_scale.py``.
 
 Traffic: 50,000 sessions of 20 requests, 4,000-token first prompts growing by 600 tokens a turn
 (the previous prompt + a 200-token reply + 400 new tokens), gaps of 5-600 s (some past the TTL),

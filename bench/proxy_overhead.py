@@ -23,9 +23,9 @@ proxy's CPU time per request (user + sys of its process over the measurement / r
 0's load (the harness's processes' CPU time / wall time) are printed next to them: a proxy near
 1000 ms of CPU per second of wall time is saturated, and so is a harness near it.
 
-Target (issue 15): <= 1 ms p50 and <= 3 ms p99 added at 256 streams.
+Target (the proxy's overhead budget): <= 1 ms p50 and <= 3 ms p99 added at 256 streams.
 
-    flock /work/.cpu-heavy.lock .venv/bin/python bench/proxy_overhead.py
+    .venv/bin/python bench/proxy_overhead.py   # alone on the machine: it saturates the CPUs
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Two measurements, each in a fresh Python process (so its peak RSS, ``resource.ge
   (printed side by side for N/10 and N).
 
 Usage: ``python bench/traffic_report.py [--requests 1000000] [--keep DIR]``. Not part of the test
-suite; run it under ``flock /work/.cpu-heavy.lock`` on the shared machine.
+suite; run it alone on the machine (no other benchmark at the same time).
 """
 
 from __future__ import annotations

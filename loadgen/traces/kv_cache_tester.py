@@ -13,7 +13,7 @@ conversation with ``id``, ``block_size`` (64) and ``requests``, a list of
 * sub-agents: ``{"type": "subagent", "t", "agent_id", "requests": [...]}``, ``t`` on the parent's
   clock, its requests' ``t`` relative to the sub-agent's own start (nesting allowed).
 
-What is read (docs/workloads.md, issue 13):
+What is read (docs/workloads.md):
 
 * every conversation is a session (id: the trace's ``id``); every sub-agent is a session of its
   own (``<parent session>/<agent_id>``), starting at the parent's clock ``t`` plus its own offset

@@ -13,7 +13,7 @@ File format (``example_sessions/derived/round_trace.jsonl`` of uw-syfi/TraceLab,
 * ``tools``: ``[{tool_call_id, emitted_at, tool_wall_latency_ms, result_at}]``, the tools the
   round's reply called.
 
-What is read (issue 13):
+What is read (docs/workloads.md):
 
 * sessions by ``session_id``, requests by ``round_index``;
 * ``arrival_s``: the last input event (the request goes out once every tool result is in), seconds
