@@ -38,7 +38,7 @@ from turnscope.contract import DECODER_KV_BLOCKS_TTL_S, KV_RECOMPUTE_THRESHOLD_T
 from turnscope.store import Store
 
 #: vLLM's decoder_kv_blocks_ttl default (seconds) and kv_recompute_threshold default (tokens), as
-#: turnscope.contract defines them (one definition, also serving.topology.Connector's defaults).
+#: turnscope.contract defines them (one definition, also turnscope.connector.Connector's defaults).
 DEFAULT_TTL_S = float(DECODER_KV_BLOCKS_TTL_S)
 DEFAULT_RECOMPUTE_THRESHOLD_TOKENS = KV_RECOMPUTE_THRESHOLD_TOKENS
 #: Rows per Parquet row group written (and held in memory) at a time.

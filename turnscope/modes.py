@@ -1,7 +1,7 @@
 """The serving modes turnscope launches and compares: one :class:`ServingMode` per mode, and every
 part asks it (the launcher, the proxy's settings, the planner, the statistics, the dashboard).
 
-A mode is one worker arrangement (docs/configuration.md, "What each mode compares"): one aggregated
+A mode is one worker arrangement (docs/design.md, "Serving modes"): one aggregated
 worker with prefix caching, or P/D (prefill and decode workers joined by vLLM's NixlConnector) with
 or without bidirectional KV transfer (``bidirectional_kv_xfer``: D keeps a finished request's KV for
 the session's next prefill to pull) and with or without P's prefix cache
