@@ -69,19 +69,19 @@ def mode_workers(mode: str, topology: Topology) -> list[WorkerSpec]:
     mode: the aggregated entries, prefix caching on. Raises ValueError for an unknown
     mode or one the topology has no workers for.
     """
-    serving = serving_mode(mode)  # raises ValueError for an unknown mode
+    kind = serving_mode(mode)  # raises ValueError for an unknown mode
     if mode not in topology.modes():
         raise ValueError(f"topology {topology.name!r} cannot run mode {mode!r} (it runs: "
                          f"{', '.join(topology.modes())})")
     specs = []
-    for role in serving.roles:
+    for role in kind.roles:
         role_settings = topology.roles.get(role) or RoleSettings()
         for i, w in enumerate(getattr(topology, role)):
             specs.append(WorkerSpec(
                 name=f"{role}-{i}", role=role, host=w.host, port=w.port, model=topology.model,
                 served_model_name=topology.served_model_name, platform=topology.platform,
                 side_channel_port=w.side_channel_port, cores=w.cores, gpus=w.gpus, nixl=role != "aggregated",
-                bidirectional=serving.bidirectional, prefix_caching=serving.prefix_caching(role),
+                bidirectional=kind.bidirectional, prefix_caching=kind.prefix_caching(role),
                 connector=topology.connector, kv_cache_bytes=topology.kv_cache_bytes,
                 max_model_len=topology.max_model_len, dtype=topology.dtype,
                 args=role_settings.args + w.args, env=topology.env | role_settings.env | w.env,

@@ -375,15 +375,15 @@ def plan(requests: Iterable[AgentRequest] | Traffic, profile: CostProfile,
     out: dict[str, ModePlan] = {}
     no_age = np.full(len(tr), np.nan)
     for mode in settings.modes:
-        serving = serving_mode(mode)
-        p_cache = p_hits if serving.prefill_prefix_cache else None
+        kind = serving_mode(mode)
+        p_cache = p_hits if kind.prefill_prefix_cache else None
         held_t, held_b, d_full, ages, pulled = np.zeros(0), np.zeros(0), 0, no_age, zeros
-        if not serving.disaggregated:
+        if not kind.disaggregated:
             local = own_cache_hits(tr, profile.capacity_tokens("aggregated"), block, settings.aggregated_workers,
                                    settings.routing, with_output=True,
                                    shared_prefix_tokens=settings.shared_prefix_tokens)
             outcome = np.zeros(len(tr), dtype=np.int8)
-        elif not serving.bidirectional:
+        elif not kind.bidirectional:
             local = zeros if p_cache is None else p_cache
             outcome = np.where(first_seen, _CODE[h.MISS_FIRST_TURN], _CODE[h.MISS_NO_HANDLE_RETURNED]).astype(np.int8)
         else:
