@@ -260,7 +260,7 @@ def build_store(root: Path, turns: int | None) -> str:
     sys.path.insert(0, str(REPO / "bench"))
     import dashboard_scale
 
-    from turnscope.rollup import Rollups
+    from dashboard.rollup import Rollups
 
     t0 = time.perf_counter()
     store = dashboard_scale.build(root, turns)

@@ -8,7 +8,7 @@ proxy's per-turn facts, and /metrics scrapes every second (P's and D's KV usage 
 per-pid copy, the proxy's handle bytes, P's NIXL histogram, plus 20 unrelated series per endpoint,
 as vLLM exposes many more than the dashboard reads).
 
-Then the finished runs are rolled up (``turnscope.rollup``, as ``turnscope rollup`` and the end of
+Then the finished runs are rolled up (``dashboard.rollup``, as ``turnscope rollup`` and the end of
 an eval do; ``--no-rollups`` reads the plain views only) and, with the dashboard's caches cleared, each page is rendered by Streamlit's AppTest (the
 same script a browser gets; no browser paint) and every query the page runs is timed inside
 ``dashboard.queries`` (wall clock, and the process's CPU time over DuckDB's threads). Each page is
@@ -41,7 +41,7 @@ import pyarrow.parquet as pq
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from turnscope.contract import MODES
+from turnscope.modes import MODES
 from turnscope.store import Store
 
 HISTORIES = ("text", "token_ids")
@@ -399,7 +399,7 @@ def main() -> int:
     ap.add_argument("--rebuild", action="store_true", help="rebuild even if --store already holds one")
     ap.add_argument("--repeats", type=int, default=3, help="cold renders per page; the fastest is kept (default 3)")
     ap.add_argument("--no-rollups", action="store_true",
-                    help="read the plain views only (no per-run rollups, turnscope/rollup.py): the before figures")
+                    help="read the plain views only (no per-run rollups, dashboard/rollup.py): the before figures")
     args = ap.parse_args()
     root = args.store or Path(tempfile.mkdtemp(prefix="turnscope-bench-"))
     try:
@@ -415,7 +415,7 @@ def main() -> int:
             db.use_rollups = False  # the plain views only: the "before" of docs/schema.md's rollups
             print("rollups: not read (--no-rollups)")
         else:
-            from turnscope.rollup import Rollups
+            from dashboard.rollup import Rollups
 
             t0 = time.perf_counter()
             written = Rollups(Store(root)).write_finished()

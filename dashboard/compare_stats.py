@@ -6,16 +6,16 @@ favourable (a ``turn`` continued within the run's proxy TTL) and case_name, poss
 whole sessions; and optionally ``dashboard.queries.compare_stats``, the exact counts and medians
 over every turn (side, scope, key, turns, sessions, ttft_p50_s). Ratios are median TTFT of A
 over median TTFT of B (exact when `stats` is given) with percentile-bootstrap confidence
-intervals from the samples (`dashboard.headline`, scipy); the page and its sentences show them
-as speed-ups B / A (``dashboard.speedup``).
+intervals from the samples (`turnscope.analysis.headline`, scipy); the page and its sentences show them
+as speed-ups B / A (``turnscope.analysis.speedup``).
 """
 
 from __future__ import annotations
 
 import pandas as pd
 
-from dashboard import headline, speedup
-from dashboard.headline import Ratio
+from turnscope.analysis import headline, speedup
+from turnscope.analysis.headline import Ratio
 
 #: Per turn index each session has one turn, so turns are resampled singly; at most this many per
 #: side go into each index's bootstrap (a seeded random subset beyond it: a wider interval).

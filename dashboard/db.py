@@ -26,7 +26,7 @@ from typing import Any
 import duckdb
 import pandas as pd
 
-from turnscope.rollup import Rollups
+from dashboard.rollup import Rollups
 from turnscope.store import Store
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -108,11 +108,11 @@ def connect(
 
 @functools.lru_cache(maxsize=8)
 def rollups_of(root: Path) -> Rollups:
-    """The rollups of the store at `root` (`turnscope.rollup`; its schema is parsed once)."""
+    """The rollups of the store at `root` (`dashboard.rollup`; its schema is parsed once)."""
     return Rollups(Store(root))
 
 
-#: Whether `read` reads finished runs from their rollups (`turnscope.rollup`) where fresh; the
+#: Whether `read` reads finished runs from their rollups (`dashboard.rollup`) where fresh; the
 #: figures are the same either way (tests/integration/test_rollups.py), only faster.
 use_rollups = True
 
@@ -135,7 +135,7 @@ def read(store: StoreLocation, query: Callable[..., pd.DataFrame], *args: Any) -
     """Call ``query(con, *args)`` on a fresh read-only connection to `store`; return its DataFrame.
 
     Where `use_rollups`, the connection first reads the finished runs with fresh rollups from
-    them (`turnscope.rollup.Rollups.install`: TEMP views shadowing the base and per-run views).
+    them (`dashboard.rollup.Rollups.install`: TEMP views shadowing the base and per-run views).
 
     A missing view or column (the file is not a turnscope store, or its views are of another
     schema version: the message says how to recreate them) raises `StoreInvalid`. One retry covers a shard renamed or removed between DuckDB's glob and its

@@ -10,10 +10,11 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from dashboard import db, export, figures, headline, queries, speedup, tables
+from dashboard import db, export, figures, queries, tables
 from dashboard.export import Section
-from dashboard.headline import Ratio
 from dashboard.queries import TurnFilter
+from turnscope.analysis import headline, speedup
+from turnscope.analysis.headline import Ratio
 
 TRANSFER_NOTE = (
     "KV transfer per turn is an estimate: the turn's reused tokens x the run's measured NIXL seconds per "
@@ -22,7 +23,7 @@ TRANSFER_NOTE = (
 
 
 def ratio_line(r: Ratio) -> str:
-    """One headline number in words: the speed-up (``dashboard.speedup``), its CI and verdict,
+    """One headline number in words: the speed-up (``turnscope.analysis.speedup``), its CI and verdict,
     medians and counts."""
     pct = round(headline.CONFIDENCE * 100)
     s = speedup.of(r)

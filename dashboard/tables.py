@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dashboard import hit_rate, speedup
+from dashboard import hit_rate
+from turnscope.analysis import speedup
 
 
 def run_summary_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -139,8 +140,8 @@ def whatif_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def ratio_table(ratios: dict) -> pd.DataFrame:
-    """The Compare page's three `dashboard.headline.Ratio` values (or None) as rows: turns, the
-    speed-up B / A (``dashboard.speedup``) with its CI and verdict, median A/B (ms), turns and
+    """The Compare page's three `turnscope.analysis.headline.Ratio` values (or None) as rows: turns, the
+    speed-up B / A (``turnscope.analysis.speedup``) with its CI and verdict, median A/B (ms), turns and
     sessions per side."""
     rows = []
     for case, r in ratios.items():

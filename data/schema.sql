@@ -15,7 +15,7 @@
 CREATE TABLE runs_log (
     run_id         VARCHAR NOT NULL,
     label          VARCHAR,
-    mode           VARCHAR,       -- aggregated | pd | pd-bidir | pd-nocache | pd-bidir-nocache | attach
+    mode           VARCHAR,       -- a name of turnscope.modes.MODES, or attach (a server turnscope did not launch)
     workload       VARCHAR,       -- workload name
     workload_spec  JSON,          -- the validated workload, as run
     history_mode   VARCHAR,       -- text | token_ids (docs/workloads.md)

@@ -11,7 +11,6 @@ from pathlib import Path
 import duckdb
 import pandas as pd
 
-from turnscope import pd_check
 from turnscope.store import connect_read_only
 
 EXTERNAL_KV_METRIC = "vllm:prompt_tokens_by_source_total"
@@ -66,13 +65,6 @@ def external_kv_tokens(store: Path, run_ids: list[str]) -> pd.DataFrame:
             WHERE role = 'prefill' AND name = $2 AND json_extract_string(labels, '$.source') = 'external_kv_transfer'
               AND run_id IN (SELECT unnest($1))
             GROUP BY run_id ORDER BY run_id""", [run_ids, EXTERNAL_KV_METRIC]).df()
-
-
-def pd_check_failures(store: Path, run_ids: list[str]) -> dict[str, str]:
-    """Run id -> why the run failed the P/D check (its decode worker computed prompts itself;
-    ``turnscope.pd_check``), for the runs of ``run_ids`` that did."""
-    with _connect(store) as con:
-        return pd_check.failed_runs(pd_check.decode_prompt_sources(con, run_ids))
 
 
 def sweep_summary(store: Path, run_ids: list[str]) -> pd.DataFrame:

@@ -10,7 +10,8 @@ import logging
 from typing import Any
 
 from loadgen.traces.taubench import DEFAULT_TRACE
-from turnscope.contract import ATTACH_MODE, HISTORY_MODES
+from turnscope.contract import HISTORY_MODES
+from turnscope.modes import ATTACH_MODE
 
 log = logging.getLogger("turnscope.locust")
 

@@ -135,8 +135,8 @@ class MetricsScraper:
                 last turn was counted by the workers and the proxy. The caller calls this once the
                 run's last turn has finished (the client saw its end): a counter still moving then
                 is that turn being accounted (the proxy counts after the stream's last byte). A
-                run's counter increases then contain exactly its own turns (issue #12: the last
-                turn's pull otherwise fell into the next run's first sample).
+                run's counter increases then contain exactly its own turns (without it the last
+                turn's pull fell into the next run's first sample).
         """
         self._stop.set()
         if self._thread is not None:

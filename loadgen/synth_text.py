@@ -142,7 +142,7 @@ def trace_words(path: Path = _CANDIDATE_TRACE, limit: int = 2048) -> tuple[str, 
     return tuple(sorted(counts, key=lambda w: (-counts[w], w))[:limit])
 
 
-def _key_ints(key: str) -> list[int]:
+def seed_ints(key: str) -> list[int]:
     """Four 32-bit integers from a string key (blake2b), for numpy's SeedSequence."""
     d = hashlib.blake2b(key.encode("utf-8"), digest_size=16).digest()
     return [int.from_bytes(d[i:i + 4], "little") for i in range(0, 16, 4)]
@@ -208,7 +208,7 @@ class TextSynth:
     # -- word streams -------------------------------------------------------------------------
 
     def _indices(self, key: str, n: int) -> np.ndarray:
-        rng = np.random.default_rng(np.random.SeedSequence([self.seed, *_key_ints(key)]))
+        rng = np.random.default_rng(np.random.SeedSequence([self.seed, *seed_ints(key)]))
         return rng.integers(0, len(self.units), size=n)
 
     def _join(self, idx: np.ndarray) -> str:

@@ -1,7 +1,7 @@
 """The traffic report: what a trace says about KV reuse across turns, before anything is served.
 
 ``turnscope traffic PATH...`` (and :func:`build_report`) streams every request of the given traces
-(:mod:`loadgen.traces.agent_sources`: kv-cache-tester, TraceLab, Mooncake, Azure, or the store's
+(:mod:`loadgen.traces.formats`: kv-cache-tester, TraceLab, Mooncake, Azure, or the store's
 own recorded runs) into the store as one ``traffic_requests`` Parquet shard per report (row groups
 of :data:`BATCH_ROWS`, so memory holds one batch, not the trace) plus a ``traffic_log`` row; the
 statistics are the store's SQL views (data/schema.sql, docs/schema.md "Traffic"), computed by
@@ -32,13 +32,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from loadgen.traces.agent_request import AgentRequest
-from loadgen.traces.agent_sources import detect_format, iter_agent_requests
 from loadgen.traces.errors import TraceFormatError
+from loadgen.traces.formats import detect_format, iter_agent_requests
 from turnscope.contract import DECODER_KV_BLOCKS_TTL_S, KV_RECOMPUTE_THRESHOLD_TOKENS
 from turnscope.store import Store
 
 #: vLLM's decoder_kv_blocks_ttl default (seconds) and kv_recompute_threshold default (tokens), as
-#: turnscope.contract defines them (one definition, also serving.topology.Connector's defaults).
+#: turnscope.contract defines them (one definition, also turnscope.connector.Connector's defaults).
 DEFAULT_TTL_S = float(DECODER_KV_BLOCKS_TTL_S)
 DEFAULT_RECOMPUTE_THRESHOLD_TOKENS = KV_RECOMPUTE_THRESHOLD_TOKENS
 #: Rows per Parquet row group written (and held in memory) at a time.

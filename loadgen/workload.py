@@ -92,7 +92,8 @@ from pydantic import (
 )
 
 from loadgen.session import SessionPlan, TurnPlan, plan_from_conversation
-from loadgen.synth_text import TextSynth, _key_ints
+from loadgen.synth_text import TextSynth, seed_ints
+from loadgen.traces.formats import REPLAY_FORMATS, resolve, trace_format
 from turnscope import yaml_file
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -350,7 +351,7 @@ class TraceSource(_Model):
     ``sessions`` counts conversations (files), each with its sub-agents.
     """
 
-    format: Literal["mooncake", "azure", "taubench", "vllm_multiturn", "kv_cache_tester"]
+    format: Literal[REPLAY_FORMATS]
     path: str | None = None
     name: str | None = None
     sessions: int | None = Field(default=None, ge=0)
@@ -841,17 +842,20 @@ def plan_trace(src: TraceSource, si: int, w: Workload, synth: TextSynth, time_sc
     """Plans of one trace source (``si``: its position in ``w.traces``, part of the session ids);
     ``time_scale`` (the run's) is multiplied by the source's own ``time_scale``."""
     time_scale *= src.time_scale
-    if src.format == "kv_cache_tester":
-        return plan_kv_cache_tester(src, si, w, synth, time_scale)
-    if src.format == "mooncake":
-        return plan_mooncake(src, si, w, synth, time_scale)
-    if src.format == "azure":
-        return plan_azure(src, si, w, synth, time_scale)
-    if src.format == "taubench":
-        from loadgen.traces.taubench import DEFAULT_TRACE, load_taubench
+    return resolve(trace_format(src.format).replay)(src, si, w, synth, time_scale)
 
-        convs = load_taubench(src.path or DEFAULT_TRACE, max_turns=src.max_turns)
-        return _plan_conversations(convs, src, si, "t", w, synth, time_scale, reply_tokens=False)
+
+def plan_taubench(src: TraceSource, si: int, w: Workload, synth: TextSynth, time_scale: float) -> list[SessionPlan]:
+    """Plans of a tau-bench source: its conversations' text, gaps from ``src.gaps``."""
+    from loadgen.traces.taubench import DEFAULT_TRACE, load_taubench
+
+    convs = load_taubench(src.path or DEFAULT_TRACE, max_turns=src.max_turns)
+    return _plan_conversations(convs, src, si, "t", w, synth, time_scale, reply_tokens=False)
+
+
+def plan_vllm_multiturn(src: TraceSource, si: int, w: Workload, synth: TextSynth,
+                        time_scale: float) -> list[SessionPlan]:
+    """Plans of a vLLM ``benchmarks/multi_turn`` source: its conversations, the replies' tokens as output."""
     from loadgen.traces.vllm_multiturn import load_vllm_multiturn
 
     convs = load_vllm_multiturn(src.path, max_turns=src.max_turns)
@@ -888,7 +892,7 @@ def plan_workload(w: Workload, synth: TextSynth, *, time_scale: float = 1.0,
         system = {}
         for _, a in arch:
             if a.name not in system:
-                tokens = _tokens(a.system_prompt_tokens, _rng(w.seed, 2, *_key_ints(a.name)), ts, low=0)
+                tokens = _tokens(a.system_prompt_tokens, _rng(w.seed, 2, *seed_ints(a.name)), ts, low=0)
                 system[a.name] = synth.text(tokens, f"system/{a.name}") if tokens else ""
         for i in range(n):
             pick = int(_rng(w.seed, 0, i).choice(len(arch), p=weights))

@@ -2,7 +2,7 @@
 
 The proxy compares a request's rendered ids with the ids D holds KV for before it offers D's
 handle (``serving.handles.fit_handle``). Rendering the whole conversation through P's
-``/tokenize`` on every turn costs about 1.5-1.8 ms per 1,000 tokens of history (issue 15), so
+``/tokenize`` on every turn costs about 1.5-1.8 ms per 1,000 tokens of history (measured: bench/guard_cost.py), so
 :class:`IncrementalRenderer` keeps, per session, the previous request's messages, the ids of its
 rendered text up to the last *safe boundary* and the text after it, and renders a new request
 in-process with the model's own tokenizer and chat template:

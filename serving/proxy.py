@@ -59,16 +59,18 @@ from serving.proxy_request import (
     ProxiedRequest,
     RequestFacts,
 )
-from serving.routing import SESSION, Router, RoutingPolicy
+from serving.routing import Router
 from turnscope import reuse_rules as rules
 from turnscope.contract import (
-    AGGREGATED,
     FACTS_FIELD,
     REQUEST_ID_HEADER,
+    SESSION,
     SESSION_FIELD,
     SESSION_HEADER,
+    RoutingPolicy,
     error_body_text,
 )
+from turnscope.modes import AGGREGATED
 from turnscope.tokenize_client import TokenizeError, render_request, tokenize_async
 
 log = logging.getLogger("turnscope.proxy")

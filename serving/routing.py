@@ -23,12 +23,8 @@ import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Literal
 
-ROUND_ROBIN, SESSION, PREFIX_AWARE = "round-robin", "session", "prefix-aware"
-#: The routing policies a run may choose, for P and for D.
-ROUTING_POLICIES = (ROUND_ROBIN, SESSION, PREFIX_AWARE)
-RoutingPolicy = Literal["round-robin", "session", "prefix-aware"]
+from turnscope.contract import PREFIX_AWARE, ROUND_ROBIN, ROUTING_POLICIES
 
 
 def rendezvous_weight(session: str, worker: str) -> int:

@@ -24,9 +24,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from serving.routing import SESSION, RoutingPolicy
 from turnscope import yaml_file
-from turnscope.contract import DECODER_KV_BLOCKS_TTL_S, KV_RECOMPUTE_THRESHOLD_TOKENS, MODES
+from turnscope.connector import Connector
+from turnscope.contract import SESSION, RoutingPolicy
+from turnscope.modes import MODES, SERVING_MODES
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -37,23 +38,6 @@ class TopologyError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class Connector(_Strict):
-    """NixlConnector settings, ``kv_connector_extra_config`` plus transfer-config fields.
-
-    Defaults are vLLM's (docs/features/nixl_connector_usage.md, ``nixl/base_scheduler.py``):
-    ``kv_recompute_threshold`` 64 tokens, ``decoder_kv_blocks_ttl`` 480 s, ``kv_lease_duration``
-    30 s, ``backends`` ["UCX"] (["LIBFABRIC"] on EFA). ``kv_load_failure_policy`` "recompute"
-    (vLLM's default is "fail") makes a failed or declined pull fall back to computing the prompt.
-    """
-
-    kv_recompute_threshold: int = Field(KV_RECOMPUTE_THRESHOLD_TOKENS, ge=0)
-    decoder_kv_blocks_ttl: int = Field(DECODER_KV_BLOCKS_TTL_S, gt=0)
-    kv_lease_duration: int = Field(30, gt=0)
-    backends: list[str] = Field(default_factory=lambda: ["UCX"], min_length=1)
-    kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
-    kv_buffer_device: Literal["cpu", "cuda", "xpu"] | None = None  # default: cpu on CPU, cuda on GPU
 
 
 class WorkerEntry(_Strict):
@@ -148,8 +132,8 @@ class Topology(_Strict):
         """The modes this topology can run."""
         if not self.launch:
             return [self.attached_mode]
-        return ([m for m in MODES if m != "aggregated"] if self.prefill else []) + \
-            (["aggregated"] if self.aggregated else [])
+        runnable = [m for m in SERVING_MODES if getattr(self, m.roles[0])]
+        return [m.name for m in sorted(runnable, key=lambda m: not m.disaggregated)]  # P/D modes first
 
 
 def load_topology(path: Path) -> Topology:

@@ -25,7 +25,9 @@ from pathlib import Path
 import httpx
 import psutil
 
-from serving.topology import LOCAL_HOSTS, MODES, Connector, RoleSettings, Topology
+from serving.topology import LOCAL_HOSTS, RoleSettings, Topology
+from turnscope.connector import Connector
+from turnscope.modes import serving_mode
 
 
 @dataclass
@@ -61,26 +63,25 @@ class WorkerSpec:
 def mode_workers(mode: str, topology: Topology) -> list[WorkerSpec]:
     """The workers ``mode`` runs on ``topology`` (docs/design.md, "Serving modes").
 
-    ``pd*`` modes: every prefill and decode entry, with ``bidirectional_kv_xfer`` on both roles in
-    the ``*bidir*`` modes and ``--no-enable-prefix-caching`` on P only in the ``*nocache`` modes.
-    ``aggregated``: the aggregated entries, prefix caching on. Raises ValueError for an unknown
+    A P/D mode (``turnscope.modes.ServingMode.disaggregated``): every prefill and decode entry, with
+    ``bidirectional_kv_xfer`` on both roles where the mode is bidirectional and
+    ``--no-enable-prefix-caching`` on P where the mode turns P's prefix cache off. An aggregated
+    mode: the aggregated entries, prefix caching on. Raises ValueError for an unknown
     mode or one the topology has no workers for.
     """
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+    kind = serving_mode(mode)  # raises ValueError for an unknown mode
     if mode not in topology.modes():
         raise ValueError(f"topology {topology.name!r} cannot run mode {mode!r} (it runs: "
                          f"{', '.join(topology.modes())})")
-    roles = ["aggregated"] if mode == "aggregated" else ["prefill", "decode"]
     specs = []
-    for role in roles:
+    for role in kind.roles:
         role_settings = topology.roles.get(role) or RoleSettings()
         for i, w in enumerate(getattr(topology, role)):
             specs.append(WorkerSpec(
                 name=f"{role}-{i}", role=role, host=w.host, port=w.port, model=topology.model,
                 served_model_name=topology.served_model_name, platform=topology.platform,
                 side_channel_port=w.side_channel_port, cores=w.cores, gpus=w.gpus, nixl=role != "aggregated",
-                bidirectional="bidir" in mode, prefix_caching=not (role == "prefill" and "nocache" in mode),
+                bidirectional=kind.bidirectional, prefix_caching=kind.prefix_caching(role),
                 connector=topology.connector, kv_cache_bytes=topology.kv_cache_bytes,
                 max_model_len=topology.max_model_len, dtype=topology.dtype,
                 args=role_settings.args + w.args, env=topology.env | role_settings.env | w.env,

@@ -23,14 +23,17 @@ from rich.console import Console
 from rich.table import Table
 
 from loadgen import eval_report as report
+from loadgen.traces.formats import REQUEST_FORMATS
 from serving.embedded_model import DEFAULT_MODEL_DIR, ensure_model
 from serving.prometheus_config import render_prometheus_config
-from serving.routing import ROUTING_POLICIES, RoutingPolicy
 from serving.stack import ModeStack
-from serving.topology import MODES, ProxySettings, Topology, TopologyError, embedded_topology, load_topology
+from serving.topology import ProxySettings, Topology, TopologyError, embedded_topology, load_topology
 from serving.workers import mode_workers, port_in_use, worker_command
 from turnscope import console_text
+from turnscope.analysis import pd_check
+from turnscope.contract import ROUTING_POLICIES, RoutingPolicy
 from turnscope.evaluation import REPO_ROOT, default_settings, run_eval
+from turnscope.modes import MODES
 from turnscope.prefix_sweep import SWEEP_MODES, plan_sweep, run_sweep
 from turnscope.settings import SettingsError, TurnscopeSettings
 
@@ -215,7 +218,7 @@ def print_summary(store: Path, run_ids: list[str]) -> None:
     outs = report.outcomes(store, run_ids)
     ext = report.external_kv_tokens(store, run_ids).set_index("run_id")["external_kv_tokens"].to_dict()
     stopped = report.stopped_early(store, run_ids)
-    pd_failed = report.pd_check_failures(store, run_ids)
+    pd_failed = pd_check.pd_check_failures(store, run_ids)
     from dashboard import db, queries
 
     runs = db.read(db.StoreLocation(store), queries.runs).set_index("run_id")
@@ -243,11 +246,11 @@ def print_summary(store: Path, run_ids: list[str]) -> None:
 
 
 def bottom_line_blocks(ratios: list) -> list[list[str]]:
-    """The bottom line's text, one block of lines per comparison (``dashboard.headline.Ratio``):
-    the comparison and history mode; the speed-up (``dashboard.speedup``: the same number, label
+    """The bottom line's text, one block of lines per comparison (``turnscope.analysis.headline.Ratio``):
+    the comparison and history mode; the speed-up (``turnscope.analysis.speedup``: the same number, label
     and verdict as the Overview's cards) with its CI; medians and counts; for an undecided
-    verdict, the forecast sessions per side (``dashboard.sample_size``)."""
-    from dashboard import headline, speedup
+    verdict, the forecast sessions per side (``turnscope.analysis.sample_size``)."""
+    from turnscope.analysis import headline, speedup
 
     pct = round(headline.CONFIDENCE * 100)
     out = []
@@ -269,10 +272,11 @@ def bottom_line_blocks(ratios: list) -> list[list[str]]:
 
 
 def print_bottom_line(store: Path, run_ids: list[str]) -> None:
-    """Print the Overview page's headline for these runs: each pair of dashboard.headline.PAIRS
+    """Print the Overview page's headline for these runs: each pair of turnscope.analysis.headline.PAIRS
     with its speed-up (baseline / bidirectional median TTFT from the second turn on), 95% bootstrap
     CI by session, verdict and, when undecided, the sessions a decision needs (`bottom_line_blocks`)."""
-    from dashboard import db, headline, queries, speedup
+    from dashboard import db, queries
+    from turnscope.analysis import headline, speedup
 
     f = queries.TurnFilter(run_ids=tuple(run_ids))
     dstore = db.StoreLocation(store)
@@ -297,10 +301,10 @@ VENDOR_SWEEP = REPO_ROOT / "data" / "workloads" / "vendor-sweep.yaml"
 def rollup(store: StoreOpt = None) -> None:
     """Roll up every finished run that has no fresh rollup: its run_summary, run_kv_transfer and
     run_handle_memory rows, stored beside the shards so the dashboard need not recompute them
-    (turnscope/rollup.py; docs/schema.md, "Rollups"). A finished eval does this itself. It first
+    (dashboard/rollup.py; docs/schema.md, "Rollups"). A finished eval does this itself. It first
     recreates the store's views if they are of another schema version (a store written by an
     older turnscope); the shards are never changed."""
-    from turnscope.rollup import Rollups
+    from dashboard.rollup import Rollups
     from turnscope.store import Store
 
     root = store or settings().store
@@ -319,7 +323,7 @@ def rollup(store: StoreOpt = None) -> None:
 def roll_up_quietly(store: Path) -> None:
     """Roll up the store's finished runs after a run (`turnscope rollup`); a failure is said, not
     raised: the rows are stored and the dashboard reads the plain views meanwhile."""
-    from turnscope.rollup import Rollups
+    from dashboard.rollup import Rollups
     from turnscope.store import Store
 
     try:
@@ -334,7 +338,7 @@ def traffic(
         help="Trace files or directories: kv-cache-tester (a file or a directory of trace_*.json), TraceLab "
              "round_trace.jsonl, Mooncake jsonl, Azure csv, or a store directory (its recorded runs).")],
     format: Annotated[str | None, typer.Option(
-        "--format", help="Read every path as this format (kv_cache_tester, tracelab, mooncake, azure, run). "
+        "--format", help=f"Read every path as this format ({', '.join(REQUEST_FORMATS)}). "
                          "Default: detected per path.")] = None,
     store: StoreOpt = None,
     label: Annotated[str | None, typer.Option(help="Label of this report.")] = None,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any, TypedDict
+from typing import Any, Literal, TypedDict
 
 import numpy as np
 
@@ -98,14 +98,15 @@ DECODER_KV_BLOCKS_TTL_S = 480
 #: vLLM's ``kv_recompute_threshold`` default, tokens: below this many tokens to pull, P recomputes.
 KV_RECOMPUTE_THRESHOLD_TOKENS = 64
 
-# -- serving modes, histories, turns, gaps ----------------------------------------------------------
+# -- routing: how the proxy picks a worker of a role (serving.routing) ------------------------------
 
-AGGREGATED = "aggregated"
-#: The serving modes turnscope launches (docs/configuration.md): one aggregated worker, or P/D with
-#: or without bidirectional KV transfer and P's prefix cache.
-MODES = (AGGREGATED, "pd", "pd-bidir", "pd-nocache", "pd-bidir-nocache")
-#: What a run records as its mode when it drives a server turnscope did not launch.
-ATTACH_MODE = "attach"
+ROUND_ROBIN, SESSION, PREFIX_AWARE = "round-robin", "session", "prefix-aware"
+#: The routing policies a run may choose, for P and for D (docs/configuration.md, "Routing").
+ROUTING_POLICIES = (ROUND_ROBIN, SESSION, PREFIX_AWARE)
+RoutingPolicy = Literal["round-robin", "session", "prefix-aware"]
+
+# -- histories, turns, gaps (the serving modes: turnscope.modes) ----------------------------------
+
 #: How the session player keeps a session's history (docs/workloads.md): re-sent messages, or ids.
 HISTORY_MODES = ("text", "token_ids")
 #: Kinds of turn (``turns.kind``, docs/schema.md).

@@ -24,17 +24,14 @@ from pydantic import BaseModel, Field
 from rich.console import Console
 
 from loadgen.scraper import MetricsScraper
-from loadgen.traces.azure import load_azure
-from loadgen.traces.kv_cache_tester import read_kv_cache_tester
-from loadgen.traces.mooncake import load_mooncake
-from loadgen.traces.taubench import load_taubench
-from loadgen.traces.vllm_multiturn import load_vllm_multiturn
+from loadgen.traces.formats import check_trace
 from loadgen.workload import load_workload
 from serving.embedded_model import ModelSpec
-from serving.routing import RoutingPolicy
 from serving.stack import ModeStack
-from serving.topology import MODES, Topology, embedded_topology
+from serving.topology import Topology, embedded_topology
 from turnscope import console_text, speed_probe
+from turnscope.contract import RoutingPolicy
+from turnscope.modes import MODES, serving_mode
 from turnscope.store import Store
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -43,8 +40,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 HEARTBEAT_S = 5.0
 #: At most this many seconds of final scrapes after a run's last turn (loadgen.scraper.MetricsScraper.stop).
 FINAL_SCRAPE_SETTLE_S = 5.0
-_TRACE_READERS = {"mooncake": load_mooncake, "azure": load_azure, "taubench": load_taubench,
-                  "vllm_multiturn": load_vllm_multiturn, "kv_cache_tester": read_kv_cache_tester}
 
 
 class Slo(BaseModel):
@@ -106,8 +101,7 @@ def check_workload(path: Path) -> None:
     """
     w = load_workload(path)
     for src in w.traces:
-        reader = _TRACE_READERS[src.format]
-        reader(src.path) if src.path else reader()
+        check_trace(src.format, src.path)
 
 
 def run_status(returncode: int) -> str:
@@ -121,10 +115,10 @@ def run_status(returncode: int) -> str:
 
 def pd_checked_status(store: Path, run_id: str, status: str, console: Console) -> str:
     """``failed`` for a complete run whose decode worker computed its prompts itself (P/D did not
-    happen: ``turnscope.pd_check``), said on the console; else ``status`` unchanged."""
+    happen: ``turnscope.analysis.pd_check``), said on the console; else ``status`` unchanged."""
     if status != "complete":
         return status
-    from loadgen.eval_report import pd_check_failures
+    from turnscope.analysis.pd_check import pd_check_failures
 
     problem = pd_check_failures(store, [run_id]).get(run_id)
     if problem is None:
@@ -203,8 +197,7 @@ def run_eval(s: EvalSettings, console: Console | None = None,
     """
     console = console or Console()
     for mode in s.modes:
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        serving_mode(mode)  # raises ValueError for an unknown mode
         if mode not in s.topology.modes():
             raise ValueError(f"topology {s.topology.name!r} cannot run mode {mode!r} "
                              f"(it runs: {', '.join(s.topology.modes())})")

@@ -24,12 +24,11 @@ import yaml
 from rich.console import Console
 
 from loadgen.workload import Workload, load_workload, sweep_workloads
-from turnscope.contract import AGGREGATED, MODES
 from turnscope.evaluation import EvalSettings, RunPlan, run_eval
+from turnscope.modes import SWEEP_ORDER
 
-#: The five modes in the order the sweep runs them: the vendor's A/B first, then the real baselines.
-#: (the contract's MODES, reordered: ``pd-nocache``, ``pd-bidir-nocache``, ``pd``, ``pd-bidir``, ``aggregated``)
-SWEEP_MODES = tuple(sorted(MODES, key=lambda m: (m == AGGREGATED, not m.endswith("-nocache"), "bidir" in m)))
+#: The modes in the order the sweep runs them: the vendor's A/B first, then the real baselines.
+SWEEP_MODES = SWEEP_ORDER
 #: Tokens the chat template adds per message at most (role markers, separators), for the size check.
 TEMPLATE_TOKENS_PER_MESSAGE = 16
 

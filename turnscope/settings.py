@@ -57,9 +57,9 @@ from pydantic import (
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 from pydantic_settings import SettingsError as _PydanticSettingsError
 
-from serving.routing import SESSION, RoutingPolicy
-from serving.topology import Connector
 from turnscope import yaml_file
+from turnscope.connector import Connector
+from turnscope.contract import SESSION, RoutingPolicy
 from turnscope.redaction import REDACTED, redact
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -117,7 +117,7 @@ class PortSettings(_Strict):
 
 
 class ConnectorConfig(Connector):
-    """NixlConnector settings: ``serving.topology.Connector`` (the same fields, defaults and checks;
+    """NixlConnector settings: ``turnscope.connector.Connector`` (the same fields, defaults and checks;
     an instance is one), plus two conveniences for operators.
 
     Defaults are vLLM's (docs/features/nixl_connector_usage.md; ``nixl/base_scheduler.py``,
@@ -254,7 +254,7 @@ class TurnscopeSettings(BaseSettings):
         return out
 
     def topology_connector(self) -> Connector:
-        """These connector settings as a plain ``serving.topology.Connector`` (what topologies and
+        """These connector settings as a plain ``turnscope.connector.Connector`` (what topologies and
         ``serving.workers.WorkerSpec`` hold)."""
         return Connector.model_validate(self.connector.model_dump())
 

@@ -185,11 +185,13 @@ def _check_name(kind: str, value: str) -> None:
         )
 
 
-def _sql_str(s: str) -> str:
+def sql_str(s: str) -> str:
+    """``s`` as a SQL string literal (single quotes doubled)."""
     return "'" + s.replace("'", "''") + "'"
 
 
-def _ident(s: str) -> str:
+def sql_ident(s: str) -> str:
+    """``s`` as a quoted SQL identifier (double quotes doubled)."""
     return '"' + s.replace('"', '""') + '"'
 
 
@@ -229,10 +231,10 @@ class Store:
     def base_select(self, table: str, paths: list[str]) -> str:
         """SQL of ``table``'s base view over the Parquet files or globs `paths` (absolute): every
         column cast to its schema type, in schema order (``read_parquet(..., union_by_name = true)``).
-        The base views use ``[table_glob(table)]``; `turnscope.rollup` the shards of some runs only."""
+        The base views use ``[table_glob(table)]``; `dashboard.rollup` the shards of some runs only."""
         t = self.schema.tables[table]
-        cols = ", ".join(f"CAST({_ident(c.name)} AS {c.sql_type}) AS {_ident(c.name)}" for c in t.columns)
-        files = _sql_str(paths[0]) if len(paths) == 1 else "[" + ", ".join(_sql_str(p) for p in paths) + "]"
+        cols = ", ".join(f"CAST({sql_ident(c.name)} AS {c.sql_type}) AS {sql_ident(c.name)}" for c in t.columns)
+        files = sql_str(paths[0]) if len(paths) == 1 else "[" + ", ".join(sql_str(p) for p in paths) + "]"
         return f"SELECT {cols} FROM read_parquet({files}, union_by_name = true)"
 
     def init(self) -> None:
@@ -255,7 +257,7 @@ class Store:
             target = self.schema_shard(t.name)
             target.parent.mkdir(parents=True, exist_ok=True)
             if not target.exists() or pq.read_schema(target) != t.arrow_schema():
-                _write_atomic(pa.Table.from_pylist([], schema=t.arrow_schema()), target)
+                write_atomic(pa.Table.from_pylist([], schema=t.arrow_schema()), target)
         if self._current_version() == self.version:
             return
         try:
@@ -311,14 +313,14 @@ class Store:
                 "SELECT view_name FROM duckdb_views() WHERE NOT internal AND schema_name = 'main'"
             ).fetchall()
             for (name,) in existing:
-                con.execute(f"DROP VIEW IF EXISTS {_ident(name)} CASCADE")
+                con.execute(f"DROP VIEW IF EXISTS {sql_ident(name)} CASCADE")
             for t in self.schema.tables.values():
-                con.execute(f"CREATE VIEW {_ident(t.name)} AS {self.base_select(t.name, [self.table_glob(t.name)])}")
+                con.execute(f"CREATE VIEW {sql_ident(t.name)} AS {self.base_select(t.name, [self.table_glob(t.name)])}")
             try:
                 con.execute(self.schema.views_sql)
             except duckdb.Error as e:
                 raise ValueError(f"{self.schema.path}: section 'views' does not execute: {e}") from e
-            con.execute(f"CREATE VIEW {_VERSION_VIEW} AS SELECT {_sql_str(self.version)} AS version")
+            con.execute(f"CREATE VIEW {_VERSION_VIEW} AS SELECT {sql_str(self.version)} AS version")
             con.execute("COMMIT")
         except BaseException:
             con.execute("ROLLBACK")
@@ -346,7 +348,8 @@ def connect_read_only(root: str | os.PathLike) -> duckdb.DuckDBPyConnection:
     return duckdb.connect(str(Path(root) / DB_FILE), read_only=True)
 
 
-def _write_atomic(table: pa.Table, target: Path) -> None:
+def write_atomic(table: pa.Table, target: Path) -> None:
+    """Write ``table`` as Parquet to ``target`` through a ``.tmp`` file renamed into place (atomic on POSIX)."""
     tmp = target.with_name(target.name + ".tmp")
     pq.write_table(table, tmp)
     os.replace(tmp, target)
@@ -460,7 +463,7 @@ class ShardWriter:
                 target = d / f"{self.writer_id}-{self._token}-{seq:06d}.parquet"
                 try:
                     d.mkdir(parents=True, exist_ok=True)
-                    _write_atomic(pa.Table.from_pylist(rows, schema=self._tables[t].arrow_schema()), target)
+                    write_atomic(pa.Table.from_pylist(rows, schema=self._tables[t].arrow_schema()), target)
                 except Exception as e:  # noqa: BLE001 - keep the rows, re-raised below
                     failed[t] = rows
                     error = e

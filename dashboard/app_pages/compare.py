@@ -1,5 +1,5 @@
 """Compare: two runs or modes on the same workload, favourable and unfavourable turns side by side,
-as speed-ups B / A (``dashboard.speedup``) with bootstrap confidence intervals and a plain-language
+as speed-ups B / A (``turnscope.analysis.speedup``) with bootstrap confidence intervals and a plain-language
 verdict."""
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import streamlit as st
 
 from dashboard import capacity_section, context, figures, hit_rate, queries, tables
 from dashboard.loader import load
+from turnscope.modes import BIDIRECTIONAL_MODES
 from turnscope.planner.ttl_whatif import WHATIF_TTLS_S
 
 sel = context.current()
@@ -18,7 +19,7 @@ if not sel.run_ids:
     st.stop()
 f = sel.filter
 #: The serving modes whose decode worker keeps a finished turn's KV for the next one.
-HANDLE_MODES = ("pd-bidir", "pd-bidir-nocache")
+HANDLE_MODES = BIDIRECTIONAL_MODES
 st.caption(
     f"Selection: {sel.describe()}. Scrapes are per run: the archetype and kind filters apply to the hit "
     "rate and the what-if only."

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import cards, context, db, figures, headline, hit_rate, html_reports, queries, speedup, tables
+from dashboard import cards, context, db, figures, hit_rate, html_reports, queries, tables
 from dashboard.loader import load
-from turnscope import pd_check
+from turnscope.analysis import headline, pd_check, speedup
 
 
 @st.cache_data(ttl=db.CACHE_TTL_S, show_spinner="Bootstrapping the headline's confidence intervals…")

@@ -11,10 +11,11 @@ import json
 import pandas as pd
 import streamlit as st
 
-from dashboard import context, db, speedup
+from dashboard import context, db
 from dashboard.figures import plan as plan_figures
-from dashboard.plan_check import CHECK_MEANING, check_summary, headline_check, with_interval
 from dashboard.queries import plan as plan_queries
+from turnscope.analysis import speedup
+from turnscope.analysis.plan_check import CHECK_MEANING, check_summary, headline_check, with_interval
 
 sel = context.current()
 root = sel.store

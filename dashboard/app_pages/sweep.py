@@ -10,8 +10,10 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import context, db, queries, speedup, sweep_figures, sweep_stats
+from dashboard import context, db, queries, sweep_figures
 from dashboard.loader import load
+from turnscope.analysis import speedup, sweep_stats
+from turnscope.modes import BIDIRECTIONAL_MODES
 
 #: The vendor's published numbers (vLLM blog 2026-10-12, 1P1D on 2 x p5en.48xlarge, 8 x H200 each,
 #: TP 8, NIXL LIBFABRIC on EFA; P's prefix cache off): TTFT (ms) of the benchmark's stats with
@@ -102,7 +104,7 @@ st.plotly_chart(sweep_figures.speedup_vs_prefix(sp, limit, stat, x_title), key="
 
 # --- did reuse really happen ------------------------------------------------------------------
 ext = transfer.groupby(["prefix_tokens", "mode"], as_index=False)[["external_kv_tokens", "reused_tokens"]].sum()
-for mode in sorted(m for m in stats["mode"].unique() if str(m).startswith("pd-bidir")):
+for mode in sorted(m for m in stats["mode"].unique() if m in BIDIRECTIONAL_MODES):
     hits = int(stats.loc[stats["mode"] == mode, "hits"].sum())
     pulled = int(ext.loc[ext["mode"] == mode, "external_kv_tokens"].sum())
     if hits == 0:

@@ -16,9 +16,9 @@ from dashboard.figures.common import (
     OUTCOME_COLORS,
     OUTCOME_ORDER,
     OUTCOME_SYMBOLS,
-    _ordered,
     empty_figure,
     legend_below,
+    ordered_present,
     run_colors,
     turn_axis,
 )
@@ -35,4 +35,4 @@ from dashboard.figures.turns import (
     time_split,
 )
 
-__all__ = ["CASE_COLORS", "EXPECTED_APART", "GAP_COLORS", "LATENCY_METRICS", "MODE_COLORS", "MODE_ORDER", "OUTCOME_COLORS", "OUTCOME_ORDER", "OUTCOME_SYMBOLS", "ROLE_DASHES", "TASK_PARTS", "TIME_PARTS", "_ordered", "compare_by_turn", "compare_cases", "empty_figure", "external_kv_tokens", "latency_panels", "legend_below", "memory_timeline", "reuse_outcomes", "reuse_vs_expected", "run_colors", "session_timeline", "task_split", "time_split", "ttft_by_turn", "turn_axis", "whatif_ttl"]
+__all__ = ["CASE_COLORS", "EXPECTED_APART", "GAP_COLORS", "LATENCY_METRICS", "MODE_COLORS", "MODE_ORDER", "OUTCOME_COLORS", "OUTCOME_ORDER", "OUTCOME_SYMBOLS", "ROLE_DASHES", "TASK_PARTS", "TIME_PARTS", "compare_by_turn", "compare_cases", "empty_figure", "external_kv_tokens", "latency_panels", "legend_below", "memory_timeline", "ordered_present", "reuse_outcomes", "reuse_vs_expected", "run_colors", "session_timeline", "task_split", "time_split", "ttft_by_turn", "turn_axis", "whatif_ttl"]

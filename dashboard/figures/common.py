@@ -9,9 +9,9 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from dashboard.palette import MODE_COLORS, OUTCOME_COLORS  # noqa: F401  (re-exported)
-from turnscope.contract import ATTACH_MODE, MODES
+from turnscope.modes import ATTACH_MODE, MODES
 
-#: Serving modes in display order (README, "What each mode compares"); unknown modes sort after these.
+#: Serving modes in display order (``turnscope.modes.SERVING_MODES``); unknown modes sort after these.
 MODE_ORDER = [*MODES, ATTACH_MODE]
 #: The mode, outcome and time palettes live in ``dashboard.palette`` (re-exported here).
 #: Reuse outcomes of the proxy (docs/schema.md, ``turns.reuse``), hit first.
@@ -107,7 +107,8 @@ def log_ticks(values: pd.Series) -> tuple[list[float], list[str]]:
     return ticks, [f"{t:,.0f}" if t >= 1 else f"{t:g}" for t in ticks]
 
 
-def _ordered(values: pd.Series, order: list[str]) -> list[str]:
+def ordered_present(values: pd.Series, order: list[str]) -> list[str]:
+    """The distinct values of ``values`` (as strings) in ``order``, the others after them, sorted."""
     present = [str(v) for v in pd.unique(values.dropna())]
     return [v for v in order if v in present] + sorted(v for v in present if v not in order)
 

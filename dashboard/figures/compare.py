@@ -7,13 +7,13 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from dashboard import speedup
 from dashboard.figures.common import empty_figure
 from dashboard.palette import AB_COLORS, NEUTRAL, NEUTRAL_DARK, side_colors
+from turnscope.analysis import speedup
 
 
 def compare_by_turn(df: pd.DataFrame, a_name: str, b_name: str) -> go.Figure:
-    """The speed-up B / A of median TTFTs by turn index (``dashboard.speedup``: above 1, A is
+    """The speed-up B / A of median TTFTs by turn index (``turnscope.analysis.speedup``: above 1, A is
     faster), with its bootstrap 95% CI as error bars, each point coloured by its verdict, and a
     line at 1 (no difference).
 

@@ -7,10 +7,11 @@ import plotly.express as px
 import plotly.graph_objects as go
 
 from dashboard.figures.common import MODE_COLORS, legend_below
-from dashboard.plan_check import frontier_highlights
+from turnscope.analysis.plan_check import frontier_highlights
+from turnscope.modes import BIDIRECTIONAL_MODES, PLAN_TABLE_ORDER
 
 #: Column order of the Plan page's tables: baselines first, then what reuse adds.
-PLAN_TABLE_MODES = ("aggregated", "pd-nocache", "pd", "pd-bidir-nocache", "pd-bidir")
+PLAN_TABLE_MODES = PLAN_TABLE_ORDER
 
 GiB = 2**30
 
@@ -49,7 +50,7 @@ def secondary_table(sp: pd.DataFrame) -> pd.DataFrame:
 
 
 def frontier_highlights_table(fr: pd.DataFrame) -> pd.DataFrame:
-    """The frontier's rows that matter (``dashboard.plan_check.frontier_highlights``) for display:
+    """The frontier's rows that matter (``turnscope.analysis.plan_check.frontier_highlights``) for display:
     TTL (s), D space (GiB or unbounded), hit rate (%) with its 80% interval (blank: none), GiB-s
     pinned, peak GiB, handles lost to D full, and why the row is shown."""
     hl = frontier_highlights(fr)
@@ -81,7 +82,7 @@ def held_out_table(held_out: dict) -> pd.DataFrame:
 def frontier_figure(fr: pd.DataFrame, tag: str) -> go.Figure:
     """Hit rate against GiB-seconds held per TTL x D-space point (``plan_frontier`` rows), one panel
     per mode, colour = TTL; the operator's current point ringed (a diamond)."""
-    modes = [m for m in ("pd-bidir-nocache", "pd-bidir") if m in set(fr["mode"])]
+    modes = [m for m in PLAN_TABLE_MODES if m in BIDIRECTIONAL_MODES and m in set(fr["mode"])]
     df = fr.assign(space=fr["decode_kv_space_bytes"].map(lambda b: "unbounded" if pd.isna(b) else f"{b / GiB:,.1f} GiB"),
                    ttl=fr["decoder_kv_blocks_ttl_s"].map(lambda t: f"{t:,.0f} s"))
     ttls = [f"{t:,.0f} s" for t in sorted(fr["decoder_kv_blocks_ttl_s"].unique())]

@@ -13,9 +13,9 @@ from dashboard.figures.common import (
     MODE_ORDER,
     OUTCOME_ORDER,
     OUTCOME_SYMBOLS,
-    _ordered,
     empty_figure,
     legend_below,
+    ordered_present,
     turn_axis,
 )
 from dashboard.palette import TIME_COLORS
@@ -35,8 +35,8 @@ def latency_panels(df: pd.DataFrame, by: str = "turn_index") -> go.Figure:
         return empty_figure("no ok turns in the selection")
     x_title = "turn index (0 = first turn)" if by == "turn_index" else "prompt length (tokens, history included)"
     fig = make_subplots(rows=1, cols=3, subplot_titles=[t for _, t in LATENCY_METRICS], horizontal_spacing=0.07)
-    modes = _ordered(df["mode"], MODE_ORDER)
-    outcomes = _ordered(df["reuse"], OUTCOME_ORDER)
+    modes = ordered_present(df["mode"], MODE_ORDER)
+    outcomes = ordered_present(df["reuse"], OUTCOME_ORDER)
     for mode in modes:
         for outcome in outcomes:
             g = df[(df["reuse"] == outcome) & (df["mode"] == mode)].sort_values("x")
@@ -96,7 +96,7 @@ def time_split(df: pd.DataFrame) -> go.Figure:
     """
     if df.empty:
         return empty_figure("no ok turns with a TTFT and an E2E in the selection")
-    modes = _ordered(df["mode"], MODE_ORDER)
+    modes = ordered_present(df["mode"], MODE_ORDER)
     fig = make_subplots(rows=1, cols=len(modes), subplot_titles=modes, shared_yaxes=True, horizontal_spacing=0.03)
     for col, mode in enumerate(modes, start=1):
         g = df[df["mode"] == mode].sort_values("turn_index")
@@ -163,7 +163,7 @@ def reuse_vs_expected(df: pd.DataFrame) -> go.Figure:
             customdata=pooled[["turns"]].to_numpy(),
             hovertemplate="expected<br>turn %{x}: %{y:.0f} tokens (mean of %{customdata[0]})<extra></extra>",
         ))  # fmt: skip
-    for mode in _ordered(df["mode"], MODE_ORDER):
+    for mode in ordered_present(df["mode"], MODE_ORDER):
         g = df[df["mode"] == mode].sort_values("turn_index")
         color = MODE_COLORS.get(mode, "#7f7f7f")
         parts = [("measured_tokens", "measured", "solid")] + ([("expected_tokens", "expected", "dash")]

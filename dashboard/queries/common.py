@@ -51,7 +51,7 @@ def as_filter(f: TurnFilter | Sequence[str]) -> TurnFilter:
 #: view of each connection (temp objects are allowed on a read-only connection and vanish with
 #: it). The view's archetype comes from a join on ``sessions`` that DuckDB performs even when the
 #: column is unused, which costs 0.2-0.5 s per query at a million turns; the dashboard filters by
-#: archetype with a semi-join instead (`_where`). tests/integration/test_dashboard_pages.py
+#: archetype with a semi-join instead (`where_sql`). tests/integration/test_dashboard_pages.py
 #: checks that turn_rows holds exactly turn_breakdown's rows and columns, less the archetype.
 TURN_ROWS_SQL = """
 CREATE OR REPLACE TEMP VIEW turn_rows AS
@@ -65,7 +65,7 @@ FROM turns t JOIN runs r USING (run_id)
 """
 
 
-def _where(f: TurnFilter, alias: str = "", sessions: bool = False) -> str:
+def where_sql(f: TurnFilter, alias: str = "", sessions: bool = False) -> str:
     """The row filter of `f` over turn_rows (or, with `sessions`, session_tasks: runs and
     archetypes only), parameterised by `TurnFilter.params`. Filters that are "all" are left
     out; an archetype filter on turns is a semi-join on ``sessions`` (the archetype lives on
@@ -99,11 +99,12 @@ PROMPT_TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 EXTERNAL_KV_SOURCE = "external_kv_transfer"
 
 
-def _ids(run_ids: Sequence[str]) -> list[str]:
+def id_list(run_ids: Sequence[str]) -> list[str]:
+    """``run_ids`` as a list of strings (a DuckDB ``VARCHAR[]`` parameter)."""
     return [str(r) for r in run_ids]
 
 
-def _run(con: duckdb.DuckDBPyConnection, sql: str, params: dict) -> pd.DataFrame:
+def run_sql(con: duckdb.DuckDBPyConnection, sql: str, params: dict) -> pd.DataFrame:
     """`sql` with the named `params` it uses (DuckDB refuses unused ones), as a DataFrame. The
     connection gets the ``turn_rows`` temp view first when `sql` reads it."""
     if "turn_rows" in sql:

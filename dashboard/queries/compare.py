@@ -9,7 +9,7 @@ import duckdb
 import pandas as pd
 
 from dashboard import hit_rate
-from dashboard.queries.common import TurnFilter, _ids, _run, _where
+from dashboard.queries.common import TurnFilter, id_list, run_sql, where_sql
 
 # Favourable: a continuation (kind 'turn') within the proxy's TTL (decoder_kv_blocks_ttl minus the
 # margin), the case reuse is made for. Everything else after the first turn is unfavourable, by
@@ -71,12 +71,12 @@ ORDER BY side, scope, key
 def _compare_where(f: TurnFilter | None) -> str:
     """`f`'s archetype and kind filters over ``turn_rows t`` (its run ids are replaced by
     the two sides')."""
-    w = _where(TurnFilter((), *(((f.archetypes, f.kinds, f.gap_kinds)) if f else ((), (), ()))), "t")
+    w = where_sql(TurnFilter((), *(((f.archetypes, f.kinds, f.gap_kinds)) if f else ((), (), ()))), "t")
     return w.replace("list_contains($run_ids::VARCHAR[], t.run_id)", "true")
 
 
 def _compare_params(a_run_ids: Sequence[str], b_run_ids: Sequence[str], f: TurnFilter | None) -> dict:
-    params = {**(f or TurnFilter(())).params(), "a": _ids(a_run_ids), "b": _ids(b_run_ids)}
+    params = {**(f or TurnFilter(())).params(), "a": id_list(a_run_ids), "b": id_list(b_run_ids)}
     params.pop("run_ids")
     return params
 
@@ -99,7 +99,7 @@ def compare_samples(
     after TTL`` or the turn's kind). One row per turn kept.
     """
     params = _compare_params(a_run_ids, b_run_ids, f) | {"max_turns": None if max_turns is None else int(max_turns)}
-    return _run(con, _COMPARE_SAMPLES.format(where=_compare_where(f)), params)
+    return run_sql(con, _COMPARE_SAMPLES.format(where=_compare_where(f)), params)
 
 
 def compare_stats(
@@ -118,7 +118,7 @@ def compare_stats(
     session; counted for scope ``later`` only, 0 otherwise), ttft_p50_s (seconds).
     """
     params = _compare_params(a_run_ids, b_run_ids, f) | {"min_turn_index": int(min_turn_index)}
-    return _run(con, _COMPARE_STATS.format(where=_compare_where(f)), params)
+    return run_sql(con, _COMPARE_STATS.format(where=_compare_where(f)), params)
 
 
 _SIDE_HIT_RATES = """
@@ -139,5 +139,5 @@ def side_hit_rates(
     a proxy outcome). `f`'s archetype, kind and gap-kind filters apply. Columns: side (``A`` | ``B``),
     later_turns, later_hits, hit_rate (0..1, NaN without a later turn); a side with no turn is absent."""
     params = _compare_params(a_run_ids, b_run_ids, f)
-    df = _run(con, _SIDE_HIT_RATES.format(counts=hit_rate.counts_sql("t"), where=_compare_where(f)), params)
+    df = run_sql(con, _SIDE_HIT_RATES.format(counts=hit_rate.counts_sql("t"), where=_compare_where(f)), params)
     return df.assign(hit_rate=hit_rate.rate(df[hit_rate.HITS], df[hit_rate.LATER_TURNS]))

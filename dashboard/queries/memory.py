@@ -4,14 +4,22 @@ costs in held memory, and what other decoder_kv_blocks_ttl values would have giv
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 
 import duckdb
 import pandas as pd
 
 from dashboard import hit_rate
-from dashboard.queries.common import HANDLE_BYTES, KV_USAGE, TurnFilter, _ids, _run, _where, as_filter
+from dashboard.queries.common import (
+    HANDLE_BYTES,
+    KV_USAGE,
+    TurnFilter,
+    as_filter,
+    id_list,
+    run_sql,
+    where_sql,
+)
+from turnscope.analysis.worker_cache import cache_config
 from turnscope.planner.ttl_whatif import (
     RESULT_COLUMNS,
     TURN_COLUMNS,
@@ -19,7 +27,11 @@ from turnscope.planner.ttl_whatif import (
     RunKV,
     whatif_ttl_limited,
 )
-from turnscope.rollup import ROLLED_UP_RUNS, WHATIF_RELATION
+
+#: The rolled-up what-if (no plain view computes it: it is a replay in Python; ``dashboard.rollup``
+#: writes it) and the TEMP view naming the runs it covers.
+WHATIF_RELATION = "run_whatif_d_limit"
+ROLLED_UP_RUNS = "rolled_up_runs"
 
 # Seconds between two instants are (epoch_us(a) - epoch_us(b)) / 1e6: the same figure as
 # epoch(a - b), without TIMESTAMPTZ arithmetic, which costs ~0.4 s per million rows (time zone
@@ -73,13 +85,13 @@ def memory_timeline(
     bucket).
     """
     params = {
-        "run_ids": _ids(as_filter(f).run_ids),
+        "run_ids": id_list(as_filter(f).run_ids),
         "kv_usage": KV_USAGE,
         "handle_bytes": HANDLE_BYTES,
         "buckets": max(int(buckets), 1),
         "min_bucket_s": float(min_bucket_s),
     }
-    return _run(con, _MEMORY_TIMELINE, params)
+    return run_sql(con, _MEMORY_TIMELINE, params)
 
 
 # The selected runs' turns are read once (MATERIALIZED): all of them for each run's span, the
@@ -116,9 +128,9 @@ def hit_rate_timeline(
     since the run started), bucket_s, later_turns, hits, hit_rate (hits / later_turns, 0..1).
     """
     params = {**as_filter(f).params(), "buckets": max(int(buckets), 1), "min_bucket_s": float(min_bucket_s)}
-    sql = _HIT_RATE_TIMELINE.format(where_b=_where(as_filter(f), "b"), counts=hit_rate.counts_sql("b"),
+    sql = _HIT_RATE_TIMELINE.format(where_b=where_sql(as_filter(f), "b"), counts=hit_rate.counts_sql("b"),
                                     later=hit_rate.later_turn_sql("b"))
-    df = _run(con, sql, params).rename(columns={hit_rate.HITS: "hits"})
+    df = run_sql(con, sql, params).rename(columns={hit_rate.HITS: "hits"})
     return df.assign(hit_rate=hit_rate.rate(df["hits"], df["later_turns"]))
 
 
@@ -192,8 +204,8 @@ def reuse_cost(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) ->
     Columns: run_id, run_label, mode, history_mode, held_gib_s, held_source, peak_bytes, hits, later_turns, reused_tokens,
     prefill_s_per_token, xfer_s, saved_s, gib_s_per_saved_s.
     """
-    params = {"run_ids": _ids(as_filter(f).run_ids), "handle_bytes": HANDLE_BYTES}
-    return _run(con, _REUSE_COST.replace("{later_counts}", hit_rate.counts_sql()), params)
+    params = {"run_ids": id_list(as_filter(f).run_ids), "handle_bytes": HANDLE_BYTES}
+    return run_sql(con, _REUSE_COST.replace("{later_counts}", hit_rate.counts_sql()), params)
 
 
 
@@ -288,8 +300,8 @@ def whatif_ttl(
     if not ttls:
         return pd.DataFrame(columns=_WHATIF_COLUMNS)
     # The TTLs are floats formatted here (repr), never text from outside.
-    where_sessions = _where(TurnFilter(ff.run_ids, ff.archetypes))
-    where_turns = _where(TurnFilter((), (), ff.kinds, ff.gap_kinds), "w").replace(
+    where_sessions = where_sql(TurnFilter(ff.run_ids, ff.archetypes))
+    where_turns = where_sql(TurnFilter((), (), ff.kinds, ff.gap_kinds), "w").replace(
         "list_contains($run_ids::VARCHAR[], w.run_id)", "true"
     )
     sql = _WHATIF_TTL.format(
@@ -299,7 +311,7 @@ def whatif_ttl(
         bin_hit=_bin("needs_ttl_s", ttls),
         totals=",\n       ".join(_WHATIF_TOTALS.format(i=i, ttl=repr(t)) for i, t in enumerate(ttls)),
     )
-    wide = _run(con, sql, ff.params()).iloc[0]
+    wide = run_sql(con, sql, ff.params()).iloc[0]
     rows = [
         {
             "ttl_s": t,
@@ -334,28 +346,7 @@ def run_config(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) ->
     Columns: run_id, decoder_kv_blocks_ttl_s (s), handle_ttl_margin_s (s), kv_bytes_per_token
     (bytes, NULL when unknown), mode, run_label, workload, history_mode.
     """
-    return con.execute(_RUN_CONFIG, {"run_ids": _ids(as_filter(f).run_ids)}).df()
-
-
-_CACHE_CONFIG = """
-SELECT run_id, role, endpoint, any_value(labels) AS labels
-FROM metric_samples
-WHERE name = 'vllm:cache_config_info' AND list_contains($run_ids::VARCHAR[], run_id)
-GROUP BY run_id, role, endpoint
-ORDER BY run_id, role, endpoint
-"""
-
-
-def cache_config(con: duckdb.DuckDBPyConnection, run_ids: Sequence[str]) -> pd.DataFrame:
-    """The labels of vLLM's ``vllm:cache_config_info`` gauge (``block_size``, ``num_gpu_blocks``,
-    ... as vLLM reports them) per run, role and worker endpoint, from the runs' scrapes: the one
-    reader of it (the planner's fit uses it too). Columns: run_id, role, endpoint, labels (a dict;
-    rows whose labels are not a JSON object are dropped)."""
-    df = con.execute(_CACHE_CONFIG, {"run_ids": _ids(run_ids)}).df()
-    labels = [json.loads(v) if isinstance(v, str) else v for v in df["labels"]]
-    df = df.assign(labels=labels)
-    keep = pd.Series([isinstance(v, dict) for v in labels], index=df.index, dtype=bool)
-    return df.loc[keep].reset_index(drop=True)
+    return con.execute(_RUN_CONFIG, {"run_ids": id_list(as_filter(f).run_ids)}).df()
 
 
 def _int_label(labels: dict, key: str) -> int | None:
@@ -402,7 +393,7 @@ def whatif_ttl_d_limit(
     without ``kv_bytes_per_token`` is left out (no bytes to compare). TTLs at or below a run's
     handle margin are skipped for it (nothing could be offered).
 
-    Where `con` has rollups installed (:meth:`turnscope.rollup.Rollups.install`) and `rollups`, a
+    Where `con` has rollups installed (:meth:`dashboard.rollup.Rollups.install`) and `rollups`, a
     rolled-up run asked only for TTLs of the rollup's grid (``WHATIF_TTLS_S`` and the run's own
     TTL) is read from its rollup rows, the same figures without the replay
     (tests/integration/test_rollups.py); every other run is replayed here.
@@ -411,7 +402,7 @@ def whatif_ttl_d_limit(
     """
     run_ids = list(as_filter(f).run_ids)
     ttls = sorted({float(t) for t in ttls_s})
-    cfg = con.execute(_RUN_CONFIG, {"run_ids": _ids(run_ids)}).df().set_index("run_id")
+    cfg = con.execute(_RUN_CONFIG, {"run_ids": id_list(run_ids)}).df().set_index("run_id")
     covered = _covered_runs(con, cfg, ttls) if rollups else set()
     parts = [_rolled_whatif(con, covered, ttls)] if covered else []
     replay_ids = [r for r in cfg.index if r not in covered]
@@ -456,7 +447,7 @@ def _rolled_whatif(con: duckdb.DuckDBPyConnection, covered: set[str], ttls: list
     return con.execute(
         f"SELECT * FROM {WHATIF_RELATION} WHERE list_contains($run_ids::VARCHAR[], run_id)"
         " AND list_contains($ttls::DOUBLE[], ttl_s)",
-        {"run_ids": _ids(sorted(covered)), "ttls": ttls},
+        {"run_ids": id_list(sorted(covered)), "ttls": ttls},
     ).df()
 
 
@@ -473,7 +464,7 @@ def _replay_whatif(con: duckdb.DuckDBPyConnection, cfg: pd.DataFrame, ttls: list
             handle_ttl_margin_s=float(c["handle_ttl_margin_s"]), kv_bytes_per_token=kvb,
             block_size=None if sp is None else int(sp["block_size"]),
             capacity_bytes=None if sp is None else float(sp["kv_space_tokens"]) * kvb)
-    turns = con.execute(_WHATIF_TURNS, {"run_ids": _ids(list(runs))}).df()
+    turns = con.execute(_WHATIF_TURNS, {"run_ids": id_list(list(runs))}).df()
     out = whatif_ttl_limited(turns[["run_id", *TURN_COLUMNS]], runs, ttls)
     out["block_size"] = out["run_id"].map(space["block_size"]) if len(space) else pd.NA
     out["decode_workers"] = out["run_id"].map(space["decode_workers"]) if len(space) else pd.NA

@@ -14,12 +14,12 @@ from dashboard.queries.common import (
     EXTERNAL_KV_SOURCE,
     PROMPT_TOKENS_BY_SOURCE,
     TurnFilter,
-    _ids,
-    _run,
-    _where,
     as_filter,
+    id_list,
+    run_sql,
+    where_sql,
 )
-from turnscope import pd_check
+from turnscope.analysis import pd_check
 
 _RUNS = """
 SELECT r.run_id, r.label, r.mode, r.workload, r.history_mode, r.model, r.status, r.started_at, r.finished_at,
@@ -142,7 +142,7 @@ def ttft_by_turn(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) 
     ttft_p50_s, ttft_p90_s (seconds, linear interpolation like ``mode_ab``). One row per
     (mode, workload, history_mode, turn_index).
     """
-    return _run(con, _TTFT_BY_TURN.format(where=_where(as_filter(f))), as_filter(f).params())
+    return run_sql(con, _TTFT_BY_TURN.format(where=where_sql(as_filter(f))), as_filter(f).params())
 
 
 def ttft_samples(
@@ -164,7 +164,7 @@ def ttft_samples(
         "min_turn_index": int(min_turn_index),
         "max_turns": None if max_turns is None else int(max_turns),
     }
-    return _run(con, _TTFT_SAMPLES.format(where=_where(as_filter(f))), params)
+    return run_sql(con, _TTFT_SAMPLES.format(where=where_sql(as_filter(f))), params)
 
 
 def ttft_stats(
@@ -177,7 +177,7 @@ def ttft_stats(
     ttft_p50_s (seconds, linear interpolation: numpy's median).
     """
     params = {**as_filter(f).params(), "min_turn_index": int(min_turn_index)}
-    return _run(con, _TTFT_STATS.format(where=_where(as_filter(f))), params)
+    return run_sql(con, _TTFT_STATS.format(where=where_sql(as_filter(f))), params)
 
 
 def reuse_outcomes(
@@ -190,7 +190,7 @@ def reuse_outcomes(
     could reuse a handle). One row per (mode, reuse).
     """
     params = {**as_filter(f).params(), "min_turn_index": int(min_turn_index)}
-    return _run(con, _REUSE_OUTCOMES.format(where=_where(as_filter(f))), params)
+    return run_sql(con, _REUSE_OUTCOMES.format(where=where_sql(as_filter(f))), params)
 
 
 def run_summary(con: duckdb.DuckDBPyConnection, run_ids: TurnFilter | Sequence[str]) -> pd.DataFrame:
@@ -201,7 +201,7 @@ def run_summary(con: duckdb.DuckDBPyConnection, run_ids: TurnFilter | Sequence[s
     ttft_mean_s (seconds), reused_tokens (tokens), then later_turns and later_hits
     (``dashboard.hit_rate``). One row per run.
     """
-    return con.execute(_RUN_SUMMARY, {"run_ids": _ids(as_filter(run_ids).run_ids)}).df()
+    return con.execute(_RUN_SUMMARY, {"run_ids": id_list(as_filter(run_ids).run_ids)}).df()
 
 
 def external_kv_tokens(con: duckdb.DuckDBPyConnection, run_ids: TurnFilter | Sequence[str]) -> pd.DataFrame:
@@ -217,15 +217,15 @@ def external_kv_tokens(con: duckdb.DuckDBPyConnection, run_ids: TurnFilter | Seq
     per scrape of a prefill endpoint, ordered by run and time.
     """
     params = {
-        "run_ids": _ids(as_filter(run_ids).run_ids),
+        "run_ids": id_list(as_filter(run_ids).run_ids),
         "name": PROMPT_TOKENS_BY_SOURCE,
         "source": EXTERNAL_KV_SOURCE,
     }
-    return _run(con, _PREFILL_COUNTER, params)
+    return run_sql(con, _PREFILL_COUNTER, params)
 
 
 
 def decode_prompt_sources(con: duckdb.DuckDBPyConnection, run_ids: TurnFilter | Sequence[str]) -> pd.DataFrame:
-    """Per run: the inputs of its P/D check (``turnscope.pd_check.decode_prompt_sources``: columns
+    """Per run: the inputs of its P/D check (``turnscope.analysis.pd_check.decode_prompt_sources``: columns
     run_id, mode, pd_turns, local_compute, external_kv)."""
-    return pd_check.decode_prompt_sources(con, _ids(as_filter(run_ids).run_ids))
+    return pd_check.decode_prompt_sources(con, id_list(as_filter(run_ids).run_ids))

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import duckdb
 import pandas as pd
 
-from dashboard.queries.common import TurnFilter, _run, _where, as_filter
+from dashboard.queries.common import TurnFilter, as_filter, run_sql, where_sql
 
 _TASK_SPLIT = """
 SELECT mode, coalesce(archetype, 'unknown') AS archetype,
@@ -36,7 +36,7 @@ def task_split(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) ->
     (means, seconds per session). task_latency_s minus the four parts is the client's own time
     between turns (rendering, tokenizing).
     """
-    return _run(con, _TASK_SPLIT.format(where=_where(as_filter(f), sessions=True)), as_filter(f).params())
+    return run_sql(con, _TASK_SPLIT.format(where=where_sql(as_filter(f), sessions=True)), as_filter(f).params())
 
 
 _SESSION_LIST = """
@@ -61,7 +61,7 @@ def session_list(
     the limit).
     """
     params = {**as_filter(f).params(), "limit": int(limit)}
-    return _run(con, _SESSION_LIST.format(where=_where(as_filter(f), sessions=True)), params)
+    return run_sql(con, _SESSION_LIST.format(where=where_sql(as_filter(f), sessions=True)), params)
 
 
 _SESSION_TURNS = """
@@ -82,4 +82,4 @@ def session_turns(con: duckdb.DuckDBPyConnection, run_id: str, session_id: str) 
     start_s (seconds from the session's first request to this one's), ttft_s, e2e_s, status,
     reuse, prompt_tokens, completion_tokens, reused_tokens, recomputed_tokens, prefill_leg_s.
     """
-    return _run(con, _SESSION_TURNS, {"run_id": str(run_id), "session_id": str(session_id)})
+    return run_sql(con, _SESSION_TURNS, {"run_id": str(run_id), "session_id": str(session_id)})

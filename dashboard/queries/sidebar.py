@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import duckdb
 import pandas as pd
 
-from dashboard.queries.common import _ids, _run
+from dashboard.queries.common import id_list, run_sql
 
 # Turn kinds and gap kinds as the contract defines them: offered as filters without scanning turns.
 from turnscope.contract import GAP_KINDS, TURN_KINDS
@@ -29,7 +29,7 @@ def filter_options(con: duckdb.DuckDBPyConnection, run_ids: Sequence[str]) -> pd
     Columns: field (``archetype`` | ``kind`` | ``gap_kind``), value, n (sessions). One row per
     (field, value).
     """
-    archetypes = _run(con, _FILTER_OPTIONS, {"run_ids": _ids(run_ids)})
+    archetypes = run_sql(con, _FILTER_OPTIONS, {"run_ids": id_list(run_ids)})
     fixed = pd.DataFrame(
         [("kind", k, None) for k in TURN_KINDS] + [("gap_kind", g, None) for g in GAP_KINDS],
         columns=["field", "value", "n"],

@@ -12,10 +12,10 @@ from dashboard.queries.common import (
     EXTERNAL_KV_SOURCE,
     PROMPT_TOKENS_BY_SOURCE,
     TurnFilter,
-    _ids,
-    _run,
-    _where,
     as_filter,
+    id_list,
+    run_sql,
+    where_sql,
 )
 
 _SWEEP_POINTS = """
@@ -34,7 +34,7 @@ def sweep_points(con: duckdb.DuckDBPyConnection, run_ids: Sequence[str]) -> pd.D
     sweep_name, swept_field, sweep_scale, prefix_tokens (tokens), point_index, sessions, users.
     One row per run, newest first.
     """
-    return _run(con, _SWEEP_POINTS, {"run_ids": _ids(run_ids)})
+    return run_sql(con, _SWEEP_POINTS, {"run_ids": id_list(run_ids)})
 
 
 _SWEEP_TURNS = """
@@ -55,7 +55,7 @@ def sweep_turns(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str], s
     reused_tokens, prefill_cached_tokens (tokens). One row per turn.
     """
     ff = as_filter(f)
-    return _run(con, _SWEEP_TURNS.format(where=_where(ff, "t")), ff.params() | {"sweep_id": str(sweep_id)})
+    return run_sql(con, _SWEEP_TURNS.format(where=where_sql(ff, "t")), ff.params() | {"sweep_id": str(sweep_id)})
 
 
 _SWEEP_TRANSFER = """
@@ -84,6 +84,6 @@ def sweep_transfer(con: duckdb.DuckDBPyConnection, run_ids: Sequence[str], sweep
     "external_kv_transfer"}`` rose (tokens vLLM says it pulled). Columns: sweep_id, history_mode,
     prefix_tokens, mode, run_id and those. One row per run.
     """
-    params = {"run_ids": _ids(run_ids), "sweep_id": str(sweep_id), "name": PROMPT_TOKENS_BY_SOURCE,
+    params = {"run_ids": id_list(run_ids), "sweep_id": str(sweep_id), "name": PROMPT_TOKENS_BY_SOURCE,
               "source": EXTERNAL_KV_SOURCE}
-    return _run(con, _SWEEP_TRANSFER, params)
+    return run_sql(con, _SWEEP_TRANSFER, params)

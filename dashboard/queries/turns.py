@@ -9,7 +9,8 @@ from collections.abc import Sequence
 import duckdb
 import pandas as pd
 
-from dashboard.queries.common import TurnFilter, _ids, _run, _where, as_filter
+from dashboard.queries.common import TurnFilter, as_filter, id_list, run_sql, where_sql
+from turnscope.modes import BIDIRECTIONAL_MODES
 
 _LATENCY_BY_TURN = """
 SELECT mode, coalesce(reuse, 'not recorded') AS reuse, turn_index AS x,
@@ -60,10 +61,10 @@ def latency_by(
     """
     ff = as_filter(f)
     if by == "turn_index":
-        return _run(con, _LATENCY_BY_TURN.format(where=_where(ff)), ff.params())
+        return run_sql(con, _LATENCY_BY_TURN.format(where=where_sql(ff)), ff.params())
     if by == "history":
         params = {**ff.params(), "bins": max(int(bins), 1)}
-        return _run(con, _LATENCY_BY_HISTORY.format(where=_where(ff)), params)
+        return run_sql(con, _LATENCY_BY_HISTORY.format(where=where_sql(ff)), params)
     raise ValueError(f"latency_by: by must be 'turn_index' or 'history', got {by!r}")
 
 
@@ -110,7 +111,7 @@ def kv_transfer(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) -
     Columns: run_id, xfer_s (seconds), xfers (count), reused_tokens (tokens P pulled),
     xfer_s_per_token (seconds per pulled token; NULL without NIXL scrapes or pulled tokens).
     """
-    return _run(con, _KV_TRANSFER, {"run_ids": _ids(as_filter(f).run_ids)})
+    return run_sql(con, _KV_TRANSFER, {"run_ids": id_list(as_filter(f).run_ids)})
 
 
 def xfer_rates(kv: pd.DataFrame) -> tuple[tuple[str, float], ...]:
@@ -146,7 +147,7 @@ def time_split(
     else:
         table = "(SELECT unnest($rate_runs::VARCHAR[]) AS run_id, unnest($rate_values::DOUBLE[]) AS xfer_s_per_token)"
         params |= {"rate_runs": [r for r, _ in rates], "rate_values": [v for _, v in rates]}
-    return _run(con, _TIME_SPLIT.format(where=_where(ff), rates=table), params)
+    return run_sql(con, _TIME_SPLIT.format(where=where_sql(ff), rates=table), params)
 
 
 _REUSE_VS_EXPECTED = """
@@ -177,7 +178,7 @@ def reuse_vs_expected(
     `min_shortfall_tokens`).
     """
     params = {**as_filter(f).params(), "min_shortfall": int(min_shortfall_tokens)}
-    return _run(con, _REUSE_VS_EXPECTED.format(where=_where(as_filter(f))), params)
+    return run_sql(con, _REUSE_VS_EXPECTED.format(where=where_sql(as_filter(f))), params)
 
 
 _REUSE_SHORTFALLS = """
@@ -198,7 +199,7 @@ LIMIT $limit
 #: The modes whose later turns can reuse KV from the decode worker (bidirectional transfer): only
 #: there is a shortfall an engine miss. ``pd-nocache`` recomputes every prompt by design; ``pd``
 #: and ``aggregated`` reuse only their own prefix cache (README, "What each mode compares").
-REUSE_FROM_D_MODES: tuple[str, ...] = ("pd-bidir", "pd-bidir-nocache")
+REUSE_FROM_D_MODES: tuple[str, ...] = BIDIRECTIONAL_MODES
 
 
 def reuse_shortfalls(
@@ -220,4 +221,4 @@ def reuse_shortfalls(
     """
     params = {**as_filter(f).params(), "min_shortfall": int(min_shortfall_tokens), "limit": int(limit),
               "modes": list(modes)}
-    return _run(con, _REUSE_SHORTFALLS.format(where=_where(as_filter(f))), params)
+    return run_sql(con, _REUSE_SHORTFALLS.format(where=where_sql(as_filter(f))), params)

@@ -47,7 +47,7 @@ class AgentRequest:
 
     Readers: :mod:`loadgen.traces.kv_cache_tester`, :mod:`loadgen.traces.tracelab`,
     :mod:`loadgen.traces.recorded_runs` (the store's own runs), and
-    :mod:`loadgen.traces.agent_sources` for Mooncake / Azure.
+    :mod:`loadgen.traces.agent_sources` for Mooncake / Azure (all registered in :mod:`loadgen.traces.formats`).
     """
 
     source: str

@@ -41,8 +41,8 @@ class SharedStack:
         if self.failed:
             raise RuntimeError(f"the shared pd-bidir stack failed to start earlier in this session: {self.failed}")
         if self.stack is None:
-            from serving.topology import Connector
             from tests.integration.vllm_stack import VllmStack
+            from turnscope.connector import Connector
 
             ttl = int(os.environ.get("TURNSCOPE_TEST_DECODER_TTL", "20"))
             stack = VllmStack("pd-bidir", tmp_path_factory.mktemp("vllm-logs"),

@@ -30,9 +30,9 @@ import httpx
 import pytest
 
 from loadgen.stream_client import stream_turn
-from serving.topology import Connector
 from tests.integration.pd_stub import prefill_app
 from tests.integration.vllm_stack import AppThread, ProxyThread, metric
+from turnscope.connector import Connector
 
 pytestmark = pytest.mark.vllm
 MODEL = "turnscope-tiny"

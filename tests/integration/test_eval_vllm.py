@@ -5,7 +5,7 @@ turns after the first are hits, the prefill worker's external_kv_transfer counte
 stays flat in pd-nocache), TTFT after the first turn is lower than in pd-nocache, and every
 turn sent is stored exactly once. pd-bidir-nocache makes two runs on the same workers (as the
 demo's text and token_ids runs do): each run's increase of P's external_kv_transfer counter equals
-the proxy's reused tokens of that run exactly, its last turn included (issue #12).
+the proxy's reused tokens of that run exactly, its last turn included (the scraper's final scrapes).
 """
 
 from pathlib import Path

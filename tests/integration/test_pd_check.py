@@ -1,4 +1,4 @@
-"""The per-run P/D check (``turnscope.pd_check``) through a real store: a run whose decode worker
+"""The per-run P/D check (``turnscope.analysis.pd_check``) through a real store: a run whose decode worker
 computed its prompts itself is failed, on the CLI's summary and by ``turnscope eval``'s status.
 
 Truths: hand-set counters. Run ``good`` has 10 turns through P and D's ``local_compute`` rises by
@@ -15,10 +15,9 @@ import io
 
 from rich.console import Console
 
-from loadgen.eval_report import pd_check_failures
 from turnscope import cli
+from turnscope.analysis.pd_check import decode_computed_prompts, pd_check_failures
 from turnscope.evaluation import pd_checked_status
-from turnscope.pd_check import decode_computed_prompts
 from turnscope.store import Store
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)

@@ -15,8 +15,8 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from dashboard.plan_check import check_summary
 from tests import planner_store as fx
+from turnscope.analysis.plan_check import check_summary
 from turnscope.cli import app
 from turnscope.planner.check import check_runs, run_settings
 from turnscope.planner.fit import FitError, fit_profile

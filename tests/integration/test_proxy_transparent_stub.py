@@ -1,5 +1,5 @@
 """What a client reads through the proxy is D's stream, byte for byte, plus only the additive
-``turnscope`` field (issue 15, item 4: vLLM's ``bench serve`` broke on the proxy's SSE comment).
+``turnscope`` field (vLLM's ``bench serve`` broke on an SSE comment the proxy once sent).
 
 The truth is the stub decode worker's own bytes for the same body, read straight from it.
 """

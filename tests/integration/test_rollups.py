@@ -1,4 +1,4 @@
-"""Per-run rollups (turnscope/rollup.py) give the dashboard the same figures as the plain views.
+"""Per-run rollups (dashboard/rollup.py) give the dashboard the same figures as the plain views.
 
 Second route: every query of ``dashboard.queries`` is run over a real store (the dashboard
 fixture, written by turnscope.store's writer) once on the plain views (``db.use_rollups = False``)
@@ -19,9 +19,9 @@ import pandas as pd
 import pytest
 
 from dashboard import db, queries
+from dashboard.rollup import MANIFEST, ROLLUP_DIR, SUMMARY_VIEWS, Rollups
 from tests import dashboard_store as fx
 from turnscope.planner.ttl_whatif import WHATIF_TTLS_S
-from turnscope.rollup import MANIFEST, ROLLUP_DIR, SUMMARY_VIEWS, Rollups
 from turnscope.store import Store
 
 TTLS = (60.0, 120.0, 480.0, 900.0)

@@ -143,7 +143,7 @@ def test_scraper_rejects_bad_config(tmp_path: Path) -> None:
 
 def test_scraper_final_scrape_holds_the_last_turn(tmp_path: Path) -> None:
     """A counter that rises after the last periodic scrape (the run's last turn) is in the store
-    once stop() takes its final scrapes; without them the run would miss it (issue #12)."""
+    once stop() takes its final scrapes; without them the run would miss it."""
     import threading
 
     store = Store(tmp_path / "store")

@@ -17,10 +17,11 @@ import pytest
 import yaml
 from rich.console import Console
 
-from dashboard import db, queries, sweep_stats
+from dashboard import db, queries
 from serving.embedded_model import ensure_model
 from serving.topology import WorkerEntry, embedded_topology
 from tests.integration.vllm_stack import free_port
+from turnscope.analysis import sweep_stats
 from turnscope.evaluation import default_settings
 from turnscope.prefix_sweep import plan_sweep, run_sweep
 

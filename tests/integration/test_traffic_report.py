@@ -125,7 +125,7 @@ def _sessions(path):
 
 def test_workload_naming_a_claude_code_trace_as_mooncake_is_one_line(tmp_path):
     """`python -m loadgen.workload` on a workload that names a kv-cache-tester file as `mooncake`:
-    exit 2 and one line naming the file, line and field (issue 13), no traceback."""
+    exit 2 and one line naming the file, line and field (the bad-input rule), no traceback."""
     import subprocess
     import sys
 

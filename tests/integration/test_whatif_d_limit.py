@@ -13,8 +13,8 @@ import pytest
 
 from dashboard import db, queries
 from dashboard.queries import memory
+from dashboard.rollup import Rollups
 from turnscope.planner.ttl_whatif import WHATIF_TTLS_S
-from turnscope.rollup import Rollups
 from turnscope.store import Store
 
 T0 = dt.datetime(2026, 12, 1, 10, 0, tzinfo=dt.UTC)
@@ -114,7 +114,7 @@ def test_the_hits_rise_with_the_ttl(root) -> None:
 
 
 def test_a_rolled_up_run_gives_the_same_rows_without_a_replay(tmp_path, monkeypatch) -> None:
-    """Rollups (turnscope.rollup) keep each finished run's what-if at the page's TTL grid: the
+    """Rollups (dashboard.rollup) keep each finished run's what-if at the page's TTL grid: the
     dashboard reads those rows instead of replaying the run (the replay is made to fail here),
     and they are the replay's rows; a TTL outside the grid is still replayed."""
     store = _build(tmp_path / "store")

@@ -18,8 +18,9 @@ import uvicorn
 
 from serving.embedded_model import ModelSpec, ensure_model
 from serving.proxy import ProxyConfig, Worker, create_app
-from serving.topology import Connector, WorkerEntry, embedded_topology
+from serving.topology import WorkerEntry, embedded_topology
 from serving.workers import WorkerProcess, WorkerSpec, mode_workers
+from turnscope.connector import Connector
 
 
 def free_port() -> int:

@@ -1,4 +1,4 @@
-"""dashboard.compare_stats and dashboard.headline's sampling cap: pure functions on hand-made samples."""
+"""dashboard.compare_stats and turnscope.analysis.headline's sampling cap: pure functions on hand-made samples."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dashboard import compare_stats, headline
-from dashboard.headline import Ratio
+from dashboard import compare_stats
+from turnscope.analysis import headline
+from turnscope.analysis.headline import Ratio
 
 
 def _samples() -> pd.DataFrame:

@@ -1,4 +1,4 @@
-"""dashboard.headline: the ratio, its bootstrap CI, and the sentences the Overview prints."""
+"""turnscope.analysis.headline: the ratio, its bootstrap CI, and the sentences the Overview prints."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dashboard import headline
-from dashboard.headline import Ratio
+from turnscope.analysis import headline
+from turnscope.analysis.headline import Ratio
 
 
 def test_median_ratio_and_ci():

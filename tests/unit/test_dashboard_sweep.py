@@ -1,4 +1,4 @@
-"""dashboard.sweep_stats and dashboard.sweep_figures as pure functions, against numbers worked out by hand."""
+"""turnscope.analysis.sweep_stats and dashboard.sweep_figures as pure functions, against numbers worked out by hand."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dashboard import sweep_figures, sweep_stats
+from dashboard import sweep_figures
+from turnscope.analysis import sweep_stats
 
 
 def frame(rows: list[tuple]) -> pd.DataFrame:

@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 
 from loadgen.traces.agent_request import AgentRequest, bounded_gap
-from loadgen.traces.agent_sources import iter_agent_requests
 from loadgen.traces.errors import TraceFormatError
+from loadgen.traces.formats import iter_agent_requests
 from loadgen.traces.kv_cache_tester import DEFAULT_DIR, read_kv_cache_tester_file
 from loadgen.traces.recorded_runs import read_recorded_runs
 from turnscope.store import Store

@@ -1,5 +1,7 @@
-"""The parts import one way (docs/design.md): serving and loadgen never import each other, and the
-dashboard (its pages included) imports neither, not even through a shared module it imports."""
+"""The parts import one way (docs/design.md, "Layers"): serving and loadgen never import each other, the
+dashboard (its pages included) imports neither, not even through a shared module it imports; no
+module imports up a layer (the ground imports nothing above it) and no modules import each other in
+a circle."""
 
 from __future__ import annotations
 
@@ -38,3 +40,112 @@ def test_part_imports_no_other_part(part: str, forbidden: set[str]) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", f"{part} pulls in {out.stdout.strip()}"
+
+
+# -- the layers (docs/design.md, "Layers") ------------------------------------------------------------
+
+#: The ground every part stands on: it imports nothing of turnscope's outside itself.
+GROUND = ("turnscope.contract", "turnscope.modes", "turnscope.connector", "turnscope.store", "turnscope.reuse_rules",
+          "turnscope.tokenize_client", "turnscope.redaction", "turnscope.yaml_file")
+#: Layer of each package prefix, bottom (0) up; a module may import its own layer's (within its
+#: package) and lower layers only. The conductor (CLI, settings, eval, sweep, capacity) is the rest
+#: of ``turnscope``, on top.
+LAYERS = (("turnscope.analysis", 1), ("serving", 1), ("loadgen", 1), ("turnscope.planner", 2), ("dashboard", 3))
+CONDUCTOR = 4
+
+
+def layer_of(module: str) -> tuple[int, str]:
+    """(layer, package) of a module of this repository."""
+    if module in GROUND:
+        return 0, "ground"
+    for prefix, layer in LAYERS:
+        if module == prefix or module.startswith(prefix + "."):
+            return layer, prefix
+    return CONDUCTOR, "turnscope"
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of this repository it imports anywhere in its file (top level or in a
+    function), read with ``ast``."""
+    paths = {}
+    for part in (*PARTS, "turnscope"):
+        for path in (REPO / part).rglob("*.py"):
+            name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            paths[name.removesuffix(".__init__")] = path
+    graph: dict[str, set[str]] = {m: set() for m in paths}
+    for module, path in paths.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in paths else node.module
+                           for a in node.names]
+            else:
+                continue
+            graph[module].update(t for t in targets if t in paths and t != module)
+    return graph
+
+
+def layering_breaches(graph: dict[str, set[str]]) -> list[str]:
+    """Imports that go up a layer or sideways between two packages of one layer."""
+    out = []
+    for module, targets in graph.items():
+        layer, package = layer_of(module)
+        for t in targets:
+            t_layer, t_package = layer_of(t)
+            if t_layer > layer or (t_layer == layer and t_package != package):
+                out.append(f"{module} -> {t}")
+    return sorted(out)
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_module_imports_up_a_layer_or_across_one() -> None:
+    assert layering_breaches(import_graph()) == []
+
+
+def test_no_import_cycle() -> None:
+    assert import_cycles(import_graph()) == []
+
+
+def test_the_checks_catch_an_upward_import_and_a_cycle() -> None:
+    graph = import_graph()
+    graph["turnscope.store"] = graph["turnscope.store"] | {"dashboard.db"}  # ground -> dashboard
+    assert "turnscope.store -> dashboard.db" in layering_breaches(graph)
+    assert any({"turnscope.store", "dashboard.db"} <= set(c) for c in import_cycles(graph))
+    graph = import_graph()
+    graph["serving.routing"] = graph["serving.routing"] | {"loadgen.workload"}  # across one layer
+    assert layering_breaches(graph) == ["serving.routing -> loadgen.workload"]

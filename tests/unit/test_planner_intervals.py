@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dashboard.plan_check import frontier_highlights, with_interval
+from turnscope.analysis.plan_check import frontier_highlights, with_interval
 from turnscope.planner import intervals
 from turnscope.planner.profile import CostProfile, HeldOutErrors, Sourced
 

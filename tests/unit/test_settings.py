@@ -41,7 +41,8 @@ def test_defaults_are_vllms_and_the_embedded_layouts() -> None:
 
 def test_defaults_agree_with_the_serving_side() -> None:
     from serving.proxy import ProxyConfig
-    from serving.topology import Connector, ProxySettings
+    from serving.topology import ProxySettings
+    from turnscope.connector import Connector
 
     s = TurnscopeSettings.load()
     assert isinstance(s.connector, Connector)

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pandas as pd
 
-from dashboard import speedup
-from dashboard.plan_check import (
+from loadgen.traces.formats import detect_format, iter_agent_requests
+from serving.kv_size import kv_bytes_per_token_of_config, read_config
+from turnscope.analysis import speedup
+from turnscope.analysis.plan_check import (
     CHECK_MEANING,
     check_summary,
     frontier_highlights,
     headline_check,
     with_interval,
 )
-from loadgen.traces.agent_sources import detect_format, iter_agent_requests
-from serving.kv_size import kv_bytes_per_token_of_config, read_config
 from turnscope.planner import summary
 from turnscope.planner.check import check_runs
 from turnscope.planner.fit import fit_profile, recorded_shared_prefix_tokens, recorded_turns

@@ -5,7 +5,7 @@ Formulas and sources in docs/planner.md ("Profiles"):
 * c(x) and b0 per mode: one robust joint fit (:func:`fit_costs`) of ``ttft - pull(pulled) =
   b0[mode] + c(n) - c(cached)`` over the ok turns of every mode, with each turn's measured cached
   and pulled tokens; P/D modes share c, the aggregated worker has its own;
-* P's pull of D's KV: the Sweep page's ``dashboard.sweep_stats.transfer_s_per_token`` (P's NIXL bytes
+* P's pull of D's KV: the Sweep page's ``turnscope.analysis.sweep_stats.transfer_s_per_token`` (P's NIXL bytes
   over NIXL seconds in the ``pd-bidir*`` runs, vLLM's ``vllm:nixl_*`` metrics), as bandwidth;
 * where a run did not record the worker's own prefix-cache hit (aggregated serving: vLLM reports
   ``usage.prompt_tokens_details`` only when asked), the planner's forecast of it for that run;
@@ -32,9 +32,10 @@ import numpy as np
 import pandas as pd
 from scipy.optimize import least_squares
 
-from dashboard import sweep_stats as sweep
-from dashboard.queries.memory import cache_config
 from loadgen.traces.recorded_runs import read_recorded_runs
+from turnscope.analysis import sweep_stats as sweep
+from turnscope.analysis.worker_cache import cache_config
+from turnscope.modes import RECOMPUTE_MODE, SERVING_MODES
 from turnscope.planner.profile import MODES, CostProfile, Sourced
 from turnscope.planner.queueing import fifo_waits
 from turnscope.planner.simulate import RENDERS, TOOK_HANDLE, ModePlan, PlanSettings, Traffic, plan
@@ -90,7 +91,8 @@ def recorded_shared_prefix_tokens(turns: pd.DataFrame) -> int:
     ``pd``/``pd-bidir`` runs, each run's first session left out (nothing before it); 0 when the
     runs have none. The recorder keeps no token ids (only a hash of each prompt), so P's report is
     the one record of what sessions share; the same traffic replayed in every mode shares the same."""
-    first = turns[turns["mode"].isin(["pd", "pd-bidir"]) & (turns["turn_index"] == 0)
+    p_cache = [m.name for m in SERVING_MODES if m.disaggregated and m.prefill_prefix_cache]
+    first = turns[turns["mode"].isin(p_cache) & (turns["turn_index"] == 0)
                   & (turns["status"] == "ok") & turns["local_tokens"].notna()]
     first = first.sort_values("sent_at")
     later = first[first.groupby("run_id").cumcount() > 0]
@@ -155,7 +157,7 @@ def _transfer(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
 
 def _cache_config(store: Store, run_ids: Sequence[str]) -> dict[str, dict]:
     """Role -> the labels of its workers' ``vllm:cache_config_info`` (``block_size``,
-    ``num_gpu_blocks``, ...) in ``run_ids``' scrapes (:func:`dashboard.queries.memory.cache_config`,
+    ``num_gpu_blocks``, ...) in ``run_ids``' scrapes (:func:`turnscope.analysis.worker_cache.cache_config`,
     the one reader of the gauge); roles without that gauge are absent."""
     con = store.connect()
     try:
@@ -234,8 +236,8 @@ def fit_profile(store: Store, run_ids: Sequence[str], name: str = "fitted") -> C
         prof.aggregated_prefill_a1_s_per_token = Sourced(value=costs.aggregated_a1_s, source=how)
         prof.aggregated_prefill_a2_s_per_token2 = Sourced(value=costs.aggregated_a2_s, source=how)
     prof.b0_s = {m: Sourced(value=v, source=how) for m, v in costs.b0_s.items()}
-    default = costs.b0_s.get("pd-nocache", float(np.median(list(costs.b0_s.values()))))
-    prof.b0_default_s = Sourced(value=default, source=f"{how}; pd-nocache's b0 (else the median of the modes')")
+    default = costs.b0_s.get(RECOMPUTE_MODE, float(np.median(list(costs.b0_s.values()))))
+    prof.b0_default_s = Sourced(value=default, source=f"{how}; {RECOMPUTE_MODE}'s b0 (else the median of the modes')")
     return prof
 
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from dashboard.plan_check import headline_check
 from serving import handles as h
+from turnscope.analysis.plan_check import headline_check
 from turnscope.planner.check import check_runs
 from turnscope.planner.fit import fit_profile
 from turnscope.planner.profile import MODES, CostProfile, HeldOutErrors
@@ -136,7 +136,7 @@ def held_out_check(split: Split, profile: CostProfile | None = None
 def describe(split: Split, summary: pd.DataFrame, checks: pd.DataFrame | None = None) -> str:
     """The held-out table in plain text, the split named, pass/FAIL against :data:`TARGETS`; with
     ``checks``, the Overview's speed-up of the checked runs measured and forecast
-    (:func:`dashboard.plan_check.headline_check`)."""
+    (:func:`turnscope.analysis.plan_check.headline_check`)."""
     def verdict(v) -> str:
         return "n/a" if v is None else ("pass" if v else "FAIL")
 

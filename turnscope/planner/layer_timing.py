@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from scipy.optimize import nnls
 
 from turnscope import yaml_file
+from turnscope.modes import RECOMPUTE_MODE
 from turnscope.planner.layer_shape import LAYER_TIMING_FORMAT, DecoderLayerShape
 from turnscope.planner.profile import CostProfile, ProfileError, Sourced, load_profile
 
@@ -214,7 +215,7 @@ def warnings_of(base: CostProfile, timing: LayerTiming, curve: LayerCurve,
 def check_against(profile: CostProfile, published: PublishedTTFT) -> tuple[float, float]:
     """The profile's TTFT of a prompt computed from scratch in ``pd-nocache`` (b0 + c(n): no cache,
     no pull) at ``published.tokens``, and its relative error against ``published.ttft_s``."""
-    ttft = float(profile.ttft_s("pd-nocache", np.array([published.tokens]), np.zeros(1), np.zeros(1))[0])
+    ttft = float(profile.ttft_s(RECOMPUTE_MODE, np.array([published.tokens]), np.zeros(1), np.zeros(1))[0])
     return ttft, (ttft - published.ttft_s) / published.ttft_s
 
 

@@ -17,7 +17,7 @@ the wait for the prefill worker (``+ wait``, FIFO per worker, :mod:`turnscope.pl
 and, for chat requests the workers render to token ids, ``render_s_per_token x n x renders``.
 
 ``c(n) - c(cached)`` is the cost of the new tokens after ``cached`` ones: attention makes it grow
-with the context (the same form as the Sweep page's ideal, ``dashboard.sweep_stats.PrefillFit``, whose
+with the context (the same form as the Sweep page's ideal, ``turnscope.analysis.sweep_stats.PrefillFit``, whose
 ``cost_s`` is reused here). ``b0`` is what a mode adds whatever the prompt (routing, the prefill
 leg's round trip, P/D's hand-off of P's KV to D, the first decode step).
 """
@@ -29,10 +29,12 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dashboard.sweep_stats import PrefillFit
 from turnscope import yaml_file
+from turnscope.analysis.sweep_stats import PrefillFit
+from turnscope.modes import PLAN_ORDER, RECOMPUTE_MODE
 
-MODES = ("aggregated", "pd", "pd-nocache", "pd-bidir", "pd-bidir-nocache")
+#: The modes the planner forecasts, aggregated first, then one-way and bidirectional P/D.
+MODES = PLAN_ORDER
 GiB = 2**30
 
 
@@ -131,8 +133,8 @@ class CostProfile(BaseModel):
 
     # -- the cost model -------------------------------------------------------------------------
 
-    def prefill_fit(self, mode: str = "pd-nocache") -> PrefillFit:
-        """c(x) of ``mode`` as the Sweep page's :class:`dashboard.sweep_stats.PrefillFit` (b0 is per mode
+    def prefill_fit(self, mode: str = RECOMPUTE_MODE) -> PrefillFit:
+        """c(x) of ``mode`` as the Sweep page's :class:`turnscope.analysis.sweep_stats.PrefillFit` (b0 is per mode
         here): the aggregated worker's when the profile has it, else P's."""
         a1, a2 = self.prefill_a1_s_per_token, self.prefill_a2_s_per_token2
         if mode == "aggregated" and self.aggregated_prefill_a1_s_per_token is not None:

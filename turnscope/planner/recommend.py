@@ -29,8 +29,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from serving.topology import Connector
 from serving.workers import WorkerSpec, worker_command
+from turnscope.connector import Connector
 from turnscope.planner.ledger import HOST_STRATEGIES, STRATEGIES, Prices, forecast_strategy, ledger_row
 from turnscope.planner.profile import CostProfile, GiB, Sourced
 from turnscope.planner.simulate import PlanSettings, Traffic

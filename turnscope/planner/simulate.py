@@ -47,8 +47,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from loadgen.traces.agent_request import AgentRequest
 from serving import handles as h
-from serving.routing import SESSION
 from turnscope import reuse_rules as rules
+from turnscope.contract import SESSION
+from turnscope.modes import BIDIRECTIONAL_MODES, RECOMPUTE_MODE, SERVING_MODES, serving_mode
 from turnscope.planner.pinned_blocks import PinnedBlocks
 from turnscope.planner.pinned_kv import LOST, Handle, HandleLedger
 from turnscope.planner.profile import MODES, CostProfile, GiB
@@ -60,7 +61,7 @@ MISS_D_FULL = "miss_d_full"
 OUTCOMES = (None, h.HIT, h.MISS_FIRST_TURN, h.MISS_EXPIRED, h.MISS_CONSUMED, h.MISS_MISMATCH,
             h.MISS_BELOW_THRESHOLD, h.MISS_TRANSFER_FAILED, h.MISS_NO_HANDLE_RETURNED, MISS_D_FULL)
 _CODE = {name: i for i, name in enumerate(OUTCOMES)}
-BIDIR_MODES = ("pd-bidir", "pd-bidir-nocache")
+BIDIR_MODES = BIDIRECTIONAL_MODES
 
 
 class PlanSettings(BaseModel):
@@ -250,7 +251,7 @@ def workers_of(tr: Traffic, workers: int, routing: str) -> np.ndarray:
 #: aggregated worker's; P's and D's (each gets the chat request: ``serving.proxy`` prefill and
 #: decode legs). A request that takes a handle is rendered once more by the proxy to match it
 #: against D's ids (``SessionProxy.rendered_ids``: P's ``/tokenize`` or the in-process renderer).
-RENDERS = {"aggregated": 1, "pd": 2, "pd-nocache": 2, "pd-bidir": 2, "pd-bidir-nocache": 2}
+RENDERS = {m.name: 2 if m.disaggregated else 1 for m in SERVING_MODES}
 #: Outcomes of a request that took a handle (the proxy rendered its ids to fit it).
 TOOK_HANDLE = (h.HIT, h.MISS_BELOW_THRESHOLD, h.MISS_MISMATCH, h.MISS_TRANSFER_FAILED)
 
@@ -379,7 +380,7 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
 
 def finish_times(tr: Traffic, profile: CostProfile) -> np.ndarray:
     """When each request finishes, seconds on the traffic's clock (see the module doc)."""
-    nocache = profile.ttft_s("pd-nocache", tr.input_tokens, np.zeros(len(tr)), np.zeros(len(tr)))
+    nocache = profile.ttft_s(RECOMPUTE_MODE, tr.input_tokens, np.zeros(len(tr)), np.zeros(len(tr)))
     decode = profile.decode_s_per_token.value if profile.decode_s_per_token else 0.0
     e2e = np.where(np.isnan(tr.server_s), nocache + tr.output_tokens * decode, tr.server_s)
     return tr.arrival_s + e2e
@@ -409,25 +410,27 @@ def plan(requests: Iterable[AgentRequest] | Traffic, profile: CostProfile,
                      "finish at their forecast TTFT (handles pinned earlier than in reality).")
     finish = finish_times(tr, profile)
     p_hits = None
-    if {"pd", "pd-bidir"} & set(settings.modes):
+    if any(serving_mode(m).disaggregated and serving_mode(m).prefill_prefix_cache for m in settings.modes):
         p_hits = own_cache_hits(tr, profile.capacity_tokens("prefill"), block, settings.prefill_workers,
                                 settings.routing, with_output=False, shared_prefix_tokens=settings.shared_prefix_tokens)
     first_seen = ~pd.Series(tr.session_code).duplicated().to_numpy()
     out: dict[str, ModePlan] = {}
     no_age = np.full(len(tr), np.nan)
     for mode in settings.modes:
+        kind = serving_mode(mode)
+        p_cache = p_hits if kind.prefill_prefix_cache else None
         held_t, held_b, d_full, ages, pulled = np.zeros(0), np.zeros(0), 0, no_age, zeros
-        if mode == "aggregated":
+        if not kind.disaggregated:
             local = own_cache_hits(tr, profile.capacity_tokens("aggregated"), block, settings.aggregated_workers,
                                    settings.routing, with_output=True,
                                    shared_prefix_tokens=settings.shared_prefix_tokens)
             outcome = np.zeros(len(tr), dtype=np.int8)
-        elif mode in ("pd", "pd-nocache"):
-            local = p_hits if mode == "pd" else zeros
+        elif not kind.bidirectional:
+            local = zeros if p_cache is None else p_cache
             outcome = np.where(first_seen, _CODE[h.MISS_FIRST_TURN], _CODE[h.MISS_NO_HANDLE_RETURNED]).astype(np.int8)
         else:
             outcome, pulled, local, ages, pinned, d_full = simulate_bidir(
-                tr, profile, settings, p_hits if mode == "pd-bidir" else None, finish)
+                tr, profile, settings, p_cache, finish)
             held_t, held_b = np.asarray(pinned.t), np.asarray(pinned.b)
         ttft, wait = mode_ttft(tr, profile, settings, mode, local + pulled, pulled, outcome)
         mp = ModePlan(mode, outcome, pulled, local, ttft, ages, wait, held_t, held_b, d_full)

@@ -11,15 +11,16 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dashboard import headline, speedup
-from dashboard.sweep_stats import PAIRS
 from serving import handles as h
+from turnscope import modes
+from turnscope.analysis import headline, speedup
 from turnscope.planner import intervals
 from turnscope.planner.profile import CostProfile, Sourced
-from turnscope.planner.simulate import BIDIR_MODES, MISS_D_FULL, Plan, PlanSettings, Traffic, plan
+from turnscope.planner.simulate import MISS_D_FULL, Plan, PlanSettings, Traffic, plan
 
-#: Mode pairs: the Sweep page's three, and bidirectional transfer with P's cache on against off.
-PLAN_PAIRS = tuple((t, b) for t, b, _ in PAIRS) + (("pd-bidir", "pd-bidir-nocache"),)
+#: Mode pairs: the Sweep page's three, and bidirectional transfer with P's cache on against off
+#: (every ``ServingMode.baselines``, treatments in the sweep's order).
+PLAN_PAIRS = tuple((t, b) for t, b, _ in modes.pairs(measured_only=False, order=modes.SWEEP_ORDER))
 #: Frontier grid: decoder_kv_blocks_ttl values (seconds) and multiples of the profile's D KV space.
 FRONTIER_TTLS_S = (30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1800.0, 3600.0)
 FRONTIER_SPACE_FACTORS = (0.125, 0.25, 0.5, 1.0, 2.0)
@@ -27,7 +28,7 @@ FRONTIER_SPACE_FACTORS = (0.125, 0.25, 0.5, 1.0, 2.0)
 
 def speedups(p: Plan) -> pd.DataFrame:
     """Each pair of :data:`PLAN_PAIRS` whose two modes were planned, on the Overview's convention
-    (:func:`dashboard.headline.ratio_of`, the one definition): ``speedup`` = median forecast TTFT of
+    (:func:`turnscope.analysis.headline.ratio_of`, the one definition): ``speedup`` = median forecast TTFT of
     the baseline / of the treatment over later requests (``request_index >= 1``: the second turn
     on), with the headline's session bootstrap 95% CI; > 1: the treatment is faster. Means and the
     queue's share are secondary figures, labelled as such wherever shown.
@@ -74,7 +75,7 @@ def speedups(p: Plan) -> pd.DataFrame:
 
 def _later_frame(p: Plan, ttft_s: np.ndarray, later: np.ndarray) -> pd.DataFrame:
     """The later requests' forecast TTFT with their session (source as ``run_id``), the frame
-    :func:`dashboard.headline.ratio_of` takes."""
+    :func:`turnscope.analysis.headline.ratio_of` takes."""
     tr = p.traffic
     return pd.DataFrame({"ttft_s": ttft_s[later], "run_id": tr.source[later], "session_id": tr.session[later]})
 
@@ -92,7 +93,7 @@ def frontier(traffic: Traffic, profile: CostProfile, settings: PlanSettings, mod
     none), ttft_saved_s (sum
     over requests of the ``pd`` forecast minus ``mode``'s, seconds; for ``pd-bidir-nocache`` against
     ``pd-nocache``), peak_held_bytes, held_gib_s, d_full_events."""
-    base_mode = "pd-nocache" if mode == "pd-bidir-nocache" else "pd"
+    base_mode = modes.one_way(mode)
     base = plan(traffic, profile, settings.model_copy(update={"modes": (base_mode,)})).modes[base_mode]
     later = traffic.request_index >= 1
     space = profile.decode_kv_space_bytes
@@ -161,7 +162,7 @@ def defeated_sessions(p: Plan, mode: str = "pd-bidir-nocache") -> pd.DataFrame:
 def outcome_counts(p: Plan) -> pd.DataFrame:
     """Requests per mode and outcome. Columns: mode, outcome ('none' for aggregated), requests."""
     rows = []
-    for mode in BIDIR_MODES + ("pd", "pd-nocache", "aggregated"):
+    for mode in modes.ordered(lambda m: (not m.bidirectional, not m.disaggregated)):
         if mode in p.modes:
             s = pd.Series(p.modes[mode].outcome_names()).fillna("none").value_counts()
             rows += [{"mode": mode, "outcome": k, "requests": int(v)} for k, v in s.items()]

@@ -38,7 +38,7 @@ from turnscope import reuse_rules as rules
 from turnscope.planner.pinned_kv import LOST, Handle, HandleLedger, interval_load
 
 #: The TTLs (seconds) the Memory page replays besides the runs' own, and that a run's rollup
-#: (:mod:`turnscope.rollup`) precomputes: around vLLM's 480 s default (``decoder_kv_blocks_ttl``,
+#: (:mod:`dashboard.rollup`) precomputes: around vLLM's 480 s default (``decoder_kv_blocks_ttl``,
 #: vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py) up to an hour; at or below the
 #: proxy's 30 s margin nothing could ever hit.
 WHATIF_TTLS_S: tuple[float, ...] = (60.0, 120.0, 240.0, 480.0, 900.0, 1800.0, 3600.0)

@@ -6,7 +6,7 @@ shows a comparison (the CLI's bottom line, the Overview cards, Compare, Sweep, t
 formats it with `fmt` / `fmt_ci`, names it `LABEL`, and colours it by its `Verdict` (whether the
 confidence interval excludes 1), never by the sign of the point estimate.
 
-The headline's statistics are computed as ratios treatment / baseline (``dashboard.headline``);
+The headline's statistics are computed as ratios treatment / baseline (``turnscope.analysis.headline``);
 `of` turns one into the speed-up: the point estimate and the interval's ends are inverted (a
 percentile interval maps through the monotone ``1/x`` exactly).
 """
@@ -90,7 +90,7 @@ def from_ratio(ratio: float, ci_low: float, ci_high: float) -> Speedup:
 
 
 def of(r) -> Speedup:
-    """The `Speedup` of a ``dashboard.headline.Ratio`` (treatment / baseline)."""
+    """The `Speedup` of a ``turnscope.analysis.headline.Ratio`` (treatment / baseline)."""
     return from_ratio(r.ratio, r.ci_low, r.ci_high)
 
 

@@ -1,7 +1,7 @@
 """How many sessions per side a comparison needs before its confidence interval decides (a forecast).
 
 From the measured spread of a speed-up (its bootstrap interval over whole sessions,
-``dashboard.headline``), the number of sessions per side at which a new run's 95% CI would
+``turnscope.analysis.headline``), the number of sessions per side at which a new run's 95% CI would
 exclude 1 with probability `POWER`, for the observed effect and for a stated smaller one
 (`SMALLER_EFFECT`, a 10% speed-up).
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from scipy import stats
 
-from dashboard.speedup import Speedup
+from turnscope.analysis.speedup import Speedup
 
 #: Probability that a rerun at the recommended count decides (the CI excludes 1).
 POWER = 0.8

@@ -12,7 +12,7 @@ Statistics follow the vendor's benchmark (vLLM's benchmarks/multi_turn, as used 
 of 2026-10-12): the mean TTFT over the requests of a point (and the 90th percentile), and the
 speed-up ``TTFT(baseline) / TTFT(bidirectional)`` (the blog's "1.6x lower TTFT" is 1.6 here).
 Confidence intervals are percentile bootstraps (scipy.stats.bootstrap) resampling whole
-sessions, the two runs independently, as on the Overview page (``dashboard.headline``).
+sessions, the two runs independently, as on the Overview page (``turnscope.analysis.headline``).
 
 The ideal (what bidirectional transfer could give at best on this deployment): each turn of the
 ``pd-nocache`` run of a point, with the KV of everything the previous turn left behind
@@ -41,17 +41,15 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from dashboard import speedup
-from dashboard.headline import _padded
+from turnscope import modes
+from turnscope.analysis import speedup
+from turnscope.analysis.headline import padded_groups
 
 #: (treatment, baseline, what the pair answers): the vendor's A/B first, then the real baselines.
-PAIRS: tuple[tuple[str, str, str], ...] = (
-    ("pd-bidir-nocache", "pd-nocache", "the vendor's comparison: P's prefix cache off"),
-    ("pd-bidir", "pd", "against one-way P/D with P's prefix cache on"),
-    ("pd-bidir", "aggregated", "against aggregated serving with prefix caching"),
-)
+#: (each mode's measured ``ServingMode.baselines``, treatments in ``turnscope.modes.SWEEP_ORDER``.)
+PAIRS: tuple[tuple[str, str, str], ...] = modes.pairs(order=modes.SWEEP_ORDER)
 #: The mode whose turns are made ideal, and whose turns the prefill fit uses.
-IDEAL_BASELINE = "pd-nocache"
+IDEAL_BASELINE = modes.RECOMPUTE_MODE
 #: The statistic a speed-up divides: the median first (the dashboard's convention), the vendor's mean, the tail.
 STATS = ("median", "mean", "p90")
 CONFIDENCE = 0.95
@@ -115,8 +113,8 @@ def speedup_ci(baseline_s: np.ndarray, treatment_s: np.ndarray, *, baseline_grou
     if a.size == 0 or b.size == 0:
         raise ValueError("speedup_ci needs at least one value on each side")
     point = float(stat_of(a, stat) / stat_of(b, stat))
-    pa = _padded(a, None if baseline_groups is None else np.asarray(baseline_groups))
-    pb = _padded(b, None if treatment_groups is None else np.asarray(treatment_groups))
+    pa = padded_groups(a, None if baseline_groups is None else np.asarray(baseline_groups))
+    pb = padded_groups(b, None if treatment_groups is None else np.asarray(treatment_groups))
     if pa.shape[0] < 2 or pb.shape[0] < 2:
         return point, math.nan, math.nan
 
@@ -224,7 +222,7 @@ def transfer_s_per_token(transfer: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame(columns=cols)
     kv = transfer["kv_bytes_per_token"].dropna()
     kv_bytes = float(kv.iloc[0]) if not kv.empty else math.nan
-    bidir = transfer[transfer["mode"].astype(str).str.startswith("pd-bidir")]
+    bidir = transfer[transfer["mode"].astype(str).isin(modes.BIDIRECTIONAL_MODES)]
 
     def figures(g: pd.DataFrame) -> dict:
         xs, xb, rt = (float(g[c].fillna(0).sum()) for c in ("xfer_s", "xfer_bytes", "reused_tokens"))

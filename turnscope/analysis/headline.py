@@ -19,13 +19,14 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from dashboard import sample_size, speedup
-from dashboard.speedup import Verdict
+from turnscope import modes
+from turnscope.analysis import sample_size, speedup
+from turnscope.analysis.speedup import Verdict
 
 #: (treatment, baseline): the feature against the baselines operators run (one-way P/D with P's
-#: prefix cache on, aggregated serving), then the vendor's cache-miss scenario (P's cache off).
-PAIRS: tuple[tuple[str, str], ...] = (("pd-bidir", "pd"), ("pd-bidir", "aggregated"),
-                                      ("pd-bidir-nocache", "pd-nocache"))
+#: prefix cache on, aggregated serving), then the vendor's cache-miss scenario (P's cache off);
+#: each mode's measured ``ServingMode.baselines``, treatments in display order.
+PAIRS: tuple[tuple[str, str], ...] = tuple((t, b) for t, b, _ in modes.pairs())
 #: First turn index (0-based) that can reuse a previous turn's KV.
 MIN_TURN_INDEX = 1
 CONFIDENCE = 0.95
@@ -74,7 +75,7 @@ class Ratio:
         )
 
 
-def _padded(values: np.ndarray, groups: np.ndarray | None) -> np.ndarray:
+def padded_groups(values: np.ndarray, groups: np.ndarray | None) -> np.ndarray:
     """`values` as a (n_groups, max group size) array, one row per group, NaN-padded."""
     if groups is None:
         return values.reshape(-1, 1)
@@ -142,8 +143,8 @@ def median_ratio_ci(
     if a.size == 0 or b.size == 0:
         raise ValueError("median_ratio_ci needs at least one value in each sample")
     ratio = float(np.median(a) / np.median(b))
-    pa = _padded(a, None if treatment_groups is None else np.asarray(treatment_groups))
-    pb = _padded(b, None if baseline_groups is None else np.asarray(baseline_groups))
+    pa = padded_groups(a, None if treatment_groups is None else np.asarray(treatment_groups))
+    pb = padded_groups(b, None if baseline_groups is None else np.asarray(baseline_groups))
     if pa.shape[0] < 2 or pb.shape[0] < 2:
         return ratio, math.nan, math.nan
     pick = np.random.default_rng(seed + 1)
@@ -333,13 +334,13 @@ def missing_pairs(modes_present: set[str], pairs: tuple[tuple[str, str], ...] = 
 
 
 def direction(r: Ratio) -> Verdict:
-    """What the CI says of the treatment (``dashboard.speedup.Verdict``): ``faster`` / ``slower``
+    """What the CI says of the treatment (``turnscope.analysis.speedup.Verdict``): ``faster`` / ``slower``
     (the CI excludes 1), ``no clear difference`` (it includes 1) or ``too few sessions`` (no CI)."""
     return speedup.of(r).verdict
 
 
 def sessions_needed(r: Ratio) -> sample_size.SessionsNeeded | None:
-    """The sample-size forecast (``dashboard.sample_size``) for an undecided `r`; None when the
+    """The sample-size forecast (``turnscope.analysis.sample_size``) for an undecided `r`; None when the
     verdict is decided or there is no CI."""
     if direction(r) is not Verdict.UNCLEAR:
         return None
@@ -349,8 +350,8 @@ def sessions_needed(r: Ratio) -> sample_size.SessionsNeeded | None:
 
 def verdict(r: Ratio) -> str:
     """One plain sentence: faster, slower or no clear difference, with the speed-up
-    (``dashboard.speedup``) and the numbers behind it; an undecided one ends with the forecast of
-    sessions needed (``dashboard.sample_size``)."""
+    (``turnscope.analysis.speedup``) and the numbers behind it; an undecided one ends with the forecast of
+    sessions needed (``turnscope.analysis.sample_size``)."""
     scope = f" ({r.workload or 'unnamed workload'}, history {r.history_mode or 'unknown'})"
     medians = (
         f"median TTFT from the second turn on {r.median_treatment_s * 1e3:.0f} ms vs "
@@ -385,7 +386,7 @@ def verdict(r: Ratio) -> str:
 
 def answer(ratios: list[Ratio]) -> str:
     """The headline's answer in one sentence: per comparison, the treatment's verdict against its
-    baseline with the speed-up and its CI (``dashboard.speedup``), e.g. "pd-bidir vs pd: faster,
+    baseline with the speed-up and its CI (``turnscope.analysis.speedup``), e.g. "pd-bidir vs pd: faster,
     1.62x (95% CI 1.20-2.05x)". Empty for no ratios."""
     pct = round(CONFIDENCE * 100)
     parts = []
@@ -402,11 +403,11 @@ def all_miss_warnings(outcomes: pd.DataFrame) -> list[str]:
     """Modes whose proxy reused nothing: a plain sentence for each.
 
     `outcomes` has columns mode, reuse, later_turns (see ``dashboard.queries.reuse_outcomes``).
-    A ``pd-bidir*`` mode with later turns but no ``hit`` means every turn recomputed its whole
+    A bidirectional mode (``turnscope.modes.BIDIRECTIONAL_MODES``) with later turns but no ``hit`` means every turn recomputed its whole
     prompt (e.g. the decode handle never came back; docs/design.md), which the page must say plainly.
     """
     out = []
-    bidir = outcomes[outcomes["mode"].astype(str).str.startswith("pd-bidir")]
+    bidir = outcomes[outcomes["mode"].astype(str).isin(modes.BIDIRECTIONAL_MODES)]
     for mode, g in bidir.groupby("mode", sort=True):
         later = int(g["later_turns"].sum())
         hits = int(g.loc[g["reuse"] == "hit", "later_turns"].sum())

@@ -15,6 +15,9 @@ with no backoff for attention models). A run whose D computed more than
 from __future__ import annotations
 
 import math
+from pathlib import Path
+
+from turnscope.store import connect_read_only
 
 #: vLLM's counter of prompt tokens by where their KV came from (``PromptTokenStats``).
 PROMPT_TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
@@ -91,3 +94,10 @@ def decode_prompt_sources(con, run_ids: list[str]):
     run_id, mode, pd_turns, local_compute, external_kv, one row per run.
     """
     return con.execute(_DECODE_PROMPT_SOURCES, {"run_ids": list(run_ids), "name": PROMPT_TOKENS_BY_SOURCE}).df()
+
+
+def pd_check_failures(store: Path, run_ids: list[str]) -> dict[str, str]:
+    """Run id -> why the run failed the P/D check (its decode worker computed prompts itself), for
+    the runs of ``run_ids`` in the store at ``store`` that did."""
+    with connect_read_only(store) as con:
+        return failed_runs(decode_prompt_sources(con, run_ids))

@@ -47,18 +47,15 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from dashboard.queries.memory import ROLLED_UP_RUNS, WHATIF_RELATION, run_config, whatif_ttl_d_limit
 from turnscope.planner.ttl_whatif import WHATIF_TTLS_S
-from turnscope.store import Store, _ident, _sql_str, _write_atomic, connect_read_only
+from turnscope.store import Store, connect_read_only, sql_ident, sql_str, write_atomic
 
 #: The directory of rollups under a store root.
 ROLLUP_DIR = "rollups"
 MANIFEST = "manifest.json"
 #: Per-run views materialised per run (one row per run).
 SUMMARY_VIEWS: tuple[str, ...] = ("run_summary", "run_kv_transfer", "run_handle_memory")
-#: The rolled-up what-if (no plain view computes it: it is a replay in Python) and the TEMP view
-#: naming the runs it covers.
-WHATIF_RELATION = "run_whatif_d_limit"
-ROLLED_UP_RUNS = "rolled_up_runs"
 #: Shard tables whose files a rollup records (a change in any makes it stale).
 WATCHED_TABLES: tuple[str, ...] = ("turns", "sessions", "metric_samples", "runs_log")
 
@@ -146,9 +143,9 @@ class Rollups:
             done = {r for (r,) in con.execute(
                 "SELECT run_id FROM runs WHERE status <> 'running' AND list_contains($ids::VARCHAR[], run_id)",
                 {"ids": list(run_ids)}).fetchall()}  # fmt: skip
-            ids = ", ".join(_sql_str(r) for r in sorted(done))
+            ids = ", ".join(sql_str(r) for r in sorted(done))
             for view in SUMMARY_VIEWS if done else ():
-                rel = con.sql(f"SELECT * FROM {_ident(view)} WHERE run_id IN ({ids})")
+                rel = con.sql(f"SELECT * FROM {sql_ident(view)} WHERE run_id IN ({ids})")
                 columns[view] = [[c, str(t)] for c, t in zip(rel.columns, rel.types, strict=True)]
                 table = rel.arrow()
                 tables[view] = table.read_all() if hasattr(table, "read_all") else table  # a reader in newer DuckDB
@@ -163,7 +160,7 @@ class Rollups:
             out = self.dir / run_id
             out.mkdir(parents=True, exist_ok=True)
             for view, table in tables.items():
-                _write_atomic(table.filter(pc.equal(table["run_id"], run_id)), out / f"{view}.parquet")
+                write_atomic(table.filter(pc.equal(table["run_id"], run_id)), out / f"{view}.parquet")
             manifest = {"run_id": run_id, "version": self.store.version, "whatif_ttls_s": list(WHATIF_TTLS_S),
                         "shards": before[run_id], "columns": columns}
             tmp = out / (MANIFEST + ".tmp")
@@ -176,11 +173,6 @@ class Rollups:
     def _whatif(con: duckdb.DuckDBPyConnection, run_ids: list[str]) -> tuple[pa.Table, list[list[str]]]:
         """The what-if rows of `run_ids` on `con` (plain views: nothing installed) at the grid
         :data:`WHATIF_TTLS_S` plus the runs' own TTLs, as a table and its column types."""
-        from dashboard.queries.memory import (  # the dashboard imports this module
-            run_config,
-            whatif_ttl_d_limit,
-        )
-
         own = run_config(con, run_ids)["decoder_kv_blocks_ttl_s"].dropna()
         grid = sorted(set(WHATIF_TTLS_S) | {float(t) for t in own})
         frame = whatif_ttl_d_limit(con, run_ids, grid, rollups=False)
@@ -214,17 +206,17 @@ class Rollups:
         fresh = set(state.fresh)
         live = [r for r in self.recorded_runs() if r not in fresh]
         for view in SUMMARY_VIEWS:
-            cols = ", ".join(f"CAST({_ident(c)} AS {t}) AS {_ident(c)}" for c, t in state.columns[view])
-            files = "[" + ", ".join(_sql_str(str(self.dir / r / f"{view}.parquet")) for r in state.fresh) + "]"
+            cols = ", ".join(f"CAST({sql_ident(c)} AS {t}) AS {sql_ident(c)}" for c, t in state.columns[view])
+            files = "[" + ", ".join(sql_str(str(self.dir / r / f"{view}.parquet")) for r in state.fresh) + "]"
             sql = f"SELECT {cols} FROM read_parquet({files})"
             if live:  # the plain view for the other runs (DuckDB pushes the run filter into its scans)
-                ids = ", ".join(_sql_str(r) for r in live)
-                sql += f" UNION ALL SELECT * FROM {_ident(catalog)}.main.{_ident(view)} WHERE run_id IN ({ids})"
-            con.execute(f"CREATE OR REPLACE TEMP VIEW {_ident(view)} AS {sql}")
-        cols = ", ".join(f"CAST({_ident(c)} AS {t}) AS {_ident(c)}" for c, t in state.columns[WHATIF_RELATION])
-        files = "[" + ", ".join(_sql_str(str(self.dir / r / f"{WHATIF_RELATION}.parquet")) for r in state.fresh) + "]"
-        con.execute(f"CREATE OR REPLACE TEMP VIEW {_ident(WHATIF_RELATION)} AS SELECT {cols} FROM read_parquet({files})")
-        ids = ", ".join(f"({_sql_str(r)})" for r in state.fresh)
-        con.execute(f"CREATE OR REPLACE TEMP VIEW {_ident(ROLLED_UP_RUNS)} AS SELECT * FROM (VALUES {ids}) AS v(run_id)")
+                ids = ", ".join(sql_str(r) for r in live)
+                sql += f" UNION ALL SELECT * FROM {sql_ident(catalog)}.main.{sql_ident(view)} WHERE run_id IN ({ids})"
+            con.execute(f"CREATE OR REPLACE TEMP VIEW {sql_ident(view)} AS {sql}")
+        cols = ", ".join(f"CAST({sql_ident(c)} AS {t}) AS {sql_ident(c)}" for c, t in state.columns[WHATIF_RELATION])
+        files = "[" + ", ".join(sql_str(str(self.dir / r / f"{WHATIF_RELATION}.parquet")) for r in state.fresh) + "]"
+        con.execute(f"CREATE OR REPLACE TEMP VIEW {sql_ident(WHATIF_RELATION)} AS SELECT {cols} FROM read_parquet({files})")
+        ids = ", ".join(f"({sql_str(r)})" for r in state.fresh)
+        con.execute(f"CREATE OR REPLACE TEMP VIEW {sql_ident(ROLLED_UP_RUNS)} AS SELECT * FROM (VALUES {ids}) AS v(run_id)")
         return state.fresh
 

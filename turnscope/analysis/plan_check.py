@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dashboard import headline, speedup
+from turnscope.analysis import headline, speedup
 
 #: The bound on the median absolute relative error of forecast TTFT, per mode (25%).
 MARE_BOUND = 0.25
@@ -50,9 +50,9 @@ def with_interval(text: str, low: float, high: float, fmt, unit: str = "") -> st
 
 
 def headline_check(checks: pd.DataFrame) -> pd.DataFrame:
-    """The Overview's speed-up (:func:`dashboard.headline.ratio_of`: baseline / treatment median TTFT
+    """The Overview's speed-up (:func:`turnscope.analysis.headline.ratio_of`: baseline / treatment median TTFT
     of ok turns from the second on) of the checked runs, once over the measured TTFTs and once over
-    the forecast ones, for each pair of :data:`dashboard.headline.PAIRS` whose two modes were
+    the forecast ones, for each pair of :data:`turnscope.analysis.headline.PAIRS` whose two modes were
     checked. Columns: treatment, baseline, measured_speedup, forecast_speedup, forecast_error
     (forecast / measured - 1)."""
     ok = checks[(checks["status"] == "ok") & (checks["turn_index"] >= headline.MIN_TURN_INDEX)
