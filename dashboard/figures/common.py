@@ -32,6 +32,7 @@ OUTCOME_ORDER = [
     "miss_below_threshold",
     "miss_transfer_failed",
     "miss_no_handle_returned",
+    "miss_decode_restarted",
     "not recorded",
 ]
 #: Colour per reuse outcome, where colour means the outcome (bars of outcomes per mode). None of
@@ -46,6 +47,7 @@ OUTCOME_COLORS = {
     "miss_below_threshold": "#dbdb8d",
     "miss_transfer_failed": "#7f2704",
     "miss_no_handle_returned": "#e7298a",
+    "miss_decode_restarted": "#6a3d9a",
     "not recorded": "#c7c7c7",
 }
 
@@ -62,6 +64,7 @@ OUTCOME_SYMBOLS = {
     "miss_below_threshold": "triangle-down",
     "miss_transfer_failed": "cross",
     "miss_no_handle_returned": "square",
+    "miss_decode_restarted": "star",
     "not recorded": "diamond",
 }
 
