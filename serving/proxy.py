@@ -303,6 +303,8 @@ class SessionProxy:
             if age is not None:
                 self.metrics.handle_age_at_use.observe(age)
             if handle is None:
+                if req.outcome == h.MISS_DECODE_RESTARTED and age is not None:
+                    req.facts.handle_age_s = round(age, 3)  # the store ties it to D's lifetimes
                 return
             t0 = time.perf_counter()
             req.new_ids = await self.rendered_ids(req)

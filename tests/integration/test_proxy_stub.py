@@ -310,6 +310,7 @@ def test_decode_restart_seen_by_the_probe_drops_its_handles(stubs):
         values = _proxy_values(proxy.url)
     assert r1.headers["x-turnscope-reuse"] == r2.headers["x-turnscope-reuse"] == "miss_decode_restarted"
     assert facts1["reused_tokens"] == 0 and facts1["remote_tokens"] == 0
+    assert facts1["handle_age_s"] > 0  # the dropped handle's age: the store ties the turn to D's lifetimes
     assert r3.headers["x-turnscope-reuse"] == "hit"
     assert p.app.state.bodies[-1]["kv_transfer_params"]["remote_engine_id"] == "D-new"
     assert values[RESTARTED] == 2 and values[D_RESTARTS] == 1 and values[DROPPED] == 2
