@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import re
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -21,6 +18,7 @@ import pytest
 from dashboard import db, queries
 from loadgen.scraper import MetricsScraper
 from tests.handed_cases import CASES
+from tests.integration.metrics_endpoint import MetricsEndpoint, counters_zeroed, histograms_zeroed
 from turnscope.store import Store
 
 PROM = CASES / "prometheus"
@@ -35,54 +33,6 @@ ORDER BY run_id, role, source
 """
 
 
-def _zeroed(text: str) -> str:
-    """The same series with every counter (``_total``) at 0: the scrape before the case's."""
-    return "\n".join(re.sub(r"\S+$", "0.0", line) if re.match(r"[^#\s{]+_total[{ ]", line) else line
-                     for line in text.splitlines()) + "\n"
-
-
-def _histograms_zeroed(text: str) -> str:
-    """The same series with every counter and histogram ``_count`` / ``_sum`` at 0."""
-    return "\n".join(re.sub(r"\S+$", "0.0", line) if re.match(r"[^#\s{]+(_total|_count|_sum)[{ ]", line) else line
-                     for line in text.splitlines()) + "\n"
-
-
-class _Endpoint:
-    """Serves /metrics from a list of texts, one per GET (the last one repeats); ``/version``
-    answers vLLM's ``{"version": ...}`` when ``version`` is given, else 404."""
-
-    def __init__(self, texts: list[str], version: str | None = None):
-        self.texts = list(texts)
-        endpoint = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                if self.path == "/version":
-                    self.send_response(200 if version else 404)
-                    body = json.dumps({"version": version}).encode() if version else b"{}"
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
-                    return
-                body = (endpoint.texts.pop(0) if len(endpoint.texts) > 1 else endpoint.texts[0]).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *a: object) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_port}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("store")
@@ -90,8 +40,8 @@ def store(tmp_path_factory) -> Path:
     s.init()
     by_source = (PROM / "prompt_tokens_by_source.prom").read_text()
     per_engine = (PROM / "per_engine_series.prom").read_text()
-    prefill = _Endpoint([_zeroed(by_source), by_source])
-    decode = _Endpoint([_zeroed(per_engine), per_engine])
+    prefill = MetricsEndpoint([counters_zeroed(by_source), by_source])
+    decode = MetricsEndpoint([counters_zeroed(per_engine), per_engine])
     writer = s.writer(RUN, "test", flush_interval_s=60)
     try:
         now = dt.datetime.now(dt.UTC)
@@ -167,7 +117,7 @@ def renamed_store(tmp_path_factory) -> Path:
     s.init()
     for run_id, stem in RENAMED_RUNS.items():
         text = (PROM / f"{stem}.prom").read_text()
-        d = _Endpoint([_histograms_zeroed(text), text], OLD_SERVER_VERSION if run_id == "old-names" else None)
+        d = MetricsEndpoint([histograms_zeroed(text), text], OLD_SERVER_VERSION if run_id == "old-names" else None)
         writer = s.writer(run_id, "test", flush_interval_s=60)
         try:
             now = dt.datetime.now(dt.UTC)
