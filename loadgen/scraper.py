@@ -37,6 +37,21 @@ ROLES = ("prefill", "decode", "aggregated", "proxy")
 FINAL_SCRAPE_PAUSE_S = 0.25
 
 
+#: Marks a version read by :meth:`MetricsScraper.start`, before any lifetime was seen.
+_BEFORE_FIRST_SCRAPE = object()
+
+
+def _get_version(client: httpx.Client, url: str) -> str | None:
+    """vLLM's ``GET /version`` answer (``{"version": "0.32.0"}``), or None when the server does not
+    answer it with that (not reachable, another server)."""
+    try:
+        resp = client.get(url + "/version")
+        version = resp.json().get("version") if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return str(version) if version is not None else None
+
+
 class MetricsScraper:
     """Scrapes endpoints every ``interval_s`` seconds on a background thread.
 
@@ -73,7 +88,7 @@ class MetricsScraper:
         self._last_counters: dict[str, float] = {}  # per base_url: sum of *_total values, last scrape
         self._sources: dict[str, dict] = {}  # per base_url: the metric names last stored in metric_sources
         self._info: dict[str, tuple] = {}  # per base_url: (start, settings) of the last engine_info row
-        self._versions: dict[tuple[str, float | None], str | None] = {}  # per lifetime: GET /version
+        self._versions: dict[str, tuple[object, str | None]] = {}  # per base_url: (start, GET /version)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._client: httpx.Client | None = None
@@ -140,16 +155,14 @@ class MetricsScraper:
 
     def _version(self, client: httpx.Client, url: str, start: float | None) -> str | None:
         """The server's version from vLLM's ``GET /version`` (``{"version": "0.32.0"}``), once per
-        lifetime; None when it does not answer that (another server, an old proxy)."""
-        key = (url, start)
-        if key not in self._versions:
-            try:
-                resp = client.get(url + "/version")
-                version = resp.json().get("version") if resp.status_code == 200 else None
-                self._versions[key] = str(version) if version is not None else None
-            except (httpx.HTTPError, ValueError, AttributeError):
-                self._versions[key] = None
-        return self._versions[key]
+        lifetime (a version read before the first scrape, by :meth:`start`, counts for the first
+        lifetime); None when it does not answer that (another server, an old proxy)."""
+        known = self._versions.get(url)
+        if known is not None and (known[0] == start or (known[0] is _BEFORE_FIRST_SCRAPE and known[1] is not None)):
+            self._versions[url] = (start, known[1])
+            return known[1]
+        self._versions[url] = (start, _get_version(client, url))
+        return self._versions[url][1]
 
     def _loop(self) -> None:
         next_at = time.monotonic()
@@ -169,6 +182,9 @@ class MetricsScraper:
         if self._thread is not None:
             raise RuntimeError("MetricsScraper already started")
         self._client = httpx.Client(timeout=self.timeout_s)
+        for url, role in self.endpoints:  # off the first round's clock: rounds keep their interval
+            if role != "proxy":
+                self._versions[url] = (_BEFORE_FIRST_SCRAPE, _get_version(self._client, url))
         self._thread = threading.Thread(target=self._loop, name="metrics-scraper", daemon=True)
         self._thread.start()
 
