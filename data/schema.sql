@@ -348,21 +348,21 @@ WINDOW w AS (PARTITION BY run_id, endpoint ORDER BY process_start_s);
 CREATE VIEW turn_lifetimes AS
 WITH d AS (
     SELECT run_id, endpoint, engine, started_at FROM engine_lifetimes WHERE role = 'decode'
+), engines AS (
+    SELECT DISTINCT run_id, engine FROM d
 ), single AS (
     SELECT run_id, any_value(engine) AS engine FROM d GROUP BY run_id HAVING count(DISTINCT endpoint) = 1
 ), t AS (
     SELECT t.run_id, t.session_id, t.turn_index, t.sent_at, t.status, t.reuse, t.decode_engine, t.handle_age_s,
            t.sent_at - to_microseconds(CAST(round(t.handle_age_s * 1e6) AS BIGINT)) AS handle_issued_at,
-           CASE WHEN t.decode_engine IN (SELECT engine FROM d WHERE d.run_id = t.run_id) THEN t.decode_engine
-                ELSE s.engine END AS engine
-    FROM turns t LEFT JOIN single s USING (run_id)
+           coalesce(e.engine, s.engine) AS engine
+    FROM turns t LEFT JOIN engines e ON e.run_id = t.run_id AND e.engine = t.decode_engine
+    LEFT JOIN single s ON s.run_id = t.run_id
 ), j AS (
-    SELECT t.*,
-           (SELECT max(d.started_at) FROM d WHERE d.run_id = t.run_id AND d.engine = t.engine
-                                               AND d.started_at <= t.sent_at) AS lifetime_started_at,
-           (SELECT max(d.started_at) FROM d WHERE d.run_id = t.run_id AND d.engine = t.engine
-                                               AND d.started_at <= t.handle_issued_at) AS handle_lifetime_started_at
+    SELECT t.*, l1.started_at AS lifetime_started_at, l2.started_at AS handle_lifetime_started_at
     FROM t
+    ASOF LEFT JOIN d l1 ON t.run_id = l1.run_id AND t.engine = l1.engine AND t.sent_at >= l1.started_at
+    ASOF LEFT JOIN d l2 ON t.run_id = l2.run_id AND t.engine = l2.engine AND t.handle_issued_at >= l2.started_at
 )
 SELECT run_id, session_id, turn_index, sent_at, status, reuse, decode_engine, engine, handle_age_s,
        handle_issued_at, lifetime_started_at, handle_lifetime_started_at,
