@@ -241,7 +241,10 @@ def test_decode_restart_between_turns_of_live_sessions_is_never_a_hit(pd_bidir_s
     results, logs, errors = {}, {}, []
 
     with ProxyThread(stack.proxy_config(decode_probe_interval_s=0.2, prefill_timeout_s=20)) as x, \
-            ProxyThread(stack.proxy_config(decode_probe_interval_s=0, prefill_timeout_s=20)) as y:
+            ProxyThread(stack.proxy_config(decode_probe_interval_s=0, prefill_timeout_s=20,
+                                           decoder_kv_blocks_ttl_s=600)) as y:
+        # Y's own TTL outlives D's restart (tens of seconds on shared CPUs, past the stack's 20 s TTL),
+        # so its handles are still offered after it: the stale-handle path, not miss_expired
 
         def restart_d() -> None:  # the barrier's action: every session has finished turn 0
             restart(stack, "decode")
