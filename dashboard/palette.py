@@ -36,6 +36,7 @@ OUTCOME_COLORS = {
     "miss_consumed": "#d7301f",
     "miss_mismatch": "#b30000",
     "miss_transfer_failed": "#7f0000",
+    "miss_decode_restarted": "#a50f15",
 }
 #: Outcomes that are expected by design, drawn quiet (`OUTCOME_COLORS`).
 QUIET_OUTCOMES = ("miss_first_turn", "miss_no_handle_returned", "not recorded")

@@ -108,9 +108,32 @@ CREATE TABLE metric_samples (
     scraped_at  TIMESTAMPTZ NOT NULL,
     endpoint    VARCHAR NOT NULL,   -- base URL scraped
     role        VARCHAR,            -- prefill | decode | aggregated | proxy
-    name        VARCHAR NOT NULL,   -- sample name as exposed, e.g. vllm:prefix_cache_hits_total
+    name        VARCHAR NOT NULL,   -- sample name (a renamed vLLM metric under its current name), e.g. vllm:prefix_cache_hits_total
     labels      JSON,
     value       DOUBLE
+);
+
+-- Which exposed name each renamed vLLM metric was read under (loadgen/prom.RENAMED_METRICS), per
+-- endpoint: written at the endpoint's first scrape and whenever the names change.
+CREATE TABLE metric_sources (
+    run_id      VARCHAR NOT NULL,
+    scraped_at  TIMESTAMPTZ NOT NULL,
+    endpoint    VARCHAR NOT NULL,
+    role        VARCHAR,
+    metric      VARCHAR NOT NULL,   -- current name, e.g. vllm:kv_cache_usage_perc
+    source      VARCHAR             -- family read, e.g. vllm:gpu_cache_usage_perc; NULL: missing
+);
+
+-- One row per worker lifetime seen by the scraper (and again when its settings read differently).
+CREATE TABLE engine_info (
+    run_id                    VARCHAR NOT NULL,
+    scraped_at                TIMESTAMPTZ NOT NULL,
+    endpoint                  VARCHAR NOT NULL,
+    role                      VARCHAR,
+    process_start_s           DOUBLE,    -- process_start_time_seconds (Unix s): the lifetime
+    vllm_version              VARCHAR,   -- GET /version; NULL when the server does not answer it
+    spec_decode               BOOLEAN,   -- vllm:spec_decode_* counters exposed
+    spec_decode_draft_tokens  DOUBLE     -- draft tokens per draft; NULL: unknown or no spec decoding
 );
 
 -- Traffic reports (`turnscope traffic`, loadgen/traffic.py, docs/schema.md "Traffic"): traces read
@@ -317,19 +340,92 @@ WITH starts AS (
     FROM metric_samples WHERE name = 'process_start_time_seconds'
     GROUP BY ALL
 ), ordered AS (
-    SELECT m.run_id, m.endpoint, m.role, m.name, m.labels, m.scraped_at, m.value,
+    SELECT m.run_id, m.endpoint, m.role, m.name, m.labels, m.scraped_at, m.value, st.process_start_s,
            lag(m.value) OVER w AS prev,
            coalesce(st.process_start_s <> lag(st.process_start_s) OVER w, false) AS restarted
     FROM metric_samples m
     LEFT JOIN starts st ON st.run_id = m.run_id AND st.endpoint = m.endpoint AND st.scraped_at = m.scraped_at
     WINDOW w AS (PARTITION BY m.run_id, m.endpoint, m.name, m.labels ORDER BY m.scraped_at)
 )
-SELECT run_id, endpoint, role, name, labels, scraped_at, value,
+SELECT run_id, endpoint, role, name, labels, scraped_at, value, process_start_s,
        CASE WHEN prev IS NULL THEN 0
             WHEN value < prev OR restarted THEN value
             ELSE value - prev END AS increase,
        (prev IS NOT NULL AND (value < prev OR restarted)) AS reset
 FROM ordered;
+
+-- Engine lifetimes: one row per endpoint and process_start_time_seconds value seen in a run.
+-- started_at is the process start itself, not the scrape that first showed it; ended_at the next
+-- lifetime's start on the same endpoint (NULL: the last one seen). engine is the endpoint's
+-- host:port. restarts_before counts the lifetimes of the endpoint that started earlier in the run.
+CREATE VIEW engine_lifetimes AS
+SELECT run_id, endpoint, role, regexp_extract(endpoint, '^[a-z]+://([^/]+)', 1) AS engine,
+       process_start_s, to_timestamp(process_start_s) AS started_at,
+       lead(to_timestamp(process_start_s)) OVER w AS ended_at,
+       first_scraped_at, last_scraped_at,
+       CAST(row_number() OVER w - 1 AS INTEGER) AS restarts_before
+FROM (SELECT run_id, endpoint, any_value(role) AS role, value AS process_start_s,
+             min(scraped_at) AS first_scraped_at, max(scraped_at) AS last_scraped_at
+      FROM metric_samples WHERE name = 'process_start_time_seconds' GROUP BY run_id, endpoint, value)
+WINDOW w AS (PARTITION BY run_id, endpoint ORDER BY process_start_s);
+
+-- Each P/D turn joined to its decode worker's lifetimes (engine_lifetimes): the one it ran on
+-- (the latest start at or before sent_at) and the one its handle came from (the latest start at
+-- or before the handle's issue, sent_at - handle_age_s). A turn's decode_engine is matched to a
+-- lifetime's engine (host:port); a run with one decode endpoint matches its turns to it whatever
+-- the proxy named it. handle_spans_restart: D restarted between the handle's issue and its use,
+-- so the handle named blocks of a dead engine (vLLM refuses a handshake whose engine id changed):
+-- such a turn cannot be a real hit (stale_hit), and a miss of it is explained by the restart.
+CREATE VIEW turn_lifetimes AS
+WITH d AS (
+    SELECT run_id, endpoint, engine, started_at FROM engine_lifetimes WHERE role = 'decode'
+), engines AS (
+    SELECT DISTINCT run_id, engine FROM d
+), single AS (
+    SELECT run_id, any_value(engine) AS engine FROM d GROUP BY run_id HAVING count(DISTINCT endpoint) = 1
+), t AS (
+    SELECT t.run_id, t.session_id, t.turn_index, t.sent_at, t.status, t.reuse, t.decode_engine, t.handle_age_s,
+           t.sent_at - to_microseconds(CAST(round(t.handle_age_s * 1e6) AS BIGINT)) AS handle_issued_at,
+           coalesce(e.engine, s.engine) AS engine
+    FROM turns t LEFT JOIN engines e ON e.run_id = t.run_id AND e.engine = t.decode_engine
+    LEFT JOIN single s ON s.run_id = t.run_id
+), j AS (
+    SELECT t.*, l1.started_at AS lifetime_started_at, l2.started_at AS handle_lifetime_started_at
+    FROM t
+    ASOF LEFT JOIN d l1 ON t.run_id = l1.run_id AND t.engine = l1.engine AND t.sent_at >= l1.started_at
+    ASOF LEFT JOIN d l2 ON t.run_id = l2.run_id AND t.engine = l2.engine AND t.handle_issued_at >= l2.started_at
+)
+SELECT run_id, session_id, turn_index, sent_at, status, reuse, decode_engine, engine, handle_age_s,
+       handle_issued_at, lifetime_started_at, handle_lifetime_started_at,
+       coalesce(handle_issued_at IS NOT NULL AND lifetime_started_at > handle_issued_at
+                AND lifetime_started_at IS DISTINCT FROM handle_lifetime_started_at, false) AS handle_spans_restart,
+       coalesce(handle_issued_at IS NOT NULL AND lifetime_started_at > handle_issued_at
+                AND lifetime_started_at IS DISTINCT FROM handle_lifetime_started_at, false)
+           AND reuse = 'hit' AS stale_hit
+FROM j;
+
+-- Server-side inter-token latency per run and decode-side endpoint, from the counter increases
+-- (seconds; counts). vllm:inter_token_latency_seconds observes one value per streamed output
+-- event, which holds several tokens under speculative decoding (vllm#52853), so it is reported
+-- per event, with decode tokens per event beside it ((generation tokens - finished requests) /
+-- events) and the per-token figure only after dividing by it.
+CREATE VIEW server_itl AS
+WITH inc AS (
+    SELECT run_id, endpoint, any_value(role) AS role,
+           sum(increase) FILTER (WHERE name = 'vllm:inter_token_latency_seconds_count') AS itl_events,
+           sum(increase) FILTER (WHERE name = 'vllm:inter_token_latency_seconds_sum') AS itl_sum_s,
+           sum(increase) FILTER (WHERE name = 'vllm:generation_tokens_total') AS generation_tokens,
+           sum(increase) FILTER (WHERE name = 'vllm:request_success_total') AS requests
+    FROM metric_increases
+    WHERE role IN ('decode', 'aggregated')
+      AND name IN ('vllm:inter_token_latency_seconds_count', 'vllm:inter_token_latency_seconds_sum',
+                   'vllm:generation_tokens_total', 'vllm:request_success_total')
+    GROUP BY run_id, endpoint
+)
+SELECT run_id, endpoint, role, itl_events, itl_sum_s / nullif(itl_events, 0) AS itl_mean_s_per_event,
+       (generation_tokens - requests) / nullif(itl_events, 0) AS tokens_per_event,
+       itl_sum_s / nullif(generation_tokens - requests, 0) AS itl_mean_s_per_token
+FROM inc;
 
 -- The KV each turn's handle kept pinned on D, from the turn's end until the session's next turn
 -- pulled it (its proxy-measured handle age at use plus that turn's prefill leg) or, when the next

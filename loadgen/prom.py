@@ -17,6 +17,14 @@ naive reader gets wrong on vLLM's output (cases in ``shared/cases/prometheus/``)
 - Prompt tokens by source (:func:`prompt_token_sources`): reuse fractions come from
   ``vllm:prompt_tokens_by_source_total``, whose sources add up to ``vllm:prompt_tokens_total``,
   which counts n x the prompt for a request with ``n`` > 1 (handed case ``prompt_tokens_by_source``).
+- Renamed metrics (:data:`RENAMED_METRICS`, :func:`resolve_names`; handed cases
+  ``renamed_metrics_old_names``, ``renamed_metrics_both_names``): a metric vLLM renamed is read
+  under its current name, else under its deprecated one, never both added; which name was read is
+  reported, and a metric found under neither is missing (None), never 0.
+- Inter-token latency per output event (:func:`itl_reading`; handed case ``itl_per_output_event``):
+  ``vllm:inter_token_latency_seconds`` observes one value per streamed output *event*, which holds
+  several tokens under speculative decoding, so it is reported per event with tokens per event
+  beside it, and per token only divided by that.
 """
 
 from __future__ import annotations
@@ -29,6 +37,40 @@ from dataclasses import dataclass
 from prometheus_client.parser import text_string_to_metric_families
 
 _CUMULATIVE_TYPES = {"counter", "histogram", "summary", "gaugehistogram"}
+
+
+@dataclass(frozen=True)
+class RenamedMetric:
+    """A metric turnscope reads that vLLM renamed: its ``current`` family name and its
+    ``deprecated`` ones (newest first), and its ``kind`` (gauge, counter or histogram), which says
+    which exposed series belong to a family (a counter's ``<name>_total``, a histogram's
+    ``<name>_count`` and ``<name>_sum``)."""
+
+    current: str
+    deprecated: tuple[str, ...]
+    kind: str
+
+    @property
+    def series(self) -> str:
+        """The name the store and the reports use for it: the counter's ``_total`` series, the
+        family name otherwise (e.g. ``vllm:prefix_cache_queries_total``)."""
+        return self.current + "_total" if self.kind == "counter" else self.current
+
+
+#: The renamed metrics turnscope reads, current name first. Current names: vLLM 0.32's
+#: ``vllm/v1/metrics/loggers.py`` (``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_queries``,
+#: ``vllm:prefix_cache_hits``, ``vllm:inter_token_latency_seconds``); the deprecated ones are those
+#: earlier V1 loggers registered beside them with help text ending "DEPRECATED: Use <current>
+#: instead." (v0.9.2 to v0.10 expose both, v0.11 the old ones only with
+#: ``--show-hidden-metrics-for-version=0.10``, per vLLM's deprecation policy in
+#: ``vllm/config/observability.py``: ``show_hidden_metrics_for_version``; v0.12 on only the
+#: current ones). 0.32's source no longer names them; the handed cases record both generations.
+RENAMED_METRICS: tuple[RenamedMetric, ...] = (
+    RenamedMetric("vllm:kv_cache_usage_perc", ("vllm:gpu_cache_usage_perc",), "gauge"),
+    RenamedMetric("vllm:prefix_cache_queries", ("vllm:gpu_prefix_cache_queries",), "counter"),
+    RenamedMetric("vllm:prefix_cache_hits", ("vllm:gpu_prefix_cache_hits",), "counter"),
+    RenamedMetric("vllm:inter_token_latency_seconds", ("vllm:time_per_output_token_seconds",), "histogram"),
+)
 
 
 @dataclass(frozen=True)
@@ -324,3 +366,137 @@ def histogram_totals(text: str, name: str, source: str = "<metrics text>") -> Hi
             le = float(s.labels["le"])
             buckets[le] = buckets.get(le, 0.0) + s.value
     return HistogramTotals(count, total, tuple(sorted(buckets.items())))
+
+
+def _family_series(family: str, kind: str) -> set[str]:
+    """The exposed sample names of a family of ``kind`` (buckets are never stored)."""
+    return {"counter": {family + "_total"}, "histogram": {family + "_count", family + "_sum"}}.get(kind, {family})
+
+
+@dataclass(frozen=True)
+class ResolvedNames:
+    """One scrape with renamed metrics read under their current names.
+
+    ``samples``: every sample of the scrape, a deprecated family renamed to its current name when
+    the current one is absent and dropped when it is present (the two are one measurement).
+    ``sources``: per :attr:`RenamedMetric.series`, the family name the values came from, or None
+    when the scrape has the metric under none of its names (missing, not 0)."""
+
+    samples: list[Sample]
+    sources: dict[str, str | None]
+
+    @property
+    def missing(self) -> list[str]:
+        """The metrics found under no name, by their current series name, in table order."""
+        return [name for name, source in self.sources.items() if source is None]
+
+
+def resolve_names(samples: Sequence[Sample], metrics: Sequence[RenamedMetric] = RENAMED_METRICS) -> ResolvedNames:
+    """Read each metric of ``metrics`` under its current name, else its deprecated names.
+
+    Rule (handed cases ``renamed_metrics_old_names`` and ``renamed_metrics_both_names``): the
+    current name wins whenever the scrape has it; otherwise the first deprecated name present is
+    renamed to the current one (labels and values unchanged); the other names of the metric are
+    dropped, never added to it (a transitional server exposes one value twice). Samples of other
+    metrics pass unchanged.
+
+    Returns:
+        :class:`ResolvedNames`: the samples in exposition order, and the name used per metric.
+    """
+    names = {s.name for s in samples}
+    rename: dict[str, str] = {}
+    drop: set[str] = set()
+    sources: dict[str, str | None] = {}
+    for m in metrics:
+        families = (m.current, *m.deprecated)
+        present = [f for f in families if _family_series(f, m.kind) & names]
+        sources[m.series] = present[0] if present else None
+        for f in present[1:]:
+            drop |= _family_series(f, m.kind)
+        if present and present[0] != m.current:
+            suffix = {"counter": ("_total",), "histogram": ("_count", "_sum")}.get(m.kind, ("",))
+            rename |= {present[0] + x: m.current + x for x in suffix}
+    out = [Sample(rename.get(s.name, s.name), s.labels, s.value) for s in samples if s.name not in drop]
+    return ResolvedNames(out, sources)
+
+
+@dataclass(frozen=True)
+class ItlReading:
+    """Server-side inter-token latency of a decode worker over some interval (seconds, counts).
+
+    ``per_event_s``: mean of ``vllm:inter_token_latency_seconds``, one observation per streamed
+    output event (vllm#52853: an event holds several tokens under speculative decoding).
+    ``tokens_per_event``: decode tokens per event, ``(generation tokens - finished requests) /
+    events`` (each request's first token comes from its prefill, vllm#55283's TPOT design:
+    ``decode_time / (num_generation_tokens - 1)``); None without events.
+    ``per_token_s``: ``per_event_s / tokens_per_event``, comparable with TPOT.
+    ``tpot_s``: mean of ``vllm:request_time_per_output_token_seconds`` (one per request), None
+    where the scrape has no such histogram. ``source``: the ITL family read (:func:`resolve_names`).
+    """
+
+    events: float
+    per_event_s: float | None
+    tokens_per_event: float | None
+    per_token_s: float | None
+    tpot_s: float | None
+    source: str | None
+
+
+def _sum_named(samples: Sequence[Sample], name: str) -> float | None:
+    found = [s.value for s in samples if s.name == name]
+    return math.fsum(found) if found else None
+
+
+def itl_reading(samples: Sequence[Sample]) -> ItlReading:
+    """The inter-token latency of one scrape (cumulative since the engine started), per output
+    event and per token, after :func:`resolve_names` (so an old server's
+    ``vllm:time_per_output_token_seconds`` is read too). Sums over engines and labels.
+
+    Raises:
+        KeyError: the scrape has the ITL histogram under none of its names.
+    """
+    resolved = resolve_names(samples)
+    itl = "vllm:inter_token_latency_seconds"
+    source = resolved.sources[itl]
+    if source is None:
+        raise KeyError(f"histogram {itl!r} (or its deprecated names) not in the scrape")
+    s = resolved.samples
+    events, total = _sum_named(s, itl + "_count") or 0.0, _sum_named(s, itl + "_sum") or 0.0
+    per_event = total / events if events else None
+    generated = _sum_named(s, "vllm:generation_tokens_total")
+    requests = _sum_named(s, "vllm:request_success_total")
+    tokens_per_event = ((generated - requests) / events
+                        if events and generated is not None and requests is not None else None)
+    per_token = per_event / tokens_per_event if per_event is not None and tokens_per_event else None
+    tpot_n = _sum_named(s, "vllm:request_time_per_output_token_seconds_count")
+    tpot = _sum_named(s, "vllm:request_time_per_output_token_seconds_sum") / tpot_n if tpot_n else None
+    return ItlReading(events, per_event, tokens_per_event, per_token, tpot, source)
+
+
+@dataclass(frozen=True)
+class SpecDecodeSettings:
+    """What a scrape says of a worker's speculative decoding. ``enabled``: vLLM registers its
+    ``vllm:spec_decode_*`` counters only with a speculative config (``SpecDecodingProm`` in
+    ``vllm/v1/spec_decode/metrics.py``). ``draft_tokens_per_draft``: the draft length, from the
+    positions of ``vllm:spec_decode_num_accepted_tokens_per_pos`` (one per speculative token),
+    else draft tokens / drafts; None before the first draft. ``mean_acceptance_length``: tokens per
+    decode step, ``1 + accepted / drafts`` (vLLM's own spec-decode logger); None without drafts."""
+
+    enabled: bool
+    draft_tokens_per_draft: float | None
+    mean_acceptance_length: float | None
+
+
+def spec_decode_settings(samples: Sequence[Sample]) -> SpecDecodeSettings:
+    """:class:`SpecDecodeSettings` of one scrape (summed over engines)."""
+    drafts = _sum_named(samples, "vllm:spec_decode_num_drafts_total")
+    if drafts is None:
+        return SpecDecodeSettings(False, None, None)
+    positions = {s.labels.get("position") for s in samples
+                 if s.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total"}
+    draft_tokens = _sum_named(samples, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = _sum_named(samples, "vllm:spec_decode_num_accepted_tokens_total")
+    per_draft = (float(len(positions)) if positions
+                 else draft_tokens / drafts if drafts and draft_tokens is not None else None)
+    acceptance = 1 + accepted / drafts if drafts and accepted is not None else None
+    return SpecDecodeSettings(True, per_draft, acceptance)

@@ -5,6 +5,14 @@ One thread GETs ``<base_url>/metrics`` of every endpoint each interval, parses i
 sample: ``(run_id, scraped_at UTC, endpoint, role, name, labels JSON, value)``. Values are stored
 raw (per-pid copies and counters as exposed); readers apply :mod:`loadgen.prom`'s rules or the
 ``metric_increases`` view. A failing endpoint is logged (once per failure streak) and skipped.
+
+Worker endpoints (every role but ``proxy``) are read version-aware: a metric vLLM renamed is stored
+under its current name (:func:`loadgen.prom.resolve_names`: the current name when exposed, else
+the deprecated one, never both), and the names read are stored in ``metric_sources`` (a metric
+found under no name has a NULL source: missing, not 0) at the first scrape and whenever they
+change. Each worker lifetime (``process_start_time_seconds``) gets an ``engine_info`` row with the
+server's vLLM version (``GET /version``) and its speculative decoding settings
+(:func:`loadgen.prom.spec_decode_settings`).
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from collections.abc import Sequence
 
 import httpx
 
-from loadgen.prom import parse_samples
+from loadgen.prom import Sample, parse_samples, resolve_names, spec_decode_settings
 from turnscope.store import ShardWriter
 
 log = logging.getLogger(__name__)
@@ -27,6 +35,21 @@ ROLES = ("prefill", "decode", "aggregated", "proxy")
 #: Seconds between final scrapes: counters read equal twice this far apart are settled (vLLM and
 #: the proxy count a request within milliseconds of its end).
 FINAL_SCRAPE_PAUSE_S = 0.25
+
+
+#: Marks a version read by :meth:`MetricsScraper.start`, before any lifetime was seen.
+_BEFORE_FIRST_SCRAPE = object()
+
+
+def _get_version(client: httpx.Client, url: str) -> str | None:
+    """vLLM's ``GET /version`` answer (``{"version": "0.32.0"}``), or None when the server does not
+    answer it with that (not reachable, another server)."""
+    try:
+        resp = client.get(url + "/version")
+        version = resp.json().get("version") if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return str(version) if version is not None else None
 
 
 class MetricsScraper:
@@ -63,6 +86,9 @@ class MetricsScraper:
         self.failed: dict[str, int] = {url: 0 for url, _ in self.endpoints}
         self._failing: set[str] = set()
         self._last_counters: dict[str, float] = {}  # per base_url: sum of *_total values, last scrape
+        self._sources: dict[str, dict] = {}  # per base_url: the metric names last stored in metric_sources
+        self._info: dict[str, tuple] = {}  # per base_url: (start, settings) of the last engine_info row
+        self._versions: dict[str, tuple[object, str | None]] = {}  # per base_url: (start, GET /version)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._client: httpx.Client | None = None
@@ -96,6 +122,8 @@ class MetricsScraper:
             self._failing.discard(url)
             log.info("scrape of %s/metrics (%s) recovered", url, role)
         self._last_counters[url] = math.fsum(s.value for s in samples if s.name.endswith("_total"))
+        if role != "proxy":
+            samples = self._read_worker(client, url, role, scraped_at, samples)
         for s in samples:
             self.writer.append("metric_samples", {
                 "run_id": self.run_id, "scraped_at": scraped_at, "endpoint": url, "role": role,
@@ -103,6 +131,38 @@ class MetricsScraper:
             })
         self.ok[url] += 1
         return len(samples)
+
+    def _read_worker(self, client: httpx.Client, url: str, role: str, scraped_at: dt.datetime,
+                     samples: list[Sample]) -> list[Sample]:
+        """A worker's scrape with renamed metrics under their current names; writes its
+        ``metric_sources`` rows when the names changed and its ``engine_info`` row when the
+        lifetime or its settings did. Returns the samples to store."""
+        resolved = resolve_names(samples)
+        base = {"run_id": self.run_id, "scraped_at": scraped_at, "endpoint": url, "role": role}
+        if resolved.sources != self._sources.get(url):
+            self._sources[url] = resolved.sources
+            for metric, source in resolved.sources.items():
+                self.writer.append("metric_sources", base | {"metric": metric, "source": source})
+        start = next((s.value for s in samples if s.name == "process_start_time_seconds"), None)
+        spec = spec_decode_settings(samples)
+        info = (start, spec.enabled, spec.draft_tokens_per_draft)
+        if info != self._info.get(url):
+            self._info[url] = info
+            self.writer.append("engine_info", base | {
+                "process_start_s": start, "vllm_version": self._version(client, url, start),
+                "spec_decode": spec.enabled, "spec_decode_draft_tokens": spec.draft_tokens_per_draft})
+        return resolved.samples
+
+    def _version(self, client: httpx.Client, url: str, start: float | None) -> str | None:
+        """The server's version from vLLM's ``GET /version`` (``{"version": "0.32.0"}``), once per
+        lifetime (a version read before the first scrape, by :meth:`start`, counts for the first
+        lifetime); None when it does not answer that (another server, an old proxy)."""
+        known = self._versions.get(url)
+        if known is not None and (known[0] == start or (known[0] is _BEFORE_FIRST_SCRAPE and known[1] is not None)):
+            self._versions[url] = (start, known[1])
+            return known[1]
+        self._versions[url] = (start, _get_version(client, url))
+        return self._versions[url][1]
 
     def _loop(self) -> None:
         next_at = time.monotonic()
@@ -122,6 +182,9 @@ class MetricsScraper:
         if self._thread is not None:
             raise RuntimeError("MetricsScraper already started")
         self._client = httpx.Client(timeout=self.timeout_s)
+        for url, role in self.endpoints:  # off the first round's clock: rounds keep their interval
+            if role != "proxy":
+                self._versions[url] = (_BEFORE_FIRST_SCRAPE, _get_version(self._client, url))
         self._thread = threading.Thread(target=self._loop, name="metrics-scraper", daemon=True)
         self._thread.start()
 

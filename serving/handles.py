@@ -14,7 +14,11 @@ Rules (docs/design.md, "The proxy"):
   D released its blocks (vLLM's own reference proxy uses 450 s against 480 s);
 * vLLM does not check that P's prompt matches the pulled blocks, so the handle keeps the token
   ids D holds KV for, and :func:`fit_handle` compares them with the new request's rendered ids
-  and trims the handle to whole KV blocks before the first divergence.
+  and trims the handle to whole KV blocks before the first divergence;
+* a handle lives no longer than the D engine that issued it: when D restarts, its blocks are
+  gone and P's NIXL handshake refuses the old engine id ("Remote NIXL agent engine ID mismatch",
+  vLLM ``nixl_connector.py``), so :meth:`HandleTable.drop_decode` drops every handle of that D
+  and the sessions' next turns read ``miss_decode_restarted``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from turnscope.contract import (
     HIT,
     MISS_BELOW_THRESHOLD,
     MISS_CONSUMED,
+    MISS_DECODE_RESTARTED,
     MISS_EXPIRED,
     MISS_FIRST_TURN,
     MISS_MISMATCH,
@@ -46,7 +51,7 @@ from turnscope.contract import (
     common_prefix_length,
 )
 
-__all__ = ["HIT", "MISS_BELOW_THRESHOLD", "MISS_CONSUMED", "MISS_EXPIRED", "MISS_FIRST_TURN", "MISS_MISMATCH",
+__all__ = ["HIT", "MISS_BELOW_THRESHOLD", "MISS_CONSUMED", "MISS_DECODE_RESTARTED", "MISS_EXPIRED", "MISS_FIRST_TURN", "MISS_MISMATCH",
            "MISS_NO_HANDLE_RETURNED", "MISS_NO_SESSION_ID", "MISS_TRANSFER_FAILED", "OUTCOMES", "Fit", "Handle",
            "HandleTable", "common_prefix_length", "fit_handle"]
 
@@ -115,6 +120,7 @@ class _Entry:
     seen: bool = False               # a turn of this session was served before
     no_handle: bool = False          # its last finished turn returned no handle
     expired_created_at: float | None = None  # when the handle dropped at expiry was stored (take's age)
+    restarted_created_at: float | None = None  # when the handle dropped at its D's restart was stored
     handle_seq: int = 0              # which put() stored ``handle`` (matched by the expiry sweep)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -170,13 +176,19 @@ class HandleTable:
         """Pop the session's handle. Returns ``(handle, None)`` or ``(None, miss_outcome)``.
 
         The outcome is ``miss_first_turn`` for a session never seen, ``miss_expired`` when the
-        handle is older than the proxy TTL, ``miss_consumed`` when it was already used (a retry,
-        or a concurrent request of the same session) and not replaced since.
+        handle is older than the proxy TTL, ``miss_decode_restarted`` when it was dropped because
+        its decode worker restarted (:meth:`drop_decode`), ``miss_consumed`` when it was already
+        used (a retry, or a concurrent request of the same session) and not replaced since.
         """
         entry = self._entry(session_id)
         if not entry.seen:
             entry.seen = True
             return None, MISS_FIRST_TURN
+        restarted_created_at, entry.restarted_created_at = entry.restarted_created_at, None
+        if entry.handle is None and restarted_created_at is not None:
+            entry.taken_age_s = self._clock() - restarted_created_at
+            entry.expired_created_at = None
+            return None, MISS_DECODE_RESTARTED
         handle, entry.handle = entry.handle, None
         expired_created_at, entry.expired_created_at = entry.expired_created_at, None
         if handle is None and expired_created_at is not None:  # dropped at expiry: only its time is left
@@ -204,7 +216,7 @@ class HandleTable:
         entry = self._entry(session_id)
         entry.seen = True
         entry.no_handle = False
-        entry.expired_created_at = None
+        entry.expired_created_at = entry.restarted_created_at = None
         entry.handle = handle
         self._seq += 1
         entry.handle_seq = self._seq
@@ -216,8 +228,24 @@ class HandleTable:
         entry = self._entry(session_id)
         entry.seen = True
         entry.handle = None
-        entry.expired_created_at = None
+        entry.expired_created_at = entry.restarted_created_at = None
         entry.no_handle = True
+
+    def drop_decode(self, decode_engine: str, keep_engine_id: str | None = None) -> int:
+        """Drop every handle issued by decode worker ``decode_engine`` (it restarted: its blocks
+        are gone), except those whose ``remote_engine_id`` is ``keep_engine_id`` (the new engine's).
+        Each session keeps a marker, so its next :meth:`take` reads ``miss_decode_restarted``.
+        Returns the number of handles dropped."""
+        dropped = 0
+        for entry in self._entries.values():
+            handle = entry.handle
+            if handle is None or handle.decode_engine != decode_engine:
+                continue
+            if keep_engine_id is not None and handle.params.get("remote_engine_id") == keep_engine_id:
+                continue
+            entry.restarted_created_at, entry.handle = handle.created_at, None
+            dropped += 1
+        return dropped
 
     def live_handles(self) -> list[Handle]:
         """Handles not yet consumed nor expired."""

@@ -23,6 +23,11 @@ generate request (``/v1/chat/completions`` or ``/v1/completions``) goes through 
    handle for the next turn) is kept in the table (:meth:`~SessionProxy.finish_request`) and
    replaced, on the wire, by a ``turnscope`` field with this request's public facts.
 
+A decode worker's handles live no longer than its engine: the proxy polls each D's
+``process_start_time_seconds`` every ``decode_probe_interval_s`` and watches the engine id of the
+handles D returns (``serving.decode_lifetimes``); when either changes, D restarted and every handle
+it issued before is dropped, so the sessions' next turns read ``miss_decode_restarted``.
+
 The facts (:class:`serving.proxy_request.RequestFacts`) render the headers known before the stream
 (``x-request-id``, ``x-turnscope-reuse``, ``x-turnscope-prefill-ms``, ``x-turnscope-prefill-engine``,
 ``x-turnscope-decode-engine``) and the final chunk's ``turnscope`` field (token counts). One JSON
@@ -33,6 +38,7 @@ turnscope's. The route functions of :func:`create_app` only delegate to the prox
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -49,6 +55,7 @@ from pydantic import BaseModel, Field
 
 from serving import handles as h
 from serving.client_disconnect import run_until_client_gone
+from serving.decode_lifetimes import DecodeLifetimes
 from serving.prefix_index import DEFAULT_CAPACITY_BLOCKS, BlockChains, PrefixIndex
 from serving.prompt_render import IncrementalRenderer
 from serving.proxy_metrics import ProxyMetrics
@@ -108,6 +115,8 @@ class ProxyConfig(BaseModel):
     ``round-robin``, ``session``, ``prefix-aware``; docs/configuration.md, "Routing").
     ``prefill_cache_blocks``: KV blocks of each P's prefix cache the proxy's prefix index keeps
     (``serving.prefix_index``; default the embedded topology's P, 1,024 blocks of 128 tokens).
+    ``decode_probe_interval_s``: how often the proxy reads each D's ``process_start_time_seconds``
+    to see a restart (``serving.decode_lifetimes``); 0: only from the engine id of D's handles.
     """
 
     mode: str
@@ -127,6 +136,7 @@ class ProxyConfig(BaseModel):
     prefill_cache_blocks: int = Field(DEFAULT_CAPACITY_BLOCKS, gt=0)
     prefill_routing: RoutingPolicy = SESSION
     decode_routing: RoutingPolicy = SESSION
+    decode_probe_interval_s: float = Field(1.0, ge=0)
 
 
 def classify_prefill(offered: int, prompt_len: int, cached: int | None, local_estimate: int,
@@ -195,6 +205,8 @@ class SessionProxy:
                                     max_sessions=config.max_sessions)
         self.client: httpx.AsyncClient | None = None
         self.renderer = self._renderer(config)
+        self.lifetimes = DecodeLifetimes(self.decode_restarted)
+        self._probe_task: asyncio.Task | None = None
 
     @staticmethod
     def _renderer(config: ProxyConfig) -> IncrementalRenderer | None:
@@ -211,11 +223,32 @@ class SessionProxy:
         """Open the HTTP client the legs use (decode timeout as its default)."""
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
         self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.config.decode_timeout_s))
+        if self.config.mode != AGGREGATED and self.config.decode and self.config.decode_probe_interval_s > 0:
+            self._probe_task = asyncio.create_task(self._probe_decodes())
 
     async def close(self) -> None:
-        """Close the HTTP client."""
+        """Stop the decode probe and close the HTTP client."""
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe_task
         if self.client is not None:
             await self.client.aclose()
+
+    async def _probe_decodes(self) -> None:
+        """Every ``decode_probe_interval_s``: each D's process start (a change drops its handles)."""
+        interval = self.config.decode_probe_interval_s
+        while True:
+            for worker in self.config.decode:
+                await self.lifetimes.probe(self.client, worker.name, worker.url, min(interval, 2.0))
+            await asyncio.sleep(interval)
+
+    def decode_restarted(self, worker: str, new_engine_id: str | None) -> None:
+        """Decode worker ``worker`` is in a new lifetime: drop the handles it issued before (all
+        but those naming ``new_engine_id``) and count it."""
+        dropped = self.table.drop_decode(worker, keep_engine_id=new_engine_id)
+        self.metrics.decode_restarts.labels(worker).inc()
+        self.metrics.handles_dropped_restart.inc(dropped)
 
     # -- small routes ----------------------------------------------------------------------------
 
@@ -324,6 +357,8 @@ class SessionProxy:
             if age is not None:
                 self.metrics.handle_age_at_use.observe(age)
             if handle is None:
+                if req.outcome == h.MISS_DECODE_RESTARTED and age is not None:
+                    req.facts.handle_age_s = round(age, 3)  # the store ties it to D's lifetimes
                 return
             t0 = time.perf_counter()
             req.new_ids = await self.rendered_ids(req)
@@ -575,6 +610,7 @@ class SessionProxy:
             self.decode_router.served(req.session, req.decode.name, len(prompt) + len(gen_ids))
         if req.session and req.p_params is not None:
             if d_handle and d_handle.get("remote_block_ids"):
+                self.lifetimes.saw_engine_id(req.decode.name, d_handle.get("remote_engine_id"))
                 self.table.put(req.session, d_handle, req.decode.name, np.concatenate(
                     (np.asarray(prompt, dtype=np.int64), np.asarray(gen_ids, dtype=np.int64))))
             else:

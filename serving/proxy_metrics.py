@@ -53,6 +53,12 @@ class ProxyMetrics:
                                            "Age of a handle when a turn took it from the table (used, "
                                            "expired or mismatched alike).",
                                            buckets=HANDLE_AGE_BUCKETS_S, registry=r)
+        self.decode_restarts = Counter("turnscope_decode_restarts",
+                                       "Decode workers seen in a new lifetime (a new process start or "
+                                       "engine id); their older handles were dropped.", ["decode"], registry=r)
+        self.handles_dropped_restart = Counter("turnscope_handles_dropped_restart",
+                                               "Handles dropped because their decode worker restarted.",
+                                               registry=r)
         self.prefill_leg = Histogram("turnscope_prefill_leg_seconds", "Wall time of the prefill leg.",
                                      buckets=LATENCY_BUCKETS_S, registry=r)
         self.ttft = Histogram("turnscope_ttft_seconds",

@@ -52,6 +52,7 @@ class ModeStack:
                            prefill_prefix_caching=p_spec.prefix_caching if p_spec else True,
                            block_size=self.block_size, kv_bytes_per_token=self.kv_bytes_per_token,
                            prefill_routing=t.proxy.prefill_routing, decode_routing=t.proxy.decode_routing,
+                           decode_probe_interval_s=t.proxy.decode_probe_interval_s,
                            prefill_cache_blocks=self.prefill_cache_blocks(p_spec),
                            tokenizer_dir=t.model if (Path(t.model) / "tokenizer.json").is_file() else None)
 

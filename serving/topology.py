@@ -63,7 +63,9 @@ class ProxySettings(_Strict):
     """Where the proxy listens, its per-leg timeouts (seconds) and how it picks P and D
     (``prefill_routing``, ``decode_routing``: ``serving.routing``; docs/configuration.md,
     "Routing"; default ``session``). turnscope's ``--prefill-routing``/``--decode-routing``
-    options win over a topology file's."""
+    options win over a topology file's. ``decode_probe_interval_s``: how often the proxy reads
+    each D's process start to drop a restarted D's handles (``serving.decode_lifetimes``; 0: only
+    from the engine id of D's handles)."""
 
     host: str = "127.0.0.1"
     port: int = Field(8200, gt=0, lt=65536)
@@ -72,6 +74,7 @@ class ProxySettings(_Strict):
     handle_ttl_margin_s: float = Field(30.0, ge=0)
     prefill_routing: RoutingPolicy = SESSION
     decode_routing: RoutingPolicy = SESSION
+    decode_probe_interval_s: float = Field(1.0, ge=0)
 
 
 class Topology(_Strict):

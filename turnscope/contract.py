@@ -87,8 +87,11 @@ MISS_MISMATCH = "miss_mismatch"
 MISS_BELOW_THRESHOLD = "miss_below_threshold"
 MISS_TRANSFER_FAILED = "miss_transfer_failed"
 MISS_NO_HANDLE_RETURNED = "miss_no_handle_returned"
+#: The session's handle was issued by a decode worker that has restarted since: its blocks went with
+#: the old engine (vLLM refuses a NIXL handshake whose engine id changed), so the proxy dropped it.
+MISS_DECODE_RESTARTED = "miss_decode_restarted"
 OUTCOMES = (HIT, MISS_FIRST_TURN, MISS_NO_SESSION_ID, MISS_EXPIRED, MISS_CONSUMED, MISS_MISMATCH,
-            MISS_BELOW_THRESHOLD, MISS_TRANSFER_FAILED, MISS_NO_HANDLE_RETURNED)
+            MISS_BELOW_THRESHOLD, MISS_TRANSFER_FAILED, MISS_NO_HANDLE_RETURNED, MISS_DECODE_RESTARTED)
 
 # -- the connector's defaults every part reasons with ------------------------------------------------
 

@@ -174,7 +174,8 @@ class StoreNotWritable(OSError):
 
 #: Columns whose values pass through :func:`redact` when appended (None: every column).
 _REDACTED_COLUMNS: dict[str, tuple[str, ...] | None] = {"runs_log": None, "turns": ("error",),
-                                                        "metric_samples": ("endpoint",)}
+                                                        "metric_samples": ("endpoint",),
+                                                        "metric_sources": ("endpoint",), "engine_info": ("endpoint",)}
 
 
 def _check_name(kind: str, value: str) -> None:

@@ -105,3 +105,18 @@ if len(by_design):
         + ". `pd-nocache` recomputes every prompt; `pd` and `aggregated` reuse only their own prefix cache, "
         "never KV from D."
     )
+
+# --- vLLM's own view: ITL per output event, restarts ------------------------------------------
+server = load(sel.root, queries.server_side, f)
+if not server.empty:
+    st.subheader("vLLM's own ITL and decode restarts")
+    st.dataframe(server, hide_index=True, key="server_side")
+    st.caption(
+        "From the workers' /metrics. vLLM's ITL histogram observes one value per streamed output event; "
+        "with speculative decoding an event carries several tokens, so it is shown per event with tokens "
+        "per event beside it, and per token after dividing. itl_source: the name the server exposed it under "
+        "(an older vLLM's vllm:time_per_output_token_seconds is read as the same histogram). Restarts: decode "
+        "lifetimes after the first (process_start_time_seconds); a turn on a handle issued before a restart "
+        "cannot have pulled D's blocks, and the proxy records it as miss_decode_restarted; stale_hits counts "
+        "those recorded as hits all the same."
+    )

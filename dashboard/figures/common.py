@@ -26,6 +26,7 @@ OUTCOME_ORDER = [
     "miss_below_threshold",
     "miss_first_turn",
     "miss_no_handle_returned",
+    "miss_decode_restarted",
     "not recorded",
 ]
 
@@ -41,6 +42,7 @@ OUTCOME_SYMBOLS = {
     "miss_below_threshold": "triangle-down",
     "miss_transfer_failed": "cross",
     "miss_no_handle_returned": "square",
+    "miss_decode_restarted": "star",
     "not recorded": "diamond",
 }
 

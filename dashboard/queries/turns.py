@@ -222,3 +222,48 @@ def reuse_shortfalls(
     params = {**as_filter(f).params(), "min_shortfall": int(min_shortfall_tokens), "limit": int(limit),
               "modes": list(modes)}
     return run_sql(con, _REUSE_SHORTFALLS.format(where=where_sql(as_filter(f))), params)
+
+
+# Per decode-side endpoint of each run: vLLM's own ITL (per output event, tokens per event beside
+# it), the metric name it was read under, the server's version and speculative decoding, and the
+# endpoint's restarts with the turns that used a handle from before one.
+_SERVER_SIDE = """
+WITH ep AS (
+    SELECT DISTINCT run_id, endpoint, role FROM metric_samples
+    WHERE list_contains($run_ids::VARCHAR[], run_id) AND role IN ('decode', 'aggregated')
+), src AS (
+    SELECT run_id, endpoint, arg_max(source, scraped_at) AS itl_source FROM metric_sources
+    WHERE list_contains($run_ids::VARCHAR[], run_id) AND metric = 'vllm:inter_token_latency_seconds'
+    GROUP BY ALL
+), info AS (
+    SELECT run_id, endpoint, arg_max(vllm_version, scraped_at) AS vllm_version,
+           arg_max(spec_decode, scraped_at) AS spec_decode FROM engine_info
+    WHERE list_contains($run_ids::VARCHAR[], run_id) GROUP BY ALL
+), life AS (
+    SELECT run_id, endpoint, max(restarts_before) AS restarts FROM engine_lifetimes
+    WHERE list_contains($run_ids::VARCHAR[], run_id) GROUP BY ALL
+), stale AS (
+    SELECT run_id, count(*) FILTER (WHERE handle_spans_restart) AS turns_on_pre_restart_handles,
+           count(*) FILTER (WHERE stale_hit) AS stale_hits
+    FROM turn_lifetimes WHERE list_contains($run_ids::VARCHAR[], run_id) GROUP BY ALL
+)
+SELECT ep.run_id, ep.endpoint, ep.role, info.vllm_version, info.spec_decode, src.itl_source,
+       i.itl_events, i.itl_mean_s_per_event, i.tokens_per_event, i.itl_mean_s_per_token,
+       coalesce(life.restarts, 0) AS restarts,
+       coalesce(stale.turns_on_pre_restart_handles, 0) AS turns_on_pre_restart_handles,
+       coalesce(stale.stale_hits, 0) AS stale_hits
+FROM ep LEFT JOIN server_itl i USING (run_id, endpoint) LEFT JOIN src USING (run_id, endpoint)
+LEFT JOIN info USING (run_id, endpoint) LEFT JOIN life USING (run_id, endpoint) LEFT JOIN stale USING (run_id)
+ORDER BY ep.run_id, ep.endpoint
+"""
+
+
+def server_side(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) -> pd.DataFrame:
+    """vLLM's own view of the decode (or aggregated) workers of the runs of `f` (turn filters do not
+    apply to scrapes). Columns: run_id, endpoint, role, vllm_version (NULL: not answered),
+    spec_decode, itl_source (the ITL histogram's name as exposed; NULL: missing), itl_events,
+    itl_mean_s_per_event (s per output event), tokens_per_event, itl_mean_s_per_token (s),
+    restarts (engine lifetimes after the first), turns_on_pre_restart_handles and stale_hits (the
+    run's turns whose handle was issued before a decode restart, and those recorded as hits;
+    docs/schema.md, ``turn_lifetimes``). One row per endpoint."""
+    return run_sql(con, _SERVER_SIDE, {"run_ids": id_list(as_filter(f).run_ids)})

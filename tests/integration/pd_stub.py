@@ -18,7 +18,7 @@ import json
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from tests.integration.vllm_stack import free_port  # noqa: F401  (re-exported for tests)
 
@@ -65,9 +65,14 @@ def prefill_app(hang_with_handle_s: float = 0.0, delay_s: float = 0.0, status: i
 
 def decode_app(gen: int = 4, itl_s: float = 0.0, status: int = 200, handle: bool = True,
                first_token_s: float = 0.0) -> FastAPI:
+    """A stub D. ``app.state.engine_id`` (the ``remote_engine_id`` of its handles) and
+    ``app.state.process_start_s`` (its ``/metrics``) stand for one engine lifetime: change both to
+    play a restart."""
     app = FastAPI()
     app.state.bodies = []
     app.state.closed = []
+    app.state.engine_id = "D"
+    app.state.process_start_s = 1000.0
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -95,7 +100,7 @@ def decode_app(gen: int = 4, itl_s: float = 0.0, status: int = 200, handle: bool
                 raise
             if handle:
                 kv = {"do_remote_prefill": False, "do_remote_decode": True, "remote_block_ids": [[9, 8]],
-                      "remote_engine_id": "D", "remote_request_id": f"d-{len(app.state.bodies)}",
+                      "remote_engine_id": app.state.engine_id, "remote_request_id": f"d-{len(app.state.bodies)}",
                       "remote_host": "127.0.0.1", "remote_port": 2, "remote_num_tokens": len(prompt) + n_gen - 1,
                       "remote_blocks_expiry_time": 1e12}
                 yield f"data: {json.dumps({'id': 'cmpl-d', 'choices': [], 'kv_transfer_params': kv})}\n\n"
@@ -106,5 +111,12 @@ def decode_app(gen: int = 4, itl_s: float = 0.0, status: int = 200, handle: bool
     @app.get("/health")
     async def health():
         return {}
+
+    @app.get("/metrics")
+    async def metrics():
+        text = ("# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n"
+                "# TYPE process_start_time_seconds gauge\n"
+                f"process_start_time_seconds {app.state.process_start_s}\n")
+        return PlainTextResponse(text)
 
     return app

@@ -213,6 +213,127 @@ def test_decode_killed_mid_stream_is_a_failed_turn_and_counters_survive_its_rest
     assert any(r for e, _, _, r in inc if e == d_url) and not any(r for e, _, _, r in inc if e == p_url)
 
 
+# ------------------------------------------------------------- D restarted under live sessions
+
+
+def test_decode_restart_between_turns_of_live_sessions_is_never_a_hit(pd_bidir_stack, tmp_path):
+    """Four live sessions hold D's handles when D is restarted between their turns 0 and 1. Proxy
+    X polls D's process start (every 0.2 s) and drops its two sessions' handles before their next
+    turns: both ``miss_decode_restarted``, no handle given to P. Proxy Y does not poll: its session
+    c's turn 1 carries the stale handle to P, whose pull of the dead engine fails (vLLM refuses the
+    old engine id) and is retried as a plain recompute within the prefill timeout
+    (``miss_transfer_failed``); the new engine id in c's next handle makes Y drop d's handle
+    (``miss_decode_restarted``). No turn on a pre-restart handle is a hit, every turn is ok and
+    equals the reference, turn 2 is a hit on the new D everywhere, the proxies count the turns
+    apart, and the store ties every turn to the D lifetime it ran on."""
+    stack = pd_bidir_stack
+    store = Store(tmp_path / "store")
+    store.init()
+    run_id = "d-restart-live"
+    now = dt.datetime.now(dt.UTC)
+    row = {"run_id": run_id, "mode": "pd-bidir", "status": "running", "started_at": now, "updated_at": now}
+    d_url, p_url = worker(stack, "decode").spec.url, worker(stack, "prefill").spec.url
+    plan = {sid: session(sid, [TurnPlan([user(0, 40, seed)], REF, max_tokens=HIT_GEN),
+                               TurnPlan([user(1, 12, seed)], REF, 0.0, "think", max_tokens=HIT_GEN),
+                               TurnPlan([user(2, 12, seed)], REF, 0.0, "think", max_tokens=16)])
+            for seed, sid in enumerate("abcd")}
+    c_turn1_done = threading.Event()
+    results, logs, errors = {}, {}, []
+
+    with ProxyThread(stack.proxy_config(decode_probe_interval_s=0.2, prefill_timeout_s=20)) as x, \
+            ProxyThread(stack.proxy_config(decode_probe_interval_s=0, prefill_timeout_s=20,
+                                           decoder_kv_blocks_ttl_s=600)) as y:
+        # Y's own TTL outlives D's restart (tens of seconds on shared CPUs, past the stack's 20 s TTL),
+        # so its handles are still offered after it: the stale-handle path, not miss_expired
+
+        def restart_d() -> None:  # the barrier's action: every session has finished turn 0
+            restart(stack, "decode")
+            deadline = time.monotonic() + 30
+            while metric(x.url, "turnscope_decode_restarts_total") < 1:
+                assert time.monotonic() < deadline, "proxy X never saw D's new lifetime"
+                time.sleep(0.1)
+            time.sleep(2.5)  # two scrapes of the new D before it serves
+
+        after_turn0 = threading.Barrier(4, action=restart_d, timeout=600)
+
+        def play(sid: str, proxy_url: str) -> None:
+            def on_turn(rec) -> None:
+                k = rec.row["turn_index"]
+                if k == 0:
+                    after_turn0.wait()
+                    if sid == "d":  # c's stale turn first on proxy Y, and Y has read c's new handle
+                        assert c_turn1_done.wait(300)
+                        deadline = time.monotonic() + 10
+                        while metric(y.url, "turnscope_decode_restarts_total") < 1:
+                            assert time.monotonic() < deadline, "proxy Y never saw D's new engine id"
+                            time.sleep(0.05)
+                elif k == 1 and sid == "c":
+                    c_turn1_done.set()
+
+            client, logs[sid] = client_with_log()
+            try:
+                with client:
+                    results[sid] = run_session(plan[sid], client, proxy_url, MODEL, w, run_id, "token_ids",
+                                               timeout_s=120, extra_body=IGNORE_EOS, on_turn=on_turn)
+            except BaseException as e:  # noqa: BLE001 - reported by the main thread
+                errors.append((sid, e))
+                after_turn0.abort()
+                c_turn1_done.set()
+
+        with store.writer(run_id, "driver") as driver, store.writer(run_id, "scraper") as sw:
+            driver.append("runs_log", row)
+            scraper = MetricsScraper([(p_url, "prefill"), (d_url, "decode")], sw, run_id, interval_s=1.0)
+            scraper.start()
+            try:
+                with store.writer(run_id, "users") as w:
+                    threads = [threading.Thread(target=play, args=(sid, x.url if sid in "ab" else y.url))
+                               for sid in "abcd"]
+                    for t in threads:
+                        t.start()
+                    for t in threads:
+                        t.join(900)
+                    assert not any(t.is_alive() for t in threads), "a session hung"
+                time.sleep(2.5)
+            finally:
+                scraper.stop()
+            end = dt.datetime.now(dt.UTC)
+            driver.append("runs_log", row | {"status": "complete", "finished_at": end, "updated_at": end})
+        assert not errors, errors
+        x_counts = {o: metric(x.url, "turnscope_requests_total", outcome=o)
+                    for o in ("miss_decode_restarted", "hit")}
+        y_counts = {o: metric(y.url, "turnscope_requests_total", outcome=o)
+                    for o in ("miss_decode_restarted", "miss_transfer_failed", "hit")}
+        dropped = (metric(x.url, "turnscope_handles_dropped_restart_total"),
+                   metric(y.url, "turnscope_handles_dropped_restart_total"))
+
+    got = {sid: [(r.row["status"], r.row["reuse"]) for r in results[sid].turns] for sid in "abcd"}
+    restarted = [("ok", "miss_first_turn"), ("ok", "miss_decode_restarted"), ("ok", "hit")]
+    assert got == {"a": restarted, "b": restarted, "d": restarted,
+                   "c": [("ok", "miss_first_turn"), ("ok", "miss_transfer_failed"), ("ok", "hit")]}, got
+    assert x_counts == {"miss_decode_restarted": 2, "hit": 2}
+    assert y_counts == {"miss_decode_restarted": 1, "miss_transfer_failed": 1, "hit": 2}
+    assert dropped == (2, 1)
+    for sid in "abcd":
+        assert check_outputs(stack, results[sid], logs[sid]) == 3
+    con = store.connect()
+    try:
+        lifetimes = con.execute("SELECT started_at, restarts_before FROM engine_lifetimes "
+                                "WHERE run_id = ? AND role = 'decode' ORDER BY started_at", [run_id]).fetchall()
+        tl = con.execute("""SELECT session_id, turn_index, lifetime_started_at, handle_spans_restart, stale_hit
+                            FROM turn_lifetimes WHERE run_id = ?""", [run_id]).fetchall()
+        starts = con.execute("SELECT count(DISTINCT process_start_s) FROM metric_increases "
+                             "WHERE run_id = ? AND role = 'decode'", [run_id]).fetchone()[0]
+    finally:
+        con.close()
+    assert [b for _, b in lifetimes] == [0, 1]
+    new_start = lifetimes[1][0]
+    assert {(s, k): (at == new_start) for s, k, at, _, _ in tl} == {(s, k): k > 0 for s in "abcd" for k in range(3)}
+    # a second route to the proxy's outcomes: the turns whose handle was issued before D's restart
+    assert sorted((s, k) for s, k, _, spans, _ in tl if spans) == [(s, 1) for s in "abcd"]
+    assert not any(stale for *_, stale in tl)
+    assert starts == 2  # D's counter increases are tied to both lifetimes
+
+
 # ------------------------------------------------------------------ P killed mid-prefill + restart
 
 

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import re
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -21,6 +18,7 @@ import pytest
 from dashboard import db, queries
 from loadgen.scraper import MetricsScraper
 from tests.handed_cases import CASES
+from tests.integration.metrics_endpoint import MetricsEndpoint, counters_zeroed, histograms_zeroed
 from turnscope.store import Store
 
 PROM = CASES / "prometheus"
@@ -35,40 +33,6 @@ ORDER BY run_id, role, source
 """
 
 
-def _zeroed(text: str) -> str:
-    """The same series with every counter (``_total``) at 0: the scrape before the case's."""
-    return "\n".join(re.sub(r"\S+$", "0.0", line) if re.match(r"[^#\s{]+_total[{ ]", line) else line
-                     for line in text.splitlines()) + "\n"
-
-
-class _Endpoint:
-    """Serves /metrics from a list of texts, one per GET (the last one repeats)."""
-
-    def __init__(self, texts: list[str]):
-        self.texts = list(texts)
-        endpoint = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                body = (endpoint.texts.pop(0) if len(endpoint.texts) > 1 else endpoint.texts[0]).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *a: object) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_port}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("store")
@@ -76,8 +40,8 @@ def store(tmp_path_factory) -> Path:
     s.init()
     by_source = (PROM / "prompt_tokens_by_source.prom").read_text()
     per_engine = (PROM / "per_engine_series.prom").read_text()
-    prefill = _Endpoint([_zeroed(by_source), by_source])
-    decode = _Endpoint([_zeroed(per_engine), per_engine])
+    prefill = MetricsEndpoint([counters_zeroed(by_source), by_source])
+    decode = MetricsEndpoint([counters_zeroed(per_engine), per_engine])
     writer = s.writer(RUN, "test", flush_interval_s=60)
     try:
         now = dt.datetime.now(dt.UTC)
@@ -131,3 +95,98 @@ def test_per_engine_kv_usage_is_the_fullest_engine_on_the_memory_page(store: Pat
     assert sorted({e for e, _ in latest}) == exp["engines"]
     assert counters == {"vllm:prefix_cache_queries_total": exp["prefix_cache_queries"],
                         "vllm:prefix_cache_hits_total": exp["prefix_cache_hits"]}
+
+
+# ------------------------------------------------- renamed metrics and per-event ITL, one run each
+
+RENAMED_RUNS = {"old-names": "renamed_metrics_old_names", "both-names": "renamed_metrics_both_names",
+                "itl-per-event": "itl_per_output_event"}
+OLD_SERVER_VERSION = "0.9.1"
+
+
+def _expect(stem: str) -> dict:
+    return json.loads((PROM / f"{stem}.expect.json").read_text())["expect"]
+
+
+@pytest.fixture(scope="module")
+def renamed_store(tmp_path_factory) -> Path:
+    """One run per case, each a decode worker scraped twice (counters and histograms zeroed, then
+    as handed), the old-names server answering ``/version`` with an old version."""
+    root = tmp_path_factory.mktemp("renamed")
+    s = Store(root)
+    s.init()
+    for run_id, stem in RENAMED_RUNS.items():
+        text = (PROM / f"{stem}.prom").read_text()
+        d = MetricsEndpoint([histograms_zeroed(text), text], OLD_SERVER_VERSION if run_id == "old-names" else None)
+        writer = s.writer(run_id, "test", flush_interval_s=60)
+        try:
+            now = dt.datetime.now(dt.UTC)
+            writer.append("runs_log", {"run_id": run_id, "mode": "attach", "status": "complete", "started_at": now,
+                                       "finished_at": now, "updated_at": now})
+            scraper = MetricsScraper([(d.url, "decode")], writer, run_id, timeout_s=5)
+            scraper.scrape_once()
+            scraper.scrape_once()
+        finally:
+            writer.close()
+            d.close()
+    return root
+
+
+@pytest.mark.parametrize("run_id", ["old-names", "both-names"])
+def test_renamed_metrics_are_read_under_one_name_and_the_name_is_recorded(renamed_store: Path, run_id: str) -> None:
+    exp = _expect(RENAMED_RUNS[run_id])
+    con = Store(renamed_store).connect()
+    try:
+        sources = dict(con.execute("SELECT metric, source FROM metric_sources WHERE run_id = ?", [run_id]).fetchall())
+        stored = {n for (n,) in con.execute("SELECT DISTINCT name FROM metric_samples WHERE run_id = ?",
+                                            [run_id]).fetchall()}
+        itl = con.execute("SELECT itl_events, itl_mean_s_per_event FROM server_itl WHERE run_id = ?",
+                          [run_id]).fetchone()
+        version = con.execute("SELECT vllm_version FROM engine_info WHERE run_id = ?", [run_id]).fetchone()[0]
+    finally:
+        con.close()
+    assert sources["vllm:kv_cache_usage_perc"] == exp["kv_cache_usage_source"]
+    assert sources["vllm:inter_token_latency_seconds"] == exp["itl_source"]
+    # one name per metric stored: the deprecated twin is neither kept nor added
+    assert not stored & {"vllm:gpu_cache_usage_perc", "vllm:time_per_output_token_seconds_count"}
+    assert itl == (exp["itl_count"], pytest.approx(exp["itl_mean_s"]))  # 400 observations, not 800
+    # the Memory page's query reads KV usage whichever name the server used (0.37, not 0 nor 0.74)
+    df = db.read(db.StoreLocation(renamed_store), queries.memory_timeline, [run_id])
+    usage = df[(df.role == "decode") & (df.name == queries.KV_USAGE)]
+    assert usage.value.tolist() == pytest.approx([exp["kv_cache_usage_perc"]] * len(usage)) and len(usage) > 0
+    assert version == (OLD_SERVER_VERSION if run_id == "old-names" else None)
+
+
+def test_missing_metrics_are_listed_missing_never_zero(renamed_store: Path) -> None:
+    exp = _expect("renamed_metrics_old_names")
+    con = Store(renamed_store).connect()
+    try:
+        missing = [m for (m,) in con.execute("SELECT metric FROM metric_sources WHERE run_id = 'old-names' "
+                                             "AND source IS NULL ORDER BY metric DESC").fetchall()]
+        zeros = con.execute("SELECT count(*) FROM metric_samples WHERE run_id = 'old-names' "
+                            "AND name LIKE '%prefix_cache%'").fetchone()[0]
+        running = con.execute("SELECT max(value) FROM metric_samples WHERE run_id = 'old-names' "
+                              "AND name = 'vllm:num_requests_running'").fetchone()[0]
+    finally:
+        con.close()
+    assert missing == exp["missing"]
+    assert zeros == 0  # no row, so no query can read a 0 hit rate
+    assert running == exp["num_requests_running"]
+
+
+def test_itl_per_output_event_through_the_store(renamed_store: Path) -> None:
+    exp = _expect("itl_per_output_event")
+    con = Store(renamed_store).connect()
+    try:
+        events, per_event, tokens_per_event, per_token = con.execute(
+            "SELECT itl_events, itl_mean_s_per_event, tokens_per_event, itl_mean_s_per_token FROM server_itl "
+            "WHERE run_id = 'itl-per-event'").fetchone()
+        spec, draft = con.execute("SELECT spec_decode, spec_decode_draft_tokens FROM engine_info "
+                                  "WHERE run_id = 'itl-per-event' ORDER BY scraped_at DESC").fetchone()
+    finally:
+        con.close()
+    assert events == exp["itl_observations"]
+    assert per_event == pytest.approx(exp["itl_mean_s_per_output_event"])
+    assert tokens_per_event == pytest.approx(exp["tokens_per_output_event"])
+    assert per_token == pytest.approx(exp["itl_mean_s_per_token"]) == pytest.approx(exp["tpot_mean_s"])
+    assert spec is True and draft == pytest.approx(3.0)  # 3000 draft tokens over 1000 drafts

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import time
 
 import httpx
 import pytest
@@ -302,3 +303,61 @@ def test_n_above_1_is_served_in_aggregated_mode():
         r, events, _, _ = stream(proxy.url, list(range(10)), "s1", extra={"n": 2})
     assert r.status_code == 200 and len(events) == 5
     assert len(d.app.state.bodies) == 1 and d.app.state.bodies[0]["n"] == 2
+# ------------------------------------------------------------------- a decode worker restarts
+
+
+def _proxy_values(url: str) -> dict:
+    text = httpx.get(url + "/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+RESTARTED = ("turnscope_requests_total", (("mode", "pd-bidir"), ("outcome", "miss_decode_restarted")))
+D_RESTARTS = ("turnscope_decode_restarts_total", (("decode", "decode-0"),))
+DROPPED = ("turnscope_handles_dropped_restart_total", ())
+
+
+def test_decode_restart_seen_by_the_probe_drops_its_handles(stubs):
+    """D's process start changes (a restart) between two turns of two live sessions: the proxy's
+    probe sees it and drops both handles; each session's next turn is ``miss_decode_restarted``
+    with no handle given to P (it would name the dead engine), counted apart in the metrics; the
+    turn after it is a hit on the new engine's handle."""
+    p, d = stubs
+    with ProxyThread(config(p, d, decode_probe_interval_s=0.05)) as proxy:
+        stream(proxy.url, list(range(10)), "s1")
+        stream(proxy.url, list(range(12)), "s2")
+        d.app.state.process_start_s, d.app.state.engine_id = 2000.0, "D-new"
+        deadline = time.monotonic() + 10
+        while _proxy_values(proxy.url).get(D_RESTARTS, 0) < 1:
+            assert time.monotonic() < deadline, "the proxy never saw D's new process start"
+            time.sleep(0.05)
+        assert httpx.get(proxy.url + "/health").json()["handles_live"] == 0
+        n_before = len(p.app.state.bodies)
+        r1, _, facts1, _ = stream(proxy.url, list(range(10)) + [100, 101, 102, 103, 7], "s1")
+        assert p.app.state.bodies[n_before]["kv_transfer_params"] == PREFILL_PARAMS  # no stale handle to P
+        r2, _, _, _ = stream(proxy.url, list(range(12)) + [100, 101, 102, 103, 7], "s2")
+        r3, _, _, _ = stream(proxy.url, list(range(10)) + [100, 101, 102, 103, 7, 100, 101, 102, 103, 8], "s1")
+        values = _proxy_values(proxy.url)
+    assert r1.headers["x-turnscope-reuse"] == r2.headers["x-turnscope-reuse"] == "miss_decode_restarted"
+    assert facts1["reused_tokens"] == 0 and facts1["remote_tokens"] == 0
+    assert facts1["handle_age_s"] > 0  # the dropped handle's age: the store ties the turn to D's lifetimes
+    assert r3.headers["x-turnscope-reuse"] == "hit"
+    assert p.app.state.bodies[-1]["kv_transfer_params"]["remote_engine_id"] == "D-new"
+    assert values[RESTARTED] == 2 and values[D_RESTARTS] == 1 and values[DROPPED] == 2
+    assert values[("turnscope_requests_total", (("mode", "pd-bidir"), ("outcome", "hit")))] == 1
+
+
+def test_decode_restart_seen_by_a_new_engine_id_drops_the_older_handles(stubs):
+    """Without the probe, the first handle D returns under a new engine id shows the restart:
+    the handles of the old engine are dropped, the new one is kept."""
+    p, d = stubs
+    with ProxyThread(config(p, d, decode_probe_interval_s=0)) as proxy:
+        stream(proxy.url, list(range(10)), "s1")
+        d.app.state.engine_id = "D-new"
+        stream(proxy.url, list(range(20)), "s3")  # returns a handle of the new engine
+        r1, _, _, _ = stream(proxy.url, list(range(10)) + [100, 101, 102, 103, 7], "s1")
+        r3, _, _, _ = stream(proxy.url, list(range(20)) + [100, 101, 102, 103, 7], "s3")
+        values = _proxy_values(proxy.url)
+    assert r1.headers["x-turnscope-reuse"] == "miss_decode_restarted"
+    assert r3.headers["x-turnscope-reuse"] == "hit"
+    assert values[D_RESTARTS] == 1 and values[DROPPED] == 1 and values[RESTARTED] == 1

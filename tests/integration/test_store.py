@@ -52,6 +52,40 @@ def test_store_same_instant_offsets(store: Store, tz: str) -> None:
                        "WHERE request_id = 'c'").fetchone()[0] == "12:38:00.250"
 
 
+def test_store_handle_across_decode_restart(store: Store) -> None:
+    """The handed rows (decode scrapes of process_start_time_seconds and turns, interleaved) give
+    one decode restart at the new process start (12:01:10Z), not at the scrape that first showed
+    it (12:02:00Z); the turns whose handle was issued before it and used after it are found, the
+    'hit' among them is stale, and a handle issued after the restart is valid."""
+    rows = [json.loads(line) for line in (CASES / "handle_across_decode_restart.jsonl").read_text().splitlines()
+            if line]
+    expect = json.loads((CASES / "handle_across_decode_restart.expect.json").read_text())["expect"]
+    with store.writer("r1", "w") as w:
+        for r in rows:
+            table = r.pop("table")
+            for k in ("scraped_at", "sent_at"):
+                if k in r:
+                    r[k] = dt.datetime.fromisoformat(r[k])
+            w.append(table, r)
+    con = store.connect()
+    lifetimes = con.execute("""SELECT strftime(timezone('UTC', started_at), '%Y-%m-%dT%H:%M:%SZ'), restarts_before
+                               FROM engine_lifetimes WHERE role = 'decode' ORDER BY started_at""").fetchall()
+    restarts = [at for at, before in lifetimes if before > 0]
+    assert len(restarts) == expect["decode_restarts"] and restarts == [expect["decode_restart_at"]]
+
+    def turns(where: str) -> list[str]:
+        return [f"{sid}/{k}" for sid, k in con.execute(
+            f"SELECT session_id, turn_index FROM turn_lifetimes WHERE {where} ORDER BY sent_at").fetchall()]
+
+    assert sorted(turns("handle_spans_restart")) == sorted(expect["handles_spanning_restart"])
+    assert turns("stale_hit") == expect["stale_handle_hits"]
+    assert turns("handle_spans_restart AND reuse <> 'hit'") == expect["restart_attributed_misses"]
+    assert sorted(turns("reuse = 'hit' AND NOT stale_hit")) == sorted(expect["valid_hits"])
+    # bracketing by scrape time instead would have flagged s3/1 (issued 12:01:50, before the
+    # 12:02:00 scrape that first showed the new lifetime): the view does not
+    assert "s3/1" not in turns("handle_spans_restart")
+
+
 def test_store_unknown_column_and_table(store: Store) -> None:
     w = store.writer("r1", "w")
     try:

@@ -85,3 +85,41 @@ def test_table_stays_bounded():
 ])
 def test_classify_prefill(offered, prompt, cached, local, expected):
     assert classify_prefill(offered, prompt, cached, local, threshold=64) == expected
+
+
+def test_drop_decode_drops_only_that_decode_workers_older_handles():
+    clock = Clock()
+    t = h.HandleTable(ttl_s=450, clock=clock)
+    for sid in ("a", "b", "c", "new"):
+        t.take(sid)
+    t.put("a", {"remote_num_tokens": 10, "remote_engine_id": "D1"}, "decode-0", range(11))
+    t.put("b", {"remote_num_tokens": 10, "remote_engine_id": "D1"}, "decode-0", range(11))
+    t.put("c", {"remote_num_tokens": 10, "remote_engine_id": "E1"}, "decode-1", range(11))
+    t.put("new", {"remote_num_tokens": 10, "remote_engine_id": "D2"}, "decode-0", range(11))
+    clock.t += 7.0
+    assert t.drop_decode("decode-0", keep_engine_id="D2") == 2  # a and b; not decode-1's, not D2's
+    assert t.take("a") == (None, h.MISS_DECODE_RESTARTED) and t.age_of_last_taken("a") == 7.0
+    assert t.take("a") == (None, h.MISS_CONSUMED)  # the marker is single use too
+    assert t.take("b")[1] == h.MISS_DECODE_RESTARTED
+    assert t.take("c")[0] is not None and t.take("new")[0] is not None
+    # a new handle after the restart replaces the marker
+    t.put("b", {"remote_num_tokens": 10, "remote_engine_id": "D2"}, "decode-0", range(11))
+    assert t.take("b")[0] is not None
+
+
+def test_decode_lifetimes_see_a_restart_by_process_start_or_engine_id():
+    from serving.decode_lifetimes import DecodeLifetimes, process_start_s
+
+    seen = []
+    life = DecodeLifetimes(lambda worker, engine_id: seen.append((worker, engine_id)))
+    assert not life.saw_start("decode-0", 1000.0) and not life.saw_start("decode-0", 1000.0)
+    assert not life.saw_engine_id("decode-0", "D1") and not life.saw_engine_id("decode-0", "D1")
+    assert life.saw_start("decode-0", 2000.0)              # restarted: the engine id is forgotten
+    assert not life.saw_engine_id("decode-0", "D2")        # the new engine's first handle: no second restart
+    assert life.saw_engine_id("decode-0", "D3")            # another engine id without a probe: a restart
+    assert seen == [("decode-0", None), ("decode-0", "D3")]
+    text = ("# HELP python_info x\n# TYPE python_info gauge\npython_info{version=\"3\"} 1.0\n"
+            "# HELP process_start_time_seconds x\n# TYPE process_start_time_seconds gauge\n"
+            "process_start_time_seconds 1.7e9\n")
+    assert process_start_s(text) == 1.7e9 and process_start_s("python_info 1\n") is None
+    assert process_start_s("not { metrics") is None

@@ -15,8 +15,11 @@ from loadgen.prom import (
     gauge_sum_over_engines,
     gauge_value,
     histogram_totals,
+    itl_reading,
     parse_samples,
     prompt_token_sources,
+    resolve_names,
+    spec_decode_settings,
 )
 from tests.handed_cases import CASES as HANDED
 
@@ -176,3 +179,56 @@ def test_prom_gauge_ambiguities_raise() -> None:
 def test_prom_bad_text_names_source() -> None:
     with pytest.raises(ValueError, match="http://x/metrics"):
         parse_samples("vllm:num_requests_running abc\n", source="http://x/metrics")
+
+
+def _renamed_case(stem: str) -> None:
+    samples, exp = _case(stem)
+    resolved = resolve_names(samples)
+    s = resolved.samples
+    assert gauge_max_over_engines(s, "vllm:kv_cache_usage_perc") == exp["kv_cache_usage_perc"]
+    assert resolved.sources["vllm:kv_cache_usage_perc"] == exp["kv_cache_usage_source"]
+    itl = itl_reading(samples)
+    assert (itl.events, itl.per_event_s, itl.source) == (exp["itl_count"], exp["itl_mean_s"], exp["itl_source"])
+    # never added: one measurement exposed twice stays one (0.74 and 800 would be the sum)
+    assert len([x for x in s if x.name == "vllm:kv_cache_usage_perc"]) == 1
+    assert [x.value for x in s if x.name == "vllm:inter_token_latency_seconds_count"] == [exp["itl_count"]]
+    if "missing" in exp:
+        assert resolved.missing == exp["missing"]
+        for name in exp["missing"]:
+            with pytest.raises(KeyError):
+                counter_total(s, name)  # missing, not 0
+    if "num_requests_running" in exp:
+        assert gauge_sum_over_engines(s, "vllm:num_requests_running") == exp["num_requests_running"]
+
+
+def test_prom_case_renamed_metrics_old_names() -> None:
+    _renamed_case("renamed_metrics_old_names")
+
+
+def test_prom_case_renamed_metrics_both_names() -> None:
+    _renamed_case("renamed_metrics_both_names")
+
+
+def test_prom_case_itl_per_output_event() -> None:
+    samples, exp = _case("itl_per_output_event")
+    itl = itl_reading(samples)
+    assert itl.events == exp["itl_observations"]
+    assert counter_total(samples, "vllm:request_success") == exp["requests"]
+    assert counter_total(samples, "vllm:generation_tokens") == exp["generation_tokens"]
+    assert itl.per_event_s == pytest.approx(exp["itl_mean_s_per_output_event"])
+    assert itl.tokens_per_event == pytest.approx(exp["tokens_per_output_event"])
+    assert itl.per_token_s == pytest.approx(exp["itl_mean_s_per_token"])
+    assert itl.tpot_s == pytest.approx(exp["tpot_mean_s"])
+    assert itl.per_event_s == pytest.approx(exp["wrong_if_itl_read_as_tpot_s"])  # labelled per event
+    spec = spec_decode_settings(samples)
+    assert spec.enabled and spec.mean_acceptance_length == pytest.approx(exp["spec_decode_mean_acceptance_length"])
+    assert spec.draft_tokens_per_draft == 3.0  # 3000 draft tokens over 1000 drafts
+
+
+def test_resolve_names_without_renamed_metrics_passes_samples_unchanged() -> None:
+    samples, _ = _case("per_engine_series")
+    resolved = resolve_names(samples)
+    assert resolved.samples == samples
+    assert resolved.sources["vllm:kv_cache_usage_perc"] == "vllm:kv_cache_usage_perc"
+    assert resolved.missing == ["vllm:inter_token_latency_seconds"]
+    assert not spec_decode_settings(samples).enabled
