@@ -171,7 +171,9 @@ class TrafficReport:
                f"tokens per request"),
                (f"  sessions overlapping another of the same source: {o['overlapping_sessions']} of "
                f"{o['sessions']}; most active at once: {o['max_active_sessions']}")]
-        for r in self.reuse:
+        # one format: its row would repeat the "all" row, so only "all" is printed
+        reuse = self.reuse if len(self.reuse) > 2 else [r for r in self.reuse if r["format"] is None]
+        for r in reuse:
             what = "all" if r["format"] is None else r["format"]
             out.append(f"  reuse ({what}): {_pct(r['reusable_share'])} of {_n(r['input_tokens'])} input tokens "
                        f"were a prefix of the session's previous request ({_n(r['new_tokens'])} new); "

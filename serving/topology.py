@@ -31,6 +31,12 @@ from turnscope.modes import MODES, SERVING_MODES
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
+#: ``vllm serve`` flags of every worker of the embedded default: no ``torch.compile`` of the tiny
+#: model. Compiling took 20 s on an idle machine and 3-4 min on a loaded one at every start (vLLM
+#: 0.32's CPU compile cache does not carry over between starts), for the same greedy outputs and
+#: TTFT (docs/performance.md, "Where a vLLM worker's start-up goes").
+EMBEDDED_ARGS = ("--enforce-eager",)
+
 
 class TopologyError(ValueError):
     """A topology file is unreadable or invalid; the message names the file and the field."""
@@ -154,7 +160,8 @@ def embedded_topology(model: str, worker_port: int = 8100, side_channel_port: in
     """The embedded default: 1P1D + one aggregated worker on this machine's 2 cores, float32.
 
     P is pinned to core 0, D to core 1, the aggregated worker to core 0; each worker gets 512 MiB
-    of KV space (``--kv-cache-memory-bytes``), i.e. 131,072 tokens of the embedded model.
+    of KV space (``--kv-cache-memory-bytes``), i.e. 131,072 tokens of the embedded model. Every
+    worker runs ``--enforce-eager`` (:data:`EMBEDDED_ARGS`).
     """
     return Topology(
         name="embedded-cpu", model=model, served_model_name="turnscope-tiny", platform="cpu",
@@ -163,4 +170,5 @@ def embedded_topology(model: str, worker_port: int = 8100, side_channel_port: in
         prefill=[WorkerEntry(port=worker_port, side_channel_port=side_channel_port, cores=[0])],
         decode=[WorkerEntry(port=worker_port + 1, side_channel_port=side_channel_port + 1, cores=[1])],
         aggregated=[WorkerEntry(port=worker_port + 2, cores=[0])],
+        roles={role: RoleSettings(args=list(EMBEDDED_ARGS)) for role in ("prefill", "decode", "aggregated")},
         proxy=ProxySettings(port=proxy_port))

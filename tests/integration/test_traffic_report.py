@@ -139,3 +139,19 @@ def test_workload_naming_a_claude_code_trace_as_mooncake_is_one_line(tmp_path):
     assert p.returncode == 2
     assert out.splitlines() == [(f"workload bad: {DEFAULT_DIR / 'trace_0036.json'}:1: timestamp: expected an "
                                 f"integer >= 0, got None")]
+
+
+def test_one_format_prints_one_reuse_row_and_two_print_each_and_all(report, tmp_path):
+    """A report of one format prints only the ``all`` reuse line (its per-format row would repeat
+    it); a report of two prints both formats and ``all``, whose input tokens are the two added."""
+    _, _, out = report
+    assert [ln.split(":")[0].strip() for ln in out.splitlines() if ln.strip().startswith("reuse (")] == ["reuse (all)"]
+    tracelab = DEFAULT_DIR.parent.parent / "tracelab_round_trace.jsonl"
+    code, out2 = cli("traffic", "--store", str(tmp_path / "s"), str(DEFAULT_DIR), str(tracelab))
+    assert code == 0, out2
+    rows = {ln.split(":")[0].strip(): ln for ln in out2.splitlines() if ln.strip().startswith("reuse (")}
+    assert set(rows) == {"reuse (all)", "reuse (kv_cache_tester)", "reuse (tracelab)"}
+
+    def tokens(line: str) -> int:
+        return int(line.split(" of ")[1].split(" input tokens")[0].replace(",", ""))
+    assert tokens(rows["reuse (all)"]) == tokens(rows["reuse (kv_cache_tester)"]) + tokens(rows["reuse (tracelab)"])
