@@ -14,19 +14,19 @@ from turnscope.modes import ATTACH_MODE, MODES
 #: Serving modes in display order (``turnscope.modes.SERVING_MODES``); unknown modes sort after these.
 MODE_ORDER = [*MODES, ATTACH_MODE]
 #: The mode, outcome and time palettes live in ``dashboard.palette`` (re-exported here).
-#: Reuse outcomes of the proxy (docs/schema.md, ``turns.reuse``), hit first.
-#: Hit first, then the misses that cost (loud), then those expected by design (quiet, last).
+#: Reuse outcomes of the proxy (docs/schema.md, ``turns.reuse``): hit first, then the misses that cost
+#: (loud), then those expected by design (quiet, last; ``dashboard.palette.QUIET_OUTCOMES``).
 OUTCOME_ORDER = [
     "hit",
     "miss_expired",
     "miss_consumed",
     "miss_mismatch",
     "miss_transfer_failed",
+    "miss_decode_restarted",
     "miss_no_session_id",
     "miss_below_threshold",
     "miss_first_turn",
     "miss_no_handle_returned",
-    "miss_decode_restarted",
     "not recorded",
 ]
 
