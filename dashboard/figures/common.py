@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from dashboard.palette import MODE_COLORS, OUTCOME_COLORS  # noqa: F401  (re-exported)
+from dashboard.palette import MODE_COLORS, OUTCOME_COLORS, mode_color  # noqa: F401  (re-exported)
 from turnscope.modes import ATTACH_MODE, MODES
 
 #: Serving modes in display order (``turnscope.modes.SERVING_MODES``); unknown modes sort after these.
@@ -56,7 +56,7 @@ def run_colors(run_modes: pd.Series) -> dict[str, str]:
     for run_id, mode in run_modes.items():
         k = seen.get(mode, 0)
         seen[mode] = k + 1
-        base = MODE_COLORS.get(str(mode), "#7f7f7f").lstrip("#")
+        base = mode_color(mode).lstrip("#")
         rgb = [int(base[i : i + 2], 16) for i in (0, 2, 4)]
         mix = min(0.6, 0.3 * k)  # 0, 30%, 60% towards white
         out[str(run_id)] = "#" + "".join(f"{int(c + (255 - c) * mix + 0.5):02x}" for c in rgb)
