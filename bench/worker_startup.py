@@ -20,7 +20,7 @@ Once both workers are healthy, each is asked, directly (no proxy):
 The table gives the median over rounds per variant and the ratio to the first variant. The
 machine is shared: read medians and the spread over rounds, not single numbers.
 
-    flock <vLLM lock> .venv/bin/python bench/worker_startup.py --variants baseline,eager --rounds 2
+    .venv/bin/python bench/worker_startup.py --variants baseline,eager --rounds 2
 """
 
 from __future__ import annotations

@@ -19,8 +19,11 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-BASELINE = "pd"
+from turnscope.modes import one_way
+
+#: The ramp's treatment (D holds KV between turns) and its one-way baseline, P's prefix cache on in both.
 TREATMENT = "pd-bidir"
+BASELINE = one_way(TREATMENT)
 #: Relative margin a step must exceed to count as a crossing (0.05: 5%).
 DEFAULT_TOLERANCE = 0.05
 

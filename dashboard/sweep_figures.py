@@ -12,6 +12,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from dashboard.figures import MODE_COLORS, MODE_ORDER, empty_figure, ordered_present
+from dashboard.palette import NEUTRAL
 from turnscope.analysis import speedup
 
 IDEAL_NAME = "ideal: prefill of the new tokens + KV pull"
@@ -86,7 +87,7 @@ def speedup_vs_prefix(speedups: pd.DataFrame, limit: pd.DataFrame | None = None,
         fig.add_trace(go.Scatter(x=g["prefix_tokens"], y=g["speedup"], mode="lines+markers", name=LIMIT_NAME,
                                  line={"color": "black", "dash": "dash"}, marker={"symbol": "x"},
                                  hovertemplate="limit<br>%{x:,} tokens<br>%{y:.2f}x<extra></extra>"))
-    fig.add_hline(y=1.0, line={"color": "#999999", "dash": "dot"}, annotation_text="no gain",
+    fig.add_hline(y=1.0, line={"color": NEUTRAL, "dash": "dot"}, annotation_text="no gain",
                   annotation_position="bottom left")
     fig.update_xaxes(title_text=x_title, rangemode="tozero")
     fig.update_yaxes(title_text=f"speed-up of {stat} TTFT (x)", rangemode="tozero")

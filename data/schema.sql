@@ -209,7 +209,7 @@ CREATE TABLE plan_speedups (
     treatment_ttft_median_s DOUBLE,   -- later requests (request_index >= 1), the headline's
     baseline_ttft_median_s DOUBLE,
     speedup                DOUBLE,    -- the Overview's: baseline / treatment median TTFT, later requests
-    speedup_ci_low         DOUBLE,    -- its session-bootstrap 95% CI (dashboard/headline.py)
+    speedup_ci_low         DOUBLE,    -- its session-bootstrap 95% CI (turnscope/analysis/headline.py)
     speedup_ci_high        DOUBLE,
     treatment_ttft_mean_s  DOUBLE,    -- secondary: every request
     baseline_ttft_mean_s   DOUBLE,

@@ -1,7 +1,7 @@
 """Reading Prometheus /metrics text the way vLLM exposes it (pure functions, no I/O).
 
-Parsing is prometheus_client's (``prometheus_client.parser``). On top of it, three rules that a
-naive reader gets wrong on vLLM's output (cases in ``shared/cases/prometheus/``):
+Parsing is prometheus_client's (``prometheus_client.parser``). On top of it, the rules that a
+naive reader gets wrong on vLLM's output (cases in ``tests/cases/prometheus/``):
 
 - ``<counter>_created`` series hold a Unix time, not a count: never returned, never summed.
   prometheus_client's text parser does not attach ``foo_total`` / ``foo_created`` to the

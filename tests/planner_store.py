@@ -1,4 +1,4 @@
-"""Recorded runs as ``turnscope eval`` records them, written with loadgen.store's real writer, for the
+"""Recorded runs as ``turnscope eval`` records them, written with turnscope.store's real writer, for the
 planner's fit and check (turnscope/planner/fit.py, check.py). Every value is a formula below,
 independent of the planner's code, so the tests' truths are hand computations.
 

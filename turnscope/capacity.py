@@ -29,13 +29,15 @@ from pathlib import Path
 
 from rich.console import Console
 
+from dashboard.capacity import BASELINE, TREATMENT
 from loadgen.workload import load_workload
 from serving.topology import RoleSettings, Topology
 from turnscope import console_text
 from turnscope.evaluation import EvalSettings, RunPlan, Slo, run_eval
 
-#: The two modes compared, baseline first: P's prefix cache on in both, D holding KV only in pd-bidir.
-CAPACITY_MODES = ("pd", "pd-bidir")
+#: The two modes compared, baseline first (``dashboard.capacity``, which reads the ramp): P's prefix
+#: cache on in both, D holding KV only in pd-bidir.
+CAPACITY_MODES = (BASELINE, TREATMENT)
 #: Default load steps (concurrent sessions = Locust users).
 DEFAULT_USERS = (1, 2, 3, 4, 6)
 #: Default D KV space (tokens): twice the embedded model's max_model_len (8,192), i.e. 64 MiB at its

@@ -31,7 +31,12 @@ from serving.topology import ProxySettings, Topology, TopologyError, embedded_to
 from serving.workers import mode_workers, port_in_use, worker_command
 from turnscope import console_text
 from turnscope.analysis import pd_check
-from turnscope.contract import ROUTING_POLICIES, RoutingPolicy
+from turnscope.contract import (
+    DECODER_KV_BLOCKS_TTL_S,
+    KV_RECOMPUTE_THRESHOLD_TOKENS,
+    ROUTING_POLICIES,
+    RoutingPolicy,
+)
 from turnscope.evaluation import REPO_ROOT, default_settings, run_eval
 from turnscope.modes import MODES
 from turnscope.prefix_sweep import SWEEP_MODES, plan_sweep, run_sweep
@@ -456,6 +461,8 @@ def plan_check(
     typer.echo(held_out.describe(split, summ, checks))
     if write_profile is not None:
         typer.echo(f"Profile {prof.name} with its held-out errors written to {write_profile}.")
+
+
 @app.command()
 def recommend(
     paths: Annotated[list[Path], typer.Argument(
@@ -464,8 +471,8 @@ def recommend(
     format: Annotated[str | None, typer.Option("--format", help="Read every path as this format.")] = None,
     current_strategy: Annotated[str, typer.Option(
         help="The current setting's strategy: recompute, pd, pd+host, pd-bidir or pd-bidir+host.")] = "pd-bidir",
-    ttl_s: Annotated[float, typer.Option(help="Current decoder_kv_blocks_ttl, seconds.")] = 480.0,
-    threshold: Annotated[int, typer.Option(help="Current kv_recompute_threshold, tokens.")] = 64,
+    ttl_s: Annotated[float, typer.Option(help="Current decoder_kv_blocks_ttl, seconds.")] = float(DECODER_KV_BLOCKS_TTL_S),
+    threshold: Annotated[int, typer.Option(help="Current kv_recompute_threshold, tokens.")] = KV_RECOMPUTE_THRESHOLD_TOKENS,
     prefill_workers: Annotated[int, typer.Option(help="Current prefill workers.")] = 1,
     routing: Annotated[str, typer.Option(help="Current prefill routing: session or round-robin.")] = "session",
     margin_s: Annotated[float, typer.Option(help="The proxy's handle TTL margin, seconds.")] = 30.0,

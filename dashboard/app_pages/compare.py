@@ -13,15 +13,14 @@ from dashboard import (
     context,
     db,
     figures,
-    headline,
     hit_rate,
     html_reports,
     queries,
-    speedup,
     tables,
 )
 from dashboard.figures import MODE_ORDER
 from dashboard.loader import load
+from turnscope.analysis import headline, speedup
 
 
 @st.cache_data(ttl=db.CACHE_TTL_S, show_spinner="Bootstrapping confidence intervals…")

@@ -8,7 +8,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from dashboard.figures import MODE_COLORS, empty_figure
+from dashboard.figures import empty_figure
+from dashboard.palette import NEUTRAL_DARK, mode_color
 
 
 def capacity_curve(steps: pd.DataFrame, crossing_users: int | None = None) -> go.Figure:
@@ -26,7 +27,7 @@ def capacity_curve(steps: pd.DataFrame, crossing_users: int | None = None) -> go
                                         "TTFT p90 (solid) and p50 (dotted)", "D's KV usage, peak during the step"))
     for mode in sorted(steps["mode"].unique(), key=lambda m: (m != "pd", m)):
         g = steps[steps["mode"] == mode].sort_values("users")
-        color = MODE_COLORS.get(mode, "#7f7f7f")
+        color = mode_color(mode)
         cd = g[["slo_turns", "turns"]].to_numpy()
         fig.add_trace(go.Scatter(x=g["users"], y=g["goodput_per_s"], mode="lines+markers", name=mode, legendgroup=mode,
                                  line={"color": color}, customdata=cd,
@@ -45,7 +46,7 @@ def capacity_curve(steps: pd.DataFrame, crossing_users: int | None = None) -> go
                       row=3, col=1)
     if crossing_users is not None:
         for row in (1, 2, 3):
-            fig.add_vline(x=crossing_users, line={"dash": "dash", "color": "#555"}, row=row, col=1)
+            fig.add_vline(x=crossing_users, line={"dash": "dash", "color": NEUTRAL_DARK}, row=row, col=1)
     fig.update_xaxes(title_text="concurrent sessions (load step)", row=3, col=1, dtick=1)
     fig.update_yaxes(title_text="turns/s", rangemode="tozero", row=1, col=1)
     fig.update_yaxes(title_text="TTFT (ms)", rangemode="tozero", row=2, col=1)

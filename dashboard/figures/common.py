@@ -8,25 +8,25 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from dashboard.palette import MODE_COLORS, OUTCOME_COLORS  # noqa: F401  (re-exported)
+from dashboard.palette import MODE_COLORS, OUTCOME_COLORS, mode_color  # noqa: F401  (re-exported)
 from turnscope.modes import ATTACH_MODE, MODES
 
 #: Serving modes in display order (``turnscope.modes.SERVING_MODES``); unknown modes sort after these.
 MODE_ORDER = [*MODES, ATTACH_MODE]
-#: The mode, outcome and time palettes live in ``dashboard.palette`` (re-exported here).
-#: Reuse outcomes of the proxy (docs/schema.md, ``turns.reuse``), hit first.
-#: Hit first, then the misses that cost (loud), then those expected by design (quiet, last).
+# The mode and outcome colours live in ``dashboard.palette`` (re-exported above, with mode_color).
+#: Reuse outcomes of the proxy (docs/schema.md, ``turns.reuse``): hit first, then the misses that cost
+#: (loud), then those expected by design (quiet, last; ``dashboard.palette.QUIET_OUTCOMES``).
 OUTCOME_ORDER = [
     "hit",
     "miss_expired",
     "miss_consumed",
     "miss_mismatch",
     "miss_transfer_failed",
+    "miss_decode_restarted",
     "miss_no_session_id",
     "miss_below_threshold",
     "miss_first_turn",
     "miss_no_handle_returned",
-    "miss_decode_restarted",
     "not recorded",
 ]
 
@@ -56,7 +56,7 @@ def run_colors(run_modes: pd.Series) -> dict[str, str]:
     for run_id, mode in run_modes.items():
         k = seen.get(mode, 0)
         seen[mode] = k + 1
-        base = MODE_COLORS.get(str(mode), "#7f7f7f").lstrip("#")
+        base = mode_color(mode).lstrip("#")
         rgb = [int(base[i : i + 2], 16) for i in (0, 2, 4)]
         mix = min(0.6, 0.3 * k)  # 0, 30%, 60% towards white
         out[str(run_id)] = "#" + "".join(f"{int(c + (255 - c) * mix + 0.5):02x}" for c in rgb)

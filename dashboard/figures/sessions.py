@@ -7,7 +7,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from dashboard.figures.common import MODE_ORDER, OUTCOME_COLORS, empty_figure
-from dashboard.palette import ALARM, TIME_COLORS
+from dashboard.palette import ALARM, NEUTRAL, TIME_COLORS
 
 #: Gap kinds, in colours no reuse outcome uses (the session timeline shows both).
 GAP_COLORS = {k: TIME_COLORS[k] for k in ("tool", "think", "pause", "none")}
@@ -98,12 +98,12 @@ def session_timeline(df: pd.DataFrame) -> go.Figure:
         gap = row["gap_before_s"]
         if pd.notna(gap) and gap > 0:
             kind = str(row["gap_kind"])
-            bar(row, start - gap, gap, f"gap: {kind}", GAP_COLORS.get(kind, "#c7c7c7"),
+            bar(row, start - gap, gap, f"gap: {kind}", GAP_COLORS.get(kind, NEUTRAL),
                 f"{row['row']}<br>{kind} gap {gap:.2f} s")  # fmt: skip
         ttft, e2e = row["ttft_s"], row["e2e_s"]
         if pd.notna(ttft):
             outcome = str(row["reuse"])
-            bar(row, start, ttft, f"to first token: {outcome}", OUTCOME_COLORS.get(outcome, "#7f7f7f"),
+            bar(row, start, ttft, f"to first token: {outcome}", OUTCOME_COLORS.get(outcome, NEUTRAL),
                 f"{row['row']}<br>TTFT {ttft * 1e3:.1f} ms ({outcome})")  # fmt: skip
             if pd.notna(e2e) and e2e > ttft:
                 bar(row, start + ttft, e2e - ttft, "streaming", TIME_COLORS["decode"],

@@ -9,7 +9,6 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from dashboard.figures.common import (
-    MODE_COLORS,
     MODE_ORDER,
     OUTCOME_ORDER,
     OUTCOME_SYMBOLS,
@@ -18,7 +17,7 @@ from dashboard.figures.common import (
     ordered_present,
     turn_axis,
 )
-from dashboard.palette import TIME_COLORS
+from dashboard.palette import TIME_COLORS, mode_color
 
 LATENCY_METRICS = (("ttft_p50_s", "TTFT p50"), ("itl_p50_s", "ITL p50"), ("e2e_p50_s", "E2E p50"))
 
@@ -52,9 +51,9 @@ def latency_panels(df: pd.DataFrame, by: str = "turn_index") -> go.Figure:
                         legendgroup=name,
                         showlegend=col == 1,
                         mode="lines+markers",
-                        line={"color": MODE_COLORS.get(mode, "#7f7f7f"), "width": 1.5},
+                        line={"color": mode_color(mode), "width": 1.5},
                         marker={"symbol": OUTCOME_SYMBOLS.get(outcome, "circle"), "size": 9,
-                                "color": MODE_COLORS.get(mode, "#7f7f7f"), "line": {"width": 1.5}},
+                                "color": mode_color(mode), "line": {"width": 1.5}},
                         customdata=g[["turns"]].to_numpy(),
                         hovertemplate=f"{name}<br>x=%{{x}}<br>%{{y:.1f}} ms<br>%{{customdata[0]}} turns<extra></extra>",
                     ),
@@ -165,7 +164,7 @@ def reuse_vs_expected(df: pd.DataFrame) -> go.Figure:
         ))  # fmt: skip
     for mode in ordered_present(df["mode"], MODE_ORDER):
         g = df[df["mode"] == mode].sort_values("turn_index")
-        color = MODE_COLORS.get(mode, "#7f7f7f")
+        color = mode_color(mode)
         parts = [("measured_tokens", "measured", "solid")] + ([("expected_tokens", "expected", "dash")]
                                                               if mode in apart else [])
         for col, label, dash in parts:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import duckdb
 import pandas as pd
 
+from turnscope.analysis.pd_check import PROMPT_TOKENS_BY_SOURCE  # noqa: F401  (re-exported)
+
 
 @dataclass(frozen=True)
 class TurnFilter:
@@ -93,8 +95,8 @@ HANDLE_BYTES = "turnscope_handle_bytes_live"
 #: vLLM gauge of the KV cache in use, 0..1.
 KV_USAGE = "vllm:kv_cache_usage_perc"
 
-#: The prefill worker's counter of prompt tokens by where their KV came from (vLLM /metrics).
-PROMPT_TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+#: vLLM's counter of prompt tokens by where their KV came from: ``PROMPT_TOKENS_BY_SOURCE``, imported
+#: above from ``turnscope.analysis.pd_check`` (one definition).
 #: Its label value for tokens whose KV was pulled from another worker (D, over NIXL).
 EXTERNAL_KV_SOURCE = "external_kv_transfer"
 

@@ -341,3 +341,16 @@ def test_workload_mismatch_in_words():
     assert "A ran tau-bench-airline with history token_ids, B ran tau-bench-airline with history text" in msg
     assert "carry history differently" in msg and "across workloads" not in msg and "(" not in msg
     assert "did not run the same workload" in workload_mismatch({("a", "text")}, {("b", "text")})
+
+
+def test_every_reuse_outcome_has_an_order_a_marker_and_a_colour():
+    """An outcome added to the wire contract (as ``miss_decode_restarted`` was) is drawn like the others."""
+    from dashboard import palette
+    from dashboard.figures.common import OUTCOME_ORDER, OUTCOME_SYMBOLS
+    from dashboard.queries import NOT_RECORDED
+    from turnscope.contract import OUTCOMES
+
+    expected = {*OUTCOMES, NOT_RECORDED}
+    assert sorted(OUTCOME_ORDER) == sorted(expected)
+    assert set(OUTCOME_SYMBOLS) == expected and set(palette.OUTCOME_COLORS) == expected
+    assert OUTCOME_ORDER[0] == "hit" and set(OUTCOME_ORDER[-len(palette.QUIET_OUTCOMES):]) == set(palette.QUIET_OUTCOMES)

@@ -1,7 +1,7 @@
 """The parts import one way (docs/design.md, "Layers"): serving and loadgen never import each other, the
 dashboard (its pages included) imports neither, not even through a shared module it imports; no
 module imports up a layer (the ground imports nothing above it) and no modules import each other in
-a circle."""
+a circle, and every import of the repository's own modules resolves in this checkout."""
 
 from __future__ import annotations
 
@@ -149,3 +149,57 @@ def test_the_checks_catch_an_upward_import_and_a_cycle() -> None:
     graph = import_graph()
     graph["serving.routing"] = graph["serving.routing"] | {"loadgen.workload"}  # across one layer
     assert layering_breaches(graph) == ["serving.routing -> loadgen.workload"]
+
+
+# -- every import resolves in this repository ---------------------------------------------------------
+
+def _module_file(module: str) -> Path | None:
+    """The file of `module` in this checkout (``a/b.py`` or ``a/b/__init__.py``), or None."""
+    base = REPO.joinpath(*module.split("."))
+    for path in (base.with_name(base.name + ".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _top_level_names(path: Path) -> set[str]:
+    """The names a module binds at its top level: definitions, assignments and imports."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
+def unresolved_imports() -> list[str]:
+    """Imports of this repository's packages (in its code, tests and benches) that name a module or a
+    name this checkout does not have: a module moved or renamed, its importers not updated. Read
+    from the files, so an installed copy of an older tree cannot answer for a missing module."""
+    ours = (*PARTS, "turnscope", "tests", "bench")
+    out = []
+    for part in ours:
+        for path in (REPO / part).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    out += [f"{path.relative_to(REPO)}:{node.lineno}: {a.name}" for a in node.names
+                            if a.name.split(".")[0] in ours and _module_file(a.name) is None]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                        and node.module.split(".")[0] in ours:
+                    target = _module_file(node.module)
+                    if target is None:
+                        out.append(f"{path.relative_to(REPO)}:{node.lineno}: {node.module}")
+                        continue
+                    names = _top_level_names(target)
+                    out += [f"{path.relative_to(REPO)}:{node.lineno}: {node.module}.{a.name}" for a in node.names
+                            if a.name != "*" and a.name not in names
+                            and _module_file(f"{node.module}.{a.name}") is None]
+    return sorted(out)
+
+
+def test_every_import_of_the_repository_resolves_in_it() -> None:
+    assert unresolved_imports() == []

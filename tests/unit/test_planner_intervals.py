@@ -1,5 +1,5 @@
 """Forecast intervals from held-out errors (turnscope/planner/intervals.py), the frontier's rows that
-matter and the interval wording (dashboard/plan_check.py): hand-made inputs, hand-computed outputs."""
+matter and the interval wording (turnscope/analysis/plan_check.py): hand-made inputs, hand-computed outputs."""
 
 from __future__ import annotations
 

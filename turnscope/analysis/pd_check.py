@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from turnscope.modes import MODES, serving_mode
 from turnscope.store import connect_read_only
 
 #: vLLM's counter of prompt tokens by where their KV came from (``PromptTokenStats``).
@@ -32,13 +33,14 @@ def decode_computed_prompts(mode: str, pd_turns: int, local_compute: float | Non
     """The sentence that fails a P/D run whose decode worker computed prompts itself, or None.
 
     Args:
-        mode: the run's serving mode (only ``pd*`` modes are checked).
+        mode: the run's serving mode (only P/D modes, ``turnscope.modes.ServingMode.disaggregated``,
+            are checked; an attached server's ``attach`` is not).
         pd_turns: turns the proxy reported through P (a reuse outcome set: P answered, D was called).
         local_compute, external_kv: how much D's ``vllm:prompt_tokens_by_source_total`` rose
             during the run for ``source="local_compute"`` and ``"external_kv_transfer"``, tokens;
             None when D was not scraped (nothing to check).
     """
-    if not mode.startswith("pd") or pd_turns <= 0 or local_compute is None or \
+    if mode not in MODES or not serving_mode(mode).disaggregated or pd_turns <= 0 or local_compute is None or \
             (isinstance(local_compute, float) and math.isnan(local_compute)):
         return None
     allowed = pd_turns * LOCAL_TOKENS_PER_PD_TURN

@@ -24,6 +24,7 @@ import pandas as pd
 
 from serving import handles as h
 from turnscope.analysis.plan_check import headline_check
+from turnscope.modes import BIDIRECTIONAL_MODES
 from turnscope.planner.check import check_runs
 from turnscope.planner.fit import fit_profile
 from turnscope.planner.profile import MODES, CostProfile, HeldOutErrors
@@ -73,7 +74,7 @@ def held_out_summary(checks: pd.DataFrame) -> pd.DataFrame:
     for mode, g in ok.groupby("mode", sort=False):
         rel = ((g["predicted_ttft_s"] - g["measured_ttft_s"]).abs() / g["measured_ttft_s"]).to_numpy(float)
         later = g[g["turn_index"] >= 1]
-        bidir = str(mode).startswith("pd-bidir") and len(later)
+        bidir = str(mode) in BIDIRECTIONAL_MODES and len(later)
         rec_hit = float((later["recorded_outcome"] == h.HIT).mean()) if bidir else np.nan
         pred_hit = float((later["predicted_outcome"] == h.HIT).mean()) if bidir else np.nan
         rec_pull, pred_pull = int(g["recorded_pulled_tokens"].fillna(0).sum()), int(g["predicted_pulled_tokens"].sum())
@@ -101,7 +102,7 @@ def held_out_errors(checks: pd.DataFrame, split: Split) -> HeldOutErrors:
         r = (g["measured_ttft_s"] / g["predicted_ttft_s"]).to_numpy(float)
         ratio[str(mode)] = tuple(float(x) for x in np.quantile(r, INTERVAL_Q))
         later = g[g["turn_index"] >= 1]
-        if str(mode).startswith("pd-bidir") and len(later):
+        if str(mode) in BIDIRECTIONAL_MODES and len(later):
             per_run = later.groupby("checked_run_id").apply(
                 lambda x: float((x["recorded_outcome"] == h.HIT).mean() - (x["predicted_outcome"] == h.HIT).mean()),
                 include_groups=False).to_numpy(float)
