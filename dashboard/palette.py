@@ -59,7 +59,7 @@ TIME_COLORS = {
 
 #: Reference lines, "no difference" marks, configured settings.
 NEUTRAL = "#7f7f7f"
-NEUTRAL_DARK = "#4c4c4c"
+NEUTRAL_DARK = "#262626"
 #: A limit crossed, a failed turn, the share lost.
 ALARM = "#d62728"
 #: The two sides of a comparison when a side is not one mode (or both sides are the same mode).

@@ -327,6 +327,7 @@ def test_palettes_keep_meanings_apart():
     modes = set(palette.MODE_COLORS.values())
     assert not modes & set(palette.OUTCOME_COLORS.values()) and not modes & set(palette.TIME_COLORS.values())
     assert not modes & set(palette.AB_COLORS.values())
+    assert not modes & {palette.NEUTRAL, palette.NEUTRAL_DARK, palette.ALARM}  # reference lines are no mode
     # by-design outcomes are greys (r = g = b), misses that cost are not
     grey = [o for o, c in palette.OUTCOME_COLORS.items() if c[1:3] == c[3:5] == c[5:7]]
     assert sorted(grey) == sorted(palette.QUIET_OUTCOMES)
