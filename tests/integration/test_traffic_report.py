@@ -146,7 +146,7 @@ def test_one_format_prints_one_reuse_row_and_two_print_each_and_all(report, tmp_
     it); a report of two prints both formats and ``all``, whose input tokens are the two added."""
     _, _, out = report
     assert [ln.split(":")[0].strip() for ln in out.splitlines() if ln.strip().startswith("reuse (")] == ["reuse (all)"]
-    tracelab = DEFAULT_DIR.parent.parent / "tracelab_round_trace.jsonl"
+    tracelab = DEFAULT_DIR.parent / "tracelab_round_trace.jsonl"
     code, out2 = cli("traffic", "--store", str(tmp_path / "s"), str(DEFAULT_DIR), str(tracelab))
     assert code == 0, out2
     rows = {ln.split(":")[0].strip(): ln for ln in out2.splitlines() if ln.strip().startswith("reuse (")}

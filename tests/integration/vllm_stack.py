@@ -79,7 +79,6 @@ class VllmStack:
         self.model = str(ensure_model())
         self.connector = connector or Connector()
         topo = embedded_topology(self.model, connector=self.connector)
-        topo.env = {"VLLM_SERVER_DEV_MODE": "1"}  # vLLM's /reset_prefix_cache, for reset_prefix_caches()
         topo.prefill = [WorkerEntry(port=free_port(), side_channel_port=free_port(), cores=[0])
                         for _ in range(prefill_workers)]  # several P share core 0, as embedded-cpu-2p1d.yaml
         topo.decode = [WorkerEntry(port=free_port(), side_channel_port=free_port(), cores=[1])]
@@ -106,41 +105,6 @@ class VllmStack:
     def stop(self):
         for w in self.workers + [self.reference]:
             w.stop()
-
-    def restart_exited(self) -> list[str]:
-        """Start again (same spec, port and log) every launched worker whose process has exited
-        (a test that killed one and failed before restarting it); return their names."""
-        restarted = []
-        for i, w in enumerate(self.workers):
-            if w.proc is not None and w.proc.poll() is not None:
-                self.workers[i] = self._started_again(w)
-                restarted.append(w.spec.name)
-        if self.reference.proc is not None and self.reference.proc.poll() is not None:
-            self.reference = self._started_again(self.reference)
-            restarted.append(self.reference.spec.name)
-        return restarted
-
-    @staticmethod
-    def _started_again(w: WorkerProcess) -> WorkerProcess:
-        new = WorkerProcess(w.spec, w.log_path)
-        new.start()
-        new.wait_healthy(300)
-        new.pin()
-        return new
-
-    def reset_prefix_caches(self, timeout_s: float = 90.0) -> None:
-        """Empty every running worker's prefix cache (vLLM's dev-mode ``POST /reset_prefix_cache``),
-        so that a test module finds the caches as a fresh start leaves them. vLLM refuses while
-        blocks are held (D keeps a finished session's blocks for ``decoder_kv_blocks_ttl``): retried
-        until ``timeout_s``. Raises RuntimeError naming the worker that never emptied."""
-        for w in self.workers + [self.reference]:
-            if w.proc is None or w.proc.poll() is not None:
-                continue
-            deadline = time.monotonic() + timeout_s
-            while not httpx.post(w.spec.url + "/reset_prefix_cache", timeout=30).json().get("success"):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{w.spec.name}: prefix cache not emptied within {timeout_s:.0f} s")
-                time.sleep(1.0)
 
     def worker(self, role: str) -> WorkerSpec:
         return next(w.spec for w in self.workers if w.spec.role == role)
