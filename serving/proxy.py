@@ -466,7 +466,9 @@ class SessionProxy:
 
     def prefill_failed(self, req: ProxiedRequest, exc: Exception) -> Response:
         """The client's answer when the prefill leg failed; D is never called, so the turn is not
-        served by D alone as if P/D had happened (vllm-project/router issue 2). P's HTTP error keeps
+        served by D alone as if P/D had happened (a reported bug of vLLM's router: its prefill leg
+        kept ``stream_options`` with ``stream=false``, vLLM answered 400, and the router decoded
+        anyway). P's HTTP error keeps
         P's status, its message prefixed with the worker's name and status (``prefill worker
         prefill-0 answered HTTP 400: ...``); an unreachable or timed-out P is a 502 naming it. No
         reuse header: there was no reuse. Counted in ``turnscope_prefill_failures_total{reason}``."""

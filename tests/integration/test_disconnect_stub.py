@@ -105,7 +105,7 @@ def test_a_client_leaving_at_each_phase_closes_the_leg_in_flight_and_keeps_no_ha
 def test_a_prefill_worker_refusing_every_request_is_never_reported_as_pd():
     """P answers 400 to everything while D would serve alone: every turn is a failed turn naming
     P and its message, D is never called, no reuse is reported and no handle is kept (the failure
-    vllm-project/router issue 2 describes: decode went ahead without P's KV and looked healthy)."""
+    the reported bug of vLLM's router describes: decode went ahead without P's KV and looked healthy)."""
     with AppThread(prefill_app(status=400)) as p, AppThread(decode_app(gen=4)) as d, \
             ProxyThread(config(p, d)) as proxy, httpx.Client() as c:
         results = [stream_turn(c, proxy.url + "/v1/completions", body(True, "s1") | {"max_tokens": 4},

@@ -1,7 +1,9 @@
 """Did P/D happen? A run's check, from the decode worker's own counters.
 
 A P/D setup can fail while every request answers 200: a prefill leg that errors and a router that
-goes on to decode anyway (vllm-project/router issue 2), or a KV pull that fails and D recomputes.
+goes on to decode anyway (a reported bug of vLLM's router: its prefill leg kept ``stream_options``
+with ``stream=false``, vLLM answered 400, and the router decoded anyway), or a KV pull that fails
+and D recomputes.
 Then D serves alone, with no KV transfer, and the run's latencies describe aggregated serving
 while its rows say P/D. D's ``vllm:prompt_tokens_by_source_total`` tells (vLLM
 ``PromptTokenStats``: ``local_compute`` + ``local_cache_hit`` + ``external_kv_transfer`` = prompt
