@@ -124,7 +124,10 @@ class ModeStack:
         with open(self.log_dir / f"{self.mode}-proxy.log", "ab") as log:
             self.proxy = subprocess.Popen(self.proxy_command(cfg_path), stdout=log, stderr=subprocess.STDOUT,
                                           cwd=REPO_ROOT, start_new_session=True)
-        wait_http(self.proxy_url + "/health", 30, self.proxy)
+        # The proxy's own start (Python imports) can take far longer than its usual 2-3 s on a loaded
+        # machine (an empty log after 30 s at a load average of 23 once failed a demo whose workers
+        # were healthy): it gets the workers' start-up limit; a proxy that exits still fails at once.
+        wait_http(self.proxy_url + "/health", self.topology.startup_timeout_s, self.proxy)
 
     def _stop_proxy(self) -> None:
         if self.proxy is not None and self.proxy.poll() is None:
