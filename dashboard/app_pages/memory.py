@@ -40,15 +40,15 @@ COST_FORMATS = {"held (GiB·s)": "{:.4f}", "peak (MiB)": "{:.1f}", "pulled (toke
                 "prefill ms/1k tok": "{:.2f}", "NIXL (s)": "{:.3f}", "saved (s, est.)": "{:.3f}",
                 "GiB·s per s saved": "{:.4f}"}
 #: Cost-table columns that have no value for some runs (no NIXL time measured, nothing saved).
-BLANKABLE = ("NIXL (s)", "GiB·s per s saved")
+BLANKABLE = ("prefill ms/1k tok", "NIXL (s)", "saved (s, est.)", "GiB·s per s saved")
 st.subheader("The cost of reuse")
 cost = load(sel.root, queries.reuse_cost, f)
 if cost.empty:
     st.info("No selected run held handles or pulled KV from D (pd-bidir modes do).")
 else:
     st.dataframe(
-        # blanks, not "None", where a figure does not apply (no NIXL time, nothing saved): Streamlit
-        # prints None for a missing number whatever the Styler says, so those two columns are text
+        # blanks, not "None", where a figure does not apply (no P, no NIXL time, nothing saved):
+        # Streamlit prints None for a missing number whatever the Styler says, so those columns are text
         tables.blank_missing(tables.reuse_cost_table(cost), {c: COST_FORMATS[c] for c in BLANKABLE}),
         hide_index=True,
         key="reuse_cost",
@@ -59,11 +59,11 @@ else:
                 "(view run_handle_memory); runs recorded without handle sizes: the proxy's gauge during the run"),
             "peak (MiB)": st.column_config.NumberColumn(format="%.1f", help="peak handle KV"),
             "pulled (tokens)": st.column_config.NumberColumn(format="%d", help="tokens P pulled from D"),
-            "prefill ms/1k tok": st.column_config.NumberColumn(
-                format="%.2f", help="P's compute time per 1,000 tokens, on turns that pulled nothing"
+            "prefill ms/1k tok": st.column_config.TextColumn(
+                help="P's compute time per 1,000 tokens, on turns that pulled nothing (blank: no P, aggregated)"
             ),
             "NIXL (s)": st.column_config.TextColumn(help="P's measured NIXL transfer time (blank: none measured)"),
-            "saved (s, est.)": st.column_config.NumberColumn(format="%.3f", help="prefill seconds saved, estimated"),
+            "saved (s, est.)": st.column_config.TextColumn(help="prefill seconds saved, estimated (blank: no P)"),
             "GiB·s per s saved": st.column_config.TextColumn(help="blank: nothing saved"),
         },
     )

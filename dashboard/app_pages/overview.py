@@ -89,11 +89,11 @@ if f.narrows_turns:
     st.caption("The run table counts every turn of each run; the archetype and kind filters apply above.")
 summary = load(sel.root, queries.run_summary, run_ids)
 st.dataframe(
-    tables.run_summary_table(summary),
+    # a run without proxy outcomes (aggregated) has no hit rate: a blank, not Streamlit's "None"
+    tables.blank_missing(tables.run_summary_table(summary), {hit_rate.LABEL: "{:.1%}"}),
     hide_index=True,
     key="run_summary",
     column_config={
-        hit_rate.LABEL: st.column_config.NumberColumn(format="percent"),
         "TTFT p50 (ms)": st.column_config.NumberColumn(format="%.1f"),
         "TTFT p90 (ms)": st.column_config.NumberColumn(format="%.1f"),
         "TTFT mean (ms)": st.column_config.NumberColumn(format="%.1f"),
