@@ -242,19 +242,23 @@ WITH ep AS (
 ), life AS (
     SELECT run_id, endpoint, max(restarts_before) AS restarts FROM engine_lifetimes
     WHERE list_contains($run_ids::VARCHAR[], run_id) GROUP BY ALL
-), stale AS (
-    SELECT run_id, count(*) FILTER (WHERE handle_spans_restart) AS turns_on_pre_restart_handles,
-           count(*) FILTER (WHERE stale_hit) AS stale_hits
-    FROM turn_lifetimes WHERE list_contains($run_ids::VARCHAR[], run_id) GROUP BY ALL
 )
 SELECT ep.run_id, ep.endpoint, ep.role, info.vllm_version, info.spec_decode, src.itl_source,
        i.itl_events, i.itl_mean_s_per_event, i.tokens_per_event, i.itl_mean_s_per_token,
-       coalesce(life.restarts, 0) AS restarts,
-       coalesce(stale.turns_on_pre_restart_handles, 0) AS turns_on_pre_restart_handles,
-       coalesce(stale.stale_hits, 0) AS stale_hits
+       coalesce(life.restarts, 0) AS restarts
 FROM ep LEFT JOIN server_itl i USING (run_id, endpoint) LEFT JOIN src USING (run_id, endpoint)
-LEFT JOIN info USING (run_id, endpoint) LEFT JOIN life USING (run_id, endpoint) LEFT JOIN stale USING (run_id)
+LEFT JOIN info USING (run_id, endpoint) LEFT JOIN life USING (run_id, endpoint)
 ORDER BY ep.run_id, ep.endpoint
+"""
+
+# One run's turns on handles issued before a decode restart. Asked only of runs whose decode
+# restarted (without a restart no handle can span one), one run at a time: DuckDB pushes an
+# equality on run_id into turn_lifetimes' ASOF joins, not a list_contains, and over every turn the
+# view cost 24 s at 10,000,000 turns (bench/dashboard_scale.py; 6 s for one run of 1,000,000).
+_STALE = """
+SELECT count(*) FILTER (WHERE handle_spans_restart) AS turns_on_pre_restart_handles,
+       count(*) FILTER (WHERE stale_hit) AS stale_hits
+FROM turn_lifetimes WHERE run_id = $run_id
 """
 
 
@@ -266,4 +270,12 @@ def server_side(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) -
     restarts (engine lifetimes after the first), turns_on_pre_restart_handles and stale_hits (the
     run's turns whose handle was issued before a decode restart, and those recorded as hits;
     docs/schema.md, ``turn_lifetimes``). One row per endpoint."""
-    return run_sql(con, _SERVER_SIDE, {"run_ids": id_list(as_filter(f).run_ids)})
+    out = run_sql(con, _SERVER_SIDE, {"run_ids": id_list(as_filter(f).run_ids)})
+    out["turns_on_pre_restart_handles"] = 0
+    out["stale_hits"] = 0
+    for run_id in out.loc[out["restarts"] > 0, "run_id"].unique():
+        stale = run_sql(con, _STALE, {"run_id": run_id}).iloc[0]
+        at = out["run_id"] == run_id
+        out.loc[at, "turns_on_pre_restart_handles"] = int(stale["turns_on_pre_restart_handles"])
+        out.loc[at, "stale_hits"] = int(stale["stale_hits"])
+    return out

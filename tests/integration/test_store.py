@@ -12,6 +12,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
+from dashboard.queries import turns as turn_queries
 from tests.handed_cases import CASES as HANDED
 from turnscope.store import SCHEMA_PATH, Store
 
@@ -84,6 +85,12 @@ def test_store_handle_across_decode_restart(store: Store) -> None:
     # bracketing by scrape time instead would have flagged s3/1 (issued 12:01:50, before the
     # 12:02:00 scrape that first showed the new lifetime): the view does not
     assert "s3/1" not in turns("handle_spans_restart")
+    # the Turns page's server-side table counts the same turns (it asks turn_lifetimes only of runs
+    # whose decode restarted)
+    side = turn_queries.server_side(con, ["r1"])
+    assert not side.empty and (side["restarts"] == expect["decode_restarts"]).all()
+    assert (side["turns_on_pre_restart_handles"] == len(expect["handles_spanning_restart"])).all()
+    assert (side["stale_hits"] == len(expect["stale_handle_hits"])).all()
 
 
 def test_store_unknown_column_and_table(store: Store) -> None:
