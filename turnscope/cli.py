@@ -71,6 +71,8 @@ console = Console()
 _state: dict = {}
 ALL_MODES = ",".join(MODES)
 LOG_DIR = default_log_dir()
+#: The DuckDB shell beside this Python (the duckdb-cli dependency), as an operator types it.
+DUCKDB = ".venv/bin/duckdb" if resources.in_checkout() else str(Path(sys.executable).with_name("duckdb"))
 
 ModesOpt = Annotated[str, typer.Option(help=f"Comma-separated serving modes, of: {', '.join(MODES)}.")]
 StoreOpt = Annotated[Path | None, typer.Option(help="Store directory (Parquet shards + turnscope.duckdb "
@@ -816,7 +818,7 @@ def dashboard(store: StoreOpt = None,
         raise fail(f"port {port} on {host} is already in use (another dashboard? `ss -ltnp` shows who); "
                    "stop it or pass --port")
     env = os.environ | {"TURNSCOPE_STORE": str(store)}
-    console.print(f"dashboard: http://{host}:{port}  (SQL: .venv/bin/duckdb {store / 'turnscope.duckdb'})")
+    console.print(f"dashboard: http://{host}:{port}  (SQL: {DUCKDB} {store / 'turnscope.duckdb'})")
     try:
         # dashboard/serve.py: `streamlit run dashboard/app.py` with the pages' libraries imported first
         rc = subprocess.run([sys.executable, importlib.util.find_spec("dashboard.serve").origin,
@@ -840,7 +842,7 @@ def demo(
     store = store or settings().store
     evaluate(modes=",".join(MODES), histories="text,token_ids", workload=None, time_scale=1.0, sessions=sessions,
              users=1, max_turns=max_turns, max_tokens=32, gap_s=0.5, topology=None, store=store, label="demo")
-    console.print(f"query it: .venv/bin/duckdb {store / 'turnscope.duckdb'} -c \"select mode, history_mode, "
+    console.print(f"query it: {DUCKDB} {store / 'turnscope.duckdb'} -c \"select mode, history_mode, "
                   "turn_index, median(ttft_s) from turn_breakdown group by all order by all\"", highlight=False)
     if not no_dashboard:
         dashboard(store=store, port=8501)
