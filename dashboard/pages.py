@@ -1,7 +1,7 @@
 """The dashboard's pages, one entry each, in menu order.
 
 Adding a page: its script ``dashboard/app_pages/<slug>.py`` (it draws ``st.title(<title>)`` and
-reads ``dashboard.context.selection()``) and one :class:`Page` in :data:`PAGES`. ``dashboard/app.py``
+reads ``dashboard.context.current()``) and one :class:`Page` in :data:`PAGES`. ``dashboard/app.py``
 builds Streamlit's navigation from this list; the benches (``bench/dashboard_browser.py``,
 ``bench/dashboard_scale.py``) and the tests (``tests/integration/test_dashboard_*.py``,
 ``tests/e2e/``) take their pages, scripts, titles and URL paths from it, and
