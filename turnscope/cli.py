@@ -355,7 +355,8 @@ def roll_up_quietly(store: Path) -> None:
 def traffic(
     paths: Annotated[list[Path], typer.Argument(
         help="Trace files or directories: kv-cache-tester (a file or a directory of trace_*.json), TraceLab "
-             "round_trace.jsonl, Mooncake jsonl, Azure csv, or a store directory (its recorded runs).")],
+             "round_trace.jsonl, Mooncake jsonl, Azure csv, or a store directory (its recorded runs); a shipped "
+             "trace also by its name (kv-cache-tester, tracelab_round_trace.jsonl).")],
     format: Annotated[str | None, typer.Option(
         "--format", help=f"Read every path as this format ({', '.join(REQUEST_FORMATS)}). "
                          "Default: detected per path.")] = None,

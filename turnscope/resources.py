@@ -12,8 +12,9 @@ by the wheel as the package ``turnscope_data`` (pyproject.toml, ``[tool.setuptoo
 Every module that reads one asks this module (:func:`shipped`, :func:`schema_path`, :func:`find`),
 never a path relative to its own file. In a checkout (plain, or the editable install) they are the
 checkout's ``data/`` next to the code that runs, so a second worktree reads its own files, not
-those of the checkout the editable install points at; installed from the wheel, they are read
-through ``importlib.resources``. An installation must be unzipped (pip's default): the files are
+those of the checkout the editable install points at (whose ``turnscope_data`` mapping, a
+namespace package behind setuptools' placeholder path, ``importlib.resources`` cannot read on
+Python 3.11 either); installed from the wheel, they are read through ``importlib.resources``. An installation must be unzipped (pip's default): the files are
 handed to DuckDB, subprocesses and YAML readers as paths.
 
 Made, read-write (:func:`home`): the store, the embedded model and the logs go by default under the
