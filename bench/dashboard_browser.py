@@ -49,15 +49,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from dashboard.pages import PAGES as REGISTRY
+
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
-#: page slug (URL path, "" for the default page) -> the title its script draws.
-PAGES = {
-    "overview": ("", "Overview"), "turns": ("turns", "Turns"), "sessions": ("sessions", "Sessions"),
-    "memory": ("memory", "Memory"), "compare": ("compare", "Compare"), "sweep": ("sweep", "Sweep"),
-    "traffic": ("traffic", "Traffic"), "plan": ("plan", "Plan"), "sql": ("sql", "SQL"),
-}  # fmt: skip
+#: page slug -> (URL path, "" for the default page; the title its script draws), of dashboard/pages.py.
+PAGES = {p.slug: (p.url_path, p.title) for p in REGISTRY}
 QUIET_S = 1.0
 TIMEOUT_S = 180.0
 

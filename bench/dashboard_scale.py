@@ -41,6 +41,7 @@ import pyarrow.parquet as pq
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from dashboard import pages
 from turnscope.modes import MODES
 from turnscope.store import Store
 
@@ -53,7 +54,8 @@ TURN_SHARDS_PER_RUN = 10
 KV_BYTES_PER_TOKEN = 4096
 TTL_S, MARGIN_S = 480.0, 30.0
 QUERY_TARGET_S, PAGE_TARGET_S = 0.300, 2.0
-PAGES = ("overview", "turns", "sessions", "memory", "compare", "sql")
+#: The pages an evaluation's store fills (dashboard/pages.py).
+PAGES = tuple(p.slug for p in pages.drawing("runs", "store"))
 
 
 # --- the synthetic store ------------------------------------------------------------------------
@@ -273,12 +275,12 @@ def render(page: str, at=None):
 
     st.cache_data.clear()
     if at is None:
-        at = AppTest.from_file(str(REPO / "dashboard" / "app.py"), default_timeout=600)
+        at = AppTest.from_file(str(pages.APP), default_timeout=600)
     t0 = time.perf_counter()
-    if page == "overview":
+    if pages.page(page).default:
         at.run()
     else:
-        at.switch_page(f"app_pages/{page}.py").run()
+        at.switch_page(pages.page(page).script).run()
     elapsed = time.perf_counter() - t0
     if at.exception:
         raise RuntimeError(f"{page}: {[e.value for e in at.exception]}")
@@ -301,12 +303,12 @@ def measure(root: Path, repeats: int) -> list[dict]:
     log: list[tuple[str, float, float]] = []
     instrument(log)
     # Warm the process (imports, plotly templates) on the first page before measuring anything.
-    render("overview", AppTest.from_file(str(REPO / "dashboard" / "app.py"), default_timeout=600))
+    render("overview", AppTest.from_file(str(pages.APP), default_timeout=600))
     results = []
     for page in PAGES:
         colds, runs = [], []
         for _ in range(repeats):
-            at = AppTest.from_file(str(REPO / "dashboard" / "app.py"), default_timeout=600)
+            at = AppTest.from_file(str(pages.APP), default_timeout=600)
             # The app frame first, as a browser would have it, for every page (the Overview is then
             # rendered a second time, caches emptied): an AppTest's first run also scans every
             # installed package for Streamlit components (BidiComponentManager, ~0.3 s here),

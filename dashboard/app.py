@@ -1,9 +1,9 @@
 """turnscope dashboard: `streamlit run dashboard/app.py`.
 
-Read-only over the store named by ``$TURNSCOPE_STORE`` (default ``<repo>/data``). This script
-owns what every page shares: the store, its empty states, and the sidebar's filters (run, mode,
-archetype, turn kind, gap kind); the pages in ``dashboard/app_pages/`` read the resulting
-`dashboard.context.Selection`.
+Read-only over the store named by ``$TURNSCOPE_STORE`` (default ``dashboard.db.DEFAULT_STORE``).
+This script owns what every page shares: the store, its empty states, and the sidebar's filters
+(run, mode, archetype, turn kind, gap kind); the pages (``dashboard/pages.py``, their scripts in
+``dashboard/app_pages/``) read the resulting `dashboard.context.Selection`.
 """
 
 from __future__ import annotations
@@ -11,31 +11,23 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-_REPO = Path(__file__).resolve().parents[1]
-if str(_REPO) not in sys.path:  # `streamlit run` puts dashboard/ on sys.path, not the repo root
-    sys.path.insert(0, str(_REPO))
+# `streamlit run` puts dashboard/ on sys.path, not the folder holding the dashboard package (a
+# checkout's root, or site-packages installed): this script's code, not another copy's, runs.
+_CODE_ROOT = Path(__file__).resolve().parents[1]
+if str(_CODE_ROOT) not in sys.path:
+    sys.path.insert(0, str(_CODE_ROOT))
 
 import pandas as pd
 import streamlit as st
 
-from dashboard import context, db, loader, queries
+from dashboard import context, db, loader, pages, queries
 from dashboard.figures import MODE_ORDER
 
 st.set_page_config(page_title="turnscope", page_icon=":material/query_stats:", layout="wide")
 
-PAGES = [
-    st.Page("app_pages/overview.py", title="Overview", icon=":material/dashboard:", default=True),
-    st.Page("app_pages/turns.py", title="Turns", icon=":material/timeline:"),
-    st.Page("app_pages/sessions.py", title="Sessions", icon=":material/account_tree:"),
-    st.Page("app_pages/memory.py", title="Memory", icon=":material/memory:"),
-    st.Page("app_pages/compare.py", title="Compare", icon=":material/compare_arrows:"),
-    st.Page("app_pages/sweep.py", title="Sweep", icon=":material/stacked_line_chart:"),
-    st.Page("app_pages/traffic.py", title="Traffic", icon=":material/airline_stops:"),
-    st.Page("app_pages/plan.py", title="Plan", icon=":material/online_prediction:"),
-    st.Page("app_pages/sql.py", title="SQL", icon=":material/terminal:"),
-]
+PAGES = [st.Page(p.script, title=p.title, icon=p.icon, default=p.default) for p in pages.PAGES]
 #: Pages that need no recorded run (a store may hold only forecasts or traffic reports).
-WITHOUT_RUNS = ("Plan", "Traffic", "SQL")
+WITHOUT_RUNS = [sp for sp, p in zip(PAGES, pages.PAGES, strict=True) if not p.needs_runs]
 
 store = db.store_from_env()
 st.sidebar.caption(f"Store: `{store.root}`")
@@ -79,7 +71,7 @@ if runs.empty:
         st.info(f"No runs yet in `{store.root}`: run `turnscope demo`.")
         st.stop()
     # Only forecasts or traffic reports: show the pages that read them, not the run filters.
-    nav = st.navigation([p for p in PAGES if p.title in WITHOUT_RUNS])
+    nav = st.navigation(WITHOUT_RUNS)
     st.sidebar.caption("No recorded runs in this store: showing its forecasts and traffic reports.")
     context.publish(context.Selection(store=store, runs=runs, run_ids=(), modes=()))
     nav.run()

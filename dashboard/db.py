@@ -27,12 +27,13 @@ import duckdb
 import pandas as pd
 
 from dashboard.rollup import Rollups
+from turnscope import resources
 from turnscope.store import Store
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 ENV_VAR = "TURNSCOPE_STORE"
 DB_FILE = "turnscope.duckdb"
-DEFAULT_STORE = REPO_ROOT / "data"
+#: turnscope's home: the checkout's ``data/``, or ``./turnscope-data`` installed (turnscope.resources).
+DEFAULT_STORE = resources.home()
 #: How long a cached result may live (s). Query results are keyed by the store's version
 #: (``dashboard.loader.store_version``) and derived results (bootstraps) by their input rows, so the
 #: TTL only bounds how long an unused entry holds memory, not how fresh a result is.
@@ -67,7 +68,7 @@ class StoreLocation:
 
 
 def store_from_env() -> StoreLocation:
-    """The store named by ``$TURNSCOPE_STORE``, else ``<repo>/data``."""
+    """The store named by ``$TURNSCOPE_STORE``, else :data:`DEFAULT_STORE`."""
     raw = os.environ.get(ENV_VAR, "").strip()
     return StoreLocation(Path(raw).expanduser().resolve() if raw else DEFAULT_STORE)
 

@@ -10,6 +10,7 @@ import logging
 from typing import Any
 
 from loadgen.traces.taubench import DEFAULT_TRACE
+from turnscope import resources
 from turnscope.contract import HISTORY_MODES
 from turnscope.modes import ATTACH_MODE
 
@@ -19,8 +20,9 @@ log = logging.getLogger("turnscope.locust")
 def add_arguments(parser: Any) -> None:
     """Add the ``--turnscope-*`` options to Locust's parser (and bind listeners to the loopback)."""
     g = parser.add_argument_group("turnscope", "turnscope agent-session workload")
-    g.add_argument("--turnscope-store", type=str, default="data",
-                   help="store root: shards go to <store>/runs/<run_id>/ (default: data)")
+    g.add_argument("--turnscope-store", type=str, default=str(resources.home()),
+                   help="store root: shards go to <store>/runs/<run_id>/ (default: data/ of the checkout, "
+                        "./turnscope-data installed)")
     g.add_argument("--turnscope-run-id", type=str, default="",
                    help="run id (letters, digits, . _ -); default: locust-<UTC time>-<random>")
     g.add_argument("--turnscope-trace", type=str, default=str(DEFAULT_TRACE),

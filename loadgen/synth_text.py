@@ -39,10 +39,11 @@ from typing import Any, Protocol
 import httpx
 import numpy as np
 
+from turnscope import resources
 from turnscope.tokenize_client import TokenizeClient, TokenizeError
 
 #: Words of this trace are the candidates when the tokenizer's vocabulary is not at hand.
-_CANDIDATE_TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "gpt-4o-airline.json"
+_CANDIDATE_TRACE = resources.shipped("traces", "gpt-4o-airline.json")
 _WORD = re.compile(r"^[a-z]{2,12}$")
 _VOCAB_WORD = re.compile(r"^(?:\u0120|\u2581)([a-z]{2,12})$")  # Ġword (byte-level BPE) / ▁word (SentencePiece)
 _MIN_UNITS = 32

@@ -94,10 +94,10 @@ from pydantic import (
 from loadgen.session import SessionPlan, TurnPlan, plan_from_conversation
 from loadgen.synth_text import TextSynth, seed_ints
 from loadgen.traces.formats import REPLAY_FORMATS, resolve, trace_format
-from turnscope import yaml_file
+from turnscope import resources, yaml_file
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-WORKLOAD_DIR = REPO_ROOT / "data" / "workloads"
+#: The shipped workloads (turnscope.resources).
+WORKLOAD_DIR = resources.shipped("workloads")
 GapKind = Literal["tool", "think", "pause"]
 _GAP_KINDS = ("tool", "think", "pause")
 
@@ -482,13 +482,14 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 
 def _resolve(path_str: str, base: Path) -> Path:
+    """A trace path of a workload file: absolute, relative to the file's folder, or a shipped trace
+    (``data/traces/...`` as the repository spells it, or a name under ``traces/``)."""
     p = Path(path_str)
     if p.is_absolute():
         return p
-    for root in (base, REPO_ROOT):
-        if (root / p).exists():
-            return (root / p).resolve()
-    return (base / p).resolve()
+    if (base / p).exists():
+        return (base / p).resolve()
+    return (resources.find_shipped(p, "traces") or base / p).resolve()
 
 
 def load_workload(path: Path | str, _stack: tuple[Path, ...] = ()) -> Workload:
@@ -496,17 +497,14 @@ def load_workload(path: Path | str, _stack: tuple[Path, ...] = ()) -> Workload:
 
     ``include`` entries are replaced by the included file's archetypes (recursively; weights
     normalised and scaled) and trace paths are made absolute, so the result is self-contained (it
-    is what a run records as its workload spec). A bare name (``mixed``) is looked up in
-    ``data/workloads/``.
+    is what a run records as its workload spec). A path that does not exist is looked up among the
+    shipped workloads (``mixed``, ``mixed.yaml``, ``data/workloads/mixed.yaml``; turnscope.resources.find).
 
     Raises:
         WorkloadError: unreadable file, bad YAML (with its line), a field that fails validation
             (``<file>: mix.0.archetype.turns.kind: ...``), an include cycle or a missing trace file.
     """
-    p = Path(path)
-    if not p.exists() and not p.suffix and (WORKLOAD_DIR / f"{p}.yaml").exists():
-        p = WORKLOAD_DIR / f"{p}.yaml"
-    p = p.resolve()
+    p = resources.find(path, "workloads").resolve()
     if p in _stack:
         raise WorkloadError(f"{p}: include cycle: {' -> '.join(str(x) for x in (*_stack, p))}")
     raw = _read_yaml(p)
@@ -936,7 +934,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m loadgen.workload FILE --tokenizer DIR``: validate a workload and summarise its plan."""
     ap = argparse.ArgumentParser(prog="python -m loadgen.workload", description=main.__doc__)
     ap.add_argument("workload", help="workload YAML (or a name under data/workloads/)")
-    ap.add_argument("--tokenizer", default=str(REPO_ROOT / "data" / "models" / "turnscope-tiny"),
+    ap.add_argument("--tokenizer", default=str(resources.home() / "models" / "turnscope-tiny"),
                     help="tokenizer.json or model directory (default: the embedded model)")
     ap.add_argument("--sessions", type=int, default=None)
     ap.add_argument("--time-scale", type=float, default=1.0)

@@ -21,9 +21,12 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL_DIR = REPO_ROOT / "data" / "models" / "turnscope-tiny"
-DEFAULT_CORPUS = REPO_ROOT / "data" / "traces" / "gpt-4o-airline.json"
+from turnscope import resources
+
+#: Where ``turnscope model`` writes it by default: ``models/`` of turnscope's home (the checkout's
+#: ``data/``, or ``./turnscope-data`` installed; turnscope.resources).
+DEFAULT_MODEL_DIR = resources.home() / "models" / "turnscope-tiny"
+DEFAULT_CORPUS = resources.shipped("traces", "gpt-4o-airline.json")
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 

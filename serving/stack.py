@@ -8,6 +8,7 @@ and starts ``python -m serving.proxy_server``; on exit it stops everything it st
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -19,8 +20,7 @@ from serving.prefix_index import DEFAULT_CAPACITY_BLOCKS
 from serving.proxy import ProxyConfig, Worker
 from serving.topology import Topology
 from serving.workers import WorkerProcess, mode_workers, port_in_use, wait_http, worker_block_size
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from turnscope import resources
 
 
 class ModeStack:
@@ -122,8 +122,9 @@ class ModeStack:
         cfg_path = self.log_dir / f"{self.mode}-proxy.json"
         cfg_path.write_text(self.proxy_config().model_dump_json(indent=2))
         with open(self.log_dir / f"{self.mode}-proxy.log", "ab") as log:
+            env = os.environ | {"PYTHONPATH": resources.pythonpath(os.environ.get("PYTHONPATH"))}
             self.proxy = subprocess.Popen(self.proxy_command(cfg_path), stdout=log, stderr=subprocess.STDOUT,
-                                          cwd=REPO_ROOT, start_new_session=True)
+                                          env=env, start_new_session=True)
         # The proxy's own start (Python imports) can take far longer than its usual 2-3 s on a loaded
         # machine (an empty log after 30 s at a load average of 23 once failed a demo whose workers
         # were healthy): it gets the workers' start-up limit; a proxy that exits still fails at once.

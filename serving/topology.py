@@ -24,7 +24,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from turnscope import yaml_file
+from turnscope import resources, yaml_file
 from turnscope.connector import Connector
 from turnscope.contract import SESSION, RoutingPolicy
 from turnscope.modes import MODES, SERVING_MODES
@@ -151,7 +151,8 @@ def load_topology(path: Path) -> Topology:
     topo = yaml_file.load_model(path, Topology, "topology", TopologyError)
     model = Path(topo.model)
     if topo.launch and not model.is_absolute():  # relative to the file, whether built yet or not
-        topo.model = str((path.parent / model).resolve())
+        # a shipped topology's model is made under turnscope's home, not in the installed package
+        topo.model = str(resources.made_path((path.parent / model).resolve()))
     return topo
 
 

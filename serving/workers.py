@@ -26,6 +26,7 @@ import httpx
 import psutil
 
 from serving.topology import LOCAL_HOSTS, RoleSettings, Topology
+from turnscope import resources
 from turnscope.connector import Connector
 from turnscope.modes import serving_mode
 
@@ -237,11 +238,11 @@ class WorkerProcess:
                                        "use (another turnscope or vLLM still running? `ss -ltnp` shows who)")
         argv, env = worker_command(self.spec)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        repo_root = str(Path(__file__).resolve().parents[1])
-        full_env = os.environ | env | {"PYTHONPATH": repo_root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        # the worker (and the processes vLLM spawns) imports this turnscope's serving package
+        full_env = os.environ | env | {"PYTHONPATH": resources.pythonpath(os.environ.get("PYTHONPATH"))}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env,
-                                         start_new_session=True, cwd=repo_root)
+                                         start_new_session=True)
 
     def wait_healthy(self, timeout_s: float = 240.0) -> float:
         """Block until ``/health`` answers 200 (from this worker's own process, when launched here);

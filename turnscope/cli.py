@@ -8,6 +8,7 @@ every run.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shlex
 import signal
@@ -29,7 +30,7 @@ from serving.prometheus_config import render_prometheus_config
 from serving.stack import ModeStack
 from serving.topology import ProxySettings, Topology, TopologyError, embedded_topology, load_topology
 from serving.workers import mode_workers, port_in_use, worker_command
-from turnscope import console_text
+from turnscope import console_text, resources
 from turnscope.analysis import pd_check
 from turnscope.contract import (
     DECODER_KV_BLOCKS_TTL_S,
@@ -37,7 +38,7 @@ from turnscope.contract import (
     ROUTING_POLICIES,
     RoutingPolicy,
 )
-from turnscope.evaluation import REPO_ROOT, default_settings, run_eval
+from turnscope.evaluation import default_log_dir, default_settings, run_eval
 from turnscope.modes import MODES
 from turnscope.prefix_sweep import SWEEP_MODES, plan_sweep, run_sweep
 from turnscope.settings import SettingsError, TurnscopeSettings
@@ -69,18 +70,28 @@ app = typer.Typer(help="Does reusing KV cache across the turns of agent sessions
 console = Console()
 _state: dict = {}
 ALL_MODES = ",".join(MODES)
-LOG_DIR = REPO_ROOT / "data" / "runs" / "_logs"
+LOG_DIR = default_log_dir()
+#: The DuckDB shell beside this Python (the duckdb-cli dependency), as an operator types it.
+DUCKDB = ".venv/bin/duckdb" if resources.in_checkout() else str(Path(sys.executable).with_name("duckdb"))
 
 ModesOpt = Annotated[str, typer.Option(help=f"Comma-separated serving modes, of: {', '.join(MODES)}.")]
 StoreOpt = Annotated[Path | None, typer.Option(help="Store directory (Parquet shards + turnscope.duckdb "
-                                                    "views). Default: settings `store` (data/).")]
+                                                    "views). Default: settings `store` (data/ of the checkout, "
+                                                    "./turnscope-data installed).")]
 TopologyOpt = Annotated[Path | None, typer.Option(
-    help="Topology YAML (workers, model, connector settings). Default: the embedded CPU layout from settings.")]
+    help="Topology YAML (workers, model, connector settings), or a shipped one's name (embedded-cpu-2p1d). "
+         "Default: the embedded CPU layout from settings.")]
 _ROUTING_HELP = (f"How the proxy picks the {{role}} worker of a request: {', '.join(ROUTING_POLICIES)} "
                  "(docs/configuration.md, \"Routing\"). Default: settings `{role}_routing` (session); "
                  "wins over a topology file's `proxy.{role}_routing`. Recorded with each run.")
 PrefillRoutingOpt = Annotated[RoutingPolicy | None, typer.Option(help=_ROUTING_HELP.format(role="prefill"))]
 DecodeRoutingOpt = Annotated[RoutingPolicy | None, typer.Option(help=_ROUTING_HELP.format(role="decode"))]
+
+
+def shipped(path: Path | None, kind: str) -> Path | None:
+    """``path`` as given, or the shipped file of that name when it does not exist (``--profile
+    embedded-cpu``, ``data/workloads/mixed.yaml`` from any directory; turnscope.resources.find)."""
+    return None if path is None else resources.find(path, kind)
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
@@ -137,7 +148,7 @@ def _topology(path: Path | None, prefill_routing: str | None = None, decode_rout
                                    prefill_routing=s.prefill_routing, decode_routing=s.decode_routing)
         return topo
     try:
-        topo = load_topology(path)
+        topo = load_topology(shipped(path, "topologies"))
     except TopologyError as exc:
         raise fail(str(exc)) from exc
     if prefill_routing is not None:
@@ -166,7 +177,8 @@ def evaluate(
     histories: Annotated[str, typer.Option(help="History modes: text (chat clients), token_ids (RL clients).")
                          ] = "text,token_ids",
     workload: Annotated[Path | None, typer.Option(
-        help="Workload YAML (data/workloads/). Default: replay of the tau-bench airline conversations.")] = None,
+        help="Workload YAML, or a shipped one's name (mixed, claude-code-pair, ...). Default: replay of the "
+             "tau-bench airline conversations.")] = None,
     time_scale: Annotated[float, typer.Option(help="Multiplies a workload's gaps (0.05 compresses 10 min to 30 s).")
                           ] = 1.0,
     sessions: Annotated[int, typer.Option(help="Sessions per run.")] = 4,
@@ -196,8 +208,9 @@ def evaluate(
     s = settings(prefill_routing=first, decode_routing=decode_routing)
     topo = _topology(topology, first, decode_routing)
     store = store or s.store
+    workload = shipped(workload, "workloads")
     if workload is not None and not workload.exists():
-        raise fail(f"workload file {workload} does not exist (shipped ones: data/workloads/*.yaml)")
+        raise fail(f"workload file {workload} does not exist (shipped: {', '.join(resources.names('workloads'))})")
     ev = default_settings(Path(topo.model), topology=topo, modes=_split(modes), histories=_split(histories),
                           sessions=sessions, users=users, max_turns=max_turns, max_tokens=max_tokens, gap_s=gap_s,
                           store=store, label=label, workload=workload, time_scale=time_scale,
@@ -299,7 +312,8 @@ def print_bottom_line(store: Path, run_ids: list[str]) -> None:
 
 
 SWEEP_MODE_LIST = ",".join(SWEEP_MODES)
-VENDOR_SWEEP = REPO_ROOT / "data" / "workloads" / "vendor-sweep.yaml"
+VENDOR_SWEEP = resources.shipped("workloads", "vendor-sweep.yaml")
+CAPACITY_WORKLOAD = resources.shipped("workloads", "capacity.yaml")
 
 
 @app.command()
@@ -341,7 +355,8 @@ def roll_up_quietly(store: Path) -> None:
 def traffic(
     paths: Annotated[list[Path], typer.Argument(
         help="Trace files or directories: kv-cache-tester (a file or a directory of trace_*.json), TraceLab "
-             "round_trace.jsonl, Mooncake jsonl, Azure csv, or a store directory (its recorded runs).")],
+             "round_trace.jsonl, Mooncake jsonl, Azure csv, or a store directory (its recorded runs); a shipped "
+             "trace also by its name (kv-cache-tester, tracelab_round_trace.jsonl).")],
     format: Annotated[str | None, typer.Option(
         "--format", help=f"Read every path as this format ({', '.join(REQUEST_FORMATS)}). "
                          "Default: detected per path.")] = None,
@@ -363,7 +378,7 @@ def traffic(
 
     s = settings()
     try:
-        rep = build_report(Store(store or s.store), paths, format=format, label=label,
+        rep = build_report(Store(store or s.store), [shipped(p, "traces") for p in paths], format=format, label=label,
                            ttl_s=ttl_s if ttl_s is not None else float(s.connector.decoder_kv_blocks_ttl),
                            recompute_threshold_tokens=int(s.connector.kv_recompute_threshold))
     except (TraceFormatError, ValueError, OSError, RuntimeError) as exc:
@@ -377,7 +392,8 @@ def plan(
         help="Traffic: trace files or directories (as `turnscope traffic` reads them), or a store directory "
              "(its recorded runs).")],
     profile: Annotated[Path | None, typer.Option(
-        help="Cost profile YAML (data/profiles/*.yaml). Default: fitted from the recorded runs given by --fit-runs.")
+        help="Cost profile YAML, or a shipped one's name (embedded-cpu, vendor-h200). Default: fitted from the "
+             "recorded runs given by --fit-runs.")
                        ] = None,
     fit_runs: Annotated[str | None, typer.Option(
         help="Comma-separated run ids of the store (--store) to fit the profile from, and to check the forecast "
@@ -412,7 +428,8 @@ def plan(
 
     s = settings()
     try:
-        text = run_plan(paths, profile_path=profile, fit_runs=_split(fit_runs) if fit_runs else None,
+        text = run_plan([shipped(p, "traces") for p in paths], profile_path=shipped(profile, "profiles"),
+                        fit_runs=_split(fit_runs) if fit_runs else None,
                         format=format, store_root=store or s.store,
                         ttl_s=ttl_s if ttl_s is not None else float(s.connector.decoder_kv_blocks_ttl),
                         margin_s=margin_s,
@@ -449,6 +466,7 @@ def plan_check(
     from turnscope.planner.profile import load_profile
 
     fit_root = fit_store or check_store
+    profile = shipped(profile, "profiles")
     try:
         split = held_out.check_split(str(fit_root), _split(fit_runs) if fit_runs else None, str(check_store),
                                      _split(check_runs) if check_runs else None,
@@ -467,7 +485,7 @@ def plan_check(
 def recommend(
     paths: Annotated[list[Path], typer.Argument(
         help="Traffic: trace files or directories (as `turnscope plan` reads them).")],
-    profile: Annotated[Path, typer.Option(help="Cost profile YAML (data/profiles/*.yaml).")],
+    profile: Annotated[Path, typer.Option(help="Cost profile YAML, or a shipped one's name (embedded-cpu, vendor-h200).")],
     format: Annotated[str | None, typer.Option("--format", help="Read every path as this format.")] = None,
     current_strategy: Annotated[str, typer.Option(
         help="The current setting's strategy: recompute, pd, pd+host, pd-bidir or pd-bidir+host.")] = "pd-bidir",
@@ -496,7 +514,7 @@ def recommend(
 
     try:
         text = run_recommend(
-            paths, profile_path=profile, format=format,
+            [shipped(p, "traces") for p in paths], profile_path=shipped(profile, "profiles"), format=format,
             current=Setting(current_strategy, ttl_s, threshold, None, prefill_workers, 1, routing),
             margin_s=margin_s, ttft_slo_s=ttft_slo_s, d_kv_gib=d_kv_gib, gpu_hour_usd=gpu_hour_usd,
             host_gib_hour_usd=host_gib_hour_usd, max_prefill_workers=max_prefill_workers, serve_model=serve_model,
@@ -535,7 +553,7 @@ def profile_from_timing(
     try:
         anchor = PublishedTTFT(anchor_tokens, anchor_ttft_s, anchor_source) if anchor_tokens is not None else None
         check = PublishedTTFT(check_tokens, check_ttft_s, "published check") if check_tokens is not None else None
-        text = write_measured_profile(timing, base, out, name=name, anchor=anchor, check=check)
+        text = write_measured_profile(timing, shipped(base, "profiles"), out, name=name, anchor=anchor, check=check)
     except (ValueError, OSError) as exc:
         raise fail(str(exc)) from exc
     typer.echo(text)
@@ -571,6 +589,7 @@ def sweep(
     published --histories text --modes <the attached mode>` (docs/gpu-runbook.md).
     """
     s = settings(prefill_routing=prefill_routing, decode_routing=decode_routing)
+    workload = shipped(workload, "workloads")
     if not workload.exists():
         raise fail(f"workload file {workload} does not exist (the vendor's: data/workloads/vendor-sweep.yaml)")
     try:
@@ -640,7 +659,7 @@ def print_sweep_summary(store: Path, run_ids: list[str]) -> None:
 @app.command()
 def capacity(
     workload: Annotated[Path, typer.Option(help="Workload YAML whose sessions the ramp plays.")
-                        ] = REPO_ROOT / "data" / "workloads" / "capacity.yaml",
+                        ] = CAPACITY_WORKLOAD,
     users: Annotated[str, typer.Option(help="Load steps: concurrent sessions, comma-separated, ascending.")
                      ] = "1,2,3,4,6",
     sessions_per_user: Annotated[int, typer.Option(help="Sessions each concurrent user plays per step.")] = 2,
@@ -677,6 +696,7 @@ def capacity(
     from turnscope.evaluation import Slo
 
     s = settings(prefill_routing=prefill_routing, decode_routing=decode_routing)
+    workload = shipped(workload, "workloads")
     if not workload.exists():
         raise fail(f"workload file {workload} does not exist (the shipped one: data/workloads/capacity.yaml)")
     try:
@@ -799,10 +819,10 @@ def dashboard(store: StoreOpt = None,
         raise fail(f"port {port} on {host} is already in use (another dashboard? `ss -ltnp` shows who); "
                    "stop it or pass --port")
     env = os.environ | {"TURNSCOPE_STORE": str(store)}
-    console.print(f"dashboard: http://{host}:{port}  (SQL: .venv/bin/duckdb {store / 'turnscope.duckdb'})")
+    console.print(f"dashboard: http://{host}:{port}  (SQL: {DUCKDB} {store / 'turnscope.duckdb'})")
     try:
         # dashboard/serve.py: `streamlit run dashboard/app.py` with the pages' libraries imported first
-        rc = subprocess.run([sys.executable, str(REPO_ROOT / "dashboard" / "serve.py"),
+        rc = subprocess.run([sys.executable, importlib.util.find_spec("dashboard.serve").origin,
                              "--server.headless", "true", "--server.address", host, "--server.port", str(port),
                              "--browser.gatherUsageStats", "false", "--client.toolbarMode", "viewer"], env=env, check=False).returncode
     except KeyboardInterrupt:
@@ -823,7 +843,7 @@ def demo(
     store = store or settings().store
     evaluate(modes=",".join(MODES), histories="text,token_ids", workload=None, time_scale=1.0, sessions=sessions,
              users=1, max_turns=max_turns, max_tokens=32, gap_s=0.5, topology=None, store=store, label="demo")
-    console.print(f"query it: .venv/bin/duckdb {store / 'turnscope.duckdb'} -c \"select mode, history_mode, "
+    console.print(f"query it: {DUCKDB} {store / 'turnscope.duckdb'} -c \"select mode, history_mode, "
                   "turn_index, median(ttft_s) from turn_breakdown group by all order by all\"", highlight=False)
     if not no_dashboard:
         dashboard(store=store, port=8501)

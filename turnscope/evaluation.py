@@ -10,6 +10,7 @@ domain logic lives in ``serving`` and ``loadgen``.
 from __future__ import annotations
 
 import datetime as dt
+import importlib.util
 import json
 import os
 import random
@@ -29,17 +30,22 @@ from loadgen.workload import load_workload
 from serving.embedded_model import ModelSpec
 from serving.stack import ModeStack
 from serving.topology import Topology, embedded_topology
-from turnscope import console_text, speed_probe
+from turnscope import console_text, resources, speed_probe
 from turnscope.contract import RoutingPolicy
 from turnscope.modes import MODES, serving_mode
 from turnscope.store import Store
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 #: Seconds between rewrites of a running run's ``runs_log`` row (the ``runs`` view reads a running
 #: run whose row is older than three of them as ``aborted``).
 HEARTBEAT_S = 5.0
 #: At most this many seconds of final scrapes after a run's last turn (loadgen.scraper.MetricsScraper.stop).
 FINAL_SCRAPE_SETTLE_S = 5.0
+
+
+def default_log_dir() -> Path:
+    """Where workers, proxies and Locust log by default: ``runs/_logs`` of turnscope's home (the
+    checkout's ``data/``, or ``./turnscope-data`` installed; turnscope.resources)."""
+    return resources.home() / "runs" / "_logs"
 
 
 class Slo(BaseModel):
@@ -58,7 +64,7 @@ class EvalSettings(BaseModel):
     topology: Topology
     modes: list[str] = Field(default_factory=lambda: list(MODES))
     histories: list[str] = Field(default_factory=lambda: ["text", "token_ids"])
-    store: Path = REPO_ROOT / "data"
+    store: Path = Field(default_factory=resources.home)
     label: str = "eval"
     sessions: int = 4
     users: int = 2
@@ -72,7 +78,7 @@ class EvalSettings(BaseModel):
     workload: Path | None = None      # a workload YAML (loadgen.workload); None: tau-bench replay
     time_scale: float = 1.0           # multiplies the workload's gaps (compress minute-long pauses)
     operator_config: dict = Field(default_factory=dict)  # TurnscopeSettings.effective(), saved per run
-    log_dir: Path = REPO_ROOT / "data" / "runs" / "_logs"
+    log_dir: Path = Field(default_factory=lambda: default_log_dir())
     slo: Slo | None = None            # the latency bounds goodput is counted at (turnscope capacity)
     # P routing policies to run in turn on each mode's workers (the proxy restarted between them);
     # None: the topology's proxy.prefill_routing only
@@ -151,7 +157,8 @@ def warm_up(proxy_url: str, model: str, turns: int = 2, prompt_tokens: int = 600
 
 def run_locust(s: EvalSettings, run_id: str, host: str, history: str, mode: str) -> int:
     """Run the workload headless with Locust until every session was played; return its exit code."""
-    argv = [sys.executable, "-m", "locust", "-f", str(REPO_ROOT / "loadgen" / "locustfile.py"), "--headless",
+    locustfile = importlib.util.find_spec("loadgen.locustfile").origin  # found, not imported (it patches gevent)
+    argv = [sys.executable, "-m", "locust", "-f", locustfile, "--headless",
             "-u", str(s.users), "-r", str(s.users), "--run-time", f"{s.run_time_limit_s}s", "--host", host,
             "--only-summary", "--loglevel", "WARNING",
             "--turnscope-store", str(s.store), "--turnscope-run-id", run_id,
@@ -169,7 +176,8 @@ def run_locust(s: EvalSettings, run_id: str, host: str, history: str, mode: str)
         if Path(s.topology.model, "tokenizer.json").exists():
             argv += ["--turnscope-tokenizer", s.topology.model]
     with open(s.log_dir / f"{run_id}-locust.log", "ab") as log:
-        return subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, check=False,
+        env = os.environ | {"PYTHONPATH": resources.pythonpath(os.environ.get("PYTHONPATH"))}
+        return subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, check=False,
                               timeout=s.run_time_limit_s + 120).returncode
 
 

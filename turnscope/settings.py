@@ -57,12 +57,12 @@ from pydantic import (
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 from pydantic_settings import SettingsError as _PydanticSettingsError
 
-from turnscope import yaml_file
+from serving.embedded_model import DEFAULT_MODEL_DIR
+from turnscope import resources, yaml_file
 from turnscope.connector import Connector
 from turnscope.contract import SESSION, RoutingPolicy
 from turnscope.redaction import REDACTED, redact
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 ENV_PREFIX = "TURNSCOPE_"
 ENV_NESTED_DELIMITER = "__"
 #: Names the config file when ``load()`` is not given one.
@@ -156,9 +156,9 @@ class TurnscopeSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter=ENV_NESTED_DELIMITER,
                                       extra="forbid", validate_default=True, case_sensitive=False)
 
-    store: Path = Field(REPO_ROOT / "data", description="store root: Parquet shards + turnscope.duckdb views")
-    model: Path = Field(REPO_ROOT / "data" / "models" / "turnscope-tiny",
-                        description="model directory the workers load (default: the embedded tiny model)")
+    store: Path = Field(default_factory=resources.home,
+                        description="store root: Parquet shards + turnscope.duckdb views")
+    model: Path = Field(DEFAULT_MODEL_DIR, description="model directory the workers load (default: the embedded tiny model)")
     served_model_name: str = Field("turnscope-tiny", min_length=1)
     host: str = Field("127.0.0.1", min_length=1, description="address the proxy and embedded workers bind")
     ports: PortSettings = Field(default_factory=PortSettings)

@@ -43,13 +43,15 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from turnscope import resources
 from turnscope.redaction import redact
 
 log = logging.getLogger(__name__)
 
 #: The DuckDB file of views under a store root.
 DB_FILE = "turnscope.duckdb"
-SCHEMA_PATH = Path(__file__).resolve().parents[1] / "data" / "schema.sql"
+#: The contract (``schema.sql`` of the shipped files, turnscope.resources).
+SCHEMA_PATH = resources.schema_path()
 
 #: Bumped when the way views are generated changes (part of the schema version hash).
 _VIEW_GENERATOR_VERSION = "1"
@@ -201,7 +203,7 @@ class Store:
 
     Args:
         root: the store directory (created by :meth:`init` if missing), e.g. ``data/``.
-        schema_path: the contract; defaults to the repository's ``data/schema.sql``.
+        schema_path: the contract; defaults to the shipped ``schema.sql`` (:data:`SCHEMA_PATH`).
     """
 
     def __init__(self, root: Path, schema_path: Path = SCHEMA_PATH):

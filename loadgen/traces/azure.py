@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loadgen.traces.errors import TraceFormatError
+from turnscope import resources
 
 #: The shipped copy (CC-BY-4.0, see data/traces/SOURCES.md).
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "data" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+DEFAULT_TRACE = resources.shipped("traces", "AzureLLMInferenceTrace_conv.csv")
 _COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
 

@@ -49,9 +49,10 @@ from typing import Any
 
 from loadgen.traces.agent_request import AgentRequest, bounded_gap
 from loadgen.traces.errors import TraceFormatError
+from turnscope import resources
 
 #: The shipped copies (Apache-2.0, see data/traces/SOURCES.md).
-DEFAULT_DIR = Path(__file__).resolve().parents[2] / "data" / "traces" / "kv-cache-tester"
+DEFAULT_DIR = resources.shipped("traces", "kv-cache-tester")
 #: Tokens per hash block when the file does not say (``block_size``).
 BLOCK_TOKENS = 64
 FORMAT = "kv_cache_tester"

@@ -38,9 +38,10 @@ import numpy as np
 
 from loadgen.traces.errors import TraceFormatError
 from loadgen.traces.jsonl import iter_json_objects
+from turnscope import resources
 
 #: The shipped copy (Apache-2.0, see data/traces/SOURCES.md).
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "data" / "traces" / "conversation_trace.jsonl"
+DEFAULT_TRACE = resources.shipped("traces", "conversation_trace.jsonl")
 BLOCK_TOKENS = 512
 
 

@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from loadgen.traces.errors import TraceFormatError
+from turnscope import resources
 
 #: The trace shipped with turnscope (MIT, see data/traces/SOURCES.md).
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "data" / "traces" / "gpt-4o-airline.json"
+DEFAULT_TRACE = resources.shipped("traces", "gpt-4o-airline.json")
 
 _ROLES = ("system", "user", "assistant", "tool")
 

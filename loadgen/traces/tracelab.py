@@ -42,9 +42,10 @@ from typing import Any
 from loadgen.traces.agent_request import AgentRequest, bounded_gap
 from loadgen.traces.errors import TraceFormatError
 from loadgen.traces.jsonl import iter_json_objects
+from turnscope import resources
 
 #: The shipped copy (CC-BY-4.0, see data/traces/SOURCES.md).
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "data" / "traces" / "tracelab_round_trace.jsonl"
+DEFAULT_TRACE = resources.shipped("traces", "tracelab_round_trace.jsonl")
 FORMAT = "tracelab"
 _INPUT_EVENTS = ("user_message", "tool_result")
 

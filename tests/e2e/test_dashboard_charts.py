@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from dashboard import pages
 from tests import dashboard_store
 from tests.e2e.test_dashboard_browser import (  # noqa: F401  (browser: a fixture used below)
     CHROMIUM,
@@ -35,18 +36,8 @@ pytestmark = [
     pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing: apt-get install chromium"),
 ]
 
-#: (URL path, heading) of every page of dashboard/app.py.
-PAGES = [
-    ("", "Overview"),
-    ("turns", "Turns"),
-    ("sessions", "Sessions"),
-    ("memory", "Memory"),
-    ("compare", "Compare"),
-    ("sweep", "Sweep"),
-    ("traffic", "Traffic"),
-    ("plan", "Plan"),
-    ("sql", "SQL"),
-]
+#: (URL path, heading) of every page of the dashboard (dashboard/pages.py).
+PAGES = [(p.url_path, p.title) for p in pages.PAGES]
 
 #: Reads every drawn figure: per trace, the points outside its axes' rendered ranges; per figure,
 #: the number of points and of drawn marks. Runs in the page.

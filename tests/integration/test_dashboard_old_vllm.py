@@ -19,13 +19,15 @@ import plotly.io as pio
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from dashboard import pages
 from loadgen.scraper import MetricsScraper
 from tests.handed_cases import CASES
 from tests.integration.metrics_endpoint import MetricsEndpoint, histograms_zeroed
 from turnscope.store import Store
 
-APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
-PAGES = ("overview", "turns", "sessions", "memory", "compare", "sql")
+APP = pages.APP
+#: The pages an evaluation's store fills (dashboard/pages.py).
+PAGES = tuple(p.slug for p in pages.drawing("runs", "store"))
 CASE = "renamed_metrics_old_names"
 RUN = "attach-old-vllm"
 CLIENT_ITL_S = 0.025
@@ -60,8 +62,8 @@ def store_root(tmp_path_factory) -> Path:
 def open_page(monkeypatch: pytest.MonkeyPatch, root: Path, page: str) -> AppTest:
     monkeypatch.setenv("TURNSCOPE_STORE", str(root))
     at = AppTest.from_file(str(APP), default_timeout=60).run()
-    if page != "overview":
-        at.switch_page(f"app_pages/{page}.py").run()
+    if not pages.page(page).default:
+        at.switch_page(pages.page(page).script).run()
     assert not at.exception, [e.value for e in at.exception]
     return at
 

@@ -20,12 +20,14 @@ import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
+from dashboard import pages
 from tests import dashboard_store as fx
 from turnscope.store import Store
 
-APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
+APP = pages.APP
 TIMEOUT_S = 60
-PAGES = ("overview", "turns", "sessions", "memory", "compare", "sql")
+#: The pages an evaluation's store fills (dashboard/pages.py).
+PAGES = tuple(p.slug for p in pages.drawing("runs", "store"))
 GIB = 2**30
 
 
@@ -37,10 +39,10 @@ def store_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def open_page(monkeypatch: pytest.MonkeyPatch, root: Path, page: str) -> AppTest:
     monkeypatch.setenv("TURNSCOPE_STORE", str(root))
     at = AppTest.from_file(str(APP), default_timeout=TIMEOUT_S).run()
-    if page != "overview":
-        at.switch_page(f"app_pages/{page}.py").run()
+    if not pages.page(page).default:
+        at.switch_page(pages.page(page).script).run()
     assert not at.exception, [e.value for e in at.exception]
-    assert at.title[0].value == ("SQL" if page == "sql" else page.capitalize())
+    assert at.title[0].value == pages.page(page).title
     return at
 
 

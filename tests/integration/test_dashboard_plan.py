@@ -14,6 +14,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 from typer.testing import CliRunner
 
+from dashboard import pages
 from tests import planner_store as fx
 from turnscope.cli import app
 
@@ -45,7 +46,7 @@ def plans_only(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def open_plan(monkeypatch: pytest.MonkeyPatch, root: Path) -> AppTest:
     monkeypatch.setenv("TURNSCOPE_STORE", str(root))
     at = AppTest.from_file(str(APP), default_timeout=60).run()
-    at.switch_page("app_pages/plan.py").run()
+    at.switch_page(pages.page("plan").script).run()
     assert not at.exception, [e.value for e in at.exception]
     assert at.title[0].value == "Plan"
     return at
@@ -96,7 +97,7 @@ def test_a_store_with_only_plans_shows_the_plan_page(monkeypatch, plans_only):
     assert not at.exception, [e.value for e in at.exception]
     assert not any(i.value.startswith("No runs yet") for i in at.info)
     assert any("No recorded runs" in c.value for c in at.sidebar.caption)
-    at.switch_page("app_pages/plan.py").run()
+    at.switch_page(pages.page("plan").script).run()
     assert not at.exception, [e.value for e in at.exception]
     assert any("FORECAST (profile vendor-h200)" in h.value for h in at.subheader)
     # the speed-up lines are the plan_speedups rows, each labelled as a forecast

@@ -12,6 +12,7 @@ import plotly.io as pio
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from dashboard import pages
 from dashboard.sweep_figures import IDEAL_NAME, LIMIT_NAME
 from loadgen import eval_report as report
 from tests import sweep_store as sx
@@ -29,7 +30,7 @@ def open_sweep(monkeypatch: pytest.MonkeyPatch, root: Path, vendor: bool = True)
     from the page's default (the dashboard's convention: the median from the second turn)."""
     monkeypatch.setenv("TURNSCOPE_STORE", str(root))
     at = AppTest.from_file(str(APP), default_timeout=60).run()
-    at.switch_page("app_pages/sweep.py").run()
+    at.switch_page(pages.page("sweep").script).run()
     assert not at.exception, [e.value for e in at.exception]
     assert at.title[0].value == "Sweep"
     if vendor and any(r.key == "sweep_turns" for r in at.radio):  # a store without sweeps has no radios

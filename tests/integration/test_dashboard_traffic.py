@@ -9,6 +9,7 @@ from pathlib import Path
 
 from streamlit.testing.v1 import AppTest
 
+from dashboard import pages
 from loadgen.traces.kv_cache_tester import DEFAULT_DIR
 from loadgen.traffic import build_report
 from tests.unit.test_agent_traces import TRACES, truth, walk
@@ -24,7 +25,7 @@ def test_traffic_page_without_runs(monkeypatch, tmp_path):
     at = AppTest.from_file(str(APP), default_timeout=120).run()
     # No runs: only the pages that read forecasts and traffic reports are offered, and it says so.
     assert any("traffic reports" in c.value for c in at.sidebar.caption)
-    at.switch_page("app_pages/traffic.py").run()
+    at.switch_page(pages.page("traffic").script).run()
     assert not at.exception, [e.value for e in at.exception]
     sessions = requests = 0
     for p in TRACES:

@@ -14,6 +14,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 from typer.testing import CliRunner
 
+from dashboard import pages
 from tests import planner_store as fx
 from turnscope.cli import app
 from turnscope.planner.fit import fit_profile
@@ -138,7 +139,7 @@ def test_cli_plan_check_then_plan_with_intervals(stores, tmp_path, monkeypatch):
     # the Plan page shows the intervals and the profile's held-out errors
     monkeypatch.setenv("TURNSCOPE_STORE", str(store))
     at = AppTest.from_file(str(Path(__file__).resolve().parents[2] / "dashboard" / "app.py"), default_timeout=60).run()
-    at.switch_page("app_pages/plan.py").run()
+    at.switch_page(pages.page("plan").script).run()
     assert not at.exception, [e.value for e in at.exception]
     text = " ".join(m.value for m in at.markdown)
     assert f"**pd-bidir-nocache vs pd-nocache**: speed-up {s:.2f}x (80% interval {lo:.2f}-{hi:.2f}x)" in text

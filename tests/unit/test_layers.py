@@ -46,7 +46,7 @@ def test_part_imports_no_other_part(part: str, forbidden: set[str]) -> None:
 
 #: The ground every part stands on: it imports nothing of turnscope's outside itself.
 GROUND = ("turnscope.contract", "turnscope.modes", "turnscope.connector", "turnscope.store", "turnscope.reuse_rules",
-          "turnscope.tokenize_client", "turnscope.redaction", "turnscope.yaml_file")
+          "turnscope.tokenize_client", "turnscope.redaction", "turnscope.yaml_file", "turnscope.resources")
 #: Layer of each package prefix, bottom (0) up; a module may import its own layer's (within its
 #: package) and lower layers only. The conductor (CLI, settings, eval, sweep, capacity) is the rest
 #: of ``turnscope``, on top.
