@@ -486,6 +486,13 @@ def recommend(
     max_prefill_workers: Annotated[int, typer.Option(help="Search prefill workers 1..this.")] = 1,
     serve_model: Annotated[str, typer.Option(help="The model argument to print in the vllm serve flags.")] = "MODEL",
     platform: Annotated[str, typer.Option(help="Render the flags for this platform: gpu or cpu.")] = "gpu",
+    topology: Annotated[Path | None, typer.Option(
+        help="The current deployment's topology file, the base of the printed topology diff (default: the "
+             "embedded layout with --platform cpu, a generic 1P1D GPU layout with gpu).")] = None,
+    store: Annotated[Path | None, typer.Option(
+        help="Write the ledger and the recommendation to this store (plan_ledger, plan_recommendations; the "
+             "dashboard's Plan page shows them). Default: print only.")] = None,
+    label: Annotated[str | None, typer.Option(help="Label of the stored recommendation.")] = None,
 ) -> None:
     """Recommend what to deploy for a traffic (a FORECAST): the ledger of KV retention strategies
     (recompute, P's prefix cache, with a host tier, D-retention, both) and the best setting of TTL,
@@ -500,7 +507,7 @@ def recommend(
             current=Setting(current_strategy, ttl_s, threshold, None, prefill_workers, 1, routing),
             margin_s=margin_s, ttft_slo_s=ttft_slo_s, d_kv_gib=d_kv_gib, gpu_hour_usd=gpu_hour_usd,
             host_gib_hour_usd=host_gib_hour_usd, max_prefill_workers=max_prefill_workers, serve_model=serve_model,
-            platform=platform)
+            platform=platform, topology_path=topology, store_root=store, label=label)
     except (ValueError, OSError, RuntimeError) as exc:
         raise fail(str(exc)) from exc
     typer.echo(text)
