@@ -163,3 +163,31 @@ def test_recommended_topology_loads_with_the_knobs(tmp_path):
     assert "+  decoder_kv_blocks_ttl: 120" in changed and "+proxy: {prefill_routing: round-robin}" in changed
     assert not any("backends" in ln or "aggregated" in ln for ln in changed)
     assert yaml.safe_load(path.read_text())["proxy"]["prefill_routing"] == "round-robin"
+
+
+@pytest.mark.parametrize("strategy", ["pd+host", "pd-bidir+host"])
+def test_recommended_topology_carries_the_host_tier_into_vllms_parser(tmp_path, strategy):
+    """A host strategy's topology: the workers turnscope starts from it, parsed by vLLM 0.32's own
+    parser, get P's MultiConnector (NixlConnector with the topology's backends + OffloadingConnector
+    of the host tier), and D the plain NixlConnector."""
+    from vllm.config.kv_transfer import KVTransferConfig
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    base = load_topology(Path(__file__).resolve().parents[2] / "data/topologies/vendor-h200-1p1d.yaml")
+    setting, host = Setting(strategy, ttl_s=900.0, threshold=256), 8 * 2**30
+    path = tmp_path / "recommended.yaml"
+    path.write_text(topology_yaml(topology_for(base, setting, host), setting, base))
+    specs = {s.role: s for s in mode_workers("pd" if strategy == "pd+host" else "pd-bidir", load_topology(path))}
+    pre = parser.parse_args(worker_command(specs["prefill"])[0][3:])   # after python -m serving.vllm_worker
+    dec = parser.parse_args(worker_command(specs["decode"])[0][3:])
+    assert pre.kv_transfer_config.kv_connector == "MultiConnector"
+    nixl, offload = (KVTransferConfig(**c) for c in pre.kv_transfer_config.kv_connector_extra_config["connectors"])
+    assert nixl.kv_connector_extra_config["backends"] == ["LIBFABRIC"]
+    assert offload.kv_connector == "OffloadingConnector" and offload.kv_connector_extra_config["cpu_bytes_to_use"] == host
+    assert dec.kv_transfer_config.kv_connector == "NixlConnector"
+    bidir = strategy.startswith("pd-bidir")
+    for extra in (nixl.kv_connector_extra_config, dec.kv_transfer_config.kv_connector_extra_config):
+        assert extra.get("bidirectional_kv_xfer", False) is bidir
+        assert not bidir or (extra["decoder_kv_blocks_ttl"] == 900 and extra["kv_recompute_threshold"] == 256)

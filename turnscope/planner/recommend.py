@@ -196,15 +196,19 @@ def choose(evaluated: list[Evaluated], priced: bool) -> Evaluated:
 
 # -- rendering ------------------------------------------------------------------------------------
 
-def role_argv(s: Setting, role: str, model: str, host_kv_bytes: float | None, platform: str = "gpu") -> list[str]:
+def role_argv(s: Setting, role: str, model: str, host_kv_bytes: float | None, platform: str = "gpu",
+              connector: Connector | None = None) -> list[str]:
     """``vllm serve`` arguments (after ``vllm serve``) of one ``role`` (prefill, decode) in ``s``,
     rendered by :func:`serving.workers.worker_command` on ``platform`` (gpu, cpu); a host tier on P wraps
-    the NixlConnector and vLLM's OffloadingConnector (``cpu_bytes_to_use``) in ``MultiConnector``."""
+    the NixlConnector and vLLM's OffloadingConnector (``cpu_bytes_to_use``) in ``MultiConnector``.
+    ``connector``: the deployment's connector settings (a topology's: backends, buffer device...;
+    None: vLLM's defaults), the setting's threshold and TTL put in."""
     bidir = s.strategy in BIDIR
     spec = WorkerSpec(name=role, role=role, host="0.0.0.0", port=8100 if role == "prefill" else 8200, model=model,
                       platform=platform, nixl=True, bidirectional=bidir,
                       prefix_caching=not (role == "prefill" and s.strategy == "recompute"),
-                      connector=Connector(kv_recompute_threshold=s.threshold, decoder_kv_blocks_ttl=int(s.ttl_s)),
+                      connector=(connector or Connector()).model_copy(update={
+                          "kv_recompute_threshold": s.threshold, "decoder_kv_blocks_ttl": int(s.ttl_s)}),
                       kv_cache_bytes=int(s.decode_kv_bytes) if role == "decode" and s.decode_kv_bytes else None)
     argv, _ = worker_command(spec)
     argv = argv[argv.index("--model"):]
@@ -220,10 +224,11 @@ def role_argv(s: Setting, role: str, model: str, host_kv_bytes: float | None, pl
     return argv
 
 
-def _lines(s: Setting, model: str, host_kv_bytes: float | None, platform: str) -> list[str]:
+def _lines(s: Setting, model: str, host_kv_bytes: float | None, platform: str,
+           connector: Connector | None = None) -> list[str]:
     out = [f"# proxy: prefill routing {s.routing}; {s.prefill_workers} prefill, {s.decode_workers} decode worker(s)"]
     for role in ("prefill", "decode"):
-        argv = role_argv(s, role, model, host_kv_bytes, platform)
+        argv = role_argv(s, role, model, host_kv_bytes, platform, connector)
         out.append(f"# {role}: vllm serve")
         flags, i = [], 0
         while i < len(argv):
@@ -238,10 +243,10 @@ def _lines(s: Setting, model: str, host_kv_bytes: float | None, platform: str) -
 
 
 def config_diff(current: Setting, recommended: Setting, model: str, host_kv_bytes: float | None,
-                platform: str = "gpu") -> str:
+                platform: str = "gpu", connector: Connector | None = None) -> str:
     """A unified diff of the two settings' flags, one flag per line, prefixed by role."""
-    return "\n".join(difflib.unified_diff(_lines(current, model, host_kv_bytes, platform),
-                                          _lines(recommended, model, host_kv_bytes, platform),
+    return "\n".join(difflib.unified_diff(_lines(current, model, host_kv_bytes, platform, connector),
+                                          _lines(recommended, model, host_kv_bytes, platform, connector),
                                           "current", "recommended", lineterm="", n=50))
 
 
@@ -420,9 +425,10 @@ def describe(r: Recommendation, profile: CostProfile, base: PlanSettings, limits
         lines += [f"    {w}" for w in r.what_would_change]
     host_kv = profile.host_kv_space_bytes.value if profile.host_kv_space_bytes else None
     lines.append("\nConfig diff (current -> recommended; one flag per line, by role):")
-    lines.append(config_diff(cur.setting, rec.setting, model, host_kv, platform) or "  (no change)")
+    conn = topology.connector if topology is not None else None
+    lines.append(config_diff(cur.setting, rec.setting, model, host_kv, platform, conn) or "  (no change)")
     base_topo = topology if topology is not None else rt.default_topology(model, platform)
-    _, tdiff = rt.topology_diff(base_topo, cur.setting, rec.setting)
+    _, tdiff = rt.topology_diff(base_topo, cur.setting, rec.setting, host_kv)
     lines.append(f"\nTopology file diff (current -> recommended; base: topology {base_topo.name}):")
     lines.append(tdiff or "  (no change)")
     return "\n".join(lines)
@@ -459,9 +465,10 @@ def recommendation_row(r: Recommendation, profile: CostProfile, model: str, plat
                            for k, e in r.knob_effects.items()}
     row["what_would_change"] = list(r.what_would_change)
     host_kv = profile.host_kv_space_bytes.value if profile.host_kv_space_bytes else None
-    row["flags_diff"] = config_diff(cur.setting, rec.setting, model, host_kv, platform)
+    row["flags_diff"] = config_diff(cur.setting, rec.setting, model, host_kv, platform,
+                                    topology.connector if topology is not None else None)
     base_topo = topology if topology is not None else rt.default_topology(model, platform)
-    row["recommended_topology"], row["topology_diff"] = rt.topology_diff(base_topo, cur.setting, rec.setting)
+    row["recommended_topology"], row["topology_diff"] = rt.topology_diff(base_topo, cur.setting, rec.setting, host_kv)
     row["interval_note"] = "; ".join(dict.fromkeys(n for e in (cur, rec) for n in str(e.row["interval_note"]).split("; ")
                                                    if n))
     return row

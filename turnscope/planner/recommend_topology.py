@@ -13,8 +13,11 @@ Knobs and where a topology holds them:
   topology's ``kv_cache_bytes`` on the command line, so the last flag wins in vLLM's parser);
 * the strategy: the serving mode it runs as (``attached_mode`` for an attached deployment, else a
   comment naming ``--modes``): a topology serves every mode, the mode is chosen per run;
-* a host tier (``pd+host``, ``pd-bidir+host``): not expressible in a topology file (turnscope starts
-  P with the NixlConnector alone): a comment says so, and the ``vllm serve`` flags carry it.
+* a host tier (``pd+host``, ``pd-bidir+host``): P's whole ``--kv-transfer-config`` (NixlConnector and
+  OffloadingConnector under MultiConnector, :func:`turnscope.planner.recommend.role_argv`) in
+  ``roles.prefill.args``: it follows the one turnscope renders from the connector, and vLLM's parser
+  keeps the last of a repeated flag (``FlexibleArgumentParser.parse_args`` warns "Found duplicate
+  keys"), so it holds for the strategy's mode only (a comment says which).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from serving.topology import RoleSettings, Topology, WorkerEntry, embedded_topol
 from turnscope.planner.ledger import HOST_STRATEGIES, STRATEGIES
 
 KV_FLAG = "--kv-cache-memory-bytes"
+TRANSFER_FLAG = "--kv-transfer-config"
 
 
 def default_topology(model: str, platform: str) -> Topology:
@@ -69,9 +73,19 @@ def read_base(path) -> Topology:
     return topo
 
 
-def topology_for(base: Topology, setting) -> Topology:
+def _drop_flag(args: list[str], flag: str) -> list[str]:
+    args = list(args)
+    while flag in args:
+        i = args.index(flag)
+        del args[i:i + 2]
+    return args
+
+
+def topology_for(base: Topology, setting, host_kv_bytes: float | None = None) -> Topology:
     """``base`` with the knobs of ``setting`` (a :class:`turnscope.planner.recommend.Setting`) put in
-    (see the module doc). Raises ValueError when ``base`` has no prefill/decode workers."""
+    (see the module doc; ``host_kv_bytes``: one P's host tier, for the host strategies). Raises
+    ValueError when ``base`` has no prefill/decode workers, or a host strategy has no host tier."""
+    from turnscope.planner.recommend import role_argv
     if not (base.prefill and base.decode):
         raise ValueError(f"topology {base.name!r} has no prefill and decode workers: the recommendation is P/D")
     taken = {(w.host, p) for role in ("prefill", "decode", "aggregated") for w in getattr(base, role)
@@ -79,13 +93,20 @@ def topology_for(base: Topology, setting) -> Topology:
     roles = {k: v.model_copy(deep=True) for k, v in base.roles.items()}
     if setting.decode_kv_bytes is not None:
         dec = roles.get("decode") or RoleSettings()
-        args = list(dec.args)
-        while KV_FLAG in args:
-            i = args.index(KV_FLAG)
-            del args[i:i + 2]
-        roles["decode"] = dec.model_copy(update={"args": [*args, KV_FLAG, str(int(setting.decode_kv_bytes))]})
-    update = {"connector": base.connector.model_copy(update={"kv_recompute_threshold": int(setting.threshold),
-                                                            "decoder_kv_blocks_ttl": int(setting.ttl_s)}),
+        roles["decode"] = dec.model_copy(update={"args": [*_drop_flag(dec.args, KV_FLAG), KV_FLAG,
+                                                          str(int(setting.decode_kv_bytes))]})
+    connector = base.connector.model_copy(update={"kv_recompute_threshold": int(setting.threshold),
+                                                  "decoder_kv_blocks_ttl": int(setting.ttl_s)})
+    pre = roles.get("prefill") or RoleSettings()
+    pre_args = _drop_flag(pre.args, TRANSFER_FLAG)
+    if setting.strategy in HOST_STRATEGIES:
+        if not host_kv_bytes:
+            raise ValueError(f"strategy {setting.strategy!r} needs a host tier (the profile's host_kv_space_bytes)")
+        argv = role_argv(setting, "prefill", base.model, host_kv_bytes, base.platform, base.connector)
+        pre_args += [TRANSFER_FLAG, argv[argv.index(TRANSFER_FLAG) + 1]]
+    if pre_args or "prefill" in roles:
+        roles["prefill"] = pre.model_copy(update={"args": pre_args})
+    update = {"connector": connector,
               "prefill": _resized(base.prefill, setting.prefill_workers, taken),
               "decode": _resized(base.decode, setting.decode_workers, taken),
               "proxy": base.proxy.model_copy(update={"prefill_routing": setting.routing}),
@@ -110,15 +131,16 @@ def topology_yaml(topo: Topology, setting, base: Topology | None = None) -> str:
             head.append(f"# {role}[{had}:]: a worker added copies the last one's host, cores and GPUs on the next free "
                         "ports: give each its own node or devices")
     if setting.strategy in HOST_STRATEGIES:
-        head.append("# host tier: not expressible in a topology file (P needs NixlConnector + OffloadingConnector "
-                    "under MultiConnector): start P with the vllm serve flags above")
-    return "\n".join(head) + "\n" + yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=120)
+        head.append(f"# host tier: roles.prefill.args carries P's whole --kv-transfer-config (MultiConnector: NixlConnector "
+                    f"+ OffloadingConnector), after turnscope's: valid for mode {mode} only")
+    return "\n".join(head) + "\n" + yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=4096)
 
 
-def topology_diff(base: Topology, current, recommended) -> tuple[str, str]:
-    """(the recommended topology file's text, the unified diff current -> recommended; empty when equal)."""
-    cur = topology_yaml(topology_for(base, current), current, base)
-    rec = topology_yaml(topology_for(base, recommended), recommended, base)
+def topology_diff(base: Topology, current, recommended, host_kv_bytes: float | None = None) -> tuple[str, str]:
+    """(the recommended topology file's text, the unified diff current -> recommended; empty when
+    equal). ``host_kv_bytes``: one P's host tier (the host strategies)."""
+    cur = topology_yaml(topology_for(base, current, host_kv_bytes), current, base)
+    rec = topology_yaml(topology_for(base, recommended, host_kv_bytes), recommended, base)
     diff = "\n".join(difflib.unified_diff(cur.splitlines(), rec.splitlines(), "current topology",
                                           "recommended topology", lineterm="", n=3))
     return rec, diff
