@@ -23,10 +23,12 @@ def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | No
                   margin_s: float, ttft_slo_s: float | None, d_kv_gib: float | None, gpu_hour_usd: float | None,
                   host_gib_hour_usd: float | None, max_prefill_workers: int, serve_model: str,
                   shared_prefix_tokens: int = 0, grid: Grid | None = None, platform: str = "gpu",
-                  topology_path: Path | None = None, store_root: Path | None = None, label: str | None = None) -> str:
+                  topology_path: Path | None = None, store_root: Path | None = None, label: str | None = None,
+                  run_ids: Sequence[str] | None = None, write_topology: Path | None = None) -> str:
     """The whole command. ``topology_path``: the current deployment's topology file, the base of the
     topology diff (None: :func:`turnscope.planner.recommend_topology.default_topology`);
-    ``store_root``: write the ledger and recommendation there. Raises ValueError/OSError with a clear
+    ``store_root``: write the ledger and recommendation there; ``run_ids``: of a store directory read
+    as traffic, only these runs; ``write_topology``: write the recommended topology file there. Raises ValueError/OSError with a clear
     message (an unknown strategy, a negative price, an unreadable traffic, profile or topology)."""
     if platform not in ("cpu", "gpu"):
         raise ValueError(f"--platform {platform!r}: expected cpu or gpu")
@@ -38,7 +40,7 @@ def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | No
             raise ValueError(f"{name} must not be negative, got {v}")
     prof = load_profile(profile_path)
     topology = read_base(topology_path) if topology_path is not None else None
-    traffic, inputs = read_traffic(paths, format)
+    traffic, inputs = read_traffic(paths, format, run_ids)
     prices = Prices(gpu_hour_usd, host_gib_hour_usd)
     limits = Limits(ttft_slo_s, None if d_kv_gib is None else d_kv_gib * GiB, prices, max_prefill_workers)
     base = PlanSettings(handle_ttl_margin_s=margin_s, shared_prefix_tokens=shared_prefix_tokens)
@@ -53,6 +55,14 @@ def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | No
     table = describe_ledger(led, prof, at, prices)
     rec = recommend(traffic, prof, base, current, limits, grid or Grid())
     text = "\n\n".join([head, table, describe(rec, prof, base, limits, serve_model, platform, topology)])
+    if write_topology is not None:
+        from turnscope.planner.recommend_topology import default_topology, topology_diff
+
+        host_kv = prof.host_kv_space_bytes.value if prof.host_kv_space_bytes else None
+        rec_text, _ = topology_diff(topology or default_topology(serve_model, platform), rec.current.setting,
+                                    rec.recommended.setting, host_kv)
+        Path(write_topology).write_text(rec_text)
+        text += f"\n\nRecommended topology written to {write_topology}."
     if store_root is not None:
         store, plan_id = Store(Path(store_root)), new_plan_id()
         notes = [(f"a recommendation (`turnscope recommend`): the ledger at the current setting ({current.label()}) "

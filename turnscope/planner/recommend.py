@@ -338,11 +338,11 @@ def _fmt(knob: str, v) -> str:
 def figure_intervals(profile: CostProfile, e: Evaluated) -> dict:
     """The 80% intervals of an :class:`Evaluated`'s printed figures (NaN ends: none): ``ttft_mean``,
     ``ttft_p90`` (seconds), ``hit_rate``, ``d_pinned`` (GiB-s; (0, 0) for a strategy that pins nothing
-    on D). The row's own intervals (:func:`turnscope.planner.ledger.ledger_intervals`) where it has
+    on D, where the TTFTs have intervals). The row's own intervals (:func:`turnscope.planner.ledger.ledger_intervals`) where it has
     them; p90 from the same TTFT ratios."""
     row = e.row
     has = not np.isnan(row["ttft_mean_interval_low_s"])
-    pinned = ((0.0, 0.0) if e.setting.strategy not in BIDIR else
+    pinned = (((0.0, 0.0) if has else intervals.NONE) if e.setting.strategy not in BIDIR else
               (row["d_pinned_interval_low_gib_s"], row["d_pinned_interval_high_gib_s"]))
     return {"ttft_mean": (row["ttft_mean_interval_low_s"], row["ttft_mean_interval_high_s"]),
             "ttft_p90": intervals.ttft_interval(profile, row["mode"], e.ttft_p90_s) if has else intervals.NONE,
