@@ -67,7 +67,7 @@ def test_recommend_stores_ledger_and_recommendation_with_intervals(tmp_path):
     store = tmp_path / "store"
     r = invoke(str(TRACE), "--profile", str(held_out_profile(tmp_path)), "--store", str(store), "--label", "rec",
                "--topology", str(ROOT / "data/topologies/vendor-h200-1p1d.yaml"), "--max-prefill-workers", "2",
-               "--ttft-slo-s", "0.5")
+               "--ttft-slo-s", "0.5", "--write-topology", str(tmp_path / "written.yaml"))
     assert r.exit_code == 0, r.output
     assert "80% interval" in r.output and "Topology file diff (current -> recommended; base: topology vendor-h200-1p1d)" in r.output
     con = duckdb.connect()
@@ -85,8 +85,8 @@ def test_recommend_stores_ledger_and_recommendation_with_intervals(tmp_path):
     assert led.loc[["pd+host", "pd-bidir+host"], "ttft_p50_later_interval_low_s"].isna().all()
     # the recommendation's printed figures are the stored ones; its topology loads with its knobs
     assert rec["recommended_label"] in r.output and rec["topology_diff"] in r.output
-    path = tmp_path / "recommended.yaml"
-    path.write_text(rec["recommended_topology"])
+    path = tmp_path / "written.yaml"   # --write-topology: the file stored with the recommendation
+    assert path.read_text() == rec["recommended_topology"]
     topo = load_topology(path)
     setting = json.loads(rec["recommended_setting"])
     assert len(topo.prefill) == setting["prefill_workers"] and topo.proxy.prefill_routing == setting["routing"]
