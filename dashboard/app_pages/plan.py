@@ -97,7 +97,7 @@ if not fr.empty:
 if not led.empty:
     st.subheader(f"Ledger of retention strategies ({tag})")
     st.caption("Where a session's KV waits between turns, for how long, and what it saves, at the current setting "
-               "(`turnscope recommend`); blank interval: none (see the notes below).")
+               "(`turnscope recommend`); an interval of None: none (the notes below say why).")
     st.dataframe(plan_figures.ledger_table(led), hide_index=True, key="plan_ledger")
     st.plotly_chart(plan_figures.ledger_figure(led, tag), key="plan_ledger_fig")
     st.caption("One point per strategy, coloured by the mode it is costed as (open: with a host tier); bars: 80% "

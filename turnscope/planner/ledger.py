@@ -38,8 +38,9 @@ reported but not priced: vLLM evicts it whenever a running request needs the spa
 
 Intervals (80%, :mod:`turnscope.planner.intervals`, from the profile's held-out errors): the TTFTs
 and the speed-up and TTFT saved against ``recompute`` from the TTFT ratios of the mode each strategy
-is costed as; the hit rate of the bidirectional strategies from the mode's hit-rate error; D's
-pinned GiB-s from the same error moved into handles read or not read
+is costed as; the reuse rate of the bidirectional strategies from the mode's D hit-rate error, as
+far as D's reads can move it (:func:`~turnscope.planner.intervals.reuse_rate_interval`); D's pinned
+GiB-s from the same error moved into handles read or not read
 (:func:`~turnscope.planner.intervals.pinned_gib_s_interval`). No interval, and the reason in
 ``interval_note``, for the host-tier strategies (no host-tier run was ever checked), for ``pd``'s hit
 rate (the held-out check measures D's hits only), and for the P-cache and host GiB-s (they follow
@@ -78,6 +79,8 @@ from turnscope.planner.simulate import (
 STRATEGIES = {"recompute": "pd-nocache", "pd": "pd", "pd+host": "pd", "pd-bidir": "pd-bidir",
               "pd-bidir+host": "pd-bidir"}
 HOST_STRATEGIES = ("pd+host", "pd-bidir+host")
+#: The strategies that hold a finished turn's KV on D.
+BIDIR_STRATEGIES = ("pd-bidir", "pd-bidir+host")
 #: Columns of :func:`ledger`.
 LEDGER_COLUMNS = ("strategy", "mode", "later_requests", "hit_rate", "hit_rate_interval_low", "hit_rate_interval_high",
                   "reused_tokens", "host_read_tokens", "ttft_p50_later_s", "ttft_p50_later_interval_low_s",

@@ -28,15 +28,14 @@ Every forecast figure it prints carries its 80% interval from the profile's held
 from __future__ import annotations
 
 import difflib
-import json
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from serving.workers import WorkerSpec, worker_command
 from turnscope.connector import Connector
 from turnscope.planner import intervals
 from turnscope.planner.ledger import (
+    BIDIR_STRATEGIES,
     HOST_STRATEGIES,
     STRATEGIES,
     Prices,
@@ -45,11 +44,12 @@ from turnscope.planner.ledger import (
     with_iv,
 )
 from turnscope.planner.profile import CostProfile, GiB, Sourced
+from turnscope.planner.serve_flags import role_argv
 from turnscope.planner.simulate import PlanSettings, Traffic
 
 #: A setting that holds memory must beat the best one without it by this fraction of mean TTFT.
 MIN_GAIN = 0.05
-BIDIR = ("pd-bidir", "pd-bidir+host")
+BIDIR = BIDIR_STRATEGIES
 
 
 @dataclass(frozen=True)
@@ -195,34 +195,6 @@ def choose(evaluated: list[Evaluated], priced: bool) -> Evaluated:
 
 
 # -- rendering ------------------------------------------------------------------------------------
-
-def role_argv(s: Setting, role: str, model: str, host_kv_bytes: float | None, platform: str = "gpu",
-              connector: Connector | None = None) -> list[str]:
-    """``vllm serve`` arguments (after ``vllm serve``) of one ``role`` (prefill, decode) in ``s``,
-    rendered by :func:`serving.workers.worker_command` on ``platform`` (gpu, cpu); a host tier on P wraps
-    the NixlConnector and vLLM's OffloadingConnector (``cpu_bytes_to_use``) in ``MultiConnector``.
-    ``connector``: the deployment's connector settings (a topology's: backends, buffer device...;
-    None: vLLM's defaults), the setting's threshold and TTL put in."""
-    bidir = s.strategy in BIDIR
-    spec = WorkerSpec(name=role, role=role, host="0.0.0.0", port=8100 if role == "prefill" else 8200, model=model,
-                      platform=platform, nixl=True, bidirectional=bidir,
-                      prefix_caching=not (role == "prefill" and s.strategy == "recompute"),
-                      connector=(connector or Connector()).model_copy(update={
-                          "kv_recompute_threshold": s.threshold, "decoder_kv_blocks_ttl": int(s.ttl_s)}),
-                      kv_cache_bytes=int(s.decode_kv_bytes) if role == "decode" and s.decode_kv_bytes else None)
-    argv, _ = worker_command(spec)
-    argv = argv[argv.index("--model"):]
-    if role == "prefill" and s.strategy in HOST_STRATEGIES and host_kv_bytes:
-        i = argv.index("--kv-transfer-config") + 1
-        nixl = json.loads(argv[i])
-        offload = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                   "kv_connector_extra_config": {"cpu_bytes_to_use": int(host_kv_bytes)}}
-        argv[i] = json.dumps({"kv_connector": "MultiConnector", "kv_role": "kv_both",
-                              "kv_buffer_device": nixl["kv_buffer_device"],
-                              "kv_load_failure_policy": nixl["kv_load_failure_policy"],
-                              "kv_connector_extra_config": {"connectors": [nixl, offload]}})
-    return argv
-
 
 def _lines(s: Setting, model: str, host_kv_bytes: float | None, platform: str,
            connector: Connector | None = None) -> list[str]:

@@ -14,7 +14,7 @@ Knobs and where a topology holds them:
 * the strategy: the serving mode it runs as (``attached_mode`` for an attached deployment, else a
   comment naming ``--modes``): a topology serves every mode, the mode is chosen per run;
 * a host tier (``pd+host``, ``pd-bidir+host``): P's whole ``--kv-transfer-config`` (NixlConnector and
-  OffloadingConnector under MultiConnector, :func:`turnscope.planner.recommend.role_argv`) in
+  OffloadingConnector under MultiConnector, :func:`turnscope.planner.serve_flags.role_argv`) in
   ``roles.prefill.args``: it follows the one turnscope renders from the connector, and vLLM's parser
   keeps the last of a repeated flag (``FlexibleArgumentParser.parse_args`` warns "Found duplicate
   keys"), so it holds for the strategy's mode only (a comment says which).
@@ -28,6 +28,7 @@ import yaml
 
 from serving.topology import RoleSettings, Topology, WorkerEntry, embedded_topology
 from turnscope.planner.ledger import HOST_STRATEGIES, STRATEGIES
+from turnscope.planner.serve_flags import role_argv
 
 KV_FLAG = "--kv-cache-memory-bytes"
 TRANSFER_FLAG = "--kv-transfer-config"
@@ -85,7 +86,6 @@ def topology_for(base: Topology, setting, host_kv_bytes: float | None = None) ->
     """``base`` with the knobs of ``setting`` (a :class:`turnscope.planner.recommend.Setting`) put in
     (see the module doc; ``host_kv_bytes``: one P's host tier, for the host strategies). Raises
     ValueError when ``base`` has no prefill/decode workers, or a host strategy has no host tier."""
-    from turnscope.planner.recommend import role_argv
     if not (base.prefill and base.decode):
         raise ValueError(f"topology {base.name!r} has no prefill and decode workers: the recommendation is P/D")
     taken = {(w.host, p) for role in ("prefill", "decode", "aggregated") for w in getattr(base, role)
