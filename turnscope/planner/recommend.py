@@ -246,7 +246,8 @@ def what_would_change(tr: Traffic, profile: CostProfile, base: PlanSettings, cur
                       limits: Limits) -> list[str]:
     """Mean TTFT of ``pd-bidir`` against ``pd`` (the current TTL and threshold) when sessions
     outgrow P's cache (an eighth of P's KV space), with two P workers round-robin, and with the
-    traffic's gaps halved (arrivals at half the time)."""
+    traffic's gaps halved (arrivals at half the time); each figure with its 80% interval
+    (:func:`figure_intervals`) or "no held-out interval"."""
     cases = []
     if profile.prefill_kv_space_bytes is not None:
         small = profile.model_copy(update={"prefill_kv_space_bytes": Sourced(
@@ -261,8 +262,11 @@ def what_would_change(tr: Traffic, profile: CostProfile, base: PlanSettings, cur
         pd_ = evaluate(traffic, prof, base, replace(s, strategy="pd"), limits)
         bd = evaluate(traffic, prof, base, replace(s, strategy="pd-bidir"), limits)
         gain = 1 - bd.ttft_mean_s / pd_.ttft_mean_s
-        out.append(f"{label}: pd-bidir mean TTFT {bd.ttft_mean_s * 1e3:,.1f} ms vs pd {pd_.ttft_mean_s * 1e3:,.1f} ms "
-                   f"({gain:+.1%}; D pinned {bd.row['d_pinned_gib_s']:,.0f} GiB-s)")
+        ib, ip = figure_intervals(prof, bd), figure_intervals(prof, pd_)
+        bd_t = with_iv(f"{bd.ttft_mean_s * 1e3:,.1f} ms", *ib["ttft_mean"], _ms, " ms")
+        pd_t = with_iv(f"{pd_.ttft_mean_s * 1e3:,.1f} ms", *ip["ttft_mean"], _ms, " ms")
+        pinned = with_iv(f"{bd.row['d_pinned_gib_s']:,.0f} GiB-s", *ib["d_pinned"], _gib_s, " GiB-s")
+        out.append(f"{label}: pd-bidir mean TTFT {bd_t} vs pd {pd_t} ({gain:+.1%}; D pinned {pinned})")
     return out
 
 
