@@ -113,8 +113,10 @@ if rec is not None:
     st.code(rec["topology_diff"] or "(no change)", language="diff")
     with st.expander("Recommended topology file"):
         st.code(rec["recommended_topology"], language="yaml")
-    for line in json.loads(rec["what_would_change"] or "[]"):
-        st.caption(f"What would make bidirectional transfer pay: {line}")
+    changes = json.loads(rec["what_would_change"] or "[]")
+    if changes:
+        st.caption(f"What would make bidirectional transfer pay ({tag}):")
+        st.markdown("\n".join(f"- {line}" for line in changes))
 defeated = db.read(root, plan_queries.sessions, pid)
 if not outcomes.empty:
     st.subheader(f"Sessions whose pauses or edits defeat reuse ({tag})")
