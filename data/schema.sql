@@ -240,6 +240,94 @@ CREATE TABLE plan_frontier (
     d_full_events            BIGINT
 );
 
+-- The ledger of retention strategies (`turnscope recommend --store`), one row per strategy, with 80%
+-- forecast intervals from the profile's held-out errors (NULL: none; interval_note says why).
+CREATE TABLE plan_ledger (
+    plan_id                  VARCHAR NOT NULL,
+    strategy                 VARCHAR NOT NULL,   -- recompute | pd | pd+host | pd-bidir | pd-bidir+host
+    mode                     VARCHAR,            -- the planner mode it is costed as
+    later_requests           BIGINT,
+    hit_rate                 DOUBLE,             -- later requests reusing any token
+    hit_rate_interval_low    DOUBLE,
+    hit_rate_interval_high   DOUBLE,
+    reused_tokens            BIGINT,
+    host_read_tokens         BIGINT,
+    ttft_p50_later_s         DOUBLE,
+    ttft_p50_later_interval_low_s  DOUBLE,
+    ttft_p50_later_interval_high_s DOUBLE,
+    ttft_mean_s              DOUBLE,
+    ttft_mean_interval_low_s DOUBLE,
+    ttft_mean_interval_high_s DOUBLE,
+    speedup_vs_recompute     DOUBLE,             -- recompute / this TTFT p50 of later requests
+    speedup_interval_low     DOUBLE,
+    speedup_interval_high    DOUBLE,
+    ttft_saved_s             DOUBLE,             -- recompute minus this TTFT p50 of later requests
+    ttft_saved_interval_low_s  DOUBLE,
+    ttft_saved_interval_high_s DOUBLE,
+    p_cache_gib_s            DOUBLE,
+    d_pinned_gib_s           DOUBLE,
+    d_pinned_interval_low_gib_s  DOUBLE,
+    d_pinned_interval_high_gib_s DOUBLE,
+    host_gib_s               DOUBLE,
+    d_full_events            BIGINT,
+    prefill_gpu_s_saved      DOUBLE,
+    gpu_memory_usd           DOUBLE,             -- NULL: no price given
+    host_memory_usd          DOUBLE,
+    saved_prefill_usd        DOUBLE,
+    memory_usd_per_m_saved_tokens DOUBLE,
+    net_usd_per_m_saved_tokens    DOUBLE,
+    interval_note            VARCHAR
+);
+
+-- The recommendation of `turnscope recommend --store`: current and recommended setting, each figure
+-- with its 80% interval (NULL: none), and the diffs to deploy it.
+CREATE TABLE plan_recommendations (
+    plan_id                  VARCHAR NOT NULL,
+    current_setting          JSON,
+    recommended_setting      JSON,
+    current_label            VARCHAR,
+    recommended_label        VARCHAR,
+    settings_searched        BIGINT,
+    feasible                 BOOLEAN,            -- the recommended setting meets the SLO
+    enables_bidir            BOOLEAN,
+    current_ttft_mean_s            DOUBLE,
+    current_ttft_mean_interval_low_s   DOUBLE,
+    current_ttft_mean_interval_high_s  DOUBLE,
+    current_ttft_p90_s             DOUBLE,
+    current_ttft_p90_interval_low_s    DOUBLE,
+    current_ttft_p90_interval_high_s   DOUBLE,
+    current_hit_rate               DOUBLE,
+    current_hit_rate_interval_low      DOUBLE,
+    current_hit_rate_interval_high     DOUBLE,
+    current_d_pinned_gib_s         DOUBLE,
+    current_d_pinned_interval_low_gib_s  DOUBLE,
+    current_d_pinned_interval_high_gib_s DOUBLE,
+    current_host_gib_s             DOUBLE,
+    recommended_ttft_mean_s            DOUBLE,
+    recommended_ttft_mean_interval_low_s   DOUBLE,
+    recommended_ttft_mean_interval_high_s  DOUBLE,
+    recommended_ttft_p90_s             DOUBLE,
+    recommended_ttft_p90_interval_low_s    DOUBLE,
+    recommended_ttft_p90_interval_high_s   DOUBLE,
+    recommended_hit_rate               DOUBLE,
+    recommended_hit_rate_interval_low      DOUBLE,
+    recommended_hit_rate_interval_high     DOUBLE,
+    recommended_d_pinned_gib_s         DOUBLE,
+    recommended_d_pinned_interval_low_gib_s  DOUBLE,
+    recommended_d_pinned_interval_high_gib_s DOUBLE,
+    recommended_host_gib_s             DOUBLE,
+    speedup                  DOUBLE,             -- current / recommended mean TTFT
+    speedup_interval_low     DOUBLE,
+    speedup_interval_high    DOUBLE,
+    cost_change_usd          DOUBLE,             -- recommended minus current; NULL: no price
+    knob_effects             JSON,
+    what_would_change        JSON,
+    flags_diff               VARCHAR,            -- `vllm serve` flags, unified diff
+    topology_diff            VARCHAR,            -- topology file, unified diff
+    recommended_topology     VARCHAR,            -- the recommended topology file (YAML)
+    interval_note            VARCHAR
+);
+
 CREATE TABLE plan_sessions (
     plan_id        VARCHAR NOT NULL,
     mode           VARCHAR NOT NULL,

@@ -504,6 +504,18 @@ def recommend(
     max_prefill_workers: Annotated[int, typer.Option(help="Search prefill workers 1..this.")] = 1,
     serve_model: Annotated[str, typer.Option(help="The model argument to print in the vllm serve flags.")] = "MODEL",
     platform: Annotated[str, typer.Option(help="Render the flags for this platform: gpu or cpu.")] = "gpu",
+    topology: Annotated[Path | None, typer.Option(
+        help="The current deployment's topology file, the base of the printed topology diff (default: the "
+             "embedded layout with --platform cpu, a generic 1P1D GPU layout with gpu).")] = None,
+    store: Annotated[Path | None, typer.Option(
+        help="Write the ledger and the recommendation to this store (plan_ledger, plan_recommendations; the "
+             "dashboard's Plan page shows them). Default: print only.")] = None,
+    label: Annotated[str | None, typer.Option(help="Label of the stored recommendation.")] = None,
+    run_ids: Annotated[str | None, typer.Option(
+        help="Comma-separated run ids: of a store directory given as traffic, read only these runs (recorded runs "
+             "read together share one clock).")] = None,
+    write_topology: Annotated[Path | None, typer.Option(
+        help="Write the recommended topology file (data/topologies/*.yaml format) here.")] = None,
 ) -> None:
     """Recommend what to deploy for a traffic (a FORECAST): the ledger of KV retention strategies
     (recompute, P's prefix cache, with a host tier, D-retention, both) and the best setting of TTL,
@@ -518,7 +530,8 @@ def recommend(
             current=Setting(current_strategy, ttl_s, threshold, None, prefill_workers, 1, routing),
             margin_s=margin_s, ttft_slo_s=ttft_slo_s, d_kv_gib=d_kv_gib, gpu_hour_usd=gpu_hour_usd,
             host_gib_hour_usd=host_gib_hour_usd, max_prefill_workers=max_prefill_workers, serve_model=serve_model,
-            platform=platform)
+            platform=platform, topology_path=topology, store_root=store, label=label,
+            run_ids=_split(run_ids) if run_ids else None, write_topology=write_topology)
     except (ValueError, OSError, RuntimeError) as exc:
         raise fail(str(exc)) from exc
     typer.echo(text)

@@ -1,7 +1,10 @@
-"""Plan: what KV reuse across turns would do on a traffic, model and hardware (`turnscope plan`).
+"""Plan: what KV reuse across turns would do on a traffic, model and hardware (`turnscope plan`), and
+what to deploy for it (`turnscope recommend --store`: the ledger of retention strategies and the
+recommended setting as a copyable diff).
 
-Every figure on this page is a FORECAST made with the cost profile it names; the check against
-recorded runs (when the plan has one) shows how far to trust it.
+Every figure on this page is a FORECAST made with the cost profile it names, with its 80% interval
+where the profile has held-out errors; the check against recorded runs (when the plan has one) shows
+how far to trust it. The page opens with its answer: a few figures and a sentence.
 """
 
 from __future__ import annotations
@@ -20,16 +23,16 @@ from turnscope.analysis.plan_check import CHECK_MEANING, check_summary, headline
 sel = context.current()
 root = sel.store
 st.title("Plan")
-st.caption("Forecasts of `turnscope plan`: the proxy's and vLLM's rules applied to a traffic with a cost "
-           "profile, without serving it (docs/planner.md). Every figure is a FORECAST labelled with its profile. "
-           "The sidebar's run filters do not apply here.")
+st.caption("Forecasts of `turnscope plan` and `turnscope recommend`: the proxy's and vLLM's rules on a traffic, "
+           "without serving it (docs/planner.md). The sidebar's run filters do not apply here.")
 try:
     plans = db.read(root, plan_queries.plans)
 except (db.StoreMissing, db.StoreInvalid, db.StoreBusy) as exc:
     st.info(f"No plans to show: {exc}")
     st.stop()
 if plans.empty:
-    st.info("No plan yet: run `turnscope plan data/traces/kv-cache-tester --profile data/profiles/vendor-h200.yaml`.")
+    st.info("No plan yet: run `turnscope plan data/traces/kv-cache-tester --profile data/profiles/vendor-h200.yaml` "
+            "or `turnscope recommend ... --store DIR`.")
     st.stop()
 
 
@@ -42,16 +45,27 @@ pid = st.selectbox("Plan", plans["plan_id"].tolist(), format_func=_name, key="pl
 row = plans[plans["plan_id"] == pid].iloc[0]
 tag = row["forecast_label"]
 st.subheader(tag)
-for note in json.loads(row["notes"] or "[]"):
-    st.caption(f"Note: {note}")
 profile = json.loads(row["profile"])
 held_out = profile.get("held_out")
 sp = db.read(root, plan_queries.speedups, pid)
-st.caption(f"{speedup.MEANING}; as on the Overview: the median TTFT of requests from the second turn on, with its "
-           "95% CI over sessions. "
-           + (f"Forecast intervals (80%) from the profile's held-out errors ({held_out['split']})." if held_out
-              else "No held-out interval: this profile was never checked on runs it was not fitted on "
-                   "(`turnscope plan-check --write-profile`)."))
+try:
+    led = db.read(root, plan_queries.ledger, pid)
+    rec_rows = db.read(root, plan_queries.recommendation, pid)
+except db.StoreInvalid:   # views of a store written before the ledger was stored
+    led, rec_rows = pd.DataFrame(), pd.DataFrame()
+rec = rec_rows.iloc[0] if not rec_rows.empty else None
+figures, sentence = plan_figures.headline(rec, sp)
+for col, (label, value, help_) in zip(st.columns(max(len(figures), 1)), figures, strict=False):
+    col.metric(label, value, help=help_)
+st.markdown(f"**{sentence}** — {tag}")
+st.caption(f"Intervals: 80%, from the profile's held-out errors ({held_out['split']})." if held_out else
+           "No held-out interval: this profile was never checked on runs it was not fitted on "
+           "(`turnscope plan-check --write-profile`).")
+for note in json.loads(row["notes"] or "[]"):
+    st.caption(f"Note: {note}")
+if not sp.empty:
+    st.caption(f"{speedup.MEANING}; as on the Overview: median TTFT from the second turn on, with its 95% CI over "
+               "sessions.")
 for r in sp.itertuples():
     head = with_interval(speedup.fmt(r.speedup), r.speedup_interval_low, r.speedup_interval_high,
                          lambda x: f"{x:.2f}", "x")
@@ -60,33 +74,56 @@ for r in sp.itertuples():
                 f"{r.treatment_ttft_median_s * 1e3:,.1f} ms vs {r.baseline_ttft_median_s * 1e3:,.1f} ms over "
                 f"{r.later_requests:,} later requests ({r.treatment_hits:,} hits) — {tag}")
 if not sp.empty:
-    st.caption("Secondary figures (not the headline): mean TTFT over every request, and the share of it spent "
-               "queueing for a prefill worker.")
+    st.caption("Secondary figures: mean TTFT over every request, and its share spent queueing for a prefill worker.")
     st.dataframe(plan_figures.secondary_table(sp), hide_index=True, key="plan_secondary")
 parts = db.read(root, plan_queries.ttft_parts, pid)
 if not parts.empty:
-    st.caption(f"Forecast TTFT per mode and the part of it spent waiting for a prefill (or aggregated) worker: "
-               f"the planner queues requests first come, first served, per worker ({tag}). A large queue share "
-               "means the speed-ups above come from less queueing, which depends on the traffic's arrival rate.")
+    st.caption(f"Forecast TTFT per mode and its wait for a prefill (or aggregated) worker, first come first served "
+               f"({tag}). A large queue share: the speed-ups come from less queueing, i.e. from the arrival rate.")
     st.dataframe(plan_figures.ttft_parts_table(parts), hide_index=True, key="plan_ttft_parts")
-st.caption(f"Requests per forecast outcome and mode ({tag}); `none`: aggregated serving, where the proxy "
-           "decides no reuse. `miss_d_full`: the session's handle was not kept because D's KV space was full.")
-st.dataframe(plan_figures.outcome_table(db.read(root, plan_queries.outcomes, pid)), key="plan_outcomes")
+outcomes = db.read(root, plan_queries.outcomes, pid)
+if not outcomes.empty:
+    st.caption(f"Requests per forecast outcome and mode ({tag}); `none`: aggregated serving. `miss_d_full`: the "
+               "handle was not kept because D's KV space was full.")
+    st.dataframe(plan_figures.outcome_table(outcomes), key="plan_outcomes")
 fr = db.read(root, plan_queries.frontier, pid)
 if not fr.empty:
     st.plotly_chart(plan_figures.frontier_figure(fr, tag), key="plan_frontier")
     st.caption(f"The points that matter ({tag}): the current one, the best hit rate, and where the hit rate "
-               "changes along the TTL (at the current D space) and along the D space (at the current TTL).")
+               "changes along the TTL and along the D space.")
     st.dataframe(plan_figures.frontier_highlights_table(fr), hide_index=True, key="plan_frontier_rows")
-    st.caption("Each point re-plans the mode with another `decoder_kv_blocks_ttl` (colour) and D KV space (hover): "
-               "up is more later requests served from D's KV, right is more KV pinned on D over time. The "
-               "diamond is the operator's current point.")
-st.subheader(f"Sessions whose pauses or edits defeat reuse ({tag})")
+    st.caption("Each point re-plans the mode with another `decoder_kv_blocks_ttl` (colour) and D KV space (hover); "
+               "up: more reuse from D, right: more KV pinned. The diamond is the current point.")
+if not led.empty:
+    st.subheader(f"Ledger of retention strategies ({tag})")
+    st.caption("Where a session's KV waits between turns, for how long, and what it saves, at the current setting "
+               "(`turnscope recommend`); an interval of None: none (the notes below say why).")
+    st.dataframe(plan_figures.ledger_table(led), hide_index=True, key="plan_ledger")
+    st.plotly_chart(plan_figures.ledger_figure(led, tag), key="plan_ledger_fig")
+    st.caption("One point per strategy, coloured by the mode it is costed as (open: with a host tier); bars: 80% "
+               "intervals of TTFT saved and D's pinned KV.")
+    for note in dict.fromkeys(n for v in led["interval_note"].dropna() for n in str(v).split("; ") if n):
+        st.caption(f"Interval note: {note}")
+if rec is not None:
+    st.subheader("Recommended setting: the diff to deploy it")
+    st.caption(f"`vllm serve` flags of each role, current -> recommended ({tag}; "
+               f"{int(rec['settings_searched'])} settings searched).")
+    st.code(rec["flags_diff"] or "(no change)", language="diff")
+    st.caption("The topology file (data/topologies/*.yaml), current -> recommended, and the recommended file whole.")
+    st.code(rec["topology_diff"] or "(no change)", language="diff")
+    with st.expander("Recommended topology file"):
+        st.code(rec["recommended_topology"], language="yaml")
+    changes = json.loads(rec["what_would_change"] or "[]")
+    if changes:
+        st.caption(f"What would make bidirectional transfer pay ({tag}):")
+        st.markdown("\n".join(f"- {line}" for line in changes))
 defeated = db.read(root, plan_queries.sessions, pid)
-if defeated.empty:
-    st.caption("None: no session lost reuse to a pause past the TTL, an edit, a full D or an overlapping request.")
-else:
-    st.dataframe(defeated.head(50), hide_index=True, key="plan_sessions")
+if not outcomes.empty:
+    st.subheader(f"Sessions whose pauses or edits defeat reuse ({tag})")
+    if defeated.empty:
+        st.caption("None: no session lost reuse to a pause past the TTL, an edit, a full D or an overlapping request.")
+    else:
+        st.dataframe(defeated.head(50), hide_index=True, key="plan_sessions")
 ch = db.read(root, plan_queries.checks, pid)
 if not ch.empty:
     st.subheader("Checked against the recorded runs")
@@ -99,9 +136,8 @@ if not ch.empty:
                  column_config={"TTFT MARE": st.column_config.NumberColumn(format="percent")})
     hc = headline_check(ch)
     if not hc.empty:
-        st.caption("The Overview's speed-up of these runs (baseline / bidirectional median TTFT from the second "
-                   "turn on), over the measured TTFTs and over the forecast ones (each run planned alone in its "
-                   "own mode):")
+        st.caption("The Overview's speed-up of these runs (median TTFT from the second turn on), over the measured "
+                   "TTFTs and over the forecast ones (each run planned alone in its own mode):")
         st.dataframe(pd.DataFrame({"treatment": hc["treatment"], "baseline": hc["baseline"],
                                    "measured speed-up": hc["measured_speedup"].round(2),
                                    "forecast speed-up": hc["forecast_speedup"].round(2),
@@ -117,8 +153,7 @@ if not ch.empty:
 if held_out:
     st.subheader("Held-out errors of this profile (the intervals' source)")
     st.caption(f"{held_out['split']}: {held_out['runs']} runs, {held_out['turns']:,} ok turns not fitted on. Per mode the "
-               "10th and 90th percentiles of measured / forecast TTFT and of recorded minus forecast hit rate "
-               "(`turnscope plan-check`, docs/planner.md).")
+               "10th and 90th percentiles of measured / forecast TTFT and of recorded minus forecast hit rate.")
     st.dataframe(plan_figures.held_out_table(held_out), hide_index=True, key="plan_held_out")
 with st.expander("The profile (every figure with its source)"):
     st.json(json.loads(row["profile"]))

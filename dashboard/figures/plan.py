@@ -6,7 +6,8 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
-from dashboard.figures.common import MODE_COLORS, legend_below
+from dashboard.figures.common import MODE_COLORS, legend_below, log_ticks
+from dashboard.palette import mode_color
 from turnscope.analysis.plan_check import frontier_highlights
 from turnscope.modes import BIDIRECTIONAL_MODES, PLAN_TABLE_ORDER
 
@@ -108,19 +109,131 @@ def frontier_figure(fr: pd.DataFrame, tag: str) -> go.Figure:
 
 
 def check_figure(ch: pd.DataFrame) -> go.Figure:
-    """Predicted against measured TTFT of every ok turn of the checked runs, per mode, on log axes
-    (TTFTs span two decades), with the line of equality and the check's +-25% band."""
+    """Predicted against measured TTFT (ms) of every ok turn of the checked runs, per mode, on log
+    axes (TTFTs span two decades) ticked at 1, 2, 5 x 10^k ms, with the line of equality and the
+    check's +-25% band."""
     ok = ch[(ch["status"] == "ok") & ch["measured_ttft_s"].notna() & (ch["predicted_ttft_s"] > 0)]
-    fig = px.scatter(ok, x="measured_ttft_s", y="predicted_ttft_s", color="mode", log_x=True, log_y=True,
+    ok = ok.assign(measured_ms=ok["measured_ttft_s"] * 1000, predicted_ms=ok["predicted_ttft_s"] * 1000)
+    fig = px.scatter(ok, x="measured_ms", y="predicted_ms", color="mode", log_x=True, log_y=True,
                      color_discrete_map=MODE_COLORS, hover_data=["checked_run_id", "session_id", "turn_index"],
-                     labels={"measured_ttft_s": "measured TTFT (s)", "predicted_ttft_s": "forecast TTFT (s)"},
+                     labels={"measured_ms": "measured TTFT (ms)", "predicted_ms": "forecast TTFT (ms)"},
                      title="Forecast against measured TTFT, recorded runs planned from their own records")
     if len(ok):
-        lo = float(min(ok["measured_ttft_s"].min(), ok["predicted_ttft_s"].min())) * 0.8
-        hi = float(max(ok["measured_ttft_s"].max(), ok["predicted_ttft_s"].max())) * 1.25
+        lo = float(min(ok["measured_ms"].min(), ok["predicted_ms"].min())) * 0.8
+        hi = float(max(ok["measured_ms"].max(), ok["predicted_ms"].max())) * 1.25
         for k, name, dash in ((1.0, "equal", "dot"), (1.25, "+25%", "dash"), (0.75, "-25%", "dash")):
             fig.add_trace(go.Scatter(x=[lo, hi], y=[lo * k, hi * k], mode="lines", name=name,
                                      line={"dash": dash, "color": "grey", "width": 1}))
-    fig.update_xaxes(dtick="D2")  # log axes: labels at 1, 2 and 5 of each decade, not every digit
-    fig.update_yaxes(dtick="D2")
+        vals, text = log_ticks(pd.Series([lo, hi]))
+        fig.update_xaxes(tickvals=vals, ticktext=text)
+        fig.update_yaxes(tickvals=vals, ticktext=text)
     return legend_below(fig, height=520)
+
+
+#: Marker of a ledger strategy: filled for P's GPU cache and D, open where a host tier is added (the
+#: colour is the mode the strategy is costed as: ``dashboard.palette.MODE_COLORS``).
+STRATEGY_SYMBOLS = {"recompute": "square", "pd": "circle", "pd+host": "circle-open", "pd-bidir": "diamond",
+                    "pd-bidir+host": "diamond-open"}
+
+
+def _err(value: pd.Series, low: pd.Series, high: pd.Series) -> dict | None:
+    """Plotly's asymmetric error bar from interval ends (None where no row has one)."""
+    if low.isna().all():
+        return None
+    return {"type": "data", "symmetric": False, "array": (high - value).fillna(0).clip(lower=0).tolist(),
+            "arrayminus": (value - low).fillna(0).clip(lower=0).tolist(), "thickness": 1.5}
+
+
+def ledger_figure(led: pd.DataFrame, tag: str) -> go.Figure:
+    """The ledger (``plan_ledger`` rows) as one point per strategy: KV held over time, every tier
+    (GiB-s: P's cache + D pinned + host), against the TTFT p50 of later requests saved against
+    recompute (ms); 80% interval bars where the profile has held-out errors (x: D pinned's, y: TTFT
+    saved's). Colour: the mode the strategy is costed as; open marker: with a host tier."""
+    fig = go.Figure()
+    for r in led.itertuples():
+        one = led[led["strategy"] == r.strategy]
+        held = one["p_cache_gib_s"] + one["d_pinned_gib_s"] + one["host_gib_s"]
+        rest = held - one["d_pinned_gib_s"]
+        saved = one["ttft_saved_s"] * 1000
+        fig.add_trace(go.Scatter(
+            x=held, y=saved, mode="markers+text", name=r.strategy, text=[r.strategy], textposition="top center",
+            marker={"color": mode_color(r.mode), "symbol": STRATEGY_SYMBOLS.get(r.strategy, "circle"), "size": 14,
+                    "line": {"width": 2, "color": mode_color(r.mode)}},
+            error_x=_err(held, rest + one["d_pinned_interval_low_gib_s"], rest + one["d_pinned_interval_high_gib_s"]),
+            error_y=_err(saved, one["ttft_saved_interval_low_s"] * 1000, one["ttft_saved_interval_high_s"] * 1000),
+            hovertemplate=(f"{r.strategy} (costed as {r.mode})<br>held %{{x:,.1f}} GiB-s (P cache {r.p_cache_gib_s:,.1f}, "
+                           f"D pinned {r.d_pinned_gib_s:,.1f}, host {r.host_gib_s:,.1f})<br>TTFT p50 saved %{{y:,.1f}} ms"
+                           f"<br>hit rate {r.hit_rate:.1%}<extra></extra>")))
+    fig.update_layout(title=f"{tag}: KV held against TTFT saved, per retention strategy",
+                      xaxis_title="KV held, every tier (GiB-s)", yaxis_title="TTFT p50 saved vs recompute, turn 2 on (ms)")
+    return legend_below(fig, height=460)
+
+
+def _iv(value: float, low: float, high: float, fmt) -> str | None:
+    """``"lo-hi"`` (``" to "`` when an end is negative) or None where there is no interval."""
+    if low is None or high is None or pd.isna(low) or pd.isna(high):
+        return None
+    return f"{fmt(low)}{' to ' if min(low, high) < 0 else '-'}{fmt(high)}"
+
+
+def ledger_table(led: pd.DataFrame) -> pd.DataFrame:
+    """``plan_ledger`` rows for display: hit rate (%), TTFT p50 of later requests (ms), speed-up and
+    TTFT saved against recompute, each with its 80% interval (blank: none), GiB-s per tier,
+    prefill GPU-s saved, memory $ per million saved tokens (blank: no price)."""
+    pct, ms = (lambda x: f"{x * 100:.1f}"), (lambda x: f"{x * 1000:,.1f}")
+    return pd.DataFrame({
+        "strategy": led["strategy"], "mode costed": led["mode"],
+        "hit rate (%)": (led["hit_rate"] * 100).round(1),
+        "hit rate 80% interval (%)": [_iv(v, lo, hi, pct) for v, lo, hi in
+                                      zip(led["hit_rate"], led["hit_rate_interval_low"], led["hit_rate_interval_high"], strict=True)],
+        "TTFT p50, turn 2 on (ms)": (led["ttft_p50_later_s"] * 1000).round(1),
+        "TTFT 80% interval (ms)": [_iv(v, lo, hi, ms) for v, lo, hi in
+                                   zip(led["ttft_p50_later_s"], led["ttft_p50_later_interval_low_s"],
+                                       led["ttft_p50_later_interval_high_s"], strict=True)],
+        "speed-up vs recompute": led["speedup_vs_recompute"].round(2),
+        "speed-up 80% interval": [_iv(v, lo, hi, lambda x: f"{x:.2f}") for v, lo, hi in
+                                  zip(led["speedup_vs_recompute"], led["speedup_interval_low"],
+                                      led["speedup_interval_high"], strict=True)],
+        "P cache (GiB-s)": led["p_cache_gib_s"].round(1), "D pinned (GiB-s)": led["d_pinned_gib_s"].round(1),
+        "D pinned 80% interval (GiB-s)": [_iv(v, lo, hi, lambda x: f"{x:,.1f}") for v, lo, hi in
+                                          zip(led["d_pinned_gib_s"], led["d_pinned_interval_low_gib_s"],
+                                              led["d_pinned_interval_high_gib_s"], strict=True)],
+        "host (GiB-s)": led["host_gib_s"].round(1), "prefill GPU-s saved": led["prefill_gpu_s_saved"].round(1),
+        "memory $ / M saved tokens": led["memory_usd_per_m_saved_tokens"].round(4),
+        "net $ / M saved tokens": led["net_usd_per_m_saved_tokens"].round(4)})
+
+
+def headline(rec: pd.Series | None, sp: pd.DataFrame) -> tuple[list[tuple[str, str, str | None]], str]:
+    """The page's answer: up to four (label, value, help) figures and one sentence, from a
+    recommendation row (``plan_recommendations``) when the plan has one, else from the speed-ups
+    (``plan_speedups``: ``pd-bidir`` vs ``pd`` first)."""
+    ms = lambda x: f"{x * 1000:,.1f}"
+    if rec is not None:
+        iv = _iv(rec["speedup"], rec["speedup_interval_low"], rec["speedup_interval_high"], lambda x: f"{x:.2f}")
+        t_iv = _iv(rec["recommended_ttft_mean_s"], rec["recommended_ttft_mean_interval_low_s"],
+                   rec["recommended_ttft_mean_interval_high_s"], ms)
+        figures = [("recommended", rec["recommended_label"].split(",")[0], rec["recommended_label"]),
+                   ("mean TTFT (ms)", ms(rec["recommended_ttft_mean_s"]), f"80% interval {t_iv} ms" if t_iv else
+                    "no held-out interval"),
+                   ("speed-up vs current", f"{rec['speedup']:.2f}x", f"80% interval {iv}x" if iv else "no held-out interval"),
+                   ("D pinned (GiB-s)", f"{rec['recommended_d_pinned_gib_s']:,.0f}",
+                    f"now {rec['current_d_pinned_gib_s']:,.0f} GiB-s")]
+        verdict = ("enable bidirectional transfer" if rec["enables_bidir"] else "do not enable bidirectional transfer")
+        sentence = (f"Recommended: {rec['recommended_label']} ({verdict}): mean TTFT {ms(rec['recommended_ttft_mean_s'])} ms"
+                    f"{f' (80% interval {t_iv} ms)' if t_iv else ' (no held-out interval)'} against "
+                    f"{ms(rec['current_ttft_mean_s'])} ms now ({rec['current_label']}).")
+        return figures, sentence
+    if sp.empty:
+        return [], "This plan has no speed-ups to show."
+    order = {("pd-bidir", "pd"): 0, ("pd-bidir-nocache", "pd-nocache"): 1}
+    sp = sp.assign(_o=[order.get((t, b), 9) for t, b in zip(sp["treatment"], sp["baseline"], strict=True)]).sort_values("_o")
+    figures = []
+    for r in sp.head(4).itertuples():
+        iv = _iv(r.speedup, r.speedup_interval_low, r.speedup_interval_high, lambda x: f"{x:.2f}")
+        figures.append((f"{r.treatment} vs {r.baseline}", f"{r.speedup:.2f}x",
+                        f"80% interval {iv}x" if iv else "no held-out interval"))
+    top = sp.iloc[0]
+    faster = "faster" if top["speedup"] >= 1 else "slower"
+    sentence = (f"{top['treatment']} is forecast {top['speedup']:.2f}x {faster} than {top['baseline']} in median TTFT "
+                f"from the second turn on ({int(top['treatment_hits']):,} hits of {int(top['later_requests']):,} later requests).")
+    return figures, sentence

@@ -57,3 +57,16 @@ def checks(con: duckdb.DuckDBPyConnection, plan_id: str) -> pd.DataFrame:
     """The plan's turn-by-turn check against recorded runs (plan_checks' columns)."""
     return con.execute("SELECT * EXCLUDE (plan_id) FROM plan_checks WHERE plan_id = ? "
                        "ORDER BY checked_run_id, session_id, turn_index", [plan_id]).df()
+
+
+def ledger(con: duckdb.DuckDBPyConnection, plan_id: str) -> pd.DataFrame:
+    """The plan's ledger of retention strategies (plan_ledger's columns; empty for a plan of
+    `turnscope plan`, which writes none), in the ledger's order."""
+    return con.execute("SELECT * EXCLUDE (plan_id) FROM plan_ledger WHERE plan_id = ? ORDER BY list_position("
+                       "['recompute', 'pd', 'pd+host', 'pd-bidir', 'pd-bidir+host'], strategy), strategy",
+                       [plan_id]).df()
+
+
+def recommendation(con: duckdb.DuckDBPyConnection, plan_id: str) -> pd.DataFrame:
+    """The plan's recommendation (plan_recommendations' columns; no row for a plan of `turnscope plan`)."""
+    return con.execute("SELECT * EXCLUDE (plan_id) FROM plan_recommendations WHERE plan_id = ?", [plan_id]).df()

@@ -1,7 +1,8 @@
 """Every chart shows its data, checked in a real browser.
 
 For every page of the dashboard, on two stores (the dashboard test store, tests/dashboard_store.py,
-and the planner's recorded runs with a traffic report and two plans), and on the "Export these runs
+with a stored recommendation whose ledger has interval bars, and the planner's recorded runs with a
+traffic report and two plans), and on the "Export these runs
 as HTML" file, this reads each drawn Plotly figure back from the DOM (``el._fullLayout``'s axes as
 plotly.js rendered them, matched and overlaying axes included, and ``el._fullData``'s points) and
 checks:
@@ -145,12 +146,26 @@ def _check_pages(browser, url: str, store: str, pages=PAGES) -> dict[str, int]: 
 def demo_url(tmp_path_factory):
     """Like the demo's store, more than one (workload, history) group: the dashboard test store's runs
     (coding-agent, token_ids) plus the planner's (planner-fixture), so the Overview draws one panel per
-    group on shared axes."""
+    group on shared axes; and a `turnscope recommend --store` of one shipped trace with a profile
+    that has held-out errors, so the Plan page draws the ledger's chart with interval bars."""
+    import yaml
+    from typer.testing import CliRunner
+
     from tests import planner_store
+    from turnscope.cli import app
 
     tmp = tmp_path_factory.mktemp("charts-demo")
     root = dashboard_store.build(tmp / "store")
     planner_store.build(root)
+    profile = yaml.safe_load((REPO / "data/profiles/vendor-h200.yaml").read_text())
+    profile["held_out"] = {"split": "hand-made", "runs": 4, "turns": 40,
+                           "ttft_ratio": {"pd-nocache": [0.9, 1.2], "pd": [0.8, 1.25], "pd-bidir": [0.85, 1.3]},
+                           "hit_rate_error": {"pd-bidir": [-0.1, 0.05]}}
+    (tmp / "held.yaml").write_text(yaml.safe_dump(profile))
+    r = CliRunner().invoke(app, ["recommend", str(REPO / "data/traces/kv-cache-tester/trace_0036.json"), "--profile",
+                                 str(tmp / "held.yaml"), "--store", str(root), "--label", "ledger"],
+                           env={"COLUMNS": "4000"})
+    assert r.exit_code == 0, r.output
     with _streamlit(root, tmp) as url:
         yield url
 
@@ -184,6 +199,7 @@ def test_every_chart_shows_its_data_demo_store(demo_url, browser, tmp_path):  # 
     counts = _check_pages(browser, demo_url, "demo store")
     # the pages that draw from runs drew figures (a page of empty states would pass vacuously)
     assert counts["Overview"] >= 3 and counts["Turns"] >= 3 and counts["Memory"] >= 2, counts
+    assert counts["Plan"] == 1, counts   # the ledger's chart of the stored recommendation
     # The HTML export, opened as a file.
     page = browser.new_page(viewport={"width": WIDTH, "height": 4000}, accept_downloads=True)
     page.goto(demo_url, wait_until="domcontentloaded")

@@ -123,3 +123,58 @@ def test_a_store_with_only_plans_shows_the_plan_page(monkeypatch, plans_only):
         assert parts.loc[mode, "TTFT mean (ms)"] == pytest.approx(1000 * statistics.fmean(ttft), abs=0.05)
         assert parts.loc[mode, "TTFT p50 (ms)"] == pytest.approx(1000 * statistics.median(ttft), abs=0.05)
         assert parts.loc[mode, "queue share of TTFT (%)"] == pytest.approx(100 * sum(wait) / sum(ttft), abs=0.05)
+
+
+def held_out_profile(root: Path) -> Path:
+    """vendor-h200 with hand-made held-out errors (TTFT ratio p10-p90 per mode, D hit-rate error)."""
+    import yaml
+
+    data = yaml.safe_load(VENDOR.read_text())
+    data["held_out"] = {"split": "hand-made", "runs": 4, "turns": 40,
+                        "ttft_ratio": {"pd-nocache": [0.9, 1.2], "pd": [0.8, 1.25], "pd-bidir": [0.85, 1.3]},
+                        "hit_rate_error": {"pd-bidir": [-0.1, 0.05]}}
+    path = root / "held.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture(scope="module")
+def recommended(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("recommended")
+    r = CliRunner().invoke(app, ["recommend", str(TRACE), "--profile", str(held_out_profile(root)), "--store",
+                                 str(root), "--label", "rec", "--max-prefill-workers", "2", "--gpu-hour-usd", "4"],
+                           env={"COLUMNS": "4000"})
+    assert r.exit_code == 0, r.output
+    return root
+
+
+def test_a_recommendation_shows_its_answer_ledger_and_diff(monkeypatch, recommended):
+    at = open_plan(monkeypatch, recommended)
+    (rec,) = shards(recommended, "plan_recommendations",
+                    "SELECT recommended_label, recommended_ttft_mean_s, speedup, speedup_interval_low, "
+                    "speedup_interval_high, flags_diff, topology_diff, current_ttft_mean_s FROM {t}")
+    label, mean_s, speed, lo, hi, flags, topo, cur_s = rec
+    # the answer first: a few figures and one sentence
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["mean TTFT (ms)"] == f"{mean_s * 1000:,.1f}" and metrics["speed-up vs current"] == f"{speed:.2f}x"
+    assert f"Recommended: {label}" in at.markdown[0].value and f"{cur_s * 1000:,.1f} ms now" in at.markdown[0].value
+    assert next(m for m in at.metric if m.label == "speed-up vs current").help == f"80% interval {lo:.2f}-{hi:.2f}x"
+    # the ledger: one table (values as stored, read by hand SQL) and one chart
+    table = next(d.value for d in at.dataframe if "mode costed" in d.value.columns).set_index("strategy")
+    for strategy, p50, p50_lo, p50_hi, d_pin in shards(recommended, "plan_ledger",
+                                                       "SELECT strategy, ttft_p50_later_s, ttft_p50_later_interval_low_s, "
+                                                       "ttft_p50_later_interval_high_s, d_pinned_gib_s FROM {t}"):
+        assert table.loc[strategy, "TTFT p50, turn 2 on (ms)"] == pytest.approx(round(p50 * 1000, 1))
+        got = table.loc[strategy, "TTFT 80% interval (ms)"]
+        if p50_lo is None:   # a host-tier strategy: no interval, a blank cell
+            assert strategy.endswith("+host") and not isinstance(got, str)
+        else:
+            assert got == f"{p50_lo * 1000:,.1f}-{p50_hi * 1000:,.1f}"
+        assert table.loc[strategy, "D pinned (GiB-s)"] == pytest.approx(round(d_pin, 1))
+    assert list(table.index) == ["recompute", "pd", "pd+host", "pd-bidir", "pd-bidir+host"]
+    assert len(at.get("plotly_chart")) == 1
+    # the diffs, copyable
+    codes = [c.value for c in at.code]
+    assert flags in codes and (topo or "(no change)") in codes
+    # captions stay short (at most two lines of the page: about 240 characters)
+    assert all(len(c.value) <= 240 for c in at.caption), [c.value for c in at.caption if len(c.value) > 240]

@@ -3,10 +3,13 @@ recommendation are printed as forecasts with their inputs; bad input is refused 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
+from serving.topology import load_topology
 from turnscope.cli import app
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,3 +45,51 @@ def test_recommend_refuses_bad_input():
     assert r.exit_code != 0 and "--current-strategy 'offload'" in r.output
     r = invoke(str(TRACE), "--profile", str(PROFILE), "--gpu-hour-usd", "-1")
     assert r.exit_code != 0 and "--gpu-hour-usd must not be negative" in r.output
+
+
+def held_out_profile(tmp_path: Path) -> Path:
+    """vendor-h200 with hand-made held-out errors: TTFT ratio p10-p90 0.8-1.25 (pd), 0.85-1.3
+    (pd-bidir), 0.9-1.2 (pd-nocache); D hit-rate error -0.1..+0.05 (pd-bidir)."""
+    import yaml
+
+    data = yaml.safe_load(PROFILE.read_text())
+    data["held_out"] = {"split": "hand-made", "runs": 4, "turns": 40,
+                        "ttft_ratio": {"pd-nocache": [0.9, 1.2], "pd": [0.8, 1.25], "pd-bidir": [0.85, 1.3]},
+                        "hit_rate_error": {"pd-bidir": [-0.1, 0.05]}}
+    path = tmp_path / "held.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_recommend_stores_ledger_and_recommendation_with_intervals(tmp_path):
+    import duckdb
+
+    store = tmp_path / "store"
+    r = invoke(str(TRACE), "--profile", str(held_out_profile(tmp_path)), "--store", str(store), "--label", "rec",
+               "--topology", str(ROOT / "data/topologies/vendor-h200-1p1d.yaml"), "--max-prefill-workers", "2",
+               "--ttft-slo-s", "0.5", "--write-topology", str(tmp_path / "written.yaml"))
+    assert r.exit_code == 0, r.output
+    assert "80% interval" in r.output and "Topology file diff (current -> recommended; base: topology vendor-h200-1p1d)" in r.output
+    con = duckdb.connect()
+    shards = f"{store}/runs/plan-*"
+    led = con.execute(f"SELECT * FROM read_parquet('{shards}/plan_ledger/*.parquet')").df().set_index("strategy")
+    rec = con.execute(f"SELECT * FROM read_parquet('{shards}/plan_recommendations/*.parquet')").df().iloc[0]
+    log = con.execute(f"SELECT label, forecast_label FROM read_parquet('{shards}/plan_log/*.parquet')").fetchall()
+    assert log == [("rec", "FORECAST (profile vendor-h200)")]
+    assert set(led.index) == {"recompute", "pd", "pd+host", "pd-bidir", "pd-bidir+host"}
+    # each TTFT interval is the forecast times the held-out ratios of the mode it is costed as
+    for strategy, (lo, hi) in (("recompute", (0.9, 1.2)), ("pd", (0.8, 1.25)), ("pd-bidir", (0.85, 1.3))):
+        x = led.loc[strategy]
+        assert x["ttft_p50_later_interval_low_s"] == pytest.approx(x["ttft_p50_later_s"] * lo)
+        assert x["ttft_p50_later_interval_high_s"] == pytest.approx(x["ttft_p50_later_s"] * hi)
+    assert led.loc[["pd+host", "pd-bidir+host"], "ttft_p50_later_interval_low_s"].isna().all()
+    # the recommendation's printed figures are the stored ones; its topology loads with its knobs
+    assert rec["recommended_label"] in r.output and rec["topology_diff"] in r.output
+    path = tmp_path / "written.yaml"   # --write-topology: the file stored with the recommendation
+    assert path.read_text() == rec["recommended_topology"]
+    topo = load_topology(path)
+    setting = json.loads(rec["recommended_setting"])
+    assert len(topo.prefill) == setting["prefill_workers"] and topo.proxy.prefill_routing == setting["routing"]
+    assert topo.connector.decoder_kv_blocks_ttl == int(setting["ttl_s"])
+    assert rec["recommended_ttft_p90_s"] <= 0.5 or not rec["feasible"]
+    assert rec["recommended_ttft_mean_interval_low_s"] < rec["recommended_ttft_mean_s"] < rec["recommended_ttft_mean_interval_high_s"]

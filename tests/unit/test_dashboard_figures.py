@@ -309,6 +309,34 @@ def test_plan_check_figure_draws_each_mode_in_its_colour_with_the_legend_below()
     colours = {t.name: t.marker.color for t in fig.data if t.mode == "markers"}
     assert colours == {m: MODE_COLORS[m] for m in ("pd", "pd-bidir", "aggregated")}
     assert fig.layout.legend.orientation == "h" and fig.layout.legend.y < 0
+    # log axes in ms, ticked at whole numbers in 1-2-5 steps over the drawn range (80-375 ms), not
+    # plotly's "5, 2, 100, 5, 2"
+    for axis in (fig.layout.xaxis, fig.layout.yaxis):
+        assert axis.type == "log" and list(axis.ticktext) == ["50", "100", "200", "500"]
+        assert list(axis.tickvals) == [50.0, 100.0, 200.0, 500.0]
+
+
+def test_ledger_figure_one_point_per_strategy_with_interval_bars():
+    from dashboard.figures.plan import ledger_figure
+    from dashboard.palette import MODE_COLORS
+
+    nan = float("nan")
+    led = pd.DataFrame({"strategy": ["recompute", "pd", "pd-bidir"], "mode": ["pd-nocache", "pd", "pd-bidir"],
+                        "hit_rate": [0.0, 0.5, 0.75], "p_cache_gib_s": [0.0, 10.0, 10.0],
+                        "d_pinned_gib_s": [0.0, 0.0, 4.0], "host_gib_s": [0.0, 0.0, 0.0],
+                        "d_pinned_interval_low_gib_s": [nan, nan, 3.0], "d_pinned_interval_high_gib_s": [nan, nan, 6.0],
+                        "ttft_saved_s": [0.0, 0.1, 0.2], "ttft_saved_interval_low_s": [nan, 0.05, 0.15],
+                        "ttft_saved_interval_high_s": [nan, 0.12, 0.3]})
+    fig = ledger_figure(led, "FORECAST (profile t)")
+    pts = {t.name: t for t in fig.data}
+    assert list(pts) == ["recompute", "pd", "pd-bidir"]
+    assert {n: t.marker.color for n, t in pts.items()} == {s: MODE_COLORS[m] for s, m in zip(led["strategy"], led["mode"])}
+    b = pts["pd-bidir"]
+    assert (b.x[0], b.y[0]) == (14.0, 200.0)   # 10 + 4 GiB-s held; 0.2 s saved
+    # x bars: D pinned's interval 3-6 around 4; y bars: 150-300 ms around 200
+    assert (b.error_x.arrayminus[0], b.error_x.array[0]) == (1.0, 2.0)
+    assert (b.error_y.arrayminus[0], b.error_y.array[0]) == pytest.approx((50.0, 100.0))
+    assert pts["recompute"].error_x is None or pts["recompute"].error_x.array is None
 
 
 def test_log_ticks_whole_numbers_in_1_2_5_steps():

@@ -1,7 +1,8 @@
 """``turnscope recommend``: read the traffic and profile, print the ledger of retention strategies at
 the current setting (:mod:`turnscope.planner.ledger`) and the recommended setting as a config diff
 (:mod:`turnscope.planner.recommend`). Every figure is a FORECAST labelled with its profile and inputs
-(docs/planner.md, "Ledger and recommendation")."""
+(docs/planner.md, "Ledger and recommendation"). With ``store_root``, both are written to the store
+(``plan_ledger``, ``plan_recommendations``; the Plan page shows them)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,25 @@ from pathlib import Path
 
 from turnscope.planner.cli_plan import read_traffic
 from turnscope.planner.ledger import STRATEGIES, Prices, describe_ledger, ledger
+from turnscope.planner.plan_store import new_plan_id, write_recommendation
 from turnscope.planner.profile import GiB, Sourced, load_profile
-from turnscope.planner.recommend import Grid, Limits, Setting, describe, recommend
+from turnscope.planner.recommend import Grid, Limits, Setting, describe, recommend, recommendation_row
+from turnscope.planner.recommend_topology import read_base
 from turnscope.planner.simulate import PlanSettings
+from turnscope.store import Store
 
 
 def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | None, current: Setting,
                   margin_s: float, ttft_slo_s: float | None, d_kv_gib: float | None, gpu_hour_usd: float | None,
                   host_gib_hour_usd: float | None, max_prefill_workers: int, serve_model: str,
-                  shared_prefix_tokens: int = 0, grid: Grid | None = None, platform: str = "gpu") -> str:
-    """The whole command. Raises ValueError/OSError with a clear message (an unknown strategy, a
-    negative price, an unreadable traffic or profile)."""
+                  shared_prefix_tokens: int = 0, grid: Grid | None = None, platform: str = "gpu",
+                  topology_path: Path | None = None, store_root: Path | None = None, label: str | None = None,
+                  run_ids: Sequence[str] | None = None, write_topology: Path | None = None) -> str:
+    """The whole command. ``topology_path``: the current deployment's topology file, the base of the
+    topology diff (None: :func:`turnscope.planner.recommend_topology.default_topology`);
+    ``store_root``: write the ledger and recommendation there; ``run_ids``: of a store directory read
+    as traffic, only these runs; ``write_topology``: write the recommended topology file there. Raises ValueError/OSError with a clear
+    message (an unknown strategy, a negative price, an unreadable traffic, profile or topology)."""
     if platform not in ("cpu", "gpu"):
         raise ValueError(f"--platform {platform!r}: expected cpu or gpu")
     if current.strategy not in STRATEGIES:
@@ -30,7 +39,8 @@ def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | No
         if v is not None and v < 0:
             raise ValueError(f"{name} must not be negative, got {v}")
     prof = load_profile(profile_path)
-    traffic, inputs = read_traffic(paths, format)
+    topology = read_base(topology_path) if topology_path is not None else None
+    traffic, inputs = read_traffic(paths, format, run_ids)
     prices = Prices(gpu_hour_usd, host_gib_hour_usd)
     limits = Limits(ttft_slo_s, None if d_kv_gib is None else d_kv_gib * GiB, prices, max_prefill_workers)
     base = PlanSettings(handle_ttl_margin_s=margin_s, shared_prefix_tokens=shared_prefix_tokens)
@@ -41,6 +51,24 @@ def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | No
                                  "prefill_workers": current.prefill_workers, "decode_workers": current.decode_workers,
                                  "routing": current.routing})
     head = f"Traffic: {', '.join(i['path'] + ' (' + i['format'] + ')' for i in inputs)}; {len(traffic):,} requests."
-    table = describe_ledger(ledger(traffic, prof, at, prices), prof, at, prices)
+    led = ledger(traffic, prof, at, prices)
+    table = describe_ledger(led, prof, at, prices)
     rec = recommend(traffic, prof, base, current, limits, grid or Grid())
-    return "\n\n".join([head, table, describe(rec, prof, base, limits, serve_model, platform)])
+    text = "\n\n".join([head, table, describe(rec, prof, base, limits, serve_model, platform, topology)])
+    if write_topology is not None:
+        from turnscope.planner.recommend_topology import default_topology, topology_diff
+
+        host_kv = prof.host_kv_space_bytes.value if prof.host_kv_space_bytes else None
+        rec_text, _ = topology_diff(topology or default_topology(serve_model, platform), rec.current.setting,
+                                    rec.recommended.setting, host_kv)
+        Path(write_topology).write_text(rec_text)
+        text += f"\n\nRecommended topology written to {write_topology}."
+    if store_root is not None:
+        store, plan_id = Store(Path(store_root)), new_plan_id()
+        notes = [(f"a recommendation (`turnscope recommend`): the ledger at the current setting ({current.label()}) "
+                  f"and the recommended setting, {len(rec.searched)} settings searched; no per-request forecast")]
+        write_recommendation(store, plan_id=plan_id, label=label, inputs=inputs, profile=prof, settings=at,
+                             notes=notes, requests=len(traffic), ledger=led,
+                             recommendation=recommendation_row(rec, prof, serve_model, platform, topology))
+        text += f"\n\nWritten to {store.root} as plan {plan_id}."
+    return text

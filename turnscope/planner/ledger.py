@@ -35,6 +35,16 @@ reported but not priced: vLLM evicts it whenever a running request needs the spa
     host memory $ = host GiB-s / 3600 x host_gib_hour_usd
     saved prefill $ = prefill GPU-s saved / 3600 x gpu_hour_usd
     per M saved tokens = $ / (saved prefill tokens / 1e6)
+
+Intervals (80%, :mod:`turnscope.planner.intervals`, from the profile's held-out errors): the TTFTs
+and the speed-up and TTFT saved against ``recompute`` from the TTFT ratios of the mode each strategy
+is costed as; the reuse rate of the bidirectional strategies from the mode's D hit-rate error, as
+far as D's reads can move it (:func:`~turnscope.planner.intervals.reuse_rate_interval`); D's pinned
+GiB-s from the same error moved into handles read or not read
+(:func:`~turnscope.planner.intervals.pinned_gib_s_interval`). No interval, and the reason in
+``interval_note``, for the host-tier strategies (no host-tier run was ever checked), for ``pd``'s hit
+rate (the held-out check measures D's hits only), and for the P-cache and host GiB-s (they follow
+the traffic's prompts and the LRU's space, which no held-out check measures).
 """
 
 from __future__ import annotations
@@ -45,6 +55,10 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from serving import handles as h
+from turnscope import reuse_rules as rules
+from turnscope.planner import intervals
+from turnscope.planner.intervals import HandleReads
 from turnscope.planner.profile import CostProfile, GiB
 from turnscope.planner.queueing import fifo_waits
 from turnscope.planner.simulate import (
@@ -65,11 +79,18 @@ from turnscope.planner.simulate import (
 STRATEGIES = {"recompute": "pd-nocache", "pd": "pd", "pd+host": "pd", "pd-bidir": "pd-bidir",
               "pd-bidir+host": "pd-bidir"}
 HOST_STRATEGIES = ("pd+host", "pd-bidir+host")
+#: The strategies that hold a finished turn's KV on D.
+BIDIR_STRATEGIES = ("pd-bidir", "pd-bidir+host")
 #: Columns of :func:`ledger`.
-LEDGER_COLUMNS = ("strategy", "mode", "later_requests", "hit_rate", "reused_tokens", "host_read_tokens",
-                  "ttft_p50_later_s", "ttft_mean_s", "p_cache_gib_s", "d_pinned_gib_s", "host_gib_s",
+LEDGER_COLUMNS = ("strategy", "mode", "later_requests", "hit_rate", "hit_rate_interval_low", "hit_rate_interval_high",
+                  "reused_tokens", "host_read_tokens", "ttft_p50_later_s", "ttft_p50_later_interval_low_s",
+                  "ttft_p50_later_interval_high_s", "ttft_mean_s", "ttft_mean_interval_low_s",
+                  "ttft_mean_interval_high_s", "speedup_vs_recompute", "speedup_interval_low", "speedup_interval_high",
+                  "ttft_saved_s", "ttft_saved_interval_low_s", "ttft_saved_interval_high_s", "p_cache_gib_s",
+                  "d_pinned_gib_s", "d_pinned_interval_low_gib_s", "d_pinned_interval_high_gib_s", "host_gib_s",
                   "d_full_events", "prefill_gpu_s_saved", "gpu_memory_usd", "host_memory_usd",
-                  "saved_prefill_usd", "memory_usd_per_m_saved_tokens", "net_usd_per_m_saved_tokens")
+                  "saved_prefill_usd", "memory_usd_per_m_saved_tokens", "net_usd_per_m_saved_tokens",
+                  "interval_note")
 
 
 @dataclass(frozen=True)
@@ -138,7 +159,8 @@ def host_read_s(profile: CostProfile, tokens: np.ndarray) -> np.ndarray:
 @dataclass
 class StrategyForecast:
     """One strategy over the traffic: per request ``local`` (P's hit, GPU and host), ``host_read``
-    (of which read from host memory), ``pulled`` (from D), ``ttft_s``; the tiers' GiB-seconds."""
+    (of which read from host memory), ``pulled`` (from D), ``ttft_s``; the tiers' GiB-seconds;
+    ``reads``: what D's pinned GiB-s depend on (bidirectional strategies; else None)."""
 
     strategy: str
     mode: str
@@ -151,6 +173,35 @@ class StrategyForecast:
     d_pinned_gib_s: float
     host_gib_s: float
     d_full_events: int
+    reads: HandleReads | None = None
+
+
+def handle_reads(tr: Traffic, profile: CostProfile, settings: PlanSettings, outcome: np.ndarray,
+                 ages: np.ndarray, local: np.ndarray, pulled: np.ndarray) -> HandleReads:
+    """The handles a bidirectional forecast read and took without reading (``outcome``: outcome
+    names per request; ``ages``: a taken handle's age, s), each with b (d_ttl - a) GiB-s, b the
+    GiB of the handle it took: the session's previous request's (prompt + output - 1 tokens, whole
+    blocks; the one a request can take, since an overlapping request takes none); ``local`` and
+    ``pulled``: tokens per request from P's cache and from D."""
+    block = settings.block_size or profile.block_size
+    kv = rules.handle_kv_tokens(tr.input_tokens.astype(np.int64), tr.output_tokens.astype(np.int64))
+    gib = rules.blocks_of(kv, block) * block * profile.kv_bytes_per_token.value / GiB
+    prev = np.full(len(tr), -1)
+    last: dict[int, int] = {}
+    for i, s in enumerate(tr.session_code):
+        prev[i] = last.get(int(s), -1)
+        last[int(s)] = i
+    hit = outcome == h.HIT
+    unread = np.isin(outcome, TOOK_HANDLE) & ~hit
+    s_gib_s = np.where(prev >= 0, gib[np.maximum(prev, 0)], 0.0) * (settings.decoder_kv_blocks_ttl_s
+                                                                     - np.nan_to_num(ages))
+
+    def mean(mask: np.ndarray) -> float:
+        return float(s_gib_s[mask].mean()) if mask.any() else 0.0
+
+    later = tr.request_index >= 1
+    d_only = int((later & (pulled > 0) & (local == 0)).sum())
+    return HandleReads(int(later.sum()), int(hit.sum()), int(unread.sum()), mean(hit), mean(unread), d_only)
 
 
 def _with_host(tr: Traffic, profile: CostProfile, settings: PlanSettings, gpu: LruTier) -> tuple[np.ndarray, np.ndarray, LruTier]:
@@ -187,12 +238,14 @@ def forecast_strategy(tr: Traffic, profile: CostProfile, settings: PlanSettings,
     local, host_read, host = gpu.hits, zeros, None
     if strategy in HOST_STRATEGIES:
         local, host_read, host = _with_host(tr, profile, settings, gpu)
-    pulled, d_gib_s, d_full, took = zeros, 0.0, 0, np.zeros(len(tr), dtype=bool)
+    pulled, d_gib_s, d_full, took, reads = zeros, 0.0, 0, np.zeros(len(tr), dtype=bool), None
     if mode == "pd-bidir":
-        outcome, pulled, local, _, pinned, d_full = simulate_bidir(tr, profile, settings, local,
-                                                                   finish_times(tr, profile))
+        outcome, pulled, local, ages, pinned, d_full = simulate_bidir(tr, profile, settings, local,
+                                                                      finish_times(tr, profile))
         d_gib_s = pinned.held_gib_s()
-        took = np.isin(np.asarray(OUTCOMES, dtype=object)[outcome], TOOK_HANDLE)
+        names = np.asarray(OUTCOMES, dtype=object)[outcome]
+        took = np.isin(names, TOOK_HANDLE)
+        reads = handle_reads(tr, profile, settings, names, ages, local, pulled)
     cached = local + pulled
     compute = profile.prefill_compute_s(mode, tr.input_tokens, cached)
     ttft = profile.ttft_s(mode, tr.input_tokens, cached, pulled)
@@ -203,7 +256,7 @@ def forecast_strategy(tr: Traffic, profile: CostProfile, settings: PlanSettings,
     if settings.queue_prefills:
         ttft = ttft + fifo_waits(tr.arrival_s, compute, workers_of(tr, settings.prefill_workers, settings.routing))
     return StrategyForecast(strategy, mode, local, host_read, pulled, ttft, compute, gpu.held_gib_s(end_s), d_gib_s,
-                            0.0 if host is None else host.held_gib_s(end_s), d_full)
+                            0.0 if host is None else host.held_gib_s(end_s), d_full, reads)
 
 
 def _usd_per_m(usd: float | None, tokens: int) -> float | None:
@@ -230,15 +283,59 @@ def ledger_row(f: StrategyForecast, base: StrategyForecast, tr: Traffic, profile
     if gpu_mem_usd is not None and (host_usd is not None or f.host_gib_s == 0):
         memory_usd = gpu_mem_usd + (host_usd or 0.0)
     net = None if memory_usd is None or saved_usd is None else memory_usd - saved_usd
-    return {"strategy": f.strategy, "mode": f.mode, "later_requests": int(later.sum()),
-            "hit_rate": float((reused[later] > 0).mean()) if later.any() else np.nan,
-            "reused_tokens": saved_tokens, "host_read_tokens": int(f.host_read.sum()),
-            "ttft_p50_later_s": float(np.median(f.ttft_s[later])) if later.any() else np.nan,
-            "ttft_mean_s": float(f.ttft_s.mean()), "p_cache_gib_s": f.p_cache_gib_s,
-            "d_pinned_gib_s": f.d_pinned_gib_s, "host_gib_s": f.host_gib_s, "d_full_events": f.d_full_events,
-            "prefill_gpu_s_saved": saved_gpu_s, "gpu_memory_usd": gpu_mem_usd, "host_memory_usd": host_usd,
-            "saved_prefill_usd": saved_usd, "memory_usd_per_m_saved_tokens": _usd_per_m(memory_usd, saved_tokens),
-            "net_usd_per_m_saved_tokens": _usd_per_m(net, saved_tokens)}
+    hit_rate = float((reused[later] > 0).mean()) if later.any() else np.nan
+    p50 = float(np.median(f.ttft_s[later])) if later.any() else np.nan
+    base_p50 = float(np.median(base.ttft_s[later])) if later.any() else np.nan
+    row = {"strategy": f.strategy, "mode": f.mode, "later_requests": int(later.sum()), "hit_rate": hit_rate,
+           "reused_tokens": saved_tokens, "host_read_tokens": int(f.host_read.sum()), "ttft_p50_later_s": p50,
+           "ttft_mean_s": float(f.ttft_s.mean()),
+           "speedup_vs_recompute": base_p50 / p50 if p50 > 0 else np.nan, "ttft_saved_s": base_p50 - p50,
+           "p_cache_gib_s": f.p_cache_gib_s, "d_pinned_gib_s": f.d_pinned_gib_s, "host_gib_s": f.host_gib_s,
+           "d_full_events": f.d_full_events, "prefill_gpu_s_saved": saved_gpu_s, "gpu_memory_usd": gpu_mem_usd,
+           "host_memory_usd": host_usd, "saved_prefill_usd": saved_usd,
+           "memory_usd_per_m_saved_tokens": _usd_per_m(memory_usd, saved_tokens),
+           "net_usd_per_m_saved_tokens": _usd_per_m(net, saved_tokens)}
+    return row | ledger_intervals(f, base, row, profile)
+
+
+def ledger_intervals(f: StrategyForecast, base: StrategyForecast, row: dict, profile: CostProfile) -> dict:
+    """The 80% intervals of a :func:`ledger_row` (NaN ends where there is none) and ``interval_note``:
+    where they come from, or why there are none (see the module doc)."""
+    nan = intervals.NONE
+    host = f.strategy in HOST_STRATEGIES
+    why = intervals.no_interval_reason(profile, f.mode) or intervals.no_interval_reason(profile, base.mode)
+    if host and why is None:
+        why = intervals.NOT_CHECKED["host"]
+    ttft = (lambda x: intervals.ttft_interval(profile, f.mode, x)) if why is None else (lambda x: nan)
+    p50, mean = ttft(row["ttft_p50_later_s"]), ttft(row["ttft_mean_s"])
+    base_p50 = row["ttft_saved_s"] + row["ttft_p50_later_s"]
+    vs = why or f.strategy == "recompute"   # recompute against itself: 1x and 0 s by construction
+    speed = nan if vs else intervals.speedup_interval(profile, f.mode, base.mode, row["speedup_vs_recompute"])
+    saved = nan if vs else intervals.ttft_saved_interval(profile, f.mode, base.mode, base_p50, row["ttft_p50_later_s"])
+    hit = pinned = nan     # recompute's hit rate and a one-way strategy's D pinned are 0 by construction
+    notes = []
+    if f.strategy == "recompute":
+        pass
+    elif why is None and f.reads is not None:
+        hit = intervals.reuse_rate_interval(profile, f.mode, row["hit_rate"], f.reads)
+        pinned = intervals.pinned_gib_s_interval(profile, f.mode, row["d_pinned_gib_s"], f.reads)
+        if np.isnan(hit[0]):
+            notes.append(f"hit rate and D pinned: {intervals.no_interval_reason(profile, f.mode, 'hit_rate')}")
+    elif why is None:
+        notes.append("hit rate: no held-out interval: the held-out check measures D's hits only, not P's own cache")
+    if why is None:
+        held = profile.held_out
+        head = f"80% intervals from the held-out errors of profile {profile.name} ({held.runs} runs, {held.turns:,} turns)"
+        notes = [head] + notes + [f"P cache and host GiB-s: {intervals.NOT_CHECKED['p_cache']}"]
+    else:
+        notes = [why]
+    return {"hit_rate_interval_low": hit[0], "hit_rate_interval_high": hit[1],
+            "ttft_p50_later_interval_low_s": p50[0], "ttft_p50_later_interval_high_s": p50[1],
+            "ttft_mean_interval_low_s": mean[0], "ttft_mean_interval_high_s": mean[1],
+            "speedup_interval_low": speed[0], "speedup_interval_high": speed[1],
+            "ttft_saved_interval_low_s": saved[0], "ttft_saved_interval_high_s": saved[1],
+            "d_pinned_interval_low_gib_s": pinned[0], "d_pinned_interval_high_gib_s": pinned[1],
+            "interval_note": "; ".join(notes)}
 
 
 def ledger(tr: Traffic, profile: CostProfile, settings: PlanSettings, prices: Prices = Prices(),
@@ -264,8 +361,47 @@ def _money(v: float | None) -> str:
     return f"-${-v:,.4f}" if v < 0 else f"${v:,.4f}"
 
 
+def with_iv(text: str, low: float | None, high: float | None, fmt, unit: str = "") -> str:
+    """``text`` with its 80% interval, ``"83.5 ms (80% interval 75.2-100.2 ms)"`` (" to " between
+    the ends when one is negative), or ``"(no held-out interval)"`` where an end is NaN/None."""
+    if low is None or high is None or pd.isna(low) or pd.isna(high):
+        return f"{text} (no held-out interval)"
+    sep = " to " if min(low, high) < 0 else "-"
+    return f"{text} (80% interval {fmt(low)}{sep}{fmt(high)}{unit})"
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:,.1f}"
+
+
+def ledger_lines(r) -> list[str]:
+    """One ledger row (a :data:`LEDGER_COLUMNS` record) in words, every forecast with its interval
+    (recompute's hit rate and a one-way strategy's D pinned KV are 0 by construction: no interval)."""
+    hit = (f"{r.hit_rate:.1%} (none reused, by construction)" if r.strategy == "recompute" else
+           with_iv(f"{r.hit_rate:.1%}", r.hit_rate_interval_low, r.hit_rate_interval_high,
+                   lambda x: f"{x * 100:.1f}", "%"))
+    p50 = with_iv(f"{_ms(r.ttft_p50_later_s)} ms", r.ttft_p50_later_interval_low_s, r.ttft_p50_later_interval_high_s,
+                  _ms, " ms")
+    first = f"  {r.strategy:<14} hit rate {hit}; TTFT p50 (turn 2 on) {p50}"
+    if r.strategy != "recompute":
+        speed = with_iv(f"{r.speedup_vs_recompute:.2f}x", r.speedup_interval_low, r.speedup_interval_high,
+                        lambda x: f"{x:.2f}", "x")
+        saved = with_iv(f"{_ms(r.ttft_saved_s)} ms", r.ttft_saved_interval_low_s, r.ttft_saved_interval_high_s,
+                        _ms, " ms")
+        first += f"; vs recompute: speed-up {speed}, TTFT saved {saved}"
+    pinned = (f"{r.d_pinned_gib_s:,.1f}" if r.mode != "pd-bidir" else
+              with_iv(f"{r.d_pinned_gib_s:,.1f}", r.d_pinned_interval_low_gib_s, r.d_pinned_interval_high_gib_s,
+                      lambda x: f"{x:,.1f}"))
+    second = (f"  {'':<14} held GPU {r.p_cache_gib_s + r.d_pinned_gib_s:,.1f} GiB-s (P cache {r.p_cache_gib_s:,.1f}, "
+              f"D pinned {pinned}), host {r.host_gib_s:,.1f} GiB-s; prefill GPU-s saved {r.prefill_gpu_s_saved:,.1f}; "
+              f"memory per M saved tokens {_money(r.memory_usd_per_m_saved_tokens)}, net of saved prefill "
+              f"{_money(r.net_usd_per_m_saved_tokens)}")
+    return [first, second]
+
+
 def describe_ledger(df: pd.DataFrame, profile: CostProfile, settings: PlanSettings, prices: Prices) -> str:
-    """The ledger in plain text, labelled as a forecast with its inputs."""
+    """The ledger in plain text, labelled as a forecast with its inputs, each figure with its 80%
+    interval or "no held-out interval" and why."""
     tag = profile.label()
     host = ("host tier " + (f"{profile.host_kv_space_bytes.value / GiB:,.0f} GiB per P worker, read at "
             f"{profile.host_read_bandwidth_bytes_per_s.value / 1e9:,.1f} GB/s"
@@ -275,12 +411,13 @@ def describe_ledger(df: pd.DataFrame, profile: CostProfile, settings: PlanSettin
     lines = [(f"Ledger of retention strategies ({tag}; TTL {settings.decoder_kv_blocks_ttl_s:.0f} s, threshold "
               f"{settings.kv_recompute_threshold}, {settings.prefill_workers}P{settings.decode_workers}D, routing "
               f"{settings.routing}; {host}; prices: GPU-hour {gpu_price}, host GiB-hour {host_price})."),
-             "  TTFT interval: none (the planner gives point forecasts; its held-out errors are not applied here)."]
+             f"  intervals: {intervals.source_line(profile)}"]
+    notes = []
     for r in df.itertuples():
-        lines.append(
-            f"  {r.strategy:<14} hit rate {r.hit_rate:6.1%}, TTFT p50 (turn 2 on) {r.ttft_p50_later_s * 1e3:9,.1f} ms; "
-            f"held GPU {r.p_cache_gib_s + r.d_pinned_gib_s:12,.1f} GiB-s (P cache {r.p_cache_gib_s:,.1f}, "
-            f"D pinned {r.d_pinned_gib_s:,.1f}), host {r.host_gib_s:12,.1f} GiB-s; prefill GPU-s saved "
-            f"{r.prefill_gpu_s_saved:,.1f}; memory per M saved tokens {_money(r.memory_usd_per_m_saved_tokens)}, "
-            f"net of saved prefill {_money(r.net_usd_per_m_saved_tokens)}")
+        lines += ledger_lines(r)
+        for note in str(r.interval_note).split("; "):
+            if note and not note.startswith("80% intervals from") and note not in notes and "never checked" not in note:
+                notes.append(note)
+    lines += [f"  note ({', '.join(df.loc[df['interval_note'].str.contains(n, regex=False), 'strategy'])}): {n}"
+              for n in notes]
     return "\n".join(lines)

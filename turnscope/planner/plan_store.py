@@ -1,5 +1,6 @@
 """Writes a plan (a FORECAST) to the store: tables plan_log, plan_requests, plan_speedups,
-plan_frontier, plan_sessions and plan_checks (docs/schema.md), under ``runs/<plan_id>/``."""
+plan_frontier, plan_sessions and plan_checks (docs/schema.md), under ``runs/<plan_id>/``; and a
+recommendation (``turnscope recommend --store``): plan_log, plan_ledger and plan_recommendations."""
 
 from __future__ import annotations
 
@@ -78,3 +79,21 @@ def write_plan(store: Store, p: Plan, *, plan_id: str, label: str | None, inputs
                                       "recorded_local_tokens", "predicted_local_tokens")):
                 row["outcome_match"] = None if row["outcome_match"] is None else bool(row["outcome_match"])
                 w.append("plan_checks", {"plan_id": plan_id} | row)
+
+
+def write_recommendation(store: Store, *, plan_id: str, label: str | None, inputs: list[dict], profile, settings,
+                         notes: list[str], requests: int, ledger: pd.DataFrame, recommendation: dict) -> None:
+    """Append one recommendation: its ``plan_log`` row (``profile``: a CostProfile, ``settings``:
+    the PlanSettings of the current setting), the ``plan_ledger`` rows (``ledger``:
+    :func:`turnscope.planner.ledger.ledger`) and the ``plan_recommendations`` row
+    (:func:`turnscope.planner.recommend.recommendation_row`)."""
+    store.init()
+    with store.writer(plan_id, "planner") as w:
+        w.append("plan_log", {"plan_id": plan_id, "label": label, "created_at": dt.datetime.now(dt.UTC),
+                              "inputs": inputs, "profile_name": profile.name,
+                              "profile": profile.model_dump(mode="json"),
+                              "settings": settings.model_dump(mode="json"), "notes": notes,
+                              "requests": requests, "forecast_label": profile.label()})
+        for row in _rows(ledger, ("later_requests", "reused_tokens", "host_read_tokens", "d_full_events")):
+            w.append("plan_ledger", {"plan_id": plan_id} | row)
+        w.append("plan_recommendations", {"plan_id": plan_id} | {k: _clean(v) for k, v in recommendation.items()})

@@ -18,26 +18,38 @@ space, prefill workers, routing) is forecast with the ledger's model, and one is
 The recommendation is printed as the ``vllm serve`` flags and ``--kv-transfer-config`` JSON of each
 role (rendered by :func:`serving.workers.worker_command`, the command turnscope itself starts
 workers with) and the proxy's routing, current next to recommended, with each changed knob's
-forecast gain (that knob alone changed from the current setting).
+forecast gain (that knob alone changed from the current setting), and as the diff of the topology
+file (:mod:`turnscope.planner.recommend_topology`).
+
+Every forecast figure it prints carries its 80% interval from the profile's held-out errors
+(:mod:`turnscope.planner.intervals`; :func:`figure_intervals`), or "no held-out interval" and why.
 """
 
 from __future__ import annotations
 
 import difflib
-import json
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from serving.workers import WorkerSpec, worker_command
 from turnscope.connector import Connector
-from turnscope.planner.ledger import HOST_STRATEGIES, STRATEGIES, Prices, forecast_strategy, ledger_row
+from turnscope.planner import intervals
+from turnscope.planner.ledger import (
+    BIDIR_STRATEGIES,
+    HOST_STRATEGIES,
+    STRATEGIES,
+    Prices,
+    forecast_strategy,
+    ledger_row,
+    with_iv,
+)
 from turnscope.planner.profile import CostProfile, GiB, Sourced
+from turnscope.planner.serve_flags import role_argv
 from turnscope.planner.simulate import PlanSettings, Traffic
 
 #: A setting that holds memory must beat the best one without it by this fraction of mean TTFT.
 MIN_GAIN = 0.05
-BIDIR = ("pd-bidir", "pd-bidir+host")
+BIDIR = BIDIR_STRATEGIES
 
 
 @dataclass(frozen=True)
@@ -184,34 +196,11 @@ def choose(evaluated: list[Evaluated], priced: bool) -> Evaluated:
 
 # -- rendering ------------------------------------------------------------------------------------
 
-def role_argv(s: Setting, role: str, model: str, host_kv_bytes: float | None, platform: str = "gpu") -> list[str]:
-    """``vllm serve`` arguments (after ``vllm serve``) of one ``role`` (prefill, decode) in ``s``,
-    rendered by :func:`serving.workers.worker_command` on ``platform`` (gpu, cpu); a host tier on P wraps
-    the NixlConnector and vLLM's OffloadingConnector (``cpu_bytes_to_use``) in ``MultiConnector``."""
-    bidir = s.strategy in BIDIR
-    spec = WorkerSpec(name=role, role=role, host="0.0.0.0", port=8100 if role == "prefill" else 8200, model=model,
-                      platform=platform, nixl=True, bidirectional=bidir,
-                      prefix_caching=not (role == "prefill" and s.strategy == "recompute"),
-                      connector=Connector(kv_recompute_threshold=s.threshold, decoder_kv_blocks_ttl=int(s.ttl_s)),
-                      kv_cache_bytes=int(s.decode_kv_bytes) if role == "decode" and s.decode_kv_bytes else None)
-    argv, _ = worker_command(spec)
-    argv = argv[argv.index("--model"):]
-    if role == "prefill" and s.strategy in HOST_STRATEGIES and host_kv_bytes:
-        i = argv.index("--kv-transfer-config") + 1
-        nixl = json.loads(argv[i])
-        offload = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                   "kv_connector_extra_config": {"cpu_bytes_to_use": int(host_kv_bytes)}}
-        argv[i] = json.dumps({"kv_connector": "MultiConnector", "kv_role": "kv_both",
-                              "kv_buffer_device": nixl["kv_buffer_device"],
-                              "kv_load_failure_policy": nixl["kv_load_failure_policy"],
-                              "kv_connector_extra_config": {"connectors": [nixl, offload]}})
-    return argv
-
-
-def _lines(s: Setting, model: str, host_kv_bytes: float | None, platform: str) -> list[str]:
+def _lines(s: Setting, model: str, host_kv_bytes: float | None, platform: str,
+           connector: Connector | None = None) -> list[str]:
     out = [f"# proxy: prefill routing {s.routing}; {s.prefill_workers} prefill, {s.decode_workers} decode worker(s)"]
     for role in ("prefill", "decode"):
-        argv = role_argv(s, role, model, host_kv_bytes, platform)
+        argv = role_argv(s, role, model, host_kv_bytes, platform, connector)
         out.append(f"# {role}: vllm serve")
         flags, i = [], 0
         while i < len(argv):
@@ -226,10 +215,10 @@ def _lines(s: Setting, model: str, host_kv_bytes: float | None, platform: str) -
 
 
 def config_diff(current: Setting, recommended: Setting, model: str, host_kv_bytes: float | None,
-                platform: str = "gpu") -> str:
+                platform: str = "gpu", connector: Connector | None = None) -> str:
     """A unified diff of the two settings' flags, one flag per line, prefixed by role."""
-    return "\n".join(difflib.unified_diff(_lines(current, model, host_kv_bytes, platform),
-                                          _lines(recommended, model, host_kv_bytes, platform),
+    return "\n".join(difflib.unified_diff(_lines(current, model, host_kv_bytes, platform, connector),
+                                          _lines(recommended, model, host_kv_bytes, platform, connector),
                                           "current", "recommended", lineterm="", n=50))
 
 
@@ -257,7 +246,8 @@ def what_would_change(tr: Traffic, profile: CostProfile, base: PlanSettings, cur
                       limits: Limits) -> list[str]:
     """Mean TTFT of ``pd-bidir`` against ``pd`` (the current TTL and threshold) when sessions
     outgrow P's cache (an eighth of P's KV space), with two P workers round-robin, and with the
-    traffic's gaps halved (arrivals at half the time)."""
+    traffic's gaps halved (arrivals at half the time); each figure with its 80% interval
+    (:func:`figure_intervals`) or "no held-out interval"."""
     cases = []
     if profile.prefill_kv_space_bytes is not None:
         small = profile.model_copy(update={"prefill_kv_space_bytes": Sourced(
@@ -272,8 +262,11 @@ def what_would_change(tr: Traffic, profile: CostProfile, base: PlanSettings, cur
         pd_ = evaluate(traffic, prof, base, replace(s, strategy="pd"), limits)
         bd = evaluate(traffic, prof, base, replace(s, strategy="pd-bidir"), limits)
         gain = 1 - bd.ttft_mean_s / pd_.ttft_mean_s
-        out.append(f"{label}: pd-bidir mean TTFT {bd.ttft_mean_s * 1e3:,.1f} ms vs pd {pd_.ttft_mean_s * 1e3:,.1f} ms "
-                   f"({gain:+.1%}; D pinned {bd.row['d_pinned_gib_s']:,.0f} GiB-s)")
+        ib, ip = figure_intervals(prof, bd), figure_intervals(prof, pd_)
+        bd_t = with_iv(f"{bd.ttft_mean_s * 1e3:,.1f} ms", *ib["ttft_mean"], _ms, " ms")
+        pd_t = with_iv(f"{pd_.ttft_mean_s * 1e3:,.1f} ms", *ip["ttft_mean"], _ms, " ms")
+        pinned = with_iv(f"{bd.row['d_pinned_gib_s']:,.0f} GiB-s", *ib["d_pinned"], _gib_s, " GiB-s")
+        out.append(f"{label}: pd-bidir mean TTFT {bd_t} vs pd {pd_t} ({gain:+.1%}; D pinned {pinned})")
     return out
 
 
@@ -318,9 +311,54 @@ def _fmt(knob: str, v) -> str:
     return str(v)
 
 
+def figure_intervals(profile: CostProfile, e: Evaluated) -> dict:
+    """The 80% intervals of an :class:`Evaluated`'s printed figures (NaN ends: none): ``ttft_mean``,
+    ``ttft_p90`` (seconds), ``hit_rate``, ``d_pinned`` (GiB-s; (0, 0) for a strategy that pins nothing
+    on D, where the TTFTs have intervals). The row's own intervals (:func:`turnscope.planner.ledger.ledger_intervals`) where it has
+    them; p90 from the same TTFT ratios."""
+    row = e.row
+    has = not np.isnan(row["ttft_mean_interval_low_s"])
+    pinned = (((0.0, 0.0) if has else intervals.NONE) if e.setting.strategy not in BIDIR else
+              (row["d_pinned_interval_low_gib_s"], row["d_pinned_interval_high_gib_s"]))
+    return {"ttft_mean": (row["ttft_mean_interval_low_s"], row["ttft_mean_interval_high_s"]),
+            "ttft_p90": intervals.ttft_interval(profile, row["mode"], e.ttft_p90_s) if has else intervals.NONE,
+            "hit_rate": (row["hit_rate_interval_low"], row["hit_rate_interval_high"]), "d_pinned": pinned}
+
+
+def change_intervals(profile: CostProfile, e: Evaluated, cur: Evaluated) -> dict:
+    """Intervals of ``e`` against ``cur``: ``speedup`` (cur / e mean TTFT), ``ttft_change`` (e - cur
+    mean TTFT, s: minus :func:`intervals.ttft_saved_interval`), ``d_pinned_change`` (GiB-s: each side
+    at its own extreme). NaN ends where either side has none."""
+    fe, fc = figure_intervals(profile, e), figure_intervals(profile, cur)
+    both = not (np.isnan(fe["ttft_mean"][0]) or np.isnan(fc["ttft_mean"][0]))
+    speed = (intervals.speedup_interval(profile, e.row["mode"], cur.row["mode"], cur.ttft_mean_s / e.ttft_mean_s)
+             if both and e.ttft_mean_s > 0 else intervals.NONE)
+    saved = (intervals.ttft_saved_interval(profile, e.row["mode"], cur.row["mode"], cur.ttft_mean_s, e.ttft_mean_s)
+             if both else intervals.NONE)
+    pe, pc = fe["d_pinned"], fc["d_pinned"]
+    return {"speedup": speed, "ttft_change": (-saved[1], -saved[0]), "d_pinned_change": (pe[0] - pc[1], pe[1] - pc[0])}
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:,.1f}"
+
+
+def _signed_ms(x: float) -> str:
+    return f"{x * 1e3:+,.1f}"
+
+
+def _gib_s(x: float) -> str:
+    return f"{x:,.0f}"
+
+
 def describe(r: Recommendation, profile: CostProfile, base: PlanSettings, limits: Limits, model: str,
-             platform: str = "gpu") -> str:
-    """The recommendation in plain text: a FORECAST with its inputs, the knobs, the config diff."""
+             platform: str = "gpu", topology=None) -> str:
+    """The recommendation in plain text: a FORECAST with its inputs, each figure with its 80% interval
+    (or "no held-out interval" and why), the knobs, the config diff of the ``vllm serve`` flags and
+    of the topology file (``topology``: the current deployment's
+    :class:`serving.topology.Topology`; None: :func:`recommend_topology.default_topology`)."""
+    from turnscope.planner import recommend_topology as rt
+
     tag = profile.label()
     cur, rec = r.current, r.recommended
     slo = "none" if limits.ttft_slo_s is None else f"p90 TTFT <= {limits.ttft_slo_s:g} s"
@@ -329,27 +367,84 @@ def describe(r: Recommendation, profile: CostProfile, base: PlanSettings, limits
                   else f", host GiB-hour ${limits.prices.host_gib_hour_usd:g}")
 
     def line(name: str, e: Evaluated) -> str:
-        return (f"  {name:<11} {e.setting.label()}: mean TTFT {e.ttft_mean_s * 1e3:,.1f} ms, p90 "
-                f"{e.ttft_p90_s * 1e3:,.1f} ms, D pinned {e.row['d_pinned_gib_s']:,.0f} GiB-s, host "
+        iv = figure_intervals(profile, e)
+        hit = with_iv(f"{e.row['hit_rate']:.1%}", *iv["hit_rate"], lambda x: f"{x * 100:.1f}", "%")
+        return (f"  {name:<11} {e.setting.label()}: mean TTFT {with_iv(_ms(e.ttft_mean_s) + ' ms', *iv['ttft_mean'], _ms, ' ms')}, "
+                f"p90 {with_iv(_ms(e.ttft_p90_s) + ' ms', *iv['ttft_p90'], _ms, ' ms')}, hit rate {hit}, D pinned "
+                f"{with_iv(_gib_s(e.row['d_pinned_gib_s']) + ' GiB-s', *iv['d_pinned'], _gib_s, ' GiB-s')}, host "
                 f"{e.row['host_gib_s']:,.0f} GiB-s")
 
+    ch = change_intervals(profile, rec, cur)
+    speed = with_iv(f"{cur.ttft_mean_s / rec.ttft_mean_s:.2f}x", *ch["speedup"], lambda x: f"{x:.2f}", "x")
     lines = [(f"Recommendation ({tag}; {len(r.searched)} settings searched; SLO {slo}; D KV space at most "
               f"{_fmt('decode_kv_bytes', limits.decode_kv_bytes)}; prices: {gpu_price}{host_price})."),
-             "  interval: none (point forecasts; the planner's held-out errors are not applied).",
+             f"  intervals: {intervals.source_line(profile)}",
              line("current", cur),
-             line("recommended", rec) + ("" if rec.feasible else " (NO setting meets the SLO: the one closest to it)")]
+             line("recommended", rec) + ("" if rec.feasible else " (NO setting meets the SLO: the one closest to it)"),
+             f"  recommended vs current: mean-TTFT speed-up {speed}"]
     for knob, e in r.knob_effects.items():
+        ke = change_intervals(profile, e, cur)
         cost = "" if e.cost_usd is None or cur.cost_usd is None else f", cost {e.cost_usd - cur.cost_usd:+,.2f} USD"
+        dp = with_iv(f"{e.row['d_pinned_gib_s'] - cur.row['d_pinned_gib_s']:+,.0f} GiB-s", *ke["d_pinned_change"],
+                     lambda x: f"{x:+,.0f}", " GiB-s")
         lines.append(f"  knob {knob}: {_fmt(knob, getattr(cur.setting, knob))} -> "
                      f"{_fmt(knob, getattr(rec.setting, knob))} alone: mean TTFT "
-                     f"{(e.ttft_mean_s - cur.ttft_mean_s) * 1e3:+,.1f} ms, D pinned "
-                     f"{e.row['d_pinned_gib_s'] - cur.row['d_pinned_gib_s']:+,.0f} GiB-s, host "
-                     f"{e.row['host_gib_s'] - cur.row['host_gib_s']:+,.0f} GiB-s{cost}")
+                     f"{with_iv(_signed_ms(e.ttft_mean_s - cur.ttft_mean_s) + ' ms', *ke['ttft_change'], _signed_ms, ' ms')}"
+                     f", D pinned {dp}"
+                     f", host {e.row['host_gib_s'] - cur.row['host_gib_s']:+,.0f} GiB-s{cost}")
+    notes = sorted({n for e in (cur, rec) for n in str(e.row["interval_note"]).split("; ")
+                    if n and not n.startswith("80% intervals from") and "never checked" not in n})
+    lines += [f"  note: {n}" for n in notes]
     if not r.enables_bidir:
         lines.append("  Do not enable bidirectional transfer for this traffic: holding the previous turn on D does "
                      f"not beat the best setting without it by more than {MIN_GAIN:.0%} of mean TTFT. What would change it:")
         lines += [f"    {w}" for w in r.what_would_change]
     host_kv = profile.host_kv_space_bytes.value if profile.host_kv_space_bytes else None
     lines.append("\nConfig diff (current -> recommended; one flag per line, by role):")
-    lines.append(config_diff(cur.setting, rec.setting, model, host_kv, platform) or "  (no change)")
+    conn = topology.connector if topology is not None else None
+    lines.append(config_diff(cur.setting, rec.setting, model, host_kv, platform, conn) or "  (no change)")
+    base_topo = topology if topology is not None else rt.default_topology(model, platform)
+    _, tdiff = rt.topology_diff(base_topo, cur.setting, rec.setting, host_kv)
+    lines.append(f"\nTopology file diff (current -> recommended; base: topology {base_topo.name}):")
+    lines.append(tdiff or "  (no change)")
     return "\n".join(lines)
+
+
+def recommendation_row(r: Recommendation, profile: CostProfile, model: str, platform: str = "gpu",
+                       topology=None) -> dict:
+    """The ``plan_recommendations`` row of ``r`` (docs/schema.md): both settings, their figures with
+    80% intervals (NaN: none), the speed-up, the knob effects, the flags and topology diffs."""
+    from dataclasses import asdict
+
+    from turnscope.planner import recommend_topology as rt
+
+    cur, rec = r.current, r.recommended
+    row: dict = {"current_setting": asdict(cur.setting), "recommended_setting": asdict(rec.setting),
+                 "current_label": cur.setting.label(), "recommended_label": rec.setting.label(),
+                 "settings_searched": len(r.searched), "feasible": rec.feasible, "enables_bidir": r.enables_bidir}
+    for side, e in (("current", cur), ("recommended", rec)):
+        iv = figure_intervals(profile, e)
+        for name, value, key, unit in (("ttft_mean", e.ttft_mean_s, "ttft_mean", "_s"),
+                                       ("ttft_p90", e.ttft_p90_s, "ttft_p90", "_s"),
+                                       ("hit_rate", e.row["hit_rate"], "hit_rate", ""),
+                                       ("d_pinned", e.row["d_pinned_gib_s"], "d_pinned", "_gib_s")):
+            row[f"{side}_{name}{unit}"] = value
+            row[f"{side}_{name}_interval_low{unit}"], row[f"{side}_{name}_interval_high{unit}"] = iv[key]
+        row[f"{side}_host_gib_s"] = e.row["host_gib_s"]
+    ch = change_intervals(profile, rec, cur)
+    row["speedup"] = cur.ttft_mean_s / rec.ttft_mean_s if rec.ttft_mean_s > 0 else None
+    row["speedup_interval_low"], row["speedup_interval_high"] = ch["speedup"]
+    row["cost_change_usd"] = (None if rec.cost_usd is None or cur.cost_usd is None else rec.cost_usd - cur.cost_usd)
+    row["knob_effects"] = {k: {"from": getattr(cur.setting, k), "to": getattr(rec.setting, k),
+                               "ttft_mean_change_s": e.ttft_mean_s - cur.ttft_mean_s,
+                               "d_pinned_change_gib_s": e.row["d_pinned_gib_s"] - cur.row["d_pinned_gib_s"]}
+                           for k, e in r.knob_effects.items()}
+    row["what_would_change"] = list(r.what_would_change)
+    host_kv = profile.host_kv_space_bytes.value if profile.host_kv_space_bytes else None
+    row["flags_diff"] = config_diff(cur.setting, rec.setting, model, host_kv, platform,
+                                    topology.connector if topology is not None else None)
+    base_topo = topology if topology is not None else rt.default_topology(model, platform)
+    row["recommended_topology"], row["topology_diff"] = rt.topology_diff(base_topo, cur.setting, rec.setting, host_kv)
+    row["interval_note"] = "; ".join(dict.fromkeys(n for e in (cur, rec) for n in str(e.row["interval_note"]).split("; ")
+                                                   if n))
+    return row
