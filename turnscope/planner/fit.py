@@ -24,6 +24,7 @@ KV transfer, no KV bytes per token, fewer than 3 distinct computed-token counts)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from loadgen.traces.recorded_runs import read_recorded_runs
 from turnscope.analysis import sweep_stats as sweep
 from turnscope.analysis.worker_cache import cache_config
 from turnscope.modes import RECOMPUTE_MODE, SERVING_MODES
+from turnscope.planner.fit_residuals import Residuals, residuals_of
 from turnscope.planner.profile import MODES, CostProfile, Sourced
 from turnscope.planner.queueing import fifo_waits
 from turnscope.planner.simulate import RENDERS, TOOK_HANDLE, ModePlan, PlanSettings, Traffic, plan
@@ -227,15 +229,21 @@ def fit_profile(store: Store, run_ids: Sequence[str], name: str = "fitted") -> C
            + f" ({costs.rounds} fit/queue rounds)"
            + (f" ({costs.forecast_local} turns' own-cache hit not recorded: the planner's forecast of it)"
               if costs.forecast_local else ""))
-    prof.prefill_a1_s_per_token = Sourced(value=costs.a1_s, source=how)
-    prof.prefill_a2_s_per_token2 = Sourced(value=costs.a2_s, source=how)
+    def with_fit(key: str, what: str) -> str:
+        r = costs.residuals.get(key)
+        return how + (f"; {what} {r.describe()}" if r else "")
+
+    pd_src = with_fit("pd_prefill", "P/D turns:")
+    prof.prefill_a1_s_per_token = Sourced(value=costs.a1_s, source=pd_src)
+    prof.prefill_a2_s_per_token2 = Sourced(value=costs.a2_s, source=pd_src)
     if costs.render_s is not None:
-        prof.render_s_per_token = Sourced(value=costs.render_s, source=how + "; chat render per prompt token "
-                                          "and render, from the text-history turns")
+        prof.render_s_per_token = Sourced(value=costs.render_s, source=with_fit("render", "text-history turns:")
+                                          + "; chat render per prompt token and render, from the text-history turns")
     if costs.aggregated_a1_s is not None:
-        prof.aggregated_prefill_a1_s_per_token = Sourced(value=costs.aggregated_a1_s, source=how)
-        prof.aggregated_prefill_a2_s_per_token2 = Sourced(value=costs.aggregated_a2_s, source=how)
-    prof.b0_s = {m: Sourced(value=v, source=how) for m, v in costs.b0_s.items()}
+        agg_src = with_fit("aggregated", "aggregated turns:")
+        prof.aggregated_prefill_a1_s_per_token = Sourced(value=costs.aggregated_a1_s, source=agg_src)
+        prof.aggregated_prefill_a2_s_per_token2 = Sourced(value=costs.aggregated_a2_s, source=agg_src)
+    prof.b0_s = {m: Sourced(value=v, source=with_fit(m, f"{m} turns:")) for m, v in costs.b0_s.items()}
     default = costs.b0_s.get(RECOMPUTE_MODE, float(np.median(list(costs.b0_s.values()))))
     prof.b0_default_s = Sourced(value=default, source=f"{how}; {RECOMPUTE_MODE}'s b0 (else the median of the modes')")
     return prof
@@ -266,6 +274,10 @@ class CostFit:
     aggregated_a2_s: float | None = None
     render_s: float | None = None
     rounds: int = 1
+    #: :class:`turnscope.planner.fit_residuals.Residuals` of the turns each figure rests on: each
+    #: mode's (its b0; ``aggregated`` also the aggregated worker's c(x)), ``pd_prefill`` (every P/D
+    #: turn: P's c(x)) and ``render`` (the text-history turns)
+    residuals: dict[str, Residuals] = dataclasses.field(default_factory=dict)
 
 
 def _queue_waits(turns: pd.DataFrame, service_s: np.ndarray) -> np.ndarray:
@@ -364,10 +376,14 @@ def fit_costs(turns: pd.DataFrame, prof: CostProfile, queue: bool = True,
         waits = new
         if moved <= QUEUE_TOLERANCE_S:
             break
+    rel = (x @ th - y) / (ttft / f)   # (fitted - measured) / measured TTFT, the last round's waits
+    groups = {m: mode_col == m for m in modes} | {"pd_prefill": ~agg} | ({"render": text} if has_text else {})
+    residuals = {key: r for key, sel in groups.items()
+                 if (r := residuals_of(rel[sel], (n - cached)[sel], n[sel])) is not None}
     return CostFit({m: float(th[i]) for i, m in enumerate(modes)}, float(th[k] / 1e3), float(th[k + 1] / 1e6),
                    len(ok), int((~ok["local_known"]).sum()),
                    float(th[k + 2] / 1e3) if has_agg else None, float(th[k + 3] / 1e6) if has_agg else None,
-                   float(th[-1] / 1e3) if has_text else None, rounds)
+                   float(th[-1] / 1e3) if has_text else None, rounds, residuals)
 
 
 def _block_size(store: Store, run_ids: Sequence[str]) -> int:
