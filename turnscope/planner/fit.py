@@ -16,7 +16,10 @@ Formulas and sources in docs/planner.md ("Profiles"):
   TTFTs (``run_probes``), so a forecast of another run can be put on that run's speed; the fit
   puts each run's turns on that speed first (:func:`run_speed_factors`), so runs of different
   modes recorded while the machine ran at different speeds are compared on one;
-* the system prompt shared across sessions: :func:`recorded_shared_prefix_tokens`.
+* the system prompt shared across sessions: :func:`recorded_shared_prefix_tokens`;
+* each fitted figure's source ends with its fit's residuals over the turns it rests on and the
+  range of computed and prompt tokens it was fitted over (:mod:`turnscope.planner.fit_residuals`),
+  so a profile says where its forecasts extrapolate.
 
 Raises :class:`FitError` when the runs cannot give a figure the planner needs (no turns, no timed
 KV transfer, no KV bytes per token, fewer than 3 distinct computed-token counts).
