@@ -15,8 +15,8 @@ are :class:`serving.stack.ModeStack`, the speed probe :mod:`turnscope.speed_prob
 3. Block by block: a speed probe of each run (``run_probes``, phase ``block<b>-start``), the
    block's sends in the schedule's order (each point a two-turn session through the mode's proxy,
    ``cache_salt`` = run id + session id), a probe of each run (``block<b>-end``).
-4. The runs' rows closed (``complete``; a P/D run whose D computed its prompts itself ``failed``,
-   :func:`turnscope.evaluation.pd_checked_status`), the stacks stopped.
+4. The runs' rows closed (``complete``; a P/D mode's runs ``failed`` when its D computed its prompts
+   itself, :func:`pd_failures`), the stacks stopped.
 
 The store then holds ordinary runs: ``turnscope plan-check --fit-store CAL`` fits on it as on any
 store; :func:`calibrated_profile` fits it and writes the profile with its provenance.
@@ -43,12 +43,13 @@ from loadgen.synth_text import TextSynth, counter_from
 from serving.stack import ModeStack
 from serving.topology import Topology
 from turnscope import console_text, speed_probe
+from turnscope.analysis.pd_check import decode_computed_prompts, decode_prompt_sources
 from turnscope.calibration_schedule import CalPoint, Send, default_lengths, points, schedule
-from turnscope.evaluation import HEARTBEAT_S, REPO_ROOT, _versions, pd_checked_status, warm_up
+from turnscope.evaluation import HEARTBEAT_S, REPO_ROOT, _versions, warm_up
 from turnscope.modes import serving_mode
 from turnscope.planner.fit import fit_profile
 from turnscope.planner.profile import CostProfile
-from turnscope.store import Store
+from turnscope.store import Store, connect_read_only
 
 #: Port offset between the stacks of two modes kept up together.
 PORT_STRIDE = 10
@@ -206,9 +207,28 @@ def run_calibration(s: CalibrationSettings, console: Console | None = None) -> l
             for scraper, writer in scrapers:
                 scraper.stop(final_settle_s=2.0)
                 writer.close()
+            failed = pd_failures(s.store, [[r.run_id for (m, _), r in runs.items() if m == mode] for mode in stacks])
             for run in runs.values():
-                run.close(pd_checked_status(s.store, run.run_id, status, console))
+                if status == "complete" and run.run_id in failed:
+                    console_text.print_text(console, f"[{run.run_id}] failed: {failed[run.run_id]}")
+                run.close("failed" if status == "complete" and run.run_id in failed else status)
     return [r.run_id for r in runs.values()]
+
+
+def pd_failures(store: Path, mode_runs: list[list[str]]) -> dict[str, str]:
+    """Run id -> why P/D did not happen (:mod:`turnscope.analysis.pd_check`), each mode's runs checked
+    together: its scraped run's decode counters cover the turns of all of them (one scraper per
+    stack), so the turns the proxy sent through P are counted over all of them."""
+    out = {}
+    with connect_read_only(store) as con:
+        for ids in mode_runs:
+            src = decode_prompt_sources(con, ids)
+            pd_turns = int(src["pd_turns"].sum())
+            for r in src.dropna(subset=["local_compute"]).itertuples():
+                problem = decode_computed_prompts(str(r.mode), pd_turns, r.local_compute, r.external_kv)
+                if problem is not None:
+                    out |= {run_id: problem for run_id in ids}
+    return out
 
 
 def _probe(st: ModeStack, model: str, salt: str) -> dict:
