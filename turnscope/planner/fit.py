@@ -206,7 +206,7 @@ def fit_profile(store: Store, run_ids: Sequence[str], name: str = "fitted") -> C
         prefill_a1_s_per_token=Sourced(value=0.0, source="placeholder until fitted"),
         b0_default_s=Sourced(value=0.0, source="placeholder until fitted"),
         pull_bandwidth_bytes_per_s=Sourced(value=bandwidth, source=f"{src}: P's vllm:nixl_bytes_transferred "
-                                                                   "over vllm:nixl_xfer_time_seconds"),
+                                                                   "over vllm:nixl_xfer_time_seconds" + _pulls(turns)),
         left_out=["pull_latency_s: not separable from the bandwidth in these runs (0)"])
     space = _kv_space(store, run_ids)
     for role, field in (("prefill", "prefill_kv_space_bytes"), ("decode", "decode_kv_space_bytes"),
@@ -221,7 +221,9 @@ def fit_profile(store: Store, run_ids: Sequence[str], name: str = "fitted") -> C
                                            "TTFT (run_probes)")
     tpot = turns.loc[(turns["status"] == "ok"), "tpot_s"].dropna()
     if not tpot.empty:
-        prof.decode_s_per_token = Sourced(value=float(tpot.median()), source=f"{src}: median TPOT")
+        lo, hi = np.quantile(tpot, [0.1, 0.9])
+        prof.decode_s_per_token = Sourced(value=float(tpot.median()), source=(
+            f"{src}: median TPOT of {len(tpot)} ok turns (10th-90th percentile {lo * 1e3:.1f}-{hi * 1e3:.1f} ms)"))
     speed = run_speed_factors(probes)
     costs = fit_costs(_with_forecast_local(store, turns, prof), prof, speed=speed)   # the cache model needs no costs
     if costs is None:
@@ -250,6 +252,14 @@ def fit_profile(store: Store, run_ids: Sequence[str], name: str = "fitted") -> C
     default = costs.b0_s.get(RECOMPUTE_MODE, float(np.median(list(costs.b0_s.values()))))
     prof.b0_default_s = Sourced(value=default, source=f"{how}; {RECOMPUTE_MODE}'s b0 (else the median of the modes')")
     return prof
+
+
+def _pulls(turns: pd.DataFrame) -> str:
+    """The pulls a bandwidth was measured over: ``; over N pulls of A-B tokens (turns.reused_tokens)``
+    ("" when the turns record none)."""
+    pulled = turns.loc[(turns["status"] == "ok") & (turns["reused_tokens"] > 0), "reused_tokens"]
+    return (f"; over {len(pulled)} pulls of {int(pulled.min()):,}-{int(pulled.max()):,} tokens (turns.reused_tokens)"
+            if len(pulled) else "")
 
 
 #: How :func:`fit_costs` fits (named in every fitted figure's source).
