@@ -21,6 +21,9 @@ from serving.topology import Topology
 from serving.workers import WorkerProcess, mode_workers, port_in_use, wait_http, worker_block_size
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+#: Seconds the proxy may take to answer /health after it is started: 30 s was not enough on the
+#: shared 2-core machine at load average 21 (its imports and tokenizer load starved of CPU).
+PROXY_STARTUP_TIMEOUT_S = 120.0
 
 
 class ModeStack:
@@ -124,7 +127,7 @@ class ModeStack:
         with open(self.log_dir / f"{self.mode}-proxy.log", "ab") as log:
             self.proxy = subprocess.Popen(self.proxy_command(cfg_path), stdout=log, stderr=subprocess.STDOUT,
                                           cwd=REPO_ROOT, start_new_session=True)
-        wait_http(self.proxy_url + "/health", 30, self.proxy)
+        wait_http(self.proxy_url + "/health", PROXY_STARTUP_TIMEOUT_S, self.proxy)
 
     def _stop_proxy(self) -> None:
         if self.proxy is not None and self.proxy.poll() is None:
