@@ -32,6 +32,7 @@ from serving.topology import ProxySettings, Topology, TopologyError, embedded_to
 from serving.workers import mode_workers, port_in_use, worker_command
 from turnscope import console_text, resources
 from turnscope.analysis import pd_check
+from turnscope.calibration import DEFAULT_MODES as CAL_MODES
 from turnscope.contract import (
     DECODER_KV_BLOCKS_TTL_S,
     KV_RECOMPUTE_THRESHOLD_TOKENS,
@@ -58,6 +59,8 @@ EPILOG = """Examples:
   turnscope plan data/traces/kv-cache-tester --profile data/profiles/vendor-h200.yaml   # a FORECAST
 
   turnscope plan-check --fit-store OLD --check-store NEW --write-profile p.yaml   # forecast runs not fitted on
+
+  turnscope calibrate --out cal.yaml                    # measure every planner cost, 128 tokens to the model's limit
 
   turnscope serve --mode pd-bidir                       # then: locust -f loadgen/locustfile.py --host http://127.0.0.1:8200
 
@@ -535,6 +538,87 @@ def recommend(
     except (ValueError, OSError, RuntimeError) as exc:
         raise fail(str(exc)) from exc
     typer.echo(text)
+
+
+@app.command()
+def calibrate(
+    modes: Annotated[str, typer.Option(help=f"Comma-separated serving modes whose stacks are kept up together and "
+                                            f"alternated, of: {', '.join(MODES)}.")] = ",".join(CAL_MODES),
+    repeats: Annotated[int, typer.Option(help="Blocks: every point once per block, in its own shuffled order.")] = 3,
+    lengths: Annotated[str | None, typer.Option(
+        help="Comma-separated turn-0 prompt tokens. Default: 128 doubling up to the model's max_model_len.")] = None,
+    extras: Annotated[str, typer.Option(help="Comma-separated tokens turn 1 adds (computed after a cached or "
+                                             "pulled prefix).")] = "128,1024",
+    text_lengths: Annotated[str, typer.Option(help="Comma-separated turn-0 lengths also sent as text history "
+                                                   "(the chat render's cost); empty: none.")] = "512,2048",
+    seed: Annotated[int, typer.Option(help="Seed of the shuffle and of the prompts' text.")] = 0,
+    max_tokens: Annotated[int, typer.Option(help="Output tokens per turn (decode per token).")] = 16,
+    quick: Annotated[bool, typer.Option("--quick", help="Lengths 128,1024, extra 128, text 512, 2 repeats (a "
+                                                        "first look; tests).")] = False,
+    topology: TopologyOpt = None,
+    store: Annotated[Path | None, typer.Option(help="Store of the calibration runs (a store of its own: "
+                                                    "`plan-check --fit-store` takes it).")] = None,
+    label: Annotated[str, typer.Option(help="Label and run-id prefix of the runs.")] = "calibrate",
+    out: Annotated[Path | None, typer.Option(help="Write the fitted profile (YAML, data/profiles format) here.")
+                   ] = None,
+    name: Annotated[str | None, typer.Option(help="The profile's name. Default: the topology's name.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the schedule; start nothing.")] = False,
+) -> None:
+    """Calibration run: measure each cost the planner uses over a wide prompt range (prefill per role
+    from 128 tokens to the model's limit, pulls of several sizes, decode, chat render, per-request
+    overhead), the modes' stacks kept up together and alternated in a seeded shuffled order, speed
+    probes around each block; then fit a profile whose fitted figures carry their residuals and range
+    (docs/planner.md, "Calibration over a wide prompt range")."""
+    from turnscope.calibration import QUICK, CalibrationSettings, calibrated_profile, run_calibration
+    from turnscope.planner.fit import FitError
+    from turnscope.planner.layer_timing import write_profile as write_yaml
+
+    s = settings()
+    topo = _topology(topology)
+    try:
+        opts = QUICK if quick else {
+            "lengths": [int(v) for v in _split(lengths)] if lengths else None,
+            "extras": [int(v) for v in _split(extras)], "text_lengths": [int(v) for v in _split(text_lengths)],
+            "repeats": repeats}
+        cal = CalibrationSettings(topology=topo, modes=_split(modes), seed=seed, max_tokens=max_tokens,
+                                  store=store or REPO_ROOT / "data" / "calibration", label=label,
+                                  turn_timeout_s=max(s.turn_timeout_s, 180.0), operator_config=s.effective(),
+                                  kv_bytes_per_token=s.kv_bytes_per_token or default_settings(
+                                      Path(topo.model), topology=topo).kv_bytes_per_token, **opts)
+        blocks = cal.sends()
+    except ValueError as exc:  # a non-integer length, a bad mode list, pydantic's bounds
+        raise fail(str(exc)) from exc
+    pts = blocks[0]
+    console.print(f"calibration: modes {', '.join(cal.modes)} alternated; {len(blocks)} blocks of {len(pts)} "
+                  f"two-turn sessions ({len(pts) // len(cal.modes)} points per mode); store {cal.store}", highlight=False)
+    if dry_run:
+        for b, block in enumerate(blocks):
+            console.print(f"# block {b}: " + ", ".join(f"{x.mode}:{x.point.session_id}"
+                                                      f"{'(text)' if x.point.history == 'text' else ''}"
+                                                      for x in block), highlight=False)
+        return
+    t0 = time.monotonic()
+    try:
+        run_ids = run_calibration(cal, console)
+    except (ValueError, RuntimeError, OSError) as exc:
+        raise fail(str(exc)) from exc
+    console.print(f"calibration recorded in {time.monotonic() - t0:.0f} s: {', '.join(run_ids)}", highlight=False)
+    try:
+        prof = calibrated_profile(cal.store, run_ids, name or topo.name)
+    except FitError as exc:
+        raise fail(f"the runs were recorded but the fit failed: {exc}") from exc
+    for field in ("prefill_a1_s_per_token", "prefill_a2_s_per_token2", "aggregated_prefill_a1_s_per_token",
+                  "aggregated_prefill_a2_s_per_token2", "render_s_per_token", "pull_bandwidth_bytes_per_s",
+                  "decode_s_per_token", "probe_ttft_s"):
+        fig = getattr(prof, field)
+        if fig is not None:
+            typer.echo(f"{field}: {fig.value:.4g}  ({fig.source})")
+    for mode, fig in prof.b0_s.items():
+        typer.echo(f"b0 {mode}: {fig.value:.4g} s  ({fig.source})")
+    if out is not None:
+        write_yaml(prof, out, f"turnscope calibrate: {prof.description}")
+        typer.echo(f"Profile {prof.name} written to {out}; check it on runs recorded at another time: turnscope "
+                   f"plan-check --profile {out} --check-store STORE")
 
 
 @app.command("profile-from-timing")

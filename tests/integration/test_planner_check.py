@@ -52,6 +52,14 @@ def test_fit_recovers_the_recorded_deployment(store):
     assert prof.decode_s_per_token.value == pytest.approx(fx.TPOT_S)
     # every figure says where it comes from: the runs it was fitted from
     assert all(fx.RUNS["pd-nocache"] in f.source for f in (prof.prefill_a1_s_per_token, prof.b0_default_s))
+    # and how well each fitted figure fits its turns, and over which range: the fixture's TTFTs are the
+    # model's own, so every residual is 0; P/D prompts run from 1,000 (session 0's first turn) to
+    # 1,000 + 300 x 3 + 100 = 2,000 (session 1's last)
+    assert "P/D turns: residuals over" in prof.prefill_a1_s_per_token.source
+    assert "median 0.0%, p90 0.0%" in prof.prefill_a2_s_per_token2.source
+    assert "(prompts 1,000-2,000)" in prof.prefill_a1_s_per_token.source
+    assert "aggregated turns: residuals over" in prof.aggregated_prefill_a1_s_per_token.source
+    assert all("turns: residuals over" in b.source for b in prof.b0_s.values())
 
 
 def test_fit_forecasts_an_unrecorded_own_cache_hit(tmp_path):

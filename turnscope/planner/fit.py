@@ -16,7 +16,10 @@ Formulas and sources in docs/planner.md ("Profiles"):
   TTFTs (``run_probes``), so a forecast of another run can be put on that run's speed; the fit
   puts each run's turns on that speed first (:func:`run_speed_factors`), so runs of different
   modes recorded while the machine ran at different speeds are compared on one;
-* the system prompt shared across sessions: :func:`recorded_shared_prefix_tokens`.
+* the system prompt shared across sessions: :func:`recorded_shared_prefix_tokens`;
+* each fitted figure's source ends with its fit's residuals over the turns it rests on and the
+  range of computed and prompt tokens it was fitted over (:mod:`turnscope.planner.fit_residuals`),
+  so a profile says where its forecasts extrapolate.
 
 Raises :class:`FitError` when the runs cannot give a figure the planner needs (no turns, no timed
 KV transfer, no KV bytes per token, fewer than 3 distinct computed-token counts).
@@ -24,6 +27,7 @@ KV transfer, no KV bytes per token, fewer than 3 distinct computed-token counts)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +40,7 @@ from loadgen.traces.recorded_runs import read_recorded_runs
 from turnscope.analysis import sweep_stats as sweep
 from turnscope.analysis.worker_cache import cache_config
 from turnscope.modes import RECOMPUTE_MODE, SERVING_MODES
+from turnscope.planner.fit_residuals import Residuals, residuals_of
 from turnscope.planner.profile import MODES, CostProfile, Sourced
 from turnscope.planner.queueing import fifo_waits
 from turnscope.planner.simulate import RENDERS, TOOK_HANDLE, ModePlan, PlanSettings, Traffic, plan
@@ -201,7 +206,7 @@ def fit_profile(store: Store, run_ids: Sequence[str], name: str = "fitted") -> C
         prefill_a1_s_per_token=Sourced(value=0.0, source="placeholder until fitted"),
         b0_default_s=Sourced(value=0.0, source="placeholder until fitted"),
         pull_bandwidth_bytes_per_s=Sourced(value=bandwidth, source=f"{src}: P's vllm:nixl_bytes_transferred "
-                                                                   "over vllm:nixl_xfer_time_seconds"),
+                                                                   "over vllm:nixl_xfer_time_seconds" + _pulls(turns)),
         left_out=["pull_latency_s: not separable from the bandwidth in these runs (0)"])
     space = _kv_space(store, run_ids)
     for role, field in (("prefill", "prefill_kv_space_bytes"), ("decode", "decode_kv_space_bytes"),
@@ -216,7 +221,9 @@ def fit_profile(store: Store, run_ids: Sequence[str], name: str = "fitted") -> C
                                            "TTFT (run_probes)")
     tpot = turns.loc[(turns["status"] == "ok"), "tpot_s"].dropna()
     if not tpot.empty:
-        prof.decode_s_per_token = Sourced(value=float(tpot.median()), source=f"{src}: median TPOT")
+        lo, hi = np.quantile(tpot, [0.1, 0.9])
+        prof.decode_s_per_token = Sourced(value=float(tpot.median()), source=(
+            f"{src}: median TPOT of {len(tpot)} ok turns (10th-90th percentile {lo * 1e3:.1f}-{hi * 1e3:.1f} ms)"))
     speed = run_speed_factors(probes)
     costs = fit_costs(_with_forecast_local(store, turns, prof), prof, speed=speed)   # the cache model needs no costs
     if costs is None:
@@ -227,18 +234,32 @@ def fit_profile(store: Store, run_ids: Sequence[str], name: str = "fitted") -> C
            + f" ({costs.rounds} fit/queue rounds)"
            + (f" ({costs.forecast_local} turns' own-cache hit not recorded: the planner's forecast of it)"
               if costs.forecast_local else ""))
-    prof.prefill_a1_s_per_token = Sourced(value=costs.a1_s, source=how)
-    prof.prefill_a2_s_per_token2 = Sourced(value=costs.a2_s, source=how)
+    def with_fit(key: str, what: str) -> str:
+        r = costs.residuals.get(key)
+        return how + (f"; {what} {r.describe()}" if r else "")
+
+    pd_src = with_fit("pd_prefill", "P/D turns:")
+    prof.prefill_a1_s_per_token = Sourced(value=costs.a1_s, source=pd_src)
+    prof.prefill_a2_s_per_token2 = Sourced(value=costs.a2_s, source=pd_src)
     if costs.render_s is not None:
-        prof.render_s_per_token = Sourced(value=costs.render_s, source=how + "; chat render per prompt token "
-                                          "and render, from the text-history turns")
+        prof.render_s_per_token = Sourced(value=costs.render_s, source=with_fit("render", "text-history turns:")
+                                          + "; chat render per prompt token and render, from the text-history turns")
     if costs.aggregated_a1_s is not None:
-        prof.aggregated_prefill_a1_s_per_token = Sourced(value=costs.aggregated_a1_s, source=how)
-        prof.aggregated_prefill_a2_s_per_token2 = Sourced(value=costs.aggregated_a2_s, source=how)
-    prof.b0_s = {m: Sourced(value=v, source=how) for m, v in costs.b0_s.items()}
+        agg_src = with_fit("aggregated", "aggregated turns:")
+        prof.aggregated_prefill_a1_s_per_token = Sourced(value=costs.aggregated_a1_s, source=agg_src)
+        prof.aggregated_prefill_a2_s_per_token2 = Sourced(value=costs.aggregated_a2_s, source=agg_src)
+    prof.b0_s = {m: Sourced(value=v, source=with_fit(m, f"{m} turns:")) for m, v in costs.b0_s.items()}
     default = costs.b0_s.get(RECOMPUTE_MODE, float(np.median(list(costs.b0_s.values()))))
     prof.b0_default_s = Sourced(value=default, source=f"{how}; {RECOMPUTE_MODE}'s b0 (else the median of the modes')")
     return prof
+
+
+def _pulls(turns: pd.DataFrame) -> str:
+    """The pulls a bandwidth was measured over: ``; over N pulls of A-B tokens (turns.reused_tokens)``
+    ("" when the turns record none)."""
+    pulled = turns.loc[(turns["status"] == "ok") & (turns["reused_tokens"] > 0), "reused_tokens"]
+    return (f"; over {len(pulled)} pulls of {int(pulled.min()):,}-{int(pulled.max()):,} tokens (turns.reused_tokens)"
+            if len(pulled) else "")
 
 
 #: How :func:`fit_costs` fits (named in every fitted figure's source).
@@ -266,6 +287,10 @@ class CostFit:
     aggregated_a2_s: float | None = None
     render_s: float | None = None
     rounds: int = 1
+    #: :class:`turnscope.planner.fit_residuals.Residuals` of the turns each figure rests on: each
+    #: mode's (its b0; ``aggregated`` also the aggregated worker's c(x)), ``pd_prefill`` (every P/D
+    #: turn: P's c(x)) and ``render`` (the text-history turns)
+    residuals: dict[str, Residuals] = dataclasses.field(default_factory=dict)
 
 
 def _queue_waits(turns: pd.DataFrame, service_s: np.ndarray) -> np.ndarray:
@@ -364,10 +389,14 @@ def fit_costs(turns: pd.DataFrame, prof: CostProfile, queue: bool = True,
         waits = new
         if moved <= QUEUE_TOLERANCE_S:
             break
+    rel = (x @ th - y) / (ttft / f)   # (fitted - measured) / measured TTFT, the last round's waits
+    groups = {m: mode_col == m for m in modes} | {"pd_prefill": ~agg} | ({"render": text} if has_text else {})
+    residuals = {key: r for key, sel in groups.items()
+                 if (r := residuals_of(rel[sel], (n - cached)[sel], n[sel])) is not None}
     return CostFit({m: float(th[i]) for i, m in enumerate(modes)}, float(th[k] / 1e3), float(th[k + 1] / 1e6),
                    len(ok), int((~ok["local_known"]).sum()),
                    float(th[k + 2] / 1e3) if has_agg else None, float(th[k + 3] / 1e6) if has_agg else None,
-                   float(th[-1] / 1e3) if has_text else None, rounds)
+                   float(th[-1] / 1e3) if has_text else None, rounds, residuals)
 
 
 def _block_size(store: Store, run_ids: Sequence[str]) -> int:
