@@ -8,6 +8,7 @@ and starts ``python -m serving.proxy_server``; on exit it stops everything it st
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -104,12 +105,23 @@ class ModeStack:
                                    "or something else listens there (`ss -ltnp` shows who); nothing was started")
 
     def _start(self):
-        t0 = time.monotonic()
+        self.launch()
+        return self.ready()
+
+    def launch(self) -> None:
+        """Claim the ports and start every worker, waiting on none (:meth:`ready` waits)."""
+        self._t0 = time.monotonic()
         self.check_ports()
         for w in self.workers:
             w.start()
+
+    def ready(self, timeout_scale: float = 1.0):
+        """Wait until the launched workers answer ``/health`` (``topology.startup_timeout_s`` x
+        ``timeout_scale`` each: several stacks launched together share the cores), re-pin them,
+        read their block size, start the proxy. Returns self."""
+        t0 = getattr(self, "_t0", time.monotonic())
         for w in self.workers:
-            w.wait_healthy(self.topology.startup_timeout_s)
+            w.wait_healthy(self.topology.startup_timeout_s * timeout_scale)
         for w in self.workers:
             w.pin()
         self.block_size = worker_block_size(self.workers[0].spec.url) or self.block_size
@@ -149,3 +161,19 @@ class ModeStack:
             w.stop()
         self.port_claims.release()
         return False
+
+
+@contextlib.contextmanager
+def started_together(stacks: list[ModeStack]):
+    """Every stack of ``stacks`` up at once (e.g. the modes of an interleaved comparison, each on its
+    own ports: ``serving.topology.shifted``): all workers launched before any is waited on, so
+    their start-ups overlap; each worker's start-up timeout is scaled by the number of stacks.
+    Yields the stacks; on exit, or when any fails to start, stops every one of them."""
+    with contextlib.ExitStack() as exits:
+        for st in stacks:
+            exits.callback(st.__exit__, None, None, None)
+        for st in stacks:
+            st.launch()
+        for st in stacks:
+            st.ready(timeout_scale=len(stacks))
+        yield stacks

@@ -7,6 +7,7 @@ import streamlit as st
 
 from dashboard import cards, context, db, figures, hit_rate, html_reports, queries, tables
 from dashboard.loader import load
+from turnscope import schedule
 from turnscope.analysis import headline, pd_check, speedup
 
 
@@ -48,6 +49,8 @@ for workload, history_mode in scopes:
                            "Turn index ≥ 1, ok turns, whole sessions resampled.")
 if ratios:
     st.markdown(f"**{headline.answer(ratios)}**")
+    scheduled = load(sel.root, queries.run_schedules, run_ids)
+    st.caption("How the runs were played: " + " ".join(schedule.describe_json(scheduled["schedule"])))
     with st.expander("The numbers behind each verdict"):
         for r in ratios:
             st.markdown(headline.verdict(r))
