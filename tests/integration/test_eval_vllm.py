@@ -12,6 +12,7 @@ text runs share its workers (as the demo's do); and the runs were interleaved: e
 sessions were sent in the drawn order, after the previous round's, from the turns' timestamps.
 """
 
+import itertools
 import json
 import random
 from pathlib import Path
@@ -82,7 +83,7 @@ def test_eval_pd_nocache_vs_bidir(tmp_path):
                                group by all order by 3""", [history]).fetchall()
         assert [(m, int(sid[1:6])) for m, sid, _, _ in spans] == [
             (m, k) for k, o in enumerate(orders) for m in o], history
-        assert all(a[3] < b[2] for a, b in zip(spans, spans[1:], strict=False)), history
+        assert all(a[3] < b[2] for a, b in itertools.pairwise(spans)), history
         recorded = {m: json.loads(x) for m, x in con.execute(
             "select mode, json_extract(workload_spec, '$.schedule')::VARCHAR from runs where history_mode = ?",
             [history]).fetchall()}
