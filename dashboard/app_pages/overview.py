@@ -7,8 +7,7 @@ import streamlit as st
 
 from dashboard import cards, context, db, figures, hit_rate, html_reports, queries, tables
 from dashboard.loader import load
-from turnscope import schedule
-from turnscope.analysis import headline, pd_check, speedup
+from turnscope.analysis import headline, pd_check, schedule_text, speedup
 
 
 @st.cache_data(ttl=db.CACHE_TTL_S, show_spinner="Bootstrapping the headline's confidence intervals…")
@@ -50,7 +49,7 @@ for workload, history_mode in scopes:
 if ratios:
     st.markdown(f"**{headline.answer(ratios)}**")
     scheduled = load(sel.root, queries.run_schedules, run_ids)
-    st.caption("How the runs were played: " + " ".join(schedule.describe_json(scheduled["schedule"])))
+    st.caption("How the runs were played: " + " ".join(schedule_text.describe_json(scheduled["schedule"])))
     with st.expander("The numbers behind each verdict"):
         for r in ratios:
             st.markdown(headline.verdict(r))
