@@ -285,6 +285,8 @@ def schedule_groups(s: EvalSettings, runs: dict | None, available_bytes: int | N
         why = "several P routing policies restart each mode's proxy"
     elif not s.topology.launch:
         why = "attached workers serve one mode"
+    elif s.sessions < 1:
+        why = "the sessions are the workload's own number (--sessions 0), not known here to cut in rounds"
     if why:
         return [([m], why) for m in s.modes]
     if available_bytes is None:

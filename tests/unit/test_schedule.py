@@ -135,3 +135,4 @@ def test_where_run_eval_interleaves(tmp_path):
     seq = s.model_copy(update={"schedule": "sequential"})
     assert schedule_groups(seq, None, plenty) == [([m], None) for m in MODES]
     assert all(why for _, why in schedule_groups(s, {"pd": []}, plenty))  # sweep/capacity runs
+    assert all(why for _, why in schedule_groups(s.model_copy(update={"sessions": 0}), None, plenty))
