@@ -22,6 +22,8 @@ from serving.topology import Topology
 from serving.workers import WorkerProcess, mode_workers, port_in_use, wait_http, worker_block_size
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+#: Seconds the proxy has to answer ``/health`` after its start (imports on a busy 2-core machine).
+PROXY_START_TIMEOUT_S = 30.0
 
 
 class ModeStack:
@@ -106,7 +108,8 @@ class ModeStack:
 
     def _start(self):
         self.launch()
-        return self.ready()
+        self.ready()
+        return self.serve()
 
     def launch(self) -> None:
         """Claim the ports and start every worker, waiting on none (:meth:`ready` waits)."""
@@ -115,28 +118,32 @@ class ModeStack:
         for w in self.workers:
             w.start()
 
-    def ready(self, timeout_scale: float = 1.0):
+    def ready(self, timeout_scale: float = 1.0) -> None:
         """Wait until the launched workers answer ``/health`` (``topology.startup_timeout_s`` x
-        ``timeout_scale`` each: several stacks launched together share the cores), re-pin them,
-        read their block size, start the proxy. Returns self."""
+        ``timeout_scale`` each: several stacks launched together share the cores), re-pin them and
+        read their block size (:meth:`serve` then starts the proxy)."""
         t0 = getattr(self, "_t0", time.monotonic())
         for w in self.workers:
             w.wait_healthy(self.topology.startup_timeout_s * timeout_scale)
         for w in self.workers:
             w.pin()
         self.block_size = worker_block_size(self.workers[0].spec.url) or self.block_size
-        self.progress(f"  [{self.mode}] {len(self.workers)} worker(s) healthy in {time.monotonic() - t0:.0f} s")
-        self._start_proxy()
+        self.progress(f"  {self.mode}: {len(self.workers)} worker(s) healthy in {time.monotonic() - t0:.0f} s")
+
+    def serve(self, timeout_scale: float = 1.0):
+        """Start the proxy in front of the ready workers; it has :data:`PROXY_START_TIMEOUT_S` x
+        ``timeout_scale`` seconds to answer ``/health``. Returns self."""
+        self._start_proxy(PROXY_START_TIMEOUT_S * timeout_scale)
         return self
 
-    def _start_proxy(self) -> None:
+    def _start_proxy(self, timeout_s: float | None = None) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         cfg_path = self.log_dir / f"{self.mode}-proxy.json"
         cfg_path.write_text(self.proxy_config().model_dump_json(indent=2))
         with open(self.log_dir / f"{self.mode}-proxy.log", "ab") as log:
             self.proxy = subprocess.Popen(self.proxy_command(cfg_path), stdout=log, stderr=subprocess.STDOUT,
                                           cwd=REPO_ROOT, start_new_session=True)
-        wait_http(self.proxy_url + "/health", 30, self.proxy)
+        wait_http(self.proxy_url + "/health", timeout_s or PROXY_START_TIMEOUT_S, self.proxy)
 
     def _stop_proxy(self) -> None:
         if self.proxy is not None and self.proxy.poll() is None:
@@ -167,7 +174,8 @@ class ModeStack:
 def started_together(stacks: list[ModeStack]):
     """Every stack of ``stacks`` up at once (e.g. the modes of an interleaved comparison, each on its
     own ports: ``serving.topology.shifted``): all workers launched before any is waited on, so
-    their start-ups overlap; each worker's start-up timeout is scaled by the number of stacks.
+    their start-ups overlap, and the proxies started once every worker answers; each worker's and
+    proxy's start-up timeout is scaled by the number of stacks.
     Yields the stacks; on exit, or when any fails to start, stops every one of them."""
     with contextlib.ExitStack() as exits:
         for st in stacks:
@@ -176,4 +184,7 @@ def started_together(stacks: list[ModeStack]):
             st.launch()
         for st in stacks:
             st.ready(timeout_scale=len(stacks))
+        # the proxies once every worker is up: they start faster than workers still loading would let them
+        for st in stacks:
+            st.serve(timeout_scale=len(stacks))
         yield stacks

@@ -42,6 +42,9 @@ class StubStack:
 
     def ready(self, timeout_scale=1.0):
         StubStack.events.append(("ready", self.mode, timeout_scale))
+
+    def serve(self, timeout_scale=1.0):
+        StubStack.events.append(("serve", self.mode, timeout_scale))
         return self
 
     def __exit__(self, *exc):
@@ -81,8 +84,8 @@ def test_eval_interleaves_the_compared_modes_in_seeded_rounds(tmp_path, monkeypa
     assert r.exit_code == 0, out
     # both stacks launched before either was waited on, on ports of their own; stopped at the end
     launches = [e for e in StubStack.events if e[0] == "launch"]
-    assert [e[1] for e in StubStack.events[:4]] == ["pd", "pd-bidir", "pd", "pd-bidir"]
-    assert [e[0] for e in StubStack.events[:4]] == ["launch", "launch", "ready", "ready"]
+    assert [e[:2] for e in StubStack.events[:6]] == [(step, m) for step in ("launch", "ready", "serve")
+                                                     for m in ("pd", "pd-bidir")]
     assert launches[0][2] == topo["proxy"]["port"]
     assert launches[0][2] != launches[1][2]
     assert sorted(e[1] for e in StubStack.events if e[0] == "stop") == ["pd", "pd-bidir"]
