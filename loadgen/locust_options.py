@@ -31,6 +31,10 @@ def add_arguments(parser: Any) -> None:
                    help="sessions to play; 0 = one per conversation in the trace (default); more than "
                         "the trace holds cycles through it again under new session ids. With a workload: "
                         "archetype sessions to draw (0 = the workload's)")
+    g.add_argument("--turnscope-slice", type=str, default="",
+                   help="FIRST:STOP: play only sessions FIRST .. STOP-1 of the run's plan (the same sessions, "
+                        "ids and turns as in the whole run; arrival offsets counted from the slice's first), "
+                        "e.g. one round of an interleaved `turnscope eval` (default: every session)")
     g.add_argument("--turnscope-max-turns", type=int, default=0,
                    help="at most this many turns per session (0 = all)")
     g.add_argument("--turnscope-history", type=str, default="text", choices=list(HISTORY_MODES),

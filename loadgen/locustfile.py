@@ -25,6 +25,9 @@ balance across users. A user that is told the plan is exhausted stops; when ever
 reported played, a headless run quits by itself (with the web UI, the test stops). A trace session
 with an arrival offset is started no earlier than that offset after the master's test start (wall
 clock, shared with the workers); the user holding it waits, like the agent would.
+``--turnscope-slice FIRST:STOP`` plays only those sessions of the plan (the same ids and turns as in
+the whole run; ``turnscope eval``'s interleaved schedule plays a run in such slices, one Locust
+process each, ``turnscope.schedule``).
 
 Each Locust process opens its own store writer (``writer_id`` = ``locust-<host>-<pid>``) when its
 first session arrives and closes it on test stop and on quit. The master (or local process) also

@@ -8,6 +8,7 @@ locustfile's docstring for what that guarantees.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
 import uuid
@@ -30,6 +31,27 @@ MSG_WANT = "turnscope_want"
 MSG_SESSION = "turnscope_session"
 MSG_DONE = "turnscope_done"
 WANT_TIMEOUT_S = 120.0
+
+
+def slice_plans(plans: list[SessionPlan], spec: str) -> list[SessionPlan]:
+    """The sessions ``FIRST .. STOP-1`` of ``plans`` for ``spec`` = ``"FIRST:STOP"`` (all of them for
+    ``""``), their arrival offsets (``start_at_s``, seconds) moved so that the slice's earliest is 0.
+    Raises ValueError for a malformed spec or a range outside ``0 .. len(plans)``."""
+    if not spec:
+        return plans
+    try:
+        first, stop = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"--turnscope-slice takes FIRST:STOP (session indices), got {spec!r}") from None
+    if not 0 <= first < stop <= len(plans):
+        raise ValueError(f"--turnscope-slice {spec}: the plan has sessions 0..{len(plans) - 1}")
+    out = plans[first:stop]
+    offsets = [p.start_at_s for p in out if p.start_at_s is not None]
+    if offsets and min(offsets) > 0:
+        shift = min(offsets)
+        out = [dataclasses.replace(p, start_at_s=p.start_at_s - shift) if p.start_at_s is not None else p
+               for p in out]
+    return out
 
 
 class SessionDispenser:
@@ -80,6 +102,7 @@ class SessionDispenser:
                 plans.append(plan_from_conversation(conv, session_id=f"s{i:05d}-{conv.id}",
                                                     tool_gap_s=gap, think_gap_s=gap))
             source = o.turnscope_trace
+        plans = slice_plans(plans, o.turnscope_slice)
         self.plans = [p.to_dict() for p in plans]
         self.next_index = 0
         self.done = set()

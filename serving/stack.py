@@ -8,6 +8,7 @@ and starts ``python -m serving.proxy_server``; on exit it stops everything it st
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -104,20 +105,36 @@ class ModeStack:
                                    "or something else listens there (`ss -ltnp` shows who); nothing was started")
 
     def _start(self):
-        t0 = time.monotonic()
+        self.launch()
+        self.ready()
+        return self.serve()
+
+    def launch(self) -> None:
+        """Claim the ports and start every worker, waiting on none (:meth:`ready` waits)."""
+        self._t0 = time.monotonic()
         self.check_ports()
         for w in self.workers:
             w.start()
+
+    def ready(self, timeout_scale: float = 1.0) -> None:
+        """Wait until the launched workers answer ``/health`` (``topology.startup_timeout_s`` x
+        ``timeout_scale`` each: several stacks launched together share the cores), re-pin them and
+        read their block size (:meth:`serve` then starts the proxy)."""
+        t0 = getattr(self, "_t0", time.monotonic())
         for w in self.workers:
-            w.wait_healthy(self.topology.startup_timeout_s)
+            w.wait_healthy(self.topology.startup_timeout_s * timeout_scale)
         for w in self.workers:
             w.pin()
         self.block_size = worker_block_size(self.workers[0].spec.url) or self.block_size
-        self.progress(f"  [{self.mode}] {len(self.workers)} worker(s) healthy in {time.monotonic() - t0:.0f} s")
-        self._start_proxy()
+        self.progress(f"  {self.mode}: {len(self.workers)} worker(s) healthy in {time.monotonic() - t0:.0f} s")
+
+    def serve(self, timeout_scale: float = 1.0):
+        """Start the proxy in front of the ready workers; it has the topology's ``startup_timeout_s`` x
+        ``timeout_scale`` seconds to answer ``/health``. Returns self."""
+        self._start_proxy(self.topology.startup_timeout_s * timeout_scale)
         return self
 
-    def _start_proxy(self) -> None:
+    def _start_proxy(self, timeout_s: float | None = None) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         cfg_path = self.log_dir / f"{self.mode}-proxy.json"
         cfg_path.write_text(self.proxy_config().model_dump_json(indent=2))
@@ -128,7 +145,7 @@ class ModeStack:
         # The proxy's own start (Python imports) can take far longer than its usual 2-3 s on a loaded
         # machine (an empty log after 30 s at a load average of 23 once failed a demo whose workers
         # were healthy): it gets the workers' start-up limit; a proxy that exits still fails at once.
-        wait_http(self.proxy_url + "/health", self.topology.startup_timeout_s, self.proxy)
+        wait_http(self.proxy_url + "/health", timeout_s or self.topology.startup_timeout_s, self.proxy)
 
     def _stop_proxy(self) -> None:
         if self.proxy is not None and self.proxy.poll() is None:
@@ -153,3 +170,23 @@ class ModeStack:
             w.stop()
         self.port_claims.release()
         return False
+
+
+@contextlib.contextmanager
+def started_together(stacks: list[ModeStack]):
+    """Every stack of ``stacks`` up at once (e.g. the modes of an interleaved comparison, each on its
+    own ports: ``serving.topology.shifted``): all workers launched before any is waited on, so
+    their start-ups overlap, and the proxies started once every worker answers; each worker's and
+    proxy's start-up timeout is scaled by the number of stacks.
+    Yields the stacks; on exit, or when any fails to start, stops every one of them."""
+    with contextlib.ExitStack() as exits:
+        for st in stacks:
+            exits.callback(st.__exit__, None, None, None)
+        for st in stacks:
+            st.launch()
+        for st in stacks:
+            st.ready(timeout_scale=len(stacks))
+        # the proxies once every worker is up: they start faster than workers still loading would let them
+        for st in stacks:
+            st.serve(timeout_scale=len(stacks))
+        yield stacks

@@ -145,6 +145,44 @@ class Topology(_Strict):
         return [m.name for m in sorted(runnable, key=lambda m: not m.disaggregated)]  # P/D modes first
 
 
+def ports_of(topology: Topology) -> set[int]:
+    """Every port the topology's workers (HTTP, NIXL side channel) and proxy listen on."""
+    workers = topology.prefill + topology.decode + topology.aggregated
+    return {p for w in workers for p in (w.port, w.side_channel_port) if p} | {topology.proxy.port}
+
+
+def shifted(topology: Topology, offset: int) -> Topology:
+    """A copy of ``topology`` with every worker port, side-channel port and the proxy port moved up
+    by ``offset``: one more set of the same workers on the same hosts (the interleaved schedule
+    keeps several modes up together, ``turnscope.schedule``). Raises ValueError past port 65535."""
+    if max(ports_of(topology)) + offset > 65535:
+        raise ValueError(f"ports of topology {topology.name!r} shifted by {offset} pass 65535")
+
+    def move(entries: list[WorkerEntry]) -> list[WorkerEntry]:
+        return [w.model_copy(update={"port": w.port + offset, "side_channel_port":
+                                     w.side_channel_port + offset if w.side_channel_port else None})
+                for w in entries]
+
+    return topology.model_copy(update={
+        "prefill": move(topology.prefill), "decode": move(topology.decode),
+        "aggregated": move(topology.aggregated),
+        "proxy": topology.proxy.model_copy(update={"port": topology.proxy.port + offset})})
+
+
+def disjoint_offsets(topology: Topology, n: int) -> list[int]:
+    """``n`` port offsets, the first 0, each the smallest above the previous whose shifted ports
+    (:func:`shifted`) meet none of the earlier ones' (embedded default: 0, 3, 6, ...)."""
+    base = ports_of(topology)
+    taken, offsets, offset = set(base), [0], 0
+    while len(offsets) < n:
+        offset += 1
+        moved = {p + offset for p in base}
+        if not moved & taken:
+            offsets.append(offset)
+            taken |= moved
+    return offsets[:n]
+
+
 def load_topology(path: Path) -> Topology:
     """Read and validate a topology YAML file. Raises TopologyError naming the file and field."""
     path = Path(path)

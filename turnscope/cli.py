@@ -30,7 +30,7 @@ from serving.prometheus_config import render_prometheus_config
 from serving.stack import ModeStack
 from serving.topology import ProxySettings, Topology, TopologyError, embedded_topology, load_topology
 from serving.workers import mode_workers, port_in_use, worker_command
-from turnscope import console_text, resources
+from turnscope import console_text, resources, schedule
 from turnscope.analysis import pd_check
 from turnscope.calibration import DEFAULT_MODES as CAL_MODES
 from turnscope.contract import (
@@ -174,6 +174,12 @@ def model(out: Annotated[Path, typer.Option(help="Where to write the model.")] =
     console.print(f"model ready at {path} ({time.monotonic() - t0:.1f} s)")
 
 
+SCHEDULE_HELP = ("interleaved: the workers of the modes compared with one another up together (own ports), "
+                 "their sessions played in rounds, the modes' order shuffled each round, so the machine's "
+                 "drift falls on every side; sequential: one mode after another (docs/results.md, "
+                 "\"Schedule\").")
+
+
 @app.command("eval")
 def evaluate(
     modes: ModesOpt = ALL_MODES,
@@ -196,12 +202,24 @@ def evaluate(
     decode_routing: DecodeRoutingOpt = None,
     store: StoreOpt = None,
     label: Annotated[str, typer.Option(help="Label of these runs.")] = "eval",
+    schedule_: Annotated[str, typer.Option("--schedule", help=SCHEDULE_HELP)] = schedule.INTERLEAVED,
+    rounds: Annotated[int, typer.Option(help="Interleaved schedule: rounds per history mode (each plays a "
+                                        "slice of every run's sessions); 0: one per --users sessions, at most "
+                                        f"{schedule.MAX_AUTO_ROUNDS}.")] = 0,
+    schedule_seed: Annotated[int, typer.Option(help="Interleaved schedule: seeds the order of the modes in "
+                                               "each round (recorded with the runs).")] = 0,
 ) -> None:
     """Run the same agent sessions against each serving mode; print TTFT and reuse per mode.
 
     Each mode's workers start, warm up, serve every history mode as its own run (own cold prefix
-    cache), and stop. Rows go to the store; `turnscope dashboard` shows them.
+    cache), and stop. By default the modes compared with one another are up together and their
+    sessions interleaved in shuffled rounds (--schedule sequential: one mode after another).
+    Rows go to the store; `turnscope dashboard` shows them.
     """
+    if schedule_ not in schedule.SCHEDULES:
+        raise fail(f"--schedule takes {' or '.join(schedule.SCHEDULES)}; got {schedule_!r}")
+    if rounds < 0:
+        raise fail(f"--rounds must be >= 0, got {rounds}")
     p_routings = _split(prefill_routing) if prefill_routing else []
     bad = [p for p in p_routings if p not in ROUTING_POLICIES]
     if bad or (prefill_routing is not None and not p_routings):
@@ -218,7 +236,8 @@ def evaluate(
                           sessions=sessions, users=users, max_turns=max_turns, max_tokens=max_tokens, gap_s=gap_s,
                           store=store, label=label, workload=workload, time_scale=time_scale,
                           turn_timeout_s=s.turn_timeout_s, operator_config=s.effective(),
-                          prefill_routings=p_routings if len(p_routings) > 1 else None)
+                          prefill_routings=p_routings if len(p_routings) > 1 else None,
+                          schedule=schedule_, rounds=rounds, schedule_seed=schedule_seed)
     if s.kv_bytes_per_token:
         ev.kv_bytes_per_token = s.kv_bytes_per_token
     t0 = time.monotonic()
@@ -309,6 +328,8 @@ def print_bottom_line(store: Path, run_ids: list[str]) -> None:
     console.print()
     console_text.print_text(console, "Bottom line: TTFT from the second turn on (the dashboard's Overview)")
     console_text.print_text(console, speedup.MEANING + "; verdict: whether the 95% CI excludes 1")
+    for line in schedule.describe_json(db.read(dstore, queries.run_schedules, run_ids)["schedule"]):
+        console_text.print_text(console, line)
     for block in bottom_line_blocks(ratios):
         for line in block:
             console_text.print_text(console, line.strip(), "  " if line.startswith("  ") else "")
@@ -581,7 +602,7 @@ def calibrate(
             "extras": [int(v) for v in _split(extras)], "text_lengths": [int(v) for v in _split(text_lengths)],
             "repeats": repeats}
         cal = CalibrationSettings(topology=topo, modes=_split(modes), seed=seed, max_tokens=max_tokens,
-                                  store=store or REPO_ROOT / "data" / "calibration", label=label,
+                                  store=store or resources.home() / "calibration", label=label,
                                   turn_timeout_s=max(s.turn_timeout_s, 180.0), operator_config=s.effective(),
                                   kv_bytes_per_token=s.kv_bytes_per_token or default_settings(
                                       Path(topo.model), topology=topo).kv_bytes_per_token, **opts)
@@ -934,12 +955,14 @@ def demo(
     sessions: Annotated[int, typer.Option(help="Sessions per run.")] = 3,
     max_turns: Annotated[int, typer.Option(help="Turns per session at most.")] = 4,
     no_dashboard: Annotated[bool, typer.Option("--no-dashboard", help="Do not start the dashboard.")] = False,
+    schedule_: Annotated[str, typer.Option("--schedule", help=SCHEDULE_HELP)] = schedule.INTERLEAVED,
 ) -> None:
     """The main job on the embedded default: build the model if missing, evaluate every mode with
     both history modes on replayed tau-bench conversations, print the results, serve the dashboard."""
     store = store or settings().store
     evaluate(modes=",".join(MODES), histories="text,token_ids", workload=None, time_scale=1.0, sessions=sessions,
-             users=1, max_turns=max_turns, max_tokens=32, gap_s=0.5, topology=None, store=store, label="demo")
+             users=1, max_turns=max_turns, max_tokens=32, gap_s=0.5, topology=None, store=store, label="demo",
+             prefill_routing=None, decode_routing=None, schedule_=schedule_, rounds=0, schedule_seed=0)
     console.print(f"query it: {DUCKDB} {store / 'turnscope.duckdb'} -c \"select mode, history_mode, "
                   "turn_index, median(ttft_s) from turn_breakdown group by all order by all\"", highlight=False)
     if not no_dashboard:

@@ -19,6 +19,7 @@ import sys
 import time
 from importlib import metadata
 from pathlib import Path
+from typing import Literal
 
 import httpx
 from pydantic import BaseModel, Field
@@ -28,9 +29,10 @@ from loadgen.scraper import MetricsScraper
 from loadgen.traces.formats import check_trace
 from loadgen.workload import load_workload
 from serving.embedded_model import ModelSpec
-from serving.stack import ModeStack
-from serving.topology import Topology, embedded_topology
-from turnscope import console_text, resources, speed_probe
+from serving.stack import ModeStack, started_together
+from serving.topology import Topology, disjoint_offsets, embedded_topology, shifted
+from serving.workers import mode_workers
+from turnscope import console_text, resources, schedule, speed_probe
 from turnscope.contract import RoutingPolicy
 from turnscope.modes import MODES, serving_mode
 from turnscope.store import Store
@@ -83,6 +85,11 @@ class EvalSettings(BaseModel):
     # P routing policies to run in turn on each mode's workers (the proxy restarted between them);
     # None: the topology's proxy.prefill_routing only
     prefill_routings: list[RoutingPolicy] | None = None
+    # how the modes' runs are scheduled (turnscope.schedule): interleaved (the compared modes' workers
+    # up together, sessions in shuffled rounds) or sequential (one mode after another)
+    schedule: Literal["interleaved", "sequential"] = "interleaved"
+    rounds: int = Field(0, ge=0)       # interleaved: rounds per history mode; 0: schedule.default_rounds
+    schedule_seed: int = 0             # interleaved: seeds the order of each round
 
 
 def _versions() -> dict:
@@ -155,8 +162,10 @@ def warm_up(proxy_url: str, model: str, turns: int = 2, prompt_tokens: int = 600
     return outcomes
 
 
-def run_locust(s: EvalSettings, run_id: str, host: str, history: str, mode: str) -> int:
-    """Run the workload headless with Locust until every session was played; return its exit code."""
+def run_locust(s: EvalSettings, run_id: str, host: str, history: str, mode: str,
+               sessions: tuple[int, int] | None = None) -> int:
+    """Run the workload headless with Locust until every session was played; return its exit code.
+    ``sessions`` ``(first, stop)``: only those sessions of the run's plan (``--turnscope-slice``)."""
     locustfile = importlib.util.find_spec("loadgen.locustfile").origin  # found, not imported (it patches gevent)
     argv = [sys.executable, "-m", "locust", "-f", locustfile, "--headless",
             "-u", str(s.users), "-r", str(s.users), "--run-time", f"{s.run_time_limit_s}s", "--host", host,
@@ -171,6 +180,8 @@ def run_locust(s: EvalSettings, run_id: str, host: str, history: str, mode: str)
             "--exit-code-on-error", "0",
             # Each run starts with a cold prefix cache: runs on the same workers share nothing.
             "--turnscope-cache-salt", run_id]
+    if sessions is not None:
+        argv += ["--turnscope-slice", f"{sessions[0]}:{sessions[1]}"]
     if s.workload is not None:
         argv += ["--turnscope-workload", str(s.workload), "--turnscope-time-scale", str(s.time_scale)]
         if Path(s.topology.model, "tokenizer.json").exists():
@@ -193,11 +204,123 @@ class RunPlan(BaseModel):
     settle_s: float = 0.0
 
 
+class RunRecording:
+    """One run being recorded on a running stack: :meth:`begin` writes its ``running`` row (rewritten
+    every :data:`HEARTBEAT_S`), probes its speed and starts its scraper; :meth:`finish` stops the
+    scraper once the counters settle, probes again, applies the P/D check and writes the final row.
+    The speed probes fall outside the scrapes, so the run's counters count its turns only."""
+
+    def __init__(self, s: EvalSettings, store: Store, stack: ModeStack, mode: str, plan: RunPlan,
+                 console: Console):
+        self.s, self.stack, self.mode, self.plan, self.console = s, stack, mode, plan, console
+        self.run_id, self.history = plan.run_id, plan.history
+        rs = plan.settings
+        # the topology as it ran: the stack's ports and the proxy's routing (config.topology; the
+        # run_config view reads the routing there)
+        self.settings = rs.model_copy(update={
+            "topology": rs.topology.model_copy(update={
+                k: getattr(stack.topology, k) for k in ("proxy", "prefill", "decode", "aggregated")}),
+            "operator_config": rs.operator_config | (
+                {"prefill_routing": stack.topology.proxy.prefill_routing}
+                if "prefill_routing" in rs.operator_config else {})})
+        self.store = store
+        self.served = s.topology.served_model_name or s.topology.model
+        self.row: dict = {}
+        self.writer = self.run_writer = self.scraper = None
+        self.t0 = 0.0
+
+    def begin(self) -> None:
+        rs, plan = self.settings, self.plan
+        self.row = {"run_id": self.run_id, "label": rs.label, "mode": self.mode,
+                    "workload": rs.workload.stem if rs.workload else "tau-bench-airline",
+                    "workload_spec": rs.model_dump(mode="json", include={"sessions", "users", "max_turns",
+                                                                         "max_tokens", "max_prompt_tokens",
+                                                                         "gap_s", "time_scale"})
+                    | {"file": str(rs.workload) if rs.workload else None} | plan.spec,
+                    "history_mode": self.history, "topology": self.stack.topology_row(), "versions": _versions(),
+                    "model": self.s.topology.model, "config": rs.model_dump(mode="json"),
+                    "started_at": dt.datetime.now(dt.UTC), "status": "running",
+                    "updated_at": dt.datetime.now(dt.UTC), "heartbeat_s": HEARTBEAT_S}
+        self.writer = self.store.writer(self.run_id, f"eval-{os.getpid()}")
+        self.writer.append("runs_log", self.row)
+        self.writer.flush()
+        self.writer.keep_alive("runs_log", self.row, HEARTBEAT_S)
+        # the speed probe before the scraper's first scrape and after its last: not in the run's counters
+        speed_probe.probe_run(self.writer, self.run_id, "start", self.stack.endpoints(), self.served)
+        self.run_writer = self.store.writer(self.run_id, f"scraper-{os.getpid()}")
+        self.scraper = MetricsScraper(self.stack.endpoints(), self.run_writer, self.run_id, interval_s=1.0)
+        self.scraper.start()
+        self.t0 = time.monotonic()
+
+    def play(self, sessions: tuple[int, int] | None = None) -> str:
+        """Play the run's sessions (``sessions``: a slice of them) with Locust; its status."""
+        return run_status(run_locust(self.settings, self.run_id, self.stack.proxy_url, self.history, self.mode,
+                                     sessions))
+
+    def finish(self, status: str) -> str:
+        """Close the run with ``status`` (``run_status``'s); returns it after the P/D check."""
+        try:
+            # Locust has returned: every turn has finished. Scrape until the workers' and the
+            # proxy's counters settle, so this run's increases hold its last turn too.
+            self.scraper.stop(final_settle_s=FINAL_SCRAPE_SETTLE_S)
+            self.run_writer.close()
+            speed_probe.probe_run(self.writer, self.run_id, "end", self.stack.endpoints(), self.served)
+            status = pd_checked_status(self.s.store, self.run_id, status, self.console)
+        finally:
+            self.writer.stop_keep_alive()
+            now = dt.datetime.now(dt.UTC)
+            self.writer.append("runs_log", self.row | {"finished_at": now, "status": status, "updated_at": now,
+                                                       "heartbeat_s": None})
+            self.writer.close()
+        self.console.print(f"  [{self.mode}] {self.history}: {status} in {time.monotonic() - self.t0:.0f} s "
+                           f"({self.run_id})")
+        return status
+
+
+def schedule_groups(s: EvalSettings, runs: dict | None, available_bytes: int | None = None
+                    ) -> list[tuple[list[str], str | None]]:
+    """The modes of ``s`` in the groups they run in, each with why it is not interleaved (None when
+    it is, or when interleaving was not asked for): the interleaved schedule (``turnscope.schedule``)
+    for the history loop of launched workers under one P routing policy, where the group's workers
+    fit in ``available_bytes`` (default: psutil's available memory); else one mode at a time."""
+    singles = [([m], None) for m in s.modes]
+    if s.schedule != schedule.INTERLEAVED:
+        return singles
+    why = None
+    if runs is not None:
+        why = "runs given per mode (sweep, capacity) play one mode after another"
+    elif s.prefill_routings and len(s.prefill_routings) > 1:
+        why = "several P routing policies restart each mode's proxy"
+    elif not s.topology.launch:
+        why = "attached workers serve one mode"
+    elif s.sessions < 1:
+        why = "the sessions are the workload's own number (--sessions 0), not known here to cut in rounds"
+    if why:
+        return [([m], why) for m in s.modes]
+    if available_bytes is None:
+        import psutil
+
+        available_bytes = psutil.virtual_memory().available
+    out = []
+    for group in schedule.comparison_groups(s.modes):
+        workers = sum(len(mode_workers(m, s.topology)) for m in group)
+        if len(group) > 1 and not schedule.fits_in_memory(workers, s.topology.kv_cache_bytes, available_bytes):
+            need = schedule.group_memory_bytes(workers, s.topology.kv_cache_bytes) / 2**30
+            out += [([m], (f"{workers} workers of {', '.join(group)} (~{need:.1f} GiB) do not fit in "
+                          f"{available_bytes / 2**30:.1f} GiB available")) for m in group]
+        else:
+            out.append((group, None))
+    return out
+
+
 def run_eval(s: EvalSettings, console: Console | None = None,
              runs: dict[str, list[RunPlan]] | None = None) -> list[str]:
     """Run every mode x history of ``s``; return the run ids, in order. Raises ValueError for an
     unknown mode or history before anything starts.
 
+    ``s.schedule``: ``interleaved`` (default) keeps the workers of the modes compared with one
+    another up together and plays their sessions in shuffled rounds (``turnscope.schedule``;
+    :func:`schedule_groups` says where it applies); ``sequential`` runs one mode after another.
     ``runs`` (mode -> runs) replaces the history loop: each mode of ``s.modes`` starts its workers
     once and makes those runs on them, in order (``turnscope sweep`` passes one run per point).
     ``s.prefill_routings`` (several): every history is run once per P routing policy on the same
@@ -223,65 +346,88 @@ def run_eval(s: EvalSettings, console: Console | None = None,
     store = Store(s.store)
     store.init()
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S")
+    rng = random.Random(s.schedule_seed)
     run_ids = []
-    for mode in s.modes:
-        console.print(f"[bold]mode {mode}[/bold]: starting workers")
-        with ModeStack(mode, s.topology, s.log_dir, s.kv_bytes_per_token, console.print) as stack:
-            outcomes = warm_up(stack.proxy_url, s.topology.served_model_name or s.topology.model)
-            console_text.print_list(console, f"  [{mode}] warm-up outcomes: ", outcomes)
-            routings = s.prefill_routings or [stack.topology.proxy.prefill_routing]
-            plans = [(None, p) for p in runs.get(mode, [])] if runs is not None else [
-                (routing, RunPlan(run_id=f"{s.label}-{stamp}-{mode}-{history}"
-                                  + (f"-p{routing}" if len(routings) > 1 else ""), history=history, settings=s))
-                for routing in routings for history in s.histories]
-            for routing, plan in plans:
-                if routing is not None and routing != stack.topology.proxy.prefill_routing:
-                    stack.restart_proxy(routing)
-                    console.print(f"  [{mode}] proxy restarted with prefill routing {routing}")
-                run_id, history, rs = plan.run_id, plan.history, plan.settings
-                # the proxy's routing as it ran (config.topology.proxy; the run_config view reads it)
-                rs = rs.model_copy(update={
-                    "topology": rs.topology.model_copy(update={"proxy": stack.topology.proxy}),
-                    "operator_config": rs.operator_config | (
-                        {"prefill_routing": stack.topology.proxy.prefill_routing}
-                        if "prefill_routing" in rs.operator_config else {})})
-                time.sleep(plan.settle_s)
-                run_ids.append(run_id)
-                row = {"run_id": run_id, "label": rs.label, "mode": mode, "workload": rs.workload.stem if rs.workload else "tau-bench-airline",
-                       "workload_spec": rs.model_dump(mode="json", include={"sessions", "users", "max_turns",
-                                                                            "max_tokens", "max_prompt_tokens",
-                                                                            "gap_s", "time_scale"}) | {"file": str(rs.workload) if rs.workload else None} | plan.spec,
-                       "history_mode": history, "topology": stack.topology_row(), "versions": _versions(),
-                       "model": s.topology.model, "config": rs.model_dump(mode="json"),
-                       "started_at": dt.datetime.now(dt.UTC), "status": "running",
-                       "updated_at": dt.datetime.now(dt.UTC), "heartbeat_s": HEARTBEAT_S}
-                writer = store.writer(run_id, f"eval-{os.getpid()}")
-                writer.append("runs_log", row)
-                writer.flush()
-                writer.keep_alive("runs_log", row, HEARTBEAT_S)
-                served = s.topology.served_model_name or s.topology.model
-                # the speed probe before the scraper's first scrape and after its last: not in the run's counters
-                speed_probe.probe_run(writer, run_id, "start", stack.endpoints(), served)
-                run_writer = store.writer(run_id, f"scraper-{os.getpid()}")
-                scraper = MetricsScraper(stack.endpoints(), run_writer, run_id, interval_s=1.0)
-                scraper.start()
-                t0 = time.monotonic()
-                status = "aborted"  # unless Locust returns: interrupted (Ctrl-C), timed out
-                try:
-                    status = run_status(run_locust(rs, run_id, stack.proxy_url, history, mode))
-                finally:
-                    # Locust has returned: every turn has finished. Scrape until the workers' and
-                    # the proxy's counters settle, so this run's increases hold its last turn too.
-                    scraper.stop(final_settle_s=FINAL_SCRAPE_SETTLE_S)
-                    run_writer.close()
-                    speed_probe.probe_run(writer, run_id, "end", stack.endpoints(), served)
-                    status = pd_checked_status(s.store, run_id, status, console)
-                    writer.stop_keep_alive()
-                    now = dt.datetime.now(dt.UTC)
-                    writer.append("runs_log", row | {"finished_at": now, "status": status, "updated_at": now,
-                                                     "heartbeat_s": None})
-                    writer.close()
-                console.print(f"  [{mode}] {history}: {status} in {time.monotonic() - t0:.0f} s ({run_id})")
+    for group, why in schedule_groups(s, runs):
+        if len(group) > 1:
+            run_ids += _run_interleaved(s, group, store, stamp, rng, console)
+        else:
+            run_ids += _run_mode(s, group[0], store, stamp, runs, why, console)
+    return run_ids
+
+
+def _run_mode(s: EvalSettings, mode: str, store: Store, stamp: str, runs: dict[str, list[RunPlan]] | None,
+              why: str | None, console: Console) -> list[str]:
+    """One mode's workers started, its runs made one after another, the workers stopped."""
+    run_ids = []
+    console.print(f"[bold]mode {mode}[/bold]: starting workers")
+    spec = {"schedule": schedule.sequential_spec(why)}
+    with ModeStack(mode, s.topology, s.log_dir, s.kv_bytes_per_token, console.print) as stack:
+        outcomes = warm_up(stack.proxy_url, s.topology.served_model_name or s.topology.model)
+        console_text.print_list(console, f"  [{mode}] warm-up outcomes: ", outcomes)
+        routings = s.prefill_routings or [stack.topology.proxy.prefill_routing]
+        plans = [(None, p) for p in runs.get(mode, [])] if runs is not None else [
+            (routing, RunPlan(run_id=f"{s.label}-{stamp}-{mode}-{history}"
+                              + (f"-p{routing}" if len(routings) > 1 else ""), history=history, settings=s))
+            for routing in routings for history in s.histories]
+        for routing, plan in plans:
+            if routing is not None and routing != stack.topology.proxy.prefill_routing:
+                stack.restart_proxy(routing)
+                console.print(f"  [{mode}] proxy restarted with prefill routing {routing}")
+            time.sleep(plan.settle_s)
+            run_ids.append(plan.run_id)
+            rec = RunRecording(s, store, stack, mode, plan.model_copy(update={"spec": spec | plan.spec}), console)
+            rec.begin()
+            status = "aborted"  # unless Locust returns: interrupted (Ctrl-C), timed out
+            try:
+                status = rec.play()
+            finally:
+                rec.finish(status)
+    return run_ids
+
+
+def _run_interleaved(s: EvalSettings, group: list[str], store: Store, stamp: str, rng: random.Random,
+                     console: Console) -> list[str]:
+    """The modes of ``group`` up together, each on its own ports; per history mode (one phase each),
+    every mode's run begins, the rounds of slices are played in their shuffled order, every run
+    finishes; then all the workers stop."""
+    offsets = disjoint_offsets(s.topology, len(group))
+    stacks = [ModeStack(m, shifted(s.topology, off), s.log_dir, s.kv_bytes_per_token, console.print)
+              for m, off in zip(group, offsets, strict=True)]
+    rounds = s.rounds or schedule.default_rounds(s.sessions, s.users)
+    console.print(f"[bold]modes {', '.join(group)}[/bold] interleaved: starting their workers together")
+    run_ids = []
+    with started_together(stacks):
+        for st in stacks:
+            outcomes = warm_up(st.proxy_url, s.topology.served_model_name or s.topology.model)
+            console_text.print_list(console, f"  [{st.mode}] warm-up outcomes: ", outcomes)
+        by_mode = {st.mode: st for st in stacks}
+        for history in s.histories:
+            slots = schedule.interleave(group, s.sessions, rounds, rng)
+            console_text.print_text(console, f"  {history}: {len(slots)} slices in "
+                                    f"{slots[-1].round + 1} rounds: " + " | ".join(
+                                        " ".join(x.mode for x in slots if x.round == r)
+                                        for r in range(slots[-1].round + 1)))
+            recs: dict[str, RunRecording] = {}
+            statuses: dict[str, str] = {}
+            played = False
+            try:
+                for m in group:
+                    plan = RunPlan(run_id=f"{s.label}-{stamp}-{m}-{history}", history=history, settings=s,
+                                   spec={"schedule": schedule.spec_of(m, slots, s.schedule_seed, group)})
+                    run_ids.append(plan.run_id)
+                    recs[m] = RunRecording(s, store, by_mode[m], m, plan, console)
+                    recs[m].begin()
+                    statuses[m] = "complete"
+                for slot in slots:
+                    status = recs[slot.mode].play((slot.first, slot.stop))
+                    if statuses[slot.mode] == "complete":  # a run's status: its first slice that was not
+                        statuses[slot.mode] = status
+                played = True
+            finally:
+                for m, rec in recs.items():
+                    # runs whose slices did not all return (Ctrl-C, a timeout) were aborted
+                    rec.finish(statuses[m] if played else "aborted")
     return run_ids
 
 

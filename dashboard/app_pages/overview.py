@@ -7,7 +7,7 @@ import streamlit as st
 
 from dashboard import cards, context, db, figures, hit_rate, html_reports, queries, tables
 from dashboard.loader import load
-from turnscope.analysis import headline, pd_check, speedup
+from turnscope.analysis import headline, pd_check, schedule_text, speedup
 
 
 @st.cache_data(ttl=db.CACHE_TTL_S, show_spinner="Bootstrapping the headline's confidence intervals…")
@@ -48,6 +48,8 @@ for workload, history_mode in scopes:
                            "Turn index ≥ 1, ok turns, whole sessions resampled.")
 if ratios:
     st.markdown(f"**{headline.answer(ratios)}**")
+    scheduled = load(sel.root, queries.run_schedules, run_ids)
+    st.caption("How the runs were played: " + " ".join(schedule_text.describe_json(scheduled["schedule"])))
     with st.expander("The numbers behind each verdict"):
         for r in ratios:
             st.markdown(headline.verdict(r))

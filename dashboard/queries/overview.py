@@ -229,3 +229,20 @@ def decode_prompt_sources(con: duckdb.DuckDBPyConnection, run_ids: TurnFilter | 
     """Per run: the inputs of its P/D check (``turnscope.analysis.pd_check.decode_prompt_sources``: columns
     run_id, mode, pd_turns, local_compute, external_kv)."""
     return pd_check.decode_prompt_sources(con, id_list(as_filter(run_ids).run_ids))
+
+
+_RUN_SCHEDULES = """
+SELECT run_id, mode, history_mode, json_extract(workload_spec, '$.schedule')::VARCHAR AS schedule
+FROM runs WHERE list_contains($run_ids, run_id)
+ORDER BY started_at, run_id
+"""
+
+
+def run_schedules(con: duckdb.DuckDBPyConnection, run_ids: TurnFilter | Sequence[str]) -> pd.DataFrame:
+    """How each run of `run_ids` was scheduled (``turnscope.schedule``: interleaved with the modes it
+    is compared with, or sequential), from ``runs.workload_spec.schedule``.
+
+    Columns: run_id, mode, history_mode, schedule (JSON text; NULL for a run that recorded none,
+    e.g. one made before turnscope recorded schedules). One row per run, oldest first.
+    """
+    return con.execute(_RUN_SCHEDULES, {"run_ids": id_list(as_filter(run_ids).run_ids)}).df()

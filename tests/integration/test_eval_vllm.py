@@ -3,11 +3,18 @@
 The main job's claims, read back from the store with hand-written SQL: in pd-bidir-nocache the
 turns after the first are hits, the prefill worker's external_kv_transfer counter rises (and
 stays flat in pd-nocache), TTFT after the first turn is lower than in pd-nocache, and every
-turn sent is stored exactly once. pd-bidir-nocache makes two runs on the same workers (as the
-demo's text and token_ids runs do): each run's increase of P's external_kv_transfer counter equals
-the proxy's reused tokens of that run exactly, its last turn included (the scraper's final scrapes).
+turn sent is stored exactly once. The two modes run on the interleaved schedule (the default,
+turnscope/schedule.py): both stacks up together on ports of their own, each history mode's
+sessions played in rounds whose order the seed draws. Per run: every row is its run's mode's;
+each run's increase of P's external_kv_transfer counter equals the proxy's reused tokens of that
+run exactly, its last turn included (the scraper's final scrapes), though a mode's token_ids and
+text runs share its workers (as the demo's do); and the runs were interleaved: each round's
+sessions were sent in the drawn order, after the previous round's, from the turns' timestamps.
 """
 
+import itertools
+import json
+import random
 from pathlib import Path
 
 import duckdb
@@ -17,24 +24,24 @@ from rich.console import Console
 from serving.embedded_model import ensure_model
 from serving.topology import WorkerEntry, embedded_topology
 from tests.integration.vllm_stack import free_port
-from turnscope.evaluation import RunPlan, default_settings, run_eval
+from turnscope.evaluation import default_settings, run_eval
 
 pytestmark = pytest.mark.vllm
 
 
 def test_eval_pd_nocache_vs_bidir(tmp_path):
-    sessions, max_turns = 2, 4
+    sessions, max_turns, seed = 2, 4, 3
     topo = embedded_topology(str(ensure_model()))
     topo.prefill = [WorkerEntry(port=free_port(), side_channel_port=free_port(), cores=[0])]
     topo.decode = [WorkerEntry(port=free_port(), side_channel_port=free_port(), cores=[1])]
     topo.proxy.port = free_port()
     s = default_settings(Path(topo.model), topology=topo, modes=["pd-nocache", "pd-bidir-nocache"],
-                         histories=["token_ids"], sessions=sessions, users=1, max_turns=max_turns, gap_s=0.5,
-                         store=tmp_path / "store", label="ci", log_dir=tmp_path / "logs")
-    plans = {mode: [RunPlan(run_id=f"ci-{mode}-{k}", history="token_ids", settings=s) for k in range(n)]
-             for mode, n in (("pd-nocache", 1), ("pd-bidir-nocache", 2))}
-    run_ids = run_eval(s, Console(width=120), runs=plans)
-    assert len(run_ids) == 3
+                         histories=["token_ids", "text"], sessions=sessions, users=1, max_turns=max_turns,
+                         gap_s=0.5, store=tmp_path / "store", label="ci", log_dir=tmp_path / "logs",
+                         schedule_seed=seed)
+    assert s.schedule == "interleaved"
+    run_ids = run_eval(s, Console(width=120))
+    assert len(run_ids) == 4
     con = duckdb.connect(str(tmp_path / "store" / "turnscope.duckdb"), read_only=True)
     rows = dict(con.execute("select run_id, count(*) from turns group by run_id").fetchall())
     # tau-bench conversations have more than 4 assistant turns, and prompts stay under the limit
@@ -42,10 +49,45 @@ def test_eval_pd_nocache_vs_bidir(tmp_path):
     assert con.execute("select count(*) from (select run_id, session_id, turn_index from turns "
                        "group by all having count(*) > 1)").fetchone()[0] == 0
     assert con.execute("select list(distinct status) from runs").fetchone()[0] == ["complete"]
-    hits = dict(con.execute("""select mode, count(*) filter (where reuse = 'hit' and turn_index >= 1)
-                              from turns join runs using (run_id) group by mode""").fetchall())
-    assert hits["pd-nocache"] == 0
-    assert hits["pd-bidir-nocache"] >= 2 * (sessions * (max_turns - 1) - 1)
+    # each run's scrapes come from its own mode's workers and proxy (the ports its stack was given, as
+    # the run recorded them), and the two modes' are apart
+    modes = dict(con.execute("select run_id, mode from runs").fetchall())
+    assert sorted(modes.values()) == ["pd-bidir-nocache"] * 2 + ["pd-nocache"] * 2
+    scraped = dict(con.execute("select run_id, list(distinct endpoint) from metric_samples group by run_id").fetchall())
+    own = {}
+    for run_id, topology in con.execute("select run_id, topology::VARCHAR from runs").fetchall():
+        t = json.loads(topology)
+        own[modes[run_id]] = {w["url"] for w in t["workers"]} | {t["proxy"]}
+        assert set(scraped[run_id]) == own[modes[run_id]], run_id
+    assert not own["pd-nocache"] & own["pd-bidir-nocache"]
+    hits = dict(con.execute("""select run_id, count(*) filter (where reuse = 'hit' and turn_index >= 1)
+                              from turns group by run_id""").fetchall())
+    for run_id, mode in modes.items():
+        if mode == "pd-nocache":
+            assert hits[run_id] == 0, run_id
+        elif run_id.endswith("-token_ids"):
+            assert hits[run_id] >= sessions * (max_turns - 1) - 1, run_id
+        else:
+            assert hits[run_id] > 0, run_id
+    # interleaved: per history mode, each round's sessions (one per round: --users 1) were sent in the
+    # order the seed drew, every turn of a round before any of the next (the turns' own timestamps)
+    rng = random.Random(seed)
+    for history in ("token_ids", "text"):
+        orders = []
+        for _ in range(sessions):
+            o = ["pd-nocache", "pd-bidir-nocache"]
+            rng.shuffle(o)
+            orders.append(o)
+        spans = con.execute("""select r.mode, t.session_id, min(t.sent_at), max(t.sent_at)
+                               from turns t join runs r using (run_id) where r.history_mode = ?
+                               group by all order by 3""", [history]).fetchall()
+        assert [(m, int(sid[1:6])) for m, sid, _, _ in spans] == [
+            (m, k) for k, o in enumerate(orders) for m in o], history
+        assert all(a[3] < b[2] for a, b in itertools.pairwise(spans)), history
+        recorded = {m: json.loads(x) for m, x in con.execute(
+            "select mode, json_extract(workload_spec, '$.schedule')::VARCHAR from runs where history_mode = ?",
+            [history]).fetchall()}
+        assert all(r["kind"] == "interleaved" and r["orders"] == orders for r in recorded.values())
     # Per run, P's counter (SQL over the scrapes, restarts handled) == the proxy's reused tokens.
     agree = con.execute("""
         select t.run_id, t.reused, coalesce(m.pulled, 0)
