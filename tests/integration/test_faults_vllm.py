@@ -780,7 +780,9 @@ def test_a_run_whose_decode_worker_computed_the_prompts_fails_its_pd_check(pd_bi
     assert text.count("FAILED: P/D did not happen") == 1 and f"FAILED: {truth}" in text
     assert text.index("pd-ok") < text.index("d-alone") < text.index("FAILED")
     record(request, "real D computing the prompts itself while the proxy reports P/D",
-           verdict_after_last_turn_s=verdict_s)
+           verdict_after_last_turn_s=verdict_s, d_local_compute_tokens=bad_delta["local_compute"],
+           d_external_kv_tokens=bad_delta["external_kv_transfer"], pd_ok_d_local_compute_tokens=ok_delta["local_compute"],
+           pd_ok_d_external_kv_tokens=ok_delta["external_kv_transfer"])
 
 
 # ------------------------------------------------------------------------------------ listeners
