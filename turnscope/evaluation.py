@@ -140,6 +140,17 @@ def pd_checked_status(store: Path, run_id: str, status: str, console: Console) -
     return "failed"
 
 
+def finish_run(store: Path, writer, row: dict, status: str, console: Console) -> str:
+    """Write a run's final ``runs_log`` row: ``row`` (the run's ``runs_log`` row, ``run_id`` in it)
+    with ``status`` after the P/D check (:func:`pd_checked_status`), ``finished_at`` now and no
+    heartbeat (``writer``'s is stopped first, so this row is the newest). Returns the status written."""
+    status = pd_checked_status(store, row["run_id"], status, console)
+    writer.stop_keep_alive()
+    now = dt.datetime.now(dt.UTC)
+    writer.append("runs_log", row | {"finished_at": now, "status": status, "updated_at": now, "heartbeat_s": None})
+    return status
+
+
 def warm_up(proxy_url: str, model: str, turns: int = 2, prompt_tokens: int = 600) -> list[str]:
     """Two-turn sessions with random token ids through the proxy (compile caches, NIXL handshakes
     in both directions). Returns the reuse outcomes seen; failures are returned, not raised."""
@@ -265,12 +276,8 @@ class RunRecording:
             self.scraper.stop(final_settle_s=FINAL_SCRAPE_SETTLE_S)
             self.run_writer.close()
             speed_probe.probe_run(self.writer, self.run_id, "end", self.stack.endpoints(), self.served)
-            status = pd_checked_status(self.s.store, self.run_id, status, self.console)
         finally:
-            self.writer.stop_keep_alive()
-            now = dt.datetime.now(dt.UTC)
-            self.writer.append("runs_log", self.row | {"finished_at": now, "status": status, "updated_at": now,
-                                                       "heartbeat_s": None})
+            status = finish_run(self.s.store, self.writer, self.row, status, self.console)
             self.writer.close()
         self.console.print(f"  [{self.mode}] {self.history}: {status} in {time.monotonic() - self.t0:.0f} s "
                            f"({self.run_id})")

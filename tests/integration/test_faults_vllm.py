@@ -14,6 +14,7 @@ worker, which turn), and the workers' own counters.
 from __future__ import annotations
 
 import datetime as dt
+import io
 import json
 import os
 import random
@@ -34,6 +35,7 @@ from loadgen.session import SessionPlan, TurnPlan
 from loadgen.session_player import run_session
 from loadgen.stream_client import stream_turn
 from serving.workers import WorkerProcess
+from tests.integration.recovery_times import record
 from tests.integration.vllm_stack import ProxyThread, free_port, metric
 from turnscope.store import Store
 from turnscope.tokenize_client import TokenizeClient
@@ -49,6 +51,12 @@ WORDS = ["booking", "flight", "seat", "refund", "baggage", "upgrade", "cancel", 
 # tokens, P's prefix cache the whole 128-token blocks of the prompt, so >= 79 tokens are left to
 # pull, above the 64-token kv_recompute_threshold (and the ids match exactly).
 HIT_GEN = 80
+#: A worker SIGKILLed mid-request is a failed turn on the client within this many seconds (its
+#: sockets close with the process; the proxy relays the error at once).
+FAULT_SEEN_S = 5.0
+#: The proxy sees a restarted D within ``decode_probe_interval_s`` plus this (one probe's round
+#: trip on two loaded cores, and the test's own 50 ms polling of the proxy's counter).
+PROBE_SLACK_S = 2.0
 
 
 # ------------------------------------------------------------------------------------- helpers
@@ -112,9 +120,12 @@ def wait_running(url: str, timeout_s: float = 120.0) -> None:
         time.sleep(0.02)
 
 
-def kill(w: WorkerProcess) -> None:
+def kill(w: WorkerProcess) -> float:
+    """SIGKILL ``w``'s process group; returns when (``time.monotonic()``) the signal went."""
+    at = time.monotonic()
     os.killpg(w.proc.pid, signal.SIGKILL)
     w.proc.wait(30)
+    return at
 
 
 def restart(stack, role: str) -> WorkerProcess:
@@ -129,12 +140,13 @@ def restart(stack, role: str) -> WorkerProcess:
     return new
 
 
-def killer(url: str, w: WorkerProcess, after_s: float) -> threading.Thread:
-    """A thread that SIGKILLs ``w`` ``after_s`` seconds after a request starts running on it."""
+def killer(url: str, w: WorkerProcess, after_s: float, times: dict) -> threading.Thread:
+    """A thread that SIGKILLs ``w`` ``after_s`` seconds after a request starts running on it
+    (``times["killed"]``: when, ``time.monotonic()``)."""
     def run():
         wait_running(url)
         time.sleep(after_s)
-        kill(w)
+        times["killed"] = kill(w)
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
@@ -148,12 +160,15 @@ def session(sid: str, turns: list[TurnPlan]) -> SessionPlan:
 # ---------------------------------------------------------------- D killed mid-stream + restart
 
 
-def test_decode_killed_mid_stream_is_a_failed_turn_and_counters_survive_its_restart(pd_bidir_stack, tmp_path):
+def test_decode_killed_mid_stream_is_a_failed_turn_and_counters_survive_its_restart(pd_bidir_stack, tmp_path,
+                                                                                     request):
     """D is SIGKILLed while streaming turn 1 and restarted on its port. The turn is recorded as
     failed with its reason, the session goes on (turn 2: ``miss_no_handle_returned``, turn 3 a hit
     on the new D), every ok output equals the reference, the run completes with 1 failed turn on
     the dashboard's run table, and the scraper's counter increases across the restart are >= 0,
-    add up to the 3 decodes D finished, and mark the restart."""
+    add up to the 3 decodes D finished, and mark the restart. Timed: the kill to the failed turn,
+    D's restart, the proxy seeing the new D (its probe every ``decode_probe_interval_s``), and the
+    first turn sent to the new D."""
     stack = pd_bidir_stack
     store = Store(tmp_path / "store")
     store.init()
@@ -161,17 +176,29 @@ def test_decode_killed_mid_stream_is_a_failed_turn_and_counters_survive_its_rest
     now = dt.datetime.now(dt.UTC)
     row = {"run_id": run_id, "mode": "pd-bidir", "status": "running", "started_at": now, "updated_at": now}
     d_url, p_url = worker(stack, "decode").spec.url, worker(stack, "prefill").spec.url
-    events = []
+    events, times = [], {}
+    cfg = stack.proxy_config()
 
     def on_turn(rec) -> None:
         k = rec.row["turn_index"]
         if k == 0:
             time.sleep(2.5)  # two scrapes see turn 0 counted before D dies
-            events.append(killer(d_url, worker(stack, "decode"), after_s=0.3))
+            events.append(killer(d_url, worker(stack, "decode"), after_s=0.3, times=times))
         elif k == 1:
+            times["failed_turn"] = time.monotonic()
             events[0].join(60)
+            times["restart"] = time.monotonic()
             restart(stack, "decode")
-            time.sleep(2.5)  # two scrapes of the new D before it serves
+            times["healthy"] = time.monotonic()
+            deadline = times["healthy"] + 10
+            while metric(proxy.url, "turnscope_decode_restarts_total") < 1:
+                assert time.monotonic() < deadline, "the proxy never saw D's new lifetime"
+                time.sleep(0.05)
+            times["proxy_saw"] = time.monotonic()
+            time.sleep(max(0.0, 2.5 - (times["proxy_saw"] - times["healthy"])))  # two scrapes of the new D
+            times["sent_after"] = time.monotonic()
+        elif k == 2:
+            times["first_ok"] = time.monotonic()
     plan = session("dk", [TurnPlan([user(0, 40)], REF, max_tokens=HIT_GEN),
                           TurnPlan([user(1)], REF, 0.0, "think", max_tokens=1000),
                           TurnPlan([user(2)], REF, 0.0, "think", max_tokens=HIT_GEN),
@@ -186,7 +213,7 @@ def test_decode_killed_mid_stream_is_a_failed_turn_and_counters_survive_its_rest
         scraper.start()
         try:
             client, log = client_with_log()
-            with client, ProxyThread(stack.proxy_config()) as proxy, store.writer(run_id, "users") as w:
+            with client, ProxyThread(cfg) as proxy, store.writer(run_id, "users") as w:
                 result = run_session(plan, client, proxy.url, MODEL, w, run_id, "token_ids", timeout_s=120,
                                      extra_body=IGNORE_EOS, on_turn=on_turn)
             time.sleep(2.5)  # the last decode counted
@@ -211,12 +238,19 @@ def test_decode_killed_mid_stream_is_a_failed_turn_and_counters_survive_its_rest
     success = sum(i for e, n, i, _ in inc if e == d_url and n == "vllm:request_success_total")
     assert success == 3
     assert any(r for e, _, _, r in inc if e == d_url) and not any(r for e, _, _, r in inc if e == p_url)
+    seen = record(request, "real D SIGKILLed mid-stream, restarted",
+                  failed_turn_after_kill_s=times["failed_turn"] - times["killed"],
+                  restart_to_healthy_s=times["healthy"] - times["restart"],
+                  proxy_saw_restart_after_healthy_s=times["proxy_saw"] - times["healthy"],
+                  first_turn_after_restart_s=times["first_ok"] - times["sent_after"])["figures"]
+    assert seen["failed_turn_after_kill_s"] <= FAULT_SEEN_S
+    assert seen["proxy_saw_restart_after_healthy_s"] <= cfg.decode_probe_interval_s + PROBE_SLACK_S
 
 
 # ------------------------------------------------------------- D restarted under live sessions
 
 
-def test_decode_restart_between_turns_of_live_sessions_is_never_a_hit(pd_bidir_stack, tmp_path):
+def test_decode_restart_between_turns_of_live_sessions_is_never_a_hit(pd_bidir_stack, tmp_path, request):
     """Four live sessions hold D's handles when D is restarted between their turns 0 and 1. Proxy
     X polls D's process start (every 0.2 s) and drops its two sessions' handles before their next
     turns: both ``miss_decode_restarted``, no handle given to P. Proxy Y does not poll: its session
@@ -238,7 +272,7 @@ def test_decode_restart_between_turns_of_live_sessions_is_never_a_hit(pd_bidir_s
                                TurnPlan([user(2, 12, seed)], REF, 0.0, "think", max_tokens=16)])
             for seed, sid in enumerate("abcd")}
     c_turn1_done = threading.Event()
-    results, logs, errors = {}, {}, []
+    results, logs, errors, times = {}, {}, [], {"turn1_ok": []}
 
     with ProxyThread(stack.proxy_config(decode_probe_interval_s=0.2, prefill_timeout_s=20)) as x, \
             ProxyThread(stack.proxy_config(decode_probe_interval_s=0, prefill_timeout_s=20,
@@ -247,12 +281,16 @@ def test_decode_restart_between_turns_of_live_sessions_is_never_a_hit(pd_bidir_s
         # so its handles are still offered after it: the stale-handle path, not miss_expired
 
         def restart_d() -> None:  # the barrier's action: every session has finished turn 0
+            times["restart"] = time.monotonic()
             restart(stack, "decode")
+            times["healthy"] = time.monotonic()
             deadline = time.monotonic() + 30
             while metric(x.url, "turnscope_decode_restarts_total") < 1:
                 assert time.monotonic() < deadline, "proxy X never saw D's new lifetime"
-                time.sleep(0.1)
+                time.sleep(0.05)
+            times["x_saw"] = time.monotonic()
             time.sleep(2.5)  # two scrapes of the new D before it serves
+            times["sent_after"] = time.monotonic()
 
         after_turn0 = threading.Barrier(4, action=restart_d, timeout=600)
 
@@ -267,8 +305,12 @@ def test_decode_restart_between_turns_of_live_sessions_is_never_a_hit(pd_bidir_s
                         while metric(y.url, "turnscope_decode_restarts_total") < 1:
                             assert time.monotonic() < deadline, "proxy Y never saw D's new engine id"
                             time.sleep(0.05)
-                elif k == 1 and sid == "c":
-                    c_turn1_done.set()
+                        times["y_saw"] = time.monotonic()
+                elif k == 1:
+                    times["turn1_ok"].append(time.monotonic())
+                    if sid == "c":
+                        times["c_turn1"] = time.monotonic()
+                        c_turn1_done.set()
 
             client, logs[sid] = client_with_log()
             try:
@@ -332,17 +374,23 @@ def test_decode_restart_between_turns_of_live_sessions_is_never_a_hit(pd_bidir_s
     assert sorted((s, k) for s, k, _, spans, _ in tl if spans) == [(s, 1) for s in "abcd"]
     assert not any(stale for *_, stale in tl)
     assert starts == 2  # D's counter increases are tied to both lifetimes
+    seen = record(request, "real D restarted between turns of live sessions",
+                  restart_to_healthy_s=times["healthy"] - times["restart"],
+                  polling_proxy_saw_restart_after_healthy_s=times["x_saw"] - times["healthy"],
+                  handle_proxy_saw_restart_after_turn_s=times["y_saw"] - times["c_turn1"],
+                  first_turn_after_restart_s=min(times["turn1_ok"]) - times["sent_after"])["figures"]
+    assert seen["polling_proxy_saw_restart_after_healthy_s"] <= 0.2 + PROBE_SLACK_S
 
 
 # ------------------------------------------------------------------ P killed mid-prefill + restart
 
 
-def test_prefill_killed_mid_prefill_is_a_failed_turn_and_the_session_goes_on(pd_bidir_stack):
+def test_prefill_killed_mid_prefill_is_a_failed_turn_and_the_session_goes_on(pd_bidir_stack, request):
     """P is SIGKILLed while computing turn 1's long prompt (its retry as a plain recompute finds no
     P), then restarted: turn 1 is HTTP 502 naming P, turn 2 runs (``miss_consumed``: the failed
     turn took the handle), turn 3 hits, and every ok output equals the reference."""
     stack = pd_bidir_stack
-    threads, sent = [], []
+    threads, sent, times = [], [], {}
 
     def kill_p_soon(request: httpx.Request) -> None:
         # P's gauges update between engine steps, too late to catch a one-step prefill: kill P 0.5 s
@@ -351,14 +399,20 @@ def test_prefill_killed_mid_prefill_is_a_failed_turn_and_the_session_goes_on(pd_
         if request.url.path.endswith("/completions"):
             sent.append(request)
             if len(sent) == 2:
-                t = threading.Thread(target=lambda: (time.sleep(0.5), kill(worker(stack, "prefill"))), daemon=True)
+                t = threading.Thread(target=lambda: (time.sleep(0.5), times.__setitem__(
+                    "killed", kill(worker(stack, "prefill")))), daemon=True)
                 threads.append(t)
                 t.start()
 
     def on_turn(rec) -> None:
         if rec.row["turn_index"] == 1:
+            times["failed_turn"] = time.monotonic()
             threads[0].join(60)
+            times["restart"] = time.monotonic()
             restart(stack, "prefill")
+            times["healthy"] = time.monotonic()
+        elif rec.row["turn_index"] == 2:
+            times["first_ok"] = time.monotonic()
     plan = session("pk", [TurnPlan([user(0, 40, 1)], REF, max_tokens=16),
                           TurnPlan([user(1, 1500, 1)], REF, 0.0, "tool", max_tokens=16),  # ~2,000-3,000 tokens
                           TurnPlan([user(2, 12, 1)], REF, 0.0, "think", max_tokens=HIT_GEN),
@@ -374,6 +428,11 @@ def test_prefill_killed_mid_prefill_is_a_failed_turn_and_the_session_goes_on(pd_
     assert "prefill worker prefill-0" in result.turns[1].row["error"]
     assert result.session_row["turns"] == 4 and result.session_row["status"] == "error"
     assert check_outputs(stack, result, log) == 3
+    seen = record(request, "real P SIGKILLed mid-prefill, restarted",
+                  failed_turn_after_kill_s=times["failed_turn"] - times["killed"],
+                  restart_to_healthy_s=times["healthy"] - times["restart"],
+                  first_turn_after_restart_s=times["first_ok"] - times["healthy"])["figures"]
+    assert seen["failed_turn_after_kill_s"] <= FAULT_SEEN_S
 
 
 class _NullWriter:
@@ -384,7 +443,7 @@ class _NullWriter:
 # --------------------------------------------------------------------- workers that stop answering
 
 
-def test_workers_that_stop_answering_are_timeouts_and_the_session_goes_on(pd_bidir_stack):
+def test_workers_that_stop_answering_are_timeouts_and_the_session_goes_on(pd_bidir_stack, request):
     """D is stopped (SIGSTOP) mid-stream past the client's timeout: a ``timeout`` turn; then P is
     stopped before a turn: the proxy's prefill timeout (3 s, then once more as a plain recompute)
     gives HTTP 502 ``ReadTimeout``. Each is resumed (SIGCONT) after its turn; the session's other
@@ -392,10 +451,12 @@ def test_workers_that_stop_answering_are_timeouts_and_the_session_goes_on(pd_bid
     stack = pd_bidir_stack
     d, p = worker(stack, "decode"), worker(stack, "prefill")
     stopped: list[WorkerProcess] = []
+    times: dict[str, float] = {}
 
     def stop_after_running(w: WorkerProcess) -> None:
         wait_running(w.spec.url)
         time.sleep(0.3)
+        times["d_stopped"] = time.time()
         os.killpg(w.proc.pid, signal.SIGSTOP)
         stopped.append(w)
 
@@ -407,6 +468,7 @@ def test_workers_that_stop_answering_are_timeouts_and_the_session_goes_on(pd_bid
         if k == 0:
             threading.Thread(target=stop_after_running, args=(d,), daemon=True).start()
         elif k == 2:
+            times["p_stopped"] = time.time()
             os.killpg(p.proc.pid, signal.SIGSTOP)
             stopped.append(p)
 
@@ -428,12 +490,27 @@ def test_workers_that_stop_answering_are_timeouts_and_the_session_goes_on(pd_bid
     assert result.turns[2].row["reuse"] == "miss_no_handle_returned"  # the stopped D gave none
     assert result.turns[4].row["reuse"] == "miss_consumed"  # the failed turn took the handle
     assert check_outputs(stack, result, log) == 3
+    def ended(k: int) -> float:  # when turn k's answer ended (or failed), Unix seconds
+        r = result.turns[k].result
+        return r.sent_at.timestamp() + r.e2e_s
+
+    seen = record(request, "real D stopped mid-stream; P stopped before a turn",
+                  d_timeout_turn_after_stop_s=ended(1) - times["d_stopped"],
+                  d_first_turn_after_resume_s=result.turns[2].result.e2e_s,
+                  p_failed_turn_after_stop_s=ended(3) - times["p_stopped"],
+                  p_first_turn_after_resume_s=result.turns[4].result.e2e_s)["figures"]
+    # the client's 10 s timeout runs from the turn's start; one or two 3 s prefill legs (the
+    # second when the turn carried a handle), plus the 0.2 s gap and slack. (Timed from the
+    # turn's own end: after a failed turn the player's bookkeeping, a /tokenize through the
+    # proxy to the stopped P, takes seconds more.)
+    assert seen["d_timeout_turn_after_stop_s"] <= 10 + FAULT_SEEN_S
+    assert 3.0 <= seen["p_failed_turn_after_stop_s"] <= 2 * 3.0 + FAULT_SEEN_S
 
 
 # ------------------------------------------------------------------- proxy restarted mid-run
 
 
-def test_proxy_restart_mid_run_misses_once_and_gives_no_wrong_output(pd_bidir_stack, tmp_path):
+def test_proxy_restart_mid_run_misses_once_and_gives_no_wrong_output(pd_bidir_stack, tmp_path, request):
     """Three live sessions (one text, two token_ids) while the proxy process is SIGKILLed and
     started again on its port: each session's first turn through the new proxy is its one
     ``miss_first_turn``; every ok output equals the reference."""
@@ -484,20 +561,25 @@ def test_proxy_restart_mid_run_misses_once_and_gives_no_wrong_output(pd_bidir_st
         proxy.kill()
         proxy.wait(10)
         proxy = start_proxy()
+        back_s = (dt.datetime.now(dt.UTC) - killed_at).total_seconds()
         for t in threads:
             t.join(600)
     finally:
         proxy.kill()
+    first_ok = []
     for sid, res in results.items():
         recs = res.turns
         assert len(recs) == 8, sid
         after = [r for r in recs if r.result.sent_at >= killed_at and r.row["status"] == "ok"]
         assert after and after[0].row["reuse"] == "miss_first_turn", (sid, [r.row["reuse"] for r in recs])
+        first_ok.append((after[0].result.sent_at - killed_at).total_seconds() + after[0].result.e2e_s)
         assert [r.row["reuse"] for r in recs].count("miss_first_turn") == 2, (sid, [r.row["reuse"] for r in recs])
         for r in recs:
             if r.row["status"] != "ok":
                 assert any(k in r.row["error"] for k in ("ConnectError", "RemoteProtocolError", "ReadError")), r.row
         check_outputs(stack, res, logs[sid])
+    record(request, "real proxy SIGKILLed and restarted under live sessions", proxy_back_after_kill_s=back_s,
+           first_ok_turn_after_kill_min_s=min(first_ok), first_ok_turn_after_kill_max_s=max(first_ok))
 
 
 # --------------------------------------------------------- handles: retries, edits, expiry, dups
@@ -586,6 +668,121 @@ def test_retries_edits_and_expired_handles_give_zero_wrong_outputs(pd_bidir_stac
         ref = reference(stack, body2)
         assert all(r.token_ids == ref for r in pair)
     assert pulled > 0
+
+
+# ----------------------------------------------------- D computed the prompts while P/D was reported
+
+
+def drop_prefill_params(proxy_thread: ProxyThread) -> None:
+    """The fault: the proxy's P leg loses the ``kv_transfer_params`` P answered with, so D gets no
+    remote blocks and computes each prompt itself while the proxy reports the turn as through P.
+    What D sees is what it sees behind P with its KV connector off (P answers no params), or behind
+    a router whose prefill leg failed and that decoded anyway."""
+    proxy = proxy_thread.app.state.proxy
+    post_prefill = proxy._post_prefill
+
+    async def lossy(req):
+        p_resp = await post_prefill(req)
+        p_resp.pop("kv_transfer_params", None)
+        return p_resp
+
+    proxy._post_prefill = lossy
+
+
+def test_a_run_whose_decode_worker_computed_the_prompts_fails_its_pd_check(pd_bidir_stack, tmp_path, monkeypatch,
+                                                                           request):
+    """Two runs of 3 one-turn sessions through the real proxy, P and D, scraped as ``turnscope
+    eval`` scrapes them: ``pd-ok`` as configured, ``d-alone`` with the proxy's P leg dropping P's
+    params (:func:`drop_prefill_params`). Both report every turn as through P. The P/D check
+    (``turnscope.analysis.pd_check``, run by ``turnscope.evaluation.finish_run``) passes the first
+    and fails the second: its status in the store is ``failed``, and the CLI's summary and the
+    Overview's query name D's figures. Truths: D's and P's own ``/metrics`` read directly before and
+    after each run (not through the scraper and the store): in ``d-alone`` D computed every prompt
+    token P had computed too, and received none over KV transfer."""
+    from rich.console import Console
+
+    from dashboard import queries as dq
+    from turnscope import cli
+    from turnscope.analysis.pd_check import decode_computed_prompts, failed_runs
+    from turnscope.evaluation import FINAL_SCRAPE_SETTLE_S, finish_run
+
+    stack = pd_bidir_stack
+    store = Store(tmp_path / "store")
+    store.init()
+    d_url, p_url = worker(stack, "decode").spec.url, worker(stack, "prefill").spec.url
+    sources = ("local_compute", "local_cache_hit", "external_kv_transfer")
+    console_out = io.StringIO()
+    console = Console(file=console_out, width=300)
+
+    def counters() -> dict[str, float]:
+        out = {s: metric(d_url, "vllm:prompt_tokens_by_source_total", source=s) for s in sources}
+        return out | {"d_prompt": metric(d_url, "vllm:prompt_tokens_total"),
+                      "p_prompt": metric(p_url, "vllm:prompt_tokens_total")}
+
+    def one_run(run_id: str, seed: int, fault: bool) -> tuple[str, dict[str, float], list, float]:
+        now = dt.datetime.now(dt.UTC)
+        row = {"run_id": run_id, "mode": "pd-bidir", "status": "running", "started_at": now, "updated_at": now,
+               "history_mode": "text", "workload": "faults", "model": MODEL}
+        plans = [session(f"{run_id}-{i}", [TurnPlan([user(0, 150, seed + i)], REF, max_tokens=8)]) for i in range(3)]
+        before = counters()
+        with store.writer(run_id, "driver") as driver:
+            driver.append("runs_log", row)
+            driver.flush()
+            with store.writer(run_id, "scraper") as sw:
+                scraper = MetricsScraper([(p_url, "prefill"), (d_url, "decode")], sw, run_id, interval_s=1.0)
+                scraper.start()
+                try:
+                    with httpx.Client() as client, ProxyThread(stack.proxy_config()) as proxy, \
+                            store.writer(run_id, "users") as w:
+                        if fault:
+                            drop_prefill_params(proxy)
+                        rows = [run_session(plan, client, proxy.url, MODEL, w, run_id, "text", timeout_s=120,
+                                            extra_body=IGNORE_EOS).turns[0].row for plan in plans]
+                    last_turn = time.monotonic()
+                finally:
+                    scraper.stop(final_settle_s=FINAL_SCRAPE_SETTLE_S)
+            status = finish_run(store.root, driver, row, "complete", console)
+            verdict_s = time.monotonic() - last_turn
+        after = counters()
+        return status, {k: after[k] - before[k] for k in after}, rows, verdict_s
+
+    ok_status, ok_delta, ok_rows, _ = one_run("pd-ok", 50, fault=False)
+    bad_status, bad_delta, bad_rows, verdict_s = one_run("d-alone", 60, fault=True)
+    # the proxy reported every turn of both runs as through P
+    assert [(r["status"], r["reuse"]) for r in ok_rows + bad_rows] == [("ok", "miss_first_turn")] * 6
+    # P/D happened in pd-ok: D loaded the prompts P computed, computing at most the last token of each
+    assert ok_delta["p_prompt"] == ok_delta["d_prompt"] > 0
+    assert ok_delta["local_compute"] <= 3 and ok_delta["external_kv_transfer"] >= ok_delta["d_prompt"] - 3
+    # and not in d-alone: P computed the prompts, and D computed every one of them again itself
+    assert bad_delta["p_prompt"] == bad_delta["d_prompt"] == bad_delta["local_compute"] > 3
+    assert bad_delta["external_kv_transfer"] == 0
+    truth = decode_computed_prompts("pd-bidir", 3, bad_delta["local_compute"], bad_delta["external_kv_transfer"])
+    assert truth is not None and f"computed {int(bad_delta['local_compute']):,} prompt tokens itself" in truth
+    assert "for 3 turns" in truth and "received 0 over KV transfer" in truth
+
+    # turnscope eval's verdict: the status written and said on the console
+    assert (ok_status, bad_status) == ("complete", "failed")
+    assert f"[d-alone] failed: {truth}" in " ".join(console_out.getvalue().split())
+    assert "[pd-ok]" not in console_out.getvalue()
+    con = store.connect()
+    try:
+        statuses = dict(con.execute("SELECT run_id, status FROM runs").fetchall())
+        overview = failed_runs(dq.decode_prompt_sources(con, ["pd-ok", "d-alone"]))  # the Overview's query
+    finally:
+        con.close()
+    assert statuses == {"pd-ok": "complete", "d-alone": "failed"}
+    assert overview == {"d-alone": truth}
+    # the CLI's summary: the sentence under its run
+    out = io.StringIO()
+    monkeypatch.setattr(cli, "console", Console(file=out, width=300))
+    cli.print_summary(store.root, ["pd-ok", "d-alone"])
+    text = " ".join(out.getvalue().split())
+    assert text.count("FAILED: P/D did not happen") == 1 and f"FAILED: {truth}" in text
+    assert text.index("pd-ok") < text.index("d-alone") < text.index("FAILED")
+    record(request, "real D computing the prompts itself while the proxy reports P/D",
+           verdict_after_last_turn_s=verdict_s, d_local_compute_tokens=bad_delta["local_compute"],
+           d_external_kv_tokens=bad_delta["external_kv_transfer"], pd_ok_d_local_compute_tokens=ok_delta["local_compute"],
+           pd_ok_d_external_kv_tokens=ok_delta["external_kv_transfer"])
 
 
 # ------------------------------------------------------------------------------------ listeners
