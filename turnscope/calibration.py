@@ -42,10 +42,10 @@ from loadgen.session_player import run_session
 from loadgen.synth_text import TextSynth, counter_from
 from serving.stack import ModeStack
 from serving.topology import Topology
-from turnscope import console_text, speed_probe
+from turnscope import console_text, resources, speed_probe
 from turnscope.analysis.pd_check import decode_computed_prompts, decode_prompt_sources
 from turnscope.calibration_schedule import CalPoint, Send, default_lengths, points, schedule
-from turnscope.evaluation import HEARTBEAT_S, REPO_ROOT, _versions, warm_up
+from turnscope.evaluation import HEARTBEAT_S, _versions, default_log_dir, warm_up
 from turnscope.modes import serving_mode
 from turnscope.planner.fit import fit_profile
 from turnscope.planner.profile import CostProfile
@@ -71,9 +71,9 @@ class CalibrationSettings(BaseModel):
     repeats: int = Field(default=3, ge=1)
     seed: int = 0
     max_tokens: int = Field(default=16, ge=2)
-    store: Path = REPO_ROOT / "data" / "calibration"
+    store: Path = Field(default_factory=lambda: resources.home() / "calibration")
     label: str = "calibrate"
-    log_dir: Path = REPO_ROOT / "data" / "runs" / "_logs"
+    log_dir: Path = Field(default_factory=lambda: default_log_dir())
     kv_bytes_per_token: int | None = None
     turn_timeout_s: float = 180.0
     operator_config: dict = Field(default_factory=dict)
@@ -126,7 +126,7 @@ def session_plan(point: CalPoint, synth: TextSynth, seed: int) -> SessionPlan:
 def git_commit() -> str | None:
     """The checkout's short commit (None outside a git checkout)."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=resources.CODE_ROOT, capture_output=True, text=True,
                              check=False, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
