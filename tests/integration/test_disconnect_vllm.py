@@ -189,9 +189,11 @@ def test_client_leaving_while_p_prefills_aborts_p_and_never_calls_d(pd_bidir_sta
 @pytest.mark.parametrize("streamed", [True, False], ids=["stream", "whole"])
 def test_client_leaving_between_p_and_d_holds_ps_blocks_for_the_lease_only(pd_bidir_stack, streamed, request):
     """P finished and holds the prompt's blocks for D to read; the client leaves before D is
-    called, so no D ever reads them: P frees them when the lease (``kv_lease_duration``) runs out."""
+    called, so no D ever reads them: P frees them when the lease (``kv_lease_duration``) runs out.
+    (The proxy waits for P as long as the test does: an 8,000-token prefill can outlast the default
+    30 s prefill timeout on loaded cores.)"""
     w = Workers(pd_bidir_stack)
-    with ProxyThread(pd_bidir_stack.proxy_config()) as proxy:
+    with ProxyThread(pd_bidir_stack.proxy_config(prefill_timeout_s=PREFILL_WAIT_S)) as proxy:
         hooks = Hooks(proxy)
         s = raw_post(proxy.url + "/v1/completions", {"model": MODEL, "prompt": prompt(2), "max_tokens": 8,
                                                       "stream": streamed, "conversation_id": "b"})
