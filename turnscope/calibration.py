@@ -200,6 +200,7 @@ def run_calibration(s: CalibrationSettings, console: Console | None = None) -> l
                 first = runs[(mode, histories[0])].run_id
                 writer = store.writer(first, f"scraper-{mode}-{os.getpid()}")
                 scraper = MetricsScraper(st.endpoints(), writer, first, interval_s=2.0)
+                scraper.start()
                 scrapers.append((scraper, writer))
             _play(s, blocks, stacks, runs, synth, model, console)
             status = "complete"
@@ -253,7 +254,7 @@ def _play(s: CalibrationSettings, blocks: list[list[Send]], stacks: dict[str, Mo
                                   model, run.writer, run.run_id, x.point.history, max_tokens=s.max_tokens,
                                   timeout_s=s.turn_timeout_s,
                                   extra_body={"cache_salt": f"{run.run_id}-{x.point.session_id}"})
-                if res.stopped not in (None, ""):
+                if res.stopped != "complete":
                     console.print(f"  [{x.mode}] {x.point.session_id} ({x.point.history}) stopped: {res.stopped}",
                                   highlight=False)
             for (mode, _), run in runs.items():
