@@ -255,7 +255,7 @@ def _play(s: CalibrationSettings, blocks: list[list[Send]], stacks: dict[str, Mo
                                   timeout_s=s.turn_timeout_s,
                                   extra_body={"cache_salt": f"{run.run_id}-{x.point.session_id}"})
                 if res.stopped != "complete":
-                    console.print(f"  [{x.mode}] {x.point.session_id} ({x.point.history}) stopped: {res.stopped}",
+                    console.print(f"  \\[{x.mode}] {x.point.session_id} ({x.point.history}) stopped: {res.stopped}",
                                   highlight=False)
             for (mode, _), run in runs.items():
                 run.writer.append("run_probes", {"run_id": run.run_id, "phase": f"block{b}-end"}

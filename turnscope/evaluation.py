@@ -279,7 +279,7 @@ class RunRecording:
         finally:
             status = finish_run(self.s.store, self.writer, self.row, status, self.console)
             self.writer.close()
-        self.console.print(f"  [{self.mode}] {self.history}: {status} in {time.monotonic() - self.t0:.0f} s "
+        self.console.print(f"  \\[{self.mode}] {self.history}: {status} in {time.monotonic() - self.t0:.0f} s "
                            f"({self.run_id})")
         return status
 
@@ -380,7 +380,7 @@ def _run_mode(s: EvalSettings, mode: str, store: Store, stamp: str, runs: dict[s
         for routing, plan in plans:
             if routing is not None and routing != stack.topology.proxy.prefill_routing:
                 stack.restart_proxy(routing)
-                console.print(f"  [{mode}] proxy restarted with prefill routing {routing}")
+                console.print(f"  \\[{mode}] proxy restarted with prefill routing {routing}")
             time.sleep(plan.settle_s)
             run_ids.append(plan.run_id)
             rec = RunRecording(s, store, stack, mode, plan.model_copy(update={"spec": spec | plan.spec}), console)
