@@ -59,7 +59,7 @@ def frontier_highlights_table(fr: pd.DataFrame) -> pd.DataFrame:
                          "D KV space": hl["decode_kv_space_bytes"].map(
                              lambda b: "unbounded" if pd.isna(b) else f"{b / GiB:,.3g} GiB"),
                          "hit rate (%)": (hl["hit_rate"] * 100).round(1),
-                         "80% interval (%)": [None if pd.isna(lo) else f"{lo:.1%}-{hi:.1%}" for lo, hi in
+                         "80% interval (%)": ["" if pd.isna(lo) else f"{lo:.1%}-{hi:.1%}" for lo, hi in
                                               zip(hl["hit_rate_interval_low"], hl["hit_rate_interval_high"],
                                                   strict=True)],
                          "pinned (GiB-s)": hl["held_gib_s"].round(1),
@@ -169,10 +169,11 @@ def ledger_figure(led: pd.DataFrame, tag: str) -> go.Figure:
     return legend_below(fig, height=460)
 
 
-def _iv(value: float, low: float, high: float, fmt) -> str | None:
-    """``"lo-hi"`` (``" to "`` when an end is negative) or None where there is no interval."""
+def _iv(value: float, low: float, high: float, fmt) -> str:
+    """``"lo-hi"`` (``" to "`` when an end is negative), or ``""`` where there is no interval (a
+    blank cell: Streamlit prints a missing value as "None")."""
     if low is None or high is None or pd.isna(low) or pd.isna(high):
-        return None
+        return ""
     return f"{fmt(low)}{' to ' if min(low, high) < 0 else '-'}{fmt(high)}"
 
 
