@@ -20,7 +20,7 @@ from serving.port_claims import PortClaims
 from serving.prefix_index import DEFAULT_CAPACITY_BLOCKS
 from serving.proxy import ProxyConfig, Worker
 from serving.topology import Topology
-from serving.workers import WorkerProcess, mode_workers, port_in_use, wait_http, worker_block_size
+from serving.workers import WorkerProcess, mode_workers, port_in_use, wait_all_healthy, wait_http, worker_block_size
 from turnscope import resources
 
 
@@ -121,10 +121,7 @@ class ModeStack:
         ``timeout_scale`` each: several stacks launched together share the cores), re-pin them and
         read their block size (:meth:`serve` then starts the proxy)."""
         t0 = getattr(self, "_t0", time.monotonic())
-        for w in self.workers:
-            w.wait_healthy(self.topology.startup_timeout_s * timeout_scale)
-        for w in self.workers:
-            w.pin()
+        wait_all_healthy(self.workers, self.topology.startup_timeout_s * timeout_scale)
         self.block_size = worker_block_size(self.workers[0].spec.url) or self.block_size
         self.progress(f"  {self.mode}: {len(self.workers)} worker(s) healthy in {time.monotonic() - t0:.0f} s")
 
@@ -184,6 +181,10 @@ def started_together(stacks: list[ModeStack]):
             exits.callback(st.__exit__, None, None, None)
         for st in stacks:
             st.launch()
+        # every stack's workers watched (and re-pinned) at once: one waited on alone would leave the
+        # others' set-up threads on the core vLLM moved them to (serving.workers.wait_all_healthy)
+        wait_all_healthy([w for st in stacks for w in st.workers],
+                         max(st.topology.startup_timeout_s for st in stacks) * len(stacks))
         for st in stacks:
             st.ready(timeout_scale=len(stacks))
         # the proxies once every worker is up: they start faster than workers still loading would let them

@@ -6,8 +6,10 @@ environment; :class:`WorkerProcess` runs it in its own process group, waits on `
 stops it. On the CPU platform, :func:`pin_process_tree` undoes the NIXL worker set-up pinning
 every worker's main thread to the last core (``os.sched_setaffinity`` in vLLM's
 ``nixl/base_worker.py``), which starves P's compute thread behind D's busy threads (10-100 s
-stalls; research/bidir-hang.md): after both report healthy, all threads of P's processes go to
-P's cores and D's to D's.
+stalls, docs/known-behaviour.md): all threads of P's processes go to P's cores and D's to D's.
+:func:`wait_all_healthy` does it while the workers start, too: P's engine set-up runs on the
+thread vLLM moved to the last core, and behind decode workers that were already up it took 93-104 s
+instead of 3-5 s (two modes' workers launched together, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -252,6 +254,18 @@ class WorkerProcess:
         except RuntimeError as exc:
             raise WorkerNotHealthy(f"worker {self.spec.name}: {exc}; log: {self.log_path}\n{self.tail()}") from None
 
+    def healthy_now(self) -> bool:
+        """One look: ``/health`` answers 200 from this worker's own process (when launched here).
+        Raises WorkerNotHealthy when the launched process has exited."""
+        if self.proc is not None and self.proc.poll() is not None:
+            raise WorkerNotHealthy(f"worker {self.spec.name}: process exited with {self.proc.returncode} before "
+                                   f"answering; log: {self.log_path}\n{self.tail()}")
+        try:
+            ok = httpx.get(self.spec.url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+        return ok and (self.proc is None or tree_listens_on(self.proc.pid, self.spec.port))
+
     def pin(self) -> int:
         """Re-pin all threads of this worker's process tree to its cores (see module docstring)."""
         if self.proc is None or self.spec.platform != "cpu" or not self.spec.cores:
@@ -276,3 +290,30 @@ class WorkerProcess:
             self.proc.wait(timeout=10)
         except ProcessLookupError:
             pass
+
+
+def wait_all_healthy(workers: list[WorkerProcess], timeout_s: float, poll_s: float = 0.5) -> dict[str, float]:
+    """Wait until every worker of ``workers`` answers ``/health`` (each from its own process),
+    re-pinning every launched CPU worker that is still starting on each look (:meth:`WorkerProcess.pin`:
+    vLLM moves a NIXL worker's main thread to the last core during its set-up), and each once more as
+    it becomes healthy. Returns the seconds each took, by worker name. Raises WorkerNotHealthy naming
+    the first worker that exited, or one still not healthy after ``timeout_s`` seconds, with its log."""
+    t0 = time.monotonic()
+    waiting = list(workers)
+    took: dict[str, float] = {}
+    while waiting:
+        for w in list(waiting):
+            if w.healthy_now():
+                w.pin()
+                took[w.spec.name] = time.monotonic() - t0
+                waiting.remove(w)
+            else:
+                w.pin()
+        if not waiting:
+            break
+        if time.monotonic() - t0 > timeout_s:
+            w = waiting[0]
+            raise WorkerNotHealthy(f"worker {w.spec.name}: {w.spec.url}/health did not answer 200 within "
+                                   f"{timeout_s:.0f} s; log: {w.log_path}\n{w.tail()}")
+        time.sleep(poll_s)
+    return took

