@@ -27,10 +27,17 @@ from pathlib import Path
 import httpx
 import psutil
 
+from serving import nixl_progress
 from serving.topology import LOCAL_HOSTS, RoleSettings, Topology
 from turnscope import resources
 from turnscope.connector import Connector
 from turnscope.modes import serving_mode
+
+
+#: Microseconds NIXL's progress thread pauses between polls in a CPU worker (``serving.nixl_progress``:
+#: nixl polls without a pause, a whole core per worker, the core the worker computes on). Measured
+#: side by side with nixl's own polling: bench/nixl_progress.py, docs/known-behaviour.md.
+CPU_NIXL_PROGRESS_DELAY_US = 100
 
 
 @dataclass
@@ -124,6 +131,8 @@ def worker_command(spec: WorkerSpec) -> tuple[list[str], dict[str, str]]:
            "TOKENIZERS_PARALLELISM": "false"}
     if spec.platform == "cpu" and spec.cores:
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, spec.cores))
+    if spec.platform == "cpu" and spec.nixl:
+        env[nixl_progress.ENV] = str(CPU_NIXL_PROGRESS_DELAY_US)
     if spec.host in LOCAL_HOSTS:
         # Otherwise torch.distributed's gloo and UCX's tcp transport (NIXL) listen on the host's address.
         env |= {"GLOO_SOCKET_IFNAME": "lo", "UCX_NET_DEVICES": "lo"}

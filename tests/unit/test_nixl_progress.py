@@ -1,0 +1,41 @@
+"""serving/nixl_progress.py: the delay read from the environment, and the agent config's pthrDelay kept
+off 0 by the patched class (a stand-in for nixl's pybind module; the real one is checked through real
+workers in tests/integration/test_pd_bidir_vllm.py)."""
+
+import types
+
+import pytest
+
+from serving import nixl_progress
+
+
+def test_delay_from_the_environment():
+    assert nixl_progress.delay_us({}) is None
+    assert nixl_progress.delay_us({nixl_progress.ENV: ""}) is None
+    assert nixl_progress.delay_us({nixl_progress.ENV: "0"}) is None  # nixl's own polling
+    assert nixl_progress.delay_us({nixl_progress.ENV: "250"}) == 250
+    for bad in ("-5", "1.5", "fast"):
+        with pytest.raises(ValueError, match=nixl_progress.ENV):
+            nixl_progress.delay_us({nixl_progress.ENV: bad})
+
+
+class _Config:
+    """Like nixl's nixlAgentConfig: plain attributes, pthrDelay defaulting to 0."""
+
+    def __init__(self):
+        self.pthrDelay = 0
+        self.lthrDelay = 0
+
+
+def test_the_agent_config_keeps_the_delay_where_nixl_sets_0():
+    bind = types.SimpleNamespace(nixlAgentConfig=_Config)
+    assert nixl_progress.patch_config_class(bind, 100)
+    c = bind.nixlAgentConfig()
+    assert c.pthrDelay == 100  # the constructor's 0 replaced
+    c.pthrDelay = 0           # what nixl_agent.__init__ does next
+    c.lthrDelay = 0
+    assert (c.pthrDelay, c.lthrDelay) == (100, 0)
+    c.pthrDelay = 7           # any other value is left as set
+    assert c.pthrDelay == 7
+    assert not nixl_progress.patch_config_class(bind, 50)  # patched once
+    assert bind.nixlAgentConfig().pthrDelay == 100
