@@ -117,7 +117,10 @@ def worker_command(spec: WorkerSpec) -> tuple[list[str], dict[str, str]]:
     argv = [sys.executable, "-m", "serving.vllm_worker", "--model", spec.model, "--host", spec.host,
             "--port", str(spec.port), "--dtype", spec.dtype,
             "--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching",
-            "--disable-uvicorn-access-log"]
+            "--disable-uvicorn-access-log",
+            # usage.prompt_tokens_details.cached_tokens in every answer: the only record of an
+            # aggregated worker's own prefix-cache hit (turns.cached_tokens; the planner's fit)
+            "--enable-prompt-tokens-details"]
     if spec.served_model_name:
         argv += ["--served-model-name", spec.served_model_name]
     if spec.max_model_len:

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
@@ -96,6 +97,16 @@ def test_serve_stops_its_workers_on_sigterm_and_a_racing_second_instance_fails(t
         assert "already claimed by another turnscope" in " ".join(logs[loser].read_text().split())
         assert "serving through the proxy" not in logs[loser].read_text(), logs[loser].read_text()[-3000:]
         wait_for(logs[winner], "serving through the proxy", procs[winner], 400)
+        # every worker reports its own prefix-cache hit (--enable-prompt-tokens-details): the second
+        # of two prompts sharing 300 tokens finds those tokens' 2 whole 128-token blocks cached
+        ids = list(range(100, 400))
+        cached = []
+        for tail in ([7] * 20, [9] * 20):
+            r = httpx.post(f"http://127.0.0.1:{ports['proxy']}/v1/completions", timeout=120, json={
+                "model": "turnscope-tiny", "prompt": ids + tail, "max_tokens": 2, "temperature": 0})
+            assert r.status_code == 200, r.text
+            cached.append((r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens"))
+        assert cached == [0, 256], cached
         serving = tree(procs[winner].pid)
         assert len(serving) >= 3  # turnscope, the vLLM worker (and its engine), the proxy
         procs[winner].send_signal(signal.SIGTERM)

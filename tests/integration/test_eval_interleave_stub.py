@@ -36,6 +36,7 @@ class StubStack:
 
     def __init__(self, mode, topology, log_dir, kv_bytes_per_token=None, progress=None):
         self.mode, self.topology, self.proxy_url = mode, topology, self.urls[mode]
+        self.workers = []  # no vLLM worker to watch while the stacks start (serving.workers.wait_all_healthy)
 
     def launch(self):
         StubStack.events.append(("launch", self.mode, self.topology.proxy.port))

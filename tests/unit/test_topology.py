@@ -29,7 +29,7 @@ def test_vendor_gpu_topology_renders_the_published_setup():
         assert (extra["kv_recompute_threshold"], extra["decoder_kv_blocks_ttl"]) == (64, 480)
         assert env["FI_PROVIDER"] == "efa" and env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
         assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == host and env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
-        assert "VLLM_CPU_OMP_THREADS_BIND" not in env
+        assert "VLLM_CPU_OMP_THREADS_BIND" not in env and "TURNSCOPE_NIXL_PROGRESS_DELAY_US" not in env
     # one-way P/D keeps P's prefix cache and has no bidirectional keys
     p1, _ = mode_workers("pd", topo)
     argv, _ = worker_command(p1)
@@ -51,8 +51,12 @@ def test_embedded_cpu_topology_file_is_the_embedded_default(tmp_path):
     assert (p_env["VLLM_CPU_OMP_THREADS_BIND"], d_env["VLLM_CPU_OMP_THREADS_BIND"]) == ("0", "1")
     assert json.loads(flag(p_argv, "--kv-transfer-config"))["kv_buffer_device"] == "cpu"
     (agg,) = mode_workers("aggregated", topo)
-    a_argv, _ = worker_command(agg)
+    a_argv, a_env = worker_command(agg)
     assert "--kv-transfer-config" not in a_argv and "--enable-prefix-caching" in a_argv
+    # every worker reports its own cache hits; NIXL's progress thread pauses on the CPU NIXL workers only
+    assert all("--enable-prompt-tokens-details" in argv for argv in (p_argv, a_argv))
+    assert (p_env["TURNSCOPE_NIXL_PROGRESS_DELAY_US"], d_env["TURNSCOPE_NIXL_PROGRESS_DELAY_US"]) == ("100", "100")
+    assert "TURNSCOPE_NIXL_PROGRESS_DELAY_US" not in a_env
 
 
 @pytest.mark.parametrize("text, expected", [
