@@ -464,9 +464,14 @@ WINDOW w AS (PARTITION BY run_id, endpoint ORDER BY process_start_s);
 -- the proxy named it. handle_spans_restart: D restarted between the handle's issue and its use,
 -- so the handle named blocks of a dead engine (vLLM refuses a handshake whose engine id changed):
 -- such a turn cannot be a real hit (stale_hit), and a miss of it is explained by the restart.
+-- A lifetime is taken to serve from 1 s after its process_start_time_seconds (serving_from): the
+-- process collector of prometheus_client adds the boot time of /proc/stat, which the kernel gives
+-- in whole seconds, so a start reads up to 1 s early; no vLLM worker answers within a second of its
+-- process start (imports alone take tens of seconds), so nothing real falls in that second.
 CREATE VIEW turn_lifetimes AS
 WITH d AS (
-    SELECT run_id, endpoint, engine, started_at FROM engine_lifetimes WHERE role = 'decode'
+    SELECT run_id, endpoint, engine, started_at, started_at + INTERVAL 1 SECOND AS serving_from
+    FROM engine_lifetimes WHERE role = 'decode'
 ), engines AS (
     SELECT DISTINCT run_id, engine FROM d
 ), single AS (
@@ -478,16 +483,17 @@ WITH d AS (
     FROM turns t LEFT JOIN engines e ON e.run_id = t.run_id AND e.engine = t.decode_engine
     LEFT JOIN single s ON s.run_id = t.run_id
 ), j AS (
-    SELECT t.*, l1.started_at AS lifetime_started_at, l2.started_at AS handle_lifetime_started_at
+    SELECT t.*, l1.started_at AS lifetime_started_at, l1.serving_from AS lifetime_serving_from,
+           l2.started_at AS handle_lifetime_started_at
     FROM t
-    ASOF LEFT JOIN d l1 ON t.run_id = l1.run_id AND t.engine = l1.engine AND t.sent_at >= l1.started_at
-    ASOF LEFT JOIN d l2 ON t.run_id = l2.run_id AND t.engine = l2.engine AND t.handle_issued_at >= l2.started_at
+    ASOF LEFT JOIN d l1 ON t.run_id = l1.run_id AND t.engine = l1.engine AND t.sent_at >= l1.serving_from
+    ASOF LEFT JOIN d l2 ON t.run_id = l2.run_id AND t.engine = l2.engine AND t.handle_issued_at >= l2.serving_from
 )
 SELECT run_id, session_id, turn_index, sent_at, status, reuse, decode_engine, engine, handle_age_s,
        handle_issued_at, lifetime_started_at, handle_lifetime_started_at,
-       coalesce(handle_issued_at IS NOT NULL AND lifetime_started_at > handle_issued_at
+       coalesce(handle_issued_at IS NOT NULL AND lifetime_serving_from > handle_issued_at
                 AND lifetime_started_at IS DISTINCT FROM handle_lifetime_started_at, false) AS handle_spans_restart,
-       coalesce(handle_issued_at IS NOT NULL AND lifetime_started_at > handle_issued_at
+       coalesce(handle_issued_at IS NOT NULL AND lifetime_serving_from > handle_issued_at
                 AND lifetime_started_at IS DISTINCT FROM handle_lifetime_started_at, false)
            AND reuse = 'hit' AS stale_hit
 FROM j;
