@@ -392,13 +392,15 @@ def test_prefill_killed_mid_prefill_is_a_failed_turn_and_the_session_goes_on(pd_
     threads, sent, times = [], [], {}
 
     def kill_p_soon(request: httpx.Request) -> None:
-        # P's gauges update between engine steps, too late to catch a one-step prefill: kill P 0.5 s
-        # after turn 1 leaves the client instead (the proxy renders its ids in a few ms, then P
-        # computes ~2,000+ new tokens for over a second on its one core)
+        # P's gauges update between engine steps: turn 1 computes ~5,600 new tokens in three chunks of
+        # at most 2,048 (vLLM's chunked prefill), so once P reports it running, two chunks are left.
+        # (A fixed 0.5 s after the send came too late once P's prefill no longer shared its core
+        # with NIXL's polling: at load 2, P answered the 2,116-token turn of an earlier version.)
         if request.url.path.endswith("/completions"):
             sent.append(request)
             if len(sent) == 2:
-                t = threading.Thread(target=lambda: (time.sleep(0.5), times.__setitem__(
+                p_url = worker(stack, "prefill").spec.url
+                t = threading.Thread(target=lambda: (wait_running(p_url, 60.0), times.__setitem__(
                     "killed", kill(worker(stack, "prefill")))), daemon=True)
                 threads.append(t)
                 t.start()
@@ -413,7 +415,7 @@ def test_prefill_killed_mid_prefill_is_a_failed_turn_and_the_session_goes_on(pd_
         elif rec.row["turn_index"] == 2:
             times["first_ok"] = time.monotonic()
     plan = session("pk", [TurnPlan([user(0, 40, 1)], REF, max_tokens=16),
-                          TurnPlan([user(1, 1500, 1)], REF, 0.0, "tool", max_tokens=16),  # ~2,000-3,000 tokens
+                          TurnPlan([user(1, 4000, 1)], REF, 0.0, "tool", max_tokens=16),  # 5,590 tokens
                           TurnPlan([user(2, 12, 1)], REF, 0.0, "think", max_tokens=HIT_GEN),
                           TurnPlan([user(3, 12, 1)], REF, 0.0, "think", max_tokens=16)])
     client, log = client_with_log()

@@ -109,6 +109,7 @@ def test_idle_nixl_workers_leave_their_cores_free_while_d_holds_nothing(pd_bidir
     # the TTL and P's lease run out; vLLM refuses the prefix-cache reset while any block is held
     assert not stack.reset_prefix_caches(timeout_s=max(ttl, stack.connector.kv_lease_duration) + 10)
     idle = shares()
+    print("CPU shares of one core: D holding one turn", held, "| nothing held", idle)
     assert held["decode-0"] > 0.5, (held, idle)  # stepping while it holds the turn's blocks
     assert all(share < 0.3 for share in idle.values()), (held, idle)  # shares of one core
     for w in stack.workers:

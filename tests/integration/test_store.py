@@ -93,6 +93,34 @@ def test_store_handle_across_decode_restart(store: Store) -> None:
     assert (side["stale_hits"] == len(expect["stale_handle_hits"])).all()
 
 
+def test_store_handle_issued_in_the_second_a_restart_reads_early_spans_it(store: Store) -> None:
+    """A decode process start as prometheus_client reports it (boot time from /proc/stat in whole
+    seconds) can read up to 1 s early. The real run this comes from (test_faults_vllm, D restarted
+    between turns): new start read 12:00:40.42, the four turn-0 handles issued 0.30-0.37 s after
+    that by the *old* D (its restart began once they were done), used 31 s later on the new D.
+    All four span the restart; a handle the new D issued 5 s after its start does not."""
+    t0 = dt.datetime(2026, 12, 4, 12, 0, 0, tzinfo=UTC)
+    old_start, new_start = t0.timestamp(), t0.timestamp() + 40.42
+    with store.writer("r1", "w") as w:
+        for at, start in ((1.0, old_start), (40.1, old_start), (69.0, new_start), (99.0, new_start)):
+            w.append("metric_samples", {"scraped_at": t0 + dt.timedelta(seconds=at), "endpoint": "http://127.0.0.1:8200",
+                                        "role": "decode", "name": "process_start_time_seconds", "value": start})
+        for sid, issued in (("a", 40.72), ("b", 40.79), ("c", 40.78), ("d", 40.78)):
+            w.append("turns", {"session_id": sid, "turn_index": 0, "sent_at": t0 + dt.timedelta(seconds=40.2),
+                               "status": "ok", "reuse": "miss_first_turn", "decode_engine": "127.0.0.1:8200"})
+            used = 71.0
+            w.append("turns", {"session_id": sid, "turn_index": 1, "sent_at": t0 + dt.timedelta(seconds=used),
+                               "status": "ok", "reuse": "miss_decode_restarted", "decode_engine": "127.0.0.1:8200",
+                               "handle_age_s": used - issued})
+            # turn 2's handle came from the new D, issued 5 s after its start
+            w.append("turns", {"session_id": sid, "turn_index": 2, "sent_at": t0 + dt.timedelta(seconds=80.42),
+                               "status": "ok", "reuse": "hit", "decode_engine": "127.0.0.1:8200", "handle_age_s": 35.0})
+    got = store.connect().execute("SELECT session_id, turn_index FROM turn_lifetimes WHERE handle_spans_restart "
+                                  "ORDER BY 1, 2").fetchall()
+    assert got == [(sid, 1) for sid in "abcd"]
+    assert store.connect().execute("SELECT count(*) FROM turn_lifetimes WHERE stale_hit").fetchone()[0] == 0
+
+
 def test_store_unknown_column_and_table(store: Store) -> None:
     w = store.writer("r1", "w")
     try:
