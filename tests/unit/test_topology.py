@@ -30,6 +30,7 @@ def test_vendor_gpu_topology_renders_the_published_setup():
         assert env["FI_PROVIDER"] == "efa" and env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
         assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == host and env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
         assert "VLLM_CPU_OMP_THREADS_BIND" not in env and "TURNSCOPE_NIXL_PROGRESS_DELAY_US" not in env
+        assert "TURNSCOPE_ENGINE_IDLE_WAIT_MS" not in env
     # one-way P/D keeps P's prefix cache and has no bidirectional keys
     p1, _ = mode_workers("pd", topo)
     argv, _ = worker_command(p1)
@@ -57,6 +58,9 @@ def test_embedded_cpu_topology_file_is_the_embedded_default(tmp_path):
     assert all("--enable-prompt-tokens-details" in argv for argv in (p_argv, a_argv))
     assert (p_env["TURNSCOPE_NIXL_PROGRESS_DELAY_US"], d_env["TURNSCOPE_NIXL_PROGRESS_DELAY_US"]) == ("100", "100")
     assert "TURNSCOPE_NIXL_PROGRESS_DELAY_US" not in a_env
+    # the engine loop waits for input while it only holds finished requests' KV: the CPU NIXL workers only
+    assert (p_env["TURNSCOPE_ENGINE_IDLE_WAIT_MS"], d_env["TURNSCOPE_ENGINE_IDLE_WAIT_MS"]) == ("50", "50")
+    assert "TURNSCOPE_ENGINE_IDLE_WAIT_MS" not in a_env
 
 
 @pytest.mark.parametrize("text, expected", [
