@@ -34,8 +34,9 @@ vLLM loads the plugin in each of its processes through the ``vllm.general_plugin
 from __future__ import annotations
 
 import logging
-import os
 import queue
+
+from serving.plugin_env import positive_int
 
 ENV = "TURNSCOPE_ENGINE_IDLE_WAIT_MS"
 _PATCHED_ATTR = "__turnscope_idle_wait_s__"
@@ -45,17 +46,8 @@ log = logging.getLogger("vllm.turnscope")  # under vLLM's logger: the line lands
 def wait_ms(environ: dict[str, str] | None = None) -> int | None:
     """The wait asked for in ``environ`` (default: ``os.environ``), milliseconds; None when unset or
     0 (vLLM's own loop). Raises ValueError naming the variable for a value that is not a
-    non-negative integer."""
-    raw = (os.environ if environ is None else environ).get(ENV)
-    if raw is None or raw == "":
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{ENV}={raw!r}: expected milliseconds, a non-negative integer") from None
-    if value < 0:
-        raise ValueError(f"{ENV}={raw!r}: expected milliseconds, a non-negative integer")
-    return value or None
+    non-negative integer (:func:`serving.plugin_env.positive_int`)."""
+    return positive_int(ENV, "milliseconds", environ)
 
 
 def patch_engine_class(cls, wait_s: float) -> bool:

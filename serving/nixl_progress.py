@@ -24,7 +24,8 @@ created in the worker process (``nixl/base_worker.py``, "Initializing NIXL wrapp
 from __future__ import annotations
 
 import logging
-import os
+
+from serving.plugin_env import positive_int
 
 ENV = "TURNSCOPE_NIXL_PROGRESS_DELAY_US"
 _PATCHED_ATTR = "__turnscope_progress_delay__"
@@ -33,18 +34,9 @@ log = logging.getLogger("vllm.turnscope")  # under vLLM's logger: the line lands
 
 def delay_us(environ: dict[str, str] | None = None) -> int | None:
     """The delay asked for in ``environ`` (default: ``os.environ``), microseconds; None when unset or
-    0 (nixl's own polling without a pause). Raises ValueError naming the variable for a value that
-    is not a non-negative integer."""
-    raw = (os.environ if environ is None else environ).get(ENV)
-    if raw is None or raw == "":
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{ENV}={raw!r}: expected microseconds, a non-negative integer") from None
-    if value < 0:
-        raise ValueError(f"{ENV}={raw!r}: expected microseconds, a non-negative integer")
-    return value or None
+    0 (nixl's own polling without a pause). Raises ValueError naming the variable for a value that is not a
+    non-negative integer (:func:`serving.plugin_env.positive_int`)."""
+    return positive_int(ENV, "microseconds", environ)
 
 
 def patch_config_class(bind, delay: int) -> bool:
