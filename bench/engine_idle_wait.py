@@ -1,0 +1,131 @@
+"""vLLM's idle loops on the CPU platform while a worker holds finished requests' KV: stepping back
+to back (vLLM's loop) against waiting for input (``serving.engine_idle_wait``), side by side.
+
+Each round starts a ``pd-bidir`` stack of the embedded default once per variant of
+``TURNSCOPE_ENGINE_IDLE_WAIT_MS`` (0: vLLM's own loops), in the order A B, then B A, ...
+(``--rounds``), and measures on it:
+
+* **two-turn sessions through the proxy** (turn 0: 1,500 fresh token ids; turn 1 appends the reply
+  and 100 more): turn 1's TTFT when it is a ``hit`` (D's KV pulled back), the decode's mean
+  inter-token latency (32 tokens, ``ignore_eos``), and the greedy token ids, which must be equal
+  across variants token for token;
+* **CPU while D holds**: once the sessions are done D still holds their last turns for its TTL
+  (480 s), and the CPU seconds each worker's processes use over ``--held-s`` seconds (psutil) are
+  taken as % of one core.
+
+It prints the medians per variant (min..max over all samples) and each variant's ratio to the
+first. The machine is shared: read medians and the spread, and prefer runs with nothing else on.
+
+    .venv/bin/python bench/engine_idle_wait.py --rounds 2 --variants 0,50
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.nixl_progress import idle_cpu_pct, med, streamed
+from serving import engine_idle_wait
+from tests.integration.vllm_stack import ProxyThread, VllmStack
+
+MODEL = "turnscope-tiny"
+
+
+@dataclass
+class Launch:
+    """One stack start with one wait: the figures measured on it."""
+
+    wait_ms: int
+    held_pct: dict[str, float] = field(default_factory=dict)
+    pull_ttft_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)
+
+
+def measure(wait: int, args: argparse.Namespace, log_dir: Path) -> Launch:
+    stack = VllmStack("pd-bidir", log_dir / f"wait-{wait}-{time.monotonic_ns()}", reference=False)
+    for w in stack.workers:
+        w.spec.env[engine_idle_wait.ENV] = str(wait)
+    out = Launch(wait)
+    try:
+        stack.start()
+        with ProxyThread(stack.proxy_config()) as proxy:
+            seeds = random.Random(args.seed)  # the same sessions in every launch: outputs comparable
+            for s in range(args.sessions):
+                rng = random.Random(seeds.getrandbits(32))
+                ids = [rng.randrange(10, 4000) for _ in range(1500)]
+                session = f"idle-{s}-{time.monotonic_ns()}"
+                for turn in range(2):
+                    body = {"model": MODEL, "prompt": ids, "max_tokens": 32, "temperature": 0, "ignore_eos": True,
+                            "conversation_id": session}
+                    ttft, stamps, gen, facts = streamed(proxy.url, body)
+                    out.outputs.append(gen)
+                    if len(stamps) > 1:
+                        out.itl_s.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+                    if turn == 1 and facts.get("reuse") == "hit":
+                        out.pull_ttft_s.append(ttft)
+                    ids = ids + gen + [rng.randrange(10, 4000) for _ in range(100)]
+        out.held_pct = idle_cpu_pct(stack, args.held_s)  # D holds every session's last turn for its TTL
+    finally:
+        stack.stop()
+    return out
+
+
+def report(launches: list[Launch], waits: list[int]) -> None:
+    by = {w: [la for la in launches if la.wait_ms == w] for w in waits}
+    base = waits[0]
+
+    def pooled(w, get):
+        return [x for la in by[w] for x in get(la)]
+
+    print(f"\nmedian (min..max) over every sample of every launch; ratio to wait {base} ms")
+    print(f"  {'figure':30s}" + "".join(f"{'wait ' + str(w) + ' ms':>40s}" for w in waits))
+    for name, get in (("turn 1 TTFT, pulled from D", lambda la: la.pull_ttft_s), ("decode ITL", lambda la: la.itl_s)):
+        b = pooled(base, get)
+        cells = []
+        for w in waits:
+            xs = pooled(w, get)
+            ratio = statistics.median(xs) / statistics.median(b) if xs and b else float("nan")
+            cells.append(f"{med(xs)} x{ratio:4.2f}")
+        print(f"  {name:30s}" + "".join(f"{c:>40s}" for c in cells))
+    for role in ("prefill-0", "decode-0"):
+        print(f"  {'CPU while D holds, ' + role:30s}" + "".join(
+            f"{str([la.held_pct.get(role) for la in by[w]]) + ' % of a core':>40s}" for w in waits))
+    print("  hits / turns 1:", {w: f"{len(pooled(w, lambda la: la.pull_ttft_s))}/"
+                                  f"{sum(len(la.outputs) // 2 for la in by[w])}" for w in waits})
+    ref = by[base][0].outputs
+    print("  greedy outputs equal to the first launch's:", {w: all(la.outputs == ref for la in by[w]) for w in waits})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", default="0,50", help="comma list of waits, milliseconds (0: vLLM's own loops)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--sessions", type=int, default=4, help="two-turn sessions through the proxy per launch")
+    ap.add_argument("--held-s", type=float, default=10.0)
+    ap.add_argument("--seed", type=int, default=7)
+    args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` stops it: the workers are stopped too
+    waits = [int(v) for v in args.variants.split(",")]
+    log_dir = Path(tempfile.mkdtemp(prefix="turnscope-engine-idle-wait-"))
+    launches: list[Launch] = []
+    for r in range(args.rounds):
+        for w in (waits if r % 2 == 0 else waits[::-1]):
+            t = time.monotonic()
+            launches.append(measure(w, args, log_dir))
+            print(f"round {r + 1} wait {w} ms: {time.monotonic() - t:.0f} s, held {launches[-1].held_pct}", flush=True)
+    report(launches, waits)
+    print(f"\nworker logs: {log_dir}")
+
+
+if __name__ == "__main__":
+    main()
