@@ -78,6 +78,23 @@ def test_fit_prefill_recovers_the_cost_curve():
     assert sweep_stats.fit_prefill(frame(rows).assign(mode="pd")) is None
 
 
+def test_fit_prefill_never_gives_a_falling_cost():
+    """The pd-nocache turns of a real sweep run (tests/integration/test_sweep_vllm.py, 2026-12-04):
+    the third turns of the 256-token point (757 tokens) were slow, and the unbounded quadratic read
+    a negative cost per token at 2,048 tokens (-3.1e-4 s). Bounded at >= 0, the cost rises."""
+    pts = [(2129, 0.627), (2339, 0.461), (2549, 0.596), (2129, 0.677), (2339, 0.554), (2549, 0.322),
+           (337, 0.067), (547, 0.134), (757, 0.542), (337, 0.123), (547, 0.210), (757, 0.468)]
+    rows = [("pd-nocache", 0, "r", "s", 0, t, n, None, None) for n, t in pts]
+    x, y = np.array([n for n, _ in pts], float), np.array([t for _, t in pts])
+    assert np.polyval(np.polyder(np.polyfit(x, y, 2)), 2048) < 0  # what the unbounded fit said
+    fit = sweep_stats.fit_prefill(frame(rows))
+    assert fit.degree == 2 and min(fit.b0_s, fit.a1_s, fit.a2_s) >= 0
+    assert fit.marginal_s_per_token(2048) > 0
+    # a second route: the bounded fit is no worse than the best non-negative straight line through 0
+    line = float(x @ y / (x @ x))
+    assert np.sum((fit.ttft_s(x) - y) ** 2) <= np.sum((line * x - y) ** 2) + 1e-12
+
+
 def transfer(rows: list[tuple]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["mode", "prefix_tokens", "xfer_s", "xfer_bytes", "reused_tokens",
                                        "kv_bytes_per_token"])

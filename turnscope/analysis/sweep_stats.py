@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 from scipy import stats
+from scipy.optimize import lsq_linear
 
 from turnscope import modes
 from turnscope.analysis import speedup
@@ -191,9 +192,12 @@ class PrefillFit:
 
 
 def fit_prefill(turns: pd.DataFrame, mode: str = IDEAL_BASELINE) -> PrefillFit | None:
-    """Least-squares fit (numpy.polyfit) of ttft_s against prompt_tokens over the ok turns of
-    `mode` (every turn of ``pd-nocache`` is a full prefill on P). Quadratic with 3 or more
-    distinct prompt lengths, linear with 2; None with fewer."""
+    """Least-squares fit of ttft_s against prompt_tokens over the ok turns of `mode` (every turn of
+    ``pd-nocache`` is a full prefill on P), every coefficient bounded at >= 0 (scipy.optimize.
+    lsq_linear): a fixed cost and a prefill cost cannot be negative, nor fall with more tokens (the
+    planner's fit bounds its costs alike, turnscope.planner.fit). Unbounded, a few slow turns at
+    one length bent a sweep's quadratic downward: a negative cost per token at 2,048 tokens.
+    Quadratic with 3 or more distinct prompt lengths, linear with 2; None with fewer."""
     ok = ok_turns(turns)
     ok = ok[(ok["mode"] == mode) & ok["prompt_tokens"].notna()]
     x = ok["prompt_tokens"].to_numpy(dtype=float)
@@ -202,8 +206,11 @@ def fit_prefill(turns: pd.DataFrame, mode: str = IDEAL_BASELINE) -> PrefillFit |
     if distinct < 2:
         return None
     degree = 2 if distinct >= 3 else 1
-    coef = np.polyfit(x, y, degree)  # highest power first
-    a2, a1, b0 = (coef[0], coef[1], coef[2]) if degree == 2 else (0.0, coef[0], coef[1])
+    scale = float(x.max())  # columns of O(1): the bounded solver's tolerances are absolute
+    cols = [np.ones_like(x), x / scale] + ([(x / scale) ** 2] if degree == 2 else [])
+    coef = lsq_linear(np.column_stack(cols), y, bounds=(0.0, np.inf), method="bvls").x
+    b0, a1 = coef[0], coef[1] / scale
+    a2 = coef[2] / scale**2 if degree == 2 else 0.0
     return PrefillFit(float(b0), float(a1), float(a2), degree, int(x.size), int(x.min()), int(x.max()))
 
 
