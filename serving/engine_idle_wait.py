@@ -19,11 +19,9 @@ stepping again at once; a request that arrives ends the wait at once and is hand
 loop handles it. What waits longer: the connector's polls of its held blocks (a pull that finished,
 a TTL or a lease that ran out), so blocks are freed up to that many milliseconds later. Requests
 that are still unfinished (running, waiting, waiting for remote KV) keep vLLM's loop as it is.
-It is opt-in: set it in a topology's ``env`` (of the file, a role or a worker); without the
-variable, or at 0, the plugin changes nothing. Not on by default: in the sweep test
-(tests/integration/test_sweep_vllm.py) with it at 50, both sessions' third turns of the 256-token
-point in ``pd-nocache`` took 387-451 ms to the first token, against 154 and 522 ms without it, which
-bent the prefill fit the test checks; why is not yet known (docs/known-behaviour.md). With it, the plugin also makes
+turnscope sets it for the CPU workers with a KV connector it launches
+(``serving.workers.CPU_ENGINE_IDLE_WAIT_MS``; a topology's ``env`` overrides it, 0 restores vLLM's
+loop); without the variable, or at 0, the plugin changes nothing. With it, the plugin also makes
 every reader of vLLM's shared-memory message queue (the model-runner process reading each engine
 step) spin :data:`READER_SPIN_S` after its last message instead of vLLM's 1 s before it sleeps on
 its notify socket: otherwise steps 50 ms apart keep the model runner spinning a whole core

@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from serving import nixl_progress
+from serving import engine_idle_wait, nixl_progress
 from serving.topology import LOCAL_HOSTS, RoleSettings, Topology
 from turnscope import resources
 from turnscope.connector import Connector
@@ -38,6 +38,11 @@ from turnscope.modes import serving_mode
 #: nixl polls without a pause, a whole core per worker, the core the worker computes on). Measured
 #: side by side with nixl's own polling: bench/nixl_progress.py, docs/known-behaviour.md.
 CPU_NIXL_PROGRESS_DELAY_US = 100
+
+#: Milliseconds a CPU worker's engine loop waits for input after an empty step while it only holds
+#: finished requests' KV (``serving.engine_idle_wait``: vLLM steps back to back meanwhile, a whole
+#: core; docs/known-behaviour.md).
+CPU_ENGINE_IDLE_WAIT_MS = 50
 
 
 @dataclass
@@ -136,6 +141,7 @@ def worker_command(spec: WorkerSpec) -> tuple[list[str], dict[str, str]]:
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, spec.cores))
     if spec.platform == "cpu" and spec.nixl:
         env[nixl_progress.ENV] = str(CPU_NIXL_PROGRESS_DELAY_US)
+        env[engine_idle_wait.ENV] = str(CPU_ENGINE_IDLE_WAIT_MS)
     if spec.host in LOCAL_HOSTS:
         # Otherwise torch.distributed's gloo and UCX's tcp transport (NIXL) listen on the host's address.
         env |= {"GLOO_SOCKET_IFNAME": "lo", "UCX_NET_DEVICES": "lo"}
