@@ -12,16 +12,6 @@ import pytest
 from serving import engine_idle_wait
 
 
-def test_wait_from_the_environment():
-    assert engine_idle_wait.wait_ms({}) is None
-    assert engine_idle_wait.wait_ms({engine_idle_wait.ENV: ""}) is None
-    assert engine_idle_wait.wait_ms({engine_idle_wait.ENV: "0"}) is None  # vLLM's own loop
-    assert engine_idle_wait.wait_ms({engine_idle_wait.ENV: "20"}) == 20
-    for bad in ("-1", "2.5", "soon"):
-        with pytest.raises(ValueError, match=engine_idle_wait.ENV):
-            engine_idle_wait.wait_ms({engine_idle_wait.ENV: bad})
-
-
 class _Engine:
     """Like vLLM's EngineCoreProc where the wrapper touches it: a step that says whether it ran the
     model, a scheduler with unfinished requests or not, the input queue and its handler."""

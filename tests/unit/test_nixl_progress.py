@@ -4,19 +4,7 @@ workers in tests/integration/test_pd_bidir_vllm.py)."""
 
 import types
 
-import pytest
-
 from serving import nixl_progress
-
-
-def test_delay_from_the_environment():
-    assert nixl_progress.delay_us({}) is None
-    assert nixl_progress.delay_us({nixl_progress.ENV: ""}) is None
-    assert nixl_progress.delay_us({nixl_progress.ENV: "0"}) is None  # nixl's own polling
-    assert nixl_progress.delay_us({nixl_progress.ENV: "250"}) == 250
-    for bad in ("-5", "1.5", "fast"):
-        with pytest.raises(ValueError, match=nixl_progress.ENV):
-            nixl_progress.delay_us({nixl_progress.ENV: bad})
 
 
 class _Config:
