@@ -1,5 +1,4 @@
-"""serving/engine_idle_wait.py: the wait read from the environment, and the wrapped engine step on a
-stand-in of vLLM's EngineCoreProc (the real loop is checked through real workers in
+"""serving/engine_idle_wait.py: the wrapped engine step and reader wait on stand-ins of vLLM's EngineCoreProc (the real loop is checked through real workers in
 tests/integration/test_pd_bidir_vllm.py: an idle D holding a turn's KV uses a few % of its core)."""
 
 import queue
