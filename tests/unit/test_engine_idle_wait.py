@@ -1,5 +1,6 @@
-"""serving/engine_idle_wait.py: the wrapped engine step and reader wait on stand-ins of vLLM's EngineCoreProc (the real loop is checked through real workers in
-tests/integration/test_pd_bidir_vllm.py: an idle D holding a turn's KV uses a few % of its core)."""
+"""serving/engine_idle_wait.py: the wrapped engine step and reader wait, on stand-ins of vLLM's
+EngineCoreProc and SpinCondition (the real loops are checked through real workers in
+tests/integration/test_pd_bidir_vllm.py: D holding a turn's KV uses a few % of its core)."""
 
 import queue
 import threading

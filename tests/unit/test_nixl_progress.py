@@ -1,6 +1,6 @@
-"""serving/nixl_progress.py: the agent config's pthrDelay kept off 0 by the patched class (the
-setting it reads: tests/unit/test_plugin_env.py) (a stand-in for nixl's pybind module; the real one is checked through real
-workers in tests/integration/test_pd_bidir_vllm.py)."""
+"""serving/nixl_progress.py: the agent config's pthrDelay kept off 0 by the patched class, on a
+stand-in for nixl's pybind module (the real one is checked through real workers in
+tests/integration/test_pd_bidir_vllm.py; the setting it reads: tests/unit/test_plugin_env.py)."""
 
 import types
 
