@@ -22,7 +22,6 @@ first. The machine is shared: read medians and the spread, and prefer runs with 
 from __future__ import annotations
 
 import argparse
-import random
 import signal
 import statistics
 import sys
@@ -33,11 +32,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.nixl_progress import idle_cpu_pct, med, streamed
+from bench.nixl_progress import idle_cpu_pct, med, play_two_turn_sessions
 from serving import engine_idle_wait
 from tests.integration.vllm_stack import ProxyThread, VllmStack
-
-MODEL = "turnscope-tiny"
 
 
 @dataclass
@@ -47,6 +44,7 @@ class Launch:
     wait_ms: int
     held_pct: dict[str, float] = field(default_factory=dict)
     pull_ttft_s: list[float] = field(default_factory=list)
+    pulled_tokens: list[int] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
 
@@ -59,21 +57,7 @@ def measure(wait: int, args: argparse.Namespace, log_dir: Path) -> Launch:
     try:
         stack.start()
         with ProxyThread(stack.proxy_config()) as proxy:
-            seeds = random.Random(args.seed)  # the same sessions in every launch: outputs comparable
-            for s in range(args.sessions):
-                rng = random.Random(seeds.getrandbits(32))
-                ids = [rng.randrange(10, 4000) for _ in range(1500)]
-                session = f"idle-{s}-{time.monotonic_ns()}"
-                for turn in range(2):
-                    body = {"model": MODEL, "prompt": ids, "max_tokens": 32, "temperature": 0, "ignore_eos": True,
-                            "conversation_id": session}
-                    ttft, stamps, gen, facts = streamed(proxy.url, body)
-                    out.outputs.append(gen)
-                    if len(stamps) > 1:
-                        out.itl_s.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
-                    if turn == 1 and facts.get("reuse") == "hit":
-                        out.pull_ttft_s.append(ttft)
-                    ids = ids + gen + [rng.randrange(10, 4000) for _ in range(100)]
+            play_two_turn_sessions(proxy.url, args.sessions, args.seed, out)
         out.held_pct = idle_cpu_pct(stack, args.held_s)  # D holds every session's last turn for its TTL
     finally:
         stack.stop()

@@ -99,6 +99,29 @@ def streamed(url: str, body: dict) -> tuple[float, list[float], list[int], dict]
     return stamps[0], stamps, ids, facts
 
 
+def play_two_turn_sessions(proxy_url: str, sessions: int, seed: int, out) -> None:
+    """``sessions`` two-turn sessions through the proxy (turn 0: 1,500 fresh token ids; turn 1 appends
+    the reply and 100 more; 32 tokens, ``ignore_eos``), the same ones for the same ``seed``; appends
+    to ``out`` (a launch's record): ``outputs`` (every turn's greedy ids), ``itl_s`` (each turn's mean
+    inter-token latency, s), ``pull_ttft_s`` and ``pulled_tokens`` (turn 1, when a ``hit``)."""
+    seeds = random.Random(seed)  # the same sessions in every launch: outputs comparable
+    for s in range(sessions):
+        rng = random.Random(seeds.getrandbits(32))
+        ids = [rng.randrange(10, 4000) for _ in range(1500)]
+        session = f"bench-{s}-{time.monotonic_ns()}"
+        for turn in range(2):
+            body = {"model": MODEL, "prompt": ids, "max_tokens": 32, "temperature": 0, "ignore_eos": True,
+                    "conversation_id": session}
+            ttft, stamps, gen, facts = streamed(proxy_url, body)
+            out.outputs.append(gen)
+            if len(stamps) > 1:
+                out.itl_s.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+            if turn == 1 and facts.get("reuse") == "hit":
+                out.pull_ttft_s.append(ttft)
+                out.pulled_tokens.append(int(facts.get("reused_tokens") or 0))
+            ids = ids + gen + [rng.randrange(10, 4000) for _ in range(100)]
+
+
 def measure(delay: int, rounds_rng: random.Random, args: argparse.Namespace, log_dir: Path) -> Launch:
     stack = VllmStack("pd-bidir", log_dir / f"delay-{delay}-{time.monotonic_ns()}", reference=False)
     for w in stack.workers:
@@ -116,22 +139,7 @@ def measure(delay: int, rounds_rng: random.Random, args: argparse.Namespace, log
                                             "cache_salt": f"probe-{rounds_rng.getrandbits(64):x}"})
                 out.prefill_s.setdefault(str(n), []).append(ttft)
         with ProxyThread(stack.proxy_config()) as proxy:
-            seeds = random.Random(args.seed)  # the same sessions in every launch: outputs comparable
-            for s in range(args.sessions):
-                rng = random.Random(seeds.getrandbits(32))
-                ids = [rng.randrange(10, 4000) for _ in range(1500)]
-                session = f"nixl-{s}-{time.monotonic_ns()}"
-                for turn in range(2):
-                    body = {"model": MODEL, "prompt": ids, "max_tokens": 32, "temperature": 0, "ignore_eos": True,
-                            "conversation_id": session}
-                    ttft, stamps, gen, facts = streamed(proxy.url, body)
-                    out.outputs.append(gen)
-                    if len(stamps) > 1:
-                        out.itl_s.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
-                    if turn == 1 and facts.get("reuse") == "hit":
-                        out.pull_ttft_s.append(ttft)
-                        out.pulled_tokens.append(int(facts.get("reused_tokens") or 0))
-                    ids = ids + gen + [rng.randrange(10, 4000) for _ in range(100)]
+            play_two_turn_sessions(proxy.url, args.sessions, args.seed, out)
     finally:
         stack.stop()
     return out
