@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import signal
-import statistics
 import sys
 import tempfile
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.nixl_progress import idle_cpu_pct, med, play_two_turn_sessions
+from bench.nixl_progress import idle_cpu_pct, play_two_turn_sessions, side_by_side
 from serving import engine_idle_wait
 from tests.integration.vllm_stack import ProxyThread, VllmStack
 
@@ -65,29 +64,9 @@ def measure(wait: int, args: argparse.Namespace, log_dir: Path) -> Launch:
 
 
 def report(launches: list[Launch], waits: list[int]) -> None:
-    by = {w: [la for la in launches if la.wait_ms == w] for w in waits}
-    base = waits[0]
-
-    def pooled(w, get):
-        return [x for la in by[w] for x in get(la)]
-
-    print(f"\nmedian (min..max) over every sample of every launch; ratio to wait {base} ms")
-    print(f"  {'figure':30s}" + "".join(f"{'wait ' + str(w) + ' ms':>40s}" for w in waits))
-    for name, get in (("turn 1 TTFT, pulled from D", lambda la: la.pull_ttft_s), ("decode ITL", lambda la: la.itl_s)):
-        b = pooled(base, get)
-        cells = []
-        for w in waits:
-            xs = pooled(w, get)
-            ratio = statistics.median(xs) / statistics.median(b) if xs and b else float("nan")
-            cells.append(f"{med(xs)} x{ratio:4.2f}")
-        print(f"  {name:30s}" + "".join(f"{c:>40s}" for c in cells))
-    for role in ("prefill-0", "decode-0"):
-        print(f"  {'CPU while D holds, ' + role:30s}" + "".join(
-            f"{str([la.held_pct.get(role) for la in by[w]]) + ' % of a core':>40s}" for w in waits))
-    print("  hits / turns 1:", {w: f"{len(pooled(w, lambda la: la.pull_ttft_s))}/"
-                                  f"{sum(len(la.outputs) // 2 for la in by[w])}" for w in waits})
-    ref = by[base][0].outputs
-    print("  greedy outputs equal to the first launch's:", {w: all(la.outputs == ref for la in by[w]) for w in waits})
+    side_by_side({w: [la for la in launches if la.wait_ms == w] for w in waits}, waits, lambda w: f"wait {w} ms",
+                 [("turn 1 TTFT, pulled from D", lambda la: la.pull_ttft_s), ("decode ITL", lambda la: la.itl_s)],
+                 "CPU while D holds, ", lambda la, role: la.held_pct.get(role))
 
 
 def main() -> None:

@@ -149,35 +149,45 @@ def med(xs) -> str:
     return f"{statistics.median(xs) * 1e3:8.1f} ms ({min(xs) * 1e3:.0f}..{max(xs) * 1e3:.0f})" if xs else "n/a"
 
 
-def report(launches: list[Launch], delays: list[int]) -> None:
-    by = {d: [la for la in launches if la.delay_us == d] for d in delays}
-    base = delays[0]
+def side_by_side(by: dict, variants: list[int], label, rows, cpu_label: str, cpu_of) -> None:
+    """Print each figure of ``rows`` (name, launch -> samples) per variant as median (min..max) and its
+    ratio to the first variant, then each role's CPU (``cpu_of(launch, role)``, % of a core), the hits
+    of turn 1 and whether every launch's greedy outputs equal the first launch's. ``by``: variant ->
+    its launches (each with ``pull_ttft_s``, ``pulled_tokens`` and ``outputs``); ``label(v)``: the
+    column heading of variant ``v``."""
+    base = variants[0]
 
-    def pooled(d, get):
-        return [x for la in by[d] for x in get(la)]
+    def pooled(v, get):
+        return [x for la in by[v] for x in get(la)]
 
-    rows = [("P prefill, 256 tokens", lambda la: la.prefill_s.get("256", [])),
-            ("P prefill, 2,048 tokens", lambda la: la.prefill_s.get("2048", [])),
-            ("turn 1 TTFT, pulled from D", lambda la: la.pull_ttft_s),
-            ("decode ITL", lambda la: la.itl_s)]
-    print(f"\nmedian (min..max) over every sample of every launch; ratio to delay {base} us")
-    print(f"  {'figure':30s}" + "".join(f"{'delay ' + str(d) + ' us':>40s}" for d in delays))
+    print(f"\nmedian (min..max) over every sample of every launch; ratio to {label(base)}")
+    print(f"  {'figure':30s}" + "".join(f"{label(v):>40s}" for v in variants))
     for name, get in rows:
         b = pooled(base, get)
         cells = []
-        for d in delays:
-            xs = pooled(d, get)
+        for v in variants:
+            xs = pooled(v, get)
             ratio = statistics.median(xs) / statistics.median(b) if xs and b else float("nan")
             cells.append(f"{med(xs)} x{ratio:4.2f}")
         print(f"  {name:30s}" + "".join(f"{c:>40s}" for c in cells))
     for role in ("prefill-0", "decode-0"):
-        print(f"  {'idle CPU ' + role:30s}" + "".join(
-            f"{str([la.idle_pct.get(role) for la in by[d]]) + ' % of a core':>40s}" for d in delays))
-    print("  hits / turns 1:", {d: f"{len(pooled(d, lambda la: la.pull_ttft_s))}/"
-                                  f"{sum(len(la.outputs) // 2 for la in by[d])}" for d in delays},
-          " pulled tokens:", {d: sorted(set(pooled(d, lambda la: la.pulled_tokens))) for d in delays})
+        print(f"  {cpu_label + role:30s}" + "".join(
+            f"{str([cpu_of(la, role) for la in by[v]]) + ' % of a core':>40s}" for v in variants))
+    print("  hits / turns 1:", {v: f"{len(pooled(v, lambda la: la.pull_ttft_s))}/"
+                                  f"{sum(len(la.outputs) // 2 for la in by[v])}" for v in variants},
+          " pulled tokens:", {v: sorted(set(pooled(v, lambda la: la.pulled_tokens))) for v in variants})
     ref = by[base][0].outputs
-    print("  greedy outputs equal to the first launch's:", {d: all(la.outputs == ref for la in by[d]) for d in delays})
+    print("  greedy outputs equal to the first launch's:", {v: all(la.outputs == ref for la in by[v]) for v in variants})
+
+
+def report(launches: list[Launch], delays: list[int]) -> None:
+    side_by_side({d: [la for la in launches if la.delay_us == d] for d in delays}, delays,
+                 lambda d: f"delay {d} us",
+                 [("P prefill, 256 tokens", lambda la: la.prefill_s.get("256", [])),
+                  ("P prefill, 2,048 tokens", lambda la: la.prefill_s.get("2048", [])),
+                  ("turn 1 TTFT, pulled from D", lambda la: la.pull_ttft_s),
+                  ("decode ITL", lambda la: la.itl_s)],
+                 "idle CPU ", lambda la, role: la.idle_pct.get(role))
 
 
 def main() -> None:
