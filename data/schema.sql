@@ -449,6 +449,11 @@ FROM ordered;
 CREATE VIEW engine_lifetimes AS
 SELECT run_id, endpoint, role, regexp_extract(endpoint, '^[a-z]+://([^/]+)', 1) AS engine,
        process_start_s, to_timestamp(process_start_s) AS started_at,
+       -- prometheus_client's process collector adds /proc/stat's boot time, which the kernel gives in
+       -- whole seconds: a start reads up to 1 s early. No vLLM worker answers within a second of its
+       -- process start (imports alone take tens of seconds), so it serves from 1 s after it at the
+       -- earliest.
+       to_timestamp(process_start_s) + INTERVAL 1 SECOND AS serving_from,
        lead(to_timestamp(process_start_s)) OVER w AS ended_at,
        first_scraped_at, last_scraped_at,
        CAST(row_number() OVER w - 1 AS INTEGER) AS restarts_before
@@ -464,14 +469,11 @@ WINDOW w AS (PARTITION BY run_id, endpoint ORDER BY process_start_s);
 -- the proxy named it. handle_spans_restart: D restarted between the handle's issue and its use,
 -- so the handle named blocks of a dead engine (vLLM refuses a handshake whose engine id changed):
 -- such a turn cannot be a real hit (stale_hit), and a miss of it is explained by the restart.
--- A lifetime is taken to serve from 1 s after its process_start_time_seconds (serving_from): the
--- process collector of prometheus_client adds the boot time of /proc/stat, which the kernel gives
--- in whole seconds, so a start reads up to 1 s early; no vLLM worker answers within a second of its
--- process start (imports alone take tens of seconds), so nothing real falls in that second.
+-- Turns and handles are matched to a lifetime by its serving_from (engine_lifetimes: its start can
+-- read up to 1 s early).
 CREATE VIEW turn_lifetimes AS
 WITH d AS (
-    SELECT run_id, endpoint, engine, started_at, started_at + INTERVAL 1 SECOND AS serving_from
-    FROM engine_lifetimes WHERE role = 'decode'
+    SELECT run_id, endpoint, engine, started_at, serving_from FROM engine_lifetimes WHERE role = 'decode'
 ), engines AS (
     SELECT DISTINCT run_id, engine FROM d
 ), single AS (
