@@ -77,6 +77,17 @@ def test_fit_forecasts_an_unrecorded_own_cache_hit(tmp_path):
     assert abs(wrong - fx.B0["aggregated"]) > 0.1
 
 
+def test_a_mode_not_fitted_takes_its_siblings_b0(store):
+    """Fitted without ``pd`` and ``pd-bidir`` turns (the calibration's default modes), each takes the
+    fixture's b0 of the mode with its workers and connector: ``pd`` <- ``pd-nocache`` (0.050 s),
+    ``pd-bidir`` <- ``pd-bidir-nocache`` (0.080 s), not the default (``pd-nocache``'s) for both."""
+    prof = fit_profile(store, [fx.RUNS[m] for m in ("aggregated", "pd-nocache", "pd-bidir-nocache")])
+    assert prof.b0("pd") == pytest.approx(fx.B0["pd-nocache"], abs=1e-9)
+    assert prof.b0("pd-bidir") == pytest.approx(fx.B0["pd-bidir-nocache"], abs=1e-9)
+    assert "pd-bidir-nocache's b0" in prof.b0_s["pd-bidir"].source
+    assert prof.b0_default_s.value == pytest.approx(fx.B0["pd-nocache"], abs=1e-9)
+
+
 def test_fit_needs_a_timed_transfer(store):
     with pytest.raises(FitError, match="no pd-bidir\\* run recorded a NIXL transfer on P"):
         fit_profile(store, [fx.RUNS["pd-nocache"], fx.RUNS["pd"]])

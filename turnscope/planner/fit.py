@@ -249,9 +249,34 @@ def fit_profile(store: Store, run_ids: Sequence[str], name: str = "fitted") -> C
         prof.aggregated_prefill_a1_s_per_token = Sourced(value=costs.aggregated_a1_s, source=agg_src)
         prof.aggregated_prefill_a2_s_per_token2 = Sourced(value=costs.aggregated_a2_s, source=agg_src)
     prof.b0_s = {m: Sourced(value=v, source=with_fit(m, f"{m} turns:")) for m, v in costs.b0_s.items()}
+    prof.b0_s.update(sibling_b0(prof.b0_s))
     default = costs.b0_s.get(RECOMPUTE_MODE, float(np.median(list(costs.b0_s.values()))))
     prof.b0_default_s = Sourced(value=default, source=f"{how}; {RECOMPUTE_MODE}'s b0 (else the median of the modes')")
     return prof
+
+
+def sibling_b0(fitted: dict[str, Sourced]) -> dict[str, Sourced]:
+    """b0 of each mode the fit had no turns of, taken from its **sibling**: the fitted mode with the
+    same workers and connector (``disaggregated`` and ``bidirectional`` alike), which differs only in
+    P's prefix cache (``pd`` <- ``pd-nocache``, ``pd-bidir`` <- ``pd-bidir-nocache`` and back).
+
+    b0 is the per-request cost outside prefill and the pull (the proxy's hops, the connector's
+    hand-off on each worker); P's prefix cache changes what P computes, which c(n) - c(cached)
+    carries, not that. A mode with no fitted sibling keeps ``b0_default_s``. Shape: mode -> Sourced
+    (seconds), only modes absent from ``fitted``.
+    """
+    borrowed: dict[str, Sourced] = {}
+    for mode in SERVING_MODES:
+        if mode.name in fitted:
+            continue
+        for other in SERVING_MODES:
+            if (other.name in fitted and other.disaggregated == mode.disaggregated
+                    and other.bidirectional == mode.bidirectional):
+                borrowed[mode.name] = Sourced(value=fitted[other.name].value, source=(
+                    f"not fitted (no {mode.name} turns): {other.name}'s b0, the mode with the same workers "
+                    f"and connector (only P's prefix cache differs)"))
+                break
+    return borrowed
 
 
 def _pulls(turns: pd.DataFrame) -> str:

@@ -75,7 +75,8 @@ class CostProfile(BaseModel):
       (P's prefill and the hand-off of the new tokens' KV to D);
     * ``aggregated_prefill_a1_s_per_token``, ``aggregated_prefill_a2_s_per_token2``: c(x) of the
       aggregated worker (absent: P's);
-    * ``b0_s``: per-mode fixed cost (a mode absent uses ``b0_default_s``);
+    * ``b0_s``: per-mode fixed cost (a mode absent uses ``b0_default_s``; a fitted profile gives a
+      mode it had no turns of its sibling's, ``fit.sibling_b0``);
     * ``pull_latency_s``, ``pull_bandwidth_bytes_per_s``: P's pull of D's KV;
     * ``kv_bytes_per_token``: the model's KV size (``serving.kv_size``);
     * ``decode_kv_space_bytes``, ``prefill_kv_space_bytes``, ``aggregated_kv_space_bytes``: KV
