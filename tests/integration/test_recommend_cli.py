@@ -93,3 +93,17 @@ def test_recommend_stores_ledger_and_recommendation_with_intervals(tmp_path):
     assert topo.connector.decoder_kv_blocks_ttl == int(setting["ttl_s"])
     assert rec["recommended_ttft_p90_s"] <= 0.5 or not rec["feasible"]
     assert rec["recommended_ttft_mean_interval_low_s"] < rec["recommended_ttft_mean_s"] < rec["recommended_ttft_mean_interval_high_s"]
+
+
+def test_written_topology_names_the_same_model_wherever_it_is_written(tmp_path):
+    """The embedded topology names its model relative to its own folder; the recommended file written
+    two folders elsewhere loads the very model the current file loads (not a path that only made
+    sense next to data/topologies/)."""
+    base = ROOT / "data/topologies/embedded-cpu.yaml"
+    out = tmp_path / "a" / "b" / "rec.yaml"
+    out.parent.mkdir(parents=True)
+    r = invoke(str(TRACE), "--profile", str(ROOT / "data/profiles/embedded-cpu.yaml"), "--platform", "cpu",
+               "--topology", str(base), "--write-topology", str(out))
+    assert r.exit_code == 0, r.output
+    assert load_topology(out).model == load_topology(base).model
+    assert not Path(load_topology(out).model).is_relative_to(tmp_path)

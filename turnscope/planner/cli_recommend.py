@@ -59,8 +59,12 @@ def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | No
         from turnscope.planner.recommend_topology import default_topology, topology_diff
 
         host_kv = prof.host_kv_space_bytes.value if prof.host_kv_space_bytes else None
-        rec_text, _ = topology_diff(topology or default_topology(serve_model, platform), rec.current.setting,
-                                    rec.recommended.setting, host_kv)
+        from turnscope.planner.recommend_topology import model_seen_from
+
+        written = topology or default_topology(serve_model, platform)
+        if topology_path is not None:  # a relative model path still names the same model from the new file
+            written = written.model_copy(update={"model": model_seen_from(topology_path, write_topology)})
+        rec_text, _ = topology_diff(written, rec.current.setting, rec.recommended.setting, host_kv)
         Path(write_topology).write_text(rec_text)
         text += f"\n\nRecommended topology written to {write_topology}."
     if store_root is not None:

@@ -74,6 +74,26 @@ def read_base(path) -> Topology:
     return topo
 
 
+def model_seen_from(base_path, out_path) -> str:
+    """The base topology file's ``model`` as a file written at ``out_path`` must name it: an absolute
+    path (or a served name) as written; a relative one, which :func:`serving.topology.load_topology`
+    resolves against the file holding it, re-expressed relative to ``out_path``'s folder so that the
+    written file loads the same model wherever it is written. Raises serving.topology.TopologyError."""
+    import os
+    from pathlib import Path
+
+    from serving.topology import TopologyError, load_topology
+    from turnscope import yaml_file
+
+    raw = str(yaml_file.read_mapping(Path(base_path), "topology", TopologyError)["model"])
+    if Path(raw).is_absolute():
+        return raw
+    resolved = load_topology(Path(base_path)).model
+    if not Path(resolved).is_absolute():
+        return raw
+    return os.path.relpath(resolved, Path(out_path).resolve().parent)
+
+
 def _drop_flag(args: list[str], flag: str) -> list[str]:
     args = list(args)
     while flag in args:
