@@ -13,9 +13,12 @@ D's KV space is set with ``--kv-cache-memory-bytes`` on the decode role only
 (:meth:`CapacityPlan.topology`; P keeps the topology's); the connector's TTL and the proxy's
 margin come from the plan. Each step is its own run (own run id, own prefix-cache salt) with
 ``users`` concurrent sessions playing ``sessions`` in all; every mode's workers start once and
-play the steps in ascending order, back to back (a step-load ramp: handles a step leaves pinned
-on D are still there when the next starts, as under a real rising load; each step's D KV usage
-at its start is in the store). Each run records ``runs_log.workload_spec.capacity``
+play the steps in ascending order. Under the interleaved schedule (the default) both modes'
+workers are up together and the steps alternate, step i of each mode (in an order drawn per step)
+before step i + 1 of either (``turnscope.evaluation._run_interleaved_runs``), so the machine's drift
+falls on both modes; handles a ``pd-bidir`` step leaves pinned on D are there when its next step
+starts unless the TTL passed during ``pd``'s step between them (each step's D KV usage at its
+start is in the store). Sequential: one mode's whole ramp back to back, then the other's. Each run records ``runs_log.workload_spec.capacity``
 (:meth:`CapacityPlan.spec`) and the SLO in ``runs.config.slo``; the ``capacity_steps`` view
 (data/schema.sql, docs/schema.md) reads them back.
 """
@@ -167,7 +170,7 @@ def run_capacity(base: EvalSettings, plan: CapacityPlan, history: str, console: 
     if taken:
         raise ValueError(f"the store {base.store} already holds run {taken[0]}: give another --capacity-id")
     base = base.model_copy(update={"topology": plan.topology(base.topology), "slo": plan.slo})
-    return run_eval(base, console or Console(), runs=runs)
+    return run_eval(base, console or Console(), runs=runs, interleave_runs=True)
 
 
 def print_capacity_summary(store: Path, run_ids: list[str], console: Console) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import shlex
 import signal
 import subprocess
@@ -802,6 +803,12 @@ def capacity(
     label: Annotated[str, typer.Option(help="Label of the runs.")] = "capacity",
     capacity_id: Annotated[str | None, typer.Option(help="Name of the ramp, prefix of its run ids "
                                                          "(default: LABEL-UTCSTAMP).")] = None,
+    schedule_: Annotated[str, typer.Option("--schedule", help=(
+        "interleaved: both modes' workers up together (own ports), each load step played by one mode "
+        "then the other, the order drawn per step, so the machine's drift falls on both; sequential: one "
+        "mode's whole ramp, then the other's."))] = schedule.INTERLEAVED,
+    schedule_seed: Annotated[int, typer.Option(help="Interleaved schedule: seeds the modes' order in each step.")
+                             ] = 0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the steps and run ids; start nothing.")] = False,
 ) -> None:
     """Ramp concurrent sessions step by step against `pd` and `pd-bidir` with the same small D KV
@@ -825,10 +832,13 @@ def capacity(
         slo = Slo(ttft_s=slo_ttft_s, tpot_s=slo_tpot_s)
     except ValueError as exc:
         raise fail(f"--slo-ttft-s and --slo-tpot-s must be > 0 seconds, got {slo_ttft_s} and {slo_tpot_s}") from exc
+    if schedule_ not in schedule.SCHEDULES:
+        raise fail(f"--schedule takes {' or '.join(schedule.SCHEDULES)}; got {schedule_!r}")
     topo = _topology(topology, prefill_routing, decode_routing)
     store = store or s.store
     ev = default_settings(Path(topo.model), topology=topo, modes=_split(modes), histories=[history], store=store,
-                          label=label, max_tokens=32, turn_timeout_s=s.turn_timeout_s, operator_config=s.effective())
+                          label=label, max_tokens=32, turn_timeout_s=s.turn_timeout_s, operator_config=s.effective(),
+                          schedule=schedule_, schedule_seed=schedule_seed)
     if s.kv_bytes_per_token:
         ev.kv_bytes_per_token = s.kv_bytes_per_token
     capacity_id = capacity_id or f"{label}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
@@ -845,7 +855,14 @@ def capacity(
                   f"{plan.ttl_s} s; SLO TTFT <= {slo.ttft_s * 1e3:.0f} ms, TPOT <= {slo.tpot_s * 1e3:.0f} ms; "
                   f"modes {', '.join(ev.modes)}; history {history}", highlight=False)
     if dry_run:
-        for mode, rs in plan.runs(ev, ev.modes, history).items():
+        runs = plan.runs(ev, ev.modes, history)
+        if schedule_ == schedule.INTERLEAVED and len(ev.modes) > 1:
+            orders = schedule.step_orders(ev.modes, len(plan.steps), random.Random(schedule_seed))
+            console.print(f"# {', '.join(ev.modes)}: workers started together, then step by step:", highlight=False)
+            for i, order in enumerate(orders):
+                console.print(f"#   step {i + 1}: " + ", ".join(runs[m][i].run_id for m in order), highlight=False)
+            return
+        for mode, rs in runs.items():
             console.print(f"# {mode}: one worker start, then " + ", ".join(r.run_id for r in rs), highlight=False)
         return
     t0 = time.monotonic()

@@ -284,18 +284,24 @@ class RunRecording:
         return status
 
 
-def schedule_groups(s: EvalSettings, runs: dict | None, available_bytes: int | None = None
-                    ) -> list[tuple[list[str], str | None]]:
+def schedule_groups(s: EvalSettings, runs: dict | None, available_bytes: int | None = None,
+                    interleave_runs: bool = False) -> list[tuple[list[str], str | None]]:
     """The modes of ``s`` in the groups they run in, each with why it is not interleaved (None when
     it is, or when interleaving was not asked for): the interleaved schedule (``turnscope.schedule``)
-    for the history loop of launched workers under one P routing policy, where the group's workers
-    fit in ``available_bytes`` (default: psutil's available memory); else one mode at a time."""
+    for the history loop of launched workers under one P routing policy, or for ``runs`` given per
+    mode with ``interleave_runs`` (step by step: every mode the same number of runs), where the
+    group's workers fit in ``available_bytes`` (default: psutil's available memory); else one mode
+    at a time."""
     singles = [([m], None) for m in s.modes]
     if s.schedule != schedule.INTERLEAVED:
         return singles
     why = None
-    if runs is not None:
-        why = "runs given per mode (sweep, capacity) play one mode after another"
+    if runs is not None and not interleave_runs:
+        why = "runs given per mode (sweep) play one mode after another"
+    elif runs is not None and len({len(runs.get(m, [])) for m in s.modes}) > 1:
+        why = "the modes were given different numbers of runs, which cannot be played step by step"
+    elif runs is not None:
+        pass
     elif s.prefill_routings and len(s.prefill_routings) > 1:
         why = "several P routing policies restart each mode's proxy"
     elif not s.topology.launch:
@@ -321,7 +327,7 @@ def schedule_groups(s: EvalSettings, runs: dict | None, available_bytes: int | N
 
 
 def run_eval(s: EvalSettings, console: Console | None = None,
-             runs: dict[str, list[RunPlan]] | None = None) -> list[str]:
+             runs: dict[str, list[RunPlan]] | None = None, interleave_runs: bool = False) -> list[str]:
     """Run every mode x history of ``s``; return the run ids, in order. Raises ValueError for an
     unknown mode or history before anything starts.
 
@@ -329,7 +335,10 @@ def run_eval(s: EvalSettings, console: Console | None = None,
     another up together and plays their sessions in shuffled rounds (``turnscope.schedule``;
     :func:`schedule_groups` says where it applies); ``sequential`` runs one mode after another.
     ``runs`` (mode -> runs) replaces the history loop: each mode of ``s.modes`` starts its workers
-    once and makes those runs on them, in order (``turnscope sweep`` passes one run per point).
+    once and makes those runs on them, in order (``turnscope sweep`` passes one run per point); with
+    ``interleave_runs`` (``turnscope capacity``), under the interleaved schedule, the compared modes'
+    workers are up together and their runs played step by step (every mode's i-th run, in an order
+    drawn per step, before any (i+1)-th).
     ``s.prefill_routings`` (several): every history is run once per P routing policy on the same
     workers, the proxy restarted between policies (run ids end in ``-p<policy>``).
     """
@@ -355,8 +364,10 @@ def run_eval(s: EvalSettings, console: Console | None = None,
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S")
     rng = random.Random(s.schedule_seed)
     run_ids = []
-    for group, why in schedule_groups(s, runs):
-        if len(group) > 1:
+    for group, why in schedule_groups(s, runs, interleave_runs=interleave_runs):
+        if len(group) > 1 and runs is not None:
+            run_ids += _run_interleaved_runs(s, group, runs, store, rng, console)
+        elif len(group) > 1:
             run_ids += _run_interleaved(s, group, store, stamp, rng, console)
         else:
             run_ids += _run_mode(s, group[0], store, stamp, runs, why, console)
@@ -383,13 +394,48 @@ def _run_mode(s: EvalSettings, mode: str, store: Store, stamp: str, runs: dict[s
                 console.print(f"  \\[{mode}] proxy restarted with prefill routing {routing}")
             time.sleep(plan.settle_s)
             run_ids.append(plan.run_id)
-            rec = RunRecording(s, store, stack, mode, plan.model_copy(update={"spec": spec | plan.spec}), console)
-            rec.begin()
-            status = "aborted"  # unless Locust returns: interrupted (Ctrl-C), timed out
-            try:
-                status = rec.play()
-            finally:
-                rec.finish(status)
+            _record_run(s, store, stack, mode, plan.model_copy(update={"spec": spec | plan.spec}), console)
+    return run_ids
+
+
+def _record_run(s: EvalSettings, store: Store, stack: ModeStack, mode: str, plan: RunPlan, console: Console) -> str:
+    """One whole run of ``plan`` on ``stack``, recorded; returns its status ("aborted" when Locust did
+    not return: interrupted, timed out)."""
+    rec = RunRecording(s, store, stack, mode, plan, console)
+    rec.begin()
+    status = "aborted"
+    try:
+        status = rec.play()
+    finally:
+        rec.finish(status)
+    return status
+
+
+def _run_interleaved_runs(s: EvalSettings, group: list[str], runs: dict[str, list[RunPlan]], store: Store,
+                          rng: random.Random, console: Console) -> list[str]:
+    """The modes of ``group`` up together, each on its own ports; their given runs played step by
+    step: step i plays every mode's i-th run whole, the modes in an order drawn by ``rng`` for that
+    step (``schedule.step_orders``), each run after its ``settle_s``; then all the workers stop. A
+    mode's runs keep their order on its own workers (what one leaves on them, the next finds)."""
+    offsets = disjoint_offsets(s.topology, len(group))
+    stacks = [ModeStack(m, shifted(s.topology, off), s.log_dir, s.kv_bytes_per_token, console.print)
+              for m, off in zip(group, offsets, strict=True)]
+    orders = schedule.step_orders(group, len(runs[group[0]]), rng)
+    console.print(f"[bold]modes {', '.join(group)}[/bold] interleaved step by step: starting their workers together")
+    run_ids = []
+    with started_together(stacks):
+        for st in stacks:
+            outcomes = warm_up(st.proxy_url, s.topology.served_model_name or s.topology.model)
+            console_text.print_list(console, f"  [{st.mode}] warm-up outcomes: ", outcomes)
+        by_mode = {st.mode: st for st in stacks}
+        for step, order in enumerate(orders):
+            console_text.print_text(console, f"  step {step + 1}/{len(orders)}: {' '.join(order)}")
+            for m in order:
+                plan = runs[m][step]
+                time.sleep(plan.settle_s)
+                run_ids.append(plan.run_id)
+                spec = {"schedule": schedule.steps_spec(m, orders, s.schedule_seed, group)}
+                _record_run(s, store, by_mode[m], m, plan.model_copy(update={"spec": spec | plan.spec}), console)
     return run_ids
 
 

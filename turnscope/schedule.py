@@ -51,6 +51,8 @@ __all__ = [
     "sequential_spec",
     "session_slices",
     "spec_of",
+    "step_orders",
+    "steps_spec",
 ]
 #: At most this many rounds by default (each slice is a Locust start, ~2-4 s on 2 busy cores).
 MAX_AUTO_ROUNDS = 8
@@ -135,6 +137,26 @@ def spec_of(mode: str, slots: Sequence[Slot], seed: int, group: Sequence[str]) -
     return {"kind": INTERLEAVED, "group": list(group), "rounds": rounds, "seed": seed,
             "orders": [[s.mode for s in slots if s.round == r] for r in range(rounds)],
             "slices": [[s.first, s.stop] for s in slots if s.mode == mode]}
+
+
+def step_orders(group: Sequence[str], steps: int, rng: random.Random) -> list[list[str]]:
+    """The order of ``group``'s modes in each of ``steps`` steps of runs played step by step
+    (``turnscope capacity``), each drawn by ``rng.shuffle`` (the RNG advances)."""
+    out = []
+    for _ in range(steps):
+        order = list(group)
+        rng.shuffle(order)
+        out.append(order)
+    return out
+
+
+def steps_spec(mode: str, orders: Sequence[Sequence[str]], seed: int, group: Sequence[str]) -> dict:
+    """What a run played step by step records under ``runs.workload_spec.schedule``: the schedule,
+    ``by`` "run" (whole runs alternate, not slices of sessions), its group, steps as ``rounds``, the
+    seed and every step's order (``orders``); ``mode`` is unused but kept for :func:`spec_of`'s shape."""
+    del mode
+    return {"kind": INTERLEAVED, "by": "run", "group": list(group), "rounds": len(orders), "seed": seed,
+            "orders": [list(o) for o in orders]}
 
 
 def sequential_spec(reason: str | None = None) -> dict:

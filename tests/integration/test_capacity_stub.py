@@ -42,6 +42,18 @@ class FakeStack:
         FakeStack.starts.append((self.mode, self.topology))
         return self
 
+    # serving.stack.started_together's protocol (the interleaved schedule): launch, ready, serve
+    workers: ClassVar[list] = []
+
+    def launch(self):
+        FakeStack.starts.append((self.mode, self.topology))
+
+    def ready(self, timeout_scale=1.0):
+        return None
+
+    def serve(self, timeout_scale=1.0):
+        return self
+
     def __exit__(self, *exc):
         return None
 
@@ -59,7 +71,8 @@ def logs():
         f.unlink()
 
 
-def test_capacity_command_records_one_run_per_mode_and_step(tmp_path, monkeypatch, logs):
+@pytest.mark.parametrize("schedule", ["sequential", "interleaved"])
+def test_capacity_command_records_one_run_per_mode_and_step(tmp_path, monkeypatch, logs, schedule):
     doc = yaml.safe_load((REPO / "data" / "workloads" / "capacity.yaml").read_text())
     doc["mix"][0]["archetype"] |= {"turns": TURNS, "system_prompt_tokens": 20, "first_prompt_tokens": 10,
                                    "new_tokens": {"tool": 10}, "output_tokens": 4,
@@ -81,10 +94,21 @@ def test_capacity_command_records_one_run_per_mode_and_step(tmp_path, monkeypatc
                                      "--store", str(store), "--users", ",".join(map(str, USERS)),
                                      "--sessions-per-user", str(PER_USER), "--slo-ttft-s", "0.5",
                                      "--slo-tpot-s", "0.05", "--decode-kv-tokens", "9000", "--ttl-s", "40",
-                                     "--capacity-id", "stub-cap"], env={"COLUMNS": "4000"})
+                                     "--capacity-id", "stub-cap", "--schedule", schedule], env={"COLUMNS": "4000"})
     out = " ".join(r.output.split())
     assert r.exit_code == 0, out
     assert [m for m, _ in FakeStack.starts] == list(MODES)  # one worker start per mode, every step on it
+    if schedule == "interleaved":  # both stacks up together, each on its own ports
+        assert len({t.proxy.port for _, t in FakeStack.starts}) == 2
+    # the order the runs reached the stub: sequential, one mode's whole ramp then the other's;
+    # interleaved, every mode's step i before any mode's step i + 1
+    first_seen = list(dict.fromkeys(str(q["conversation_id"]).split("/")[0] for q in state.requests
+                                    if str(q.get("conversation_id", "")).startswith("stub-cap-")))
+    step_of = {f"stub-cap-{m}-u{u}": i for m in MODES for i, u in enumerate(USERS)}
+    if schedule == "sequential":
+        assert first_seen == [f"stub-cap-{m}-u{u}" for m in MODES for u in USERS]
+    else:
+        assert sorted(first_seen) == sorted(step_of) and [step_of[r] for r in first_seen] == [0, 0, 1, 1]
     for _, t in FakeStack.starts:  # D alone gets the small KV space; the plan's TTL reaches the connector
         assert t.roles["decode"].args[-2:] == ["--kv-cache-memory-bytes", str(9000 * 4096)]
         assert "--kv-cache-memory-bytes" not in (t.roles["prefill"].args if "prefill" in t.roles else [])

@@ -135,5 +135,22 @@ def test_where_run_eval_interleaves(tmp_path):
     assert "do not fit" in groups[0][1] and groups[3][1] is None
     seq = s.model_copy(update={"schedule": "sequential"})
     assert schedule_groups(seq, None, plenty) == [([m], None) for m in MODES]
-    assert all(why for _, why in schedule_groups(s, {"pd": []}, plenty))  # sweep/capacity runs
+    assert all(why for _, why in schedule_groups(s, {"pd": []}, plenty))  # sweep runs
+    # capacity: runs given per mode, played step by step when every mode has as many
+    cap = s.model_copy(update={"modes": ["pd", "pd-bidir"]})
+    assert schedule_groups(cap, {"pd": [1, 2], "pd-bidir": [3, 4]}, plenty, interleave_runs=True) == [
+        (["pd", "pd-bidir"], None)]
+    uneven = schedule_groups(cap, {"pd": [1, 2], "pd-bidir": [3]}, plenty, interleave_runs=True)
+    assert [g for g, _ in uneven] == [["pd"], ["pd-bidir"]] and all("different numbers of runs" in w for _, w in uneven)
     assert all(why for _, why in schedule_groups(s.model_copy(update={"sessions": 0}), None, plenty))
+
+
+def test_step_orders_put_every_mode_once_in_each_step_and_say_so():
+    orders = schedule.step_orders(["pd", "pd-bidir"], 5, random.Random(3))
+    assert len(orders) == 5 and all(sorted(o) == ["pd", "pd-bidir"] for o in orders)
+    assert orders == schedule.step_orders(["pd", "pd-bidir"], 5, random.Random(3))   # seeded
+    assert len({tuple(o) for o in schedule.step_orders(["pd", "pd-bidir"], 20, random.Random(0))}) == 2  # both orders
+    spec = schedule.steps_spec("pd", orders, 3, ["pd", "pd-bidir"])
+    assert spec["orders"] == orders and spec["rounds"] == 5 and spec["by"] == "run"
+    assert schedule.describe([spec]) == ["Interleaved: pd, pd-bidir up together, their runs played step by step "
+                                         "(5 steps), the order shuffled each step (seed 3)."]

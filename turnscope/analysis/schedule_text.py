@@ -26,7 +26,11 @@ def describe(specs: Iterable[dict | None]) -> list[str]:
                             + (f": {reason}" if reason else "") + ".")
             continue
         group = tuple(spec.get("group") or ())
-        key = (INTERLEAVED, group, spec.get("rounds"), spec.get("seed"))
+        key = (INTERLEAVED, group, spec.get("rounds"), spec.get("seed"), spec.get("by"))
+        if spec.get("by") == "run":
+            seen.setdefault(key, f"Interleaved: {', '.join(group)} up together, their runs played step by step "
+                                 f"({spec.get('rounds')} steps), the order shuffled each step (seed {spec.get('seed')}).")
+            continue
         seen.setdefault(key, f"Interleaved: {', '.join(group)} up together, sessions in {spec.get('rounds')} "
                              f"round(s) per history mode, the order shuffled each round (seed {spec.get('seed')}).")
     return list(seen.values())
