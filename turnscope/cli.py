@@ -485,10 +485,12 @@ def plan_check(
     """Held-out check: fit a profile on one store or set of runs, forecast others it was not fitted on
     (each run planned alone, on its own clock), and print per mode the TTFT median absolute relative
     error, the p90 TTFT error, the hit-rate error (pp) and the pulled-token error, with the split named
-    (docs/planner.md, "Held-out check")."""
-    from turnscope.planner import held_out
+    (docs/planner.md, "Held-out check"). Checked runs that are steps of a capacity ramp also get the
+    ramp's crossing forecast next to the measured one (docs/capacity.md)."""
+    from turnscope.planner import capacity_forecast, held_out
     from turnscope.planner.layer_timing import write_profile as write_yaml
     from turnscope.planner.profile import load_profile
+    from turnscope.store import Store
 
     fit_root = fit_store or check_store
     profile = shipped(profile, "profiles")
@@ -499,9 +501,13 @@ def plan_check(
         prof, checks, summ = held_out.held_out_check(split, load_profile(profile) if profile else None)
         if write_profile is not None:
             write_yaml(prof, write_profile, f"turnscope plan-check: {split.describe()}")
+        ramps = capacity_forecast.measured_steps(Store(check_store), split.check_runs)
+        ramp_forecast = capacity_forecast.forecast_steps(Store(check_store), ramps, prof)
     except (ValueError, OSError) as exc:
         raise fail(str(exc)) from exc
     typer.echo(held_out.describe(split, summ, checks))
+    if not ramps.empty:
+        typer.echo(capacity_forecast.describe(ramps, ramp_forecast))
     if write_profile is not None:
         typer.echo(f"Profile {prof.name} with its held-out errors written to {write_profile}.")
 

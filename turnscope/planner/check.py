@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from turnscope.planner.fit import (  # noqa: F401 (run_settings re-exported)
+    on_run_kv_space,
     on_run_speed,
     plan_recorded_run,
     probe_ttft_s,
@@ -24,6 +25,7 @@ from turnscope.planner.fit import (  # noqa: F401 (run_settings re-exported)
     run_settings,
 )
 from turnscope.planner.profile import MODES, CostProfile
+from turnscope.planner.simulate import ModePlan, Traffic
 from turnscope.store import Store
 
 #: The TTFT check's bound: median absolute relative error per mode.
@@ -36,6 +38,18 @@ def _text(v) -> str | None:
 
 def _count(v) -> str:
     return "?" if v is None or pd.isna(v) else f"{int(v)}"
+
+
+def plan_on_its_own(store: Store, run_id: str, mode: str, profile: CostProfile, shared_prefix_tokens: int,
+                    probe_s: float | None) -> tuple[Traffic, ModePlan, float | None]:
+    """``run_id`` planned alone, on its own clock, with its own settings and workers: ``profile`` put on
+    the run's speed probe ``probe_s`` (:func:`turnscope.planner.fit.on_run_speed`) and on the KV
+    spaces its workers reported (:func:`turnscope.planner.fit.on_run_kv_space`). Returns the
+    traffic, the forecast and the speed factor (None: not scaled)."""
+    run_profile, factor = on_run_speed(profile, probe_s)
+    run_profile = on_run_kv_space(run_profile, store, run_id)
+    tr, m = plan_recorded_run(store, run_id, mode, run_profile, shared_prefix_tokens)
+    return tr, m, factor
 
 
 def check_runs(store: Store, run_ids: Sequence[str], profile: CostProfile) -> pd.DataFrame:
@@ -55,8 +69,7 @@ def check_runs(store: Store, run_ids: Sequence[str], profile: CostProfile) -> pd
         mode = str(rec["mode"].iloc[0])
         if mode not in MODES:
             continue
-        run_profile, factor = on_run_speed(profile, probes.get(str(run_id)))
-        tr, m = plan_recorded_run(store, str(run_id), mode, run_profile, shared)
+        tr, m, factor = plan_on_its_own(store, str(run_id), mode, profile, shared, probes.get(str(run_id)))
         pred = pd.DataFrame({"session_id": tr.session, "turn_index": tr.request_index,
                              "predicted_outcome": m.outcome_names(), "predicted_ttft_s": m.ttft_s,
                              "predicted_age_s": m.handle_age_s, "predicted_pulled": m.pulled_tokens,

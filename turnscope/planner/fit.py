@@ -183,6 +183,29 @@ def _kv_space(store: Store, run_ids: Sequence[str]) -> dict[str, int]:
     return out
 
 
+#: Each worker role and the profile field of its KV space (bytes).
+KV_SPACE_FIELDS: tuple[tuple[str, str], ...] = (("prefill", "prefill_kv_space_bytes"),
+                                                 ("decode", "decode_kv_space_bytes"),
+                                                 ("aggregated", "aggregated_kv_space_bytes"))
+
+
+def on_run_kv_space(profile: CostProfile, store: Store, run_id: str) -> CostProfile:
+    """``profile`` with the KV space each role's workers reported in ``run_id``'s own scrapes
+    (``vllm:cache_config_info``: num_gpu_blocks x block_size, times the profile's KV bytes per token)
+    where it differs from the profile's, e.g. a capacity step's small D (``turnscope capacity``'s
+    ``--kv-cache-memory-bytes`` on the decode role): a recorded run is planned with the workers it
+    ran on. Roles the run did not scrape keep the profile's space."""
+    kv = profile.kv_bytes_per_token.value
+    update = {}
+    for role, field in KV_SPACE_FIELDS:
+        tokens = _kv_space(store, [run_id]).get(role)
+        current = getattr(profile, field)
+        if tokens is not None and (current is None or current.value != tokens * kv):
+            update[field] = Sourced(value=tokens * kv, source=f"run {run_id}'s own {role} workers: "
+                                                            "vllm:cache_config_info num_gpu_blocks x block_size")
+    return profile.model_copy(update=update) if update else profile
+
+
 def fit_profile(store: Store, run_ids: Sequence[str], name: str = "fitted") -> CostProfile:
     """The profile of the deployment that recorded ``run_ids`` (see the module doc). Raises FitError."""
     turns = recorded_turns(store, run_ids)
@@ -209,8 +232,7 @@ def fit_profile(store: Store, run_ids: Sequence[str], name: str = "fitted") -> C
                                                                    "over vllm:nixl_xfer_time_seconds" + _pulls(turns)),
         left_out=["pull_latency_s: not separable from the bandwidth in these runs (0)"])
     space = _kv_space(store, run_ids)
-    for role, field in (("prefill", "prefill_kv_space_bytes"), ("decode", "decode_kv_space_bytes"),
-                        ("aggregated", "aggregated_kv_space_bytes")):
+    for role, field in KV_SPACE_FIELDS:
         if role in space:
             setattr(prof, field, Sourced(value=space[role] * kv_bytes,
                                          source=f"{src}: vllm:cache_config_info num_gpu_blocks x block_size"))

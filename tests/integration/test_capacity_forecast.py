@@ -1,0 +1,56 @@
+"""The capacity ramp's crossing forecast (turnscope.planner.capacity_forecast) over the hand-made ramp
+of tests/capacity_store.py, with a profile whose forecast is known by hand: no prefill cost (a1 = 0,
+so no queueing either), a pull that costs nothing (bandwidth 1e18 B/s), b0 0.2 s for ``pd`` and 0.6 s
+for ``pd-bidir``, TPOT 0.02 s. So every forecast TTFT is its mode's b0: ``pd`` meets the SLO (TTFT
+<= 0.5 s, TPOT <= 0.05 s) on all 10 ok turns of each step (goodput 10 / 10 s span = 1.0 turns/s),
+``pd-bidir`` on none (goodput 0, p90 0.6 s > 0.2 s x 1.05): the forecast crossing is the first step
+(1 session), two steps below the measured one (4 sessions): MISSED."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import capacity_store as cs
+from turnscope.planner import capacity_forecast as cf
+from turnscope.planner.profile import CostProfile
+from turnscope.store import Store
+
+SRC = {"source": "hand-made for the test"}
+
+
+def profile() -> CostProfile:
+    return CostProfile.model_validate({
+        "name": "test", "block_size": 128, "kv_bytes_per_token": {"value": 4096} | SRC,
+        "prefill_a1_s_per_token": {"value": 0.0} | SRC, "b0_default_s": {"value": 0.2} | SRC,
+        "b0_s": {"pd": {"value": 0.2} | SRC, "pd-bidir": {"value": 0.6} | SRC},
+        "pull_bandwidth_bytes_per_s": {"value": 1e18} | SRC, "decode_s_per_token": {"value": 0.02} | SRC})
+
+
+@pytest.fixture(scope="module")
+def ramp(tmp_path_factory):
+    store = Store(cs.build(tmp_path_factory.mktemp("capstore")))
+    ids = [cs.PLAIN] + [cs.run_id(m, u) for m in cs.MODES for u in cs.USERS]
+    measured = cf.measured_steps(store, ids)
+    return measured, cf.forecast_steps(store, measured, profile())
+
+
+def test_each_step_is_forecast_from_its_own_turns(ramp):
+    measured, forecast = ramp
+    assert sorted(zip(forecast["mode"], forecast["users"], strict=True)) == sorted(
+        (m, u) for m in cs.MODES for u in cs.USERS)   # the plain run is not a step
+    for r in forecast.itertuples():
+        b0 = 0.2 if r.mode == "pd" else 0.6
+        assert (r.ttft_p50_s, r.ttft_p90_s) == (pytest.approx(b0), pytest.approx(b0)), (r.mode, r.users)
+        assert r.goodput_per_s == pytest.approx(1.0 if r.mode == "pd" else 0.0), (r.mode, r.users)
+        assert r.d_full_events == 0
+
+
+def test_crossing_forecast_and_measured_in_one_language(ramp):
+    measured, forecast = ramp
+    [(cid, meas, fc)] = cf.crossings(measured, forecast)
+    assert cid == cs.CAP_ID
+    assert (meas.users, fc.users, fc.reason) == (cs.EXPECTED_CROSSING_USERS, 1, "goodput and ttft_p90")
+    text = cf.describe(measured, forecast)
+    assert (f"capacity ramp {cs.CAP_ID} (steps 1, 2, 4 sessions): crossing measured at 4 sessions (goodput and "
+            "ttft_p90), forecast at 1 sessions (goodput and ttft_p90) (MISSED)") in text
+    assert "4 sessions, pd-bidir: TTFT p90 900 ms measured, 600 ms forecast; goodput 0.60 vs 0.00 turns/s" in text
