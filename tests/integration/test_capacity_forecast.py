@@ -35,7 +35,7 @@ def ramp(tmp_path_factory):
 
 
 def test_each_step_is_forecast_from_its_own_turns(ramp):
-    measured, forecast = ramp
+    _, forecast = ramp
     assert sorted(zip(forecast["mode"], forecast["users"], strict=True)) == sorted(
         (m, u) for m in cs.MODES for u in cs.USERS)   # the plain run is not a step
     for r in forecast.itertuples():
