@@ -5,11 +5,15 @@ found by the same rule (:func:`dashboard.capacity.find_crossing`), so that forec
 say "holding KV starts to cost capacity at N sessions" in one language (docs/capacity.md, "The
 crossing, forecast and measured").
 
-Per step and mode (forecast): TTFT p50 and p90 over the step's ok turns; goodput = ok turns whose
-forecast TTFT meets the SLO's TTFT bound and whose forecast TPOT (the profile's
-``decode_s_per_token``) meets its TPOT bound, per second of the step's **recorded** span (the
-planner keeps the recorded arrivals, so the span is not forecast); D's peak pinned KV as a fraction
-of the run's D KV space, and the handles lost to a full D (``miss_d_full``).
+Per step and mode (forecast): TTFT p50 and p90 over the step's ok turns; D's peak pinned KV as a
+fraction of the run's D KV space, and the handles lost to a full D (``miss_d_full``). **Goodput is
+not forecast**: a step's turns are sent by a closed loop (each user sends its next turn after the
+last reply and a tool gap), so the step's span, the denominator of goodput, follows the very
+latencies being forecast, and the recorded span would carry the measured slowdown into the
+forecast. The forecast crossing is therefore the TTFT p90 rule alone (``find_crossing`` with
+goodput equal on both sides), and "D full" is the first step whose peak reaches
+:data:`D_FULL_FRACTION` of D's KV space (measured: ``vllm:kv_cache_usage_perc``, running requests
+included; forecast: the pinned handles).
 """
 
 from __future__ import annotations
@@ -20,16 +24,19 @@ import numpy as np
 import pandas as pd
 
 from dashboard import db
-from dashboard.capacity import Crossing, find_crossing
+from dashboard.capacity import TREATMENT, Crossing, find_crossing
 from dashboard.queries import capacity as capacity_queries
 from turnscope.planner.check import plan_on_its_own
 from turnscope.planner.fit import probe_ttft_s, recorded_shared_prefix_tokens, recorded_turns
 from turnscope.planner.profile import CostProfile
 from turnscope.store import Store
 
-#: Columns of :func:`forecast_steps` (``dashboard.capacity.step_pairs`` reads the first five).
+#: Columns of :func:`forecast_steps` (``dashboard.capacity.step_pairs`` reads the first five;
+#: ``goodput_per_s`` is the same constant on every row: not forecast, see the module doc).
 COLUMNS = ("mode", "users", "goodput_per_s", "ttft_p50_s", "ttft_p90_s", "capacity_id", "run_id",
            "d_pinned_peak_fraction", "d_full_events")
+#: A step "fills D" when its peak reaches this fraction of D's KV space.
+D_FULL_FRACTION = 0.95
 
 
 def measured_steps(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
@@ -47,7 +54,6 @@ def forecast_steps(store: Store, steps: pd.DataFrame, profile: CostProfile) -> p
     recorded = recorded_turns(store, run_ids)
     shared = recorded_shared_prefix_tokens(recorded)
     probes = probe_ttft_s(store, run_ids)
-    tpot = profile.decode_s_per_token.value if profile.decode_s_per_token else 0.0
     rows = []
     for st in steps.itertuples():
         tr, m, _ = plan_on_its_own(store, st.run_id, st.mode, profile, shared, probes.get(st.run_id))
@@ -55,9 +61,7 @@ def forecast_steps(store: Store, steps: pd.DataFrame, profile: CostProfile) -> p
         pred = pd.DataFrame({"session_id": tr.session, "turn_index": tr.request_index, "ttft_s": m.ttft_s})
         ok = rec[rec["status"] == "ok"][["session_id", "turn_index"]].merge(pred, on=["session_id", "turn_index"])
         ttft = ok["ttft_s"].to_numpy(float)
-        met = int(np.sum(ttft <= st.slo_ttft_s)) if tpot <= st.slo_tpot_s else 0
-        rows.append({"mode": st.mode, "users": int(st.users),
-                     "goodput_per_s": met / st.span_s if st.span_s and st.span_s > 0 else np.nan,
+        rows.append({"mode": st.mode, "users": int(st.users), "goodput_per_s": 1.0,
                      "ttft_p50_s": float(np.quantile(ttft, 0.5)) if ttft.size else np.nan,
                      "ttft_p90_s": float(np.quantile(ttft, 0.9)) if ttft.size else np.nan,
                      "capacity_id": st.capacity_id, "run_id": st.run_id,
@@ -77,26 +81,45 @@ def crossings(measured: pd.DataFrame, forecast: pd.DataFrame) -> list[tuple[str,
     return out
 
 
+def d_full_step(steps: pd.DataFrame, column: str) -> int | None:
+    """The fewest sessions at which the treatment's D peak (``column``: a fraction of D's KV space)
+    reaches :data:`D_FULL_FRACTION`; None when no step does."""
+    t = steps[(steps["mode"] == TREATMENT) & (steps[column] >= D_FULL_FRACTION)]
+    return int(t["users"].min()) if len(t) else None
+
+
+def within_one_step(users: list[int], measured: int | None, forecast: int | None) -> bool:
+    """Whether a forecast step is the measured one or its neighbour in ``users`` (both None: agree)."""
+    if measured is None or forecast is None:
+        return measured is None and forecast is None
+    return abs(users.index(measured) - users.index(forecast)) <= 1
+
+
 def describe(measured: pd.DataFrame, forecast: pd.DataFrame) -> str:
-    """The capacity lines of ``turnscope plan-check``: per ramp the crossing measured and forecast
-    (within one step: the held-out target), and per step the forecast next to the measured figures."""
+    """The capacity lines of ``turnscope plan-check``: per ramp the crossing and the step where D fills,
+    measured and forecast (within one step: the held-out target), and per step the forecast next to
+    the measured figures."""
     lines = []
     for cid, meas, fc in crossings(measured, forecast):
-        users = sorted(set(measured.loc[measured["capacity_id"] == cid, "users"]))
+        m_ramp, f_ramp = measured[measured["capacity_id"] == cid], forecast[forecast["capacity_id"] == cid]
+        users = sorted(set(m_ramp["users"]))
 
-        def step_text(c: Crossing) -> str:
-            return f"at {c.users} sessions ({c.reason})" if c.users is not None else "none within the steps"
+        def at(n: int | None, why: str | None = None) -> str:
+            return "none within the steps" if n is None else f"at {n} sessions" + (f" ({why})" if why else "")
 
-        within = (meas.users is None and fc.users is None) or (
-            meas.users is not None and fc.users is not None and abs(users.index(meas.users) - users.index(fc.users)) <= 1)
+        def verdict(a: int | None, b: int | None, steps: list[int] = users) -> str:
+            return "within one step" if within_one_step(steps, a, b) else "MISSED"
+
+        m_full, f_full = d_full_step(m_ramp, "decode_kv_usage_max"), d_full_step(f_ramp, "d_pinned_peak_fraction")
         lines.append(f"  capacity ramp {cid} (steps {', '.join(map(str, users))} sessions): crossing measured "
-                     f"{step_text(meas)}, forecast {step_text(fc)} ({'within one step' if within else 'MISSED'})")
-        both = measured[measured["capacity_id"] == cid].merge(
-            forecast[forecast["capacity_id"] == cid], on=["mode", "users"], suffixes=("", "_fc"))
+                     f"{at(meas.users, meas.reason)}, forecast {at(fc.users, fc.reason)} (TTFT p90 only: goodput "
+                     f"is not forecast) ({verdict(meas.users, fc.users)}); {TREATMENT}'s D full (>= "
+                     f"{D_FULL_FRACTION:.0%}) measured {at(m_full)}, forecast {at(f_full)} ({verdict(m_full, f_full)})")
+        both = m_ramp.merge(f_ramp, on=["mode", "users"], suffixes=("", "_fc"))
         for r in both.sort_values(["users", "mode"]).itertuples():
             lines.append(f"    {r.users} sessions, {r.mode}: TTFT p90 {r.ttft_p90_s * 1e3:,.0f} ms measured, "
-                         f"{r.ttft_p90_s_fc * 1e3:,.0f} ms forecast; goodput {r.goodput_per_s:.2f} vs "
-                         f"{r.goodput_per_s_fc:.2f} turns/s; D peak {r.decode_kv_usage_max:.0%} of its KV in use "
-                         f"measured, pinned {r.d_pinned_peak_fraction:.0%} forecast"
+                         f"{r.ttft_p90_s_fc * 1e3:,.0f} ms forecast; goodput {r.goodput_per_s:.2f} turns/s measured; "
+                         f"D peak {r.decode_kv_usage_max:.0%} of its KV in use measured, pinned "
+                         f"{r.d_pinned_peak_fraction:.0%} forecast"
                          + (f", {r.d_full_events} handles lost to a full D" if r.d_full_events else ""))
     return "\n".join(lines)
