@@ -524,6 +524,9 @@ def recommend(
     threshold: Annotated[int, typer.Option(help="Current kv_recompute_threshold, tokens.")] = KV_RECOMPUTE_THRESHOLD_TOKENS,
     prefill_workers: Annotated[int, typer.Option(help="Current prefill workers.")] = 1,
     routing: Annotated[str, typer.Option(help="Current prefill routing: session or round-robin.")] = "session",
+    current_d_kv_gib: Annotated[float | None, typer.Option(
+        help="Current KV space of one decode worker, GiB (default: the profile's), e.g. 0.0625 for "
+             "`turnscope capacity`'s 64 MiB D.")] = None,
     margin_s: Annotated[float, typer.Option(help="The proxy's handle TTL margin, seconds.")] = 30.0,
     ttft_slo_s: Annotated[float | None, typer.Option(help="SLO on p90 TTFT, seconds (default: none).")] = None,
     d_kv_gib: Annotated[float | None, typer.Option(
@@ -558,7 +561,9 @@ def recommend(
     try:
         text = run_recommend(
             [shipped(p, "traces") for p in paths], profile_path=shipped(profile, "profiles"), format=format,
-            current=Setting(current_strategy, ttl_s, threshold, None, prefill_workers, 1, routing),
+            current=Setting(current_strategy, ttl_s, threshold,
+                            None if current_d_kv_gib is None else current_d_kv_gib * 2**30, prefill_workers, 1,
+                            routing),
             margin_s=margin_s, ttft_slo_s=ttft_slo_s, d_kv_gib=d_kv_gib, gpu_hour_usd=gpu_hour_usd,
             host_gib_hour_usd=host_gib_hour_usd, max_prefill_workers=max_prefill_workers, serve_model=serve_model,
             platform=platform, topology_path=topology, store_root=store, label=label,

@@ -35,7 +35,8 @@ def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | No
     if current.strategy not in STRATEGIES:
         raise ValueError(f"--current-strategy {current.strategy!r}: expected one of {', '.join(STRATEGIES)}")
     for name, v in (("--gpu-hour-usd", gpu_hour_usd), ("--host-gib-hour-usd", host_gib_hour_usd),
-                    ("--d-kv-gib", d_kv_gib), ("--ttft-slo-s", ttft_slo_s)):
+                    ("--d-kv-gib", d_kv_gib), ("--ttft-slo-s", ttft_slo_s),
+                    ("--current-d-kv-gib", current.decode_kv_bytes)):
         if v is not None and v < 0:
             raise ValueError(f"{name} must not be negative, got {v}")
     prof = load_profile(profile_path)
