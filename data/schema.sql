@@ -524,10 +524,16 @@ SELECT run_id, endpoint, role, itl_events, itl_sum_s / nullif(itl_events, 0) AS 
 FROM inc;
 
 -- The KV each turn's handle kept pinned on D, from the turn's end until the session's next turn
--- pulled it (its proxy-measured handle age at use plus that turn's prefill leg) or, when the next
--- turn did not pull it (no next turn, a miss of any kind), for D's whole decoder_kv_blocks_ttl
--- (vLLM nixl/pull_scheduler.py: request_finished pins the blocks, _reap_expired_send_leases frees
--- them). Each hold belongs to the run whose turn created it, also after the run's last turn.
+-- freed it (its proxy-measured handle age at use plus that turn's prefill leg): 'pulled' when that
+-- turn was a hit; 'freed' when it was miss_below_threshold, since P, given the handle, pulls nothing
+-- and still sends D the completion notification, on which D frees the blocks (vLLM 0.32
+-- nixl/pull_scheduler.py get_num_new_matched_tokens returns 0 tokens, update_state_after_alloc
+-- queues the request with no local blocks, nixl/pull_worker.py _read_blocks notifies D;
+-- turnscope.reuse_rules.d_frees_taken_handle). Otherwise (no next turn, any other miss: mismatch
+-- and expired handles are not forwarded, a failed transfer) 'expired' after D's whole
+-- decoder_kv_blocks_ttl (nixl/pull_scheduler.py: request_finished pins the blocks,
+-- _reap_expired_send_leases frees them). Each hold belongs to the run whose turn created it, also
+-- after the run's last turn.
 CREATE VIEW handle_holds AS
 WITH t AS (
     SELECT run_id, session_id, turn_index, sent_at, e2e_s, handle_tokens,
@@ -540,8 +546,9 @@ WITH t AS (
 SELECT t.run_id, t.session_id, t.turn_index, t.handle_tokens,
        t.handle_tokens * c.kv_bytes_per_token                                AS handle_bytes,
        t.sent_at + to_microseconds(CAST(round(coalesce(t.e2e_s, 0) * 1e6) AS BIGINT)) AS held_from,
-       CASE WHEN t.next_reuse = 'hit' THEN 'pulled' ELSE 'expired' END         AS ended_by,
-       CASE WHEN t.next_reuse = 'hit'
+       CASE t.next_reuse WHEN 'hit' THEN 'pulled' WHEN 'miss_below_threshold' THEN 'freed'
+            ELSE 'expired' END                                                 AS ended_by,
+       CASE WHEN t.next_reuse IN ('hit', 'miss_below_threshold')
             THEN least(coalesce(t.next_handle_age_s, 0) + coalesce(t.next_prefill_leg_s, 0),
                        c.decoder_kv_blocks_ttl_s)
             ELSE c.decoder_kv_blocks_ttl_s END                                 AS held_s

@@ -17,12 +17,37 @@ kv_connector/v1/nixl/``):
   margin (vLLM's reference multi-turn proxy: 450 s against 480 s).
 * A handle is single use (D frees its blocks after the first read; vLLM issue 52234), and only
   whole KV blocks before the first differing token may be pulled (research/retokenization-and-trim.md).
+* P frees D's blocks also when it pulls nothing from a handle it was given (below the threshold, or
+  all in its own prefix cache): :func:`d_frees_taken_handle`.
 """
 
 from __future__ import annotations
 
+from turnscope.contract import HIT, MISS_BELOW_THRESHOLD
+
 #: P declines a read this close to D's deadline (vLLM ``pull_worker._KV_BLOCKS_EXPIRY_SAFETY_MARGIN``).
 P_EXPIRY_SAFETY_MARGIN_S = 5.0
+
+
+#: The outcomes of a turn after which D frees, at that turn's prefill, the blocks of the handle the
+#: turn took (:func:`d_frees_taken_handle`).
+D_FREES_TAKEN_HANDLE: tuple[str, ...] = (HIT, MISS_BELOW_THRESHOLD)
+
+
+def d_frees_taken_handle(outcome: str | None) -> bool:
+    """Whether D frees the blocks of the handle a turn took when that turn is prefilled, rather than
+    keeping them until ``decoder_kv_blocks_ttl``: after a pull (``hit``), and after
+    ``miss_below_threshold`` too. vLLM 0.32 (``nixl/pull_scheduler.py``): P's
+    ``get_num_new_matched_tokens`` returns 0 external tokens when the count to pull is below
+    ``kv_recompute_threshold`` or not positive, then ``update_state_after_alloc`` still queues the
+    request in ``_reqs_need_recv`` with no local blocks ("If remote_blocks and num_external_tokens
+    = 0 ... We need to call send_notif in _read_blocks to free the memory on the remote node"), and
+    ``nixl/pull_worker.py`` ``_read_blocks`` sends D the completion notification ("Full prefix cache
+    hit: do not need to read remote blocks, just notify P worker"; ``_is_turn2_read_expired`` does
+    not decline an empty read), on which D frees the blocks as after a read. Any other outcome
+    leaves them pinned to the TTL: ``miss_mismatch`` and ``miss_expired`` (the proxy forwards no
+    handle), ``miss_transfer_failed``, a session's last turn (None)."""
+    return outcome in D_FREES_TAKEN_HANDLE
 
 
 def proxy_handle_ttl_s(decoder_kv_blocks_ttl_s: float, margin_s: float) -> float:

@@ -70,8 +70,8 @@ else:
     st.caption("The last column is the price: GiB of KV kept pinned for a second, per second of prefill saved.")
     with st.expander("How held KV and prefill saved are measured"):
         st.markdown(
-        "KV held: each of the run's handles from its turn's end until the next turn pulled it or D's "
-        "decoder_kv_blocks_ttl freed it, also after the run ended, never another run's (view run_handle_memory; "
+        "KV held: each of the run's handles from its turn's end until the next turn pulled it (or, below the "
+        "recompute threshold, had P tell D to free it) or D's decoder_kv_blocks_ttl freed it, also after the run ended, never another run's (view run_handle_memory; "
         "runs recorded without handle sizes: the proxy's live handle bytes over the run's scrapes). Prefill saved (estimate): tokens pulled from D × the run's compute time per token "
         "(prefill legs ÷ recomputed tokens over the turns that pulled nothing) − the measured NIXL time. "
         "The last column is the price: GiB of KV kept for a second, per second of prefill saved."
@@ -110,7 +110,9 @@ with st.expander("How the what-if is replayed"):
     "(`turnscope/planner/pinned_kv.py`): after each ok turn D pins prompt + output − 1 tokens in whole KV "
     "blocks until the session's next turn pulls them or the TTL passes; a later turn (not `fresh`, recorded "
     f"a hit or a miss by expiry) pulls when its handle is younger than TTL − {margin} s (the proxy's margin); a "
-    "miss for another reason (mismatch, below the recompute threshold, failed transfer) stays one. The limit "
+    "miss for another reason (mismatch, below the recompute threshold, failed transfer) stays one, and a turn "
+    "recorded below the threshold frees the handle it takes at that age (P reads nothing and tells D to free "
+    "it, as vLLM does). The limit "
     "is D's KV space from the run's `vllm:cache_config_info` (num_gpu_blocks × block_size × kv_bytes_per_token, "
     "summed over its decode workers): a handle that does not fit next to those pinned is lost, and the "
     "session's next turn misses (the planner's `miss_d_full`; in vLLM, D would queue or preempt instead). "

@@ -19,6 +19,7 @@ from dashboard.queries.common import (
     run_sql,
     where_sql,
 )
+from turnscope import reuse_rules as rules
 from turnscope.analysis.worker_cache import cache_config
 from turnscope.planner.ttl_whatif import (
     RESULT_COLUMNS,
@@ -213,13 +214,15 @@ def reuse_cost(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) ->
 # space does not bind, and the one that follows the turn filters.
 # Per turn (all turns of the selected runs, so each turn's successor is known before filtering):
 # the KV D would hold after it (an ok turn's remote_num_tokens: prompt + output - 1) until the session's next turn
-# pulls it (the gap to that turn, when that turn hits at this TTL), else for the whole TTL (vLLM
-# pins a handle until it is read or expires: view handle_holds). A later turn hits when it is not
-# `fresh`, its recorded outcome was a hit or a miss by expiry (other misses do not depend on the
-# TTL), and its gap is below TTL - the proxy's margin.
+# frees it (the gap to that turn, when that turn takes the handle at this TTL and pulls it or, recorded
+# below the recompute threshold, tells D it needs none of it: turnscope.reuse_rules.d_frees_taken_handle,
+# the rule of view handle_holds), else for the whole TTL (vLLM pins a handle until then). A later
+# turn hits when it is not `fresh`, its recorded outcome was a hit or a miss by expiry (other misses
+# do not depend on the TTL), and its gap is below TTL - the proxy's margin; it frees the previous
+# handle under the same gap condition when it hits or was recorded below the threshold.
 # Exact, in one pass: with the TTLs sorted T_0 < ... < T_k-1, each turn falls in the bin of the
-# first TTL above what its successor needs to hit (bin_next) and above what it needs itself
-# (bin_hit); then, for T_j,
+# first TTL above what its successor needs to free its handle (bin_next) and above what it needs
+# itself to hit (bin_hit); then, for T_j,
 # held = sum(h x next gap) over bins <= j + T_j x sum(h) over bins > j, and hits = turns in bins
 # <= j. The per-turn work is two comparisons chains and one small group-by, whatever the number
 # of TTLs.
@@ -236,16 +239,21 @@ WITH t AS (
            CASE WHEN t.turn_index >= 1 AND t.kind IS DISTINCT FROM 'fresh'
                      AND (t.reuse IS NULL OR t.reuse IN ('hit', 'miss_expired'))
                 THEN t.gap_before_s + c.handle_ttl_margin_s END AS needs_ttl_s,
+           -- the TTL above which this turn frees the previous turn's handle: it hits then, or it
+           -- was recorded among the outcomes after which D frees a handle it was given
+           CASE WHEN t.turn_index >= 1 AND t.kind IS DISTINCT FROM 'fresh'
+                     AND (t.reuse IS NULL OR t.reuse IN ('hit', 'miss_expired') OR t.reuse IN ({frees_outcomes}))
+                THEN t.gap_before_s + c.handle_ttl_margin_s END AS frees_ttl_s,
            c.kv_bytes_per_token
     FROM turns t JOIN run_config c USING (run_id)
     WHERE {where_sessions}  -- whole sessions, before the window reads them
 ), w AS (
     SELECT *,
            lead(gap_before_s) OVER (PARTITION BY hash(run_id, session_id) ORDER BY turn_index) AS next_gap_s,
-           lead(needs_ttl_s) OVER (PARTITION BY hash(run_id, session_id) ORDER BY turn_index) AS next_needs_ttl_s
+           lead(frees_ttl_s) OVER (PARTITION BY hash(run_id, session_id) ORDER BY turn_index) AS next_frees_ttl_s
     FROM t
 ), x AS (
-    SELECT w.run_id, w.turn_index, w.held_tokens, w.next_gap_s, w.next_needs_ttl_s, w.kv_bytes_per_token,
+    SELECT w.run_id, w.turn_index, w.held_tokens, w.next_gap_s, w.next_frees_ttl_s, w.kv_bytes_per_token,
            w.needs_ttl_s
     FROM w
     WHERE {where_turns}
@@ -288,10 +296,11 @@ def whatif_ttl(
     run's handle margin (``run_config``); a recorded miss of another kind (mismatch, below
     threshold, failed transfer, no handle) stays a miss at every TTL. After each ok turn D holds
     its prompt + output - 1 tokens (``remote_num_tokens``, :func:`turnscope.reuse_rules.handle_kv_tokens`;
-    not rounded to blocks, no limit on D's space) until the session's next turn pulls them (the gap to it, when that
-    turn hits at this TTL), else for the whole TTL, as vLLM pins a handle until it is read or
-    expires (the rule of the ``handle_holds`` view, so at a run's own TTL the held GiB·s is close
-    to ``run_handle_memory.held_gib_s``). Columns: ttl_s, later_turns, hits, held_token_s (tokens x s),
+    not rounded to blocks, no limit on D's space) until the session's next turn frees them (the gap to it,
+    when that turn's gap is below TTL - margin and it hits or was recorded ``miss_below_threshold``:
+    :func:`turnscope.reuse_rules.d_frees_taken_handle`), else for the whole TTL (the rule of the
+    ``handle_holds`` view, so at a run's own TTL the held GiB·s is close to
+    ``run_handle_memory.held_gib_s``). Columns: ttl_s, later_turns, hits, held_token_s (tokens x s),
     held_gib_s (GiB x s, using runs.config kv_bytes_per_token; NULL parts skipped),
     turns_without_kv_bytes (ok turns of runs with no kv_bytes_per_token). One row per TTL.
     """
@@ -307,7 +316,8 @@ def whatif_ttl(
     sql = _WHATIF_TTL.format(
         where_sessions=where_sessions,
         where_turns=where_turns,
-        bin_next=_bin("next_needs_ttl_s", ttls),
+        bin_next=_bin("next_frees_ttl_s", ttls),
+        frees_outcomes=", ".join(f"'{o}'" for o in rules.D_FREES_TAKEN_HANDLE),
         bin_hit=_bin("needs_ttl_s", ttls),
         totals=",\n       ".join(_WHATIF_TOTALS.format(i=i, ttl=repr(t)) for i, t in enumerate(ttls)),
     )

@@ -20,7 +20,8 @@ from turnscope.store import Store
 T0 = dt.datetime(2026, 12, 1, 10, 0, tzinfo=dt.UTC)
 GIB = 2**30
 # run -> (kv bytes per token, block size, D's num_gpu_blocks)
-RUNS = {"bind": (1, 16, 100), "free": (4096, 16, 1_000_000), "gpu-less": (1, 16, None)}
+RUNS = {"bind": (1, 16, 100), "free": (4096, 16, 1_000_000), "gpu-less": (1, 16, None),
+        "thr": (4096, 16, 1_000_000)}
 # (session, turn, sent s, e2e s, prompt, completion, recorded reuse): the unit test's case
 # (tests/unit/test_ttl_whatif.py): D's 1,600 bytes hold A0 + B0 but not C0 next to them.
 BIND = [("A", 0, 0.0, 1.0, 800, 1, "miss_first_turn"), ("B", 0, 0.5, 1.0, 640, 1, "miss_first_turn"),
@@ -39,6 +40,12 @@ for s, gaps in enumerate([(20, 100, 200), (500, 20, 100), (200, 500, 20)]):
         if (s, k) == (2, 2):
             reuse = "miss_consumed"  # s2/1 failed (below): the proxy had no handle left for s2/2
         FREE.append((f"s{s}", k, sent, 2.0, prompt, 32, reuse))
+# Two turns below the recompute threshold, 20 s and 100 s after the previous turn's end: handles of
+# 1009 + 31 = 1040, 1057 + 31 = 1088 and 1121 + 31 = 1152 tokens (whole 16-token blocks), each turn
+# 2 s long.
+THR = [("t0", 0, 0.0, 2.0, 1009, 32, "miss_first_turn"), ("t0", 1, 22.0, 2.0, 1057, 32, "miss_below_threshold"),
+       ("t0", 2, 124.0, 2.0, 1121, 32, "miss_below_threshold")]
+TURNS_OF = {"bind": BIND, "free": FREE, "gpu-less": BIND, "thr": THR}
 
 
 def _write(store: Store, run_id: str, turns: list, kv: int, block: int, blocks: int | None) -> None:
@@ -68,7 +75,7 @@ def _build(path) -> Store:
     store = Store(path)
     store.init()
     for run_id, (kv, block, blocks) in RUNS.items():
-        _write(store, run_id, BIND if run_id != "free" else FREE, kv, block, blocks)
+        _write(store, run_id, TURNS_OF[run_id], kv, block, blocks)
     return store
 
 
@@ -103,6 +110,21 @@ def test_without_a_binding_limit_it_is_the_unlimited_sql_replay(root, ttl: float
     assert (limited["later_turns"], limited["hits"]) == (sql["later_turns"], sql["hits"])
     assert limited["held_gib_s"] == pytest.approx(sql["held_gib_s"], rel=1e-9)
     assert limited["peak_held_bytes"] == limited["demand_peak_bytes"]
+
+
+@pytest.mark.parametrize("query", ["whatif_ttl_d_limit", "whatif_ttl"])
+def test_a_below_threshold_turn_frees_the_handle_it_was_given(root, query: str) -> None:
+    """P given a handle it pulls nothing from still notifies D, which frees it (vLLM
+    nixl/pull_scheduler.py update_state_after_alloc, nixl/pull_worker.py _read_blocks), when the
+    proxy offers it: gap + 30 s margin below the TTL. Both routes (the replay, the SQL)."""
+    out = db.read(root, getattr(queries, query), ["thr"], (60.0, 480.0)).set_index("ttl_s")
+    # By hand, tokens x seconds. TTL 60: t0/1 (gap 20 < 30) frees t0/0 after 20 s; t0/2's gap 100 is
+    # past the proxy's 30 s, so t0/1's handle is held 60 s; t0/2's 60 s. TTL 480: t0/2 frees t0/1
+    # after 100 s; t0/2's held 480 s.
+    by_hand = {60.0: 1040 * 20 + 1088 * 60 + 1152 * 60, 480.0: 1040 * 20 + 1088 * 100 + 1152 * 480}
+    for ttl, token_s in by_hand.items():
+        assert out.loc[ttl, "hits"] == 0
+        assert out.loc[ttl, "held_gib_s"] == pytest.approx(token_s * 4096 / GIB)
 
 
 def test_the_hits_rise_with_the_ttl(root) -> None:

@@ -79,11 +79,31 @@ def test_capacity_counts_distinct_blocks():
     assert d.held_blocks == 12
 
 
-def test_plan_keeps_a_below_threshold_handle_next_to_its_successor():
-    # pd-bidir: P holds the 1024-token prompt, so turn 1 pulls 7 tokens < 64: its handle (1031 tokens)
-    # is taken but not read and stays pinned; turn 1's own handle (1331 tokens) shares 8 blocks with it.
-    # D holds 12 blocks: both fit as distinct blocks (9 + 3), where counting each handle's own (9 + 11)
-    # would lose turn 1's handle and make turn 2 miss_d_full.
+def test_plan_keeps_an_expired_handle_next_to_its_successor():
+    # pd-bidir-nocache, proxy TTL 480 - 30 = 450 s: turn 1 comes 455 s after turn 0 ended, so the proxy
+    # offers no handle (miss_expired) but D keeps turn 0's (1031 tokens, 9 blocks) to 1 + 480 = 481 s;
+    # turn 1's own (1331 tokens, 11 blocks), pinned at 457 s, shares 8 blocks with it. D holds 12
+    # blocks: both fit as distinct blocks (9 + 3), where counting each handle's own (9 + 11 = 20)
+    # would lose turn 1's handle and make turn 2 (at 482 s, 25 s after turn 1 ended, turn 0's handle
+    # gone at 481 s) miss_d_full instead of a hit.
+    space = {"decode_kv_space_bytes": {"value": 12 * BLOCK, "source": "test"}}
+    reqs = [AgentRequest("t", "a", 0, 0.0, 1000, 32, 0, server_s=1.0),
+            AgentRequest("t", "a", 1, 456.0, 1300, 32, 1031, server_s=1.0),
+            AgentRequest("t", "a", 2, 482.0, 1400, 32, 1331, server_s=1.0)]
+    m = plan(reqs, profile(**space), PlanSettings(modes=("pd-bidir-nocache",))).modes["pd-bidir-nocache"]
+    assert list(m.outcome_names()) == ["miss_first_turn", "miss_expired", "hit"]
+    assert m.d_full_events == 0
+    assert m.peak_held_bytes() == 12 * BLOCK
+
+
+def test_plan_frees_a_below_threshold_handle_before_its_successor_pins():
+    # pd-bidir: P holds the 1024-token prompt, so turn 1 pulls 7 tokens < 64 (miss_below_threshold):
+    # P reads nothing and tells D to free turn 0's handle (1031 tokens, 9 blocks) at turn 1's arrival,
+    # 5 s (vLLM nixl/pull_scheduler.py update_state_after_alloc, pull_worker.py _read_blocks). Turn 1's
+    # own (1331 tokens, 11 blocks) is pinned at 6 s alone; turn 2 (P holds 1280 of 1331: 51 < 64) frees
+    # it at 10 s, and its own (1431 tokens, 12 blocks) fits in D's 12 blocks at 11 s, to 11 + 480 s.
+    # Before this rule turn 0's handle stayed pinned to 481 s: 9 + 3, then 9 + 3 + 1 = 13 > 12 blocks
+    # lost turn 2's handle (one miss_d_full).
     space = {"decode_kv_space_bytes": {"value": 12 * BLOCK, "source": "test"}}
     reqs = [AgentRequest("t", "a", 0, 0.0, 1024, 8, 0, server_s=1.0),
             AgentRequest("t", "a", 1, 5.0, 1300, 32, 1031, server_s=1.0),
@@ -91,9 +111,10 @@ def test_plan_keeps_a_below_threshold_handle_next_to_its_successor():
     p = plan(reqs, profile(**space), PlanSettings(modes=("pd-bidir",)))
     m = p.modes["pd-bidir"]
     assert list(m.outcome_names()) == ["miss_first_turn", "miss_below_threshold", "miss_below_threshold"]
-    # turn 2's own handle (1431 tokens, 12 blocks, 10 shared with turn 1's) would add 2: 14 > 12, lost
-    assert m.d_full_events == 1
+    assert m.d_full_events == 0
     assert m.peak_held_bytes() == 12 * BLOCK
+    # blocks x seconds: 9 x (5 - 1) + 11 x (10 - 6) + 12 x 480
+    assert m.held_gib_s() == pytest.approx((9 * 4 + 11 * 4 + 12 * 480) * BLOCK / 2**30)
 
 
 def test_plan_shares_the_system_prompt_across_sessions_on_d():

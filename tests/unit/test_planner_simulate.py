@@ -90,6 +90,26 @@ def test_threshold_with_p_own_cache():
     assert outcomes(p, "pd-bidir")[1] == "miss_below_threshold"
 
 
+def test_below_threshold_frees_the_taken_handle_a_mismatch_keeps_it():
+    # pd-bidir, P holds the 1024-token prompt: 7 tokens to pull < 64. vLLM's P pulls nothing but
+    # still notifies D (nixl/pull_scheduler.py update_state_after_alloc, pull_worker.py _read_blocks),
+    # which frees turn 0's handle (1031 tokens, 9 blocks) at turn 1's arrival: held 1 -> 5 s. Turn 1's
+    # (1331 tokens, 11 blocks) is pinned from 6 s to D's TTL, 480 s later.
+    blk = 128 * 4096
+    reqs = [req("a", 0, 0.0, 1024, 0, out=8), req("a", 1, 5.0, 1300, 1031)]
+    m = plan(reqs, profile(), PlanSettings(modes=("pd-bidir",))).modes["pd-bidir"]
+    assert list(m.outcome_names()) == ["miss_first_turn", "miss_below_threshold"]
+    assert m.peak_held_bytes() == 11 * blk
+    assert m.held_gib_s() == pytest.approx((9 * 4 + 11 * 480) * blk / 2**30)
+    # a mismatch (100 shared tokens: not one whole block) forwards no handle: D keeps turn 0's 9 blocks
+    # to 1 + 480 s next to turn 1's 11 (nothing shared), 6 -> 486 s
+    reqs = [req("a", 0, 0.0, 1024, 0, out=8), req("a", 1, 5.0, 1300, 100)]
+    m = plan(reqs, profile(), PlanSettings(modes=("pd-bidir",))).modes["pd-bidir"]
+    assert list(m.outcome_names()) == ["miss_first_turn", "miss_mismatch"]
+    assert m.peak_held_bytes() == 20 * blk
+    assert m.held_gib_s() == pytest.approx((9 * 480 + 11 * 480) * blk / 2**30)
+
+
 def test_edit_below_one_block_is_a_mismatch():
     p = plan([req("a", 0, 0.0, 1000, 0), req("a", 1, 5.0, 1300, 100)], profile())
     assert outcomes(p, "pd-bidir-nocache")[1] == "miss_mismatch"

@@ -80,11 +80,34 @@ def test_ttl_independent_misses_and_failed_turns() -> None:
     assert r.held_gib_s == pytest.approx((800 + 816 + 656) * 480 / GIB)
 
 
+@pytest.mark.parametrize("ttl", [40.0, 480.0])
+def test_a_below_threshold_turn_frees_the_handle_it_took(ttl) -> None:
+    """P given a handle it pulls nothing from still notifies D, which frees it then (vLLM
+    nixl/pull_scheduler.py update_state_after_alloc, nixl/pull_worker.py _read_blocks): a recorded
+    miss_below_threshold ends its predecessor's hold at its send time when the proxy would offer
+    the handle at this TTL, and does not when the handle is past the proxy's TTL."""
+    turns = [("A", 0, 0.0, 1.0, 800, 1, "miss_first_turn"), ("A", 1, 5.0, 1.0, 815, 2, "miss_below_threshold"),
+             ("A", 2, 25.0, 1.0, 830, 3, "miss_below_threshold")]
+    # Handles 800, 816, 832 bytes (whole 16-token blocks), pinned at 1, 6 and 26 s. A1's handle is 4 s
+    # old: offered at both TTLs (proxy TTL 10 s and 450 s), so A0 is freed at 5 s (held 4 s). A2's is
+    # 19 s old: offered at 480 (A1 held 6 -> 25 s: 19 s), past the proxy's 10 s at 40 (A1 held 40 s).
+    a1_held = 19.0 if ttl == 480.0 else 40.0
+    byte_s = 800 * 4 + 816 * a1_held + 832 * ttl
+    ledger = replay_run(frame(turns), ttl, KV, None)
+    fast = replay_unlimited(RunTurns(frame(turns), KV), ttl, KV)
+    for r in (ledger, fast):
+        assert (r.later_turns, r.hits) == (2, 0)
+        assert r.held_gib_s == pytest.approx(byte_s / GIB)
+    # the peak: at 40 s, A1 (816) and A2 (832) from 26 s; at 480, one handle at a time, A2's the largest
+    assert ledger.peak_held_bytes == fast.peak_held_bytes == (816 + 832 if ttl == 40.0 else 832)
+
+
 @pytest.mark.parametrize("ttl", [40.0, 120.0, 480.0])
 def test_the_unlimited_replay_is_the_ledger_with_no_limit(ttl):
     """replay_unlimited (arrays: each hold known from the turns) against the handle ledger turn by
     turn with no limit: the same hits, peak and GiB·s on random traffic (overlapping turns of a
-    session, failed turns, TTL-independent misses and fresh requests included)."""
+    session, failed turns, TTL-independent misses, below-threshold turns that free the handle they
+    took, and fresh requests included)."""
     rng = np.random.default_rng(7)
     rows = []
     for k in range(40):   # sessions played as the session player plays them: one request at a time
@@ -96,7 +119,8 @@ def test_the_unlimited_replay_is_the_ledger_with_no_limit(ttl):
                          "turn_index": 0 if fresh else i, "kind": "fresh" if fresh else "turn",
                          "status": "ok" if rng.random() < 0.9 else "error", "sent_s": sent, "e2e_s": e2e,
                          "prompt_tokens": int(rng.integers(10, 5000)), "completion_tokens": int(rng.integers(0, 300)),
-                         "reuse": str(rng.choice(["hit", "miss_expired", "miss_mismatch", "none"]))})
+                         "reuse": str(rng.choice(["hit", "miss_expired", "miss_mismatch", "miss_below_threshold",
+                                                  "none"]))})
             sent += e2e + float(rng.exponential(ttl / 2))
     df = pd.DataFrame(rows).replace({"reuse": {"none": None}})
     kv = RunKV(30.0, 2.0, 16, None)

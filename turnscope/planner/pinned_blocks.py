@@ -48,7 +48,7 @@ class PinnedBlocks(HeldTimeline):
     blocks of a system prompt every session starts with).
 
     Use: :meth:`add_request` for each request in arrival order (its place in its session's chain),
-    :meth:`pin` when it finishes, :meth:`read` when P reads the handle, :meth:`release_due` as
+    :meth:`pin` when it finishes, :meth:`read` when D frees the handle, :meth:`release_due` as
     time passes. ``t``/``b``: the timeline (seconds, bytes held after each change)."""
 
     def __init__(self, capacity_blocks: int | None, block_size: int, block_bytes: float, system_blocks: int = 0):
@@ -147,7 +147,8 @@ class PinnedBlocks(HeldTimeline):
         self._set(st, live, *self._held_by(st, live))
 
     def read(self, t: float, handle: Handle) -> None:
-        """P read the handle at ``t``: D frees its references (blocks another handle holds stay)."""
+        """P read the handle at ``t`` (or told D it needs none of it): D frees its references
+        (blocks another handle holds stay)."""
         self._released.add(handle.hid)
         self._release(handle.session, handle.ordinal)
         self._record(t)

@@ -4,7 +4,10 @@
 
 vLLM 0.32's NixlConnector (``nixl/pull_scheduler.py``: ``request_finished`` pins a finished
 request's blocks, ``_reap_expired_send_leases`` frees them): when a request finishes on D its KV
-stays pinned until P reads it (a handle is single use) or ``decoder_kv_blocks_ttl`` seconds pass.
+stays pinned until P reads it (a handle is single use), or tells D it needs none of it (the
+session's next turn ``miss_below_threshold``: :func:`turnscope.reuse_rules.d_frees_taken_handle`),
+or ``decoder_kv_blocks_ttl`` seconds pass. The callers decide which turn frees its handle
+(:meth:`HandleLedger.read`) with that one rule.
 Pinned blocks are never evicted, so when the blocks already pinned leave no room in D's KV space
 for a finishing request's, that request's handle is lost (the planner's ``miss_d_full`` on the
 session's next request; in vLLM the same over-subscription makes D queue or preempt requests
@@ -87,7 +90,7 @@ class PinnedKV(HeldTimeline):
         return True
 
     def read(self, t: float, handle: Handle) -> None:
-        """P read the handle at ``t``: D frees its blocks."""
+        """P read the handle at ``t`` (or told D it needs none of it): D frees its blocks."""
         self._released.add(handle.hid)
         self.held -= handle.nbytes
         self._record(t)
@@ -129,7 +132,8 @@ LOST = "lost"
 
 class HandleLedger:
     """The handles of one decode worker, per session: pinned when their request finishes (if they
-    fit), taken by the session's next request, read or left to expire.
+    fit), taken by the session's next request, then freed (read, or a turn below the recompute
+    threshold: :func:`turnscope.reuse_rules.d_frees_taken_handle`) or left to expire.
 
     Args:
         pinned: where handles are pinned (:class:`PinnedKV` per handle, or
@@ -138,7 +142,8 @@ class HandleLedger:
         decoder_kv_blocks_ttl_s: how long D pins a handle nobody reads, seconds.
 
     Call :meth:`finished` when a request will finish (any order), :meth:`take` when a session's
-    next request arrives (in arrival order), :meth:`read` when P pulls the taken handle, and
+    next request arrives (in arrival order), :meth:`read` when D frees the taken handle (P pulled
+    it, or pulled nothing and told D so: :func:`turnscope.reuse_rules.d_frees_taken_handle`), and
     :meth:`close` after the last request. ``kv`` holds the timeline; ``lost_handles`` counts
     the handles that did not fit.
     """
@@ -186,7 +191,9 @@ class HandleLedger:
         return None
 
     def read(self, now: float, handle: Handle) -> None:
-        """P pulled ``handle`` at ``now``: D frees its blocks."""
+        """D frees ``handle`` at ``now``: P pulled it, or found fewer than ``kv_recompute_threshold``
+        tokens to pull and sent D the completion notification anyway
+        (:func:`turnscope.reuse_rules.d_frees_taken_handle`)."""
         self.kv.read(now, handle)
 
     def close(self) -> None:

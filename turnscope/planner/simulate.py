@@ -10,8 +10,10 @@ time and space:
   trace records it, else after the profile's ``pd-nocache`` TTFT plus ``output_tokens x
   decode_s_per_token`` (0 when the profile has none: said in the plan's notes);
 * **D's pinned KV** (``pd-bidir*``): when a request finishes D pins the KV of its prompt and
-  output (:func:`turnscope.reuse_rules.handle_kv_tokens`, whole blocks) until P reads it (a hit) or
-  ``decoder_kv_blocks_ttl`` passes (:class:`turnscope.planner.pinned_kv.HandleLedger`, the
+  output (:func:`turnscope.reuse_rules.handle_kv_tokens`, whole blocks) until the session's next
+  request frees it (a hit, or ``miss_below_threshold``: P pulls nothing and tells D to free it,
+  :func:`turnscope.reuse_rules.d_frees_taken_handle`) or ``decoder_kv_blocks_ttl`` passes
+  (:class:`turnscope.planner.pinned_kv.HandleLedger`, the
   lifecycle shared with the Memory page's what-if), counted in distinct blocks (handles sharing a
   prefix hold it once: :mod:`turnscope.planner.pinned_blocks`). vLLM never evicts pinned blocks;
   when the blocks already pinned leave no room in D's KV space for those a finishing turn's handle
@@ -365,7 +367,8 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
                     else:
                         outcome[i] = c_hit
                         pulled[i] = count
-                        ledger.read(t, taken)
+            if rules.d_frees_taken_handle(OUTCOMES[outcome[i]]):
+                ledger.read(t, taken)   # P pulled it, or told D it needs none of it; else pinned to the TTL
         elif taken is LOST:
             outcome[i] = c_full
         else:

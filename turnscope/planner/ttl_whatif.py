@@ -2,7 +2,7 @@
 a limit: the Memory page's TTL what-if (docs/dashboard.md, "The pages": Memory).
 
 The handle lifecycle is the planner's (:class:`turnscope.planner.pinned_kv.HandleLedger`: pinned
-when a turn ends, read by the session's next turn or freed at D's TTL, lost when it does not fit
+when a turn ends, freed by the session's next turn or at D's TTL, lost when it does not fit
 next to the handles already pinned); what this module adds is which turns would pull, decided from
 the run's own record rather than forecast:
 
@@ -12,6 +12,11 @@ the run's own record rather than forecast:
   P's own 5 s margin: :func:`~turnscope.reuse_rules.p_declines_read`); a recorded miss of another
   kind (mismatch, below the recompute threshold, failed transfer, no handle) does not depend on
   the TTL and stays a miss;
+* the turn frees the handle it took at its send time when the proxy would offer it at ``T``
+  (younger than ``T`` minus the margin) and its outcome at ``T`` is one after which D frees it
+  (:func:`turnscope.reuse_rules.d_frees_taken_handle`: a pull, or a recorded
+  ``miss_below_threshold``, after which P tells D it needs none of it); otherwise D keeps it to
+  ``T``;
 * after each ``ok`` turn D pins ``remote_num_tokens`` = prompt + output - 1 tokens
   (:func:`turnscope.reuse_rules.handle_kv_tokens`) in whole KV blocks of the run's block size (D
   allocates blocks; its space is ``num_gpu_blocks`` of them), times the run's KV bytes per token;
@@ -35,6 +40,7 @@ import numpy as np
 import pandas as pd
 
 from turnscope import reuse_rules as rules
+from turnscope.contract import HIT
 from turnscope.planner.pinned_kv import LOST, Handle, HandleLedger, interval_load
 
 #: The TTLs (seconds) the Memory page replays besides the runs' own, and that a run's rollup
@@ -104,10 +110,16 @@ def replay_run(turns: pd.DataFrame, ttl_s: float, kv: RunKV, capacity_bytes: flo
         if index >= 1 and kind != "fresh":
             later += 1
             decided_by_ttl = pd.isna(reuse) or reuse in TTL_OUTCOMES
-            if decided_by_ttl and isinstance(taken, Handle):
+            if isinstance(taken, Handle):
                 age = now - taken.created_s
-                if not rules.handle_expired(age, proxy_ttl) and not rules.p_declines_read(age, ttl_s):
+                offered = not rules.handle_expired(age, proxy_ttl)
+                if decided_by_ttl:
+                    outcome = HIT if offered and not rules.p_declines_read(age, ttl_s) else None
+                else:
+                    outcome = reuse if offered else None   # the recorded miss, given the handle
+                if outcome == HIT:
                     hits += 1
+                if rules.d_frees_taken_handle(outcome):
                     ledger.read(now, taken)
             elif decided_by_ttl and taken is LOST:
                 lost_hits += 1
@@ -123,8 +135,9 @@ def replay_run(turns: pd.DataFrame, ttl_s: float, kv: RunKV, capacity_bytes: flo
 class RunTurns:
     """One run's turns as arrays in replay order (by send time, session, turn index), with what
     every TTL's replay shares: send and end times (s, on the run's clock), ok, the bytes D pins
-    after each turn, whether a turn is a later one, whether the TTL decides it, and the index of
-    the session's previous turn (-1: none)."""
+    after each turn, whether a turn is a later one, whether the TTL decides it, whether D frees the
+    handle it takes when its recorded outcome stands (:func:`turnscope.reuse_rules.d_frees_taken_handle`),
+    and the index of the session's previous turn (-1: none)."""
 
     def __init__(self, turns: pd.DataFrame, kv: RunKV):
         t = turns.sort_values(["sent_s", "session_id", "turn_index"], kind="stable").reset_index(drop=True)
@@ -138,6 +151,7 @@ class RunTurns:
         self.nbytes = handle_bytes(prompt, completion, kv)
         self.later = ((t["turn_index"] >= 1) & (t["kind"] != "fresh")).to_numpy()
         self.decided_by_ttl = (t["reuse"].isna() | t["reuse"].isin(TTL_OUTCOMES)).to_numpy()
+        self.recorded_frees = t["reuse"].map(rules.d_frees_taken_handle).to_numpy(bool)
         previous = t.assign(_i=np.arange(len(t))).groupby("session_id", sort=False)["_i"].shift(1)
         self.prev = previous.fillna(-1).astype("int64").to_numpy()
         has_prev = self.prev >= 0
@@ -152,17 +166,21 @@ def replay_unlimited(rt: RunTurns, ttl_s: float, kv: RunKV) -> Replay:
     ``capacity_bytes=None``), from arrays: a later turn the TTL decides hits when its session's
     previous turn was ok, had ended by the time it was sent, and its handle is younger than the
     proxy's TTL (and P would still read it); each ok turn's handle is held from its end to the
-    next turn's send when that one hits, else for ``ttl_s``. For sessions whose requests do not
-    overlap (``rt.sequential``); :func:`whatif_ttl_limited` replays other runs with the ledger."""
+    next turn's send when that one frees it (a hit, or a recorded below-threshold miss given the
+    handle: :func:`turnscope.reuse_rules.d_frees_taken_handle`), else for ``ttl_s``. For sessions
+    whose requests do not overlap (``rt.sequential``); :func:`whatif_ttl_limited` replays other
+    runs with the ledger."""
     proxy_ttl = ttl_s - kv.handle_ttl_margin_s
     has_prev = rt.prev >= 0
     p = np.where(has_prev, rt.prev, 0)
     age = rt.sent - rt.end[p]
     usable = has_prev & rt.ok[p] & (age >= 0)
-    hit = (rt.later & rt.decided_by_ttl & usable & ~rules.handle_expired(age, proxy_ttl)
-           & ~rules.p_declines_read(age, ttl_s))
+    offered = rt.later & usable & ~rules.handle_expired(age, proxy_ttl)
+    hit = offered & rt.decided_by_ttl & ~rules.p_declines_read(age, ttl_s)
+    # replay_run's rule on arrays: a hit frees (d_frees_taken_handle(HIT)), else the recorded miss
+    frees = hit | (offered & ~rt.decided_by_ttl & rt.recorded_frees)
     release = rt.end + ttl_s
-    release[p[hit]] = rt.sent[hit]
+    release[p[frees]] = rt.sent[frees]
     held = rt.ok
     peak, gib_s = interval_load(rt.end[held], release[held], rt.nbytes[held])
     return Replay(int(rt.later.sum()), int(hit.sum()), 0, 0, gib_s, peak)
