@@ -487,7 +487,8 @@ def plan_check(
     error, the p90 TTFT error, the hit-rate error (pp) and the pulled-token error, with the split named
     (docs/planner.md, "Held-out check"). Checked runs that are steps of a capacity ramp also get the
     ramp's crossing forecast next to the measured one (docs/capacity.md)."""
-    from turnscope.planner import capacity_forecast, held_out
+    from turnscope import capacity_forecast
+    from turnscope.planner import held_out
     from turnscope.planner.layer_timing import write_profile as write_yaml
     from turnscope.planner.profile import load_profile
     from turnscope.store import Store

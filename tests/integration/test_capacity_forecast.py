@@ -1,4 +1,4 @@
-"""The capacity ramp's crossing forecast (turnscope.planner.capacity_forecast) over the hand-made ramp
+"""The capacity ramp's crossing forecast (turnscope.capacity_forecast) over the hand-made ramp
 of tests/capacity_store.py, with a profile whose forecast is known by hand: no prefill cost (a1 = 0,
 so no queueing either), a pull that costs nothing (bandwidth 1e18 B/s), b0 0.2 s for ``pd`` and 0.6 s
 for ``pd-bidir``, TPOT 0.02 s. So every forecast TTFT is its mode's b0: ``pd`` meets the SLO (TTFT
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from tests import capacity_store as cs
-from turnscope.planner import capacity_forecast as cf
+from turnscope import capacity_forecast as cf
 from turnscope.planner.profile import CostProfile
 from turnscope.store import Store
 
