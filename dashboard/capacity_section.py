@@ -6,10 +6,11 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import capacity, db, loader
+from dashboard import capacity, db, loader, queries
 from dashboard.context import Selection
 from dashboard.figures import capacity as capacity_figures
 from dashboard.queries import capacity as capacity_queries
+from turnscope.analysis import schedule_text
 
 
 def steps_table(steps: pd.DataFrame) -> pd.DataFrame:
@@ -48,16 +49,18 @@ def render(sel: Selection) -> None:
     st.markdown(capacity.crossing_words(crossing))
     st.plotly_chart(capacity_figures.capacity_curve(mine, crossing.users), key="capacity_curve")
     kv = first["decode_kv_cache_bytes"]
+    scheduled = loader.fetch(sel.root, queries.run_schedules, tuple(mine["run_id"]))
+    played = "How the steps were played: " + " ".join(schedule_text.describe_json(scheduled["schedule"]))
     st.caption(
         f"Ramp `{cid}` ({first['capacity_workload']} workload, history {first['history_mode']}): each step is its own "
-        f"run per mode, played back to back on one start of the mode's workers. SLO: TTFT ≤ "
+        f"run per mode, every step of a mode on one start of its workers. {played} SLO: TTFT ≤ "
         f"{first['slo_ttft_s'] * 1e3:,.0f} ms and TPOT ≤ {first['slo_tpot_s'] * 1e3:,.0f} ms; goodput = ok turns "
         "meeting both per second of the step (first turn sent to last turn finished; DistServe, Zhong et al., "
         f"OSDI'24). D's KV space: {kv / 2**20:,.0f} MiB in both modes (P keeps the topology's); D pins a "
-        f"finished turn's blocks until P pulls them or {first['decoder_kv_blocks_ttl_s']:.0f} s pass (pd-bidir). "
-        "Crossing: the smallest step from which pd-bidir stays behind pd at every larger step (goodput lower, or "
-        f"TTFT p90 higher, by more than {crossing.tolerance:.0%}). The two modes' steps ran one after the other on "
-        "a shared machine: compare a step across modes with its E2E and D's numbers beside it."
+        f"finished turn's blocks until P pulls them (or, below the recompute threshold, frees them unread) or "
+        f"{first['decoder_kv_blocks_ttl_s']:.0f} s pass (pd-bidir). Crossing: the smallest step from which pd-bidir "
+        f"stays behind pd at every larger step (goodput lower, or TTFT p90 higher, by more than "
+        f"{crossing.tolerance:.0%}). Compare a step across modes with its E2E and D's numbers beside it."
     )
     st.dataframe(
         steps_table(mine.sort_values(["users", "mode"])), hide_index=True, key="capacity_table",

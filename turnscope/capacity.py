@@ -4,7 +4,8 @@ with the same small decode (D) KV space, one run per (mode, step). Planning and 
 The question (docs/capacity.md): at how many concurrent
 sessions does holding KV on D (``bidirectional_kv_xfer``) start to cost capacity, and how much
 latency does reuse buy below that point. vLLM 0.32 pins a finished request's blocks on D until
-P pulls them or ``decoder_kv_blocks_ttl`` passes (``nixl/pull_scheduler.py: request_finished``,
+P pulls them (or frees them unread, below ``kv_recompute_threshold``) or ``decoder_kv_blocks_ttl``
+passes (``nixl/pull_scheduler.py: request_finished``,
 ``base_worker.py: _reap_expired_send_leases``), a session's last turn included; pinned blocks
 are not free for new requests, which wait on D (``vllm:num_requests_waiting``) or preempt
 running ones (``vllm:num_preemptions``). In ``pd`` D frees a request's blocks when it finishes.

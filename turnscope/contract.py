@@ -57,7 +57,8 @@ class PublicFacts(TypedDict):
     ``prefill_leg_s``: the prefill leg's wall time. ``prefill_attempts``: 1, or 2 when a leg
     carrying a handle failed and was retried as a plain recompute. ``handle_tokens``: tokens of KV D
     kept for this request's own handle (D's ``remote_num_tokens``), pinned on D until the session's
-    next prefill pulls them or ``decoder_kv_blocks_ttl`` passes (vLLM ``nixl/pull_scheduler.py``
+    next prefill pulls them (or, below ``kv_recompute_threshold``, frees them unread: ``reuse_rules.d_frees_taken_handle``)
+    or ``decoder_kv_blocks_ttl`` passes (vLLM ``nixl/pull_scheduler.py``
     ``request_finished``, ``_reap_expired_send_leases``); None when D returned no handle.
     """
 

@@ -354,6 +354,8 @@ def test_memory_capacity_in_browser(capacity_url, browser):
     assert f"Holding KV starts to cost capacity at {capacity_store.EXPECTED_CROSSING_USERS} concurrent sessions" in body
     assert "goodput 0.60 vs 1.00 turns/s; TTFT p90 900 ms vs 400 ms" in body
     assert "TTFT ≤ 500 ms and TPOT ≤ 50 ms" in body
+    # the store's runs record no schedule: read as sequential (turnscope.analysis.schedule_text)
+    assert "How the steps were played: One mode after another (sequential schedule)." in body
     assert "None" not in page.locator('[data-testid="stMarkdown"]').all_inner_texts()
     _shot(page, "memory-capacity")
     assert not errors, errors

@@ -19,6 +19,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -191,3 +192,21 @@ def test_recommended_topology_carries_the_host_tier_into_vllms_parser(tmp_path, 
     for extra in (nixl.kv_connector_extra_config, dec.kv_transfer_config.kv_connector_extra_config):
         assert extra.get("bidirectional_kv_xfer", False) is bidir
         assert not bidir or (extra["decoder_kv_blocks_ttl"] == 900 and extra["kv_recompute_threshold"] == 256)
+
+
+def test_an_unread_handle_d_frees_anyway_saves_nothing_when_read():
+    """The G interval's s for e > 0 is what reading one more unread handle would save: b (d_ttl - a)
+    for a handle D keeps to the TTL (a mismatch), 0 for one it frees anyway (taken below the
+    recompute threshold: P told D to free it). Session a: requests of 1000 and 1100 prompt tokens,
+    32 out; the second (below threshold, 10 s old handle) and third (mismatch, 20 s old) took the
+    previous request's handle: 1031 -> 9 blocks and 1131 -> 9 blocks of 128 tokens."""
+    from turnscope.planner.ledger import handle_reads
+
+    tr = Traffic.of([AgentRequest("t", "a", 0, 0.0, 1000, 32, 0, server_s=1.0),
+                     AgentRequest("t", "a", 1, 10.0, 1100, 32, 1031, server_s=1.0),
+                     AgentRequest("t", "a", 2, 30.0, 1200, 32, 0, server_s=1.0)])
+    outcome = np.array(["miss_first_turn", "miss_below_threshold", "miss_mismatch"], dtype=object)
+    reads = handle_reads(tr, profile(), PlanSettings(), outcome, np.array([np.nan, 10.0, 20.0]),
+                         np.array([0, 1031, 0]), np.zeros(3, dtype=np.int64))
+    assert (reads.later_requests, reads.hits, reads.unread) == (2, 0, 2)
+    assert reads.s_unread_gib_s == pytest.approx((0 + 9 * BLOCK_GIB * (480 - 20)) / 2)

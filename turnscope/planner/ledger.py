@@ -179,8 +179,8 @@ class StrategyForecast:
 def handle_reads(tr: Traffic, profile: CostProfile, settings: PlanSettings, outcome: np.ndarray,
                  ages: np.ndarray, local: np.ndarray, pulled: np.ndarray) -> HandleReads:
     """The handles a bidirectional forecast read and took without reading (``outcome``: outcome
-    names per request; ``ages``: a taken handle's age, s), each with b (d_ttl - a) GiB-s, b the
-    GiB of the handle it took: the session's previous request's (prompt + output - 1 tokens, whole
+    names per request; ``ages``: a taken handle's age, s), each with b (d_ttl - a) GiB-s (0 for an
+    unread handle D frees anyway, below the threshold), b the GiB of the handle it took: the session's previous request's (prompt + output - 1 tokens, whole
     blocks; the one a request can take, since an overlapping request takes none); ``local`` and
     ``pulled``: tokens per request from P's cache and from D."""
     block = settings.block_size or profile.block_size
@@ -195,6 +195,10 @@ def handle_reads(tr: Traffic, profile: CostProfile, settings: PlanSettings, outc
     unread = np.isin(outcome, TOOK_HANDLE) & ~hit
     s_gib_s = np.where(prev >= 0, gib[np.maximum(prev, 0)], 0.0) * (settings.decoder_kv_blocks_ttl_s
                                                                      - np.nan_to_num(ages))
+    # an unread handle D frees anyway (below the threshold: rules.d_frees_taken_handle) holds nothing a
+    # read would save
+    freed_unread = unread & np.array([rules.d_frees_taken_handle(o) for o in outcome], dtype=bool)
+    s_gib_s = np.where(freed_unread, 0.0, s_gib_s)
 
     def mean(mask: np.ndarray) -> float:
         return float(s_gib_s[mask].mean()) if mask.any() else 0.0
