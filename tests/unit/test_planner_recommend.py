@@ -125,3 +125,27 @@ def test_knobs_that_buy_nothing_stay_as_they_are():
     r = recommend(covered_traffic(), prof, NO_QUEUE, Setting("pd"), Limits(), grid)
     assert r.recommended.setting == Setting("pd-bidir")
     assert set(r.knob_effects) == {"strategy"}
+
+
+def test_a_knob_that_gains_under_the_margin_stays_as_it_is():
+    # P's cache holds 10,500 tokens. a0 (10,000 tokens, 200 out) at 0 s, then b0 (2,048, 24 out) at 1 s
+    # evicts it; b1 (2,548) at 4 s finds b0's 16 blocks in P and 2,071 - 2,048 = 23 more on D, under a
+    # threshold of 64; a1 (10,500) at 5 s finds nothing of a in P and pulls D's 10,199. pd-bidir wins
+    # by a1's pull (0.01 + 1e-4 x 301 + 10,199 x 4096 / 1e9 = 81.9 ms against pd's 1.06 s). The
+    # threshold changes b1 only: 64 recomputes 500 tokens (60.0 ms), 0 pulls the 23 and computes 477
+    # (0.01 + 0.0477 + 23 x 4096 / 1e9 = 57.79 ms): 0.55 ms of a 342 ms mean, under the 5% margin, and
+    # D frees b0's handle either way: the threshold stays at 64.
+    tr = Traffic.of([AgentRequest("t", "a", 0, 0.0, 10_000, 200, 0, server_s=0.5),
+                     AgentRequest("t", "b", 0, 1.0, 2_048, 24, 0, server_s=0.5),
+                     AgentRequest("t", "b", 1, 4.0, 2_548, 32, 2_071, server_s=0.5),
+                     AgentRequest("t", "a", 1, 5.0, 10_500, 32, 10_199, server_s=0.5)])
+    prof = profile(prefill_kv_space_bytes={"value": 10_500 * KV} | SRC).model_copy(update={"host_kv_space_bytes": None})
+    grid = Grid(ttls_s=(480.0,), thresholds=(0, 64), space_factors=(1.0,), routings=("session",))
+    r = recommend(tr, prof, NO_QUEUE, Setting("pd"), Limits(), grid)
+    firsts = 0.01 + 1e-4 * 10_000 + 0.01 + 1e-4 * 2_048
+    a1 = 0.01 + 1e-4 * 301 + 10_199 * KV / 1e9
+    by_threshold = {s.setting.threshold: s.ttft_mean_s for s in r.searched if s.setting.strategy == "pd-bidir"}
+    assert by_threshold[64] == pytest.approx((firsts + 0.01 + 1e-4 * 500 + a1) / 4)
+    assert by_threshold[0] == pytest.approx((firsts + 0.01 + 1e-4 * 477 + 23 * KV / 1e9 + a1) / 4)
+    assert r.recommended.setting.strategy == "pd-bidir"
+    assert r.recommended.setting.threshold == 64 and "threshold" not in r.knob_effects
