@@ -95,6 +95,14 @@ def within_one_step(users: list[int], measured: int | None, forecast: int | None
     return abs(users.index(measured) - users.index(forecast)) <= 1
 
 
+def _at(users: int | None, why: str | None = None) -> str:
+    return "none within the steps" if users is None else f"at {users} sessions" + (f" ({why})" if why else "")
+
+
+def _verdict(ok: bool) -> str:
+    return "within one step" if ok else "MISSED"
+
+
 def describe(measured: pd.DataFrame, forecast: pd.DataFrame) -> str:
     """The capacity lines of ``turnscope plan-check``: per ramp the crossing and the step where D fills,
     measured and forecast (within one step: the held-out target), and per step the forecast next to
@@ -104,17 +112,12 @@ def describe(measured: pd.DataFrame, forecast: pd.DataFrame) -> str:
         m_ramp, f_ramp = measured[measured["capacity_id"] == cid], forecast[forecast["capacity_id"] == cid]
         users = sorted(set(m_ramp["users"]))
 
-        def at(n: int | None, why: str | None = None) -> str:
-            return "none within the steps" if n is None else f"at {n} sessions" + (f" ({why})" if why else "")
-
-        def verdict(a: int | None, b: int | None, steps: list[int] = users) -> str:
-            return "within one step" if within_one_step(steps, a, b) else "MISSED"
-
         m_full, f_full = d_full_step(m_ramp, "decode_kv_usage_max"), d_full_step(f_ramp, "d_pinned_peak_fraction")
+        crossing_ok, full_ok = (within_one_step(users, meas.users, fc.users), within_one_step(users, m_full, f_full))
         lines.append(f"  capacity ramp {cid} (steps {', '.join(map(str, users))} sessions): crossing measured "
-                     f"{at(meas.users, meas.reason)}, forecast {at(fc.users, fc.reason)} (TTFT p90 only: goodput "
-                     f"is not forecast) ({verdict(meas.users, fc.users)}); {TREATMENT}'s D full (>= "
-                     f"{D_FULL_FRACTION:.0%}) measured {at(m_full)}, forecast {at(f_full)} ({verdict(m_full, f_full)})")
+                     f"{_at(meas.users, meas.reason)}, forecast {_at(fc.users, fc.reason)} (TTFT p90 only: goodput "
+                     f"is not forecast) ({_verdict(crossing_ok)}); {TREATMENT}'s D full (>= {D_FULL_FRACTION:.0%}) "
+                     f"measured {_at(m_full)}, forecast {_at(f_full)} ({_verdict(full_ok)})")
         both = m_ramp.merge(f_ramp, on=["mode", "users"], suffixes=("", "_fc"))
         for r in both.sort_values(["users", "mode"]).itertuples():
             lines.append(f"    {r.users} sessions, {r.mode}: TTFT p90 {r.ttft_p90_s * 1e3:,.0f} ms measured, "

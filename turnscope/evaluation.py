@@ -296,12 +296,11 @@ def schedule_groups(s: EvalSettings, runs: dict | None, available_bytes: int | N
     if s.schedule != schedule.INTERLEAVED:
         return singles
     why = None
-    if runs is not None and not interleave_runs:
-        why = "runs given per mode (sweep) play one mode after another"
-    elif runs is not None and len({len(runs.get(m, [])) for m in s.modes}) > 1:
-        why = "the modes were given different numbers of runs, which cannot be played step by step"
-    elif runs is not None:
-        pass
+    if runs is not None:
+        if not interleave_runs:
+            why = "runs given per mode (sweep) play one mode after another"
+        elif len({len(runs.get(m, [])) for m in s.modes}) > 1:
+            why = "the modes were given different numbers of runs, which cannot be played step by step"
     elif s.prefill_routings and len(s.prefill_routings) > 1:
         why = "several P routing policies restart each mode's proxy"
     elif not s.topology.launch:
@@ -434,7 +433,7 @@ def _run_interleaved_runs(s: EvalSettings, group: list[str], runs: dict[str, lis
                 plan = runs[m][step]
                 time.sleep(plan.settle_s)
                 run_ids.append(plan.run_id)
-                spec = {"schedule": schedule.steps_spec(m, orders, s.schedule_seed, group)}
+                spec = {"schedule": schedule.steps_spec(orders, s.schedule_seed, group)}
                 _record_run(s, store, by_mode[m], m, plan.model_copy(update={"spec": spec | plan.spec}), console)
     return run_ids
 

@@ -150,11 +150,10 @@ def step_orders(group: Sequence[str], steps: int, rng: random.Random) -> list[li
     return out
 
 
-def steps_spec(mode: str, orders: Sequence[Sequence[str]], seed: int, group: Sequence[str]) -> dict:
+def steps_spec(orders: Sequence[Sequence[str]], seed: int, group: Sequence[str]) -> dict:
     """What a run played step by step records under ``runs.workload_spec.schedule``: the schedule,
     ``by`` "run" (whole runs alternate, not slices of sessions), its group, steps as ``rounds``, the
-    seed and every step's order (``orders``); ``mode`` is unused but kept for :func:`spec_of`'s shape."""
-    del mode
+    seed and every step's order (``orders``)."""
     return {"kind": INTERLEAVED, "by": "run", "group": list(group), "rounds": len(orders), "seed": seed,
             "orders": [list(o) for o in orders]}
 

@@ -150,7 +150,7 @@ def test_step_orders_put_every_mode_once_in_each_step_and_say_so():
     assert len(orders) == 5 and all(sorted(o) == ["pd", "pd-bidir"] for o in orders)
     assert orders == schedule.step_orders(["pd", "pd-bidir"], 5, random.Random(3))   # seeded
     assert len({tuple(o) for o in schedule.step_orders(["pd", "pd-bidir"], 20, random.Random(0))}) == 2  # both orders
-    spec = schedule.steps_spec("pd", orders, 3, ["pd", "pd-bidir"])
+    spec = schedule.steps_spec(orders, 3, ["pd", "pd-bidir"])
     assert spec["orders"] == orders and spec["rounds"] == 5 and spec["by"] == "run"
     assert schedule.describe([spec]) == [("Interleaved: pd, pd-bidir up together, their runs played step by step "
                                           "(5 steps), the order shuffled each step (seed 3).")]

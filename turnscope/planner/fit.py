@@ -196,9 +196,10 @@ def on_run_kv_space(profile: CostProfile, store: Store, run_id: str) -> CostProf
     ``--kv-cache-memory-bytes`` on the decode role): a recorded run is planned with the workers it
     ran on. Roles the run did not scrape keep the profile's space."""
     kv = profile.kv_bytes_per_token.value
+    space = _kv_space(store, [run_id])
     update = {}
     for role, field in KV_SPACE_FIELDS:
-        tokens = _kv_space(store, [run_id]).get(role)
+        tokens = space.get(role)
         current = getattr(profile, field)
         if tokens is not None and (current is None or current.value != tokens * kv):
             update[field] = Sourced(value=tokens * kv, source=f"run {run_id}'s own {role} workers: "
