@@ -9,6 +9,7 @@ domain logic lives in ``serving`` and ``loadgen``.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import importlib.util
 import json
@@ -410,23 +411,30 @@ def _record_run(s: EvalSettings, store: Store, stack: ModeStack, mode: str, plan
     return status
 
 
+@contextlib.contextmanager
+def _group_up(s: EvalSettings, group: list[str], console: Console):
+    """The stacks of ``group``'s modes started together, each on its own ports
+    (:func:`serving.topology.shifted`), each warmed up; yields mode -> its stack; stops them all on exit."""
+    offsets = disjoint_offsets(s.topology, len(group))
+    stacks = [ModeStack(m, shifted(s.topology, off), s.log_dir, s.kv_bytes_per_token, console.print)
+              for m, off in zip(group, offsets, strict=True)]
+    with started_together(stacks):
+        for st in stacks:
+            outcomes = warm_up(st.proxy_url, s.topology.served_model_name or s.topology.model)
+            console_text.print_list(console, f"  [{st.mode}] warm-up outcomes: ", outcomes)
+        yield {st.mode: st for st in stacks}
+
+
 def _run_interleaved_runs(s: EvalSettings, group: list[str], runs: dict[str, list[RunPlan]], store: Store,
                           rng: random.Random, console: Console) -> list[str]:
     """The modes of ``group`` up together, each on its own ports; their given runs played step by
     step: step i plays every mode's i-th run whole, the modes in an order drawn by ``rng`` for that
     step (``schedule.step_orders``), each run after its ``settle_s``; then all the workers stop. A
     mode's runs keep their order on its own workers (what one leaves on them, the next finds)."""
-    offsets = disjoint_offsets(s.topology, len(group))
-    stacks = [ModeStack(m, shifted(s.topology, off), s.log_dir, s.kv_bytes_per_token, console.print)
-              for m, off in zip(group, offsets, strict=True)]
     orders = schedule.step_orders(group, len(runs[group[0]]), rng)
     console.print(f"[bold]modes {', '.join(group)}[/bold] interleaved step by step: starting their workers together")
     run_ids = []
-    with started_together(stacks):
-        for st in stacks:
-            outcomes = warm_up(st.proxy_url, s.topology.served_model_name or s.topology.model)
-            console_text.print_list(console, f"  [{st.mode}] warm-up outcomes: ", outcomes)
-        by_mode = {st.mode: st for st in stacks}
+    with _group_up(s, group, console) as by_mode:
         for step, order in enumerate(orders):
             console_text.print_text(console, f"  step {step + 1}/{len(orders)}: {' '.join(order)}")
             for m in order:
@@ -443,17 +451,10 @@ def _run_interleaved(s: EvalSettings, group: list[str], store: Store, stamp: str
     """The modes of ``group`` up together, each on its own ports; per history mode (one phase each),
     every mode's run begins, the rounds of slices are played in their shuffled order, every run
     finishes; then all the workers stop."""
-    offsets = disjoint_offsets(s.topology, len(group))
-    stacks = [ModeStack(m, shifted(s.topology, off), s.log_dir, s.kv_bytes_per_token, console.print)
-              for m, off in zip(group, offsets, strict=True)]
     rounds = s.rounds or schedule.default_rounds(s.sessions, s.users)
     console.print(f"[bold]modes {', '.join(group)}[/bold] interleaved: starting their workers together")
     run_ids = []
-    with started_together(stacks):
-        for st in stacks:
-            outcomes = warm_up(st.proxy_url, s.topology.served_model_name or s.topology.model)
-            console_text.print_list(console, f"  [{st.mode}] warm-up outcomes: ", outcomes)
-        by_mode = {st.mode: st for st in stacks}
+    with _group_up(s, group, console) as by_mode:
         for history in s.histories:
             slots = schedule.interleave(group, s.sessions, rounds, rng)
             console_text.print_text(console, f"  {history}: {len(slots)} slices in "
