@@ -5,7 +5,8 @@ found by the same rule (:func:`dashboard.capacity.find_crossing`), so that forec
 say "holding KV starts to cost capacity at N sessions" in one language (docs/capacity.md, "The
 crossing, forecast and measured").
 
-Per step and mode (forecast): TTFT p50 and p90 over the step's ok turns; D's peak pinned KV as a
+Per step and mode (forecast): TTFT p50 and p90 over the step's ok turns (p90 with its 80% interval
+from the profile's held-out errors, :func:`turnscope.planner.intervals.ttft_interval`); D's peak pinned KV as a
 fraction of the run's D KV space, and the handles lost to a full D (``miss_d_full``). **Goodput is
 not forecast**: a step's turns are sent by a closed loop (each user sends its next turn after the
 last reply and a tool gap), so the step's span, the denominator of goodput, follows the very
@@ -26,6 +27,7 @@ import pandas as pd
 from dashboard import db
 from dashboard.capacity import TREATMENT, Crossing, find_crossing
 from dashboard.queries import capacity as capacity_queries
+from turnscope.planner import intervals
 from turnscope.planner.check import plan_on_its_own
 from turnscope.planner.fit import probe_ttft_s, recorded_shared_prefix_tokens, recorded_turns
 from turnscope.planner.profile import CostProfile
@@ -34,7 +36,7 @@ from turnscope.store import Store
 #: Columns of :func:`forecast_steps` (``dashboard.capacity.step_pairs`` reads the first five;
 #: ``goodput_per_s`` is the same constant on every row: not forecast, see the module doc).
 COLUMNS = ("mode", "users", "goodput_per_s", "ttft_p50_s", "ttft_p90_s", "capacity_id", "run_id",
-           "d_pinned_peak_fraction", "d_full_events")
+           "d_pinned_peak_fraction", "d_full_events", "ttft_p90_interval_low_s", "ttft_p90_interval_high_s")
 #: A step "fills D" when its peak reaches this fraction of D's KV space.
 D_FULL_FRACTION = 0.95
 
@@ -61,9 +63,11 @@ def forecast_steps(store: Store, steps: pd.DataFrame, profile: CostProfile) -> p
         pred = pd.DataFrame({"session_id": tr.session, "turn_index": tr.request_index, "ttft_s": m.ttft_s})
         ok = rec[rec["status"] == "ok"][["session_id", "turn_index"]].merge(pred, on=["session_id", "turn_index"])
         ttft = ok["ttft_s"].to_numpy(float)
+        p90 = float(np.quantile(ttft, 0.9)) if ttft.size else np.nan
+        low, high = intervals.ttft_interval(profile, st.mode, p90)
         rows.append({"mode": st.mode, "users": int(st.users), "goodput_per_s": 1.0,
-                     "ttft_p50_s": float(np.quantile(ttft, 0.5)) if ttft.size else np.nan,
-                     "ttft_p90_s": float(np.quantile(ttft, 0.9)) if ttft.size else np.nan,
+                     "ttft_p50_s": float(np.quantile(ttft, 0.5)) if ttft.size else np.nan, "ttft_p90_s": p90,
+                     "ttft_p90_interval_low_s": low, "ttft_p90_interval_high_s": high,
                      "capacity_id": st.capacity_id, "run_id": st.run_id,
                      "d_pinned_peak_fraction": (m.peak_held_bytes() / st.decode_kv_cache_bytes
                                                 if st.decode_kv_cache_bytes else np.nan),
@@ -120,8 +124,10 @@ def describe(measured: pd.DataFrame, forecast: pd.DataFrame) -> str:
                      f"measured {_at(m_full)}, forecast {_at(f_full)} ({_verdict(full_ok)})")
         both = m_ramp.merge(f_ramp, on=["mode", "users"], suffixes=("", "_fc"))
         for r in both.sort_values(["users", "mode"]).itertuples():
+            iv = ("no held-out interval" if np.isnan(r.ttft_p90_interval_low_s) else
+                  f"80% interval {r.ttft_p90_interval_low_s * 1e3:,.0f}-{r.ttft_p90_interval_high_s * 1e3:,.0f} ms")
             lines.append(f"    {r.users} sessions, {r.mode}: TTFT p90 {r.ttft_p90_s * 1e3:,.0f} ms measured, "
-                         f"{r.ttft_p90_s_fc * 1e3:,.0f} ms forecast; goodput {r.goodput_per_s:.2f} turns/s measured; "
+                         f"{r.ttft_p90_s_fc * 1e3:,.0f} ms forecast ({iv}); goodput {r.goodput_per_s:.2f} turns/s measured; "
                          f"D peak {r.decode_kv_usage_max:.0%} of its KV in use measured, pinned "
                          f"{r.d_pinned_peak_fraction:.0%} forecast"
                          + (f", {r.d_full_events} handles lost to a full D" if r.d_full_events else ""))

@@ -33,11 +33,11 @@ def ramp(tmp_path_factory):
     store = Store(cs.build(tmp_path_factory.mktemp("capstore")))
     ids = [cs.PLAIN] + [cs.run_id(m, u) for m in cs.MODES for u in cs.USERS]
     measured = cf.measured_steps(store, ids)
-    return measured, cf.forecast_steps(store, measured, profile())
+    return measured, cf.forecast_steps(store, measured, profile()), store
 
 
 def test_each_step_is_forecast_from_its_own_turns(ramp):
-    _, forecast = ramp
+    _, forecast, _ = ramp
     assert sorted(zip(forecast["mode"], forecast["users"], strict=True)) == sorted(
         (m, u) for m in cs.MODES for u in cs.USERS)   # the plain run is not a step
     for r in forecast.itertuples():
@@ -48,7 +48,7 @@ def test_each_step_is_forecast_from_its_own_turns(ramp):
 
 
 def test_crossing_forecast_and_measured_in_one_language(ramp):
-    measured, forecast = ramp
+    measured, forecast, _ = ramp
     [(cid, meas, fc)] = cf.crossings(measured, forecast)
     assert cid == cs.CAP_ID
     assert (meas.users, fc.users, fc.reason) == (cs.EXPECTED_CROSSING_USERS, 1, "ttft_p90")
@@ -57,7 +57,21 @@ def test_crossing_forecast_and_measured_in_one_language(ramp):
             "ttft_p90), forecast at 1 sessions (ttft_p90) (TTFT p90 only: goodput is not forecast) (MISSED); "
             "pd-bidir's D full (>= 95%) measured none within the steps, forecast none within the steps "
             "(within one step)") in text
-    assert "4 sessions, pd-bidir: TTFT p90 900 ms measured, 600 ms forecast; goodput 0.60 turns/s measured" in text
+    assert ("4 sessions, pd-bidir: TTFT p90 900 ms measured, 600 ms forecast (no held-out interval); goodput "
+            "0.60 turns/s measured") in text
+
+
+def test_the_forecast_p90_carries_the_held_out_interval(ramp):
+    """With held-out TTFT ratios (measured / forecast, 10th-90th percentile) of 0.9-1.5 for pd-bidir,
+    its 600 ms p90 forecast reads 540-900 ms."""
+    from turnscope.planner.profile import HeldOutErrors
+
+    measured, _, store = ramp
+    held = HeldOutErrors(split="by hand", runs=1, turns=1, ttft_ratio={"pd-bidir": (0.9, 1.5), "pd": (1.0, 1.0)})
+    prof = profile().model_copy(update={"held_out": held})
+    text = cf.describe(measured, cf.forecast_steps(store, measured, prof))
+    assert "4 sessions, pd-bidir: TTFT p90 900 ms measured, 600 ms forecast (80% interval 540-900 ms)" in text
+    assert "4 sessions, pd: TTFT p90 400 ms measured, 200 ms forecast (80% interval 200-200 ms)" in text
 
 
 @pytest.mark.parametrize("measured, forecast, ok", [(4, 4, True), (4, 2, True), (4, 1, False), (None, None, True),
