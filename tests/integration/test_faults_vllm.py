@@ -273,11 +273,14 @@ def test_decode_restart_between_turns_of_live_sessions_is_never_a_hit(pd_bidir_s
     c_turn1_done = threading.Event()
     results, logs, errors, times = {}, {}, [], {"turn1_ok": []}
 
-    with ProxyThread(stack.proxy_config(decode_probe_interval_s=0.2, prefill_timeout_s=20)) as x, \
+    with ProxyThread(stack.proxy_config(decode_probe_interval_s=0.2, prefill_timeout_s=20,
+                                        decoder_kv_blocks_ttl_s=600)) as x, \
             ProxyThread(stack.proxy_config(decode_probe_interval_s=0, prefill_timeout_s=20,
                                            decoder_kv_blocks_ttl_s=600)) as y:
-        # Y's own TTL outlives D's restart (tens of seconds on shared CPUs, past the stack's 20 s TTL),
-        # so its handles are still offered after it: the stale-handle path, not miss_expired
+        # Both proxies' own TTL outlives D's restart (tens of seconds on shared CPUs, past the stack's
+        # 20 s TTL: a full-suite run saw X's handles expire first, miss_expired), so X's handles are
+        # still in its table when it sees D's new lifetime (the drop path) and Y's are still offered
+        # after it (the stale-handle path)
 
         def restart_d() -> None:  # the barrier's action: every session has finished turn 0
             times["restart"] = time.monotonic()
