@@ -39,8 +39,8 @@ from httpx_sse import connect_sse
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from serving import nixl_progress  # noqa: E402
-from tests.integration.vllm_stack import ProxyThread, VllmStack  # noqa: E402
+from serving import nixl_progress
+from tests.integration.vllm_stack import ProxyThread, VllmStack
 
 MODEL = "turnscope-tiny"
 

@@ -20,7 +20,14 @@ from serving.port_claims import PortClaims
 from serving.prefix_index import DEFAULT_CAPACITY_BLOCKS
 from serving.proxy import ProxyConfig, Worker
 from serving.topology import Topology
-from serving.workers import WorkerProcess, mode_workers, port_in_use, wait_all_healthy, wait_http, worker_block_size
+from serving.workers import (
+    WorkerProcess,
+    mode_workers,
+    port_in_use,
+    wait_all_healthy,
+    wait_http,
+    worker_block_size,
+)
 from turnscope import resources
 
 

@@ -33,7 +33,6 @@ from turnscope import resources
 from turnscope.connector import Connector
 from turnscope.modes import serving_mode
 
-
 #: Microseconds NIXL's progress thread pauses between polls in a CPU worker (``serving.nixl_progress``:
 #: nixl polls without a pause, a whole core per worker, the core the worker computes on). Measured
 #: side by side with nixl's own polling: bench/nixl_progress.py, docs/known-behaviour.md.
