@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.nixl_progress import idle_cpu_pct, play_two_turn_sessions, side_by_side
+from bench.nixl_progress import abba_order, idle_cpu_pct, play_two_turn_sessions, side_by_side
 from serving import engine_idle_wait
 from tests.integration.vllm_stack import ProxyThread, VllmStack
 
@@ -81,11 +81,10 @@ def main() -> None:
     waits = [int(v) for v in args.variants.split(",")]
     log_dir = Path(tempfile.mkdtemp(prefix="turnscope-engine-idle-wait-"))
     launches: list[Launch] = []
-    for r in range(args.rounds):
-        for w in (waits if r % 2 == 0 else waits[::-1]):
-            t = time.monotonic()
-            launches.append(measure(w, args, log_dir))
-            print(f"round {r + 1} wait {w} ms: {time.monotonic() - t:.0f} s, held {launches[-1].held_pct}", flush=True)
+    for r, w in abba_order(waits, args.rounds):
+        t = time.monotonic()
+        launches.append(measure(w, args, log_dir))
+        print(f"round {r + 1} wait {w} ms: {time.monotonic() - t:.0f} s, held {launches[-1].held_pct}", flush=True)
     report(launches, waits)
     print(f"\nworker logs: {log_dir}")
 

@@ -149,6 +149,12 @@ def med(xs) -> str:
     return f"{statistics.median(xs) * 1e3:8.1f} ms ({min(xs) * 1e3:.0f}..{max(xs) * 1e3:.0f})" if xs else "n/a"
 
 
+def abba_order(variants: list[int], rounds: int) -> list[tuple[int, int]]:
+    """(round, variant) in the order the launches run: every variant once per round, the order
+    reversed every other round (A B, B A, ...), so the machine's drift falls on each alike."""
+    return [(r, v) for r in range(rounds) for v in (variants if r % 2 == 0 else variants[::-1])]
+
+
 def side_by_side(by: dict, variants: list[int], label, rows, cpu_label: str, cpu_of) -> None:
     """Print each figure of ``rows`` (name, launch -> samples) per variant as median (min..max) and its
     ratio to the first variant, then each role's CPU (``cpu_of(launch, role)``, % of a core), the hits
@@ -205,13 +211,12 @@ def main() -> None:
     log_dir = Path(tempfile.mkdtemp(prefix="turnscope-nixl-progress-"))
     rng = random.Random()
     launches: list[Launch] = []
-    for r in range(args.rounds):
-        for d in (delays if r % 2 == 0 else delays[::-1]):
-            t = time.monotonic()
-            launches.append(measure(d, rng, args, log_dir))
-            print(f"round {r + 1} delay {d} us: {time.monotonic() - t:.0f} s, idle {launches[-1].idle_pct}", flush=True)
-            if args.json:
-                args.json.write_text(json.dumps([la.__dict__ for la in launches], indent=1))
+    for r, d in abba_order(delays, args.rounds):
+        t = time.monotonic()
+        launches.append(measure(d, rng, args, log_dir))
+        print(f"round {r + 1} delay {d} us: {time.monotonic() - t:.0f} s, idle {launches[-1].idle_pct}", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps([la.__dict__ for la in launches], indent=1))
     report(launches, delays)
     print(f"\nworker logs: {log_dir}")
 
