@@ -57,11 +57,9 @@ def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | No
     rec = recommend(traffic, prof, base, current, limits, grid or Grid())
     text = "\n\n".join([head, table, describe(rec, prof, base, limits, serve_model, platform, topology)])
     if write_topology is not None:
-        from turnscope.planner.recommend_topology import default_topology, topology_diff
+        from turnscope.planner.recommend_topology import default_topology, model_seen_from, topology_diff
 
         host_kv = prof.host_kv_space_bytes.value if prof.host_kv_space_bytes else None
-        from turnscope.planner.recommend_topology import model_seen_from
-
         written = topology or default_topology(serve_model, platform)
         if topology_path is not None:  # a relative model path still names the same model from the new file
             written = written.model_copy(update={"model": model_seen_from(topology_path, write_topology)})
