@@ -121,12 +121,10 @@ def session_slices(sessions: int, rounds: int) -> list[tuple[int, int]]:
 def interleave(group: Sequence[str], sessions: int, rounds: int, rng: random.Random) -> list[Slot]:
     """The slots of one history phase of ``group``: for each round, each mode's slice, the modes in
     an order drawn by ``rng.shuffle`` (the RNG advances: draw phases in a fixed order)."""
-    slots = []
-    for r, (first, stop) in enumerate(session_slices(sessions, rounds)):
-        order = list(group)
-        rng.shuffle(order)
-        slots += [Slot(r, i, m, first, stop) for i, m in enumerate(order)]
-    return slots
+    slices = session_slices(sessions, rounds)
+    return [Slot(r, i, m, first, stop)
+            for r, ((first, stop), order) in enumerate(zip(slices, step_orders(group, len(slices), rng), strict=True))
+            for i, m in enumerate(order)]
 
 
 def spec_of(mode: str, slots: Sequence[Slot], seed: int, group: Sequence[str]) -> dict:
