@@ -196,7 +196,8 @@ CREATE TABLE plan_requests (
     recomputed_tokens     BIGINT,
     handle_age_s          DOUBLE,
     ttft_s                DOUBLE,
-    queue_wait_s          DOUBLE     -- of ttft_s, the wait for the prefill (or aggregated) worker
+    queue_wait_s          DOUBLE,    -- of ttft_s, the wait for the prefill (or aggregated) worker
+    decode_wait_s         DOUBLE     -- of ttft_s, the wait on D for room in its KV space (P/D modes)
 );
 
 CREATE TABLE plan_speedups (

@@ -440,7 +440,8 @@ def plan(
              "a worker's prefix cache. Default: with --fit-runs, P's first-turn hits in those runs; else 0.")] = None,
     queue: Annotated[bool, typer.Option(
         "--queue/--no-queue", help="Requests wait for the prompts before them on their prefill (or aggregated) "
-                                   "worker, first come first served (docs/planner.md, \"Queueing\").")] = True,
+                                   "worker, and on D for room in its KV space, first come first served "
+                                   "(docs/planner.md, \"Queueing\", \"D's admission queue\").")] = True,
 ) -> None:
     """Forecast what KV reuse across turns would do on a traffic, model and hardware, without serving it.
 
@@ -499,11 +500,15 @@ def plan_check(
         split = held_out.check_split(str(fit_root), _split(fit_runs) if fit_runs else None, str(check_store),
                                      _split(check_runs) if check_runs else None,
                                      str(profile) if profile else None)
-        prof, checks, summ = held_out.held_out_check(split, load_profile(profile) if profile else None)
+        given = load_profile(profile) if profile else None
+        prof, checks, summ = held_out.held_out_check(split, given)
         if write_profile is not None:
             write_yaml(prof, write_profile, f"turnscope plan-check: {split.describe()}")
         ramps = capacity_forecast.measured_steps(Store(check_store), split.check_runs)
-        ramp_forecast = capacity_forecast.forecast_steps(Store(check_store), ramps, prof)
+        # the ramp's intervals come from the profile's errors before this check (a fitted profile has
+        # none yet): this check's errors are measured on the very steps being forecast
+        before = prof.model_copy(update={"held_out": given.held_out if given else None})
+        ramp_forecast = capacity_forecast.forecast_steps(Store(check_store), ramps, before)
     except (ValueError, OSError) as exc:
         raise fail(str(exc)) from exc
     typer.echo(held_out.describe(split, summ, checks))

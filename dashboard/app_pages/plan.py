@@ -74,12 +74,14 @@ for r in sp.itertuples():
                 f"{r.treatment_ttft_median_s * 1e3:,.1f} ms vs {r.baseline_ttft_median_s * 1e3:,.1f} ms over "
                 f"{r.later_requests:,} later requests ({r.treatment_hits:,} hits) — {tag}")
 if not sp.empty:
-    st.caption("Secondary figures: mean TTFT over every request, and its share spent queueing for a prefill worker.")
+    st.caption("Secondary figures: mean TTFT over every request, and its share spent queueing: for a prefill "
+               "worker and on D for room in its KV space.")
     st.dataframe(plan_figures.secondary_table(sp), hide_index=True, key="plan_secondary")
 parts = db.read(root, plan_queries.ttft_parts, pid)
 if not parts.empty:
-    st.caption(f"Forecast TTFT per mode and its wait for a prefill (or aggregated) worker, first come first served "
-               f"({tag}). A large queue share: the speed-ups come from less queueing, i.e. from the arrival rate.")
+    st.caption(f"Forecast TTFT per mode, its wait for a prefill (or aggregated) worker and its wait on D for room "
+               f"in D's KV space (pinned handles and running requests), each first come first served ({tag}). A "
+               f"large queue share: the speed-ups come from less queueing, i.e. from the arrival rate and D's space.")
     st.dataframe(plan_figures.ttft_parts_table(parts), hide_index=True, key="plan_ttft_parts")
 outcomes = db.read(root, plan_queries.outcomes, pid)
 if not outcomes.empty:

@@ -27,14 +27,17 @@ def outcome_table(outcomes: pd.DataFrame) -> pd.DataFrame:
 
 def ttft_parts_table(parts: pd.DataFrame) -> pd.DataFrame:
     """``dashboard.queries.plan.ttft_parts`` for display: modes in ``PLAN_TABLE_MODES``, seconds as
-    milliseconds (rounded to 0.1 ms), the queue share as a percentage (rounded to 0.1%)."""
+    milliseconds (rounded to 0.1 ms), the queue share (the prefill worker's and D's waits) as a
+    percentage (rounded to 0.1%)."""
     order = {m: i for i, m in enumerate(PLAN_TABLE_MODES)}
     df = parts.sort_values("mode", key=lambda s: s.map(lambda m: order.get(m, len(order)))).reset_index(drop=True)
-    ms = (df[["ttft_mean_s", "ttft_p50_s", "ttft_p95_s", "queue_wait_mean_s", "queue_wait_p95_s"]] * 1000).round(1)
+    ms = (df[["ttft_mean_s", "ttft_p50_s", "ttft_p95_s", "queue_wait_mean_s", "queue_wait_p95_s",
+              "decode_wait_mean_s"]] * 1000).round(1)
     return pd.DataFrame({"mode": df["mode"], "requests": df["requests"].astype(int),
                          "TTFT mean (ms)": ms["ttft_mean_s"], "TTFT p50 (ms)": ms["ttft_p50_s"],
                          "TTFT p95 (ms)": ms["ttft_p95_s"], "queue wait mean (ms)": ms["queue_wait_mean_s"],
                          "queue wait p95 (ms)": ms["queue_wait_p95_s"],
+                         "D wait mean (ms)": ms["decode_wait_mean_s"],
                          "queue share of TTFT (%)": (df["queue_share"] * 100).round(1)})
 
 

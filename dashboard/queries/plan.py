@@ -26,18 +26,22 @@ def outcomes(con: duckdb.DuckDBPyConnection, plan_id: str) -> pd.DataFrame:
 
 
 def ttft_parts(con: duckdb.DuckDBPyConnection, plan_id: str) -> pd.DataFrame:
-    """Forecast TTFT per mode and the part of it spent waiting for the prefill (or aggregated)
-    worker (the planner's FIFO queue, turnscope/planner/queueing.py): mode, requests,
-    ttft_mean_s, ttft_p50_s, ttft_p95_s, queue_wait_mean_s, queue_wait_p95_s (seconds),
-    queue_share (mean wait / mean TTFT, 0..1; NULL when the TTFT sums to 0). Requests with no
-    forecast TTFT are left out of the figures, not counted as 0."""
+    """Forecast TTFT per mode and the parts of it spent queueing: for the prefill (or aggregated)
+    worker (the planner's FIFO queue, turnscope/planner/queueing.py) and on D for room in its KV
+    space (turnscope/planner/decode_admission.py): mode, requests, ttft_mean_s, ttft_p50_s,
+    ttft_p95_s, queue_wait_mean_s, queue_wait_p95_s (the prefill worker), decode_wait_mean_s
+    (seconds; 0 for plans written before it), queue_share (both waits / TTFT, summed, 0..1; NULL
+    when the TTFT sums to 0). Requests with no forecast TTFT are left out of the figures, not
+    counted as 0."""
     return con.execute("""
         SELECT mode, count(ttft_s) AS requests,
                avg(ttft_s) AS ttft_mean_s, quantile_cont(ttft_s, 0.5) AS ttft_p50_s,
                quantile_cont(ttft_s, 0.95) AS ttft_p95_s,
                avg(coalesce(queue_wait_s, 0)) FILTER (WHERE ttft_s IS NOT NULL) AS queue_wait_mean_s,
                quantile_cont(coalesce(queue_wait_s, 0), 0.95) FILTER (WHERE ttft_s IS NOT NULL) AS queue_wait_p95_s,
-               sum(coalesce(queue_wait_s, 0)) FILTER (WHERE ttft_s IS NOT NULL) / nullif(sum(ttft_s), 0) AS queue_share
+               avg(coalesce(decode_wait_s, 0)) FILTER (WHERE ttft_s IS NOT NULL) AS decode_wait_mean_s,
+               sum(coalesce(queue_wait_s, 0) + coalesce(decode_wait_s, 0)) FILTER (WHERE ttft_s IS NOT NULL)
+                   / nullif(sum(ttft_s), 0) AS queue_share
         FROM plan_requests WHERE plan_id = ? GROUP BY mode ORDER BY mode""", [plan_id]).df()
 
 

@@ -78,3 +78,23 @@ def test_the_forecast_p90_carries_the_held_out_interval(ramp):
                                                      (None, 4, False), (2, None, False)])
 def test_within_one_step(measured, forecast, ok):
     assert cf.within_one_step([1, 2, 4, 6], measured, forecast) is ok
+
+
+def test_plan_check_takes_the_ramps_intervals_from_the_profile_not_from_this_check(ramp, tmp_path):
+    """``turnscope plan-check --profile``: the capacity lines' intervals are the profile file's held-out
+    errors (pd-bidir 0.9-1.5: 540-900 ms around 600 ms), not the errors this check measures on the
+    very steps it forecasts (measured / forecast 0.25-1.5 here, which would read 150-900 ms or so)."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from turnscope.cli import app
+    from turnscope.planner.profile import HeldOutErrors
+
+    _, _, store = ramp
+    held = HeldOutErrors(split="by hand", runs=1, turns=1, ttft_ratio={"pd-bidir": (0.9, 1.5), "pd": (1.0, 1.0)})
+    path = tmp_path / "profile.yaml"
+    path.write_text(yaml.safe_dump(profile().model_copy(update={"held_out": held}).model_dump(mode="json",
+                                                                                             exclude_none=True)))
+    r = CliRunner().invoke(app, ["plan-check", "--profile", str(path), "--check-store", str(store.root)])
+    assert r.exit_code == 0, r.output
+    assert "4 sessions, pd-bidir: TTFT p90 900 ms measured, 600 ms forecast (80% interval 540-900 ms)" in r.output

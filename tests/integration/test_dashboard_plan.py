@@ -115,10 +115,13 @@ def test_a_store_with_only_plans_shows_the_plan_page(monkeypatch, plans_only):
     assert shown == truth
     # forecast TTFT and queue wait per mode: the shards' rows summed by hand in Python
     parts = next(d.value for d in at.dataframe if "queue share of TTFT (%)" in d.value.columns).set_index("mode")
-    rows = shards(plans_only, "plan_requests", "SELECT mode, ttft_s, coalesce(queue_wait_s, 0) FROM {t}")
-    for mode in {m for m, _, _ in rows}:
-        ttft = [t for m, t, _ in rows if m == mode]
-        wait = [w for m, _, w in rows if m == mode]
+    rows = shards(plans_only, "plan_requests",
+                  "SELECT mode, ttft_s, coalesce(queue_wait_s, 0), coalesce(decode_wait_s, 0) FROM {t}")
+    for mode in {r[0] for r in rows}:
+        ttft = [t for m, t, _, _ in rows if m == mode]
+        wait = [w + d for m, _, w, d in rows if m == mode]   # the prefill worker's queue and D's
+        assert parts.loc[mode, "D wait mean (ms)"] == pytest.approx(
+            1000 * statistics.fmean(d for m, _, _, d in rows if m == mode), abs=0.05)
         assert parts.loc[mode, "requests"] == len(ttft)
         assert parts.loc[mode, "TTFT mean (ms)"] == pytest.approx(1000 * statistics.fmean(ttft), abs=0.05)
         assert parts.loc[mode, "TTFT p50 (ms)"] == pytest.approx(1000 * statistics.median(ttft), abs=0.05)

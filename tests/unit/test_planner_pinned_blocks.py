@@ -128,8 +128,14 @@ def test_plan_shares_the_system_prompt_across_sessions_on_d():
     m = plan(reqs, profile(**space), shared).modes["pd-bidir-nocache"]
     assert list(m.outcome_names()) == ["miss_first_turn", "miss_first_turn", "hit", "hit"]
     assert m.peak_held_bytes() == 14 * BLOCK
-    alone = PlanSettings(modes=("pd-bidir-nocache",))   # no system prompt: 18 blocks do not fit in 14
+    # no system prompt: 18 blocks do not fit in 14. Without D's admission queue b's handle is lost
+    alone = PlanSettings(modes=("pd-bidir-nocache",), queue_decode=False)
     assert list(plan(reqs, profile(**space), alone).modes["pd-bidir-nocache"].outcome_names())[3] == "miss_d_full"
+    # with it, b's first request (on D at 0.5 + 0.11) waits for room until a's next request reads
+    # a's handle at 5.0 (4.39 s), so it ends at 5.0 + 0.89 and b's next request, at 5.5, overlaps it
+    queued = plan(reqs, profile(**space), alone.model_copy(update={"queue_decode": True})).modes["pd-bidir-nocache"]
+    assert queued.decode_wait_s[1] == pytest.approx(4.39)
+    assert list(queued.outcome_names()) == ["miss_first_turn", "miss_first_turn", "hit", "miss_consumed"]
 
 
 @pytest.mark.parametrize("capacity", [None, 100])

@@ -101,3 +101,25 @@ def test_the_wait_is_stored_with_the_request(tmp_path):
         f"SELECT session_id, queue_wait_s, ttft_s FROM read_parquet('{tmp_path}/runs/plan-*/plan_requests/*.parquet') "
         "ORDER BY session_id").fetchall()
     assert [(s, pytest.approx(w), pytest.approx(t)) for s, w, t in rows] == [("a", 0.0, 0.11), ("b", 0.09, 0.2)]
+
+
+def test_request_by_request_ttft_equals_the_whole_traffic_at_once():
+    """PrefillTtft.next (one request at a time, as the handle simulation calls it) and .all (the
+    vectorized Lindley recursion) are two routes to the same TTFT and wait."""
+    from turnscope.planner.simulate import ModeCost, PrefillTtft, Traffic
+
+    rng = np.random.default_rng(11)
+    r = [AgentRequest("t", f"s{k % 7}", k // 7, float(t), int(n), 32, 0, server_s=1.0)
+         for k, (t, n) in enumerate(zip(np.sort(rng.uniform(0, 30, 120)), rng.integers(200, 4000, 120), strict=True))]
+    tr = Traffic.of(r)
+    local = rng.integers(0, 200, len(tr))
+    pulled = rng.integers(0, 100, len(tr))
+    took = rng.random(len(tr)) < 0.3
+    settings = PlanSettings(prefill_workers=2, rendered_prompts=True)
+    prof = profile(render_s_per_token={"value": 1e-5, "source": "test"})
+    whole = PrefillTtft(tr, settings, "pd-bidir", ModeCost(tr, prof, settings, "pd-bidir")).all(local, pulled, took)
+    one = PrefillTtft(tr, settings, "pd-bidir", ModeCost(tr, prof, settings, "pd-bidir"))
+    each = [one.next(i, int(local[i]), int(pulled[i]), bool(took[i])) for i in range(len(tr))]
+    assert [t for t, _ in each] == pytest.approx(list(whole[0]), abs=1e-12)
+    assert [w for _, w in each] == pytest.approx(list(whole[1]), abs=1e-12)
+    assert whole[1].max() > 0   # the queue mattered

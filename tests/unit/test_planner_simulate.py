@@ -118,11 +118,12 @@ def test_edit_below_one_block_is_a_mismatch():
 
 
 def test_d_full_loses_the_second_handle():
-    # D holds 5e6 bytes: one handle of 4,718,592 fits, a second does not
+    # D holds 5e6 bytes: one handle of 4,718,592 fits, a second does not (without D's admission
+    # queue, which would make b wait instead: tests/unit/test_planner_decode_admission.py)
     space = {"decode_kv_space_bytes": {"value": 5e6, "source": "test"}}
     reqs = [req("a", 0, 0.0, 1000, 0), req("b", 0, 0.5, 1000, 0),
             req("a", 1, 5.0, 1300, 1031), req("b", 1, 5.5, 1300, 1031)]
-    p = plan(reqs, profile(**space))
+    p = plan(reqs, profile(**space), PlanSettings(queue_decode=False))
     m = p.modes["pd-bidir-nocache"]
     assert outcomes(p, "pd-bidir-nocache") == ["miss_first_turn", "miss_first_turn", "hit", "miss_d_full"]
     assert m.peak_held_bytes() == HANDLE_BYTES and m.d_full_events >= 1

@@ -175,7 +175,7 @@ def run_plan(paths: Sequence[Path], *, profile_path: Path | None, fit_runs: Sequ
     settings = PlanSettings(decoder_kv_blocks_ttl_s=ttl_s, handle_ttl_margin_s=margin_s,
                             kv_recompute_threshold=threshold, prefill_workers=prefill_workers,
                             decode_workers=decode_workers, routing=routing, shared_prefix_tokens=shared_prefix_tokens,
-                            queue_prefills=queue, separate_sources=all(i["format"] == "run" for i in inputs))
+                            queue_prefills=queue, queue_decode=queue, separate_sources=all(i["format"] == "run" for i in inputs))
     p = plan(traffic, prof, settings)
     sp = summary.speedups(p)
     fr = pd.concat([summary.frontier(traffic, prof, settings, mode).assign(mode=mode) for mode in BIDIR_MODES],

@@ -19,7 +19,7 @@ Five strategies, forecast with the planner's rules and profile (:mod:`turnscope.
   covers the rest.
 
 Per strategy (one row of :func:`ledger`): hit rate (later requests, ``request_index`` >= 1, that
-reuse any tokens), TTFT p50 of the later requests (the planner's :func:`~turnscope.planner.simulate.mode_ttft` terms:
+reuse any tokens), TTFT p50 of the later requests (the planner's :class:`~turnscope.planner.simulate.PrefillTtft` terms:
 the profile's cost, the FIFO wait for P, chat renders; plus the host read), held GiB-seconds per tier (P's GPU prefix cache,
 D's pinned KV, host memory), prefill GPU-seconds saved against ``recompute`` (the prefill worker's
 time ``c(n) - c(cached)`` summed, times the profile's ``gpus_per_worker``), and, only with prices
@@ -60,15 +60,16 @@ from turnscope import reuse_rules as rules
 from turnscope.planner import intervals
 from turnscope.planner.intervals import HandleReads
 from turnscope.planner.profile import CostProfile, GiB
-from turnscope.planner.queueing import fifo_waits
 from turnscope.planner.simulate import (
     OUTCOMES,
-    RENDERS,
     TOOK_HANDLE,
+    ModeCost,
     ModePlan,
     PlanSettings,
+    PrefillTtft,
     Traffic,
     finish_times,
+    one_way_decode_waits,
     own_cache_hits,
     plan,
     simulate_bidir,
@@ -242,25 +243,36 @@ def forecast_strategy(tr: Traffic, profile: CostProfile, settings: PlanSettings,
     local, host_read, host = gpu.hits, zeros, None
     if strategy in HOST_STRATEGIES:
         local, host_read, host = _with_host(tr, profile, settings, gpu)
-    pulled, d_gib_s, d_full, took, reads = zeros, 0.0, 0, np.zeros(len(tr), dtype=bool), None
+    pulled, d_gib_s, d_full, reads = zeros, 0.0, 0, None
+    prefill = PrefillTtft(tr, settings, mode, StrategyCost(tr, profile, settings, mode,
+                                                           None if host is None else host_read))
     if mode == "pd-bidir":
-        outcome, pulled, local, ages, pinned, d_full = simulate_bidir(tr, profile, settings, local,
-                                                                      finish_times(tr, profile))
-        d_gib_s = pinned.held_gib_s()
-        names = np.asarray(OUTCOMES, dtype=object)[outcome]
-        took = np.isin(names, TOOK_HANDLE)
-        reads = handle_reads(tr, profile, settings, names, ages, local, pulled)
-    cached = local + pulled
-    compute = profile.prefill_compute_s(mode, tr.input_tokens, cached)
-    ttft = profile.ttft_s(mode, tr.input_tokens, cached, pulled)
-    if host is not None:
-        ttft = ttft + host_read_s(profile, host_read)
-    if settings.rendered_prompts:
-        ttft = ttft + profile.render_s(tr.input_tokens, RENDERS[mode] + took)
-    if settings.queue_prefills:
-        ttft = ttft + fifo_waits(tr.arrival_s, compute, workers_of(tr, settings.prefill_workers, settings.routing))
+        r = simulate_bidir(tr, profile, settings, local, finish_times(tr, profile), prefill)
+        pulled, local, d_full, ttft = r.pulled, r.local, r.d_full, r.ttft_s
+        d_gib_s = r.pinned.held_gib_s()
+        reads = handle_reads(tr, profile, settings, np.asarray(OUTCOMES, dtype=object)[r.outcome], r.ages, local,
+                             pulled)
+    else:
+        ttft, _ = prefill.all(local, pulled, np.zeros(len(tr), dtype=bool))
+        ttft = ttft + one_way_decode_waits(tr, profile, settings, ttft, finish_times(tr, profile))
+    compute = profile.prefill_compute_s(mode, tr.input_tokens, local + pulled)
     return StrategyForecast(strategy, mode, local, host_read, pulled, ttft, compute, gpu.held_gib_s(end_s), d_gib_s,
                             0.0 if host is None else host.held_gib_s(end_s), d_full, reads)
+
+
+@dataclass
+class StrategyCost(ModeCost):
+    """:class:`turnscope.planner.simulate.ModeCost` plus the host tier's reads (``host_read``:
+    tokens of each request read back from host memory, :func:`host_read_s`; None: no host tier)."""
+
+    host_read: np.ndarray | None = None
+
+    def __call__(self, rows: np.ndarray, local: np.ndarray, pulled: np.ndarray,
+                 took: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        ttft, compute = super().__call__(rows, local, pulled, took)
+        if self.host_read is not None:
+            ttft = ttft + host_read_s(self.profile, self.host_read[rows])
+        return ttft, compute
 
 
 def _usd_per_m(usd: float | None, tokens: int) -> float | None:

@@ -153,6 +153,10 @@ class PinnedBlocks(HeldTimeline):
         self._release(handle.session, handle.ordinal)
         self._record(t)
 
+    def next_due_s(self) -> float:
+        """The next TTL due (a handle already read may still be listed), seconds; ``inf``: none."""
+        return self._due[0][0] if self._due else float("inf")
+
     def release_due(self, now: float) -> None:
         """Free every handle whose TTL passed by ``now``."""
         while self._due and self._due[0][0] <= now:

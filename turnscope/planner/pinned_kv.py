@@ -79,6 +79,10 @@ class PinnedKV(HeldTimeline):
             self.held -= nbytes
             self._record(t)
 
+    def next_due_s(self) -> float:
+        """The next TTL due (a handle already read may still be listed), seconds; ``inf``: none."""
+        return self._due[0][0] if self._due else float("inf")
+
     def pin(self, t: float, handle: Handle, ttl_s: float) -> bool:
         """Pin ``handle.nbytes`` at ``t`` until read or ``t + ttl_s``; False (nothing pinned) when
         they do not fit next to what is pinned."""
@@ -122,6 +126,7 @@ class PinnedStore(Protocol):
     def pin(self, t: float, handle: Handle, ttl_s: float) -> bool: ...
     def read(self, t: float, handle: Handle) -> None: ...
     def release_due(self, now: float) -> None: ...
+    def next_due_s(self) -> float: ...
     def peak_bytes(self) -> float: ...
     def held_gib_s(self) -> float: ...
 
@@ -176,6 +181,15 @@ class HandleLedger:
                 self._lost.add(session)
                 self.lost_handles += 1
         self.kv.release_due(now)
+
+    def settle(self, now: float) -> None:
+        """Pin every handle whose request ended by ``now`` and free those whose TTL passed."""
+        self._settle(now)
+
+    def next_change_s(self) -> float:
+        """When what is pinned may change next (a request's end or a TTL due), seconds; ``inf``: never."""
+        end = self._finishing[0][0] if self._finishing else float("inf")
+        return min(end, self.kv.next_due_s())
 
     def take(self, now: float, session: object) -> Handle | str | None:
         """The session's handle at ``now`` (a request arrives): the :class:`Handle` (removed from

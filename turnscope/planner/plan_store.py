@@ -67,7 +67,8 @@ def write_plan(store: Store, p: Plan, *, plan_id: str, label: str | None, inputs
                     "outcome": names[i], "pulled_tokens": int(m.pulled_tokens[i]),
                     "local_tokens": int(m.local_tokens[i]), "recomputed_tokens": int(rec[i]),
                     "handle_age_s": None if math.isnan(age) else age, "ttft_s": float(m.ttft_s[i]),
-                    "queue_wait_s": float(m.queue_wait_s[i])})
+                    "queue_wait_s": float(m.queue_wait_s[i]),
+                    "decode_wait_s": float(m.decode_wait_s[i]) if m.decode_wait_s.size else 0.0})
         for row in _rows(speedups, ("requests", "later_requests", "treatment_hits")):
             w.append("plan_speedups", {"plan_id": plan_id} | row)
         for row in _rows(frontiers, ("d_full_events",)):

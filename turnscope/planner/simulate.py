@@ -27,9 +27,10 @@ time and space:
   request (``routing="round-robin"``) or by session (``"session"``, the proxy's default:
   :mod:`serving.routing`; its ``prefix-aware`` policy is not modelled).
 
-* **TTFT** (:func:`mode_ttft`): the profile's cost of each request, plus its FIFO wait for its
-  prefill (or aggregated) worker (:mod:`turnscope.planner.queueing`) and, for chat traffic, the
-  renders of its messages to token ids.
+* **TTFT** (:class:`PrefillTtft`): the profile's cost of each request (:class:`ModeCost`), plus its
+  FIFO wait for its prefill (or aggregated) worker (:mod:`turnscope.planner.queueing`), for chat
+  traffic the renders of its messages to token ids, and in P/D its wait on D for room in D's KV
+  space (:mod:`turnscope.planner.decode_admission`).
 
 Outcomes are the proxy's (``serving.handles``) plus ``miss_d_full``; ``aggregated`` has none
 (the proxy does not decide reuse there) and one-way P/D's later turns are
@@ -41,7 +42,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -52,6 +53,7 @@ from serving import handles as h
 from turnscope import reuse_rules as rules
 from turnscope.contract import SESSION
 from turnscope.modes import BIDIRECTIONAL_MODES, RECOMPUTE_MODE, SERVING_MODES, serving_mode
+from turnscope.planner.decode_admission import DecodeAdmission, DecodeSpace, HandlesOnD, admission_waits
 from turnscope.planner.pinned_blocks import PinnedBlocks
 from turnscope.planner.pinned_kv import LOST, Handle, HandleLedger
 from turnscope.planner.profile import MODES, CostProfile, GiB
@@ -75,7 +77,9 @@ class PlanSettings(BaseModel):
     found in a worker's prefix cache once that worker has served any request (0: none).
     ``queue_prefills``: a request waits for the prompts before it on its prefill (or aggregated)
     worker (:mod:`turnscope.planner.queueing`; False: every request finds its worker idle).
-    ``rendered_prompts``: the requests are chat messages the workers render to token ids (a
+    ``queue_decode``: a P/D request waits on D until D's KV space has room for it next to the pinned
+    handles and the requests running there (:mod:`turnscope.planner.decode_admission`; False: D
+    always has room). ``rendered_prompts``: the requests are chat messages the workers render to token ids (a
     ``text`` history; the profile's ``render_s_per_token``); False: token ids, nothing rendered.
     ``separate_sources``: each source of the traffic is planned alone, on its own clock and its own
     deployment (its own workers, queues, caches and D), never stacked with the other sources: recorded
@@ -93,6 +97,7 @@ class PlanSettings(BaseModel):
     routing: Literal["round-robin", "session"] = SESSION
     shared_prefix_tokens: int = Field(0, ge=0)
     queue_prefills: bool = True
+    queue_decode: bool = True
     rendered_prompts: bool = False
     separate_sources: bool = False
     modes: tuple[str, ...] = MODES
@@ -169,8 +174,9 @@ class ModePlan:
     """One mode's forecast, one entry per request of the :class:`Traffic` (its order).
 
     ``outcome`` holds codes into :data:`OUTCOMES`; tokens are counts; ``ttft_s`` seconds (of
-    which ``queue_wait_s`` waiting for the prefill worker); ``handle_age_s`` NaN where no handle
-    was taken. ``held_t_s``/``held_bytes``: D's pinned KV
+    which ``queue_wait_s`` waiting for the prefill worker and ``decode_wait_s`` for room in D's KV
+    space: :mod:`turnscope.planner.decode_admission`, empty where not modelled); ``handle_age_s``
+    NaN where no handle was taken. ``held_t_s``/``held_bytes``: D's pinned KV
     after each change (bidirectional modes; empty otherwise); ``d_full_events``: handles lost."""
 
     mode: str
@@ -185,11 +191,17 @@ class ModePlan:
     d_full_events: int = 0
 
     prompt_tokens: np.ndarray | None = None
+    decode_wait_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @property
     def recomputed_tokens(self) -> np.ndarray:
         """Prompt tokens computed (not pulled, not from the worker's own cache)."""
         return self.prompt_tokens - self.pulled_tokens - self.local_tokens
+
+    @property
+    def queued_s(self) -> np.ndarray:
+        """Of each TTFT, the seconds spent queueing: for the prefill worker and on D."""
+        return self.queue_wait_s + self.decode_wait_s if self.decode_wait_s.size else self.queue_wait_s
 
     def outcome_names(self) -> np.ndarray:
         """The outcome of each request as text (None for aggregated serving)."""
@@ -219,6 +231,10 @@ class ModePlan:
             for name in ("outcome", "pulled_tokens", "local_tokens", "ttft_s", "handle_age_s", "queue_wait_s",
                          "prompt_tokens"):
                 getattr(out, name)[rows] = getattr(m, name)
+            if m.decode_wait_s.size:
+                if not out.decode_wait_s.size:
+                    out.decode_wait_s = np.zeros(n)
+                out.decode_wait_s[rows] = m.decode_wait_s
             if m.held_t_s.size:
                 held_t.append(m.held_t_s - m.held_t_s[0] + end)
                 held_b.append(m.held_bytes)
@@ -258,24 +274,61 @@ RENDERS = {m.name: 2 if m.disaggregated else 1 for m in SERVING_MODES}
 TOOK_HANDLE = (h.HIT, h.MISS_BELOW_THRESHOLD, h.MISS_MISMATCH, h.MISS_TRANSFER_FAILED)
 
 
-def mode_ttft(tr: Traffic, profile: CostProfile, settings: PlanSettings, mode: str, cached: np.ndarray,
-              pulled: np.ndarray, outcome: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each request's forecast TTFT in ``mode`` and its wait for the prefill worker, seconds:
-    ``profile.ttft_s`` + the FIFO wait (:func:`turnscope.planner.queueing.fifo_waits`, the
-    worker's time per request ``c(n) - c(cached)``; a pull does not hold the worker: vLLM waits for
-    remote KV outside the running batch) + the chat renders (:data:`RENDERS`) when
-    ``settings.rendered_prompts``."""
-    n = tr.input_tokens
-    ttft = profile.ttft_s(mode, n, cached, pulled)
-    wait = np.zeros(len(tr))
-    if settings.queue_prefills:
+@dataclass
+class ModeCost:
+    """A request's cost in ``mode`` before any queueing, from the profile: called with request
+    positions ``rows`` and their tokens from P's own cache (``local``), pulled from D (``pulled``)
+    and whether it took a handle (``took``: the proxy renders its ids once more), it returns
+    (seconds to the first token: ``profile.ttft_s`` plus the chat renders, :data:`RENDERS`, when
+    ``settings.rendered_prompts``; seconds of the prefill worker's time, ``c(n) - c(cached)``: a
+    pull does not hold the worker, vLLM waits for remote KV outside the running batch). The ledger
+    adds its host tier's reads (:class:`turnscope.planner.ledger.StrategyCost`)."""
+
+    tr: Traffic
+    profile: CostProfile
+    settings: PlanSettings
+    mode: str
+
+    def __call__(self, rows: np.ndarray, local: np.ndarray, pulled: np.ndarray,
+                 took: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n = self.tr.input_tokens[rows]
+        cached = local + pulled
+        ttft = self.profile.ttft_s(self.mode, n, cached, pulled)
+        if self.settings.rendered_prompts:
+            ttft = ttft + self.profile.render_s(n, RENDERS[self.mode] + took)
+        return ttft, self.profile.prefill_compute_s(self.mode, n, cached)
+
+
+class PrefillTtft:
+    """A mode's TTFT before any wait on D, seconds: each request's cost (``cost``, a
+    :class:`ModeCost`) plus its wait for its prefill (or aggregated) worker, first come first served
+    (:mod:`turnscope.planner.queueing`; none when ``settings.queue_prefills`` is off). For the whole
+    traffic at once (:meth:`all`), or request by request in arrival order (:meth:`next`: the handle
+    simulation learns a request's tokens when it arrives, and D's queue needs its TTFT then)."""
+
+    def __init__(self, tr: Traffic, settings: PlanSettings, mode: str, cost: ModeCost):
         workers = settings.aggregated_workers if mode == "aggregated" else settings.prefill_workers
-        wait = fifo_waits(tr.arrival_s, profile.prefill_compute_s(mode, n, cached),
-                          workers_of(tr, workers, settings.routing))
-    if settings.rendered_prompts:
-        took = np.isin(outcome, [_CODE[o] for o in TOOK_HANDLE])
-        ttft = ttft + profile.render_s(n, RENDERS[mode] + took)
-    return ttft + wait, wait
+        self.tr, self.cost, self.queue = tr, cost, settings.queue_prefills
+        self.worker = workers_of(tr, workers, settings.routing)
+        self._free_at: dict[int, float] = {}
+
+    def all(self, local: np.ndarray, pulled: np.ndarray, took: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(TTFT, of which the wait for the prefill worker) of every request, seconds."""
+        ttft, compute = self.cost(np.arange(len(self.tr)), local, pulled, took)
+        wait = fifo_waits(self.tr.arrival_s, compute, self.worker) if self.queue else np.zeros(len(self.tr))
+        return ttft + wait, wait
+
+    def next(self, i: int, local: int, pulled: int, took: bool) -> tuple[float, float]:
+        """(TTFT, of which the wait for the prefill worker) of request ``i``, seconds; requests in
+        arrival order (Lindley's recursion one step at a time: the same waits as :meth:`all`)."""
+        ttft, compute = self.cost(np.array([i]), np.array([local]), np.array([pulled]), np.array([took]))
+        wait = 0.0
+        if self.queue:
+            w, arrival = int(self.worker[i]), float(self.tr.arrival_s[i])
+            start = max(arrival, self._free_at.get(w, arrival))
+            wait = start - arrival
+            self._free_at[w] = start + float(compute[0])
+        return float(ttft[0]) + wait, wait
 
 
 def own_cache_hits(tr: Traffic, capacity_tokens: int | None, block_size: int, workers: int, routing: str,
@@ -314,13 +367,42 @@ def own_cache_hits(tr: Traffic, capacity_tokens: int | None, block_size: int, wo
     return hits
 
 
-def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, local_hits: np.ndarray | None,
-                   finish_s: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, PinnedBlocks, int]:
-    """The handle rules over the traffic, one bidirectional mode (``local_hits``: P's own-cache
-    hits of each request, None when P's prefix cache is off).
+class BidirResult(NamedTuple):
+    """:func:`simulate_bidir`'s results, one entry per request: outcome codes, pulled and local
+    tokens, handle ages (NaN: none taken), TTFT (seconds), of which the wait for the prefill worker
+    and the wait on D; D's pinned KV; handles lost to a full D."""
 
-    Returns (outcome codes, pulled tokens, local tokens, handle ages (NaN: none taken), D's pinned
-    KV, handles lost to a full D)."""
+    outcome: np.ndarray
+    pulled: np.ndarray
+    local: np.ndarray
+    ages: np.ndarray
+    ttft_s: np.ndarray
+    queue_wait_s: np.ndarray
+    decode_wait_s: np.ndarray
+    pinned: PinnedBlocks
+    d_full: int
+
+
+def decode_space(tr: Traffic, profile: CostProfile, settings: PlanSettings) -> DecodeSpace | None:
+    """D's KV space and what each request takes of it (:class:`turnscope.planner.decode_admission.DecodeSpace`),
+    or None when D's queue is not modelled (``settings.queue_decode`` off, or no D space in the profile)."""
+    if not settings.queue_decode or profile.decode_kv_space_bytes is None:
+        return None
+    block = settings.block_size or profile.block_size
+    cap = int(profile.decode_kv_space_bytes.value / settings.decode_workers // (block * profile.kv_bytes_per_token.value))
+    return DecodeSpace.of(cap, block, tr.input_tokens, tr.output_tokens, settings.shared_prefix_tokens,
+                          profile.decode_s_per_token.value if profile.decode_s_per_token else None)
+
+
+def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, local_hits: np.ndarray | None,
+                   finish_s: np.ndarray, prefill: PrefillTtft) -> BidirResult:
+    """The handle rules over the traffic, one bidirectional mode (``local_hits``: P's own-cache
+    hits of each request, None when P's prefix cache is off), with each request's TTFT
+    (``prefill``) and D's admission queue (:mod:`turnscope.planner.decode_admission`) in one pass
+    over time: a request reaches D when its first token is due and waits for room next to the
+    pinned handles and the running requests; its handle is pinned where it ends (``finish_s``, or
+    the end of its decode after a wait that pushes it past that). Without D's queue
+    (:func:`decode_space` None) every request ends at ``finish_s`` and waits nothing on D."""
     block = settings.block_size or profile.block_size
     threshold = settings.kv_recompute_threshold
     d_ttl = settings.decoder_kv_blocks_ttl_s
@@ -330,21 +412,29 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
            if profile.decode_kv_space_bytes else None)
     pinned = PinnedBlocks(cap, block, block * kv_bytes, settings.shared_prefix_tokens // block)
     ledger = HandleLedger(pinned, d_ttl)
+    space = decode_space(tr, profile, settings)
+    on_d = None if space is None else HandlesOnD(ledger, pinned, finish_s)
+    queue = None if space is None else DecodeAdmission(space.capacity_blocks, on_d)
     n_req = len(tr)
     outcome = np.zeros(n_req, dtype=np.int8)
     pulled = np.zeros(n_req, dtype=np.int64)
     local = np.zeros(n_req, dtype=np.int64) if local_hits is None else local_hits.copy()
     ages = np.full(n_req, np.nan)
+    ttft = np.zeros(n_req)
+    p_wait = np.zeros(n_req)
     seen: set[int] = set()
     codes, n_arr, out_arr, shared = tr.session_code, tr.input_tokens, tr.output_tokens, tr.shared_prefix_tokens
     arrival = tr.arrival_s
     c_hit, c_first, c_exp, c_cons = _CODE[h.HIT], _CODE[h.MISS_FIRST_TURN], _CODE[h.MISS_EXPIRED], _CODE[h.MISS_CONSUMED]
     c_mis, c_below, c_fail, c_full = (_CODE[h.MISS_MISMATCH], _CODE[h.MISS_BELOW_THRESHOLD],
                                       _CODE[h.MISS_TRANSFER_FAILED], _CODE[MISS_D_FULL])
+    took_codes = {_CODE[o] for o in TOOK_HANDLE}
     for i in range(n_req):
         t = float(arrival[i])
         s = int(codes[i])
         n = int(n_arr[i])
+        if queue is not None:
+            queue.advance(t)        # D's admissions, ends, pins and TTLs up to this arrival
         taken = ledger.take(t, s)   # pins the turns finished before this arrival, frees expired ones
         if s not in seen:
             seen.add(s)
@@ -369,16 +459,42 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
                         pulled[i] = count
             if rules.d_frees_taken_handle(OUTCOMES[outcome[i]]):
                 ledger.read(t, taken)   # P pulled it, or told D it needs none of it; else pinned to the TTL
+                if queue is not None:
+                    queue.advance(t)    # what that made room for
         elif taken is LOST:
             outcome[i] = c_full
         else:
             outcome[i] = c_cons
+        ttft[i], p_wait[i] = prefill.next(i, int(local[i]), int(pulled[i]), outcome[i] in took_codes)
         kv = rules.handle_kv_tokens(n, int(out_arr[i]))
         ordinal = pinned.add_request(s, kv, int(shared[i]))   # its place in the session's chain of prefixes
-        ledger.finished(float(finish_s[i]), i, s, kv, rules.blocks_of(kv, block) * block * kv_bytes,
-                        ordinal=ordinal, blocks=rules.blocks_of(kv, block))
+        handle = (s, kv, rules.blocks_of(kv, block) * block * kv_bytes, ordinal, rules.blocks_of(kv, block))
+        if queue is None:
+            ledger.finished(float(finish_s[i]), i, *handle[:3], ordinal=ordinal, blocks=handle[4])
+        else:
+            at_d = t + ttft[i]
+            hold = space.hold_s(i, float(finish_s[i]) - at_d)
+            on_d.expect(i, at_d, hold, handle)
+            queue.arrive(i, at_d, space.need_blocks[i], hold)
+    d_wait = np.zeros(n_req)
+    if queue is not None:
+        queue.close()
+        d_wait = np.array([queue.wait_s[i] for i in range(n_req)])
     ledger.close()                               # the last turns of each session: pinned until TTL
-    return outcome, pulled, local, ages, pinned, ledger.lost_handles
+    return BidirResult(outcome, pulled, local, ages, ttft + d_wait, p_wait, d_wait, pinned, ledger.lost_handles)
+
+
+def one_way_decode_waits(tr: Traffic, profile: CostProfile, settings: PlanSettings, ttft_s: np.ndarray,
+                         finish_s: np.ndarray) -> np.ndarray:
+    """Each request's wait on a one-way P/D's D, seconds: its running requests only (nothing is
+    pinned); 0s when :func:`decode_space` is None. A request reaches D when its first token is due
+    (``arrival_s + ttft_s``) and holds its blocks for its decode (:class:`DecodeSpace`)."""
+    space = decode_space(tr, profile, settings)
+    if space is None:
+        return np.zeros(len(tr))
+    at_d = tr.arrival_s + ttft_s
+    hold = np.array([space.hold_s(i, float(finish_s[i] - at_d[i])) for i in range(len(tr))])
+    return admission_waits(at_d, space.need_blocks, hold, space.capacity_blocks)
 
 
 def finish_times(tr: Traffic, profile: CostProfile) -> np.ndarray:
@@ -431,12 +547,24 @@ def plan(requests: Iterable[AgentRequest] | Traffic, profile: CostProfile,
         elif not kind.bidirectional:
             local = zeros if p_cache is None else p_cache
             outcome = np.where(first_seen, _CODE[h.MISS_FIRST_TURN], _CODE[h.MISS_NO_HANDLE_RETURNED]).astype(np.int8)
+        prefill = PrefillTtft(tr, settings, mode, ModeCost(tr, profile, settings, mode))
+        if kind.bidirectional:
+            r = simulate_bidir(tr, profile, settings, p_cache, finish, prefill)
+            outcome, pulled, local, ages, d_full = r.outcome, r.pulled, r.local, r.ages, r.d_full
+            ttft, wait, d_wait = r.ttft_s, r.queue_wait_s, r.decode_wait_s
+            held_t, held_b = np.asarray(r.pinned.t), np.asarray(r.pinned.b)
         else:
-            outcome, pulled, local, ages, pinned, d_full = simulate_bidir(
-                tr, profile, settings, p_cache, finish)
-            held_t, held_b = np.asarray(pinned.t), np.asarray(pinned.b)
-        ttft, wait = mode_ttft(tr, profile, settings, mode, local + pulled, pulled, outcome)
-        mp = ModePlan(mode, outcome, pulled, local, ttft, ages, wait, held_t, held_b, d_full)
+            ttft, wait = prefill.all(local, pulled, np.zeros(len(tr), dtype=bool))
+            d_wait = (one_way_decode_waits(tr, profile, settings, ttft, finish) if kind.disaggregated
+                      else np.zeros(len(tr)))
+            ttft = ttft + d_wait
+        if (d_wait > 0).any():
+            notes.append(f"{mode}: {int((d_wait > 0).sum())} of {len(tr)} requests wait on D for room in its KV space "
+                         f"(mean {d_wait.mean():,.2f} s, longest {d_wait.max():,.1f} s). Arrivals are the traffic's "
+                         "own (open loop): a request that arrives while its session's previous one still waits or "
+                         "runs on D finds no handle (miss_consumed), where a client that waits for the reply would "
+                         "have sent it later.")
+        mp = ModePlan(mode, outcome, pulled, local, ttft, ages, wait, held_t, held_b, d_full, decode_wait_s=d_wait)
         mp.prompt_tokens = n
         out[mode] = mp
     return Plan(tr, profile, settings, out, notes)

@@ -37,7 +37,7 @@ def speedups(p: Plan) -> pd.DataFrame:
     baseline_ttft_median_s (later requests, s), speedup, speedup_ci_low, speedup_ci_high,
     treatment_ttft_mean_s, baseline_ttft_mean_s (every request, s), mean_speedup (baseline /
     treatment mean TTFT, every request), later_mean_speedup (later requests), treatment_queue_share,
-    baseline_queue_share (mean wait for the prefill worker / mean TTFT, every request),
+    baseline_queue_share (mean wait for the prefill worker and on D / mean TTFT, every request),
     speedup_interval_low/high, treatment_ttft_interval_low_s/high_s, baseline_ttft_interval_low_s/high_s
     (the 80% forecast intervals of the speed-up and the medians from the profile's held-out errors,
     :mod:`turnscope.planner.intervals`; NaN: the profile has none)."""
@@ -61,8 +61,8 @@ def speedups(p: Plan) -> pd.DataFrame:
         row |= {"treatment_ttft_mean_s": float(tt.mean()), "baseline_ttft_mean_s": float(bb.mean()),
                 "mean_speedup": float(bb.mean() / tt.mean()),
                 "later_mean_speedup": float(bb[later].mean() / tt[later].mean()) if later.any() else np.nan,
-                "treatment_queue_share": float(tm.queue_wait_s.sum() / tt.sum()) if tt.sum() else np.nan,
-                "baseline_queue_share": float(bm.queue_wait_s.sum() / bb.sum()) if bb.sum() else np.nan}
+                "treatment_queue_share": float(tm.queued_s.sum() / tt.sum()) if tt.sum() else np.nan,
+                "baseline_queue_share": float(bm.queued_s.sum() / bb.sum()) if bb.sum() else np.nan}
         lo, hi = intervals.speedup_interval(p.profile, t, b, row["speedup"])
         tlo, thi = intervals.ttft_interval(p.profile, t, row["treatment_ttft_median_s"])
         blo, bhi = intervals.ttft_interval(p.profile, b, row["baseline_ttft_median_s"])

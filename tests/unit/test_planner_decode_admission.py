@@ -1,0 +1,164 @@
+"""D's admission queue (turnscope/planner/decode_admission.py) and its place in the TTFT forecast,
+against hand-computed cases and an independent loop over time steps.
+
+Profile (tests/unit/test_planner_simulate.py): c(x) = 1e-4 x, b0 10 ms, 128-token blocks of
+4096 bytes per token (512 KiB), pull 1 GB/s; here D holds 6 blocks (3 MiB) and decodes at
+10 ms per token."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from loadgen.traces.agent_request import AgentRequest
+from tests.unit.test_planner_simulate import profile
+from turnscope.planner.decode_admission import DecodeAdmission, admission_waits
+from turnscope.planner.simulate import PlanSettings, plan
+
+BLOCK_BYTES = 128 * 4096
+
+
+class ScriptedHolds:
+    """What D holds besides its running requests, as a fixed script of (time, blocks held after)."""
+
+    def __init__(self, changes):
+        self.changes = sorted(changes)
+        self.now = 0.0
+        self.admits = []
+
+    def held_blocks(self):
+        return next((b for t, b in reversed(self.changes) if t <= self.now), 0.0)
+
+    def next_change_s(self):
+        return next((t for t, _ in self.changes if t > self.now), float("inf"))
+
+    def settle(self, t):
+        self.now = max(self.now, t)
+
+    def admitted(self, key, admit_s):   # None: the request's blocks run for its own hold
+        self.admits.append((key, admit_s))
+
+
+class HandOverAfterOneSecond(ScriptedHolds):
+    """Scripted holds that take over each admitted request's blocks 1 s after its admission."""
+
+    def admitted(self, key, admit_s):
+        super().admitted(key, admit_s)
+        return admit_s + 1.0
+
+
+def waits(arrivals, needs, holds, cap, script=None):
+    if script is None:
+        return list(admission_waits(np.array(arrivals), np.array(needs), np.array(holds), cap))
+    q = DecodeAdmission(cap, script)
+    for j, (a, k, h) in enumerate(zip(arrivals, needs, holds, strict=True)):
+        q.arrive(j, a, k, h)
+    q.close()
+    return [q.wait_s[j] for j in range(len(arrivals))]
+
+
+def test_waits_by_hand():
+    # 10 blocks: the first runs 0-5; the second (6 blocks) waits until 5 (4 s) and runs 5-10; the
+    # third waits behind it (first come first served) and then for its end: 10 - 2 = 8 s
+    assert waits([0.0, 1.0, 2.0], [6, 6, 6], [5.0, 5.0, 5.0], 10) == pytest.approx([0.0, 4.0, 8.0])
+    # a small request behind a blocked one waits too (vLLM's scheduler stops at the first that
+    # does not fit), though it would fit at once
+    assert waits([0.0, 1.0, 1.5], [6, 6, 1], [5.0, 5.0, 5.0], 10) == pytest.approx([0.0, 4.0, 3.5])
+
+
+def test_held_blocks_take_room_until_they_are_freed():
+    # 8 blocks held from 0 to 3: a 4-block request at 1 waits until 3
+    assert waits([1.0], [4], [1.0], 10, ScriptedHolds([(0.0, 8.0), (3.0, 0.0)])) == pytest.approx([2.0])
+    # held for good (never freed): admitted when nothing is left to change rather than never
+    assert waits([1.0], [4], [1.0], 10, ScriptedHolds([(0.0, 9.0)])) == [0.0]
+
+
+def test_the_holds_say_when_running_blocks_are_handed_over():
+    # the holds end each admitted request's running blocks 1 s after its admission (then they are
+    # the holds' to count): the second request (6 of 10) waits for that, 1 s, not for its 5 s hold
+    script = HandOverAfterOneSecond([])
+    assert waits([0.0, 0.0], [6, 6], [5.0, 5.0], 10, script) == pytest.approx([0.0, 1.0])
+    assert script.admits == [(0, 0.0), (1, 1.0)]
+
+
+def test_a_request_larger_than_d_is_admitted_when_d_is_empty():
+    assert waits([0.0, 1.0], [4, 20], [3.0, 1.0], 10) == pytest.approx([0.0, 2.0])
+
+
+def test_waits_match_a_time_step_loop():
+    # the same rule, checked by stepping time in 1 ms ticks (no event logic shared)
+    rng = np.random.default_rng(5)
+    n = 60
+    arrival = np.round(np.sort(rng.uniform(0, 6, n)), 3)
+    need = rng.integers(1, 5, n)
+    hold = np.round(rng.uniform(0.05, 0.6, n), 3)
+    changes = list(zip(np.round(np.sort(rng.uniform(0, 6, 12)), 3), rng.integers(0, 6, 12).astype(float),
+                       strict=True))
+    cap = 10
+
+    def held(t):
+        return next((b for c, b in reversed(changes) if c <= t + 1e-9), 0.0)
+
+    expected, ends, head = [], [], 0
+    for a, k, h in zip(arrival, need, hold, strict=True):
+        tick = max(round(a * 1000), head)
+        while held(tick / 1000) + sum(b for e, b in ends if e > tick / 1000 + 1e-9) + k > cap:
+            tick += 1
+        expected.append(tick / 1000 - a)
+        ends.append((tick / 1000 + h, k))
+        head = tick
+    q = DecodeAdmission(cap, ScriptedHolds(changes))
+    for j in range(n):
+        q.arrive(j, arrival[j], need[j], hold[j])
+    q.close()
+    assert [q.wait_s[j] for j in range(n)] == pytest.approx(expected, abs=1.5e-3)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="length"):
+        admission_waits(np.zeros(2), np.ones(3), np.ones(2), 10)
+
+
+def small_d(**extra):
+    return profile(decode_kv_space_bytes={"value": 6 * BLOCK_BYTES, "source": "test"},
+                   decode_s_per_token={"value": 0.01, "source": "test"}, **extra)
+
+
+def req(session: str, k: int, at: float, n: int, shared: int) -> AgentRequest:
+    return AgentRequest("t", session, k, at, n, 32, shared)   # no server time: the profile's decode
+
+
+SETTINGS = PlanSettings(modes=("pd-bidir-nocache",), decoder_kv_blocks_ttl_s=20.0, handle_ttl_margin_s=5.0)
+
+
+def test_a_full_d_makes_the_next_request_wait_for_a_ttl():
+    # a and b each pin 3 blocks (331 tokens of KV) when they end at 0.36 and 2.36 (TTFT 0.04 s,
+    # 32 tokens x 10 ms); c reaches D at 3.04 and finds all 6 taken until a's TTL passes at
+    # 0.36 + 20: it waits 17.32 s
+    m = plan([req("a", 0, 0.0, 300, 0), req("b", 0, 2.0, 300, 0), req("c", 0, 3.0, 300, 0)],
+             small_d(), SETTINGS).modes["pd-bidir-nocache"]
+    assert list(m.decode_wait_s) == pytest.approx([0.0, 0.0, 17.32])
+    assert m.ttft_s[2] == pytest.approx(0.04 + 17.32)
+    assert m.d_full_events == 0   # c's handle is pinned when it ends, after a's TTL
+    off = plan([req("a", 0, 0.0, 300, 0), req("b", 0, 2.0, 300, 0), req("c", 0, 3.0, 300, 0)],
+               small_d(), SETTINGS.model_copy(update={"queue_decode": False})).modes["pd-bidir-nocache"]
+    assert off.ttft_s[2] == pytest.approx(0.04)
+
+
+def test_a_read_frees_room_and_the_reader_queues_behind():
+    # a's next turn at 10 pulls a's handle (D frees its 3 blocks): c, waiting since 3.04, is
+    # admitted at 10.0 (6.96 s) and runs to 10.32. a's turn reaches D at 10 + 0.012255776 (b0 +
+    # 9 tokens computed + 331 pulled), needs 3 blocks (371 tokens) and finds b's 3 pinned and c's
+    # 3 running, then pinned: it waits for b's TTL at 2.36 + 20 = 22.36
+    m = plan([req("a", 0, 0.0, 300, 0), req("b", 0, 2.0, 300, 0), req("c", 0, 3.0, 300, 0),
+              req("a", 1, 10.0, 340, 331)], small_d(), SETTINGS).modes["pd-bidir-nocache"]
+    assert list(m.outcome_names()) == ["miss_first_turn"] * 3 + ["hit"]
+    assert list(m.decode_wait_s) == pytest.approx([0.0, 0.0, 6.96, 22.36 - 10.012255776])
+
+
+def test_one_way_pd_waits_only_for_running_requests():
+    # pd-nocache pins nothing: three 3-block requests 0.1 s apart, each running 0.32 s on a
+    # 6-block D: the third waits for the first to end (0.36 - 0.24 = 0.12 s)
+    r = [req("a", 0, 0.0, 300, 0), req("b", 0, 0.1, 300, 0), req("c", 0, 0.2, 300, 0)]
+    m = plan(r, small_d(), PlanSettings(modes=("pd-nocache",), queue_prefills=False)).modes["pd-nocache"]
+    assert list(m.decode_wait_s) == pytest.approx([0.0, 0.0, 0.12])

@@ -1,0 +1,223 @@
+"""D's admission queue: a request reaches the decode worker and waits there until D's KV space has room
+for it.
+
+Why: on D, vLLM allocates a request's KV blocks when its scheduler takes it from the ``waiting``
+queue (``vllm/v1/core/sched/scheduler.py``: ``allocate_slots``, which with
+``scheduler_reserve_full_isl`` on by default needs room for the whole prompt, and later one block
+per ``block_size`` decoded tokens). When the free blocks are too few, ``allocate_slots`` returns None
+and the scheduler stops taking waiting requests (``break``: first come, first served, the head of
+the queue blocks those behind it). With ``bidirectional_kv_xfer`` the blocks of every finished
+request stay pinned until P reads them or ``decoder_kv_blocks_ttl`` passes
+(:mod:`turnscope.planner.pinned_kv`), and pinned blocks are never evicted, so a D full of handles
+makes new requests wait for a read or a TTL. Measured on the capacity ramp (docs/capacity.md): at 6
+concurrent sessions on a 64 MiB D, ``pd-bidir``'s TTFT p90 went from ~0.15 s to 1.3-1.8 s while P's
+prefill leg stayed at ~0.05 s: the wait was on D.
+
+The model (docs/planner.md, "D's admission queue"): one pool of ``capacity_blocks`` on D. A request
+arrives at D at ``at_s`` (when its first token is due), needs ``need_blocks`` and, once admitted,
+holds them ``hold_s`` seconds as a running request; what D holds besides (the pinned handles) is
+the caller's (:class:`DecodeHolds`), which the queue advances in time with itself, so an admission
+can pin a handle that a later admission must find room next to. A request is admitted at the first
+event (an arrival at D, the end of a running request's hold, a change of what is held: a pin, a
+read, a TTL) at which the held blocks plus the running ones leave room for it, and never before
+the request ahead of it. Left out: preemption of running requests when a decode step finds no free
+block (vLLM's ``_preempt_request``; measured: 4 at 8 sessions), the blocks a request adds while it
+decodes (it is charged its whole KV from its admission) and the reservation vLLM keeps for requests
+still loading KV (``_inflight_prefill_reserved_blocks``).
+
+Units: seconds, KV blocks.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from turnscope import reuse_rules as rules
+from turnscope.planner.pinned_blocks import PinnedBlocks
+from turnscope.planner.pinned_kv import HandleLedger
+
+
+class DecodeHolds(Protocol):
+    """What D holds besides its running requests (the pinned handles), as the queue sees it."""
+
+    def held_blocks(self) -> float:
+        """Blocks held now (after :meth:`settle`)."""
+
+    def next_change_s(self) -> float:
+        """When what is held may change next (a pin or a TTL due); ``inf`` when nothing is due."""
+
+    def settle(self, t: float) -> None:
+        """Apply every change due by ``t``."""
+
+    def admitted(self, key: int, admit_s: float) -> float | None:
+        """Request ``key`` was admitted at ``admit_s`` (the caller schedules what it leaves behind);
+        returns when its blocks stop counting as running (then they are held, or freed), or None:
+        at the end of the request's own hold."""
+
+
+class DecodeAdmission:
+    """D's KV space and its first-come-first-served admission queue, advanced in time by the caller.
+
+    Args:
+        capacity_blocks: D's KV space, blocks.
+        holds: what D holds besides running requests (None: nothing, one-way P/D).
+
+    Use: :meth:`arrive` for each request reaching D (``at_s`` not before the time already advanced
+    to), :meth:`advance` to a time (events up to it are processed, admitting what fits), and
+    :meth:`close` at the end; after a change the caller makes at the current time (a read that
+    frees a handle), :meth:`advance` to that same time admits what now fits. ``wait_s``: request
+    key -> seconds it waited (from its arrival at D to its admission)."""
+
+    def __init__(self, capacity_blocks: float, holds: DecodeHolds | None = None):
+        self.capacity = capacity_blocks
+        self.holds = holds
+        self.now = -math.inf
+        self.wait_s: dict[int, float] = {}
+        self._waiting: list[tuple[float, int, float, float]] = []   # (at, key, need, hold), by arrival
+        self._running: list[tuple[float, float]] = []               # (end of hold, blocks)
+        self._in_use = 0.0
+
+    def arrive(self, key: int, at_s: float, need_blocks: float, hold_s: float) -> None:
+        """Request ``key`` reaches D at ``at_s``, needing ``need_blocks`` for ``hold_s`` seconds."""
+        heapq.heappush(self._waiting, (float(at_s), key, float(need_blocks), float(hold_s)))
+
+    def _held(self) -> float:
+        return self.holds.held_blocks() if self.holds else 0.0
+
+    def _fits(self, need: float) -> bool:
+        held = self._held() + self._in_use
+        # a request larger than the whole space goes in when D is empty (vLLM would reject it at the door)
+        return held + need <= self.capacity or (need > self.capacity and held == 0)
+
+    def _admit(self, key: int, at: float, need: float, hold: float) -> None:
+        heapq.heappop(self._waiting)
+        self.wait_s[key] = self.now - at
+        end = self.holds.admitted(key, self.now) if self.holds else None
+        heapq.heappush(self._running, (self.now + hold if end is None else end, need))
+        self._in_use += need
+
+    def _admit_what_fits(self) -> None:
+        while self._waiting and self._waiting[0][0] <= self.now and self._fits(self._waiting[0][2]):
+            at, key, need, hold = self._waiting[0]
+            self._admit(key, at, need, hold)
+
+    def _next_event(self) -> float:
+        head = self._waiting[0][0] if self._waiting and self._waiting[0][0] > self.now else math.inf
+        end = self._running[0][0] if self._running else math.inf
+        return min(head, end, self.holds.next_change_s() if self.holds else math.inf)
+
+    def advance(self, t: float) -> None:
+        """Process D's events up to ``t`` (inclusive) in time order, admitting at each what fits."""
+        while True:
+            self._admit_what_fits()
+            nxt = self._next_event()
+            if nxt > t or math.isinf(nxt):
+                break
+            self.now = max(self.now, nxt)
+            while self._running and self._running[0][0] <= self.now:
+                self._in_use -= heapq.heappop(self._running)[1]
+            if self.holds:
+                self.holds.settle(self.now)
+        if math.isfinite(t):
+            self.now = max(self.now, t)
+        self._admit_what_fits()
+
+    def close(self) -> None:
+        """Admit every request still waiting. One that nothing will ever make room for (what D holds
+        never freed) is admitted when nothing else can change, rather than never."""
+        while self._waiting:
+            self.advance(math.inf)
+            if self._waiting:   # the head is blocked and nothing is left to change
+                at, key, need, hold = self._waiting[0]
+                self.now = max(self.now, at)
+                self._admit(key, at, need, hold)
+
+
+def admission_waits(at_s: np.ndarray, need_blocks: np.ndarray, hold_s: np.ndarray,
+                    capacity_blocks: float) -> np.ndarray:
+    """Seconds each request waits on a D that holds nothing but its running requests (one-way P/D):
+    :class:`DecodeAdmission` with no holds. Arrays of one length, any order (served in order of
+    arrival at D, ties in the order given); returns the waits in the input order.
+
+    Raises ValueError for arrays of different lengths."""
+    at = np.asarray(at_s, dtype=float)
+    need = np.asarray(need_blocks, dtype=float)
+    hold = np.asarray(hold_s, dtype=float)
+    if not (len(at) == len(need) == len(hold)):
+        raise ValueError(f"at_s, need_blocks and hold_s differ in length ({len(at)}, {len(need)}, {len(hold)})")
+    queue = DecodeAdmission(capacity_blocks)
+    for j in range(len(at)):
+        queue.arrive(j, at[j], need[j], hold[j])
+    queue.close()
+    return np.array([queue.wait_s[j] for j in range(len(at))])
+
+
+@dataclass(frozen=True)
+class DecodeSpace:
+    """D's KV space and what each request takes of it: ``capacity_blocks``; ``need_blocks`` per
+    request, the whole blocks of its KV (prompt + output - 1 tokens, :func:`turnscope.reuse_rules.handle_kv_tokens`)
+    less the system prompt's whole blocks (other sessions' handles hold them pinned and D's prefix
+    cache shares a pinned block for free; a cached but unreferenced block costs a free one, as
+    vLLM's ``get_num_blocks_to_allocate`` counts it); ``decode_s_per_token``: how long a request
+    holds them per output token (None: until the end the traffic gives it)."""
+
+    capacity_blocks: int
+    need_blocks: np.ndarray
+    output_tokens: np.ndarray
+    decode_s_per_token: float | None
+
+    @classmethod
+    def of(cls, capacity_blocks: int, block_size: int, prompt_tokens: np.ndarray, output_tokens: np.ndarray,
+           system_prompt_tokens: int, decode_s_per_token: float | None) -> DecodeSpace:
+        need = rules.blocks_of(rules.handle_kv_tokens(prompt_tokens, output_tokens), block_size)
+        return cls(capacity_blocks, np.maximum(need - system_prompt_tokens // block_size, 0),
+                   np.asarray(output_tokens), decode_s_per_token)
+
+    def hold_s(self, i: int, to_end_s: float) -> float:
+        """Seconds request ``i`` holds its blocks once admitted: its decode (``output_tokens x
+        decode_s_per_token``), or ``to_end_s`` (from its arrival at D to its end) without a decode time."""
+        if self.decode_s_per_token is not None:
+            return float(self.output_tokens[i]) * self.decode_s_per_token
+        return max(to_end_s, 0.0)
+
+
+class HandlesOnD:
+    """:class:`DecodeHolds` over a bidirectional D's handles: the blocks
+    :class:`turnscope.planner.pinned_blocks.PinnedBlocks` holds pinned, changed in time by
+    :class:`turnscope.planner.pinned_kv.HandleLedger` (pins due, TTLs). An admitted request's
+    handle is given to the ledger to pin where the request ends: ``finish_s`` (the traffic's end,
+    recorded or forecast without any wait), or, when its wait on D pushes the end of its decode past
+    that, the end of its decode (a recorded end already holds whatever the request waited where it
+    was recorded, so only a longer wait moves it)."""
+
+    def __init__(self, ledger: HandleLedger, pinned: PinnedBlocks, finish_s: np.ndarray):
+        self.ledger, self.pinned, self.finish_s = ledger, pinned, finish_s
+        self._expected: dict[int, tuple[float, float, tuple]] = {}
+
+    def expect(self, key: int, at_s: float, hold_s: float, handle: tuple) -> None:
+        """Request ``key`` reaches D at ``at_s`` and holds its blocks ``hold_s`` once admitted;
+        ``handle``: (session, KV tokens, bytes, ordinal, blocks) for :meth:`HandleLedger.finished`."""
+        self._expected[key] = (at_s, hold_s, handle)
+
+    def held_blocks(self) -> float:
+        return float(self.pinned.held_blocks)
+
+    def next_change_s(self) -> float:
+        return self.ledger.next_change_s()
+
+    def settle(self, t: float) -> None:
+        self.ledger.settle(t)
+
+    def admitted(self, key: int, admit_s: float) -> float:
+        at_s, hold_s, (session, kv, nbytes, ordinal, blocks) = self._expected.pop(key)
+        end = float(self.finish_s[key])
+        decoded = admit_s + hold_s
+        if admit_s > at_s and decoded > end:
+            end = decoded
+        self.ledger.finished(end, key, session, kv, nbytes, ordinal=ordinal, blocks=blocks)
+        return min(decoded, end)
