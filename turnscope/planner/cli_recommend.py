@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from turnscope.planner.cli_plan import read_traffic
+from turnscope.planner.fit import recorded_shared_prefix_tokens, recorded_turns
 from turnscope.planner.ledger import STRATEGIES, Prices, describe_ledger, ledger
 from turnscope.planner.plan_store import new_plan_id, write_recommendation
 from turnscope.planner.profile import GiB, Sourced, load_profile
@@ -22,13 +23,16 @@ from turnscope.store import Store
 def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | None, current: Setting,
                   margin_s: float, ttft_slo_s: float | None, d_kv_gib: float | None, gpu_hour_usd: float | None,
                   host_gib_hour_usd: float | None, max_prefill_workers: int, serve_model: str,
-                  shared_prefix_tokens: int = 0, grid: Grid | None = None, platform: str = "gpu",
+                  shared_prefix_tokens: int | None = None, grid: Grid | None = None, platform: str = "gpu",
                   topology_path: Path | None = None, store_root: Path | None = None, label: str | None = None,
                   run_ids: Sequence[str] | None = None, write_topology: Path | None = None) -> str:
     """The whole command. ``topology_path``: the current deployment's topology file, the base of the
     topology diff (None: :func:`turnscope.planner.recommend_topology.default_topology`);
     ``store_root``: write the ledger and recommendation there; ``run_ids``: of a store directory read
-    as traffic, only these runs; ``write_topology``: write the recommended topology file there. Raises ValueError/OSError with a clear
+    as traffic, only these runs; ``shared_prefix_tokens``: the system prompt sessions share (None:
+    from ``run_ids``' recorded first turns, as ``turnscope plan`` takes it from its fitted runs,
+    :func:`turnscope.planner.fit.recorded_shared_prefix_tokens`; 0 for trace files);
+    ``write_topology``: write the recommended topology file there. Raises ValueError/OSError with a clear
     message (an unknown strategy, a negative price, an unreadable traffic, profile or topology)."""
     if platform not in ("cpu", "gpu"):
         raise ValueError(f"--platform {platform!r}: expected cpu or gpu")
@@ -42,6 +46,10 @@ def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | No
     prof = load_profile(profile_path)
     topology = read_base(topology_path) if topology_path is not None else None
     traffic, inputs = read_traffic(paths, format, run_ids)
+    if shared_prefix_tokens is None:   # as `turnscope plan` takes it: from recorded runs, P's first-turn hits
+        stores = [Store(Path(i["path"])) for i in inputs if i["format"] == "run"]
+        shared_prefix_tokens = (recorded_shared_prefix_tokens(recorded_turns(stores[0], run_ids))
+                                if run_ids and len(stores) == 1 else 0)
     prices = Prices(gpu_hour_usd, host_gib_hour_usd)
     limits = Limits(ttft_slo_s, None if d_kv_gib is None else d_kv_gib * GiB, prices, max_prefill_workers)
     base = PlanSettings(handle_ttl_margin_s=margin_s, shared_prefix_tokens=shared_prefix_tokens)

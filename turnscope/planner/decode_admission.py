@@ -163,27 +163,19 @@ class DecodeSpace:
     request, the whole blocks of its KV (prompt + output - 1 tokens, :func:`turnscope.reuse_rules.handle_kv_tokens`)
     less the system prompt's whole blocks (other sessions' handles hold them pinned and D's prefix
     cache shares a pinned block for free; a cached but unreferenced block costs a free one, as
-    vLLM's ``get_num_blocks_to_allocate`` counts it); ``decode_s_per_token``: how long a request
-    holds them per output token (None: until the end the traffic gives it)."""
+    vLLM's ``get_num_blocks_to_allocate`` counts it); ``hold_s`` per request: how long it holds
+    them once admitted (its decode, seconds)."""
 
     capacity_blocks: int
     need_blocks: np.ndarray
-    output_tokens: np.ndarray
-    decode_s_per_token: float | None
+    hold_s: np.ndarray
 
     @classmethod
     def of(cls, capacity_blocks: int, block_size: int, prompt_tokens: np.ndarray, output_tokens: np.ndarray,
-           system_prompt_tokens: int, decode_s_per_token: float | None) -> DecodeSpace:
+           system_prompt_tokens: int, decode_s: np.ndarray) -> DecodeSpace:
         need = rules.blocks_of(rules.handle_kv_tokens(prompt_tokens, output_tokens), block_size)
         return cls(capacity_blocks, np.maximum(need - system_prompt_tokens // block_size, 0),
-                   np.asarray(output_tokens), decode_s_per_token)
-
-    def hold_s(self, i: int, to_end_s: float) -> float:
-        """Seconds request ``i`` holds its blocks once admitted: its decode (``output_tokens x
-        decode_s_per_token``), or ``to_end_s`` (from its arrival at D to its end) without a decode time."""
-        if self.decode_s_per_token is not None:
-            return float(self.output_tokens[i]) * self.decode_s_per_token
-        return max(to_end_s, 0.0)
+                   np.asarray(decode_s, dtype=float))
 
 
 class HandlesOnD:

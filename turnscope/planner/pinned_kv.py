@@ -10,9 +10,11 @@ or ``decoder_kv_blocks_ttl`` seconds pass. The callers decide which turn frees i
 (:meth:`HandleLedger.read`) with that one rule.
 Pinned blocks are never evicted, so when the blocks already pinned leave no room in D's KV space
 for a finishing request's, that request's handle is lost (the planner's ``miss_d_full`` on the
-session's next request; in vLLM the same over-subscription makes D queue or preempt requests
-instead: either way the reuse is gone). The KV of requests still running on D is not counted
-against the space (an upper bound on what handles can use).
+session's next request). The KV of requests still running on D is not counted here: the planner's
+D admission queue (:mod:`turnscope.planner.decode_admission`) admits a request only where its blocks
+fit next to the pinned ones and the running ones, as vLLM does, so there a handle always fits when
+its request ends; the Memory page's what-if replays recorded runs without it (an upper bound on
+what handles can use).
 
 Units: seconds on the caller's clock, bytes. Only the standard library and numpy: every part may
 import it (docs/design.md).

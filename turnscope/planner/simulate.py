@@ -6,9 +6,10 @@ Input: :class:`loadgen.traces.agent_request.AgentRequest` records (any traffic s
 proxy's own (:mod:`turnscope.reuse_rules`; the model in docs/planner.md); what the simulation adds is
 time and space:
 
-* a session's requests arrive at ``arrival_s``; a request finishes ``server_s`` later when the
-  trace records it, else after the profile's ``pd-nocache`` TTFT plus ``output_tokens x
-  decode_s_per_token`` (0 when the profile has none: said in the plan's notes);
+* a session's requests arrive at ``arrival_s`` (as recorded: open loop); a request finishes
+  ``server_s`` later when the trace records it, else after the profile's ``pd-nocache`` TTFT plus
+  ``output_tokens x decode_s_per_token`` (0 when the profile has none: said in the plan's notes),
+  or later when a wait on D pushes it (next item but one);
 * **D's pinned KV** (``pd-bidir*``): when a request finishes D pins the KV of its prompt and
   output (:func:`turnscope.reuse_rules.handle_kv_tokens`, whole blocks) until the session's next
   request frees it (a hit, or ``miss_below_threshold``: P pulls nothing and tells D to free it,
@@ -18,8 +19,10 @@ time and space:
   prefix hold it once: :mod:`turnscope.planner.pinned_blocks`). vLLM never evicts pinned blocks;
   when the blocks already pinned leave no room in D's KV space for those a finishing turn's handle
   adds, the planner counts that turn's handle as lost (``miss_d_full`` on the session's next
-  request). In vLLM the same over-subscription makes D queue or preempt requests instead: either
-  way the reuse is gone;
+  request), which D's admission queue leaves to requests larger than D's free space for good;
+* **D's admission queue** (P/D modes, ``PlanSettings.queue_decode``): a request waits on D until
+  D's KV space has room for its blocks next to the pinned handles and the running requests, in
+  one pass over time with the handles (:mod:`turnscope.planner.decode_admission`, :func:`simulate_bidir`);
 * **P's own prefix cache** (``pd``, ``pd-bidir``; the aggregated worker's for ``aggregated``):
   per worker, an LRU of sessions holding each one's last prompt (the aggregated worker: prompt and
   output), within the worker's KV space; a hit is the whole blocks both prompts share
@@ -391,7 +394,7 @@ def decode_space(tr: Traffic, profile: CostProfile, settings: PlanSettings) -> D
     block = settings.block_size or profile.block_size
     cap = int(profile.decode_kv_space_bytes.value / settings.decode_workers // (block * profile.kv_bytes_per_token.value))
     return DecodeSpace.of(cap, block, tr.input_tokens, tr.output_tokens, settings.shared_prefix_tokens,
-                          profile.decode_s_per_token.value if profile.decode_s_per_token else None)
+                          decode_times(tr, profile))
 
 
 def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, local_hits: np.ndarray | None,
@@ -473,9 +476,8 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
             ledger.finished(float(finish_s[i]), i, *handle[:3], ordinal=ordinal, blocks=handle[4])
         else:
             at_d = t + ttft[i]
-            hold = space.hold_s(i, float(finish_s[i]) - at_d)
-            on_d.expect(i, at_d, hold, handle)
-            queue.arrive(i, at_d, space.need_blocks[i], hold)
+            on_d.expect(i, at_d, float(space.hold_s[i]), handle)
+            queue.arrive(i, at_d, space.need_blocks[i], space.hold_s[i])
     d_wait = np.zeros(n_req)
     if queue is not None:
         queue.close()
@@ -484,17 +486,14 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
     return BidirResult(outcome, pulled, local, ages, ttft + d_wait, p_wait, d_wait, pinned, ledger.lost_handles)
 
 
-def one_way_decode_waits(tr: Traffic, profile: CostProfile, settings: PlanSettings, ttft_s: np.ndarray,
-                         finish_s: np.ndarray) -> np.ndarray:
+def one_way_decode_waits(tr: Traffic, profile: CostProfile, settings: PlanSettings, ttft_s: np.ndarray) -> np.ndarray:
     """Each request's wait on a one-way P/D's D, seconds: its running requests only (nothing is
     pinned); 0s when :func:`decode_space` is None. A request reaches D when its first token is due
-    (``arrival_s + ttft_s``) and holds its blocks for its decode (:class:`DecodeSpace`)."""
+    (``arrival_s + ttft_s``) and holds its blocks for its decode (:func:`decode_times`)."""
     space = decode_space(tr, profile, settings)
     if space is None:
         return np.zeros(len(tr))
-    at_d = tr.arrival_s + ttft_s
-    hold = np.array([space.hold_s(i, float(finish_s[i] - at_d[i])) for i in range(len(tr))])
-    return admission_waits(at_d, space.need_blocks, hold, space.capacity_blocks)
+    return admission_waits(tr.arrival_s + ttft_s, space.need_blocks, space.hold_s, space.capacity_blocks)
 
 
 def finish_times(tr: Traffic, profile: CostProfile) -> np.ndarray:
@@ -503,6 +502,16 @@ def finish_times(tr: Traffic, profile: CostProfile) -> np.ndarray:
     decode = profile.decode_s_per_token.value if profile.decode_s_per_token else 0.0
     e2e = np.where(np.isnan(tr.server_s), nocache + tr.output_tokens * decode, tr.server_s)
     return tr.arrival_s + e2e
+
+
+def decode_times(tr: Traffic, profile: CostProfile) -> np.ndarray:
+    """How long each request decodes once it is on D, seconds: ``output_tokens x
+    decode_s_per_token``; without a decode time in the profile, what its recorded server time
+    leaves after the profile's TTFT of the whole prompt (0 when it has none)."""
+    if profile.decode_s_per_token is not None:
+        return tr.output_tokens * profile.decode_s_per_token.value
+    nocache = profile.ttft_s(RECOMPUTE_MODE, tr.input_tokens, np.zeros(len(tr)), np.zeros(len(tr)))
+    return np.where(np.isnan(tr.server_s), 0.0, np.maximum(tr.server_s - nocache, 0.0))
 
 
 def plan(requests: Iterable[AgentRequest] | Traffic, profile: CostProfile,
@@ -555,15 +564,15 @@ def plan(requests: Iterable[AgentRequest] | Traffic, profile: CostProfile,
             held_t, held_b = np.asarray(r.pinned.t), np.asarray(r.pinned.b)
         else:
             ttft, wait = prefill.all(local, pulled, np.zeros(len(tr), dtype=bool))
-            d_wait = (one_way_decode_waits(tr, profile, settings, ttft, finish) if kind.disaggregated
+            d_wait = (one_way_decode_waits(tr, profile, settings, ttft) if kind.disaggregated
                       else np.zeros(len(tr)))
             ttft = ttft + d_wait
         if (d_wait > 0).any():
             notes.append(f"{mode}: {int((d_wait > 0).sum())} of {len(tr)} requests wait on D for room in its KV space "
                          f"(mean {d_wait.mean():,.2f} s, longest {d_wait.max():,.1f} s). Arrivals are the traffic's "
-                         "own (open loop): a request that arrives while its session's previous one still waits or "
-                         "runs on D finds no handle (miss_consumed), where a client that waits for the reply would "
-                         "have sent it later.")
+                         "own (open loop): a request that arrives while its session's previous one is still being "
+                         "served (queued on P or D) finds no handle (miss_consumed), where a client that waits for "
+                         "the reply would have sent it later.")
         mp = ModePlan(mode, outcome, pulled, local, ttft, ages, wait, held_t, held_b, d_full, decode_wait_s=d_wait)
         mp.prompt_tokens = n
         out[mode] = mp
