@@ -185,7 +185,8 @@ class HandlesOnD:
     handle is given to the ledger to pin where the request ends: ``finish_s`` (the traffic's end,
     recorded or forecast without any wait), or, when its wait on D pushes the end of its decode past
     that, the end of its decode (a recorded end already holds whatever the request waited where it
-    was recorded, so only a longer wait moves it)."""
+    was recorded, so only a longer wait moves it); never before its admission (a forecast queue on P
+    can bring a request to D after the end the traffic gives it)."""
 
     def __init__(self, ledger: HandleLedger, pinned: PinnedBlocks, finish_s: np.ndarray):
         self.ledger, self.pinned, self.finish_s = ledger, pinned, finish_s
@@ -211,5 +212,6 @@ class HandlesOnD:
         decoded = admit_s + hold_s
         if admit_s > at_s and decoded > end:
             end = decoded
+        end = max(end, admit_s)   # never before it reached D (a forecast P queue can put that past the traffic's end)
         self.ledger.finished(end, key, session, kv, nbytes, ordinal=ordinal, blocks=blocks)
         return min(decoded, end)
