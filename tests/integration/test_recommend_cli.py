@@ -107,3 +107,35 @@ def test_written_topology_names_the_same_model_wherever_it_is_written(tmp_path):
     assert r.exit_code == 0, r.output
     assert load_topology(out).model == load_topology(base).model
     assert not Path(load_topology(out).model).is_relative_to(tmp_path)
+
+
+def test_recorded_runs_bring_their_shared_system_prompt(tmp_path, monkeypatch):
+    """``--run-ids``: the system prompt the sessions share comes from those runs' recorded first turns,
+    as `turnscope plan` takes it (turnscope.planner.fit.recorded_shared_prefix_tokens, given the
+    runs' own turns); a trace file has none. Read back from the stored settings."""
+    import duckdb
+
+    from tests import planner_store
+    from turnscope.planner import cli_recommend
+
+    seen = []
+
+    def shared(turns):
+        seen.append(sorted(set(turns["run_id"])))
+        return 384
+
+    monkeypatch.setattr(cli_recommend, "recorded_shared_prefix_tokens", shared)
+    root = planner_store.build(tmp_path / "runs")
+    run = planner_store.RUNS["pd-bidir"]
+
+    def stored(out: Path) -> int:
+        (settings,) = duckdb.connect().execute(
+            f"SELECT settings FROM read_parquet('{out}/runs/plan-*/plan_log/*.parquet')").fetchone()
+        return json.loads(settings)["shared_prefix_tokens"]
+
+    r = invoke(str(root), "--run-ids", run, "--profile", str(PROFILE), "--store", str(tmp_path / "a"))
+    assert r.exit_code == 0, r.output
+    assert seen == [[run]] and stored(tmp_path / "a") == 384
+    r = invoke(str(TRACE), "--profile", str(PROFILE), "--store", str(tmp_path / "b"))
+    assert r.exit_code == 0, r.output
+    assert stored(tmp_path / "b") == 0 and seen == [[run]]
