@@ -164,16 +164,16 @@ def test_one_way_pd_waits_only_for_running_requests():
     assert list(m.decode_wait_s) == pytest.approx([0.0, 0.0, 0.12])
 
 
-def test_d_memory_is_a_timeline_when_p_queues_past_the_traffics_end():
+def test_a_handle_is_pinned_when_its_request_ends_on_d_not_at_its_recorded_end():
     # one P, 0.3 s per 3,000-token prompt: prompts at 0, 0.01 and 0.02 s wait 0, 0.29 and 0.58 s on
-    # P and reach D at 0.31, 0.61 and 0.91 s (b0 10 ms), after the 0.5 s their trace records for b and
-    # c: a handle is pinned at its request's end (0.5 s) or, when the request reaches D later, then
-    # (0.61, 0.91 s), never before, so D's pinned KV is a timeline (its times never go back)
+    # P and reach D at 0.31, 0.61 and 0.91 s (b0 10 ms); each decodes 32 tokens x 10 ms there, so its
+    # handle is pinned at 0.63, 0.93 and 1.23 s, not at the 0.5 s end the trace records (a recorded
+    # end is another system's); D's pinned KV is a timeline (its times never go back)
     r = [AgentRequest("t", s, 0, at, 3000, 32, 0, server_s=0.5) for s, at in (("a", 0.0), ("b", 0.01), ("c", 0.02))]
     prof = profile(decode_kv_space_bytes={"value": 1000 * BLOCK_BYTES, "source": "test"},
                    decode_s_per_token={"value": 0.01, "source": "test"})
     m = plan(r, prof, PlanSettings(modes=("pd-bidir-nocache",))).modes["pd-bidir-nocache"]
     assert list(m.queue_wait_s) == pytest.approx([0.0, 0.29, 0.58])
-    assert list(m.held_t_s[1:4]) == pytest.approx([0.5, 0.61, 0.91])
+    assert list(m.held_t_s[1:4]) == pytest.approx([0.63, 0.93, 1.23])
     assert (np.diff(m.held_t_s) >= 0).all()
     assert m.peak_held_bytes() == 3 * 24 * BLOCK_BYTES   # 3,031 tokens of KV each: 24 blocks

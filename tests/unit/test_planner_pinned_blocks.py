@@ -103,12 +103,13 @@ def test_plan_frees_a_below_threshold_handle_before_its_successor_pins():
     # own (1331 tokens, 11 blocks) is pinned at 6 s alone; turn 2 (P holds 1280 of 1331: 51 < 64) frees
     # it at 10 s, and its own (1431 tokens, 12 blocks) fits in D's 12 blocks at 11 s, to 11 + 480 s.
     # Before this rule turn 0's handle stayed pinned to 481 s: 9 + 3, then 9 + 3 + 1 = 13 > 12 blocks
-    # lost turn 2's handle (one miss_d_full).
+    # lost turn 2's handle (one miss_d_full). Handles pinned at the recorded ends (D's admission queue
+    # off: with it a handle is pinned at the forecast end of its decode on D).
     space = {"decode_kv_space_bytes": {"value": 12 * BLOCK, "source": "test"}}
     reqs = [AgentRequest("t", "a", 0, 0.0, 1024, 8, 0, server_s=1.0),
             AgentRequest("t", "a", 1, 5.0, 1300, 32, 1031, server_s=1.0),
             AgentRequest("t", "a", 2, 10.0, 1400, 32, 1331, server_s=1.0)]
-    p = plan(reqs, profile(**space), PlanSettings(modes=("pd-bidir",)))
+    p = plan(reqs, profile(**space), PlanSettings(modes=("pd-bidir",), queue_decode=False))
     m = p.modes["pd-bidir"]
     assert list(m.outcome_names()) == ["miss_first_turn", "miss_below_threshold", "miss_below_threshold"]
     assert m.d_full_events == 0

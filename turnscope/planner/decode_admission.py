@@ -182,20 +182,20 @@ class HandlesOnD:
     """:class:`DecodeHolds` over a bidirectional D's handles: the blocks
     :class:`turnscope.planner.pinned_blocks.PinnedBlocks` holds pinned, changed in time by
     :class:`turnscope.planner.pinned_kv.HandleLedger` (pins due, TTLs). An admitted request's
-    handle is given to the ledger to pin where the request ends: ``finish_s`` (the traffic's end,
-    recorded or forecast without any wait), or, when its wait on D pushes the end of its decode past
-    that, the end of its decode (a recorded end already holds whatever the request waited where it
-    was recorded, so only a longer wait moves it); never before its admission (a forecast queue on P
-    can bring a request to D after the end the traffic gives it)."""
+    handle is given to the ledger to pin where the forecast ends the request on D: its admission
+    plus its decode. Not where the traffic records its end: a recorded end holds whatever the
+    request waited where it was recorded, and pinning there would leave its blocks counted nowhere
+    between the end of its forecast decode and that end (and a recorded run's own measured wait
+    would shape the forecast of it)."""
 
-    def __init__(self, ledger: HandleLedger, pinned: PinnedBlocks, finish_s: np.ndarray):
-        self.ledger, self.pinned, self.finish_s = ledger, pinned, finish_s
-        self._expected: dict[int, tuple[float, float, tuple]] = {}
+    def __init__(self, ledger: HandleLedger, pinned: PinnedBlocks):
+        self.ledger, self.pinned = ledger, pinned
+        self._expected: dict[int, tuple[float, tuple]] = {}
 
-    def expect(self, key: int, at_s: float, hold_s: float, handle: tuple) -> None:
-        """Request ``key`` reaches D at ``at_s`` and holds its blocks ``hold_s`` once admitted;
-        ``handle``: (session, KV tokens, bytes, ordinal, blocks) for :meth:`HandleLedger.finished`."""
-        self._expected[key] = (at_s, hold_s, handle)
+    def expect(self, key: int, hold_s: float, handle: tuple) -> None:
+        """Request ``key`` will hold its blocks ``hold_s`` once admitted; ``handle``: (session, KV
+        tokens, bytes, ordinal, blocks) for :meth:`HandleLedger.finished`."""
+        self._expected[key] = (hold_s, handle)
 
     def held_blocks(self) -> float:
         return float(self.pinned.held_blocks)
@@ -207,11 +207,7 @@ class HandlesOnD:
         self.ledger.settle(t)
 
     def admitted(self, key: int, admit_s: float) -> float:
-        at_s, hold_s, (session, kv, nbytes, ordinal, blocks) = self._expected.pop(key)
-        end = float(self.finish_s[key])
-        decoded = admit_s + hold_s
-        if admit_s > at_s and decoded > end:
-            end = decoded
-        end = max(end, admit_s)   # never before it reached D (a forecast P queue can put that past the traffic's end)
+        hold_s, (session, kv, nbytes, ordinal, blocks) = self._expected.pop(key)
+        end = admit_s + hold_s
         self.ledger.finished(end, key, session, kv, nbytes, ordinal=ordinal, blocks=blocks)
-        return min(decoded, end)
+        return end

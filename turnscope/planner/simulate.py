@@ -403,9 +403,10 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
     hits of each request, None when P's prefix cache is off), with each request's TTFT
     (``prefill``) and D's admission queue (:mod:`turnscope.planner.decode_admission`) in one pass
     over time: a request reaches D when its first token is due and waits for room next to the
-    pinned handles and the running requests; its handle is pinned where it ends (``finish_s``, or
-    the end of its decode after a wait that pushes it past that). Without D's queue
-    (:func:`decode_space` None) every request ends at ``finish_s`` and waits nothing on D."""
+    pinned handles and the running requests; its handle is pinned when it ends there, its
+    admission plus its decode (:class:`turnscope.planner.decode_admission.HandlesOnD`). Without D's
+    queue (:func:`decode_space` None) every request ends at ``finish_s`` (the traffic's end,
+    recorded or forecast) and waits nothing on D."""
     block = settings.block_size or profile.block_size
     threshold = settings.kv_recompute_threshold
     d_ttl = settings.decoder_kv_blocks_ttl_s
@@ -416,7 +417,7 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
     pinned = PinnedBlocks(cap, block, block * kv_bytes, settings.shared_prefix_tokens // block)
     ledger = HandleLedger(pinned, d_ttl)
     space = decode_space(tr, profile, settings)
-    on_d = None if space is None else HandlesOnD(ledger, pinned, finish_s)
+    on_d = None if space is None else HandlesOnD(ledger, pinned)
     queue = None if space is None else DecodeAdmission(space.capacity_blocks, on_d)
     n_req = len(tr)
     outcome = np.zeros(n_req, dtype=np.int8)
@@ -475,9 +476,8 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
         if queue is None:
             ledger.finished(float(finish_s[i]), i, *handle[:3], ordinal=ordinal, blocks=handle[4])
         else:
-            at_d = t + ttft[i]
-            on_d.expect(i, at_d, float(space.hold_s[i]), handle)
-            queue.arrive(i, at_d, space.need_blocks[i], space.hold_s[i])
+            on_d.expect(i, float(space.hold_s[i]), handle)
+            queue.arrive(i, t + ttft[i], space.need_blocks[i], space.hold_s[i])
     d_wait = np.zeros(n_req)
     if queue is not None:
         queue.close()
