@@ -8,8 +8,9 @@ time and space:
 
 * a session's requests arrive at ``arrival_s`` (as recorded: open loop); a request finishes
   ``server_s`` later when the trace records it, else after the profile's ``pd-nocache`` TTFT plus
-  ``output_tokens x decode_s_per_token`` (0 when the profile has none: said in the plan's notes),
-  or later when a wait on D pushes it (next item but one);
+  ``output_tokens x decode_s_per_token`` (0 when the profile has none: said in the plan's notes);
+  in a bidirectional mode with D's admission queue, at its admission on D plus its decode (next
+  item but one);
 * **D's pinned KV** (``pd-bidir*``): when a request finishes D pins the KV of its prompt and
   output (:func:`turnscope.reuse_rules.handle_kv_tokens`, whole blocks) until the session's next
   request frees it (a hit, or ``miss_below_threshold``: P pulls nothing and tells D to free it,
@@ -389,12 +390,20 @@ class BidirResult(NamedTuple):
 def decode_space(tr: Traffic, profile: CostProfile, settings: PlanSettings) -> DecodeSpace | None:
     """D's KV space and what each request takes of it (:class:`turnscope.planner.decode_admission.DecodeSpace`),
     or None when D's queue is not modelled (``settings.queue_decode`` off, or no D space in the profile)."""
-    if not settings.queue_decode or profile.decode_kv_space_bytes is None:
+    cap = decode_capacity_blocks(profile, settings)
+    if not settings.queue_decode or cap is None:
+        return None
+    return DecodeSpace.of(cap, settings.block_size or profile.block_size, tr.input_tokens, tr.output_tokens,
+                          settings.shared_prefix_tokens, decode_times(tr, profile))
+
+
+def decode_capacity_blocks(profile: CostProfile, settings: PlanSettings) -> int | None:
+    """D's KV space in whole blocks (the profile's, over ``settings.decode_workers``), or None when
+    the profile has none (unbounded)."""
+    if profile.decode_kv_space_bytes is None:
         return None
     block = settings.block_size or profile.block_size
-    cap = int(profile.decode_kv_space_bytes.value / settings.decode_workers // (block * profile.kv_bytes_per_token.value))
-    return DecodeSpace.of(cap, block, tr.input_tokens, tr.output_tokens, settings.shared_prefix_tokens,
-                          decode_times(tr, profile))
+    return int(profile.decode_kv_space_bytes.value / settings.decode_workers // (block * profile.kv_bytes_per_token.value))
 
 
 def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, local_hits: np.ndarray | None,
@@ -412,9 +421,8 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
     d_ttl = settings.decoder_kv_blocks_ttl_s
     proxy_ttl = settings.proxy_ttl_s
     kv_bytes = profile.kv_bytes_per_token.value
-    cap = (int(profile.decode_kv_space_bytes.value / settings.decode_workers // (block * kv_bytes))
-           if profile.decode_kv_space_bytes else None)
-    pinned = PinnedBlocks(cap, block, block * kv_bytes, settings.shared_prefix_tokens // block)
+    pinned = PinnedBlocks(decode_capacity_blocks(profile, settings), block, block * kv_bytes,
+                          settings.shared_prefix_tokens // block)
     ledger = HandleLedger(pinned, d_ttl)
     space = decode_space(tr, profile, settings)
     on_d = None if space is None else HandlesOnD(ledger, pinned)
