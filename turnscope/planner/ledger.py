@@ -20,7 +20,8 @@ Five strategies, forecast with the planner's rules and profile (:mod:`turnscope.
 
 Per strategy (one row of :func:`ledger`): hit rate (later requests, ``request_index`` >= 1, that
 reuse any tokens), TTFT p50 of the later requests (the planner's :class:`~turnscope.planner.simulate.PrefillTtft` terms:
-the profile's cost, the FIFO wait for P, chat renders; plus the host read), held GiB-seconds per tier (P's GPU prefix cache,
+the profile's cost, the FIFO wait for P, chat renders, the wait on D for room in its KV space; plus the
+host read), held GiB-seconds per tier (P's GPU prefix cache,
 D's pinned KV, host memory), prefill GPU-seconds saved against ``recompute`` (the prefill worker's
 time ``c(n) - c(cached)`` summed, times the profile's ``gpus_per_worker``), and, only with prices
 the caller gives, the cost of the memory held per million saved prefill tokens. The host-tier
