@@ -177,3 +177,12 @@ def test_a_handle_is_pinned_when_its_request_ends_on_d_not_at_its_recorded_end()
     assert list(m.held_t_s[1:4]) == pytest.approx([0.63, 0.93, 1.23])
     assert (np.diff(m.held_t_s) >= 0).all()
     assert m.peak_held_bytes() == 3 * 24 * BLOCK_BYTES   # 3,031 tokens of KV each: 24 blocks
+
+
+def test_two_decode_workers_hold_twice_one():
+    # the case above that waits for a's TTL on one D (6 blocks): two D workers are 12 blocks, room
+    # for all three handles, and nothing waits (before, D's space was divided by the workers: 3 blocks)
+    r = [req("a", 0, 0.0, 300, 0), req("b", 0, 2.0, 300, 0), req("c", 0, 3.0, 300, 0)]
+    two = plan(r, small_d(), SETTINGS.model_copy(update={"decode_workers": 2})).modes["pd-bidir-nocache"]
+    assert list(two.decode_wait_s) == [0.0, 0.0, 0.0]
+    assert two.peak_held_bytes() == 9 * BLOCK_BYTES

@@ -398,12 +398,13 @@ def decode_space(tr: Traffic, profile: CostProfile, settings: PlanSettings) -> D
 
 
 def decode_capacity_blocks(profile: CostProfile, settings: PlanSettings) -> int | None:
-    """D's KV space in whole blocks (the profile's, over ``settings.decode_workers``), or None when
-    the profile has none (unbounded)."""
+    """The decode workers' KV space in whole blocks, as one pool: the profile's space of one D times
+    ``settings.decode_workers`` (sessions spread over them); None when the profile has none
+    (unbounded)."""
     if profile.decode_kv_space_bytes is None:
         return None
     block = settings.block_size or profile.block_size
-    return int(profile.decode_kv_space_bytes.value / settings.decode_workers // (block * profile.kv_bytes_per_token.value))
+    return int(profile.decode_kv_space_bytes.value * settings.decode_workers // (block * profile.kv_bytes_per_token.value))
 
 
 def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, local_hits: np.ndarray | None,
