@@ -433,6 +433,7 @@ def _run_interleaved_runs(s: EvalSettings, group: list[str], runs: dict[str, lis
     mode's runs keep their order on its own workers (what one leaves on them, the next finds)."""
     orders = schedule.step_orders(group, len(runs[group[0]]), rng)
     console.print(f"[bold]modes {', '.join(group)}[/bold] interleaved step by step: starting their workers together")
+    spec = {"schedule": schedule.steps_spec(orders, s.schedule_seed, group)}
     run_ids = []
     with _group_up(s, group, console) as by_mode:
         for step, order in enumerate(orders):
@@ -441,7 +442,6 @@ def _run_interleaved_runs(s: EvalSettings, group: list[str], runs: dict[str, lis
                 plan = runs[m][step]
                 time.sleep(plan.settle_s)
                 run_ids.append(plan.run_id)
-                spec = {"schedule": schedule.steps_spec(orders, s.schedule_seed, group)}
                 _record_run(s, store, by_mode[m], m, plan.model_copy(update={"spec": spec | plan.spec}), console)
     return run_ids
 

@@ -116,7 +116,7 @@ def test_recorded_runs_bring_their_shared_system_prompt(tmp_path, monkeypatch):
     import duckdb
 
     from tests import planner_store
-    from turnscope.planner import cli_recommend
+    from turnscope.planner import fit
 
     seen = []
 
@@ -124,7 +124,7 @@ def test_recorded_runs_bring_their_shared_system_prompt(tmp_path, monkeypatch):
         seen.append(sorted(set(turns["run_id"])))
         return 384
 
-    monkeypatch.setattr(cli_recommend, "recorded_shared_prefix_tokens", shared)
+    monkeypatch.setattr(fit, "recorded_shared_prefix_tokens", shared)
     root = planner_store.build(tmp_path / "runs")
     run = planner_store.RUNS["pd-bidir"]
 

@@ -21,7 +21,7 @@ from turnscope.analysis.plan_check import (
 )
 from turnscope.planner import summary
 from turnscope.planner.check import check_runs
-from turnscope.planner.fit import fit_profile, recorded_shared_prefix_tokens, recorded_turns
+from turnscope.planner.fit import fit_profile, runs_shared_prefix_tokens
 from turnscope.planner.plan_store import new_plan_id, write_plan
 from turnscope.planner.profile import CostProfile, GiB, Sourced, load_profile
 from turnscope.planner.simulate import BIDIR_MODES, PlanSettings, Traffic, plan
@@ -171,7 +171,7 @@ def run_plan(paths: Sequence[Path], *, profile_path: Path | None, fit_runs: Sequ
         prof = with_model(prof, model)
     traffic, inputs = read_traffic(paths, format, fit_runs)
     if shared_prefix_tokens is None:
-        shared_prefix_tokens = recorded_shared_prefix_tokens(recorded_turns(store, fit_runs)) if fit_runs else 0
+        shared_prefix_tokens = runs_shared_prefix_tokens(store, fit_runs)
     settings = PlanSettings(decoder_kv_blocks_ttl_s=ttl_s, handle_ttl_margin_s=margin_s,
                             kv_recompute_threshold=threshold, prefill_workers=prefill_workers,
                             decode_workers=decode_workers, routing=routing, shared_prefix_tokens=shared_prefix_tokens,

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from turnscope.planner.cli_plan import read_traffic
-from turnscope.planner.fit import recorded_shared_prefix_tokens, recorded_turns
+from turnscope.planner.fit import runs_shared_prefix_tokens
 from turnscope.planner.ledger import STRATEGIES, Prices, describe_ledger, ledger
 from turnscope.planner.plan_store import new_plan_id, write_recommendation
 from turnscope.planner.profile import GiB, Sourced, load_profile
@@ -31,7 +31,7 @@ def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | No
     ``store_root``: write the ledger and recommendation there; ``run_ids``: of a store directory read
     as traffic, only these runs; ``shared_prefix_tokens``: the system prompt sessions share (None:
     from ``run_ids``' recorded first turns, as ``turnscope plan`` takes it from its fitted runs,
-    :func:`turnscope.planner.fit.recorded_shared_prefix_tokens`; 0 for trace files);
+    :func:`turnscope.planner.fit.runs_shared_prefix_tokens`; 0 for trace files);
     ``write_topology``: write the recommended topology file there. Raises ValueError/OSError with a clear
     message (an unknown strategy, a negative price, an unreadable traffic, profile or topology)."""
     if platform not in ("cpu", "gpu"):
@@ -48,8 +48,7 @@ def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | No
     traffic, inputs = read_traffic(paths, format, run_ids)
     if shared_prefix_tokens is None:   # as `turnscope plan` takes it: from recorded runs, P's first-turn hits
         stores = [Store(Path(i["path"])) for i in inputs if i["format"] == "run"]
-        shared_prefix_tokens = (recorded_shared_prefix_tokens(recorded_turns(stores[0], run_ids))
-                                if run_ids and len(stores) == 1 else 0)
+        shared_prefix_tokens = runs_shared_prefix_tokens(stores[0], run_ids) if len(stores) == 1 else 0
     prices = Prices(gpu_hour_usd, host_gib_hour_usd)
     limits = Limits(ttft_slo_s, None if d_kv_gib is None else d_kv_gib * GiB, prices, max_prefill_workers)
     base = PlanSettings(handle_ttl_margin_s=margin_s, shared_prefix_tokens=shared_prefix_tokens)

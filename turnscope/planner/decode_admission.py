@@ -190,11 +190,12 @@ class HandlesOnD:
 
     def __init__(self, ledger: HandleLedger, pinned: PinnedBlocks):
         self.ledger, self.pinned = ledger, pinned
-        self._expected: dict[int, tuple[float, tuple]] = {}
+        self._expected: dict[int, tuple[float, dict]] = {}
 
-    def expect(self, key: int, hold_s: float, handle: tuple) -> None:
-        """Request ``key`` will hold its blocks ``hold_s`` once admitted; ``handle``: (session, KV
-        tokens, bytes, ordinal, blocks) for :meth:`HandleLedger.finished`."""
+    def expect(self, key: int, hold_s: float, handle: dict) -> None:
+        """Request ``key`` will hold its blocks ``hold_s`` once admitted; ``handle``: the keyword
+        arguments of :meth:`HandleLedger.finished` for the handle it leaves (session, kv_tokens,
+        nbytes, ordinal, blocks)."""
         self._expected[key] = (hold_s, handle)
 
     def held_blocks(self) -> float:
@@ -207,7 +208,7 @@ class HandlesOnD:
         self.ledger.settle(t)
 
     def admitted(self, key: int, admit_s: float) -> float:
-        hold_s, (session, kv, nbytes, ordinal, blocks) = self._expected.pop(key)
+        hold_s, handle = self._expected.pop(key)
         end = admit_s + hold_s
-        self.ledger.finished(end, key, session, kv, nbytes, ordinal=ordinal, blocks=blocks)
+        self.ledger.finished(end, key, **handle)
         return end

@@ -104,6 +104,13 @@ def recorded_shared_prefix_tokens(turns: pd.DataFrame) -> int:
     return int(later["local_tokens"].median()) if len(later) else 0
 
 
+def runs_shared_prefix_tokens(store: Store, run_ids: Sequence[str] | None) -> int:
+    """The system prompt ``run_ids``' sessions share (:func:`recorded_shared_prefix_tokens` over
+    their recorded turns), 0 without runs: what ``turnscope plan --fit-runs`` and ``turnscope
+    recommend --run-ids`` take by default."""
+    return recorded_shared_prefix_tokens(recorded_turns(store, run_ids)) if run_ids else 0
+
+
 def plan_recorded_run(store: Store, run_id: str, mode: str, profile: CostProfile,
                       shared_prefix_tokens: int = 0) -> tuple[Traffic, ModePlan]:
     """``run_id``'s own turns (:mod:`loadgen.traces.recorded_runs`) planned in ``mode`` with the

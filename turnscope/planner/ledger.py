@@ -232,7 +232,8 @@ def forecast_strategy(tr: Traffic, profile: CostProfile, settings: PlanSettings,
         raise ValueError(f"unknown strategy {strategy!r}; strategies are {', '.join(STRATEGIES)}")
     mode = STRATEGIES[strategy]
     block = settings.block_size or profile.block_size
-    end_s = float(finish_times(tr, profile).max())
+    finish = finish_times(tr, profile)
+    end_s = float(finish.max())
     zeros = np.zeros(len(tr), dtype=np.int64)
     if strategy == "recompute":
         m: ModePlan = plan(tr, profile, settings.model_copy(update={"modes": (mode,)})).modes[mode]
@@ -248,7 +249,7 @@ def forecast_strategy(tr: Traffic, profile: CostProfile, settings: PlanSettings,
     prefill = PrefillTtft(tr, settings, mode, StrategyCost(tr, profile, settings, mode,
                                                            None if host is None else host_read))
     if mode == "pd-bidir":
-        r = simulate_bidir(tr, profile, settings, local, finish_times(tr, profile), prefill)
+        r = simulate_bidir(tr, profile, settings, local, finish, prefill)
         pulled, local, d_full, ttft = r.pulled, r.local, r.d_full, r.ttft_s
         d_gib_s = r.pinned.held_gib_s()
         reads = handle_reads(tr, profile, settings, np.asarray(OUTCOMES, dtype=object)[r.outcome], r.ages, local,

@@ -481,9 +481,11 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
         ttft[i], p_wait[i] = prefill.next(i, int(local[i]), int(pulled[i]), outcome[i] in took_codes)
         kv = rules.handle_kv_tokens(n, int(out_arr[i]))
         ordinal = pinned.add_request(s, kv, int(shared[i]))   # its place in the session's chain of prefixes
-        handle = (s, kv, rules.blocks_of(kv, block) * block * kv_bytes, ordinal, rules.blocks_of(kv, block))
+        blocks = rules.blocks_of(kv, block)
+        handle = {"session": s, "kv_tokens": kv, "nbytes": blocks * block * kv_bytes, "ordinal": ordinal,
+                  "blocks": blocks}   # HandleLedger.finished's arguments
         if queue is None:
-            ledger.finished(float(finish_s[i]), i, *handle[:3], ordinal=ordinal, blocks=handle[4])
+            ledger.finished(float(finish_s[i]), i, **handle)
         else:
             on_d.expect(i, float(space.hold_s[i]), handle)
             queue.arrive(i, t + ttft[i], space.need_blocks[i], space.hold_s[i])
