@@ -19,9 +19,11 @@ stepping again at once; a request that arrives ends the wait at once and is hand
 loop handles it. What waits longer: the connector's polls of its held blocks (a pull that finished,
 a TTL or a lease that ran out), so blocks are freed up to that many milliseconds later. Requests
 that are still unfinished (running, waiting, waiting for remote KV) keep vLLM's loop as it is.
-turnscope sets it for the CPU workers with a KV connector it launches
-(``serving.workers.CPU_ENGINE_IDLE_WAIT_MS``; a topology's ``env`` overrides it, 0 restores vLLM's
-loop); without the variable, or at 0, the plugin changes nothing. With it, the plugin also makes
+turnscope sets it for every CPU worker it launches (``serving.workers.CPU_ENGINE_IDLE_WAIT_MS``; a
+topology's ``env`` overrides it, 0 restores vLLM's loop); without the variable, or at 0, the plugin
+changes nothing. A worker without a KV connector never holds a finished request, so for it only
+the reader's spin below changes (an aggregated worker's 1 s spin after every request slowed the P
+workers sharing its core: docs/known-behaviour.md). With it, the plugin also makes
 every reader of vLLM's shared-memory message queue (the model-runner process reading each engine
 step) spin :data:`READER_SPIN_S` after its last message instead of vLLM's 1 s before it sleeps on
 its notify socket: otherwise steps 50 ms apart keep the model runner spinning a whole core

@@ -140,6 +140,9 @@ def worker_command(spec: WorkerSpec) -> tuple[list[str], dict[str, str]]:
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, spec.cores))
     if spec.platform == "cpu" and spec.nixl:
         env[nixl_progress.ENV] = str(CPU_NIXL_PROGRESS_DELAY_US)
+    if spec.platform == "cpu":
+        # every CPU worker: without a connector only its model runner's spin after a step changes
+        # (vLLM's 1 s, a whole core, to serving.engine_idle_wait.READER_SPIN_S)
         env[engine_idle_wait.ENV] = str(CPU_ENGINE_IDLE_WAIT_MS)
     if spec.host in LOCAL_HOSTS:
         # Otherwise torch.distributed's gloo and UCX's tcp transport (NIXL) listen on the host's address.
