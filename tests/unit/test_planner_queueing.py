@@ -60,6 +60,17 @@ def test_second_arrival_waits_for_the_first_prefill():
     assert off.modes["aggregated"].ttft_s[1] == pytest.approx(0.01 + 0.1)
     two = plan(reqs(), profile(), PlanSettings(prefill_workers=2, aggregated_workers=2))
     assert two.modes["pd"].queue_wait_s[1] == 0.0
+    # two P workers pinned to one core (embedded-cpu-2p1d): their prefills take turns, so b waits
+    # 0.09 s as on one worker, though it goes to the other P (round robin)
+    shared = plan(reqs(), profile(), PlanSettings(prefill_workers=2, routing="round-robin", prefill_servers=(0, 0)))
+    assert list(shared.modes["pd"].queue_wait_s) == pytest.approx([0.0, 0.09])
+    apart = plan(reqs(), profile(), PlanSettings(prefill_workers=2, routing="round-robin", prefill_servers=(0, 1)))
+    assert list(apart.modes["pd"].queue_wait_s) == [0.0, 0.0]
+
+
+def test_prefill_servers_one_per_worker():
+    with pytest.raises(ValueError, match="prefill_servers: 1 labels for 2 prefill workers"):
+        PlanSettings(prefill_workers=2, prefill_servers=(0,))
 
 
 def test_a_hit_holds_the_worker_for_its_new_tokens_only():

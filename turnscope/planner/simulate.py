@@ -50,7 +50,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 import pandas as pd
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from loadgen.traces.agent_request import AgentRequest
 from serving import handles as h
@@ -88,7 +88,10 @@ class PlanSettings(BaseModel):
     ``separate_sources``: each source of the traffic is planned alone, on its own clock and its own
     deployment (its own workers, queues, caches and D), never stacked with the other sources: recorded
     runs (each run served on its own); False: every source's requests share one clock and one
-    deployment (trace files of one traffic)."""
+    deployment (trace files of one traffic). ``prefill_servers``: the compute each prefill worker
+    runs on, one label per worker (workers pinned to the same cores or GPUs share a label: their
+    prefills take turns on it, one FIFO queue; each keeps its own prefix cache); None: each worker
+    its own. Raises ``pydantic.ValidationError`` when its length is not ``prefill_workers``."""
 
     model_config = ConfigDict(extra="forbid")
     decoder_kv_blocks_ttl_s: float = Field(480.0, gt=0)
@@ -104,7 +107,15 @@ class PlanSettings(BaseModel):
     queue_decode: bool = True
     rendered_prompts: bool = False
     separate_sources: bool = False
+    prefill_servers: tuple[int, ...] | None = None
     modes: tuple[str, ...] = MODES
+
+    @model_validator(mode="after")
+    def _servers_per_worker(self) -> PlanSettings:
+        if self.prefill_servers is not None and len(self.prefill_servers) != self.prefill_workers:
+            raise ValueError(f"prefill_servers: {len(self.prefill_servers)} labels for {self.prefill_workers} "
+                             "prefill workers (one per worker expected)")
+        return self
 
     @property
     def proxy_ttl_s(self) -> float:
@@ -308,12 +319,16 @@ class PrefillTtft:
     :class:`ModeCost`) plus its wait for its prefill (or aggregated) worker, first come first served
     (:mod:`turnscope.planner.queueing`; none when ``settings.queue_prefills`` is off). For the whole
     traffic at once (:meth:`all`), or request by request in arrival order (:meth:`next`: the handle
-    simulation learns a request's tokens when it arrives, and D's queue needs its TTFT then)."""
+    simulation learns a request's tokens when it arrives, and D's queue needs its TTFT then). P
+    workers that share their compute (``settings.prefill_servers``) share one queue."""
 
     def __init__(self, tr: Traffic, settings: PlanSettings, mode: str, cost: ModeCost):
-        workers = settings.aggregated_workers if mode == "aggregated" else settings.prefill_workers
+        aggregated = mode == "aggregated"
+        workers = settings.aggregated_workers if aggregated else settings.prefill_workers
         self.tr, self.cost, self.queue = tr, cost, settings.queue_prefills
         self.worker = workers_of(tr, workers, settings.routing)
+        if not aggregated and settings.prefill_servers is not None:
+            self.worker = np.asarray(settings.prefill_servers)[self.worker]
         self._free_at: dict[int, float] = {}
 
     def all(self, local: np.ndarray, pulled: np.ndarray, took: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
