@@ -90,7 +90,10 @@ def test_idle_workers_leave_their_cores_free_while_d_holds_a_turn(pd_bidir_stack
       wait, docs/known-behaviour.md).
 
     D holding one turn, and every worker once the TTL and P's lease have run out, use a few % of a
-    core; each worker's log says both plugins are on."""
+    core; each worker's log says both plugins are on. A worker without a connector (the reference,
+    an aggregated worker) gets the idle-loop plugin too: its model runner would spin a whole core for
+    1 s after each request (vLLM's ``SpinCondition``), slowing the P workers on its core
+    (docs/known-behaviour.md); over the 0.8 s after a request it uses a few % of a core."""
     import time
 
     import psutil
@@ -106,6 +109,13 @@ def test_idle_workers_leave_their_cores_free_while_d_holds_a_turn(pd_bidir_stack
 
     stack = pd_bidir_stack
     ttl = stack.connector.decoder_kv_blocks_ttl
+    ref = stack.reference
+    complete(ref.spec.url, list(range(10, 400)), max_tokens=8)
+    before = cpu_s(ref)
+    time.sleep(0.8)
+    after_request = (cpu_s(ref) - before) / 0.8
+    assert after_request < 0.3, after_request  # vLLM's spin: about 1.0
+    assert "the engine waits up to 50 ms for input" in ref.log_path.read_text(errors="replace")
     with ProxyThread(stack.proxy_config()) as proxy:
         complete(proxy.url, list(range(10, 400)), session="s-held", max_tokens=8)
     held = shares()  # D holds the turn's blocks for `ttl` s (20 here), far longer than the window
