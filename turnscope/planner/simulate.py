@@ -89,7 +89,7 @@ class PlanSettings(BaseModel):
     deployment (its own workers, queues, caches and D), never stacked with the other sources: recorded
     runs (each run served on its own); False: every source's requests share one clock and one
     deployment (trace files of one traffic). ``prefill_servers``: the compute each prefill worker
-    runs on, one label per worker (workers pinned to the same cores or GPUs share a label: their
+    runs on, one label per worker (workers pinned to the same CPU cores share a label: their
     prefills take turns on it, one FIFO queue; each keeps its own prefix cache); None: each worker
     its own. Raises ``pydantic.ValidationError`` when its length is not ``prefill_workers``."""
 
