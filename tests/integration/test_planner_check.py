@@ -103,6 +103,30 @@ def test_run_settings_are_the_runs_own(store):
     assert (s.decoder_kv_blocks_ttl_s, s.handle_ttl_margin_s, s.kv_recompute_threshold) == (
         fx.TTL_S, fx.MARGIN_S, fx.THRESHOLD)
     assert s.proxy_ttl_s == 15.0
+    # no topology recorded: the planner's defaults (one P, one D, session routing)
+    assert (s.prefill_workers, s.decode_workers, s.routing, s.prefill_servers) == (1, 1, "session", None)
+
+
+@pytest.mark.parametrize("routing, planned", [("round-robin", "round-robin"), ("prefix-aware", "session")])
+def test_run_settings_take_the_recorded_topology(tmp_path, routing, planned):
+    """A 2P1D run as `turnscope eval` records it (its config's topology and the stack's topology row,
+    both P on core 0): planned with two P sharing one queue, one D, and P's routing from the
+    run_config view where the planner has that policy (prefix-aware: the planner's session routing)."""
+    import datetime as dt
+
+    store = Store(tmp_path)
+    store.init()
+    row = {"name": "embedded-cpu-2p1d", "mode": "pd-bidir", "prefill_routing": routing, "workers": [
+        {"name": "prefill-0", "role": "prefill", "cores": [0]}, {"name": "prefill-1", "role": "prefill", "cores": [0]},
+        {"name": "decode-0", "role": "decode", "cores": [1]}]}
+    now = dt.datetime(2026, 12, 5, tzinfo=dt.UTC)
+    with store.writer("rr", "test") as w:
+        w.append("runs_log", {"run_id": "rr", "label": "rr", "mode": "pd-bidir", "workload": "x",
+                              "history_mode": "token_ids", "model": "m", "topology": row,
+                              "config": {"topology": {"proxy": {"prefill_routing": routing}}},
+                              "started_at": now, "updated_at": now, "status": "complete"})
+    s = run_settings(store, "rr")
+    assert (s.prefill_workers, s.decode_workers, s.routing, s.prefill_servers) == (2, 1, planned, (0, 0))
 
 
 def test_every_outcome_but_the_failed_read_matches(checks):

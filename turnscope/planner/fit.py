@@ -40,6 +40,7 @@ from scipy.optimize import least_squares
 from loadgen.traces.recorded_runs import read_recorded_runs
 from turnscope.analysis import sweep_stats as sweep
 from turnscope.analysis.worker_cache import cache_config
+from turnscope.contract import ROUND_ROBIN, SESSION
 from turnscope.modes import RECOMPUTE_MODE, SERVING_MODES
 from turnscope.planner.fit_residuals import Residuals, residuals_of
 from turnscope.planner.profile import MODES, CostProfile, Sourced
@@ -76,20 +77,16 @@ def recorded_turns(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
 
 
 def topology_settings(topology: dict | None) -> dict:
-    """The :class:`PlanSettings` fields a run's recorded topology (``runs.topology``, written by
-    ``serving.stack.ModeStack.topology_row``) fixes: its workers per role, P's routing when the
-    planner has it (round-robin or session; another policy, or none recorded, leaves the planner's
-    session routing), and which P workers share their compute (the same ``cores``: one queue,
-    :attr:`PlanSettings.prefill_servers`). Empty for a run without a recorded topology (attached
-    deployments record their proxy only); a role without workers keeps the default 1."""
-    workers = (topology or {}).get("workers") or []
+    """The :class:`PlanSettings` fields a run's recorded workers (``runs.topology``, written by
+    ``serving.stack.ModeStack.topology_row``) fix: its workers per role, and which P workers share
+    their compute (the same ``cores``: one queue, :attr:`PlanSettings.prefill_servers`). Empty for a
+    run without recorded workers (attached deployments record their proxy only); a role without
+    workers keeps the default 1."""
     by_role: dict[str, list[dict]] = {}
-    for w in workers:
+    for w in (topology or {}).get("workers") or []:
         by_role.setdefault(w.get("role"), []).append(w)
     out: dict = {f"{role}_workers": len(by_role[role]) for role in ("prefill", "decode", "aggregated")
                  if by_role.get(role)}
-    if (topology or {}).get("prefill_routing") in ("round-robin", "session"):
-        out["routing"] = topology["prefill_routing"]
     prefill = by_role.get("prefill") or []
     if len(prefill) > 1 and all(w.get("cores") for w in prefill):
         labels: dict[tuple, int] = {}
@@ -98,21 +95,23 @@ def topology_settings(topology: dict | None) -> dict:
 
 
 def run_settings(store: Store, run_id: str) -> PlanSettings:
-    """The connector, proxy and topology settings ``run_id`` ran with (``run_config``: TTL and
-    margin; the recompute threshold from ``runs.config.connector.kv_recompute_threshold``, vLLM's
-    64 when absent; ``rendered_prompts`` for a ``text`` history: chat messages the workers render;
-    its workers, P's routing and P's shared compute from ``runs.topology``, :func:`topology_settings`)."""
+    """The connector, proxy and topology settings ``run_id`` ran with (``run_config``: TTL, margin
+    and P's routing, when the planner has it: round-robin or session, else its session routing; the
+    recompute threshold from ``runs.config.connector.kv_recompute_threshold``, vLLM's 64 when
+    absent; ``rendered_prompts`` for a ``text`` history: chat messages the workers render; its
+    workers and P's shared compute from ``runs.topology``, :func:`topology_settings`)."""
     con = store.connect()
     try:
-        ttl, margin, thr, history, topology = con.execute(
-            "SELECT c.decoder_kv_blocks_ttl_s, c.handle_ttl_margin_s, coalesce(TRY_CAST(json_extract_string("
-            "r.config, '$.connector.kv_recompute_threshold') AS INTEGER), 64), r.history_mode, r.topology "
-            "FROM run_config c JOIN runs r USING (run_id) WHERE run_id = ?", [run_id]).fetchone()
+        ttl, margin, routing, thr, history, topology = con.execute(
+            "SELECT c.decoder_kv_blocks_ttl_s, c.handle_ttl_margin_s, c.prefill_routing, coalesce(TRY_CAST("
+            "json_extract_string(r.config, '$.connector.kv_recompute_threshold') AS INTEGER), 64), r.history_mode, "
+            "r.topology FROM run_config c JOIN runs r USING (run_id) WHERE run_id = ?", [run_id]).fetchone()
     finally:
         con.close()
     topo = json.loads(topology) if isinstance(topology, str) else topology
+    planned = {"routing": routing} if routing in (ROUND_ROBIN, SESSION) else {}
     return PlanSettings(decoder_kv_blocks_ttl_s=ttl, handle_ttl_margin_s=margin, kv_recompute_threshold=thr,
-                        rendered_prompts=history == "text", **topology_settings(topo))
+                        rendered_prompts=history == "text", **planned, **topology_settings(topo))
 
 
 def recorded_shared_prefix_tokens(turns: pd.DataFrame) -> int:
