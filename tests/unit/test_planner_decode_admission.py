@@ -35,15 +35,15 @@ class ScriptedHolds:
     def settle(self, t):
         self.now = max(self.now, t)
 
-    def admitted(self, key, admit_s):   # None: the request's blocks run for its own hold
+    def admitted(self, key, admit_s, hold_s):   # None: the request's blocks run for its own hold
         self.admits.append((key, admit_s))
 
 
 class HandOverAfterOneSecond(ScriptedHolds):
     """Scripted holds that take over each admitted request's blocks 1 s after its admission."""
 
-    def admitted(self, key, admit_s):
-        super().admitted(key, admit_s)
+    def admitted(self, key, admit_s, hold_s):
+        super().admitted(key, admit_s, hold_s)
         return admit_s + 1.0
 
 

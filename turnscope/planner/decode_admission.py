@@ -54,10 +54,10 @@ class DecodeHolds(Protocol):
     def settle(self, t: float) -> None:
         """Apply every change due by ``t``."""
 
-    def admitted(self, key: int, admit_s: float) -> float | None:
-        """Request ``key`` was admitted at ``admit_s`` (the caller schedules what it leaves behind);
-        returns when its blocks stop counting as running (then they are held, or freed), or None:
-        at the end of the request's own hold."""
+    def admitted(self, key: int, admit_s: float, hold_s: float) -> float | None:
+        """Request ``key`` was admitted at ``admit_s`` to run ``hold_s`` seconds (the caller
+        schedules what it leaves behind); returns when its blocks stop counting as running (then
+        they are held, or freed), or None: at the end of that hold."""
 
 
 class DecodeAdmission:
@@ -97,7 +97,7 @@ class DecodeAdmission:
     def _admit(self, key: int, at: float, need: float, hold: float) -> None:
         heapq.heappop(self._waiting)
         self.wait_s[key] = self.now - at
-        end = self.holds.admitted(key, self.now) if self.holds else None
+        end = self.holds.admitted(key, self.now, hold) if self.holds else None
         heapq.heappush(self._running, (self.now + hold if end is None else end, need))
         self._in_use += need
 
@@ -190,13 +190,12 @@ class HandlesOnD:
 
     def __init__(self, ledger: HandleLedger, pinned: PinnedBlocks):
         self.ledger, self.pinned = ledger, pinned
-        self._expected: dict[int, tuple[float, dict]] = {}
+        self._expected: dict[int, dict] = {}
 
-    def expect(self, key: int, hold_s: float, handle: dict) -> None:
-        """Request ``key`` will hold its blocks ``hold_s`` once admitted; ``handle``: the keyword
-        arguments of :meth:`HandleLedger.finished` for the handle it leaves (session, kv_tokens,
-        nbytes, ordinal, blocks)."""
-        self._expected[key] = (hold_s, handle)
+    def expect(self, key: int, handle: dict) -> None:
+        """Request ``key`` will leave ``handle`` when it ends on D: the keyword arguments of
+        :meth:`HandleLedger.finished` (session, kv_tokens, nbytes, ordinal, blocks)."""
+        self._expected[key] = handle
 
     def held_blocks(self) -> float:
         return float(self.pinned.held_blocks)
@@ -207,8 +206,7 @@ class HandlesOnD:
     def settle(self, t: float) -> None:
         self.ledger.settle(t)
 
-    def admitted(self, key: int, admit_s: float) -> float:
-        hold_s, handle = self._expected.pop(key)
+    def admitted(self, key: int, admit_s: float, hold_s: float) -> float:
         end = admit_s + hold_s
-        self.ledger.finished(end, key, **handle)
+        self.ledger.finished(end, key, **self._expected.pop(key))
         return end

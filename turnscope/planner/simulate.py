@@ -502,7 +502,7 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
         if queue is None:
             ledger.finished(float(finish_s[i]), i, **handle)
         else:
-            on_d.expect(i, float(space.hold_s[i]), handle)
+            on_d.expect(i, handle)
             queue.arrive(i, t + ttft[i], space.need_blocks[i], space.hold_s[i])
     d_wait = np.zeros(n_req)
     if queue is not None:
