@@ -23,19 +23,27 @@ from serving.topology import WorkerEntry, embedded_topology
 from serving.workers import WorkerProcess, WorkerSpec, mode_workers, wait_all_healthy
 from turnscope.connector import Connector
 
+#: Ports :func:`free_port` has handed out in this process: never handed out twice, so the ports of
+#: one topology (each asked before any is bound) are distinct.
+_HANDED_OUT: set[int] = set()
+
 
 def free_port() -> int:
     """A free TCP port below Linux's ephemeral range (32768+), so no outgoing connection of
-    another process can take it between now and the moment a worker binds it."""
+    another process can take it between now and the moment a worker binds it; never one this
+    process was given before (two random picks for one topology once drew the same port)."""
     rng = random.Random()
     for _ in range(1000):
         port = rng.randrange(20000, 32000)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _HANDED_OUT.add(port)
+        return port
     raise RuntimeError("no free port in 20000-32000")
 
 
