@@ -182,8 +182,10 @@ def run_calibration(s: CalibrationSettings, console: Console | None = None) -> l
             console.print(f"[bold]mode {mode}[/bold]: starting workers")
             stacks[mode] = stack_of.enter_context(
                 ModeStack(mode, mode_topology(s.topology, i), s.log_dir, s.kv_bytes_per_token, console.print))
+        longest = max((x.point.prefix_tokens for b in blocks for x in b), default=600)  # first of its size: slower
         for mode, st in stacks.items():
-            console_text.print_list(console, f"  [{mode}] warm-up outcomes: ", warm_up(st.proxy_url, model))
+            console_text.print_list(console, f"  [{mode}] warm-up outcomes: ",
+                                    warm_up(st.proxy_url, model, longest))
         status = "aborted"
         try:
             for mode, st in stacks.items():

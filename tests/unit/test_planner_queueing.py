@@ -10,7 +10,7 @@ import pytest
 
 from loadgen.traces.agent_request import AgentRequest
 from tests.unit.test_planner_simulate import profile
-from turnscope.planner.queueing import fifo_waits
+from turnscope.planner.queueing import fifo_waits, shared_core_waits
 from turnscope.planner.simulate import PlanSettings, plan
 
 
@@ -45,6 +45,59 @@ def test_bad_input():
         fifo_waits(np.zeros(2), np.ones(3), np.zeros(2))
 
 
+def test_shared_core_waits_by_hand():
+    # two workers on one core, both at 0 for 1 s: half speed each, both end at 2 s
+    assert list(shared_core_waits([0.0, 0.0], [1.0, 1.0], [0, 1], [0, 0])) == pytest.approx([1.0, 1.0])
+    # the same two on one worker: its engine takes them in turn (FIFO)
+    assert list(shared_core_waits([0.0, 0.0], [1.0, 1.0], [0, 0], [0, 0])) == pytest.approx([0.0, 1.0])
+    # a (2 s at 0) and b (1 s at 1) on two workers of one core: from 1 s each has 1 s left at half
+    # speed, both end at 3 s; c (1 s at 0.5) queues behind a on a's worker: it starts at 3, alone, ends at 4
+    assert list(shared_core_waits([0.0, 0.5, 1.0], [2.0, 1.0, 1.0], [0, 0, 1], [0, 0, 0])) == \
+        pytest.approx([1.0, 2.5, 1.0])
+    # three workers, two cores: workers 0 and 1 share core 0, worker 2 has core 1 alone
+    assert list(shared_core_waits([0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0, 1, 2], [0, 0, 1])) == \
+        pytest.approx([1.0, 1.0, 0.0])
+
+
+def test_shared_core_waits_match_a_time_stepped_loop():
+    """Processor sharing against a plain loop in steps of 1 ms (another route to the same finish
+    times: each busy worker's head gets 1/k of the core, k the busy workers of its core)."""
+    rng = np.random.default_rng(5)
+    arrival = np.round(np.sort(rng.uniform(0, 4, 40)), 3)
+    service = np.round(rng.uniform(0.01, 0.3, 40), 3)
+    worker = rng.integers(0, 3, 40)
+    core_of = np.array([0, 0, 1])                # workers 0 and 1 share core 0
+    server = core_of[worker]
+    dt, t = 1e-3, 0.0
+    left = service.copy()
+    finish = np.full(40, np.nan)
+    while np.isnan(finish).any():
+        heads = []
+        for w in range(3):
+            queued = [i for i in range(40) if worker[i] == w and arrival[i] <= t + 1e-9 and np.isnan(finish[i])]
+            if queued:
+                heads.append(queued[0])
+        for h in heads:
+            k = sum(1 for g in heads if core_of[worker[g]] == core_of[worker[h]])
+            left[h] -= dt / k
+        t += dt
+        for h in heads:
+            if left[h] <= 1e-9:
+                finish[h] = t
+    expected = finish - arrival - service
+    assert shared_core_waits(arrival, service, worker, server) == pytest.approx(expected, abs=5e-3)
+    assert expected.max() > 0.1   # sharing and queueing both mattered
+
+
+def test_shared_core_bad_input():
+    with pytest.raises(ValueError, match="more than one server"):
+        shared_core_waits([0.0, 1.0], [1.0, 1.0], [0, 0], [0, 1])
+    with pytest.raises(ValueError, match="sorted"):
+        shared_core_waits([1.0, 0.0], [1.0, 1.0], [0, 1], [0, 0])
+    with pytest.raises(ValueError, match="length"):
+        shared_core_waits([0.0], [1.0, 1.0], [0, 1], [0, 0])
+
+
 def reqs():
     return [AgentRequest("t", "a", 0, 0.0, 1000, 32, 0, server_s=1.0),
             AgentRequest("t", "b", 0, 0.01, 1000, 32, 0, server_s=1.0)]
@@ -60,10 +113,12 @@ def test_second_arrival_waits_for_the_first_prefill():
     assert off.modes["aggregated"].ttft_s[1] == pytest.approx(0.01 + 0.1)
     two = plan(reqs(), profile(), PlanSettings(prefill_workers=2, aggregated_workers=2))
     assert two.modes["pd"].queue_wait_s[1] == 0.0
-    # two P workers pinned to one core (embedded-cpu-2p1d): their prefills take turns, so b waits
-    # 0.09 s as on one worker, though it goes to the other P (round robin)
+    # two P workers pinned to one core (embedded-cpu-2p1d), round robin: from b's arrival at 0.01
+    # both compute at half speed; a's last 0.09 s of work ends at 0.01 + 0.18 = 0.19, b's last
+    # 0.01 s alone at 0.20: each ends 0.09 s later than alone
     shared = plan(reqs(), profile(), PlanSettings(prefill_workers=2, routing="round-robin", prefill_servers=(0, 0)))
-    assert list(shared.modes["pd"].queue_wait_s) == pytest.approx([0.0, 0.09])
+    assert list(shared.modes["pd"].queue_wait_s) == pytest.approx([0.09, 0.09])
+    assert list(shared.modes["pd-bidir"].queue_wait_s) == pytest.approx([0.09, 0.09])   # settled after the handles
     apart = plan(reqs(), profile(), PlanSettings(prefill_workers=2, routing="round-robin", prefill_servers=(0, 1)))
     assert list(apart.modes["pd"].queue_wait_s) == [0.0, 0.0]
 

@@ -61,7 +61,7 @@ from turnscope.planner.decode_admission import DecodeAdmission, DecodeSpace, Han
 from turnscope.planner.pinned_blocks import PinnedBlocks
 from turnscope.planner.pinned_kv import LOST, Handle, HandleLedger
 from turnscope.planner.profile import MODES, CostProfile, GiB
-from turnscope.planner.queueing import fifo_waits
+from turnscope.planner.queueing import shared_core_waits
 
 #: The new outcome: the session's handle was not kept because D's KV space was full.
 MISS_D_FULL = "miss_d_full"
@@ -320,34 +320,53 @@ class PrefillTtft:
     (:mod:`turnscope.planner.queueing`; none when ``settings.queue_prefills`` is off). For the whole
     traffic at once (:meth:`all`), or request by request in arrival order (:meth:`next`: the handle
     simulation learns a request's tokens when it arrives, and D's queue needs its TTFT then). P
-    workers that share their compute (``settings.prefill_servers``) share one queue."""
+    workers that share their compute (``settings.prefill_servers``) time-share it
+    (:func:`turnscope.planner.queueing.shared_core_waits`): :meth:`next` then gives each request a
+    provisional wait (one FIFO queue for the shared compute: what is known at its arrival) and
+    :meth:`settled_waits` the waits once every request is known."""
 
     def __init__(self, tr: Traffic, settings: PlanSettings, mode: str, cost: ModeCost):
         aggregated = mode == "aggregated"
         workers = settings.aggregated_workers if aggregated else settings.prefill_workers
         self.tr, self.cost, self.queue = tr, cost, settings.queue_prefills
         self.worker = workers_of(tr, workers, settings.routing)
+        self.server = self.worker
         if not aggregated and settings.prefill_servers is not None:
-            self.worker = np.asarray(settings.prefill_servers)[self.worker]
+            self.server = np.asarray(settings.prefill_servers)[self.worker]
+        self.shares_servers = bool(self.queue) and len(np.unique(self.server)) < len(np.unique(self.worker))
         self._free_at: dict[int, float] = {}
+        self._compute = np.zeros(len(tr))
+
+    def waits(self, compute: np.ndarray) -> np.ndarray:
+        """Each request's wait for (and slowdown on) its prefill worker, seconds, given every
+        request's compute (seconds of the worker's time); 0s when queueing is off."""
+        if not self.queue:
+            return np.zeros(len(self.tr))
+        return shared_core_waits(self.tr.arrival_s, compute, self.worker, self.server)
 
     def all(self, local: np.ndarray, pulled: np.ndarray, took: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(TTFT, of which the wait for the prefill worker) of every request, seconds."""
         ttft, compute = self.cost(np.arange(len(self.tr)), local, pulled, took)
-        wait = fifo_waits(self.tr.arrival_s, compute, self.worker) if self.queue else np.zeros(len(self.tr))
+        wait = self.waits(compute)
         return ttft + wait, wait
 
     def next(self, i: int, local: int, pulled: int, took: bool) -> tuple[float, float]:
         """(TTFT, of which the wait for the prefill worker) of request ``i``, seconds; requests in
-        arrival order (Lindley's recursion one step at a time: the same waits as :meth:`all`)."""
+        arrival order (Lindley's recursion one step at a time: the same waits as :meth:`all` when no
+        worker shares its compute, else provisional: :meth:`settled_waits`)."""
         ttft, compute = self.cost(np.array([i]), np.array([local]), np.array([pulled]), np.array([took]))
+        self._compute[i] = float(compute[0])
         wait = 0.0
         if self.queue:
-            w, arrival = int(self.worker[i]), float(self.tr.arrival_s[i])
+            w, arrival = int(self.server[i]), float(self.tr.arrival_s[i])
             start = max(arrival, self._free_at.get(w, arrival))
             wait = start - arrival
             self._free_at[w] = start + float(compute[0])
         return float(ttft[0]) + wait, wait
+
+    def settled_waits(self) -> np.ndarray:
+        """The waits of every request :meth:`next` has seen, with all of them known, seconds."""
+        return self.waits(self._compute)
 
 
 def own_cache_hits(tr: Traffic, capacity_tokens: int | None, block_size: int, workers: int, routing: str,
@@ -504,6 +523,9 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
         else:
             on_d.expect(i, handle)
             queue.arrive(i, t + ttft[i], space.need_blocks[i], space.hold_s[i])
+    if prefill.shares_servers:                   # the time-shared compute, with every request known
+        settled = prefill.settled_waits()
+        ttft, p_wait = ttft - p_wait + settled, settled
     d_wait = np.zeros(n_req)
     if queue is not None:
         queue.close()
