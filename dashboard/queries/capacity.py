@@ -28,6 +28,7 @@ WITH s AS (
                                   AND (t.tpot_s IS NULL OR t.tpot_s <= s.slo_tpot_s)) AS slo_turns,
            quantile_cont(t.ttft_s, 0.5) FILTER (WHERE t.status = 'ok') AS ttft_p50_s,
            quantile_cont(t.ttft_s, 0.9) FILTER (WHERE t.status = 'ok') AS ttft_p90_s,
+           list(t.ttft_s ORDER BY t.sent_at) FILTER (WHERE t.status = 'ok') AS ttft_ok_s,
            quantile_cont(t.e2e_s, 0.5) FILTER (WHERE t.status = 'ok')  AS e2e_p50_s,
            quantile_cont(t.e2e_s, 0.9) FILTER (WHERE t.status = 'ok')  AS e2e_p90_s,
            count(*) FILTER (WHERE t.reuse = 'hit')                    AS hits,
@@ -73,7 +74,7 @@ SELECT s.capacity_id, s.capacity_workload, s.mode, s.history_mode, s.step_index,
        CASE WHEN t.span_s > 0 THEN t.slo_turns / t.span_s END AS goodput_per_s,
        CASE WHEN t.span_s > 0 THEN t.ok_turns / t.span_s END  AS throughput_per_s,
        CASE WHEN t.turns > 0 THEN t.slo_turns / t.turns END   AS slo_attainment,
-       t.ttft_p50_s, t.ttft_p90_s, t.e2e_p50_s, t.e2e_p90_s,
+       t.ttft_p50_s, t.ttft_p90_s, t.e2e_p50_s, t.e2e_p90_s, t.ttft_ok_s,
        m.decode_kv_usage_start, m.decode_kv_usage_mean, m.decode_kv_usage_max,
        m.decode_waiting_max, m.decode_waiting_mean, m.prefill_waiting_max,
        m.handle_bytes_mean, m.handle_bytes_max,
@@ -92,7 +93,8 @@ def capacity_steps(con: duckdb.DuckDBPyConnection, run_ids: Sequence[str]) -> pd
     ``span_s`` (first turn sent -> last turn finished, seconds), ``goodput_per_s`` (slo_turns /
     span_s, turns/s; DistServe, Zhong et al. OSDI'24), ``throughput_per_s`` (ok turns/s),
     ``slo_attainment`` (slo_turns / turns), ``ttft_p50_s``/``ttft_p90_s``/``e2e_p50_s``/
-    ``e2e_p90_s`` (ok turns, seconds); over its scrapes (one value per scrape, then over time):
+    ``e2e_p90_s`` (ok turns, seconds), ``ttft_ok_s`` (the ok turns' TTFTs in the order sent, seconds:
+    a list; the crossing's noise check, ``dashboard.capacity.p90_ratio_interval``); over its scrapes (one value per scrape, then over time):
     ``decode_kv_usage_start``/``_mean``/``_max`` (fraction 0-1 of D's KV blocks in use, the
     fullest D engine), ``decode_waiting_max``/``_mean`` and ``prefill_waiting_max`` (requests
     waiting, summed over engines), ``handle_bytes_mean``/``_max`` (the proxy's live handle bytes);

@@ -79,7 +79,7 @@ def recorded_turns(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
 def topology_settings(topology: dict | None) -> dict:
     """The :class:`PlanSettings` fields a run's recorded workers (``runs.topology``, written by
     ``serving.stack.ModeStack.topology_row``) fix: its workers per role, and which P workers share
-    their compute (the same ``cores``: one queue, :attr:`PlanSettings.prefill_servers`). Empty for a
+    their compute (the same ``cores``: time-shared, :attr:`PlanSettings.prefill_servers`). Empty for a
     run without recorded workers (attached deployments record their proxy only); a role without
     workers keeps the default 1."""
     by_role: dict[str, list[dict]] = {}

@@ -89,9 +89,10 @@ class PlanSettings(BaseModel):
     deployment (its own workers, queues, caches and D), never stacked with the other sources: recorded
     runs (each run served on its own); False: every source's requests share one clock and one
     deployment (trace files of one traffic). ``prefill_servers``: the compute each prefill worker
-    runs on, one label per worker (workers pinned to the same CPU cores share a label: their
-    prefills take turns on it, one FIFO queue; each keeps its own prefix cache); None: each worker
-    its own. Raises ``pydantic.ValidationError`` when its length is not ``prefill_workers``."""
+    runs on, one label per worker (workers pinned to the same CPU cores share a label: each takes
+    its own prompts first come first served and the busy ones time-share the cores,
+    :func:`turnscope.planner.queueing.shared_core_waits`; each keeps its own prefix cache); None:
+    each worker its own. Raises ``pydantic.ValidationError`` when its length is not ``prefill_workers``."""
 
     model_config = ConfigDict(extra="forbid")
     decoder_kv_blocks_ttl_s: float = Field(480.0, gt=0)
