@@ -11,9 +11,15 @@ with the new prompt's tokens (continuous batching) and do not hold it back here 
 The recursion is Lindley's (D. V. Lindley, "The theory of queues with a single server", 1952):
 ``start_i = max(arrival_i, start_{i-1} + service_{i-1})``, solved without a loop per worker as
 ``finish_i = S_i + max_{j <= i}(arrival_j - S_{j-1})`` with ``S`` the running sum of service times.
+
+Workers pinned to the same cores (``embedded-cpu-2p1d``'s two P on core 0) are separate engines on
+one compute server: :func:`shared_core_waits` keeps each worker's queue FIFO and lets the busy ones
+share the server equally (processor sharing).
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import numpy as np
 
@@ -96,8 +102,6 @@ def shared_core_waits(arrival_s: np.ndarray, service_s: np.ndarray, worker: np.n
 def _processor_sharing_finish(arrival: np.ndarray, service: np.ndarray, worker: np.ndarray) -> np.ndarray:
     """Finish times of one server's requests: per worker FIFO, the heads of the busy workers
     sharing the server equally (an event simulation: at each arrival or completion)."""
-    from collections import deque
-
     finish = np.zeros(len(arrival))
     remaining = service.astype(float).copy()
     queues: dict[int, deque] = {}
