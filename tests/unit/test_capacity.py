@@ -136,3 +136,38 @@ def test_crossing_at_the_first_step_says_nothing_below_is_known():
     steps = _steps([("pd", 1, 0.5, 0.30, 0.40), ("pd-bidir", 1, 0.2, 0.20, 0.30)])
     words = crossing_words(find_crossing(steps))
     assert "No step below it was measured" in words and "That is the last step measured" in words
+
+
+def _with_turns(rows):
+    """Steps with each step's ok TTFTs (``ttft_ok_s``); the figures are computed from them as
+    DuckDB's quantile_cont computes them (numpy's linear interpolation)."""
+    import numpy as np
+    out = [(m, u, g, float(np.quantile(t, 0.5)), float(np.quantile(t, 0.9)), list(t)) for m, u, g, t in rows]
+    return pd.DataFrame(out, columns=["mode", "users", "goodput_per_s", "ttft_p50_s", "ttft_p90_s", "ttft_ok_s"])
+
+
+def test_a_p90_difference_within_sampling_noise_is_not_a_crossing():
+    import numpy as np
+
+    from dashboard.capacity import p90_ratio_interval
+
+    base = np.linspace(0.05, 0.20, 32)            # 32 turns, as a 2-session step of the ramp
+    # 2 sessions: pd-bidir 5.6% slower at every turn (p90 ratio 1.056 > 1.05); 4 sessions: every
+    # pd-bidir turn 3x every pd turn's constant 0.1 s, so every resample's ratio is exactly 3
+    steps = _with_turns([("pd", 2, 1.0, base), ("pd-bidir", 2, 1.0, base * 1.056),
+                         ("pd", 4, 1.0, np.full(32, 0.1)), ("pd-bidir", 4, 1.0, np.full(32, 0.3))])
+    c = find_crossing(steps)
+    assert (c.users, c.reason, c.within_noise) == (4, "ttft_p90", (2,))
+    assert p90_ratio_interval(c.pairs[1]) == pytest.approx((3.0, 3.0))
+    low, high = p90_ratio_interval(c.pairs[0])
+    # a second route: resample both modes' turns with numpy and count resamples whose ratio is <= 1
+    rng = np.random.default_rng(1)
+    ratios = [np.quantile(rng.choice(base * 1.056, 32), 0.9) / np.quantile(rng.choice(base, 32), 0.9)
+              for _ in range(4000)]
+    assert np.mean(np.array(ratios) <= 1.0) > 0.025          # so the 95% interval reaches below 1
+    assert low < 1.0 < high
+    assert "At 2 concurrent session(s) `pd-bidir`'s TTFT p90 was higher by more than 5%, but within" \
+        in crossing_words(c)
+    # the same figures without the turns (a forecast): the point rule alone, 2 sessions behind
+    figures = steps.drop(columns=["ttft_ok_s"])
+    assert find_crossing(figures).users == 2
