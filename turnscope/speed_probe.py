@@ -25,6 +25,10 @@ from httpx_sse import SSEError, connect_sse
 PROBE_TOKENS = 256
 #: Seconds a probe may take before it is recorded as an error.
 PROBE_TIMEOUT_S = 60.0
+#: Probes sent back to back at each phase of a run: the run's factor is the median of its probes,
+#: so one probe caught by a transient (15-25 ms on a 45 ms probe, measured: docs/planner.md,
+#: "Speed probe") cannot move it.
+PROBES_PER_PHASE = 3
 #: Roles a probe goes to, in order of preference (the first a run's workers have).
 PROBE_ROLES = ("prefill", "aggregated")
 
@@ -75,14 +79,20 @@ def probe(url: str, model: str, salt: str, tokens: int = PROBE_TOKENS,
     return row
 
 
-def probe_run(writer, run_id: str, phase: str, endpoints: Sequence[tuple[str, str]], model: str) -> dict | None:
-    """Probe the run's target worker (:func:`probe_target`) and append the ``run_probes`` row
-    (``phase``: ``start`` | ``end``) with ``writer`` (a store writer of the run); None when the run has
-    no worker to probe."""
+def probe_run(writer, run_id: str, phase: str, endpoints: Sequence[tuple[str, str]], model: str,
+              probes: int = PROBES_PER_PHASE) -> list[dict]:
+    """Probe the run's target worker (:func:`probe_target`) ``probes`` times back to back, each with
+    a salt of its own, and append one ``run_probes`` row per probe (``phase``: ``start`` | ``end``)
+    with ``writer`` (a store writer of the run); returns the rows (none when the run has no worker
+    to probe)."""
     target = probe_target(endpoints)
     if target is None:
-        return None
+        return []
     url, role = target
-    row = {"run_id": run_id, "phase": phase, "target": role} | probe(url, model, salt=f"turnscope-probe-{run_id}-{phase}")
-    writer.append("run_probes", row)
-    return row
+    rows = []
+    for k in range(probes):
+        row = {"run_id": run_id, "phase": phase, "target": role} | probe(
+            url, model, salt=f"turnscope-probe-{run_id}-{phase}-{k}")
+        writer.append("run_probes", row)
+        rows.append(row)
+    return rows

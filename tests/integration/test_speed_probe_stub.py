@@ -89,14 +89,15 @@ def test_eval_records_a_probe_at_each_runs_start_and_end(tmp_path, monkeypatch):
     assert r.exit_code == 0, " ".join(r.output.split())
     con = duckdb.connect(str(store / "turnscope.duckdb"), read_only=True)
     rows = con.execute("SELECT p.run_id, phase, target, endpoint, prompt_tokens, ttft_s, p.status, p.sent_at >= r.started_at "
-                       "FROM run_probes p JOIN runs r USING (run_id) ORDER BY phase DESC").fetchall()
+                       "FROM run_probes p JOIN runs r USING (run_id) ORDER BY phase DESC, p.sent_at").fetchall()
     con.close()
     run_id = rows[0][0]
-    assert [(a, t, e, n, s, after) for _, a, t, e, n, _, s, after in rows] == [
-        ("start", "prefill", srv.url, 256, "ok", True), ("end", "prefill", srv.url, 256, "ok", True)]
+    # three probes back to back at each end (speed_probe.PROBES_PER_PHASE)
+    assert [(a, t, e, n, s, after) for _, a, t, e, n, _, s, after in rows] == \
+        [("start", "prefill", srv.url, 256, "ok", True)] * 3 + [("end", "prefill", srv.url, 256, "ok", True)] * 3
     assert all(DELAY_S <= ttft < DELAY_S + SLACK_S for *_, ttft, _, _ in rows)
     # each probe its own salt: no prefix cache holds the prompt
-    assert salts == [f"turnscope-probe-{run_id}-start", f"turnscope-probe-{run_id}-end"]
+    assert salts == [f"turnscope-probe-{run_id}-{phase}-{k}" for phase in ("start", "end") for k in range(3)]
 
 
 @pytest.mark.parametrize("tokens", [1, 256, 4096])
