@@ -59,8 +59,10 @@ def render(sel: Selection) -> None:
         f"OSDI'24). D's KV space: {kv / 2**20:,.0f} MiB in both modes (P keeps the topology's); D pins a "
         f"finished turn's blocks until P pulls them (or, below the recompute threshold, frees them unread) or "
         f"{first['decoder_kv_blocks_ttl_s']:.0f} s pass (pd-bidir). Crossing: the smallest step from which pd-bidir "
-        f"stays behind pd at every larger step (goodput lower, or TTFT p90 higher, by more than "
-        f"{crossing.tolerance:.0%}). Compare a step across modes with its E2E and D's numbers beside it."
+        f"stays behind pd at every larger step (goodput lower by more than {crossing.tolerance:.0%}, or TTFT p90 "
+        f"higher by more than {crossing.tolerance:.0%} and beyond its sampling noise: the bootstrap "
+        f"{capacity.P90_CONFIDENCE:.0%} interval of the two p90s' ratio above 1). Compare a step across modes with "
+        "its E2E and D's numbers beside it."
     )
     st.dataframe(
         steps_table(mine.sort_values(["users", "mode"])), hide_index=True, key="capacity_table",

@@ -350,9 +350,11 @@ def test_memory_capacity_in_browser(capacity_url, browser):
     page, errors = _open(browser, f"{capacity_url}/memory", "Memory", 3)
     page.get_by_role("heading", name="Capacity: when holding KV costs sessions").wait_for(timeout=60_000)
     body = page.inner_text("body")
-    # the crossing of tests/capacity_store.py, worked out by hand there: 4 sessions, both reasons
+    # the crossing of tests/capacity_store.py, worked out by hand there (test_capacity_store.py): 4
+    # sessions by goodput; the TTFT p90 2.25x there but within the p90s' sampling noise (10 turns)
     assert f"Holding KV starts to cost capacity at {capacity_store.EXPECTED_CROSSING_USERS} concurrent sessions" in body
-    assert "goodput 0.60 vs 1.00 turns/s; TTFT p90 900 ms vs 400 ms" in body
+    assert "(at 4: goodput 0.60 vs 1.00 turns/s; steps measured: 1, 2, 4)" in body
+    assert "At 4 concurrent session(s) pd-bidir's TTFT p90 was higher by more than 5%, but within" in body
     assert "TTFT ≤ 500 ms and TPOT ≤ 50 ms" in body
     # the store's runs record no schedule: read as sequential (turnscope.analysis.schedule_text)
     assert "How the steps were played: One mode after another (sequential schedule)." in body

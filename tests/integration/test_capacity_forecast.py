@@ -53,8 +53,9 @@ def test_crossing_forecast_and_measured_in_one_language(ramp):
     assert cid == cs.CAP_ID
     assert (meas.users, fc.users, fc.reason) == (cs.EXPECTED_CROSSING_USERS, 1, "ttft_p90")
     text = cf.describe(measured, forecast)
-    assert (f"capacity ramp {cs.CAP_ID} (steps 1, 2, 4 sessions): crossing measured at 4 sessions (goodput and "
-            "ttft_p90), forecast at 1 sessions (ttft_p90) (TTFT p90 only: goodput is not forecast) (MISSED); "
+    # measured: goodput alone, the p90 within its noise (test_capacity_store.py works it out by hand)
+    assert (f"capacity ramp {cs.CAP_ID} (steps 1, 2, 4 sessions): crossing measured at 4 sessions (goodput), "
+            "forecast at 1 sessions (ttft_p90) (TTFT p90 only: goodput is not forecast) (MISSED); "
             "pd-bidir's D full (>= 95%) measured none within the steps, forecast none within the steps "
             "(within one step)") in text
     assert ("4 sessions, pd-bidir: TTFT p90 900 ms measured, 600 ms forecast (no held-out interval); goodput "
