@@ -19,6 +19,7 @@ light load, where both modes serve every turn within the SLO, from reading as a 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,10 +104,12 @@ def _p90_ratio(treatment: np.ndarray, baseline: np.ndarray, axis: int = -1) -> n
     return np.quantile(treatment, 0.9, axis=axis) / np.quantile(baseline, 0.9, axis=axis)
 
 
+@functools.lru_cache(maxsize=256)
 def p90_ratio_interval(p: StepPair) -> tuple[float, float] | None:
     """The bootstrap :data:`P90_CONFIDENCE` interval of the treatment's TTFT p90 over the
     baseline's at step ``p`` (``scipy.stats.bootstrap``, percentile method, :data:`P90_RESAMPLES`
-    resamples of each mode's turns, seeded); None without at least 2 turns in each mode."""
+    resamples of each mode's turns, seeded); None without at least 2 turns in each mode. Cached per
+    step (a frozen, hashable pair): :func:`find_crossing` asks twice, for the reason and the noise."""
     if len(p.ttft_baseline_s) < 2 or len(p.ttft_treatment_s) < 2:
         return None
     res = stats.bootstrap((np.asarray(p.ttft_treatment_s), np.asarray(p.ttft_baseline_s)), _p90_ratio,

@@ -118,13 +118,10 @@ def _processor_sharing_finish(arrival: np.ndarray, service: np.ndarray, worker: 
             for h in heads:
                 remaining[h] -= step / share
             t += step
-            for q in queues.values():
-                if q and remaining[q[0]] <= 1e-12:
-                    finish[q.popleft()] = t
         while nxt < n and arrival[nxt] <= t:
             queues.setdefault(int(worker[nxt]), deque()).append(nxt)
             nxt += 1
-        for q in queues.values():    # requests of no compute end as soon as they are at the head
+        for q in queues.values():    # the heads done by now (those of no compute at once) end at t
             while q and remaining[q[0]] <= 1e-12:
                 finish[q.popleft()] = t
     return finish
