@@ -485,7 +485,8 @@ def plan_check(
 ) -> None:
     """Held-out check: fit a profile on one store or set of runs, forecast others it was not fitted on
     (each run planned alone, on its own clock), and print per mode the TTFT median absolute relative
-    error, the p90 TTFT error, the hit-rate error (pp) and the pulled-token error, with the split named
+    error and its p90, the forecast p90 TTFT against the measured one, the hit-rate error (pp) and the
+    pulled-token error, with the split named
     (docs/planner.md, "Held-out check"). Checked runs that are steps of a capacity ramp also get the
     ramp's crossing forecast next to the measured one (docs/capacity.md)."""
     from turnscope import capacity_forecast

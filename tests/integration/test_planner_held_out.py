@@ -76,7 +76,16 @@ def test_held_out_errors_per_mode(stores):
         assert errors(mode) == pytest.approx([slow_error] * len(ok_turns(mode)))
     for mode in ("pd-nocache", "aggregated", "pd-bidir", "pd-bidir-nocache"):
         assert summ.loc[mode, "ttft_mare"] == pytest.approx(statistics.median(errors(mode)), rel=1e-6), mode
-        assert summ.loc[mode, "ttft_p90_error"] == pytest.approx(quantile(errors(mode), 0.9), rel=1e-6), mode
+        assert summ.loc[mode, "ttft_error_p90"] == pytest.approx(quantile(errors(mode), 0.9), rel=1e-6), mode
+        # the p90 TTFT's error: the 90th percentile of the forecasts over that of the measured TTFTs
+        turns = ok_turns(mode)
+        p90_f = quantile([forecast(mode, s, k) for s, k in turns], 0.9)
+        p90_m = quantile([measured(mode, s, k) for s, k in turns], 0.9)
+        assert summ.loc[mode, "ttft_p90_forecast_s"] == pytest.approx(p90_f, rel=1e-6), mode
+        assert summ.loc[mode, "p90_ttft_error"] == pytest.approx(p90_f / p90_m - 1, rel=1e-6), mode
+    # nothing pulled: every measured TTFT is 1.5 times its forecast, so is their p90 (-1/3, a miss)
+    assert summ.loc["pd-nocache", "p90_ttft_error"] == pytest.approx(1 / SLOW - 1)
+    assert not summ.loc["pd-nocache", "p90_ttft_pass"] and not summ.loc["pd-nocache", "error_p90_pass"]
     # hit rates over the 6 later turns: pd-bidir 4/6 both (below threshold, expired); pd-bidir-nocache
     # recorded 4/6 (failed read, expired), forecast 5/6: +16.7 pp
     assert summ.loc["pd-bidir", "hit_rate_error_pp"] == pytest.approx(0)
@@ -108,7 +117,10 @@ def test_cli_plan_check_then_plan_with_intervals(stores, tmp_path, monkeypatch):
                                  "--write-profile", str(out)], env={"COLUMNS": "4000"})
     assert r.exit_code == 0, r.output
     assert f"fitted on 5 runs of store {fit}" in r.output and f"checked on 5 runs of store {check}" in r.output
-    assert "pd-nocache: 1 runs, 7 ok turns, outcome 7/7; TTFT MARE 33.3% (FAIL), p90 33.3% (FAIL)" in r.output
+    assert "pd-nocache: 1 runs, 7 ok turns, outcome 7/7; TTFT MARE 33.3% (FAIL), error p90 33.3% (FAIL); p90 TTFT" in r.output
+    p90_f = quantile([forecast("pd-nocache", s, k) for s, k in ok_turns("pd-nocache")], 0.9)
+    assert (f"p90 TTFT {p90_f * 1e3:,.1f} ms forecast vs {SLOW * p90_f * 1e3:,.1f} ms measured (-33.3%, FAIL)"
+            in r.output)
     assert "hit rate 83.3% vs 66.7% recorded (+16.7 pp, FAIL)" in r.output
     # the Overview's speed-up of the checked runs: the slow machine slows both sides alike
     later = [(s, k) for s in range(fx.SESSIONS) for k in range(1, fx.TURNS)]
@@ -160,7 +172,8 @@ def test_the_speed_probe_puts_the_forecast_on_the_runs_speed(tmp_path):
     summ = summ.set_index("mode")
     for mode in ("pd-nocache", "pd-bidir", "aggregated"):
         assert summ.loc[mode, "ttft_mare"] == pytest.approx(0, abs=1e-6)
-        assert summ.loc[mode, "ttft_p90_error"] == pytest.approx(0, abs=1e-6)
+        assert summ.loc[mode, "ttft_error_p90"] == pytest.approx(0, abs=1e-6)
+        assert summ.loc[mode, "p90_ttft_error"] == pytest.approx(0, abs=1e-6) and summ.loc[mode, "p90_ttft_pass"]
     # without a probe on the checked runs nothing is scaled: the slow machine's 1/3 error again
     plain = fx.build(tmp_path / "plain", slow=SLOW)
     _, checks, summ = held_out_check(check_split(str(fit), None, str(plain), None))

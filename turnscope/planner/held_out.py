@@ -5,13 +5,17 @@ and the errors per mode are what the profile's forecast intervals come from
 
 Per mode, over the checked runs' ok turns (``plan_checks`` rows):
 
-* ``ttft_mare``: median of |forecast - measured| / measured TTFT; ``ttft_p90_error``: its 90th
-  percentile (numpy's linear interpolation);
+* ``ttft_mare``: median of |forecast - measured| / measured TTFT; ``ttft_error_p90``: its 90th
+  percentile (numpy's linear interpolation): how far the slowest-forecast tenth of single turns is off;
+* ``p90_ttft_error``: the forecast p90 TTFT over the measured p90 TTFT, minus 1 (signed; each the
+  90th percentile over the same turns): how far off the tail latency an SLO is set on is, the figure
+  ``turnscope recommend`` checks a topology's SLO with;
 * ``hit_rate_error_pp``: forecast minus recorded hit rate (``hit`` turns over later ok turns,
   pooled over the mode's runs), percentage points; NaN for modes without handles;
 * ``pulled_error``: forecast / recorded total tokens pulled from D, minus 1; NaN where none was
   recorded;
-* pass or fail against :data:`TARGETS` (hit rate within 2 pp, TTFT MARE within 20%, p90 within 25%).
+* pass or fail against :data:`TARGETS` (hit rate within 2 pp, TTFT MARE within 20%; the per-turn
+  error's p90 and the p90 TTFT's error each within 25%: the issue's "p90 within 25%" read both ways).
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ from turnscope.planner.fit import fit_profile
 from turnscope.planner.profile import MODES, CostProfile, HeldOutErrors
 from turnscope.store import Store
 
-#: Targets on runs recorded at another time than the fit: TTFT MARE, p90 TTFT error, hit-rate error (pp).
-TARGETS = {"ttft_mare": 0.20, "ttft_p90_error": 0.25, "hit_rate_error_pp": 2.0}
+#: Targets on runs recorded at another time than the fit: TTFT MARE, the per-turn error's p90, the p90
+#: TTFT's error (absolute), hit-rate error (pp).
+TARGETS = {"ttft_mare": 0.20, "ttft_error_p90": 0.25, "p90_ttft_error": 0.25, "hit_rate_error_pp": 2.0}
 #: The percentiles of an interval (an 80% interval).
 INTERVAL_Q = (0.10, 0.90)
 
@@ -67,12 +72,15 @@ def runs_of(store: Store) -> list[str]:
 
 def held_out_summary(checks: pd.DataFrame) -> pd.DataFrame:
     """Per mode (see the module doc). Columns: mode, runs, ok_turns, outcome_matches, ttft_mare,
-    ttft_p90_error, hit_rate_recorded, hit_rate_forecast, hit_rate_error_pp, pulled_recorded,
-    pulled_forecast, pulled_error, ttft_pass, p90_pass, hit_rate_pass (None where not applicable)."""
+    ttft_error_p90, ttft_p90_measured_s, ttft_p90_forecast_s, p90_ttft_error, hit_rate_recorded,
+    hit_rate_forecast, hit_rate_error_pp, pulled_recorded, pulled_forecast, pulled_error, ttft_pass,
+    error_p90_pass, p90_ttft_pass, hit_rate_pass (None where not applicable)."""
     rows = []
     ok = checks[(checks["status"] == "ok") & checks["measured_ttft_s"].notna()]
     for mode, g in ok.groupby("mode", sort=False):
         rel = ((g["predicted_ttft_s"] - g["measured_ttft_s"]).abs() / g["measured_ttft_s"]).to_numpy(float)
+        p90_measured = float(np.quantile(g["measured_ttft_s"].to_numpy(float), 0.9))
+        p90_forecast = float(np.quantile(g["predicted_ttft_s"].to_numpy(float), 0.9))
         later = g[g["turn_index"] >= 1]
         bidir = str(mode) in BIDIRECTIONAL_MODES and len(later)
         rec_hit = float((later["recorded_outcome"] == h.HIT).mean()) if bidir else np.nan
@@ -80,13 +88,16 @@ def held_out_summary(checks: pd.DataFrame) -> pd.DataFrame:
         rec_pull, pred_pull = int(g["recorded_pulled_tokens"].fillna(0).sum()), int(g["predicted_pulled_tokens"].sum())
         row = {"mode": mode, "runs": int(g["checked_run_id"].nunique()), "ok_turns": len(g),
                "outcome_matches": int(g["outcome_match"].astype(bool).sum()),
-               "ttft_mare": float(np.median(rel)), "ttft_p90_error": float(np.quantile(rel, 0.9)),
+               "ttft_mare": float(np.median(rel)), "ttft_error_p90": float(np.quantile(rel, 0.9)),
+               "ttft_p90_measured_s": p90_measured, "ttft_p90_forecast_s": p90_forecast,
+               "p90_ttft_error": p90_forecast / p90_measured - 1,
                "hit_rate_recorded": rec_hit, "hit_rate_forecast": pred_hit,
                "hit_rate_error_pp": (pred_hit - rec_hit) * 100,
                "pulled_recorded": rec_pull, "pulled_forecast": pred_pull,
                "pulled_error": pred_pull / rec_pull - 1 if rec_pull else np.nan}
         row |= {"ttft_pass": row["ttft_mare"] <= TARGETS["ttft_mare"],
-                "p90_pass": row["ttft_p90_error"] <= TARGETS["ttft_p90_error"],
+                "error_p90_pass": row["ttft_error_p90"] <= TARGETS["ttft_error_p90"],
+                "p90_ttft_pass": abs(row["p90_ttft_error"]) <= TARGETS["p90_ttft_error"],
                 "hit_rate_pass": None if np.isnan(rec_hit) else abs(row["hit_rate_error_pp"]) <= TARGETS["hit_rate_error_pp"]}
         rows.append(row)
     return pd.DataFrame(rows)
@@ -142,8 +153,9 @@ def describe(split: Split, summary: pd.DataFrame, checks: pd.DataFrame | None = 
         return "n/a" if v is None else ("pass" if v else "FAIL")
 
     lines = [f"Held-out check ({split.describe()}); each checked run planned alone, on its own clock:",
-             (f"  targets: TTFT MARE <= {TARGETS['ttft_mare']:.0%}, p90 <= {TARGETS['ttft_p90_error']:.0%}, "
-             f"hit rate within {TARGETS['hit_rate_error_pp']:.0f} pp")]
+             (f"  targets: TTFT MARE <= {TARGETS['ttft_mare']:.0%}, the per-turn error's p90 <= "
+              f"{TARGETS['ttft_error_p90']:.0%}, the p90 TTFT within {TARGETS['p90_ttft_error']:.0%}, "
+              f"hit rate within {TARGETS['hit_rate_error_pp']:.0f} pp")]
     for r in summary.itertuples():
         hit = ("hit rate n/a" if np.isnan(r.hit_rate_recorded) else
                f"hit rate {r.hit_rate_forecast:.1%} vs {r.hit_rate_recorded:.1%} recorded "
@@ -151,8 +163,10 @@ def describe(split: Split, summary: pd.DataFrame, checks: pd.DataFrame | None = 
         pulled = ("pulled n/a" if np.isnan(r.pulled_error) else
                   f"pulled {r.pulled_forecast:,} vs {r.pulled_recorded:,} tokens ({r.pulled_error:+.1%})")
         lines.append(f"  {r.mode}: {r.runs} runs, {r.ok_turns} ok turns, outcome {r.outcome_matches}/{r.ok_turns}; "
-                     f"TTFT MARE {r.ttft_mare:.1%} ({verdict(r.ttft_pass)}), p90 {r.ttft_p90_error:.1%} "
-                     f"({verdict(r.p90_pass)}); {hit}; {pulled}")
+                     f"TTFT MARE {r.ttft_mare:.1%} ({verdict(r.ttft_pass)}), error p90 {r.ttft_error_p90:.1%} "
+                     f"({verdict(r.error_p90_pass)}); p90 TTFT {r.ttft_p90_forecast_s * 1e3:,.1f} ms forecast vs "
+                     f"{r.ttft_p90_measured_s * 1e3:,.1f} ms measured ({r.p90_ttft_error:+.1%}, "
+                     f"{verdict(r.p90_ttft_pass)}); {hit}; {pulled}")
     hc = headline_check(checks) if checks is not None else pd.DataFrame()
     if not hc.empty:
         lines.append("  the Overview's speed-up of the checked runs (baseline / bidirectional median TTFT from the second "
