@@ -6,15 +6,17 @@ say "holding KV starts to cost capacity at N sessions" in one language (docs/cap
 crossing, forecast and measured").
 
 Per step and mode (forecast): TTFT p50 and p90 over the step's ok turns (p90 with its 80% interval
-from the profile's held-out errors, :func:`turnscope.planner.intervals.ttft_interval`); D's peak pinned KV as a
-fraction of the run's D KV space, and the handles lost to a full D (``miss_d_full``). **Goodput is
+from the profile's held-out errors, :func:`turnscope.planner.intervals.ttft_interval`); D's peak KV in use
+(pinned handles plus running requests: ``ModePlan.d_peak_in_use_bytes``) and its peak pinned KV, each
+as a fraction of the run's D KV space, and the handles lost to a full D (``miss_d_full``). **Goodput is
 not forecast**: a step's turns are sent by a closed loop (each user sends its next turn after the
 last reply and a tool gap), so the step's span, the denominator of goodput, follows the very
 latencies being forecast, and the recorded span would carry the measured slowdown into the
 forecast. The forecast crossing is therefore the TTFT p90 rule alone (``find_crossing`` with
-goodput equal on both sides), and "D full" is the first step whose peak reaches
-:data:`D_FULL_FRACTION` of D's KV space (measured: ``vllm:kv_cache_usage_perc``, running requests
-included; forecast: the pinned handles).
+goodput equal on both sides), and "D full" is the first step whose peak KV in use reaches
+:data:`D_FULL_FRACTION` of D's KV space, the same quantity on both sides (measured:
+``vllm:kv_cache_usage_perc``; forecast: the pinned handles plus the running requests in D's
+admission queue).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from turnscope.store import Store
 #: Columns of :func:`forecast_steps` (``dashboard.capacity.step_pairs`` reads the first five;
 #: ``goodput_per_s`` is the same constant on every row: not forecast, see the module doc).
 COLUMNS = ("mode", "users", "goodput_per_s", "ttft_p50_s", "ttft_p90_s", "capacity_id", "run_id",
-           "d_pinned_peak_fraction", "d_full_events", "ttft_p90_interval_low_s", "ttft_p90_interval_high_s")
+           "d_in_use_peak_fraction", "d_pinned_peak_fraction", "d_full_events", "ttft_p90_interval_low_s",
+           "ttft_p90_interval_high_s")
 #: A step "fills D" when its peak reaches this fraction of D's KV space.
 D_FULL_FRACTION = 0.95
 
@@ -49,7 +52,8 @@ def measured_steps(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
 
 def forecast_steps(store: Store, steps: pd.DataFrame, profile: CostProfile) -> pd.DataFrame:
     """The planner's forecast of each measured step of ``steps`` (:func:`measured_steps`' rows):
-    one row per run, :data:`COLUMNS` (seconds, turns per second, fraction 0-1; see the module doc)."""
+    one row per run, :data:`COLUMNS` (seconds, turns per second, fraction 0-1; see the module doc;
+    ``d_in_use_peak_fraction`` NaN where D's KV space is unknown, so its queue is not modelled)."""
     if steps.empty:
         return pd.DataFrame(columns=list(COLUMNS))
     run_ids = list(steps["run_id"])
@@ -69,6 +73,8 @@ def forecast_steps(store: Store, steps: pd.DataFrame, profile: CostProfile) -> p
                      "ttft_p50_s": float(np.quantile(ttft, 0.5)) if ttft.size else np.nan, "ttft_p90_s": p90,
                      "ttft_p90_interval_low_s": low, "ttft_p90_interval_high_s": high,
                      "capacity_id": st.capacity_id, "run_id": st.run_id,
+                     "d_in_use_peak_fraction": (m.d_peak_in_use_bytes / st.decode_kv_cache_bytes
+                                                if st.decode_kv_cache_bytes else np.nan),
                      "d_pinned_peak_fraction": (m.peak_held_bytes() / st.decode_kv_cache_bytes
                                                 if st.decode_kv_cache_bytes else np.nan),
                      "d_full_events": int(m.d_full_events)})
@@ -116,19 +122,25 @@ def describe(measured: pd.DataFrame, forecast: pd.DataFrame) -> str:
         m_ramp, f_ramp = measured[measured["capacity_id"] == cid], forecast[forecast["capacity_id"] == cid]
         users = sorted(set(m_ramp["users"]))
 
-        m_full, f_full = d_full_step(m_ramp, "decode_kv_usage_max"), d_full_step(f_ramp, "d_pinned_peak_fraction")
-        crossing_ok, full_ok = (within_one_step(users, meas.users, fc.users), within_one_step(users, m_full, f_full))
+        m_full, f_full = d_full_step(m_ramp, "decode_kv_usage_max"), d_full_step(f_ramp, "d_in_use_peak_fraction")
+        crossing_ok = within_one_step(users, meas.users, fc.users)
+        if f_ramp["d_in_use_peak_fraction"].isna().all():
+            full = "not forecast (D's KV space unknown)"
+        else:
+            full = f"forecast {_at(f_full)} ({_verdict(within_one_step(users, m_full, f_full))})"
         lines.append(f"  capacity ramp {cid} (steps {', '.join(map(str, users))} sessions): crossing measured "
                      f"{_at(meas.users, meas.reason)}, forecast {_at(fc.users, fc.reason)} (TTFT p90 only: goodput "
                      f"is not forecast) ({_verdict(crossing_ok)}); {TREATMENT}'s D full (>= {D_FULL_FRACTION:.0%}) "
-                     f"measured {_at(m_full)}, forecast {_at(f_full)} ({_verdict(full_ok)})")
+                     f"measured {_at(m_full)}, {full}")
         both = m_ramp.merge(f_ramp, on=["mode", "users"], suffixes=("", "_fc"))
         for r in both.sort_values(["users", "mode"]).itertuples():
             iv = ("no held-out interval" if np.isnan(r.ttft_p90_interval_low_s) else
                   f"80% interval {r.ttft_p90_interval_low_s * 1e3:,.0f}-{r.ttft_p90_interval_high_s * 1e3:,.0f} ms")
             lines.append(f"    {r.users} sessions, {r.mode}: TTFT p90 {r.ttft_p90_s * 1e3:,.0f} ms measured, "
                          f"{r.ttft_p90_s_fc * 1e3:,.0f} ms forecast ({iv}); goodput {r.goodput_per_s:.2f} turns/s measured; "
-                         f"D peak {r.decode_kv_usage_max:.0%} of its KV in use measured, pinned "
-                         f"{r.d_pinned_peak_fraction:.0%} forecast"
+                         f"D peak {r.decode_kv_usage_max:.0%} of its KV in use measured, "
+                         + ("not forecast (D's KV space unknown: neither the profile nor the run's scrapes give it)"
+                            if np.isnan(r.d_in_use_peak_fraction) else
+                            f"{r.d_in_use_peak_fraction:.0%} forecast ({r.d_pinned_peak_fraction:.0%} pinned)")
                          + (f", {r.d_full_events} handles lost to a full D" if r.d_full_events else ""))
     return "\n".join(lines)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Literal
 
 import httpx
+from httpx_sse import SSEError, connect_sse
 from pydantic import BaseModel, Field
 from rich.console import Console
 
@@ -164,7 +165,13 @@ def warm_up(proxy_url: str, model: str, prompt_tokens: int = 600, turns: int = 2
     larger buffers), measured on the embedded default after a 600-token warm-up: +80 ms on a
     1,324-token prefill (241.7 against 160.5 ms) and +80 ms on a 2,000-token one; after a
     3,500-token warm-up a 1,324-token first turn costs what the later ones do (docs/known-behaviour.md).
-    Returns the reuse outcomes seen; failures are returned, not raised."""
+
+    Each session's last turn is its release turn (:func:`release_turn`): it reads the session's
+    handle, so D frees those blocks, and is abandoned after its first token, so D frees its own
+    too. Without it the warm-up's last turns stay pinned on a bidirectional D for
+    ``decoder_kv_blocks_ttl``, in the KV space of the run being measured (2 x 28 blocks at 3,500
+    tokens: 44% of a 64 MiB D, measured on a capacity step). Returns the reuse outcomes seen;
+    failures are returned, not raised."""
     outcomes = []
     rng = random.Random(0)
     first = max(prompt_tokens - (turns - 1) * WARM_UP_TURN_TOKENS, 16)
@@ -174,6 +181,9 @@ def warm_up(proxy_url: str, model: str, prompt_tokens: int = 600, turns: int = 2
             for t in range(turns):
                 body = {"model": model, "prompt": ids, "max_tokens": 8, "temperature": 0,
                         "conversation_id": f"warmup-{os.getpid()}-{s}", "return_token_ids": True}
+                if t == turns - 1:
+                    outcomes.append(release_turn(client, proxy_url, body))
+                    break
                 try:
                     r = client.post(proxy_url + "/v1/completions", json=body)
                     outcomes.append(r.headers.get("x-turnscope-reuse", f"http {r.status_code}"))
@@ -183,6 +193,29 @@ def warm_up(proxy_url: str, model: str, prompt_tokens: int = 600, turns: int = 2
                     break
                 ids = ids + gen + [rng.randrange(10, 2000) for _ in range(WARM_UP_TURN_TOKENS - len(gen))]
     return outcomes
+
+
+#: Output tokens a release turn asks for: D is still decoding when the client leaves after the first.
+RELEASE_MAX_TOKENS = 64
+
+
+def release_turn(client: httpx.Client, proxy_url: str, body: dict) -> str:
+    """Send ``body`` as a streamed turn of at most :data:`RELEASE_MAX_TOKENS` tokens and leave after
+    its first event: the proxy closes its connections to the workers (``serving.client_disconnect``)
+    and vLLM aborts the request, and D frees an aborted request's blocks at once, where it pins a
+    request finished by length or stop for ``decoder_kv_blocks_ttl`` (vLLM 0.32
+    ``nixl/pull_scheduler.py``, ``request_finished``). The turn still takes its session's handle
+    (P pulls it, or needs none of it), on which D frees that handle. Returns the reuse outcome (the
+    proxy's ``x-turnscope-reuse`` header), or the error; never raises for the server's answer."""
+    stream = body | {"stream": True, "max_tokens": RELEASE_MAX_TOKENS}
+    try:
+        with connect_sse(client, "POST", proxy_url + "/v1/completions", json=stream) as source:
+            outcome = source.response.headers.get("x-turnscope-reuse", f"http {source.response.status_code}")
+            source.response.raise_for_status()
+            next(source.iter_sse(), None)      # the first token; leaving the block closes the connection
+    except (httpx.HTTPError, SSEError) as exc:
+        return f"error {type(exc).__name__}"
+    return outcome
 
 
 def warm_up_tokens(s: EvalSettings) -> int:

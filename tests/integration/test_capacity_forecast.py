@@ -6,7 +6,8 @@ for ``pd-bidir``, TPOT 0.02 s. So every forecast TTFT is its mode's b0: ``pd`` m
 latencies): the forecast crossing is by TTFT p90 alone, 0.6 s > 0.2 s x 1.05 at every step, so the
 first step (1 session), two steps below the measured one (4 sessions): MISSED. D is never full: the
 ramp's D peaks at 60% measured, and its handles (at most a 10-turn session's KV) pin far less than
-its 64 MiB."""
+its 64 MiB (the pinned fraction; what is in use on D is not forecast: neither the profile nor the
+fixture's scrapes give D's KV space, so D's queue is not modelled)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ def test_each_step_is_forecast_from_its_own_turns(ramp):
         assert (r.ttft_p50_s, r.ttft_p90_s) == (pytest.approx(b0), pytest.approx(b0)), (r.mode, r.users)
         assert r.goodput_per_s == 1.0   # not forecast: equal on both sides
         assert r.d_full_events == 0 and r.d_pinned_peak_fraction < cf.D_FULL_FRACTION
+        # neither the profile nor the fixture's scrapes give D's KV space: its queue (and so what is in
+        # use on D) is not modelled, and D full is not forecast
+        assert r.d_in_use_peak_fraction != r.d_in_use_peak_fraction   # NaN
 
 
 def test_crossing_forecast_and_measured_in_one_language(ramp):
@@ -56,8 +60,7 @@ def test_crossing_forecast_and_measured_in_one_language(ramp):
     # measured: goodput alone, the p90 within its noise (test_capacity_store.py works it out by hand)
     assert (f"capacity ramp {cs.CAP_ID} (steps 1, 2, 4 sessions): crossing measured at 4 sessions (goodput), "
             "forecast at 1 sessions (ttft_p90) (TTFT p90 only: goodput is not forecast) (MISSED); "
-            "pd-bidir's D full (>= 95%) measured none within the steps, forecast none within the steps "
-            "(within one step)") in text
+            "pd-bidir's D full (>= 95%) measured none within the steps, not forecast (D's KV space unknown)") in text
     assert ("4 sessions, pd-bidir: TTFT p90 900 ms measured, 600 ms forecast (no held-out interval); goodput "
             "0.60 turns/s measured") in text
 

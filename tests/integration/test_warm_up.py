@@ -1,13 +1,18 @@
 """The warm-up reaches the longest prompt a run may send: a worker's first prompt longer than any
-before it pays a one-time cost (docs/known-behaviour.md), which would land on a run's first turns."""
+before it pays a one-time cost (docs/known-behaviour.md), which would land on a run's first turns.
+Its last turns are abandoned after their first token, so that a bidirectional D keeps nothing of
+the warm-up (tests/integration/test_capacity_vllm.py checks that on real workers)."""
 
 from __future__ import annotations
 
 import json
+import time
+
+import httpx
 
 from serving.topology import embedded_topology
 from tests.integration.http_stub import Script, StubServer
-from turnscope.evaluation import EvalSettings, warm_up, warm_up_tokens
+from turnscope.evaluation import RELEASE_MAX_TOKENS, EvalSettings, release_turn, warm_up, warm_up_tokens
 
 REPLY = json.dumps({"choices": [{"token_ids": list(range(100, 108))}]}).encode()
 
@@ -23,6 +28,25 @@ def test_warm_up_last_prompts_are_the_asked_length():
     assert len(outcomes) == 4
     second = stub.requests[1]["body"]["prompt"]
     assert second[3392:3400] == list(range(100, 108))      # the session's reply is in its next prompt
+    # each session's last turn is its release turn: streamed, asking for 64 tokens
+    assert [r["body"].get("stream", False) for r in stub.requests] == [False, True, False, True]
+    assert [r["body"]["max_tokens"] for r in stub.requests] == [8, RELEASE_MAX_TOKENS, 8, RELEASE_MAX_TOKENS]
+
+
+def test_the_release_turn_leaves_after_the_first_token():
+    # the server sends one token, then nothing for 5 s: the release turn leaves after that token
+    first = b'data: {"choices": [{"text": "a"}]}\n\n'
+    script = Script(fragments=[(0.0, first)], headers={"Content-Type": "text/event-stream", "x-turnscope-reuse": "hit"},
+                    end="hang", hang_s=5.0)
+    with StubServer(script) as stub, httpx.Client(timeout=30) as client:
+        t0 = time.perf_counter()
+        outcome = release_turn(client, stub.url, {"model": "m", "prompt": [1, 2], "max_tokens": 8})
+        took = time.perf_counter() - t0
+    assert outcome == "hit" and took < 2.5                 # not the 5 s the server would have taken
+    assert stub.requests[0]["body"] == {"model": "m", "prompt": [1, 2], "max_tokens": RELEASE_MAX_TOKENS,
+                                             "stream": True}
+    with StubServer(Script(status=503, fragments=[(0.0, b"busy")])) as stub, httpx.Client(timeout=30) as client:
+        assert release_turn(client, stub.url, {"model": "m", "prompt": [1]}) == "error HTTPStatusError"
 
 
 def test_warm_up_tokens_is_the_runs_longest_prompt_within_the_context():

@@ -12,7 +12,7 @@ import pytest
 
 from loadgen.traces.agent_request import AgentRequest
 from tests.unit.test_planner_simulate import profile
-from turnscope.planner.decode_admission import DecodeAdmission, admission_waits
+from turnscope.planner.decode_admission import DecodeAdmission, admission_waits, one_way_admission
 from turnscope.planner.simulate import PlanSettings, plan
 
 BLOCK_BYTES = 128 * 4096
@@ -64,6 +64,23 @@ def test_waits_by_hand():
     # a small request behind a blocked one waits too (vLLM's scheduler stops at the first that
     # does not fit), though it would fit at once
     assert waits([0.0, 1.0, 1.5], [6, 6, 1], [5.0, 5.0, 5.0], 10) == pytest.approx([0.0, 4.0, 3.5])
+
+
+def test_peak_in_use_counts_running_and_held_blocks():
+    # never two 6-block requests at once on 10 blocks: 6 at most; then the 6- and 1-block requests
+    # admitted together at 5: 7
+    assert one_way_admission(np.zeros(3) + [0.0, 1.0, 2.0], np.full(3, 6), np.full(3, 5.0), 10).peak_in_use_blocks == 6
+    assert one_way_admission(np.array([0.0, 1.0, 1.5]), np.array([6, 6, 1]), np.full(3, 5.0), 10).peak_in_use_blocks == 7
+    # 8 blocks held from 0 to 3, then a 4-block request alone: the held 8 are the peak
+    q = DecodeAdmission(10, ScriptedHolds([(0.0, 8.0), (3.0, 0.0)]))
+    q.arrive(0, 1.0, 4, 1.0)
+    q.close()
+    assert q.peak_in_use_blocks == 8
+    # 5 held for good, a 4-block request admitted beside them: 9
+    q = DecodeAdmission(10, ScriptedHolds([(0.0, 5.0)]))
+    q.arrive(0, 1.0, 4, 1.0)
+    q.close()
+    assert q.peak_in_use_blocks == 9
 
 
 def test_held_blocks_take_room_until_they_are_freed():
@@ -162,6 +179,8 @@ def test_one_way_pd_waits_only_for_running_requests():
     r = [req("a", 0, 0.0, 300, 0), req("b", 0, 0.1, 300, 0), req("c", 0, 0.2, 300, 0)]
     m = plan(r, small_d(), PlanSettings(modes=("pd-nocache",), queue_prefills=False)).modes["pd-nocache"]
     assert list(m.decode_wait_s) == pytest.approx([0.0, 0.0, 0.12])
+    # nothing pinned, but a and b run together: D's 6 blocks all in use at its peak
+    assert m.peak_held_bytes() == 0 and m.d_peak_in_use_bytes == 6 * BLOCK_BYTES
 
 
 def test_a_handle_is_pinned_when_its_request_ends_on_d_not_at_its_recorded_end():
@@ -177,6 +196,8 @@ def test_a_handle_is_pinned_when_its_request_ends_on_d_not_at_its_recorded_end()
     assert list(m.held_t_s[1:4]) == pytest.approx([0.63, 0.93, 1.23])
     assert (np.diff(m.held_t_s) >= 0).all()
     assert m.peak_held_bytes() == 3 * 24 * BLOCK_BYTES   # 3,031 tokens of KV each: 24 blocks
+    # in use at 0.91 s: a pinned, b still decoding (to 0.93), c admitted: 3 x 24 blocks as well
+    assert m.d_peak_in_use_bytes == 3 * 24 * BLOCK_BYTES
 
 
 def test_two_decode_workers_hold_twice_one():

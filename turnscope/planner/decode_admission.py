@@ -71,7 +71,10 @@ class DecodeAdmission:
     to), :meth:`advance` to a time (events up to it are processed, admitting what fits), and
     :meth:`close` at the end; after a change the caller makes at the current time (a read that
     frees a handle), :meth:`advance` to that same time admits what now fits. ``wait_s``: request
-    key -> seconds it waited (from its arrival at D to its admission)."""
+    key -> seconds it waited (from its arrival at D to its admission); ``peak_in_use_blocks``: the
+    most blocks in use at once, held (pinned handles) plus running, the quantity vLLM's
+    ``vllm:kv_cache_usage_perc`` reports as a fraction of the space (less the system prompt's
+    blocks, which :class:`DecodeSpace` charges no request)."""
 
     def __init__(self, capacity_blocks: float, holds: DecodeHolds | None = None):
         self.capacity = capacity_blocks
@@ -81,6 +84,7 @@ class DecodeAdmission:
         self._waiting: list[tuple[float, int, float, float]] = []   # (at, key, need, hold), by arrival
         self._running: list[tuple[float, float]] = []               # (end of hold, blocks)
         self._in_use = 0.0
+        self.peak_in_use_blocks = 0.0
 
     def arrive(self, key: int, at_s: float, need_blocks: float, hold_s: float) -> None:
         """Request ``key`` reaches D at ``at_s``, needing ``need_blocks`` for ``hold_s`` seconds."""
@@ -88,6 +92,9 @@ class DecodeAdmission:
 
     def _held(self) -> float:
         return self.holds.held_blocks() if self.holds else 0.0
+
+    def _note_in_use(self) -> None:
+        self.peak_in_use_blocks = max(self.peak_in_use_blocks, self._held() + self._in_use)
 
     def _fits(self, need: float) -> bool:
         held = self._held() + self._in_use
@@ -100,6 +107,7 @@ class DecodeAdmission:
         end = self.holds.admitted(key, self.now, hold) if self.holds else None
         heapq.heappush(self._running, (self.now + hold if end is None else end, need))
         self._in_use += need
+        self._note_in_use()
 
     def _admit_what_fits(self) -> None:
         while self._waiting and self._waiting[0][0] <= self.now and self._fits(self._waiting[0][2]):
@@ -123,6 +131,7 @@ class DecodeAdmission:
                 self._in_use -= heapq.heappop(self._running)[1]
             if self.holds:
                 self.holds.settle(self.now)
+                self._note_in_use()
         if math.isfinite(t):
             self.now = max(self.now, t)
         self._admit_what_fits()
@@ -138,11 +147,11 @@ class DecodeAdmission:
                 self._admit(key, at, need, hold)
 
 
-def admission_waits(at_s: np.ndarray, need_blocks: np.ndarray, hold_s: np.ndarray,
-                    capacity_blocks: float) -> np.ndarray:
-    """Seconds each request waits on a D that holds nothing but its running requests (one-way P/D):
-    :class:`DecodeAdmission` with no holds. Arrays of one length, any order (served in order of
-    arrival at D, ties in the order given); returns the waits in the input order.
+def one_way_admission(at_s: np.ndarray, need_blocks: np.ndarray, hold_s: np.ndarray,
+                      capacity_blocks: float) -> DecodeAdmission:
+    """A D that holds nothing but its running requests (one-way P/D), every request admitted:
+    :class:`DecodeAdmission` with no holds, closed. Arrays of one length, any order (served in
+    order of arrival at D, ties in the order given); request ``j`` is key ``j``.
 
     Raises ValueError for arrays of different lengths."""
     at = np.asarray(at_s, dtype=float)
@@ -154,7 +163,15 @@ def admission_waits(at_s: np.ndarray, need_blocks: np.ndarray, hold_s: np.ndarra
     for j in range(len(at)):
         queue.arrive(j, at[j], need[j], hold[j])
     queue.close()
-    return np.array([queue.wait_s[j] for j in range(len(at))])
+    return queue
+
+
+def admission_waits(at_s: np.ndarray, need_blocks: np.ndarray, hold_s: np.ndarray,
+                    capacity_blocks: float) -> np.ndarray:
+    """Seconds each request waits on a one-way P/D's D (:func:`one_way_admission`), in the input
+    order. Raises ValueError for arrays of different lengths."""
+    queue = one_way_admission(at_s, need_blocks, hold_s, capacity_blocks)
+    return np.array([queue.wait_s[j] for j in range(len(queue.wait_s))])
 
 
 @dataclass(frozen=True)

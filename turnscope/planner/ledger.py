@@ -70,7 +70,7 @@ from turnscope.planner.simulate import (
     PrefillTtft,
     Traffic,
     finish_times,
-    one_way_decode_waits,
+    one_way_decode,
     own_cache_hits,
     plan,
     simulate_bidir,
@@ -256,7 +256,7 @@ def forecast_strategy(tr: Traffic, profile: CostProfile, settings: PlanSettings,
                              pulled)
     else:
         ttft, _ = prefill.all(local, pulled, np.zeros(len(tr), dtype=bool))
-        ttft = ttft + one_way_decode_waits(tr, profile, settings, ttft)
+        ttft = ttft + one_way_decode(tr, profile, settings, ttft).wait_s
     compute = profile.prefill_compute_s(mode, tr.input_tokens, local + pulled)
     return StrategyForecast(strategy, mode, local, host_read, pulled, ttft, compute, gpu.held_gib_s(end_s), d_gib_s,
                             0.0 if host is None else host.held_gib_s(end_s), d_full, reads)

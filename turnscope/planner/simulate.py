@@ -57,7 +57,7 @@ from serving import handles as h
 from turnscope import reuse_rules as rules
 from turnscope.contract import SESSION
 from turnscope.modes import BIDIRECTIONAL_MODES, RECOMPUTE_MODE, SERVING_MODES, serving_mode
-from turnscope.planner.decode_admission import DecodeAdmission, DecodeSpace, HandlesOnD, admission_waits
+from turnscope.planner.decode_admission import DecodeAdmission, DecodeSpace, HandlesOnD, one_way_admission
 from turnscope.planner.pinned_blocks import PinnedBlocks
 from turnscope.planner.pinned_kv import LOST, Handle, HandleLedger
 from turnscope.planner.profile import MODES, CostProfile, GiB
@@ -193,7 +193,10 @@ class ModePlan:
     which ``queue_wait_s`` waiting for the prefill worker and ``decode_wait_s`` for room in D's KV
     space: :mod:`turnscope.planner.decode_admission`, empty where not modelled); ``handle_age_s``
     NaN where no handle was taken. ``held_t_s``/``held_bytes``: D's pinned KV
-    after each change (bidirectional modes; empty otherwise); ``d_full_events``: handles lost."""
+    after each change (bidirectional modes; empty otherwise); ``d_full_events``: handles lost;
+    ``d_peak_in_use_bytes``: the most KV in use on D at once, pinned handles plus running requests
+    (:attr:`turnscope.planner.decode_admission.DecodeAdmission.peak_in_use_blocks`; NaN where D's
+    queue is not modelled), what ``vllm:kv_cache_usage_perc`` measures."""
 
     mode: str
     outcome: np.ndarray
@@ -208,6 +211,7 @@ class ModePlan:
 
     prompt_tokens: np.ndarray | None = None
     decode_wait_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    d_peak_in_use_bytes: float = np.nan
 
     @property
     def recomputed_tokens(self) -> np.ndarray:
@@ -238,7 +242,8 @@ class ModePlan:
         """One mode's plans of separate parts of a traffic (``(rows, plan)``: the part's positions in
         the whole traffic of ``n`` requests) as one plan of the whole: per-request arrays put back
         at their rows; D's pinned KV of each part laid end to end in time (each part had its own D:
-        the peak is the largest part's, the GiB-seconds their sum); handles lost summed."""
+        the peak is the largest part's, the GiB-seconds their sum); handles lost summed; D's peak
+        in use the largest part's."""
         mode = parts[0][1].mode
         out = cls(mode, np.zeros(n, np.int8), np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n),
                   np.full(n, np.nan), np.zeros(n), prompt_tokens=np.zeros(n, np.int64))
@@ -256,6 +261,8 @@ class ModePlan:
                 held_b.append(m.held_bytes)
                 end = float(held_t[-1][-1])
             out.d_full_events += m.d_full_events
+            if not np.isnan(m.d_peak_in_use_bytes):
+                out.d_peak_in_use_bytes = float(np.nanmax([out.d_peak_in_use_bytes, m.d_peak_in_use_bytes]))
         if held_t:
             out.held_t_s, out.held_bytes = np.concatenate(held_t), np.concatenate(held_b)
         return out
@@ -409,7 +416,8 @@ def own_cache_hits(tr: Traffic, capacity_tokens: int | None, block_size: int, wo
 class BidirResult(NamedTuple):
     """:func:`simulate_bidir`'s results, one entry per request: outcome codes, pulled and local
     tokens, handle ages (NaN: none taken), TTFT (seconds), of which the wait for the prefill worker
-    and the wait on D; D's pinned KV; handles lost to a full D."""
+    and the wait on D; D's pinned KV; handles lost to a full D; D's peak blocks in use (pinned plus
+    running; NaN without D's queue)."""
 
     outcome: np.ndarray
     pulled: np.ndarray
@@ -420,6 +428,7 @@ class BidirResult(NamedTuple):
     decode_wait_s: np.ndarray
     pinned: PinnedBlocks
     d_full: int
+    d_peak_in_use_blocks: float
 
 
 def decode_space(tr: Traffic, profile: CostProfile, settings: PlanSettings) -> DecodeSpace | None:
@@ -532,17 +541,27 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
         queue.close()
         d_wait = np.array([queue.wait_s[i] for i in range(n_req)])
     ledger.close()                               # the last turns of each session: pinned until TTL
-    return BidirResult(outcome, pulled, local, ages, ttft + d_wait, p_wait, d_wait, pinned, ledger.lost_handles)
+    peak = np.nan if queue is None else queue.peak_in_use_blocks
+    return BidirResult(outcome, pulled, local, ages, ttft + d_wait, p_wait, d_wait, pinned, ledger.lost_handles, peak)
 
 
-def one_way_decode_waits(tr: Traffic, profile: CostProfile, settings: PlanSettings, ttft_s: np.ndarray) -> np.ndarray:
-    """Each request's wait on a one-way P/D's D, seconds: its running requests only (nothing is
-    pinned); 0s when :func:`decode_space` is None. A request reaches D when its first token is due
+class OneWayDecode(NamedTuple):
+    """:func:`one_way_decode`'s results: each request's wait on D (seconds) and D's peak blocks in use
+    (running requests; NaN when D's queue is not modelled)."""
+
+    wait_s: np.ndarray
+    peak_in_use_blocks: float
+
+
+def one_way_decode(tr: Traffic, profile: CostProfile, settings: PlanSettings, ttft_s: np.ndarray) -> OneWayDecode:
+    """A one-way P/D's D: its running requests only (nothing is pinned); waits of 0 s and no peak
+    when :func:`decode_space` is None. A request reaches D when its first token is due
     (``arrival_s + ttft_s``) and holds its blocks for its decode (:func:`decode_times`)."""
     space = decode_space(tr, profile, settings)
     if space is None:
-        return np.zeros(len(tr))
-    return admission_waits(tr.arrival_s + ttft_s, space.need_blocks, space.hold_s, space.capacity_blocks)
+        return OneWayDecode(np.zeros(len(tr)), np.nan)
+    queue = one_way_admission(tr.arrival_s + ttft_s, space.need_blocks, space.hold_s, space.capacity_blocks)
+    return OneWayDecode(np.array([queue.wait_s[j] for j in range(len(tr))]), queue.peak_in_use_blocks)
 
 
 def finish_times(tr: Traffic, profile: CostProfile) -> np.ndarray:
@@ -596,7 +615,7 @@ def plan(requests: Iterable[AgentRequest] | Traffic, profile: CostProfile,
     for mode in settings.modes:
         kind = serving_mode(mode)
         p_cache = p_hits if kind.prefill_prefix_cache else None
-        held_t, held_b, d_full, ages, pulled = np.zeros(0), np.zeros(0), 0, no_age, zeros
+        held_t, held_b, d_full, ages, pulled, d_peak = np.zeros(0), np.zeros(0), 0, no_age, zeros, np.nan
         if not kind.disaggregated:
             local = own_cache_hits(tr, profile.capacity_tokens("aggregated"), block, settings.aggregated_workers,
                                    settings.routing, with_output=True,
@@ -610,11 +629,12 @@ def plan(requests: Iterable[AgentRequest] | Traffic, profile: CostProfile,
             r = simulate_bidir(tr, profile, settings, p_cache, finish, prefill)
             outcome, pulled, local, ages, d_full = r.outcome, r.pulled, r.local, r.ages, r.d_full
             ttft, wait, d_wait = r.ttft_s, r.queue_wait_s, r.decode_wait_s
-            held_t, held_b = np.asarray(r.pinned.t), np.asarray(r.pinned.b)
+            held_t, held_b, d_peak = np.asarray(r.pinned.t), np.asarray(r.pinned.b), r.d_peak_in_use_blocks
         else:
             ttft, wait = prefill.all(local, pulled, np.zeros(len(tr), dtype=bool))
-            d_wait = (one_way_decode_waits(tr, profile, settings, ttft) if kind.disaggregated
-                      else np.zeros(len(tr)))
+            d_wait = np.zeros(len(tr))
+            if kind.disaggregated:
+                d_wait, d_peak = one_way_decode(tr, profile, settings, ttft)
             ttft = ttft + d_wait
         if (d_wait > 0).any():
             notes.append(f"{mode}: {int((d_wait > 0).sum())} of {len(tr)} requests wait on D for room in its KV space "
@@ -622,7 +642,8 @@ def plan(requests: Iterable[AgentRequest] | Traffic, profile: CostProfile,
                          "own (open loop): a request that arrives while its session's previous one is still being "
                          "served (queued on P or D) finds no handle (miss_consumed), where a client that waits for "
                          "the reply would have sent it later.")
-        mp = ModePlan(mode, outcome, pulled, local, ttft, ages, wait, held_t, held_b, d_full, decode_wait_s=d_wait)
+        mp = ModePlan(mode, outcome, pulled, local, ttft, ages, wait, held_t, held_b, d_full, decode_wait_s=d_wait,
+                      d_peak_in_use_bytes=d_peak * block * profile.kv_bytes_per_token.value)
         mp.prompt_tokens = n
         out[mode] = mp
     return Plan(tr, profile, settings, out, notes)
