@@ -27,6 +27,7 @@ from httpx_sse import SSEError, connect_sse
 from pydantic import BaseModel, Field
 from rich.console import Console
 
+from loadgen import prom
 from loadgen.scraper import MetricsScraper
 from loadgen.traces.formats import check_trace
 from loadgen.workload import load_workload
@@ -170,11 +171,14 @@ def warm_up(proxy_url: str, model: str, prompt_tokens: int = 600, turns: int = 2
     handle, so D frees those blocks, and is abandoned after its first token, so D frees its own
     too. Without it the warm-up's last turns stay pinned on a bidirectional D for
     ``decoder_kv_blocks_ttl``, in the KV space of the run being measured (2 x 28 blocks at 3,500
-    tokens: 44% of a 64 MiB D, measured on a capacity step). Returns the reuse outcomes seen;
+    tokens: 44% of a 64 MiB D, measured on a capacity step). It returns once turnscope's proxy has
+    counted both release turns' disconnects (at most :data:`RELEASE_SETTLE_S`), so they end before
+    the run's first scrape and after none of its log lines. Returns the reuse outcomes seen;
     failures are returned, not raised."""
     outcomes = []
     rng = random.Random(0)
     first = max(prompt_tokens - (turns - 1) * WARM_UP_TURN_TOKENS, 16)
+    released, disconnects_before, asked = 0, None, False
     with httpx.Client(timeout=180) as client:
         for s in range(2):
             ids = [rng.randrange(10, 2000) for _ in range(first)]
@@ -182,7 +186,11 @@ def warm_up(proxy_url: str, model: str, prompt_tokens: int = 600, turns: int = 2
                 body = {"model": model, "prompt": ids, "max_tokens": 8, "temperature": 0,
                         "conversation_id": f"warmup-{os.getpid()}-{s}", "return_token_ids": True}
                 if t == turns - 1:
-                    outcomes.append(release_turn(client, proxy_url, body))
+                    if not asked:      # the proxy's count before the first release turn
+                        disconnects_before, asked = proxy_client_disconnects(client, proxy_url), True
+                    outcome = release_turn(client, proxy_url, body)
+                    outcomes.append(outcome)
+                    released += not outcome.startswith("error")
                     break
                 try:
                     r = client.post(proxy_url + "/v1/completions", json=body)
@@ -192,11 +200,37 @@ def warm_up(proxy_url: str, model: str, prompt_tokens: int = 600, turns: int = 2
                     outcomes.append(f"error {type(exc).__name__}")
                     break
                 ids = ids + gen + [rng.randrange(10, 2000) for _ in range(WARM_UP_TURN_TOKENS - len(gen))]
+        if disconnects_before is not None and released:
+            deadline = time.monotonic() + RELEASE_SETTLE_S
+            while time.monotonic() < deadline:
+                now = proxy_client_disconnects(client, proxy_url)
+                if now is None or now >= disconnects_before + released:
+                    break
+                time.sleep(0.05)
     return outcomes
 
 
 #: Output tokens a release turn asks for: D is still decoding when the client leaves after the first.
 RELEASE_MAX_TOKENS = 64
+#: Seconds the warm-up waits at most for the proxy to count its release turns' disconnects.
+RELEASE_SETTLE_S = 5.0
+
+
+def proxy_client_disconnects(client: httpx.Client, proxy_url: str) -> float | None:
+    """turnscope's proxy's ``turnscope_proxy_client_disconnects_total`` over its phases (0 before the
+    first); None when ``proxy_url`` serves no turnscope proxy metrics (another proxy, a stub)."""
+    try:
+        r = client.get(proxy_url + "/metrics", timeout=5)
+        r.raise_for_status()
+        samples = prom.parse_samples(r.text, proxy_url + "/metrics")
+    except (httpx.HTTPError, ValueError):
+        return None
+    if not any(x.name.startswith("turnscope_") for x in samples):
+        return None
+    try:
+        return prom.counter_total(samples, "turnscope_proxy_client_disconnects_total")
+    except KeyError:
+        return 0.0
 
 
 def release_turn(client: httpx.Client, proxy_url: str, body: dict) -> str:

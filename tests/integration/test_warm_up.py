@@ -20,17 +20,21 @@ REPLY = json.dumps({"choices": [{"token_ids": list(range(100, 108))}]}).encode()
 def test_warm_up_last_prompts_are_the_asked_length():
     with StubServer(Script(fragments=[(0.0, REPLY)], headers={"Content-Type": "application/json"})) as stub:
         outcomes = warm_up(stub.url, "m", prompt_tokens=3500)
-    lengths = [len(r["body"]["prompt"]) for r in stub.requests]
+    # the stub is no turnscope proxy: its /metrics (asked before the first release turn) has no
+    # turnscope_ series, so the warm-up does not wait for the proxy to count the release turns
+    assert [r["path"] for r in stub.requests].count("/metrics") == 1
+    turns = [r for r in stub.requests if r["path"] == "/v1/completions"]
+    lengths = [len(r["body"]["prompt"]) for r in turns]
     # two sessions of two turns: 3500 - (8 reply + 100 new) = 3392 first, then the whole 3500
     assert lengths == [3392, 3500, 3392, 3500]
-    ids = [r["body"]["conversation_id"] for r in stub.requests]
+    ids = [r["body"]["conversation_id"] for r in turns]
     assert ids[0] == ids[1] != ids[2] == ids[3]             # each session's turns in one conversation
     assert len(outcomes) == 4
-    second = stub.requests[1]["body"]["prompt"]
+    second = turns[1]["body"]["prompt"]
     assert second[3392:3400] == list(range(100, 108))      # the session's reply is in its next prompt
     # each session's last turn is its release turn: streamed, asking for 64 tokens
-    assert [r["body"].get("stream", False) for r in stub.requests] == [False, True, False, True]
-    assert [r["body"]["max_tokens"] for r in stub.requests] == [8, RELEASE_MAX_TOKENS, 8, RELEASE_MAX_TOKENS]
+    assert [r["body"].get("stream", False) for r in turns] == [False, True, False, True]
+    assert [r["body"]["max_tokens"] for r in turns] == [8, RELEASE_MAX_TOKENS, 8, RELEASE_MAX_TOKENS]
 
 
 def test_the_release_turn_leaves_after_the_first_token():
