@@ -171,7 +171,8 @@ def warm_up(proxy_url: str, model: str, prompt_tokens: int = 600, turns: int = 2
     handle, so D frees those blocks, and is abandoned after its first token, so D frees its own
     too. Without it the warm-up's last turns stay pinned on a bidirectional D for
     ``decoder_kv_blocks_ttl``, in the KV space of the run being measured (2 x 28 blocks at 3,500
-    tokens: 44% of a 64 MiB D, measured on a capacity step). It returns once turnscope's proxy has
+    tokens, 44% of a 64 MiB D; measured on an 80-block D: 87% in use at a one-session step whose own
+    turns took 16%, docs/known-behaviour.md). It returns once turnscope's proxy has
     counted both release turns' disconnects (at most :data:`RELEASE_SETTLE_S`), so they end before
     the run's first scrape and after none of its log lines. Returns the reuse outcomes seen;
     failures are returned, not raised."""

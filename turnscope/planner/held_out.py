@@ -15,7 +15,8 @@ Per mode, over the checked runs' ok turns (``plan_checks`` rows):
 * ``pulled_error``: forecast / recorded total tokens pulled from D, minus 1; NaN where none was
   recorded;
 * pass or fail against :data:`TARGETS` (hit rate within 2 pp, TTFT MARE within 20%; the per-turn
-  error's p90 and the p90 TTFT's error each within 25%: the issue's "p90 within 25%" read both ways).
+  error's p90 and the p90 TTFT's error each within 25%: the target "p90 within 25%" read both ways,
+  docs/planner.md "Held-out check of the shipped profile").
 """
 
 from __future__ import annotations
