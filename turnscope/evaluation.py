@@ -179,16 +179,15 @@ def warm_up(proxy_url: str, model: str, prompt_tokens: int = 600, turns: int = 2
     outcomes = []
     rng = random.Random(0)
     first = max(prompt_tokens - (turns - 1) * WARM_UP_TURN_TOKENS, 16)
-    released, disconnects_before, asked = 0, None, False
+    released = 0
     with httpx.Client(timeout=180) as client:
+        disconnects_before = proxy_client_disconnects(client, proxy_url)
         for s in range(2):
             ids = [rng.randrange(10, 2000) for _ in range(first)]
             for t in range(turns):
                 body = {"model": model, "prompt": ids, "max_tokens": 8, "temperature": 0,
                         "conversation_id": f"warmup-{os.getpid()}-{s}", "return_token_ids": True}
                 if t == turns - 1:
-                    if not asked:      # the proxy's count before the first release turn
-                        disconnects_before, asked = proxy_client_disconnects(client, proxy_url), True
                     outcome = release_turn(client, proxy_url, body)
                     outcomes.append(outcome)
                     released += not outcome.startswith("error")
@@ -203,10 +202,8 @@ def warm_up(proxy_url: str, model: str, prompt_tokens: int = 600, turns: int = 2
                 ids = ids + gen + [rng.randrange(10, 2000) for _ in range(WARM_UP_TURN_TOKENS - len(gen))]
         if disconnects_before is not None and released:
             deadline = time.monotonic() + RELEASE_SETTLE_S
-            while time.monotonic() < deadline:
-                now = proxy_client_disconnects(client, proxy_url)
-                if now is None or now >= disconnects_before + released:
-                    break
+            while (now := proxy_client_disconnects(client, proxy_url)) is not None and time.monotonic() < deadline \
+                    and now < disconnects_before + released:
                 time.sleep(0.05)
     return outcomes
 
@@ -219,7 +216,8 @@ RELEASE_SETTLE_S = 5.0
 
 def proxy_client_disconnects(client: httpx.Client, proxy_url: str) -> float | None:
     """turnscope's proxy's ``turnscope_proxy_client_disconnects_total`` over its phases (0 before the
-    first); None when ``proxy_url`` serves no turnscope proxy metrics (another proxy, a stub)."""
+    first: the proxy always exposes its unlabelled ``turnscope_handle_ttl_seconds``); None when
+    ``proxy_url`` serves no turnscope proxy metrics (another proxy, a stub)."""
     try:
         r = client.get(proxy_url + "/metrics", timeout=5)
         r.raise_for_status()

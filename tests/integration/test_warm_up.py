@@ -20,9 +20,9 @@ REPLY = json.dumps({"choices": [{"token_ids": list(range(100, 108))}]}).encode()
 def test_warm_up_last_prompts_are_the_asked_length():
     with StubServer(Script(fragments=[(0.0, REPLY)], headers={"Content-Type": "application/json"})) as stub:
         outcomes = warm_up(stub.url, "m", prompt_tokens=3500)
-    # the stub is no turnscope proxy: its /metrics (asked before the first release turn) has no
-    # turnscope_ series, so the warm-up does not wait for the proxy to count the release turns
-    assert [r["path"] for r in stub.requests].count("/metrics") == 1
+    # the stub is no turnscope proxy: its /metrics (asked once, first) has no turnscope_ series, so
+    # the warm-up does not wait for the proxy to count the release turns
+    assert [r["path"] for r in stub.requests].count("/metrics") == 1 and stub.requests[0]["path"] == "/metrics"
     turns = [r for r in stub.requests if r["path"] == "/v1/completions"]
     lengths = [len(r["body"]["prompt"]) for r in turns]
     # two sessions of two turns: 3500 - (8 reply + 100 new) = 3392 first, then the whole 3500

@@ -12,7 +12,7 @@ import pytest
 
 from loadgen.traces.agent_request import AgentRequest
 from tests.unit.test_planner_simulate import profile
-from turnscope.planner.decode_admission import DecodeAdmission, admission_waits, one_way_admission
+from turnscope.planner.decode_admission import DecodeAdmission, one_way_admission
 from turnscope.planner.simulate import PlanSettings, plan
 
 BLOCK_BYTES = 128 * 4096
@@ -49,7 +49,8 @@ class HandOverAfterOneSecond(ScriptedHolds):
 
 def waits(arrivals, needs, holds, cap, script=None):
     if script is None:
-        return list(admission_waits(np.array(arrivals), np.array(needs), np.array(holds), cap))
+        q = one_way_admission(np.array(arrivals), np.array(needs), np.array(holds), cap)
+        return [q.wait_s[j] for j in range(len(arrivals))]
     q = DecodeAdmission(cap, script)
     for j, (a, k, h) in enumerate(zip(arrivals, needs, holds, strict=True)):
         q.arrive(j, a, k, h)
@@ -133,7 +134,7 @@ def test_waits_match_a_time_step_loop():
 
 def test_bad_input():
     with pytest.raises(ValueError, match="length"):
-        admission_waits(np.zeros(2), np.ones(3), np.ones(2), 10)
+        one_way_admission(np.zeros(2), np.ones(3), np.ones(2), 10)
 
 
 def small_d(**extra):

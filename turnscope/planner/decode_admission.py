@@ -166,14 +166,6 @@ def one_way_admission(at_s: np.ndarray, need_blocks: np.ndarray, hold_s: np.ndar
     return queue
 
 
-def admission_waits(at_s: np.ndarray, need_blocks: np.ndarray, hold_s: np.ndarray,
-                    capacity_blocks: float) -> np.ndarray:
-    """Seconds each request waits on a one-way P/D's D (:func:`one_way_admission`), in the input
-    order. Raises ValueError for arrays of different lengths."""
-    queue = one_way_admission(at_s, need_blocks, hold_s, capacity_blocks)
-    return np.array([queue.wait_s[j] for j in range(len(queue.wait_s))])
-
-
 @dataclass(frozen=True)
 class DecodeSpace:
     """D's KV space and what each request takes of it: ``capacity_blocks``; ``need_blocks`` per
