@@ -208,3 +208,38 @@ def test_two_decode_workers_hold_twice_one():
     two = plan(r, small_d(), SETTINGS.model_copy(update={"decode_workers": 2})).modes["pd-bidir-nocache"]
     assert list(two.decode_wait_s) == [0.0, 0.0, 0.0]
     assert two.peak_held_bytes() == 9 * BLOCK_BYTES
+
+
+def test_a_closed_loop_record_keeps_its_order_on_d():
+    # a's first turn reaches D at 0.04 s (TTFT 0.04) and decodes 32 x 10 ms: its forecast end is
+    # 0.36 s. The record has a's next turn at 0.30 s. With the gap recorded (the client sent it
+    # after the reply: closed loop), the first turn ended by 0.30 s and its handle is there (hit);
+    # without (an open-loop trace) the forecast end stands and the next turn finds none
+    def second_turn(gap_s):
+        return AgentRequest("t", "a", 1, 0.30, 340, 32, 331, gap_s=gap_s)
+
+    closed = plan([req("a", 0, 0.0, 300, 0), second_turn(0.02)], small_d(), SETTINGS).modes["pd-bidir-nocache"]
+    assert list(closed.outcome_names()) == ["miss_first_turn", "hit"]
+    assert closed.held_t_s[1] == pytest.approx(0.30)   # pinned at the next arrival, not 0.36
+    open_loop = plan([req("a", 0, 0.0, 300, 0), second_turn(None)], small_d(), SETTINGS).modes["pd-bidir-nocache"]
+    assert list(open_loop.outcome_names()) == ["miss_first_turn", "miss_consumed"]
+
+
+def test_the_closed_loop_bound_never_ends_a_request_before_its_admission():
+    # as in the full-D case above: c waits on D from 3.04 to a's TTL at 20.36 s; its next turn is
+    # recorded at 3.5 s (closed loop), before c could start on D: c ends at its admission (20.36),
+    # not at 3.5, and the next turn finds no handle
+    r = [req("a", 0, 0.0, 300, 0), req("b", 0, 2.0, 300, 0), req("c", 0, 3.0, 300, 0),
+         AgentRequest("t", "c", 1, 3.5, 340, 32, 331, gap_s=0.1)]
+    m = plan(r, small_d(), SETTINGS).modes["pd-bidir-nocache"]
+    assert m.decode_wait_s[2] == pytest.approx(17.32)
+    assert list(m.outcome_names()) == ["miss_first_turn"] * 3 + ["miss_consumed"]
+
+
+def test_latest_end_is_the_sessions_next_recorded_arrival():
+    from turnscope.planner.simulate import Traffic
+    tr = Traffic.of([AgentRequest("t", "a", 0, 0.0, 10, 1, 0), AgentRequest("t", "b", 0, 0.5, 10, 1, 0),
+                     AgentRequest("t", "a", 1, 2.0, 10, 1, 0, gap_s=1.0), AgentRequest("t", "b", 1, 3.0, 10, 1, 0),
+                     AgentRequest("t", "a", 2, 4.0, 10, 1, 0, gap_s=0.5)])
+    # rows by arrival: a0 b0 a1 b1 a2; b1 has no gap (open loop): b0 unbounded; last turns unbounded
+    assert list(tr.latest_end_s()) == [2.0, np.inf, 4.0, np.inf, np.inf]

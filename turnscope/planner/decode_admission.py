@@ -195,10 +195,18 @@ class HandlesOnD:
     plus its decode. Not where the traffic records its end: a recorded end holds whatever the
     request waited where it was recorded, and pinning there would leave its blocks counted nowhere
     between the end of its forecast decode and that end (and a recorded run's own measured wait
-    would shape the forecast of it)."""
+    would shape the forecast of it).
 
-    def __init__(self, ledger: HandleLedger, pinned: PinnedBlocks):
+    ``latest_end_s`` (request key -> seconds; absent: no bound) keeps a closed-loop record's order:
+    a request whose session sent its next request after this one's reply (the traffic records the
+    gap between them, :meth:`turnscope.planner.simulate.Traffic.latest_end_s`) ends on D no later
+    than that next arrival, though not before its admission. Without it a forecast a few ms long
+    ends a turn after the recorded arrival of the next, which then finds no handle
+    (``miss_consumed``), an order the recorded client could not have produced."""
+
+    def __init__(self, ledger: HandleLedger, pinned: PinnedBlocks, latest_end_s: np.ndarray | None = None):
         self.ledger, self.pinned = ledger, pinned
+        self.latest_end_s = latest_end_s
         self._expected: dict[int, dict] = {}
 
     def expect(self, key: int, handle: dict) -> None:
@@ -217,5 +225,7 @@ class HandlesOnD:
 
     def admitted(self, key: int, admit_s: float, hold_s: float) -> float:
         end = admit_s + hold_s
+        if self.latest_end_s is not None:
+            end = min(end, max(admit_s, float(self.latest_end_s[key])))
         self.ledger.finished(end, key, **self._expected.pop(key))
         return end

@@ -24,6 +24,9 @@ time and space:
 * **D's admission queue** (P/D modes, ``PlanSettings.queue_decode``): a request waits on D until
   D's KV space has room for its blocks next to the pinned handles and the running requests, in
   one pass over time with the handles (:mod:`turnscope.planner.decode_admission`, :func:`simulate_bidir`);
+  a request whose session's next request was sent after its reply (the traffic records the gap)
+  ends there no later than that arrival (:meth:`Traffic.latest_end_s`), so a forecast a few ms long
+  does not break the order the recorded client kept;
 * **P's own prefix cache** (``pd``, ``pd-bidir``; the aggregated worker's for ``aggregated``):
   per worker, an LRU of sessions holding each one's last prompt (the aggregated worker: prompt and
   output), within the worker's KV space; a hit is the whole blocks both prompts share
@@ -179,6 +182,19 @@ class Traffic:
         return Traffic(self.source[rows], self.session[rows], codes, self.request_index[rows],
                        self.arrival_s[rows], self.input_tokens[rows], self.output_tokens[rows],
                        self.shared_prefix_tokens[rows], self.server_s[rows], self.gap_s[rows])
+
+    def latest_end_s(self) -> np.ndarray:
+        """The latest each request can have ended, seconds on the traffic's clock: its session's
+        next arrival where the traffic records the gap before that arrival (``gap_s``: the client
+        sent it after this request's reply, closed loop), else ``inf`` (the last request of a
+        session, or an open-loop trace)."""
+        latest = np.full(len(self), np.inf)
+        order = np.lexsort((self.request_index, self.arrival_s, self.session_code))
+        same = self.session_code[order][1:] == self.session_code[order][:-1]
+        nxt = order[1:][same]
+        closed = ~np.isnan(self.gap_s[nxt])
+        latest[order[:-1][same][closed]] = self.arrival_s[nxt[closed]]
+        return latest
 
     def source_rows(self) -> list[np.ndarray]:
         """The positions of each source's requests (ascending), sources in order of first arrival."""
@@ -470,7 +486,7 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
                           settings.shared_prefix_tokens // block)
     ledger = HandleLedger(pinned, d_ttl)
     space = decode_space(tr, profile, settings)
-    on_d = None if space is None else HandlesOnD(ledger, pinned)
+    on_d = None if space is None else HandlesOnD(ledger, pinned, tr.latest_end_s())
     queue = None if space is None else DecodeAdmission(space.capacity_blocks, on_d)
     n_req = len(tr)
     outcome = np.zeros(n_req, dtype=np.int8)
