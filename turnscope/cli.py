@@ -482,19 +482,36 @@ def plan_check(
     write_profile: Annotated[Path | None, typer.Option(
         help="Write the profile with its held-out errors (the source of every forecast interval) to this "
              "YAML file.")] = None,
+    rerun_store: Annotated[Path | None, typer.Option(
+        help="Repeatability instead of a profile: this store's runs (the same workload recorded at another "
+             "time; --fit-runs picks them) are the forecast of the checked runs, turn for turn.")] = None,
 ) -> None:
     """Held-out check: fit a profile on one store or set of runs, forecast others it was not fitted on
     (each run planned alone, on its own clock), and print per mode the TTFT median absolute relative
     error and its p90, the forecast p90 TTFT against the measured one, the hit-rate error (pp) and the
     pulled-token error, with the split named
     (docs/planner.md, "Held-out check"). Checked runs that are steps of a capacity ramp also get the
-    ramp's crossing forecast next to the measured one (docs/capacity.md)."""
+    ramp's crossing forecast next to the measured one (docs/capacity.md). With ``--rerun-store`` the
+    same figures for a second recording of the same workload as the forecast: what the machine's own
+    repeatability allows (turnscope/planner/rerun_check.py)."""
     from turnscope import capacity_forecast
     from turnscope.planner import held_out
     from turnscope.planner.layer_timing import write_profile as write_yaml
     from turnscope.planner.profile import load_profile
     from turnscope.store import Store
 
+    if rerun_store is not None:
+        if profile is not None or write_profile is not None or fit_store is not None:
+            raise fail("--rerun-store is the forecast itself: it takes no --profile, --write-profile or --fit-store")
+        try:
+            split = held_out.check_split(str(rerun_store), _split(fit_runs) if fit_runs else None, str(check_store),
+                                         _split(check_runs) if check_runs else None, rerun=True)
+            checks, summ, left_out = held_out.rerun_check(split)
+        except (ValueError, OSError) as exc:
+            raise fail(str(exc)) from exc
+        typer.echo(held_out.describe(split, summ, checks))
+        typer.echo(f"  {len(checks)} checked turns paired with a forecast turn; {left_out} without a counterpart.")
+        return
     fit_root = fit_store or check_store
     profile = shipped(profile, "profiles")
     try:

@@ -194,3 +194,30 @@ def test_the_fit_puts_each_run_on_one_speed(tmp_path):
     for mode, b0 in fx.B0.items():
         assert prof.b0_s[mode].value == pytest.approx(1.2 * b0, rel=1e-3), mode
     assert "put on the median speed probe's speed" in prof.b0_s["pd"].source
+
+
+def test_cli_repeatability_a_second_recording_as_the_forecast(stores):
+    # the fit store's recording (the fixture's formula) as the forecast of the 1.5x-slow one, turn for
+    # turn: every error by hand from the two recordings; outcomes recorded alike in both (all match),
+    # the failed read included (a recording, not the rules' forecast of it)
+    fit, check = stores
+    r = CliRunner().invoke(app, ["plan-check", "--rerun-store", str(fit), "--check-store", str(check)],
+                           env={"COLUMNS": "4000"})
+    assert r.exit_code == 0, r.output
+    assert f"Repeatability check (the 5 runs of store {fit}" in r.output
+    for mode in ("pd-nocache", "pd-bidir-nocache"):
+        turns = ok_turns(mode)
+        err = [abs(fx.ttft_s(mode, s, k) - measured(mode, s, k)) / measured(mode, s, k) for s, k in turns]
+        p90_f = quantile([fx.ttft_s(mode, s, k) for s, k in turns], 0.9)
+        p90_m = quantile([measured(mode, s, k) for s, k in turns], 0.9)
+        assert (f"{mode}: 1 runs, {len(turns)} ok turns, outcome {len(turns)}/{len(turns)}; TTFT MARE "
+                f"{statistics.median(err):.1%}") in r.output, mode
+        assert f"error p90 {quantile(err, 0.9):.1%}" in r.output
+        assert f"p90 TTFT {p90_f * 1e3:,.1f} ms forecast vs {p90_m * 1e3:,.1f} ms measured" in r.output
+    assert "hit rate 66.7% vs 66.7% recorded (+0.0 pp, pass)" in r.output   # pd-bidir-nocache: 4 of 6
+    turns = fx.SESSIONS * fx.TURNS * len(fx.MODES)
+    assert f"{turns} checked turns paired with a forecast turn; 0 without a counterpart." in r.output
+    # the forecast is a recording: no profile to take or write
+    r = CliRunner().invoke(app, ["plan-check", "--rerun-store", str(fit), "--check-store", str(check),
+                                 "--profile", "embedded-cpu"])
+    assert r.exit_code == 2 and "takes no --profile" in r.output

@@ -31,8 +31,9 @@ from serving import handles as h
 from turnscope.analysis.plan_check import headline_check
 from turnscope.modes import BIDIRECTIONAL_MODES
 from turnscope.planner.check import check_runs
-from turnscope.planner.fit import fit_profile
+from turnscope.planner.fit import fit_profile, recorded_turns
 from turnscope.planner.profile import MODES, CostProfile, HeldOutErrors
+from turnscope.planner.rerun_check import rerun_checks
 from turnscope.store import Store
 
 #: Targets on runs recorded at another time than the fit: TTFT MARE, the per-turn error's p90, the p90
@@ -52,10 +53,13 @@ class Split:
     check_store: str
     check_runs: tuple[str, ...]
     profile_path: str | None = None
+    rerun: bool = False
 
     def describe(self) -> str:
         """The split in words, e.g. ``fitted on 5 runs of store A (ids); checked on 5 runs of store B (ids)``."""
         fit = (f"profile file {self.profile_path}" if self.profile_path else
+               f"the {len(self.fit_runs)} runs of store {self.fit_store} ({', '.join(self.fit_runs)}) as the forecast, "
+               "turn for turn (repeatability)" if self.rerun else
                f"fitted on {len(self.fit_runs)} runs of store {self.fit_store} ({', '.join(self.fit_runs)})")
         return f"{fit}; checked on {len(self.check_runs)} runs of store {self.check_store} ({', '.join(self.check_runs)})"
 
@@ -146,6 +150,20 @@ def held_out_check(split: Split, profile: CostProfile | None = None
     return prof, checks, held_out_summary(checks)
 
 
+def rerun_check(split: Split) -> tuple[pd.DataFrame, pd.DataFrame, int]:
+    """The repeatability check (:mod:`turnscope.planner.rerun_check`): ``split``'s fit runs, the same
+    workload recorded at another time, as the forecast of its check runs, turn for turn. Returns
+    (the checks, :func:`held_out_summary` of them, the checked turns without a counterpart). Raises
+    ValueError when a run is on both sides, or nothing pairs up."""
+    same = Store(split.fit_store).root.resolve() == Store(split.check_store).root.resolve()
+    overlap = sorted(set(split.fit_runs) & set(split.check_runs)) if same else []
+    if overlap:
+        raise ValueError(f"runs {', '.join(overlap)} are both the forecast and checked")
+    checks, left_out = rerun_checks(recorded_turns(Store(split.fit_store), list(split.fit_runs)),
+                                    recorded_turns(Store(split.check_store), list(split.check_runs)))
+    return checks, held_out_summary(checks), left_out
+
+
 def describe(split: Split, summary: pd.DataFrame, checks: pd.DataFrame | None = None) -> str:
     """The held-out table in plain text, the split named, pass/FAIL against :data:`TARGETS`; with
     ``checks``, the Overview's speed-up of the checked runs measured and forecast
@@ -153,7 +171,9 @@ def describe(split: Split, summary: pd.DataFrame, checks: pd.DataFrame | None = 
     def verdict(v) -> str:
         return "n/a" if v is None else ("pass" if v else "FAIL")
 
-    lines = [f"Held-out check ({split.describe()}); each checked run planned alone, on its own clock:",
+    head = ("Repeatability check" if split.rerun else "Held-out check") + f" ({split.describe()})"
+    lines = [head + ("; each checked run against its counterpart:" if split.rerun else
+                     "; each checked run planned alone, on its own clock:"),
              (f"  targets: TTFT MARE <= {TARGETS['ttft_mare']:.0%}, the per-turn error's p90 <= "
               f"{TARGETS['ttft_error_p90']:.0%}, the p90 TTFT within {TARGETS['p90_ttft_error']:.0%}, "
               f"hit rate within {TARGETS['hit_rate_error_pp']:.0f} pp")]
@@ -178,13 +198,14 @@ def describe(split: Split, summary: pd.DataFrame, checks: pd.DataFrame | None = 
 
 
 def check_split(fit_store: str | None, fit_runs: Sequence[str] | None, check_store: str,
-                check_runs_: Sequence[str] | None, profile_path: str | None = None) -> Split:
+                check_runs_: Sequence[str] | None, profile_path: str | None = None, rerun: bool = False) -> Split:
     """The :class:`Split` with defaults filled: every planned run of the fit store; every planned run of
-    the check store not fitted on."""
+    the check store not fitted on. ``rerun``: the fit runs are the forecast themselves
+    (:func:`rerun_check`)."""
     fit = tuple(fit_runs) if fit_runs else (tuple(runs_of(Store(fit_store))) if fit_store and not profile_path else ())
     if check_runs_:
         chk = tuple(check_runs_)
     else:
         same = fit_store is not None and Store(fit_store).root.resolve() == Store(check_store).root.resolve()
         chk = tuple(r for r in runs_of(Store(check_store)) if not (same and r in fit))
-    return Split(None if profile_path else fit_store, fit, check_store, chk, profile_path)
+    return Split(None if profile_path else fit_store, fit, check_store, chk, profile_path, rerun)
