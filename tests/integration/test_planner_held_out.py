@@ -221,3 +221,6 @@ def test_cli_repeatability_a_second_recording_as_the_forecast(stores):
     r = CliRunner().invoke(app, ["plan-check", "--rerun-store", str(fit), "--check-store", str(check),
                                  "--profile", "embedded-cpu"])
     assert r.exit_code == 2 and "takes no --profile" in r.output
+    # one store on both sides, unsplit: nothing is left to check
+    r = CliRunner().invoke(app, ["plan-check", "--rerun-store", str(fit), "--check-store", str(fit)])
+    assert r.exit_code == 2 and "no checked runs" in r.output

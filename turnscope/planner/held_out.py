@@ -159,6 +159,10 @@ def rerun_check(split: Split) -> tuple[pd.DataFrame, pd.DataFrame, int]:
     overlap = sorted(set(split.fit_runs) & set(split.check_runs)) if same else []
     if overlap:
         raise ValueError(f"runs {', '.join(overlap)} are both the forecast and checked")
+    if not split.fit_runs or not split.check_runs:
+        side = "forecast" if not split.fit_runs else "checked"
+        raise ValueError(f"no {side} runs: give another store, or split one store's runs with --fit-runs and "
+                         "--check-runs")
     checks, left_out = rerun_checks(recorded_turns(Store(split.fit_store), list(split.fit_runs)),
                                     recorded_turns(Store(split.check_store), list(split.check_runs)))
     return checks, held_out_summary(checks), left_out
