@@ -506,11 +506,11 @@ def plan_check(
         try:
             split = held_out.check_split(str(rerun_store), _split(fit_runs) if fit_runs else None, str(check_store),
                                          _split(check_runs) if check_runs else None, rerun=True)
-            checks, summ, left_out = held_out.rerun_check(split)
-        except (ValueError, OSError) as exc:
+            result, summ = held_out.rerun_check(split)
+        except (ValueError, OSError, duckdb.Error) as exc:
             raise fail(str(exc)) from exc
-        typer.echo(held_out.describe(split, summ, checks))
-        typer.echo(f"  {len(checks)} checked turns paired with a forecast turn; {left_out} without a counterpart.")
+        typer.echo(held_out.describe(split, summ, result.checks))
+        typer.echo(result.describe())
         return
     fit_root = fit_store or check_store
     profile = shipped(profile, "profiles")
@@ -527,7 +527,7 @@ def plan_check(
         # none yet): this check's errors are measured on the very steps being forecast
         before = prof.model_copy(update={"held_out": given.held_out if given else None})
         ramp_forecast = capacity_forecast.forecast_steps(Store(check_store), ramps, before)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, duckdb.Error) as exc:
         raise fail(str(exc)) from exc
     typer.echo(held_out.describe(split, summ, checks))
     if not ramps.empty:

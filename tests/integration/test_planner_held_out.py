@@ -216,7 +216,13 @@ def test_cli_repeatability_a_second_recording_as_the_forecast(stores):
         assert f"p90 TTFT {p90_f * 1e3:,.1f} ms forecast vs {p90_m * 1e3:,.1f} ms measured" in r.output
     assert "hit rate 66.7% vs 66.7% recorded (+0.0 pp, pass)" in r.output   # pd-bidir-nocache: 4 of 6
     turns = fx.SESSIONS * fx.TURNS * len(fx.MODES)
-    assert f"{turns} checked turns paired with a forecast turn; 0 without a counterpart." in r.output
+    ok = turns - 1                                                          # pd-nocache's timed-out turn
+    assert f"{turns} checked turns paired with a forecast turn, {ok} ok on both sides; 0 without a counterpart." in r.output
+    assert f"{fx.RUNS['pd']} <- {fx.RUNS['pd']}" in r.output
+    # a run id the store does not have is named
+    r = CliRunner().invoke(app, ["plan-check", "--rerun-store", str(fit), "--check-store", str(check), "--check-runs",
+                                 "nope"], env={"COLUMNS": "4000"})
+    assert r.exit_code == 2 and f"store {check} has no run in a planned mode named nope" in r.output
     # the forecast is a recording: no profile to take or write
     r = CliRunner().invoke(app, ["plan-check", "--rerun-store", str(fit), "--check-store", str(check),
                                  "--profile", "embedded-cpu"])

@@ -33,7 +33,7 @@ from turnscope.modes import BIDIRECTIONAL_MODES
 from turnscope.planner.check import check_runs
 from turnscope.planner.fit import fit_profile, recorded_turns
 from turnscope.planner.profile import MODES, CostProfile, HeldOutErrors
-from turnscope.planner.rerun_check import rerun_checks
+from turnscope.planner.rerun_check import RerunChecks, pair_runs, rerun_checks, run_setups
 from turnscope.store import Store
 
 #: Targets on runs recorded at another time than the fit: TTFT MARE, the per-turn error's p90, the p90
@@ -81,7 +81,7 @@ def held_out_summary(checks: pd.DataFrame) -> pd.DataFrame:
     hit_rate_forecast, hit_rate_error_pp, pulled_recorded, pulled_forecast, pulled_error, ttft_pass,
     error_p90_pass, p90_ttft_pass, hit_rate_pass (None where not applicable)."""
     rows = []
-    ok = checks[(checks["status"] == "ok") & checks["measured_ttft_s"].notna()]
+    ok = checks[(checks["status"] == "ok") & checks["measured_ttft_s"].notna() & checks["predicted_ttft_s"].notna()]
     for mode, g in ok.groupby("mode", sort=False):
         rel = ((g["predicted_ttft_s"] - g["measured_ttft_s"]).abs() / g["measured_ttft_s"]).to_numpy(float)
         p90_measured = float(np.quantile(g["measured_ttft_s"].to_numpy(float), 0.9))
@@ -150,11 +150,11 @@ def held_out_check(split: Split, profile: CostProfile | None = None
     return prof, checks, held_out_summary(checks)
 
 
-def rerun_check(split: Split) -> tuple[pd.DataFrame, pd.DataFrame, int]:
+def rerun_check(split: Split) -> tuple[RerunChecks, pd.DataFrame]:
     """The repeatability check (:mod:`turnscope.planner.rerun_check`): ``split``'s fit runs, the same
     workload recorded at another time, as the forecast of its check runs, turn for turn. Returns
-    (the checks, :func:`held_out_summary` of them, the checked turns without a counterpart). Raises
-    ValueError when a run is on both sides, or nothing pairs up."""
+    (the paired checks, :func:`held_out_summary` of them). Raises ValueError when a run is on both
+    sides, a side is empty, a run id is not in its store, or nothing pairs up."""
     same = Store(split.fit_store).root.resolve() == Store(split.check_store).root.resolve()
     overlap = sorted(set(split.fit_runs) & set(split.check_runs)) if same else []
     if overlap:
@@ -163,9 +163,11 @@ def rerun_check(split: Split) -> tuple[pd.DataFrame, pd.DataFrame, int]:
         side = "forecast" if not split.fit_runs else "checked"
         raise ValueError(f"no {side} runs: give another store, or split one store's runs with --fit-runs and "
                          "--check-runs")
-    checks, left_out = rerun_checks(recorded_turns(Store(split.fit_store), list(split.fit_runs)),
-                                    recorded_turns(Store(split.check_store), list(split.check_runs)))
-    return checks, held_out_summary(checks), left_out
+    forecast, checked = Store(split.fit_store), Store(split.check_store)
+    pairs = pair_runs(run_setups(forecast, split.fit_runs), run_setups(checked, split.check_runs))
+    result = rerun_checks(recorded_turns(forecast, list(split.fit_runs)), recorded_turns(checked, list(split.check_runs)),
+                          pairs)
+    return result, held_out_summary(result.checks)
 
 
 def describe(split: Split, summary: pd.DataFrame, checks: pd.DataFrame | None = None) -> str:
@@ -203,13 +205,20 @@ def describe(split: Split, summary: pd.DataFrame, checks: pd.DataFrame | None = 
 
 def check_split(fit_store: str | None, fit_runs: Sequence[str] | None, check_store: str,
                 check_runs_: Sequence[str] | None, profile_path: str | None = None, rerun: bool = False) -> Split:
-    """The :class:`Split` with defaults filled: every planned run of the fit store; every planned run of
-    the check store not fitted on. ``rerun``: the fit runs are the forecast themselves
-    (:func:`rerun_check`)."""
-    fit = tuple(fit_runs) if fit_runs else (tuple(runs_of(Store(fit_store))) if fit_store and not profile_path else ())
-    if check_runs_:
-        chk = tuple(check_runs_)
+    """The :class:`Split` with defaults filled: every planned run of the fit store (one store with its
+    checked runs named: its other runs); every planned run of the check store not fitted on.
+    ``rerun``: the fit runs are the forecast themselves (:func:`rerun_check`). Raises ValueError
+    naming a given run id its store has no planned run of."""
+    same = fit_store is not None and Store(fit_store).root.resolve() == Store(check_store).root.resolve()
+    if fit_runs:
+        fit = tuple(fit_runs)
+    elif fit_store and not profile_path:   # one store with its checked runs named: fit on the others
+        fit = tuple(r for r in runs_of(Store(fit_store)) if not (same and check_runs_ and r in check_runs_))
     else:
-        same = fit_store is not None and Store(fit_store).root.resolve() == Store(check_store).root.resolve()
-        chk = tuple(r for r in runs_of(Store(check_store)) if not (same and r in fit))
+        fit = ()
+    chk = tuple(check_runs_) if check_runs_ else tuple(r for r in runs_of(Store(check_store)) if not (same and r in fit))
+    for store, runs in ((fit_store, fit_runs), (check_store, check_runs_)):
+        unknown = sorted(set(runs or ()) - set(runs_of(Store(store)))) if store else []
+        if unknown:
+            raise ValueError(f"store {store} has no run in a planned mode named {', '.join(unknown)}")
     return Split(None if profile_path else fit_store, fit, check_store, chk, profile_path, rerun)

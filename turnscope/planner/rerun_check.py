@@ -9,47 +9,127 @@ the first that no model of costs can beat on average. Its errors, in the held-ou
 figures (:func:`turnscope.planner.held_out.held_out_summary`), say how much of a model's miss is
 the machine's (docs/planner.md, "Held-out check of the shipped profile": repeatability).
 
-Pairing: a run of the checked store with the run of the forecast store in the same mode and
-history mode (``runs.history_mode``) at the same place among those (oldest first: a capacity ramp's
-steps pair up in order); within a pair, turns by session id and turn index (the workload's, which a
-``turnscope eval`` of the same workload and seed repeats). Turns without a counterpart are left
-out, and counted.
+Pairing: a checked run pairs with a forecast run of the same **recording set-up**
+(:func:`setup_key`: mode, history mode, workload, the workload's session shape, a capacity step's
+users, and the workers per role) and, where several runs share one, the same place among them
+(oldest first by first turn sent); within a pair, turns by session id and turn index (the
+workload's, which a ``turnscope eval`` of the same workload and seed repeats). Runs and turns without
+a counterpart are left out, named and counted.
 
 Units: seconds, tokens.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import pandas as pd
 
-#: The columns a pair of turns is matched on.
-PAIR_KEYS = ["mode", "history_mode", "place", "session_id", "turn_index"]
+from turnscope.planner.fit import topology_settings
+from turnscope.store import Store
+
+#: The fields of ``runs.workload_spec`` that shape a workload's sessions (not its schedule, file
+#: path or ramp id).
+SESSION_FIELDS = ("gap_s", "max_prompt_tokens", "max_tokens", "max_turns", "sessions", "users", "time_scale")
+#: The fields of a capacity step (``workload_spec.capacity``) that shape it.
+CAPACITY_FIELDS = ("users", "sessions", "decode_kv_cache_bytes", "decoder_kv_blocks_ttl_s")
 
 
-def _placed(turns: pd.DataFrame) -> pd.DataFrame:
-    """``turns`` (:data:`turnscope.planner.fit.TURNS_SQL` columns) with ``place``: the run's rank
-    among the runs of its mode and history mode, by its first turn sent (0: oldest)."""
-    first = turns.groupby("run_id", as_index=False).agg(mode=("mode", "first"), history_mode=("history_mode", "first"),
-                                                        first_sent=("sent_at", "min"))
-    first["place"] = first.sort_values(["first_sent", "run_id"]).groupby(["mode", "history_mode"]).cumcount()
-    return turns.merge(first[["run_id", "place"]], on="run_id")
+def setup_key(mode: str, history_mode: str | None, workload: str | None, spec: dict | None,
+              topology: dict | None) -> str:
+    """What two recordings must share to be paired, as one canonical JSON string: the mode, history
+    mode, workload name, :data:`SESSION_FIELDS` of its spec, :data:`CAPACITY_FIELDS` of a capacity
+    step, and the workers per role (:func:`turnscope.planner.fit.topology_settings`)."""
+    spec = spec or {}
+    capacity = spec.get("capacity") or {}
+    return json.dumps({"mode": mode, "history_mode": history_mode, "workload": workload,
+                       "spec": {f: spec.get(f) for f in SESSION_FIELDS},
+                       "capacity": {f: capacity.get(f) for f in CAPACITY_FIELDS} if capacity else None,
+                       "workers": topology_settings(topology)}, sort_keys=True)
 
 
-def rerun_checks(forecast_turns: pd.DataFrame, checked_turns: pd.DataFrame) -> tuple[pd.DataFrame, int]:
+def _json(value) -> dict | None:
+    return json.loads(value) if isinstance(value, str) else value
+
+
+def run_setups(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
+    """``run_id``, ``setup`` (:func:`setup_key`) and ``first_sent`` (its first turn, or its start) of
+    each of ``run_ids``. Raises ValueError naming the ids the store does not have."""
+    con = store.connect()
+    try:
+        rows = con.execute(
+            f"SELECT r.run_id, r.mode, r.history_mode, r.workload, r.workload_spec, r.topology, "
+            f"coalesce((SELECT min(t.sent_at) FROM turns t WHERE t.run_id = r.run_id), r.started_at) AS first_sent "
+            f"FROM runs r WHERE r.run_id IN ({', '.join('?' for _ in run_ids)})", list(run_ids)).df()
+    finally:
+        con.close()
+    unknown = [r for r in run_ids if r not in set(rows["run_id"])]
+    if unknown:
+        raise ValueError(f"store {store.root} has no run {', '.join(unknown)}")
+    rows["setup"] = [setup_key(m, h, w, _json(s), _json(t)) for m, h, w, s, t in
+                     zip(rows["mode"], rows["history_mode"], rows["workload"], rows["workload_spec"], rows["topology"],
+                         strict=True)]
+    return rows[["run_id", "setup", "first_sent"]]
+
+
+def pair_runs(forecast_runs: pd.DataFrame, checked_runs: pd.DataFrame) -> pd.DataFrame:
+    """Checked run -> forecast run (frames of :func:`run_setups`): the same setup, the same place
+    among that setup's runs (oldest first). Columns: run_id (checked), forecast_run_id (None where
+    none pairs)."""
+    def placed(runs: pd.DataFrame) -> pd.DataFrame:
+        runs = runs.sort_values(["first_sent", "run_id"])
+        return runs.assign(place=runs.groupby("setup").cumcount())
+
+    pairs = placed(checked_runs).merge(placed(forecast_runs)[["setup", "place", "run_id"]], on=["setup", "place"],
+                                       how="left", suffixes=("", "_forecast"))
+    return pairs.rename(columns={"run_id_forecast": "forecast_run_id"})[["run_id", "forecast_run_id"]]
+
+
+@dataclass(frozen=True)
+class RerunChecks:
+    """:func:`rerun_checks`' result: ``checks`` (``plan_checks`` columns, see there), ``pairs``
+    (:func:`pair_runs`), the checked runs no forecast run pairs with, and the checked turns of
+    paired runs without a counterpart turn."""
+
+    checks: pd.DataFrame
+    pairs: pd.DataFrame
+    unpaired_runs: list[str]
+    turns_left_out: int
+
+    def describe(self) -> str:
+        """The pairing in words: pairs, turns paired (ok on both sides), what was left out."""
+        ok = int((self.checks["status"] == "ok").sum())
+        paired = self.pairs.dropna(subset=["forecast_run_id"])
+        lines = [f"  paired runs (checked <- forecast): " + "; ".join(
+                     f"{r.run_id} <- {r.forecast_run_id}" for r in paired.itertuples()),
+                 f"  {len(self.checks)} checked turns paired with a forecast turn, {ok} ok on both sides; "
+                 f"{self.turns_left_out} without a counterpart."]
+        if self.unpaired_runs:
+            lines.append(f"  checked runs with no forecast run of the same set-up (left out): {', '.join(self.unpaired_runs)}")
+        return "\n".join(lines)
+
+
+def rerun_checks(forecast_turns: pd.DataFrame, checked_turns: pd.DataFrame, pairs: pd.DataFrame) -> RerunChecks:
     """The turns of ``checked_turns`` with those of ``forecast_turns`` as their forecast (both frames
-    of :func:`turnscope.planner.fit.recorded_turns`; pairing in the module doc).
+    of :func:`turnscope.planner.fit.recorded_turns`), the runs paired as ``pairs`` says
+    (:func:`pair_runs`) and the turns by session id and turn index.
 
-    Returns (the checks, in the columns :func:`turnscope.planner.held_out.held_out_summary` reads
+    ``checks`` has the columns :func:`turnscope.planner.held_out.held_out_summary` reads
     (``plan_checks``' names: checked_run_id, mode, session_id, turn_index, status, recorded_outcome,
     predicted_outcome, outcome_match, measured_ttft_s, predicted_ttft_s, recorded_pulled_tokens,
-    predicted_pulled_tokens; status ``ok`` only where both turns are), the number of checked turns
-    left out for want of a counterpart). Raises ValueError when no turn pairs up."""
-    a, b = _placed(forecast_turns), _placed(checked_turns)
-    both = b.merge(a, on=PAIR_KEYS, suffixes=("", "_f"))
+    predicted_pulled_tokens); status ``ok`` only where both turns are. Raises ValueError when no
+    turn pairs up."""
+    paired = pairs.dropna(subset=["forecast_run_id"])
+    b = checked_turns.merge(paired, on="run_id")
+    a = forecast_turns.rename(columns={"run_id": "forecast_run_id"})
+    both = b.merge(a, on=["forecast_run_id", "session_id", "turn_index"], suffixes=("", "_f"))
     if both.empty:
-        raise ValueError("no turn of the checked runs has a counterpart in the forecast runs (same mode, history "
-                         "mode, place among those runs, session id and turn index)")
-    ok = (both["status"] == "ok") & (both["status_f"] == "ok")
+        raise ValueError("no turn of the checked runs has a counterpart: no forecast run was recorded with the same "
+                         "set-up (mode, history mode, workload and its sessions, workers per role), or their session "
+                         "ids and turn indexes differ")
+    ok = (both["status"] == "ok") & (both["status_f"] == "ok") & both["ttft_s"].notna() & both["ttft_s_f"].notna()
     recorded = [None if pd.isna(v) else str(v) for v in both["reuse"]]
     predicted = [None if pd.isna(v) else str(v) for v in both["reuse_f"]]
     checks = pd.DataFrame({
@@ -59,4 +139,5 @@ def rerun_checks(forecast_turns: pd.DataFrame, checked_turns: pd.DataFrame) -> t
         "outcome_match": [(r == p) if k else None for r, p, k in zip(recorded, predicted, ok, strict=True)],
         "measured_ttft_s": both["ttft_s"], "predicted_ttft_s": both["ttft_s_f"],
         "recorded_pulled_tokens": both["reused_tokens"], "predicted_pulled_tokens": both["reused_tokens_f"]})
-    return checks, len(b) - len(both)
+    unpaired = sorted(pairs.loc[pairs["forecast_run_id"].isna(), "run_id"])
+    return RerunChecks(checks, pairs, unpaired, len(b) - len(both))
