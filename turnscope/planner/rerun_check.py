@@ -102,10 +102,10 @@ class RerunChecks:
         """The pairing in words: pairs, turns paired (ok on both sides), what was left out."""
         ok = int((self.checks["status"] == "ok").sum())
         paired = self.pairs.dropna(subset=["forecast_run_id"])
-        lines = [f"  paired runs (checked <- forecast): " + "; ".join(
-                     f"{r.run_id} <- {r.forecast_run_id}" for r in paired.itertuples()),
-                 f"  {len(self.checks)} checked turns paired with a forecast turn, {ok} ok on both sides; "
-                 f"{self.turns_left_out} without a counterpart."]
+        lines = ["  paired runs (checked <- forecast): "
+                 + "; ".join(f"{r.run_id} <- {r.forecast_run_id}" for r in paired.itertuples()),
+                 (f"  {len(self.checks)} checked turns paired with a forecast turn, {ok} ok on both sides; "
+                  f"{self.turns_left_out} without a counterpart.")]
         if self.unpaired_runs:
             lines.append(f"  checked runs with no forecast run of the same set-up (left out): {', '.join(self.unpaired_runs)}")
         return "\n".join(lines)
