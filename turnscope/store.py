@@ -392,8 +392,20 @@ class ShardWriter:
         self._interval = float(flush_interval_s)
         self._ka_lock = threading.Lock()
         self._keepalive: list[Any] | None = None  # [table, row, interval_s, next beat (monotonic)]
+        self._warm_up()
         self._thread = threading.Thread(target=self._loop, name=f"shard-writer-{writer_id}", daemon=True)
         self._thread.start()
+
+    def _warm_up(self) -> None:
+        """Convert and write each table once, empty and into memory, before any row arrives. The
+        first ``pa.Table.from_pylist`` imports pandas (pyarrow's pandas shim) and the first Parquet
+        write more of pyarrow: about 0.2-0.3 s at once. Under gevent (a Locust process) the
+        background flusher is a greenlet, so paid in the first flush that import blocked every
+        other greenlet: a turn whose first token arrived meanwhile was read, with every token after
+        it, only once the flush was done (docs/known-behaviour.md, "The load generator's first
+        flush")."""
+        for table in self._tables.values():
+            pq.write_table(pa.Table.from_pylist([], schema=table.arrow_schema()), pa.BufferOutputStream())
 
     # -- rows -------------------------------------------------------------------------------------
 

@@ -299,3 +299,28 @@ def test_store_metric_increases_view_restart_past_old_value(store: Store) -> Non
         "SELECT endpoint, sum(increase), count(*) FILTER (WHERE reset) FROM metric_increases "
         "WHERE name = 'c_total' GROUP BY endpoint ORDER BY endpoint").fetchall()
     assert got == [("http://a", 18.0, 1), ("http://b", 3.0, 1)]
+
+
+def test_store_first_flush_imports_nothing_under_gevent(store: Store) -> None:
+    # In a Locust process (gevent-patched) the flusher is a greenlet: any import its first flush
+    # does (pyarrow's lazy pandas shim took 125-200 ms) blocks every client greenlet meanwhile. The
+    # writer pays for those imports when it is made; its first background flush imports nothing.
+    code = f"""
+import gevent.monkey
+gevent.monkey.patch_all()
+import datetime as dt, sys, time
+from turnscope.store import Store
+store = Store({str(store.root)!r})
+w = store.writer("r1", "locust-users-x", flush_interval_s=0.2)
+before = set(sys.modules)
+w.append("turns", {{"session_id": "s", "turn_index": 0, "sent_at": dt.datetime.now(dt.UTC), "status": "ok"}})
+deadline = time.monotonic() + 30
+while not list((store.root / "runs" / "r1" / "turns").glob("*.parquet")) and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(sorted(set(sys.modules) - before))
+w.close()
+"""
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout[:400]
+    assert len(_shards(store, "r1", "turns")) == 1
