@@ -5,6 +5,7 @@ profile the planner loads, through the real CLI."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench.layer_prefill import build_layer, layer_forward, rope_tables
+from tests import planner_store as fx
 from turnscope.planner.layer_shape import DecoderLayerShape
 from turnscope.planner.profile import load_profile
 
@@ -103,6 +105,29 @@ def test_timings_of_a_small_layer_become_a_profile_the_planner_loads(tmp_path):
     assert plan.returncode == 0, (plan.stdout + plan.stderr)[-2000:]
     said = " ".join(plan.stdout.split())
     assert "prefill curve of profile embedded-cpu-measured: MEASURED" in said and "on CPU" in said, said[:600]
+    # the base's held-out errors were of its own curve: none carried over, the report says how to get its own
+    assert load_profile(REPO / "data" / "profiles" / "embedded-cpu.yaml").held_out is not None
+    assert profile.held_out is None
+    assert "no held-out interval yet (the base's held-out errors were of its own curve)" in cli.stdout
+    assert "intervals: no held-out interval (profile embedded-cpu-measured was not checked" in said
+    # its own held-out check: the measured profile against recorded runs, its errors written with it
+    store = fx.build(tmp_path / "runs")
+    checked = tmp_path / "measured-checked.yaml"
+    chk = subprocess.run([sys.executable, "-m", "turnscope.cli", "plan-check", "--profile", str(out), "--check-store",
+                          str(store), "--write-profile", str(checked)], capture_output=True, text=True, timeout=300,
+                         cwd=REPO, check=False, env=os.environ | {"COLUMNS": "4000"})
+    assert chk.returncode == 0, (chk.stdout + chk.stderr)[-2000:]
+    own = load_profile(checked)
+    assert own.held_out is not None and f"profile file {out}" in own.held_out.split
+    assert set(own.held_out.ttft_ratio) == set(fx.MODES) and own.held_out.runs == len(fx.RUNS)
+    assert own.prefill_a1_s_per_token == profile.prefill_a1_s_per_token   # the measured curve, its source kept
+    plan = subprocess.run([sys.executable, "-m", "turnscope.cli", "plan", str(trace), "--profile", str(checked),
+                           "--store", str(tmp_path / "store2")], capture_output=True, text=True, timeout=300,
+                          cwd=REPO, check=False)
+    assert plan.returncode == 0, (plan.stdout + plan.stderr)[-2000:]
+    said = " ".join(plan.stdout.split())
+    assert "prefill curve of profile embedded-cpu-measured: MEASURED" in said
+    assert f"intervals: 80%, from the held-out errors stored with profile embedded-cpu-measured (profile file {out}" in said
 
 
 def test_a_model_it_cannot_time_exits_2_naming_the_field(tmp_path):

@@ -141,7 +141,9 @@ def measured_profile(base: CostProfile, timing: LayerTiming, curve: LayerCurve, 
     t(x)), and ``b0_default_s`` re-derived from ``anchor`` when given (``anchor.ttft_s -
     c(anchor.tokens)``). With an anchor, per-mode b0 figures derived against the old curve are
     dropped: every mode's but the aggregated worker's when the base gives that worker its own c(x),
-    which is kept (not measured) with its b0.
+    which is kept (not measured) with its b0. The base's ``held_out`` errors go too: they were of the
+    base's curve, so every forecast of the new profile says "no held-out interval" until its own
+    held-out check (``turnscope plan-check --profile ... --write-profile``) gives it one.
 
     The new figures' sources say they were measured, on what and how (their first clause, up to
     ': ', is what ``turnscope plan`` prints); ``left_out`` loses the lines about the figures now
@@ -179,6 +181,7 @@ def measured_profile(base: CostProfile, timing: LayerTiming, curve: LayerCurve, 
         update["b0_s"] = {m: f for m, f in base.b0_s.items() if own_curve and m == "aggregated"}
         replaced += ["b0_default_s", "b0_s"]
     left_out = [line for line in base.left_out if not any(line.startswith(f) for f in replaced)]
+    update["held_out"] = None   # the base's errors were of the replaced curve
     data = base.model_dump() | update | {"left_out": left_out, "name": name or f"{base.name}-measured",
                                          "description": (f"{base.description} Prefill curve measured on "
                                                          f"{timing.device} (bench/layer_prefill.py).").strip()}
@@ -275,6 +278,10 @@ def write_measured_profile(timing_path: Path, base_path: Path, out: Path, name: 
                      f"{check.ttft_s:.3f} s published ({err:+.1%})")
     warnings = warnings_of(base, timing, curve, published)
     lines += [f"  WARNING: {w}" for w in warnings]
+    why = " (the base's held-out errors were of its own curve)" if base.held_out else ""
+    lines.append(f"  no held-out interval yet{why}: record runs on this deployment, then `turnscope plan-check "
+                 f"--profile {out} --check-store STORE --write-profile FILE` stores this profile's own errors, the "
+                 "source of its 80% intervals (docs/planner.md, \"Held-out check\")")
     # the check and the warnings travel with the profile (the Plan page shows its fields, not this header)
     said = [line.strip() for line in lines if line.lstrip().startswith(("check:", "WARNING:"))]
     if said:
