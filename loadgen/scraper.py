@@ -22,7 +22,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import httpx
 
@@ -62,13 +62,17 @@ class MetricsScraper:
         run_id: must equal ``writer.run_id``.
         interval_s: seconds between scrape starts (> 0); a round that overruns skips missed ticks.
         timeout_s: seconds allowed per GET (connect and read).
+        headers: per base_url, the headers each GET of it carries (a worker's API key, where the
+            deployment guards ``/metrics``); others get none.
+        verify: httpx's TLS verification for ``https://`` endpoints (``serving.upstream_tls``).
 
     Raises:
         ValueError: bad role, run_id that is not the writer's, or non-positive interval/timeout.
     """
 
     def __init__(self, endpoints: Sequence[tuple[str, str]], writer: ShardWriter, run_id: str,
-                 interval_s: float = 1.0, timeout_s: float = 2.0):
+                 interval_s: float = 1.0, timeout_s: float = 2.0,
+                 headers: Mapping[str, dict[str, str]] | None = None, verify: object = True):
         for i, (url, role) in enumerate(endpoints):
             if role not in ROLES:
                 raise ValueError(f"endpoints[{i}] ({url}): role {role!r} is not one of {', '.join(ROLES)}")
@@ -77,6 +81,8 @@ class MetricsScraper:
         if not interval_s > 0 or not timeout_s > 0:
             raise ValueError(f"interval_s and timeout_s must be > 0 s, got {interval_s}, {timeout_s}")
         self.endpoints = [(url.rstrip("/"), role) for url, role in endpoints]
+        self.headers = {url.rstrip("/"): h for url, h in (headers or {}).items()}
+        self.verify = verify
         self.writer = writer
         self.run_id = run_id
         self.interval_s = float(interval_s)
@@ -93,10 +99,13 @@ class MetricsScraper:
         self._thread: threading.Thread | None = None
         self._client: httpx.Client | None = None
 
+    def _new_client(self) -> httpx.Client:
+        return httpx.Client(timeout=self.timeout_s, verify=self.verify)
+
     def scrape_once(self) -> int:
         """Scrape every endpoint once now; returns the number of rows appended. Never raises for
         an endpoint's failure (connection, HTTP status, unparseable text): it is logged."""
-        client = self._client or httpx.Client(timeout=self.timeout_s)
+        client = self._client or self._new_client()
         rows = 0
         try:
             for url, role in self.endpoints:
@@ -109,7 +118,7 @@ class MetricsScraper:
     def _scrape(self, client: httpx.Client, url: str, role: str) -> int:
         scraped_at = dt.datetime.now(dt.UTC)
         try:
-            resp = client.get(url + "/metrics")
+            resp = client.get(url + "/metrics", headers=self.headers.get(url))
             resp.raise_for_status()
             samples = parse_samples(resp.text, source=url + "/metrics")
         except (httpx.HTTPError, ValueError) as e:
@@ -181,7 +190,7 @@ class MetricsScraper:
         """Start the background thread (first scrape immediately). Raises RuntimeError if started."""
         if self._thread is not None:
             raise RuntimeError("MetricsScraper already started")
-        self._client = httpx.Client(timeout=self.timeout_s)
+        self._client = self._new_client()
         for url, role in self.endpoints:  # off the first round's clock: rounds keep their interval
             if role != "proxy":
                 self._versions[url] = (_BEFORE_FIRST_SCRAPE, _get_version(self._client, url))

@@ -90,11 +90,13 @@ class DecodeLifetimes:
         self._on_restart(worker, engine_id)
         return True
 
-    async def probe(self, client: httpx.AsyncClient, worker: str, url: str, timeout_s: float) -> bool:
-        """GET ``url``/metrics and record its process start; True when that shows a restart.
-        A failed probe (connection, HTTP status, no such metric) records nothing."""
+    async def probe(self, client: httpx.AsyncClient, worker: str, url: str, timeout_s: float,
+                    headers: dict[str, str] | None = None) -> bool:
+        """GET ``url``/metrics (with the worker's ``headers``: its API key) and record its process
+        start; True when that shows a restart. A failed probe (connection, HTTP status, no such
+        metric) records nothing."""
         try:
-            r = await client.get(url.rstrip("/") + "/metrics", timeout=timeout_s)
+            r = await client.get(url.rstrip("/") + "/metrics", timeout=timeout_s, headers=headers)
         except httpx.HTTPError:
             return False
         start = process_start_s(r.text) if r.status_code == 200 else None

@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import json
 import logging
 import time
@@ -54,6 +56,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
 from serving import handles as h
+from serving.api_keys import SecretRef, bearer, resolve_optional
 from serving.client_disconnect import run_until_client_gone
 from serving.decode_lifetimes import DecodeLifetimes
 from serving.prefix_index import DEFAULT_CAPACITY_BLOCKS, BlockChains, PrefixIndex
@@ -67,6 +70,7 @@ from serving.proxy_request import (
     RequestFacts,
 )
 from serving.routing import Router
+from serving.upstream_tls import UpstreamTLS
 from turnscope import reuse_rules as rules
 from turnscope.contract import (
     FACTS_FIELD,
@@ -95,10 +99,12 @@ STREAM_OPEN = object()
 
 
 class Worker(BaseModel):
-    """One vLLM worker the proxy routes to: a name (used in facts and logs) and its base URL."""
+    """One vLLM worker the proxy routes to: a name (used in facts and logs), its base URL, and where
+    its role's API key is read from (``serving.api_keys``; None: the worker demands none)."""
 
     name: str
     url: str
+    api_key: SecretRef | None = None
 
 
 class ProxyConfig(BaseModel):
@@ -117,6 +123,9 @@ class ProxyConfig(BaseModel):
     (``serving.prefix_index``; default the embedded topology's P, 1,024 blocks of 128 tokens).
     ``decode_probe_interval_s``: how often the proxy reads each D's ``process_start_time_seconds``
     to see a restart (``serving.decode_lifetimes``); 0: only from the engine id of D's handles.
+    ``api_key``: where the key the proxy demands of its clients is read from (None: it demands none;
+    ``/health`` and ``/metrics`` stay open, as vLLM's do). ``tls``: how ``https://`` workers'
+    certificates are verified (``serving.upstream_tls``).
     """
 
     mode: str
@@ -137,6 +146,13 @@ class ProxyConfig(BaseModel):
     prefill_routing: RoutingPolicy = SESSION
     decode_routing: RoutingPolicy = SESSION
     decode_probe_interval_s: float = Field(1.0, ge=0)
+    api_key: SecretRef | None = None
+    tls: UpstreamTLS = Field(default_factory=UpstreamTLS)
+
+
+#: Paths the proxy serves without its API key: the health check and Prometheus' scrape (vLLM guards
+#: only ``/v1`` and a few other prefixes, ``vllm/entrypoints/serve/middleware/authenticate.py``).
+OPEN_PATHS = ("/health", "/metrics")
 
 
 def classify_prefill(offered: int, prompt_len: int, cached: int | None, local_estimate: int,
@@ -187,11 +203,19 @@ class SessionProxy:
     Args:
         config: the proxy's configuration.
 
+    Raises:
+        serving.api_keys.CredentialError: a worker's or the proxy's own API key cannot be read.
+
     The async HTTP client exists between :meth:`start` and :meth:`close` (the app's lifespan).
     """
 
     def __init__(self, config: ProxyConfig):
         self.config = config
+        workers = config.prefill + config.decode + config.aggregated
+        self.worker_headers = {w.name: bearer(resolve_optional(w.api_key, f"worker {w.name}'s api_key"))
+                               for w in workers}
+        key = resolve_optional(config.api_key, "the proxy's api_key")
+        self.client_key_digest = hashlib.sha256(key.encode()).digest() if key else None
         self.table = h.HandleTable(ttl_s=rules.proxy_handle_ttl_s(config.decoder_kv_blocks_ttl_s,
                                                                   config.handle_ttl_margin_s),
                                    max_sessions=config.max_sessions)
@@ -222,7 +246,8 @@ class SessionProxy:
     async def start(self) -> None:
         """Open the HTTP client the legs use (decode timeout as its default)."""
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
-        self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.config.decode_timeout_s))
+        self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.config.decode_timeout_s),
+                                        verify=self.config.tls.httpx_verify())
         if self.config.mode != AGGREGATED and self.config.decode and self.config.decode_probe_interval_s > 0:
             self._probe_task = asyncio.create_task(self._probe_decodes())
 
@@ -240,7 +265,8 @@ class SessionProxy:
         interval = self.config.decode_probe_interval_s
         while True:
             for worker in self.config.decode:
-                await self.lifetimes.probe(self.client, worker.name, worker.url, min(interval, 2.0))
+                await self.lifetimes.probe(self.client, worker.name, worker.url, min(interval, 2.0),
+                                           self.auth(worker))
             await asyncio.sleep(interval)
 
     def decode_restarted(self, worker: str, new_engine_id: str | None) -> None:
@@ -249,6 +275,23 @@ class SessionProxy:
         dropped = self.table.drop_decode(worker, keep_engine_id=new_engine_id)
         self.metrics.decode_restarts.labels(worker).inc()
         self.metrics.handles_dropped_restart.inc(dropped)
+
+    def auth(self, worker: Worker) -> dict[str, str]:
+        """The headers every request to ``worker`` carries: its role's Bearer key, if any."""
+        return dict(self.worker_headers.get(worker.name, {}))  # a copy: httpx-sse adds to the dict it gets
+
+    def client_authorized(self, path: str, authorization: str | None) -> bool:
+        """Whether a client's request may pass: no key demanded, an open path (:data:`OPEN_PATHS`),
+        or ``Authorization: Bearer <the proxy's key>`` (compared in constant time, as vLLM does).
+        A refusal is counted in ``turnscope_proxy_unauthorized_requests_total``."""
+        if self.client_key_digest is None or path in OPEN_PATHS:
+            return True
+        scheme, _, token = (authorization or "").partition(" ")
+        ok = scheme.lower() == "bearer" and hmac.compare_digest(
+            hashlib.sha256(token.encode()).digest(), self.client_key_digest)
+        if not ok:
+            self.metrics.unauthorized.inc()
+        return ok
 
     # -- small routes ----------------------------------------------------------------------------
 
@@ -264,14 +307,14 @@ class SessionProxy:
     async def models(self) -> Response:
         """``/v1/models``, relayed from the first decode (or aggregated) worker."""
         worker = (self.config.decode or self.config.aggregated)[0]
-        r = await self.client.get(worker.url + "/v1/models")
+        r = await self.client.get(worker.url + "/v1/models", headers=self.auth(worker))
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     async def tokenize(self, raw_body: bytes) -> Response:
         """``/tokenize``, relayed to the first prefill (or aggregated) worker."""
         worker = (self.config.prefill or self.config.aggregated)[0]
         r = await self.client.post(worker.url + "/tokenize", content=raw_body,
-                                   headers={"content-type": "application/json"})
+                                   headers={"content-type": "application/json"} | self.auth(worker))
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     # -- a generate request, step by step -----------------------------------------------------------
@@ -423,7 +466,7 @@ class SessionProxy:
                 return ids
         try:
             ids = await tokenize_async(self.client, req.prefill.url, render_request(req.endpoint, req.body),
-                                       self.config.prefill_timeout_s)
+                                       self.config.prefill_timeout_s, self.auth(req.prefill))
         except TokenizeError as exc:
             log.warning("tokenize failed, dropping the handle: %s", exc)
             return []
@@ -459,7 +502,8 @@ class SessionProxy:
                   if k not in ("stream", "stream_options", "max_completion_tokens", "min_tokens")}
         handle = {k: req.handle_params[k] for k in HANDLE_KEYS if k in req.handle_params} if req.handle_params else {}
         p_body.update(max_tokens=1, stream=False, kv_transfer_params=PREFILL_PARAMS | handle)
-        r = await self.client.post(req.prefill.url + req.endpoint, json=p_body, timeout=self.config.prefill_timeout_s)
+        r = await self.client.post(req.prefill.url + req.endpoint, json=p_body, timeout=self.config.prefill_timeout_s,
+                                   headers=self.auth(req.prefill))
         if r.status_code != 200:
             raise _PrefillFailed(r.status_code, r.content)
         return r.json()
@@ -544,7 +588,8 @@ class SessionProxy:
     async def _decode_whole(self, req: ProxiedRequest, d_body: dict, headers: dict[str, str]) -> Response:
         """The decode leg of a non-streamed request."""
         t0 = time.perf_counter()
-        r = await self.client.post(req.decode.url + req.endpoint, json=d_body, timeout=self.config.decode_timeout_s)
+        r = await self.client.post(req.decode.url + req.endpoint, json=d_body, timeout=self.config.decode_timeout_s,
+                                   headers=self.auth(req.decode))
         self.metrics.overhead.observe(max(t0 - req.t_arrival - req.waited_s, 0.0))
         if r.status_code != 200:
             self.finish_request(req, None, [], [], f"http_{r.status_code}")
@@ -572,7 +617,7 @@ class SessionProxy:
         self.metrics.overhead.observe(max(time.perf_counter() - req.t_arrival - req.waited_s, 0.0))
         try:
             async with aconnect_sse(self.client, "POST", req.decode.url + req.endpoint, json=d_body,
-                                    timeout=self.config.decode_timeout_s) as source:
+                                    timeout=self.config.decode_timeout_s, headers=self.auth(req.decode)) as source:
                 if source.response.status_code != 200:
                     content = await source.response.aread()
                     relay.fail(f"http_{source.response.status_code}")
@@ -742,6 +787,13 @@ def create_app(config: ProxyConfig) -> FastAPI:
 
     app = FastAPI(title="turnscope proxy", lifespan=lifespan)
     app.state.proxy, app.state.table, app.state.metrics = proxy, proxy.table, proxy.metrics
+
+    @app.middleware("http")
+    async def require_key(request: Request, call_next):
+        if not proxy.client_authorized(request.url.path, request.headers.get("authorization")):
+            return JSONResponse({"error": {"message": "this turnscope proxy needs Authorization: Bearer <its api_key>",
+                                           "type": "unauthorized", "code": 401}}, status_code=401)
+        return await call_next(request)
 
     @app.get("/health")
     async def health():

@@ -38,6 +38,10 @@ class ProxyMetrics:
         self.rejected = Counter("turnscope_rejected_requests",
                                 "Requests answered 400 by the proxy itself, neither worker called, by the body "
                                 "field at fault (n: n > 1 in a P/D mode).", ["param"], registry=r)
+        self.unauthorized = Counter(
+            "turnscope_proxy_unauthorized_requests",
+            "Requests the proxy refused with HTTP 401: its api_key is set and the request carried no "
+            "Bearer token, or another one. Neither worker called.", registry=r)
         self.client_disconnects = Counter(
             "turnscope_proxy_client_disconnects",
             "Requests whose client went away before they ended, by the phase they were in (prefill, "

@@ -1,8 +1,9 @@
 """Run the proxy as a process: ``python -m serving.proxy_server CONFIG.json [--host H] [--port P]``.
 
 CONFIG.json is a :class:`serving.proxy.ProxyConfig` as JSON. The proxy binds 127.0.0.1 unless
-``--host`` says otherwise; binding anything else is logged as a warning, since the proxy has no
-authentication.
+``--host`` says otherwise; binding anything else without the config's ``api_key`` is logged as a
+warning, since then the proxy asks its clients for no key. A key (the proxy's own, or a worker's)
+that cannot be read stops it at once with the reason (``serving.api_keys``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import uvicorn
 from pydantic import ValidationError
 
+from serving.api_keys import CredentialError
 from serving.proxy import ProxyConfig, create_app
 
 
@@ -31,11 +33,14 @@ def main(argv: list[str] | None = None) -> None:
         config = ProxyConfig.model_validate_json(args.config.read_text())
     except (OSError, ValidationError) as exc:
         sys.exit(f"{args.config}: not a valid proxy configuration: {exc}")
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
+    if args.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
         logging.getLogger("turnscope.proxy").warning(
-            "binding %s: the proxy has no authentication; anyone who reaches it can use the workers",
-            args.host)
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning", access_log=False)
+            "binding %s with no api_key: anyone who reaches the proxy can use the workers", args.host)
+    try:
+        app = create_app(config)
+    except CredentialError as exc:
+        sys.exit(f"{args.config}: {exc}")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
 
 
 if __name__ == "__main__":

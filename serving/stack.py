@@ -1,9 +1,13 @@
 """One serving mode running: its workers (launched or attached) and turnscope's proxy in front.
 
-``ModeStack`` claims every port it will bind (``serving.port_claims``: a second turnscope started
+``ModeStack`` reads every API key the topology names (a key that cannot be read fails before
+anything starts), claims every port it will bind (``serving.port_claims``: a second turnscope started
 moments later fails at once instead of after loading a model), starts the workers of a mode (``serving.workers``), waits on ``/health``, re-pins
-them on the CPU platform, reads the KV block size they report, writes the proxy's configuration
-and starts ``python -m serving.proxy_server``; on exit it stops everything it started.
+them on the CPU platform, checks that each worker takes its role's key (``serving.workers.check_credentials``),
+reads the KV block size they report, writes the proxy's configuration (key references only, never
+a key) and starts ``python -m serving.proxy_server``; in a bidirectional mode it then checks that
+every decode worker returns its KV handle in streamed answers (``serving.handle_check``) and
+refuses the mode otherwise. On exit it stops everything it started.
 """
 
 from __future__ import annotations
@@ -13,8 +17,11 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
+from serving.api_keys import bearer, resolve_optional
+from serving.handle_check import check_streamed_handles
 from serving.kv_size import kv_bytes_per_token as kv_bytes_per_token_of
 from serving.port_claims import PortClaims
 from serving.prefix_index import DEFAULT_CAPACITY_BLOCKS
@@ -22,6 +29,7 @@ from serving.proxy import ProxyConfig, Worker
 from serving.topology import Topology
 from serving.workers import (
     WorkerProcess,
+    check_credentials,
     mode_workers,
     port_in_use,
     wait_all_healthy,
@@ -29,9 +37,36 @@ from serving.workers import (
     worker_block_size,
 )
 from turnscope import resources
+from turnscope.modes import serving_mode
 
 
-class ModeStack:
+class StackAccess:
+    """How a client reaches a stack's proxy and workers: the keys and TLS verification its topology
+    names (``serving.api_keys``, ``serving.upstream_tls``). Needs ``topology``, ``workers`` and
+    ``proxy_url`` on the object (:class:`ModeStack`; the tests' stand-ins for it inherit this too)."""
+
+    workers: Sequence = ()  # WorkerProcess of the stack; none for a stand-in that has no workers
+
+    def client_key(self) -> str | None:
+        """The key the proxy demands of its clients (the topology's ``proxy.api_key``), or None.
+        Raises serving.api_keys.CredentialError when it cannot be read."""
+        return resolve_optional(self.topology.proxy.api_key, "the proxy's api_key")
+
+    def client_headers(self) -> dict[str, str]:
+        """What a client of this stack's proxy sends with every request: its Bearer key, if any."""
+        return bearer(self.client_key())
+
+    def endpoint_headers(self) -> dict[str, dict[str, str]]:
+        """Per base URL of :meth:`endpoints`, the headers a request to it carries (a worker's role's
+        key; the proxy's client key)."""
+        return {w.spec.url: w.spec.headers() for w in self.workers} | {self.proxy_url: self.client_headers()}
+
+    def tls_verify(self):
+        """httpx's ``verify=`` for the workers (the topology's ``tls``, ``serving.upstream_tls``)."""
+        return self.topology.tls.httpx_verify()
+
+
+class ModeStack(StackAccess):
     """The running workers + proxy of one mode (a context manager that always stops them)."""
 
     def __init__(self, mode: str, topology: Topology, log_dir: Path, kv_bytes_per_token: int | None = None,
@@ -47,7 +82,8 @@ class ModeStack:
         self.block_size = 128  # vLLM's CPU block size; replaced by what the workers report
 
     def proxy_config(self) -> ProxyConfig:
-        by_role = {r: [Worker(name=w.spec.name, url=w.spec.url) for w in self.workers if w.spec.role == r]
+        by_role = {r: [Worker(name=w.spec.name, url=w.spec.url, api_key=w.spec.api_key)
+                       for w in self.workers if w.spec.role == r]
                    for r in ("prefill", "decode", "aggregated")}
         p_spec = next((w.spec for w in self.workers if w.spec.role == "prefill"), None)
         t = self.topology
@@ -62,6 +98,7 @@ class ModeStack:
                            prefill_routing=t.proxy.prefill_routing, decode_routing=t.proxy.decode_routing,
                            decode_probe_interval_s=t.proxy.decode_probe_interval_s,
                            prefill_cache_blocks=self.prefill_cache_blocks(p_spec),
+                           api_key=t.proxy.api_key, tls=t.tls,
                            tokenizer_dir=t.model if (Path(t.model) / "tokenizer.json").is_file() else None)
 
     def prefill_cache_blocks(self, p_spec) -> int:
@@ -80,6 +117,13 @@ class ModeStack:
              "nixl": w.spec.nixl} for w in self.workers], "proxy": self.proxy_url,
                 "prefill_routing": self.topology.proxy.prefill_routing,
                 "decode_routing": self.topology.proxy.decode_routing}
+
+    def read_keys(self) -> None:
+        """Read every API key the topology names (each worker's role's, the proxy's), so that one
+        that cannot be read fails before anything starts. Raises serving.api_keys.CredentialError."""
+        for w in self.workers:
+            w.spec.key()
+        self.client_key()
 
     def endpoints(self) -> list[tuple[str, str]]:
         return [(w.spec.url, w.spec.role) for w in self.workers] + [(self.proxy_url, "proxy")]
@@ -119,6 +163,7 @@ class ModeStack:
     def launch(self) -> None:
         """Claim the ports and start every worker, waiting on none (:meth:`ready` waits)."""
         self._t0 = time.monotonic()
+        self.read_keys()
         self.check_ports()
         for w in self.workers:
             w.start()
@@ -129,14 +174,32 @@ class ModeStack:
         read their block size (:meth:`serve` then starts the proxy)."""
         t0 = getattr(self, "_t0", time.monotonic())
         wait_all_healthy(self.workers, self.topology.startup_timeout_s * timeout_scale)
-        self.block_size = worker_block_size(self.workers[0].spec.url) or self.block_size
+        for w in self.workers:
+            check_credentials(w.spec)
+        first = self.workers[0].spec
+        self.block_size = worker_block_size(first.url, headers=first.headers(),
+                                            verify=first.tls.httpx_verify()) or self.block_size
         self.progress(f"  {self.mode}: {len(self.workers)} worker(s) healthy in {time.monotonic() - t0:.0f} s")
 
     def serve(self, timeout_scale: float = 1.0):
         """Start the proxy in front of the ready workers; it has the topology's ``startup_timeout_s`` x
-        ``timeout_scale`` seconds to answer ``/health``. Returns self."""
+        ``timeout_scale`` seconds to answer ``/health``. In a bidirectional mode, then check that
+        every decode worker returns its handle in streamed answers (:meth:`check_handles`). Returns
+        self. Raises serving.handle_check.StockDecodeError naming a decode worker that returns none."""
         self._start_proxy(self.topology.startup_timeout_s * timeout_scale)
+        self.check_handles()
         return self
+
+    def check_handles(self) -> None:
+        """In a bidirectional mode, one short streamed turn per decode worker through the proxy
+        (``serving.handle_check``): a D that returns no KV handle (a stock vLLM without PR 40186)
+        refuses the mode, in words, rather than record every turn as ``miss_no_handle_returned``."""
+        if not serving_mode(self.mode).bidirectional:
+            return
+        decodes = {w.spec.name: w.spec.url for w in self.workers if w.spec.role == "decode"}
+        seen = check_streamed_handles(self.proxy_url, self.topology.served_model_name or self.topology.model,
+                                      decodes, self.client_headers())
+        self.progress(f"  {self.mode}: streamed KV handles returned by {', '.join(sorted(seen))}")
 
     def _start_proxy(self, timeout_s: float | None = None) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)

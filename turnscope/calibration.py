@@ -185,7 +185,7 @@ def run_calibration(s: CalibrationSettings, console: Console | None = None) -> l
         longest = max((x.point.prefix_tokens for b in blocks for x in b), default=600)  # first of its size: slower
         for mode, st in stacks.items():
             console_text.print_list(console, f"  [{mode}] warm-up outcomes: ",
-                                    warm_up(st.proxy_url, model, longest))
+                                    warm_up(st.proxy_url, model, longest, headers=st.client_headers()))
         status = "aborted"
         try:
             for mode, st in stacks.items():
@@ -201,7 +201,8 @@ def run_calibration(s: CalibrationSettings, console: Console | None = None) -> l
                         "status": "running", "updated_at": now, "heartbeat_s": HEARTBEAT_S})
                 first = runs[(mode, histories[0])].run_id
                 writer = store.writer(first, f"scraper-{mode}-{os.getpid()}")
-                scraper = MetricsScraper(st.endpoints(), writer, first, interval_s=2.0)
+                scraper = MetricsScraper(st.endpoints(), writer, first, interval_s=2.0,
+                                         headers=st.endpoint_headers(), verify=st.tls_verify())
                 scraper.start()
                 scrapers.append((scraper, writer))
             _play(s, blocks, stacks, runs, synth, model, console)
@@ -237,14 +238,15 @@ def pd_failures(store: Path, mode_runs: list[list[str]]) -> dict[str, str]:
 def _probe(st: ModeStack, model: str, salt: str) -> dict:
     """A speed probe of the stack's prefill (or aggregated) worker: a ``run_probes`` row, ``target`` set."""
     url, role = speed_probe.probe_target(st.endpoints())
-    return {"target": role} | speed_probe.probe(url, model, salt=salt)
+    return {"target": role} | speed_probe.probe(url, model, salt=salt, headers=st.endpoint_headers().get(url),
+                                                verify=st.tls_verify())
 
 
 def _play(s: CalibrationSettings, blocks: list[list[Send]], stacks: dict[str, ModeStack],
           runs: dict[tuple[str, str], _Run], synth: TextSynth, model: str, console: Console) -> None:
     """Send every block (module doc, step 3); a probe of every run before and after each block."""
     t0 = time.monotonic()
-    clients = {m: httpx.Client(timeout=s.turn_timeout_s) for m in stacks}
+    clients = {m: httpx.Client(timeout=s.turn_timeout_s, headers=st.client_headers()) for m, st in stacks.items()}
     try:
         for b, block in enumerate(blocks):
             for (mode, _), run in runs.items():

@@ -23,15 +23,15 @@ from pathlib import Path
 from typing import Literal
 
 import httpx
-from httpx_sse import SSEError, connect_sse
 from pydantic import BaseModel, Field
 from rich.console import Console
 
-from loadgen import prom
 from loadgen.scraper import MetricsScraper
 from loadgen.traces.formats import check_trace
 from loadgen.workload import load_workload
+from serving.api_keys import CLIENT_KEY_ENV
 from serving.embedded_model import ModelSpec
+from serving.handle_check import proxy_client_disconnects, release_turn, wait_disconnects_counted
 from serving.stack import ModeStack, started_together
 from serving.topology import Topology, disjoint_offsets, embedded_topology, shifted
 from serving.workers import mode_workers
@@ -158,7 +158,8 @@ def finish_run(store: Path, writer, row: dict, status: str, console: Console) ->
 WARM_UP_TURN_TOKENS = 108
 
 
-def warm_up(proxy_url: str, model: str, prompt_tokens: int = 600, turns: int = 2) -> list[str]:
+def warm_up(proxy_url: str, model: str, prompt_tokens: int = 600, turns: int = 2,
+            headers: dict[str, str] | None = None) -> list[str]:
     """Two sessions of ``turns`` turns with random token ids through the proxy (compile caches, NIXL
     handshakes in both directions, pulls), the last turn's prompt about ``prompt_tokens`` tokens.
     Pass the longest prompt the run will send (:func:`warm_up_tokens`): a worker's first prompt
@@ -169,18 +170,18 @@ def warm_up(proxy_url: str, model: str, prompt_tokens: int = 600, turns: int = 2
 
     Each session's last turn is its release turn (:func:`release_turn`): it reads the session's
     handle, so D frees those blocks, and is abandoned after its first token, so D frees its own
-    too. Without it the warm-up's last turns stay pinned on a bidirectional D for
+    too (``headers``: the proxy's client key, ``ModeStack.client_headers``). Without it the warm-up's last turns stay pinned on a bidirectional D for
     ``decoder_kv_blocks_ttl``, in the KV space of the run being measured (2 x 28 blocks at 3,500
     tokens, 44% of a 64 MiB D; measured on an 80-block D: 87% in use at a one-session step whose own
     turns took 16%, docs/known-behaviour.md). It returns once turnscope's proxy has
-    counted both release turns' disconnects (at most :data:`RELEASE_SETTLE_S`), so they end before
+    counted both release turns' disconnects (at most ``serving.handle_check.RELEASE_SETTLE_S``), so they end before
     the run's first scrape and after none of its log lines. Returns the reuse outcomes seen;
     failures are returned, not raised."""
     outcomes = []
     rng = random.Random(0)
     first = max(prompt_tokens - (turns - 1) * WARM_UP_TURN_TOKENS, 16)
     released = 0
-    with httpx.Client(timeout=180) as client:
+    with httpx.Client(timeout=180, headers=headers or {}) as client:
         disconnects_before = proxy_client_disconnects(client, proxy_url)
         for s in range(2):
             ids = [rng.randrange(10, 2000) for _ in range(first)]
@@ -200,55 +201,8 @@ def warm_up(proxy_url: str, model: str, prompt_tokens: int = 600, turns: int = 2
                     outcomes.append(f"error {type(exc).__name__}")
                     break
                 ids = ids + gen + [rng.randrange(10, 2000) for _ in range(WARM_UP_TURN_TOKENS - len(gen))]
-        if disconnects_before is not None and released:
-            deadline = time.monotonic() + RELEASE_SETTLE_S
-            while (now := proxy_client_disconnects(client, proxy_url)) is not None and time.monotonic() < deadline \
-                    and now < disconnects_before + released:
-                time.sleep(0.05)
+        wait_disconnects_counted(client, proxy_url, disconnects_before, released)
     return outcomes
-
-
-#: Output tokens a release turn asks for: D is still decoding when the client leaves after the first.
-RELEASE_MAX_TOKENS = 64
-#: Seconds the warm-up waits at most for the proxy to count its release turns' disconnects.
-RELEASE_SETTLE_S = 5.0
-
-
-def proxy_client_disconnects(client: httpx.Client, proxy_url: str) -> float | None:
-    """turnscope's proxy's ``turnscope_proxy_client_disconnects_total`` over its phases (0 before the
-    first: the proxy always exposes its unlabelled ``turnscope_handle_ttl_seconds``); None when
-    ``proxy_url`` serves no turnscope proxy metrics (another proxy, a stub)."""
-    try:
-        r = client.get(proxy_url + "/metrics", timeout=5)
-        r.raise_for_status()
-        samples = prom.parse_samples(r.text, proxy_url + "/metrics")
-    except (httpx.HTTPError, ValueError):
-        return None
-    if not any(x.name.startswith("turnscope_") for x in samples):
-        return None
-    try:
-        return prom.counter_total(samples, "turnscope_proxy_client_disconnects_total")
-    except KeyError:
-        return 0.0
-
-
-def release_turn(client: httpx.Client, proxy_url: str, body: dict) -> str:
-    """Send ``body`` as a streamed turn of at most :data:`RELEASE_MAX_TOKENS` tokens and leave after
-    its first event: the proxy closes its connections to the workers (``serving.client_disconnect``)
-    and vLLM aborts the request, and D frees an aborted request's blocks at once, where it pins a
-    request finished by length or stop for ``decoder_kv_blocks_ttl`` (vLLM 0.32
-    ``nixl/pull_scheduler.py``, ``request_finished``). The turn still takes its session's handle
-    (P pulls it, or needs none of it), on which D frees that handle. Returns the reuse outcome (the
-    proxy's ``x-turnscope-reuse`` header), or the error; never raises for the server's answer."""
-    stream = body | {"stream": True, "max_tokens": RELEASE_MAX_TOKENS}
-    try:
-        with connect_sse(client, "POST", proxy_url + "/v1/completions", json=stream) as source:
-            outcome = source.response.headers.get("x-turnscope-reuse", f"http {source.response.status_code}")
-            source.response.raise_for_status()
-            next(source.iter_sse(), None)      # the first token; leaving the block closes the connection
-    except (httpx.HTTPError, SSEError) as exc:
-        return f"error {type(exc).__name__}"
-    return outcome
 
 
 def warm_up_tokens(s: EvalSettings) -> int:
@@ -260,9 +214,11 @@ def warm_up_tokens(s: EvalSettings) -> int:
 
 
 def run_locust(s: EvalSettings, run_id: str, host: str, history: str, mode: str,
-               sessions: tuple[int, int] | None = None) -> int:
+               sessions: tuple[int, int] | None = None, client_key: str | None = None) -> int:
     """Run the workload headless with Locust until every session was played; return its exit code.
-    ``sessions`` ``(first, stop)``: only those sessions of the run's plan (``--turnscope-slice``)."""
+    ``sessions`` ``(first, stop)``: only those sessions of the run's plan (``--turnscope-slice``).
+    ``client_key``: the proxy's API key, given to Locust in its environment (``serving.api_keys.CLIENT_KEY_ENV``),
+    never on its command line."""
     locustfile = importlib.util.find_spec("loadgen.locustfile").origin  # found, not imported (it patches gevent)
     argv = [sys.executable, "-m", "locust", "-f", locustfile, "--headless",
             "-u", str(s.users), "-r", str(s.users), "--run-time", f"{s.run_time_limit_s}s", "--host", host,
@@ -285,6 +241,8 @@ def run_locust(s: EvalSettings, run_id: str, host: str, history: str, mode: str,
             argv += ["--turnscope-tokenizer", s.topology.model]
     with open(s.log_dir / f"{run_id}-locust.log", "ab") as log:
         env = os.environ | {"PYTHONPATH": resources.pythonpath(os.environ.get("PYTHONPATH"))}
+        if client_key:
+            env[CLIENT_KEY_ENV] = client_key
         return subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, check=False,
                               timeout=s.run_time_limit_s + 120).returncode
 
@@ -343,16 +301,22 @@ class RunRecording:
         self.writer.flush()
         self.writer.keep_alive("runs_log", self.row, HEARTBEAT_S)
         # the speed probe before the scraper's first scrape and after its last: not in the run's counters
-        speed_probe.probe_run(self.writer, self.run_id, "start", self.stack.endpoints(), self.served)
+        self.probe("start")
         self.run_writer = self.store.writer(self.run_id, f"scraper-{os.getpid()}")
-        self.scraper = MetricsScraper(self.stack.endpoints(), self.run_writer, self.run_id, interval_s=1.0)
+        self.scraper = MetricsScraper(self.stack.endpoints(), self.run_writer, self.run_id, interval_s=1.0,
+                                      headers=self.stack.endpoint_headers(), verify=self.stack.tls_verify())
         self.scraper.start()
         self.t0 = time.monotonic()
+
+    def probe(self, phase: str) -> None:
+        """The speed probe of the run's ``phase`` (start, end), with the workers' keys and TLS."""
+        speed_probe.probe_run(self.writer, self.run_id, phase, self.stack.endpoints(), self.served,
+                              headers=self.stack.endpoint_headers(), verify=self.stack.tls_verify())
 
     def play(self, sessions: tuple[int, int] | None = None) -> str:
         """Play the run's sessions (``sessions``: a slice of them) with Locust; its status."""
         return run_status(run_locust(self.settings, self.run_id, self.stack.proxy_url, self.history, self.mode,
-                                     sessions))
+                                     sessions, client_key=self.stack.client_key()))
 
     def finish(self, status: str) -> str:
         """Close the run with ``status`` (``run_status``'s); returns it after the P/D check."""
@@ -361,7 +325,7 @@ class RunRecording:
             # proxy's counters settle, so this run's increases hold its last turn too.
             self.scraper.stop(final_settle_s=FINAL_SCRAPE_SETTLE_S)
             self.run_writer.close()
-            speed_probe.probe_run(self.writer, self.run_id, "end", self.stack.endpoints(), self.served)
+            self.probe("end")
         finally:
             status = finish_run(self.s.store, self.writer, self.row, status, self.console)
             self.writer.close()
@@ -466,7 +430,8 @@ def _run_mode(s: EvalSettings, mode: str, store: Store, stamp: str, runs: dict[s
     console.print(f"[bold]mode {mode}[/bold]: starting workers")
     spec = {"schedule": schedule.sequential_spec(why)}
     with ModeStack(mode, s.topology, s.log_dir, s.kv_bytes_per_token, console.print) as stack:
-        outcomes = warm_up(stack.proxy_url, s.topology.served_model_name or s.topology.model, warm_up_tokens(s))
+        outcomes = warm_up(stack.proxy_url, s.topology.served_model_name or s.topology.model, warm_up_tokens(s),
+                           headers=stack.client_headers())
         console_text.print_list(console, f"  [{mode}] warm-up outcomes: ", outcomes)
         routings = s.prefill_routings or [stack.topology.proxy.prefill_routing]
         plans = [(None, p) for p in runs.get(mode, [])] if runs is not None else [
@@ -505,7 +470,8 @@ def _group_up(s: EvalSettings, group: list[str], console: Console):
               for m, off in zip(group, offsets, strict=True)]
     with started_together(stacks):
         for st in stacks:
-            outcomes = warm_up(st.proxy_url, s.topology.served_model_name or s.topology.model, warm_up_tokens(s))
+            outcomes = warm_up(st.proxy_url, s.topology.served_model_name or s.topology.model, warm_up_tokens(s),
+                               headers=st.client_headers())
             console_text.print_list(console, f"  [{st.mode}] warm-up outcomes: ", outcomes)
         yield {st.mode: st for st in stacks}
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import httpx
 from httpx_sse import SSEError, connect_sse
@@ -50,8 +50,9 @@ def probe_target(endpoints: Sequence[tuple[str, str]]) -> tuple[str, str] | None
 
 
 def probe(url: str, model: str, salt: str, tokens: int = PROBE_TOKENS,
-          timeout_s: float = PROBE_TIMEOUT_S) -> dict:
-    """Send one probe to the worker at ``url``; returns a ``run_probes`` row without ``run_id``/``phase``:
+          timeout_s: float = PROBE_TIMEOUT_S, headers: dict[str, str] | None = None, verify: object = True) -> dict:
+    """Send one probe to the worker at ``url`` (with its ``headers``: its API key; ``verify``: its TLS
+    verification); returns a ``run_probes`` row without ``run_id``/``phase``:
     sent_at, endpoint, prompt_tokens, ttft_s (None on error), status (``ok`` | ``error``), error.
     Never raises for a network or HTTP failure (the row says it)."""
     body = {"model": model, "prompt": probe_ids(tokens), "max_tokens": 1, "temperature": 0, "stream": True,
@@ -60,8 +61,8 @@ def probe(url: str, model: str, salt: str, tokens: int = PROBE_TOKENS,
            "status": "error", "error": None}
     t0 = time.perf_counter()
     try:
-        with httpx.Client(timeout=timeout_s) as client, connect_sse(client, "POST", url + "/v1/completions",
-                                                                     json=body) as source:
+        with httpx.Client(timeout=timeout_s, headers=headers or {}, verify=verify) as client, \
+                connect_sse(client, "POST", url + "/v1/completions", json=body) as source:
             source.response.raise_for_status()
             for event in source.iter_sse():
                 if event.data == "[DONE]":
@@ -80,11 +81,13 @@ def probe(url: str, model: str, salt: str, tokens: int = PROBE_TOKENS,
 
 
 def probe_run(writer, run_id: str, phase: str, endpoints: Sequence[tuple[str, str]], model: str,
-              probes: int = PROBES_PER_PHASE) -> list[dict]:
+              probes: int = PROBES_PER_PHASE, headers: Mapping[str, dict[str, str]] | None = None,
+              verify: object = True) -> list[dict]:
     """Probe the run's target worker (:func:`probe_target`) ``probes`` times back to back, each with
     a salt of its own, and append one ``run_probes`` row per probe (``phase``: ``start`` | ``end``)
     with ``writer`` (a store writer of the run); returns the rows (none when the run has no worker
-    to probe)."""
+    to probe). ``headers``: per base URL, what a request to it carries (its API key); ``verify``:
+    TLS verification."""
     target = probe_target(endpoints)
     if target is None:
         return []
@@ -92,7 +95,8 @@ def probe_run(writer, run_id: str, phase: str, endpoints: Sequence[tuple[str, st
     rows = []
     for k in range(probes):
         row = {"run_id": run_id, "phase": phase, "target": role} | probe(
-            url, model, salt=f"turnscope-probe-{run_id}-{phase}-{k}")
+            url, model, salt=f"turnscope-probe-{run_id}-{phase}-{k}", headers=(headers or {}).get(url),
+            verify=verify)
         writer.append("run_probes", row)
         rows.append(row)
     return rows

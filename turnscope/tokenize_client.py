@@ -127,15 +127,16 @@ class TokenizeClient:
 
 
 async def tokenize_async(client: httpx.AsyncClient, base_url: str, body: dict[str, Any],
-                         timeout_s: float) -> list[int]:
+                         timeout_s: float, headers: dict[str, str] | None = None) -> list[int]:
     """One ``/tokenize`` request on an async client, no retries (the proxy's, under a session lock).
+    ``headers``: the worker's (its API key).
 
     Raises:
         TokenizeError: HTTP or network failure, or a response without a ``tokens`` list.
     """
     url = base_url.rstrip("/") + "/tokenize"
     try:
-        resp = await client.post(url, json=body, timeout=timeout_s)
+        resp = await client.post(url, json=body, timeout=timeout_s, headers=headers)
     except httpx.HTTPError as e:
         raise TokenizeError(f"POST {url}: {type(e).__name__}: {e}") from e
     return tokens_from(url, resp)

@@ -17,6 +17,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from serving.stack import StackAccess
 from tests.embedded_tokenizer import tokenizer_json
 from tests.integration.openai_stub import StubServer, StubState
 from turnscope import evaluation
@@ -27,7 +28,7 @@ USERS, PER_USER, TURNS, MODES = (1, 2), 2, 2, ("pd", "pd-bidir")
 TTFT_S, ITL_S = 0.03, 0.02
 
 
-class FakeStack:
+class FakeStack(StackAccess):
     """Stands in for serving.stack.ModeStack: the stub is every mode's proxy; starts are recorded
     with the topology they were given."""
 

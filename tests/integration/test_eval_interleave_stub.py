@@ -15,6 +15,7 @@ import duckdb
 import yaml
 from typer.testing import CliRunner
 
+from serving.stack import StackAccess
 from tests.embedded_tokenizer import tokenizer_json
 from tests.integration.openai_stub import StubServer, StubState
 from turnscope import evaluation
@@ -27,7 +28,7 @@ WORKLOAD = {"name": "il-stub", "seed": 1, "sessions": 3, "mix": [{"weight": 1, "
     "gaps": {"think": {"p": 1.0, "seconds": 0.0}}}}]}
 
 
-class StubStack:
+class StubStack(StackAccess):
     """Stands in for serving.stack.ModeStack: mode -> its own stub (its proxy and prefill worker);
     launches and readiness are recorded with the proxy port each stack was given."""
 

@@ -15,6 +15,7 @@ import duckdb
 import yaml
 from typer.testing import CliRunner
 
+from serving.stack import StackAccess
 from tests.integration.openai_stub import StubServer, StubState
 from turnscope import evaluation
 from turnscope.cli import LOG_DIR, app
@@ -22,7 +23,7 @@ from turnscope.cli import LOG_DIR, app
 REPO = Path(__file__).resolve().parents[2]
 
 
-class RoutingStack:
+class RoutingStack(StackAccess):
     """Stands in for serving.stack.ModeStack: the stub is every mode's proxy; starts and proxy
     restarts are recorded."""
 

@@ -12,6 +12,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from serving.stack import StackAccess
 from tests.integration.openai_stub import StubServer, StubState
 from turnscope import evaluation, speed_probe
 from turnscope.cli import LOG_DIR, app
@@ -47,7 +48,7 @@ def test_probe_target_prefers_the_prefill_worker():
     assert speed_probe.probe_target([("http://x", "proxy")]) is None
 
 
-class ProbeStack:
+class ProbeStack(StackAccess):
     """Stands in for serving.stack.ModeStack: the stub is the proxy and the prefill worker."""
 
     url = ""

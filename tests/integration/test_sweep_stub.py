@@ -20,6 +20,7 @@ import yaml
 from typer.testing import CliRunner
 
 from loadgen.synth_text import LocalTokenizer
+from serving.stack import StackAccess
 from tests.embedded_tokenizer import tokenizer_json
 from tests.integration.openai_stub import StubServer, StubState
 from turnscope import evaluation
@@ -29,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 SESSIONS, TURNS, VALUES, MODES = 2, 2, (60, 120), ("pd-nocache", "pd-bidir")
 
 
-class FakeStack:
+class FakeStack(StackAccess):
     """Stands in for serving.stack.ModeStack: the stub is every mode's proxy; starts are counted."""
 
     starts: ClassVar[list[str]] = []

@@ -10,9 +10,10 @@ import time
 
 import httpx
 
+from serving.handle_check import RELEASE_MAX_TOKENS, release_turn
 from serving.topology import embedded_topology
 from tests.integration.http_stub import Script, StubServer
-from turnscope.evaluation import RELEASE_MAX_TOKENS, EvalSettings, release_turn, warm_up, warm_up_tokens
+from turnscope.evaluation import EvalSettings, warm_up, warm_up_tokens
 
 REPLY = json.dumps({"choices": [{"token_ids": list(range(100, 108))}]}).encode()
 
