@@ -90,6 +90,7 @@ from loadgen.synth_text import SynthError
 from loadgen.token_prompt import TemplateJoinError
 from loadgen.traces.taubench import TraceFormatError
 from loadgen.workload import WorkloadError
+from turnscope.contract import client_auth_headers
 from turnscope.store import Store
 from turnscope.tokenize_client import TokenizeClient, TokenizeError
 
@@ -157,7 +158,8 @@ def _max_model_len(host: str) -> int | None:
     card; the proxy forwards it), asked once per host; None when the server does not say."""
     if host not in _MAX_MODEL_LEN:
         try:
-            cards = httpx.get(host.rstrip("/") + "/v1/models", timeout=10, verify=_ssl_context()).json()["data"]
+            cards = httpx.get(host.rstrip("/") + "/v1/models", timeout=10, verify=_ssl_context(),
+                              headers=client_auth_headers()).json()["data"]
             _MAX_MODEL_LEN[host] = int(cards[0]["max_model_len"])
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
             _MAX_MODEL_LEN[host] = None
@@ -213,7 +215,7 @@ def _start_run(environment: Any) -> None:
         except RuntimeError as e:  # the views file is held by a reader; the shards are still written
             log.warning("turnscope: store views not refreshed: %s", e)
         if o.turnscope_history == "token_ids":
-            with httpx.Client() as c:
+            with httpx.Client(headers=client_auth_headers(), verify=_ssl_context()) as c:
                 try:
                     joiner_for(TokenizeClient(c, environment.host, o.turnscope_model))
                 except (TemplateJoinError, TokenizeError) as e:
@@ -264,8 +266,9 @@ class AgentSession(User):
     wait_time = constant(0)
 
     def on_start(self) -> None:
-        self.http = httpx.Client(verify=_ssl_context(), limits=httpx.Limits(keepalive_expiry=_KEEPALIVE_S))
-        self.stream = GeventClient(ssl_context=_ssl_context())
+        self.http = httpx.Client(verify=_ssl_context(), limits=httpx.Limits(keepalive_expiry=_KEEPALIVE_S),
+                                 headers=client_auth_headers())
+        self.stream = GeventClient(ssl_context=_ssl_context(), headers=client_auth_headers())
 
     def on_stop(self) -> None:
         for name in ("http", "stream"):

@@ -24,6 +24,7 @@ from loadgen.session import SessionPlan, plan_from_conversation
 from loadgen.synth_text import TextSynth, counter_from
 from loadgen.traces.taubench import load_taubench
 from loadgen.workload import Workload, describe, load_workload, plan_workload
+from turnscope.contract import client_auth_headers
 
 log = logging.getLogger("turnscope.locust")
 
@@ -119,7 +120,7 @@ class SessionDispenser:
         if o.turnscope_seed >= 0:
             w = w.model_copy(update={"seed": o.turnscope_seed})
         self.workload = w
-        with httpx.Client() as client:
+        with httpx.Client(headers=client_auth_headers()) as client:
             counter = counter_from(o.turnscope_tokenizer or None, client=client, base_url=env.host,
                                    model=o.turnscope_model)
             synth = TextSynth(counter, seed=w.seed)

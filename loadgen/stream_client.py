@@ -252,9 +252,12 @@ class GeventClient:
         concurrency: connections per origin (a session streams one turn at a time: a few suffice).
         ssl_context: TLS context for ``https`` origins (shared, so none is built per connection).
         keepalive_s: idle seconds after which pooled connections are not reused.
+        headers: sent with every request (e.g. the proxy's API key), under the call's own.
     """
 
-    def __init__(self, concurrency: int = 4, ssl_context: Any = None, keepalive_s: float = 4.0):
+    def __init__(self, concurrency: int = 4, ssl_context: Any = None, keepalive_s: float = 4.0,
+                 headers: dict[str, str] | None = None):
+        self.headers = dict(headers or {})
         self.concurrency = concurrency
         self.ssl_context = ssl_context
         self.keepalive_s = keepalive_s
@@ -302,9 +305,9 @@ class GeventClient:
         self._in_flight[key] = self._in_flight.get(key, 0) + 1
         try:
             try:
-                resp = pool.request("POST", uri, body=body, headers=headers)
+                resp = pool.request("POST", uri, body=body, headers=self.headers | headers)
             except HTTPConnectionClosed:
-                resp = pool.request("POST", uri, body=body, headers=headers)
+                resp = pool.request("POST", uri, body=body, headers=self.headers | headers)
         except BaseException:
             self._release_key(key)
             raise

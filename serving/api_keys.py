@@ -10,7 +10,7 @@ configuration); the key itself is read when a connection is made (docs/configura
 and TLS").
 
 The load generator and turnscope's own clients send the proxy's key from the environment variable
-:data:`CLIENT_KEY_ENV` (as the OpenAI SDK reads ``OPENAI_API_KEY``).
+``turnscope.contract.CLIENT_KEY_ENV`` (as the OpenAI SDK reads ``OPENAI_API_KEY``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,6 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-#: The environment variable turnscope's clients (Locust, ``turnscope eval``'s warm-up and runs) read
-#: the proxy's API key from; unset: they send none.
-CLIENT_KEY_ENV = "TURNSCOPE_API_KEY"
 #: The environment variable vLLM reads its ``--api-key`` from (``vllm/envs.py``): a launched worker
 #: gets its role's key there, never on its command line.
 VLLM_KEY_ENV = "VLLM_API_KEY"
@@ -77,8 +74,3 @@ def resolve_optional(ref: SecretRef | None, whose: str) -> str | None:
     """``ref``'s value, or None when no key is configured. Raises CredentialError as
     :meth:`SecretRef.resolve`."""
     return ref.resolve(whose) if ref is not None else None
-
-
-def client_key() -> str | None:
-    """The key turnscope's clients send the proxy: :data:`CLIENT_KEY_ENV`'s value, or None."""
-    return os.environ.get(CLIENT_KEY_ENV, "").strip() or None

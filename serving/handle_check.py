@@ -26,7 +26,7 @@ import httpx
 from httpx_sse import SSEError, connect_sse
 from prometheus_client.parser import text_string_to_metric_families
 
-from turnscope.contract import FACTS_FIELD, SESSION_FIELD
+from turnscope.contract import DECODE_ENGINE_HEADER, FACTS_FIELD, SESSION_FIELD
 
 #: Output tokens a release turn asks for: D is still decoding when the client leaves after the first.
 RELEASE_MAX_TOKENS = 64
@@ -34,8 +34,6 @@ RELEASE_MAX_TOKENS = 64
 RELEASE_SETTLE_S = 5.0
 #: Prompt tokens of a check turn: more than vLLM's recompute threshold (64) and one CPU KV block (128).
 CHECK_PROMPT_TOKENS = 200
-#: Header naming the decode worker the proxy picked for a request (``serving.proxy_request``).
-DECODE_ENGINE_HEADER = "x-turnscope-decode-engine"
 
 
 class StockDecodeError(RuntimeError):

@@ -15,6 +15,7 @@ finishing chunk, a :data:`FACTS_FIELD` object of :class:`PublicFacts`.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from typing import Any, Literal, TypedDict
 
@@ -26,6 +27,20 @@ import numpy as np
 SESSION_FIELD = "conversation_id"
 #: Header that names the session when the body does not (HTTP headers are case-insensitive).
 SESSION_HEADER = "X-Session-ID"
+
+# -- request: the client's API key ---------------------------------------------------------------
+
+#: The environment variable turnscope's clients (Locust, ``turnscope eval``'s warm-up and runs) read
+#: the proxy's API key from (as the OpenAI SDK reads ``OPENAI_API_KEY``); unset: they send none. The
+#: proxy demands it when its topology's ``proxy.api_key`` is set (``serving.api_keys``).
+CLIENT_KEY_ENV = "TURNSCOPE_API_KEY"
+
+
+def client_auth_headers() -> dict[str, str]:
+    """``{"Authorization": "Bearer <key>"}`` for the key in :data:`CLIENT_KEY_ENV`, or ``{}``."""
+    key = os.environ.get(CLIENT_KEY_ENV, "").strip()
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
 
 # -- response headers (lower case, as httpx and Starlette hand them out) ---------------------------
 

@@ -29,14 +29,13 @@ from rich.console import Console
 from loadgen.scraper import MetricsScraper
 from loadgen.traces.formats import check_trace
 from loadgen.workload import load_workload
-from serving.api_keys import CLIENT_KEY_ENV
 from serving.embedded_model import ModelSpec
 from serving.handle_check import proxy_client_disconnects, release_turn, wait_disconnects_counted
 from serving.stack import ModeStack, started_together
 from serving.topology import Topology, disjoint_offsets, embedded_topology, shifted
 from serving.workers import mode_workers
 from turnscope import console_text, resources, schedule, speed_probe
-from turnscope.contract import RoutingPolicy
+from turnscope.contract import CLIENT_KEY_ENV, RoutingPolicy
 from turnscope.modes import MODES, serving_mode
 from turnscope.store import Store
 
@@ -217,7 +216,7 @@ def run_locust(s: EvalSettings, run_id: str, host: str, history: str, mode: str,
                sessions: tuple[int, int] | None = None, client_key: str | None = None) -> int:
     """Run the workload headless with Locust until every session was played; return its exit code.
     ``sessions`` ``(first, stop)``: only those sessions of the run's plan (``--turnscope-slice``).
-    ``client_key``: the proxy's API key, given to Locust in its environment (``serving.api_keys.CLIENT_KEY_ENV``),
+    ``client_key``: the proxy's API key, given to Locust in its environment (``turnscope.contract.CLIENT_KEY_ENV``),
     never on its command line."""
     locustfile = importlib.util.find_spec("loadgen.locustfile").origin  # found, not imported (it patches gevent)
     argv = [sys.executable, "-m", "locust", "-f", locustfile, "--headless",

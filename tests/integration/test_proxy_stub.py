@@ -19,11 +19,11 @@ def config(p, d, **kw):
                        block_size=4, kv_recompute_threshold=2, **kw)
 
 
-def stream(url, prompt, session=None, extra=None):
+def stream(url, prompt, session=None, extra=None, headers=None):
     body = {"model": "m", "prompt": prompt, "max_tokens": 4, "stream": True} | (extra or {})
     if session:
         body["conversation_id"] = session
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30, headers=headers) as r:
         text = r.read().decode()
     events = [json.loads(line[6:]) for line in text.splitlines()
               if line.startswith("data: ") and line != "data: [DONE]"]

@@ -50,11 +50,14 @@ def free_port() -> int:
 class AppThread:
     """An ASGI app served by uvicorn on 127.0.0.1 in a background thread."""
 
-    def __init__(self, app):
+    def __init__(self, app, tls: tuple[str, str] | None = None):
+        """``tls``: ``(certfile, keyfile)`` to serve https (the readiness check trusts any certificate)."""
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        cert, key = tls or (None, None)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    ssl_certfile=cert, ssl_keyfile=key))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self):
@@ -62,7 +65,7 @@ class AppThread:
         t0 = time.monotonic()
         while time.monotonic() - t0 < 20:
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code < 500:
+                if httpx.get(self.url + "/health", timeout=1, verify=False).status_code < 500:
                     return self
             except httpx.HTTPError:
                 time.sleep(0.1)
