@@ -26,11 +26,12 @@ from rich.table import Table
 
 from loadgen import eval_report as report
 from loadgen.traces.formats import REQUEST_FORMATS
+from serving import kubernetes as kube
 from serving.embedded_model import DEFAULT_MODEL_DIR, ensure_model
 from serving.prometheus_config import render_prometheus_config
 from serving.stack import ModeStack
 from serving.topology import ProxySettings, Topology, TopologyError, embedded_topology, load_topology
-from serving.workers import mode_workers, port_in_use, worker_command
+from serving.workers import key_env_shell, mode_workers, port_in_use, worker_command
 from turnscope import console_text, resources, schedule
 from turnscope.analysis import pd_check
 from turnscope.calibration import DEFAULT_MODES as CAL_MODES
@@ -920,6 +921,20 @@ def serve(
     prometheus_config: Annotated[bool, typer.Option(
         "--prometheus-config", help="Print a Prometheus scrape config for the proxy and the workers.")] = False,
     log_dir: Annotated[Path, typer.Option(help="Worker and proxy logs.")] = LOG_DIR,
+    kubernetes: Annotated[bool, typer.Option(
+        "--kubernetes", help="Print the Kubernetes objects that deploy the workers and the proxy "
+                             "(docs/kubernetes.md).")] = False,
+    image: Annotated[str | None, typer.Option(
+        help="With --kubernetes: the image of the proxy and of `entry: turnscope` workers; it must have "
+             "turnscope installed.")] = None,
+    vllm_image: Annotated[str, typer.Option(
+        help="With --kubernetes: the image of `entry: vllm` workers.")] = kube.STOCK_VLLM_IMAGE,
+    namespace: Annotated[str, typer.Option(help="With --kubernetes: the objects' namespace.")] = "default",
+    model_pvc: Annotated[str | None, typer.Option(
+        help="With --kubernetes: the PersistentVolumeClaim holding the model (default <topology>-model).")] = None,
+    nodes_per_worker: Annotated[int | None, typer.Option(
+        help="With --kubernetes: nodes each worker spans, as a LeaderWorkerSet when over 1 (default: its "
+             "--pipeline-parallel-size).")] = None,
 ) -> None:
     """Start (or attach to) the workers of one mode and the session-aware proxy; Ctrl-C stops them.
 
@@ -930,6 +945,14 @@ def serve(
         specs = mode_workers(mode, topo)
     except ValueError as exc:
         raise fail(str(exc)) from exc
+    if kubernetes:
+        options = kube.KubeOptions(image=image, vllm_image=vllm_image, namespace=namespace, model_pvc=model_pvc,
+                                   nodes_per_worker=nodes_per_worker)
+        try:
+            print(kube.render(topo, mode, options), end="")
+        except kube.KubernetesError as exc:
+            raise fail(str(exc)) from exc
+        return
     stack = ModeStack(mode, topo, log_dir)
     if prometheus_config:
         targets = [("turnscope-proxy", stack.proxy_url, "proxy")] + [("vllm", s.url, s.role) for s in specs]
@@ -940,8 +963,9 @@ def serve(
             argv, env = worker_command(spec)
             where = "already running (attach)" if not spec.launch else f"on {spec.host}"
             console.print(f"# {spec.name} ({spec.role}) {where}, {spec.url}", highlight=False)
-            console.print(" ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(a) for a in argv]),
-                          highlight=False, soft_wrap=True)
+            key = key_env_shell(spec)  # the key read where the topology says, never printed
+            console.print(" ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + ([key] if key else [])
+                                   + [shlex.quote(a) for a in argv]), highlight=False, soft_wrap=True)
         console.print(f"# proxy on {stack.proxy_url}, prefill routing {topo.proxy.prefill_routing}, "
                       f"decode routing {topo.proxy.decode_routing}", highlight=False)
         console.print(" ".join(map(shlex.quote, stack.proxy_command(log_dir / f"{mode}-proxy.json"))),
