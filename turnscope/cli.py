@@ -230,6 +230,8 @@ def evaluate(
     first = p_routings[0] if p_routings else None
     s = settings(prefill_routing=first, decode_routing=decode_routing)
     topo = _topology(topology, first, decode_routing)
+    if not topo.launch and modes == ALL_MODES:
+        modes = topo.attached_mode  # attached workers run one mode: the one they were started in
     store = store or s.store
     workload = shipped(workload, "workloads")
     if workload is not None and not workload.exists():
