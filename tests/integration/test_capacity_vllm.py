@@ -63,8 +63,9 @@ def test_two_step_ramp_pins_the_first_steps_last_turn_on_d(tmp_path):
     last = con.execute("SELECT prompt_tokens FROM turns WHERE run_id = 'ci-cap-pd-bidir-u1' AND status = 'ok' "
                        "ORDER BY sent_at DESC LIMIT 1").fetchone()[0]
     hits = con.execute("SELECT count(*) FROM turns WHERE reuse = 'hit'").fetchone()[0]
-    # the warm-up's two release turns were counted by the proxy before the first step's first scrape,
-    # and nothing of the run disconnected: 2 in every scrape of it
+    # the streamed-handle check's release turn (serving.handle_check, at the stack's start) and the
+    # warm-up's two were counted by the proxy before the first step's first scrape, and nothing of
+    # the run disconnected: 3 in every scrape of it
     left = con.execute("SELECT min(v), max(v) FROM (SELECT scraped_at, sum(value) AS v FROM metric_samples "
                        "WHERE run_id = 'ci-cap-pd-bidir-u1' AND name = 'turnscope_proxy_client_disconnects_total' "
                        "GROUP BY scraped_at)").fetchone()
@@ -74,7 +75,7 @@ def test_two_step_ramp_pins_the_first_steps_last_turn_on_d(tmp_path):
     # the warm-up left nothing on D (its last turns were abandoned after their first token): D is empty
     # at the first step's first scrape, though its TTL (60 s) outlasts the warm-up by far
     assert steps.at[1, "decode_kv_usage_start"] == 0
-    assert left == (2, 2)
+    assert left == (3, 3)
     # the first step's last turn is still pinned (TTL 60 s) when the second step's first scrape comes
     assert steps.at[2, "decode_kv_usage_start"] * (D_TOKENS // BLOCK) >= last // BLOCK
     assert steps.at[1, "handle_bytes_max"] > 0 and hits > 0
