@@ -1,6 +1,6 @@
 """The dashboard at scale: a synthetic store of 1,000,000 turns, each page's query and render time.
 
-Builds a store in the real layout (``turnscope.store.Store.init`` for the views, Parquet shards of
+Builds a store in the real layout (``turnscope.core.store.Store.init`` for the views, Parquet shards of
 the contract's Arrow types under ``runs/<run_id>/<table>/``) holding 10 runs (5 serving modes x
 2 history modes) of 100,000 turns each by default: about 10,000 sessions per run of 2 to 18
 turns, four archetypes, every turn kind and gap kind (pauses past the 480 s TTL included), the
@@ -42,8 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from dashboard import pages
-from turnscope.modes import MODES
-from turnscope.store import Store
+from turnscope.core.modes import MODES
+from turnscope.core.store import Store
 
 HISTORIES = ("text", "token_ids")
 ARCHETYPES = ("coding", "research", "support", "analyst")

@@ -47,8 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from serving.embedded_model import ensure_model
 from serving.stack import ModeStack
 from serving.topology import embedded_topology
-from turnscope.evaluation import warm_up
-from turnscope.settings import TurnscopeSettings
+from turnscope.conductor.evaluation import warm_up
+from turnscope.conductor.settings import TurnscopeSettings
 
 #: The numbers of other requests streaming beside the measured one, interleaved in this order.
 STREAMS = (0, 1, 2)

@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from turnscope.modes import one_way
+from turnscope.core.modes import one_way
 
 #: The ramp's treatment (D holds KV between turns) and its one-way baseline, P's prefix cache on in both.
 TREATMENT = "pd-bidir"

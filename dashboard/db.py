@@ -27,12 +27,12 @@ import duckdb
 import pandas as pd
 
 from dashboard.rollup import Rollups
-from turnscope import resources
-from turnscope.store import Store
+from turnscope.core import resources
+from turnscope.core.store import Store
 
 ENV_VAR = "TURNSCOPE_STORE"
 DB_FILE = "turnscope.duckdb"
-#: turnscope's home: the checkout's ``data/``, or ``./turnscope-data`` installed (turnscope.resources).
+#: turnscope's home: the checkout's ``data/``, or ``./turnscope-data`` installed (turnscope.core.resources).
 DEFAULT_STORE = resources.home()
 #: How long a cached result may live (s). Query results are keyed by the store's version
 #: (``dashboard.loader.store_version``) and derived results (bootstraps) by their input rows, so the
@@ -55,7 +55,7 @@ class StoreInvalid(Exception):
 @dataclass(frozen=True)
 class StoreLocation:
     """Where a store is, as the dashboard reads it: the directory `root` and `db`, its DuckDB file
-    of views (the store itself, its schema and writer, is `turnscope.store.Store`)."""
+    of views (the store itself, its schema and writer, is `turnscope.core.store.Store`)."""
 
     root: Path
 

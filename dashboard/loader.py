@@ -33,7 +33,7 @@ def store_version(store_root: str) -> int:
     """A fingerprint of the store at `store_root` that changes when it is written: a hash of the
     names and modification times (ns) of ``turnscope.duckdb`` and of every directory down to
     `VERSION_DEPTH` levels. Shards and rollups are written under a temporary name and renamed into
-    their directory (turnscope.store, dashboard.rollup), and a rename or a new directory changes
+    their directory (turnscope.core.store, dashboard.rollup), and a rename or a new directory changes
     its parent's modification time. A few hundred ``stat`` calls for a store of a hundred runs.
     A missing store gives the fingerprint of nothing (the query then raises StoreMissing)."""
     seen: list[tuple[str, int]] = []

@@ -48,8 +48,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dashboard.queries.memory import ROLLED_UP_RUNS, WHATIF_RELATION, run_config, whatif_ttl_d_limit
+from turnscope.core.store import Store, connect_read_only, sql_ident, sql_str, write_atomic
 from turnscope.planner.ttl_whatif import WHATIF_TTLS_S
-from turnscope.store import Store, connect_read_only, sql_ident, sql_str, write_atomic
 
 #: The directory of rollups under a store root.
 ROLLUP_DIR = "rollups"

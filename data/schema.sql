@@ -15,7 +15,7 @@
 CREATE TABLE runs_log (
     run_id         VARCHAR NOT NULL,
     label          VARCHAR,
-    mode           VARCHAR,       -- a name of turnscope.modes.MODES, or attach (a server turnscope did not launch)
+    mode           VARCHAR,       -- a name of turnscope.core.modes.MODES, or attach (a server turnscope did not launch)
     workload       VARCHAR,       -- workload name
     workload_spec  JSON,          -- the validated workload, as run
     history_mode   VARCHAR,       -- text | token_ids (docs/workloads.md)
@@ -30,7 +30,7 @@ CREATE TABLE runs_log (
     heartbeat_s    DOUBLE         -- a running run's row is rewritten this often (NULL: never)
 );
 
--- The speed probe (turnscope/speed_probe.py, docs/planner.md "Speed probe"): the same fixed prefill
+-- The speed probe (turnscope/conductor/speed_probe.py, docs/planner.md "Speed probe"): the same fixed prefill
 -- sent straight to the run's prefill (or aggregated) worker at the run's start and end.
 CREATE TABLE run_probes (
     run_id         VARCHAR NOT NULL,
@@ -530,7 +530,7 @@ FROM inc;
 -- and still sends D the completion notification, on which D frees the blocks (vLLM 0.32
 -- nixl/pull_scheduler.py get_num_new_matched_tokens returns 0 tokens, update_state_after_alloc
 -- queues the request with no local blocks, nixl/pull_worker.py _read_blocks notifies D;
--- turnscope.reuse_rules.d_frees_taken_handle). Otherwise (no next turn, any other miss: mismatch
+-- turnscope.core.reuse_rules.d_frees_taken_handle). Otherwise (no next turn, any other miss: mismatch
 -- and expired handles are not forwarded, a failed transfer) 'expired' after D's whole
 -- decoder_kv_blocks_ttl (nixl/pull_scheduler.py: request_finished pins the blocks,
 -- _reap_expired_send_leases frees them). Each hold belongs to the run whose turn created it, also

@@ -11,7 +11,7 @@ from pathlib import Path
 import duckdb
 import pandas as pd
 
-from turnscope.store import connect_read_only
+from turnscope.core.store import connect_read_only
 
 EXTERNAL_KV_METRIC = "vllm:prompt_tokens_by_source_total"
 

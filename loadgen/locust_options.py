@@ -10,9 +10,9 @@ import logging
 from typing import Any
 
 from loadgen.traces.taubench import DEFAULT_TRACE
-from turnscope import resources
-from turnscope.contract import HISTORY_MODES
-from turnscope.modes import ATTACH_MODE
+from turnscope.core import resources
+from turnscope.core.contract import HISTORY_MODES
+from turnscope.core.modes import ATTACH_MODE
 
 log = logging.getLogger("turnscope.locust")
 

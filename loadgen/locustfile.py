@@ -27,7 +27,7 @@ with an arrival offset is started no earlier than that offset after the master's
 clock, shared with the workers); the user holding it waits, like the agent would.
 ``--turnscope-slice FIRST:STOP`` plays only those sessions of the plan (the same ids and turns as in
 the whole run; ``turnscope eval``'s interleaved schedule plays a run in such slices, one Locust
-process each, ``turnscope.schedule``).
+process each, ``turnscope.conductor.schedule``).
 
 Each Locust process opens its own store writer (``writer_id`` = ``locust-<host>-<pid>``) when its
 first session arrives and closes it on test stop and on quit. The master (or local process) also
@@ -90,9 +90,9 @@ from loadgen.synth_text import SynthError
 from loadgen.token_prompt import TemplateJoinError
 from loadgen.traces.taubench import TraceFormatError
 from loadgen.workload import WorkloadError
-from turnscope.contract import client_auth_headers
-from turnscope.store import Store
-from turnscope.tokenize_client import TokenizeClient, TokenizeError
+from turnscope.core.contract import client_auth_headers
+from turnscope.core.store import Store
+from turnscope.core.tokenize_client import TokenizeClient, TokenizeError
 
 log = logging.getLogger("turnscope.locust")
 # httpx logs every request at INFO: at a thousand sessions that is measurable CPU on the event loop

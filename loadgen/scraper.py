@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 import httpx
 
 from loadgen.prom import Sample, parse_samples, resolve_names, spec_decode_settings
-from turnscope.store import ShardWriter
+from turnscope.core.store import ShardWriter
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from loadgen.session import SessionPlan, plan_from_conversation
 from loadgen.synth_text import TextSynth, counter_from
 from loadgen.traces.taubench import load_taubench
 from loadgen.workload import Workload, describe, load_workload, plan_workload
-from turnscope.contract import client_auth_headers
+from turnscope.core.contract import client_auth_headers
 
 log = logging.getLogger("turnscope.locust")
 

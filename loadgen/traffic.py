@@ -11,7 +11,7 @@ overlapping in time, and one session's timeline. :class:`TrafficReport` reads th
 them.
 
 Defaults: ``ttl_s`` 480 s is vLLM's ``decoder_kv_blocks_ttl`` and ``recompute_threshold_tokens`` 64
-is its ``kv_recompute_threshold`` (``turnscope.contract``, docs/configuration.md); the CLI
+is its ``kv_recompute_threshold`` (``turnscope.core.contract``, docs/configuration.md); the CLI
 passes the operator's settings.
 """
 
@@ -34,11 +34,11 @@ import pyarrow.parquet as pq
 from loadgen.traces.agent_request import AgentRequest
 from loadgen.traces.errors import TraceFormatError
 from loadgen.traces.formats import detect_format, iter_agent_requests
-from turnscope.contract import DECODER_KV_BLOCKS_TTL_S, KV_RECOMPUTE_THRESHOLD_TOKENS
-from turnscope.store import Store
+from turnscope.core.contract import DECODER_KV_BLOCKS_TTL_S, KV_RECOMPUTE_THRESHOLD_TOKENS
+from turnscope.core.store import Store
 
 #: vLLM's decoder_kv_blocks_ttl default (seconds) and kv_recompute_threshold default (tokens), as
-#: turnscope.contract defines them (one definition, also turnscope.connector.Connector's defaults).
+#: turnscope.core.contract defines them (one definition, also turnscope.core.connector.Connector's defaults).
 DEFAULT_TTL_S = float(DECODER_KV_BLOCKS_TTL_S)
 DEFAULT_RECOMPUTE_THRESHOLD_TOKENS = KV_RECOMPUTE_THRESHOLD_TOKENS
 #: Rows per Parquet row group written (and held in memory) at a time.

@@ -94,9 +94,9 @@ from pydantic import (
 from loadgen.session import SessionPlan, TurnPlan, plan_from_conversation
 from loadgen.synth_text import TextSynth, seed_ints
 from loadgen.traces.formats import REPLAY_FORMATS, resolve, trace_format
-from turnscope import resources, yaml_file
+from turnscope.core import resources, yaml_file
 
-#: The shipped workloads (turnscope.resources).
+#: The shipped workloads (turnscope.core.resources).
 WORKLOAD_DIR = resources.shipped("workloads")
 GapKind = Literal["tool", "think", "pause"]
 _GAP_KINDS = ("tool", "think", "pause")
@@ -498,7 +498,7 @@ def load_workload(path: Path | str, _stack: tuple[Path, ...] = ()) -> Workload:
     ``include`` entries are replaced by the included file's archetypes (recursively; weights
     normalised and scaled) and trace paths are made absolute, so the result is self-contained (it
     is what a run records as its workload spec). A path that does not exist is looked up among the
-    shipped workloads (``mixed``, ``mixed.yaml``, ``data/workloads/mixed.yaml``; turnscope.resources.find).
+    shipped workloads (``mixed``, ``mixed.yaml``, ``data/workloads/mixed.yaml``; turnscope.core.resources.find).
 
     Raises:
         WorkloadError: unreadable file, bad YAML (with its line), a field that fails validation

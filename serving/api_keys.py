@@ -10,7 +10,7 @@ configuration); the key itself is read when a connection is made (docs/configura
 and TLS").
 
 The load generator and turnscope's own clients send the proxy's key from the environment variable
-``turnscope.contract.CLIENT_KEY_ENV`` (as the OpenAI SDK reads ``OPENAI_API_KEY``).
+``turnscope.core.contract.CLIENT_KEY_ENV`` (as the OpenAI SDK reads ``OPENAI_API_KEY``).
 """
 
 from __future__ import annotations

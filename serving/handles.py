@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from turnscope import reuse_rules as rules
+from turnscope.core import reuse_rules as rules
 
 # Outcomes (docs/design.md, "The wire contract"). Exactly one per request.
-from turnscope.contract import (
+from turnscope.core.contract import (
     HIT,
     MISS_BELOW_THRESHOLD,
     MISS_CONSUMED,

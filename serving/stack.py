@@ -36,8 +36,8 @@ from serving.workers import (
     wait_http,
     worker_block_size,
 )
-from turnscope import resources
-from turnscope.modes import serving_mode
+from turnscope.core import resources
+from turnscope.core.modes import serving_mode
 
 
 class StackAccess:

@@ -33,10 +33,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from serving.api_keys import SecretRef
 from serving.upstream_tls import UpstreamTLS
-from turnscope import resources, yaml_file
-from turnscope.connector import Connector
-from turnscope.contract import SESSION, RoutingPolicy
-from turnscope.modes import MODES, SERVING_MODES
+from turnscope.core import resources, yaml_file
+from turnscope.core.connector import Connector
+from turnscope.core.contract import SESSION, RoutingPolicy
+from turnscope.core.modes import MODES, SERVING_MODES
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -190,7 +190,7 @@ def ports_of(topology: Topology) -> set[int]:
 def shifted(topology: Topology, offset: int) -> Topology:
     """A copy of ``topology`` with every worker port, side-channel port and the proxy port moved up
     by ``offset``: one more set of the same workers on the same hosts (the interleaved schedule
-    keeps several modes up together, ``turnscope.schedule``). Raises ValueError past port 65535."""
+    keeps several modes up together, ``turnscope.conductor.schedule``). Raises ValueError past port 65535."""
     if max(ports_of(topology)) + offset > 65535:
         raise ValueError(f"ports of topology {topology.name!r} shifted by {offset} pass 65535")
 

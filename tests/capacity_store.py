@@ -1,4 +1,4 @@
-"""A capacity ramp as ``turnscope capacity`` records it, written with turnscope.store's real writer;
+"""A capacity ramp as ``turnscope capacity`` records it, written with turnscope.core.store's real writer;
 every value is written out by hand here, and the truths the tests check are computed by hand
 below (independently of dashboard/queries/capacity.py and dashboard/capacity.py).
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 import datetime as dt
 from pathlib import Path
 
-from turnscope.store import Store
+from turnscope.core.store import Store
 
 T0 = dt.datetime(2026, 12, 1, 9, 0, tzinfo=dt.UTC)
 CAP_ID = "capacity-20261201T090000"

@@ -1,4 +1,4 @@
-"""Recorded runs as ``turnscope eval`` records them, written with turnscope.store's real writer, for the
+"""Recorded runs as ``turnscope eval`` records them, written with turnscope.core.store's real writer, for the
 planner's fit and check (turnscope/planner/fit.py, check.py). Every value is a formula below,
 independent of the planner's code, so the tests' truths are hand computations.
 
@@ -35,7 +35,7 @@ from __future__ import annotations
 import datetime as dt
 from pathlib import Path
 
-from turnscope.store import Store
+from turnscope.core.store import Store
 
 T0 = dt.datetime(2026, 11, 30, 9, 0, tzinfo=dt.UTC)
 MODES = ("pd-nocache", "pd", "pd-bidir", "pd-bidir-nocache", "aggregated")

@@ -9,7 +9,7 @@ import streamlit as st
 
 from dashboard import capacity_section, context, figures, hit_rate, queries, tables
 from dashboard.loader import load
-from turnscope.modes import BIDIRECTIONAL_MODES
+from turnscope.core.modes import BIDIRECTIONAL_MODES
 from turnscope.planner.ttl_whatif import WHATIF_TTLS_S
 
 sel = context.current()

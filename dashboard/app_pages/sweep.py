@@ -13,7 +13,7 @@ import streamlit as st
 from dashboard import context, db, queries, sweep_figures
 from dashboard.loader import load
 from turnscope.analysis import speedup, sweep_stats
-from turnscope.modes import BIDIRECTIONAL_MODES
+from turnscope.core.modes import BIDIRECTIONAL_MODES
 
 #: The vendor's published numbers (vLLM blog 2026-10-12, 1P1D on 2 x p5en.48xlarge, 8 x H200 each,
 #: TP 8, NIXL LIBFABRIC on EFA; P's prefix cache off): TTFT (ms) of the benchmark's stats with

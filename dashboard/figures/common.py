@@ -9,9 +9,9 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from dashboard.palette import MODE_COLORS, OUTCOME_COLORS, mode_color  # noqa: F401  (re-exported)
-from turnscope.modes import ATTACH_MODE, MODES
+from turnscope.core.modes import ATTACH_MODE, MODES
 
-#: Serving modes in display order (``turnscope.modes.SERVING_MODES``); unknown modes sort after these.
+#: Serving modes in display order (``turnscope.core.modes.SERVING_MODES``); unknown modes sort after these.
 MODE_ORDER = [*MODES, ATTACH_MODE]
 # The mode and outcome colours live in ``dashboard.palette`` (re-exported above, with mode_color).
 #: Reuse outcomes of the proxy (docs/schema.md, ``turns.reuse``): hit first, then the misses that cost

@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 from dashboard.figures.common import MODE_COLORS, legend_below, log_ticks
 from dashboard.palette import mode_color
 from turnscope.analysis.plan_check import frontier_highlights
-from turnscope.modes import BIDIRECTIONAL_MODES, PLAN_TABLE_ORDER
+from turnscope.core.modes import BIDIRECTIONAL_MODES, PLAN_TABLE_ORDER
 
 #: Column order of the Plan page's tables: baselines first, then what reuse adds.
 PLAN_TABLE_MODES = PLAN_TABLE_ORDER

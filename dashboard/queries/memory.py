@@ -19,8 +19,8 @@ from dashboard.queries.common import (
     run_sql,
     where_sql,
 )
-from turnscope import reuse_rules as rules
 from turnscope.analysis.worker_cache import cache_config
+from turnscope.core import reuse_rules as rules
 from turnscope.planner.ttl_whatif import (
     RESULT_COLUMNS,
     TURN_COLUMNS,
@@ -215,7 +215,7 @@ def reuse_cost(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) ->
 # Per turn (all turns of the selected runs, so each turn's successor is known before filtering):
 # the KV D would hold after it (an ok turn's remote_num_tokens: prompt + output - 1) until the session's next turn
 # frees it (the gap to that turn, when that turn takes the handle at this TTL and pulls it or, recorded
-# below the recompute threshold, tells D it needs none of it: turnscope.reuse_rules.d_frees_taken_handle,
+# below the recompute threshold, tells D it needs none of it: turnscope.core.reuse_rules.d_frees_taken_handle,
 # the rule of view handle_holds), else for the whole TTL (vLLM pins a handle until then). A later
 # turn hits when it is not `fresh`, its recorded outcome was a hit or a miss by expiry (other misses
 # do not depend on the TTL), and its gap is below TTL - the proxy's margin; it frees the previous
@@ -229,7 +229,7 @@ def reuse_cost(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) ->
 _WHATIF_TTL = """
 WITH t AS (
     SELECT t.run_id, t.session_id, t.turn_index, t.kind, t.gap_kind, t.gap_before_s,
-           -- D's remote_num_tokens: prompt + output - 1 (turnscope.reuse_rules.handle_kv_tokens)
+           -- D's remote_num_tokens: prompt + output - 1 (turnscope.core.reuse_rules.handle_kv_tokens)
            CASE WHEN t.status <> 'ok' THEN 0
                 WHEN coalesce(t.completion_tokens, 0) > 0 THEN coalesce(t.prompt_tokens, 0) + t.completion_tokens - 1
                 ELSE coalesce(t.prompt_tokens, 0) END::DOUBLE AS held_tokens,
@@ -295,10 +295,10 @@ def whatif_ttl(
     not ``fresh``, recorded ``hit`` or ``miss_expired``) hits when its gap_before_s < TTL - the
     run's handle margin (``run_config``); a recorded miss of another kind (mismatch, below
     threshold, failed transfer, no handle) stays a miss at every TTL. After each ok turn D holds
-    its prompt + output - 1 tokens (``remote_num_tokens``, :func:`turnscope.reuse_rules.handle_kv_tokens`;
+    its prompt + output - 1 tokens (``remote_num_tokens``, :func:`turnscope.core.reuse_rules.handle_kv_tokens`;
     not rounded to blocks, no limit on D's space) until the session's next turn frees them (the gap to it,
     when that turn's gap is below TTL - margin and it hits or was recorded ``miss_below_threshold``:
-    :func:`turnscope.reuse_rules.d_frees_taken_handle`), else for the whole TTL (the rule of the
+    :func:`turnscope.core.reuse_rules.d_frees_taken_handle`), else for the whole TTL (the rule of the
     ``handle_holds`` view, so at a run's own TTL the held GiB·s is close to
     ``run_handle_memory.held_gib_s``). Columns: ttl_s, later_turns, hits, held_token_s (tokens x s),
     held_gib_s (GiB x s, using runs.config kv_bytes_per_token; NULL parts skipped),

@@ -239,7 +239,7 @@ ORDER BY started_at, run_id
 
 
 def run_schedules(con: duckdb.DuckDBPyConnection, run_ids: TurnFilter | Sequence[str]) -> pd.DataFrame:
-    """How each run of `run_ids` was scheduled (``turnscope.schedule``: interleaved with the modes it
+    """How each run of `run_ids` was scheduled (``turnscope.conductor.schedule``: interleaved with the modes it
     is compared with, or sequential), from ``runs.workload_spec.schedule``.
 
     Columns: run_id, mode, history_mode, schedule (JSON text; NULL for a run that recorded none,

@@ -11,7 +11,7 @@ import pandas as pd
 from dashboard.queries.common import id_list, run_sql
 
 # Turn kinds and gap kinds as the contract defines them: offered as filters without scanning turns.
-from turnscope.contract import GAP_KINDS, TURN_KINDS
+from turnscope.core.contract import GAP_KINDS, TURN_KINDS
 
 _FILTER_OPTIONS = """
 SELECT 'archetype' AS field, archetype AS value, count(*) AS n

@@ -10,7 +10,7 @@ import duckdb
 import pandas as pd
 
 from dashboard.queries.common import TurnFilter, as_filter, id_list, run_sql, where_sql
-from turnscope.modes import BIDIRECTIONAL_MODES
+from turnscope.core.modes import BIDIRECTIONAL_MODES
 
 _LATENCY_BY_TURN = """
 SELECT mode, coalesce(reuse, 'not recorded') AS reuse, turn_index AS x,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loadgen.traces.errors import TraceFormatError
-from turnscope import resources
+from turnscope.core import resources
 
 #: The shipped copy (CC-BY-4.0, see data/traces/SOURCES.md).
 DEFAULT_TRACE = resources.shipped("traces", "AzureLLMInferenceTrace_conv.csv")

@@ -49,7 +49,7 @@ from typing import Any
 
 from loadgen.traces.agent_request import AgentRequest, bounded_gap
 from loadgen.traces.errors import TraceFormatError
-from turnscope import resources
+from turnscope.core import resources
 
 #: The shipped copies (Apache-2.0, see data/traces/SOURCES.md).
 DEFAULT_DIR = resources.shipped("traces", "kv-cache-tester")

@@ -38,7 +38,7 @@ import numpy as np
 
 from loadgen.traces.errors import TraceFormatError
 from loadgen.traces.jsonl import iter_json_objects
-from turnscope import resources
+from turnscope.core import resources
 
 #: The shipped copy (Apache-2.0, see data/traces/SOURCES.md).
 DEFAULT_TRACE = resources.shipped("traces", "conversation_trace.jsonl")

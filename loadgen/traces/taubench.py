@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from loadgen.traces.errors import TraceFormatError
-from turnscope import resources
+from turnscope.core import resources
 
 #: The trace shipped with turnscope (MIT, see data/traces/SOURCES.md).
 DEFAULT_TRACE = resources.shipped("traces", "gpt-4o-airline.json")

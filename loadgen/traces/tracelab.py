@@ -42,7 +42,7 @@ from typing import Any
 from loadgen.traces.agent_request import AgentRequest, bounded_gap
 from loadgen.traces.errors import TraceFormatError
 from loadgen.traces.jsonl import iter_json_objects
-from turnscope import resources
+from turnscope.core import resources
 
 #: The shipped copy (CC-BY-4.0, see data/traces/SOURCES.md).
 DEFAULT_TRACE = resources.shipped("traces", "tracelab_round_trace.jsonl")

@@ -121,7 +121,7 @@ def traffic_url(tmp_path_factory):
     """The dashboard store plus a traffic report of the 24 shipped kv-cache-tester traces."""
     from loadgen.traces.kv_cache_tester import DEFAULT_DIR
     from loadgen.traffic import build_report
-    from turnscope.store import Store
+    from turnscope.core.store import Store
 
     tmp = tmp_path_factory.mktemp("e2e-traffic")
     root = dashboard_store.build(tmp / "store")
@@ -138,7 +138,7 @@ def plan_url(tmp_path_factory):
 
     from loadgen.traces.kv_cache_tester import DEFAULT_DIR
     from tests import planner_store
-    from turnscope.cli import app
+    from turnscope.commands import app
 
     tmp = tmp_path_factory.mktemp("e2e-plan")
     root = planner_store.build(tmp / "store")

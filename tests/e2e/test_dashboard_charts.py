@@ -152,7 +152,7 @@ def demo_url(tmp_path_factory):
     from typer.testing import CliRunner
 
     from tests import planner_store
-    from turnscope.cli import app
+    from turnscope.commands import app
 
     tmp = tmp_path_factory.mktemp("charts-demo")
     root = dashboard_store.build(tmp / "store")
@@ -180,8 +180,8 @@ def planned_url(tmp_path_factory):
     from loadgen.traces.kv_cache_tester import DEFAULT_DIR
     from loadgen.traffic import build_report
     from tests import planner_store
-    from turnscope.cli import app
-    from turnscope.store import Store
+    from turnscope.commands import app
+    from turnscope.core.store import Store
 
     tmp = tmp_path_factory.mktemp("charts-planned")
     root = planner_store.build(tmp / "store")

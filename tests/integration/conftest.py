@@ -62,7 +62,7 @@ class SharedStacks:
             pytest.fail(f"the shared {name} did not start: {self.failed[name]}")
         if name not in self.stacks:
             from tests.integration.vllm_stack import VllmStack
-            from turnscope.connector import Connector
+            from turnscope.core.connector import Connector
 
             mode, prefill_workers, reference = SHARED[name]
             stack = VllmStack(mode, tmp_path_factory.mktemp(f"vllm-logs-{name}"),

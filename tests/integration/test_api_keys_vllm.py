@@ -26,8 +26,8 @@ from serving.topology import RoleSettings, WorkerEntry, embedded_topology, load_
 from serving.workers import WorkerProcess, mode_workers, wait_all_healthy
 from tests.integration.test_bad_input import cli
 from tests.integration.vllm_stack import free_port
-from turnscope import evaluation
-from turnscope.connector import Connector
+from turnscope.conductor import evaluation
+from turnscope.core.connector import Connector
 
 pytestmark = pytest.mark.vllm
 

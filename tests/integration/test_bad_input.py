@@ -22,8 +22,8 @@ from serving.stack import ModeStack
 from serving.topology import load_topology
 from tests.integration.test_session_stub import _locust_cmd, _locust_env, rows
 from tests.integration.vllm_stack import free_port
-from turnscope.cli import app
-from turnscope.store import Store
+from turnscope.commands import app
+from turnscope.core.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "data" / "models" / "turnscope-tiny"

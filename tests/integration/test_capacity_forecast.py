@@ -1,4 +1,4 @@
-"""The capacity ramp's crossing forecast (turnscope.capacity_forecast) over the hand-made ramp
+"""The capacity ramp's crossing forecast (turnscope.conductor.capacity_forecast) over the hand-made ramp
 of tests/capacity_store.py, with a profile whose forecast is known by hand: no prefill cost (a1 = 0,
 so no queueing either), a pull that costs nothing (bandwidth 1e18 B/s), b0 0.2 s for ``pd`` and 0.6 s
 for ``pd-bidir``, TPOT 0.02 s. So every forecast TTFT is its mode's b0: ``pd`` meets the SLO (TTFT
@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 
 from tests import capacity_store as cs
-from turnscope import capacity_forecast as cf
+from turnscope.conductor import capacity_forecast as cf
+from turnscope.core.store import Store
 from turnscope.planner.profile import CostProfile
-from turnscope.store import Store
 
 SRC = {"source": "hand-made for the test"}
 
@@ -91,7 +91,7 @@ def test_plan_check_takes_the_ramps_intervals_from_the_profile_not_from_this_che
     import yaml
     from typer.testing import CliRunner
 
-    from turnscope.cli import app
+    from turnscope.commands import app
     from turnscope.planner.profile import HeldOutErrors
 
     _, _, store = ramp

@@ -1,4 +1,4 @@
-"""The capacity_steps view and dashboard.queries.capacity over a store written by turnscope.store's
+"""The capacity_steps view and dashboard.queries.capacity over a store written by turnscope.core.store's
 real writer (tests/capacity_store.py), against its hand-computed truths."""
 
 from __future__ import annotations

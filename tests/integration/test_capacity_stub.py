@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 from serving.stack import StackAccess
 from tests.embedded_tokenizer import tokenizer_json
 from tests.integration.openai_stub import StubServer, StubState
-from turnscope import evaluation
-from turnscope.cli import LOG_DIR, app
+from turnscope.commands.app import LOG_DIR, app
+from turnscope.conductor import evaluation
 
 REPO = Path(__file__).resolve().parents[2]
 USERS, PER_USER, TURNS, MODES = (1, 2), 2, 2, ("pd", "pd-bidir")

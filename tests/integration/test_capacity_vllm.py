@@ -25,11 +25,11 @@ from dashboard.queries import capacity as capacity_queries
 from serving.embedded_model import ModelSpec, ensure_model
 from serving.topology import WorkerEntry, embedded_topology
 from tests.integration.vllm_stack import free_port
-from turnscope import capacity_forecast as cf
-from turnscope.capacity import plan_capacity, run_capacity
-from turnscope.evaluation import Slo, default_settings
+from turnscope.conductor import capacity_forecast as cf
+from turnscope.conductor.capacity import plan_capacity, run_capacity
+from turnscope.conductor.evaluation import Slo, default_settings
+from turnscope.core.store import Store
 from turnscope.planner.profile import load_profile
-from turnscope.store import Store
 
 pytestmark = pytest.mark.vllm
 

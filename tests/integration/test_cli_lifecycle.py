@@ -25,7 +25,7 @@ from tests.integration.test_security import listening, spawn, stop
 from tests.integration.vllm_stack import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-CLI = [sys.executable, "-m", "turnscope.cli"]
+CLI = [sys.executable, "-m", "turnscope"]
 
 
 def tree(pid: int) -> list[psutil.Process]:

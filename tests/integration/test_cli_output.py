@@ -1,6 +1,6 @@
 """The CLI's result text at 80 columns and in a log file: nothing cut, lists broken between items.
 
-The store is tests/dashboard_store.py's (written through turnscope.store's writer); the names that
+The store is tests/dashboard_store.py's (written through turnscope.core.store's writer); the names that
 must appear whole are the fixture's run ids and reuse outcomes, read straight from its Parquet
 shards.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests import dashboard_store
-from turnscope import console_text
+from turnscope.conductor import console_text
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -27,10 +27,10 @@ def store_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def summary_to_file(store: Path, out: Path, env: dict[str, str]) -> list[str]:
-    """`turnscope.cli.print_summary` in a fresh interpreter whose stdout is a file, as in `turnscope
+    """`turnscope.commands.summaries.print_summary` in a fresh interpreter whose stdout is a file, as in `turnscope
     eval > log`."""
     code = (
-        "import sys; from pathlib import Path; from turnscope.cli import print_summary; "
+        "import sys; from pathlib import Path; from turnscope.commands.summaries import print_summary; "
         f"print_summary(Path({str(store)!r}), {list(dashboard_store.RUNS)!r})"
     )
     with out.open("w") as f:
@@ -91,7 +91,7 @@ def test_sweep_summary_in_a_log_file_fits_80_columns(tmp_path):
 
     root = sweep_store.build(tmp_path / "store")
     code = (
-        "import duckdb; from pathlib import Path; from turnscope.cli import print_sweep_summary; "
+        "import duckdb; from pathlib import Path; from turnscope.commands.summaries import print_sweep_summary; "
         f"root = Path({str(root)!r}); "
         "ids = [r[0] for r in duckdb.connect(str(root / 'turnscope.duckdb'), read_only=True)"
         ".execute('select run_id from runs').fetchall()]; print_sweep_summary(root, ids)"

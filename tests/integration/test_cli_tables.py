@@ -1,6 +1,6 @@
 """CLI tables piped to a file read whole: no number, mode or header cut to fit 80 columns.
 
-`turnscope capacity`'s summary (turnscope.capacity.print_capacity_summary, the table it prints after a
+`turnscope capacity`'s summary (turnscope.conductor.capacity.print_capacity_summary, the table it prints after a
 ramp) over the hand-built ramp of tests/capacity_store.py, printed by a separate Python process whose
 stdout is a pipe (Rich then assumes 80 columns, as in a log or CI), checked against the ramp's
 hand-computed truths.
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from rich.console import Console
 from tests import capacity_store
-from turnscope.capacity import print_capacity_summary
+from turnscope.conductor.capacity import print_capacity_summary
 root = Path(sys.argv[1])
 ids = [capacity_store.run_id(m, u) for m in capacity_store.MODES for u in capacity_store.USERS]
 print_capacity_summary(root, ids, Console())

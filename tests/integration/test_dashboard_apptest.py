@@ -1,4 +1,4 @@
-"""The dashboard, run headless by Streamlit's AppTest over a real store (turnscope.store's writer).
+"""The dashboard, run headless by Streamlit's AppTest over a real store (turnscope.core.store's writer).
 
 Expected numbers come from hand-written SQL over the raw Parquet shards (not the store's views,
 not the dashboard's queries) or from values written out by hand in tests/dashboard_store.py.
@@ -19,7 +19,7 @@ from streamlit.proto.Metric_pb2 import Metric
 from streamlit.testing.v1 import AppTest
 
 from tests import dashboard_store
-from turnscope.store import Store
+from turnscope.core.store import Store
 
 APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
 TIMEOUT_S = 60
@@ -246,7 +246,7 @@ def test_store_locked_by_a_writer(monkeypatch, store_root):
 def test_cli_bottom_line_is_the_overview_headline_as_a_speed_up(store_root, capsys, monkeypatch):
     """`turnscope eval`/`demo` end with the headline: pd-bidir vs aggregated as a speed-up
     (aggregated's median / pd-bidir's, hand-computed from the fixture's formulas)."""
-    from turnscope.cli import print_bottom_line
+    from turnscope.commands.summaries import print_bottom_line
 
     monkeypatch.setenv("COLUMNS", "80")
     print_bottom_line(store_root, list(dashboard_store.RUNS))
@@ -266,7 +266,7 @@ def test_cli_and_overview_show_the_same_comparison_the_same_way(store_root, caps
     """One convention: the CLI's bottom line and the Overview card give the same label, the same
     speed-up, the same interval and the same verdict for the same comparison; the number is the
     hand-computed speed-up (baseline median / bidirectional median, > 1 = bidirectional faster)."""
-    from turnscope.cli import print_bottom_line
+    from turnscope.commands.summaries import print_bottom_line
 
     monkeypatch.setenv("COLUMNS", "120")
     print_bottom_line(store_root, list(dashboard_store.RUNS))

@@ -23,7 +23,7 @@ from dashboard import pages
 from loadgen.scraper import MetricsScraper
 from tests.handed_cases import CASES
 from tests.integration.metrics_endpoint import MetricsEndpoint, histograms_zeroed
-from turnscope.store import Store
+from turnscope.core.store import Store
 
 APP = pages.APP
 #: The pages an evaluation's store fills (dashboard/pages.py).

@@ -1,4 +1,4 @@
-"""Every dashboard page, run headless by Streamlit's AppTest over a real store (turnscope.store's writer).
+"""Every dashboard page, run headless by Streamlit's AppTest over a real store (turnscope.core.store's writer).
 
 Expected numbers come from hand-written SQL over the raw Parquet shards (`dashboard_store.raw_sql`:
 not the store's views, not the dashboard's queries) or are computed here by hand from the
@@ -22,7 +22,7 @@ from streamlit.testing.v1 import AppTest
 
 from dashboard import pages
 from tests import dashboard_store as fx
-from turnscope.store import Store
+from turnscope.core.store import Store
 
 APP = pages.APP
 TIMEOUT_S = 60

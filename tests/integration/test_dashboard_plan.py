@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from dashboard import pages
 from tests import planner_store as fx
-from turnscope.cli import app
+from turnscope.commands import app
 
 REPO = Path(__file__).resolve().parents[2]
 APP = REPO / "dashboard" / "app.py"

@@ -1,5 +1,5 @@
 """The Sweep page, run headless by Streamlit's AppTest over a sweep written by the real recorder
-(tests/sweep_store.py, turnscope.store's writer). Expected numbers are worked out here from the
+(tests/sweep_store.py, turnscope.core.store's writer). Expected numbers are worked out here from the
 fixture's formulas (plain arithmetic, not the dashboard's code)."""
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from dashboard import pages
 from loadgen.traces.kv_cache_tester import DEFAULT_DIR
 from loadgen.traffic import build_report
 from tests.unit.test_agent_traces import TRACES, truth, walk
-from turnscope.store import Store
+from turnscope.core.store import Store
 
 APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
 

@@ -33,7 +33,7 @@ from loadgen.stream_client import stream_turn
 from tests.integration.pd_stub import prefill_app
 from tests.integration.recovery_times import record
 from tests.integration.vllm_stack import AppThread, ProxyThread, metric
-from turnscope.connector import Connector
+from turnscope.core.connector import Connector
 
 pytestmark = pytest.mark.vllm
 MODEL = "turnscope-tiny"

@@ -1,4 +1,4 @@
-"""`turnscope eval` with the interleaved schedule (turnscope/schedule.py) through the command,
+"""`turnscope eval` with the interleaved schedule (turnscope/conductor/schedule.py) through the command,
 run_eval, real Locust processes (one per slice) and the store, each mode's workers replaced by a
 local OpenAI-compatible stub of its own. Truths: each stub's own log of the requests it served
 (which run and session, when), and the order the seed draws (random.shuffle, redone here)."""
@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 from serving.stack import StackAccess
 from tests.embedded_tokenizer import tokenizer_json
 from tests.integration.openai_stub import StubServer, StubState
-from turnscope import evaluation
-from turnscope.cli import LOG_DIR, app
+from turnscope.commands.app import LOG_DIR, app
+from turnscope.conductor import evaluation
 
 REPO = Path(__file__).resolve().parents[2]
 #: Three two-turn sessions of short prompts (the stub answers at once).

@@ -4,7 +4,7 @@ The main job's claims, read back from the store with hand-written SQL: in pd-bid
 turns after the first are hits, the prefill worker's external_kv_transfer counter rises (and
 stays flat in pd-nocache), TTFT after the first turn is lower than in pd-nocache, and every
 turn sent is stored exactly once. The two modes run on the interleaved schedule (the default,
-turnscope/schedule.py): both stacks up together on ports of their own, each history mode's
+turnscope/conductor/schedule.py): both stacks up together on ports of their own, each history mode's
 sessions played in rounds whose order the seed draws. Per run: every row is its run's mode's;
 each run's increase of P's external_kv_transfer counter equals the proxy's reused tokens of that
 run exactly, its last turn included (the scraper's final scrapes), though a mode's token_ids and
@@ -24,7 +24,7 @@ from rich.console import Console
 from serving.embedded_model import ensure_model
 from serving.topology import WorkerEntry, embedded_topology
 from tests.integration.vllm_stack import free_port
-from turnscope.evaluation import default_settings, run_eval
+from turnscope.conductor.evaluation import default_settings, run_eval
 
 pytestmark = pytest.mark.vllm
 

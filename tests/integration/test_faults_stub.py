@@ -34,8 +34,8 @@ from tests.integration.kv_stub import StubProcess, ThreadServer, gen_ids
 from tests.integration.openai_stub import StubServer, StubState
 from tests.integration.test_session_stub import _locust_cmd, _locust_env, rows
 from tests.integration.vllm_stack import ProxyThread, free_port
-from turnscope.store import Store
-from turnscope.tokenize_client import TokenizeClient
+from turnscope.core.store import Store
+from turnscope.core.tokenize_client import TokenizeClient
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 8

@@ -19,7 +19,7 @@ import pytest
 
 from serving import handles as h
 from tests.integration.vllm_stack import ProxyThread
-from turnscope.tokenize_client import render_request, tokenize_async
+from turnscope.core.tokenize_client import render_request, tokenize_async
 
 pytestmark = pytest.mark.vllm
 MODEL = "turnscope-tiny"

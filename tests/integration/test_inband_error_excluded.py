@@ -22,7 +22,7 @@ from loadgen.stream_client import stream_turn
 from tests import dashboard_store
 from tests.handed_cases import CASES
 from tests.integration.http_stub import StubServer, events_script
-from turnscope.store import Store
+from turnscope.core.store import Store
 
 CASE = json.loads((CASES / "sse" / "inband_error_after_tokens.json").read_text())
 RUN, SESSION = "bidir-1", "bidir-1-s0"
@@ -100,7 +100,7 @@ def test_dashboard_percentiles_leave_the_inband_error_out(stores) -> None:
 
 
 def test_cli_bottom_line_leaves_the_inband_error_out(stores, capsys, monkeypatch) -> None:
-    from turnscope.cli import print_bottom_line
+    from turnscope.commands.summaries import print_bottom_line
 
     plain, with_error, _ = stores
     monkeypatch.setenv("COLUMNS", "200")

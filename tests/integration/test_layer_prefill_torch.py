@@ -80,7 +80,7 @@ def test_timings_of_a_small_layer_become_a_profile_the_planner_loads(tmp_path):
     assert [p["tokens"] for p in doc["points"]] == [128, 512, 1024]
     assert all(len(p["samples_s"]) == 3 and p["layer_s"] == sorted(p["samples_s"])[1] for p in doc["points"])
     out = tmp_path / "measured.yaml"
-    cli = subprocess.run([sys.executable, "-m", "turnscope.cli", "profile-from-timing", str(timing),
+    cli = subprocess.run([sys.executable, "-m", "turnscope", "profile-from-timing", str(timing),
                           "--base", str(REPO / "data" / "profiles" / "embedded-cpu.yaml"), "--out", str(out)],
                          capture_output=True, text=True, timeout=120, cwd=REPO, check=False)
     assert cli.returncode == 0, cli.stderr[-2000:]
@@ -99,7 +99,7 @@ def test_timings_of_a_small_layer_become_a_profile_the_planner_loads(tmp_path):
     assert "WARNING: timed on a CPU" in load_profile(out).description  # shown with the profile on the Plan page
     # a plan made with it says where its prefill curve comes from
     trace = REPO / "data" / "traces" / "kv-cache-tester" / "trace_0036.json"
-    plan = subprocess.run([sys.executable, "-m", "turnscope.cli", "plan", str(trace), "--profile", str(out),
+    plan = subprocess.run([sys.executable, "-m", "turnscope", "plan", str(trace), "--profile", str(out),
                            "--store", str(tmp_path / "store")], capture_output=True, text=True, timeout=300, cwd=REPO,
                           check=False)
     assert plan.returncode == 0, (plan.stdout + plan.stderr)[-2000:]
@@ -113,7 +113,7 @@ def test_timings_of_a_small_layer_become_a_profile_the_planner_loads(tmp_path):
     # its own held-out check: the measured profile against recorded runs, its errors written with it
     store = fx.build(tmp_path / "runs")
     checked = tmp_path / "measured-checked.yaml"
-    chk = subprocess.run([sys.executable, "-m", "turnscope.cli", "plan-check", "--profile", str(out), "--check-store",
+    chk = subprocess.run([sys.executable, "-m", "turnscope", "plan-check", "--profile", str(out), "--check-store",
                           str(store), "--write-profile", str(checked)], capture_output=True, text=True, timeout=300,
                          cwd=REPO, check=False, env=os.environ | {"COLUMNS": "4000"})
     assert chk.returncode == 0, (chk.stdout + chk.stderr)[-2000:]
@@ -121,7 +121,7 @@ def test_timings_of_a_small_layer_become_a_profile_the_planner_loads(tmp_path):
     assert own.held_out is not None and f"profile file {out}" in own.held_out.split
     assert set(own.held_out.ttft_ratio) == set(fx.MODES) and own.held_out.runs == len(fx.RUNS)
     assert own.prefill_a1_s_per_token == profile.prefill_a1_s_per_token   # the measured curve, its source kept
-    plan = subprocess.run([sys.executable, "-m", "turnscope.cli", "plan", str(trace), "--profile", str(checked),
+    plan = subprocess.run([sys.executable, "-m", "turnscope", "plan", str(trace), "--profile", str(checked),
                            "--store", str(tmp_path / "store2")], capture_output=True, text=True, timeout=300,
                           cwd=REPO, check=False)
     assert plan.returncode == 0, (plan.stdout + plan.stderr)[-2000:]
@@ -141,7 +141,7 @@ def test_a_model_it_cannot_time_exits_2_naming_the_field(tmp_path):
 
 def test_profile_from_timing_refuses_half_an_anchor_and_a_bad_file(tmp_path):
     base = str(REPO / "data" / "profiles" / "vendor-h200.yaml")
-    half = subprocess.run([sys.executable, "-m", "turnscope.cli", "profile-from-timing", str(tmp_path / "x.json"),
+    half = subprocess.run([sys.executable, "-m", "turnscope", "profile-from-timing", str(tmp_path / "x.json"),
                            "--base", base, "--out", str(tmp_path / "p.yaml"), "--anchor-tokens", "4175"],
                           capture_output=True, text=True, timeout=120, cwd=REPO, check=False)
     assert half.returncode == 2 and "--anchor-tokens/--anchor-ttft-s: give both or neither" in half.stdout + half.stderr
@@ -152,7 +152,7 @@ def test_profile_from_timing_refuses_half_an_anchor_and_a_bad_file(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(doc, indent=2))
     line = next(i for i, text in enumerate(bad.read_text().splitlines(), 1) if '"points"' in text)
-    run = subprocess.run([sys.executable, "-m", "turnscope.cli", "profile-from-timing", str(bad), "--base", base,
+    run = subprocess.run([sys.executable, "-m", "turnscope", "profile-from-timing", str(bad), "--base", base,
                           "--out", str(tmp_path / "p.yaml")], capture_output=True, text=True, timeout=120,
                          cwd=REPO, check=False)
     said = " ".join((run.stdout + run.stderr).split())  # the console wraps long lines

@@ -20,7 +20,7 @@ from loadgen.session import SessionPlan, TurnPlan
 from loadgen.session_player import run_session
 from loadgen.token_prompt import reuse_against, reuse_oracle
 from tests.integration.vllm_stack import ProxyThread
-from turnscope.store import Store
+from turnscope.core.store import Store
 
 pytestmark = pytest.mark.vllm
 MODEL = "turnscope-tiny"

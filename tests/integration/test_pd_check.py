@@ -15,10 +15,10 @@ import io
 
 from rich.console import Console
 
-from turnscope import cli
 from turnscope.analysis.pd_check import decode_computed_prompts, pd_check_failures
-from turnscope.evaluation import pd_checked_status
-from turnscope.store import Store
+from turnscope.commands import summaries as cli
+from turnscope.conductor.evaluation import pd_checked_status
+from turnscope.core.store import Store
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 NAME = "vllm:prompt_tokens_by_source_total"

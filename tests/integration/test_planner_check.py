@@ -17,10 +17,10 @@ from typer.testing import CliRunner
 
 from tests import planner_store as fx
 from turnscope.analysis.plan_check import check_summary
-from turnscope.cli import app
+from turnscope.commands import app
+from turnscope.core.store import Store
 from turnscope.planner.check import check_runs, run_settings
 from turnscope.planner.fit import FitError, fit_profile
-from turnscope.store import Store
 
 RUN_IDS = list(fx.RUNS.values())
 

@@ -16,11 +16,11 @@ from typer.testing import CliRunner
 
 from dashboard import pages
 from tests import planner_store as fx
-from turnscope.cli import app
+from turnscope.commands import app
+from turnscope.core.store import Store
 from turnscope.planner.fit import fit_profile
 from turnscope.planner.held_out import check_split, held_out_check
 from turnscope.planner.profile import load_profile
-from turnscope.store import Store
 
 SLOW = 1.5
 RUN_IDS = list(fx.RUNS.values())

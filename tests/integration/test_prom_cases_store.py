@@ -19,7 +19,7 @@ from dashboard import db, queries
 from loadgen.scraper import MetricsScraper
 from tests.handed_cases import CASES
 from tests.integration.metrics_endpoint import MetricsEndpoint, counters_zeroed, histograms_zeroed
-from turnscope.store import Store
+from turnscope.core.store import Store
 
 PROM = CASES / "prometheus"
 RUN = "prom-cases"

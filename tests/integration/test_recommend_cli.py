@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from serving.topology import load_topology
-from turnscope.cli import app
+from turnscope.commands import app
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT / "data/traces/kv-cache-tester/trace_0036.json"

@@ -1,7 +1,7 @@
 """Per-run rollups (dashboard/rollup.py) give the dashboard the same figures as the plain views.
 
 Second route: every query of ``dashboard.queries`` is run over a real store (the dashboard
-fixture, written by turnscope.store's writer) once on the plain views (``db.use_rollups = False``)
+fixture, written by turnscope.core.store's writer) once on the plain views (``db.use_rollups = False``)
 and once through the rollups, and the frames must be equal; each rolled-up row must equal its
 plain view's row. Then more rows arrive (a shard appended to a rolled-up run, a new finished run
 and a running one) and the two routes must still agree, before and after rolling up again.
@@ -21,8 +21,8 @@ import pytest
 from dashboard import db, queries
 from dashboard.rollup import MANIFEST, ROLLUP_DIR, SUMMARY_VIEWS, Rollups
 from tests import dashboard_store as fx
+from turnscope.core.store import Store
 from turnscope.planner.ttl_whatif import WHATIF_TTLS_S
-from turnscope.store import Store
 
 TTLS = (60.0, 120.0, 480.0, 900.0)
 
@@ -162,7 +162,7 @@ def test_rollups_give_the_plain_views_figures(monkeypatch, tmp_path):
 def test_rollup_cli(tmp_path):
     from typer.testing import CliRunner
 
-    from turnscope.cli import app
+    from turnscope.commands import app
 
     root = fx.build(tmp_path / "store")
     out = CliRunner().invoke(app, ["rollup", "--store", str(root)])
@@ -179,8 +179,8 @@ def test_views_of_an_older_schema_are_named_and_recreated_by_rollup(tmp_path):
     columns): the dashboard says so and how to fix it; `turnscope rollup` recreates the views."""
     from typer.testing import CliRunner
 
-    from turnscope.cli import app
-    from turnscope.store import SCHEMA_PATH
+    from turnscope.commands import app
+    from turnscope.core.store import SCHEMA_PATH
 
     root = fx.build(tmp_path / "store")
     old_sql = SCHEMA_PATH.read_text().replace(

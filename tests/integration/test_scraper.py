@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from loadgen.scraper import MetricsScraper
 from tests.integration.http_stub import Script, StubServer
-from turnscope.store import Store
+from turnscope.core.store import Store
 
 
 def _serve(registry: CollectorRegistry, port: int = 0):

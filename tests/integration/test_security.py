@@ -33,9 +33,9 @@ from tests.integration.pd_stub import decode_app, prefill_app
 from tests.integration.test_faults_stub import write_trace
 from tests.integration.test_session_stub import _locust_cmd, _locust_env
 from tests.integration.vllm_stack import AppThread, ProxyThread, free_port
-from turnscope.evaluation import default_settings
-from turnscope.settings import TurnscopeSettings
-from turnscope.store import Store
+from turnscope.conductor.evaluation import default_settings
+from turnscope.conductor.settings import TurnscopeSettings
+from turnscope.core.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "data" / "models" / "turnscope-tiny"
@@ -110,7 +110,7 @@ def test_locust_web_ui_and_master_bind_loopback_by_default_and_warn_otherwise(tm
 
 
 def test_dashboard_binds_loopback_by_default_and_warns_otherwise(tmp_path):
-    cli = [sys.executable, "-m", "turnscope.cli", "dashboard", "--store", str(tmp_path / "store")]
+    cli = [sys.executable, "-m", "turnscope", "dashboard", "--store", str(tmp_path / "store")]
     port = free_port()
     log = tmp_path / "dash.log"
     proc = spawn([*cli, "--port", str(port)], log)

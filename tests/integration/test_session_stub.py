@@ -24,7 +24,7 @@ from loadgen.session import plan_from_conversation
 from loadgen.session_player import run_session
 from loadgen.traces.taubench import Conversation
 from tests.integration.openai_stub import CHAR_BASE, IM_END, XY, StubServer, StubState, encode, render
-from turnscope.store import Store
+from turnscope.core.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
 NL = CHAR_BASE + ord("\n")

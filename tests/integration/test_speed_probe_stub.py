@@ -1,4 +1,4 @@
-"""The speed probe (turnscope/speed_probe.py) against the local OpenAI-compatible stub, whose time to
+"""The speed probe (turnscope/conductor/speed_probe.py) against the local OpenAI-compatible stub, whose time to
 first token is injected: the probe alone, and `turnscope eval` recording a probe at each run's start
 and end in ``run_probes``. Truths: the injected delay and the stub's own log of requests."""
 
@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from serving.stack import StackAccess
 from tests.integration.openai_stub import StubServer, StubState
-from turnscope import evaluation, speed_probe
-from turnscope.cli import LOG_DIR, app
+from turnscope.commands.app import LOG_DIR, app
+from turnscope.conductor import evaluation, speed_probe
 
 REPO = Path(__file__).resolve().parents[2]
 DELAY_S = 0.2

@@ -23,8 +23,8 @@ from loadgen.synth_text import LocalTokenizer
 from serving.stack import StackAccess
 from tests.embedded_tokenizer import tokenizer_json
 from tests.integration.openai_stub import StubServer, StubState
-from turnscope import evaluation
-from turnscope.cli import LOG_DIR, app
+from turnscope.commands.app import LOG_DIR, app
+from turnscope.conductor import evaluation
 
 REPO = Path(__file__).resolve().parents[2]
 SESSIONS, TURNS, VALUES, MODES = 2, 2, (60, 120), ("pd-nocache", "pd-bidir")

@@ -22,8 +22,8 @@ from serving.embedded_model import ensure_model
 from serving.topology import WorkerEntry, embedded_topology
 from tests.integration.vllm_stack import free_port
 from turnscope.analysis import sweep_stats
-from turnscope.evaluation import default_settings
-from turnscope.prefix_sweep import plan_sweep, run_sweep
+from turnscope.conductor.evaluation import default_settings
+from turnscope.conductor.prefix_sweep import plan_sweep, run_sweep
 
 pytestmark = pytest.mark.vllm
 

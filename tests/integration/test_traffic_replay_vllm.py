@@ -20,7 +20,7 @@ from loadgen.traces.kv_cache_tester import DEFAULT_DIR
 from tests.integration.test_session_stub import _locust_cmd, _locust_env, rows
 from tests.integration.vllm_stack import ProxyThread
 from tests.unit.test_agent_traces import naive_common
-from turnscope.store import Store
+from turnscope.core.store import Store
 
 pytestmark = pytest.mark.vllm
 REPO = __import__("pathlib").Path(__file__).resolve().parents[2]

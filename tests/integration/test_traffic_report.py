@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 from loadgen.traces.kv_cache_tester import DEFAULT_DIR
 from tests.unit.test_agent_traces import TRACES, naive_common, truth, walk
-from turnscope.cli import app
-from turnscope.store import Store
+from turnscope.commands import app
+from turnscope.core.store import Store
 
 
 def cli(*args: str) -> tuple[int, str]:

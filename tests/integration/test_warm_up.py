@@ -13,7 +13,7 @@ import httpx
 from serving.handle_check import RELEASE_MAX_TOKENS, release_turn
 from serving.topology import embedded_topology
 from tests.integration.http_stub import Script, StubServer
-from turnscope.evaluation import EvalSettings, warm_up, warm_up_tokens
+from turnscope.conductor.evaluation import EvalSettings, warm_up, warm_up_tokens
 
 REPLY = json.dumps({"choices": [{"token_ids": list(range(100, 108))}]}).encode()
 

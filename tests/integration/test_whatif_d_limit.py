@@ -14,8 +14,8 @@ import pytest
 from dashboard import db, queries
 from dashboard.queries import memory
 from dashboard.rollup import Rollups
+from turnscope.core.store import Store
 from turnscope.planner.ttl_whatif import WHATIF_TTLS_S
-from turnscope.store import Store
 
 T0 = dt.datetime(2026, 12, 1, 10, 0, tzinfo=dt.UTC)
 GIB = 2**30

@@ -13,7 +13,7 @@ import pytest
 
 from tests.integration.test_session_stub import _free_port, _locust_cmd, _locust_env, rows
 from tests.integration.vllm_stack import ProxyThread, metric
-from turnscope.store import Store
+from turnscope.core.store import Store
 
 pytestmark = pytest.mark.vllm
 REPO = __import__("pathlib").Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""The calibration's schedule (turnscope/calibration_schedule.py): lengths up to the model's limit, the
+"""The calibration's schedule (turnscope/conductor/calibration_schedule.py): lengths up to the model's limit, the
 points of a block, and the order: each block a seeded permutation of its points, every point sent to
 every mode with the modes strictly alternated and the first mode rotating from block to block. The
 expected orders are written out by hand from numpy's permutation of the same seed."""
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from serving.topology import embedded_topology
-from turnscope.calibration import QUICK, CalibrationSettings, mode_topology
-from turnscope.calibration_schedule import CalPoint, default_lengths, points, schedule
+from turnscope.conductor.calibration import QUICK, CalibrationSettings, mode_topology
+from turnscope.conductor.calibration_schedule import CalPoint, default_lengths, points, schedule
 
 
 def test_lengths_double_up_to_the_models_limit():

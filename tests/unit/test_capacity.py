@@ -10,8 +10,8 @@ import pytest
 from dashboard.capacity import crossing_words, find_crossing
 from serving.topology import embedded_topology
 from serving.workers import mode_workers, worker_command
-from turnscope.capacity import plan_capacity
-from turnscope.evaluation import EvalSettings, Slo
+from turnscope.conductor.capacity import plan_capacity
+from turnscope.conductor.evaluation import EvalSettings, Slo
 
 REPO = Path(__file__).resolve().parents[2]
 WORKLOAD = REPO / "data" / "workloads" / "capacity.yaml"

@@ -1,4 +1,4 @@
-"""The shared leaf modules (turnscope.contract, .tokenize_client, .redaction, .store) import none of the parts."""
+"""The shared leaf modules (turnscope.core.contract, .tokenize_client, .redaction, .store) import none of the parts."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from turnscope.contract import PUBLIC_FACT_KEYS, PublicFacts, common_prefix_length
+from turnscope.core.contract import PUBLIC_FACT_KEYS, PublicFacts, common_prefix_length
 
 
-@pytest.mark.parametrize("module", ["turnscope.contract", "turnscope.tokenize_client", "turnscope.redaction",
-                                    "turnscope.store"])
+@pytest.mark.parametrize("module", ["turnscope.core.contract", "turnscope.core.tokenize_client", "turnscope.core.redaction",
+                                    "turnscope.core.store"])
 def test_a_shared_module_imports_no_part(module: str) -> None:
     code = (f"import sys, {module}; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'serving', 'loadgen', 'dashboard'}))")

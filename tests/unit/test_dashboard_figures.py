@@ -377,7 +377,7 @@ def test_every_reuse_outcome_has_an_order_a_marker_and_a_colour():
     from dashboard import palette
     from dashboard.figures.common import OUTCOME_ORDER, OUTCOME_SYMBOLS
     from dashboard.queries import NOT_RECORDED
-    from turnscope.contract import OUTCOMES
+    from turnscope.core.contract import OUTCOMES
 
     expected = {*OUTCOMES, NOT_RECORDED}
     assert sorted(OUTCOME_ORDER) == sorted(expected)

@@ -2,7 +2,7 @@
 
 import signal
 
-from turnscope.evaluation import run_locust, run_status
+from turnscope.conductor.evaluation import run_locust, run_status
 
 
 def test_failed_turns_do_not_fail_a_run_and_a_killed_loadgen_is_aborted():
@@ -15,7 +15,7 @@ def test_failed_turns_do_not_fail_a_run_and_a_killed_loadgen_is_aborted():
 
 def test_locust_is_told_that_failed_requests_are_not_an_error_exit(monkeypatch, tmp_path):
     """Locust exits 1 when any request failed unless told otherwise; the driver tells it 0."""
-    from turnscope import evaluation
+    from turnscope.conductor import evaluation
 
     seen = {}
 
@@ -32,11 +32,11 @@ def test_locust_is_told_that_failed_requests_are_not_an_error_exit(monkeypatch, 
 
 def test_every_shipped_workload_passes_the_runs_own_check() -> None:
     """`turnscope eval` reads each workload and the traces it names before anything starts
-    (turnscope.evaluation.check_workload): every shipped workload, every trace format, passes."""
+    (turnscope.conductor.evaluation.check_workload): every shipped workload, every trace format, passes."""
     from pathlib import Path
 
     from loadgen.workload import load_workload
-    from turnscope.evaluation import check_workload
+    from turnscope.conductor.evaluation import check_workload
 
     files = sorted((Path(__file__).resolve().parents[2] / "data" / "workloads").glob("*.yaml"))
     formats = set()

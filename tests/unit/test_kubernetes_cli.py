@@ -10,7 +10,7 @@ from tests.unit.test_kubernetes import IMAGE, REPO, validate
 
 
 def test_cli_prints_yaml_that_validates() -> None:
-    from turnscope.cli import app
+    from turnscope.commands import app
 
     r = CliRunner().invoke(app, ["serve", "--topology", str(REPO / "data/topologies/vendor-h200-1p1d.yaml"),
                                  "--mode", "pd-bidir", "--kubernetes", "--image", IMAGE, "--namespace", "llm"],
@@ -23,7 +23,7 @@ def test_cli_prints_yaml_that_validates() -> None:
 
 
 def test_cli_without_image_fails_naming_it() -> None:
-    from turnscope.cli import app
+    from turnscope.commands import app
 
     r = CliRunner().invoke(app, ["serve", "--topology", str(REPO / "data/topologies/embedded-cpu.yaml"),
                                  "--mode", "pd", "--kubernetes"], env={"COLUMNS": "4000"})

@@ -44,24 +44,22 @@ def test_part_imports_no_other_part(part: str, forbidden: set[str]) -> None:
 
 # -- the layers (docs/design.md, "Layers") ------------------------------------------------------------
 
-#: The ground every part stands on: it imports nothing of turnscope's outside itself.
-GROUND = ("turnscope.contract", "turnscope.modes", "turnscope.connector", "turnscope.store", "turnscope.reuse_rules",
-          "turnscope.tokenize_client", "turnscope.redaction", "turnscope.yaml_file", "turnscope.resources")
-#: Layer of each package prefix, bottom (0) up; a module may import its own layer's (within its
-#: package) and lower layers only. The conductor (CLI, settings, eval, sweep, capacity) is the rest
-#: of ``turnscope``, on top.
-LAYERS = (("turnscope.analysis", 1), ("serving", 1), ("loadgen", 1), ("turnscope.planner", 2), ("dashboard", 3))
-CONDUCTOR = 4
+#: The layers by folder, bottom (0) up (docs/design.md, "Layers"): a module may import modules of its
+#: own folder and of lower layers only. Every module of the repository's code lies in exactly one of
+#: these folders (:func:`test_every_module_lies_in_a_layer_folder`): a new module takes its layer
+#: from where it is put, not from a list of modules.
+LAYER_FOLDERS = (("turnscope/core", 0), ("serving", 1), ("loadgen", 1), ("turnscope/analysis", 1),
+                 ("turnscope/planner", 2), ("dashboard", 3), ("turnscope/conductor", 4),
+                 ("turnscope/commands", 5), ("turnscope", 6))  # turnscope/ itself: the package and its entry
 
 
 def layer_of(module: str) -> tuple[int, str]:
-    """(layer, package) of a module of this repository."""
-    if module in GROUND:
-        return 0, "ground"
-    for prefix, layer in LAYERS:
-        if module == prefix or module.startswith(prefix + "."):
-            return layer, prefix
-    return CONDUCTOR, "turnscope"
+    """(layer, folder) of a module of this repository: its deepest folder of :data:`LAYER_FOLDERS`."""
+    path = module.replace(".", "/")
+    for folder, layer in sorted(LAYER_FOLDERS, key=lambda f: -len(f[0])):
+        if path == folder or path.startswith(folder + "/"):
+            return layer, folder
+    raise AssertionError(f"{module} lies in no layer folder of {[f for f, _ in LAYER_FOLDERS]}")
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -87,7 +85,7 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def layering_breaches(graph: dict[str, set[str]]) -> list[str]:
-    """Imports that go up a layer or sideways between two packages of one layer."""
+    """Imports that go up a layer or sideways between two folders of one layer."""
     out = []
     for module, targets in graph.items():
         layer, package = layer_of(module)
@@ -133,6 +131,14 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
+def test_every_module_lies_in_a_layer_folder() -> None:
+    """turnscope/ itself holds only the package and its entry (``python -m turnscope``); every other
+    module sits in a layer's folder."""
+    graph = import_graph()
+    assert all(layer_of(m) for m in graph)
+    assert sorted(m for m in graph if layer_of(m)[1] == "turnscope") == ["turnscope", "turnscope.__main__"]
+
+
 def test_no_module_imports_up_a_layer_or_across_one() -> None:
     assert layering_breaches(import_graph()) == []
 
@@ -143,9 +149,9 @@ def test_no_import_cycle() -> None:
 
 def test_the_checks_catch_an_upward_import_and_a_cycle() -> None:
     graph = import_graph()
-    graph["turnscope.store"] = graph["turnscope.store"] | {"dashboard.db"}  # ground -> dashboard
-    assert "turnscope.store -> dashboard.db" in layering_breaches(graph)
-    assert any({"turnscope.store", "dashboard.db"} <= set(c) for c in import_cycles(graph))
+    graph["turnscope.core.store"] = graph["turnscope.core.store"] | {"dashboard.db"}  # ground -> dashboard
+    assert "turnscope.core.store -> dashboard.db" in layering_breaches(graph)
+    assert any({"turnscope.core.store", "dashboard.db"} <= set(c) for c in import_cycles(graph))
     graph = import_graph()
     graph["serving.routing"] = graph["serving.routing"] | {"loadgen.workload"}  # across one layer
     assert layering_breaches(graph) == ["serving.routing -> loadgen.workload"]

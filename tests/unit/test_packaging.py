@@ -1,5 +1,5 @@
 """pyproject.toml's package list: every package folder of the code is in the wheel, and data/'s
-shipped folders are the package turnscope_data (turnscope/resources.py). What the built wheel
+shipped folders are the package turnscope_data (turnscope/core/resources.py). What the built wheel
 holds and does outside the checkout: tests/integration/test_wheel_install.py."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from setuptools import find_packages
 
-from turnscope import resources
+from turnscope.core import resources
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]

@@ -156,8 +156,8 @@ def test_the_wait_is_stored_with_the_request(tmp_path):
     import duckdb
     import pandas as pd
 
+    from turnscope.core.store import Store
     from turnscope.planner.plan_store import write_plan
-    from turnscope.store import Store
 
     p = plan(reqs(), profile(), PlanSettings(modes=("aggregated",)))
     empty = pd.DataFrame()

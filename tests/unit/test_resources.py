@@ -1,4 +1,4 @@
-"""turnscope/resources.py in a checkout: the shipped files are this checkout's data/, found by name
+"""turnscope/core/resources.py in a checkout: the shipped files are this checkout's data/, found by name
 from any directory; made files go under data/; subprocesses get this checkout's code first.
 Installed from the wheel: tests/integration/test_wheel_install.py."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from turnscope import resources
+from turnscope.core import resources
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "data"
@@ -67,7 +67,7 @@ def test_pythonpath_puts_this_code_first_unless_it_is_a_site_packages_folder(mon
 
 
 def test_cli_takes_a_shipped_topology_by_name_from_another_directory(tmp_path, monkeypatch):
-    from turnscope.cli import app
+    from turnscope.commands import app
 
     monkeypatch.chdir(tmp_path)
     r = CliRunner().invoke(app, ["serve", "--topology", "embedded-cpu-2p1d", "--dry-run"], env={"COLUMNS": "4000"})

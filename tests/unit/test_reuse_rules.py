@@ -1,4 +1,4 @@
-"""turnscope.reuse_rules: hand-computed cases, and proof that the proxy, the handle table and the
+"""turnscope.core.reuse_rules: hand-computed cases, and proof that the proxy, the handle table and the
 planner call these very functions (a spy replaced in the module is what each of them runs)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from loadgen.traces.agent_request import AgentRequest
 from serving import handles as h
 from serving import proxy
-from turnscope import reuse_rules as rules
+from turnscope.core import reuse_rules as rules
 from turnscope.planner.profile import CostProfile
 from turnscope.planner.simulate import PlanSettings, plan
 

@@ -101,7 +101,7 @@ def test_a_forecast_of_an_effect_that_reads_one_shows_why_its_count_is_large():
 
 
 def test_cli_bottom_line_carries_the_forecast_of_an_undecided_comparison():
-    from turnscope.cli import bottom_line_blocks
+    from turnscope.commands.summaries import bottom_line_blocks
 
     undecided = Ratio("pd-bidir", "pd", "w", "text", 12, 12, 0.17, 0.2, 0.85, 0.6, 1.2, 3, 3, 3, 3)
     decided = Ratio("pd-bidir", "aggregated", "w", "text", 12, 12, 0.1, 0.2, 0.5, 0.4, 0.6, 3, 3, 3, 3)

@@ -1,6 +1,6 @@
-"""The interleaved schedule's plan (turnscope/schedule.py), the slice a Locust process plays
+"""The interleaved schedule's plan (turnscope/conductor/schedule.py), the slice a Locust process plays
 (loadgen.session_dispenser.slice_plans), the ports of the modes kept up together
-(serving.topology.shifted) and where run_eval interleaves (turnscope.evaluation.schedule_groups).
+(serving.topology.shifted) and where run_eval interleaves (turnscope.conductor.evaluation.schedule_groups).
 Truths: hand-written groups, ranges and port sets, and plans built here."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import pytest
 from loadgen.session import SessionPlan, TurnPlan
 from loadgen.session_dispenser import slice_plans
 from serving.topology import disjoint_offsets, embedded_topology, ports_of, shifted
-from turnscope import schedule
-from turnscope.evaluation import default_settings, schedule_groups
-from turnscope.modes import MODES
+from turnscope.conductor import schedule
+from turnscope.conductor.evaluation import default_settings, schedule_groups
+from turnscope.core.modes import MODES
 
 GIB = 2**30
 

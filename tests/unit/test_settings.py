@@ -1,4 +1,4 @@
-"""turnscope.settings: env vars, config files, precedence, error messages, the saved configuration."""
+"""turnscope.conductor.settings: env vars, config files, precedence, error messages, the saved configuration."""
 
 from __future__ import annotations
 
@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from turnscope.settings import SettingsError, TurnscopeSettings, _env_name, _leaf_paths, using_config_file
+from turnscope.conductor.settings import (
+    SettingsError,
+    TurnscopeSettings,
+    _env_name,
+    _leaf_paths,
+    using_config_file,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -42,7 +48,7 @@ def test_defaults_are_vllms_and_the_embedded_layouts() -> None:
 def test_defaults_agree_with_the_serving_side() -> None:
     from serving.proxy import ProxyConfig
     from serving.topology import ProxySettings
-    from turnscope.connector import Connector
+    from turnscope.core.connector import Connector
 
     s = TurnscopeSettings.load()
     assert isinstance(s.connector, Connector)

@@ -1,4 +1,4 @@
-"""Sweep planning (turnscope.prefix_sweep, loadgen.workload.sweep_workloads) as pure logic: the shipped
+"""Sweep planning (turnscope.conductor.prefix_sweep, loadgen.workload.sweep_workloads) as pure logic: the shipped
 vendor sweep has the vendor's shape (vLLM blog 2026-10-12, run_multiturn_sweep.sh and
 benchmarks/multi_turn/bench_dataset.py), each point is its own workload and run id, and the
 recorded parameters and size checks are what the numbers say."""
@@ -15,9 +15,15 @@ from loadgen.synth_text import LocalTokenizer, TextSynth
 from loadgen.workload import Constant, WorkloadError, load_workload, plan_workload, sweep_workloads
 from serving.topology import embedded_topology, load_topology
 from tests.embedded_tokenizer import tokenizer_json
-from turnscope.cli import app
-from turnscope.evaluation import EvalSettings, RunPlan, run_eval
-from turnscope.prefix_sweep import SWEEP_MODES, largest_prompt_tokens, plan_sweep, run_sweep, write_workloads
+from turnscope.commands import app
+from turnscope.conductor.evaluation import EvalSettings, RunPlan, run_eval
+from turnscope.conductor.prefix_sweep import (
+    SWEEP_MODES,
+    largest_prompt_tokens,
+    plan_sweep,
+    run_sweep,
+    write_workloads,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 VENDOR = REPO / "data" / "workloads" / "vendor-sweep.yaml"

@@ -18,7 +18,7 @@ from loadgen.token_prompt import (
     strip_generation_prompt,
 )
 from tests.integration.openai_stub import CHAR_BASE, IM_END, IM_START, encode, render
-from turnscope.contract import common_prefix_length
+from turnscope.core.contract import common_prefix_length
 
 NL = CHAR_BASE + ord("\n")
 

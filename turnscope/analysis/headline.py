@@ -19,9 +19,9 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from turnscope import modes
 from turnscope.analysis import sample_size, speedup
 from turnscope.analysis.speedup import Verdict
+from turnscope.core import modes
 
 #: (treatment, baseline): the feature against the baselines operators run (one-way P/D with P's
 #: prefix cache on, aggregated serving), then the vendor's cache-miss scenario (P's cache off);
@@ -403,7 +403,7 @@ def all_miss_warnings(outcomes: pd.DataFrame) -> list[str]:
     """Modes whose proxy reused nothing: a plain sentence for each.
 
     `outcomes` has columns mode, reuse, later_turns (see ``dashboard.queries.reuse_outcomes``).
-    A bidirectional mode (``turnscope.modes.BIDIRECTIONAL_MODES``) with later turns but no ``hit`` means every turn recomputed its whole
+    A bidirectional mode (``turnscope.core.modes.BIDIRECTIONAL_MODES``) with later turns but no ``hit`` means every turn recomputed its whole
     prompt (e.g. the decode handle never came back; docs/design.md), which the page must say plainly.
     """
     out = []

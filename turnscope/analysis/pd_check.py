@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from turnscope.modes import MODES, serving_mode
-from turnscope.store import connect_read_only
+from turnscope.core.modes import MODES, serving_mode
+from turnscope.core.store import connect_read_only
 
 #: vLLM's counter of prompt tokens by where their KV came from (``PromptTokenStats``).
 PROMPT_TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
@@ -35,7 +35,7 @@ def decode_computed_prompts(mode: str, pd_turns: int, local_compute: float | Non
     """The sentence that fails a P/D run whose decode worker computed prompts itself, or None.
 
     Args:
-        mode: the run's serving mode (only P/D modes, ``turnscope.modes.ServingMode.disaggregated``,
+        mode: the run's serving mode (only P/D modes, ``turnscope.core.modes.ServingMode.disaggregated``,
             are checked; an attached server's ``attach`` is not).
         pd_turns: turns the proxy reported through P (a reuse outcome set: P answered, D was called).
         local_compute, external_kv: how much D's ``vllm:prompt_tokens_by_source_total`` rose

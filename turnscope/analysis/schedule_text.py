@@ -1,6 +1,6 @@
 """How recorded runs were scheduled, in words: the line under the CLI's bottom line and the Overview's
 headline. Reads what each run recorded under ``runs.workload_spec.schedule`` (written by
-``turnscope.schedule``: ``{"kind": "sequential"}`` or ``{"kind": "interleaved", "group": [...],
+``turnscope.conductor.schedule``: ``{"kind": "sequential"}`` or ``{"kind": "interleaved", "group": [...],
 "rounds": N, "seed": S, ...}``)."""
 
 from __future__ import annotations

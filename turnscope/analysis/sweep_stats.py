@@ -42,12 +42,12 @@ import pandas as pd
 from scipy import stats
 from scipy.optimize import lsq_linear
 
-from turnscope import modes
 from turnscope.analysis import speedup
 from turnscope.analysis.headline import padded_groups
+from turnscope.core import modes
 
 #: (treatment, baseline, what the pair answers): the vendor's A/B first, then the real baselines.
-#: (each mode's measured ``ServingMode.baselines``, treatments in ``turnscope.modes.SWEEP_ORDER``.)
+#: (each mode's measured ``ServingMode.baselines``, treatments in ``turnscope.core.modes.SWEEP_ORDER``.)
 PAIRS: tuple[tuple[str, str, str], ...] = modes.pairs(order=modes.SWEEP_ORDER)
 #: The mode whose turns are made ideal, and whose turns the prefill fit uses.
 IDEAL_BASELINE = modes.RECOMPUTE_MODE

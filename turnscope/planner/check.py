@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
+from turnscope.core.store import Store
 from turnscope.planner.fit import (  # noqa: F401 (run_settings re-exported)
     on_run_kv_space,
     on_run_speed,
@@ -26,7 +27,6 @@ from turnscope.planner.fit import (  # noqa: F401 (run_settings re-exported)
 )
 from turnscope.planner.profile import MODES, CostProfile
 from turnscope.planner.simulate import ModePlan, Traffic
-from turnscope.store import Store
 
 #: The TTFT check's bound: median absolute relative error per mode.
 

@@ -19,13 +19,13 @@ from turnscope.analysis.plan_check import (
     headline_check,
     with_interval,
 )
+from turnscope.core.store import Store
 from turnscope.planner import summary
 from turnscope.planner.check import check_runs
 from turnscope.planner.fit import fit_profile, runs_shared_prefix_tokens
 from turnscope.planner.plan_store import new_plan_id, write_plan
 from turnscope.planner.profile import CostProfile, GiB, Sourced, load_profile
 from turnscope.planner.simulate import BIDIR_MODES, PlanSettings, Traffic, plan
-from turnscope.store import Store
 
 
 def read_traffic(paths: Sequence[Path], format: str | None, run_ids: Sequence[str] | None = None

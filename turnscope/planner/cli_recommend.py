@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from turnscope.core.store import Store
 from turnscope.planner.cli_plan import read_traffic
 from turnscope.planner.fit import runs_shared_prefix_tokens
 from turnscope.planner.ledger import STRATEGIES, Prices, describe_ledger, ledger
@@ -17,7 +18,6 @@ from turnscope.planner.profile import GiB, Sourced, load_profile
 from turnscope.planner.recommend import Grid, Limits, Setting, describe, recommend, recommendation_row
 from turnscope.planner.recommend_topology import read_base
 from turnscope.planner.simulate import PlanSettings
-from turnscope.store import Store
 
 
 def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | None, current: Setting,

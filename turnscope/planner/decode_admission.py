@@ -37,7 +37,7 @@ from typing import Protocol
 
 import numpy as np
 
-from turnscope import reuse_rules as rules
+from turnscope.core import reuse_rules as rules
 from turnscope.planner.pinned_blocks import PinnedBlocks
 from turnscope.planner.pinned_kv import HandleLedger
 
@@ -169,7 +169,7 @@ def one_way_admission(at_s: np.ndarray, need_blocks: np.ndarray, hold_s: np.ndar
 @dataclass(frozen=True)
 class DecodeSpace:
     """D's KV space and what each request takes of it: ``capacity_blocks``; ``need_blocks`` per
-    request, the whole blocks of its KV (prompt + output - 1 tokens, :func:`turnscope.reuse_rules.handle_kv_tokens`)
+    request, the whole blocks of its KV (prompt + output - 1 tokens, :func:`turnscope.core.reuse_rules.handle_kv_tokens`)
     less the system prompt's whole blocks (other sessions' handles hold them pinned and D's prefix
     cache shares a pinned block for free; a cached but unreferenced block costs a free one, as
     vLLM's ``get_num_blocks_to_allocate`` counts it); ``hold_s`` per request: how long it holds

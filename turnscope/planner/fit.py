@@ -40,13 +40,13 @@ from scipy.optimize import least_squares
 from loadgen.traces.recorded_runs import read_recorded_runs
 from turnscope.analysis import sweep_stats as sweep
 from turnscope.analysis.worker_cache import cache_config
-from turnscope.contract import ROUND_ROBIN, SESSION
-from turnscope.modes import RECOMPUTE_MODE, SERVING_MODES
+from turnscope.core.contract import ROUND_ROBIN, SESSION
+from turnscope.core.modes import RECOMPUTE_MODE, SERVING_MODES
+from turnscope.core.store import Store
 from turnscope.planner.fit_residuals import Residuals, residuals_of
 from turnscope.planner.profile import MODES, CostProfile, Sourced
 from turnscope.planner.queueing import fifo_waits
 from turnscope.planner.simulate import RENDERS, TOOK_HANDLE, ModePlan, PlanSettings, Traffic, plan
-from turnscope.store import Store
 
 
 class FitError(ValueError):
@@ -148,7 +148,7 @@ def plan_recorded_run(store: Store, run_id: str, mode: str, profile: CostProfile
 
 
 def probe_ttft_s(store: Store, run_ids: Sequence[str]) -> dict[str, float]:
-    """Run id -> the median TTFT of its ok speed probes (``run_probes``, :mod:`turnscope.speed_probe`),
+    """Run id -> the median TTFT of its ok speed probes (``run_probes``, :mod:`turnscope.conductor.speed_probe`),
     seconds; runs without one are absent."""
     con = store.connect()
     try:

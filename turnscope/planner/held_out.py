@@ -29,12 +29,12 @@ import pandas as pd
 
 from serving import handles as h
 from turnscope.analysis.plan_check import headline_check
-from turnscope.modes import BIDIRECTIONAL_MODES
+from turnscope.core.modes import BIDIRECTIONAL_MODES
+from turnscope.core.store import Store
 from turnscope.planner.check import check_runs
 from turnscope.planner.fit import fit_profile, recorded_turns
 from turnscope.planner.profile import MODES, CostProfile, HeldOutErrors
 from turnscope.planner.rerun_check import RerunChecks, pair_runs, rerun_checks, run_setups
-from turnscope.store import Store
 
 #: Targets on runs recorded at another time than the fit: TTFT MARE, the per-turn error's p90, the p90
 #: TTFT's error (absolute), hit-rate error (pp).

@@ -23,8 +23,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from scipy.optimize import nnls
 
-from turnscope import yaml_file
-from turnscope.modes import RECOMPUTE_MODE
+from turnscope.core import yaml_file
+from turnscope.core.modes import RECOMPUTE_MODE
 from turnscope.planner.layer_shape import LAYER_TIMING_FORMAT, DecoderLayerShape
 from turnscope.planner.profile import CostProfile, ProfileError, Sourced, load_profile
 

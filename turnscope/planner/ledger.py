@@ -57,7 +57,7 @@ import numpy as np
 import pandas as pd
 
 from serving import handles as h
-from turnscope import reuse_rules as rules
+from turnscope.core import reuse_rules as rules
 from turnscope.planner import intervals
 from turnscope.planner.intervals import HandleReads
 from turnscope.planner.profile import CostProfile, GiB

@@ -5,7 +5,7 @@
 vLLM 0.32's NixlConnector (``nixl/pull_scheduler.py``: ``request_finished`` pins a finished
 request's blocks, ``_reap_expired_send_leases`` frees them): when a request finishes on D its KV
 stays pinned until P reads it (a handle is single use), or tells D it needs none of it (the
-session's next turn ``miss_below_threshold``: :func:`turnscope.reuse_rules.d_frees_taken_handle`),
+session's next turn ``miss_below_threshold``: :func:`turnscope.core.reuse_rules.d_frees_taken_handle`),
 or ``decoder_kv_blocks_ttl`` seconds pass. The callers decide which turn frees its handle
 (:meth:`HandleLedger.read`) with that one rule.
 Pinned blocks are never evicted, so when the blocks already pinned leave no room in D's KV space
@@ -140,7 +140,7 @@ LOST = "lost"
 class HandleLedger:
     """The handles of one decode worker, per session: pinned when their request finishes (if they
     fit), taken by the session's next request, then freed (read, or a turn below the recompute
-    threshold: :func:`turnscope.reuse_rules.d_frees_taken_handle`) or left to expire.
+    threshold: :func:`turnscope.core.reuse_rules.d_frees_taken_handle`) or left to expire.
 
     Args:
         pinned: where handles are pinned (:class:`PinnedKV` per handle, or
@@ -150,7 +150,7 @@ class HandleLedger:
 
     Call :meth:`finished` when a request will finish (any order), :meth:`take` when a session's
     next request arrives (in arrival order), :meth:`read` when D frees the taken handle (P pulled
-    it, or pulled nothing and told D so: :func:`turnscope.reuse_rules.d_frees_taken_handle`), and
+    it, or pulled nothing and told D so: :func:`turnscope.core.reuse_rules.d_frees_taken_handle`), and
     :meth:`close` after the last request. ``kv`` holds the timeline; ``lost_handles`` counts
     the handles that did not fit.
     """
@@ -209,7 +209,7 @@ class HandleLedger:
     def read(self, now: float, handle: Handle) -> None:
         """D frees ``handle`` at ``now``: P pulled it, or found fewer than ``kv_recompute_threshold``
         tokens to pull and sent D the completion notification anyway
-        (:func:`turnscope.reuse_rules.d_frees_taken_handle`)."""
+        (:func:`turnscope.core.reuse_rules.d_frees_taken_handle`)."""
         self.kv.read(now, handle)
 
     def close(self) -> None:

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import pandas as pd
 
+from turnscope.core.store import Store
 from turnscope.planner.simulate import Plan
-from turnscope.store import Store
 
 
 def new_plan_id() -> str:

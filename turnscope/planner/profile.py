@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from turnscope import yaml_file
 from turnscope.analysis.sweep_stats import PrefillFit
-from turnscope.modes import PLAN_ORDER, RECOMPUTE_MODE
+from turnscope.core import yaml_file
+from turnscope.core.modes import PLAN_ORDER, RECOMPUTE_MODE
 
 #: The modes the planner forecasts, aggregated first, then one-way and bidirectional P/D.
 MODES = PLAN_ORDER

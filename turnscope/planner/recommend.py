@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from turnscope.connector import Connector
+from turnscope.core.connector import Connector
 from turnscope.planner import intervals
 from turnscope.planner.ledger import (
     BIDIR_STRATEGIES,

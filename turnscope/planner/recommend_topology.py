@@ -67,7 +67,7 @@ def read_base(path) -> Topology:
     from pathlib import Path
 
     from serving.topology import TopologyError, load_topology
-    from turnscope import yaml_file
+    from turnscope.core import yaml_file
 
     topo = load_topology(Path(path))
     topo.model = str(yaml_file.read_mapping(Path(path), "topology", TopologyError)["model"])
@@ -83,7 +83,7 @@ def model_seen_from(base_path, out_path) -> str:
     from pathlib import Path
 
     from serving.topology import TopologyError, load_topology
-    from turnscope import yaml_file
+    from turnscope.core import yaml_file
 
     raw = str(yaml_file.read_mapping(Path(base_path), "topology", TopologyError)["model"])
     if Path(raw).is_absolute():

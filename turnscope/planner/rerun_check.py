@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from turnscope.core.store import Store
 from turnscope.planner.fit import topology_settings
-from turnscope.store import Store
 
 #: The fields of ``runs.workload_spec`` that shape a workload's sessions (not its schedule, file
 #: path or ramp id).

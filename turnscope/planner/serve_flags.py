@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from serving.workers import WorkerSpec, worker_command
-from turnscope.connector import Connector
+from turnscope.core.connector import Connector
 from turnscope.planner.ledger import BIDIR_STRATEGIES, HOST_STRATEGIES
 
 

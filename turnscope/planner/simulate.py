@@ -3,7 +3,7 @@ serving mode, and what it would cost (a FORECAST: every figure comes from a cost
 
 Input: :class:`loadgen.traces.agent_request.AgentRequest` records (any traffic source), a
 :class:`turnscope.planner.profile.CostProfile` and :class:`PlanSettings`. The rules are the
-proxy's own (:mod:`turnscope.reuse_rules`; the model in docs/planner.md); what the simulation adds is
+proxy's own (:mod:`turnscope.core.reuse_rules`; the model in docs/planner.md); what the simulation adds is
 time and space:
 
 * a session's requests arrive at ``arrival_s`` (as recorded: open loop); a request finishes
@@ -12,9 +12,9 @@ time and space:
   in a bidirectional mode with D's admission queue, at its admission on D plus its decode (next
   item but one);
 * **D's pinned KV** (``pd-bidir*``): when a request finishes D pins the KV of its prompt and
-  output (:func:`turnscope.reuse_rules.handle_kv_tokens`, whole blocks) until the session's next
+  output (:func:`turnscope.core.reuse_rules.handle_kv_tokens`, whole blocks) until the session's next
   request frees it (a hit, or ``miss_below_threshold``: P pulls nothing and tells D to free it,
-  :func:`turnscope.reuse_rules.d_frees_taken_handle`) or ``decoder_kv_blocks_ttl`` passes
+  :func:`turnscope.core.reuse_rules.d_frees_taken_handle`) or ``decoder_kv_blocks_ttl`` passes
   (:class:`turnscope.planner.pinned_kv.HandleLedger`, the
   lifecycle shared with the Memory page's what-if), counted in distinct blocks (handles sharing a
   prefix hold it once: :mod:`turnscope.planner.pinned_blocks`). vLLM never evicts pinned blocks;
@@ -30,7 +30,7 @@ time and space:
 * **P's own prefix cache** (``pd``, ``pd-bidir``; the aggregated worker's for ``aggregated``):
   per worker, an LRU of sessions holding each one's last prompt (the aggregated worker: prompt and
   output), within the worker's KV space; a hit is the whole blocks both prompts share
-  (:func:`turnscope.reuse_rules.local_prefix_tokens`). Sessions go to workers round-robin per
+  (:func:`turnscope.core.reuse_rules.local_prefix_tokens`). Sessions go to workers round-robin per
   request (``routing="round-robin"``) or by session (``"session"``, the proxy's default:
   :mod:`serving.routing`; its ``prefix-aware`` policy is not modelled).
 
@@ -57,9 +57,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from loadgen.traces.agent_request import AgentRequest
 from serving import handles as h
-from turnscope import reuse_rules as rules
-from turnscope.contract import SESSION
-from turnscope.modes import BIDIRECTIONAL_MODES, RECOMPUTE_MODE, SERVING_MODES, serving_mode
+from turnscope.core import reuse_rules as rules
+from turnscope.core.contract import SESSION
+from turnscope.core.modes import BIDIRECTIONAL_MODES, RECOMPUTE_MODE, SERVING_MODES, serving_mode
 from turnscope.planner.decode_admission import DecodeAdmission, DecodeSpace, HandlesOnD, one_way_admission
 from turnscope.planner.pinned_blocks import PinnedBlocks
 from turnscope.planner.pinned_kv import LOST, Handle, HandleLedger
@@ -123,7 +123,7 @@ class PlanSettings(BaseModel):
 
     @property
     def proxy_ttl_s(self) -> float:
-        """The proxy's handle TTL (:func:`turnscope.reuse_rules.proxy_handle_ttl_s`)."""
+        """The proxy's handle TTL (:func:`turnscope.core.reuse_rules.proxy_handle_ttl_s`)."""
         return rules.proxy_handle_ttl_s(self.decoder_kv_blocks_ttl_s, self.handle_ttl_margin_s)
 
 

@@ -12,8 +12,8 @@ import numpy as np
 import pandas as pd
 
 from serving import handles as h
-from turnscope import modes
 from turnscope.analysis import headline, speedup
+from turnscope.core import modes
 from turnscope.planner import intervals
 from turnscope.planner.profile import CostProfile, Sourced
 from turnscope.planner.simulate import MISS_D_FULL, Plan, PlanSettings, Traffic, plan

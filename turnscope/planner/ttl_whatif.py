@@ -8,17 +8,17 @@ the run's own record rather than forecast:
 
 * a later turn (``turn_index`` >= 1, not ``fresh``) whose recorded outcome was ``hit`` or
   ``miss_expired`` (or none) pulls at TTL ``T`` when it finds its session's handle pinned and
-  younger than ``T`` minus the run's handle margin (:func:`turnscope.reuse_rules.handle_expired`;
-  P's own 5 s margin: :func:`~turnscope.reuse_rules.p_declines_read`); a recorded miss of another
+  younger than ``T`` minus the run's handle margin (:func:`turnscope.core.reuse_rules.handle_expired`;
+  P's own 5 s margin: :func:`~turnscope.core.reuse_rules.p_declines_read`); a recorded miss of another
   kind (mismatch, below the recompute threshold, failed transfer, no handle) does not depend on
   the TTL and stays a miss;
 * the turn frees the handle it took at its send time when the proxy would offer it at ``T``
   (younger than ``T`` minus the margin) and its outcome at ``T`` is one after which D frees it
-  (:func:`turnscope.reuse_rules.d_frees_taken_handle`: a pull, or a recorded
+  (:func:`turnscope.core.reuse_rules.d_frees_taken_handle`: a pull, or a recorded
   ``miss_below_threshold``, after which P tells D it needs none of it); otherwise D keeps it to
   ``T``;
 * after each ``ok`` turn D pins ``remote_num_tokens`` = prompt + output - 1 tokens
-  (:func:`turnscope.reuse_rules.handle_kv_tokens`) in whole KV blocks of the run's block size (D
+  (:func:`turnscope.core.reuse_rules.handle_kv_tokens`) in whole KV blocks of the run's block size (D
   allocates blocks; its space is ``num_gpu_blocks`` of them), times the run's KV bytes per token;
 * each run is replayed alone, on its own clock (``sent_at``; a turn ends at ``sent_at + e2e_s``):
   first with no limit (:func:`replay_unlimited`: with nothing lost each hold is known from the
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from turnscope import reuse_rules as rules
-from turnscope.contract import HIT
+from turnscope.core import reuse_rules as rules
+from turnscope.core.contract import HIT
 from turnscope.planner.pinned_kv import LOST, Handle, HandleLedger, interval_load
 
 #: The TTLs (seconds) the Memory page replays besides the runs' own, and that a run's rollup
@@ -136,7 +136,7 @@ class RunTurns:
     """One run's turns as arrays in replay order (by send time, session, turn index), with what
     every TTL's replay shares: send and end times (s, on the run's clock), ok, the bytes D pins
     after each turn, whether a turn is a later one, whether the TTL decides it, whether D frees the
-    handle it takes when its recorded outcome stands (:func:`turnscope.reuse_rules.d_frees_taken_handle`),
+    handle it takes when its recorded outcome stands (:func:`turnscope.core.reuse_rules.d_frees_taken_handle`),
     and the index of the session's previous turn (-1: none)."""
 
     def __init__(self, turns: pd.DataFrame, kv: RunKV):
@@ -167,7 +167,7 @@ def replay_unlimited(rt: RunTurns, ttl_s: float, kv: RunKV) -> Replay:
     previous turn was ok, had ended by the time it was sent, and its handle is younger than the
     proxy's TTL (and P would still read it); each ok turn's handle is held from its end to the
     next turn's send when that one frees it (a hit, or a recorded below-threshold miss given the
-    handle: :func:`turnscope.reuse_rules.d_frees_taken_handle`), else for ``ttl_s``. For sessions
+    handle: :func:`turnscope.core.reuse_rules.d_frees_taken_handle`), else for ``ttl_s``. For sessions
     whose requests do not overlap (``rt.sequential``); :func:`whatif_ttl_limited` replays other
     runs with the ledger."""
     proxy_ttl = ttl_s - kv.handle_ttl_margin_s

@@ -124,7 +124,7 @@ ROUND_ROBIN, SESSION, PREFIX_AWARE = "round-robin", "session", "prefix-aware"
 ROUTING_POLICIES = (ROUND_ROBIN, SESSION, PREFIX_AWARE)
 RoutingPolicy = Literal["round-robin", "session", "prefix-aware"]
 
-# -- histories, turns, gaps (the serving modes: turnscope.modes) ----------------------------------
+# -- histories, turns, gaps (the serving modes: turnscope.core.modes) ----------------------------------
 
 #: How the session player keeps a session's history (docs/workloads.md): re-sent messages, or ids.
 HISTORY_MODES = ("text", "token_ids")

@@ -16,7 +16,7 @@ margin come from the plan. Each step is its own run (own run id, own prefix-cach
 ``users`` concurrent sessions playing ``sessions`` in all; every mode's workers start once and
 play the steps in ascending order. Under the interleaved schedule (the default) both modes'
 workers are up together and the steps alternate, step i of each mode (in an order drawn per step)
-before step i + 1 of either (``turnscope.evaluation._run_interleaved_runs``), so the machine's drift
+before step i + 1 of either (``turnscope.conductor.evaluation._run_interleaved_runs``), so the machine's drift
 falls on both modes; handles a ``pd-bidir`` step leaves pinned on D are there when its next step
 starts unless the TTL passed during ``pd``'s step between them (each step's D KV usage at its
 start is in the store). Sequential: one mode's whole ramp back to back, then the other's. Each run records ``runs_log.workload_spec.capacity``
@@ -36,8 +36,8 @@ from rich.console import Console
 from dashboard.capacity import BASELINE, TREATMENT
 from loadgen.workload import load_workload
 from serving.topology import RoleSettings, Topology
-from turnscope import console_text
-from turnscope.evaluation import EvalSettings, RunPlan, Slo, run_eval
+from turnscope.conductor import console_text
+from turnscope.conductor.evaluation import EvalSettings, RunPlan, Slo, run_eval
 
 #: The two modes compared, baseline first (``dashboard.capacity``, which reads the ramp): P's prefix
 #: cache on in both, D holding KV only in pd-bidir.

@@ -29,11 +29,11 @@ import pandas as pd
 from dashboard import db
 from dashboard.capacity import TREATMENT, Crossing, find_crossing
 from dashboard.queries import capacity as capacity_queries
+from turnscope.core.store import Store
 from turnscope.planner import intervals
 from turnscope.planner.check import plan_on_its_own
 from turnscope.planner.fit import probe_ttft_s, recorded_shared_prefix_tokens, recorded_turns
 from turnscope.planner.profile import CostProfile
-from turnscope.store import Store
 
 #: Columns of :func:`forecast_steps` (``dashboard.capacity.step_pairs`` reads the first five;
 #: ``goodput_per_s`` is the same constant on every row: not forecast, see the module doc).

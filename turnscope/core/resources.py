@@ -36,7 +36,7 @@ from pathlib import Path
 PACKAGE = "turnscope_data"
 #: The folder holding turnscope's top-level packages (turnscope, serving, loadgen, dashboard): a
 #: checkout's root, or the site-packages (or ``--target``) folder it was installed into.
-CODE_ROOT = Path(__file__).resolve().parents[1]
+CODE_ROOT = Path(__file__).resolve().parents[2]
 #: Shipped kinds: folder under the shipped root -> the suffix a bare name gets (None: names are
 #: taken as they are, e.g. ``kv-cache-tester`` or ``tracelab_round_trace.jsonl``).
 KINDS: dict[str, str | None] = {"profiles": ".yaml", "topologies": ".yaml", "workloads": ".yaml", "traces": None}

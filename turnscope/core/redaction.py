@@ -1,8 +1,8 @@
 """Secrets out of everything turnscope saves: one redaction for the store and the settings.
 
 The store passes every ``runs_log`` value and a few free-text columns through :func:`redact`
-(``turnscope.store``); ``TurnscopeSettings.effective()`` passes the configuration it saves with
-each run through it too (``turnscope.settings``). See docs/design.md ("Secrets").
+(``turnscope.core.store``); ``TurnscopeSettings.effective()`` passes the configuration it saves with
+each run through it too (``turnscope.conductor.settings``). See docs/design.md ("Secrets").
 """
 
 from __future__ import annotations

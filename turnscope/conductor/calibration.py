@@ -1,14 +1,14 @@
 """``turnscope calibrate``: measure every cost the planner uses over a wide prompt range, the modes
 interleaved, and fit a profile from it (docs/planner.md, "Calibration over a wide prompt range").
 
-Only wiring: the schedule is :mod:`turnscope.calibration_schedule`, the sessions are played by
+Only wiring: the schedule is :mod:`turnscope.conductor.calibration_schedule`, the sessions are played by
 :func:`loadgen.session_player.run_session` (the recorder of every run's ``turns`` rows), the stacks
-are :class:`serving.stack.ModeStack`, the speed probe :mod:`turnscope.speed_probe`, the fit
+are :class:`serving.stack.ModeStack`, the speed probe :mod:`turnscope.conductor.speed_probe`, the fit
 :func:`turnscope.planner.fit.fit_profile` (each fitted figure's residuals and range in its source).
 
 1. Every mode's stack is started once and kept up for the whole calibration (each on its own ports:
    the topology's worker, side-channel and proxy ports plus 10 x the mode's index), warmed up
-   (:func:`turnscope.evaluation.warm_up`).
+   (:func:`turnscope.conductor.evaluation.warm_up`).
 2. One run per (mode, history): its ``runs`` row (``workload`` ``calibration``, the schedule in
    ``workload_spec.calibration``), one metrics scraper per stack (its rows under the mode's first
    run: the stack's counters cover all of that mode's runs, which take turns on the same workers).
@@ -42,14 +42,15 @@ from loadgen.session_player import run_session
 from loadgen.synth_text import TextSynth, counter_from
 from serving.stack import ModeStack
 from serving.topology import Topology
-from turnscope import console_text, resources, speed_probe
 from turnscope.analysis.pd_check import decode_computed_prompts, decode_prompt_sources
-from turnscope.calibration_schedule import CalPoint, Send, default_lengths, points, schedule
-from turnscope.evaluation import HEARTBEAT_S, _versions, default_log_dir, warm_up
-from turnscope.modes import serving_mode
+from turnscope.conductor import console_text, speed_probe
+from turnscope.conductor.calibration_schedule import CalPoint, Send, default_lengths, points, schedule
+from turnscope.conductor.evaluation import HEARTBEAT_S, _versions, default_log_dir, warm_up
+from turnscope.core import resources
+from turnscope.core.modes import serving_mode
+from turnscope.core.store import Store, connect_read_only
 from turnscope.planner.fit import fit_profile
 from turnscope.planner.profile import CostProfile
-from turnscope.store import Store, connect_read_only
 
 #: Port offset between the stacks of two modes kept up together.
 PORT_STRIDE = 10
@@ -60,7 +61,7 @@ DEFAULT_MODES = ("aggregated", "pd-nocache", "pd-bidir-nocache")
 
 class CalibrationSettings(BaseModel):
     """What ``turnscope calibrate`` measures (tokens, seconds): modes, turn-0 lengths (None: 128
-    doubling up to the model's limit, :func:`turnscope.calibration_schedule.default_lengths`), turn-1
+    doubling up to the model's limit, :func:`turnscope.conductor.calibration_schedule.default_lengths`), turn-1
     extra tokens, lengths also sent as ``text`` history, repeats (blocks), the shuffle's seed."""
 
     topology: Topology
@@ -79,13 +80,13 @@ class CalibrationSettings(BaseModel):
     operator_config: dict = Field(default_factory=dict)
 
     def block_points(self) -> list[list[CalPoint]]:
-        """Every block's points (:func:`turnscope.calibration_schedule.points`)."""
+        """Every block's points (:func:`turnscope.conductor.calibration_schedule.points`)."""
         lengths = self.lengths or default_lengths(self.topology.max_model_len, self.max_tokens)
         return [points(lengths, self.extras, self.text_lengths, r, self.topology.max_model_len, self.max_tokens)
                 for r in range(self.repeats)]
 
     def sends(self) -> list[list[Send]]:
-        """The schedule (:func:`turnscope.calibration_schedule.schedule`)."""
+        """The schedule (:func:`turnscope.conductor.calibration_schedule.schedule`)."""
         return schedule(self.modes, self.block_points(), self.seed)
 
 

@@ -1,6 +1,6 @@
 """The NixlConnector settings every part reasons with: :class:`Connector`, read from a topology
-file (``serving.topology``) and from the operator's settings (``turnscope.settings``). Part of the
-ground layer: imports only :mod:`turnscope.contract`.
+file (``serving.topology``) and from the operator's settings (``turnscope.conductor.settings``). Part of the
+ground layer: imports only :mod:`turnscope.core.contract`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from turnscope.contract import DECODER_KV_BLOCKS_TTL_S, KV_RECOMPUTE_THRESHOLD_TOKENS
+from turnscope.core.contract import DECODER_KV_BLOCKS_TTL_S, KV_RECOMPUTE_THRESHOLD_TOKENS
 
 
 class Connector(BaseModel):

@@ -23,7 +23,7 @@ kv_connector/v1/nixl/``):
 
 from __future__ import annotations
 
-from turnscope.contract import HIT, MISS_BELOW_THRESHOLD
+from turnscope.core.contract import HIT, MISS_BELOW_THRESHOLD
 
 #: P declines a read this close to D's deadline (vLLM ``pull_worker._KV_BLOCKS_EXPIRY_SAFETY_MARGIN``).
 P_EXPIRY_SAFETY_MARGIN_S = 5.0

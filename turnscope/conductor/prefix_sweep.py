@@ -6,7 +6,7 @@ The workload file carries a ``sweep`` section (``loadgen.workload.Sweep``;
 (``loadgen.workload.sweep_workloads``: the swept field a constant), the run ids and the
 parameters recorded with each run; :func:`run_sweep` writes the point workloads to
 ``<log_dir>/sweeps/<sweep_id>/p<value>/<workload name>.yaml`` and hands them to
-``turnscope.evaluation.run_eval`` as that function's ``runs``: each mode's workers start once
+``turnscope.conductor.evaluation.run_eval`` as that function's ``runs``: each mode's workers start once
 and play every point in ascending order, each point its own run with its own prefix-cache salt.
 
 Every point's ``runs_log.workload_spec`` holds ``{"sweep": {...}}`` (:meth:`SweepPlan.spec`):
@@ -24,8 +24,8 @@ import yaml
 from rich.console import Console
 
 from loadgen.workload import Workload, load_workload, sweep_workloads
-from turnscope.evaluation import EvalSettings, RunPlan, run_eval
-from turnscope.modes import SWEEP_ORDER
+from turnscope.conductor.evaluation import EvalSettings, RunPlan, run_eval
+from turnscope.core.modes import SWEEP_ORDER
 
 #: The modes in the order the sweep runs them: the vendor's A/B first, then the real baselines.
 SWEEP_MODES = SWEEP_ORDER

@@ -34,10 +34,11 @@ from serving.handle_check import proxy_client_disconnects, release_turn, wait_di
 from serving.stack import ModeStack, started_together
 from serving.topology import Topology, disjoint_offsets, embedded_topology, shifted
 from serving.workers import mode_workers
-from turnscope import console_text, resources, schedule, speed_probe
-from turnscope.contract import CLIENT_KEY_ENV, RoutingPolicy
-from turnscope.modes import MODES, serving_mode
-from turnscope.store import Store
+from turnscope.conductor import console_text, schedule, speed_probe
+from turnscope.core import resources
+from turnscope.core.contract import CLIENT_KEY_ENV, RoutingPolicy
+from turnscope.core.modes import MODES, serving_mode
+from turnscope.core.store import Store
 
 #: Seconds between rewrites of a running run's ``runs_log`` row (the ``runs`` view reads a running
 #: run whose row is older than three of them as ``aborted``).
@@ -48,7 +49,7 @@ FINAL_SCRAPE_SETTLE_S = 5.0
 
 def default_log_dir() -> Path:
     """Where workers, proxies and Locust log by default: ``runs/_logs`` of turnscope's home (the
-    checkout's ``data/``, or ``./turnscope-data`` installed; turnscope.resources)."""
+    checkout's ``data/``, or ``./turnscope-data`` installed; turnscope.core.resources)."""
     return resources.home() / "runs" / "_logs"
 
 
@@ -87,7 +88,7 @@ class EvalSettings(BaseModel):
     # P routing policies to run in turn on each mode's workers (the proxy restarted between them);
     # None: the topology's proxy.prefill_routing only
     prefill_routings: list[RoutingPolicy] | None = None
-    # how the modes' runs are scheduled (turnscope.schedule): interleaved (the compared modes' workers
+    # how the modes' runs are scheduled (turnscope.conductor.schedule): interleaved (the compared modes' workers
     # up together, sessions in shuffled rounds) or sequential (one mode after another)
     schedule: Literal["interleaved", "sequential"] = "interleaved"
     rounds: int = Field(0, ge=0)       # interleaved: rounds per history mode; 0: schedule.default_rounds
@@ -216,7 +217,7 @@ def run_locust(s: EvalSettings, run_id: str, host: str, history: str, mode: str,
                sessions: tuple[int, int] | None = None, client_key: str | None = None) -> int:
     """Run the workload headless with Locust until every session was played; return its exit code.
     ``sessions`` ``(first, stop)``: only those sessions of the run's plan (``--turnscope-slice``).
-    ``client_key``: the proxy's API key, given to Locust in its environment (``turnscope.contract.CLIENT_KEY_ENV``),
+    ``client_key``: the proxy's API key, given to Locust in its environment (``turnscope.core.contract.CLIENT_KEY_ENV``),
     never on its command line."""
     locustfile = importlib.util.find_spec("loadgen.locustfile").origin  # found, not imported (it patches gevent)
     argv = [sys.executable, "-m", "locust", "-f", locustfile, "--headless",
@@ -336,7 +337,7 @@ class RunRecording:
 def schedule_groups(s: EvalSettings, runs: dict | None, available_bytes: int | None = None,
                     interleave_runs: bool = False) -> list[tuple[list[str], str | None]]:
     """The modes of ``s`` in the groups they run in, each with why it is not interleaved (None when
-    it is, or when interleaving was not asked for): the interleaved schedule (``turnscope.schedule``)
+    it is, or when interleaving was not asked for): the interleaved schedule (``turnscope.conductor.schedule``)
     for the history loop of launched workers under one P routing policy, or for ``runs`` given per
     mode with ``interleave_runs`` (step by step: every mode the same number of runs), where the
     group's workers fit in ``available_bytes`` (default: psutil's available memory); else one mode
@@ -380,7 +381,7 @@ def run_eval(s: EvalSettings, console: Console | None = None,
     unknown mode or history before anything starts.
 
     ``s.schedule``: ``interleaved`` (default) keeps the workers of the modes compared with one
-    another up together and plays their sessions in shuffled rounds (``turnscope.schedule``;
+    another up together and plays their sessions in shuffled rounds (``turnscope.conductor.schedule``;
     :func:`schedule_groups` says where it applies); ``sequential`` runs one mode after another.
     ``runs`` (mode -> runs) replaces the history loop: each mode of ``s.modes`` starts its workers
     once and makes those runs on them, in order (``turnscope sweep`` passes one run per point); with

@@ -43,14 +43,14 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from turnscope import resources
-from turnscope.redaction import redact
+from turnscope.core import resources
+from turnscope.core.redaction import redact
 
 log = logging.getLogger(__name__)
 
 #: The DuckDB file of views under a store root.
 DB_FILE = "turnscope.duckdb"
-#: The contract (``schema.sql`` of the shipped files, turnscope.resources).
+#: The contract (``schema.sql`` of the shipped files, turnscope.core.resources).
 SCHEMA_PATH = resources.schema_path()
 
 #: Bumped when the way views are generated changes (part of the schema version hash).
@@ -172,7 +172,7 @@ class StoreNotWritable(OSError):
     """The store root is not a directory this process can write; the message names it."""
 
 
-# -- secrets (turnscope.redaction) -------------------------------------------------------------
+# -- secrets (turnscope.core.redaction) -------------------------------------------------------------
 
 #: Columns whose values pass through :func:`redact` when appended (None: every column).
 _REDACTED_COLUMNS: dict[str, tuple[str, ...] | None] = {"runs_log": None, "turns": ("error",),

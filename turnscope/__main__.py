@@ -1,0 +1,5 @@
+"""``python -m turnscope``: the ``turnscope`` command (``turnscope.commands``)."""
+
+from turnscope.commands import app
+
+app()

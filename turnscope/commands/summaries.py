@@ -1,0 +1,138 @@
+"""What ``eval``, ``sweep`` and ``demo`` print when their runs end: TTFT by turn index, reuse outcomes,
+P's external KV tokens, and the bottom line (speed-ups with their CIs and verdicts)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+from rich.table import Table
+
+from loadgen import eval_report as report
+from turnscope.analysis import pd_check
+from turnscope.commands.app import (
+    console,
+)
+from turnscope.conductor import console_text, schedule
+from turnscope.conductor.prefix_sweep import SWEEP_MODES
+
+
+def print_summary(store: Path, run_ids: list[str]) -> None:
+    """Print TTFT p50/p90 by turn index, reuse outcomes, P's external KV tokens and the sessions
+    that stopped before their last planned turn (e.g. at ``max_prompt_tokens``) per run, then
+    the bottom line; every line fits the console's width (80 in a log file) without cutting a name."""
+    ttft = report.ttft_by_turn(store, run_ids)
+    outs = report.outcomes(store, run_ids)
+    ext = report.external_kv_tokens(store, run_ids).set_index("run_id")["external_kv_tokens"].to_dict()
+    stopped = report.stopped_early(store, run_ids)
+    pd_failed = pd_check.pd_check_failures(store, run_ids)
+    from dashboard import db, queries
+
+    runs = db.read(db.StoreLocation(store), queries.runs).set_index("run_id")
+    for run_id in run_ids:
+        rows = ttft[ttft.run_id == run_id]
+        what = (f": {runs.at[run_id, 'mode']}, history {runs.at[run_id, 'history_mode']}"
+                if run_id in runs.index else "")
+        console_text.print_text(console, f"{run_id}{what}")
+        table = Table(show_lines=False)
+        for col in ("turn", "turns", "TTFT p50 (ms)", "TTFT p90 (ms)"):
+            table.add_column(col, justify="right", overflow="fold")
+        for r in rows.itertuples():
+            table.add_row(str(r.turn_index), str(r.turns), f"{r.ttft_p50_s * 1000:.0f}", f"{r.ttft_p90_s * 1000:.0f}")
+        console_text.print_table(console, table)
+        o = outs[outs.run_id == run_id]
+        console_text.print_list(console, "  reuse: ", [f"{r.reuse}={r.turns}" for r in o.itertuples()])
+        console_text.print_text(console, f"prefill external_kv_transfer tokens: {int(ext.get(run_id) or 0)}", "  ")
+        if run_id in pd_failed:
+            console_text.print_text(console, f"FAILED: {pd_failed[run_id]}", "  ")
+        cut = [f"{r.sessions} by {r.stop_reason} ({r.turns_not_sent} planned turns not sent)"
+               for r in stopped[stopped.run_id == run_id].itertuples()]
+        if cut:
+            console_text.print_list(console, "  sessions stopped early: ", cut)
+    print_bottom_line(store, run_ids)
+
+
+def bottom_line_blocks(ratios: list) -> list[list[str]]:
+    """The bottom line's text, one block of lines per comparison (``turnscope.analysis.headline.Ratio``):
+    the comparison and history mode; the speed-up (``turnscope.analysis.speedup``: the same number, label
+    and verdict as the Overview's cards) with its CI; medians and counts; for an undecided
+    verdict, the forecast sessions per side (``turnscope.analysis.sample_size``)."""
+    from turnscope.analysis import headline, speedup
+
+    pct = round(headline.CONFIDENCE * 100)
+    out = []
+    for r in ratios:
+        s = speedup.of(r)
+        lines = [
+            (f"{r.treatment} vs {r.baseline} (history {r.history_mode or 'unknown'}, "
+            f"workload {r.workload or 'unnamed'})"),
+            (f"  {speedup.LABEL} {speedup.fmt(s.value)}, {pct}% CI {speedup.fmt_ci(s.ci_low, s.ci_high)}: "
+            f"{s.verdict.value}"),
+            (f"  median TTFT {r.median_treatment_s * 1e3:.0f} vs {r.median_baseline_s * 1e3:.0f} ms over "
+            f"{r.n_treatment} vs {r.n_baseline} turns ({r.sessions_treatment} vs {r.sessions_baseline} sessions)"),
+        ]
+        need = headline.sessions_needed(r)
+        if need is not None:
+            lines.append("  " + need.sentence())
+        out.append(lines)
+    return out
+
+
+def print_bottom_line(store: Path, run_ids: list[str]) -> None:
+    """Print the Overview page's headline for these runs: each pair of turnscope.analysis.headline.PAIRS
+    with its speed-up (baseline / bidirectional median TTFT from the second turn on), 95% bootstrap
+    CI by session, verdict and, when undecided, the sessions a decision needs (`bottom_line_blocks`)."""
+    from dashboard import db, queries
+    from turnscope.analysis import headline, speedup
+
+    f = queries.TurnFilter(run_ids=tuple(run_ids))
+    dstore = db.StoreLocation(store)
+    samples = db.read(dstore, queries.ttft_samples, f, headline.MIN_TURN_INDEX, headline.MAX_CI_TURNS)
+    stats = db.read(dstore, queries.ttft_stats, f, headline.MIN_TURN_INDEX)
+    ratios = headline.headline_ratios(samples, stats=stats)
+    if not ratios:
+        return
+    console.print()
+    console_text.print_text(console, "Bottom line: TTFT from the second turn on (the dashboard's Overview)")
+    console_text.print_text(console, speedup.MEANING + "; verdict: whether the 95% CI excludes 1")
+    for line in schedule.describe_json(db.read(dstore, queries.run_schedules, run_ids)["schedule"]):
+        console_text.print_text(console, line)
+    for block in bottom_line_blocks(ratios):
+        for line in block:
+            console_text.print_text(console, line.strip(), "  " if line.startswith("  ") else "")
+
+
+def roll_up_quietly(store: Path) -> None:
+    """Roll up the store's finished runs after a run (`turnscope rollup`); a failure is said, not
+    raised: the rows are stored and the dashboard reads the plain views meanwhile."""
+    from dashboard.rollup import Rollups
+    from turnscope.core.store import Store
+
+    try:
+        Rollups(Store(store)).write_finished()
+    except (OSError, duckdb.Error) as exc:
+        console.print(f"[yellow]rollup skipped[/yellow] ({exc}); `turnscope rollup` makes it later", highlight=False)
+
+
+def print_sweep_summary(store: Path, run_ids: list[str]) -> None:
+    """Print mean / p90 TTFT (ms) per point and mode, with hits and P's external_kv_transfer tokens:
+    one row per (prefix, mode), so the table fits 80 columns whatever the number of modes."""
+    df = report.sweep_summary(store, run_ids)
+    for history, g in df.groupby("history_mode", sort=True):
+        console_text.print_text(console, f"Sweep, history {history}: TTFT mean / p90 (ms) by prefix tokens; hits of "
+                                         "later turns; P's external_kv_transfer tokens")
+        modes = [m for m in SWEEP_MODES if m in set(g["mode"])] + sorted(set(g["mode"]) - set(SWEEP_MODES))
+        table = Table()
+        for col in ("prefix", "mode", "TTFT mean / p90", "hits", "P ext. tokens"):
+            table.add_column(col, justify="left" if col == "mode" else "right", overflow="fold")
+        for prefix, row in g.groupby("prefix_tokens", sort=True):
+            for i, m in enumerate(modes):
+                r = row[row["mode"] == m]
+                if r.empty or r.iloc[0]["turns"] == 0:
+                    table.add_row(str(prefix) if i == 0 else "", m, "-", "-", "-", end_section=i == len(modes) - 1)
+                    continue
+                r = r.iloc[0]
+                table.add_row(str(prefix) if i == 0 else "", m, f"{r.ttft_mean_s * 1e3:.0f} / {r.ttft_p90_s * 1e3:.0f}",
+                              f"{r.hits}/{r.later_turns}", f"{int(r.external_kv_tokens)}",
+                              end_section=i == len(modes) - 1)
+        console_text.print_table(console, table)
