@@ -34,7 +34,7 @@ Distributions (``kind``): ``constant`` (``value``; a bare number means a constan
 shipped trace); all take optional ``min``/``max`` clips. Sampling uses numpy's ``Generator``.
 
 Planning (:func:`plan_workload`) is deterministic: archetype session i draws from
-``numpy.random.default_rng([seed, 1, i])`` and its text from :class:`loadgen.synth_text.TextSynth`
+``numpy.random.defaultseeded_rng([seed, 1, i])`` and its text from :class:`loadgen.synth_text.TextSynth`
 keyed by the session id, so the same seed gives the same plans (and adding sessions does not
 change the earlier ones). Per turn after the first, an archetype session:
 
@@ -91,9 +91,10 @@ from pydantic import (
     model_validator,
 )
 
-from loadgen.session import SessionPlan, TurnPlan, plan_from_conversation
+from loadgen.session import SessionPlan, TurnPlan
 from loadgen.synth_text import TextSynth, seed_ints
 from loadgen.traces.formats import REPLAY_FORMATS, resolve, trace_format
+from loadgen.traces.replay import reference_reply, seeded_rng
 from turnscope.core import resources, yaml_file
 
 #: The shipped workloads (turnscope.core.resources).
@@ -586,14 +587,6 @@ def sweep_workloads(w: Workload, scale: str | None = None,
 # ------------------------------------------------------------------------------------ planning
 
 
-def _rng(*parts: int) -> np.random.Generator:
-    return np.random.default_rng(np.random.SeedSequence([int(x) & 0xFFFFFFFF for x in parts]))
-
-
-def _ref(text: str) -> dict[str, Any]:
-    return {"role": "assistant", "content": text}
-
-
 def _tokens(d: _Dist, rng: np.random.Generator, scale: float, low: int = 1) -> int:
     """One token-count draw times ``scale``, rounded, at least ``low``."""
     return max(low, round(d.sample(rng) * scale))
@@ -604,19 +597,19 @@ def plan_archetype_session(arch: Archetype, index: int, w: Workload, synth: Text
                            system_text: str = "") -> SessionPlan:
     """Plan archetype session ``index`` of workload ``w`` (see the module doc for the rules).
 
-    Draws come from ``default_rng([w.seed, 1, index])`` in a fixed order; texts from ``synth``
+    Draws come from ``defaultseeded_rng([w.seed, 1, index])`` in a fixed order; texts from ``synth``
     keyed by the session id. ``system_text`` is the archetype's shared system prompt; token draws
     are multiplied by ``token_scale`` (default ``w.token_scale``).
     """
     ts = w.token_scale if token_scale is None else token_scale
-    rng = _rng(w.seed, 1, index)
+    rng = seeded_rng(w.seed, 1, index)
     sid = f"a{index:05d}-{arch.name}"
     n_turns = arch.turns.sample_int(rng, low=1)
     first = _tokens(arch.first_prompt_tokens, rng, ts)
     msgs0: list[dict[str, Any]] = [{"role": "system", "content": system_text}] if system_text else []
     msgs0.append({"role": "user", "content": synth.text(first, f"{sid}/0/user")})
     out0 = _tokens(arch.output_tokens, rng, ts)
-    turns = [TurnPlan(msgs0, _ref(synth.text(out0, f"{sid}/0/ref")), max_tokens=out0)]
+    turns = [TurnPlan(msgs0, reference_reply(synth.text(out0, f"{sid}/0/ref")), max_tokens=out0)]
     kinds = [k for k in _GAP_KINDS if k in arch.gaps]
     probs = np.array([arch.gaps[k].p for k in kinds])
     for k in range(1, n_turns):
@@ -624,10 +617,10 @@ def plan_archetype_session(arch: Archetype, index: int, w: Workload, synth: Text
             fp = _tokens(arch.fresh.prompt_tokens, rng, ts)
             fo = _tokens(arch.fresh.output_tokens, rng, ts)
             turns.append(TurnPlan([{"role": "user", "content": synth.text(fp, f"{sid}/{k}/fresh")}],
-                                  _ref(""), 0.0, "none", "fresh", max_tokens=fo))
+                                  reference_reply(""), 0.0, "none", "fresh", max_tokens=fo))
         out = _tokens(arch.output_tokens, rng, ts)
         if rng.random() < arch.retry_p:
-            turns.append(TurnPlan([], _ref(synth.text(out, f"{sid}/{k}/ref")), 0.0, "none", "retry",
+            turns.append(TurnPlan([], reference_reply(synth.text(out, f"{sid}/{k}/ref")), 0.0, "none", "retry",
                                   max_tokens=out))
             continue
         if rng.random() < arch.resume_p:
@@ -647,193 +640,9 @@ def plan_archetype_session(arch: Archetype, index: int, w: Workload, synth: Text
             style = "strip_reasoning" if rng.random() < arch.edit.strip_reasoning_p else "compact"
             target = "first" if rng.random() < arch.edit.first_p else "last"
             edit = {"style": style, "target": target, "keep": float(np.clip(arch.edit.keep.sample(rng), 0, 1))}
-        turns.append(TurnPlan([msg], _ref(synth.text(out, f"{sid}/{k}/ref")), gap * time_scale, gkind, kind,
+        turns.append(TurnPlan([msg], reference_reply(synth.text(out, f"{sid}/{k}/ref")), gap * time_scale, gkind, kind,
                               max_tokens=out, edit=edit))
     return SessionPlan(session_id=sid, source=f"synthetic:{arch.name}", turns=turns, archetype=arch.name)
-
-
-def _in_window(t_s: float, src: TraceSource) -> bool:
-    return t_s >= src.start_s and (src.duration_s is None or t_s < src.start_s + src.duration_s)
-
-
-def _gap_turn(gap_s: float, ttl_s: float) -> tuple[str, str]:
-    return ("resume", "pause") if gap_s > ttl_s else ("turn", "think")
-
-
-def plan_mooncake(src: TraceSource, si: int, w: Workload, synth: TextSynth, time_scale: float) -> list[SessionPlan]:
-    """Sessions of the Mooncake trace (see :mod:`loadgen.traces.mooncake`), text per hash block."""
-    from loadgen.traces.mooncake import BLOCK_TOKENS, DEFAULT_TRACE, infer_sessions, load_mooncake
-
-    reqs = load_mooncake(src.path or DEFAULT_TRACE)
-    sessions, _, _ = infer_sessions(reqs)
-    s = src.token_scale
-    block = max(1, round(BLOCK_TOKENS * s))
-    name = src.name or "trace-mooncake"
-    plans: list[SessionPlan] = []
-    for sess in sessions:
-        if src.sessions is not None and len(plans) >= src.sessions:
-            break
-        rs = [reqs[i] for i in sess.requests][: src.max_turns]
-        t0 = rs[0].timestamp_ms / 1000.0
-        if len(rs) < src.min_turns or not _in_window(t0, src):
-            continue
-        sid = f"m{si}-{len(plans):05d}-r{rs[0].index}"
-        turns: list[TurnPlan] = []
-        prev_in = prev_out = 0
-        for k, r in enumerate(rs):
-            cap = len(r.hash_ids) * block
-            n_in = min(max(1, round(r.input_length * s)), cap)
-            n_out = max(1, round(r.output_length * s))
-            # the trace repeats the parent's prompt: the same turn sent again (a retry)
-            repeat = k > 0 and r.hash_ids == rs[k - 1].hash_ids and r.input_length == rs[k - 1].input_length
-            if k == 0:
-                text = synth.chain_text(r.hash_ids, 0, n_in, block)
-            elif repeat:
-                text = ""
-            else:
-                a = prev_in + prev_out
-                if n_in - a >= src.min_new_tokens:
-                    text = synth.chain_text(r.hash_ids, a, n_in, block)
-                else:  # the trace's child is shorter than parent + output: append the minimum
-                    text = synth.text(src.min_new_tokens, f"{sid}/{k}/new")
-            msg = [{"role": "user", "content": text}]
-            ref = _ref(synth.text(n_out, f"{sid}/{k}/ref"))
-            if k == 0:
-                turns.append(TurnPlan(msg, ref, max_tokens=n_out))
-                prev_in, prev_out = n_in, n_out
-                continue
-            gap = (r.timestamp_ms - rs[k - 1].timestamp_ms) / 1000.0
-            kind, gkind = _gap_turn(gap, w.ttl_s)
-            if repeat:
-                kind, msg = "retry", []
-            if src.replay_timestamps:
-                turns.append(TurnPlan(msg, ref, 0.0, gkind, kind, max_tokens=n_out,
-                                      at_s=(r.timestamp_ms / 1000.0 - t0) * time_scale))
-            else:
-                turns.append(TurnPlan(msg, ref, gap * time_scale, gkind, kind, max_tokens=n_out))
-            prev_in, prev_out = n_in, n_out
-        start = (t0 - src.start_s) * time_scale if src.replay_timestamps else None
-        plans.append(SessionPlan(sid, f"mooncake:r{rs[0].index}", turns, archetype=name, start_at_s=start))
-    return plans
-
-
-def plan_azure(src: TraceSource, si: int, w: Workload, synth: TextSynth, time_scale: float) -> list[SessionPlan]:
-    """Every Azure row in the window as a one-turn session at its arrival offset."""
-    from loadgen.traces.azure import DEFAULT_TRACE, load_azure
-
-    rows = load_azure(src.path or DEFAULT_TRACE)
-    s = src.token_scale
-    name = src.name or "trace-azure"
-    plans: list[SessionPlan] = []
-    for r in rows:
-        if src.sessions is not None and len(plans) >= src.sessions:
-            break
-        if not _in_window(r.arrival_s, src):
-            continue
-        sid = f"z{si}-{len(plans):05d}-r{r.index}"
-        n_in = max(1, round(r.context_tokens * s))
-        n_out = max(1, round(r.generated_tokens * s))
-        turn = TurnPlan([{"role": "user", "content": synth.text(n_in, f"{sid}/0/user")}],
-                        _ref(synth.text(n_out, f"{sid}/0/ref")), max_tokens=n_out)
-        start = (r.arrival_s - src.start_s) * time_scale if src.replay_timestamps else None
-        plans.append(SessionPlan(sid, f"azure:r{r.index}", [turn], archetype=name, start_at_s=start))
-    return plans
-
-
-def _plan_conversations(convs: list[Any], src: TraceSource, si: int, prefix: str, w: Workload,
-                        synth: TextSynth, time_scale: float, reply_tokens: bool) -> list[SessionPlan]:
-    name = src.name or f"trace-{src.format}"
-    plans: list[SessionPlan] = []
-    for j, conv in enumerate(convs):
-        if src.sessions is not None and len(plans) >= src.sessions:
-            break
-        if conv.turn_count < src.min_turns:
-            continue
-        rng = _rng(w.seed, 3 + si, j)
-        base = plan_from_conversation(conv, session_id=f"{prefix}{si}-{len(plans):05d}-{conv.id}", archetype=name)
-        turns = []
-        for k, tp in enumerate(base.turns):
-            if src.output_tokens is not None:
-                out: int | None = src.output_tokens.sample_int(rng, low=1)
-            elif reply_tokens:
-                (out,) = synth.counter.count([tp.reference_reply.get("content") or ""])
-                out = max(out, 1)
-            else:
-                out = None
-            gap = 0.0
-            kind = "turn"
-            gkind = tp.gap_kind
-            if k > 0:
-                dist = src.gaps.get(tp.gap_kind) if tp.gap_kind in ("tool", "think") else None
-                gap = max(dist.sample(rng), 0.0) if dist is not None else 0.0
-                if gap > w.ttl_s:
-                    kind, gkind = "resume", "pause"
-            turns.append(TurnPlan(tp.new_messages, tp.reference_reply, gap * time_scale, gkind, kind,
-                                  max_tokens=out))
-        plans.append(SessionPlan(base.session_id, base.source, turns, archetype=name))
-    return plans
-
-
-def plan_kv_cache_tester(src: TraceSource, si: int, w: Workload, synth: TextSynth,
-                         time_scale: float) -> list[SessionPlan]:
-    """Sessions of kv-cache-tester traces (:mod:`loadgen.traces.kv_cache_tester`), scaled.
-
-    Every conversation and every sub-agent is its own session (sub-agents start at their offset
-    on the conversation's clock, concurrently with their parent). Per request k of a session, with
-    ``s`` = ``token_scale``: the first prompt is ``round(in_0 * s)`` tokens of text; a later request
-    appends ``round(new_k * s) - out_{k-1}`` tokens (at least ``min_new_tokens``) after the
-    previous reply of ``round(out_{k-1} * s)`` tokens, so its prompt keeps the trace's split
-    between the prefix the previous request already had (``shared_prefix_tokens * s``, recorded
-    as ``turns.trace_reusable_tokens``) and the new tokens. A compaction in the trace (a prompt
-    that keeps less than the previous one) is replayed as an append: the replayed history only
-    grows, so on those turns the engine can reuse more than ``trace_reusable_tokens``. Gaps: the
-    trace's client time (``gap_s``; the start-to-start bound where the trace does not say when the
-    previous request ended, docs/workloads.md "Gaps") as ``gap_before_s`` and, with ``replay_timestamps``, the
-    arrival offset as ``at_s`` (both times ``time_scale``); a gap over ``w.ttl_s`` makes a
-    ``resume``. Text is :class:`TextSynth`'s, keyed by session and request.
-    """
-    from loadgen.traces.kv_cache_tester import DEFAULT_DIR, iter_kv_cache_tester, trace_files
-
-    s = src.token_scale
-    name = src.name or "trace-kv-cache-tester"
-    files = trace_files(src.path or DEFAULT_DIR)
-    if src.sessions is not None:
-        files = files[: src.sessions]
-    by_session: dict[str, list[Any]] = {}
-    for r in iter_kv_cache_tester(files):
-        by_session.setdefault(f"{r.source}|{r.session_id}", []).append(r)
-    plans: list[SessionPlan] = []
-    for reqs in by_session.values():
-        reqs.sort(key=lambda r: r.request_index)
-        reqs = reqs[: src.max_turns]
-        t0 = reqs[0].arrival_s
-        if len(reqs) < src.min_turns or not _in_window(t0, src):
-            continue
-        sid = f"k{si}-{len(plans):05d}-{reqs[0].session_id.replace('/', '-')}"
-        turns: list[TurnPlan] = []
-        prev_out = 0
-        for k, r in enumerate(reqs):
-            n_out = max(1, round(r.output_tokens * s))
-            ref = _ref(synth.text(n_out, f"{sid}/{k}/ref"))
-            if k == 0:
-                msg = {"role": "user", "content": synth.text(max(1, round(r.input_tokens * s)), f"{sid}/0/user")}
-                turns.append(TurnPlan([msg], ref, max_tokens=n_out, trace_reusable_tokens=0))
-                prev_out = n_out
-                continue
-            n_new = max(src.min_new_tokens, round(r.new_tokens * s) - prev_out)
-            text = synth.text(n_new, f"{sid}/{k}/new")
-            msg = ({"role": "tool", "tool_call_id": f"call_{k}", "content": text} if r.gap_kind == "tool"
-                   else {"role": "user", "content": text})
-            gap = r.gap_s if r.gap_s is not None else r.arrival_s - reqs[k - 1].arrival_s
-            kind, gkind = ("resume", "pause") if gap > w.ttl_s else ("turn", r.gap_kind or "think")
-            at = (r.arrival_s - t0) * time_scale if src.replay_timestamps else None
-            turns.append(TurnPlan([msg], ref, max(gap, 0.0) * time_scale, gkind, kind, max_tokens=n_out, at_s=at,
-                                  trace_reusable_tokens=round(r.shared_prefix_tokens * s)))
-            prev_out = n_out
-        start = (t0 - src.start_s) * time_scale if src.replay_timestamps else None
-        plans.append(SessionPlan(sid, f"{reqs[0].source}/{reqs[0].session_id}", turns, archetype=name,
-                                 start_at_s=start))
-    return plans
 
 
 def plan_trace(src: TraceSource, si: int, w: Workload, synth: TextSynth, time_scale: float) -> list[SessionPlan]:
@@ -841,23 +650,6 @@ def plan_trace(src: TraceSource, si: int, w: Workload, synth: TextSynth, time_sc
     ``time_scale`` (the run's) is multiplied by the source's own ``time_scale``."""
     time_scale *= src.time_scale
     return resolve(trace_format(src.format).replay)(src, si, w, synth, time_scale)
-
-
-def plan_taubench(src: TraceSource, si: int, w: Workload, synth: TextSynth, time_scale: float) -> list[SessionPlan]:
-    """Plans of a tau-bench source: its conversations' text, gaps from ``src.gaps``."""
-    from loadgen.traces.taubench import DEFAULT_TRACE, load_taubench
-
-    convs = load_taubench(src.path or DEFAULT_TRACE, max_turns=src.max_turns)
-    return _plan_conversations(convs, src, si, "t", w, synth, time_scale, reply_tokens=False)
-
-
-def plan_vllm_multiturn(src: TraceSource, si: int, w: Workload, synth: TextSynth,
-                        time_scale: float) -> list[SessionPlan]:
-    """Plans of a vLLM ``benchmarks/multi_turn`` source: its conversations, the replies' tokens as output."""
-    from loadgen.traces.vllm_multiturn import load_vllm_multiturn
-
-    convs = load_vllm_multiturn(src.path, max_turns=src.max_turns)
-    return _plan_conversations(convs, src, si, "v", w, synth, time_scale, reply_tokens=True)
 
 
 def plan_workload(w: Workload, synth: TextSynth, *, time_scale: float = 1.0,
@@ -890,10 +682,10 @@ def plan_workload(w: Workload, synth: TextSynth, *, time_scale: float = 1.0,
         system = {}
         for _, a in arch:
             if a.name not in system:
-                tokens = _tokens(a.system_prompt_tokens, _rng(w.seed, 2, *seed_ints(a.name)), ts, low=0)
+                tokens = _tokens(a.system_prompt_tokens, seeded_rng(w.seed, 2, *seed_ints(a.name)), ts, low=0)
                 system[a.name] = synth.text(tokens, f"system/{a.name}") if tokens else ""
         for i in range(n):
-            pick = int(_rng(w.seed, 0, i).choice(len(arch), p=weights))
+            pick = int(seeded_rng(w.seed, 0, i).choice(len(arch), p=weights))
             a = arch[pick][1]
             plans.append(plan_archetype_session(a, i, w, synth, time_scale=time_scale, token_scale=ts,
                                                 system_text=system[a.name]))

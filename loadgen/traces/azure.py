@@ -18,7 +18,15 @@ import datetime as dt
 from dataclasses import dataclass
 from pathlib import Path
 
+from loadgen.session import SessionPlan, TurnPlan
+from loadgen.synth_text import TextSynth
 from loadgen.traces.errors import TraceFormatError
+from loadgen.traces.replay import (
+    ReplaySource,
+    ReplayWorkload,
+    in_window,
+    reference_reply,
+)
 from turnscope.core import resources
 
 #: The shipped copy (CC-BY-4.0, see data/traces/SOURCES.md).
@@ -93,3 +101,25 @@ def load_azure(path: Path | str = DEFAULT_TRACE, *, limit: int | None = None) ->
             out.append(AzureRequest(len(out), (ts - t0).total_seconds(), vals["ContextTokens"],
                                     vals["GeneratedTokens"]))
     return out
+
+
+def plan_azure(src: ReplaySource, si: int, w: ReplayWorkload, synth: TextSynth, time_scale: float) -> list[SessionPlan]:
+    """Every Azure row in the window as a one-turn session at its arrival offset."""
+
+    rows = load_azure(src.path or DEFAULT_TRACE)
+    s = src.token_scale
+    name = src.name or "trace-azure"
+    plans: list[SessionPlan] = []
+    for r in rows:
+        if src.sessions is not None and len(plans) >= src.sessions:
+            break
+        if not in_window(r.arrival_s, src):
+            continue
+        sid = f"z{si}-{len(plans):05d}-r{r.index}"
+        n_in = max(1, round(r.context_tokens * s))
+        n_out = max(1, round(r.generated_tokens * s))
+        turn = TurnPlan([{"role": "user", "content": synth.text(n_in, f"{sid}/0/user")}],
+                        reference_reply(synth.text(n_out, f"{sid}/0/ref")), max_tokens=n_out)
+        start = (r.arrival_s - src.start_s) * time_scale if src.replay_timestamps else None
+        plans.append(SessionPlan(sid, f"azure:r{r.index}", [turn], archetype=name, start_at_s=start))
+    return plans

@@ -121,22 +121,22 @@ register(TraceFormat("run", detect=lambda s: s.is_dir and (s.path / "turnscope.d
                      requests="loadgen.traces.recorded_runs:iter_recorded_runs"))
 register(TraceFormat("azure", detect=lambda s: not s.is_dir and s.suffix == ".csv",
                      requests="loadgen.traces.agent_sources:azure_requests",
-                     check="loadgen.traces.azure:load_azure", replay="loadgen.workload:plan_azure"))
+                     check="loadgen.traces.azure:load_azure", replay="loadgen.traces.azure:plan_azure"))
 register(TraceFormat("kv_cache_tester",
                      detect=lambda s: s.is_dir or (s.is_json_object and (s.first_object is None
                                                                            or "requests" in s.first_object)),
                      requests="loadgen.traces.kv_cache_tester:iter_kv_cache_tester",
                      check="loadgen.traces.kv_cache_tester:read_kv_cache_tester",
-                     replay="loadgen.workload:plan_kv_cache_tester"))
+                     replay="loadgen.traces.kv_cache_tester:plan_kv_cache_tester"))
 register(TraceFormat("mooncake", detect=lambda s: s.first_has("hash_ids", "timestamp"),
                      requests="loadgen.traces.agent_sources:mooncake_requests",
-                     check="loadgen.traces.mooncake:load_mooncake", replay="loadgen.workload:plan_mooncake"))
+                     check="loadgen.traces.mooncake:load_mooncake", replay="loadgen.traces.mooncake:plan_mooncake"))
 register(TraceFormat("tracelab", detect=lambda s: s.first_has("session_id", "round_index"),
                      requests="loadgen.traces.tracelab:read_tracelab"))
 register(TraceFormat("taubench", check="loadgen.traces.taubench:load_taubench",
-                     replay="loadgen.workload:plan_taubench"))
+                     replay="loadgen.traces.taubench:plan_taubench"))
 register(TraceFormat("vllm_multiturn", check="loadgen.traces.vllm_multiturn:load_vllm_multiturn",
-                     replay="loadgen.workload:plan_vllm_multiturn"))
+                     replay="loadgen.traces.vllm_multiturn:plan_vllm_multiturn"))
 
 #: Formats whose requests stream to ``turnscope traffic`` and ``turnscope plan`` (``--format``).
 REQUEST_FORMATS: tuple[str, ...] = tuple(f.name for f in _FORMATS.values() if f.requests)

@@ -47,8 +47,16 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from loadgen.session import SessionPlan, TurnPlan
+from loadgen.synth_text import TextSynth
 from loadgen.traces.agent_request import AgentRequest, bounded_gap
 from loadgen.traces.errors import TraceFormatError
+from loadgen.traces.replay import (
+    ReplaySource,
+    ReplayWorkload,
+    in_window,
+    reference_reply,
+)
 from turnscope.core import resources
 
 #: The shipped copies (Apache-2.0, see data/traces/SOURCES.md).
@@ -239,3 +247,64 @@ def read_kv_cache_tester(paths: Path | str | Iterable[Path | str] = DEFAULT_DIR)
     """All requests of the trace files under ``paths`` (default: the 24 shipped traces), file by
     file in name order, each file's in arrival order. Raises as :func:`iter_kv_cache_tester`."""
     return list(iter_kv_cache_tester(paths))
+
+
+def plan_kv_cache_tester(src: ReplaySource, si: int, w: ReplayWorkload, synth: TextSynth,
+                         time_scale: float) -> list[SessionPlan]:
+    """Sessions of kv-cache-tester traces (:mod:`loadgen.traces.kv_cache_tester`), scaled.
+
+    Every conversation and every sub-agent is its own session (sub-agents start at their offset
+    on the conversation's clock, concurrently with their parent). Per request k of a session, with
+    ``s`` = ``token_scale``: the first prompt is ``round(in_0 * s)`` tokens of text; a later request
+    appends ``round(new_k * s) - out_{k-1}`` tokens (at least ``min_new_tokens``) after the
+    previous reply of ``round(out_{k-1} * s)`` tokens, so its prompt keeps the trace's split
+    between the prefix the previous request already had (``shared_prefix_tokens * s``, recorded
+    as ``turns.trace_reusable_tokens``) and the new tokens. A compaction in the trace (a prompt
+    that keeps less than the previous one) is replayed as an append: the replayed history only
+    grows, so on those turns the engine can reuse more than ``trace_reusable_tokens``. Gaps: the
+    trace's client time (``gap_s``; the start-to-start bound where the trace does not say when the
+    previous request ended, docs/workloads.md "Gaps") as ``gap_before_s`` and, with ``replay_timestamps``, the
+    arrival offset as ``at_s`` (both times ``time_scale``); a gap over ``w.ttl_s`` makes a
+    ``resume``. Text is :class:`TextSynth`'s, keyed by session and request.
+    """
+
+    s = src.token_scale
+    name = src.name or "trace-kv-cache-tester"
+    files = trace_files(src.path or DEFAULT_DIR)
+    if src.sessions is not None:
+        files = files[: src.sessions]
+    by_session: dict[str, list[Any]] = {}
+    for r in iter_kv_cache_tester(files):
+        by_session.setdefault(f"{r.source}|{r.session_id}", []).append(r)
+    plans: list[SessionPlan] = []
+    for reqs in by_session.values():
+        reqs.sort(key=lambda r: r.request_index)
+        reqs = reqs[: src.max_turns]
+        t0 = reqs[0].arrival_s
+        if len(reqs) < src.min_turns or not in_window(t0, src):
+            continue
+        sid = f"k{si}-{len(plans):05d}-{reqs[0].session_id.replace('/', '-')}"
+        turns: list[TurnPlan] = []
+        prev_out = 0
+        for k, r in enumerate(reqs):
+            n_out = max(1, round(r.output_tokens * s))
+            ref = reference_reply(synth.text(n_out, f"{sid}/{k}/ref"))
+            if k == 0:
+                msg = {"role": "user", "content": synth.text(max(1, round(r.input_tokens * s)), f"{sid}/0/user")}
+                turns.append(TurnPlan([msg], ref, max_tokens=n_out, trace_reusable_tokens=0))
+                prev_out = n_out
+                continue
+            n_new = max(src.min_new_tokens, round(r.new_tokens * s) - prev_out)
+            text = synth.text(n_new, f"{sid}/{k}/new")
+            msg = ({"role": "tool", "tool_call_id": f"call_{k}", "content": text} if r.gap_kind == "tool"
+                   else {"role": "user", "content": text})
+            gap = r.gap_s if r.gap_s is not None else r.arrival_s - reqs[k - 1].arrival_s
+            kind, gkind = ("resume", "pause") if gap > w.ttl_s else ("turn", r.gap_kind or "think")
+            at = (r.arrival_s - t0) * time_scale if src.replay_timestamps else None
+            turns.append(TurnPlan([msg], ref, max(gap, 0.0) * time_scale, gkind, kind, max_tokens=n_out, at_s=at,
+                                  trace_reusable_tokens=round(r.shared_prefix_tokens * s)))
+            prev_out = n_out
+        start = (t0 - src.start_s) * time_scale if src.replay_timestamps else None
+        plans.append(SessionPlan(sid, f"{reqs[0].source}/{reqs[0].session_id}", turns, archetype=name,
+                                 start_at_s=start))
+    return plans

@@ -36,8 +36,17 @@ from pathlib import Path
 
 import numpy as np
 
+from loadgen.session import SessionPlan, TurnPlan
+from loadgen.synth_text import TextSynth
 from loadgen.traces.errors import TraceFormatError
 from loadgen.traces.jsonl import iter_json_objects
+from loadgen.traces.replay import (
+    ReplaySource,
+    ReplayWorkload,
+    gap_turn,
+    in_window,
+    reference_reply,
+)
 from turnscope.core import resources
 
 #: The shipped copy (Apache-2.0, see data/traces/SOURCES.md).
@@ -269,3 +278,59 @@ if __name__ == "__main__":  # python -m loadgen.traces.mooncake [file]: print th
 
     reqs = load_mooncake(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_TRACE)
     print(infer_sessions(reqs)[2].summary())
+
+
+def plan_mooncake(src: ReplaySource, si: int, w: ReplayWorkload, synth: TextSynth, time_scale: float) -> list[SessionPlan]:
+    """Sessions of the Mooncake trace (see :mod:`loadgen.traces.mooncake`), text per hash block."""
+
+    reqs = load_mooncake(src.path or DEFAULT_TRACE)
+    sessions, _, _ = infer_sessions(reqs)
+    s = src.token_scale
+    block = max(1, round(BLOCK_TOKENS * s))
+    name = src.name or "trace-mooncake"
+    plans: list[SessionPlan] = []
+    for sess in sessions:
+        if src.sessions is not None and len(plans) >= src.sessions:
+            break
+        rs = [reqs[i] for i in sess.requests][: src.max_turns]
+        t0 = rs[0].timestamp_ms / 1000.0
+        if len(rs) < src.min_turns or not in_window(t0, src):
+            continue
+        sid = f"m{si}-{len(plans):05d}-r{rs[0].index}"
+        turns: list[TurnPlan] = []
+        prev_in = prev_out = 0
+        for k, r in enumerate(rs):
+            cap = len(r.hash_ids) * block
+            n_in = min(max(1, round(r.input_length * s)), cap)
+            n_out = max(1, round(r.output_length * s))
+            # the trace repeats the parent's prompt: the same turn sent again (a retry)
+            repeat = k > 0 and r.hash_ids == rs[k - 1].hash_ids and r.input_length == rs[k - 1].input_length
+            if k == 0:
+                text = synth.chain_text(r.hash_ids, 0, n_in, block)
+            elif repeat:
+                text = ""
+            else:
+                a = prev_in + prev_out
+                if n_in - a >= src.min_new_tokens:
+                    text = synth.chain_text(r.hash_ids, a, n_in, block)
+                else:  # the trace's child is shorter than parent + output: append the minimum
+                    text = synth.text(src.min_new_tokens, f"{sid}/{k}/new")
+            msg = [{"role": "user", "content": text}]
+            ref = reference_reply(synth.text(n_out, f"{sid}/{k}/ref"))
+            if k == 0:
+                turns.append(TurnPlan(msg, ref, max_tokens=n_out))
+                prev_in, prev_out = n_in, n_out
+                continue
+            gap = (r.timestamp_ms - rs[k - 1].timestamp_ms) / 1000.0
+            kind, gkind = gap_turn(gap, w.ttl_s)
+            if repeat:
+                kind, msg = "retry", []
+            if src.replay_timestamps:
+                turns.append(TurnPlan(msg, ref, 0.0, gkind, kind, max_tokens=n_out,
+                                      at_s=(r.timestamp_ms / 1000.0 - t0) * time_scale))
+            else:
+                turns.append(TurnPlan(msg, ref, gap * time_scale, gkind, kind, max_tokens=n_out))
+            prev_in, prev_out = n_in, n_out
+        start = (t0 - src.start_s) * time_scale if src.replay_timestamps else None
+        plans.append(SessionPlan(sid, f"mooncake:r{rs[0].index}", turns, archetype=name, start_at_s=start))
+    return plans

@@ -23,7 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loadgen.session import SessionPlan
+from loadgen.synth_text import TextSynth
 from loadgen.traces.errors import TraceFormatError
+from loadgen.traces.replay import ReplaySource, ReplayWorkload, plan_conversations
 from turnscope.core import resources
 
 #: The trace shipped with turnscope (MIT, see data/traces/SOURCES.md).
@@ -184,3 +187,10 @@ def load_taubench(
         out.append(Conversation(id=conv_id, messages=messages[: last_assistant + 1],
                                 source=f"{path.stem}:{conv_id}"))
     return out
+
+
+def plan_taubench(src: ReplaySource, si: int, w: ReplayWorkload, synth: TextSynth, time_scale: float) -> list[SessionPlan]:
+    """Plans of a tau-bench source: its conversations' text, gaps from ``src.gaps``."""
+
+    convs = load_taubench(src.path or DEFAULT_TRACE, max_turns=src.max_turns)
+    return plan_conversations(convs, src, si, "t", w, synth, time_scale, reply_tokens=False)

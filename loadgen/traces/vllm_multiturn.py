@@ -17,6 +17,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from loadgen.session import SessionPlan
+from loadgen.synth_text import TextSynth
+from loadgen.traces.replay import ReplaySource, ReplayWorkload, plan_conversations
 from loadgen.traces.taubench import Conversation, TraceFormatError
 
 _ROLES = ("system", "user", "assistant")
@@ -98,3 +101,11 @@ def load_vllm_multiturn(path: Path | str, *, max_conversations: int | None = Non
             continue
         out.append(Conversation(id=cid, messages=clean[: last + 1], source=f"{path.stem}:{cid}"))
     return out
+
+
+def plan_vllm_multiturn(src: ReplaySource, si: int, w: ReplayWorkload, synth: TextSynth,
+                        time_scale: float) -> list[SessionPlan]:
+    """Plans of a vLLM ``benchmarks/multi_turn`` source: its conversations, the replies' tokens as output."""
+
+    convs = load_vllm_multiturn(src.path, max_turns=src.max_turns)
+    return plan_conversations(convs, src, si, "v", w, synth, time_scale, reply_tokens=True)
