@@ -15,6 +15,18 @@ the two sides of a comparison whose sides are not one mode each (docs/design.md,
 
 from __future__ import annotations
 
+from turnscope.core.contract import (
+    HIT,
+    MISS_BELOW_THRESHOLD,
+    MISS_CONSUMED,
+    MISS_DECODE_RESTARTED,
+    MISS_EXPIRED,
+    MISS_FIRST_TURN,
+    MISS_MISMATCH,
+    MISS_NO_HANDLE_RETURNED,
+    MISS_NO_SESSION_ID,
+    MISS_TRANSFER_FAILED,
+)
 from turnscope.core.modes import ATTACH_COLOUR, ATTACH_MODE, SERVING_MODES
 
 #: The one mode -> colour map: each serving mode's own ``ServingMode.colour`` (plotly's tab10 hues;
@@ -26,20 +38,20 @@ UNKNOWN_MODE = "#7f7f7f"
 #: Reuse outcome -> colour: quiet greys for what is expected, teal for a hit, loud warm hues for misses
 #: that cost a prefix that could have been reused.
 OUTCOME_COLORS = {
-    "hit": "#00a6a6",
-    "miss_first_turn": "#d9d9d9",
-    "miss_no_handle_returned": "#bdbdbd",
+    HIT: "#00a6a6",
+    MISS_FIRST_TURN: "#d9d9d9",
+    MISS_NO_HANDLE_RETURNED: "#bdbdbd",
     "not recorded": "#ececec",
-    "miss_below_threshold": "#fdd49e",
-    "miss_no_session_id": "#fc8d59",
-    "miss_expired": "#ef6548",
-    "miss_consumed": "#d7301f",
-    "miss_mismatch": "#b30000",
-    "miss_transfer_failed": "#7f0000",
-    "miss_decode_restarted": "#a50f15",
+    MISS_BELOW_THRESHOLD: "#fdd49e",
+    MISS_NO_SESSION_ID: "#fc8d59",
+    MISS_EXPIRED: "#ef6548",
+    MISS_CONSUMED: "#d7301f",
+    MISS_MISMATCH: "#b30000",
+    MISS_TRANSFER_FAILED: "#7f0000",
+    MISS_DECODE_RESTARTED: "#a50f15",
 }
 #: Outcomes that are expected by design, drawn quiet (`OUTCOME_COLORS`).
-QUIET_OUTCOMES = ("miss_first_turn", "miss_no_handle_returned", "not recorded")
+QUIET_OUTCOMES = (MISS_FIRST_TURN, MISS_NO_HANDLE_RETURNED, "not recorded")
 
 #: Where time goes -> colour (Turns' TTFT split, Sessions' timeline and task split, Traffic's gaps).
 TIME_COLORS = {

@@ -423,10 +423,10 @@ class _NoAliases(yaml.SafeDumper):
 
 def _block_text(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
     """A string of several lines (the proxy's JSON configuration) as a YAML literal block."""
-    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style="|" if "\n" in text else None)
+    return dumper.represent_scalar("tag:yaml.org,2002:str", str(text), style="|" if "\n" in text else None)
 
 
-_NoAliases.add_representer(str, _block_text)
+_NoAliases.add_multi_representer(str, _block_text)  # str and its enums (contract.Role)
 
 
 def render_yaml(objects: list[dict], comments: list[str] = ()) -> str:

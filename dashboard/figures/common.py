@@ -9,6 +9,18 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from dashboard.palette import MODE_COLORS, OUTCOME_COLORS, mode_color  # noqa: F401  (re-exported)
+from turnscope.core.contract import (
+    HIT,
+    MISS_BELOW_THRESHOLD,
+    MISS_CONSUMED,
+    MISS_DECODE_RESTARTED,
+    MISS_EXPIRED,
+    MISS_FIRST_TURN,
+    MISS_MISMATCH,
+    MISS_NO_HANDLE_RETURNED,
+    MISS_NO_SESSION_ID,
+    MISS_TRANSFER_FAILED,
+)
 from turnscope.core.modes import ATTACH_MODE, MODES
 
 #: Serving modes in display order (``turnscope.core.modes.SERVING_MODES``); unknown modes sort after these.
@@ -17,32 +29,32 @@ MODE_ORDER = [*MODES, ATTACH_MODE]
 #: Reuse outcomes of the proxy (docs/schema.md, ``turns.reuse``): hit first, then the misses that cost
 #: (loud), then those expected by design (quiet, last; ``dashboard.palette.QUIET_OUTCOMES``).
 OUTCOME_ORDER = [
-    "hit",
-    "miss_expired",
-    "miss_consumed",
-    "miss_mismatch",
-    "miss_transfer_failed",
-    "miss_decode_restarted",
-    "miss_no_session_id",
-    "miss_below_threshold",
-    "miss_first_turn",
-    "miss_no_handle_returned",
+    HIT,
+    MISS_EXPIRED,
+    MISS_CONSUMED,
+    MISS_MISMATCH,
+    MISS_TRANSFER_FAILED,
+    MISS_DECODE_RESTARTED,
+    MISS_NO_SESSION_ID,
+    MISS_BELOW_THRESHOLD,
+    MISS_FIRST_TURN,
+    MISS_NO_HANDLE_RETURNED,
     "not recorded",
 ]
 
 #: Marker per reuse outcome, where colour already means the mode: filled for a hit, open for the
 #: misses an operator expects (first turn), crossed and other shapes for the rest.
 OUTCOME_SYMBOLS = {
-    "hit": "circle",
-    "miss_first_turn": "circle-open",
-    "miss_no_session_id": "square-open",
-    "miss_expired": "hourglass",
-    "miss_consumed": "diamond-open",
-    "miss_mismatch": "x",
-    "miss_below_threshold": "triangle-down",
-    "miss_transfer_failed": "cross",
-    "miss_no_handle_returned": "square",
-    "miss_decode_restarted": "star",
+    HIT: "circle",
+    MISS_FIRST_TURN: "circle-open",
+    MISS_NO_SESSION_ID: "square-open",
+    MISS_EXPIRED: "hourglass",
+    MISS_CONSUMED: "diamond-open",
+    MISS_MISMATCH: "x",
+    MISS_BELOW_THRESHOLD: "triangle-down",
+    MISS_TRANSFER_FAILED: "cross",
+    MISS_NO_HANDLE_RETURNED: "square",
+    MISS_DECODE_RESTARTED: "star",
     "not recorded": "diamond",
 }
 

@@ -12,6 +12,7 @@ import plotly.graph_objects as go
 from dashboard.figures import empty_figure
 from dashboard.figures.common import log_ticks
 from dashboard.palette import NEUTRAL, NEUTRAL_DARK, OUTCOME_COLORS, TIME_COLORS
+from turnscope.core.contract import HIT, MISS_EXPIRED, MISS_FIRST_TURN
 
 #: Colours per gap kind / timeline segment (the same kind looks the same on every chart).
 #: Gap kind -> colour (``dashboard.palette.TIME_COLORS``: time between turns, never a mode's colour).
@@ -84,7 +85,7 @@ def reuse_split(reuse: pd.DataFrame) -> go.Figure:
              "reusable, but late or under the threshold": (r["reusable_tokens"] - r["reusable_in_ttl_tokens"]).astype(float),
              "new": r["new_tokens"].astype(float)}
     # as the reuse outcomes they would be: a hit, a miss that costs (expired), nothing to reuse (quiet)
-    colors = [OUTCOME_COLORS["hit"], OUTCOME_COLORS["miss_expired"], OUTCOME_COLORS["miss_first_turn"]]
+    colors = [OUTCOME_COLORS[HIT], OUTCOME_COLORS[MISS_EXPIRED], OUTCOME_COLORS[MISS_FIRST_TURN]]
     fig = go.Figure()
     for (name, v), c in zip(parts.items(), colors, strict=True):
         fig.add_trace(go.Bar(y=r["what"], x=100 * v / total, name=name, orientation="h", marker_color=c,

@@ -22,6 +22,7 @@ from scipy import stats
 from turnscope.analysis import sample_size, speedup
 from turnscope.analysis.speedup import Verdict
 from turnscope.core import modes
+from turnscope.core.contract import HIT
 
 #: (treatment, baseline): the feature against the baselines operators run (one-way P/D with P's
 #: prefix cache on, aggregated serving), then the vendor's cache-miss scenario (P's cache off);
@@ -410,7 +411,7 @@ def all_miss_warnings(outcomes: pd.DataFrame) -> list[str]:
     bidir = outcomes[outcomes["mode"].astype(str).isin(modes.BIDIRECTIONAL_MODES)]
     for mode, g in bidir.groupby("mode", sort=True):
         later = int(g["later_turns"].sum())
-        hits = int(g.loc[g["reuse"] == "hit", "later_turns"].sum())
+        hits = int(g.loc[g["reuse"] == HIT, "later_turns"].sum())
         if later > 0 and hits == 0:
             misses = g[g["later_turns"] > 0].sort_values("later_turns", ascending=False)
             top = ", ".join(f"{row.reuse} ({int(row.later_turns)})" for row in misses.itertuples())

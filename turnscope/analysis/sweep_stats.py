@@ -45,6 +45,7 @@ from scipy.optimize import lsq_linear
 from turnscope.analysis import speedup
 from turnscope.analysis.headline import padded_groups
 from turnscope.core import modes
+from turnscope.core.contract import HIT
 
 #: (treatment, baseline, what the pair answers): the vendor's A/B first, then the real baselines.
 #: (each mode's measured ``ServingMode.baselines``, treatments in ``turnscope.core.modes.SWEEP_ORDER``.)
@@ -94,7 +95,7 @@ def point_stats(turns: pd.DataFrame, min_turn_index: int = 0) -> pd.DataFrame:
             "ttft_median_s": float(stat_of(ttft, "median")) if ttft.size else math.nan,
             "ttft_mean_s": float(stat_of(ttft, "mean")) if ttft.size else math.nan,
             "ttft_p90_s": float(stat_of(ttft, "p90")) if ttft.size else math.nan,
-            "hits": int((ok["reuse"] == "hit").sum()), "failed": int(len(g) - len(ok)),
+            "hits": int((ok["reuse"] == HIT).sum()), "failed": int(len(g) - len(ok)),
         })
     return pd.DataFrame(rows, columns=cols)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from enum import StrEnum
 from typing import Any, Literal, TypedDict
 
 import numpy as np
@@ -108,6 +109,30 @@ MISS_NO_HANDLE_RETURNED = "miss_no_handle_returned"
 MISS_DECODE_RESTARTED = "miss_decode_restarted"
 OUTCOMES = (HIT, MISS_FIRST_TURN, MISS_NO_SESSION_ID, MISS_EXPIRED, MISS_CONSUMED, MISS_MISMATCH,
             MISS_BELOW_THRESHOLD, MISS_TRANSFER_FAILED, MISS_NO_HANDLE_RETURNED, MISS_DECODE_RESTARTED)
+
+# -- roles: what a worker (or a scraped endpoint) is -------------------------------------------------
+
+
+class Role(StrEnum):
+    """A role: the three kinds of worker (``serving.topology.Topology``'s lists and ``roles:`` keys,
+    ``turnscope.core.modes.ServingMode.roles``) and the proxy, which is no worker but one more
+    endpoint a scrape reads (``serving.prometheus_config``, ``loadgen.scraper``). A member equals
+    its string (``Role.PREFILL == "prefill"``), so the store's columns and YAML keys read as before;
+    its repr is its value's (``'prefill'``), so messages naming one read as before too."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    AGGREGATED = "aggregated"
+    PROXY = "proxy"
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+#: The roles of workers, in a topology's order (P, D, aggregated).
+WORKER_ROLES: tuple[Role, ...] = (Role.PREFILL, Role.DECODE, Role.AGGREGATED)
+#: The roles of the endpoints a scrape reads (``/metrics`` of the workers and of the proxy).
+ENDPOINT_ROLES: tuple[Role, ...] = (*WORKER_ROLES, Role.PROXY)
 
 # -- the connector's defaults every part reasons with ------------------------------------------------
 

@@ -8,14 +8,18 @@ the session's next prefill to pull) and with or without P's prefix cache
 (``--no-enable-prefix-caching`` on P: the vendor's cache-miss scenario, vLLM blog 2026-10-12).
 
 Adding a mode is one entry of :data:`SERVING_MODES` here, plus how its workers are launched
-(``serving.workers.mode_workers``) if its flags are not the three below. This module imports nothing
-of turnscope's (it is part of the ground layer, docs/design.md "Layers").
+(``serving.workers.mode_workers``) if its flags are not the three below. A mode's name is written
+here only: every other module takes it from the constants below or from :data:`SERVING_MODES`
+(checked by ``tests/unit/test_names.py``). This module imports only the contract's roles (both are
+the ground layer, docs/design.md "Layers").
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+from turnscope.core.contract import Role
 
 
 @dataclass(frozen=True)
@@ -49,16 +53,21 @@ class ServingMode:
     baselines: tuple[Baseline, ...] = ()
 
     @property
-    def roles(self) -> tuple[str, ...]:
+    def roles(self) -> tuple[Role, ...]:
         """The topology roles whose workers this mode runs (``serving.topology.Topology``)."""
-        return ("prefill", "decode") if self.disaggregated else ("aggregated",)
+        return (Role.PREFILL, Role.DECODE) if self.disaggregated else (Role.AGGREGATED,)
 
     def prefix_caching(self, role: str) -> bool:
         """Whether a worker of ``role`` runs with prefix caching on (only P's can be off)."""
-        return self.prefill_prefix_cache or role != "prefill"
+        return self.prefill_prefix_cache or role != Role.PREFILL
 
 
+#: The modes' names, for the modules that name one (a mode's name is spelled nowhere else).
 AGGREGATED = "aggregated"
+PD = "pd"
+PD_BIDIR = "pd-bidir"
+PD_NOCACHE = "pd-nocache"
+PD_BIDIR_NOCACHE = "pd-bidir-nocache"
 #: What a run records as its mode when it drives a server turnscope did not launch.
 ATTACH_MODE = "attach"
 #: The chart colour of runs against an attached server (no mode of :data:`SERVING_MODES`).
@@ -68,17 +77,17 @@ ATTACH_COLOUR = "#8c564b"
 SERVING_MODES: tuple[ServingMode, ...] = (
     ServingMode(AGGREGATED, disaggregated=False, bidirectional=False, prefill_prefix_cache=True,
                 colour="#4c4c4c"),
-    ServingMode("pd", disaggregated=True, bidirectional=False, prefill_prefix_cache=True, colour="#1f77b4"),
-    ServingMode("pd-bidir", disaggregated=True, bidirectional=True, prefill_prefix_cache=True, colour="#2ca02c",
-                baselines=(Baseline("pd", "against one-way P/D with P's prefix cache on"),
+    ServingMode(PD, disaggregated=True, bidirectional=False, prefill_prefix_cache=True, colour="#1f77b4"),
+    ServingMode(PD_BIDIR, disaggregated=True, bidirectional=True, prefill_prefix_cache=True, colour="#2ca02c",
+                baselines=(Baseline(PD, "against one-way P/D with P's prefix cache on"),
                            Baseline(AGGREGATED, "against aggregated serving with prefix caching"),
-                           Baseline("pd-bidir-nocache", "bidirectional transfer with P's cache on against off",
+                           Baseline(PD_BIDIR_NOCACHE, "bidirectional transfer with P's cache on against off",
                                     measured=False))),
-    ServingMode("pd-nocache", disaggregated=True, bidirectional=False, prefill_prefix_cache=False,
+    ServingMode(PD_NOCACHE, disaggregated=True, bidirectional=False, prefill_prefix_cache=False,
                 colour="#ff7f0e"),
-    ServingMode("pd-bidir-nocache", disaggregated=True, bidirectional=True, prefill_prefix_cache=False,
+    ServingMode(PD_BIDIR_NOCACHE, disaggregated=True, bidirectional=True, prefill_prefix_cache=False,
                 colour="#9467bd",
-                baselines=(Baseline("pd-nocache", "the vendor's comparison: P's prefix cache off"),)),
+                baselines=(Baseline(PD_NOCACHE, "the vendor's comparison: P's prefix cache off"),)),
 )
 #: The names of :data:`SERVING_MODES`, in display order.
 MODES: tuple[str, ...] = tuple(m.name for m in SERVING_MODES)

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from serving import handles as h
 from turnscope.analysis.plan_check import headline_check
+from turnscope.core.contract import HIT
 from turnscope.core.modes import BIDIRECTIONAL_MODES
 from turnscope.core.store import Store
 from turnscope.planner.check import check_runs
@@ -88,8 +88,8 @@ def held_out_summary(checks: pd.DataFrame) -> pd.DataFrame:
         p90_forecast = float(np.quantile(g["predicted_ttft_s"].to_numpy(float), 0.9))
         later = g[g["turn_index"] >= 1]
         bidir = str(mode) in BIDIRECTIONAL_MODES and len(later)
-        rec_hit = float((later["recorded_outcome"] == h.HIT).mean()) if bidir else np.nan
-        pred_hit = float((later["predicted_outcome"] == h.HIT).mean()) if bidir else np.nan
+        rec_hit = float((later["recorded_outcome"] == HIT).mean()) if bidir else np.nan
+        pred_hit = float((later["predicted_outcome"] == HIT).mean()) if bidir else np.nan
         rec_pull, pred_pull = int(g["recorded_pulled_tokens"].fillna(0).sum()), int(g["predicted_pulled_tokens"].sum())
         row = {"mode": mode, "runs": int(g["checked_run_id"].nunique()), "ok_turns": len(g),
                "outcome_matches": int(g["outcome_match"].astype(bool).sum()),
@@ -120,7 +120,7 @@ def held_out_errors(checks: pd.DataFrame, split: Split) -> HeldOutErrors:
         later = g[g["turn_index"] >= 1]
         if str(mode) in BIDIRECTIONAL_MODES and len(later):
             per_run = later.groupby("checked_run_id").apply(
-                lambda x: float((x["recorded_outcome"] == h.HIT).mean() - (x["predicted_outcome"] == h.HIT).mean()),
+                lambda x: float((x["recorded_outcome"] == HIT).mean() - (x["predicted_outcome"] == HIT).mean()),
                 include_groups=False).to_numpy(float)
             hit[str(mode)] = tuple(float(x) for x in np.quantile(per_run, INTERVAL_Q))
     return HeldOutErrors(split=split.describe(), runs=int(ok["checked_run_id"].nunique()), turns=len(ok),

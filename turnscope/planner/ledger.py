@@ -56,8 +56,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from serving import handles as h
 from turnscope.core import reuse_rules as rules
+from turnscope.core.contract import HIT, Role
 from turnscope.planner import intervals
 from turnscope.planner.intervals import HandleReads
 from turnscope.planner.profile import CostProfile, GiB
@@ -76,13 +76,8 @@ from turnscope.planner.simulate import (
     simulate_bidir,
     workers_of,
 )
+from turnscope.planner.strategies import BIDIR_STRATEGIES, HOST_STRATEGIES, RECOMPUTE, STRATEGIES
 
-#: Strategy name -> the planner mode it is costed as.
-STRATEGIES = {"recompute": "pd-nocache", "pd": "pd", "pd+host": "pd", "pd-bidir": "pd-bidir",
-              "pd-bidir+host": "pd-bidir"}
-HOST_STRATEGIES = ("pd+host", "pd-bidir+host")
-#: The strategies that hold a finished turn's KV on D.
-BIDIR_STRATEGIES = ("pd-bidir", "pd-bidir+host")
 #: Columns of :func:`ledger`.
 LEDGER_COLUMNS = ("strategy", "mode", "later_requests", "hit_rate", "hit_rate_interval_low", "hit_rate_interval_high",
                   "reused_tokens", "host_read_tokens", "ttft_p50_later_s", "ttft_p50_later_interval_low_s",
@@ -193,7 +188,7 @@ def handle_reads(tr: Traffic, profile: CostProfile, settings: PlanSettings, outc
     for i, s in enumerate(tr.session_code):
         prev[i] = last.get(int(s), -1)
         last[int(s)] = i
-    hit = outcome == h.HIT
+    hit = outcome == HIT
     unread = np.isin(outcome, TOOK_HANDLE) & ~hit
     s_gib_s = np.where(prev >= 0, gib[np.maximum(prev, 0)], 0.0) * (settings.decoder_kv_blocks_ttl_s
                                                                      - np.nan_to_num(ages))
@@ -235,12 +230,12 @@ def forecast_strategy(tr: Traffic, profile: CostProfile, settings: PlanSettings,
     finish = finish_times(tr, profile)
     end_s = float(finish.max())
     zeros = np.zeros(len(tr), dtype=np.int64)
-    if strategy == "recompute":
+    if strategy == RECOMPUTE:
         m: ModePlan = plan(tr, profile, settings.model_copy(update={"modes": (mode,)})).modes[mode]
         return StrategyForecast(strategy, mode, zeros, zeros, zeros, m.ttft_s,
                                 profile.prefill_compute_s(mode, tr.input_tokens, zeros), 0.0, 0.0, 0.0, 0)
     if gpu is None:
-        gpu = lru_tier(tr, profile.capacity_tokens("prefill"), block, settings.prefill_workers, settings.routing,
+        gpu = lru_tier(tr, profile.capacity_tokens(Role.PREFILL), block, settings.prefill_workers, settings.routing,
                        profile.kv_bytes_per_token.value, settings.shared_prefix_tokens)
     local, host_read, host = gpu.hits, zeros, None
     if strategy in HOST_STRATEGIES:
@@ -248,7 +243,7 @@ def forecast_strategy(tr: Traffic, profile: CostProfile, settings: PlanSettings,
     pulled, d_gib_s, d_full, reads = zeros, 0.0, 0, None
     prefill = PrefillTtft(tr, settings, mode, StrategyCost(tr, profile, settings, mode,
                                                            None if host is None else host_read))
-    if mode == "pd-bidir":
+    if strategy in BIDIR_STRATEGIES:
         r = simulate_bidir(tr, profile, settings, local, finish, prefill)
         pulled, local, d_full, ttft = r.pulled, r.local, r.d_full, r.ttft_s
         d_gib_s = r.pinned.held_gib_s()
@@ -327,12 +322,12 @@ def ledger_intervals(f: StrategyForecast, base: StrategyForecast, row: dict, pro
     ttft = (lambda x: intervals.ttft_interval(profile, f.mode, x)) if why is None else (lambda x: nan)
     p50, mean = ttft(row["ttft_p50_later_s"]), ttft(row["ttft_mean_s"])
     base_p50 = row["ttft_saved_s"] + row["ttft_p50_later_s"]
-    vs = why or f.strategy == "recompute"   # recompute against itself: 1x and 0 s by construction
+    vs = why or f.strategy == RECOMPUTE   # recompute against itself: 1x and 0 s by construction
     speed = nan if vs else intervals.speedup_interval(profile, f.mode, base.mode, row["speedup_vs_recompute"])
     saved = nan if vs else intervals.ttft_saved_interval(profile, f.mode, base.mode, base_p50, row["ttft_p50_later_s"])
     hit = pinned = nan     # recompute's hit rate and a one-way strategy's D pinned are 0 by construction
     notes = []
-    if f.strategy == "recompute":
+    if f.strategy == RECOMPUTE:
         pass
     elif why is None and f.reads is not None:
         hit = intervals.reuse_rate_interval(profile, f.mode, row["hit_rate"], f.reads)
@@ -365,10 +360,10 @@ def ledger(tr: Traffic, profile: CostProfile, settings: PlanSettings, prices: Pr
         has_host = profile.host_kv_space_bytes is not None and profile.host_read_bandwidth_bytes_per_s is not None
         strategies = tuple(s for s in STRATEGIES if has_host or s not in HOST_STRATEGIES)
     block = settings.block_size or profile.block_size
-    gpu = lru_tier(tr, profile.capacity_tokens("prefill"), block, settings.prefill_workers, settings.routing,
+    gpu = lru_tier(tr, profile.capacity_tokens(Role.PREFILL), block, settings.prefill_workers, settings.routing,
                    profile.kv_bytes_per_token.value, settings.shared_prefix_tokens)
-    base = forecast_strategy(tr, profile, settings, "recompute")
-    rows = [ledger_row(forecast_strategy(tr, profile, settings, s, gpu) if s != "recompute" else base,
+    base = forecast_strategy(tr, profile, settings, RECOMPUTE)
+    rows = [ledger_row(forecast_strategy(tr, profile, settings, s, gpu) if s != RECOMPUTE else base,
                        base, tr, profile, prices) for s in strategies]
     return pd.DataFrame(rows, columns=list(LEDGER_COLUMNS))
 
@@ -395,19 +390,19 @@ def _ms(x: float) -> str:
 def ledger_lines(r) -> list[str]:
     """One ledger row (a :data:`LEDGER_COLUMNS` record) in words, every forecast with its interval
     (recompute's hit rate and a one-way strategy's D pinned KV are 0 by construction: no interval)."""
-    hit = (f"{r.hit_rate:.1%} (none reused, by construction)" if r.strategy == "recompute" else
+    hit = (f"{r.hit_rate:.1%} (none reused, by construction)" if r.strategy == RECOMPUTE else
            with_iv(f"{r.hit_rate:.1%}", r.hit_rate_interval_low, r.hit_rate_interval_high,
                    lambda x: f"{x * 100:.1f}", "%"))
     p50 = with_iv(f"{_ms(r.ttft_p50_later_s)} ms", r.ttft_p50_later_interval_low_s, r.ttft_p50_later_interval_high_s,
                   _ms, " ms")
     first = f"  {r.strategy:<14} hit rate {hit}; TTFT p50 (turn 2 on) {p50}"
-    if r.strategy != "recompute":
+    if r.strategy != RECOMPUTE:
         speed = with_iv(f"{r.speedup_vs_recompute:.2f}x", r.speedup_interval_low, r.speedup_interval_high,
                         lambda x: f"{x:.2f}", "x")
         saved = with_iv(f"{_ms(r.ttft_saved_s)} ms", r.ttft_saved_interval_low_s, r.ttft_saved_interval_high_s,
                         _ms, " ms")
         first += f"; vs recompute: speed-up {speed}, TTFT saved {saved}"
-    pinned = (f"{r.d_pinned_gib_s:,.1f}" if r.mode != "pd-bidir" else
+    pinned = (f"{r.d_pinned_gib_s:,.1f}" if r.strategy not in BIDIR_STRATEGIES else
               with_iv(f"{r.d_pinned_gib_s:,.1f}", r.d_pinned_interval_low_gib_s, r.d_pinned_interval_high_gib_s,
                       lambda x: f"{x:,.1f}"))
     second = (f"  {'':<14} held GPU {r.p_cache_gib_s + r.d_pinned_gib_s:,.1f} GiB-s (P cache {r.p_cache_gib_s:,.1f}, "

@@ -39,7 +39,7 @@ time and space:
   traffic the renders of its messages to token ids, and in P/D its wait on D for room in D's KV
   space (:mod:`turnscope.planner.decode_admission`).
 
-Outcomes are the proxy's (``serving.handles``) plus ``miss_d_full``; ``aggregated`` has none
+Outcomes are the contract's (``turnscope.core.contract``) plus ``miss_d_full``; ``aggregated`` has none
 (the proxy does not decide reuse there) and one-way P/D's later turns are
 ``miss_no_handle_returned``, as the proxy records them.
 """
@@ -56,9 +56,18 @@ import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from loadgen.traces.agent_request import AgentRequest
-from serving import handles as h
 from turnscope.core import reuse_rules as rules
-from turnscope.core.contract import SESSION
+from turnscope.core.contract import (
+    HIT,
+    MISS_BELOW_THRESHOLD,
+    MISS_CONSUMED,
+    MISS_EXPIRED,
+    MISS_FIRST_TURN,
+    MISS_MISMATCH,
+    MISS_NO_HANDLE_RETURNED,
+    MISS_TRANSFER_FAILED,
+    SESSION,
+)
 from turnscope.core.modes import BIDIRECTIONAL_MODES, RECOMPUTE_MODE, SERVING_MODES, serving_mode
 from turnscope.planner.decode_admission import DecodeAdmission, DecodeSpace, HandlesOnD, one_way_admission
 from turnscope.planner.pinned_blocks import PinnedBlocks
@@ -69,8 +78,8 @@ from turnscope.planner.queueing import shared_core_waits
 #: The new outcome: the session's handle was not kept because D's KV space was full.
 MISS_D_FULL = "miss_d_full"
 #: Outcome codes of the simulation (index = code); ``None`` for aggregated serving.
-OUTCOMES = (None, h.HIT, h.MISS_FIRST_TURN, h.MISS_EXPIRED, h.MISS_CONSUMED, h.MISS_MISMATCH,
-            h.MISS_BELOW_THRESHOLD, h.MISS_TRANSFER_FAILED, h.MISS_NO_HANDLE_RETURNED, MISS_D_FULL)
+OUTCOMES = (None, HIT, MISS_FIRST_TURN, MISS_EXPIRED, MISS_CONSUMED, MISS_MISMATCH,
+            MISS_BELOW_THRESHOLD, MISS_TRANSFER_FAILED, MISS_NO_HANDLE_RETURNED, MISS_D_FULL)
 _CODE = {name: i for i, name in enumerate(OUTCOMES)}
 BIDIR_MODES = BIDIRECTIONAL_MODES
 
@@ -310,7 +319,7 @@ def workers_of(tr: Traffic, workers: int, routing: str) -> np.ndarray:
 #: against D's ids (``SessionProxy.rendered_ids``: P's ``/tokenize`` or the in-process renderer).
 RENDERS = {m.name: 2 if m.disaggregated else 1 for m in SERVING_MODES}
 #: Outcomes of a request that took a handle (the proxy rendered its ids to fit it).
-TOOK_HANDLE = (h.HIT, h.MISS_BELOW_THRESHOLD, h.MISS_MISMATCH, h.MISS_TRANSFER_FAILED)
+TOOK_HANDLE = (HIT, MISS_BELOW_THRESHOLD, MISS_MISMATCH, MISS_TRANSFER_FAILED)
 
 
 @dataclass
@@ -498,9 +507,9 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
     seen: set[int] = set()
     codes, n_arr, out_arr, shared = tr.session_code, tr.input_tokens, tr.output_tokens, tr.shared_prefix_tokens
     arrival = tr.arrival_s
-    c_hit, c_first, c_exp, c_cons = _CODE[h.HIT], _CODE[h.MISS_FIRST_TURN], _CODE[h.MISS_EXPIRED], _CODE[h.MISS_CONSUMED]
-    c_mis, c_below, c_fail, c_full = (_CODE[h.MISS_MISMATCH], _CODE[h.MISS_BELOW_THRESHOLD],
-                                      _CODE[h.MISS_TRANSFER_FAILED], _CODE[MISS_D_FULL])
+    c_hit, c_first, c_exp, c_cons = _CODE[HIT], _CODE[MISS_FIRST_TURN], _CODE[MISS_EXPIRED], _CODE[MISS_CONSUMED]
+    c_mis, c_below, c_fail, c_full = (_CODE[MISS_MISMATCH], _CODE[MISS_BELOW_THRESHOLD],
+                                      _CODE[MISS_TRANSFER_FAILED], _CODE[MISS_D_FULL])
     took_codes = {_CODE[o] for o in TOOK_HANDLE}
     for i in range(n_req):
         t = float(arrival[i])
@@ -639,7 +648,7 @@ def plan(requests: Iterable[AgentRequest] | Traffic, profile: CostProfile,
             outcome = np.zeros(len(tr), dtype=np.int8)
         elif not kind.bidirectional:
             local = zeros if p_cache is None else p_cache
-            outcome = np.where(first_seen, _CODE[h.MISS_FIRST_TURN], _CODE[h.MISS_NO_HANDLE_RETURNED]).astype(np.int8)
+            outcome = np.where(first_seen, _CODE[MISS_FIRST_TURN], _CODE[MISS_NO_HANDLE_RETURNED]).astype(np.int8)
         prefill = PrefillTtft(tr, settings, mode, ModeCost(tr, profile, settings, mode))
         if kind.bidirectional:
             r = simulate_bidir(tr, profile, settings, p_cache, finish, prefill)

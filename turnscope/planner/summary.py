@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from serving import handles as h
 from turnscope.analysis import headline, speedup
 from turnscope.core import modes
+from turnscope.core.contract import HIT, MISS_CONSUMED, MISS_EXPIRED, MISS_MISMATCH
 from turnscope.planner import intervals
 from turnscope.planner.profile import CostProfile, Sourced
 from turnscope.planner.simulate import MISS_D_FULL, Plan, PlanSettings, Traffic, plan
@@ -49,7 +49,7 @@ def speedups(p: Plan) -> pd.DataFrame:
         tm, bm = p.modes[t], p.modes[b]
         tt, bb = tm.ttft_s, bm.ttft_s
         row = {"treatment": t, "baseline": b, "requests": len(tt), "later_requests": int(later.sum()),
-               "treatment_hits": int((tm.outcome_names() == h.HIT).sum()),
+               "treatment_hits": int((tm.outcome_names() == HIT).sum()),
                "treatment_ttft_median_s": np.nan, "baseline_ttft_median_s": np.nan,
                "speedup": np.nan, "speedup_ci_low": np.nan, "speedup_ci_high": np.nan}
         if later.any():
@@ -107,7 +107,7 @@ def frontier(traffic: Traffic, profile: CostProfile, settings: PlanSettings, mod
             update={"decode_kv_space_bytes": Sourced(value=s, source="frontier grid point")})
         m = plan(traffic, prof, settings.model_copy(update={"decoder_kv_blocks_ttl_s": ttl, "modes": (mode,)})).modes[mode]
         names = m.outcome_names()
-        rate = float((names[later] == h.HIT).mean()) if later.any() else np.nan
+        rate = float((names[later] == HIT).mean()) if later.any() else np.nan
         lo, hi = intervals.hit_rate_interval(profile, mode, rate)
         rows.append({"decoder_kv_blocks_ttl_s": ttl, "decode_kv_space_bytes": np.nan if s is None else s,
                      "current": (ttl, s) == current, "hit_rate": rate,
@@ -129,14 +129,14 @@ def defeated_sessions(p: Plan, mode: str = "pd-bidir-nocache") -> pd.DataFrame:
     tr = p.traffic
     df = pd.DataFrame({"source": tr.source, "session_id": tr.session, "outcome": names,
                        "shared": tr.shared_prefix_tokens, "gap": tr.gap_s})
-    df["lost"] = df["outcome"].isin([h.MISS_EXPIRED, h.MISS_MISMATCH, MISS_D_FULL, h.MISS_CONSUMED])
+    df["lost"] = df["outcome"].isin([MISS_EXPIRED, MISS_MISMATCH, MISS_D_FULL, MISS_CONSUMED])
     g = df.groupby(["source", "session_id"], sort=False)
     out = pd.DataFrame({
         "requests": g.size(),
-        "expired": g["outcome"].agg(lambda s: int((s == h.MISS_EXPIRED).sum())),
-        "mismatched": g["outcome"].agg(lambda s: int((s == h.MISS_MISMATCH).sum())),
+        "expired": g["outcome"].agg(lambda s: int((s == MISS_EXPIRED).sum())),
+        "mismatched": g["outcome"].agg(lambda s: int((s == MISS_MISMATCH).sum())),
         "d_full": g["outcome"].agg(lambda s: int((s == MISS_D_FULL).sum())),
-        "consumed": g["outcome"].agg(lambda s: int((s == h.MISS_CONSUMED).sum())),
+        "consumed": g["outcome"].agg(lambda s: int((s == MISS_CONSUMED).sum())),
         "lost_tokens": df.assign(v=df["shared"].where(df["lost"], 0)).groupby(["source", "session_id"], sort=False)["v"].sum(),
         "longest_gap_s": g["gap"].max(),
     }).reset_index()

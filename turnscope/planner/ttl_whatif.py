@@ -40,7 +40,7 @@ import numpy as np
 import pandas as pd
 
 from turnscope.core import reuse_rules as rules
-from turnscope.core.contract import HIT
+from turnscope.core.contract import HIT, MISS_EXPIRED
 from turnscope.planner.pinned_kv import LOST, Handle, HandleLedger, interval_load
 
 #: The TTLs (seconds) the Memory page replays besides the runs' own, and that a run's rollup
@@ -49,7 +49,7 @@ from turnscope.planner.pinned_kv import LOST, Handle, HandleLedger, interval_loa
 #: proxy's 30 s margin nothing could ever hit.
 WHATIF_TTLS_S: tuple[float, ...] = (60.0, 120.0, 240.0, 480.0, 900.0, 1800.0, 3600.0)
 #: Recorded outcomes the TTL decides; any other recorded miss stays a miss at every TTL.
-TTL_OUTCOMES = ("hit", "miss_expired")
+TTL_OUTCOMES = (HIT, MISS_EXPIRED)
 #: Columns :func:`replay_run` needs, one row per turn.
 TURN_COLUMNS = ("session_id", "turn_index", "kind", "status", "sent_s", "e2e_s", "prompt_tokens",
                 "completion_tokens", "reuse")
