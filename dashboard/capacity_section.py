@@ -6,10 +6,11 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import capacity, db, loader, queries
+from dashboard import db, loader, queries
 from dashboard.context import Selection
 from dashboard.figures import capacity as capacity_figures
 from dashboard.queries import capacity as capacity_queries
+from turnscope.analysis import capacity_crossing as capacity
 from turnscope.analysis import schedule_text
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dashboard import hit_rate
+from dashboard.queries import hit_rate
 from turnscope.analysis import speedup
 
 
@@ -13,7 +13,7 @@ def run_summary_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per run from the ``run_summary`` view, latencies in ms.
 
     `df`: ``dashboard.queries.run_summary`` (seconds, counts). Returns columns run, mode, history,
-    status, turns, ok, failed, hits, `hit_rate.LABEL` (``dashboard.hit_rate``: hits / later turns,
+    status, turns, ok, failed, hits, `hit_rate.LABEL` (``dashboard.queries.hit_rate``: hits / later turns,
     0..1; NaN without a proxy outcome), TTFT p50/p90/mean (ms), reused tokens, workload, started
     (UTC), run_id: the numbers first, so they are in view without scrolling.
     """
@@ -166,7 +166,7 @@ def ratio_table(ratios: dict) -> pd.DataFrame:
 
 
 def case_table(df: pd.DataFrame) -> pd.DataFrame:
-    """``dashboard.compare_stats.case_table`` (long: case, side, turns, ttft_p50_s) as one row per case:
+    """``turnscope.analysis.compare.case_table`` (long: case, side, turns, ttft_p50_s) as one row per case:
     case, "n A", "n B", "p50 A (ms)", "p50 B (ms)"; blanks where a side has no such turns."""
     cols = ["case", "n A", "n B", "p50 A (ms)", "p50 B (ms)"]
     if df.empty:

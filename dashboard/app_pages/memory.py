@@ -7,8 +7,9 @@ import dataclasses
 
 import streamlit as st
 
-from dashboard import capacity_section, context, figures, hit_rate, queries, tables
+from dashboard import capacity_section, context, figures, queries, tables
 from dashboard.loader import load
+from dashboard.queries import hit_rate
 from turnscope.core.modes import BIDIRECTIONAL_MODES
 from turnscope.planner.ttl_whatif import WHATIF_TTLS_S
 

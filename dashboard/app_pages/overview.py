@@ -5,8 +5,9 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import cards, context, db, figures, hit_rate, html_reports, queries, tables
+from dashboard import cards, context, db, figures, html_reports, queries, tables
 from dashboard.loader import load
+from dashboard.queries import hit_rate
 from turnscope.analysis import headline, pd_check, schedule_text, speedup
 
 

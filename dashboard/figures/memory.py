@@ -8,9 +8,9 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from dashboard import hit_rate
 from dashboard.figures.common import empty_figure, log_ticks, run_colors
 from dashboard.palette import ALARM, NEUTRAL_DARK, mode_color
+from dashboard.queries import hit_rate
 
 
 def _run_names(df: pd.DataFrame) -> pd.Series:
@@ -101,7 +101,7 @@ MiB = 2**20
 
 def whatif_totals(df: pd.DataFrame) -> pd.DataFrame:
     """``dashboard.queries.whatif_ttl_d_limit`` rows (one per run and TTL) summed per mode and TTL
-    (modes are never pooled, ``dashboard.hit_rate``): mode, ttl_s, later_turns, hits, lost_hits,
+    (modes are never pooled, ``dashboard.queries.hit_rate``): mode, ttl_s, later_turns, hits, lost_hits,
     held_gib_s (sums over the mode's runs), runs, runs_over (runs whose held KV would exceed their D's
     space at that TTL: demand_peak_bytes > capacity_bytes). Rows without a mode count as ``pd-bidir``."""
     d = df if "mode" in df else df.assign(mode="pd-bidir")

@@ -94,7 +94,7 @@ def capacity_steps(con: duckdb.DuckDBPyConnection, run_ids: Sequence[str]) -> pd
     span_s, turns/s; DistServe, Zhong et al. OSDI'24), ``throughput_per_s`` (ok turns/s),
     ``slo_attainment`` (slo_turns / turns), ``ttft_p50_s``/``ttft_p90_s``/``e2e_p50_s``/
     ``e2e_p90_s`` (ok turns, seconds), ``ttft_ok_s`` (the ok turns' TTFTs in the order sent, seconds:
-    a list; the crossing's noise check, ``dashboard.capacity.p90_ratio_interval``); over its scrapes (one value per scrape, then over time):
+    a list; the crossing's noise check, ``turnscope.analysis.capacity_crossing.p90_ratio_interval``); over its scrapes (one value per scrape, then over time):
     ``decode_kv_usage_start``/``_mean``/``_max`` (fraction 0-1 of D's KV blocks in use, the
     fullest D engine), ``decode_waiting_max``/``_mean`` and ``prefill_waiting_max`` (requests
     waiting, summed over engines), ``handle_bytes_mean``/``_max`` (the proxy's live handle bytes);

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import duckdb
 import pandas as pd
 
-from dashboard import hit_rate
+from dashboard.queries import hit_rate
 from dashboard.queries.common import TurnFilter, id_list, run_sql, where_sql
 
 # Favourable: a continuation (kind 'turn') within the proxy's TTL (decoder_kv_blocks_ttl minus the
@@ -135,7 +135,7 @@ def side_hit_rates(
     b_run_ids: Sequence[str],
     f: TurnFilter | None = None,
 ) -> pd.DataFrame:
-    """Each side's reuse hit rate by ``dashboard.hit_rate``'s one definition (hits / later turns with
+    """Each side's reuse hit rate by ``dashboard.queries.hit_rate``'s one definition (hits / later turns with
     a proxy outcome). `f`'s archetype, kind and gap-kind filters apply. Columns: side (``A`` | ``B``),
     later_turns, later_hits, hit_rate (0..1, NaN without a later turn); a side with no turn is absent."""
     params = _compare_params(a_run_ids, b_run_ids, f)

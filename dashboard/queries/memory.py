@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import duckdb
 import pandas as pd
 
-from dashboard import hit_rate
+from dashboard.queries import hit_rate
 from dashboard.queries.common import (
     HANDLE_BYTES,
     KV_USAGE,

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import duckdb
 import pandas as pd
 
-from dashboard import hit_rate
+from dashboard.queries import hit_rate
 from dashboard.queries.common import (
     EXTERNAL_KV_SOURCE,
     PROMPT_TOKENS_BY_SOURCE,
@@ -199,7 +199,7 @@ def run_summary(con: duckdb.DuckDBPyConnection, run_ids: TurnFilter | Sequence[s
     Columns as in data/schema.sql: run_id, label, mode, workload, history_mode, status,
     started_at, finished_at, turns, ok_turns, failed_turns, hits, ttft_p50_s, ttft_p90_s,
     ttft_mean_s (seconds), reused_tokens (tokens), then later_turns and later_hits
-    (``dashboard.hit_rate``). One row per run.
+    (``dashboard.queries.hit_rate``). One row per run.
     """
     return con.execute(_RUN_SUMMARY, {"run_ids": id_list(as_filter(run_ids).run_ids)}).df()
 

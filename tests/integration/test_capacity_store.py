@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from dashboard import capacity, db
+from dashboard import db
 from dashboard.queries import capacity as capacity_queries
 from tests import capacity_store as cs
+from turnscope.analysis import capacity_crossing as capacity
 
 
 @pytest.fixture(scope="module")

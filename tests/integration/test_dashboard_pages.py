@@ -397,7 +397,7 @@ def test_memory_whatif_ttl(monkeypatch, store_root):
     at = open_page(monkeypatch, store_root, "memory")
     table = frame(at, "decoder_kv_blocks_ttl (s)").set_index(["mode", "decoder_kv_blocks_ttl (s)"])
     assert ("pd-bidir", 480.0) in table.index  # the runs' own TTL is always replayed
-    # one row per mode and TTL: modes are never pooled (dashboard.hit_rate)
+    # one row per mode and TTL: modes are never pooled (dashboard.queries.hit_rate)
     for mode in ("pd-bidir", "pd-bidir-nocache"):
         for ttl in (60.0, 120.0, 480.0, 900.0):
             later, hits, gib_s = whatif_by_hand(ttl, mode=mode)
@@ -453,7 +453,7 @@ FAVOURABLE = "kind = 'turn' AND gap_before_s < 450"
 def test_compare_modes_headline_equals_sql(monkeypatch, store_root):
     at = open_page(monkeypatch, store_root, "compare")
     a, b = "m.mode = 'pd-bidir'", "m.mode = 'aggregated'"
-    # Hit rate of A's later turns (dashboard.hit_rate), from the fixture's outcomes by hand: 2 runs x 3
+    # Hit rate of A's later turns (dashboard.queries.hit_rate), from the fixture's outcomes by hand: 2 runs x 3
     # sessions x 3 later turns = 18; not hits: each run's resume after the 500 s pause (expired) and
     # bidir-2's mismatch: 15 / 18 = 83%. B (aggregated) has no proxy outcome.
     later = [fx.reuse(r, s, t) for r in ("bidir-1", "bidir-2") for s in range(fx.SESSIONS) for t in range(1, fx.TURNS)]

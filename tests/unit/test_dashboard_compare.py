@@ -1,4 +1,4 @@
-"""dashboard.compare_stats and turnscope.analysis.headline's sampling cap: pure functions on hand-made samples."""
+"""turnscope.analysis.compare and turnscope.analysis.headline's sampling cap: pure functions on hand-made samples."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dashboard import compare_stats
+from turnscope.analysis import compare as compare_stats
 from turnscope.analysis import headline
 from turnscope.analysis.headline import Ratio
 

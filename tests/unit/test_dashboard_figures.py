@@ -364,7 +364,7 @@ def test_palettes_keep_meanings_apart():
 
 
 def test_workload_mismatch_in_words():
-    from dashboard.compare_stats import workload_mismatch
+    from turnscope.analysis.compare import workload_mismatch
 
     msg = workload_mismatch({("tau-bench-airline", "token_ids")}, {("tau-bench-airline", "text")})
     assert "A ran tau-bench-airline with history token_ids, B ran tau-bench-airline with history text" in msg

@@ -33,13 +33,13 @@ from pathlib import Path
 
 from rich.console import Console
 
-from dashboard.capacity import BASELINE, TREATMENT
 from loadgen.workload import load_workload
 from serving.topology import RoleSettings, Topology
+from turnscope.analysis.capacity_crossing import BASELINE, TREATMENT
 from turnscope.conductor import console_text
 from turnscope.conductor.evaluation import EvalSettings, RunPlan, Slo, run_eval
 
-#: The two modes compared, baseline first (``dashboard.capacity``, which reads the ramp): P's prefix
+#: The two modes compared, baseline first (``turnscope.analysis.capacity_crossing``, which reads the ramp): P's prefix
 #: cache on in both, D holding KV only in pd-bidir.
 CAPACITY_MODES = (BASELINE, TREATMENT)
 #: Default load steps (concurrent sessions = Locust users).
@@ -176,11 +176,12 @@ def run_capacity(base: EvalSettings, plan: CapacityPlan, history: str, console: 
 
 def print_capacity_summary(store: Path, run_ids: list[str], console: Console) -> None:
     """Print each step's numbers per mode (goodput, TTFT/E2E p50/p90, D's KV usage, held handle
-    bytes, D's waiting requests, preemptions) and the crossing in words (``dashboard.capacity``)."""
+    bytes, D's waiting requests, preemptions) and the crossing in words (``turnscope.analysis.capacity_crossing``)."""
     from rich.table import Table
 
-    from dashboard import capacity, db
+    from dashboard import db
     from dashboard.queries import capacity as capacity_queries
+    from turnscope.analysis import capacity_crossing as capacity
 
     steps = db.read(db.StoreLocation(Path(store)), capacity_queries.capacity_steps, run_ids)
     if steps.empty:

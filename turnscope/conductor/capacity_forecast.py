@@ -1,7 +1,7 @@
 """The capacity ramp forecast: each recorded load step of ``turnscope capacity`` planned alone
 (:func:`turnscope.planner.check.plan_on_its_own`: its own clock, settings, speed probe and D's KV
 space), its step figures computed as the Memory page computes the measured ones, and the crossing
-found by the same rule (:func:`dashboard.capacity.find_crossing`), so that forecast and measurement
+found by the same rule (:func:`turnscope.analysis.capacity_crossing.find_crossing`), so that forecast and measurement
 say "holding KV starts to cost capacity at N sessions" in one language (docs/capacity.md, "The
 crossing, forecast and measured").
 
@@ -27,15 +27,15 @@ import numpy as np
 import pandas as pd
 
 from dashboard import db
-from dashboard.capacity import TREATMENT, Crossing, find_crossing
 from dashboard.queries import capacity as capacity_queries
+from turnscope.analysis.capacity_crossing import TREATMENT, Crossing, find_crossing
 from turnscope.core.store import Store
 from turnscope.planner import intervals
 from turnscope.planner.check import plan_on_its_own
 from turnscope.planner.fit import probe_ttft_s, recorded_shared_prefix_tokens, recorded_turns
 from turnscope.planner.profile import CostProfile
 
-#: Columns of :func:`forecast_steps` (``dashboard.capacity.step_pairs`` reads the first five;
+#: Columns of :func:`forecast_steps` (``turnscope.analysis.capacity_crossing.step_pairs`` reads the first five;
 #: ``goodput_per_s`` is the same constant on every row: not forecast, see the module doc).
 COLUMNS = ("mode", "users", "goodput_per_s", "ttft_p50_s", "ttft_p90_s", "capacity_id", "run_id",
            "d_in_use_peak_fraction", "d_pinned_peak_fraction", "d_full_events", "ttft_p90_interval_low_s",
@@ -83,7 +83,7 @@ def forecast_steps(store: Store, steps: pd.DataFrame, profile: CostProfile) -> p
 
 def crossings(measured: pd.DataFrame, forecast: pd.DataFrame) -> list[tuple[str, Crossing, Crossing]]:
     """Per ramp (``capacity_id``, newest first as measured): (ramp, the measured crossing, the
-    forecast one), both by :func:`dashboard.capacity.find_crossing`."""
+    forecast one), both by :func:`turnscope.analysis.capacity_crossing.find_crossing`."""
     out = []
     for cid in dict.fromkeys(measured["capacity_id"]):
         out.append((str(cid), find_crossing(measured[measured["capacity_id"] == cid]),
