@@ -1,4 +1,4 @@
-"""docs/schema.md against a real store: every documented column exists with its type, every view
+"""docs/schema/*.md against a real store: every documented column exists with its type, every view
 and table is documented, and every example query runs on rows written by the real recorder
 (``turnscope.core.store.ShardWriter``), with hand-computed results for most of them."""
 
@@ -16,28 +16,33 @@ import pytest
 from turnscope.core.store import Store, load_schema
 
 REPO = Path(__file__).resolve().parents[2]
-DOC = REPO / "docs" / "schema.md"
+DOC = REPO / "docs" / "schema"  # the store's pages: overview, tables, views, traffic, plans, queries
 UTC = dt.UTC
 BLOCK = 128  # the CPU backend's KV block size, as in the doc's below_expectation query
 
 # --------------------------------------------------------------------------------- the doc
 
 
+def doc_text() -> str:
+    """The store's pages, one after another (each page's sections end where the next page begins)."""
+    return "\n\n".join(p.read_text() for p in sorted(DOC.glob("*.md")))
+
+
 def sql_blocks() -> dict[str, str]:
     """name -> SQL of every ```sql block (named by its ``-- query: <name>`` first line)."""
     out: dict[str, str] = {}
-    for block in re.findall(r"^```sql\n(.*?)^```", DOC.read_text(), flags=re.DOTALL | re.MULTILINE):
+    for block in re.findall(r"^```sql\n(.*?)^```", doc_text(), flags=re.DOTALL | re.MULTILINE):
         m = re.match(r"--\s*query:\s*(\w+)\s*\n", block)
-        assert m, f"a ```sql block of {DOC.name} has no '-- query: <name>' first line:\n{block}"
+        assert m, f"a ```sql block of docs/schema/ has no '-- query: <name>' first line:\n{block}"
         assert m.group(1) not in out, f"query name {m.group(1)} used twice"
         out[m.group(1)] = block
     return out
 
 
 def documented_relations() -> dict[str, tuple[str, dict[str, str], str | None]]:
-    """name -> (kind, {column: type}, inherited relation) from the '### `name` (kind)' sections."""
-    text = DOC.read_text()
-    parts = re.split(r"^### `(\w+)` \((table|view)\)\s*$", text, flags=re.MULTILINE)
+    """name -> (kind, {column: type}, inherited relation) from the '## `name` (kind)' sections."""
+    text = doc_text()
+    parts = re.split(r"^#{2,3} `(\w+)` \((table|view)\)\s*$", text, flags=re.MULTILINE)
     out = {}
     for name, kind, body in zip(parts[1::3], parts[2::3], parts[3::3], strict=True):
         body = body.split("\n## ", 1)[0]
@@ -239,7 +244,7 @@ def test_every_relation_and_column_is_documented_with_its_type(con) -> None:
         "SELECT view_name, 'view' FROM duckdb_views() WHERE NOT internal AND schema_name = 'main'").fetchall()}
     tables = set(load_schema().tables)  # base views over the shard tables
     for name in relations:
-        assert name in docs, f"{name} is not documented in {DOC.name}"
+        assert name in docs, f"{name} is not documented in docs/schema/"
         kind, cols, inherited = docs[name]
         assert kind == ("table" if name in tables else "view"), name
         actual = {c: t for c, t, *_ in con.execute(f'DESCRIBE "{name}"').fetchall()}

@@ -1,4 +1,4 @@
-"""The README and docs/*.md: every relative link resolves to a file of the repository (and to a
+"""The README and docs/**/*.md: every relative link resolves to a file of the repository (and to a
 heading of it when it names an anchor), and the README stays short enough to read in five minutes.
 
 Links and headings are read with markdown-it-py (CommonMark: links inside code are not links);
@@ -19,7 +19,7 @@ from markdown_it import MarkdownIt
 
 REPO = Path(__file__).resolve().parents[2]
 README_MAX_LINES = 260
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 
 
 def _tokens(path: Path):
@@ -119,5 +119,5 @@ def test_docs_cite_no_tracker_issues():
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             for m in re.finditer(r"(?<![\w#])(?:[Ii]ssue \d+|#\d+\b)", line):
                 if not re.search(r"(vLLM|vllm|\w[\w.-]*/[\w.-]+)\s*$", line[: m.start()]):
-                    bad.append(f"{path.name}:{n}: {m.group(0)}")
+                    bad.append(f"{path.relative_to(REPO)}:{n}: {m.group(0)}")
     assert bad == []
