@@ -9,7 +9,8 @@ import plotly.graph_objects as go
 from dashboard.figures.common import MODE_COLORS, legend_below, log_ticks
 from dashboard.palette import mode_color
 from turnscope.analysis.plan_check import frontier_highlights
-from turnscope.core.modes import BIDIRECTIONAL_MODES, PLAN_TABLE_ORDER
+from turnscope.core.modes import BIDIRECTIONAL_MODES, PLAN_TABLE_ORDER, one_way
+from turnscope.planner.strategies import STRATEGY_SYMBOLS
 
 #: Column order of the Plan page's tables: baselines first, then what reuse adds.
 PLAN_TABLE_MODES = PLAN_TABLE_ORDER
@@ -133,12 +134,6 @@ def check_figure(ch: pd.DataFrame) -> go.Figure:
     return legend_below(fig, height=520)
 
 
-#: Marker of a ledger strategy: filled for P's GPU cache and D, open where a host tier is added (the
-#: colour is the mode the strategy is costed as: ``dashboard.palette.MODE_COLORS``).
-STRATEGY_SYMBOLS = {"recompute": "square", "pd": "circle", "pd+host": "circle-open", "pd-bidir": "diamond",
-                    "pd-bidir+host": "diamond-open"}
-
-
 def _err(value: pd.Series, low: pd.Series, high: pd.Series) -> dict | None:
     """Plotly's asymmetric error bar from interval ends (None where no row has one)."""
     if low.isna().all():
@@ -229,7 +224,7 @@ def headline(rec: pd.Series | None, sp: pd.DataFrame) -> tuple[list[tuple[str, s
         return figures, sentence
     if sp.empty:
         return [], "This plan has no speed-ups to show."
-    order = {("pd-bidir", "pd"): 0, ("pd-bidir-nocache", "pd-nocache"): 1}
+    order = {(t, one_way(t)): i for i, t in enumerate(BIDIRECTIONAL_MODES)}  # each against its one-way P/D
     sp = sp.assign(_o=[order.get((t, b), 9) for t, b in zip(sp["treatment"], sp["baseline"], strict=True)]).sort_values("_o")
     figures = []
     for r in sp.head(4).itertuples():

@@ -6,6 +6,8 @@ from __future__ import annotations
 import duckdb
 import pandas as pd
 
+from turnscope.planner.strategies import STRATEGIES
+
 
 def plans(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
     """Every plan, newest first: plan_id, label, created_at, profile_name, forecast_label, requests,
@@ -67,8 +69,7 @@ def ledger(con: duckdb.DuckDBPyConnection, plan_id: str) -> pd.DataFrame:
     """The plan's ledger of retention strategies (plan_ledger's columns; empty for a plan of
     `turnscope plan`, which writes none), in the ledger's order."""
     return con.execute("SELECT * EXCLUDE (plan_id) FROM plan_ledger WHERE plan_id = ? ORDER BY list_position("
-                       "['recompute', 'pd', 'pd+host', 'pd-bidir', 'pd-bidir+host'], strategy), strategy",
-                       [plan_id]).df()
+                       "?, strategy), strategy", [plan_id, list(STRATEGIES)]).df()
 
 
 def recommendation(con: duckdb.DuckDBPyConnection, plan_id: str) -> pd.DataFrame:

@@ -40,8 +40,8 @@ from scipy.optimize import least_squares
 from loadgen.traces.recorded_runs import read_recorded_runs
 from turnscope.analysis import sweep_stats as sweep
 from turnscope.analysis.worker_cache import cache_config
-from turnscope.core.contract import ROUND_ROBIN, SESSION
-from turnscope.core.modes import RECOMPUTE_MODE, SERVING_MODES
+from turnscope.core.contract import ROUND_ROBIN, SESSION, WORKER_ROLES, Role
+from turnscope.core.modes import AGGREGATED, RECOMPUTE_MODE, SERVING_MODES
 from turnscope.core.store import Store
 from turnscope.planner.fit_residuals import Residuals, residuals_of
 from turnscope.planner.profile import MODES, CostProfile, Sourced
@@ -85,9 +85,9 @@ def topology_settings(topology: dict | None) -> dict:
     by_role: dict[str, list[dict]] = {}
     for w in (topology or {}).get("workers") or []:
         by_role.setdefault(w.get("role"), []).append(w)
-    out: dict = {f"{role}_workers": len(by_role[role]) for role in ("prefill", "decode", "aggregated")
+    out: dict = {f"{role}_workers": len(by_role[role]) for role in WORKER_ROLES
                  if by_role.get(role)}
-    prefill = by_role.get("prefill") or []
+    prefill = by_role.get(Role.PREFILL) or []
     if len(prefill) > 1 and all(w.get("cores") for w in prefill):
         labels: dict[tuple, int] = {}
         out["prefill_servers"] = tuple(labels.setdefault(tuple(sorted(w["cores"])), len(labels)) for w in prefill)
@@ -215,9 +215,7 @@ def _kv_space(store: Store, run_ids: Sequence[str]) -> dict[str, int]:
 
 
 #: Each worker role and the profile field of its KV space (bytes).
-KV_SPACE_FIELDS: tuple[tuple[str, str], ...] = (("prefill", "prefill_kv_space_bytes"),
-                                                 ("decode", "decode_kv_space_bytes"),
-                                                 ("aggregated", "aggregated_kv_space_bytes"))
+KV_SPACE_FIELDS: tuple[tuple[Role, str], ...] = tuple((role, f"{role}_kv_space_bytes") for role in WORKER_ROLES)
 
 
 def on_run_kv_space(profile: CostProfile, store: Store, run_id: str) -> CostProfile:
@@ -299,7 +297,7 @@ def fit_profile(store: Store, run_ids: Sequence[str], name: str = "fitted") -> C
         prof.render_s_per_token = Sourced(value=costs.render_s, source=with_fit("render", "text-history turns:")
                                           + "; chat render per prompt token and render, from the text-history turns")
     if costs.aggregated_a1_s is not None:
-        agg_src = with_fit("aggregated", "aggregated turns:")
+        agg_src = with_fit(AGGREGATED, "aggregated turns:")
         prof.aggregated_prefill_a1_s_per_token = Sourced(value=costs.aggregated_a1_s, source=agg_src)
         prof.aggregated_prefill_a2_s_per_token2 = Sourced(value=costs.aggregated_a2_s, source=agg_src)
     prof.b0_s = {m: Sourced(value=v, source=with_fit(m, f"{m} turns:")) for m, v in costs.b0_s.items()}
@@ -423,7 +421,7 @@ def fit_costs(turns: pd.DataFrame, prof: CostProfile, queue: bool = True,
     n_all = turns["prompt_tokens"].fillna(0).to_numpy(float)
     pulled_all = turns["reused_tokens"].fillna(0).to_numpy(float)
     cached_all = np.minimum(turns["local_tokens"].fillna(0).to_numpy(float) + pulled_all, n_all)
-    agg_all = (turns["mode"] == "aggregated").to_numpy()
+    agg_all = (turns["mode"] == AGGREGATED).to_numpy()
     fitted = ((turns["status"] == "ok") & turns["ttft_s"].notna() & (turns["ttft_s"] > 0)
               & turns["prompt_tokens"].notna() & (turns["local_known"] | (turns["turn_index"] >= 1))).to_numpy()
     ok = turns[fitted]
@@ -431,7 +429,7 @@ def fit_costs(turns: pd.DataFrame, prof: CostProfile, queue: bool = True,
     ttft = ok["ttft_s"].to_numpy(float)
     f = f_all[fitted]
     mode_col = ok["mode"].to_numpy()
-    agg = mode_col == "aggregated"
+    agg = mode_col == AGGREGATED
     if np.unique((n - cached)[~agg]).size < 3:
         return None
     modes = sorted(set(mode_col))

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from turnscope.core import modes
 from turnscope.planner.profile import CostProfile
 
 NONE = (math.nan, math.nan)
@@ -152,4 +153,4 @@ def source_line(profile: CostProfile) -> str:
 
 def intervals_none(profile: CostProfile) -> str:
     """The reason a profile gives no interval at all."""
-    return no_interval_reason(profile, "pd") or ""
+    return no_interval_reason(profile, modes.PD) or ""

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from scipy.optimize import nnls
 
 from turnscope.core import yaml_file
-from turnscope.core.modes import RECOMPUTE_MODE
+from turnscope.core.modes import AGGREGATED, RECOMPUTE_MODE
 from turnscope.planner.layer_shape import LAYER_TIMING_FORMAT, DecoderLayerShape
 from turnscope.planner.profile import CostProfile, ProfileError, Sourced, load_profile
 
@@ -178,7 +178,7 @@ def measured_profile(base: CostProfile, timing: LayerTiming, curve: LayerCurve, 
             f"derived: {anchor.ttft_s:.4g} s published at {anchor.tokens:,} tokens ({anchor.source}) minus the "
             f"measured c({anchor.tokens:,}) = {c:.4g} s"))
         own_curve = base.aggregated_prefill_a1_s_per_token is not None
-        update["b0_s"] = {m: f for m, f in base.b0_s.items() if own_curve and m == "aggregated"}
+        update["b0_s"] = {m: f for m, f in base.b0_s.items() if own_curve and m == AGGREGATED}
         replaced += ["b0_default_s", "b0_s"]
     left_out = [line for line in base.left_out if not any(line.startswith(f) for f in replaced)]
     update["held_out"] = None   # the base's errors were of the replaced curve

@@ -31,7 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from turnscope.analysis.sweep_stats import PrefillFit
 from turnscope.core import yaml_file
-from turnscope.core.modes import PLAN_ORDER, RECOMPUTE_MODE
+from turnscope.core.contract import Role
+from turnscope.core.modes import AGGREGATED, PLAN_ORDER, RECOMPUTE_MODE
 
 #: The modes the planner forecasts, aggregated first, then one-way and bidirectional P/D.
 MODES = PLAN_ORDER
@@ -138,7 +139,7 @@ class CostProfile(BaseModel):
         """c(x) of ``mode`` as the Sweep page's :class:`turnscope.analysis.sweep_stats.PrefillFit` (b0 is per mode
         here): the aggregated worker's when the profile has it, else P's."""
         a1, a2 = self.prefill_a1_s_per_token, self.prefill_a2_s_per_token2
-        if mode == "aggregated" and self.aggregated_prefill_a1_s_per_token is not None:
+        if mode == AGGREGATED and self.aggregated_prefill_a1_s_per_token is not None:
             a1, a2 = self.aggregated_prefill_a1_s_per_token, self.aggregated_prefill_a2_s_per_token2
         a2v = a2.value if a2 else 0.0
         return PrefillFit(0.0, a1.value, a2v, 2 if a2v else 1, 0, 0, 0)
@@ -194,8 +195,8 @@ class CostProfile(BaseModel):
 
     def capacity_tokens(self, role: str) -> int | None:
         """KV space of one worker of ``role`` (prefill, decode, aggregated) in tokens; None: unbounded."""
-        figure = {"prefill": self.prefill_kv_space_bytes, "decode": self.decode_kv_space_bytes,
-                  "aggregated": self.aggregated_kv_space_bytes}[role]
+        figure = {Role.PREFILL: self.prefill_kv_space_bytes, Role.DECODE: self.decode_kv_space_bytes,
+                  Role.AGGREGATED: self.aggregated_kv_space_bytes}[role]
         return None if figure is None else int(figure.value // self.kv_bytes_per_token.value)
 
     def label(self) -> str:

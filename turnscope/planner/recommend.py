@@ -37,19 +37,13 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from turnscope.core.connector import Connector
+from turnscope.core.contract import Role
 from turnscope.planner import intervals
-from turnscope.planner.ledger import (
-    BIDIR_STRATEGIES,
-    HOST_STRATEGIES,
-    STRATEGIES,
-    Prices,
-    forecast_strategy,
-    ledger_row,
-    with_iv,
-)
+from turnscope.planner.ledger import Prices, forecast_strategy, ledger_row, with_iv
 from turnscope.planner.profile import CostProfile, GiB, Sourced
 from turnscope.planner.serve_flags import role_argv
 from turnscope.planner.simulate import PlanSettings, Traffic
+from turnscope.planner.strategies import BIDIR_STRATEGIES, HOST_STRATEGIES, RECOMPUTE, STRATEGIES, Strategy
 
 #: A setting that holds memory must beat the best one without it by this fraction of mean TTFT.
 MIN_GAIN = 0.05
@@ -135,7 +129,7 @@ def evaluate(tr: Traffic, profile: CostProfile, base: PlanSettings, s: Setting, 
     """Forecast ``s`` on ``tr`` (see the module doc for the cost)."""
     prof, ps = _profile_for(profile, s), settings_for(base, s)
     f = forecast_strategy(tr, prof, ps, s.strategy)
-    recompute = forecast_strategy(tr, prof, ps, "recompute")
+    recompute = forecast_strategy(tr, prof, ps, RECOMPUTE)
     row = ledger_row(f, recompute, tr, prof, limits.prices)
     p90 = float(np.quantile(f.ttft_s, 0.9))
     cost = None
@@ -203,7 +197,7 @@ def choose(evaluated: list[Evaluated], priced: bool) -> Evaluated:
 def _lines(s: Setting, model: str, host_kv_bytes: float | None, platform: str,
            connector: Connector | None = None) -> list[str]:
     out = [f"# proxy: prefill routing {s.routing}; {s.prefill_workers} prefill, {s.decode_workers} decode worker(s)"]
-    for role in ("prefill", "decode"):
+    for role in (Role.PREFILL, Role.DECODE):
         argv = role_argv(s, role, model, host_kv_bytes, platform, connector)
         out.append(f"# {role}: vllm serve")
         flags, i = [], 0
@@ -263,14 +257,14 @@ def what_would_change(tr: Traffic, profile: CostProfile, base: PlanSettings, cur
     out = []
     for label, prof, s in cases + [("gaps halved (arrivals at half the time)", profile, current)]:
         traffic = half if label.startswith("gaps") else tr
-        pd_ = evaluate(traffic, prof, base, replace(s, strategy="pd"), limits)
-        bd = evaluate(traffic, prof, base, replace(s, strategy="pd-bidir"), limits)
+        pd_ = evaluate(traffic, prof, base, replace(s, strategy=Strategy.PD), limits)
+        bd = evaluate(traffic, prof, base, replace(s, strategy=Strategy.PD_BIDIR), limits)
         gain = 1 - bd.ttft_mean_s / pd_.ttft_mean_s
         ib, ip = figure_intervals(prof, bd), figure_intervals(prof, pd_)
         bd_t = with_iv(f"{bd.ttft_mean_s * 1e3:,.1f} ms", *ib["ttft_mean"], _ms, " ms")
         pd_t = with_iv(f"{pd_.ttft_mean_s * 1e3:,.1f} ms", *ip["ttft_mean"], _ms, " ms")
         pinned = with_iv(f"{bd.row['d_pinned_gib_s']:,.0f} GiB-s", *ib["d_pinned"], _gib_s, " GiB-s")
-        out.append(f"{label}: pd-bidir mean TTFT {bd_t} vs pd {pd_t} ({gain:+.1%}; D pinned {pinned})")
+        out.append(f"{label}: {Strategy.PD_BIDIR} mean TTFT {bd_t} vs {Strategy.PD} {pd_t} ({gain:+.1%}; D pinned {pinned})")
     return out
 
 

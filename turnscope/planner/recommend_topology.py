@@ -27,8 +27,9 @@ import difflib
 import yaml
 
 from serving.topology import RoleSettings, Topology, WorkerEntry, embedded_topology
-from turnscope.planner.ledger import HOST_STRATEGIES, STRATEGIES
+from turnscope.core.contract import WORKER_ROLES, Role
 from turnscope.planner.serve_flags import role_argv
+from turnscope.planner.strategies import HOST_STRATEGIES, STRATEGIES
 
 KV_FLAG = "--kv-cache-memory-bytes"
 TRANSFER_FLAG = "--kv-transfer-config"
@@ -108,24 +109,24 @@ def topology_for(base: Topology, setting, host_kv_bytes: float | None = None) ->
     ValueError when ``base`` has no prefill/decode workers, or a host strategy has no host tier."""
     if not (base.prefill and base.decode):
         raise ValueError(f"topology {base.name!r} has no prefill and decode workers: the recommendation is P/D")
-    taken = {(w.host, p) for role in ("prefill", "decode", "aggregated") for w in getattr(base, role)
+    taken = {(w.host, p) for role in WORKER_ROLES for w in getattr(base, role)
              for p in (w.port, w.side_channel_port) if p}
     roles = {k: v.model_copy(deep=True) for k, v in base.roles.items()}
     if setting.decode_kv_bytes is not None:
-        dec = roles.get("decode") or RoleSettings()
-        roles["decode"] = dec.model_copy(update={"args": [*_drop_flag(dec.args, KV_FLAG), KV_FLAG,
+        dec = roles.get(Role.DECODE) or RoleSettings()
+        roles[Role.DECODE] = dec.model_copy(update={"args": [*_drop_flag(dec.args, KV_FLAG), KV_FLAG,
                                                           str(int(setting.decode_kv_bytes))]})
     connector = base.connector.model_copy(update={"kv_recompute_threshold": int(setting.threshold),
                                                   "decoder_kv_blocks_ttl": int(setting.ttl_s)})
-    pre = roles.get("prefill") or RoleSettings()
+    pre = roles.get(Role.PREFILL) or RoleSettings()
     pre_args = _drop_flag(pre.args, TRANSFER_FLAG)
     if setting.strategy in HOST_STRATEGIES:
         if not host_kv_bytes:
             raise ValueError(f"strategy {setting.strategy!r} needs a host tier (the profile's host_kv_space_bytes)")
-        argv = role_argv(setting, "prefill", base.model, host_kv_bytes, base.platform, base.connector)
+        argv = role_argv(setting, Role.PREFILL, base.model, host_kv_bytes, base.platform, base.connector)
         pre_args += [TRANSFER_FLAG, argv[argv.index(TRANSFER_FLAG) + 1]]
-    if pre_args or "prefill" in roles:
-        roles["prefill"] = pre.model_copy(update={"args": pre_args})
+    if pre_args or Role.PREFILL in roles:
+        roles[Role.PREFILL] = pre.model_copy(update={"args": pre_args})
     update = {"connector": connector,
               "prefill": _resized(base.prefill, setting.prefill_workers, taken),
               "decode": _resized(base.decode, setting.decode_workers, taken),
@@ -145,7 +146,7 @@ def topology_yaml(topo: Topology, setting, base: Topology | None = None) -> str:
     data["proxy"] = {**data.get("proxy", {}), "prefill_routing": topo.proxy.prefill_routing}
     mode = STRATEGIES[setting.strategy]
     head = [f"# strategy {setting.strategy}: serving mode {mode} (turnscope eval --topology THIS_FILE --modes {mode})"]
-    for role, n in (("prefill", setting.prefill_workers), ("decode", setting.decode_workers)):
+    for role, n in ((Role.PREFILL, setting.prefill_workers), (Role.DECODE, setting.decode_workers)):
         had = len(getattr(base, role)) if base is not None else n
         if n > had:
             head.append(f"# {role}[{had}:]: a worker added copies the last one's host, cores and GPUs on the next free "

@@ -8,7 +8,9 @@ import json
 
 from serving.workers import WorkerSpec, worker_command
 from turnscope.core.connector import Connector
-from turnscope.planner.ledger import BIDIR_STRATEGIES, HOST_STRATEGIES
+from turnscope.core.contract import Role
+from turnscope.core.modes import serving_mode
+from turnscope.planner.strategies import BIDIR_STRATEGIES, HOST_STRATEGIES, STRATEGIES
 
 
 def role_argv(s, role: str, model: str, host_kv_bytes: float | None, platform: str = "gpu",
@@ -20,15 +22,15 @@ def role_argv(s, role: str, model: str, host_kv_bytes: float | None, platform: s
     ``connector``: the deployment's connector settings (a topology's: backends, buffer device...;
     None: vLLM's defaults), the setting's threshold and TTL put in."""
     bidir = s.strategy in BIDIR_STRATEGIES
-    spec = WorkerSpec(name=role, role=role, host="0.0.0.0", port=8100 if role == "prefill" else 8200, model=model,
+    spec = WorkerSpec(name=role, role=role, host="0.0.0.0", port=8100 if role == Role.PREFILL else 8200, model=model,
                       platform=platform, nixl=True, bidirectional=bidir,
-                      prefix_caching=not (role == "prefill" and s.strategy == "recompute"),
+                      prefix_caching=serving_mode(STRATEGIES[s.strategy]).prefix_caching(role),
                       connector=(connector or Connector()).model_copy(update={
                           "kv_recompute_threshold": s.threshold, "decoder_kv_blocks_ttl": int(s.ttl_s)}),
-                      kv_cache_bytes=int(s.decode_kv_bytes) if role == "decode" and s.decode_kv_bytes else None)
+                      kv_cache_bytes=int(s.decode_kv_bytes) if role == Role.DECODE and s.decode_kv_bytes else None)
     argv, _ = worker_command(spec)
     argv = argv[argv.index("--model"):]
-    if role == "prefill" and s.strategy in HOST_STRATEGIES and host_kv_bytes:
+    if role == Role.PREFILL and s.strategy in HOST_STRATEGIES and host_kv_bytes:
         i = argv.index("--kv-transfer-config") + 1
         nixl = json.loads(argv[i])
         offload = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",

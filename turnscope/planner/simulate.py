@@ -67,8 +67,9 @@ from turnscope.core.contract import (
     MISS_NO_HANDLE_RETURNED,
     MISS_TRANSFER_FAILED,
     SESSION,
+    Role,
 )
-from turnscope.core.modes import BIDIRECTIONAL_MODES, RECOMPUTE_MODE, SERVING_MODES, serving_mode
+from turnscope.core.modes import AGGREGATED, BIDIRECTIONAL_MODES, RECOMPUTE_MODE, SERVING_MODES, serving_mode
 from turnscope.planner.decode_admission import DecodeAdmission, DecodeSpace, HandlesOnD, one_way_admission
 from turnscope.planner.pinned_blocks import PinnedBlocks
 from turnscope.planner.pinned_kv import LOST, Handle, HandleLedger
@@ -359,7 +360,7 @@ class PrefillTtft:
     :meth:`settled_waits` the waits once every request is known."""
 
     def __init__(self, tr: Traffic, settings: PlanSettings, mode: str, cost: ModeCost):
-        aggregated = mode == "aggregated"
+        aggregated = mode == AGGREGATED
         workers = settings.aggregated_workers if aggregated else settings.prefill_workers
         self.tr, self.cost, self.queue = tr, cost, settings.queue_prefills
         self.worker = workers_of(tr, workers, settings.routing)
@@ -632,7 +633,7 @@ def plan(requests: Iterable[AgentRequest] | Traffic, profile: CostProfile,
     finish = finish_times(tr, profile)
     p_hits = None
     if any(serving_mode(m).disaggregated and serving_mode(m).prefill_prefix_cache for m in settings.modes):
-        p_hits = own_cache_hits(tr, profile.capacity_tokens("prefill"), block, settings.prefill_workers,
+        p_hits = own_cache_hits(tr, profile.capacity_tokens(Role.PREFILL), block, settings.prefill_workers,
                                 settings.routing, with_output=False, shared_prefix_tokens=settings.shared_prefix_tokens)
     first_seen = ~pd.Series(tr.session_code).duplicated().to_numpy()
     out: dict[str, ModePlan] = {}
@@ -642,7 +643,7 @@ def plan(requests: Iterable[AgentRequest] | Traffic, profile: CostProfile,
         p_cache = p_hits if kind.prefill_prefix_cache else None
         held_t, held_b, d_full, ages, pulled, d_peak = np.zeros(0), np.zeros(0), 0, no_age, zeros, np.nan
         if not kind.disaggregated:
-            local = own_cache_hits(tr, profile.capacity_tokens("aggregated"), block, settings.aggregated_workers,
+            local = own_cache_hits(tr, profile.capacity_tokens(Role.AGGREGATED), block, settings.aggregated_workers,
                                    settings.routing, with_output=True,
                                    shared_prefix_tokens=settings.shared_prefix_tokens)
             outcome = np.zeros(len(tr), dtype=np.int8)

@@ -80,7 +80,7 @@ def _later_frame(p: Plan, ttft_s: np.ndarray, later: np.ndarray) -> pd.DataFrame
     return pd.DataFrame({"ttft_s": ttft_s[later], "run_id": tr.source[later], "session_id": tr.session[later]})
 
 
-def frontier(traffic: Traffic, profile: CostProfile, settings: PlanSettings, mode: str = "pd-bidir",
+def frontier(traffic: Traffic, profile: CostProfile, settings: PlanSettings, mode: str = modes.PD_BIDIR,
              ttls_s: tuple[float, ...] = FRONTIER_TTLS_S,
              space_factors: tuple[float, ...] = FRONTIER_SPACE_FACTORS) -> pd.DataFrame:
     """``mode`` re-planned over a grid of ``decoder_kv_blocks_ttl`` (the proxy margin kept; TTLs
@@ -117,7 +117,7 @@ def frontier(traffic: Traffic, profile: CostProfile, settings: PlanSettings, mod
     return pd.DataFrame(rows)
 
 
-def defeated_sessions(p: Plan, mode: str = "pd-bidir-nocache") -> pd.DataFrame:
+def defeated_sessions(p: Plan, mode: str = modes.PD_BIDIR_NOCACHE) -> pd.DataFrame:
     """Sessions of ``mode`` where reuse was possible but did not happen, worst first: pauses past
     the TTL (``miss_expired``, the longest gap given), edits that leave less than a block of the
     previous turn (``miss_mismatch``), a full D (``miss_d_full``), concurrent requests
