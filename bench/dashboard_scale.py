@@ -414,7 +414,7 @@ def main() -> int:
         if args.no_rollups:
             from dashboard import db
 
-            db.use_rollups = False  # the plain views only: the "before" of docs/schema.md's rollups
+            db.use_rollups = False  # the plain views only: the "before" of docs/schema/overview.md's rollups
             print("rollups: not read (--no-rollups)")
         else:
             from dashboard.rollup import Rollups

@@ -13,8 +13,7 @@ at 0 - 1) on k. With ``--pin-host-to CORE`` the proxy and this client are pinned
 (``os.sched_setaffinity``), to see where the contention comes from.
 
 Measured on the embedded default (2 cores, P on core 0, D on core 1), ``pd-nocache``, 1,000-token
-prompts beside 300-token prompts decoding 400 tokens, 2026-12-05 (docs/planner.md, "Held-out check
-of the shipped profile", what the model lacks):
+prompts beside 300-token prompts decoding 400 tokens, 2026-12-05 (docs/log/held-out.md, what the model lacks):
 
 * k = 0..4, 10 reps: TTFT 98.2 / 117.7 / 121.8 / 131.5 / 132.7 ms (1.20x, 1.24x, 1.34x, 1.35x), P
   leg 82.3 / 96.0 / 96.0 / 102.7 / 103.3 ms: the first stream costs most, the later ones less;

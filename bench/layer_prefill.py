@@ -1,7 +1,7 @@
 """Time one decoder layer's prefill of a model's shape, for a cost profile's prefill curve c(x).
 
 Where vLLM cannot run (a lent GPU machine that has PyTorch but no vLLM), this measures what the
-planner's profile needs of prefill (docs/planner.md, "Profiles: measured on a GPU"): one decoder
+planner's profile needs of prefill (docs/planner/profiles.md): one decoder
 layer of the model's shape (``turnscope.planner.layer_shape``, from its config.json) with random
 weights, run forward over ``x`` tokens from scratch with PyTorch's fused causal attention
 (``torch.nn.functional.scaled_dot_product_attention``), for a few ``x``. The median of

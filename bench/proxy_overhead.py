@@ -23,7 +23,7 @@ proxy's CPU time per request (user + sys of its process over the measurement / r
 0's load (the harness's processes' CPU time / wall time) are printed next to them: a proxy near
 1000 ms of CPU per second of wall time is saturated, and so is a harness near it.
 
-Target (the proxy's budget, docs/results.md "Proxy overhead"): <= 1 ms p50 and <= 3 ms p99 added at 256 streams.
+Target (the proxy's budget, docs/log/serving.md): <= 1 ms p50 and <= 3 ms p99 added at 256 streams.
 
     .venv/bin/python bench/proxy_overhead.py
 """

@@ -1,4 +1,4 @@
-"""Locating and opening the turnscope store, read-only (docs/schema.md).
+"""Locating and opening the turnscope store, read-only (docs/schema/overview.md).
 
 The store is a directory: ``runs/<run_id>/<table>/*.parquet`` shards written by loadgen, and
 ``turnscope.duckdb``, which holds only views over those shards (data/schema.sql). The dashboard

@@ -10,7 +10,7 @@ own colour is on its ``turnscope.core.modes.ServingMode`` entry, read here).
   pastel hues none of which is a mode's.
 
 Also: `NEUTRAL` greys for reference lines, `ALARM` for a limit crossed or a failure, and `AB_COLORS` for
-the two sides of a comparison whose sides are not one mode each (docs/design.md, "Colour by meaning").
+the two sides of a comparison whose sides are not one mode each (docs/design.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Per-run rollups beside the shards: what the dashboard reads instead of the plain per-run views
-once a run has finished (docs/schema.md, "Rollups").
+once a run has finished (docs/schema/overview.md).
 
 A finished run's rows never change, yet the views ``run_summary``, ``run_kv_transfer`` and
 ``run_handle_memory`` recompute every run from all its turns and scrapes (windows over every

@@ -3,7 +3,7 @@
 `streamlit run dashboard/app.py` imports what the pages need (pandas, pyarrow, DuckDB, plotly,
 scipy.stats) only when the first browser session runs the script, so the first visit after the
 server starts waits for those imports: seconds on a 2-core machine, the largest part of a cold
-page (docs/dashboard.md, "In a browser"; bench/dashboard_browser.py). This launcher imports them
+page (docs/dashboard.md; bench/dashboard_browser.py). This launcher imports them
 in the server's process before Streamlit starts listening, then hands over to Streamlit's own
 command line with the given options, so the first visit finds them in ``sys.modules``. The
 dashboard's own modules are left to the script: their ``st.cache_data`` functions must be

@@ -3,7 +3,7 @@
 The master (or local process) writes the run's ``runs_log`` rows: ``running`` (rewritten every
 ``--turnscope-heartbeat-s`` seconds), then ``complete`` or ``stopped``. Each process's users share
 one store writer (``writer_id`` = ``locust-users-<host>-<pid>``) for their ``turns`` and
-``sessions`` rows. See the locustfile's docstring and docs/schema.md.
+``sessions`` rows. See the locustfile's docstring and docs/schema/overview.md.
 """
 
 from __future__ import annotations

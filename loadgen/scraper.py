@@ -1,4 +1,5 @@
-"""Periodic /metrics scraper into the store's ``metric_samples`` table (docs/monitoring.md, docs/schema.md).
+"""Periodic /metrics scraper into the store's ``metric_samples`` table (docs/monitoring.md,
+docs/schema/tables.md).
 
 One thread GETs ``<base_url>/metrics`` of every endpoint each interval, parses it with
 :func:`loadgen.prom.parse_samples` (no ``_created`` or ``_bucket`` series) and appends one row per
@@ -27,11 +28,11 @@ from collections.abc import Mapping, Sequence
 import httpx
 
 from loadgen.prom import Sample, parse_samples, resolve_names, spec_decode_settings
+from turnscope.core.contract import ENDPOINT_ROLES, Role
 from turnscope.core.store import ShardWriter
 
 log = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode", "aggregated", "proxy")
 #: Seconds between final scrapes: counters read equal twice this far apart are settled (vLLM and
 #: the proxy count a request within milliseconds of its end).
 FINAL_SCRAPE_PAUSE_S = 0.25
@@ -74,8 +75,8 @@ class MetricsScraper:
                  interval_s: float = 1.0, timeout_s: float = 2.0,
                  headers: Mapping[str, dict[str, str]] | None = None, verify: object = True):
         for i, (url, role) in enumerate(endpoints):
-            if role not in ROLES:
-                raise ValueError(f"endpoints[{i}] ({url}): role {role!r} is not one of {', '.join(ROLES)}")
+            if role not in ENDPOINT_ROLES:
+                raise ValueError(f"endpoints[{i}] ({url}): role {role!r} is not one of {', '.join(ENDPOINT_ROLES)}")
         if run_id != writer.run_id:
             raise ValueError(f"run_id {run_id!r} differs from the writer's run_id {writer.run_id!r}")
         if not interval_s > 0 or not timeout_s > 0:
@@ -131,7 +132,7 @@ class MetricsScraper:
             self._failing.discard(url)
             log.info("scrape of %s/metrics (%s) recovered", url, role)
         self._last_counters[url] = math.fsum(s.value for s in samples if s.name.endswith("_total"))
-        if role != "proxy":
+        if role != Role.PROXY:
             samples = self._read_worker(client, url, role, scraped_at, samples)
         for s in samples:
             self.writer.append("metric_samples", {
@@ -192,7 +193,7 @@ class MetricsScraper:
             raise RuntimeError("MetricsScraper already started")
         self._client = self._new_client()
         for url, role in self.endpoints:  # off the first round's clock: rounds keep their interval
-            if role != "proxy":
+            if role != Role.PROXY:
                 self._versions[url] = (_BEFORE_FIRST_SCRAPE, _get_version(self._client, url))
         self._thread = threading.Thread(target=self._loop, name="metrics-scraper", daemon=True)
         self._thread.start()

@@ -1,6 +1,6 @@
 """Recording a played session: one ``turns`` row per request, one ``sessions`` row per session.
 
-The columns are those of ``data/schema.sql`` (docs/schema.md). :func:`turn_row` builds a turn's row
+The columns are those of ``data/schema.sql`` (docs/schema/overview.md). :func:`turn_row` builds a turn's row
 from what the client measured (:class:`loadgen.stream_client.TurnResult`) and what the proxy said
 (the wire contract's headers and facts, :mod:`turnscope.core.contract`); :class:`SessionRecorder` appends
 the rows to a store writer and keeps what the session player returns (:class:`SessionResult`).

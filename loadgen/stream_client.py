@@ -1,11 +1,11 @@
-"""The streaming client that times one turn (docs/design.md, "Timing").
+"""The streaming client that times one turn (docs/design.md).
 
 :func:`stream_turn` POSTs one OpenAI-compatible request (``/v1/chat/completions`` or
 ``/v1/completions``) with streaming and per-chunk usage forced on, parses the SSE stream with
 httpx-sse, and returns a :class:`TurnResult`. All durations come from ``time.perf_counter`` (a
 monotonic clock) and are seconds; ``sent_at`` is the UTC wall clock when the request was sent.
 
-Definitions (docs/design.md, "Timing"):
+Definitions (docs/design.md):
 
 - TTFT: sent -> first chunk that carries a token on any channel: ``delta.content``,
   ``delta.reasoning_content`` / ``delta.reasoning``, ``delta.tool_calls``, completions ``text``,

@@ -177,7 +177,7 @@ class ReuseOracle:
             last sampled token was never fed back, so it has no KV).
         usable_tokens: what the handle may offer: all ``handle_tokens`` when this prompt starts with
             them; otherwise only the whole blocks before the divergence
-            (``floor(lcp / block_size) * block_size``, docs/design.md, "The proxy": trimming), 0 when none is left.
+            (``floor(lcp / block_size) * block_size``, docs/design.md: trimming), 0 when none is left.
         reusable_tokens: whole blocks of reusable KV: ``floor(min(usable, prompt - 1) / block_size) *
             block_size`` (a prefill computes at least the last prompt token); for a plain
             continuation ``floor((P + G - 1) / block_size) * block_size``.

@@ -4,7 +4,7 @@
 (:mod:`loadgen.traces.formats`: kv-cache-tester, TraceLab, Mooncake, Azure, or the store's
 own recorded runs) into the store as one ``traffic_requests`` Parquet shard per report (row groups
 of :data:`BATCH_ROWS`, so memory holds one batch, not the trace) plus a ``traffic_log`` row; the
-statistics are the store's SQL views (data/schema.sql, docs/schema.md "Traffic"), computed by
+statistics are the store's SQL views (data/schema.sql, docs/schema/traffic.md), computed by
 DuckDB: sessions and requests, context growth per session, the gap distribution by kind against
 TTLs of 30 s ... 1 h (the configured one marked), reusable vs new input tokens, sessions
 overlapping in time, and one session's timeline. :class:`TrafficReport` reads them back and prints
@@ -116,7 +116,7 @@ class TrafficWriter:
 
 @dataclass
 class TrafficReport:
-    """The views of one report, read back (rows as dicts; see docs/schema.md "Traffic")."""
+    """The views of one report, read back (rows as dicts; see docs/schema/traffic.md)."""
 
     traffic_id: str
     summary: dict[str, Any]
@@ -182,7 +182,7 @@ class TrafficReport:
         every = [g for g in self.gaps if g["gap_kind"] == "all"]
         estimated = every[0]["estimated_gaps"] if every else 0
         out.append(f"  gaps (end of one request -> next of the session), seconds; {estimated} gaps estimated "
-                   f"(the trace does not say when the previous request ended: docs/workloads.md, \"Gaps\"):")
+                   f"(the trace does not say when the previous request ended: docs/workloads.md):")
         for g in self.gaps:
             tool = (f", in tools {_pct(g['tool_s'] / g['tool_known_gap_s'])} (where the trace says)"
                     if g["tool_s"] is not None and g["tool_known_gap_s"] else "")

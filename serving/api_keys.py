@@ -6,8 +6,7 @@ needs ``Authorization: Bearer <key>``, while ``/health``, ``/metrics`` and ``/to
 names, per role, where the key of that role's workers is read from (:class:`SecretRef`: an
 environment variable or a file), and where the key the proxy demands of its own clients is read
 from. Only the reference is written anywhere (the proxy's configuration file, the run's saved
-configuration); the key itself is read when a connection is made (docs/configuration.md, "API keys
-and TLS").
+configuration); the key itself is read when a connection is made (docs/configuration.md).
 
 The load generator and turnscope's own clients send the proxy's key from the environment variable
 ``turnscope.core.contract.CLIENT_KEY_ENV`` (as the OpenAI SDK reads ``OPENAI_API_KEY``).

@@ -1,6 +1,6 @@
 """The embedded default model: a tokenizer and a small Llama-style model generated locally.
 
-No hub access exists on the machines turnscope targets, so the model is made here (docs/design.md, "Serving modes"):
+No hub access exists on the machines turnscope targets, so the model is made here (docs/design.md):
 
 * a byte-level BPE tokenizer trained with `tokenizers` on the text of the shipped tau-bench
   trace (``data/traces/gpt-4o-airline.json``, MIT), with ChatML special tokens and a chat

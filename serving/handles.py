@@ -6,7 +6,7 @@ with ``bidirectional_kv_xfer`` on (``remote_block_ids``, ``remote_engine_id``,
 ``remote_blocks_expiry_time``; vLLM ``nixl/pull_scheduler.py: request_finished``). Handing it to
 the next turn's prefill worker (P) makes P pull those blocks over NIXL.
 
-Rules (docs/design.md, "The proxy"):
+Rules (docs/design.md):
 
 * single use: D frees the blocks after the first read, and a second read would pull whatever
   now occupies them (vLLM issue 52234), so a handle is popped under a per-session lock;
@@ -35,7 +35,7 @@ import numpy as np
 
 from turnscope.core import reuse_rules as rules
 
-# Outcomes (docs/design.md, "The wire contract"). Exactly one per request.
+# Outcomes (docs/design.md). Exactly one per request.
 from turnscope.core.contract import (
     HIT,
     MISS_BELOW_THRESHOLD,

@@ -7,11 +7,11 @@ only when every block before it is one too, and a partly filled last block is ne
 proxy mirrors that structure (not vLLM's bytes: vLLM seeds its hashes per process) to answer
 "how many leading whole-block tokens of these ids does this P hold" for any session, so a prefix
 another session left on P (a shared system prompt under ``round-robin`` routing) counts as P's own
-cache hit and not as KV pulled from D (docs/configuration.md, "Routing, per run").
+cache hit and not as KV pulled from D (docs/configuration.md).
 
 * :class:`BlockChains`: the block hashes of each session's last prompt, so a turn hashes only the
   blocks past the part it shares with the session's previous prompt (cost follows the new tokens,
-  docs/reliability.md, "The token guard, at long histories").
+  docs/reliability.md).
 * :class:`PrefixIndex`: one per P worker, a bounded LRU set of block hashes.
 """
 

@@ -6,7 +6,7 @@
 as a target label, so dashboards can split vLLM's metrics by role
 (``vllm:kv_cache_usage_perc{role="decode"}``). Prometheus adds ``job`` and ``instance``
 (``host:port``) itself. Session ids never become labels: the proxy exports none
-(docs/design.md, "The proxy") and no target label here is derived from a request.
+(docs/design.md) and no target label here is derived from a request.
 
 ``deploy/prometheus.yml`` is this function's output for the embedded default topology
 (``data/topologies/embedded-cpu.yaml``: P on 8100, D on 8101, the aggregated worker on 8102, the
@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-ROLES = ("prefill", "decode", "aggregated", "proxy")
+from turnscope.core.contract import ENDPOINT_ROLES, Role
 
 #: Seconds between scrapes. vLLM updates its gauges once per engine step and logs stats every
 #: 5 s (``--log-stats`` interval), so 5 s resolves turns of agent sessions without overloading
@@ -62,7 +62,7 @@ def render_prometheus_config(
             ``("vllm", "http://10.0.0.1:8100", "prefill")`` or
             ``("turnscope-proxy", "http://127.0.0.1:8200", "proxy")``. ``url`` is the base URL the
             server answers on (``http`` or ``https``, host, port, optional path prefix);
-            ``/metrics`` is appended to its path. ``role`` is one of :data:`ROLES`. Targets of one
+            ``/metrics`` is appended to its path. ``role`` is one of ``turnscope.core.contract.ENDPOINT_ROLES``. Targets of one
             job must share scheme and path prefix (Prometheus sets them per scrape config).
         scrape_interval_s: seconds between scrapes (global ``scrape_interval``), default
             :data:`DEFAULT_SCRAPE_INTERVAL_S`.
@@ -96,8 +96,8 @@ def render_prometheus_config(
         where = f"targets[{i}] ({job!r}, {url!r}, {role!r})"
         if not isinstance(job, str) or not _JOB.match(job):
             raise ValueError(f"{where}: job must be 1-128 of letters, digits, '_', '.', ':', '-'")
-        if role not in ROLES:
-            raise ValueError(f"{where}: role must be one of {', '.join(ROLES)}")
+        if role not in ENDPOINT_ROLES:
+            raise ValueError(f"{where}: role must be one of {', '.join(ENDPOINT_ROLES)}")
         parts = urlsplit(url) if isinstance(url, str) else None
         if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"{where}: url must be http(s)://host:port[/prefix]")
@@ -125,7 +125,7 @@ def render_prometheus_config(
         if entry["scheme"] != "http":
             sc["scheme"] = entry["scheme"]
         sc["metrics_path"] = entry["path"]
-        sc["static_configs"] = [{"targets": addrs, "labels": {"role": role}}
+        sc["static_configs"] = [{"targets": addrs, "labels": {"role": str(role)}}
                                 for role, addrs in entry["roles"].items()]
         scrape_configs.append(sc)
     glob: dict = {"scrape_interval": interval, "evaluation_interval": interval}
@@ -140,8 +140,8 @@ def embedded_targets() -> list[tuple[str, str, str]]:
     the proxy on 8200, P on 8100, D on 8101 and the aggregated worker on 8102, all on 127.0.0.1.
     ``deploy/prometheus.yml`` is ``render_prometheus_config(embedded_targets())``."""
     return [
-        ("turnscope-proxy", "http://127.0.0.1:8200", "proxy"),
-        ("vllm", "http://127.0.0.1:8100", "prefill"),
-        ("vllm", "http://127.0.0.1:8101", "decode"),
-        ("vllm", "http://127.0.0.1:8102", "aggregated"),
+        ("turnscope-proxy", "http://127.0.0.1:8200", Role.PROXY),
+        ("vllm", "http://127.0.0.1:8100", Role.PREFILL),
+        ("vllm", "http://127.0.0.1:8101", Role.DECODE),
+        ("vllm", "http://127.0.0.1:8102", Role.AGGREGATED),
     ]

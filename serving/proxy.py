@@ -118,7 +118,7 @@ class ProxyConfig(BaseModel):
     a chat template) the token guard renders chat requests in-process, incrementally per session
     (``serving.prompt_render``); None: every guard render goes through P's ``/tokenize``.
     ``prefill_routing`` / ``decode_routing``: how P and D are picked (``serving.routing``:
-    ``round-robin``, ``session``, ``prefix-aware``; docs/configuration.md, "Routing").
+    ``round-robin``, ``session``, ``prefix-aware``; docs/configuration.md).
     ``prefill_cache_blocks``: KV blocks of each P's prefix cache the proxy's prefix index keeps
     (``serving.prefix_index``; default the embedded topology's P, 1,024 blocks of 128 tokens).
     ``decode_probe_interval_s``: how often the proxy reads each D's ``process_start_time_seconds``
@@ -610,7 +610,7 @@ class SessionProxy:
         The first item is D's error :class:`Response` (D answered an HTTP error: the client gets
         that status) or :data:`STREAM_OPEN` (D answered 200: the caller sends the headers); the
         sentinel is never sent, so the client reads exactly D's events (vLLM never sends SSE
-        comments, and vLLM's ``bench serve`` reader breaks on one, docs/design.md "The proxy").
+        comments, and vLLM's ``bench serve`` reader breaks on one, docs/design.md).
         D's handle is kept (:meth:`finish_request`) and replaced on the wire by the request's
         public facts."""
         relay = _StreamRelay(self, req)

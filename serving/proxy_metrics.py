@@ -1,10 +1,10 @@
-"""The proxy's Prometheus metrics (prefix ``turnscope_``; docs/design.md, "The proxy"). No session ids in labels.
+"""The proxy's Prometheus metrics (prefix ``turnscope_``; docs/design.md). No session ids in labels.
 
 Histogram bounds are chosen for LLM serving latencies, with common TTFT SLO edges (100 ms,
 200 ms, 500 ms, 1 s, 2 s) among them; the overhead histogram resolves the sub-millisecond range.
 Handle bytes are estimated from tokens x KV bytes per token, where KV bytes per token = layers x
 KV heads x head dim x 2 (K and V) x dtype bytes (the page-size formula of vLLM's
-``AttentionSpec``; docs/design.md, "The proxy").
+``AttentionSpec``; docs/design.md).
 """
 
 from __future__ import annotations

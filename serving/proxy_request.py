@@ -4,7 +4,7 @@
 prefill leg's time, the workers) and renders it the way the wire contract says
 (:mod:`turnscope.core.contract`): response headers, the public ``turnscope`` field, the JSON log line.
 :class:`ProxiedRequest` carries one request through the proxy's steps
-(``serving.proxy.SessionProxy``). See docs/design.md, "The wire contract".
+(``serving.proxy.SessionProxy``). See docs/design.md.
 """
 
 from __future__ import annotations

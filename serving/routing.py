@@ -1,6 +1,6 @@
 """Which worker of a role (prefill or decode) serves a request: the proxy's routing policies.
 
-:data:`ROUTING_POLICIES` (docs/configuration.md, "Routing"):
+:data:`ROUTING_POLICIES` (docs/configuration.md):
 
 * ``round-robin``: workers in turn, whatever the session (vLLM's reference P/D proxies);
 * ``session``: a session's requests go to the same worker while it is healthy, chosen by

@@ -4,7 +4,7 @@ With ``bidirectional_kv_xfer`` the decode worker (D) returns, when a request fin
 handle that the session's next prefill needs (``remote_block_ids``, ``remote_engine_id``,
 ``remote_num_tokens``, ``remote_blocks_expiry_time``...). vLLM 0.32 returns it only in
 non-streamed responses; vLLM PR 40186 (not merged) adds it to the final streamed chunk. Without
-it every streamed turn is a miss (docs/design.md, "Serving modes").
+it every streamed turn is a miss (docs/design.md).
 
 This module applies the same change in-process, in the API-server process that turnscope starts
 (``python -m serving.vllm_worker``), before the server is built. It never edits site-packages.

@@ -1,7 +1,7 @@
 """Topology files: where the prefill (P), decode (D) and aggregated workers run, and how.
 
 A topology is YAML validated with pydantic (errors name the file and the field). One topology
-serves every mode of docs/design.md ("Serving modes"): the ``pd*`` modes use its ``prefill`` and ``decode`` lists (xPyD,
+serves every mode of docs/design.md: the ``pd*`` modes use its ``prefill`` and ``decode`` lists (xPyD,
 on one or several hosts), ``aggregated`` its ``aggregated`` list; the mode decides
 ``bidirectional_kv_xfer`` (both roles) and P's prefix caching. ``launch: false`` attaches to
 workers that are already running (turnscope then only checks ``/health`` and runs its proxy).
@@ -16,7 +16,7 @@ Example (the embedded default is ``data/topologies/embedded-cpu.yaml``)::
     decode:  [{host: 10.0.0.2, port: 8200, gpus: "0,1,2,3,4,5,6,7"}]
     roles: {prefill: {args: [--tensor-parallel-size, "8"]}, decode: {args: [--tensor-parallel-size, "8"]}}
 
-A deployment as teams run it (docs/configuration.md, "API keys and TLS"): per-role API keys read
+A deployment as teams run it (docs/configuration.md): per-role API keys read
 from the environment or a file (``roles: {prefill: {api_key: {env: VLLM_P_KEY}}}``), the key the
 proxy demands of its clients (``proxy: {api_key: {file: /run/secrets/proxy-key}}``), workers behind
 TLS (``url: https://p0.example.com`` on a worker; ``tls: {ca_bundle: /etc/ssl/ca.pem}``), and a
@@ -35,7 +35,7 @@ from serving.api_keys import SecretRef
 from serving.upstream_tls import UpstreamTLS
 from turnscope.core import resources, yaml_file
 from turnscope.core.connector import Connector
-from turnscope.core.contract import SESSION, RoutingPolicy
+from turnscope.core.contract import SESSION, WORKER_ROLES, RoutingPolicy
 from turnscope.core.modes import MODES, SERVING_MODES
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -43,7 +43,7 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 #: ``vllm serve`` flags of every worker of the embedded default: no ``torch.compile`` of the tiny
 #: model. Compiling took 20 s on an idle machine and 3-4 min on a loaded one at every start (vLLM
 #: 0.32's CPU compile cache does not carry over between starts), for the same greedy outputs and
-#: TTFT (docs/performance.md, "Where a vLLM worker's start-up goes").
+#: TTFT (docs/performance.md).
 EMBEDDED_ARGS = ("--enforce-eager",)
 
 
@@ -99,8 +99,8 @@ class RoleSettings(_Strict):
 
 class ProxySettings(_Strict):
     """Where the proxy listens, its per-leg timeouts (seconds) and how it picks P and D
-    (``prefill_routing``, ``decode_routing``: ``serving.routing``; docs/configuration.md,
-    "Routing"; default ``session``). turnscope's ``--prefill-routing``/``--decode-routing``
+    (``prefill_routing``, ``decode_routing``: ``serving.routing``; docs/configuration.md; default
+    ``session``). turnscope's ``--prefill-routing``/``--decode-routing``
     options win over a topology file's. ``decode_probe_interval_s``: how often the proxy reads
     each D's process start to drop a restarted D's handles (``serving.decode_lifetimes``; 0: only
     from the engine id of D's handles). ``api_key``: where the key the proxy demands of its clients
@@ -140,7 +140,7 @@ class Topology(_Strict):
     prefill: list[WorkerEntry] = Field(default_factory=list)
     decode: list[WorkerEntry] = Field(default_factory=list)
     aggregated: list[WorkerEntry] = Field(default_factory=list)
-    roles: dict[Literal["prefill", "decode", "aggregated"], RoleSettings] = Field(default_factory=dict)
+    roles: dict[Literal[WORKER_ROLES], RoleSettings] = Field(default_factory=dict)
     env: dict[str, str] = Field(default_factory=dict)
     proxy: ProxySettings = Field(default_factory=ProxySettings)
     startup_timeout_s: float = Field(240.0, gt=0)  # per worker: /health must answer 200 within it
@@ -162,7 +162,7 @@ class Topology(_Strict):
         if bool(self.prefill) != bool(self.decode):
             raise ValueError("prefill and decode must both be given (xPyD with x, y >= 1)")
         seen: dict[tuple[str, int], str] = {}
-        for role in ("prefill", "decode", "aggregated"):
+        for role in WORKER_ROLES:
             for i, w in enumerate(getattr(self, role)):
                 for port in filter(None, (w.port, w.side_channel_port)):
                     key = (w.host, port)
@@ -245,5 +245,5 @@ def embedded_topology(model: str, worker_port: int = 8100, side_channel_port: in
         prefill=[WorkerEntry(port=worker_port, side_channel_port=side_channel_port, cores=[0])],
         decode=[WorkerEntry(port=worker_port + 1, side_channel_port=side_channel_port + 1, cores=[1])],
         aggregated=[WorkerEntry(port=worker_port + 2, cores=[0])],
-        roles={role: RoleSettings(args=list(EMBEDDED_ARGS)) for role in ("prefill", "decode", "aggregated")},
+        roles={role: RoleSettings(args=list(EMBEDDED_ARGS)) for role in WORKER_ROLES},
         proxy=ProxySettings(port=proxy_port))

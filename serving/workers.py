@@ -1,4 +1,4 @@
-"""Start, check and stop vLLM workers for one serving mode (docs/design.md, "Serving modes").
+"""Start, check and stop vLLM workers for one serving mode (docs/design.md).
 
 A mode is a set of :class:`WorkerSpec` (``aggregated``: one worker; the ``pd*`` modes: one P and
 one D with the NixlConnector). :func:`worker_command` renders the exact command line and
@@ -34,6 +34,7 @@ from serving.topology import LOCAL_HOSTS, RoleSettings, Topology, WorkerEntryPoi
 from serving.upstream_tls import UpstreamTLS
 from turnscope.core import resources
 from turnscope.core.connector import Connector
+from turnscope.core.contract import Role
 from turnscope.core.modes import serving_mode
 
 #: Microseconds NIXL's progress thread pauses between polls in a CPU worker (``serving.nixl_progress``:
@@ -91,7 +92,7 @@ class WorkerSpec:
 
 
 def mode_workers(mode: str, topology: Topology) -> list[WorkerSpec]:
-    """The workers ``mode`` runs on ``topology`` (docs/design.md, "Serving modes").
+    """The workers ``mode`` runs on ``topology`` (docs/design.md).
 
     A P/D mode (``turnscope.core.modes.ServingMode.disaggregated``): every prefill and decode entry, with
     ``bidirectional_kv_xfer`` on both roles where the mode is bidirectional and
@@ -110,7 +111,7 @@ def mode_workers(mode: str, topology: Topology) -> list[WorkerSpec]:
             specs.append(WorkerSpec(
                 name=f"{role}-{i}", role=role, host=w.host, port=w.port, model=topology.model,
                 served_model_name=topology.served_model_name, platform=topology.platform,
-                side_channel_port=w.side_channel_port, cores=w.cores, gpus=w.gpus, nixl=role != "aggregated",
+                side_channel_port=w.side_channel_port, cores=w.cores, gpus=w.gpus, nixl=role != Role.AGGREGATED,
                 bidirectional=kind.bidirectional, prefix_caching=kind.prefix_caching(role),
                 connector=topology.connector, kv_cache_bytes=topology.kv_cache_bytes,
                 max_model_len=topology.max_model_len, dtype=topology.dtype,

@@ -1,5 +1,6 @@
 """Memory: KV usage and live handle bytes over time next to the hit rate, the cost of reuse, and
-what other decoder_kv_blocks_ttl values would have given (docs/schema.md: `metric_samples`, `run_kv_transfer`)."""
+what other decoder_kv_blocks_ttl values would have given (docs/schema/tables.md: `metric_samples`;
+docs/schema/views.md: `run_kv_transfer`)."""
 
 from __future__ import annotations
 

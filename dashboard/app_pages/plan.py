@@ -24,7 +24,7 @@ sel = context.current()
 root = sel.store
 st.title("Plan")
 st.caption("Forecasts of `turnscope plan` and `turnscope recommend`: the proxy's and vLLM's rules on a traffic, "
-           "without serving it (docs/planner.md). The sidebar's run filters do not apply here.")
+           "without serving it (docs/planner/overview.md). The sidebar's run filters do not apply here.")
 try:
     plans = db.read(root, plan_queries.plans)
 except (db.StoreMissing, db.StoreInvalid, db.StoreBusy) as exc:

@@ -1,5 +1,5 @@
 """Sessions: task latency split into LLM, tool, think and pause, and one session's timeline
-(task latency: docs/schema.md, ``session_tasks``)."""
+(task latency: docs/schema/views.md, ``session_tasks``)."""
 
 from __future__ import annotations
 

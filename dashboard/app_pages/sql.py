@@ -1,4 +1,4 @@
-"""SQL: a read-only console over the store's views (docs/schema.md lists them)."""
+"""SQL: a read-only console over the store's views (docs/schema/overview.md lists them)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Traffic: what a trace says about KV reuse across turns, before anything is served.
 
-Shows one traffic report (``turnscope traffic PATH...``; docs/schema.md "Traffic reports"):
+Shows one traffic report (``turnscope traffic PATH...``; docs/schema/traffic.md):
 sessions and requests, the gap distribution by kind against TTLs (the configured one marked),
 reusable vs new input tokens, context growth per session, sessions overlapping in time, and one
 session's timeline with its sub-agents.

@@ -26,7 +26,7 @@ from turnscope.core.modes import ATTACH_MODE, MODES
 #: Serving modes in display order (``turnscope.core.modes.SERVING_MODES``); unknown modes sort after these.
 MODE_ORDER = [*MODES, ATTACH_MODE]
 # The mode and outcome colours live in ``dashboard.palette`` (re-exported above, with mode_color).
-#: Reuse outcomes of the proxy (docs/schema.md, ``turns.reuse``): hit first, then the misses that cost
+#: Reuse outcomes of the proxy (docs/schema/tables.md, ``turns.reuse``): hit first, then the misses that cost
 #: (loud), then those expected by design (quiet, last; ``dashboard.palette.QUIET_OUTCOMES``).
 OUTCOME_ORDER = [
     HIT,

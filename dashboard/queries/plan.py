@@ -1,4 +1,4 @@
-"""The Plan page's SQL over the store's plan_* tables (docs/schema.md): one function per query,
+"""The Plan page's SQL over the store's plan_* tables (docs/schema/plans.md): one function per query,
 ``(con, ...) -> DataFrame``, run through ``dashboard.db.read``. Every row is a FORECAST."""
 
 from __future__ import annotations

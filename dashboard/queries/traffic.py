@@ -1,4 +1,4 @@
-"""Queries of the Traffic page: the store's traffic views (docs/schema.md "Traffic reports").
+"""Queries of the Traffic page: the store's traffic views (docs/schema/traffic.md).
 
 Each function takes a DuckDB connection and returns a DataFrame; the page calls them through
 ``dashboard.loader.load`` (cached). Not re-exported by ``dashboard.queries``: the page names them

@@ -269,7 +269,7 @@ def server_side(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) -
     itl_mean_s_per_event (s per output event), tokens_per_event, itl_mean_s_per_token (s),
     restarts (engine lifetimes after the first), turns_on_pre_restart_handles and stale_hits (the
     run's turns whose handle was issued before a decode restart, and those recorded as hits;
-    docs/schema.md, ``turn_lifetimes``). One row per endpoint."""
+    docs/schema/views.md, ``turn_lifetimes``). One row per endpoint."""
     out = run_sql(con, _SERVER_SIDE, {"run_ids": id_list(as_filter(f).run_ids)})
     out["turns_on_pre_restart_handles"] = 0
     out["stale_hits"] = 0

@@ -37,10 +37,10 @@ class AgentRequest:
       reader keeps it within ``[0, arrival_s - previous arrival_s]`` (:func:`bounded_gap`): the
       previous request ended no earlier than it started and no later than this one arrived.
     * ``gap_estimated``: True when the trace does not say when the previous request ended, so
-      ``gap_s`` is an estimate within those bounds (the rule per format: docs/workloads.md,
-      "Gaps"); False for a measured gap and for a first request.
+      ``gap_s`` is an estimate within those bounds (the rule per format: docs/workloads.md); False
+      for a measured gap and for a first request.
     * ``tool_s``: the part of ``gap_s`` spent in tools, when the trace says; ``None`` otherwise.
-    * ``gap_kind``: what ended the gap, in the vocabulary of ``turns.gap_kind`` (docs/schema.md):
+    * ``gap_kind``: what ended the gap, in the vocabulary of ``turns.gap_kind`` (docs/schema/tables.md):
       ``tool`` (the prompt ends with tool results: the gap was a tool's run plus the client's
       overhead), ``think`` (a user message: the human's time), ``pause`` (a recorded run's planned
       long pause); ``None`` for a first request or when the trace does not say.

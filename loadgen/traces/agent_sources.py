@@ -4,7 +4,7 @@ give their own records; registered in :mod:`loadgen.traces.formats`).
 * ``mooncake``: sessions inferred from the hash chains (:func:`loadgen.traces.mooncake.infer_sessions`);
   shared prefix = common leading 512-token hash ids with the session's previous request x 512,
   capped by both prompts' lengths; no server time, so ``gap_s`` is the arrival-to-arrival upper
-  bound of the idle time, ``gap_estimated`` True (docs/workloads.md, "Gaps");
+  bound of the idle time, ``gap_estimated`` True (docs/workloads.md);
 * ``azure``: every row a one-request session (the trace has no session ids).
 """
 

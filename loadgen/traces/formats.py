@@ -6,7 +6,7 @@ from a path).
 
 Readers are named ``"module:function"`` and imported when first used, so reading one format never
 imports the others (nor the workload planner, which imports this module). Adding a format is its
-reader module plus one :func:`register` call below (docs/design.md, "Adding a trace format").
+reader module plus one :func:`register` call below (docs/design.md).
 
 What each format gives (see its reader module):
 
@@ -90,13 +90,19 @@ class TraceFormat:
     ``"module:function"`` reading a whole trace file (called with the path, or with no argument
     for the shipped default) so a run fails before it starts. ``replay``: ``"module:function"``
     planning a workload's trace source as sessions (``loadgen.workload.plan_trace``'s arguments);
-    None: not replayable by a workload."""
+    None: not replayable by a workload. ``shipped``: a copy is shipped (``check`` and ``replay`` read
+    it when no path is given); False: a workload's ``traces:`` entry must name a path.
+    ``empirical``: ``"module:function"`` giving the values of one of ``empirical_fields`` in the
+    shipped copy (a workload's ``kind: empirical`` distribution with ``trace: <name>``); None: none."""
 
     name: str
     detect: Callable[[Sniff], bool] | None = None
     requests: str | None = None
     check: str | None = None
     replay: str | None = None
+    shipped: bool = True
+    empirical: str | None = None
+    empirical_fields: tuple[str, ...] = ()
 
 
 _FORMATS: dict[str, TraceFormat] = {}
@@ -121,7 +127,9 @@ register(TraceFormat("run", detect=lambda s: s.is_dir and (s.path / "turnscope.d
                      requests="loadgen.traces.recorded_runs:iter_recorded_runs"))
 register(TraceFormat("azure", detect=lambda s: not s.is_dir and s.suffix == ".csv",
                      requests="loadgen.traces.agent_sources:azure_requests",
-                     check="loadgen.traces.azure:load_azure", replay="loadgen.traces.azure:plan_azure"))
+                     check="loadgen.traces.azure:load_azure", replay="loadgen.traces.azure:plan_azure",
+                     empirical="loadgen.traces.azure:empirical_values",
+                     empirical_fields=("context_tokens", "generated_tokens", "interarrival_s")))
 register(TraceFormat("kv_cache_tester",
                      detect=lambda s: s.is_dir or (s.is_json_object and (s.first_object is None
                                                                            or "requests" in s.first_object)),
@@ -130,18 +138,22 @@ register(TraceFormat("kv_cache_tester",
                      replay="loadgen.traces.kv_cache_tester:plan_kv_cache_tester"))
 register(TraceFormat("mooncake", detect=lambda s: s.first_has("hash_ids", "timestamp"),
                      requests="loadgen.traces.agent_sources:mooncake_requests",
-                     check="loadgen.traces.mooncake:load_mooncake", replay="loadgen.traces.mooncake:plan_mooncake"))
+                     check="loadgen.traces.mooncake:load_mooncake", replay="loadgen.traces.mooncake:plan_mooncake",
+                     empirical="loadgen.traces.mooncake:empirical_values",
+                     empirical_fields=("input_length", "output_length", "gap_s", "turns", "new_tokens")))
 register(TraceFormat("tracelab", detect=lambda s: s.first_has("session_id", "round_index"),
                      requests="loadgen.traces.tracelab:read_tracelab"))
 register(TraceFormat("taubench", check="loadgen.traces.taubench:load_taubench",
                      replay="loadgen.traces.taubench:plan_taubench"))
 register(TraceFormat("vllm_multiturn", check="loadgen.traces.vllm_multiturn:load_vllm_multiturn",
-                     replay="loadgen.traces.vllm_multiturn:plan_vllm_multiturn"))
+                     replay="loadgen.traces.vllm_multiturn:plan_vllm_multiturn", shipped=False))
 
 #: Formats whose requests stream to ``turnscope traffic`` and ``turnscope plan`` (``--format``).
 REQUEST_FORMATS: tuple[str, ...] = tuple(f.name for f in _FORMATS.values() if f.requests)
 #: Formats a workload's ``traces:`` entry can replay (``loadgen.workload.TraceSource.format``).
 REPLAY_FORMATS: tuple[str, ...] = tuple(f.name for f in _FORMATS.values() if f.replay)
+#: Formats whose shipped copy a workload's ``kind: empirical`` distribution can resample (``trace:``).
+EMPIRICAL_TRACES: tuple[str, ...] = tuple(f.name for f in _FORMATS.values() if f.empirical)
 
 
 def trace_format(name: str) -> TraceFormat:

@@ -29,7 +29,7 @@ What is read (docs/workloads.md):
   so after a run of streamed requests it exceeds the time between the two requests (trace_0183:
   445 s for requests 31 s apart). The upper bound is the rule that never credits reuse the
   trace does not prove: a follow-up counted within a TTL is within it whatever the previous
-  request's server time was (docs/workloads.md, "Gaps");
+  request's server time was (docs/workloads.md);
 * ``shared_prefix_tokens`` = (leading hash ids in common with the session's previous request) x
   ``block_size``, capped by ``in``: the prompt tokens the previous request already held, exact to
   the block (the partial last block has no id, so up to ``block_size - 1`` more may be shared);
@@ -263,7 +263,7 @@ def plan_kv_cache_tester(src: ReplaySource, si: int, w: ReplayWorkload, synth: T
     that keeps less than the previous one) is replayed as an append: the replayed history only
     grows, so on those turns the engine can reuse more than ``trace_reusable_tokens``. Gaps: the
     trace's client time (``gap_s``; the start-to-start bound where the trace does not say when the
-    previous request ended, docs/workloads.md "Gaps") as ``gap_before_s`` and, with ``replay_timestamps``, the
+    previous request ended, docs/workloads.md) as ``gap_before_s`` and, with ``replay_timestamps``, the
     arrival offset as ``at_s`` (both times ``time_scale``); a gap over ``w.ttl_s`` makes a
     ``resume``. Text is :class:`TextSynth`'s, keyed by session and request.
     """

@@ -1,6 +1,6 @@
 """The store's own recorded runs as :class:`AgentRequest` records (turns rows -> requests).
 
-A run recorded by turnscope (docs/schema.md, tables ``turns`` and ``sessions``) is traffic too:
+A run recorded by turnscope (docs/schema/tables.md, tables ``turns`` and ``sessions``) is traffic too:
 this adapter reads its turns back so the traffic report and the planner treat it like any trace.
 
 Per turn row (one run = one source ``run:<run_id>``, one clock: seconds since the run's first

@@ -4,8 +4,7 @@ the reference reply, the source's window, a gap's turn kind, and conversations a
 
 Each format's ``plan_<format>(src, si, w, synth, time_scale) -> list[SessionPlan]`` lives beside its
 reader (``loadgen/traces/<format>.py``) and is registered as the format's ``replay``
-(``loadgen/traces/formats.py``); ``loadgen.workload.plan_trace`` calls it (docs/design.md, "Adding a
-trace format").
+(``loadgen/traces/formats.py``); ``loadgen.workload.plan_trace`` calls it (docs/design.md).
 """
 
 from __future__ import annotations

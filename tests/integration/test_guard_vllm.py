@@ -110,5 +110,5 @@ def test_incremental_guard_decides_and_trims_as_the_old_one(pd_bidir_stack):
     assert seen["edit"] == 1
     # a reply whose text re-tokenizes into other ids is checked like every turn when it happens
     # (seen["retokenized"]); it cannot be forced through chat, and did not happen in the run of
-    # 2026-12-01 (docs/reliability.md, "The token guard, at long histories")
+    # 2026-12-01 (docs/reliability.md)
     print("guard cases:", seen)

@@ -129,7 +129,7 @@ def test_cli_plan_check_then_plan_with_intervals(stores, tmp_path, monkeypatch):
     assert f"pd-bidir-nocache vs pd-nocache: measured {speedup:.2f}x, forecast" in r.output
     prof = load_profile(out)
     assert prof.held_out.ttft_ratio["aggregated"] == pytest.approx((SLOW, SLOW), rel=1e-6)
-    # a plan with that profile: every interval moved by the held-out percentiles (docs/planner.md)
+    # a plan with that profile: every interval moved by the held-out percentiles (docs/planner/held-out.md)
     store = check
     r = CliRunner().invoke(app, ["plan", str(check), "--format", "run", "--profile", str(out), "--store", str(store),
                                  "--fit-runs", ",".join(fx.RUNS.values())], env={"COLUMNS": "4000"})

@@ -1,5 +1,5 @@
 """The handed /metrics cases through the product's own route: the scraper reads the case text
-from a live HTTP endpoint into the store, and the store's SQL (docs/schema.md's query, the Memory
+from a live HTTP endpoint into the store, and the store's SQL (docs/schema/queries.md's query, the Memory
 page's query) derives the case's expected values.
 
 Two scrapes per endpoint: the case with its counters zeroed, then the case as handed, so counter

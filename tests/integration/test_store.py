@@ -1,4 +1,4 @@
-"""Store integration tests: real Parquet shards, real DuckDB views (docs/schema.md)."""
+"""Store integration tests: real Parquet shards, real DuckDB views (docs/schema/overview.md)."""
 
 from __future__ import annotations
 

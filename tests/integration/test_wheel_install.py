@@ -7,7 +7,7 @@ this venv's site-packages, for the dependencies: a path line of a ``.pth`` file,
 install's finder is not loaded there and the checkout cannot answer for the installed package.
 From another directory, ``turnscope --help`` runs and ``turnscope traffic`` reads a shipped trace
 by its name; the report's figures are checked against the trace file counted here, and the store
-lands in ``./turnscope-data`` (docs/layout.md, "Installed from a wheel"). The installed dashboard
+lands in ``./turnscope-data`` (docs/layout.md). The installed dashboard
 script then renders its Traffic page over that store.
 """
 

@@ -1,4 +1,4 @@
-"""The parts import one way (docs/design.md, "Layers"): serving and loadgen never import each other, the
+"""The parts import one way (docs/design.md): serving and loadgen never import each other, the
 dashboard (its pages included) imports neither, not even through a shared module it imports; no
 module imports up a layer (the ground imports nothing above it) and no modules import each other in
 a circle, and every import of the repository's own modules resolves in this checkout."""
@@ -42,9 +42,9 @@ def test_part_imports_no_other_part(part: str, forbidden: set[str]) -> None:
     assert out.stdout.strip().splitlines()[-1] == "[]", f"{part} pulls in {out.stdout.strip()}"
 
 
-# -- the layers (docs/design.md, "Layers") ------------------------------------------------------------
+# -- the layers (docs/design.md) ------------------------------------------------------------
 
-#: The layers by folder, bottom (0) up (docs/design.md, "Layers"): a module may import modules of its
+#: The layers by folder, bottom (0) up (docs/design.md): a module may import modules of its
 #: own folder and of lower layers only. Every module of the repository's code lies in exactly one of
 #: these folders (:func:`test_every_module_lies_in_a_layer_folder`): a new module takes its layer
 #: from where it is put, not from a list of modules.

@@ -9,7 +9,7 @@ from serving.topology import embedded_topology
 from serving.workers import kv_transfer_config, mode_workers
 from turnscope.core import modes
 
-#: name -> (P/D, bidirectional_kv_xfer, P's prefix cache), from docs/design.md, "Serving modes".
+#: name -> (P/D, bidirectional_kv_xfer, P's prefix cache), from docs/design.md.
 TABLE = {
     "aggregated": (False, False, True),
     "pd": (True, False, True),

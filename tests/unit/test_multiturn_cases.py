@@ -20,7 +20,7 @@ from tests.handed_cases import CASES as HANDED
 from tests.integration.openai_stub import IM_END, encode, render
 
 CASES = HANDED / "multiturn"
-BLOCK = 128   # vLLM CPU KV block size (docs/design.md, "Serving modes")
+BLOCK = 128   # vLLM CPU KV block size (docs/design.md)
 
 
 def test_multiturn_cases_present():

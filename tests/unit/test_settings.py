@@ -34,7 +34,7 @@ def write(path: Path, text: str) -> Path:
 
 def test_defaults_are_vllms_and_the_embedded_layouts() -> None:
     s = TurnscopeSettings.load()
-    # vLLM's NixlConnector defaults (docs/features/nixl_connector_usage.md; docs/design.md, "Serving modes").
+    # vLLM's NixlConnector defaults (docs/features/nixl_connector_usage.md; docs/design.md).
     assert (s.connector.kv_recompute_threshold, s.connector.decoder_kv_blocks_ttl, s.connector.kv_lease_duration,
             s.connector.backends) == (64, 480, 30, ["UCX"])
     assert s.connector.kv_load_failure_policy == "recompute"

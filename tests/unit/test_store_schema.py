@@ -14,7 +14,7 @@ from turnscope.core.store import SCHEMA_PATH, load_schema
 def test_store_schema_types_from_contract() -> None:
     s = load_schema()
     assert {"runs_log", "sessions", "turns", "metric_samples", "traffic_log", "traffic_requests"} <= set(s.tables)
-    # the plan_* tables (docs/schema.md "Plans"): a plan's checked run is not the shard's run_id
+    # the plan_* tables (docs/schema/plans.md): a plan's checked run is not the shard's run_id
     assert {"plan_log", "plan_requests", "plan_checks"} <= set(s.tables)
     assert s.tables["plan_checks"].column("run_id") is None
     assert not s.tables["plan_checks"].column("checked_run_id").nullable

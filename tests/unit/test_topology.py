@@ -100,7 +100,7 @@ def test_vendor_aggregated_baseline_topology():
 
 def test_embedded_2p1d_topology_shares_core_0_between_the_two_prefill_workers():
     """Two P on core 0 (P's compute as in 1P1D), D alone on core 1, distinct ports and NIXL side
-    channels, and the proxy's routing read from the file (docs/configuration.md, "Routing")."""
+    channels, and the proxy's routing read from the file (docs/configuration.md)."""
     topo = load_topology(TOPOLOGIES / "embedded-cpu-2p1d.yaml")
     p0, p1, d = mode_workers("pd-bidir", topo)
     assert [w.name for w in (p0, p1, d)] == ["prefill-0", "prefill-1", "decode-0"]

@@ -30,7 +30,7 @@ UNFAVOURABLE_CASES = ("continued after TTL", "resume", "edit", "retry", "fresh")
 
 def routing_text(prefill: object, decode: object) -> str | None:
     """How a run's proxy picked its workers, in words (``P session · D session``), or None when
-    the run recorded neither policy (view ``run_config``; docs/configuration.md, "Routing")."""
+    the run recorded neither policy (view ``run_config``; docs/configuration.md)."""
     def known(v: object) -> str | None:
         return v if isinstance(v, str) and v else None
 

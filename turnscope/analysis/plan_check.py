@@ -1,5 +1,5 @@
 """How far to trust a forecast, and what of a plan to show: the planner's forecast of recorded runs
-against what they measured (``plan_checks`` rows, docs/planner.md "Checked against recorded runs"),
+against what they measured (``plan_checks`` rows, docs/planner/held-out.md),
 summed up per mode; the Overview's speed-up of those runs, measured and forecast; forecast intervals
 in words; the frontier's rows that matter.
 
@@ -42,7 +42,7 @@ def check_summary(checks: pd.DataFrame) -> pd.DataFrame:
 def with_interval(text: str, low: float, high: float, fmt, unit: str = "") -> str:
     """``text`` followed by its forecast interval, ``"1.80x (80% interval 1.50-2.20x)"``, or by
     ``"(no held-out interval)"`` when either end is NaN/None (the profile was never checked on
-    runs it was not fitted on; docs/planner.md "Forecast intervals"). ``fmt`` formats one end (a
+    runs it was not fitted on; docs/planner/held-out.md). ``fmt`` formats one end (a
     number), ``unit`` follows the second (``"x"``, ``" ms"``, ``"%"``)."""
     if low is None or high is None or pd.isna(low) or pd.isna(high):
         return f"{text} (no held-out interval)"

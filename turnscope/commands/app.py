@@ -18,6 +18,7 @@ from turnscope.conductor.settings import SettingsError, TurnscopeSettings
 from turnscope.core import resources
 from turnscope.core.contract import (
     ROUTING_POLICIES,
+    Role,
     RoutingPolicy,
 )
 from turnscope.core.modes import MODES
@@ -81,14 +82,14 @@ TopologyOpt = Annotated[Path | None, typer.Option(
 
 
 _ROUTING_HELP = (f"How the proxy picks the {{role}} worker of a request: {', '.join(ROUTING_POLICIES)} "
-                 "(docs/configuration.md, \"Routing\"). Default: settings `{role}_routing` (session); "
+                 "(docs/configuration.md). Default: settings `{role}_routing` (session); "
                  "wins over a topology file's `proxy.{role}_routing`. Recorded with each run.")
 
 
-PrefillRoutingOpt = Annotated[RoutingPolicy | None, typer.Option(help=_ROUTING_HELP.format(role="prefill"))]
+PrefillRoutingOpt = Annotated[RoutingPolicy | None, typer.Option(help=_ROUTING_HELP.format(role=Role.PREFILL))]
 
 
-DecodeRoutingOpt = Annotated[RoutingPolicy | None, typer.Option(help=_ROUTING_HELP.format(role="decode"))]
+DecodeRoutingOpt = Annotated[RoutingPolicy | None, typer.Option(help=_ROUTING_HELP.format(role=Role.DECODE))]
 
 
 def shipped(path: Path | None, kind: str) -> Path | None:

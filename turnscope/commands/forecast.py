@@ -1,5 +1,5 @@
 """The commands that read traces and forecast: ``traffic``, ``plan``, ``plan-check``, ``recommend``,
-``profile-from-timing`` (docs/traffic.md, docs/planner.md)."""
+``profile-from-timing`` (docs/traffic.md, docs/planner/overview.md)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from turnscope.core.contract import (
     DECODER_KV_BLOCKS_TTL_S,
     KV_RECOMPUTE_THRESHOLD_TOKENS,
 )
+from turnscope.planner.strategies import STRATEGIES, Strategy
 
 
 @app.command()
@@ -42,7 +43,7 @@ def traffic(
 
     Sessions and requests, context growth, gaps by kind against TTLs of 30 s to 1 h, the share of
     input tokens reusable from the session's previous request, and overlapping sessions. The rows
-    go to the store (tables traffic_log, traffic_requests; views traffic_*; docs/schema.md), shown
+    go to the store (tables traffic_log, traffic_requests; views traffic_*; docs/schema/traffic.md), shown
     by the dashboard's Traffic page.
     """
     from loadgen.traces.errors import TraceFormatError
@@ -89,14 +90,14 @@ def plan(
     queue: Annotated[bool, typer.Option(
         "--queue/--no-queue", help="Requests wait for the prompts before them on their prefill (or aggregated) "
                                    "worker, and on D for room in its KV space, first come first served "
-                                   "(docs/planner.md, \"Queueing\", \"D's admission queue\").")] = True,
+                                   "(docs/planner/simulation.md).")] = True,
 ) -> None:
     """Forecast what KV reuse across turns would do on a traffic, model and hardware, without serving it.
 
     Per request: the proxy's outcome (with `miss_d_full` when D's KV space is full), tokens pulled / from
     P's own cache / recomputed, D's pinned KV over time, TTFT per mode. Prints the speed-up per mode
     pair, the TTL x D-memory frontier and the sessions whose pauses or edits defeat reuse; writes them to
-    the store (plan_* tables, docs/schema.md). Every figure is a FORECAST labelled with its profile.
+    the store (plan_* tables, docs/schema/plans.md). Every figure is a FORECAST labelled with its profile.
     """
     from turnscope.planner.cli_plan import run_plan
 
@@ -138,7 +139,7 @@ def plan_check(
     (each run planned alone, on its own clock), and print per mode the TTFT median absolute relative
     error and its p90, the forecast p90 TTFT against the measured one, the hit-rate error (pp) and the
     pulled-token error, with the split named
-    (docs/planner.md, "Held-out check"). Checked runs that are steps of a capacity ramp also get the
+    (docs/planner/held-out.md). Checked runs that are steps of a capacity ramp also get the
     ramp's crossing forecast next to the measured one (docs/capacity.md). With ``--rerun-store`` the
     same figures for a second recording of the same workload as the forecast: what the machine's own
     repeatability allows (turnscope/planner/rerun_check.py)."""
@@ -191,7 +192,7 @@ def recommend(
     profile: Annotated[Path, typer.Option(help="Cost profile YAML, or a shipped one's name (embedded-cpu, vendor-h200).")],
     format: Annotated[str | None, typer.Option("--format", help="Read every path as this format.")] = None,
     current_strategy: Annotated[str, typer.Option(
-        help="The current setting's strategy: recompute, pd, pd+host, pd-bidir or pd-bidir+host.")] = "pd-bidir",
+        help=f"The current setting's strategy: {', '.join(STRATEGIES)}.")] = Strategy.PD_BIDIR.value,
     ttl_s: Annotated[float, typer.Option(help="Current decoder_kv_blocks_ttl, seconds.")] = float(DECODER_KV_BLOCKS_TTL_S),
     threshold: Annotated[int, typer.Option(help="Current kv_recompute_threshold, tokens.")] = KV_RECOMPUTE_THRESHOLD_TOKENS,
     prefill_workers: Annotated[int, typer.Option(help="Current prefill workers.")] = 1,
@@ -226,7 +227,7 @@ def recommend(
     """Recommend what to deploy for a traffic (a FORECAST): the ledger of KV retention strategies
     (recompute, P's prefix cache, with a host tier, D-retention, both) and the best setting of TTL,
     threshold, D KV space, P count and routing as a diff of each role's `vllm serve` flags
-    (docs/planner.md, "Ledger and recommendation")."""
+    (docs/planner/ledger.md)."""
     from turnscope.planner.cli_recommend import run_recommend
     from turnscope.planner.recommend import Setting
 
@@ -263,8 +264,8 @@ def profile_from_timing(
     check_ttft_s: Annotated[float | None, typer.Option(help="The published TTFT at --check-tokens, seconds.")] = None,
 ) -> None:
     """Write a cost profile whose prefill curve c(x) was measured: one decoder layer's timings fitted
-    as a1 x + a2 x^2 and scaled by the layer count; every other figure from BASE (docs/planner.md,
-    "Profiles: measured on a GPU")."""
+    as a1 x + a2 x^2 and scaled by the layer count; every other figure from BASE
+    (docs/planner/profiles.md)."""
     from turnscope.planner.layer_timing import PublishedTTFT, write_measured_profile
 
     for flag, pair in (("--anchor-tokens/--anchor-ttft-s", (anchor_tokens, anchor_ttft_s)),

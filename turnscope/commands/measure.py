@@ -1,4 +1,4 @@
-"""The commands that measure over a range: ``calibrate``, ``sweep``, ``capacity`` (docs/planner.md,
+"""The commands that measure over a range: ``calibrate``, ``sweep``, ``capacity`` (docs/planner/overview.md,
 docs/sweep.md, docs/capacity.md)."""
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def calibrate(
     from 128 tokens to the model's limit, pulls of several sizes, decode, chat render, per-request
     overhead), the modes' stacks kept up together and alternated in a seeded shuffled order, speed
     probes around each block; then fit a profile whose fitted figures carry their residuals and range
-    (docs/planner.md, "Calibration over a wide prompt range")."""
+    (docs/planner/calibration.md)."""
     from turnscope.conductor.calibration import (
         QUICK,
         CalibrationSettings,

@@ -46,8 +46,9 @@ from turnscope.conductor.evaluation import default_settings, run_eval
 from turnscope.core import resources
 from turnscope.core.contract import (
     ROUTING_POLICIES,
+    Role,
 )
-from turnscope.core.modes import MODES
+from turnscope.core.modes import MODES, PD_BIDIR
 
 
 @app.command()
@@ -61,8 +62,7 @@ def model(out: Annotated[Path, typer.Option(help="Where to write the model.")] =
 
 SCHEDULE_HELP = ("interleaved: the workers of the modes compared with one another up together (own ports), "
                  "their sessions played in rounds, the modes' order shuffled each round, so the machine's "
-                 "drift falls on every side; sequential: one mode after another (docs/results.md, "
-                 "\"Schedule\").")
+                 "drift falls on every side; sequential: one mode after another (docs/schedule.md).")
 
 
 @app.command("eval")
@@ -81,7 +81,7 @@ def evaluate(
     max_tokens: Annotated[int, typer.Option(help="Output tokens per turn.")] = 32,
     gap_s: Annotated[float, typer.Option(help="Seconds between replayed turns (tool/think gap).")] = 1.0,
     topology: TopologyOpt = None,
-    prefill_routing: Annotated[str | None, typer.Option(help=_ROUTING_HELP.format(role="prefill") + " Several, "
+    prefill_routing: Annotated[str | None, typer.Option(help=_ROUTING_HELP.format(role=Role.PREFILL) + " Several, "
                                "comma-separated (round-robin,session): each mode's workers start once and every "
                                "history mode is run once per policy, the proxy restarted between them.")] = None,
     decode_routing: DecodeRoutingOpt = None,
@@ -141,7 +141,7 @@ def evaluate(
 def rollup(store: StoreOpt = None) -> None:
     """Roll up every finished run that has no fresh rollup: its run_summary, run_kv_transfer and
     run_handle_memory rows, stored beside the shards so the dashboard need not recompute them
-    (dashboard/rollup.py; docs/schema.md, "Rollups"). A finished eval does this itself. It first
+    (dashboard/rollup.py; docs/schema/overview.md). A finished eval does this itself. It first
     recreates the store's views if they are of another schema version (a store written by an
     older turnscope); the shards are never changed."""
     from dashboard.rollup import Rollups
@@ -162,7 +162,7 @@ def rollup(store: StoreOpt = None) -> None:
 
 @app.command()
 def serve(
-    mode: Annotated[str, typer.Option(help=f"Serving mode, one of: {', '.join(MODES)}.")] = "pd-bidir",
+    mode: Annotated[str, typer.Option(help=f"Serving mode, one of: {', '.join(MODES)}.")] = PD_BIDIR,
     topology: TopologyOpt = None,
     prefill_routing: PrefillRoutingOpt = None,
     decode_routing: DecodeRoutingOpt = None,
@@ -205,7 +205,7 @@ def serve(
         return
     stack = ModeStack(mode, topo, log_dir)
     if prometheus_config:
-        targets = [("turnscope-proxy", stack.proxy_url, "proxy")] + [("vllm", s.url, s.role) for s in specs]
+        targets = [("turnscope-proxy", stack.proxy_url, Role.PROXY)] + [("vllm", s.url, s.role) for s in specs]
         print(render_prometheus_config(targets), end="")
         return
     if dry_run:

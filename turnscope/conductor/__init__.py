@@ -1,2 +1,2 @@
 """The conductor: the settings, and the runs that put serving, loadgen and the store together (eval,
-calibration, capacity, the sweep); under the commands (docs/design.md, "Layers")."""
+calibration, capacity, the sweep); under the commands (docs/design.md)."""

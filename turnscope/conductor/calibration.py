@@ -1,5 +1,5 @@
 """``turnscope calibrate``: measure every cost the planner uses over a wide prompt range, the modes
-interleaved, and fit a profile from it (docs/planner.md, "Calibration over a wide prompt range").
+interleaved, and fit a profile from it (docs/planner/calibration.md).
 
 Only wiring: the schedule is :mod:`turnscope.conductor.calibration_schedule`, the sessions are played by
 :func:`loadgen.session_player.run_session` (the recorder of every run's ``turns`` rows), the stacks
@@ -47,7 +47,7 @@ from turnscope.conductor import console_text, speed_probe
 from turnscope.conductor.calibration_schedule import CalPoint, Send, default_lengths, points, schedule
 from turnscope.conductor.evaluation import HEARTBEAT_S, _versions, default_log_dir, warm_up
 from turnscope.core import resources
-from turnscope.core.modes import serving_mode
+from turnscope.core.modes import AGGREGATED, PD_BIDIR_NOCACHE, PD_NOCACHE, serving_mode
 from turnscope.core.store import Store, connect_read_only
 from turnscope.planner.fit import fit_profile
 from turnscope.planner.profile import CostProfile
@@ -56,7 +56,7 @@ from turnscope.planner.profile import CostProfile
 PORT_STRIDE = 10
 #: The modes calibrated by default: the aggregated worker's c(x), P's c(x) (full prefills and
 #: computed-after-cached), pulls of several sizes, and the default b0 (``pd-nocache``'s).
-DEFAULT_MODES = ("aggregated", "pd-nocache", "pd-bidir-nocache")
+DEFAULT_MODES = (AGGREGATED, PD_NOCACHE, PD_BIDIR_NOCACHE)
 
 
 class CalibrationSettings(BaseModel):

@@ -1,5 +1,5 @@
 """The calibration run's schedule: which sessions it sends, to which mode, in which order
-(``turnscope calibrate``, docs/planner.md "Calibration over a wide prompt range").
+(``turnscope calibrate``, docs/planner/calibration.md).
 
 A **point** is one two-turn session: turn 0 is ``prefix_tokens`` tokens of fresh content (a full
 prefill: the session has a ``cache_salt`` of its own, so no prefix cache holds it), turn 1 appends

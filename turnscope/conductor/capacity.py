@@ -21,7 +21,7 @@ falls on both modes; handles a ``pd-bidir`` step leaves pinned on D are there wh
 starts unless the TTL passed during ``pd``'s step between them (each step's D KV usage at its
 start is in the store). Sequential: one mode's whole ramp back to back, then the other's. Each run records ``runs_log.workload_spec.capacity``
 (:meth:`CapacityPlan.spec`) and the SLO in ``runs.config.slo``; the ``capacity_steps`` view
-(data/schema.sql, docs/schema.md) reads them back.
+(data/schema.sql, docs/schema/overview.md) reads them back.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from serving.topology import RoleSettings, Topology
 from turnscope.analysis.capacity_crossing import BASELINE, TREATMENT
 from turnscope.conductor import console_text
 from turnscope.conductor.evaluation import EvalSettings, RunPlan, Slo, run_eval
+from turnscope.core.contract import Role
 
 #: The two modes compared, baseline first (``turnscope.analysis.capacity_crossing``, which reads the ramp): P's prefix
 #: cache on in both, D holding KV only in pd-bidir.
@@ -98,9 +99,9 @@ class CapacityPlan:
         """``base`` with D's KV space, the TTL and the proxy margin of this plan: the decode role's
         args get ``--kv-cache-memory-bytes`` (after the topology's own, so it wins for D only)."""
         roles = dict(base.roles)
-        decode = roles.get("decode")
+        decode = roles.get(Role.DECODE)
         args = (list(decode.args) if decode else []) + ["--kv-cache-memory-bytes", str(self.decode_kv_cache_bytes)]
-        roles["decode"] = decode.model_copy(update={"args": args}) if decode else RoleSettings(args=args)
+        roles[Role.DECODE] = decode.model_copy(update={"args": args}) if decode else RoleSettings(args=args)
         return base.model_copy(update={
             "roles": roles,
             "connector": base.connector.model_copy(update={"decoder_kv_blocks_ttl": self.ttl_s}),

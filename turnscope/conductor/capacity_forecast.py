@@ -2,8 +2,7 @@
 (:func:`turnscope.planner.check.plan_on_its_own`: its own clock, settings, speed probe and D's KV
 space), its step figures computed as the Memory page computes the measured ones, and the crossing
 found by the same rule (:func:`turnscope.analysis.capacity_crossing.find_crossing`), so that forecast and measurement
-say "holding KV starts to cost capacity at N sessions" in one language (docs/capacity.md, "The
-crossing, forecast and measured").
+say "holding KV starts to cost capacity at N sessions" in one language (docs/capacity.md).
 
 Per step and mode (forecast): TTFT p50 and p90 over the step's ok turns (p90 with its 80% interval
 from the profile's held-out errors, :func:`turnscope.planner.intervals.ttft_interval`); D's peak KV in use

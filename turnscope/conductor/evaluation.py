@@ -1,4 +1,4 @@
-"""The evaluation matrix: the same sessions against each serving mode (docs/design.md, "Serving modes"), recorded.
+"""The evaluation matrix: the same sessions against each serving mode (docs/design.md), recorded.
 
 Per mode: start the workers (``serving.workers``), re-pin them on the CPU platform, start the
 proxy (``serving.proxy_server``), warm the path up (NIXL handshakes both ways, compile caches),
@@ -36,7 +36,7 @@ from serving.topology import Topology, disjoint_offsets, embedded_topology, shif
 from serving.workers import mode_workers
 from turnscope.conductor import console_text, schedule, speed_probe
 from turnscope.core import resources
-from turnscope.core.contract import CLIENT_KEY_ENV, RoutingPolicy
+from turnscope.core.contract import CLIENT_KEY_ENV, ENDPOINT_ROLES, RoutingPolicy
 from turnscope.core.modes import MODES, serving_mode
 from turnscope.core.store import Store
 
@@ -274,7 +274,7 @@ class RunRecording:
         # run_config view reads the routing there)
         self.settings = rs.model_copy(update={
             "topology": rs.topology.model_copy(update={
-                k: getattr(stack.topology, k) for k in ("proxy", "prefill", "decode", "aggregated")}),
+                k: getattr(stack.topology, k) for k in ENDPOINT_ROLES}),  # their fields, one per role
             "operator_config": rs.operator_config | (
                 {"prefill_routing": stack.topology.proxy.prefill_routing}
                 if "prefill_routing" in rs.operator_config else {})})

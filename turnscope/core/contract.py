@@ -1,7 +1,7 @@
 """The wire contract between the load generator and the proxy, and the names every part shares.
 
 One definition of each name that ``serving/`` (the proxy), ``loadgen/`` (the session player) and
-``dashboard/`` (the store's readers) have in common; see docs/design.md ("The wire contract").
+``dashboard/`` (the store's readers) have in common; see docs/design.md.
 This module imports nothing of theirs, so importing it never imports them (checked by
 ``tests/unit/test_contract.py``).
 
@@ -145,7 +145,7 @@ KV_RECOMPUTE_THRESHOLD_TOKENS = 64
 # -- routing: how the proxy picks a worker of a role (serving.routing) ------------------------------
 
 ROUND_ROBIN, SESSION, PREFIX_AWARE = "round-robin", "session", "prefix-aware"
-#: The routing policies a run may choose, for P and for D (docs/configuration.md, "Routing").
+#: The routing policies a run may choose, for P and for D (docs/configuration.md).
 ROUTING_POLICIES = (ROUND_ROBIN, SESSION, PREFIX_AWARE)
 RoutingPolicy = Literal["round-robin", "session", "prefix-aware"]
 
@@ -153,9 +153,9 @@ RoutingPolicy = Literal["round-robin", "session", "prefix-aware"]
 
 #: How the session player keeps a session's history (docs/workloads.md): re-sent messages, or ids.
 HISTORY_MODES = ("text", "token_ids")
-#: Kinds of turn (``turns.kind``, docs/schema.md).
+#: Kinds of turn (``turns.kind``, docs/schema/tables.md).
 TURN_KINDS = ("turn", "retry", "edit", "fresh", "resume")
-#: Kinds of gap before a turn (``turns.gap_kind``, docs/schema.md).
+#: Kinds of gap before a turn (``turns.gap_kind``, docs/schema/tables.md).
 GAP_KINDS = ("none", "tool", "think", "pause")
 
 

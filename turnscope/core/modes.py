@@ -1,7 +1,7 @@
 """The serving modes turnscope launches and compares: one :class:`ServingMode` per mode, and every
 part asks it (the launcher, the proxy's settings, the planner, the statistics, the dashboard).
 
-A mode is one worker arrangement (docs/design.md, "Serving modes"): one aggregated
+A mode is one worker arrangement (docs/design.md): one aggregated
 worker with prefix caching, or P/D (prefill and decode workers joined by vLLM's NixlConnector) with
 or without bidirectional KV transfer (``bidirectional_kv_xfer``: D keeps a finished request's KV for
 the session's next prefill to pull) and with or without P's prefix cache
@@ -11,7 +11,7 @@ Adding a mode is one entry of :data:`SERVING_MODES` here, plus how its workers a
 (``serving.workers.mode_workers``) if its flags are not the three below. A mode's name is written
 here only: every other module takes it from the constants below or from :data:`SERVING_MODES`
 (checked by ``tests/unit/test_names.py``). This module imports only the contract's roles (both are
-the ground layer, docs/design.md "Layers").
+the ground layer, docs/design.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The store passes every ``runs_log`` value and a few free-text columns through :func:`redact`
 (``turnscope.core.store``); ``TurnscopeSettings.effective()`` passes the configuration it saves with
-each run through it too (``turnscope.conductor.settings``). See docs/design.md ("Secrets").
+each run through it too (``turnscope.conductor.settings``). See docs/design.md.
 """
 
 from __future__ import annotations

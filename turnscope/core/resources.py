@@ -3,8 +3,8 @@
 Shipped, read-only: the repository's ``data/`` folder minus what turnscope writes there, installed
 by the wheel as the package ``turnscope_data`` (pyproject.toml, ``[tool.setuptools]``):
 
-* ``schema.sql``: the store's contract (docs/schema.md);
-* ``profiles/*.yaml``: cost profiles (docs/planner.md);
+* ``schema.sql``: the store's contract (docs/schema/overview.md);
+* ``profiles/*.yaml``: cost profiles (docs/planner/profiles.md);
 * ``topologies/*.yaml``: worker layouts (serving/topology.py);
 * ``workloads/*.yaml``: workloads (docs/workloads.md);
 * ``traces/``: the shipped traces, their sources and licences in ``traces/SOURCES.md``.

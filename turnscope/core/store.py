@@ -1,6 +1,6 @@
 """The run store: its schema, its writer and its read-only connection, in the one place that the
 writers (loadgen, the scraper, the CLI) and the readers (the dashboard, the eval report) share
-(docs/schema.md; docs/design.md, "The one-way data flow"). Imports nothing of serving/, loadgen/
+(docs/schema/overview.md; docs/design.md). Imports nothing of serving/, loadgen/
 or dashboard/.
 
 Layout under a store root::
@@ -17,7 +17,7 @@ The column names and types come from ``data/schema.sql`` (the contract): the "ta
 executed in an in-memory DuckDB to learn each column's type, and each DuckDB type is mapped to one
 Arrow type (``TIMESTAMPTZ`` -> ``timestamp[us, tz=UTC]``, ``JSON`` -> string holding JSON text).
 
-Secrets never reach the store (docs/design.md, "Secrets"): every value of ``runs_log`` (configurations, topologies,
+Secrets never reach the store (docs/design.md): every value of ``runs_log`` (configurations, topologies,
 workload specs) and the free-text columns ``turns.error`` and ``metric_samples.endpoint`` pass
 through :func:`redact` when appended (credentials in URLs, bearer tokens, string values under
 secret-looking keys such as ``api_key`` or ``HF_TOKEN``, values after ``--api-key``-like flags).
@@ -402,8 +402,7 @@ class ShardWriter:
         write more of pyarrow: about 0.2-0.3 s at once. Under gevent (a Locust process) the
         background flusher is a greenlet, so paid in the first flush that import blocked every
         other greenlet: a turn whose first token arrived meanwhile was read, with every token after
-        it, only once the flush was done (docs/known-behaviour.md, "The load generator's first
-        flush")."""
+        it, only once the flush was done (docs/known-behaviour.md)."""
         for table in self._tables.values():
             pq.write_table(pa.Table.from_pylist([], schema=table.arrow_schema()), pa.BufferOutputStream())
 

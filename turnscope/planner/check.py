@@ -5,7 +5,7 @@ its speed probe where both have one), compared turn by turn with what was measur
 Two checks (issue "The planner"): the predicted outcome is the recorded one for every turn that did
 not fail (differences listed with why), and the predicted TTFT is within 25% median absolute
 relative error (MARE, |predicted - measured| / measured) of the measured TTFT, per mode
-(docs/planner.md, "Checked against recorded runs").
+(docs/planner/held-out.md).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def plan_on_its_own(store: Store, run_id: str, mode: str, profile: CostProfile, 
 def check_runs(store: Store, run_ids: Sequence[str], profile: CostProfile) -> pd.DataFrame:
     """Every turn of ``run_ids``, recorded next to predicted (each run planned in its own mode).
 
-    Columns (the store's ``plan_checks``, docs/schema.md): checked_run_id, mode, session_id,
+    Columns (the store's ``plan_checks``, docs/schema/plans.md): checked_run_id, mode, session_id,
     turn_index, status, recorded_outcome, predicted_outcome, outcome_match (None for failed turns),
     measured_ttft_s, predicted_ttft_s, recorded_pulled_tokens, predicted_pulled_tokens,
     recorded_local_tokens, predicted_local_tokens, why (for a difference: what each side saw),

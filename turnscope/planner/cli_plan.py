@@ -1,6 +1,6 @@
 """``turnscope plan``: read the traffic, get the profile (a file, or fitted from recorded runs),
 plan, summarise, check against the recorded runs when given, write to the store, and say it in
-plain text. Every line of the text is labelled as a FORECAST with its profile (docs/planner.md)."""
+plain text. Every line of the text is labelled as a FORECAST with its profile (docs/planner/overview.md)."""
 
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ def speedup_lines(r, has_intervals: bool) -> list[str]:
 
 def with_model(prof: CostProfile, model: Path) -> CostProfile:
     """``prof`` with the KV bytes per token of ``model`` (a model directory or its config.json;
-    formulas in :mod:`serving.kv_size`, docs/planner.md). Raises serving.kv_size.KVSizeError (a
+    formulas in :mod:`serving.kv_size`, docs/planner/overview.md). Raises serving.kv_size.KVSizeError (a
     ValueError naming the file and field) for a refused layout or an unreadable config."""
     cfg, where = read_config(model)
     kv = kv_bytes_per_token_of_config(cfg, where=where)

@@ -1,7 +1,7 @@
 """``turnscope recommend``: read the traffic and profile, print the ledger of retention strategies at
 the current setting (:mod:`turnscope.planner.ledger`) and the recommended setting as a config diff
 (:mod:`turnscope.planner.recommend`). Every figure is a FORECAST labelled with its profile and inputs
-(docs/planner.md, "Ledger and recommendation"). With ``store_root``, both are written to the store
+(docs/planner/ledger.md). With ``store_root``, both are written to the store
 (``plan_ledger``, ``plan_recommendations``; the Plan page shows them)."""
 
 from __future__ import annotations

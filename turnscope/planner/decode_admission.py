@@ -13,7 +13,7 @@ makes new requests wait for a read or a TTL. Measured on the capacity ramp (docs
 concurrent sessions on a 64 MiB D, ``pd-bidir``'s TTFT p90 went from ~0.15 s to 1.3-1.8 s while P's
 prefill leg stayed at ~0.05 s: the wait was on D.
 
-The model (docs/planner.md, "D's admission queue"): one pool of ``capacity_blocks`` on D. A request
+The model (docs/planner/simulation.md): one pool of ``capacity_blocks`` on D. A request
 arrives at D at ``at_s`` (when its first token is due), needs ``need_blocks`` and, once admitted,
 holds them ``hold_s`` seconds as a running request; what D holds besides (the pinned handles) is
 the caller's (:class:`DecodeHolds`), which the queue advances in time with itself, so an admission

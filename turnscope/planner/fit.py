@@ -1,6 +1,6 @@
 """A cost profile fitted from recorded runs' own turns (the planner's "measured here" profile).
 
-Formulas and sources in docs/planner.md ("Profiles"):
+Formulas and sources in docs/planner/profiles.md:
 
 * c(x) and b0 per mode: one robust joint fit (:func:`fit_costs`) of ``ttft - pull(pulled) =
   b0[mode] + c(n) - c(cached)`` over the ok turns of every mode, with each turn's measured cached
@@ -384,7 +384,7 @@ def _queue_waits(turns: pd.DataFrame, service_s: np.ndarray) -> np.ndarray:
 def fit_costs(turns: pd.DataFrame, prof: CostProfile, queue: bool = True,
               speed: dict[str, float] | None = None) -> CostFit | None:
     """Fit ``ttft = b0[mode] + wait + c(n) - c(cached) + pull(pulled) + render x n x renders``
-    (docs/planner.md) jointly over the ok turns of every mode, ``c(x) = a1 x + a2 x^2``: the
+    (docs/planner/profiles.md) jointly over the ok turns of every mode, ``c(x) = a1 x + a2 x^2``: the
     computed tokens ``n - cached`` range from a few dozen (a cache hit) to whole prompts
     (``pd-nocache``), which pins the slope down far better than full prefills alone, whose prompt
     lengths a run barely varies. P/D modes share one c (P's prefill plus the hand-off of the new

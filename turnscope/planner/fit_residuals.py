@@ -1,5 +1,5 @@
 """How well a fitted cost figure fits the turns it was fitted on, and over which range: stored in the
-figure's ``source`` (docs/planner.md, "Profiles"), so a profile says where a forecast extrapolates.
+figure's ``source`` (docs/planner/profiles.md), so a profile says where a forecast extrapolates.
 
 For the turns one figure rests on (a mode's turns for its b0, every P/D turn for P's c(x), the
 aggregated worker's turns for its c(x), the text-history turns for the chat render):

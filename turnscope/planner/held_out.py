@@ -1,7 +1,7 @@
 """The held-out check: a profile fitted on some runs (or read from a file) forecasts other runs it
 was not fitted on, each planned alone on its own clock (:func:`turnscope.planner.check.check_runs`),
 and the errors per mode are what the profile's forecast intervals come from
-(:class:`turnscope.planner.profile.HeldOutErrors`; docs/planner.md "Held-out check").
+(:class:`turnscope.planner.profile.HeldOutErrors`; docs/planner/held-out.md).
 
 Per mode, over the checked runs' ok turns (``plan_checks`` rows):
 
@@ -16,7 +16,7 @@ Per mode, over the checked runs' ok turns (``plan_checks`` rows):
   recorded;
 * pass or fail against :data:`TARGETS` (hit rate within 2 pp, TTFT MARE within 20%; the per-turn
   error's p90 and the p90 TTFT's error each within 25%: the target "p90 within 25%" read both ways,
-  docs/planner.md "Held-out check of the shipped profile").
+  docs/log/held-out.md).
 """
 
 from __future__ import annotations

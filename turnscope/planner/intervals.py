@@ -1,4 +1,4 @@
-"""Forecast intervals from held-out errors (docs/planner.md, "Forecast intervals").
+"""Forecast intervals from held-out errors (docs/planner/held-out.md).
 
 A profile checked on runs it was not fitted on (``turnscope plan-check``) carries
 :class:`turnscope.planner.profile.HeldOutErrors`: per mode the 10th and 90th percentiles of

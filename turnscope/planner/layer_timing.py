@@ -1,6 +1,6 @@
 """A cost profile whose prefill curve was measured: one decoder layer timed on the target GPU
 (``bench/layer_prefill.py``), fitted and scaled to the model, the rest of the profile kept from a
-published one (docs/planner.md, "Profiles: measured on a GPU").
+published one (docs/planner/profiles.md).
 
 From the timings t_i of one layer's prefill of x_i tokens from scratch::
 
@@ -131,7 +131,7 @@ class PublishedTTFT:
 #: A fit that misses a timed length by more than this is flagged (relative error).
 FIT_WARNING = 0.10
 #: A check against a published TTFT off by more than the planner's own bound is flagged
-#: (docs/planner.md, "Checked against recorded runs": 25%).
+#: (docs/planner/held-out.md: 25%).
 CHECK_WARNING = 0.25
 
 
@@ -281,7 +281,7 @@ def write_measured_profile(timing_path: Path, base_path: Path, out: Path, name: 
     why = " (the base's held-out errors were of its own curve)" if base.held_out else ""
     lines.append(f"  no held-out interval yet{why}: record runs on this deployment, then `turnscope plan-check "
                  f"--profile {out} --check-store STORE --write-profile FILE` stores this profile's own errors, the "
-                 "source of its 80% intervals (docs/planner.md, \"Held-out check\")")
+                 "source of its 80% intervals (docs/planner/held-out.md)")
     # the check and the warnings travel with the profile (the Plan page shows its fields, not this header)
     said = [line.strip() for line in lines if line.lstrip().startswith(("check:", "WARNING:"))]
     if said:

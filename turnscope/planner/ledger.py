@@ -28,7 +28,7 @@ the caller gives, the cost of the memory held per million saved prefill tokens. 
 strategies are forecasts only: upstream's OffloadingConnector is GPU-only (CUDA streams and
 kernels), so nothing here can measure it on the CPU default.
 
-Costs (docs/planner.md, "Ledger and recommendation"); only what a strategy holds out of other
+Costs (docs/planner/ledger.md); only what a strategy holds out of other
 requests' reach is priced: D's pinned KV (never evicted) and the host tier. P's GPU prefix cache is
 reported but not priced: vLLM evicts it whenever a running request needs the space::
 

@@ -8,8 +8,7 @@ block's hash to its parent's) and reuses the cached block, counting a reference
 handle refers to it. So pinned occupancy is the number of distinct blocks held.
 
 Token ids are unknown to the planner (traces give counts), so a block's identity is approximated
-from what :class:`loadgen.traces.agent_request.AgentRequest` records (docs/planner.md, "D's pinned
-KV"):
+from what :class:`loadgen.traces.agent_request.AgentRequest` records (docs/planner/simulation.md):
 
 * within a session, request k's handle shares with request k-1's its first
   ``m_k = min(shared_prefix_tokens_k, kv_k-1, kv_k) // block`` blocks (whole blocks of the prefix

@@ -1,5 +1,5 @@
 """Writes a plan (a FORECAST) to the store: tables plan_log, plan_requests, plan_speedups,
-plan_frontier, plan_sessions and plan_checks (docs/schema.md), under ``runs/<plan_id>/``; and a
+plan_frontier, plan_sessions and plan_checks (docs/schema/plans.md), under ``runs/<plan_id>/``; and a
 recommendation (``turnscope recommend --store``): plan_log, plan_ledger and plan_recommendations."""
 
 from __future__ import annotations

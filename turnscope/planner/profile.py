@@ -1,6 +1,6 @@
 """A cost profile: what prefill, KV transfer and KV space cost on one deployment, for the planner.
 
-A profile is a YAML file (``data/profiles/*.yaml``, format in docs/planner.md) or is fitted from a
+A profile is a YAML file (``data/profiles/*.yaml``, format in docs/planner/profiles.md) or is fitted from a
 recorded run's own turns (:mod:`turnscope.planner.fit`). Every figure carries its source; a figure
 that cannot be sourced is absent (``None``) and the planner says what it left out.
 
@@ -53,7 +53,7 @@ class Sourced(BaseModel):
 
 class HeldOutErrors(BaseModel):
     """How far the profile's forecasts were off on runs it was not fitted on (``turnscope
-    plan-check``, docs/planner.md "Held-out check"), the source of every forecast interval.
+    plan-check``, docs/planner/held-out.md), the source of every forecast interval.
 
     ``split``: what was fitted on and what was checked; ``runs``/``turns``: the checked runs and
     ok turns. Per mode: ``ttft_ratio`` = [10th, 90th] percentile of measured / forecast TTFT over
@@ -90,7 +90,7 @@ class CostProfile(BaseModel):
     * ``held_out``: the errors of this profile's forecasts on runs it was not fitted on
       (:class:`HeldOutErrors`; absent: no held-out check, so no forecast interval);
     * ``probe_ttft_s``: the speed probe's median TTFT on the machine the costs were fitted on
-      (docs/planner.md "Speed probe"; absent: forecasts are not scaled to a run's speed).
+      (docs/planner/calibration.md; absent: forecasts are not scaled to a run's speed).
     * ``host_kv_space_bytes``, ``host_read_bandwidth_bytes_per_s``, ``host_read_latency_s``: a
       host-memory KV tier of one prefill worker (vLLM's OffloadingConnector) and the link P reads
       it back over (absent: no host-tier forecast; :mod:`turnscope.planner.ledger`);
@@ -181,7 +181,7 @@ class CostProfile(BaseModel):
     def at_speed(self, factor: float, why: str) -> CostProfile:
         """This profile on a machine ``factor`` times slower (> 1) or faster (< 1): every b0 and the
         prefill curves c(x) (P's and the aggregated worker's) multiplied by ``factor``; pulls, KV
-        space, decode and render unchanged (docs/planner.md "Speed probe"). ``why`` joins each
+        space, decode and render unchanged (docs/planner/calibration.md). ``why`` joins each
         scaled figure's source."""
         def scaled(f: Sourced | None) -> Sourced | None:
             return None if f is None else Sourced(value=f.value * factor, source=f"{f.source}; x {factor:.4g} ({why})")

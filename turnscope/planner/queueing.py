@@ -5,8 +5,8 @@ Why: a vLLM engine schedules waiting requests FIFO (``vllm/v1/core/sched/schedul
 ``waiting`` queue under the default ``fcfs`` policy) and, on the embedded CPU default, one prefill
 fills a step (prompts of 1-4k tokens against ``max_num_batched_tokens``), so a request that arrives
 while another prompt is being computed waits for it. Decode steps of running requests are batched
-with the new prompt's tokens (continuous batching) and do not hold it back here (docs/planner.md,
-"Queueing", says what that leaves out).
+with the new prompt's tokens (continuous batching) and do not hold it back here
+(docs/planner/simulation.md says what that leaves out).
 
 The recursion is Lindley's (D. V. Lindley, "The theory of queues with a single server", 1952):
 ``start_i = max(arrival_i, start_{i-1} + service_{i-1})``, solved without a loop per worker as

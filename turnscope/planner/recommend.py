@@ -17,7 +17,7 @@ space, prefill workers, routing) is forecast with the ledger's model, and one is
 4. every knob (but the strategy) is then put back to its current value where that costs no held
    memory and no money and at most :data:`MIN_GAIN` of mean TTFT: a knob changed for TTFT alone
    must gain more than that. Replayed on real workers, a threshold of 0 forecast 2% faster was 9%
-   slower (docs/planner.md, "Checked by replay on real workers").
+   slower (docs/log/recommend.md).
 
 The recommendation is printed as the ``vllm serve`` flags and ``--kv-transfer-config`` JSON of each
 role (rendered by :func:`serving.workers.worker_command`, the command turnscope itself starts
@@ -411,7 +411,7 @@ def describe(r: Recommendation, profile: CostProfile, base: PlanSettings, limits
 
 def recommendation_row(r: Recommendation, profile: CostProfile, model: str, platform: str = "gpu",
                        topology=None) -> dict:
-    """The ``plan_recommendations`` row of ``r`` (docs/schema.md): both settings, their figures with
+    """The ``plan_recommendations`` row of ``r`` (docs/schema/plans.md): both settings, their figures with
     80% intervals (NaN: none), the speed-up, the knob effects, the flags and topology diffs."""
     from dataclasses import asdict
 

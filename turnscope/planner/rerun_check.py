@@ -7,7 +7,7 @@ next with everything the model has no term for (another process on the core, a c
 machine's minute); a second recording of the same sessions, turn for turn, is the best forecast of
 the first that no model of costs can beat on average. Its errors, in the held-out check's own
 figures (:func:`turnscope.planner.held_out.held_out_summary`), say how much of a model's miss is
-the machine's (docs/planner.md, "Held-out check of the shipped profile": repeatability).
+the machine's (docs/log/held-out.md: repeatability).
 
 Pairing: a checked run pairs with a forecast run of the same **recording set-up**
 (:func:`setup_key`: mode, history mode, workload, the workload's session shape, a capacity step's

@@ -3,8 +3,8 @@ serving mode, and what it would cost (a FORECAST: every figure comes from a cost
 
 Input: :class:`loadgen.traces.agent_request.AgentRequest` records (any traffic source), a
 :class:`turnscope.planner.profile.CostProfile` and :class:`PlanSettings`. The rules are the
-proxy's own (:mod:`turnscope.core.reuse_rules`; the model in docs/planner.md); what the simulation adds is
-time and space:
+proxy's own (:mod:`turnscope.core.reuse_rules`; the model in docs/planner/simulation.md); what the
+simulation adds is time and space:
 
 * a session's requests arrive at ``arrival_s`` (as recorded: open loop); a request finishes
   ``server_s`` later when the trace records it, else after the profile's ``pd-nocache`` TTFT plus

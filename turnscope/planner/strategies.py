@@ -6,7 +6,7 @@ A strategy's name is written here only (checked by ``tests/unit/test_names.py``)
 ``pd-bidir`` are named as the modes they are costed as (:mod:`turnscope.core.modes`). Adding a
 strategy is one :class:`Strategy` member and one :data:`LEDGER_STRATEGIES` entry here, plus how the
 ledger forecasts it (``turnscope.planner.ledger.forecast_strategy``) if the mode it is costed as and
-its host tier do not say (docs/design.md, "Adding a ledger strategy").
+its host tier do not say (docs/design.md).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 frontier of TTL and D's KV space, and the sessions whose pauses or edits defeat reuse.
 
 Inputs are :class:`turnscope.planner.simulate.Plan` objects; outputs are DataFrames whose columns
-are the store's ``plan_speedups``, ``plan_frontier`` and ``plan_sessions`` tables (docs/schema.md;
-what they mean: docs/planner.md, "Outputs").
+are the store's ``plan_speedups``, ``plan_frontier`` and ``plan_sessions`` tables (docs/schema/plans.md;
+what they mean: docs/planner/overview.md).
 """
 
 from __future__ import annotations

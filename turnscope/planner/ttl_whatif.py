@@ -1,5 +1,5 @@
 """Recorded runs' handles replayed at other ``decoder_kv_blocks_ttl`` values, with D's KV space as
-a limit: the Memory page's TTL what-if (docs/dashboard.md, "The pages": Memory).
+a limit: the Memory page's TTL what-if (docs/dashboard.md: Memory).
 
 The handle lifecycle is the planner's (:class:`turnscope.planner.pinned_kv.HandleLedger`: pinned
 when a turn ends, freed by the session's next turn or at D's TTL, lost when it does not fit
