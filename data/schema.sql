@@ -1,4 +1,4 @@
--- turnscope store contract (docs/schema.md).
+-- turnscope store contract (docs/schema/overview.md).
 --
 -- Writers (loadgen/) append Parquet shards under <store>/runs/<run_id>/<table>/*.parquet.
 -- The DuckDB file <store>/turnscope.duckdb holds only views over those shards, so readers
@@ -30,7 +30,7 @@ CREATE TABLE runs_log (
     heartbeat_s    DOUBLE         -- a running run's row is rewritten this often (NULL: never)
 );
 
--- The speed probe (turnscope/conductor/speed_probe.py, docs/planner.md "Speed probe"): the same fixed prefill
+-- The speed probe (turnscope/conductor/speed_probe.py, docs/planner/calibration.md): the same fixed prefill
 -- sent straight to the run's prefill (or aggregated) worker at the run's start and end.
 CREATE TABLE run_probes (
     run_id         VARCHAR NOT NULL,
@@ -136,7 +136,7 @@ CREATE TABLE engine_info (
     spec_decode_draft_tokens  DOUBLE     -- draft tokens per draft; NULL: unknown or no spec decoding
 );
 
--- Traffic reports (`turnscope traffic`, loadgen/traffic.py, docs/schema.md "Traffic"): traces read
+-- Traffic reports (`turnscope traffic`, loadgen/traffic.py, docs/schema/traffic.md): traces read
 -- without serving. One traffic_log row per report; its requests are one traffic_requests row each,
 -- stored under runs/<traffic_id>/.
 CREATE TABLE traffic_log (
@@ -166,7 +166,7 @@ CREATE TABLE traffic_requests (
     gap_estimated         BOOLEAN             -- the trace does not say when the previous request ended
 );
 
--- Planner forecasts (`turnscope plan`, docs/planner.md): one plan_log row per plan, its rows under
+-- Planner forecasts (`turnscope plan`, docs/planner/overview.md): one plan_log row per plan, its rows under
 -- runs/<plan_id>/. Every figure is a FORECAST made with the profile named in plan_log.
 CREATE TABLE plan_log (
     plan_id        VARCHAR NOT NULL,
