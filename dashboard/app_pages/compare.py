@@ -7,19 +7,11 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import (
-    cards,
-    compare_stats,
-    context,
-    db,
-    figures,
-    hit_rate,
-    html_reports,
-    queries,
-    tables,
-)
+from dashboard import cards, context, db, figures, html_reports, queries, tables
 from dashboard.figures import MODE_ORDER
 from dashboard.loader import load
+from dashboard.queries import hit_rate
+from turnscope.analysis import compare as compare_stats
 from turnscope.analysis import headline, speedup
 
 

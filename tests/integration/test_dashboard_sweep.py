@@ -12,9 +12,9 @@ import plotly.io as pio
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from dashboard import pages
+from dashboard import db, pages
+from dashboard.queries import run_report
 from dashboard.sweep_figures import IDEAL_NAME, LIMIT_NAME
-from loadgen import eval_report as report
 from tests import sweep_store as sx
 
 APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
@@ -202,8 +202,8 @@ def test_old_sweep_and_no_sweep(monkeypatch, root, tmp_path):
 
 
 def test_report_sweep_summary_reads_the_same_numbers(root):
-    df = report.sweep_summary(root, [sx.run_id(sx.SWEEP_ID, m, p) for m in sx.MODES for p in sx.PREFIXES]
-                              + ["plain-1"])
+    ids = [sx.run_id(sx.SWEEP_ID, m, p) for m in sx.MODES for p in sx.PREFIXES] + ["plain-1"]
+    df = db.read(db.StoreLocation(root), run_report.sweep_summary, ids)
     assert len(df) == 10  # the plain run is not a sweep point
     r = df.set_index(["prefix_tokens", "mode"]).loc[(1000, "pd-nocache")]
     assert r["turns"] == 9 and r["ttft_mean_s"] == pytest.approx(mean(ttfts("pd-nocache", 1000)))

@@ -19,7 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadgen import eval_report
+from dashboard import db
+from dashboard.queries import run_report
 from loadgen.session import plan_from_conversation
 from loadgen.session_player import run_session
 from loadgen.traces.taubench import Conversation
@@ -201,7 +202,7 @@ def test_session_stops_before_a_prompt_over_the_limit(store):
     # the hand conversation has 3 user/tool turns; the third was not sent
     assert s == {"turns": 2, "status": "ok", "planned_turns": 3, "stop_reason": "max_prompt_tokens"}
     # what `turnscope eval` prints for the run: one session stopped early, one planned turn not sent
-    cut = eval_report.stopped_early(store.root, ["r1"]).to_dict("records")
+    cut = db.read(db.StoreLocation(store.root), run_report.stopped_early, ["r1"]).to_dict("records")
     assert cut == [{"run_id": "r1", "stop_reason": "max_prompt_tokens", "sessions": 1, "turns_not_sent": 1}]
 
 

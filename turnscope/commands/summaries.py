@@ -6,9 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import duckdb
+import pandas as pd
 from rich.table import Table
 
-from loadgen import eval_report as report
+from dashboard import db, queries
+from dashboard.queries import run_report
 from turnscope.analysis import pd_check
 from turnscope.commands.app import (
     console,
@@ -21,14 +23,16 @@ def print_summary(store: Path, run_ids: list[str]) -> None:
     """Print TTFT p50/p90 by turn index, reuse outcomes, P's external KV tokens and the sessions
     that stopped before their last planned turn (e.g. at ``max_prompt_tokens``) per run, then
     the bottom line; every line fits the console's width (80 in a log file) without cutting a name."""
-    ttft = report.ttft_by_turn(store, run_ids)
-    outs = report.outcomes(store, run_ids)
-    ext = report.external_kv_tokens(store, run_ids).set_index("run_id")["external_kv_tokens"].to_dict()
-    stopped = report.stopped_early(store, run_ids)
+    location = db.StoreLocation(store)
+    # per run, with the Overview's own queries (one run each: its groups are that run's)
+    ttft = pd.concat([db.read(location, queries.ttft_by_turn, [run_id]).assign(run_id=run_id)
+                      for run_id in run_ids], ignore_index=True)
+    pulled = db.read(location, queries.external_kv_tokens, run_ids)
+    ext = pulled.groupby("run_id")["tokens"].max().to_dict()  # cumulative per run: its last value
+    outs = db.read(location, run_report.outcomes, run_ids)
+    stopped = db.read(location, run_report.stopped_early, run_ids)
     pd_failed = pd_check.pd_check_failures(store, run_ids)
-    from dashboard import db, queries
-
-    runs = db.read(db.StoreLocation(store), queries.runs).set_index("run_id")
+    runs = db.read(location, queries.runs).set_index("run_id")
     for run_id in run_ids:
         rows = ttft[ttft.run_id == run_id]
         what = (f": {runs.at[run_id, 'mode']}, history {runs.at[run_id, 'history_mode']}"
@@ -117,7 +121,7 @@ def roll_up_quietly(store: Path) -> None:
 def print_sweep_summary(store: Path, run_ids: list[str]) -> None:
     """Print mean / p90 TTFT (ms) per point and mode, with hits and P's external_kv_transfer tokens:
     one row per (prefix, mode), so the table fits 80 columns whatever the number of modes."""
-    df = report.sweep_summary(store, run_ids)
+    df = db.read(db.StoreLocation(store), run_report.sweep_summary, run_ids)
     for history, g in df.groupby("history_mode", sort=True):
         console_text.print_text(console, f"Sweep, history {history}: TTFT mean / p90 (ms) by prefix tokens; hits of "
                                          "later turns; P's external_kv_transfer tokens")
