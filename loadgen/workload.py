@@ -93,7 +93,7 @@ from pydantic import (
 
 from loadgen.session import SessionPlan, TurnPlan
 from loadgen.synth_text import TextSynth, seed_ints
-from loadgen.traces.formats import REPLAY_FORMATS, resolve, trace_format
+from loadgen.traces.formats import EMPIRICAL_TRACES, REPLAY_FORMATS, resolve, trace_format
 from loadgen.traces.replay import reference_reply, seeded_rng
 from turnscope.core import resources, yaml_file
 
@@ -186,39 +186,16 @@ class Exponential(_Dist):
 
 
 #: Fields an empirical distribution can resample from the shipped traces.
-EMPIRICAL_FIELDS = {
-    "mooncake": ("input_length", "output_length", "gap_s", "turns", "new_tokens"),
-    "azure": ("context_tokens", "generated_tokens", "interarrival_s"),
-}
+EMPIRICAL_FIELDS: dict[str, tuple[str, ...]] = {f: trace_format(f).empirical_fields for f in EMPIRICAL_TRACES}
 
 
 @lru_cache(maxsize=16)
 def empirical_values(trace: str, field: str) -> tuple[float, ...]:
-    """The values of ``field`` in the shipped ``trace`` (see :data:`EMPIRICAL_FIELDS`).
-
-    mooncake: per request ``input_length``/``output_length`` (tokens); per inferred link ``gap_s``
-    (parent -> child arrival, seconds) and ``new_tokens`` (child input - parent input - parent
-    output); per inferred session ``turns``. azure: per row ``context_tokens``/``generated_tokens``;
-    ``interarrival_s`` between consecutive rows.
+    """The values of ``field`` in the shipped ``trace`` (see :data:`EMPIRICAL_FIELDS`), read by the
+    format's own ``empirical`` function (``loadgen.traces.formats``; e.g.
+    :func:`loadgen.traces.mooncake.empirical_values`, :func:`loadgen.traces.azure.empirical_values`).
     """
-    if trace == "mooncake":
-        from loadgen.traces.mooncake import infer_sessions, load_mooncake
-
-        reqs = load_mooncake()
-        if field in ("input_length", "output_length"):
-            return tuple(float(getattr(r, field)) for r in reqs)
-        sessions, _, rep = infer_sessions(reqs)
-        if field == "gap_s":
-            return tuple(rep.gaps_s.tolist())
-        if field == "new_tokens":
-            return tuple(float(x) for x in rep.new_tokens)
-        return tuple(float(len(s.requests)) for s in sessions)
-    from loadgen.traces.azure import load_azure
-
-    rows = load_azure()
-    if field == "interarrival_s":
-        return tuple(float(x) for x in np.diff([r.arrival_s for r in rows]))
-    return tuple(float(getattr(r, field)) for r in rows)
+    return tuple(resolve(trace_format(trace).empirical)(field))
 
 
 class Empirical(_Dist):
@@ -227,7 +204,7 @@ class Empirical(_Dist):
 
     kind: Literal["empirical"]
     values: list[float] | None = None
-    trace: Literal["mooncake", "azure"] | None = None
+    trace: Literal[EMPIRICAL_TRACES] | None = None
     field: str | None = None
     scale: float = Field(default=1.0, gt=0)
 
@@ -369,8 +346,8 @@ class TraceSource(_Model):
 
     @model_validator(mode="after")
     def _path_needed(self) -> TraceSource:
-        if self.format == "vllm_multiturn" and not self.path:
-            raise ValueError("'path' is required for format vllm_multiturn (no such file is shipped)")
+        if not trace_format(self.format).shipped and not self.path:
+            raise ValueError(f"'path' is required for format {self.format} (no such file is shipped)")
         return self
 
 

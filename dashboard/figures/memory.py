@@ -11,6 +11,8 @@ from plotly.subplots import make_subplots
 from dashboard.figures.common import empty_figure, log_ticks, run_colors
 from dashboard.palette import ALARM, NEUTRAL_DARK, mode_color
 from dashboard.queries import hit_rate
+from turnscope.core.contract import Role
+from turnscope.core.modes import PD_BIDIR
 
 
 def _run_names(df: pd.DataFrame) -> pd.Series:
@@ -19,7 +21,7 @@ def _run_names(df: pd.DataFrame) -> pd.Series:
     return name + " · " + df["mode"].astype(str)
 
 
-ROLE_DASHES = {"decode": "solid", "prefill": "dash", "aggregated": "dot"}
+ROLE_DASHES = {Role.DECODE: "solid", Role.PREFILL: "dash", Role.AGGREGATED: "dot"}
 
 
 def _hit_rate_title(hits: pd.DataFrame) -> str:
@@ -104,7 +106,7 @@ def whatif_totals(df: pd.DataFrame) -> pd.DataFrame:
     (modes are never pooled, ``dashboard.queries.hit_rate``): mode, ttl_s, later_turns, hits, lost_hits,
     held_gib_s (sums over the mode's runs), runs, runs_over (runs whose held KV would exceed their D's
     space at that TTL: demand_peak_bytes > capacity_bytes). Rows without a mode count as ``pd-bidir``."""
-    d = df if "mode" in df else df.assign(mode="pd-bidir")
+    d = df if "mode" in df else df.assign(mode=PD_BIDIR)
     over = (d["demand_peak_bytes"] > d["capacity_bytes"]).astype(int)
     return (d.assign(runs_over=over, runs=1)
             .groupby(["mode", "ttl_s"], as_index=False)[["later_turns", "hits", "lost_hits", "held_gib_s", "runs",
@@ -149,7 +151,7 @@ def whatif_ttl(df: pd.DataFrame, current_ttls_s: list[float] | None = None) -> g
                       row=2, col=1)
     runs = df.drop_duplicates("run_id").assign(run_label=lambda d: d["run_label"].fillna(d["run_id"]))
     if "mode" not in runs:
-        runs = runs.assign(mode="pd-bidir")
+        runs = runs.assign(mode=PD_BIDIR)
     colors = run_colors(runs.set_index("run_id")["mode"])
     names = runs.assign(name=_run_names(runs)).set_index("run_id")["name"]
     for run_id, g in df.groupby("run_id", sort=True):

@@ -21,6 +21,7 @@ from dashboard.queries.common import (
 )
 from turnscope.analysis.worker_cache import cache_config
 from turnscope.core import reuse_rules as rules
+from turnscope.core.contract import Role
 from turnscope.planner.ttl_whatif import (
     RESULT_COLUMNS,
     TURN_COLUMNS,
@@ -372,7 +373,7 @@ def decode_kv_space(con: duckdb.DuckDBPyConnection, run_ids: Sequence[str]) -> p
     summed over those workers). Runs without the gauge on D are absent."""
     cc = cache_config(con, run_ids)
     rows = []
-    for run_id, g in cc[cc["role"] == "decode"].groupby("run_id", sort=True):
+    for run_id, g in cc[cc["role"] == Role.DECODE].groupby("run_id", sort=True):
         sizes = [(_int_label(lab, "block_size"), _int_label(lab, "num_gpu_blocks")) for lab in g["labels"]]
         sizes = [(b, n) for b, n in sizes if b and n]
         if sizes:

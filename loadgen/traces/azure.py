@@ -18,6 +18,8 @@ import datetime as dt
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from loadgen.session import SessionPlan, TurnPlan
 from loadgen.synth_text import TextSynth
 from loadgen.traces.errors import TraceFormatError
@@ -123,3 +125,13 @@ def plan_azure(src: ReplaySource, si: int, w: ReplayWorkload, synth: TextSynth, 
         start = (r.arrival_s - src.start_s) * time_scale if src.replay_timestamps else None
         plans.append(SessionPlan(sid, f"azure:r{r.index}", [turn], archetype=name, start_at_s=start))
     return plans
+
+
+def empirical_values(field: str) -> tuple[float, ...]:
+    """The values of ``field`` in the shipped trace, for a workload's ``kind: empirical`` distribution
+    (``loadgen.workload.empirical_values``): per row ``context_tokens``/``generated_tokens``;
+    ``interarrival_s`` between consecutive rows."""
+    rows = load_azure()
+    if field == "interarrival_s":
+        return tuple(float(x) for x in np.diff([r.arrival_s for r in rows]))
+    return tuple(float(getattr(r, field)) for r in rows)

@@ -123,7 +123,10 @@ def resolve(ref: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module), name)
 
 
-register(TraceFormat("run", detect=lambda s: s.is_dir and (s.path / "turnscope.duckdb").exists(),
+#: The format of a turnscope store's recorded runs (a directory holding ``turnscope.duckdb``).
+RECORDED_RUNS = "run"
+
+register(TraceFormat(RECORDED_RUNS, detect=lambda s: s.is_dir and (s.path / "turnscope.duckdb").exists(),
                      requests="loadgen.traces.recorded_runs:iter_recorded_runs"))
 register(TraceFormat("azure", detect=lambda s: not s.is_dir and s.suffix == ".csv",
                      requests="loadgen.traces.agent_sources:azure_requests",
@@ -154,6 +157,8 @@ REQUEST_FORMATS: tuple[str, ...] = tuple(f.name for f in _FORMATS.values() if f.
 REPLAY_FORMATS: tuple[str, ...] = tuple(f.name for f in _FORMATS.values() if f.replay)
 #: Formats whose shipped copy a workload's ``kind: empirical`` distribution can resample (``trace:``).
 EMPIRICAL_TRACES: tuple[str, ...] = tuple(f.name for f in _FORMATS.values() if f.empirical)
+#: Every registered format, in registration order.
+FORMATS: tuple[str, ...] = tuple(_FORMATS)
 
 
 def trace_format(name: str) -> TraceFormat:

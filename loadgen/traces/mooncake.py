@@ -334,3 +334,19 @@ def plan_mooncake(src: ReplaySource, si: int, w: ReplayWorkload, synth: TextSynt
         start = (t0 - src.start_s) * time_scale if src.replay_timestamps else None
         plans.append(SessionPlan(sid, f"mooncake:r{rs[0].index}", turns, archetype=name, start_at_s=start))
     return plans
+
+
+def empirical_values(field: str) -> tuple[float, ...]:
+    """The values of ``field`` in the shipped trace, for a workload's ``kind: empirical`` distribution
+    (``loadgen.workload.empirical_values``): per request ``input_length``/``output_length`` (tokens);
+    per inferred link ``gap_s`` (parent -> child arrival, seconds) and ``new_tokens`` (child input -
+    parent input - parent output); per inferred session ``turns``."""
+    reqs = load_mooncake()
+    if field in ("input_length", "output_length"):
+        return tuple(float(getattr(r, field)) for r in reqs)
+    sessions, _, rep = infer_sessions(reqs)
+    if field == "gap_s":
+        return tuple(rep.gaps_s.tolist())
+    if field == "new_tokens":
+        return tuple(float(x) for x in rep.new_tokens)
+    return tuple(float(len(s.requests)) for s in sessions)

@@ -26,10 +26,10 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from turnscope.core.modes import one_way
+from turnscope.core.modes import PD_BIDIR, one_way
 
 #: The ramp's treatment (D holds KV between turns) and its one-way baseline, P's prefix cache on in both.
-TREATMENT = "pd-bidir"
+TREATMENT = PD_BIDIR
 BASELINE = one_way(TREATMENT)
 #: Relative margin a step must exceed to count as a crossing (0.05: 5%).
 DEFAULT_TOLERANCE = 0.05

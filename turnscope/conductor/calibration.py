@@ -47,6 +47,7 @@ from turnscope.conductor import console_text, speed_probe
 from turnscope.conductor.calibration_schedule import CalPoint, Send, default_lengths, points, schedule
 from turnscope.conductor.evaluation import HEARTBEAT_S, _versions, default_log_dir, warm_up
 from turnscope.core import resources
+from turnscope.core.contract import WORKER_ROLES
 from turnscope.core.modes import AGGREGATED, PD_BIDIR_NOCACHE, PD_NOCACHE, serving_mode
 from turnscope.core.store import Store, connect_read_only
 from turnscope.planner.fit import fit_profile
@@ -106,8 +107,8 @@ def mode_topology(topology: Topology, index: int) -> Topology:
                                      "side_channel_port": e.side_channel_port + shift if e.side_channel_port else None})
                 for e in entries]
 
-    return topology.model_copy(update={
-        "prefill": moved(topology.prefill), "decode": moved(topology.decode), "aggregated": moved(topology.aggregated),
+    return topology.model_copy(update={  # its fields: a list of workers per role, and the proxy
+        **{role: moved(getattr(topology, role)) for role in WORKER_ROLES},
         "proxy": topology.proxy.model_copy(update={"port": topology.proxy.port + shift})})
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from loadgen.traces.formats import detect_format, iter_agent_requests
+from loadgen.traces.formats import RECORDED_RUNS, detect_format, iter_agent_requests
 from serving.kv_size import kv_bytes_per_token_of_config, read_config
 from turnscope.analysis import speedup
 from turnscope.analysis.plan_check import (
@@ -37,7 +37,7 @@ def read_traffic(paths: Sequence[Path], format: str | None, run_ids: Sequence[st
     for path in paths:
         fmt = format or detect_format(path)
         inputs.append({"path": str(path), "format": fmt})
-        if fmt == "run" and run_ids:
+        if fmt == RECORDED_RUNS and run_ids:
             reqs.extend(iter_recorded_runs(path, run_ids))
         else:
             reqs.extend(iter_agent_requests(path, fmt))
@@ -175,7 +175,7 @@ def run_plan(paths: Sequence[Path], *, profile_path: Path | None, fit_runs: Sequ
     settings = PlanSettings(decoder_kv_blocks_ttl_s=ttl_s, handle_ttl_margin_s=margin_s,
                             kv_recompute_threshold=threshold, prefill_workers=prefill_workers,
                             decode_workers=decode_workers, routing=routing, shared_prefix_tokens=shared_prefix_tokens,
-                            queue_prefills=queue, queue_decode=queue, separate_sources=all(i["format"] == "run" for i in inputs))
+                            queue_prefills=queue, queue_decode=queue, separate_sources=all(i["format"] == RECORDED_RUNS for i in inputs))
     p = plan(traffic, prof, settings)
     sp = summary.speedups(p)
     fr = pd.concat([summary.frontier(traffic, prof, settings, mode).assign(mode=mode) for mode in BIDIR_MODES],

@@ -9,15 +9,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from loadgen.traces.formats import RECORDED_RUNS
 from turnscope.core.store import Store
 from turnscope.planner.cli_plan import read_traffic
 from turnscope.planner.fit import runs_shared_prefix_tokens
-from turnscope.planner.ledger import STRATEGIES, Prices, describe_ledger, ledger
+from turnscope.planner.ledger import Prices, describe_ledger, ledger
 from turnscope.planner.plan_store import new_plan_id, write_recommendation
 from turnscope.planner.profile import GiB, Sourced, load_profile
 from turnscope.planner.recommend import Grid, Limits, Setting, describe, recommend, recommendation_row
 from turnscope.planner.recommend_topology import read_base
 from turnscope.planner.simulate import PlanSettings
+from turnscope.planner.strategies import STRATEGIES
 
 
 def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | None, current: Setting,
@@ -47,7 +49,7 @@ def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | No
     topology = read_base(topology_path) if topology_path is not None else None
     traffic, inputs = read_traffic(paths, format, run_ids)
     if shared_prefix_tokens is None:   # as `turnscope plan` takes it: from recorded runs, P's first-turn hits
-        stores = [Store(Path(i["path"])) for i in inputs if i["format"] == "run"]
+        stores = [Store(Path(i["path"])) for i in inputs if i["format"] == RECORDED_RUNS]
         shared_prefix_tokens = runs_shared_prefix_tokens(stores[0], run_ids) if len(stores) == 1 else 0
     prices = Prices(gpu_hour_usd, host_gib_hour_usd)
     limits = Limits(ttft_slo_s, None if d_kv_gib is None else d_kv_gib * GiB, prices, max_prefill_workers)
