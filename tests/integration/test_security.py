@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dashboard import sqlconsole
+from serving.api_keys import SecretRef
 from serving.proxy import ProxyConfig, Worker
 from serving.stack import ModeStack
 from serving.topology import RoleSettings, embedded_topology, load_topology
@@ -77,20 +78,27 @@ def stop(proc: subprocess.Popen) -> None:
 # ------------------------------------------------------------------------------------ listeners
 
 
-def test_proxy_binds_loopback_by_default_and_warns_otherwise(tmp_path):
-    cfg = tmp_path / "proxy.json"
-    cfg.write_text(ProxyConfig(mode="pd", prefill=[Worker(name="p", url="http://127.0.0.1:9")],
-                               decode=[Worker(name="d", url="http://127.0.0.1:9")]).model_dump_json())
-    for host, addrs, warned in ((None, {"127.0.0.1"}, False), ("127.0.0.2", {"127.0.0.2"}, True)):
+def test_proxy_binds_loopback_by_default_and_warns_otherwise(tmp_path, monkeypatch):
+    """Beyond the loopback the proxy warns that it demands no key, unless its api_key is set."""
+    monkeypatch.setenv("TS_TEST_PROXY_KEY", "k-1234")
+    plain = ProxyConfig(mode="pd", prefill=[Worker(name="p", url="http://127.0.0.1:9")],
+                        decode=[Worker(name="d", url="http://127.0.0.1:9")])
+    keyed = plain.model_copy(update={"api_key": SecretRef(env="TS_TEST_PROXY_KEY")})
+    for name, config, host, addrs, warned in (("plain", plain, None, {"127.0.0.1"}, False),
+                                              ("plain", plain, "127.0.0.2", {"127.0.0.2"}, True),
+                                              ("keyed", keyed, "127.0.0.2", {"127.0.0.2"}, False)):
+        cfg = tmp_path / f"proxy-{name}.json"
+        cfg.write_text(config.model_dump_json())
         port = free_port()
         argv = [sys.executable, "-m", "serving.proxy_server", str(cfg), "--port", str(port)]
-        log = tmp_path / f"proxy-{host}.log"
+        log = tmp_path / f"proxy-{name}-{host}.log"
         proc = spawn(argv + (["--host", host] if host else []), log)
         try:
             assert listening(proc.pid, port) == addrs
         finally:
             stop(proc)
-        assert ("has no authentication" in log.read_text()) is warned, log.read_text()
+        assert ("with no api_key: anyone who reaches the proxy can use the workers" in log.read_text()) is warned, \
+            log.read_text()
 
 
 def test_locust_web_ui_and_master_bind_loopback_by_default_and_warn_otherwise(tmp_path):
