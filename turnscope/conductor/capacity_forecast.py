@@ -31,8 +31,9 @@ from turnscope.analysis.capacity_crossing import TREATMENT, Crossing, find_cross
 from turnscope.core.store import Store
 from turnscope.planner import intervals
 from turnscope.planner.check import plan_on_its_own
-from turnscope.planner.fit import probe_ttft_s, recorded_shared_prefix_tokens, recorded_turns
+from turnscope.planner.fit import recorded_shared_prefix_tokens
 from turnscope.planner.profile import CostProfile
+from turnscope.planner.run_queries import probe_ttft_s, recorded_turns
 
 #: Columns of :func:`forecast_steps` (``turnscope.analysis.capacity_crossing.step_pairs`` reads the first five;
 #: ``goodput_per_s`` is the same constant on every row: not forecast, see the module doc).

@@ -20,12 +20,11 @@ from turnscope.planner.fit import (  # noqa: F401 (run_settings re-exported)
     on_run_kv_space,
     on_run_speed,
     plan_recorded_run,
-    probe_ttft_s,
     recorded_shared_prefix_tokens,
-    recorded_turns,
     run_settings,
 )
 from turnscope.planner.profile import MODES, CostProfile
+from turnscope.planner.run_queries import probe_ttft_s, recorded_turns
 from turnscope.planner.simulate import ModePlan, Traffic
 
 #: The TTFT check's bound: median absolute relative error per mode.

@@ -46,34 +46,12 @@ from turnscope.core.store import Store
 from turnscope.planner.fit_residuals import Residuals, residuals_of
 from turnscope.planner.profile import MODES, CostProfile, Sourced
 from turnscope.planner.queueing import fifo_waits
+from turnscope.planner.run_queries import probe_ttft_s, recorded_turns, run_config_row
 from turnscope.planner.simulate import RENDERS, TOOK_HANDLE, ModePlan, PlanSettings, Traffic, plan
 
 
 class FitError(ValueError):
     """The recorded runs do not hold what a fitted profile needs; the message says what."""
-
-
-#: One row per turn; ``local_tokens`` is NULL where the run did not record the worker's own
-#: prefix-cache hit (aggregated serving without ``usage.prompt_tokens_details``).
-TURNS_SQL = """
-SELECT t.run_id, r.mode, r.history_mode, t.session_id, t.turn_index, t.sent_at, t.status, t.ttft_s, t.e2e_s, t.tpot_s, t.prompt_tokens,
-       t.completion_tokens, t.reuse, coalesce(t.reused_tokens, 0) AS reused_tokens,
-       CASE WHEN t.reuse IS NOT NULL THEN coalesce(t.prefill_cached_tokens, 0) ELSE t.cached_tokens
-            END AS local_tokens,
-       t.expected_reusable_tokens
-FROM turns t JOIN runs r USING (run_id)
-WHERE t.run_id IN ({ids})
-ORDER BY t.run_id, t.session_id, t.turn_index
-"""
-
-
-def recorded_turns(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
-    """The turns of ``run_ids`` with their run's mode (columns of :data:`TURNS_SQL`)."""
-    con = store.connect()
-    try:
-        return con.execute(TURNS_SQL.format(ids=", ".join("?" for _ in run_ids)), list(run_ids)).df()
-    finally:
-        con.close()
 
 
 def topology_settings(topology: dict | None) -> dict:
@@ -100,14 +78,7 @@ def run_settings(store: Store, run_id: str) -> PlanSettings:
     recompute threshold from ``runs.config.connector.kv_recompute_threshold``, vLLM's 64 when
     absent; ``rendered_prompts`` for a ``text`` history: chat messages the workers render; its
     workers and P's shared compute from ``runs.topology``, :func:`topology_settings`)."""
-    con = store.connect()
-    try:
-        ttl, margin, routing, thr, history, topology = con.execute(
-            "SELECT c.decoder_kv_blocks_ttl_s, c.handle_ttl_margin_s, c.prefill_routing, coalesce(TRY_CAST("
-            "json_extract_string(r.config, '$.connector.kv_recompute_threshold') AS INTEGER), 64), r.history_mode, "
-            "r.topology FROM run_config c JOIN runs r USING (run_id) WHERE run_id = ?", [run_id]).fetchone()
-    finally:
-        con.close()
+    ttl, margin, routing, thr, history, topology = run_config_row(store, run_id)
     topo = json.loads(topology) if isinstance(topology, str) else topology
     planned = {"routing": routing} if routing in (ROUND_ROBIN, SESSION) else {}
     return PlanSettings(decoder_kv_blocks_ttl_s=ttl, handle_ttl_margin_s=margin, kv_recompute_threshold=thr,
@@ -145,19 +116,6 @@ def plan_recorded_run(store: Store, run_id: str, mode: str, profile: CostProfile
     settings = run_settings(store, run_id).model_copy(
         update={"modes": (mode,), "shared_prefix_tokens": shared_prefix_tokens})
     return tr, plan(tr, profile, settings).modes[mode]
-
-
-def probe_ttft_s(store: Store, run_ids: Sequence[str]) -> dict[str, float]:
-    """Run id -> the median TTFT of its ok speed probes (``run_probes``, :mod:`turnscope.conductor.speed_probe`),
-    seconds; runs without one are absent."""
-    con = store.connect()
-    try:
-        rows = con.execute(f"SELECT run_id, median(ttft_s) FROM run_probes WHERE status = 'ok' AND ttft_s > 0 "
-                           f"AND run_id IN ({', '.join('?' for _ in run_ids)}) GROUP BY run_id",
-                           list(run_ids)).fetchall()
-    finally:
-        con.close()
-    return {r: float(t) for r, t in rows}
 
 
 def run_speed_factors(probes: dict[str, float]) -> dict[str, float]:
@@ -401,7 +359,7 @@ def fit_costs(turns: pd.DataFrame, prof: CostProfile, queue: bool = True,
     sent as token ids renders nothing, which is what separates the render from b0 and c; over text
     turns alone b0 absorbs it (None).
 
-    ``turns``: :data:`TURNS_SQL`'s columns with ``local_tokens`` filled and ``local_known``
+    ``turns``: :data:`turnscope.planner.run_queries.TURNS_SQL`'s columns with ``local_tokens`` filled and ``local_known``
     (:func:`_with_forecast_local`); ``prof`` gives the pull cost. Residuals are relative to the
     measured TTFT (the check's error), with scipy's robust ``soft_l1`` loss so that a few turns
     slowed by a busy machine do not drag the fit; every coefficient >= 0 (a cost). Turns whose

@@ -32,9 +32,10 @@ from turnscope.core.contract import HIT
 from turnscope.core.modes import BIDIRECTIONAL_MODES
 from turnscope.core.store import Store
 from turnscope.planner.check import check_runs
-from turnscope.planner.fit import fit_profile, recorded_turns
+from turnscope.planner.fit import fit_profile
 from turnscope.planner.profile import MODES, CostProfile, HeldOutErrors
 from turnscope.planner.rerun_check import RerunChecks, pair_runs, rerun_checks, run_setups
+from turnscope.planner.run_queries import recorded_turns, runs_of
 
 #: Targets on runs recorded at another time than the fit: TTFT MARE, the per-turn error's p90, the p90
 #: TTFT's error (absolute), hit-rate error (pp).
@@ -62,17 +63,6 @@ class Split:
                "turn for turn (repeatability)" if self.rerun else
                f"fitted on {len(self.fit_runs)} runs of store {self.fit_store} ({', '.join(self.fit_runs)})")
         return f"{fit}; checked on {len(self.check_runs)} runs of store {self.check_store} ({', '.join(self.check_runs)})"
-
-
-def runs_of(store: Store) -> list[str]:
-    """The store's runs in a planned mode (``runs.mode`` in :data:`MODES`), oldest first."""
-    con = store.connect(read_only=True)
-    try:
-        rows = con.execute(f"SELECT run_id FROM runs WHERE mode IN ({', '.join('?' for _ in MODES)}) "
-                           "ORDER BY started_at, run_id", list(MODES)).fetchall()
-    finally:
-        con.close()
-    return [r[0] for r in rows]
 
 
 def held_out_summary(checks: pd.DataFrame) -> pd.DataFrame:

@@ -29,6 +29,7 @@ import pandas as pd
 
 from turnscope.core.store import Store
 from turnscope.planner.fit import topology_settings
+from turnscope.planner.run_queries import run_rows
 
 #: The fields of ``runs.workload_spec`` that shape a workload's sessions (not its schedule, file
 #: path or ramp id).
@@ -57,14 +58,7 @@ def _json(value) -> dict | None:
 def run_setups(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
     """``run_id``, ``setup`` (:func:`setup_key`) and ``first_sent`` (its first turn, or its start) of
     each of ``run_ids``. Raises ValueError naming the ids the store does not have."""
-    con = store.connect()
-    try:
-        rows = con.execute(
-            f"SELECT r.run_id, r.mode, r.history_mode, r.workload, r.workload_spec, r.topology, "
-            f"coalesce((SELECT min(t.sent_at) FROM turns t WHERE t.run_id = r.run_id), r.started_at) AS first_sent "
-            f"FROM runs r WHERE r.run_id IN ({', '.join('?' for _ in run_ids)})", list(run_ids)).df()
-    finally:
-        con.close()
+    rows = run_rows(store, run_ids)
     unknown = [r for r in run_ids if r not in set(rows["run_id"])]
     if unknown:
         raise ValueError(f"store {store.root} has no run {', '.join(unknown)}")
@@ -113,7 +107,7 @@ class RerunChecks:
 
 def rerun_checks(forecast_turns: pd.DataFrame, checked_turns: pd.DataFrame, pairs: pd.DataFrame) -> RerunChecks:
     """The turns of ``checked_turns`` with those of ``forecast_turns`` as their forecast (both frames
-    of :func:`turnscope.planner.fit.recorded_turns`), the runs paired as ``pairs`` says
+    of :func:`turnscope.planner.run_queries.recorded_turns`), the runs paired as ``pairs`` says
     (:func:`pair_runs`) and the turns by session id and turn index.
 
     ``checks`` has the columns :func:`turnscope.planner.held_out.held_out_summary` reads

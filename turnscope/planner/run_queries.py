@@ -1,0 +1,92 @@
+"""What the planner reads of recorded runs in the store: every query of the planner's, in one module
+(the turns to fit on and check against, a run's settings, its speed probes, the runs a check
+takes, a run's recording set-up). Each opens a read-only connection of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pandas as pd
+
+from turnscope.core.store import Store
+from turnscope.planner.profile import MODES
+
+
+def _marks(values: Sequence) -> str:
+    """``?, ?, ...``: one bound parameter per value."""
+    return ", ".join("?" for _ in values)
+
+
+#: One row per turn; ``local_tokens`` is NULL where the run did not record the worker's own
+#: prefix-cache hit (aggregated serving without ``usage.prompt_tokens_details``).
+TURNS_SQL = """
+SELECT t.run_id, r.mode, r.history_mode, t.session_id, t.turn_index, t.sent_at, t.status, t.ttft_s, t.e2e_s, t.tpot_s, t.prompt_tokens,
+       t.completion_tokens, t.reuse, coalesce(t.reused_tokens, 0) AS reused_tokens,
+       CASE WHEN t.reuse IS NOT NULL THEN coalesce(t.prefill_cached_tokens, 0) ELSE t.cached_tokens
+            END AS local_tokens,
+       t.expected_reusable_tokens
+FROM turns t JOIN runs r USING (run_id)
+WHERE t.run_id IN ({ids})
+ORDER BY t.run_id, t.session_id, t.turn_index
+"""
+
+
+def recorded_turns(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
+    """The turns of ``run_ids`` with their run's mode (columns of :data:`TURNS_SQL`)."""
+    con = store.connect()
+    try:
+        return con.execute(TURNS_SQL.format(ids=_marks(run_ids)), list(run_ids)).df()
+    finally:
+        con.close()
+
+
+def run_config_row(store: Store, run_id: str) -> tuple:
+    """``(decoder_kv_blocks_ttl_s, handle_ttl_margin_s, prefill_routing, kv_recompute_threshold,
+    history_mode, topology)`` of ``run_id`` (views ``run_config`` and ``runs``; the threshold from
+    ``runs.config.connector.kv_recompute_threshold``, vLLM's 64 when absent)."""
+    con = store.connect()
+    try:
+        return con.execute(
+            "SELECT c.decoder_kv_blocks_ttl_s, c.handle_ttl_margin_s, c.prefill_routing, coalesce(TRY_CAST("
+            "json_extract_string(r.config, '$.connector.kv_recompute_threshold') AS INTEGER), 64), r.history_mode, "
+            "r.topology FROM run_config c JOIN runs r USING (run_id) WHERE run_id = ?", [run_id]).fetchone()
+    finally:
+        con.close()
+
+
+def probe_ttft_s(store: Store, run_ids: Sequence[str]) -> dict[str, float]:
+    """Run id -> the median TTFT of its ok speed probes (``run_probes``, :mod:`turnscope.conductor.speed_probe`),
+    seconds; runs without one are absent."""
+    con = store.connect()
+    try:
+        rows = con.execute(f"SELECT run_id, median(ttft_s) FROM run_probes WHERE status = 'ok' AND ttft_s > 0 "
+                           f"AND run_id IN ({_marks(run_ids)}) GROUP BY run_id",
+                           list(run_ids)).fetchall()
+    finally:
+        con.close()
+    return {r: float(t) for r, t in rows}
+
+
+def runs_of(store: Store) -> list[str]:
+    """The store's runs in a planned mode (``runs.mode`` in :data:`MODES`), oldest first."""
+    con = store.connect(read_only=True)
+    try:
+        rows = con.execute(f"SELECT run_id FROM runs WHERE mode IN ({_marks(MODES)}) "
+                           "ORDER BY started_at, run_id", list(MODES)).fetchall()
+    finally:
+        con.close()
+    return [r[0] for r in rows]
+
+
+def run_rows(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
+    """``run_id, mode, history_mode, workload, workload_spec, topology, first_sent`` (its first turn's
+    ``sent_at``, or the run's start) of each of ``run_ids`` the store has."""
+    con = store.connect()
+    try:
+        return con.execute(
+            f"SELECT r.run_id, r.mode, r.history_mode, r.workload, r.workload_spec, r.topology, "
+            f"coalesce((SELECT min(t.sent_at) FROM turns t WHERE t.run_id = r.run_id), r.started_at) AS first_sent "
+            f"FROM runs r WHERE r.run_id IN ({_marks(run_ids)})", list(run_ids)).df()
+    finally:
+        con.close()
