@@ -626,6 +626,26 @@ SELECT r.run_id, x.xfer_s, x.xfers, t.reused_tokens,
        CASE WHEN x.xfer_s > 0 THEN x.xfer_bytes / x.xfer_s END AS xfer_bytes_per_s
 FROM runs r LEFT JOIN x USING (run_id) LEFT JOIN t USING (run_id);
 
+-- Each worker role's own prefix cache over a run: how much of its prompts it found in its own cache
+-- (vllm:prefix_cache_hits) of what it looked up (vllm:prefix_cache_queries), both in tokens, as
+-- their increases over the run (restarts handled by metric_increases). role 'prefill' is P in the
+-- P/D modes (KV pulled from D is not a hit of P's own cache: vLLM counts it as
+-- prompt_tokens_by_source{source="external_kv_transfer"}), 'aggregated' the single worker. One
+-- row per run and role that exposed the counters; the hit rate is NULL without a lookup.
+CREATE VIEW run_prefix_cache AS
+WITH c AS (
+    SELECT run_id, role,
+           sum(increase) FILTER (WHERE name = 'vllm:prefix_cache_queries_total') AS queried_tokens,
+           sum(increase) FILTER (WHERE name = 'vllm:prefix_cache_hits_total')    AS hit_tokens
+    FROM metric_increases
+    WHERE role IN ('prefill', 'aggregated')
+      AND name IN ('vllm:prefix_cache_queries_total', 'vllm:prefix_cache_hits_total')
+    GROUP BY run_id, role
+)
+SELECT run_id, role, queried_tokens, hit_tokens,
+       CASE WHEN queried_tokens > 0 THEN hit_tokens / queried_tokens END AS hit_rate
+FROM c;
+
 -- The runs of prefix sweeps (`turnscope sweep`): the sweep parameters each run recorded in
 -- runs.workload_spec ($.sweep), next to its mode and history mode. One row per run of a sweep.
 CREATE VIEW sweep_points AS

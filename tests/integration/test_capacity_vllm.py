@@ -66,6 +66,10 @@ def test_two_step_ramp_pins_the_first_steps_last_turn_on_d(tmp_path):
     # the streamed-handle check's release turn (serving.handle_check, at the stack's start) and the
     # warm-up's two were counted by the proxy before the first step's first scrape, and nothing of
     # the run disconnected: 3 in every scrape of it
+    # P's own prefix cache per step (view run_prefix_cache, vLLM's counters) against a second route
+    # to the same tokens: the proxy's per-turn facts of what P found in its own cache
+    p_cache = dict(con.execute("SELECT run_id, hit_tokens FROM run_prefix_cache WHERE role = 'prefill'").fetchall())
+    p_facts = dict(con.execute("SELECT run_id, sum(prefill_cached_tokens) FROM turns GROUP BY run_id").fetchall())
     left = con.execute("SELECT min(v), max(v) FROM (SELECT scraped_at, sum(value) AS v FROM metric_samples "
                        "WHERE run_id = 'ci-cap-pd-bidir-u1' AND name = 'turnscope_proxy_client_disconnects_total' "
                        "GROUP BY scraped_at)").fetchone()
@@ -76,6 +80,7 @@ def test_two_step_ramp_pins_the_first_steps_last_turn_on_d(tmp_path):
     # at the first step's first scrape, though its TTL (60 s) outlasts the warm-up by far
     assert steps.at[1, "decode_kv_usage_start"] == 0
     assert left == (3, 3)
+    assert p_cache == p_facts, (p_cache, p_facts)
     # the first step's last turn is still pinned (TTL 60 s) when the second step's first scrape comes
     assert steps.at[2, "decode_kv_usage_start"] * (D_TOKENS // BLOCK) >= last // BLOCK
     assert steps.at[1, "handle_bytes_max"] > 0 and hits > 0

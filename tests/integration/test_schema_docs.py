@@ -191,6 +191,9 @@ def _metric_rows_a(run_id: str) -> list[dict]:
             _sample(run_id, at, P_URL, "prefill", "process_start_time_seconds", start),
             _sample(run_id, at, P_URL, "prefill", "vllm:prompt_tokens_by_source_total", local_compute,
                     LABELS | {"source": "local_compute"}),
+            # P's own prefix cache: looked up twice, and hit half, the tokens it computed
+            _sample(run_id, at, P_URL, "prefill", "vllm:prefix_cache_queries_total", 2 * local_compute, LABELS),
+            _sample(run_id, at, P_URL, "prefill", "vllm:prefix_cache_hits_total", local_compute // 2, LABELS),
             _sample(run_id, at, PROXY_URL, "proxy", "turnscope_handle_bytes_live", 0),
         ]
     return rows
@@ -359,6 +362,15 @@ def test_external_kv_vs_proxy(con) -> None:
     got = {r["run_id"]: (r["vllm_external_kv_tokens"], r["proxy_reused_tokens"]) for r in run(con, "external_kv_vs_proxy")}
     # Run B: the counter went 0 -> 3328; the turns reused 1024 + 1280 + 1024 = 3328.
     assert got == {RUN_A: (0, 0), RUN_B: (3328, 3328)}
+
+
+def test_run_prefix_cache(con) -> None:
+    got = {(r[0], r[1]): r[2:] for r in con.execute(
+        "SELECT run_id, role, queried_tokens, hit_tokens, hit_rate FROM run_prefix_cache").fetchall()}
+    # Run A's P counted 2x and 0.5x its local_compute tokens, which rose 4,100 over the run with the
+    # restart (test_prompt_tokens_by_source): 8,200 looked up, 2,050 found, a hit rate of 1/4. Run
+    # B's P exposed neither counter: no row.
+    assert got == {(RUN_A, "prefill"): (8200.0, 2050.0, 0.25)}
 
 
 def test_prompt_tokens_by_source(con) -> None:
