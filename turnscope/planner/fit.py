@@ -46,7 +46,7 @@ from turnscope.core.store import Store
 from turnscope.planner.fit_residuals import Residuals, residuals_of
 from turnscope.planner.profile import MODES, CostProfile, Sourced
 from turnscope.planner.queueing import fifo_waits
-from turnscope.planner.run_queries import probe_ttft_s, recorded_turns, run_config_row
+from turnscope.planner.run_queries import probe_ttft_s, recorded_turns, run_config_row, transfer_rows
 from turnscope.planner.simulate import RENDERS, TOOK_HANDLE, ModePlan, PlanSettings, Traffic, plan
 
 
@@ -138,17 +138,6 @@ def on_run_speed(profile: CostProfile, run_probe_s: float | None) -> tuple[CostP
                                     f"{profile.probe_ttft_s.value * 1e3:.1f} ms where fitted"), factor
 
 
-def _transfer(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
-    con = store.connect()
-    try:
-        return con.execute(
-            f"SELECT r.mode, 0 AS prefix_tokens, x.xfer_s, x.xfer_bytes, x.reused_tokens, c.kv_bytes_per_token "
-            f"FROM run_kv_transfer x JOIN runs r USING (run_id) JOIN run_config c USING (run_id) "
-            f"WHERE run_id IN ({', '.join('?' for _ in run_ids)})", list(run_ids)).df()
-    finally:
-        con.close()
-
-
 def _cache_config(store: Store, run_ids: Sequence[str]) -> dict[str, dict]:
     """Role -> the labels of its workers' ``vllm:cache_config_info`` (``block_size``,
     ``num_gpu_blocks``, ...) in ``run_ids``' scrapes (:func:`turnscope.analysis.worker_cache.cache_config`,
@@ -200,7 +189,7 @@ def fit_profile(store: Store, run_ids: Sequence[str], name: str = "fitted") -> C
     if turns.empty:
         raise FitError(f"no turns recorded for runs {', '.join(run_ids)}")
     where = f"runs {', '.join(sorted(set(turns['run_id'])))}"
-    transfer = _transfer(store, run_ids)
+    transfer = transfer_rows(store, run_ids)
     per = sweep.transfer_s_per_token(transfer)
     kv = transfer["kv_bytes_per_token"].dropna()
     if kv.empty:

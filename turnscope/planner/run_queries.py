@@ -18,6 +18,15 @@ def _marks(values: Sequence) -> str:
     return ", ".join("?" for _ in values)
 
 
+def _frame(store: Store, sql: str, params: Sequence) -> pd.DataFrame:
+    """``sql`` with ``params`` on a connection of its own, as a DataFrame."""
+    con = store.connect()
+    try:
+        return con.execute(sql, list(params)).df()
+    finally:
+        con.close()
+
+
 #: One row per turn; ``local_tokens`` is NULL where the run did not record the worker's own
 #: prefix-cache hit (aggregated serving without ``usage.prompt_tokens_details``).
 TURNS_SQL = """
@@ -34,11 +43,7 @@ ORDER BY t.run_id, t.session_id, t.turn_index
 
 def recorded_turns(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
     """The turns of ``run_ids`` with their run's mode (columns of :data:`TURNS_SQL`)."""
-    con = store.connect()
-    try:
-        return con.execute(TURNS_SQL.format(ids=_marks(run_ids)), list(run_ids)).df()
-    finally:
-        con.close()
+    return _frame(store, TURNS_SQL.format(ids=_marks(run_ids)), run_ids)
 
 
 def run_config_row(store: Store, run_id: str) -> tuple:
@@ -82,11 +87,15 @@ def runs_of(store: Store) -> list[str]:
 def run_rows(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
     """``run_id, mode, history_mode, workload, workload_spec, topology, first_sent`` (its first turn's
     ``sent_at``, or the run's start) of each of ``run_ids`` the store has."""
-    con = store.connect()
-    try:
-        return con.execute(
-            f"SELECT r.run_id, r.mode, r.history_mode, r.workload, r.workload_spec, r.topology, "
-            f"coalesce((SELECT min(t.sent_at) FROM turns t WHERE t.run_id = r.run_id), r.started_at) AS first_sent "
-            f"FROM runs r WHERE r.run_id IN ({_marks(run_ids)})", list(run_ids)).df()
-    finally:
-        con.close()
+    return _frame(store, "SELECT r.run_id, r.mode, r.history_mode, r.workload, r.workload_spec, r.topology, "
+                  "coalesce((SELECT min(t.sent_at) FROM turns t WHERE t.run_id = r.run_id), r.started_at) "
+                  f"AS first_sent FROM runs r WHERE r.run_id IN ({_marks(run_ids)})", run_ids)
+
+
+def transfer_rows(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
+    """Per run of ``run_ids``: its mode, P's NIXL transfer time and bytes, the tokens P pulled (view
+    ``run_kv_transfer``) and the model's KV bytes per token (``run_config``). Columns: mode,
+    prefix_tokens (0), xfer_s, xfer_bytes, reused_tokens, kv_bytes_per_token."""
+    return _frame(store, "SELECT r.mode, 0 AS prefix_tokens, x.xfer_s, x.xfer_bytes, x.reused_tokens, "
+                  "c.kv_bytes_per_token FROM run_kv_transfer x JOIN runs r USING (run_id) "
+                  f"JOIN run_config c USING (run_id) WHERE run_id IN ({_marks(run_ids)})", run_ids)
