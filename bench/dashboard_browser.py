@@ -10,6 +10,8 @@ navigation start to Streamlit idle:
 
 - the page's title (``h1``) is drawn,
 - no ``[data-testid="stStatusWidget"]`` (Streamlit's "running" indicator) is shown,
+- no ``[data-testid="stSkeleton"]`` (the placeholder of an element whose code is still loading, e.g.
+  a chart while plotly.js loads: without this a fast rerun looked idle before its charts came),
 - every ``[data-testid="stPlotlyChart"]`` holds a drawn Plotly figure (``.main-svg``),
 
 and this state has held for `QUIET_S` without a change (the time reported is when it began, read
@@ -66,7 +68,7 @@ IDLE_PROBE = """
   window.__tsTitle = %s;
   const idle = () => {
     const h1 = [...document.querySelectorAll('h1')].some(h => h.innerText.trim() === window.__tsTitle);
-    if (!h1 || document.querySelector('[data-testid="stStatusWidget"]')) return false;
+    if (!h1 || document.querySelector('[data-testid="stStatusWidget"], [data-testid="stSkeleton"]')) return false;
     const charts = [...document.querySelectorAll('[data-testid="stPlotlyChart"]')];
     return charts.every(c => c.querySelector('.main-svg'));
   };

@@ -20,7 +20,7 @@ if str(_CODE_ROOT) not in sys.path:
 import pandas as pd
 import streamlit as st
 
-from dashboard import context, db, loader, pages, queries
+from dashboard import charts, context, db, loader, pages, queries
 from dashboard.figures import MODE_ORDER
 
 st.set_page_config(page_title="turnscope", page_icon=":material/query_stats:", layout="wide")
@@ -33,6 +33,7 @@ store = db.store_from_env()
 st.sidebar.caption(f"Store: `{store.root}`")
 if st.sidebar.button("Refresh", icon=":material/refresh:", help="Re-read the store now"):
     loader.clear()
+charts.toggle()
 
 
 def _load_runs() -> pd.DataFrame:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import db, loader, queries
+from dashboard import charts, db, loader, queries
 from dashboard.context import Selection
 from dashboard.figures import capacity as capacity_figures
 from dashboard.queries import capacity as capacity_queries
@@ -48,7 +48,7 @@ def render(sel: Selection) -> None:
     first = mine.iloc[0]
     crossing = capacity.find_crossing(mine)
     st.markdown(capacity.crossing_words(crossing))
-    st.plotly_chart(capacity_figures.capacity_curve(mine, crossing.users), key="capacity_curve")
+    charts.show(lambda: capacity_figures.capacity_curve(mine, crossing.users), "capacity_curve")
     kv = first["decode_kv_cache_bytes"]
     scheduled = loader.fetch(sel.root, queries.run_schedules, tuple(mine["run_id"]))
     played = "How the steps were played: " + " ".join(schedule_text.describe_json(scheduled["schedule"]))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import cards, context, db, figures, html_reports, queries, tables
+from dashboard import cards, charts, context, db, figures, html_reports, queries, tables
 from dashboard.figures import MODE_ORDER
 from dashboard.loader import load
 from dashboard.queries import hit_rate
@@ -138,8 +138,8 @@ st.caption(
 )
 
 # --- by turn index ----------------------------------------------------------------------------
-by_turn_fig = figures.compare_by_turn(by_turn, a_name, b_name)
-st.plotly_chart(by_turn_fig, key="compare_by_turn")
+charts.note("the speed-up by turn index and the cases side by side")
+charts.show(lambda: figures.compare_by_turn(by_turn, a_name, b_name), "compare_by_turn")
 if bool(by_turn["ci_subsampled"].any()) if not by_turn.empty else False:
     st.caption(
         f"Turn indexes with more than {compare_stats.MAX_CI_TURNS_PER_INDEX} turns on a side are bootstrapped on a "
@@ -148,9 +148,8 @@ if bool(by_turn["ci_subsampled"].any()) if not by_turn.empty else False:
 
 # --- side by side -----------------------------------------------------------------------------
 st.subheader("Favourable and unfavourable turns, side by side")
-cases_fig = figures.compare_cases(cases, a_name, b_name, a_mode, b_mode)
-left, right = st.columns([1, 1])
-left.plotly_chart(cases_fig, key="compare_cases")
+left, right = st.columns([1, 1]) if charts.on() else (None, st)
+charts.show(lambda: figures.compare_cases(cases, a_name, b_name, a_mode, b_mode), "compare_cases", left)
 case_view = tables.case_table(cases)
 right.dataframe(case_view, hide_index=True, key="compare_case_table", column_config={
     c: st.column_config.NumberColumn(format="%.1f", width="small") for c in ("p50 A (ms)", "p50 B (ms)")
@@ -162,7 +161,8 @@ description = f"A = {a_name} ({len(a_ids)} run(s)), B = {b_name} ({len(b_ids)} r
 st.download_button(
     "Export this comparison as HTML",
     data=lambda: html_reports.compare_report(
-        a_name, b_name, description, verdict, ratio_table, by_turn_fig, cases_fig, case_view
+        a_name, b_name, description, verdict, ratio_table, figures.compare_by_turn(by_turn, a_name, b_name),
+        figures.compare_cases(cases, a_name, b_name, a_mode, b_mode), case_view,
     ),
     file_name=f"turnscope-compare-{a}-vs-{b}.html".replace("/", "_"),
     mime="text/html",

@@ -8,7 +8,7 @@ import dataclasses
 
 import streamlit as st
 
-from dashboard import capacity_section, context, figures, queries, tables
+from dashboard import capacity_section, charts, context, figures, queries, tables
 from dashboard.loader import load
 from dashboard.queries import hit_rate
 from turnscope.core.modes import BIDIRECTIONAL_MODES
@@ -27,10 +27,10 @@ st.caption(
     "rate and the what-if only."
 )
 
-mem = load(sel.root, queries.memory_timeline, f)
-hits = load(sel.root, queries.hit_rate_timeline, f)
-st.plotly_chart(figures.memory_timeline(mem, hits), key="memory_timeline")
-if mem.empty:
+charts.note("memory next to reuse and the what-if TTL")
+mem = load(sel.root, queries.memory_timeline, f) if charts.on() else None
+charts.show(lambda: figures.memory_timeline(mem, load(sel.root, queries.hit_rate_timeline, f)), "memory_timeline")
+if mem is not None and mem.empty:
     st.info(
         "No `vllm:kv_cache_usage_perc` or `turnscope_handle_bytes_live` scrapes in the selected runs "
         "(the scraper records them while a run is going)."
@@ -93,7 +93,7 @@ config = load(sel.root, queries.run_config, f_held)
 current = sorted({float(t) for t in config["decoder_kv_blocks_ttl_s"].dropna()})
 ttls = tuple(sorted(set(WHATIF_TTLS_S) | set(current)))
 whatif = load(sel.root, queries.whatif_ttl_d_limit, f_held, ttls)
-st.plotly_chart(figures.whatif_ttl(whatif, current), key="whatif_ttl")
+charts.show(lambda: figures.whatif_ttl(whatif, current), "whatif_ttl")
 margins = sorted({float(m) for m in config["handle_ttl_margin_s"].dropna()})
 margin = ", ".join(f"{m:.0f}" for m in margins) or "30"
 replayed = sorted(set(whatif["run_id"])) if not whatif.empty else []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import cards, context, db, figures, html_reports, queries, tables
+from dashboard import cards, charts, context, db, figures, html_reports, queries, tables
 from dashboard.loader import load
 from dashboard.queries import hit_rate
 from turnscope.analysis import headline, pd_check, schedule_text, speedup
@@ -70,17 +70,16 @@ for run_id, line in pd_check.failed_runs(load(sel.root, queries.decode_prompt_so
     st.error(f"Run `{run_id}` failed its P/D check. {line}")
 
 # --- per mode ---------------------------------------------------------------------------------
-left, right = st.columns([3, 2])
-with left:
-    by_turn = load(sel.root, queries.ttft_by_turn, f)
-    st.plotly_chart(figures.ttft_by_turn(by_turn), key="ttft_by_turn")
-with right:
-    st.plotly_chart(figures.reuse_outcomes(outcomes), key="reuse_outcomes")
+charts.note("TTFT by turn index, the reuse outcomes and P's external KV tokens")
+if charts.on():
+    left, right = st.columns([3, 2])
+    charts.show(lambda: figures.ttft_by_turn(load(sel.root, queries.ttft_by_turn, f)), "ttft_by_turn", left)
+    charts.show(lambda: figures.reuse_outcomes(outcomes), "reuse_outcomes", right)
 
-ext = load(sel.root, queries.external_kv_tokens, run_ids)
-if not ext.empty:  # an empty chart would only repeat the sentence below
-    st.plotly_chart(figures.external_kv_tokens(ext), key="external_kv_tokens")
-else:
+ext = load(sel.root, queries.external_kv_tokens, run_ids) if charts.on() else None
+if ext is not None and not ext.empty:  # an empty chart would only repeat the sentence below
+    charts.show(lambda: figures.external_kv_tokens(ext), "external_kv_tokens")
+elif ext is not None:
     st.caption(
         'No prefill scrapes of `vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}` '
         "in the selected runs (aggregated runs have no prefill worker)."

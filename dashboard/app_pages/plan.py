@@ -14,7 +14,7 @@ import json
 import pandas as pd
 import streamlit as st
 
-from dashboard import context, db
+from dashboard import charts, context, db
 from dashboard.figures import plan as plan_figures
 from dashboard.queries import plan as plan_queries
 from turnscope.analysis import speedup
@@ -90,7 +90,8 @@ if not outcomes.empty:
     st.dataframe(plan_figures.outcome_table(outcomes), key="plan_outcomes")
 fr = db.read(root, plan_queries.frontier, pid)
 if not fr.empty:
-    st.plotly_chart(plan_figures.frontier_figure(fr, tag), key="plan_frontier")
+    charts.note()
+    charts.show(lambda: plan_figures.frontier_figure(fr, tag), "plan_frontier")
     st.caption(f"The points that matter ({tag}): the current one, the best hit rate, and where the hit rate "
                "changes along the TTL and along the D space.")
     st.dataframe(plan_figures.frontier_highlights_table(fr), hide_index=True, key="plan_frontier_rows")
@@ -101,7 +102,7 @@ if not led.empty:
     st.caption("Where a session's KV waits between turns, for how long, and what it saves, at the current setting "
                "(`turnscope recommend`); an interval of None: none (the notes below say why).")
     st.dataframe(plan_figures.ledger_table(led), hide_index=True, key="plan_ledger")
-    st.plotly_chart(plan_figures.ledger_figure(led, tag), key="plan_ledger_fig")
+    charts.show(lambda: plan_figures.ledger_figure(led, tag), "plan_ledger_fig")
     st.caption("One point per strategy, coloured by the mode it is costed as (open: with a host tier); bars: 80% "
                "intervals of TTFT saved and D's pinned KV.")
     for note in dict.fromkeys(n for v in led["interval_note"].dropna() for n in str(v).split("; ") if n):
@@ -146,7 +147,7 @@ if not ch.empty:
                                    "forecast error": hc["forecast_error"]}),
                      hide_index=True, key="plan_headline_check",
                      column_config={"forecast error": st.column_config.NumberColumn(format="percent")})
-    st.plotly_chart(plan_figures.check_figure(ch), key="plan_check_fig")
+    charts.show(lambda: plan_figures.check_figure(ch), "plan_check_fig")
     diff = ch[ch["why"].notna()]
     if not diff.empty:
         st.caption("Turns whose forecast outcome differs from the recorded one, and why:")

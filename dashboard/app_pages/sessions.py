@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import context, figures, queries, tables
+from dashboard import charts, context, figures, queries, tables
 from dashboard.loader import load
 
 sel = context.current()
@@ -22,7 +22,8 @@ st.caption(
 split = load(sel.root, queries.task_split, f)
 if split.empty:
     st.info("No finished sessions in the selection yet.")
-st.plotly_chart(figures.task_split(split), key="task_split")
+charts.note("the task latency split")
+charts.show(lambda: figures.task_split(split), "task_split")
 st.caption(
     "Task latency: first request sent to last response finished. LLM = the sum of the turns' E2E; tool, "
     "think and pause = the gaps before turns by kind; other = what is left (the client's own time between turns)."
@@ -55,7 +56,8 @@ if pick is None:
 else:
     run_id, session_id = pick.split("/", 1)
     turns = load(sel.root, queries.session_turns, run_id, session_id)
-    st.plotly_chart(figures.session_timeline(turns), key="session_timeline")
+    # asked for by picking a session: drawn whether or not the page's charts are on
+    st.plotly_chart(figures.session_timeline(turns), key="session_timeline", config=charts.CONFIG)
     row = listed.iloc[keys.index(pick)]
     st.caption(
         f"{row['session_id']} ({row['archetype']}, {row['status']}): {int(row['turns'])} turns, task "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import context, db, queries, sweep_figures
+from dashboard import charts, context, db, queries, sweep_figures
 from dashboard.loader import load
 from turnscope.analysis import speedup, sweep_stats
 from turnscope.core.modes import BIDIRECTIONAL_MODES
@@ -94,13 +94,14 @@ per_token = sweep_stats.transfer_s_per_token(transfer)
 ideal_turns = sweep_stats.ideal_turns(turns, fit, per_token, min_turn) if fit is not None else pd.DataFrame()
 ideal = sweep_stats.ideal_stats(ideal_turns) if not ideal_turns.empty else pd.DataFrame()
 
-st.plotly_chart(sweep_figures.ttft_vs_prefix(stats, ideal, x_title), key="sweep_ttft")
+charts.note()
+charts.show(lambda: sweep_figures.ttft_vs_prefix(stats, ideal, x_title), "sweep_ttft")
 
 sp = _speedups(turns, stat, min_turn)
 limit = sweep_stats.ideal_speedup(stats, ideal, stat) if not ideal.empty else None
 for line in sweep_stats.verdicts(sp, stat):
     st.markdown(line)
-st.plotly_chart(sweep_figures.speedup_vs_prefix(sp, limit, stat, x_title), key="sweep_speedup")
+charts.show(lambda: sweep_figures.speedup_vs_prefix(sp, limit, stat, x_title), "sweep_speedup")
 
 # --- did reuse really happen ------------------------------------------------------------------
 ext = transfer.groupby(["prefix_tokens", "mode"], as_index=False)[["external_kv_tokens", "reused_tokens"]].sum()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import context
+from dashboard import charts, context
 from dashboard.figures import traffic as figs
 from dashboard.loader import load
 from dashboard.queries import traffic
@@ -48,7 +48,8 @@ c[4].metric("Overlapping sessions", f"{int(s['overlapping_sessions'] or 0):,}",
 
 st.subheader("Gaps against the TTL")
 ttl = load(root, traffic.ttl, tid)
-st.plotly_chart(figs.ttl_shares(ttl), key="traffic_ttl")
+charts.note()
+charts.show(lambda: figs.ttl_shares(ttl), "traffic_ttl")
 conf = ttl[ttl["configured"] & (ttl["gap_kind"] == "all")]
 gaps = load(root, traffic.gaps, tid)
 if not conf.empty:
@@ -58,13 +59,13 @@ if not conf.empty:
                f"{int(gaps['gap_estimated'].sum()):,} gaps estimated where the trace does not say when the previous "
                "request ended (start to start, an upper bound: Mooncake, kv-cache-tester after a request "
                "without api_time).")
-st.plotly_chart(figs.gap_histogram(gaps, ttl_s), key="traffic_gaps")
+charts.show(lambda: figs.gap_histogram(gaps, ttl_s), "traffic_gaps")
 
 st.subheader("Reusable vs new input tokens")
-st.plotly_chart(figs.reuse_split(reuse), key="traffic_reuse")
+charts.show(lambda: figs.reuse_split(reuse), "traffic_reuse")
 
 st.subheader("Context growth")
-st.plotly_chart(figs.context_growth(load(root, traffic.context_growth, tid)), key="traffic_growth")
+charts.show(lambda: figs.context_growth(load(root, traffic.context_growth, tid)), "traffic_growth")
 
 st.subheader("One session's timeline")
 sess = load(root, traffic.sessions, tid)
@@ -76,6 +77,6 @@ pick = st.selectbox("Session (most requests first; sub-agents are drawn with the
                     format_func=labels.get)
 if pick:
     source, sid = pick.split("|", 1)
-    st.plotly_chart(figs.session_timeline(load(root, traffic.timeline, tid, source, sid)), key="traffic_timeline")
+    charts.show(lambda: figs.session_timeline(load(root, traffic.timeline, tid, source, sid)), "traffic_timeline")
     st.caption("Requests are the server's time; tool and think are the client's waits before a request; a pause "
                f"is a wait over the {ttl_s:g} s TTL (the decode worker's KV has expired by then).")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import context, figures, html_reports, queries, tables
+from dashboard import charts, context, figures, html_reports, queries, tables
 from dashboard.figures import traffic as traffic_figures
 from dashboard.loader import load
 from dashboard.queries import traffic as traffic_queries
@@ -17,9 +17,10 @@ if not sel.run_ids:
     st.stop()
 f = sel.filter
 st.caption(f"Selection: {sel.describe()}. Medians over ok turns; colour is the mode (the same on every page), the marker the proxy's reuse outcome.")
+charts.note("latency by turn index, where each turn's time went and expected vs measured reuse")
 
 # --- latency ----------------------------------------------------------------------------------
-by_label = st.segmented_control(
+by_label = charts.on() and st.segmented_control(
     "Latency against",
     ["turn index", "history length"],
     default="turn index",
@@ -27,16 +28,16 @@ by_label = st.segmented_control(
     help="History length: the turn's prompt tokens (the whole history plus the new turn), in bins.",
 )
 by = "history" if by_label == "history length" else "turn_index"
-latency = load(sel.root, queries.latency_by, f, by)
-if latency.empty:
+latency = load(sel.root, queries.latency_by, f, by) if charts.on() else None
+if latency is not None and latency.empty:
     st.info("No ok turns in the selection yet.")
-st.plotly_chart(figures.latency_panels(latency, by), key="latency_panels")
+charts.show(lambda: figures.latency_panels(latency, by), "latency_panels")
 
 # --- time split -------------------------------------------------------------------------------
 st.subheader("Where each turn's time went")
 kv = load(sel.root, queries.kv_transfer, f)
 split = load(sel.root, queries.time_split, f, queries.xfer_rates(kv))
-st.plotly_chart(figures.time_split(split), key="time_split")
+charts.show(lambda: figures.time_split(split), "time_split")
 st.caption("Per turn: proxy = TTFT − the proxy's prefill leg; prefill leg = P's time, less the KV transfer; "
            "decode = E2E − TTFT; the KV transfer is an estimate. Means per turn.")
 with st.expander("What each part holds"):
@@ -59,7 +60,7 @@ min_short = st.number_input(
     "16 on most GPUs) is expected; set this to your block size.",
 )
 vs = load(sel.root, queries.reuse_vs_expected, f, int(min_short))
-st.plotly_chart(figures.reuse_vs_expected(vs), key="reuse_vs_expected")
+charts.show(lambda: figures.reuse_vs_expected(vs), "reuse_vs_expected")
 st.caption(
     "Expected: the longest common prefix of the previous turn's prompt + output ids and this prompt's ids. "
     "Measured: tokens P pulled from D plus P's own prefix-cache hit (the server's cached_tokens without a proxy)."
@@ -95,7 +96,7 @@ else:
 trace_turns = load(sel.root, traffic_queries.trace_reuse, tuple(sel.run_ids))
 if not trace_turns.empty:
     st.subheader("Replayed traces: the trace's reuse vs the engine's")
-    st.plotly_chart(traffic_figures.trace_vs_engine(trace_turns), key="trace_vs_engine")
+    charts.show(lambda: traffic_figures.trace_vs_engine(trace_turns), "trace_vs_engine")
     st.caption("Replayed real traces (`kv_cache_tester`): tokens the trace says were shared with the previous "
                "request (× token_scale) against what the engine reused; compactions replay as appends.")
 if len(by_design):

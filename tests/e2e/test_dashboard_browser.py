@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from dashboard import pages
+from dashboard.charts import LABEL as CHARTS_LABEL
 from tests import capacity_store, dashboard_store, sweep_store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -178,8 +179,31 @@ def _open(browser, url: str, title: str, charts: int):
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto(url, wait_until="domcontentloaded")
     page.get_by_role("heading", name=title, exact=True).wait_for(timeout=60_000)
+    if charts:
+        draw_charts(page)
     _wait_charts(page, charts)
     return page, errors
+
+
+#: Notes, in the page, each run of the script the toggle starts (Streamlit's own ``data-test-script-state``).
+WATCH_RUNS = """() => {
+  const app = document.querySelector('[data-testid="stApp"]');
+  window.__tsRan = false;
+  new MutationObserver(() => { if (app.getAttribute('data-test-script-state') === 'running') window.__tsRan = true; })
+    .observe(app, {attributes: true, attributeFilter: ['data-test-script-state']});
+}"""
+
+
+def draw_charts(page) -> None:
+    """Switch on the sidebar's "Draw charts" (dashboard/charts.py: off by default) once the page is idle,
+    and wait for the rerun it starts to finish."""
+    _wait_idle(page)
+    page.evaluate(WATCH_RUNS)
+    page.get_by_test_id("stSidebar").get_by_text(CHARTS_LABEL, exact=True).click(timeout=60_000)
+    page.wait_for_function(
+        "window.__tsRan && document.querySelector('[data-testid=\"stApp\"]')"
+        ".getAttribute('data-test-script-state') !== 'running'", timeout=60_000
+    )
 
 
 def _wait_charts(page, charts: int) -> None:

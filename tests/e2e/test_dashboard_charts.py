@@ -30,6 +30,7 @@ from tests.e2e.test_dashboard_browser import (  # noqa: F401  (browser: a fixtur
     _streamlit,
     _wait_idle,
     browser,
+    draw_charts,
 )
 
 pytestmark = [
@@ -130,6 +131,8 @@ def _check_pages(browser, url: str, store: str, pages=PAGES) -> dict[str, int]: 
         page.on("pageerror", lambda e, errors=errors: errors.append(str(e)))
         page.goto(f"{url}/{path}", wait_until="domcontentloaded")
         page.get_by_role("heading", name=title, exact=True).wait_for(timeout=60_000)
+        _settle(page)
+        draw_charts(page)  # the charts are behind the sidebar's "Draw charts" (dashboard/charts.py)
         _settle(page)
         if title == "Sessions" and page.locator('[data-testid="stSelectbox"]').count():
             page.locator('[data-testid="stSelectbox"]').first.click(timeout=60_000)

@@ -18,6 +18,7 @@ import streamlit as st
 from streamlit.proto.Metric_pb2 import Metric
 from streamlit.testing.v1 import AppTest
 
+from dashboard import charts
 from tests import dashboard_store
 from turnscope.core.store import Store
 
@@ -32,9 +33,23 @@ def store_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def run_app(monkeypatch: pytest.MonkeyPatch, root: Path) -> AppTest:
     monkeypatch.setenv("TURNSCOPE_STORE", str(root))
+    monkeypatch.setenv(charts.ENV_VAR, "1")  # charts drawn, as with "Draw charts" on
     at = AppTest.from_file(str(APP), default_timeout=TIMEOUT_S).run()
     assert not at.exception, [e.value for e in at.exception]
     return at
+
+
+def test_charts_are_drawn_only_once_chosen(monkeypatch, store_root):
+    """By default the Overview draws no chart and says how to; "Draw charts" on draws its three
+    (TTFT by turn, reuse outcomes, P's external KV tokens: the test store has prefill samples)."""
+    monkeypatch.delenv(charts.ENV_VAR, raising=False)
+    monkeypatch.setenv("TURNSCOPE_STORE", str(store_root))
+    at = AppTest.from_file(str(APP), default_timeout=TIMEOUT_S).run()
+    assert not at.exception and len(at.get("plotly_chart")) == 0
+    assert any(charts.LABEL in c.value for c in at.caption)
+    at.sidebar.toggle(key=charts.KEY).set_value(True).run()
+    assert not at.exception and len(at.get("plotly_chart")) == 3
+    assert not any(charts.LABEL in c.value for c in at.caption)
 
 
 def raw_sql(root: Path, sql: str) -> list[tuple]:

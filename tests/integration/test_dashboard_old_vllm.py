@@ -19,7 +19,7 @@ import plotly.io as pio
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from dashboard import pages
+from dashboard import charts, pages
 from loadgen.scraper import MetricsScraper
 from tests.handed_cases import CASES
 from tests.integration.metrics_endpoint import MetricsEndpoint, histograms_zeroed
@@ -61,6 +61,7 @@ def store_root(tmp_path_factory) -> Path:
 
 def open_page(monkeypatch: pytest.MonkeyPatch, root: Path, page: str) -> AppTest:
     monkeypatch.setenv("TURNSCOPE_STORE", str(root))
+    monkeypatch.setenv(charts.ENV_VAR, "1")  # charts drawn, as with "Draw charts" on
     at = AppTest.from_file(str(APP), default_timeout=60).run()
     if not pages.page(page).default:
         at.switch_page(pages.page(page).script).run()

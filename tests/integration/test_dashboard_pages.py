@@ -21,6 +21,7 @@ import streamlit as st
 from streamlit.testing.v1 import AppTest
 
 from dashboard import pages
+from dashboard.charts import ENV_VAR as CHARTS_ENV
 from tests import dashboard_store as fx
 from turnscope.core.store import Store
 
@@ -38,6 +39,7 @@ def store_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def open_page(monkeypatch: pytest.MonkeyPatch, root: Path, page: str) -> AppTest:
     monkeypatch.setenv("TURNSCOPE_STORE", str(root))
+    monkeypatch.setenv(CHARTS_ENV, "1")  # charts drawn, as with "Draw charts" on
     at = AppTest.from_file(str(APP), default_timeout=TIMEOUT_S).run()
     if not pages.page(page).default:
         at.switch_page(pages.page(page).script).run()

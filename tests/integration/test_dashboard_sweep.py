@@ -13,6 +13,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from dashboard import db, pages
+from dashboard.charts import ENV_VAR as CHARTS_ENV
 from dashboard.queries import run_report
 from dashboard.sweep_figures import IDEAL_NAME, LIMIT_NAME
 from tests import sweep_store as sx
@@ -29,6 +30,7 @@ def open_sweep(monkeypatch: pytest.MonkeyPatch, root: Path, vendor: bool = True)
     """The Sweep page; with `vendor`, switched to the vendor's view (mean TTFT over every request)
     from the page's default (the dashboard's convention: the median from the second turn)."""
     monkeypatch.setenv("TURNSCOPE_STORE", str(root))
+    monkeypatch.setenv(CHARTS_ENV, "1")  # charts drawn, as with "Draw charts" on
     at = AppTest.from_file(str(APP), default_timeout=60).run()
     at.switch_page(pages.page("sweep").script).run()
     assert not at.exception, [e.value for e in at.exception]

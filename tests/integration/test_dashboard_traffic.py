@@ -9,7 +9,7 @@ from pathlib import Path
 
 from streamlit.testing.v1 import AppTest
 
-from dashboard import pages
+from dashboard import charts, pages
 from loadgen.traces.kv_cache_tester import DEFAULT_DIR
 from loadgen.traffic import build_report
 from tests.unit.test_agent_traces import TRACES, truth, walk
@@ -22,6 +22,7 @@ def test_traffic_page_without_runs(monkeypatch, tmp_path):
     store = Store(tmp_path / "store")
     build_report(store, [DEFAULT_DIR], label="shipped")
     monkeypatch.setenv("TURNSCOPE_STORE", str(store.root))
+    monkeypatch.setenv(charts.ENV_VAR, "1")  # charts drawn, as with "Draw charts" on
     at = AppTest.from_file(str(APP), default_timeout=120).run()
     # No runs: only the pages that read forecasts and traffic reports are offered, and it says so.
     assert any("traffic reports" in c.value for c in at.sidebar.caption)

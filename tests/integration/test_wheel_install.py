@@ -101,7 +101,7 @@ def test_wheel_ships_every_shipped_file_and_nothing_turnscope_made(installed):
 
 def test_installed_turnscope_runs_from_another_directory(installed, tmp_path):
     env, python = installed["env"], installed["venv"] / "bin" / "python"
-    code = ("import turnscope, dashboard; from turnscope import resources; print(turnscope.__file__, "
+    code = ("import turnscope, dashboard; from turnscope.core import resources; print(turnscope.__file__, "
             "dashboard.__file__, resources.shipped_root(), resources.in_checkout(), resources.home())")
     where = _run([python, "-c", code], tmp_path, env).stdout.split()
     purelib = installed["purelib"]

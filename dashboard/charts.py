@@ -1,0 +1,65 @@
+"""Whether the pages draw their Plotly charts, and drawing one: a choice in the sidebar, off by default.
+
+A page's first Plotly chart makes the browser load and evaluate plotly.js (Streamlit's 4.7 MB
+``PlotlyChart`` chunk): 1.7 s of wall time and 1.8 CPU-seconds of Chromium on the project's 2-core
+machine, the same for one small figure as for three, and most of what a charted page cost over an
+empty one (docs/dashboard.md, "Where the browser's seconds go"). So the pages open with their numbers
+and tables, and draw their charts once "Draw charts" is on in the sidebar; the choice holds for the
+session (every page, until switched off), and a tab pays for plotly.js once, since moving between
+pages keeps the document. ``TURNSCOPE_DASHBOARD_CHARTS=1`` turns it on from the start.
+
+A figure is built only when it is drawn (`show` takes a function), so a page without charts spends
+no server time on them either. The HTML export (``dashboard/html_reports.py``) always holds its figures.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import plotly.graph_objects as go
+import streamlit as st
+from streamlit.delta_generator import DeltaGenerator
+
+#: The sidebar toggle's session-state key.
+KEY = "ts_charts"
+#: Environment variable: "1" draws charts from a session's start.
+ENV_VAR = "TURNSCOPE_DASHBOARD_CHARTS"
+LABEL = "Draw charts"
+HELP = ("Draw each page's Plotly charts. The first chart of a browser tab loads plotly.js: about 2 s "
+        "on a small machine, then each page's charts draw in a fraction of that.")  # fmt: skip
+#: plotly.js options of every chart: no Plotly logo in the mode bar.
+CONFIG = {"displaylogo": False}
+
+
+def default() -> bool:
+    """Whether a new session draws charts (`ENV_VAR` set to 1, true or yes)."""
+    return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes")
+
+
+def toggle() -> bool:
+    """The sidebar's "Draw charts" toggle (the app's frame draws it on every page); its value."""
+    st.session_state.setdefault(KEY, default())
+    return st.sidebar.toggle(LABEL, key=KEY, help=HELP)
+
+
+def on() -> bool:
+    """Whether this session draws charts."""
+    return bool(st.session_state.get(KEY, default()))
+
+
+def show(make: Callable[[], go.Figure], key: str, where: DeltaGenerator | None = None) -> go.Figure | None:
+    """Draw the figure `make()` builds in `where` (the page by default) under `key`, when charts
+    are on; else build nothing and return None."""
+    if not on():
+        return None
+    fig = make()
+    (where if where is not None else st).plotly_chart(fig, key=key, config=CONFIG)
+    return fig
+
+
+def note(what: str = "this page's charts") -> None:
+    """Where charts are off, a caption saying how to draw `what`."""
+    if not on():
+        st.caption(f":material/bar_chart: {what[0].upper() + what[1:]} are not drawn: switch on "
+                   f"**{LABEL}** in the sidebar (it holds for every page).")  # fmt: skip
