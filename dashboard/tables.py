@@ -14,7 +14,8 @@ def run_summary_table(df: pd.DataFrame) -> pd.DataFrame:
 
     `df`: ``dashboard.queries.run_summary`` (seconds, counts). Returns columns run, mode, history,
     status, turns, ok, failed, hits, `hit_rate.LABEL` (``dashboard.queries.hit_rate``: hits / later turns,
-    0..1; NaN without a proxy outcome), TTFT p50/p90/mean (ms), reused tokens, workload, started
+    0..1; NaN without a proxy outcome), `hit_rate.PREFIX_CACHE_LABEL` (the workers' own prefix cache,
+    tokens, 0..1; NaN where not scraped), TTFT p50/p90/mean (ms), reused tokens, workload, started
     (UTC), run_id: the numbers first, so they are in view without scrolling.
     """
     return pd.DataFrame(
@@ -28,6 +29,8 @@ def run_summary_table(df: pd.DataFrame) -> pd.DataFrame:
             "failed": df["failed_turns"],
             "hits": df["hits"],
             hit_rate.LABEL: hit_rate.rate(df[hit_rate.HITS], df[hit_rate.LATER_TURNS]).to_numpy(),
+            hit_rate.PREFIX_CACHE_LABEL: (df[hit_rate.PREFIX_CACHE] if hit_rate.PREFIX_CACHE in df
+                                          else pd.Series(np.nan, index=df.index)).to_numpy(dtype=float),
             "TTFT p50 (ms)": df["ttft_p50_s"] * 1e3,
             "TTFT p90 (ms)": df["ttft_p90_s"] * 1e3,
             "TTFT mean (ms)": df["ttft_mean_s"] * 1e3,
@@ -42,7 +45,8 @@ def run_summary_table(df: pd.DataFrame) -> pd.DataFrame:
 def reuse_cost_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per run from ``dashboard.queries.reuse_cost``, for reading.
 
-    Columns: run, mode, history, "held (GiB·s)", "peak (MiB)", hits, "pulled (tokens)", "prefill ms/1k tok"
+    Columns: run, mode, history, "held (GiB·s)", "peak (MiB)", hits, `hit_rate.LABEL` (the
+    bidirectional hit rate), `hit_rate.PREFIX_CACHE_LABEL` (P's own cache), "pulled (tokens)", "prefill ms/1k tok"
     (measured on turns that pulled nothing), "NIXL (s)", "saved (s, est.)", "GiB·s per s saved"
     (NaN when nothing was saved).
     """
@@ -54,6 +58,8 @@ def reuse_cost_table(df: pd.DataFrame) -> pd.DataFrame:
             "held (GiB·s)": df["held_gib_s"],
             "peak (MiB)": df["peak_bytes"] / 2**20,
             "hits": df["hits"],
+            hit_rate.LABEL: hit_rate.rate(df["hits"], df[hit_rate.LATER_TURNS]).to_numpy(),
+            hit_rate.PREFIX_CACHE_LABEL: df[hit_rate.PREFIX_CACHE].to_numpy(dtype=float),
             "pulled (tokens)": df["reused_tokens"],
             "prefill ms/1k tok": df["prefill_s_per_token"] * 1e6,
             "NIXL (s)": df["xfer_s"],

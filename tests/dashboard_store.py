@@ -57,6 +57,15 @@ EXTERNAL_KV = {
     "bidir-2": {"http://127.0.0.1:8100": [(0, 100), (10, 612), (20, 50), (30, 562), (40, 1074)]},
     "bnc-1": {"http://127.0.0.1:8100": [(0, 0), (10, 0), (20, 0)]},
 }
+# The workers' own prefix-cache counters (tokens): run -> (endpoint, role, [(seconds after run start,
+# queries, hits)]); bidir-2 and bnc-1 expose none. By hand: bidir-1's P looked up 3,000 tokens over
+# the run and found 1,400 (the restart at 20 s counts its new values whole: 1,000 + 500 + 1,500
+# looked up, 400 + 200 + 800 found); agg-1's worker 2,000 and 1,500.
+PREFIX_CACHE = {
+    "bidir-1": ("http://127.0.0.1:8100", "prefill", [(0, 0, 0), (10, 1000, 400), (20, 500, 200), (30, 2000, 1000)]),
+    "agg-1": ("http://127.0.0.1:8000", "aggregated", [(0, 100, 10), (15, 2100, 1510)]),
+}
+PREFIX_CACHE_RATE = {"bidir-1": 1400 / 3000, "agg-1": 1500 / 2000}
 # Tokens pulled during each run, by hand: increases between scrapes, a drop counts its new value.
 #   bidir-1: 8100: 0 + 512 + 512 + 1024 = 2048; 8101: 256 + 0 = 256   -> 2304
 #   bidir-2: 512 + 50 (reset 612 -> 50) + 512 + 512                    -> 1586
@@ -288,6 +297,14 @@ def build(root: Path) -> Path:
                     local = {"model_name": "tiny-llama", "source": "local_compute"}
                     _sample(w, at, endpoint, "prefill", PREFILL_COUNTER, 10 * value + 7, local)
                     _sample(w, at, "http://127.0.0.1:8200", "decode", PREFILL_COUNTER, 3 * value, labels)
+            if run_id in PREFIX_CACHE:
+                endpoint, role, points = PREFIX_CACHE[run_id]
+                for sec, queried, hit in points:
+                    at = start + dt.timedelta(seconds=sec)
+                    _sample(w, at, endpoint, role, "vllm:prefix_cache_queries_total", queried)
+                    _sample(w, at, endpoint, role, "vllm:prefix_cache_hits_total", hit)
+                    # Must not count: D's own prefix cache
+                    _sample(w, at, "http://127.0.0.1:8200", "decode", "vllm:prefix_cache_hits_total", 9 * hit)
             for i, sec in enumerate(MEMORY_SCRAPE_S):
                 at = start + dt.timedelta(seconds=sec, milliseconds=500)
                 if mode == "aggregated":

@@ -39,10 +39,12 @@ if mem is not None and mem.empty:
 # --- cost of reuse ----------------------------------------------------------------------------
 #: Display formats of the cost table's columns that can be blank (see BLANKABLE).
 COST_FORMATS = {"held (GiB·s)": "{:.4f}", "peak (MiB)": "{:.1f}", "pulled (tokens)": "{:,.0f}",
+                hit_rate.LABEL: "{:.1%}", hit_rate.PREFIX_CACHE_LABEL: "{:.1%}",
                 "prefill ms/1k tok": "{:.2f}", "NIXL (s)": "{:.3f}", "saved (s, est.)": "{:.3f}",
                 "GiB·s per s saved": "{:.4f}"}
 #: Cost-table columns that have no value for some runs (no NIXL time measured, nothing saved).
-BLANKABLE = ("prefill ms/1k tok", "NIXL (s)", "saved (s, est.)", "GiB·s per s saved")
+BLANKABLE = (hit_rate.LABEL, hit_rate.PREFIX_CACHE_LABEL, "prefill ms/1k tok", "NIXL (s)", "saved (s, est.)",
+             "GiB·s per s saved")
 st.subheader("The cost of reuse")
 cost = load(sel.root, queries.reuse_cost, f)
 if cost.empty:
@@ -61,6 +63,10 @@ else:
                 "(view run_handle_memory); runs recorded without handle sizes: the proxy's gauge during the run"),
             "peak (MiB)": st.column_config.NumberColumn(format="%.1f", help="peak handle KV"),
             "pulled (tokens)": st.column_config.NumberColumn(format="%d", help="tokens P pulled from D"),
+            hit_rate.PREFIX_CACHE_LABEL: st.column_config.TextColumn(
+                help="of the prompt tokens P looked up in its own prefix cache, the share it found there "
+                     "(vLLM's prefix_cache_hits over prefix_cache_queries; view run_prefix_cache): between "
+                     "'always hits' and 'evicted', where holding the turn on D has to pay"),
             "prefill ms/1k tok": st.column_config.TextColumn(
                 help="P's compute time per 1,000 tokens, on turns that pulled nothing (blank: no P, aggregated)"
             ),

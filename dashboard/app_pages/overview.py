@@ -92,7 +92,8 @@ if f.narrows_turns:
 summary = load(sel.root, queries.run_summary, run_ids)
 st.dataframe(
     # a run without proxy outcomes (aggregated) has no hit rate: a blank, not Streamlit's "None"
-    tables.blank_missing(tables.run_summary_table(summary), {hit_rate.LABEL: "{:.1%}"}),
+    tables.blank_missing(tables.run_summary_table(summary),
+                         {hit_rate.LABEL: "{:.1%}", hit_rate.PREFIX_CACHE_LABEL: "{:.1%}"}),
     hide_index=True,
     key="run_summary",
     column_config={

@@ -18,6 +18,11 @@ LATER_TURNS = "later_turns"
 HITS = "later_hits"
 #: The name of the number in table headers and axis titles.
 LABEL = "hit rate (later turns)"
+#: The other hit rate an operator reads beside it: the worker's own prefix cache (P in P/D, the
+#: single worker in aggregated), in prompt tokens, from vLLM's counters (view ``run_prefix_cache``:
+#: ``prefix_cache_hits`` over ``prefix_cache_queries``). Column and label.
+PREFIX_CACHE = "prefix_cache_hit_rate"
+PREFIX_CACHE_LABEL = "P's own prefix-cache hit rate (tokens)"
 
 
 def later_turn_sql(alias: str = "") -> str:

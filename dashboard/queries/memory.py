@@ -179,9 +179,11 @@ WITH hb AS (
            held.held_gib_s, held.held_source, held.peak_bytes,
            tk.hits, tk.later_turns, tk.reused_tokens,
            tk.compute_s / nullif(tk.compute_tokens, 0) AS prefill_s_per_token,
-           k.xfer_s
+           k.xfer_s, pc.prefix_cache_hit_rate
     FROM runs r
     LEFT JOIN held USING (run_id) LEFT JOIN tk USING (run_id) LEFT JOIN run_kv_transfer k USING (run_id)
+    LEFT JOIN (SELECT run_id, sum(hit_tokens) / nullif(sum(queried_tokens), 0) AS prefix_cache_hit_rate
+               FROM run_prefix_cache GROUP BY run_id) pc USING (run_id)
     WHERE list_contains($run_ids::VARCHAR[], r.run_id) AND (held.held_source IS NOT NULL OR tk.reused_tokens > 0)
 )
 SELECT *, reused_tokens * prefill_s_per_token - coalesce(xfer_s, 0) AS saved_s,
@@ -203,8 +205,10 @@ def reuse_cost(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) ->
     turns that pulled nothing (s/token); saved_s (estimate) = reused_tokens x prefill_s_per_token
     - xfer_s (the run's measured NIXL time, ``run_kv_transfer``); gib_s_per_saved_s =
     held_gib_s / saved_s, NULL when nothing was saved.
+    prefix_cache_hit_rate: P's own prefix cache over the run (view ``run_prefix_cache``, 0..1; NULL
+    where not scraped), beside the pulls: what P would have found without D.
     Columns: run_id, run_label, mode, history_mode, held_gib_s, held_source, peak_bytes, hits, later_turns, reused_tokens,
-    prefill_s_per_token, xfer_s, saved_s, gib_s_per_saved_s.
+    prefill_s_per_token, xfer_s, prefix_cache_hit_rate, saved_s, gib_s_per_saved_s.
     """
     params = {"run_ids": id_list(as_filter(f).run_ids), "handle_bytes": HANDLE_BYTES}
     return run_sql(con, _REUSE_COST.replace("{later_counts}", hit_rate.counts_sql()), params)

@@ -101,9 +101,14 @@ WITH later AS (
     SELECT run_id, {hit_rate.counts_sql()}
     FROM turns WHERE list_contains($run_ids::VARCHAR[], run_id)
     GROUP BY run_id
+), own_cache AS (
+    SELECT run_id, sum(hit_tokens) / nullif(sum(queried_tokens), 0) AS {hit_rate.PREFIX_CACHE}
+    FROM run_prefix_cache WHERE list_contains($run_ids::VARCHAR[], run_id)
+    GROUP BY run_id
 )
-SELECT s.*, coalesce(later.later_turns, 0) AS later_turns, coalesce(later.later_hits, 0) AS later_hits
-FROM run_summary s LEFT JOIN later USING (run_id)
+SELECT s.*, coalesce(later.later_turns, 0) AS later_turns, coalesce(later.later_hits, 0) AS later_hits,
+       own_cache.{hit_rate.PREFIX_CACHE}
+FROM run_summary s LEFT JOIN later USING (run_id) LEFT JOIN own_cache USING (run_id)
 WHERE list_contains($run_ids::VARCHAR[], s.run_id)
 ORDER BY s.started_at NULLS LAST, s.run_id
 """
@@ -199,7 +204,8 @@ def run_summary(con: duckdb.DuckDBPyConnection, run_ids: TurnFilter | Sequence[s
     Columns as in data/schema.sql: run_id, label, mode, workload, history_mode, status,
     started_at, finished_at, turns, ok_turns, failed_turns, hits, ttft_p50_s, ttft_p90_s,
     ttft_mean_s (seconds), reused_tokens (tokens), then later_turns and later_hits
-    (``dashboard.queries.hit_rate``). One row per run.
+    (``dashboard.queries.hit_rate``) and prefix_cache_hit_rate (the workers' own prefix cache,
+    0..1, view ``run_prefix_cache``; NaN where no worker exposed the counters). One row per run.
     """
     return con.execute(_RUN_SUMMARY, {"run_ids": id_list(as_filter(run_ids).run_ids)}).df()
 

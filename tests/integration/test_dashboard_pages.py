@@ -22,6 +22,7 @@ from streamlit.testing.v1 import AppTest
 
 from dashboard import pages
 from dashboard.charts import ENV_VAR as CHARTS_ENV
+from dashboard.queries import hit_rate
 from tests import dashboard_store as fx
 from turnscope.core.store import Store
 
@@ -674,6 +675,19 @@ def test_turn_rows_is_turn_breakdown_without_the_archetype(store_root):
         assert con.execute("SELECT count(*) FROM turn_rows").fetchone()[0] == len(fx.RUNS) * fx.SESSIONS * fx.TURNS
     finally:
         con.close()
+
+
+def test_overview_and_memory_show_p_own_prefix_cache_beside_the_hit_rate(monkeypatch, store_root):
+    """P's own prefix-cache hit rate (vLLM's counters, view run_prefix_cache) in the Overview's Runs
+    table and the Memory page's cost table, from the counters the known store was given by hand
+    (a restart included); blank where no worker exposed them."""
+    label = hit_rate.PREFIX_CACHE_LABEL
+    runs = frame(open_page(monkeypatch, store_root, "overview"), label).set_index("run_id")
+    assert {r: runs.loc[r, label] for r in fx.RUNS} == {
+        r: (f"{fx.PREFIX_CACHE_RATE[r]:.1%}" if r in fx.PREFIX_CACHE_RATE else "") for r in fx.RUNS}
+    assert runs.loc["bidir-1", label] == "46.7%" and runs.loc["agg-1", label] == "75.0%"
+    cost = frame(open_page(monkeypatch, store_root, "memory"), label).set_index("run")
+    assert cost.loc["bidir a", label] == "46.7%" and cost.loc["bidir b", label] == ""
 
 
 def test_overview_run_table_hit_rate_blank_without_proxy(monkeypatch, store_root):
