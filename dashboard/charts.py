@@ -3,9 +3,9 @@
 A page's first Plotly chart makes the browser load and evaluate plotly.js (Streamlit's 4.7 MB
 ``PlotlyChart`` chunk): 1.7 s of wall time and 1.8 CPU-seconds of Chromium on the project's 2-core
 machine, the same for one small figure as for three, and most of what a charted page cost over an
-empty one (docs/dashboard.md, "Where the browser's seconds go"). So the pages open with their numbers
-and tables, and draw their charts once "Draw charts" is on in the sidebar; the choice holds for the
-session (every page, until switched off), and a tab pays for plotly.js once, since moving between
+empty one (docs/dashboard.md). So the pages open with their numbers
+and tables, and draw their charts once "Draw charts" is pressed in the sidebar ("Hide charts" undoes it); the
+choice holds for the session (every page, until hidden), and a tab pays for plotly.js once, since moving between
 pages keeps the document. ``TURNSCOPE_DASHBOARD_CHARTS=1`` turns it on from the start.
 
 A figure is built only when it is drawn (`show` takes a function), so a page without charts spends
@@ -21,11 +21,13 @@ import plotly.graph_objects as go
 import streamlit as st
 from streamlit.delta_generator import DeltaGenerator
 
-#: The sidebar toggle's session-state key.
+#: Session-state keys: whether charts are drawn, and the sidebar's button that flips it.
 KEY = "ts_charts"
+BUTTON_KEY = "ts_charts_button"
 #: Environment variable: "1" draws charts from a session's start.
 ENV_VAR = "TURNSCOPE_DASHBOARD_CHARTS"
 LABEL = "Draw charts"
+HIDE_LABEL = "Hide charts"
 HELP = ("Draw each page's Plotly charts. The first chart of a browser tab loads plotly.js: about 2 s "
         "on a small machine, then each page's charts draw in a fraction of that.")  # fmt: skip
 #: plotly.js options of every chart: no Plotly logo in the mode bar.
@@ -37,10 +39,19 @@ def default() -> bool:
     return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes")
 
 
-def toggle() -> bool:
-    """The sidebar's "Draw charts" toggle (the app's frame draws it on every page); its value."""
+def _flip() -> None:
+    st.session_state[KEY] = not on()
+
+
+def toggle() -> None:
+    """The sidebar's "Draw charts" / "Hide charts" button (the app's frame draws it on every page).
+
+    A button, not ``st.toggle``: the frame already draws one (Refresh), and each other kind of
+    widget makes the browser load its own code on every page (Streamlit's Checkbox chunk: 0.6-1.3 s
+    of an empty page's cold visit here)."""
     st.session_state.setdefault(KEY, default())
-    return st.sidebar.toggle(LABEL, key=KEY, help=HELP)
+    st.sidebar.button(HIDE_LABEL if on() else LABEL, icon=":material/bar_chart:", key=BUTTON_KEY, on_click=_flip,
+                      help=HELP)  # fmt: skip
 
 
 def on() -> bool:
@@ -61,5 +72,5 @@ def show(make: Callable[[], go.Figure], key: str, where: DeltaGenerator | None =
 def note(what: str = "this page's charts") -> None:
     """Where charts are off, a caption saying how to draw `what`."""
     if not on():
-        st.caption(f":material/bar_chart: {what[0].upper() + what[1:]} are not drawn: switch on "
-                   f"**{LABEL}** in the sidebar (it holds for every page).")  # fmt: skip
+        st.caption(f":material/bar_chart: {what[0].upper() + what[1:]} are not drawn: press **{LABEL}** in "
+                   "the sidebar (it holds for every page).")  # fmt: skip

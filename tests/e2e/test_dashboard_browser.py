@@ -195,11 +195,11 @@ WATCH_RUNS = """() => {
 
 
 def draw_charts(page) -> None:
-    """Switch on the sidebar's "Draw charts" (dashboard/charts.py: off by default) once the page is idle,
-    and wait for the rerun it starts to finish."""
+    """Press the sidebar's "Draw charts" (dashboard/charts.py: charts are off by default) once the page is
+    idle, and wait for the rerun it starts to finish."""
     _wait_idle(page)
     page.evaluate(WATCH_RUNS)
-    page.get_by_test_id("stSidebar").get_by_text(CHARTS_LABEL, exact=True).click(timeout=60_000)
+    page.get_by_test_id("stSidebar").get_by_role("button", name=CHARTS_LABEL).click(timeout=60_000)
     page.wait_for_function(
         "window.__tsRan && document.querySelector('[data-testid=\"stApp\"]')"
         ".getAttribute('data-test-script-state') !== 'running'", timeout=60_000

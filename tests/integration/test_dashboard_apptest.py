@@ -47,7 +47,7 @@ def test_charts_are_drawn_only_once_chosen(monkeypatch, store_root):
     at = AppTest.from_file(str(APP), default_timeout=TIMEOUT_S).run()
     assert not at.exception and len(at.get("plotly_chart")) == 0
     assert any(charts.LABEL in c.value for c in at.caption)
-    at.sidebar.toggle(key=charts.KEY).set_value(True).run()
+    at.sidebar.button(key=charts.BUTTON_KEY).click().run()
     assert not at.exception and len(at.get("plotly_chart")) == 3
     assert not any(charts.LABEL in c.value for c in at.caption)
 
