@@ -95,7 +95,7 @@ def test_wheel_ships_every_shipped_file_and_nothing_turnscope_made(installed):
     data = {n.removeprefix("turnscope_data/") for n in names if n.startswith("turnscope_data/")}
     assert "schema.sql" in data and f"traces/{TRACE}" in data and "traces/SOURCES.md" in data
     assert data == installed["shipped"], "a shipped file missing from pyproject's package-data, or a made one shipped"
-    assert {"turnscope/cli.py", "turnscope/core/resources.py", "dashboard/app.py", "dashboard/pages.py",
+    assert {"turnscope/commands/app.py", "turnscope/core/resources.py", "dashboard/app.py", "dashboard/pages.py",
             "dashboard/app_pages/overview.py", "loadgen/locustfile.py", "serving/vllm_worker.py"} <= names
 
 
