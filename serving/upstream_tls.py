@@ -33,6 +33,14 @@ class UpstreamTLS(BaseModel):
         return _context(self.ca_bundle)
 
 
+def raise_if_certificate_refused(exc: Exception, where: str) -> None:
+    """Raise ValueError saying what to change when ``exc`` (a failed connection to ``where``, a
+    worker's name and URL) is a TLS certificate that did not verify; return otherwise."""
+    if "CERTIFICATE_VERIFY_FAILED" in str(exc):
+        raise ValueError(f"{where}: TLS certificate refused ({exc}); give the authority that signed it as "
+                         "tls.ca_bundle in the topology (tls.verify: false accepts any)") from None
+
+
 @functools.cache
 def _context(ca_bundle: str | None) -> ssl.SSLContext:
     """One SSL context per bundle and process (loading a bundle takes tens of milliseconds)."""

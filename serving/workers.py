@@ -31,7 +31,7 @@ import psutil
 from serving import engine_idle_wait, nixl_progress
 from serving.api_keys import VLLM_KEY_ENV, CredentialError, SecretRef, bearer, resolve_optional
 from serving.topology import LOCAL_HOSTS, RoleSettings, Topology, WorkerEntryPoint
-from serving.upstream_tls import UpstreamTLS
+from serving.upstream_tls import UpstreamTLS, raise_if_certificate_refused
 from turnscope.core import resources
 from turnscope.core.connector import Connector
 from turnscope.core.contract import Role
@@ -289,9 +289,7 @@ def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None, 
         try:
             ok = httpx.get(url, timeout=2, verify=verify).status_code == 200
         except httpx.ConnectError as exc:
-            if "CERTIFICATE_VERIFY_FAILED" in str(exc):
-                raise ValueError(f"{url}: TLS certificate refused ({exc}); give the authority that signed it "
-                                 "as tls.ca_bundle in the topology (tls.verify: false accepts any)") from None
+            raise_if_certificate_refused(exc, url)
             ok = False
         except httpx.HTTPError:
             ok = False
@@ -350,9 +348,7 @@ class WorkerProcess:
         try:
             ok = httpx.get(self.spec.url + "/health", timeout=2, verify=self.spec.tls.httpx_verify()).status_code == 200
         except httpx.ConnectError as exc:
-            if "CERTIFICATE_VERIFY_FAILED" in str(exc):
-                raise ValueError(f"worker {self.spec.name}: {self.spec.url}: TLS certificate refused ({exc}); give "
-                                 "the authority that signed it as tls.ca_bundle in the topology") from None
+            raise_if_certificate_refused(exc, f"worker {self.spec.name}: {self.spec.url}")
             return False
         except httpx.HTTPError:
             return False
