@@ -93,7 +93,11 @@ class TraceFormat:
     None: not replayable by a workload. ``shipped``: a copy is shipped (``check`` and ``replay`` read
     it when no path is given); False: a workload's ``traces:`` entry must name a path.
     ``empirical``: ``"module:function"`` giving the values of one of ``empirical_fields`` in the
-    shipped copy (a workload's ``kind: empirical`` distribution with ``trace: <name>``); None: none."""
+    shipped copy (a workload's ``kind: empirical`` distribution with ``trace: <name>``); None: none.
+    ``clock``: :data:`SHARED_CLOCK` (every session of a file on one timeline: the trace records its
+    own load) or :data:`OWN_CLOCK` (each file one session tree from t = 0: the load is the
+    operator's input, ``turnscope.planner.load``). ``sessions``: the format says which requests
+    belong to one session (False: every row is its own one-request session, reuse unknown)."""
 
     name: str
     detect: Callable[[Sniff], bool] | None = None
@@ -103,7 +107,14 @@ class TraceFormat:
     shipped: bool = True
     empirical: str | None = None
     empirical_fields: tuple[str, ...] = ()
+    clock: str = "shared"
+    sessions: bool = True
 
+
+#: A format whose files put every session on one timeline (the trace records its load).
+SHARED_CLOCK = "shared"
+#: A format whose every file is one session tree on its own clock from t = 0 (no recorded load).
+OWN_CLOCK = "own"
 
 _FORMATS: dict[str, TraceFormat] = {}
 
@@ -132,13 +143,13 @@ register(TraceFormat("azure", detect=lambda s: not s.is_dir and s.suffix == ".cs
                      requests="loadgen.traces.agent_sources:azure_requests",
                      check="loadgen.traces.azure:load_azure", replay="loadgen.traces.azure:plan_azure",
                      empirical="loadgen.traces.azure:empirical_values",
-                     empirical_fields=("context_tokens", "generated_tokens", "interarrival_s")))
+                     empirical_fields=("context_tokens", "generated_tokens", "interarrival_s"), sessions=False))
 register(TraceFormat("kv_cache_tester",
                      detect=lambda s: s.is_dir or (s.is_json_object and (s.first_object is None
                                                                            or "requests" in s.first_object)),
                      requests="loadgen.traces.kv_cache_tester:iter_kv_cache_tester",
                      check="loadgen.traces.kv_cache_tester:read_kv_cache_tester",
-                     replay="loadgen.traces.kv_cache_tester:plan_kv_cache_tester"))
+                     replay="loadgen.traces.kv_cache_tester:plan_kv_cache_tester", clock=OWN_CLOCK))
 register(TraceFormat("mooncake", detect=lambda s: s.first_has("hash_ids", "timestamp"),
                      requests="loadgen.traces.agent_sources:mooncake_requests",
                      check="loadgen.traces.mooncake:load_mooncake", replay="loadgen.traces.mooncake:plan_mooncake",

@@ -60,6 +60,7 @@ from turnscope.core import reuse_rules as rules
 from turnscope.core.contract import HIT, Role
 from turnscope.planner import intervals
 from turnscope.planner.intervals import HandleReads
+from turnscope.planner.overload import Overload
 from turnscope.planner.profile import CostProfile, GiB
 from turnscope.planner.simulate import (
     OUTCOMES,
@@ -70,6 +71,7 @@ from turnscope.planner.simulate import (
     PrefillTtft,
     Traffic,
     finish_times,
+    mode_overload,
     one_way_decode,
     own_cache_hits,
     plan,
@@ -171,6 +173,9 @@ class StrategyForecast:
     host_gib_s: float
     d_full_events: int
     reads: HandleReads | None = None
+    queue_wait_s: np.ndarray | None = None
+    decode_wait_s: np.ndarray | None = None
+    overload: Overload | None = None
 
 
 def handle_reads(tr: Traffic, profile: CostProfile, settings: PlanSettings, outcome: np.ndarray,
@@ -232,29 +237,36 @@ def forecast_strategy(tr: Traffic, profile: CostProfile, settings: PlanSettings,
     zeros = np.zeros(len(tr), dtype=np.int64)
     if strategy == RECOMPUTE:
         m: ModePlan = plan(tr, profile, settings.model_copy(update={"modes": (mode,)})).modes[mode]
+        d_wait = m.decode_wait_s if m.decode_wait_s.size else np.zeros(len(tr))
         return StrategyForecast(strategy, mode, zeros, zeros, zeros, m.ttft_s,
-                                profile.prefill_compute_s(mode, tr.input_tokens, zeros), 0.0, 0.0, 0.0, 0)
+                                profile.prefill_compute_s(mode, tr.input_tokens, zeros), 0.0, 0.0, 0.0, 0,
+                                queue_wait_s=m.queue_wait_s, decode_wait_s=d_wait, overload=m.overload)
     if gpu is None:
         gpu = lru_tier(tr, profile.capacity_tokens(Role.PREFILL), block, settings.prefill_workers, settings.routing,
                        profile.kv_bytes_per_token.value, settings.shared_prefix_tokens)
     local, host_read, host = gpu.hits, zeros, None
     if strategy in HOST_STRATEGIES:
         local, host_read, host = _with_host(tr, profile, settings, gpu)
-    pulled, d_gib_s, d_full, reads = zeros, 0.0, 0, None
+    pulled, d_gib_s, d_full, reads, held_t, held_b = zeros, 0.0, 0, None, None, None
     prefill = PrefillTtft(tr, settings, mode, StrategyCost(tr, profile, settings, mode,
                                                            None if host is None else host_read))
     if strategy in BIDIR_STRATEGIES:
         r = simulate_bidir(tr, profile, settings, local, finish, prefill)
         pulled, local, d_full, ttft = r.pulled, r.local, r.d_full, r.ttft_s
+        p_wait, d_wait = r.queue_wait_s, r.decode_wait_s
         d_gib_s = r.pinned.held_gib_s()
+        held_t, held_b = np.asarray(r.pinned.t), np.asarray(r.pinned.b)
         reads = handle_reads(tr, profile, settings, np.asarray(OUTCOMES, dtype=object)[r.outcome], r.ages, local,
                              pulled)
     else:
-        ttft, _ = prefill.all(local, pulled, np.zeros(len(tr), dtype=bool))
-        ttft = ttft + one_way_decode(tr, profile, settings, ttft).wait_s
+        ttft, p_wait = prefill.all(local, pulled, np.zeros(len(tr), dtype=bool))
+        d_wait = one_way_decode(tr, profile, settings, ttft).wait_s
+        ttft = ttft + d_wait
     compute = profile.prefill_compute_s(mode, tr.input_tokens, local + pulled)
+    overload = mode_overload(tr, profile, settings, mode, compute, prefill.server, ttft, p_wait, d_wait, held_t,
+                             held_b)
     return StrategyForecast(strategy, mode, local, host_read, pulled, ttft, compute, gpu.held_gib_s(end_s), d_gib_s,
-                            0.0 if host is None else host.held_gib_s(end_s), d_full, reads)
+                            0.0 if host is None else host.held_gib_s(end_s), d_full, reads, p_wait, d_wait, overload)
 
 
 @dataclass

@@ -74,6 +74,7 @@ from turnscope.planner.decode_admission import DecodeAdmission, DecodeSpace, Han
 from turnscope.planner.pinned_blocks import PinnedBlocks
 from turnscope.planner.pinned_kv import LOST, Handle, HandleLedger
 from turnscope.planner.profile import MODES, CostProfile, GiB
+from turnscope.planner.overload import Overload, decode_overload, first_overload, never_drains, prefill_overload
 from turnscope.planner.queueing import shared_core_waits
 
 #: The new outcome: the session's handle was not kept because D's KV space was full.
@@ -238,6 +239,7 @@ class ModePlan:
     prompt_tokens: np.ndarray | None = None
     decode_wait_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
     d_peak_in_use_bytes: float = np.nan
+    overload: Overload | None = None
 
     @property
     def recomputed_tokens(self) -> np.ndarray:
@@ -287,6 +289,7 @@ class ModePlan:
                 held_b.append(m.held_bytes)
                 end = float(held_t[-1][-1])
             out.d_full_events += m.d_full_events
+            out.overload = first_overload(out.overload, m.overload)
             if not np.isnan(m.d_peak_in_use_bytes):
                 out.d_peak_in_use_bytes = float(np.nanmax([out.d_peak_in_use_bytes, m.d_peak_in_use_bytes]))
         if held_t:
@@ -384,19 +387,42 @@ class PrefillTtft:
         wait = self.waits(compute)
         return ttft + wait, wait
 
+    def prepare(self, local: np.ndarray, pulled_if_hit: np.ndarray) -> None:
+        """Cost every request at once for the cases :meth:`next` will meet: nothing pulled, without
+        and with a handle taken, and ``pulled_if_hit`` tokens pulled (the session's previous turn's
+        handle, :func:`pull_if_hit`); ``local``: P's own-cache hits. :meth:`next` then looks the
+        cost up (the same figures as costing one request at a time), and costs any other case alone."""
+        n = len(self.tr)
+        rows, zeros = np.arange(n), np.zeros(n, dtype=np.int64)
+        no, yes = np.zeros(n, dtype=bool), np.ones(n, dtype=bool)
+        self._pre = {"local": local.tolist(), "pull": pulled_if_hit.tolist()}
+        for case, (pulled, took) in {"miss": (zeros, no), "took": (zeros, yes), "hit": (pulled_if_hit, yes)}.items():
+            ttft, compute = self.cost(rows, local, pulled, took)
+            self._pre[case] = (ttft.tolist(), compute.tolist())
+
+    def _cost_of(self, i: int, local: int, pulled: int, took: bool) -> tuple[float, float]:
+        pre = getattr(self, "_pre", None)
+        if pre is not None and pre["local"][i] == local:
+            case = ("took" if took else "miss") if pulled == 0 else ("hit" if pre["pull"][i] == pulled else None)
+            if case is not None:
+                ttft, compute = pre[case]
+                return ttft[i], compute[i]
+        ttft, compute = self.cost(np.array([i]), np.array([local]), np.array([pulled]), np.array([took]))
+        return float(ttft[0]), float(compute[0])
+
     def next(self, i: int, local: int, pulled: int, took: bool) -> tuple[float, float]:
         """(TTFT, of which the wait for the prefill worker) of request ``i``, seconds; requests in
         arrival order (Lindley's recursion one step at a time: the same waits as :meth:`all` when no
         worker shares its compute, else provisional: :meth:`settled_waits`)."""
-        ttft, compute = self.cost(np.array([i]), np.array([local]), np.array([pulled]), np.array([took]))
-        self._compute[i] = float(compute[0])
+        ttft, compute = self._cost_of(i, local, pulled, took)
+        self._compute[i] = compute
         wait = 0.0
         if self.queue:
             w, arrival = int(self.server[i]), float(self.tr.arrival_s[i])
             start = max(arrival, self._free_at.get(w, arrival))
             wait = start - arrival
-            self._free_at[w] = start + float(compute[0])
-        return float(ttft[0]) + wait, wait
+            self._free_at[w] = start + compute
+        return ttft + wait, wait
 
     def settled_waits(self) -> np.ndarray:
         """The waits of every request :meth:`next` has seen, with all of them known, seconds."""
@@ -437,6 +463,25 @@ def own_cache_hits(tr: Traffic, capacity_tokens: int | None, block_size: int, wo
                 _, evicted = cache.popitem(last=False)
                 totals[w] -= evicted
     return hits
+
+
+def pull_if_hit(tr: Traffic, local: np.ndarray, block_size: int, threshold: int) -> np.ndarray:
+    """Tokens each request would pull from D were it to find its session's previous request's handle
+    (the rules of :func:`simulate_bidir`, vectorised: :func:`turnscope.core.reuse_rules.usable_handle_tokens`
+    then :func:`~turnscope.core.reuse_rules.tokens_to_pull`); 0 for a session's first request."""
+    n = len(tr)
+    order = np.lexsort((tr.request_index, tr.arrival_s, tr.session_code))
+    prev = np.full(n, -1)
+    same = tr.session_code[order][1:] == tr.session_code[order][:-1]
+    prev[order[1:][same]] = order[:-1][same]
+    has = prev >= 0
+    p = np.maximum(prev, 0)
+    kv = tr.input_tokens[p] + tr.output_tokens[p] - (tr.output_tokens[p] > 0)
+    shared = tr.shared_prefix_tokens
+    usable = np.where(shared >= kv, kv, (shared // block_size) * block_size)
+    count = np.minimum(usable, tr.input_tokens) - local
+    skip = (count <= 0) | ((threshold > 0) & (count > 0) & (count < threshold)) | ~has
+    return np.where(skip, 0, count).astype(np.int64)
 
 
 class BidirResult(NamedTuple):
@@ -512,6 +557,7 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
     c_mis, c_below, c_fail, c_full = (_CODE[MISS_MISMATCH], _CODE[MISS_BELOW_THRESHOLD],
                                       _CODE[MISS_TRANSFER_FAILED], _CODE[MISS_D_FULL])
     took_codes = {_CODE[o] for o in TOOK_HANDLE}
+    prefill.prepare(local, pull_if_hit(tr, local, block, threshold))
     for i in range(n_req):
         t = float(arrival[i])
         s = int(codes[i])
@@ -588,6 +634,28 @@ def one_way_decode(tr: Traffic, profile: CostProfile, settings: PlanSettings, tt
         return OneWayDecode(np.zeros(len(tr)), np.nan)
     queue = one_way_admission(tr.arrival_s + ttft_s, space.need_blocks, space.hold_s, space.capacity_blocks)
     return OneWayDecode(np.array([queue.wait_s[j] for j in range(len(tr))]), queue.peak_in_use_blocks)
+
+
+def mode_overload(tr: Traffic, profile: CostProfile, settings: PlanSettings, mode: str, compute_s: np.ndarray,
+                  server: np.ndarray, ttft_s: np.ndarray, queue_wait_s: np.ndarray,
+                  decode_wait_s: np.ndarray, held_t_s: np.ndarray | None = None,
+                  held_bytes: np.ndarray | None = None) -> Overload | None:
+    """Whether ``mode``'s deployment keeps up with ``tr`` (:mod:`turnscope.planner.overload`): its
+    prefill (or aggregated) servers by the compute each request holds them for (``compute_s``,
+    seconds; ``server``: each request's compute server, :attr:`PrefillTtft.server`), its D by KV
+    space (P/D modes where D's queue is modelled; ``held_t_s``/``held_bytes``: D's pinned KV over
+    time in bidirectional modes), and every TTFT within an eighth of the horizon. None: it keeps up."""
+    kind = serving_mode(mode)
+    role = Role.PREFILL if kind.disaggregated else Role.AGGREGATED
+    found = [prefill_overload(tr.arrival_s, compute_s, server, role)]
+    space = decode_space(tr, profile, settings) if kind.disaggregated else None
+    if space is not None:
+        block_bytes = (settings.block_size or profile.block_size) * profile.kv_bytes_per_token.value
+        held = None if held_bytes is None else np.asarray(held_bytes, dtype=float) / block_bytes
+        found.append(decode_overload(tr.arrival_s, space.need_blocks, space.hold_s, space.capacity_blocks,
+                                     held_t_s, held))
+    found.append(never_drains(tr.arrival_s, ttft_s, queue_wait_s, decode_wait_s, role))
+    return first_overload(*found)
 
 
 def finish_times(tr: Traffic, profile: CostProfile) -> np.ndarray:
@@ -668,8 +736,11 @@ def plan(requests: Iterable[AgentRequest] | Traffic, profile: CostProfile,
                          "own (open loop): a request that arrives while its session's previous one is still being "
                          "served (queued on P or D) finds no handle (miss_consumed), where a client that waits for "
                          "the reply would have sent it later.")
+        compute = profile.prefill_compute_s(mode, n, local + pulled)
         mp = ModePlan(mode, outcome, pulled, local, ttft, ages, wait, held_t, held_b, d_full, decode_wait_s=d_wait,
-                      d_peak_in_use_bytes=d_peak * block * profile.kv_bytes_per_token.value)
+                      d_peak_in_use_bytes=d_peak * block * profile.kv_bytes_per_token.value,
+                      overload=mode_overload(tr, profile, settings, mode, compute, prefill.server, ttft, wait, d_wait,
+                                             held_t, held_b))
         mp.prompt_tokens = n
         out[mode] = mp
     return Plan(tr, profile, settings, out, notes)

@@ -1,0 +1,137 @@
+"""Overload: a deployment whose arrivals outpace one of its roles has no TTFT to forecast, only a
+queue that grows for as long as the load lasts (docs/planner/load.md). The planner names it
+("overloaded: P at 3.4x its capacity") and prints no TTFT and no speed-up for it.
+
+A role is overloaded when, over any eighth of the traffic's horizon (first to last arrival,
+:data:`WINDOWS` equal windows), the work offered to its busiest server is at least that window's
+length (utilisation >= 1: its queue grew through a whole window), or when a forecast TTFT is
+longer than a window (a request waited through a whole window):
+
+* **P** (prefill, or the aggregated worker): work = each request's compute on its worker
+  (``c(n) - c(cached)``, seconds: :meth:`turnscope.planner.profile.CostProfile.prefill_compute_s`),
+  counted in the window of its arrival, per compute server (a worker, or the workers that share
+  cores: :mod:`turnscope.planner.queueing`);
+* **D** (decode, P/D modes with D's KV space modelled): work = the KV blocks a request holds times
+  its decode time, plus (bidirectional modes) the blocks D keeps pinned for sessions' next turns
+  over the window, against D's KV space (all D workers' blocks) times the window: KV space is what
+  D's admission queue waits for (:mod:`turnscope.planner.decode_admission`).
+
+The utilisation test is the textbook stability condition of a queue (rho < 1, e.g. L. Kleinrock,
+"Queueing Systems, Vol. 1", 1975, ch. 1), applied per window so that a load ramping up, peaking
+and draining (sessions drawn over a finite horizon) is judged at its peak, not on its average.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from turnscope.core.contract import Role
+
+#: The horizon is cut into this many equal windows; a role is judged on its busiest one.
+WINDOWS = 8
+_SHORT = {Role.PREFILL: "P", Role.DECODE: "D", Role.AGGREGATED: "the aggregated worker"}
+
+
+@dataclass(frozen=True)
+class Overload:
+    """An overloaded role: ``role``, ``factor`` (work offered over capacity in its busiest window, >=
+    1; NaN when only the TTFT-past-the-horizon test found it) and ``why`` (the words)."""
+
+    role: str
+    factor: float
+    why: str
+
+    def text(self) -> str:
+        """E.g. "overloaded: P at 3.4x its capacity"."""
+        return f"overloaded: {self.why}"
+
+
+def window_utilisation(arrival_s: np.ndarray, work: np.ndarray, server: np.ndarray, capacity: float = 1.0,
+                       windows: int = WINDOWS) -> float:
+    """The busiest (server, window) utilisation: work offered in a window (each request's ``work``
+    counted at its ``arrival_s``) over ``capacity x`` the window's length; 0 for an empty traffic or
+    a horizon of 0 s (a single burst: judged by the TTFT test alone)."""
+    if len(arrival_s) == 0:
+        return 0.0
+    t0, t1 = float(arrival_s.min()), float(arrival_s.max())
+    span = t1 - t0
+    if span <= 0:
+        return 0.0
+    window = np.minimum(((arrival_s - t0) / span * windows).astype(np.int64), windows - 1)
+    labels, srv = np.unique(server, return_inverse=True)
+    offered = np.zeros((len(labels), windows))
+    np.add.at(offered, (srv, window), work)
+    return float(offered.max() / (capacity * span / windows))
+
+
+def prefill_overload(arrival_s: np.ndarray, compute_s: np.ndarray, server: np.ndarray,
+                     role: str = Role.PREFILL) -> Overload | None:
+    """P (or the aggregated worker) overloaded by utilisation (see the module doc), or None."""
+    u = window_utilisation(arrival_s, compute_s, server)
+    if u < 1.0:
+        return None
+    return Overload(role, u, f"{_SHORT[role]} at {u:,.1f}x its capacity")
+
+
+def held_per_window(t0_s: float, t1_s: float, held_t_s: np.ndarray, held_blocks: np.ndarray,
+                    windows: int = WINDOWS) -> np.ndarray:
+    """Block-seconds a step function (``held_blocks`` from each ``held_t_s`` on, ascending) holds in
+    each of ``windows`` equal windows of ``[t0_s, t1_s]``; zeros when it is empty."""
+    out = np.zeros(windows)
+    if held_t_s.size == 0 or t1_s <= t0_s:
+        return out
+    edges = np.linspace(t0_s, t1_s, windows + 1)
+    t = np.concatenate((held_t_s, [max(t1_s, float(held_t_s[-1]))]))
+    area = np.concatenate(([0.0], np.cumsum(held_blocks * np.diff(t))))   # integral up to each t
+    cum = np.interp(edges, t, area, left=0.0)
+    return np.diff(cum)
+
+
+def decode_overload(arrival_s: np.ndarray, need_blocks: np.ndarray, hold_s: np.ndarray, capacity_blocks: float,
+                    held_t_s: np.ndarray | None = None, held_blocks: np.ndarray | None = None) -> Overload | None:
+    """D overloaded by KV space (see the module doc), or None (also when D's space is 0 blocks).
+    ``held_t_s``/``held_blocks``: D's pinned blocks over time (bidirectional modes: the turns it
+    keeps), counted in each window next to the running requests."""
+    if capacity_blocks <= 0 or len(arrival_s) == 0:
+        return None
+    t0, t1 = float(arrival_s.min()), float(arrival_s.max())
+    span = t1 - t0
+    if span <= 0:
+        return None
+    window = np.minimum(((arrival_s - t0) / span * WINDOWS).astype(np.int64), WINDOWS - 1)
+    offered = np.bincount(window, weights=need_blocks * hold_s, minlength=WINDOWS)
+    pinned = np.zeros(WINDOWS)
+    if held_t_s is not None and held_blocks is not None:
+        pinned = held_per_window(t0, t1, np.asarray(held_t_s, dtype=float), np.asarray(held_blocks, dtype=float))
+    u = float(((offered + pinned) / (capacity_blocks * span / WINDOWS)).max())
+    if u < 1.0:
+        return None
+    what = "its KV space (running requests and pinned turns)" if pinned.any() else "its KV space"
+    return Overload(Role.DECODE, u, f"D at {u:,.1f}x {what}")
+
+
+def never_drains(arrival_s: np.ndarray, ttft_s: np.ndarray, queue_wait_s: np.ndarray,
+                 decode_wait_s: np.ndarray, role: str = Role.PREFILL) -> Overload | None:
+    """Overloaded when a forecast TTFT is longer than a window (an eighth of the horizon: the queue
+    grew through a whole window); the role whose wait is longer is named. None otherwise."""
+    if len(arrival_s) < 2:
+        return None
+    window = float(arrival_s.max() - arrival_s.min()) / WINDOWS
+    worst = int(np.argmax(ttft_s))
+    if window <= 0 or float(ttft_s[worst]) <= window:
+        return None
+    d_wait = float(decode_wait_s[worst]) if decode_wait_s.size else 0.0
+    on = Role.DECODE if d_wait > float(queue_wait_s[worst]) else role
+    return Overload(on, float("nan"), f"{_SHORT[on]}'s queue grows through the load: a TTFT of "
+                                      f"{ttft_s[worst]:,.0f} s, longer than an eighth of the horizon "
+                                      f"({window:,.0f} s)")
+
+
+def first_overload(*found: Overload | None) -> Overload | None:
+    """The worst of the overloads found (highest factor; one without a factor last), or None."""
+    real = [o for o in found if o is not None]
+    if not real:
+        return None
+    return max(real, key=lambda o: -1.0 if np.isnan(o.factor) else o.factor)
