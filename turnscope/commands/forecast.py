@@ -24,6 +24,43 @@ from turnscope.core.contract import (
 )
 from turnscope.planner.strategies import STRATEGIES, Strategy
 
+SessionsPerHourOpt = Annotated[float | None, typer.Option(
+    help="The load: new sessions per hour, Poisson starts, each a session tree drawn from the traffic's mix "
+         "(docs/planner/load.md). Needed for traces whose files each run on their own clock (kv-cache-tester).")]
+ConcurrentSessionsOpt = Annotated[int | None, typer.Option(
+    help="The load: this many sessions at once, a closed loop at the recorded pace (each slot starts its next "
+         "drawn session when its previous one ends).")]
+LoadScaleOpt = Annotated[float | None, typer.Option(
+    help="The load: the trace's own shared clock sped up by this factor (2: twice the recorded rate). Default "
+         "for shared-clock traces: 1.")]
+SessionsOpt = Annotated[int, typer.Option(help="Session trees drawn for --sessions-per-hour / --concurrent-sessions.")]
+LoadSeedOpt = Annotated[int, typer.Option(help="Seed of the sessions drawn and of the Poisson starts.")]
+
+
+def load_of(sessions_per_hour: float | None, concurrent_sessions: int | None, load_scale: float | None,
+            sessions: int, load_seed: int):
+    """The :class:`turnscope.planner.load.Load` the options name (None: none given). Exits with a
+    clear message when more than one load is given or a value is out of range."""
+    from pydantic import ValidationError
+
+    from turnscope.planner.load import Load, LoadKind
+
+    given = [(k, v) for k, v in ((LoadKind.SESSIONS_PER_HOUR, sessions_per_hour),
+                                 (LoadKind.CONCURRENT_SESSIONS, concurrent_sessions),
+                                 (LoadKind.RECORDED, load_scale)) if v is not None]
+    if len(given) > 1:
+        raise fail("give one load: --sessions-per-hour, --concurrent-sessions or --load-scale")
+    if not given:
+        return None
+    kind, value = given[0]
+    try:
+        return Load(kind=kind, value=value, sessions=sessions, seed=load_seed)
+    except ValidationError as exc:
+        flag = {LoadKind.SESSIONS_PER_HOUR: "--sessions-per-hour", LoadKind.CONCURRENT_SESSIONS:
+                "--concurrent-sessions", LoadKind.RECORDED: "--load-scale"}[kind]
+        raise fail(f"{flag} {value} / --sessions {sessions}: expected a load > 0 and at least one session "
+                   f"({exc.errors()[0]['msg']})") from exc
+
 
 @app.command()
 def traffic(
@@ -208,7 +245,20 @@ def recommend(
         help="Price of one GPU-hour, USD (no default: without it, physical figures only).")] = None,
     host_gib_hour_usd: Annotated[float | None, typer.Option(
         help="Price of one GiB-hour of host memory, USD (no default).")] = None,
-    max_prefill_workers: Annotated[int, typer.Option(help="Search prefill workers 1..this.")] = 1,
+    max_prefill_workers: Annotated[int, typer.Option(help="Fleet sizing: at most this many prefill workers.")] = 16,
+    max_decode_workers: Annotated[int, typer.Option(help="Fleet sizing: at most this many decode workers.")] = 16,
+    sessions_per_hour: SessionsPerHourOpt = None,
+    concurrent_sessions: ConcurrentSessionsOpt = None,
+    load_scale: LoadScaleOpt = None,
+    sessions: SessionsOpt = 400,
+    load_seed: LoadSeedOpt = 0,
+    curve: Annotated[bool, typer.Option("--curve/--no-curve", help="Also forecast each strategy's fleet at 1/4 to "
+                                                                   "4x the load (drawn loads).")] = True,
+    executor: Annotated[str, typer.Option(help="Where the forecasts run: local (this machine's cores) or ray "
+                                               "(a Ray cluster: pip install 'turnscope[ray]').")] = "local",
+    workers: Annotated[int | None, typer.Option(help="local: processes (default: the machine's cores).")] = None,
+    ray_address: Annotated[str | None, typer.Option(help="ray: the cluster's address (default: a local one).")
+                           ] = None,
     serve_model: Annotated[str, typer.Option(help="The model argument to print in the vllm serve flags.")] = "MODEL",
     platform: Annotated[str, typer.Option(help="Render the flags for this platform: gpu or cpu.")] = "gpu",
     topology: Annotated[Path | None, typer.Option(
@@ -224,13 +274,20 @@ def recommend(
     write_topology: Annotated[Path | None, typer.Option(
         help="Write the recommended topology file (data/topologies/*.yaml format) here.")] = None,
 ) -> None:
-    """Recommend what to deploy for a traffic (a FORECAST): the ledger of KV retention strategies
-    (recompute, P's prefix cache, with a host tier, D-retention, both) and the best setting of TTL,
-    threshold, D KV space, P count and routing as a diff of each role's `vllm serve` flags
-    (docs/planner/ledger.md)."""
+    """Recommend what to deploy for a traffic at a load (a FORECAST): the smallest fleet (P and D
+    workers, GPUs) per KV retention strategy that meets the SLO, the cheapest of them, the ledger at
+    the current setting, and the best TTL, threshold, D KV space and routing on that fleet as a diff
+    of each role's `vllm serve` flags (docs/planner/fleet.md, docs/planner/ledger.md). A setting that
+    cannot keep up with the load is named overloaded, with no TTFT."""
     from turnscope.planner.cli_recommend import run_recommend
+    from turnscope.planner.executor import executor_for
     from turnscope.planner.recommend import Setting
 
+    load = load_of(sessions_per_hour, concurrent_sessions, load_scale, sessions, load_seed)
+    try:
+        runner = executor_for(executor, workers, ray_address)
+    except (ValueError, RuntimeError) as exc:
+        raise fail(f"--executor {executor}: {exc}") from exc
     try:
         text = run_recommend(
             [shipped(p, "traces") for p in paths], profile_path=shipped(profile, "profiles"), format=format,
@@ -240,7 +297,8 @@ def recommend(
             margin_s=margin_s, ttft_slo_s=ttft_slo_s, d_kv_gib=d_kv_gib, gpu_hour_usd=gpu_hour_usd,
             host_gib_hour_usd=host_gib_hour_usd, max_prefill_workers=max_prefill_workers, serve_model=serve_model,
             platform=platform, topology_path=topology, store_root=store, label=label,
-            run_ids=split_csv(run_ids) if run_ids else None, write_topology=write_topology)
+            run_ids=split_csv(run_ids) if run_ids else None, write_topology=write_topology, load=load,
+            max_decode_workers=max_decode_workers, executor=runner, curve=curve)
     except (ValueError, OSError, RuntimeError) as exc:
         raise fail(str(exc)) from exc
     typer.echo(text)

@@ -18,8 +18,23 @@ from turnscope.planner.plan_store import new_plan_id, write_recommendation
 from turnscope.planner.profile import GiB, Sourced, load_profile
 from turnscope.planner.recommend import Grid, Limits, Setting, describe, recommend, recommendation_row
 from turnscope.planner.recommend_topology import read_base
+from turnscope.planner import intervals
+from turnscope.planner.executor import Executor, LocalExecutor
+from turnscope.planner.fleet import (
+    CurveJob,
+    FleetJob,
+    FleetLimits,
+    cheapest,
+    curve_row,
+    describe_curve,
+    describe_fleets,
+    fleet_row,
+    load_curve,
+    size_fleets,
+)
+from turnscope.planner.load import Load, at_load, tree_of_formats
 from turnscope.planner.simulate import PlanSettings
-from turnscope.planner.strategies import STRATEGIES
+from turnscope.planner.strategies import HOST_STRATEGIES, STRATEGIES
 
 
 def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | None, current: Setting,
@@ -27,15 +42,21 @@ def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | No
                   host_gib_hour_usd: float | None, max_prefill_workers: int, serve_model: str,
                   shared_prefix_tokens: int | None = None, grid: Grid | None = None, platform: str = "gpu",
                   topology_path: Path | None = None, store_root: Path | None = None, label: str | None = None,
-                  run_ids: Sequence[str] | None = None, write_topology: Path | None = None) -> str:
+                  run_ids: Sequence[str] | None = None, write_topology: Path | None = None, load: Load | None = None,
+                  max_decode_workers: int = 1, executor: Executor | None = None, curve: bool = True) -> str:
     """The whole command. ``topology_path``: the current deployment's topology file, the base of the
     topology diff (None: :func:`turnscope.planner.recommend_topology.default_topology`);
     ``store_root``: write the ledger and recommendation there; ``run_ids``: of a store directory read
     as traffic, only these runs; ``shared_prefix_tokens``: the system prompt sessions share (None:
     from ``run_ids``' recorded first turns, as ``turnscope plan`` takes it from its fitted runs,
     :func:`turnscope.planner.fit.runs_shared_prefix_tokens`; 0 for trace files);
-    ``write_topology``: write the recommended topology file there. Raises ValueError/OSError with a clear
-    message (an unknown strategy, a negative price, an unreadable traffic, profile or topology)."""
+    ``write_topology``: write the recommended topology file there; ``load``: the load every figure is
+    forecast at (:mod:`turnscope.planner.load`; None: the recorded clock, refused for own-clock traces);
+    ``max_prefill_workers``/``max_decode_workers``: the fleet sizes searched
+    (:mod:`turnscope.planner.fleet`); ``executor``: where the forecasts run (default: this machine's
+    cores); ``curve``: forecast each strategy's fleet at a range of loads (drawn loads only). Raises
+    ValueError/OSError with a clear message (an unknown strategy, a negative price, an unreadable
+    traffic, profile or topology, no load for own-clock traces)."""
     if platform not in ("cpu", "gpu"):
         raise ValueError(f"--platform {platform!r}: expected cpu or gpu")
     if current.strategy not in STRATEGIES:
@@ -47,7 +68,10 @@ def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | No
             raise ValueError(f"{name} must not be negative, got {v}")
     prof = load_profile(profile_path)
     topology = read_base(topology_path) if topology_path is not None else None
-    traffic, inputs = read_traffic(paths, format, run_ids)
+    mix, inputs = read_traffic(paths, format, run_ids)
+    formats = [i["format"] for i in inputs]
+    loaded = at_load(mix, formats, load)
+    traffic = loaded.traffic
     if shared_prefix_tokens is None:   # as `turnscope plan` takes it: from recorded runs, P's first-turn hits
         stores = [Store(Path(i["path"])) for i in inputs if i["format"] == RECORDED_RUNS]
         shared_prefix_tokens = runs_shared_prefix_tokens(stores[0], run_ids) if len(stores) == 1 else 0
@@ -60,11 +84,32 @@ def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | No
     at = base.model_copy(update={"decoder_kv_blocks_ttl_s": current.ttl_s, "kv_recompute_threshold": current.threshold,
                                  "prefill_workers": current.prefill_workers, "decode_workers": current.decode_workers,
                                  "routing": current.routing})
-    head = f"Traffic: {', '.join(i['path'] + ' (' + i['format'] + ')' for i in inputs)}; {len(traffic):,} requests."
+    executor = executor or LocalExecutor()
+    head = (f"{prof.label()} of {', '.join(i['path'] + ' (' + i['format'] + ')' for i in inputs)} at a load of "
+            f"{loaded.label()}.\n  intervals: {intervals.source_line(prof)}")
+    fleet_limits = FleetLimits(ttft_slo_s, max_prefill_workers, max_decode_workers, limits.decode_kv_bytes, prices)
+    strategies = tuple(s for s in STRATEGIES if s not in HOST_STRATEGIES
+                       or (prof.host_kv_space_bytes is not None and prof.host_read_bandwidth_bytes_per_s is not None))
+    searches = size_fleets(FleetJob(traffic, prof, base, fleet_limits), strategies, executor)
+    chosen = cheapest(searches, prices.gpu_hour_usd is not None)
+    fleets_text = describe_fleets(searches, chosen, loaded, prof, fleet_limits)
     led = ledger(traffic, prof, at, prices)
     table = describe_ledger(led, prof, at, prices)
-    rec = recommend(traffic, prof, base, current, limits, grid or Grid())
-    text = "\n\n".join([head, table, describe(rec, prof, base, limits, serve_model, platform, topology)])
+    sized = {s.strategy: [(s.closest.fleet.prefill_workers, s.closest.fleet.decode_workers)] for s in searches}
+    if chosen is not None:   # every strategy's knobs also on the cheapest fleet (a shorter TTL may fit it)
+        for s in searches:
+            sized[s.strategy].append((chosen.fleet.prefill_workers, chosen.fleet.decode_workers))
+    rec = recommend(traffic, prof, base, current, limits, grid or Grid(), sized, executor)
+    points = []
+    if curve and loaded.load.drawn:
+        job = CurveJob(mix, tree_of_formats(formats), prof, base, fleet_limits)
+        points = load_curve(job, {s.strategy: s.closest.fleet for s in searches}, loaded.load, executor)
+    parts = [head, fleets_text]
+    if points:
+        parts.append(describe_curve(points, loaded.load, fleet_limits))
+    parts += [f"At the current setting ({current.label()}):\n" + table,
+              describe(rec, prof, base, limits, serve_model, platform, topology)]
+    text = "\n\n".join(parts)
     if write_topology is not None:
         from turnscope.planner.recommend_topology import default_topology, model_seen_from, topology_diff
 
@@ -77,10 +122,14 @@ def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | No
         text += f"\n\nRecommended topology written to {write_topology}."
     if store_root is not None:
         store, plan_id = Store(Path(store_root)), new_plan_id()
-        notes = [(f"a recommendation (`turnscope recommend`): the ledger at the current setting ({current.label()}) "
-                  f"and the recommended setting, {len(rec.searched)} settings searched; no per-request forecast")]
+        notes = [(f"a recommendation (`turnscope recommend`) at a load of {loaded.label()}: the smallest fleet per "
+                  f"strategy, the ledger at the current setting ({current.label()}) and the recommended setting, "
+                  f"{len(rec.searched)} settings searched; no per-request forecast")]
         write_recommendation(store, plan_id=plan_id, label=label, inputs=inputs, profile=prof, settings=at,
                              notes=notes, requests=len(traffic), ledger=led,
-                             recommendation=recommendation_row(rec, prof, serve_model, platform, topology))
+                             recommendation=recommendation_row(rec, prof, serve_model, platform, topology),
+                             fleets=[fleet_row(s.closest, loaded, fleet_limits, s.best is not None and s.best is chosen,
+                                               len(s.searched)) for s in searches],
+                             curve=[curve_row(p, fleet_limits) for p in points])
         text += f"\n\nWritten to {store.root} as plan {plan_id}."
     return text

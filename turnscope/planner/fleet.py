@@ -397,3 +397,23 @@ def describe_fleets(searches: list[FleetSearch], chosen: FleetForecast | None, l
 def fleet_dict(f: Fleet) -> dict:
     """The fleet as a plain dict (for JSON)."""
     return asdict(f)
+
+
+def describe_curve(points: list[CurvePoint], load: Load, limits: FleetLimits) -> str:
+    """Each strategy's fleet against load in plain text: its p90 TTFT at each load, or its overload."""
+    from turnscope.planner.load import LOAD_UNITS
+
+    unit = LOAD_UNITS[load.kind]
+    lines = [f"Each strategy's fleet at other loads ({unit}; p90 TTFT, or the overload; SLO "
+             f"{'none' if limits.ttft_slo_s is None else f'{limits.ttft_slo_s:g} s'}):"]
+    by: dict[tuple[str, Fleet], list[CurvePoint]] = {}
+    for p in points:
+        by.setdefault((p.strategy, p.fleet), []).append(p)
+    for (strategy, fleet), ps in by.items():
+        cells = []
+        for p in sorted(ps, key=lambda p: p.load.value):
+            e = p.forecast
+            cells.append(f"{p.load.value:,.4g}: " + (f"overloaded ({e.overload.why})" if e.overload else
+                                                      f"{e.ttft_p90_s * 1e3:,.0f} ms"))
+        lines.append(f"  {strategy:<14} {fleet.label():<7} " + "; ".join(cells))
+    return "\n".join(lines)

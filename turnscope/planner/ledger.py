@@ -52,6 +52,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import pandas as pd
@@ -89,7 +90,7 @@ LEDGER_COLUMNS = ("strategy", "mode", "later_requests", "hit_rate", "hit_rate_in
                   "d_pinned_gib_s", "d_pinned_interval_low_gib_s", "d_pinned_interval_high_gib_s", "host_gib_s",
                   "d_full_events", "prefill_gpu_s_saved", "gpu_memory_usd", "host_memory_usd",
                   "saved_prefill_usd", "memory_usd_per_m_saved_tokens", "net_usd_per_m_saved_tokens",
-                  "interval_note")
+                  "interval_note", "overload", "overload_factor")
 
 
 @dataclass(frozen=True)
@@ -309,17 +310,20 @@ def ledger_row(f: StrategyForecast, base: StrategyForecast, tr: Traffic, profile
         memory_usd = gpu_mem_usd + (host_usd or 0.0)
     net = None if memory_usd is None or saved_usd is None else memory_usd - saved_usd
     hit_rate = float((reused[later] > 0).mean()) if later.any() else np.nan
-    p50 = float(np.median(f.ttft_s[later])) if later.any() else np.nan
-    base_p50 = float(np.median(base.ttft_s[later])) if later.any() else np.nan
+    # an overloaded deployment has no TTFT, and no speed-up is taken against one
+    p50 = float(np.median(f.ttft_s[later])) if later.any() and f.overload is None else np.nan
+    base_p50 = float(np.median(base.ttft_s[later])) if later.any() and base.overload is None else np.nan
     row = {"strategy": f.strategy, "mode": f.mode, "later_requests": int(later.sum()), "hit_rate": hit_rate,
            "reused_tokens": saved_tokens, "host_read_tokens": int(f.host_read.sum()), "ttft_p50_later_s": p50,
-           "ttft_mean_s": float(f.ttft_s.mean()),
+           "ttft_mean_s": float(f.ttft_s.mean()) if f.overload is None else np.nan,
            "speedup_vs_recompute": base_p50 / p50 if p50 > 0 else np.nan, "ttft_saved_s": base_p50 - p50,
            "p_cache_gib_s": f.p_cache_gib_s, "d_pinned_gib_s": f.d_pinned_gib_s, "host_gib_s": f.host_gib_s,
            "d_full_events": f.d_full_events, "prefill_gpu_s_saved": saved_gpu_s, "gpu_memory_usd": gpu_mem_usd,
            "host_memory_usd": host_usd, "saved_prefill_usd": saved_usd,
            "memory_usd_per_m_saved_tokens": _usd_per_m(memory_usd, saved_tokens),
-           "net_usd_per_m_saved_tokens": _usd_per_m(net, saved_tokens)}
+           "net_usd_per_m_saved_tokens": _usd_per_m(net, saved_tokens),
+           "overload": None if f.overload is None else f.overload.text(),
+           "overload_factor": None if f.overload is None else f.overload.factor}
     return row | ledger_intervals(f, base, row, profile)
 
 
@@ -386,11 +390,12 @@ def _money(v: float | None) -> str:
     return f"-${-v:,.4f}" if v < 0 else f"${v:,.4f}"
 
 
-def with_iv(text: str, low: float | None, high: float | None, fmt, unit: str = "") -> str:
+def with_iv(text: str, low: float | None, high: float | None, fmt, unit: str = "", quiet: bool = False) -> str:
     """``text`` with its 80% interval, ``"83.5 ms (80% interval 75.2-100.2 ms)"`` (" to " between
-    the ends when one is negative), or ``"(no held-out interval)"`` where an end is NaN/None."""
+    the ends when one is negative), or ``"(no held-out interval)"`` where an end is NaN/None
+    (``quiet``: ``text`` alone, where the report says once that no figure has one)."""
     if low is None or high is None or pd.isna(low) or pd.isna(high):
-        return f"{text} (no held-out interval)"
+        return text if quiet else f"{text} (no held-out interval)"
     sep = " to " if min(low, high) < 0 else "-"
     return f"{text} (80% interval {fmt(low)}{sep}{fmt(high)}{unit})"
 
@@ -399,23 +404,32 @@ def _ms(x: float) -> str:
     return f"{x * 1e3:,.1f}"
 
 
-def ledger_lines(r) -> list[str]:
+def ledger_lines(r, quiet: bool = False) -> list[str]:
     """One ledger row (a :data:`LEDGER_COLUMNS` record) in words, every forecast with its interval
-    (recompute's hit rate and a one-way strategy's D pinned KV are 0 by construction: no interval)."""
+    (recompute's hit rate and a one-way strategy's D pinned KV are 0 by construction: no interval);
+    ``quiet``: no "(no held-out interval)" per figure (the report says it once). A strategy whose
+    deployment cannot keep up (``overload``, text) gets no TTFT and no speed-up, only its overload."""
+    _iv = partial(with_iv, quiet=quiet)
     hit = (f"{r.hit_rate:.1%} (none reused, by construction)" if r.strategy == RECOMPUTE else
-           with_iv(f"{r.hit_rate:.1%}", r.hit_rate_interval_low, r.hit_rate_interval_high,
+           _iv(f"{r.hit_rate:.1%}", r.hit_rate_interval_low, r.hit_rate_interval_high,
                    lambda x: f"{x * 100:.1f}", "%"))
-    p50 = with_iv(f"{_ms(r.ttft_p50_later_s)} ms", r.ttft_p50_later_interval_low_s, r.ttft_p50_later_interval_high_s,
+    p50 = _iv(f"{_ms(r.ttft_p50_later_s)} ms", r.ttft_p50_later_interval_low_s, r.ttft_p50_later_interval_high_s,
                   _ms, " ms")
-    first = f"  {r.strategy:<14} hit rate {hit}; TTFT p50 (turn 2 on) {p50}"
-    if r.strategy != RECOMPUTE:
-        speed = with_iv(f"{r.speedup_vs_recompute:.2f}x", r.speedup_interval_low, r.speedup_interval_high,
+    over = getattr(r, "overload", None)
+    if isinstance(over, str) and over:
+        first = f"  {r.strategy:<14} hit rate {hit}; {over} (no TTFT, no speed-up)"
+    else:
+        first = f"  {r.strategy:<14} hit rate {hit}; TTFT p50 (turn 2 on) {p50}"
+    if r.strategy != RECOMPUTE and not (isinstance(over, str) and over) and not pd.isna(r.speedup_vs_recompute):
+        speed = _iv(f"{r.speedup_vs_recompute:.2f}x", r.speedup_interval_low, r.speedup_interval_high,
                         lambda x: f"{x:.2f}", "x")
-        saved = with_iv(f"{_ms(r.ttft_saved_s)} ms", r.ttft_saved_interval_low_s, r.ttft_saved_interval_high_s,
+        saved = _iv(f"{_ms(r.ttft_saved_s)} ms", r.ttft_saved_interval_low_s, r.ttft_saved_interval_high_s,
                         _ms, " ms")
         first += f"; vs recompute: speed-up {speed}, TTFT saved {saved}"
+    elif r.strategy != RECOMPUTE and not (isinstance(over, str) and over):
+        first += "; vs recompute: no speed-up (recompute cannot keep up)"
     pinned = (f"{r.d_pinned_gib_s:,.1f}" if r.strategy not in BIDIR_STRATEGIES else
-              with_iv(f"{r.d_pinned_gib_s:,.1f}", r.d_pinned_interval_low_gib_s, r.d_pinned_interval_high_gib_s,
+              _iv(f"{r.d_pinned_gib_s:,.1f}", r.d_pinned_interval_low_gib_s, r.d_pinned_interval_high_gib_s,
                       lambda x: f"{x:,.1f}"))
     second = (f"  {'':<14} held GPU {r.p_cache_gib_s + r.d_pinned_gib_s:,.1f} GiB-s (P cache {r.p_cache_gib_s:,.1f}, "
               f"D pinned {pinned}), host {r.host_gib_s:,.1f} GiB-s; prefill GPU-s saved {r.prefill_gpu_s_saved:,.1f}; "
@@ -439,7 +453,7 @@ def describe_ledger(df: pd.DataFrame, profile: CostProfile, settings: PlanSettin
              f"  intervals: {intervals.source_line(profile)}"]
     notes = []
     for r in df.itertuples():
-        lines += ledger_lines(r)
+        lines += ledger_lines(r, quiet=profile.held_out is None)
         for note in str(r.interval_note).split("; "):
             if note and not note.startswith("80% intervals from") and note not in notes and "never checked" not in note:
                 notes.append(note)

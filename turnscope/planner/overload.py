@@ -3,13 +3,14 @@ queue that grows for as long as the load lasts (docs/planner/load.md). The plann
 ("overloaded: P at 3.4x its capacity") and prints no TTFT and no speed-up for it.
 
 A role is overloaded when, over any eighth of the traffic's horizon (first to last arrival,
-:data:`WINDOWS` equal windows), the work offered to its busiest server is at least that window's
-length (utilisation >= 1: its queue grew through a whole window), or when a forecast TTFT is
-longer than a window (a request waited through a whole window):
+:data:`WINDOWS` equal windows), the work its busiest server is asked for exceeds that window's
+length (utilisation above 1: its queue grew through a whole window; each request's work counted
+over the time from its arrival on, as if it started then), or when a request's forecast wait is
+longer than a window (it waited through a whole window):
 
 * **P** (prefill, or the aggregated worker): work = each request's compute on its worker
   (``c(n) - c(cached)``, seconds: :meth:`turnscope.planner.profile.CostProfile.prefill_compute_s`),
-  counted in the window of its arrival, per compute server (a worker, or the workers that share
+  per compute server (a worker, or the workers that share
   cores: :mod:`turnscope.planner.queueing`);
 * **D** (decode, P/D modes with D's KV space modelled): work = the KV blocks a request holds times
   its decode time, plus (bidirectional modes) the blocks D keeps pinned for sessions' next turns
@@ -36,7 +37,7 @@ _SHORT = {Role.PREFILL: "P", Role.DECODE: "D", Role.AGGREGATED: "the aggregated 
 
 @dataclass(frozen=True)
 class Overload:
-    """An overloaded role: ``role``, ``factor`` (work offered over capacity in its busiest window, >=
+    """An overloaded role: ``role``, ``factor`` (work asked for over capacity in its busiest window, >
     1; NaN when only the TTFT-past-the-horizon test found it) and ``why`` (the words)."""
 
     role: str
@@ -48,29 +49,44 @@ class Overload:
         return f"overloaded: {self.why}"
 
 
-def window_utilisation(arrival_s: np.ndarray, work: np.ndarray, server: np.ndarray, capacity: float = 1.0,
-                       windows: int = WINDOWS) -> float:
-    """The busiest (server, window) utilisation: work offered in a window (each request's ``work``
-    counted at its ``arrival_s``) over ``capacity x`` the window's length; 0 for an empty traffic or
-    a horizon of 0 s (a single burst: judged by the TTFT test alone)."""
+def _edges(arrival_s: np.ndarray, windows: int) -> np.ndarray | None:
+    """The window edges over the traffic's horizon (first to last arrival), or None when it has none."""
     if len(arrival_s) == 0:
-        return 0.0
+        return None
     t0, t1 = float(arrival_s.min()), float(arrival_s.max())
-    span = t1 - t0
-    if span <= 0:
+    return None if t1 <= t0 else np.linspace(t0, t1, windows + 1)
+
+
+def demand_per_window(edges: np.ndarray, start_s: np.ndarray, duration_s: np.ndarray,
+                      weight: np.ndarray) -> np.ndarray:
+    """Per request and window, ``weight`` x the seconds of ``[start_s, start_s + duration_s]`` that lie
+    in the window: an array of shape (requests, windows)."""
+    lo, hi = edges[:-1][None, :], edges[1:][None, :]
+    s = start_s[:, None]
+    e = s + duration_s[:, None]
+    return np.clip(np.minimum(e, hi) - np.maximum(s, lo), 0.0, None) * weight[:, None]
+
+
+def window_utilisation(arrival_s: np.ndarray, work_s: np.ndarray, server: np.ndarray, windows: int = WINDOWS) -> float:
+    """The busiest (server, window) utilisation: the compute each request demands (``work_s``
+    seconds, from its arrival on, as if it started then) that falls in a window, summed per server,
+    over the window's length; 0 for an empty traffic or a horizon of 0 s (a single burst: judged by
+    the TTFT test alone). Above 1: the server was asked for more work in that window than it has."""
+    edges = _edges(arrival_s, windows)
+    if edges is None:
         return 0.0
-    window = np.minimum(((arrival_s - t0) / span * windows).astype(np.int64), windows - 1)
+    demand = demand_per_window(edges, arrival_s, work_s, np.ones(len(arrival_s)))
     labels, srv = np.unique(server, return_inverse=True)
-    offered = np.zeros((len(labels), windows))
-    np.add.at(offered, (srv, window), work)
-    return float(offered.max() / (capacity * span / windows))
+    per = np.zeros((len(labels), windows))
+    np.add.at(per, srv, demand)
+    return float(per.max() / (edges[1] - edges[0]))
 
 
 def prefill_overload(arrival_s: np.ndarray, compute_s: np.ndarray, server: np.ndarray,
                      role: str = Role.PREFILL) -> Overload | None:
-    """P (or the aggregated worker) overloaded by utilisation (see the module doc), or None."""
+    """P (or the aggregated worker) overloaded by utilisation above 1 (see the module doc), or None."""
     u = window_utilisation(arrival_s, compute_s, server)
-    if u < 1.0:
+    if u <= 1.0 + 1e-9:
         return None
     return Overload(role, u, f"{_SHORT[role]} at {u:,.1f}x its capacity")
 
@@ -94,19 +110,17 @@ def decode_overload(arrival_s: np.ndarray, need_blocks: np.ndarray, hold_s: np.n
     """D overloaded by KV space (see the module doc), or None (also when D's space is 0 blocks).
     ``held_t_s``/``held_blocks``: D's pinned blocks over time (bidirectional modes: the turns it
     keeps), counted in each window next to the running requests."""
-    if capacity_blocks <= 0 or len(arrival_s) == 0:
+    edges = _edges(arrival_s, WINDOWS)
+    if capacity_blocks <= 0 or edges is None:
         return None
-    t0, t1 = float(arrival_s.min()), float(arrival_s.max())
-    span = t1 - t0
-    if span <= 0:
-        return None
-    window = np.minimum(((arrival_s - t0) / span * WINDOWS).astype(np.int64), WINDOWS - 1)
-    offered = np.bincount(window, weights=need_blocks * hold_s, minlength=WINDOWS)
+    running = demand_per_window(edges, arrival_s, np.asarray(hold_s, dtype=float),
+                                np.asarray(need_blocks, dtype=float)).sum(axis=0)
     pinned = np.zeros(WINDOWS)
     if held_t_s is not None and held_blocks is not None:
-        pinned = held_per_window(t0, t1, np.asarray(held_t_s, dtype=float), np.asarray(held_blocks, dtype=float))
-    u = float(((offered + pinned) / (capacity_blocks * span / WINDOWS)).max())
-    if u < 1.0:
+        pinned = held_per_window(float(edges[0]), float(edges[-1]), np.asarray(held_t_s, dtype=float),
+                                 np.asarray(held_blocks, dtype=float))
+    u = float(((running + pinned) / (capacity_blocks * (edges[1] - edges[0]))).max())
+    if u <= 1.0 + 1e-9:
         return None
     what = "its KV space (running requests and pinned turns)" if pinned.any() else "its KV space"
     return Overload(Role.DECODE, u, f"D at {u:,.1f}x {what}")
@@ -114,19 +128,21 @@ def decode_overload(arrival_s: np.ndarray, need_blocks: np.ndarray, hold_s: np.n
 
 def never_drains(arrival_s: np.ndarray, ttft_s: np.ndarray, queue_wait_s: np.ndarray,
                  decode_wait_s: np.ndarray, role: str = Role.PREFILL) -> Overload | None:
-    """Overloaded when a forecast TTFT is longer than a window (an eighth of the horizon: the queue
-    grew through a whole window); the role whose wait is longer is named. None otherwise."""
+    """Overloaded when a request waited (for its prefill worker plus on D) longer than a window (an
+    eighth of the horizon: the queue grew through a whole window); the role it waited on longer is
+    named. None otherwise."""
     if len(arrival_s) < 2:
         return None
     window = float(arrival_s.max() - arrival_s.min()) / WINDOWS
-    worst = int(np.argmax(ttft_s))
-    if window <= 0 or float(ttft_s[worst]) <= window:
+    d_wait = decode_wait_s if decode_wait_s.size else np.zeros(len(arrival_s))
+    waits = queue_wait_s + d_wait
+    worst = int(np.argmax(waits))
+    if window <= 0 or float(waits[worst]) <= window:
         return None
-    d_wait = float(decode_wait_s[worst]) if decode_wait_s.size else 0.0
-    on = Role.DECODE if d_wait > float(queue_wait_s[worst]) else role
-    return Overload(on, float("nan"), f"{_SHORT[on]}'s queue grows through the load: a TTFT of "
-                                      f"{ttft_s[worst]:,.0f} s, longer than an eighth of the horizon "
-                                      f"({window:,.0f} s)")
+    on = Role.DECODE if float(d_wait[worst]) > float(queue_wait_s[worst]) else role
+    return Overload(on, float("nan"), f"{_SHORT[on]}'s queue grows through the load: a request waited "
+                                      f"{waits[worst]:,.0f} s (TTFT {ttft_s[worst]:,.0f} s), longer than an eighth "
+                                      f"of the horizon ({window:,.0f} s)")
 
 
 def first_overload(*found: Overload | None) -> Overload | None:

@@ -83,11 +83,13 @@ def write_plan(store: Store, p: Plan, *, plan_id: str, label: str | None, inputs
 
 
 def write_recommendation(store: Store, *, plan_id: str, label: str | None, inputs: list[dict], profile, settings,
-                         notes: list[str], requests: int, ledger: pd.DataFrame, recommendation: dict) -> None:
+                         notes: list[str], requests: int, ledger: pd.DataFrame, recommendation: dict,
+                         fleets: Sequence[dict] = (), curve: Sequence[dict] = ()) -> None:
     """Append one recommendation: its ``plan_log`` row (``profile``: a CostProfile, ``settings``:
     the PlanSettings of the current setting), the ``plan_ledger`` rows (``ledger``:
-    :func:`turnscope.planner.ledger.ledger`) and the ``plan_recommendations`` row
-    (:func:`turnscope.planner.recommend.recommendation_row`)."""
+    :func:`turnscope.planner.ledger.ledger`), the ``plan_recommendations`` row
+    (:func:`turnscope.planner.recommend.recommendation_row`), and the ``plan_fleets`` and
+    ``plan_load_curve`` rows (:func:`turnscope.planner.fleet.fleet_row`, :func:`~turnscope.planner.fleet.curve_row`)."""
     store.init()
     with store.writer(plan_id, "planner") as w:
         w.append("plan_log", {"plan_id": plan_id, "label": label, "created_at": dt.datetime.now(dt.UTC),
@@ -98,3 +100,6 @@ def write_recommendation(store: Store, *, plan_id: str, label: str | None, input
         for row in _rows(ledger, ("later_requests", "reused_tokens", "host_read_tokens", "d_full_events")):
             w.append("plan_ledger", {"plan_id": plan_id} | row)
         w.append("plan_recommendations", {"plan_id": plan_id} | {k: _clean(v) for k, v in recommendation.items()})
+        for table, rows in (("plan_fleets", fleets), ("plan_load_curve", curve)):
+            for row in rows:
+                w.append(table, {"plan_id": plan_id} | {k: _clean(v) for k, v in row.items()})

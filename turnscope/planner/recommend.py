@@ -33,13 +33,17 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import numpy as np
 
 from turnscope.core.connector import Connector
 from turnscope.core.contract import Role
 from turnscope.planner import intervals
-from turnscope.planner.ledger import Prices, forecast_strategy, ledger_row, with_iv
+from turnscope.planner.executor import Executor, LocalExecutor
+from turnscope.planner.ledger import Prices, forecast_strategy, ledger_row
+from turnscope.planner.ledger import with_iv as _with_iv
+from turnscope.planner.overload import Overload
 from turnscope.planner.profile import CostProfile, GiB, Sourced
 from turnscope.planner.serve_flags import role_argv
 from turnscope.planner.simulate import PlanSettings, Traffic
@@ -98,17 +102,23 @@ class Grid:
 @dataclass
 class Evaluated:
     """A setting and its forecast: ``row`` (a ledger row), ``ttft_p90_s``, ``cost_usd`` (None
-    without prices), ``feasible``."""
+    without prices), ``feasible`` (keeps up and meets the SLO), ``overload`` (None: it keeps up;
+    :mod:`turnscope.planner.overload`)."""
 
     setting: Setting
     row: dict
     ttft_p90_s: float
     cost_usd: float | None
     feasible: bool
+    overload: Overload | None = None
 
     @property
     def ttft_mean_s(self) -> float:
         return float(self.row["ttft_mean_s"])
+
+    @property
+    def keeps_up(self) -> bool:
+        return self.overload is None
 
 
 def _profile_for(profile: CostProfile, s: Setting) -> CostProfile:
@@ -125,37 +135,69 @@ def settings_for(base: PlanSettings, s: Setting) -> PlanSettings:
                                    "routing": s.routing})
 
 
-def evaluate(tr: Traffic, profile: CostProfile, base: PlanSettings, s: Setting, limits: Limits) -> Evaluated:
-    """Forecast ``s`` on ``tr`` (see the module doc for the cost)."""
+def evaluate(tr: Traffic, profile: CostProfile, base: PlanSettings, s: Setting, limits: Limits,
+             baselines: dict | None = None) -> Evaluated:
+    """Forecast ``s`` on ``tr`` (see the module doc for the cost). ``baselines``: a memo of the
+    ``recompute`` forecasts the rows are measured against (it depends on the workers, routing and D
+    space, not on the TTL or threshold)."""
     prof, ps = _profile_for(profile, s), settings_for(base, s)
     f = forecast_strategy(tr, prof, ps, s.strategy)
-    recompute = forecast_strategy(tr, prof, ps, RECOMPUTE)
+    key = (s.prefill_workers, s.decode_workers, s.routing, s.decode_kv_bytes)
+    recompute = None if baselines is None else baselines.get(key)
+    if recompute is None:
+        recompute = forecast_strategy(tr, prof, ps, RECOMPUTE)
+        if baselines is not None:
+            baselines[key] = recompute
     row = ledger_row(f, recompute, tr, prof, limits.prices)
-    p90 = float(np.quantile(f.ttft_s, 0.9))
+    p90 = float(np.quantile(f.ttft_s, 0.9)) if f.overload is None else float("nan")
     cost = None
     if limits.prices.gpu_hour_usd is not None:
         gpus = profile.gpus_per_worker.value if profile.gpus_per_worker else 1.0
         span_h = float(tr.arrival_s.max() - tr.arrival_s.min()) / 3600
         memory = (row["gpu_memory_usd"] or 0.0) + (row["host_memory_usd"] or 0.0)
         cost = memory - row["saved_prefill_usd"] + (s.prefill_workers - 1) * gpus * span_h * limits.prices.gpu_hour_usd
-    feasible = limits.ttft_slo_s is None or p90 <= limits.ttft_slo_s
-    return Evaluated(s, row, p90, cost, feasible)
+    feasible = f.overload is None and (limits.ttft_slo_s is None or p90 <= limits.ttft_slo_s)
+    return Evaluated(s, row, p90, cost, feasible, f.overload)
 
 
-def candidates(profile: CostProfile, current: Setting, limits: Limits, grid: Grid) -> list[Setting]:
+@dataclass(frozen=True)
+class RecommendJob:
+    """What every task of a recommendation's search shares (:mod:`turnscope.planner.executor`)."""
+
+    traffic: Traffic
+    profile: CostProfile
+    base: PlanSettings
+    limits: Limits
+    baselines: dict = field(default_factory=dict, compare=False)
+
+
+def _evaluate_one(job: RecommendJob, s: Setting) -> Evaluated:
+    return evaluate(job.traffic, job.profile, job.base, s, job.limits, job.baselines)
+
+
+def candidates(profile: CostProfile, current: Setting, limits: Limits, grid: Grid,
+               fleets: dict[str, list[tuple[int, int]]] | None = None) -> list[Setting]:
     """The settings searched: every strategy the profile can forecast, P counts up to the limit,
-    the grid's routings; bidirectional ones over TTL x threshold x D space (within the limit)."""
+    the grid's routings; bidirectional ones over TTL x threshold x D space (within the limit).
+    ``fleets`` (strategy -> fleets as (P, D) workers, from :mod:`turnscope.planner.fleet`): only those
+    strategies, each at its fleet, instead of P counts, with D's KV space the limit's and the
+    bidirectional ones at the current routing (the fleet was sized with it)."""
     has_host = profile.host_kv_space_bytes is not None and profile.host_read_bandwidth_bytes_per_s is not None
     space_max = limits.decode_kv_bytes or (profile.decode_kv_space_bytes.value if profile.decode_kv_space_bytes
                                            else None)
     spaces = [None] if space_max is None else [space_max * f for f in grid.space_factors]
+    if fleets is not None:
+        spaces = [limits.decode_kv_bytes]
     out = []
     for strategy in STRATEGIES:
-        if strategy in HOST_STRATEGIES and not has_host:
+        if strategy in HOST_STRATEGIES and not has_host or (fleets is not None and strategy not in fleets):
             continue
-        for p in range(1, limits.max_prefill_workers + 1):
-            for routing in grid.routings:
-                one = replace(current, strategy=strategy, prefill_workers=p, routing=routing)
+        sizes = ([(p, current.decode_workers) for p in range(1, limits.max_prefill_workers + 1)] if fleets is None
+                 else list(dict.fromkeys(fleets[strategy])))
+        routings = (current.routing,) if fleets is not None and strategy in BIDIR else grid.routings
+        for (p, d) in sizes:
+            for routing in routings:
+                one = replace(current, strategy=strategy, prefill_workers=p, decode_workers=d, routing=routing)
                 if strategy in BIDIR:
                     out += [replace(one, ttl_s=t, threshold=k, decode_kv_bytes=d) for t in grid.ttls_s
                             for k in grid.thresholds for d in spaces]
@@ -175,10 +217,16 @@ def _holds(s: Setting) -> bool:
 
 def choose(evaluated: list[Evaluated], priced: bool) -> Evaluated:
     """The recommended setting of ``evaluated`` (rules in the module doc); when none is feasible,
-    the lowest p90 TTFT."""
+    the lowest p90 TTFT of those that keep up (the least overloaded when none does)."""
     feasible = [e for e in evaluated if e.feasible]
+    if feasible:   # the cheapest fleet first (fleet sizing: the fewest workers that meet the SLO)
+        fewest = min(e.setting.prefill_workers + e.setting.decode_workers for e in feasible)
+        feasible = [e for e in feasible if e.setting.prefill_workers + e.setting.decode_workers == fewest]
     if not feasible:
-        return min(evaluated, key=lambda e: e.ttft_p90_s)
+        keep = [e for e in evaluated if e.keeps_up]
+        if keep:
+            return min(keep, key=lambda e: e.ttft_p90_s)
+        return min(evaluated, key=lambda e: e.overload.factor if e.overload.factor == e.overload.factor else np.inf)
     best = min(e.ttft_mean_s for e in feasible)
     if priced:
         near = [e for e in feasible if e.ttft_mean_s <= best * (1 + MIN_GAIN)]
@@ -220,7 +268,7 @@ def config_diff(current: Setting, recommended: Setting, model: str, host_kv_byte
                                           "current", "recommended", lineterm="", n=50))
 
 
-KNOBS = ("strategy", "ttl_s", "threshold", "decode_kv_bytes", "prefill_workers", "routing")
+KNOBS = ("strategy", "ttl_s", "threshold", "decode_kv_bytes", "prefill_workers", "decode_workers", "routing")
 
 
 @dataclass
@@ -254,11 +302,16 @@ def what_would_change(tr: Traffic, profile: CostProfile, base: PlanSettings, cur
     cases.append(("two P workers, round-robin routing", profile,
                   replace(current, prefill_workers=2, routing="round-robin")))
     half = Traffic(**{**tr.__dict__, "arrival_s": tr.arrival_s / 2})
+    with_iv = partial(_with_iv, quiet=profile.held_out is None)
     out = []
     for label, prof, s in cases + [("gaps halved (arrivals at half the time)", profile, current)]:
         traffic = half if label.startswith("gaps") else tr
         pd_ = evaluate(traffic, prof, base, replace(s, strategy=Strategy.PD), limits)
         bd = evaluate(traffic, prof, base, replace(s, strategy=Strategy.PD_BIDIR), limits)
+        if not (bd.keeps_up and pd_.keeps_up):
+            out.append(f"{label}: " + "; ".join(f"{e.setting.strategy} {e.overload.text()}" for e in (bd, pd_)
+                                                if not e.keeps_up) + " (no TTFT to compare)")
+            continue
         gain = 1 - bd.ttft_mean_s / pd_.ttft_mean_s
         ib, ip = figure_intervals(prof, bd), figure_intervals(prof, pd_)
         bd_t = with_iv(f"{bd.ttft_mean_s * 1e3:,.1f} ms", *ib["ttft_mean"], _ms, " ms")
@@ -286,9 +339,13 @@ def _fewer_changes(tr: Traffic, profile: CostProfile, base: PlanSettings, curren
 
 
 def recommend(tr: Traffic, profile: CostProfile, base: PlanSettings, current: Setting, limits: Limits,
-              grid: Grid = Grid()) -> Recommendation:
-    """Search :func:`candidates` and pick with :func:`choose` (see the module doc)."""
-    searched = [evaluate(tr, profile, base, s, limits) for s in candidates(profile, current, limits, grid)]
+              grid: Grid = Grid(), fleets: dict[str, list[tuple[int, int]]] | None = None,
+              executor: Executor | None = None) -> Recommendation:
+    """Search :func:`candidates` (``fleets``: each strategy at its sized fleet) on ``executor``
+    (default: in this process) and pick with :func:`choose` (see the module doc)."""
+    settings = candidates(profile, current, limits, grid, fleets)
+    searched = (executor or LocalExecutor(1)).map(_evaluate_one, RecommendJob(tr, profile, base, limits), settings,
+                                                  "searching settings")
     cur = evaluate(tr, profile, base, current, limits)
     rec = choose(searched, limits.prices.gpu_hour_usd is not None)
     rec = _fewer_changes(tr, profile, base, current, rec, limits)
@@ -300,7 +357,8 @@ def recommend(tr: Traffic, profile: CostProfile, base: PlanSettings, current: Se
             if knob != "strategy" and current.strategy not in BIDIR and knob in ("ttl_s", "threshold", "decode_kv_bytes"):
                 one = replace(one, strategy=rec.setting.strategy)
             effects[knob] = evaluate(tr, profile, base, one, limits)
-    changes = [] if rec.setting.strategy in BIDIR else what_would_change(tr, profile, base, current, limits)
+    at_fleet = replace(current, prefill_workers=rec.setting.prefill_workers, decode_workers=rec.setting.decode_workers)
+    changes = [] if rec.setting.strategy in BIDIR else what_would_change(tr, profile, base, at_fleet, limits)
     return Recommendation(cur, rec, effects, searched, changes)
 
 
@@ -365,25 +423,38 @@ def describe(r: Recommendation, profile: CostProfile, base: PlanSettings, limits
     host_price = ("" if limits.prices.host_gib_hour_usd is None
                   else f", host GiB-hour ${limits.prices.host_gib_hour_usd:g}")
 
+    with_iv = partial(_with_iv, quiet=profile.held_out is None)   # the intervals line says it once
+
     def line(name: str, e: Evaluated) -> str:
         iv = figure_intervals(profile, e)
         hit = with_iv(f"{e.row['hit_rate']:.1%}", *iv["hit_rate"], lambda x: f"{x * 100:.1f}", "%")
-        return (f"  {name:<11} {e.setting.label()}: mean TTFT {with_iv(_ms(e.ttft_mean_s) + ' ms', *iv['ttft_mean'], _ms, ' ms')}, "
-                f"p90 {with_iv(_ms(e.ttft_p90_s) + ' ms', *iv['ttft_p90'], _ms, ' ms')}, hit rate {hit}, D pinned "
+        ttft = (f"{e.overload.text()} (no TTFT)" if e.overload is not None else
+                f"mean TTFT {with_iv(_ms(e.ttft_mean_s) + ' ms', *iv['ttft_mean'], _ms, ' ms')}, "
+                f"p90 {with_iv(_ms(e.ttft_p90_s) + ' ms', *iv['ttft_p90'], _ms, ' ms')}")
+        return (f"  {name:<11} {e.setting.label()}: {ttft}, hit rate {hit}, D pinned "
                 f"{with_iv(_gib_s(e.row['d_pinned_gib_s']) + ' GiB-s', *iv['d_pinned'], _gib_s, ' GiB-s')}, host "
                 f"{e.row['host_gib_s']:,.0f} GiB-s")
 
     ch = change_intervals(profile, rec, cur)
-    speed = with_iv(f"{cur.ttft_mean_s / rec.ttft_mean_s:.2f}x", *ch["speedup"], lambda x: f"{x:.2f}", "x")
+    if cur.keeps_up and rec.keeps_up:
+        speed = "mean-TTFT speed-up " + with_iv(f"{cur.ttft_mean_s / rec.ttft_mean_s:.2f}x", *ch["speedup"],
+                                                lambda x: f"{x:.2f}", "x")
+    else:
+        speed = "no speed-up: " + ("the current setting" if not cur.keeps_up else "the recommended one") + \
+                " cannot keep up with this load"
     lines = [(f"Recommendation ({tag}; {len(r.searched)} settings searched; SLO {slo}; D KV space at most "
               f"{_fmt('decode_kv_bytes', limits.decode_kv_bytes)}; prices: {gpu_price}{host_price})."),
-             f"  intervals: {intervals.source_line(profile)}",
              line("current", cur),
              line("recommended", rec) + ("" if rec.feasible else " (NO setting meets the SLO: the one closest to it)"),
-             f"  recommended vs current: mean-TTFT speed-up {speed}"]
+             f"  recommended vs current: {speed}"]
     for knob, e in r.knob_effects.items():
         ke = change_intervals(profile, e, cur)
         cost = "" if e.cost_usd is None or cur.cost_usd is None else f", cost {e.cost_usd - cur.cost_usd:+,.2f} USD"
+        if not (e.keeps_up and cur.keeps_up):
+            lines.append(f"  knob {knob}: {_fmt(knob, getattr(cur.setting, knob))} -> {_fmt(knob, getattr(rec.setting, knob))} "
+                         f"alone: {'keeps up' if e.keeps_up else e.overload.text()} (no TTFT change: "
+                         f"{'the current setting' if not cur.keeps_up else 'it'} cannot keep up)")
+            continue
         dp = with_iv(f"{e.row['d_pinned_gib_s'] - cur.row['d_pinned_gib_s']:+,.0f} GiB-s", *ke["d_pinned_change"],
                      lambda x: f"{x:+,.0f}", " GiB-s")
         lines.append(f"  knob {knob}: {_fmt(knob, getattr(cur.setting, knob))} -> "
