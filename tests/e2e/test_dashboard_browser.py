@@ -144,7 +144,7 @@ def plan_url(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e-plan")
     root = planner_store.build(tmp / "store")
     for args in ([str(DEFAULT_DIR), "--profile", str(REPO / "data/profiles/vendor-h200.yaml"), "--label",
-                  "kv-cache-tester"],
+                  "kv-cache-tester", "--sessions-per-hour", "100", "--sessions", "48"],
                  [str(root), "--fit-runs", ",".join(planner_store.RUNS.values()), "--label", "check"]):
         r = CliRunner().invoke(app, ["plan", *args, "--store", str(root)], env={"COLUMNS": "4000"})
         assert r.exit_code == 0, r.output

@@ -35,7 +35,7 @@ EPILOG = """Examples:
 
   turnscope traffic data/traces/kv-cache-tester          # what the shipped Claude Code traces say about reuse
 
-  turnscope plan data/traces/kv-cache-tester --profile data/profiles/vendor-h200.yaml   # a FORECAST
+  turnscope plan data/traces/kv-cache-tester --profile vendor-h200 --sessions-per-hour 100   # a FORECAST at a load
 
   turnscope plan-check --fit-store OLD --check-store NEW --write-profile p.yaml   # forecast runs not fitted on
 

@@ -128,6 +128,11 @@ def plan(
         "--queue/--no-queue", help="Requests wait for the prompts before them on their prefill (or aggregated) "
                                    "worker, and on D for room in its KV space, first come first served "
                                    "(docs/planner/simulation.md).")] = True,
+    sessions_per_hour: SessionsPerHourOpt = None,
+    concurrent_sessions: ConcurrentSessionsOpt = None,
+    load_scale: LoadScaleOpt = None,
+    sessions: SessionsOpt = 400,
+    load_seed: LoadSeedOpt = 0,
 ) -> None:
     """Forecast what KV reuse across turns would do on a traffic, model and hardware, without serving it.
 
@@ -147,7 +152,8 @@ def plan(
                         margin_s=margin_s,
                         threshold=threshold if threshold is not None else int(s.connector.kv_recompute_threshold),
                         prefill_workers=prefill_workers, decode_workers=decode_workers, routing=routing,
-                        label=label, model=model, shared_prefix_tokens=shared_prefix_tokens, queue=queue)
+                        label=label, model=model, shared_prefix_tokens=shared_prefix_tokens, queue=queue,
+                        load=load_of(sessions_per_hour, concurrent_sessions, load_scale, sessions, load_seed))
     except (ValueError, OSError, RuntimeError) as exc:
         raise fail(str(exc)) from exc
     typer.echo(text)

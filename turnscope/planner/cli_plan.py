@@ -23,6 +23,7 @@ from turnscope.core.store import Store
 from turnscope.planner import summary
 from turnscope.planner.check import check_runs
 from turnscope.planner.fit import fit_profile, runs_shared_prefix_tokens
+from turnscope.planner.load import Load, at_load
 from turnscope.planner.plan_store import new_plan_id, write_plan
 from turnscope.planner.profile import CostProfile, GiB, Sourced, load_profile
 from turnscope.planner.simulate import BIDIR_MODES, PlanSettings, Traffic, plan
@@ -78,7 +79,12 @@ def describe(p, sp: pd.DataFrame, fr: pd.DataFrame, sessions: pd.DataFrame, chec
     lines.append(interval_line(p.profile))
     lines.append(f"\nSpeed-up per mode pair ({tag}; {speedup.MEANING}, median TTFT from the second turn on, "
                  f"as on the Overview, with its 95% CI over sessions):")
+    over = {mode: m.overload for mode, m in p.modes.items() if m.overload is not None}
+    for mode, o in over.items():
+        lines.append(f"  {mode}: {o.text()}: no TTFT and no speed-up is forecast for it at this load")
     for r in sp.itertuples():
+        if r.treatment in over or r.baseline in over:
+            continue
         lines += speedup_lines(r, p.profile.held_out is not None)
     for mode in BIDIR_MODES:
         if mode in p.modes:
@@ -161,8 +167,11 @@ def with_model(prof: CostProfile, model: Path) -> CostProfile:
 def run_plan(paths: Sequence[Path], *, profile_path: Path | None, fit_runs: Sequence[str] | None,
              format: str | None, store_root: Path, ttl_s: float, margin_s: float, threshold: int,
              prefill_workers: int, decode_workers: int, routing: str, label: str | None,
-             model: Path | None = None, shared_prefix_tokens: int | None = None, queue: bool = True) -> str:
-    """The whole command (see the module doc). Raises ValueError/OSError with a clear message."""
+             model: Path | None = None, shared_prefix_tokens: int | None = None, queue: bool = True,
+             load: Load | None = None) -> str:
+    """The whole command (see the module doc); ``load``: the load the traffic is forecast at
+    (:mod:`turnscope.planner.load`; None: the recorded clock, refused for several own-clock trace
+    files). Raises ValueError/OSError with a clear message."""
     store = Store(Path(store_root))
     if profile_path is None and not fit_runs:
         raise ValueError("give --profile FILE (data/profiles/*.yaml) or --fit-runs RUN_IDS (fit from recorded runs)")
@@ -170,6 +179,8 @@ def run_plan(paths: Sequence[Path], *, profile_path: Path | None, fit_runs: Sequ
     if model is not None:
         prof = with_model(prof, model)
     traffic, inputs = read_traffic(paths, format, fit_runs)
+    loaded = at_load(traffic, [i["format"] for i in inputs], load)
+    traffic = loaded.traffic
     if shared_prefix_tokens is None:
         shared_prefix_tokens = runs_shared_prefix_tokens(store, fit_runs)
     settings = PlanSettings(decoder_kv_blocks_ttl_s=ttl_s, handle_ttl_margin_s=margin_s,
@@ -177,6 +188,7 @@ def run_plan(paths: Sequence[Path], *, profile_path: Path | None, fit_runs: Sequ
                             decode_workers=decode_workers, routing=routing, shared_prefix_tokens=shared_prefix_tokens,
                             queue_prefills=queue, queue_decode=queue, separate_sources=all(i["format"] == RECORDED_RUNS for i in inputs))
     p = plan(traffic, prof, settings)
+    p.notes.insert(0, f"load: {loaded.label()}")
     sp = summary.speedups(p)
     fr = pd.concat([summary.frontier(traffic, prof, settings, mode).assign(mode=mode) for mode in BIDIR_MODES],
                    ignore_index=True)

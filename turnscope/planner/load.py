@@ -188,7 +188,7 @@ def apply_load(tr: Traffic, load: Load, tree_of: str) -> LoadedTraffic:
     Raises ValueError for a recorded load of an own-clock traffic (``tree_of == "source"``)."""
     mix = SessionMix(tr, tree_of)
     if load.kind == LoadKind.RECORDED:
-        if tree_of == "source":
+        if tree_of == "source" and mix.trees > 1:
             raise ValueError("this traffic has no shared clock (each file its own session tree from t = 0): give "
                              "a load (--sessions-per-hour or --concurrent-sessions), not the recorded clock")
         scaled = Traffic(**{**tr.__dict__, "arrival_s": tr.arrival_s / load.value, "gap_s": tr.gap_s / load.value})
@@ -216,13 +216,13 @@ def tree_of_formats(formats: list[str]) -> str:
 
 def at_load(tr: Traffic, formats: list[str], load: Load | None) -> LoadedTraffic:
     """``tr`` (read from traces of ``formats``) at ``load``; None: the recorded clock, which only
-    shared-clock traces have.
+    shared-clock traces have (and a single own-clock file: one session tree as recorded).
 
     Raises ValueError for no load on own-clock traces (naming the options that give one), a
     recorded load of them, or mixed clocks."""
     tree_of = tree_of_formats(formats)
     if load is None:
-        if tree_of == "source":
+        if tree_of == "source" and len(set(tr.source)) > 1:
             raise ValueError(f"{', '.join(sorted(set(formats)))} traces record no load: every file is one session "
                              "tree on its own clock from t = 0, so played as recorded they would all start at once. "
                              "Give the load: --sessions-per-hour R (Poisson starts) or --concurrent-sessions N "
