@@ -277,7 +277,9 @@ CREATE TABLE plan_ledger (
     saved_prefill_usd        DOUBLE,
     memory_usd_per_m_saved_tokens DOUBLE,
     net_usd_per_m_saved_tokens    DOUBLE,
-    interval_note            VARCHAR
+    interval_note            VARCHAR,
+    overload                 VARCHAR,            -- NULL: keeps up; else e.g. "overloaded: P at 3.4x its capacity"
+    overload_factor          DOUBLE              -- offered work over capacity, busiest window (NULL: none)
 );
 
 -- The recommendation of `turnscope recommend --store`: current and recommended setting, each figure
