@@ -9,12 +9,15 @@ import datetime as dt
 import math
 import uuid
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import pandas as pd
 
 from turnscope.core.contract import Role
 from turnscope.core.store import Store
-from turnscope.planner.simulate import Plan
+
+if TYPE_CHECKING:  # the dashboard reads this module's load units without the simulator (and its loadgen)
+    from turnscope.planner.simulate import Plan
 
 
 def new_plan_id() -> str:
