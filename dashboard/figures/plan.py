@@ -322,6 +322,8 @@ def fleet_headline(fl: pd.DataFrame) -> tuple[list[tuple[str, str, str | None]],
     load, slo = load_words(first["load_kind"], first["load_value"]), first["slo_ttft_p90_s"]
     meet = int(fl["meets_slo"].fillna(False).astype(bool).sum())
     rec = fl[fl["recommended"].fillna(False).astype(bool)]
+    if rec.empty and meet:
+        return [], f"{meet} of {len(fl)} strategies meet the SLO (p90 TTFT ≤ {_ms(slo)} ms) at {load}; none is marked recommended."
     if rec.empty:
         ok = fl[fl["ttft_p90_s"].notna()].sort_values("ttft_p90_s")
         if ok.empty:
