@@ -354,7 +354,7 @@ CREATE TABLE plan_fleets (
     meets_slo                BOOLEAN,
     overloaded               BOOLEAN,
     overload_role            VARCHAR,            -- prefill | decode | NULL
-    overload_factor          DOUBLE,             -- offered work / capacity of that role's busiest worker
+    overload_factor          DOUBLE,             -- offered work / capacity of the busiest worker (NULL: none, or no factor)
     recommended              BOOLEAN,            -- the cheapest fleet meeting the SLO; at most one per plan
     fleets_searched          BIGINT
 );

@@ -67,7 +67,7 @@ if not fleets.empty:
     load = fleets.iloc[0]
     st.subheader(f"Fleet per retention strategy ({tag})")
     st.markdown(f"**Load:** {load['load_label'] or plan_figures.load_words(load['load_kind'], load['load_value'])}. "
-                f"**SLO:** p90 TTFT ≤ {load['slo_ttft_p90_s'] * 1000:,.0f} ms, every request.")
+                f"**SLO:** {plan_figures.slo_words(load['slo_ttft_p90_s'])}, every request.")
     st.caption(f"Per strategy the smallest fleet searched whose forecast p90 TTFT meets the SLO "
                f"({int(fleets['fleets_searched'].sum()):,} fleets searched); {plan_figures.RECOMMENDED_MARK}: the "
                "cheapest that meets it. Overloaded: a role's arrivals outpace it, so no TTFT is forecast.")

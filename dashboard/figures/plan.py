@@ -13,7 +13,7 @@ from dashboard.palette import ALARM, NEUTRAL, NEUTRAL_DARK, mode_color
 from turnscope.analysis.plan_check import frontier_highlights
 from turnscope.core.contract import Role
 from turnscope.core.modes import BIDIRECTIONAL_MODES, PLAN_TABLE_ORDER, one_way
-from turnscope.planner.plan_store import LOAD_UNITS, RECORDED_CLOCK
+from turnscope.planner.plan_store import LOAD_UNITS, load_words
 from turnscope.planner.strategies import HOST_STRATEGIES, STRATEGIES, STRATEGY_SYMBOLS
 
 #: Column order of the Plan page's tables: baselines first, then what reuse adds.
@@ -253,18 +253,14 @@ def fleet_name(prefill_workers: int, decode_workers: int) -> str:
     return f"{int(prefill_workers)}P {int(decode_workers)}D"
 
 
-def overload_text(role: str, factor: float) -> str:
+def overload_text(role: str, factor: float | None) -> str:
     """``overloaded: P at 3.4x its capacity`` (``factor``: offered work over the capacity of the
-    role's busiest worker, 3 significant digits so 1.05x never reads as 1.0x)."""
-    return f"overloaded: {'P' if role == Role.PREFILL else 'D'} at {factor:.3g}x its capacity"
-
-
-def load_words(kind: str, value: float) -> str:
-    """A load in its unit: ``100 new sessions per hour``, ``64 concurrent sessions``, ``the
-    recorded clock x2``."""
-    if kind == RECORDED_CLOCK:
-        return f"the recorded clock x{value:g}"
-    return f"{value:,g} {LOAD_UNITS.get(kind, kind)}"
+    role's busiest worker, 3 significant digits so 1.05x never reads as 1.0x); without a factor (an
+    overload found by a queue that never drains) ``overloaded: P's queue never drains``."""
+    who = "P" if role == Role.PREFILL else "D" if role == Role.DECODE else str(role)
+    if factor is None or pd.isna(factor):
+        return f"overloaded: {who}'s queue never drains"
+    return f"overloaded: {who} at {factor:.3g}x its capacity"
 
 
 def _ms(x: float) -> str:
@@ -314,39 +310,44 @@ def fleet_styler(table: pd.DataFrame):
         precision=2, subset=[c for c in table.columns if c.startswith("$")])
 
 
+def slo_words(slo_s: float | None) -> str:
+    """The SLO in words: ``p90 TTFT ≤ 1,000 ms``, or ``none (the smallest fleet that keeps up)``."""
+    return "none (the smallest fleet that keeps up)" if slo_s is None or pd.isna(slo_s) else \
+        f"p90 TTFT ≤ {_ms(slo_s)} ms"
+
+
 def fleet_headline(fl: pd.DataFrame) -> tuple[list[tuple[str, str, str | None]], str]:
     """A fleet plan's answer: up to four (label, value, help) figures and one sentence, from its
     ``plan_fleets`` rows: the recommended fleet, its GPUs, p90 TTFT against the SLO and cost; or,
     where no fleet meets the SLO, the one closest to it."""
     first = fl.iloc[0]
-    load, slo = load_words(first["load_kind"], first["load_value"]), first["slo_ttft_p90_s"]
+    load, slo = load_words(first["load_kind"], first["load_value"]), f"SLO {slo_words(first['slo_ttft_p90_s'])}"
     meet = int(fl["meets_slo"].fillna(False).astype(bool).sum())
     rec = fl[fl["recommended"].fillna(False).astype(bool)]
     if rec.empty and meet:
-        return [], f"{meet} of {len(fl)} strategies meet the SLO (p90 TTFT ≤ {_ms(slo)} ms) at {load}; none is marked recommended."
+        return [], f"{meet} of {len(fl)} strategies meet the {slo} at {load}; none is marked recommended."
     if rec.empty:
         ok = fl[fl["ttft_p90_s"].notna()].sort_values("ttft_p90_s")
         if ok.empty:
-            worst = ", ".join(f"{r.strategy} {overload_text(r.overload_role, r.overload_factor)}"
+            worst = "; ".join(f"{r.strategy} {overload_text(r.overload_role, r.overload_factor)}"
                               for r in fl.itertuples())
-            return [], f"No fleet searched serves {load}: every strategy's is overloaded ({worst})."
+            return [], f"No fleet searched keeps up with {load}: every strategy's is overloaded ({worst})."
         r = ok.iloc[0]
-        return ([("closest", f"{r['strategy']} {fleet_name(r['prefill_workers'], r['decode_workers'])}", None),
-                 ("TTFT p90 (ms)", _ms(r["ttft_p90_s"]), f"SLO {_ms(slo)} ms")],
-                f"No fleet searched meets the SLO (p90 TTFT ≤ {_ms(slo)} ms) at {load}: the closest is "
-                f"{r['strategy']} on {fleet_name(r['prefill_workers'], r['decode_workers'])} ({r['gpus']:,g} GPUs), "
-                f"p90 TTFT {_ms(r['ttft_p90_s'])} ms.")
+        fleet = fleet_name(r["prefill_workers"], r["decode_workers"])
+        figures = [("closest", f"{r['strategy']} {fleet}", None), ("TTFT p90 (ms)", _ms(r["ttft_p90_s"]), slo)]
+        return figures, (f"No fleet searched meets the {slo} at {load}: the closest is {r['strategy']} on {fleet} "
+                         f"({r['gpus']:,g} GPUs), p90 TTFT {_ms(r['ttft_p90_s'])} ms.")
     r = rec.iloc[0]
     fleet = fleet_name(r["prefill_workers"], r["decode_workers"])
     figures = [("recommended", f"{r['strategy']} {fleet}", f"{r['strategy']}: {fleet}, {r['gpus']:,g} GPUs"),
                ("GPUs", f"{r['gpus']:,g}", f"{int(r['fleets_searched'])} fleets searched for {r['strategy']}"),
-               ("TTFT p90 (ms)", _ms(r["ttft_p90_s"]), f"SLO: p90 TTFT ≤ {_ms(slo)} ms"),
+               ("TTFT p90 (ms)", _ms(r["ttft_p90_s"]), slo),
                ("hit rate", f"{r['hit_rate']:.0%}", "later requests reusing any token")]
     if pd.notna(r["usd_per_m_tokens"]):
         figures[3] = ("$ / M tokens", f"{r['usd_per_m_tokens']:,.2f}", f"hit rate {r['hit_rate']:.0%}")
     sentence = (f"Recommended: {r['strategy']} on {fleet} ({r['gpus']:,g} GPUs), forecast p90 TTFT "
-                f"{_ms(r['ttft_p90_s'])} ms against an SLO of {_ms(slo)} ms at {load}; "
-                f"{meet} of {len(fl)} strategies meet it, this one the cheapest.")
+                f"{_ms(r['ttft_p90_s'])} ms at {load} ({slo}); {meet} of {len(fl)} strategies meet it, this one "
+                "the cheapest.")
     return figures, sentence
 
 
@@ -364,11 +365,12 @@ def load_curve_figure(curve: pd.DataFrame, fl: pd.DataFrame, title: str) -> go.F
     a dotted vertical line marks the load the fleets were sized at."""
     fig = go.Figure()
     kind = str(curve["load_kind"].iloc[0])
-    slo_ms = float(fl["slo_ttft_p90_s"].iloc[0]) * 1000
+    slo = fl["slo_ttft_p90_s"].iloc[0]
+    slo_ms = None if pd.isna(slo) else float(slo) * 1000
     over = curve["overloaded"].fillna(False).astype(bool)
     ok_ms = curve.loc[~over, "ttft_p90_s"].dropna() * 1000
-    top = max([slo_ms, *ok_ms.tolist()])
-    low = min([slo_ms, *ok_ms.tolist()])
+    shown = [*([] if slo_ms is None else [slo_ms]), *ok_ms.tolist()] or [1000.0]
+    top, low = max(shown), min(shown)
     log_y = top / low > 20
     order = [s for s in STRATEGIES if s in set(curve["strategy"])] + sorted(set(curve["strategy"]) - set(STRATEGIES))
     # the overload band above every TTFT and the SLO: one lane per strategy (the first on top), so
@@ -410,14 +412,16 @@ def load_curve_figure(curve: pd.DataFrame, fl: pd.DataFrame, title: str) -> go.F
                 hovertext=[f"{strategy} on {fleet} at {v:,g} {unit}: {overload_text(r, f)} (no TTFT)" for v, r, f in
                            zip(bad["load_value"], bad["overload_role"], bad["overload_factor"], strict=True)],
                 hoverinfo="text"))
-    fig.add_trace(go.Scatter(x=[x_start, x_end], y=[slo_ms, slo_ms], mode="lines", name=f"SLO: p90 ≤ {slo_ms:,.0f} ms",
-                             line={"color": ALARM, "dash": "dash", "width": 2}, hoverinfo="name"))
+    if slo_ms is not None:
+        fig.add_trace(go.Scatter(x=[x_start, x_end], y=[slo_ms, slo_ms], mode="lines", name=f"SLO: p90 ≤ {slo_ms:,.0f} ms",
+                                 line={"color": ALARM, "dash": "dash", "width": 2}, hoverinfo="name"))
+        fig.add_annotation(xref="paper", x=1, xanchor="right", yref="y", y=math.log10(slo_ms) if log_y else slo_ms,
+                           yanchor="bottom", showarrow=False, text=f"SLO {slo_ms:,.0f} ms",
+                           font={"size": 11, "color": ALARM})
     for strategy, y in lanes.items():  # each lane named at the plot's right
         fig.add_annotation(xref="paper", x=1, xanchor="left", yref="y", y=math.log10(y) if log_y else y,
                            yanchor="middle", showarrow=False, text=f" {strategy}",
                            font={"size": 10, "color": mode_color(STRATEGIES.get(strategy))})
-    fig.add_annotation(xref="paper", x=1, xanchor="right", yref="y", y=math.log10(slo_ms) if log_y else slo_ms,
-                       yanchor="bottom", showarrow=False, text=f"SLO {slo_ms:,.0f} ms", font={"size": 11, "color": ALARM})
     fig.add_shape(type="rect", name="overloaded band", xref="paper", x0=0, x1=1, yref="y", y0=band[0], y1=band[1],
                   fillcolor=NEUTRAL, opacity=0.15, line={"width": 0}, layer="below")
     fig.add_annotation(xref="paper", x=0, xanchor="left", yref="y", y=math.log10(band[1]) if log_y else band[1],
@@ -448,10 +452,11 @@ def load_curve_figure(curve: pd.DataFrame, fl: pd.DataFrame, title: str) -> go.F
         fig.update_xaxes(range=[x_start, x_end])
     if log_y:
         vals, text = log_ticks(pd.Series([low / 1.3, top]))
+        vals, text = [v for v in vals if v < band[0]], [t for v, t in zip(vals, text, strict=True) if v < band[0]]
         fig.update_yaxes(type="log", range=[math.log10(low / 1.3), math.log10(band[1] * 1.2)], tickvals=vals,
                          ticktext=text)
     else:  # ticks up to the highest TTFT only: above it the band's lanes are positions, not TTFTs
-        tick = next(m * 10.0**e for e in range(int(math.floor(math.log10(top))) - 1, 12) for m in (1, 2, 2.5, 5)
+        tick = next(m * 10.0**e for e in range(math.floor(math.log10(top)) - 1, 12) for m in (1, 2, 2.5, 5)
                     if top / (m * 10.0**e) <= 8)
         vals = [i * tick for i in range(int(top / tick) + 1)]
         fig.update_yaxes(range=[0, band[1] * 1.07], tickvals=vals, ticktext=[f"{v:,g}" for v in vals])

@@ -204,8 +204,8 @@ def test_a_fleet_plan_shows_its_answer_and_fleet_table_first(monkeypatch, fleet_
     assert at.subheader[0].value == tag and at.subheader[1].value == f"Fleet per retention strategy ({tag})"
     metrics = {m.label: m.value for m in at.metric}
     assert metrics == {"recommended": "pd-bidir 2P 2D", "GPUs": "32", "TTFT p90 (ms)": "740", "$ / M tokens": "2.74"}
-    assert at.markdown[0].value.startswith("**Recommended: pd-bidir on 2P 2D (32 GPUs), forecast p90 TTFT 740 ms "
-                                           "against an SLO of 1,000 ms at 100 new sessions per hour; 3 of 5")
+    assert at.markdown[0].value.startswith("**Recommended: pd-bidir on 2P 2D (32 GPUs), forecast p90 TTFT 740 ms at "
+                                           "100 new sessions per hour (SLO p90 TTFT ≤ 1,000 ms); 3 of 5 strategies")
     assert at.markdown[1].value == ("**Load:** 100 new sessions per hour (Poisson starts, seed 0), 800 sessions drawn "
                                     "from 24 session trees. **SLO:** p90 TTFT ≤ 1,000 ms, every request.")
     assert any("(59 fleets searched)" in c.value for c in at.caption)   # 9 + 12 + 12 + 10 + 16
@@ -245,4 +245,4 @@ def test_fleet_table_without_prices_and_a_decode_overload():
     assert list(table["D KV per worker (GiB)"]) == ["profile's", "profile's"]
     figures, sentence = plan_figures.fleet_headline(fl.assign(recommended=False, meets_slo=False))
     assert figures[0][1] == "pd 3P 3D" and sentence.startswith(
-        "No fleet searched meets the SLO (p90 TTFT ≤ 1,000 ms) at 100 new sessions per hour: the closest is pd")
+        "No fleet searched meets the SLO p90 TTFT ≤ 1,000 ms at 100 new sessions per hour: the closest is pd")

@@ -62,8 +62,8 @@ def test_the_plan_log_states_the_load(two_plans):
         "SELECT forecast_label, notes, requests, label FROM plan_log WHERE plan_id = ?", [fx.FLEET_PLAN_ID]).df()
     ).itertuples(index=False)
     assert row.forecast_label == "FORECAST (profile vendor-h200) at 100 new sessions per hour"
-    assert json.loads(row.notes) == ["Load: 100 new sessions per hour (Poisson starts, seed 0), 800 sessions drawn "
-                                     "from 24 session trees.", "Sessions drawn with replacement."]
+    load = "Load: 100 new sessions per hour (Poisson starts, seed 0), 800 sessions drawn from 24 session trees."
+    assert json.loads(row.notes) == [load, "Sessions drawn with replacement."]
     assert row.requests == 9600 and row.label == "fleet"
 
 

@@ -112,7 +112,7 @@ SESSIONS_PER_HOUR, CONCURRENT_SESSIONS, RECORDED_CLOCK = "sessions_per_hour", "c
 LOAD_UNITS: dict[str, str] = {
     SESSIONS_PER_HOUR: "new sessions per hour",
     CONCURRENT_SESSIONS: "concurrent sessions",
-    RECORDED_CLOCK: "recorded clock sped up (x)",
+    RECORDED_CLOCK: "x the recorded rate",
 }
 #: The roles a fleet can be overloaded in (``overload_role``).
 OVERLOAD_ROLES: tuple[str, ...] = (Role.PREFILL, Role.DECODE)
@@ -142,8 +142,8 @@ def _check_rows(rows: list[dict], columns: tuple[str, ...], what: str) -> None:
         if role is not None and role not in OVERLOAD_ROLES:
             raise ValueError(f"{what} row {i}: overload_role {role!r} is none of {', '.join(OVERLOAD_ROLES)}")
         if bool(row["overloaded"]):
-            if role is None or _clean(row["overload_factor"]) is None:
-                raise ValueError(f"{what} row {i}: overloaded without its overload_role and overload_factor")
+            if role is None:   # the factor may be None: an overload found by a queue that never drains
+                raise ValueError(f"{what} row {i}: overloaded without its overload_role")
             if _clean(row["ttft_p50_s"]) is not None or _clean(row["ttft_p90_s"]) is not None:
                 raise ValueError(f"{what} row {i}: overloaded, so its TTFTs must be None (no queue settles)")
             if bool(row.get("meets_slo")):
@@ -152,12 +152,12 @@ def _check_rows(rows: list[dict], columns: tuple[str, ...], what: str) -> None:
             raise ValueError(f"{what} row {i}: not overloaded, so overload_role and overload_factor must be None")
 
 
-def _load_words(kind: str, value: float) -> str:
-    """The load in a few words: ``100 new sessions per hour``, ``64 concurrent sessions``,
-    ``the recorded clock x2``."""
+def load_words(kind: str, value: float) -> str:
+    """The load in a few words: ``100 new sessions per hour``, ``64 concurrent sessions``, ``the
+    recorded clock sped up 2x``."""
     if kind == RECORDED_CLOCK:
-        return f"the recorded clock x{value:g}"
-    return f"{value:,g} {LOAD_UNITS[kind]}"
+        return "the recorded clock" if value == 1 else f"the recorded clock sped up {value:,.4g}x"
+    return f"{value:,.4g} {LOAD_UNITS.get(kind, kind)}"
 
 
 def write_fleet_plan(store: Store, *, plan_id: str, label: str | None, inputs: list[dict], profile, settings,
@@ -169,13 +169,15 @@ def write_fleet_plan(store: Store, *, plan_id: str, label: str | None, inputs: l
 
     Every row of ``fleets`` and ``curve`` is a dict with exactly its table's columns but
     ``plan_id``; the fleets share one load (``load_kind``, ``load_value``, ``load_label``) and one
-    SLO (``slo_ttft_p90_s``, seconds). The load is stated in the plan's ``forecast_label``
+    SLO (``slo_ttft_p90_s``, seconds; None: none, the smallest fleet that keeps up). An overloaded
+    row has no TTFT and names its ``overload_role``; its ``overload_factor`` may be None (an overload
+    found by a queue that never drains has no factor). The load is stated in the plan's ``forecast_label``
     (``FORECAST (profile <name>) at 100 new sessions per hour``) and, in words
     (``load_label``), as the first of its notes.
 
     Raises:
         ValueError: a row with a missing or unknown column (named), a load kind or overload role
-            not in the contract, an overloaded row with a TTFT or without its role and factor, fleets
+            not in the contract, an overloaded row with a TTFT, without its role or meeting the SLO, fleets
             of more than one load or SLO, none, or more than one recommended.
     """
     store.init()
@@ -195,9 +197,9 @@ def write_fleet_plan(store: Store, *, plan_id: str, label: str | None, inputs: l
                               "inputs": inputs, "profile_name": profile.name,
                               "profile": profile.model_dump(mode="json"),
                               "settings": settings.model_dump(mode="json"),
-                              "notes": [f"Load: {(load_label or _load_words(kind, value)).rstrip('.')}.", *notes],
+                              "notes": [f"Load: {(load_label or load_words(kind, value)).rstrip('.')}.", *notes],
                               "requests": requests,
-                              "forecast_label": f"{profile.label()} at {_load_words(kind, value)}"})
+                              "forecast_label": f"{profile.label()} at {load_words(kind, value)}"})
         for table, rows in (("plan_fleets", fleets), ("plan_load_curve", curve)):
             for row in rows:
                 w.append(table, {"plan_id": plan_id} | {k: _clean(v) for k, v in row.items()})
