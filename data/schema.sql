@@ -331,6 +331,53 @@ CREATE TABLE plan_recommendations (
     interval_note            VARCHAR
 );
 
+-- Fleet sizing (the planner's fleet search): per retention strategy, the smallest fleet whose forecast p90
+-- TTFT meets the SLO at one stated load, one row per strategy (docs/schema/plans.md). A role whose
+-- arrivals outpace it is "overloaded": no TTFT, only its offered work over its capacity.
+CREATE TABLE plan_fleets (
+    plan_id                  VARCHAR NOT NULL,
+    load_kind                VARCHAR,            -- sessions_per_hour | concurrent_sessions | recorded
+    load_value               DOUBLE,             -- new sessions/h; concurrent sessions; recorded clock speed-up
+    load_label               VARCHAR,            -- the load in words
+    slo_ttft_p90_s           DOUBLE,
+    strategy                 VARCHAR,            -- recompute | pd | pd+host | pd-bidir | pd-bidir+host
+    prefill_workers          INTEGER,
+    decode_workers           INTEGER,
+    decode_kv_bytes_per_worker DOUBLE,           -- NULL: the profile's
+    gpus                     DOUBLE,
+    ttft_p50_s               DOUBLE,             -- NULL when overloaded
+    ttft_p90_s               DOUBLE,             -- NULL when overloaded
+    hit_rate                 DOUBLE,
+    p_cache_gib_s            DOUBLE,
+    d_pinned_gib_s           DOUBLE,
+    host_gib_s               DOUBLE,
+    prefill_gpu_s_saved      DOUBLE,
+    usd_per_m_tokens         DOUBLE,             -- NULL: no price given
+    meets_slo                BOOLEAN,
+    overloaded               BOOLEAN,
+    overload_role            VARCHAR,            -- prefill | decode | NULL
+    overload_factor          DOUBLE,             -- offered work / capacity of the busiest worker (NULL: none, or no factor)
+    recommended              BOOLEAN,            -- the cheapest fleet meeting the SLO; at most one per plan
+    fleets_searched          BIGINT
+);
+
+-- The load curve: per strategy, its fleet of plan_fleets forecast at several loads.
+CREATE TABLE plan_load_curve (
+    plan_id                  VARCHAR NOT NULL,
+    strategy                 VARCHAR,
+    prefill_workers          INTEGER,
+    decode_workers           INTEGER,
+    decode_kv_bytes_per_worker DOUBLE,           -- NULL: the profile's
+    load_kind                VARCHAR,
+    load_value               DOUBLE,
+    ttft_p50_s               DOUBLE,             -- NULL when overloaded
+    ttft_p90_s               DOUBLE,             -- NULL when overloaded
+    overloaded               BOOLEAN,
+    overload_role            VARCHAR,
+    overload_factor          DOUBLE,
+    slo_ttft_p90_s           DOUBLE
+);
+
 CREATE TABLE plan_sessions (
     plan_id        VARCHAR NOT NULL,
     mode           VARCHAR NOT NULL,

@@ -200,3 +200,81 @@ def build(root: Path, aggregated_cached: bool = True, overlap_s: float | None = 
                                         "ttft_s": ttft, "status": "ok", "target": "prefill"})
             _metrics(w, mode)
     return root
+
+
+# -- a fleet plan, written by hand ---------------------------------------------------------------
+# Fleet sizing at 100 new sessions per hour against an SLO of p90 TTFT <= 1 s, one row per strategy
+# (turnscope.planner.plan_store.write_fleet_plan), and each strategy's fleet at five loads. Every
+# figure is typed here, none computed: the Plan page's tests read them back as the truth.
+# recompute's 2P 2D is overloaded (P at 3.4x its capacity: 0.85x at 25/h, linear in the load);
+# pd-bidir+host misses the SLO (1.12 s); pd-bidir (32 GPUs) is the cheapest that meets it, and
+# its fleet is overloaded (D) from 200/h on. GPUs: the vendor profile's 8 per worker.
+
+FLEET_PLAN_ID = "plan-20261201T090000-f1ee75"
+FLEET_LABEL = "fleet"
+FLEET_LOAD = ("sessions_per_hour", 100.0,
+              "100 new sessions per hour (Poisson starts, seed 0), 800 sessions drawn from 24 session trees")
+FLEET_SLO_S = 1.0
+GiB = 2**30
+_FLEET_COLS = ("strategy", "prefill_workers", "decode_workers", "decode_kv_bytes_per_worker", "gpus", "ttft_p50_s",
+               "ttft_p90_s", "hit_rate", "p_cache_gib_s", "d_pinned_gib_s", "host_gib_s", "prefill_gpu_s_saved",
+               "usd_per_m_tokens", "meets_slo", "overloaded", "overload_role", "overload_factor", "recommended",
+               "fleets_searched")
+FLEET_ROWS = [
+    ("recompute", 2, 2, None, 32.0, None, None, 0.0, 0.0, 0.0, 0.0, 0.0, 2.91, False, True, "prefill", 3.4, False, 9),
+    ("pd", 3, 3, None, 48.0, 0.42, 0.93, 0.61, 1250.4, 0.0, 0.0, 5400.0, 4.12, True, False, None, None, False, 12),
+    ("pd+host", 3, 2, None, 40.0, 0.38, 0.88, 0.78, 1250.4, 0.0, 86400.0, 7900.0, 3.55, True, False, None, None,
+     False, 12),
+    ("pd-bidir", 2, 2, 512 * GiB, 32.0, 0.31, 0.74, 0.86, 1100.2, 5200.7, 0.0, 8600.0, 2.74, True, False, None, None,
+     True, 10),
+    ("pd-bidir+host", 2, 2, 256 * GiB, 32.0, 0.45, 1.12, 0.88, 1100.2, 2600.3, 43000.0, 8800.0, 2.80, False, False,
+     None, None, False, 16),
+]
+CURVE_LOADS = (25.0, 50.0, 100.0, 200.0, 400.0)
+#: strategy -> per load of CURVE_LOADS: (p50 s, p90 s) or ("prefill" | "decode", overload factor).
+CURVE = {
+    "recompute": [(0.55, 1.20), ("prefill", 1.7), ("prefill", 3.4), ("prefill", 6.8), ("prefill", 13.6)],
+    "pd": [(0.30, 0.55), (0.33, 0.62), (0.42, 0.93), ("prefill", 1.15), ("prefill", 2.30)],
+    "pd+host": [(0.28, 0.50), (0.30, 0.58), (0.38, 0.88), (0.95, 2.90), ("prefill", 1.70)],
+    "pd-bidir": [(0.22, 0.41), (0.25, 0.48), (0.31, 0.74), ("decode", 1.05), ("decode", 2.10)],
+    "pd-bidir+host": [(0.24, 0.45), (0.28, 0.56), (0.45, 1.12), (1.10, 3.40), ("decode", 1.25)],
+}
+
+
+def fleet_rows() -> list[dict]:
+    """``FLEET_ROWS`` as write_fleet_plan's ``fleets`` (every column of plan_fleets but plan_id)."""
+    kind, value, label = FLEET_LOAD
+    return [{"load_kind": kind, "load_value": value, "load_label": label, "slo_ttft_p90_s": FLEET_SLO_S}
+            | dict(zip(_FLEET_COLS, r, strict=True)) for r in FLEET_ROWS]
+
+
+def curve_rows() -> list[dict]:
+    """``CURVE`` as write_fleet_plan's ``curve``: each strategy's fleet of ``FLEET_ROWS`` at ``CURVE_LOADS``."""
+    fleet = {r[0]: r for r in FLEET_ROWS}
+    out = []
+    for strategy, points in CURVE.items():
+        _, p, d, kv, *_ = fleet[strategy]
+        for load, point in zip(CURVE_LOADS, points, strict=True):
+            over = isinstance(point[0], str)
+            out.append({"strategy": strategy, "prefill_workers": p, "decode_workers": d,
+                        "decode_kv_bytes_per_worker": kv, "load_kind": FLEET_LOAD[0], "load_value": load,
+                        "ttft_p50_s": None if over else point[0], "ttft_p90_s": None if over else point[1],
+                        "overloaded": over, "overload_role": point[0] if over else None,
+                        "overload_factor": point[1] if over else None, "slo_ttft_p90_s": FLEET_SLO_S})
+    return out
+
+
+def build_fleet_plan(root: Path, plan_id: str = FLEET_PLAN_ID, fleets: list[dict] | None = None,
+                     curve: list[dict] | None = None) -> Path:
+    """Write the hand-made fleet plan (``fleet_rows``, ``curve_rows``: or the given rows) to the store
+    under ``root`` with the real writer and the vendor-h200 profile; returns ``root``."""
+    from turnscope.planner.plan_store import write_fleet_plan
+    from turnscope.planner.profile import load_profile
+    from turnscope.planner.simulate import PlanSettings
+
+    profile = load_profile(Path(__file__).resolve().parents[1] / "data" / "profiles" / "vendor-h200.yaml")
+    write_fleet_plan(Store(root), plan_id=plan_id, label=FLEET_LABEL, inputs=[{"path": "traces", "format": "agent"}],
+                     profile=profile, settings=PlanSettings(), notes=["Sessions drawn with replacement."],
+                     requests=9600, fleets=fleet_rows() if fleets is None else fleets,
+                     curve=curve_rows() if curve is None else curve)
+    return root

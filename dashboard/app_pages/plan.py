@@ -1,6 +1,7 @@
 """Plan: what KV reuse across turns would do on a traffic, model and hardware (`turnscope plan`), and
 what to deploy for it (`turnscope recommend --store`: the ledger of retention strategies and the
-recommended setting as a copyable diff).
+recommended setting as a copyable diff; a fleet plan: the smallest fleet per strategy meeting a TTFT
+SLO at a stated load, and each fleet's p90 TTFT at other loads).
 
 Every figure on this page is a FORECAST made with the cost profile it names, with its 80% interval
 where the profile has held-out errors; the check against recorded runs (when the plan has one) shows
@@ -53,16 +54,39 @@ try:
     rec_rows = db.read(root, plan_queries.recommendation, pid)
 except db.StoreInvalid:   # views of a store written before the ledger was stored
     led, rec_rows = pd.DataFrame(), pd.DataFrame()
+try:
+    fleets = db.read(root, plan_queries.fleets, pid)
+except db.StoreInvalid:   # views of a store written before fleets were stored
+    fleets = pd.DataFrame()
 rec = rec_rows.iloc[0] if not rec_rows.empty else None
-figures, sentence = plan_figures.headline(rec, sp)
+figures, sentence = (plan_figures.fleet_headline(fleets) if not fleets.empty else plan_figures.headline(rec, sp))
 for col, (label, value, help_) in zip(st.columns(max(len(figures), 1)), figures, strict=False):
     col.metric(label, value, help=help_)
 st.markdown(f"**{sentence}** — {tag}")
+if not fleets.empty:
+    load = fleets.iloc[0]
+    st.subheader(f"Fleet per retention strategy ({tag})")
+    st.markdown(f"**Load:** {load['load_label'] or plan_figures.load_words(load['load_kind'], load['load_value'])}. "
+                f"**SLO:** {plan_figures.slo_words(load['slo_ttft_p90_s'])}, every request.")
+    st.caption(f"Per strategy the smallest fleet searched whose forecast p90 TTFT meets the SLO "
+               f"({int(fleets['fleets_searched'].sum()):,} fleets searched); {plan_figures.RECOMMENDED_MARK}: the "
+               "cheapest that meets it. Overloaded: a role's arrivals outpace it, so no TTFT is forecast.")
+    decode_kv = (profile.get("decode_kv_space_bytes") or {}).get("value")
+    st.dataframe(plan_figures.fleet_styler(plan_figures.fleet_table(fleets, decode_kv)), hide_index=True,
+                 key="plan_fleets")
+    curve = db.read(root, plan_queries.load_curve, pid)
+    if not curve.empty:
+        charts.note("the load curve")
+        charts.show(lambda: plan_figures.load_curve_figure(curve, fleets, f"FORECAST (profile {row['profile_name']})"),
+                    "plan_load_curve")
+        st.caption("Each strategy's fleet above at other loads: p90 TTFT against the SLO (dashed). Open markers on "
+                   "the grey band: overloaded, no TTFT; shaded: where the recommended fleet is overloaded.")
 st.caption(f"Intervals: 80%, from the profile's held-out errors ({held_out['split']})." if held_out else
            "No held-out interval: this profile was never checked on runs it was not fitted on "
            "(`turnscope plan-check --write-profile`).")
 for note in json.loads(row["notes"] or "[]"):
-    st.caption(f"Note: {note}")
+    if fleets.empty or not note.startswith("Load: "):   # a fleet plan's load is stated above its table
+        st.caption(f"Note: {note}")
 if not sp.empty:
     st.caption(f"{speedup.MEANING}; as on the Overview: median TTFT from the second turn on, with its 95% CI over "
                "sessions.")

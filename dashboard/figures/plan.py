@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
 from dashboard.figures.common import MODE_COLORS, legend_below, log_ticks
-from dashboard.palette import mode_color
+from dashboard.palette import ALARM, NEUTRAL, NEUTRAL_DARK, mode_color
 from turnscope.analysis.plan_check import frontier_highlights
+from turnscope.core.contract import Role
 from turnscope.core.modes import BIDIRECTIONAL_MODES, PLAN_TABLE_ORDER, one_way
-from turnscope.planner.strategies import STRATEGY_SYMBOLS
+from turnscope.planner.plan_store import LOAD_UNITS, load_words
+from turnscope.planner.strategies import HOST_STRATEGIES, STRATEGIES, STRATEGY_SYMBOLS
 
 #: Column order of the Plan page's tables: baselines first, then what reuse adds.
 PLAN_TABLE_MODES = PLAN_TABLE_ORDER
@@ -236,3 +240,228 @@ def headline(rec: pd.Series | None, sp: pd.DataFrame) -> tuple[list[tuple[str, s
     sentence = (f"{top['treatment']} is forecast {top['speedup']:.2f}x {faster} than {top['baseline']} in median TTFT "
                 f"from the second turn on ({int(top['treatment_hits']):,} hits of {int(top['later_requests']):,} later requests).")
     return figures, sentence
+
+
+# -- fleet sizing (plan_fleets, plan_load_curve) -----------------------------------------------------
+
+#: The fleet table's mark of the recommended row.
+RECOMMENDED_MARK = "★ recommended"
+
+
+def fleet_name(prefill_workers: int, decode_workers: int) -> str:
+    """A fleet in a few characters: ``2P 3D``."""
+    return f"{int(prefill_workers)}P {int(decode_workers)}D"
+
+
+def overload_text(role: str, factor: float | None) -> str:
+    """``overloaded: P at 3.4x its capacity`` (``factor``: offered work over the capacity of the
+    role's busiest worker, 3 significant digits so 1.05x never reads as 1.0x); without a factor (an
+    overload found by a queue that never drains) ``overloaded: P's queue never drains``."""
+    who = "P" if role == Role.PREFILL else "D" if role == Role.DECODE else str(role)
+    if factor is None or pd.isna(factor):
+        return f"overloaded: {who}'s queue never drains"
+    return f"overloaded: {who} at {factor:.3g}x its capacity"
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1000:,.0f}"
+
+
+def fleet_table(fl: pd.DataFrame, profile_decode_kv_bytes: float | None) -> pd.DataFrame:
+    """``plan_fleets`` rows for display, one per strategy, the answer's columns first: the
+    recommended row marked (`RECOMMENDED_MARK`), the fleet (``2P 3D``), GPUs, p90 and p50 TTFT (ms,
+    or the overload in words in their place), whether it meets the SLO, USD per million tokens
+    (only where the plan is priced); then hit rate (%), D KV per worker (GiB; the profile's where
+    the row has none, ``profile_decode_kv_bytes`` bytes), KV held (GiB-s per tier), prefill GPU-s
+    saved, fleets searched."""
+    def kv(b: float) -> str:
+        if pd.notna(b):
+            return f"{b / GiB:,.1f}"
+        return "profile's" if profile_decode_kv_bytes is None else f"{profile_decode_kv_bytes / GiB:,.1f} (profile's)"
+
+    over = fl["overloaded"].fillna(False).astype(bool)
+    p90 = [overload_text(r, f) if o else _ms(t) for o, r, f, t in
+           zip(over, fl["overload_role"], fl["overload_factor"], fl["ttft_p90_s"], strict=True)]
+    p50 = ["—" if o else _ms(t) for o, t in zip(over, fl["ttft_p50_s"], strict=True)]
+    out = pd.DataFrame({
+        "": [RECOMMENDED_MARK if r else "" for r in fl["recommended"].fillna(False).astype(bool)],
+        "strategy": fl["strategy"], "fleet": [fleet_name(p, d) for p, d in
+                                             zip(fl["prefill_workers"], fl["decode_workers"], strict=True)],
+        "GPUs": fl["gpus"].map(lambda g: f"{g:,g}"),
+        "TTFT p90 (ms)": p90, "TTFT p50 (ms)": p50,
+        "meets SLO": ["yes" if m else "no" for m in fl["meets_slo"].fillna(False).astype(bool)]})
+    if fl["usd_per_m_tokens"].notna().any():
+        out["$ / M tokens"] = fl["usd_per_m_tokens"].round(2)
+    out = out.assign(**{
+        "hit rate (%)": (fl["hit_rate"] * 100).round(1),
+        "D KV per worker (GiB)": fl["decode_kv_bytes_per_worker"].map(kv),
+        "P cache (GiB-s)": fl["p_cache_gib_s"].round(1), "D pinned (GiB-s)": fl["d_pinned_gib_s"].round(1),
+        "host (GiB-s)": fl["host_gib_s"].round(1), "prefill GPU-s saved": fl["prefill_gpu_s_saved"].round(1),
+        "fleets searched": fl["fleets_searched"].astype("Int64")})
+    return out
+
+
+def fleet_styler(table: pd.DataFrame):
+    """`fleet_table`'s frame with the recommended row shaded (a pandas Styler for ``st.dataframe``)."""
+    shade = "background-color: rgba(44, 160, 44, 0.14); font-weight: bold"
+    return table.style.apply(lambda r: [shade if r[""] == RECOMMENDED_MARK else ""] * len(r), axis=1).format(
+        precision=1, subset=[c for c in table.columns if c.endswith("(GiB-s)") or c in ("hit rate (%)",
+                                                                                     "prefill GPU-s saved")]).format(
+        precision=2, subset=[c for c in table.columns if c.startswith("$")])
+
+
+def slo_words(slo_s: float | None) -> str:
+    """The SLO in words: ``p90 TTFT ≤ 1,000 ms``, or ``none (the smallest fleet that keeps up)``."""
+    return "none (the smallest fleet that keeps up)" if slo_s is None or pd.isna(slo_s) else \
+        f"p90 TTFT ≤ {_ms(slo_s)} ms"
+
+
+def fleet_headline(fl: pd.DataFrame) -> tuple[list[tuple[str, str, str | None]], str]:
+    """A fleet plan's answer: up to four (label, value, help) figures and one sentence, from its
+    ``plan_fleets`` rows: the recommended fleet, its GPUs, p90 TTFT against the SLO and cost; or,
+    where no fleet meets the SLO, the one closest to it."""
+    first = fl.iloc[0]
+    load, slo = load_words(first["load_kind"], first["load_value"]), f"SLO {slo_words(first['slo_ttft_p90_s'])}"
+    meet = int(fl["meets_slo"].fillna(False).astype(bool).sum())
+    rec = fl[fl["recommended"].fillna(False).astype(bool)]
+    if rec.empty and meet:
+        return [], f"{meet} of {len(fl)} strategies meet the {slo} at {load}; none is marked recommended."
+    if rec.empty:
+        ok = fl[fl["ttft_p90_s"].notna()].sort_values("ttft_p90_s")
+        if ok.empty:
+            worst = "; ".join(f"{r.strategy} {overload_text(r.overload_role, r.overload_factor)}"
+                              for r in fl.itertuples())
+            return [], f"No fleet searched keeps up with {load}: every strategy's is overloaded ({worst})."
+        r = ok.iloc[0]
+        fleet = fleet_name(r["prefill_workers"], r["decode_workers"])
+        figures = [("closest", f"{r['strategy']} {fleet}", None), ("TTFT p90 (ms)", _ms(r["ttft_p90_s"]), slo)]
+        return figures, (f"No fleet searched meets the {slo} at {load}: the closest is {r['strategy']} on {fleet} "
+                         f"({r['gpus']:,g} GPUs), p90 TTFT {_ms(r['ttft_p90_s'])} ms.")
+    r = rec.iloc[0]
+    fleet = fleet_name(r["prefill_workers"], r["decode_workers"])
+    figures = [("recommended", f"{r['strategy']} {fleet}", f"{r['strategy']}: {fleet}, {r['gpus']:,g} GPUs"),
+               ("GPUs", f"{r['gpus']:,g}", f"{int(r['fleets_searched'])} fleets searched for {r['strategy']}"),
+               ("TTFT p90 (ms)", _ms(r["ttft_p90_s"]), slo),
+               ("hit rate", f"{r['hit_rate']:.0%}", "later requests reusing any token")]
+    if pd.notna(r["usd_per_m_tokens"]):
+        figures[3] = ("$ / M tokens", f"{r['usd_per_m_tokens']:,.2f}", f"hit rate {r['hit_rate']:.0%}")
+    sentence = (f"Recommended: {r['strategy']} on {fleet} ({r['gpus']:,g} GPUs), forecast p90 TTFT "
+                f"{_ms(r['ttft_p90_s'])} ms at {load} ({slo}); {meet} of {len(fl)} strategies meet it, this one "
+                "the cheapest.")
+    return figures, sentence
+
+
+def _open_symbol(symbol: str) -> str:
+    return symbol if symbol.endswith("-open") else f"{symbol}-open"
+
+
+def load_curve_figure(curve: pd.DataFrame, fl: pd.DataFrame, title: str) -> go.Figure:
+    """p90 forecast TTFT (ms) against load (``plan_load_curve`` rows; x in ``load_kind``'s unit, log
+    when the loads span a factor of 8 or more), one line per strategy's fleet (its mode's colour,
+    its ledger marker; dotted: with a host tier). The SLO is a horizontal line; loads at which a
+    fleet is overloaded (no TTFT) are open markers on a grey band at the top (one lane per strategy,
+    the first on top; the y of a lane is a position, not a TTFT); from the smallest
+    load at which the recommended fleet (``plan_fleets``) is overloaded on, the region is shaded;
+    a dotted vertical line marks the load the fleets were sized at."""
+    fig = go.Figure()
+    kind = str(curve["load_kind"].iloc[0])
+    slo = fl["slo_ttft_p90_s"].iloc[0]
+    slo_ms = None if pd.isna(slo) else float(slo) * 1000
+    over = curve["overloaded"].fillna(False).astype(bool)
+    ok_ms = curve.loc[~over, "ttft_p90_s"].dropna() * 1000
+    shown = [*([] if slo_ms is None else [slo_ms]), *ok_ms.tolist()] or [1000.0]
+    top, low = max(shown), min(shown)
+    log_y = top / low > 20
+    order = [s for s in STRATEGIES if s in set(curve["strategy"])] + sorted(set(curve["strategy"]) - set(STRATEGIES))
+    # the overload band above every TTFT and the SLO: one lane per strategy (the first on top), so
+    # strategies overloaded at the same load stay apart
+    n = len(order)
+    if log_y:
+        lo, step = top * 1.25, 1.2
+        lanes = {st: lo * step ** (n - i - 0.5) for i, st in enumerate(order)}
+        band = (lo, lo * step**n)
+    else:
+        lo, step = top * 1.06, top * 0.05
+        lanes = {st: lo + step * (n - i - 0.5) for i, st in enumerate(order)}
+        band = (lo, lo + step * n)
+    loads = curve["load_value"].astype(float)
+    lo_x, hi_x = float(loads.min()), float(loads.max())
+    log_x = lo_x > 0 and hi_x / lo_x >= 8
+    x_end = hi_x * 1.3 if log_x else hi_x + 0.06 * (hi_x - lo_x or hi_x or 1)
+    x_start = lo_x / 1.3 if log_x else lo_x - 0.06 * (hi_x - lo_x or hi_x or 1)
+    unit = LOAD_UNITS.get(kind, kind)
+    for strategy in order:
+        one = curve[curve["strategy"] == strategy]
+        fleet = fleet_name(one["prefill_workers"].iloc[0], one["decode_workers"].iloc[0])
+        colour = mode_color(STRATEGIES.get(strategy))
+        symbol = STRATEGY_SYMBOLS.get(strategy, "circle")
+        o = one["overloaded"].fillna(False).astype(bool)
+        ok, bad = one[~o], one[o]
+        fig.add_trace(go.Scatter(
+            x=ok["load_value"], y=ok["ttft_p90_s"] * 1000, mode="lines+markers", name=f"{strategy} ({fleet})",
+            legendgroup=strategy, customdata=ok["ttft_p50_s"] * 1000,
+            line={"color": colour, "dash": "dot" if strategy in HOST_STRATEGIES else "solid", "width": 2},
+            marker={"color": colour, "symbol": symbol, "size": 11, "line": {"width": 2, "color": colour}},
+            hovertemplate=(f"{strategy} on {fleet}<br>%{{x:,g}} {unit}<br>p90 TTFT %{{y:,.0f}} ms"
+                           "<br>p50 TTFT %{customdata:,.0f} ms<extra></extra>")))
+        if not bad.empty:
+            fig.add_trace(go.Scatter(
+                x=bad["load_value"], y=[lanes[strategy]] * len(bad), mode="markers", name=f"{strategy} overloaded",
+                legendgroup=strategy, showlegend=False,
+                marker={"color": colour, "symbol": _open_symbol(symbol), "size": 10, "line": {"width": 2}},
+                hovertext=[f"{strategy} on {fleet} at {v:,g} {unit}: {overload_text(r, f)} (no TTFT)" for v, r, f in
+                           zip(bad["load_value"], bad["overload_role"], bad["overload_factor"], strict=True)],
+                hoverinfo="text"))
+    if slo_ms is not None:
+        fig.add_trace(go.Scatter(x=[x_start, x_end], y=[slo_ms, slo_ms], mode="lines", name=f"SLO: p90 ≤ {slo_ms:,.0f} ms",
+                                 line={"color": ALARM, "dash": "dash", "width": 2}, hoverinfo="name"))
+        fig.add_annotation(xref="paper", x=1, xanchor="right", yref="y", y=math.log10(slo_ms) if log_y else slo_ms,
+                           yanchor="bottom", showarrow=False, text=f"SLO {slo_ms:,.0f} ms",
+                           font={"size": 11, "color": ALARM})
+    for strategy, y in lanes.items():  # each lane named at the plot's right
+        fig.add_annotation(xref="paper", x=1, xanchor="left", yref="y", y=math.log10(y) if log_y else y,
+                           yanchor="middle", showarrow=False, text=f" {strategy}",
+                           font={"size": 10, "color": mode_color(STRATEGIES.get(strategy))})
+    fig.add_shape(type="rect", name="overloaded band", xref="paper", x0=0, x1=1, yref="y", y0=band[0], y1=band[1],
+                  fillcolor=NEUTRAL, opacity=0.15, line={"width": 0}, layer="below")
+    fig.add_annotation(xref="paper", x=0, xanchor="left", yref="y", y=math.log10(band[1]) if log_y else band[1],
+                       yanchor="bottom", showarrow=False, text="overloaded (no TTFT: arrivals outpace the fleet)",
+                       font={"size": 11, "color": NEUTRAL_DARK})
+    rec = fl[fl["recommended"].fillna(False).astype(bool)]
+    if not rec.empty:
+        r = rec.iloc[0]
+        mine = curve[(curve["strategy"] == r["strategy"]) & over]
+        if not mine.empty:
+            x0 = float(mine["load_value"].min())
+            fig.add_shape(type="rect", name="recommended fleet overloaded", xref="x", x0=x0, x1=x_end, yref="paper",
+                          y0=0, y1=1, fillcolor=ALARM, opacity=0.08, line={"width": 0}, layer="below")
+            fig.add_annotation(xref="x", x=math.log10(x0) if log_x else x0, xanchor="left", yref="paper", y=1,
+                               yanchor="bottom", showarrow=False, font={"size": 11, "color": ALARM},
+                               text=f"recommended {r['strategy']} "
+                                    f"{fleet_name(r['prefill_workers'], r['decode_workers'])} overloaded from here")
+    sized = float(fl["load_value"].iloc[0])
+    fig.add_shape(type="line", name="sized at", xref="x", x0=sized, x1=sized, yref="paper", y0=0, y1=1,
+                  line={"color": NEUTRAL_DARK, "dash": "dot", "width": 1})
+    fig.add_annotation(xref="x", x=math.log10(sized) if log_x else sized, xanchor="left", yref="paper", y=0.02,
+                       yanchor="bottom", showarrow=False, text=f" fleets sized at {load_words(kind, sized)}",
+                       font={"size": 11, "color": NEUTRAL_DARK})
+    if log_x:
+        fig.update_xaxes(type="log", range=[math.log10(x_start), math.log10(x_end)],
+                         tickvals=sorted(set(loads)), ticktext=[f"{v:,g}" for v in sorted(set(loads))])
+    else:
+        fig.update_xaxes(range=[x_start, x_end])
+    if log_y:
+        vals, text = log_ticks(pd.Series([low / 1.3, top]))
+        vals, text = [v for v in vals if v < band[0]], [t for v, t in zip(vals, text, strict=True) if v < band[0]]
+        fig.update_yaxes(type="log", range=[math.log10(low / 1.3), math.log10(band[1] * 1.2)], tickvals=vals,
+                         ticktext=text)
+    else:  # ticks up to the highest TTFT only: above it the band's lanes are positions, not TTFTs
+        tick = next(m * 10.0**e for e in range(math.floor(math.log10(top)) - 1, 12) for m in (1, 2, 2.5, 5)
+                    if top / (m * 10.0**e) <= 8)
+        vals = [i * tick for i in range(int(top / tick) + 1)]
+        fig.update_yaxes(range=[0, band[1] * 1.07], tickvals=vals, ticktext=[f"{v:,g}" for v in vals])
+    fig.update_layout(title=f"{title}: p90 TTFT against load, each strategy's fleet",
+                      xaxis_title=f"load ({unit})", yaxis_title="p90 TTFT, every request (ms)")
+    legend_below(fig, height=540)
+    fig.update_layout(margin={"r": 110})
+    return fig

@@ -75,3 +75,17 @@ def ledger(con: duckdb.DuckDBPyConnection, plan_id: str) -> pd.DataFrame:
 def recommendation(con: duckdb.DuckDBPyConnection, plan_id: str) -> pd.DataFrame:
     """The plan's recommendation (plan_recommendations' columns; no row for a plan of `turnscope plan`)."""
     return con.execute("SELECT * EXCLUDE (plan_id) FROM plan_recommendations WHERE plan_id = ?", [plan_id]).df()
+
+
+def fleets(con: duckdb.DuckDBPyConnection, plan_id: str) -> pd.DataFrame:
+    """The plan's fleet per retention strategy at its load (plan_fleets' columns: seconds, bytes,
+    GiB x s, USD per million tokens; empty for a plan without a fleet search), in the ledger's order."""
+    return con.execute("SELECT * EXCLUDE (plan_id) FROM plan_fleets WHERE plan_id = ? ORDER BY list_position("
+                       "?, strategy), strategy", [plan_id, list(STRATEGIES)]).df()
+
+
+def load_curve(con: duckdb.DuckDBPyConnection, plan_id: str) -> pd.DataFrame:
+    """Each strategy's fleet at several loads (plan_load_curve's columns), in the ledger's order of
+    strategies, then by load (ascending, in ``load_kind``'s unit)."""
+    return con.execute("SELECT * EXCLUDE (plan_id) FROM plan_load_curve WHERE plan_id = ? ORDER BY list_position("
+                       "?, strategy), strategy, load_value", [plan_id, list(STRATEGIES)]).df()

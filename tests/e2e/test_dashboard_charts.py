@@ -236,3 +236,91 @@ def test_every_chart_shows_its_data_sweep_and_capacity(browser, tmp_path, fixtur
     with _streamlit(build(tmp_path / "store"), tmp_path) as url:
         counts = _check_pages(browser, url, fixture, [(path, title)])
     assert counts[title] >= least, counts
+
+
+#: The load curve's traces, SLO and shapes as plotly.js drew them: per trace its name, mode, x, y
+#: and marker symbol; per shape its name, x0, x1, y0, y1 and whether it is filled. Runs in the page.
+READ_LOAD_CURVE = r"""
+() => {
+  const el = [...document.querySelectorAll('.js-plotly-plot')]
+    .find(e => e._fullLayout && ((e._fullLayout.title || {}).text || '').includes('p90 TTFT against load'));
+  if (!el) return null;
+  const arr = (v) => (v == null ? [] : Array.from(v));
+  return {
+    traces: el._fullData.filter(t => t.visible === true).map(t => ({
+      name: t.name, mode: t.mode, x: arr(t.x).map(Number), y: arr(t.y).map(Number),
+      symbol: (t.marker || {}).symbol || null})),
+    shapes: (el._fullLayout.shapes || []).map(s => ({name: s.name, type: s.type, x0: s.x0, x1: s.x1,
+                                                     y0: s.y0, y1: s.y1, filled: !!s.fillcolor && s.type === 'rect'})),
+    xrange: el._fullLayout.xaxis.range, xtype: el._fullLayout.xaxis.type,
+    drawnShapes: el.querySelectorAll('.shapelayer path, .layer-below .shapelayer path').length,
+  };
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def fleet_url(tmp_path_factory):
+    """A store holding only the hand-made fleet plan (tests/planner_store.py: FLEET_ROWS, CURVE)."""
+    from tests import planner_store
+
+    tmp = tmp_path_factory.mktemp("charts-fleet")
+    with _streamlit(planner_store.build_fleet_plan(tmp / "store"), tmp) as url:
+        yield url
+
+
+def test_load_curve_draws_its_data(fleet_url, browser):  # noqa: F811
+    """The Plan page's load curve of the hand-made fleet plan: one line per strategy through its
+    forecast p90 TTFTs (ms) at the loads where it is not overloaded, its overloaded loads as open
+    markers on a band above every TTFT and the SLO, the SLO at 1,000 ms, and the region from 200 new
+    sessions per hour (where the recommended pd-bidir 2P 2D is first overloaded) shaded. Truths:
+    the fixture's hand-typed figures, restated here."""
+    from tests.e2e.test_dashboard_browser import _shot
+
+    page = browser.new_page(viewport={"width": WIDTH, "height": 1400})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(f"{fleet_url}/plan", wait_until="domcontentloaded")
+    page.get_by_role("heading", name="Plan", exact=True).wait_for(timeout=60_000)
+    _settle(page)
+    draw_charts(page)
+    page.wait_for_function("document.querySelectorAll('.js-plotly-plot .main-svg').length >= 1", timeout=60_000)
+    _settle(page)
+    fig = page.evaluate(READ_LOAD_CURVE)
+    assert fig is not None, "no load curve drawn"
+    lines = {t["name"]: t for t in fig["traces"] if t["mode"] == "lines+markers"}
+    # the finite points, by hand (ms): loads 25, 50, 100, 200, 400 new sessions per hour
+    truth = {"recompute (2P 2D)": [(25, 1200)],
+             "pd (3P 3D)": [(25, 550), (50, 620), (100, 930)],
+             "pd+host (3P 2D)": [(25, 500), (50, 580), (100, 880), (200, 2900)],
+             "pd-bidir (2P 2D)": [(25, 410), (50, 480), (100, 740)],
+             "pd-bidir+host (2P 2D)": [(25, 450), (50, 560), (100, 1120), (200, 3400)]}
+    assert list(lines) == list(truth)  # the ledger's order
+    for name, points in truth.items():
+        assert lines[name]["x"] == [x for x, _ in points], name
+        assert lines[name]["y"] == pytest.approx([y for _, y in points]), name
+    assert [t["symbol"] for t in lines.values()] == ["square", "circle", "circle-open", "diamond", "diamond-open"]
+    over = {t["name"]: t for t in fig["traces"] if t["name"].endswith(" overloaded")}
+    assert {n: t["x"] for n, t in over.items()} == {
+        "recompute overloaded": [50, 100, 200, 400], "pd overloaded": [200, 400], "pd+host overloaded": [400],
+        "pd-bidir overloaded": [200, 400], "pd-bidir+host overloaded": [400]}
+    lanes = {n: set(t["y"]) for n, t in over.items()}
+    assert all(len(y) == 1 for y in lanes.values())  # one lane per strategy, a lane each
+    band_y = [min(y) for y in lanes.values()]
+    assert len(set(band_y)) == 5 and min(band_y) > 3400  # above every TTFT (3,400 ms) and the SLO
+    assert all(t["symbol"].endswith("-open") for t in over.values())
+    (slo,) = [t for t in fig["traces"] if t["name"].startswith("SLO")]
+    assert slo["y"] == [1000, 1000] and slo["mode"] == "lines"
+    assert len(fig["traces"]) == 5 + 5 + 1
+    shapes = {s["name"]: s for s in fig["shapes"]}
+    shaded = shapes["recommended fleet overloaded"]
+    assert shaded["filled"] and shaded["x0"] == pytest.approx(200) and shaded["x1"] >= 400
+    band = shapes["overloaded band"]
+    assert band["filled"] and 3400 < band["y0"] < min(band_y) and max(band_y) < band["y1"]
+    assert shapes["sized at"]["x0"] == pytest.approx(100)
+    assert fig["drawnShapes"] >= 3
+    assert check_figures(page, "fleet store Plan") == 1
+    page.mouse.move(WIDTH - 5, 5)  # no tooltip of the sidebar's button in the picture
+    _shot(page, "plan-fleet")
+    assert not errors, errors
+    page.close()

@@ -187,3 +187,62 @@ def test_a_recommendation_shows_its_answer_ledger_and_diff(monkeypatch, recommen
     assert flags in codes and (topo or "(no change)") in codes
     # captions stay short (at most two lines of the page: about 240 characters)
     assert all(len(c.value) <= 240 for c in at.caption), [c.value for c in at.caption if len(c.value) > 240]
+
+
+@pytest.fixture(scope="module")
+def fleet_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The hand-made fleet plan alone (tests/planner_store.py: FLEET_ROWS, CURVE)."""
+    return fx.build_fleet_plan(tmp_path_factory.mktemp("fleet"))
+
+
+def test_a_fleet_plan_shows_its_answer_and_fleet_table_first(monkeypatch, fleet_store):
+    """The fleet plan's answer (the recommended fleet), the load in words, then the fleet table
+    with the hand-made figures of tests/planner_store.py (restated here as the page should print
+    them) and the load curve; every heading a FORECAST stating the load."""
+    at = open_plan(monkeypatch, fleet_store)
+    tag = "FORECAST (profile vendor-h200) at 100 new sessions per hour"
+    assert at.subheader[0].value == tag and at.subheader[1].value == f"Fleet per retention strategy ({tag})"
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics == {"recommended": "pd-bidir 2P 2D", "GPUs": "32", "TTFT p90 (ms)": "740", "$ / M tokens": "2.74"}
+    assert at.markdown[0].value.startswith("**Recommended: pd-bidir on 2P 2D (32 GPUs), forecast p90 TTFT 740 ms at "
+                                           "100 new sessions per hour (SLO p90 TTFT ≤ 1,000 ms); 3 of 5 strategies")
+    assert at.markdown[1].value == ("**Load:** 100 new sessions per hour (Poisson starts, seed 0), 800 sessions drawn "
+                                    "from 24 session trees. **SLO:** p90 TTFT ≤ 1,000 ms, every request.")
+    assert any("(59 fleets searched)" in c.value for c in at.caption)   # 9 + 12 + 12 + 10 + 16
+    assert not any(c.value.startswith("Note: Load:") for c in at.caption)  # stated once, above the table
+    assert any(c.value == "Note: Sessions drawn with replacement." for c in at.caption)
+    table = at.dataframe[0].value   # the first table of the page
+    assert list(table.columns) == ["", "strategy", "fleet", "GPUs", "TTFT p90 (ms)", "TTFT p50 (ms)", "meets SLO",
+                                   "$ / M tokens", "hit rate (%)", "D KV per worker (GiB)", "P cache (GiB-s)",
+                                   "D pinned (GiB-s)", "host (GiB-s)", "prefill GPU-s saved", "fleets searched"]
+    shown = [tuple(r) for r in table.astype(object).itertuples(index=False)]
+    # the profile's D KV space: 9.496e11 bytes / 2^30 = 884.4 GiB
+    assert shown == [
+        ("", "recompute", "2P 2D", "32", "overloaded: P at 3.4x its capacity", "—", "no", 2.91, 0.0,
+         "884.4 (profile's)", 0.0, 0.0, 0.0, 0.0, 9),
+        ("", "pd", "3P 3D", "48", "930", "420", "yes", 4.12, 61.0, "884.4 (profile's)", 1250.4, 0.0, 0.0, 5400.0, 12),
+        ("", "pd+host", "3P 2D", "40", "880", "380", "yes", 3.55, 78.0, "884.4 (profile's)", 1250.4, 0.0, 86400.0,
+         7900.0, 12),
+        ("★ recommended", "pd-bidir", "2P 2D", "32", "740", "310", "yes", 2.74, 86.0, "512.0", 1100.2, 5200.7, 0.0,
+         8600.0, 10),
+        ("", "pd-bidir+host", "2P 2D", "32", "1,120", "450", "no", 2.80, 88.0, "256.0", 1100.2, 2600.3, 43000.0,
+         8800.0, 16)]
+    assert len(at.get("plotly_chart")) == 1   # the load curve
+
+
+def test_fleet_table_without_prices_and_a_decode_overload():
+    """No price: no $ column; an overloaded D reads "D at ...", and a factor near 1 keeps its digits."""
+    import pandas as pd
+
+    from dashboard.figures import plan as plan_figures
+
+    rows = fx.fleet_rows()[:2]
+    rows[0] |= {"overload_role": "decode", "overload_factor": 1.05}
+    fl = pd.DataFrame(rows).assign(usd_per_m_tokens=None)
+    table = plan_figures.fleet_table(fl, None)
+    assert "$ / M tokens" not in table.columns
+    assert list(table["TTFT p90 (ms)"]) == ["overloaded: D at 1.05x its capacity", "930"]
+    assert list(table["D KV per worker (GiB)"]) == ["profile's", "profile's"]
+    figures, sentence = plan_figures.fleet_headline(fl.assign(recommended=False, meets_slo=False))
+    assert figures[0][1] == "pd 3P 3D" and sentence.startswith(
+        "No fleet searched meets the SLO p90 TTFT ≤ 1,000 ms at 100 new sessions per hour: the closest is pd")

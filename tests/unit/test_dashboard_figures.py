@@ -383,3 +383,29 @@ def test_every_reuse_outcome_has_an_order_a_marker_and_a_colour():
     assert sorted(OUTCOME_ORDER) == sorted(expected)
     assert set(OUTCOME_SYMBOLS) == expected and set(palette.OUTCOME_COLORS) == expected
     assert OUTCOME_ORDER[0] == "hit" and set(OUTCOME_ORDER[-len(palette.QUIET_OUTCOMES):]) == set(palette.QUIET_OUTCOMES)
+
+
+def test_load_curve_without_slo_on_log_axes():
+    """A fleet plan without an SLO (the smallest fleet that keeps up) draws no SLO line; a TTFT 30 s
+    long among 0.4 s ones puts p90 on a log axis; an overload found without a factor says its queue
+    never drains. Rows: tests/planner_store.py's hand-made fleet plan, changed here."""
+    from dashboard.figures import plan as plan_figures
+    from tests import planner_store as fx
+
+    fl = pd.DataFrame(fx.fleet_rows()).assign(slo_ttft_p90_s=None)
+    curve = pd.DataFrame(fx.curve_rows()).assign(slo_ttft_p90_s=None)
+    at = (curve["strategy"] == "pd-bidir") & (curve["load_value"] == 200.0)
+    curve.loc[at, ["overloaded", "ttft_p50_s", "ttft_p90_s", "overload_role", "overload_factor"]] = \
+        [False, 10.0, 30.0, None, None]
+    curve.loc[curve["strategy"] == "recompute", "overload_factor"] = None
+    fig = plan_figures.load_curve_figure(curve, fl, "FORECAST (profile vendor-h200)")
+    traces = {t.name: t for t in fig.data}
+    assert not [n for n in traces if n.startswith("SLO")]
+    assert fig.layout.yaxis.type == "log" and fig.layout.xaxis.type == "log"
+    assert list(traces["pd-bidir (2P 2D)"].y) == pytest.approx([410.0, 480.0, 740.0, 30000.0])
+    assert traces["recompute overloaded"].hovertext[0] == (
+        "recompute on 2P 2D at 50 new sessions per hour: overloaded: P's queue never drains (no TTFT)")
+    lanes = sorted(t.y[0] for n, t in traces.items() if n.endswith("overloaded"))
+    assert lanes[0] > 30000 and len(set(lanes)) == 5   # each strategy its lane, above the 30 s TTFT
+    _, sentence = plan_figures.fleet_headline(fl)
+    assert "(SLO none (the smallest fleet that keeps up))" in sentence

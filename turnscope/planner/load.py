@@ -35,20 +35,21 @@ import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from loadgen.traces.formats import OWN_CLOCK, trace_format
+from turnscope.planner import plan_store
 from turnscope.planner.simulate import Traffic
 
 
 class LoadKind(StrEnum):
-    """How sessions arrive (see the module doc)."""
+    """How sessions arrive (see the module doc); the values are the store's ``plan_fleets.load_kind``
+    (:mod:`turnscope.planner.plan_store`, which the dashboard reads)."""
 
-    SESSIONS_PER_HOUR = "sessions_per_hour"
-    CONCURRENT_SESSIONS = "concurrent_sessions"
-    RECORDED = "recorded"
+    SESSIONS_PER_HOUR = plan_store.SESSIONS_PER_HOUR
+    CONCURRENT_SESSIONS = plan_store.CONCURRENT_SESSIONS
+    RECORDED = plan_store.RECORDED_CLOCK
 
 
 #: The unit of each load kind's value, for tables and axes.
-LOAD_UNITS = {LoadKind.SESSIONS_PER_HOUR: "new sessions per hour", LoadKind.CONCURRENT_SESSIONS:
-              "concurrent sessions", LoadKind.RECORDED: "x the recorded rate"}
+LOAD_UNITS = plan_store.LOAD_UNITS
 #: Session trees drawn by a drawn load when the caller does not say.
 DEFAULT_SESSIONS = 400
 
