@@ -328,7 +328,9 @@ CREATE TABLE plan_recommendations (
     flags_diff               VARCHAR,            -- `vllm serve` flags, unified diff
     topology_diff            VARCHAR,            -- topology file, unified diff
     recommended_topology     VARCHAR,            -- the recommended topology file (YAML)
-    interval_note            VARCHAR
+    interval_note            VARCHAR,
+    current_overload         VARCHAR,            -- NULL: keeps up at the load; else the overload in words
+    recommended_overload     VARCHAR
 );
 
 -- Fleet sizing (the planner's fleet search): per retention strategy, the smallest fleet whose forecast p90

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
@@ -75,7 +76,7 @@ def test_recommend_stores_ledger_and_recommendation_with_intervals(tmp_path):
     led = con.execute(f"SELECT * FROM read_parquet('{shards}/plan_ledger/*.parquet')").df().set_index("strategy")
     rec = con.execute(f"SELECT * FROM read_parquet('{shards}/plan_recommendations/*.parquet')").df().iloc[0]
     log = con.execute(f"SELECT label, forecast_label FROM read_parquet('{shards}/plan_log/*.parquet')").fetchall()
-    assert log == [("rec", "FORECAST (profile vendor-h200)")]
+    assert log == [("rec", "FORECAST (profile vendor-h200) at the recorded clock")]   # one tree: its own load
     assert set(led.index) == {"recompute", "pd", "pd+host", "pd-bidir", "pd-bidir+host"}
     # each TTFT interval is the forecast times the held-out ratios of the mode it is costed as
     for strategy, (lo, hi) in (("recompute", (0.9, 1.2)), ("pd", (0.8, 1.25)), ("pd-bidir", (0.85, 1.3))):
@@ -139,3 +140,47 @@ def test_recorded_runs_bring_their_shared_system_prompt(tmp_path, monkeypatch):
     r = invoke(str(TRACE), "--profile", str(PROFILE), "--store", str(tmp_path / "b"))
     assert r.exit_code == 0, r.output
     assert stored(tmp_path / "b") == 0 and seen == [[run]]
+
+
+DIR = ROOT / "data/traces/kv-cache-tester"
+
+
+def test_own_clock_traces_are_refused_without_a_load():
+    r = invoke(str(DIR), "--profile", str(PROFILE))
+    assert r.exit_code != 0 and "record no load" in r.output and "--sessions-per-hour" in r.output
+    r = invoke(str(DIR), "--profile", str(PROFILE), "--sessions-per-hour", "10", "--concurrent-sessions", "3")
+    assert r.exit_code != 0 and "give one load" in r.output
+
+
+@pytest.mark.parametrize("rate", ["10", "1000"])
+def test_recommend_at_a_load_names_overload_and_no_ttft_past_the_horizon(tmp_path, rate):
+    """The 24 shipped traces drawn 60 times at two loads: the fleet table first, the load stated, and
+    no printed TTFT longer than the horizon nor a speed-up next to a setting that cannot keep up; the
+    stored fleets are the printed ones."""
+    import re
+
+    import duckdb
+
+    store = tmp_path / "store"
+    r = invoke(str(DIR), "--profile", str(PROFILE), "--ttft-slo-s", "2", "--sessions-per-hour", rate, "--sessions",
+               "60", "--workers", "1", "--store", str(store), "--max-prefill-workers", "8", "--max-decode-workers", "8")
+    assert r.exit_code == 0, r.output
+    out = r.output
+    load = f"{int(rate):,} new sessions per hour (Poisson starts, seed 0; 60 sessions drawn from 24 session trees)"
+    assert out.index("Fleet per strategy") < out.index("Ledger of retention strategies") and load in out
+    assert out.count("no held-out interval") == 2     # said once per report part (head and ledger), not per figure
+    horizon = re.search(r"requests over ([\d.,]+) (h|min|s)\b", out)
+    horizon_s = float(horizon.group(1).replace(",", "")) * {"h": 3600, "min": 60, "s": 1}[horizon.group(2)]
+    ttfts = [float(v.replace(",", "")) / 1e3 for v in re.findall(r"(?:p90|p50|mean TTFT) ([\d,]+\.\d) ms", out)]
+    assert ttfts and max(ttfts) < horizon_s
+    for line in out.splitlines():
+        if "overloaded" in line:
+            assert "speed-up" not in line.split("overloaded")[1].split(";")[0] or "no speed-up" in line
+    con = duckdb.connect()
+    fleets = con.execute(f"SELECT * FROM read_parquet('{store}/runs/plan-*/plan_fleets/*.parquet')").df()
+    assert len(fleets) == 5 and fleets["load_value"].eq(float(rate)).all() and fleets["recommended"].sum() <= 1
+    for f in fleets.itertuples():
+        if f.overloaded:
+            assert pd.isna(f.ttft_p90_s)
+        elif f.meets_slo:
+            assert f"{f.prefill_workers}P {f.decode_workers}D" in out and f"p90 {f.ttft_p90_s * 1e3:,.1f} ms" in out

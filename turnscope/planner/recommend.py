@@ -505,10 +505,16 @@ def recommendation_row(r: Recommendation, profile: CostProfile, model: str, plat
     row["speedup"] = cur.ttft_mean_s / rec.ttft_mean_s if rec.ttft_mean_s > 0 else None
     row["speedup_interval_low"], row["speedup_interval_high"] = ch["speedup"]
     row["cost_change_usd"] = (None if rec.cost_usd is None or cur.cost_usd is None else rec.cost_usd - cur.cost_usd)
+    def finite(x: float) -> float | None:   # JSON has no NaN: a change against an overloaded setting is None
+        return None if x is None or not np.isfinite(x) else float(x)
+
     row["knob_effects"] = {k: {"from": getattr(cur.setting, k), "to": getattr(rec.setting, k),
-                               "ttft_mean_change_s": e.ttft_mean_s - cur.ttft_mean_s,
-                               "d_pinned_change_gib_s": e.row["d_pinned_gib_s"] - cur.row["d_pinned_gib_s"]}
+                               "ttft_mean_change_s": finite(e.ttft_mean_s - cur.ttft_mean_s),
+                               "d_pinned_change_gib_s": finite(e.row["d_pinned_gib_s"] - cur.row["d_pinned_gib_s"]),
+                               "overload": None if e.overload is None else e.overload.text()}
                            for k, e in r.knob_effects.items()}
+    row["current_overload"] = None if cur.overload is None else cur.overload.text()
+    row["recommended_overload"] = None if rec.overload is None else rec.overload.text()
     row["what_would_change"] = list(r.what_would_change)
     host_kv = profile.host_kv_space_bytes.value if profile.host_kv_space_bytes else None
     row["flags_diff"] = config_diff(cur.setting, rec.setting, model, host_kv, platform,

@@ -1,0 +1,97 @@
+"""Fleet sizing at a fleet's scale: the 24 shipped kv-cache-tester traces drawn at a rate until the
+traffic holds about 50,000 requests, then one setting forecast and a whole ``turnscope recommend``
+(fleet sizing per strategy up to 16 P and 16 D, the knob search, the load curve) timed, with the
+peak memory. Targets (docs/planner/fleet.md): one setting <= 5 s, the whole recommendation (>= 100
+settings) <= 60 s, <= 1 GiB. Prints each figure beside its target and the ratio.
+
+Run: ``.venv/bin/python bench/fleet_search.py [--requests 50000] [--rate 100] [--workers N]``;
+``--requests 500000`` for the 10x run. The machine is shared: the load average is printed with the
+figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from turnscope.planner.cli_plan import read_traffic  # noqa: E402
+from turnscope.planner.cli_recommend import run_recommend  # noqa: E402
+from turnscope.planner.executor import LocalExecutor  # noqa: E402
+from turnscope.planner.fleet import Fleet, FleetLimits, evaluate_fleet  # noqa: E402
+from turnscope.planner.load import Load, LoadKind, at_load  # noqa: E402
+from turnscope.planner.profile import load_profile  # noqa: E402
+from turnscope.planner.recommend import Setting  # noqa: E402
+from turnscope.planner.simulate import PlanSettings  # noqa: E402
+
+TRACES = REPO / "data" / "traces" / "kv-cache-tester"
+PROFILE = REPO / "data" / "profiles" / "vendor-h200.yaml"
+ONE_SETTING_S, WHOLE_S, MEMORY_GIB = 5.0, 60.0, 1.0
+
+
+def peak_rss_gib() -> float:
+    """The peak resident memory of this process and of its finished children (the pool), GiB."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return max(own, kids) / 2**20   # ru_maxrss is KiB on Linux
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=50_000, help="requests the drawn traffic should hold (about)")
+    ap.add_argument("--rate", type=float, default=100.0, help="new sessions per hour")
+    ap.add_argument("--workers", type=int, default=None, help="processes (default: the machine's cores)")
+    args = ap.parse_args()
+    mix, inputs = read_traffic([TRACES], None)
+    per_tree = len(mix) / len(set(mix.source))
+    sessions = max(1, round(args.requests / per_tree))
+    load = Load(kind=LoadKind.SESSIONS_PER_HOUR, value=args.rate, sessions=sessions)
+    loaded = at_load(mix, ["kv_cache_tester"], load)
+    tr = loaded.traffic
+    prof = load_profile(PROFILE)
+    print(f"traffic: {loaded.label()}; machine: {os.cpu_count()} cores, load average "
+          f"{os.getloadavg()[0]:.1f} at the start")
+    limits = FleetLimits(ttft_slo_s=2.0)
+    times = {}
+    for strategy, fleet in (("pd", Fleet(4, 2)), ("pd-bidir", Fleet(4, 2)), ("pd-bidir", Fleet(16, 16))):
+        t0 = time.perf_counter()
+        e = evaluate_fleet(tr, prof, PlanSettings(), strategy, fleet, limits)
+        times[(strategy, fleet.label())] = time.perf_counter() - t0
+        print(f"one setting, {strategy} {fleet.label()}: {times[(strategy, fleet.label())]:.2f} s "
+              f"(target <= {ONE_SETTING_S:g} s; {e.ttft_text()})")
+    t0 = time.perf_counter()
+    text = run_recommend([TRACES], profile_path=PROFILE, format=None, current=Setting("pd-bidir"), margin_s=30.0,
+                         ttft_slo_s=2.0, d_kv_gib=None, gpu_hour_usd=None, host_gib_hour_usd=None,
+                         max_prefill_workers=16, max_decode_workers=16, serve_model="MODEL", load=load,
+                         executor=LocalExecutor(args.workers))
+    whole = time.perf_counter() - t0
+    settings = _settings_forecast(text)
+    worst = max(times.values())
+    print(f"whole recommendation: {whole:.1f} s for {settings} settings forecast (target <= {WHOLE_S:g} s, >= 100 "
+          f"settings): {whole / WHOLE_S:.2f}x the target")
+    print(f"slowest single setting: {worst:.2f} s, {worst / ONE_SETTING_S:.2f}x the target")
+    print(f"peak memory (this process or one pool process): {peak_rss_gib():.2f} GiB (target <= {MEMORY_GIB:g} GiB)")
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
+    print("\n".join(line for line in text.splitlines() if line.startswith("Fleet per strategy")
+                    or line.startswith("  ") and "fleets tried" in line))
+
+
+def _settings_forecast(text: str) -> int:
+    """Settings forecast in a recommendation: fleets tried, settings searched, load-curve points."""
+    import re
+
+    fleets = sum(int(n) for n in re.findall(r"\((\d+) fleets tried\)", text))
+    searched = int(re.search(r"(\d+) settings searched", text).group(1))
+    curve = sum(line.count(": ") for line in text.split("Each strategy's fleet at other loads")[-1]
+                .split("\n\n")[0].splitlines()[1:]) if "Each strategy's fleet at other loads" in text else 0
+    return fleets + searched + curve
+
+
+if __name__ == "__main__":
+    main()
