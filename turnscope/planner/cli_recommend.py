@@ -95,15 +95,17 @@ def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | No
     fleets_text = describe_fleets(searches, chosen, loaded, prof, fleet_limits)
     led = ledger(traffic, prof, at, prices)
     table = describe_ledger(led, prof, at, prices)
-    sized = {s.strategy: [(s.closest.fleet.prefill_workers, s.closest.fleet.decode_workers)] for s in searches}
-    if chosen is not None:   # every strategy's knobs also on the cheapest fleet (a shorter TTL may fit it)
-        for s in searches:
-            sized[s.strategy].append((chosen.fleet.prefill_workers, chosen.fleet.decode_workers))
+    # the knobs are searched on the cheapest fleet (a shorter TTL may fit a strategy into it); each
+    # strategy at its own fleet was forecast by the sizing, at the current knobs
+    knob_fleet = chosen.fleet if chosen is not None else min(
+        (s.closest.fleet for s in searches), key=lambda f: -(f.prefill_workers + f.decode_workers))
+    sized = {s.strategy: [(knob_fleet.prefill_workers, knob_fleet.decode_workers)] for s in searches}
     rec = recommend(traffic, prof, base, current, limits, grid or Grid(), sized, executor)
     points = []
     if curve and loaded.load.drawn:
         job = CurveJob(mix, tree_of_formats(formats), prof, base, fleet_limits)
-        points = load_curve(job, {s.strategy: s.closest.fleet for s in searches}, loaded.load, executor)
+        points = load_curve(job, {s.strategy: s.closest.fleet for s in searches}, loaded.load, executor,
+                            known={s.strategy: s.closest for s in searches})
     parts = [head, fleets_text]
     if points:
         parts.append(describe_curve(points, loaded.load, fleet_limits))

@@ -110,8 +110,9 @@ class DecodeAdmission:
         self._note_in_use()
 
     def _admit_what_fits(self) -> None:
-        while self._waiting and self._waiting[0][0] <= self.now and self._fits(self._waiting[0][2]):
-            at, key, need, hold = self._waiting[0]
+        waiting = self._waiting
+        while waiting and waiting[0][0] <= self.now and self._fits(waiting[0][2]):
+            at, key, need, hold = waiting[0]
             self._admit(key, at, need, hold)
 
     def _next_event(self) -> float:
@@ -121,20 +122,33 @@ class DecodeAdmission:
 
     def advance(self, t: float) -> None:
         """Process D's events up to ``t`` (inclusive) in time order, admitting at each what fits."""
+        waiting, running, holds = self._waiting, self._running, self.holds
+        inf, heappop = math.inf, heapq.heappop
         while True:
-            self._admit_what_fits()
-            nxt = self._next_event()
-            if nxt > t or math.isinf(nxt):
+            if waiting and waiting[0][0] <= self.now:
+                self._admit_what_fits()
+            # the next event: a waiting request's arrival, a running one's end, a change of what D holds
+            nxt = waiting[0][0] if waiting and waiting[0][0] > self.now else inf
+            if running and running[0][0] < nxt:
+                nxt = running[0][0]
+            if holds is not None:
+                change = holds.next_change_s()
+                if change < nxt:
+                    nxt = change
+            if nxt > t or nxt == inf:
                 break
-            self.now = max(self.now, nxt)
-            while self._running and self._running[0][0] <= self.now:
-                self._in_use -= heapq.heappop(self._running)[1]
-            if self.holds:
-                self.holds.settle(self.now)
+            if nxt > self.now:
+                self.now = nxt
+            now = self.now
+            while running and running[0][0] <= now:
+                self._in_use -= heappop(running)[1]
+            if holds is not None:
+                holds.settle(now)
                 self._note_in_use()
-        if math.isfinite(t):
-            self.now = max(self.now, t)
-        self._admit_what_fits()
+        if t != inf and t > self.now:
+            self.now = t
+        if waiting:
+            self._admit_what_fits()
 
     def close(self) -> None:
         """Admit every request still waiting. One that nothing will ever make room for (what D holds

@@ -327,9 +327,11 @@ CURVE_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)
 
 
 def load_curve(job: CurveJob, fleets: dict[str, Fleet], load: Load, executor: Executor | None = None,
-               factors: tuple[float, ...] = CURVE_FACTORS) -> list[CurvePoint]:
+               factors: tuple[float, ...] = CURVE_FACTORS,
+               known: dict[str, FleetForecast] | None = None) -> list[CurvePoint]:
     """Each strategy's fleet at ``load``'s value times each of ``factors`` (concurrent sessions
-    rounded, at least 1): its p90 TTFT, or its overload."""
+    rounded, at least 1): its p90 TTFT, or its overload. ``known``: strategy -> its fleet's forecast
+    at ``load`` itself (the sizing's), not forecast again."""
     loads = []
     for f in factors:
         v = load.value * f
@@ -337,8 +339,13 @@ def load_curve(job: CurveJob, fleets: dict[str, Fleet], load: Load, executor: Ex
             v = max(1.0, float(round(v)))
         loads.append(load.at(v))
     loads = list({ld.value: ld for ld in loads}.values())
-    items = [(s, fleet, ld) for s, fleet in fleets.items() for ld in loads]
-    return (executor or LocalExecutor()).map(_curve_point, job, items, "load curve")
+    known = known or {}
+    items = [(s, fleet, ld) for s, fleet in fleets.items() for ld in loads
+             if not (ld.value == load.value and s in known and known[s].fleet == fleet)]
+    done = (executor or LocalExecutor()).map(_curve_point, job, items, "load curve")
+    again = [CurvePoint(s, known[s].fleet, load, known[s]) for s, fleet in fleets.items()
+             if s in known and known[s].fleet == fleet and any(ld.value == load.value for ld in loads)]
+    return sorted(done + again, key=lambda p: (list(fleets).index(p.strategy), p.load.value))
 
 
 def fleet_row(e: FleetForecast, loaded: LoadedTraffic, limits: FleetLimits, recommended: bool,
