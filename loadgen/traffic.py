@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 
 from loadgen.traces.agent_request import AgentRequest
 from loadgen.traces.errors import TraceFormatError
-from loadgen.traces.formats import detect_format, iter_agent_requests
+from loadgen.traces.formats import FORMATS, OWN_CLOCK, detect_format, iter_agent_requests, trace_format
 from turnscope.core.contract import DECODER_KV_BLOCKS_TTL_S, KV_RECOMPUTE_THRESHOLD_TOKENS
 from turnscope.core.store import Store
 
@@ -124,6 +124,8 @@ class TrafficReport:
     gaps: list[dict[str, Any]]
     ttl: list[dict[str, Any]]
     overlap: dict[str, Any]
+    formats: tuple[str, ...] = ()
+    recorded_load: dict[str, Any] | None = None
 
     @classmethod
     def read(cls, con: duckdb.DuckDBPyConnection, traffic_id: str) -> TrafficReport:
@@ -151,13 +153,40 @@ class TrafficReport:
             SELECT max(max_active_sessions) AS max_active_sessions,
                    sum(overlapping_sessions) AS overlapping_sessions, sum(sessions) AS sessions
             FROM traffic_overlap WHERE traffic_id = ?""")[0]
+        inputs = json.loads(rows("SELECT inputs FROM traffic_log WHERE traffic_id = ?")[0]["inputs"] or "[]")
+        # the load a shared-clock trace recorded: its sessions' starts over the span of its arrivals
+        recorded = rows("""
+            SELECT count(*) FILTER (WHERE request_index = 0 AND parent_session_id IS NULL) AS sessions_started,
+                   max(arrival_s) - min(arrival_s) AS span_s
+            FROM traffic_requests WHERE traffic_id = ?""")[0]
         return cls(
             traffic_id, summary,
             rows("SELECT * FROM traffic_reuse WHERE traffic_id = ? ORDER BY format NULLS FIRST"),
             rows("SELECT * FROM traffic_gaps WHERE traffic_id = ? ORDER BY gap_kind"),
             rows("SELECT * FROM traffic_ttl WHERE traffic_id = ? ORDER BY gap_kind, ttl_s"),
-            overlap,
+            overlap, tuple(i["format"] for i in inputs), recorded,
         )
+
+    def load_line(self) -> str:
+        """What load the traces recorded: none for own-clock formats (every file one session tree from
+        t = 0: a forecast needs one given), else the sessions started per hour over the arrivals' span."""
+        fmts = [trace_format(f) for f in self.formats if f in FORMATS]
+        if any(f.clock == OWN_CLOCK for f in fmts):
+            return ("  load: none recorded (each file is one session tree on its own clock from t = 0); a forecast "
+                    "takes it as an input: --sessions-per-hour or --concurrent-sessions (docs/planner/load.md)")
+        r = self.recorded_load or {}
+        span, started = r.get("span_s") or 0.0, r.get("sessions_started") or 0
+        if not fmts or span <= 0:
+            return "  load: recorded clock, too short to give a rate"
+        what = "requests" if any(not f.sessions for f in fmts) else "new sessions"
+        count = self.summary["requests"] if what == "requests" else started
+        return (f"  load: recorded on one clock: {count:,} {what} over {span / 3600:,.2f} h = "
+                f"{count / span * 3600:,.3g} {what} per hour (forecasts keep it, or speed it up: --load-scale)")
+
+    @property
+    def sessions_known(self) -> bool:
+        """Whether every format read says which requests belong to one session (Azure does not)."""
+        return all(trace_format(f).sessions for f in self.formats if f in FORMATS)
 
     def text(self) -> str:
         """The report as plain lines for a terminal."""
@@ -170,9 +199,16 @@ class TrafficReport:
                f"{_n(s['max_context_tokens'])}; context growth median {_n(s['growth_p50_tokens_per_request'])} "
                f"tokens per request"),
                (f"  sessions overlapping another of the same source: {o['overlapping_sessions']} of "
-               f"{o['sessions']}; most active at once: {o['max_active_sessions']}")]
+               f"{o['sessions']}; most active at once: {o['max_active_sessions']}" if self.sessions_known else
+                "  sessions: unknown (the trace has no session ids: every row is read as its own one-request "
+                "session, so sessions at once and reuse across turns cannot be told)"),
+               self.load_line()]
         # one format: its row would repeat the "all" row, so only "all" is printed
         reuse = self.reuse if len(self.reuse) > 2 else [r for r in self.reuse if r["format"] is None]
+        if not self.sessions_known:
+            reuse = []
+            out.append("  reuse: unknown (no session ids, no prefix data: the share of a prompt that is a prefix of "
+                       "its session's previous request cannot be read from this trace)")
         for r in reuse:
             what = "all" if r["format"] is None else r["format"]
             out.append(f"  reuse ({what}): {_pct(r['reusable_share'])} of {_n(r['input_tokens'])} input tokens "

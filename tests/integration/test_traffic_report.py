@@ -155,3 +155,25 @@ def test_one_format_prints_one_reuse_row_and_two_print_each_and_all(report, tmp_
     def tokens(line: str) -> int:
         return int(line.split(" of ")[1].split(" input tokens")[0].replace(",", ""))
     assert tokens(rows["reuse (all)"]) == tokens(rows["reuse (kv_cache_tester)"]) + tokens(rows["reuse (tracelab)"])
+
+
+def test_the_load_each_kind_of_trace_recorded(report, tmp_path):
+    """kv-cache-tester files each run on their own clock: no recorded load. The Azure trace has one
+    clock and no session ids: its requests per hour are the rows over the span of their timestamps
+    (read here with the csv module), and its sessions and reuse are unknown, not 0."""
+    import csv
+    import datetime as dt
+
+    _, _, out = report
+    assert "  load: none recorded (each file is one session tree on its own clock from t = 0)" in out
+    azure = DEFAULT_DIR.parent / "AzureLLMInferenceTrace_conv.csv"
+    with azure.open() as fh:
+        stamps = [dt.datetime.fromisoformat(r["TIMESTAMP"][:26]) for r in csv.DictReader(fh)]
+    span_h = (max(stamps) - min(stamps)).total_seconds() / 3600
+    code, out2 = cli("traffic", "--store", str(tmp_path / "s"), str(azure))
+    assert code == 0, out2
+    line = next(ln for ln in out2.splitlines() if ln.startswith("  load:"))
+    rate = float(line.split(" = ")[1].split(" requests per hour")[0].replace(",", ""))
+    assert rate == pytest.approx(len(stamps) / span_h, rel=2e-3)   # the line prints 3 significant figures
+    assert "sessions: unknown (the trace has no session ids" in out2 and "reuse: unknown" in out2
+    assert "most active at once" not in out2 and "0.0% of" not in out2
