@@ -21,14 +21,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from turnscope.planner.cli_plan import read_traffic  # noqa: E402
-from turnscope.planner.cli_recommend import run_recommend  # noqa: E402
-from turnscope.planner.executor import LocalExecutor  # noqa: E402
-from turnscope.planner.fleet import Fleet, FleetLimits, evaluate_fleet  # noqa: E402
-from turnscope.planner.load import Load, LoadKind, at_load  # noqa: E402
-from turnscope.planner.profile import load_profile  # noqa: E402
-from turnscope.planner.recommend import Setting  # noqa: E402
-from turnscope.planner.simulate import PlanSettings  # noqa: E402
+from turnscope.planner.cli_plan import read_traffic
+from turnscope.planner.cli_recommend import run_recommend
+from turnscope.planner.executor import LocalExecutor
+from turnscope.planner.fleet import Fleet, FleetLimits, evaluate_fleet
+from turnscope.planner.load import Load, LoadKind, at_load
+from turnscope.planner.profile import load_profile
+from turnscope.planner.recommend import Setting
+from turnscope.planner.simulate import PlanSettings
 
 TRACES = REPO / "data" / "traces" / "kv-cache-tester"
 PROFILE = REPO / "data" / "profiles" / "vendor-h200.yaml"
@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=100.0, help="new sessions per hour")
     ap.add_argument("--workers", type=int, default=None, help="processes (default: the machine's cores)")
     args = ap.parse_args()
-    mix, inputs = read_traffic([TRACES], None)
+    mix, _inputs = read_traffic([TRACES], None)
     per_tree = len(mix) / len(set(mix.source))
     sessions = max(1, round(args.requests / per_tree))
     load = Load(kind=LoadKind.SESSIONS_PER_HOUR, value=args.rate, sessions=sessions)

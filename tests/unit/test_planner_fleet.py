@@ -29,7 +29,7 @@ def test_two_p_are_overloaded_three_keep_up_without_waiting():
     two = evaluate_fleet(steady(), prof(), PlanSettings(), "recompute", Fleet(2, 1), FleetLimits(3.0))
     assert two.overload is not None and two.overload.role == "prefill"
     assert two.overload.factor == pytest.approx(1.25, rel=0.02) and not two.meets_slo
-    assert two.ttft_text().startswith("overloaded: P at 1.2x its capacity")
+    assert two.ttft_text().startswith("overloaded: P at 1.25x its capacity")
     three = evaluate_fleet(steady(), prof(), PlanSettings(), "recompute", Fleet(3, 1), FleetLimits(3.0))
     assert three.overload is None and three.meets_slo
     assert three.ttft_p90_s == pytest.approx(2.51) and three.ttft_p50_s == pytest.approx(2.51)
@@ -51,4 +51,4 @@ def test_an_slo_below_the_prompts_own_compute_has_no_fleet():
 
 def test_the_limits_bound_the_search():
     s = size_fleet(steady(), prof(), PlanSettings(), "recompute", FleetLimits(3.0, max_prefill_workers=2))
-    assert s.best is None and "overloaded: P at 1.2x its capacity at 2P 1D, the largest fleet allowed" in s.why_none
+    assert s.best is None and "overloaded: P at 1.25x its capacity at 2P 1D, the largest fleet allowed" in s.why_none

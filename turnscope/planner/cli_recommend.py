@@ -11,15 +11,10 @@ from pathlib import Path
 
 from loadgen.traces.formats import RECORDED_RUNS
 from turnscope.core.store import Store
-from turnscope.planner.cli_plan import read_traffic
-from turnscope.planner.fit import runs_shared_prefix_tokens
-from turnscope.planner.ledger import Prices, describe_ledger, ledger
-from turnscope.planner.plan_store import new_plan_id, write_recommendation
-from turnscope.planner.profile import GiB, Sourced, load_profile
-from turnscope.planner.recommend import Grid, Limits, Setting, describe, recommend, recommendation_row
-from turnscope.planner.recommend_topology import read_base
 from turnscope.planner import intervals
+from turnscope.planner.cli_plan import read_traffic
 from turnscope.planner.executor import Executor, LocalExecutor
+from turnscope.planner.fit import runs_shared_prefix_tokens
 from turnscope.planner.fleet import (
     CurveJob,
     FleetJob,
@@ -32,7 +27,12 @@ from turnscope.planner.fleet import (
     load_curve,
     size_fleets,
 )
+from turnscope.planner.ledger import Prices, describe_ledger, ledger
 from turnscope.planner.load import Load, at_load, tree_of_formats
+from turnscope.planner.plan_store import new_plan_id, write_recommendation
+from turnscope.planner.profile import GiB, Sourced, load_profile
+from turnscope.planner.recommend import Grid, Limits, Setting, describe, recommend, recommendation_row
+from turnscope.planner.recommend_topology import read_base
 from turnscope.planner.simulate import PlanSettings
 from turnscope.planner.strategies import HOST_STRATEGIES, STRATEGIES
 

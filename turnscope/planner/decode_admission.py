@@ -133,12 +133,10 @@ class DecodeAdmission:
                 nxt = running[0][0]
             if holds is not None:
                 change = holds.next_change_s()
-                if change < nxt:
-                    nxt = change
+                nxt = min(nxt, change)
             if nxt > t or nxt == inf:
                 break
-            if nxt > self.now:
-                self.now = nxt
+            self.now = max(self.now, nxt)
             now = self.now
             while running and running[0][0] <= now:
                 self._in_use -= heappop(running)[1]

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from turnscope.core.contract import Role
 from turnscope.core.modes import RECOMPUTE_MODE
 from turnscope.planner.executor import Executor, LocalExecutor
 from turnscope.planner.ledger import Prices, forecast_strategy
@@ -191,7 +192,7 @@ class FleetSizer:
         p, d = e.fleet.prefill_workers, e.fleet.decode_workers
         o = e.overload
         mult = 2.0 if math.isnan(o.factor) else o.factor
-        if o.role == "decode":
+        if o.role == Role.DECODE:
             nd = min(self.limits.max_decode_workers, max(d + 1, math.ceil(d * mult)))
             return None if nd == d else (p, nd)
         np_ = min(self.limits.max_prefill_workers, max(p + 1, math.ceil(p * mult)))
@@ -224,11 +225,11 @@ class FleetSizer:
     def _trimmed(self, e: FleetForecast) -> FleetForecast:
         """The fewest P, then the fewest D, that still meet the SLO next to ``e``'s other role
         (bisection: more workers never make a forecast worse, to the search's resolution)."""
-        for role in ("prefill", "decode"):
+        for role in (Role.PREFILL, Role.DECODE):
             def at(k: int, e=e, role=role) -> FleetForecast:
                 p, d = e.fleet.prefill_workers, e.fleet.decode_workers
-                return self.at(k, d) if role == "prefill" else self.at(p, k)
-            hi = e.fleet.prefill_workers if role == "prefill" else e.fleet.decode_workers
+                return self.at(k, d) if role == Role.PREFILL else self.at(p, k)
+            hi = e.fleet.prefill_workers if role == Role.PREFILL else e.fleet.decode_workers
             lo = 0                                  # a count known (or assumed) to miss
             while hi - lo > 1:
                 mid = (lo + hi) // 2
@@ -383,8 +384,8 @@ def describe_fleets(searches: list[FleetSearch], chosen: FleetForecast | None, l
         f"p90 TTFT <= {limits.ttft_slo_s:g} s"
     space = ("the profile's" if limits.decode_kv_bytes is None and profile.decode_kv_space_bytes is None else
              f"{(limits.decode_kv_bytes or profile.decode_kv_space_bytes.value) / GiB:,.1f} GiB")
-    lines = [f"Fleet per strategy ({profile.label()}; load: {loaded.label()}; SLO {slo}; at most "
-             f"{limits.max_prefill_workers} P and {limits.max_decode_workers} D, D KV {space} per worker):"]
+    lines = [(f"Fleet per strategy ({profile.label()}; load: {loaded.label()}; SLO {slo}; at most "
+             f"{limits.max_prefill_workers} P and {limits.max_decode_workers} D, D KV {space} per worker):")]
     for s in searches:
         e = s.closest
         mark = "  <- recommended (the cheapest that meets the SLO)" if chosen is not None and e is chosen else ""
@@ -411,8 +412,8 @@ def describe_curve(points: list[CurvePoint], load: Load, limits: FleetLimits) ->
     from turnscope.planner.load import LOAD_UNITS
 
     unit = LOAD_UNITS[load.kind]
-    lines = [f"Each strategy's fleet at other loads ({unit}; p90 TTFT, or the overload; SLO "
-             f"{'none' if limits.ttft_slo_s is None else f'{limits.ttft_slo_s:g} s'}):"]
+    lines = [(f"Each strategy's fleet at other loads ({unit}; p90 TTFT, or the overload; SLO "
+             f"{'none' if limits.ttft_slo_s is None else f'{limits.ttft_slo_s:g} s'}):")]
     by: dict[tuple[str, Fleet], list[CurvePoint]] = {}
     for p in points:
         by.setdefault((p.strategy, p.fleet), []).append(p)

@@ -88,7 +88,7 @@ def prefill_overload(arrival_s: np.ndarray, compute_s: np.ndarray, server: np.nd
     u = window_utilisation(arrival_s, compute_s, server)
     if u <= 1.0 + 1e-9:
         return None
-    return Overload(role, u, f"{_SHORT[role]} at {u:,.1f}x its capacity")
+    return Overload(role, u, f"{_SHORT[role]} at {u:.3g}x its capacity")
 
 
 def held_per_window(t0_s: float, t1_s: float, held_t_s: np.ndarray, held_blocks: np.ndarray,
@@ -123,7 +123,7 @@ def decode_overload(arrival_s: np.ndarray, need_blocks: np.ndarray, hold_s: np.n
     if u <= 1.0 + 1e-9:
         return None
     what = "its KV space (running requests and pinned turns)" if pinned.any() else "its KV space"
-    return Overload(Role.DECODE, u, f"D at {u:,.1f}x {what}")
+    return Overload(Role.DECODE, u, f"D at {u:.3g}x {what}")
 
 
 def never_drains(arrival_s: np.ndarray, ttft_s: np.ndarray, queue_wait_s: np.ndarray,

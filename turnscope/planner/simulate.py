@@ -71,10 +71,16 @@ from turnscope.core.contract import (
 )
 from turnscope.core.modes import AGGREGATED, BIDIRECTIONAL_MODES, RECOMPUTE_MODE, SERVING_MODES, serving_mode
 from turnscope.planner.decode_admission import DecodeAdmission, DecodeSpace, HandlesOnD, one_way_admission
+from turnscope.planner.overload import (
+    Overload,
+    decode_overload,
+    first_overload,
+    never_drains,
+    prefill_overload,
+)
 from turnscope.planner.pinned_blocks import PinnedBlocks
 from turnscope.planner.pinned_kv import LOST, Handle, HandleLedger
 from turnscope.planner.profile import MODES, CostProfile, GiB
-from turnscope.planner.overload import Overload, decode_overload, first_overload, never_drains, prefill_overload
 from turnscope.planner.queueing import shared_core_waits
 
 #: The new outcome: the session's handle was not kept because D's KV space was full.
@@ -396,14 +402,14 @@ class PrefillTtft:
         rows, zeros = np.arange(n), np.zeros(n, dtype=np.int64)
         no, yes = np.zeros(n, dtype=bool), np.ones(n, dtype=bool)
         self._pre = {"local": local.tolist(), "pull": pulled_if_hit.tolist()}
-        for case, (pulled, took) in {"miss": (zeros, no), "took": (zeros, yes), "hit": (pulled_if_hit, yes)}.items():
+        for case, (pulled, took) in {"miss": (zeros, no), "took": (zeros, yes), "pulled": (pulled_if_hit, yes)}.items():
             ttft, compute = self.cost(rows, local, pulled, took)
             self._pre[case] = (ttft.tolist(), compute.tolist())
 
     def _cost_of(self, i: int, local: int, pulled: int, took: bool) -> tuple[float, float]:
         pre = getattr(self, "_pre", None)
         if pre is not None and pre["local"][i] == local:
-            case = ("took" if took else "miss") if pulled == 0 else ("hit" if pre["pull"][i] == pulled else None)
+            case = ("took" if took else "miss") if pulled == 0 else ("pulled" if pre["pull"][i] == pulled else None)
             if case is not None:
                 ttft, compute = pre[case]
                 return ttft[i], compute[i]
