@@ -29,7 +29,7 @@ the host tier's GiB-hours at their price, over the input and output tokens serve
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -400,11 +400,6 @@ def describe_fleets(searches: list[FleetSearch], chosen: FleetForecast | None, l
     if chosen is None:
         lines.append("  No strategy meets the SLO within the limits at this load.")
     return "\n".join(lines)
-
-
-def fleet_dict(f: Fleet) -> dict:
-    """The fleet as a plain dict (for JSON)."""
-    return asdict(f)
 
 
 def describe_curve(points: list[CurvePoint], load: Load, limits: FleetLimits) -> str:
