@@ -93,7 +93,7 @@ def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | No
     searches = size_fleets(FleetJob(traffic, prof, base, fleet_limits), strategies, executor)
     chosen = cheapest(searches, prices.gpu_hour_usd is not None)
     fleets_text = describe_fleets(searches, chosen, loaded, prof, fleet_limits)
-    led = ledger(traffic, prof, at, prices)
+    led = ledger(traffic, prof, at, prices, executor=executor)
     table = describe_ledger(led, prof, at, prices)
     # the knobs are searched on the cheapest fleet (a shorter TTL may fit a strategy into it); each
     # strategy at its own fleet was forecast by the sizing, at the current knobs

@@ -367,20 +367,39 @@ def ledger_intervals(f: StrategyForecast, base: StrategyForecast, row: dict, pro
             "interval_note": "; ".join(notes)}
 
 
+@dataclass(frozen=True)
+class LedgerJob:
+    """What every strategy of one ledger shares (:mod:`turnscope.planner.executor`)."""
+
+    traffic: Traffic
+    profile: CostProfile
+    settings: PlanSettings
+
+
+def _forecast_one(job: LedgerJob, strategy: str) -> StrategyForecast:
+    return forecast_strategy(job.traffic, job.profile, job.settings, strategy)
+
+
 def ledger(tr: Traffic, profile: CostProfile, settings: PlanSettings, prices: Prices = Prices(),
-           strategies: tuple[str, ...] | None = None) -> pd.DataFrame:
+           strategies: tuple[str, ...] | None = None, executor=None) -> pd.DataFrame:
     """Every strategy of ``strategies`` (default: all of :data:`STRATEGIES`, the host ones only when
     the profile has a host tier) over ``tr``: a frame with :data:`LEDGER_COLUMNS` (seconds, GiB-s,
-    tokens, USD). Every figure is a FORECAST of ``profile``."""
+    tokens, USD). Every figure is a FORECAST of ``profile``. ``executor``: where the strategies are
+    forecast (:mod:`turnscope.planner.executor`; None: one after another here)."""
     if strategies is None:
         has_host = profile.host_kv_space_bytes is not None and profile.host_read_bandwidth_bytes_per_s is not None
         strategies = tuple(s for s in STRATEGIES if has_host or s not in HOST_STRATEGIES)
-    block = settings.block_size or profile.block_size
-    gpu = lru_tier(tr, profile.capacity_tokens(Role.PREFILL), block, settings.prefill_workers, settings.routing,
-                   profile.kv_bytes_per_token.value, settings.shared_prefix_tokens)
-    base = forecast_strategy(tr, profile, settings, RECOMPUTE)
-    rows = [ledger_row(forecast_strategy(tr, profile, settings, s, gpu) if s != RECOMPUTE else base,
-                       base, tr, profile, prices) for s in strategies]
+    wanted = tuple(dict.fromkeys((RECOMPUTE, *strategies)))
+    if executor is None:
+        block = settings.block_size or profile.block_size
+        gpu = lru_tier(tr, profile.capacity_tokens(Role.PREFILL), block, settings.prefill_workers, settings.routing,
+                       profile.kv_bytes_per_token.value, settings.shared_prefix_tokens)
+        found = {s: forecast_strategy(tr, profile, settings, s, gpu if s != RECOMPUTE else None) for s in wanted}
+    else:
+        found = dict(zip(wanted, executor.map(_forecast_one, LedgerJob(tr, profile, settings), list(wanted),
+                                              "the ledger"), strict=True))
+    base = found[RECOMPUTE]
+    rows = [ledger_row(found[s], base, tr, profile, prices) for s in strategies]
     return pd.DataFrame(rows, columns=list(LEDGER_COLUMNS))
 
 

@@ -288,26 +288,47 @@ class Recommendation:
         return self.recommended.setting.strategy in BIDIR
 
 
+@dataclass(frozen=True)
+class WhatIf:
+    """One case of :func:`what_would_change`: its label, profile, setting (``pd`` and ``pd-bidir`` are
+    forecast at it) and traffic."""
+
+    label: str
+    profile: CostProfile
+    setting: Setting
+    traffic: Traffic
+
+
+def _what_if_one(job: RecommendJob, item: tuple[WhatIf, str]) -> Evaluated:
+    case, strategy = item
+    return evaluate(case.traffic, case.profile, job.base, replace(case.setting, strategy=strategy), job.limits)
+
+
 def what_would_change(tr: Traffic, profile: CostProfile, base: PlanSettings, current: Setting,
-                      limits: Limits) -> list[str]:
+                      limits: Limits, executor: Executor | None = None) -> list[str]:
     """Mean TTFT of ``pd-bidir`` against ``pd`` (the current TTL and threshold) when sessions
     outgrow P's cache (an eighth of P's KV space), with two P workers round-robin, and with the
     traffic's gaps halved (arrivals at half the time); each figure with its 80% interval
-    (:func:`figure_intervals`) or "no held-out interval"."""
+    (:func:`figure_intervals`) or "no held-out interval". The six forecasts run on ``executor``
+    (None: here, one after another)."""
     cases = []
     if profile.prefill_kv_space_bytes is not None:
         small = profile.model_copy(update={"prefill_kv_space_bytes": Sourced(
             value=profile.prefill_kv_space_bytes.value / 8, source="what-if: an eighth of P's KV space")})
-        cases.append(("P's KV space an eighth of the profile's (sessions per P past P's cache)", small, current))
-    cases.append(("two P workers, round-robin routing", profile,
-                  replace(current, prefill_workers=2, routing="round-robin")))
+        cases.append(WhatIf("P's KV space an eighth of the profile's (sessions per P past P's cache)", small, current,
+                            tr))
+    cases.append(WhatIf("two P workers, round-robin routing", profile,
+                        replace(current, prefill_workers=2, routing="round-robin"), tr))
     half = Traffic(**{**tr.__dict__, "arrival_s": tr.arrival_s / 2})
+    cases.append(WhatIf("gaps halved (arrivals at half the time)", profile, current, half))
+    items = [(c, st) for c in cases for st in (Strategy.PD, Strategy.PD_BIDIR)]
+    done = (executor or LocalExecutor(1)).map(_what_if_one, RecommendJob(tr, profile, base, limits), items,
+                                              "what would change it")
     with_iv = partial(_with_iv, quiet=profile.held_out is None)
     out = []
-    for label, prof, s in cases + [("gaps halved (arrivals at half the time)", profile, current)]:
-        traffic = half if label.startswith("gaps") else tr
-        pd_ = evaluate(traffic, prof, base, replace(s, strategy=Strategy.PD), limits)
-        bd = evaluate(traffic, prof, base, replace(s, strategy=Strategy.PD_BIDIR), limits)
+    for k, case in enumerate(cases):
+        pd_, bd = done[2 * k], done[2 * k + 1]
+        prof, label = case.profile, case.label
         if not (bd.keeps_up and pd_.keeps_up):
             out.append(f"{label}: " + "; ".join(f"{e.setting.strategy} {e.overload.text()}" for e in (bd, pd_)
                                                 if not e.keeps_up) + " (no TTFT to compare)")
@@ -349,16 +370,18 @@ def recommend(tr: Traffic, profile: CostProfile, base: PlanSettings, current: Se
     cur = evaluate(tr, profile, base, current, limits)
     rec = choose(searched, limits.prices.gpu_hour_usd is not None)
     rec = _fewer_changes(tr, profile, base, current, rec, limits)
-    effects = {}
+    alone = {}
     for knob in KNOBS:
         value = getattr(rec.setting, knob)
         if value != getattr(current, knob):
             one = replace(current, **{knob: value})
             if knob != "strategy" and current.strategy not in BIDIR and knob in ("ttl_s", "threshold", "decode_kv_bytes"):
                 one = replace(one, strategy=rec.setting.strategy)
-            effects[knob] = evaluate(tr, profile, base, one, limits)
+            alone[knob] = one
+    effects = dict(zip(alone, (executor or LocalExecutor(1)).map(
+        _evaluate_one, RecommendJob(tr, profile, base, limits), list(alone.values()), "each knob alone"), strict=True))
     at_fleet = replace(current, prefill_workers=rec.setting.prefill_workers, decode_workers=rec.setting.decode_workers)
-    changes = [] if rec.setting.strategy in BIDIR else what_would_change(tr, profile, base, at_fleet, limits)
+    changes = [] if rec.setting.strategy in BIDIR else what_would_change(tr, profile, base, at_fleet, limits, executor)
     return Recommendation(cur, rec, effects, searched, changes)
 
 
