@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=50_000, help="requests the drawn traffic should hold (about)")
     ap.add_argument("--rate", type=float, default=100.0, help="new sessions per hour")
     ap.add_argument("--workers", type=int, default=None, help="processes (default: the machine's cores)")
+    ap.add_argument("--settings-only", action="store_true", help="time the single settings only, not the whole "
+                                                                  "recommendation (for the 10x run)")
     args = ap.parse_args()
     mix, _inputs = read_traffic([TRACES], None)
     per_tree = len(mix) / len(set(mix.source))
@@ -65,6 +67,10 @@ def main() -> None:
         times[(strategy, fleet.label())] = time.perf_counter() - t0
         print(f"one setting, {strategy} {fleet.label()}: {times[(strategy, fleet.label())]:.2f} s "
               f"(target <= {ONE_SETTING_S:g} s; {e.ttft_text()})")
+    if args.settings_only:
+        print(f"peak memory: {peak_rss_gib():.2f} GiB (target <= {MEMORY_GIB:g} GiB); load average at the end: "
+              f"{os.getloadavg()[0]:.1f}")
+        return
     t0 = time.perf_counter()
     text = run_recommend([TRACES], profile_path=PROFILE, format=None, current=Setting("pd-bidir"), margin_s=30.0,
                          ttft_slo_s=2.0, d_kv_gib=None, gpu_hour_usd=None, host_gib_hour_usd=None,

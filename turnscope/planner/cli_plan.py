@@ -186,7 +186,10 @@ def run_plan(paths: Sequence[Path], *, profile_path: Path | None, fit_runs: Sequ
     settings = PlanSettings(decoder_kv_blocks_ttl_s=ttl_s, handle_ttl_margin_s=margin_s,
                             kv_recompute_threshold=threshold, prefill_workers=prefill_workers,
                             decode_workers=decode_workers, routing=routing, shared_prefix_tokens=shared_prefix_tokens,
-                            queue_prefills=queue, queue_decode=queue, separate_sources=all(i["format"] == RECORDED_RUNS for i in inputs))
+                            queue_prefills=queue, queue_decode=queue,
+                            # recorded runs at their own clocks were each served alone; drawn sessions share one
+                            separate_sources=not loaded.load.drawn and all(i["format"] == RECORDED_RUNS
+                                                                           for i in inputs))
     p = plan(traffic, prof, settings)
     p.notes.insert(0, f"load: {loaded.label()}")
     sp = summary.speedups(p)
