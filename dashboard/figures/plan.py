@@ -166,7 +166,10 @@ def ledger_figure(led: pd.DataFrame, tag: str) -> go.Figure:
             hovertemplate=(f"{r.strategy} (costed as {r.mode})<br>held %{{x:,.1f}} GiB-s (P cache {r.p_cache_gib_s:,.1f}, "
                            f"D pinned {r.d_pinned_gib_s:,.1f}, host {r.host_gib_s:,.1f})<br>TTFT p50 saved %{{y:,.1f}} ms"
                            f"<br>hit rate {r.hit_rate:.1%}<extra></extra>")))
-    fig.update_layout(title=f"{tag}: KV held against TTFT saved, per retention strategy",
+    missing = [r.strategy for r in led.itertuples() if pd.isna(r.ttft_saved_s)]
+    note = (f" (not drawn: {', '.join(missing)}: overloaded, or against an overloaded recompute: no TTFT)"
+            if missing else "")
+    fig.update_layout(title=f"{tag}: KV held against TTFT saved, per retention strategy{note}",
                       xaxis_title="KV held, every tier (GiB-s)", yaxis_title="TTFT p50 saved vs recompute, turn 2 on (ms)")
     return legend_below(fig, height=460)
 
@@ -180,12 +183,15 @@ def _iv(value: float, low: float, high: float, fmt) -> str:
 
 
 def ledger_table(led: pd.DataFrame) -> pd.DataFrame:
-    """``plan_ledger`` rows for display: hit rate (%), TTFT p50 of later requests (ms), speed-up and
+    """``plan_ledger`` rows for display: whether the strategy keeps up at the load (else its overload:
+    its TTFT and speed-up are then blank), hit rate (%), TTFT p50 of later requests (ms), speed-up and
     TTFT saved against recompute, each with its 80% interval (blank: none), GiB-s per tier,
     prefill GPU-s saved, memory $ per million saved tokens (blank: no price)."""
     pct, ms = (lambda x: f"{x * 100:.1f}"), (lambda x: f"{x * 1000:,.1f}")
+    over = led["overload"] if "overload" in led else pd.Series([None] * len(led), index=led.index)
     return pd.DataFrame({
         "strategy": led["strategy"], "mode costed": led["mode"],
+        "at this load": [o if isinstance(o, str) and o else "keeps up" for o in over],
         "hit rate (%)": (led["hit_rate"] * 100).round(1),
         "hit rate 80% interval (%)": [_iv(v, lo, hi, pct) for v, lo, hi in
                                       zip(led["hit_rate"], led["hit_rate_interval_low"], led["hit_rate_interval_high"], strict=True)],

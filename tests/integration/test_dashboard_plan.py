@@ -163,11 +163,19 @@ def test_a_recommendation_shows_its_answer_ledger_and_diff(monkeypatch, recommen
                     "SELECT recommended_label, recommended_ttft_mean_s, speedup, speedup_interval_low, "
                     "speedup_interval_high, flags_diff, topology_diff, current_ttft_mean_s FROM {t}")
     label, mean_s, speed, lo, hi, flags, topo, cur_s = rec
-    # the answer first: a few figures and one sentence
+    # the answer first: the cheapest fleet of the stored fleets (a recommendation sizes fleets at its
+    # load: here the one trace file's own recorded clock), read back by hand SQL
+    fleets = shards(recommended, "plan_fleets", "SELECT strategy, prefill_workers, decode_workers, ttft_p90_s, "
+                                                "recommended, forecast_load FROM (SELECT *, load_kind AS "
+                                                "forecast_load FROM {t})")
+    chosen = [f for f in fleets if f[4]]
     metrics = {m.label: m.value for m in at.metric}
-    assert metrics["mean TTFT (ms)"] == f"{mean_s * 1000:,.1f}" and metrics["speed-up vs current"] == f"{speed:.2f}x"
-    assert f"Recommended: {label}" in at.markdown[0].value and f"{cur_s * 1000:,.1f} ms now" in at.markdown[0].value
-    assert next(m for m in at.metric if m.label == "speed-up vs current").help == f"80% interval {lo:.2f}-{hi:.2f}x"
+    if chosen:
+        strategy, p, d, p90, _, _ = chosen[0]
+        assert metrics["recommended"] == f"{strategy} {p}P {d}D" and metrics["TTFT p90 (ms)"] == f"{p90 * 1000:,.0f}"
+        assert f"Recommended: {strategy} on {p}P {d}D" in at.markdown[0].value
+        assert "at the recorded clock" in at.markdown[0].value
+    assert {f[5] for f in fleets} == {"recorded"} and len(fleets) == 5
     # the ledger: one table (values as stored, read by hand SQL) and one chart
     table = next(d.value for d in at.dataframe if "mode costed" in d.value.columns).set_index("strategy")
     for strategy, p50, p50_lo, p50_hi, d_pin in shards(recommended, "plan_ledger",

@@ -124,9 +124,9 @@ def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | No
         text += f"\n\nRecommended topology written to {write_topology}."
     if store_root is not None:
         store, plan_id = Store(Path(store_root)), new_plan_id()
-        notes = [(f"a recommendation (`turnscope recommend`) at a load of {loaded.label()}: the smallest fleet per "
-                  f"strategy, the ledger at the current setting ({current.label()}) and the recommended setting, "
-                  f"{len(rec.searched)} settings searched; no per-request forecast")]
+        notes = [(f"a recommendation (`turnscope recommend`, its load in the note above): the smallest fleet per "
+                  f"strategy, the ledger at the current setting ({current.strategy}, {current.prefill_workers}P"
+                  f"{current.decode_workers}D) and {len(rec.searched)} settings searched; no per-request forecast")]
         write_recommendation(store, plan_id=plan_id, label=label, inputs=inputs, profile=prof, settings=at,
                              notes=notes, requests=len(traffic), ledger=led,
                              recommendation=recommendation_row(rec, prof, serve_model, platform, topology),
