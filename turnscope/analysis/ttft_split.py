@@ -39,6 +39,8 @@ import duckdb
 import numpy as np
 import pandas as pd
 
+from turnscope.core.contract import Role
+from turnscope.core.modes import AGGREGATED
 from turnscope.core.store import Store
 
 #: The forecast's terms, in the order printed (they sum to the forecast TTFT).
@@ -92,8 +94,8 @@ def measured_terms(sums: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for run_id, g in sums.groupby("run_id", sort=False):
         by = {r.role: r for _, r in g.iterrows()}
-        p = by.get("prefill", by.get("aggregated"))
-        d = by.get("decode")
+        p = by.get(Role.PREFILL, by.get(Role.AGGREGATED))
+        d = by.get(Role.DECODE)
         p_requests = float(p.get("request_prefill_time_seconds_count", np.nan)) if p is not None else np.nan
         xfer = p.get("nixl_xfer_time_seconds_sum", np.nan) if p is not None else np.nan
         row = {"run_id": run_id, "compute": _mean(p, "request_prefill_time_seconds"),
@@ -141,7 +143,7 @@ def split_table(forecast: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for f in forecast.itertuples():
         m = meas.get(f.checked_run_id)
-        one_worker = f.mode == "aggregated"
+        one_worker = f.mode == AGGREGATED
         for label, fcol, mcol, source in ROWS:
             if one_worker and mcol in ("wait_d", "d_first_step"):
                 continue

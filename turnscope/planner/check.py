@@ -59,7 +59,7 @@ def forecast_terms(tr: Traffic, m: ModePlan, profile: CostProfile, settings: Pla
     ``fixed`` (b0 of the mode plus the chat renders, :meth:`CostProfile.render_s` x
     :data:`turnscope.planner.simulate.RENDERS`, one more for a handle taken), ``contention`` (0: the
     forecast has no such term) and ``ttft`` (``m.ttft_s``), which the terms sum to
-    (docs/planner/simulation.md, "The cost model"). Columns also: session_id, turn_index."""
+    (the cost model: docs/planner/simulation.md). Columns also: session_id, turn_index."""
     n = tr.input_tokens
     took = np.isin(m.outcome_names(), TOOK_HANDLE)
     render = (profile.render_s(n, RENDERS[m.mode] + took) if settings.rendered_prompts else np.zeros(len(tr)))
