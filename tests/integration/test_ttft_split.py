@@ -38,7 +38,7 @@ HIST = {
 def _profile() -> CostProfile:
     """The fixture's deployment typed in (no fit): c(x) = A1 x + A2 x^2, its b0s, its pull cost."""
     src = "tests/planner_store.py"
-    s = lambda v: Sourced(value=v, source=src)  # noqa: E731
+    s = lambda v: Sourced(value=v, source=src)
     return CostProfile(name="fixture", block_size=fx.BLOCK, kv_bytes_per_token=s(fx.KV_BYTES),
                        prefill_a1_s_per_token=s(fx.A1), prefill_a2_s_per_token2=s(fx.A2),
                        b0_default_s=s(fx.B0["pd-nocache"]), b0_s={m: s(v) for m, v in fx.B0.items()},

@@ -201,12 +201,13 @@ def slow_stretch(windows: pd.DataFrame) -> pd.DataFrame:
 
 def read_speed(store: Store, run_ids: Sequence[str], window_s: float = WINDOW_S) -> tuple[pd.DataFrame, str | None]:
     """(:func:`speed_windows`, None), or (empty, why) when the store's views predate
-    ``engine_prefill_speed`` (a store written before it: any write re-creates the views)."""
+    ``engine_prefill_speed`` (views made before it; ``Store.init`` re-creates them)."""
     try:
         return speed_windows(store, run_ids, window_s), None
     except duckdb.CatalogException:
         return pd.DataFrame(), (
-            "the store's views predate engine_prefill_speed (they are re-created at the store's next write)")
+            "the store's views predate view engine_prefill_speed: a command that records into the store, "
+            "e.g. turnscope eval, re-creates them")
 
 
 def _ms(v: float) -> str:

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from turnscope.core.store import Store
-from turnscope.planner.fit import (  # noqa: F401 (run_settings re-exported)
+from turnscope.planner.fit import (
     on_run_kv_space,
     on_run_speed,
     plan_recorded_run,
