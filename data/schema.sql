@@ -852,3 +852,31 @@ SELECT run_id, label, mode, history_mode, status, started_at, finished_at,
        TRY_CAST(json_extract_string(config, '$.slo.tpot_s') AS DOUBLE)                AS slo_tpot_s
 FROM runs
 WHERE json_extract_string(workload_spec, '$.capacity.id') IS NOT NULL;
+
+-- The prefill (or aggregated) engine's speed through a run, one row per scrape interval of each
+-- endpoint, from the increases of vLLM's request histograms (metric_increases; vLLM 0.32
+-- v1/metrics/stats.py update_from_finished_request): prefill_s is the summed prefill time (from a
+-- request's first SCHEDULED event to its first token: its compute, time-sliced with whatever else
+-- ran on the cores) of the requests that finished in the interval, computed_tokens their new KV
+-- tokens (prompt less the local and remote prefix-cache hits), queue_s their summed WAITING time
+-- (vLLM counts a request loading remote KV asynchronously as waiting). prefill_s_per_token is the
+-- engine's speed over the interval (NULL where nothing was computed).
+CREATE VIEW engine_prefill_speed AS
+WITH inc AS (
+    SELECT run_id, endpoint, any_value(role) AS role, scraped_at,
+           sum(increase) FILTER (WHERE name = 'vllm:request_prefill_time_seconds_count') AS prefills,
+           sum(increase) FILTER (WHERE name = 'vllm:request_prefill_time_seconds_sum') AS prefill_s,
+           sum(increase) FILTER (WHERE name = 'vllm:request_prefill_kv_computed_tokens_sum') AS computed_tokens,
+           sum(increase) FILTER (WHERE name = 'vllm:request_queue_time_seconds_sum') AS queue_s
+    FROM metric_increases
+    WHERE role IN ('prefill', 'aggregated')
+      AND name IN ('vllm:request_prefill_time_seconds_count', 'vllm:request_prefill_time_seconds_sum',
+                   'vllm:request_prefill_kv_computed_tokens_sum', 'vllm:request_queue_time_seconds_sum')
+    GROUP BY run_id, endpoint, scraped_at
+)
+SELECT run_id, endpoint, role, lag(scraped_at) OVER w AS interval_start, scraped_at AS interval_end,
+       epoch(scraped_at) - epoch(lag(scraped_at) OVER w) AS interval_s,
+       prefills, prefill_s, computed_tokens, queue_s,
+       prefill_s / nullif(computed_tokens, 0) AS prefill_s_per_token
+FROM inc
+WINDOW w AS (PARTITION BY run_id, endpoint ORDER BY scraped_at);

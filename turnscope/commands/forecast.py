@@ -177,6 +177,11 @@ def plan_check(
     rerun_store: Annotated[Path | None, typer.Option(
         help="Repeatability instead of a profile: this store's runs (the same workload recorded at another "
              "time; --fit-runs picks them) are the forecast of the checked runs, turn for turn.")] = None,
+    split_terms: Annotated[bool, typer.Option(
+        "--split/--no-split", help="Print each checked run's TTFT split: the forecast's terms (compute, queue for "
+                                   "P, pull, wait on D, b0 and renders, contention) beside what the run's workers "
+                                   "measured of them, and the engine's speed through the run "
+                                   "(docs/planner/concurrency.md).")] = True,
 ) -> None:
     """Held-out check: fit a profile on one store or set of runs, forecast others it was not fitted on
     (each run planned alone, on its own clock), and print per mode the TTFT median absolute relative
@@ -211,7 +216,7 @@ def plan_check(
                                      split_csv(check_runs) if check_runs else None,
                                      str(profile) if profile else None)
         given = load_profile(profile) if profile else None
-        prof, checks, summ = held_out.held_out_check(split, given)
+        prof, checks, summ, terms = held_out.held_out_check_terms(split, given)
         if write_profile is not None:
             write_yaml(prof, write_profile, f"turnscope plan-check: {split.describe()}")
         ramps = capacity_forecast.measured_steps(Store(check_store), split.check_runs)
@@ -222,10 +227,23 @@ def plan_check(
     except (ValueError, OSError, duckdb.Error) as exc:
         raise fail(str(exc)) from exc
     typer.echo(held_out.describe(split, summ, checks))
+    if split_terms:
+        typer.echo(run_split(Store(check_store), terms, split.check_runs))
     if not ramps.empty:
         typer.echo(capacity_forecast.describe(ramps, ramp_forecast))
     if write_profile is not None:
         typer.echo(f"Profile {prof.name} with its held-out errors written to {write_profile}.")
+
+
+def run_split(store, terms, run_ids) -> str:
+    """The TTFT split of the checked runs (:mod:`turnscope.analysis.ttft_split`) as text."""
+    from turnscope.analysis import ttft_split
+
+    measured = ttft_split.measured_terms(ttft_split.measured_sums(store, list(run_ids)))
+    table = ttft_split.split_table(ttft_split.forecast_means(terms), measured)
+    windows, why = ttft_split.read_speed(store, list(run_ids))
+    return ttft_split.describe(table, ttft_split.slow_stretch(windows) if why is None else None,
+                               speed_note=why or "no prefill in the run's scrapes")
 
 
 @app.command()

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from turnscope.core.store import Store
-from turnscope.planner.fit import (  # noqa: F401 (run_settings re-exported)
+from turnscope.planner.fit import (
     on_run_kv_space,
     on_run_speed,
     plan_recorded_run,
@@ -25,7 +25,7 @@ from turnscope.planner.fit import (  # noqa: F401 (run_settings re-exported)
 )
 from turnscope.planner.profile import MODES, CostProfile
 from turnscope.planner.run_queries import probe_ttft_s, recorded_turns
-from turnscope.planner.simulate import ModePlan, Traffic
+from turnscope.planner.simulate import RENDERS, TOOK_HANDLE, ModePlan, PlanSettings, Traffic
 
 #: The TTFT check's bound: median absolute relative error per mode.
 
@@ -51,7 +51,32 @@ def plan_on_its_own(store: Store, run_id: str, mode: str, profile: CostProfile, 
     return tr, m, factor
 
 
+def forecast_terms(tr: Traffic, m: ModePlan, profile: CostProfile, settings: PlanSettings) -> pd.DataFrame:
+    """Each request's forecast TTFT split into the planner's terms, seconds (``profile``: the one
+    the request was planned with, on its run's speed; ``settings``: the run's): ``compute``
+    (``c(n) - c(cached)``, :meth:`CostProfile.prefill_compute_s`), ``pull``
+    (:meth:`CostProfile.pull_s`), ``queue_p`` (``m.queue_wait_s``), ``wait_d`` (``m.decode_wait_s``),
+    ``fixed`` (b0 of the mode plus the chat renders, :meth:`CostProfile.render_s` x
+    :data:`turnscope.planner.simulate.RENDERS`, one more for a handle taken), ``contention`` (0: the
+    forecast has no such term) and ``ttft`` (``m.ttft_s``), which the terms sum to
+    (the cost model: docs/planner/simulation.md). Columns also: session_id, turn_index."""
+    n = tr.input_tokens
+    took = np.isin(m.outcome_names(), TOOK_HANDLE)
+    render = (profile.render_s(n, RENDERS[m.mode] + took) if settings.rendered_prompts else np.zeros(len(tr)))
+    wait_d = m.decode_wait_s if m.decode_wait_s.size else np.zeros(len(tr))
+    return pd.DataFrame({"session_id": tr.session, "turn_index": tr.request_index,
+                         "compute": profile.prefill_compute_s(m.mode, n, m.local_tokens + m.pulled_tokens),
+                         "pull": profile.pull_s(m.pulled_tokens), "queue_p": m.queue_wait_s, "wait_d": wait_d,
+                         "fixed": profile.b0(m.mode) + render, "contention": np.zeros(len(tr)), "ttft": m.ttft_s})
+
+
 def check_runs(store: Store, run_ids: Sequence[str], profile: CostProfile) -> pd.DataFrame:
+    """:func:`check_runs_with_terms`' checks (the store's ``plan_checks`` columns)."""
+    return check_runs_with_terms(store, run_ids, profile)[0]
+
+
+def check_runs_with_terms(store: Store, run_ids: Sequence[str], profile: CostProfile
+                          ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Every turn of ``run_ids``, recorded next to predicted (each run planned in its own mode).
 
     Columns (the store's ``plan_checks``, docs/schema/plans.md): checked_run_id, mode, session_id,
@@ -59,16 +84,22 @@ def check_runs(store: Store, run_ids: Sequence[str], profile: CostProfile) -> pd
     measured_ttft_s, predicted_ttft_s, recorded_pulled_tokens, predicted_pulled_tokens,
     recorded_local_tokens, predicted_local_tokens, why (for a difference: what each side saw),
     speed_factor (the run's speed probe TTFT over the profile's, by which b0 and c(x) were scaled
-    for this run: :func:`turnscope.planner.fit.on_run_speed`; NaN: not scaled)."""
+    for this run: :func:`turnscope.planner.fit.on_run_speed`; NaN: not scaled); and each turn's
+    forecast split (:func:`forecast_terms` with checked_run_id, mode and status)."""
     recorded = recorded_turns(store, run_ids)
     shared = recorded_shared_prefix_tokens(recorded)
     probes = probe_ttft_s(store, run_ids)
-    frames = []
+    frames, split = [], []
     for run_id, rec in recorded.groupby("run_id", sort=False):
         mode = str(rec["mode"].iloc[0])
         if mode not in MODES:
             continue
-        tr, m, factor = plan_on_its_own(store, str(run_id), mode, profile, shared, probes.get(str(run_id)))
+        run_profile, factor = on_run_speed(profile, probes.get(str(run_id)))
+        run_profile = on_run_kv_space(run_profile, store, str(run_id))
+        tr, m = plan_recorded_run(store, str(run_id), mode, run_profile, shared)
+        terms = forecast_terms(tr, m, run_profile, run_settings(store, str(run_id)))
+        split.append(terms.merge(rec[["session_id", "turn_index", "status"]], on=["session_id", "turn_index"])
+                     .assign(checked_run_id=str(run_id), mode=mode))
         pred = pd.DataFrame({"session_id": tr.session, "turn_index": tr.request_index,
                              "predicted_outcome": m.outcome_names(), "predicted_ttft_s": m.ttft_s,
                              "predicted_age_s": m.handle_age_s, "predicted_pulled": m.pulled_tokens,
@@ -76,7 +107,7 @@ def check_runs(store: Store, run_ids: Sequence[str], profile: CostProfile) -> pd
         both = rec.merge(pred, on=["session_id", "turn_index"], how="left").assign(speed_factor=factor)
         frames.append(both)
     if not frames:
-        return pd.DataFrame()
+        return pd.DataFrame(), pd.DataFrame()
     df = pd.concat(frames, ignore_index=True)
     ok = df["status"] == "ok"
     rec_o = [_text(v) for v in df["reuse"]]
@@ -99,4 +130,4 @@ def check_runs(store: Store, run_ids: Sequence[str], profile: CostProfile) -> pd
                         "recorded_local_tokens": df["local_tokens"], "predicted_local_tokens": df["predicted_local"],
                         "predicted_age_s": df["predicted_age_s"], "speed_factor": df["speed_factor"]})
     out["why"] = [why(r) for r in out.itertuples()]
-    return out.drop(columns=["predicted_age_s"])
+    return out.drop(columns=["predicted_age_s"]), pd.concat(split, ignore_index=True)

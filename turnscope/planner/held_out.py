@@ -31,7 +31,7 @@ from turnscope.analysis.plan_check import headline_check
 from turnscope.core.contract import HIT
 from turnscope.core.modes import BIDIRECTIONAL_MODES
 from turnscope.core.store import Store
-from turnscope.planner.check import check_runs
+from turnscope.planner.check import check_runs_with_terms
 from turnscope.planner.fit import fit_profile
 from turnscope.planner.profile import MODES, CostProfile, HeldOutErrors
 from turnscope.planner.rerun_check import RerunChecks, pair_runs, rerun_checks, run_setups
@@ -119,10 +119,17 @@ def held_out_errors(checks: pd.DataFrame, split: Split) -> HeldOutErrors:
 
 def held_out_check(split: Split, profile: CostProfile | None = None
                    ) -> tuple[CostProfile, pd.DataFrame, pd.DataFrame]:
+    """:func:`held_out_check_terms` without the forecast terms."""
+    return held_out_check_terms(split, profile)[:3]
+
+
+def held_out_check_terms(split: Split, profile: CostProfile | None = None
+                         ) -> tuple[CostProfile, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """Fit on ``split``'s fit runs (or take ``profile``), check on its check runs, each planned alone.
 
     Returns (the profile with its ``held_out`` errors, the turn-by-turn checks (``plan_checks``
-    columns), :func:`held_out_summary`). Raises ValueError when a checked run is among the fitted
+    columns), :func:`held_out_summary`, each turn's forecast split:
+    :func:`turnscope.planner.check.forecast_terms`). Raises ValueError when a checked run is among the fitted
     ones (not held out), when there is nothing to check, or :class:`turnscope.planner.fit.FitError`."""
     same = split.fit_store is not None and Store(split.fit_store).root.resolve() == Store(split.check_store).root.resolve()
     overlap = sorted(set(split.fit_runs) & set(split.check_runs)) if same else []
@@ -133,11 +140,11 @@ def held_out_check(split: Split, profile: CostProfile | None = None
         raise ValueError(f"no runs to check in store {split.check_store} (runs in modes {', '.join(MODES)})")
     if profile is None:
         profile = fit_profile(Store(split.fit_store), list(split.fit_runs))
-    checks = check_runs(Store(split.check_store), list(split.check_runs), profile)
+    checks, terms = check_runs_with_terms(Store(split.check_store), list(split.check_runs), profile)
     if checks.empty:
         raise ValueError(f"runs {', '.join(split.check_runs)} of store {split.check_store} have no turns to check")
     prof = profile.model_copy(update={"held_out": held_out_errors(checks, split)})
-    return prof, checks, held_out_summary(checks)
+    return prof, checks, held_out_summary(checks), terms
 
 
 def rerun_check(split: Split) -> tuple[RerunChecks, pd.DataFrame]:

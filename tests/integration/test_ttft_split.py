@@ -1,0 +1,135 @@
+"""The TTFT split of ``turnscope plan-check`` (turnscope/analysis/ttft_split.py, check.forecast_terms)
+and view ``engine_prefill_speed``, over the planner's hand-made store (tests/planner_store.py) with
+vLLM request histograms written here by hand: every figure is a hand computation from the
+fixture's formulas or from the numbers typed below, never the code's output.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import statistics
+
+import pytest
+from typer.testing import CliRunner
+
+from tests import planner_store as fx
+from turnscope.analysis import ttft_split
+from turnscope.commands import app
+from turnscope.core.store import Store
+from turnscope.planner.check import check_runs_with_terms
+from turnscope.planner.profile import CostProfile, Sourced
+
+BIDIR = fx.RUNS["pd-bidir"]
+P, D = "http://127.0.0.1:8100", "http://127.0.0.1:8200"
+#: Cumulative values at the fixture's three scrapes (T0, T0 + 100 s, T0 + 200 s), per (endpoint, name).
+HIST = {
+    (P, "vllm:request_prefill_time_seconds_sum"): (0.0, 1.2, 2.0),
+    (P, "vllm:request_prefill_time_seconds_count"): (0, 3, 8),
+    (P, "vllm:request_prefill_kv_computed_tokens_sum"): (0, 3000, 4000),
+    (P, "vllm:request_queue_time_seconds_sum"): (0.0, 0.1, 0.4),
+    (P, "vllm:request_queue_time_seconds_count"): (0, 3, 8),
+    (D, "vllm:request_queue_time_seconds_sum"): (0.0, 0.06, 0.16),
+    (D, "vllm:request_queue_time_seconds_count"): (0, 3, 8),
+    (D, "vllm:request_prefill_time_seconds_sum"): (0.0, 0.03, 0.08),
+    (D, "vllm:request_prefill_time_seconds_count"): (0, 3, 8),
+}
+
+
+def _profile() -> CostProfile:
+    """The fixture's deployment typed in (no fit): c(x) = A1 x + A2 x^2, its b0s, its pull cost."""
+    src = "tests/planner_store.py"
+    s = lambda v: Sourced(value=v, source=src)
+    return CostProfile(name="fixture", block_size=fx.BLOCK, kv_bytes_per_token=s(fx.KV_BYTES),
+                       prefill_a1_s_per_token=s(fx.A1), prefill_a2_s_per_token2=s(fx.A2),
+                       b0_default_s=s(fx.B0["pd-nocache"]), b0_s={m: s(v) for m, v in fx.B0.items()},
+                       pull_bandwidth_bytes_per_s=s(fx.BANDWIDTH))
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Store:
+    st = Store(fx.build(tmp_path_factory.mktemp("split-store"), overlap_s=0.1))
+    with st.writer(BIDIR, "hist") as w:
+        for (url, name), values in HIST.items():
+            role = "prefill" if url == P else "decode"
+            for i, v in enumerate(values):
+                w.append("metric_samples", {"run_id": BIDIR, "scraped_at": fx.T0 + dt.timedelta(seconds=100 * i),
+                                            "endpoint": url, "role": role, "name": name,
+                                            "labels": {"engine": "0"}, "value": float(v)})
+    return st
+
+
+def _bidir_ok_turns():
+    return [(s, k) for s in range(fx.SESSIONS) for k in range(fx.TURNS) if not fx.failed("pd-bidir", s, k)]
+
+
+def test_measured_terms_are_the_histograms_means(store):
+    m = ttft_split.measured_terms(ttft_split.measured_sums(store, [BIDIR])).set_index("run_id").loc[BIDIR]
+    # each mean is the run's increase of the sum over that of the count: 8 requests on each worker
+    assert m["compute"] == pytest.approx(2.0 / 8)
+    assert m["queue_p_pull"] == pytest.approx(0.4 / 8)
+    assert m["wait_d"] == pytest.approx(0.16 / 8)
+    assert m["d_first_step"] == pytest.approx(0.08 / 8)
+    # the fixture's P NIXL time rises by 0.5 s over the run (tests/planner_store.py _metrics)
+    assert m["pull"] == pytest.approx(0.5 / 8)
+    # the client's mean TTFT: the fixture's formula plus each turn's wait for the worker (WAITS)
+    ttft = statistics.mean(fx.ttft_s("pd-bidir", s, k) + fx.WAITS[("pd-bidir", s, k)] for s, k in _bidir_ok_turns())
+    assert m["ttft"] == pytest.approx(ttft)
+    assert m["fixed"] == pytest.approx(ttft - 0.25 - 0.05 - 0.02 - 0.01)
+
+
+def test_forecast_terms_are_the_profiles_costs(store):
+    _, terms = check_runs_with_terms(store, [BIDIR], _profile())
+    got = terms.set_index(["session_id", "turn_index"])
+    for s, k in _bidir_ok_turns():
+        _, local, pulled = fx.recorded("pd-bidir", s, k)
+        row = got.loc[(f"s{s}", k)]
+        n = fx.prompt(s, k)
+        assert row["compute"] == pytest.approx(fx.c(n) - fx.c(local + pulled))
+        assert row["pull"] == pytest.approx(pulled * fx.PULL_S_PER_TOKEN)
+        assert row["fixed"] == pytest.approx(fx.B0["pd-bidir"])   # token ids: nothing rendered
+        # one worker, first come first served: the wait the fixture's event loop recorded
+        assert row["queue_p"] == pytest.approx(fx.WAITS[("pd-bidir", s, k)], abs=1e-5)  # sent_at: microseconds
+        assert row["wait_d"] == 0 and row["contention"] == 0
+        assert row["ttft"] == pytest.approx(fx.ttft_s("pd-bidir", s, k) + fx.WAITS[("pd-bidir", s, k)], abs=1e-5)
+    assert sum(fx.WAITS[("pd-bidir", s, k)] for s, k in _bidir_ok_turns()) > 0   # the sessions did overlap
+
+
+def test_engine_speed_windows_and_slow_stretch(store):
+    con = store.connect()
+    try:
+        rows = con.execute("SELECT interval_s, prefills, prefill_s, computed_tokens, queue_s, prefill_s_per_token "
+                           "FROM engine_prefill_speed WHERE run_id = ? AND interval_s IS NOT NULL "
+                           "ORDER BY interval_end", [BIDIR]).fetchall()
+    finally:
+        con.close()
+    # two 100 s intervals: 3 prefills of 1.2 s over 3,000 tokens, then 5 of 0.8 s over 1,000
+    assert [r[:5] for r in rows] == [pytest.approx((100.0, 3, 1.2, 3000, 0.1)), pytest.approx((100.0, 5, 0.8, 1000, 0.3))]
+    assert [r[5] for r in rows] == [pytest.approx(4e-4), pytest.approx(8e-4)]
+    st = ttft_split.slow_stretch(ttft_split.speed_windows(store, [BIDIR])).set_index("run_id").loc[BIDIR]
+    assert st["windows"] == 2
+    assert st["median_s_per_token"] == pytest.approx(6e-4)            # median of 4e-4 and 8e-4
+    assert st["slowest_over_median"] == pytest.approx(8e-4 / 6e-4)
+
+
+def test_plan_check_prints_the_split(store, tmp_path):
+    prof = tmp_path / "fixture.yaml"
+    from turnscope.planner.layer_timing import write_profile
+    write_profile(_profile(), prof, "test")
+    res = CliRunner().invoke(app, ["plan-check", "--check-store", str(store.root), "--profile", str(prof),
+                                   "--check-runs", BIDIR])
+    assert res.exit_code == 0, res.output
+    out = res.output
+    assert f"{BIDIR} (pd-bidir):" in out
+    # measured compute 2.0 s / 8 = 250.0 ms; D's first step 80 ms / 8 = 10.0 ms (forecast: in b0, unknown)
+    assert "250.0   P's vllm:request_prefill_time_seconds" in out
+    assert "        ? |      10.0   D's vllm:request_prefill_time_seconds" in out
+    assert "1.33x the median" in out
+    # a run without histograms: every measured term is unknown, said so
+    res = CliRunner().invoke(app, ["plan-check", "--check-store", str(store.root), "--profile", str(prof),
+                                   "--check-runs", fx.RUNS["pd"]])
+    assert res.exit_code == 0, res.output
+    assert "engine speed: not known (no prefill in the run's scrapes)" in res.output
+    assert "--no-split" not in res.output
+    res = CliRunner().invoke(app, ["plan-check", "--check-store", str(store.root), "--profile", str(prof),
+                                   "--check-runs", BIDIR, "--no-split"])
+    assert "TTFT split" not in res.output
