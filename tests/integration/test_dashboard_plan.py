@@ -159,10 +159,7 @@ def recommended(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_a_recommendation_shows_its_answer_ledger_and_diff(monkeypatch, recommended):
     at = open_plan(monkeypatch, recommended)
-    (rec,) = shards(recommended, "plan_recommendations",
-                    "SELECT recommended_label, recommended_ttft_mean_s, speedup, speedup_interval_low, "
-                    "speedup_interval_high, flags_diff, topology_diff, current_ttft_mean_s FROM {t}")
-    label, mean_s, speed, lo, hi, flags, topo, cur_s = rec
+    ((flags, topo),) = shards(recommended, "plan_recommendations", "SELECT flags_diff, topology_diff FROM {t}")
     # the answer first: the cheapest fleet of the stored fleets (a recommendation sizes fleets at its
     # load: here the one trace file's own recorded clock), read back by hand SQL
     fleets = shards(recommended, "plan_fleets", "SELECT strategy, prefill_workers, decode_workers, ttft_p90_s, "
