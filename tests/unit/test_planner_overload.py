@@ -30,7 +30,7 @@ def test_a_prefill_server_asked_for_more_than_it_has():
     u = window_utilisation(a, np.full(81, 2.5), np.zeros(81))
     assert u == pytest.approx(2.5, rel=1e-9)
     o = prefill_overload(a, np.full(81, 2.5), np.zeros(81))
-    assert o is not None and o.text() == "overloaded: P at 2.5x its capacity"
+    assert o is not None and o.text() == "overloaded: P at 2.50x its capacity"
     # three servers in turn: each gets one request every 3 s, 2.5 s each: 0.83, keeps up
     assert prefill_overload(a, np.full(81, 2.5), np.arange(81) % 3) is None
     assert window_utilisation(a, np.full(81, 2.5), np.arange(81) % 3) == pytest.approx(2.5 / 3, rel=0.05)

@@ -49,6 +49,11 @@ class Overload:
         return f"overloaded: {self.why}"
 
 
+def _x(factor: float) -> str:
+    """A factor as printed: two decimals below 10 (1.02x, 3.40x), one above (15.6x)."""
+    return f"{factor:.2f}x" if factor < 10 else f"{factor:,.1f}x"
+
+
 def _edges(arrival_s: np.ndarray, windows: int) -> np.ndarray | None:
     """The window edges over the traffic's horizon (first to last arrival), or None when it has none."""
     if len(arrival_s) == 0:
@@ -88,7 +93,7 @@ def prefill_overload(arrival_s: np.ndarray, compute_s: np.ndarray, server: np.nd
     u = window_utilisation(arrival_s, compute_s, server)
     if u <= 1.0 + 1e-9:
         return None
-    return Overload(role, u, f"{_SHORT[role]} at {u:.3g}x its capacity")
+    return Overload(role, u, f"{_SHORT[role]} at {_x(u)} its capacity")
 
 
 def held_per_window(t0_s: float, t1_s: float, held_t_s: np.ndarray, held_blocks: np.ndarray,
@@ -123,7 +128,7 @@ def decode_overload(arrival_s: np.ndarray, need_blocks: np.ndarray, hold_s: np.n
     if u <= 1.0 + 1e-9:
         return None
     what = "its KV space (running requests and pinned turns)" if pinned.any() else "its KV space"
-    return Overload(Role.DECODE, u, f"D at {u:.3g}x {what}")
+    return Overload(Role.DECODE, u, f"D at {_x(u)} {what}")
 
 
 def never_drains(arrival_s: np.ndarray, ttft_s: np.ndarray, queue_wait_s: np.ndarray,
