@@ -23,17 +23,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import numpy as np  # noqa: E402
+import itertools
 
-from dashboard.queries.capacity import capacity_steps  # noqa: E402
-from loadgen.traces.recorded_runs import iter_recorded_runs  # noqa: E402
-from turnscope.core import resources  # noqa: E402
-from turnscope.core.store import Store  # noqa: E402
-from turnscope.planner.fit import on_run_speed, runs_shared_prefix_tokens  # noqa: E402
-from turnscope.planner.load import Load, LoadKind, apply_load  # noqa: E402
-from turnscope.planner.profile import Sourced, load_profile  # noqa: E402
-from turnscope.planner.run_queries import probe_ttft_s  # noqa: E402
-from turnscope.planner.simulate import PlanSettings, Traffic, plan  # noqa: E402
+import numpy as np
+
+from dashboard.queries.capacity import capacity_steps
+from loadgen.traces.recorded_runs import iter_recorded_runs
+from turnscope.core import resources
+from turnscope.core.store import Store
+from turnscope.planner.fit import on_run_speed, runs_shared_prefix_tokens
+from turnscope.planner.load import Load, LoadKind, apply_load
+from turnscope.planner.profile import Sourced, load_profile
+from turnscope.planner.run_queries import probe_ttft_s
+from turnscope.planner.simulate import PlanSettings, Traffic, plan
 
 #: A step gains when its throughput is more than this fraction above the step before it.
 GAIN = 0.10
@@ -46,7 +48,7 @@ def measured_knees(steps) -> dict[str, int | None]:
     for mode, g in steps.sort_values("users").groupby("mode"):
         knee = None
         rows = list(g.itertuples())
-        for before, now in zip(rows, rows[1:], strict=False):
+        for before, now in itertools.pairwise(rows):
             if now.throughput_per_s <= before.throughput_per_s * (1 + GAIN):
                 knee = int(now.users)
                 break
