@@ -52,3 +52,16 @@ def test_an_slo_below_the_prompts_own_compute_has_no_fleet():
 def test_the_limits_bound_the_search():
     s = size_fleet(steady(), prof(), PlanSettings(), "recompute", FleetLimits(3.0, max_prefill_workers=2))
     assert s.best is None and "overloaded: P at 1.25x its capacity at 2P 1D, the largest fleet allowed" in s.why_none
+
+
+def test_a_bidirectional_forecast_stops_at_the_overload():
+    """One P asked for 2.5x what it has: from the first request each waits 1.5 s longer than the one
+    before, so the 22nd (index 21) is the first to wait more than an eighth of the 240 s horizon
+    (30 s: 21 x 1.5 = 31.5 s); the sizing's forecast stops there, the full one names the same role."""
+    from turnscope.planner.ledger import forecast_strategy
+
+    quick = evaluate_fleet(steady(), prof(), PlanSettings(), "pd-bidir", Fleet(1, 1), FleetLimits(3.0))
+    assert quick.overload.role == "prefill" and "waited 32 s" in quick.overload.why
+    assert "the forecast stopped there" in quick.overload.why and not quick.meets_slo
+    full = forecast_strategy(steady(), prof(), PlanSettings(), "pd-bidir")
+    assert full.overload is not None and full.overload.role == "prefill" and not full.stopped

@@ -38,7 +38,9 @@ from typing import Protocol
 import numpy as np
 
 from turnscope.core import reuse_rules as rules
+from turnscope.core.contract import Role
 from turnscope.planner.pinned_blocks import PinnedBlocks
+from turnscope.planner.overload import QueueGrows
 from turnscope.planner.pinned_kv import HandleLedger
 
 
@@ -85,6 +87,9 @@ class DecodeAdmission:
         self._running: list[tuple[float, float]] = []               # (end of hold, blocks)
         self._in_use = 0.0
         self.peak_in_use_blocks = 0.0
+        #: When set (seconds), admitting a request that waited longer raises
+        #: :class:`turnscope.planner.overload.QueueGrows` (the forecast stops: D is overloaded).
+        self.stop_after_s: float | None = None
 
     def arrive(self, key: int, at_s: float, need_blocks: float, hold_s: float) -> None:
         """Request ``key`` reaches D at ``at_s``, needing ``need_blocks`` for ``hold_s`` seconds."""
@@ -102,6 +107,8 @@ class DecodeAdmission:
         return held + need <= self.capacity or (need > self.capacity and held == 0)
 
     def _admit(self, key: int, at: float, need: float, hold: float) -> None:
+        if self.stop_after_s is not None and self.now - at > self.stop_after_s:
+            raise QueueGrows(Role.DECODE, self.now - at, self.stop_after_s)
         heapq.heappop(self._waiting)
         self.wait_s[key] = self.now - at
         end = self.holds.admitted(key, self.now, hold) if self.holds else None

@@ -127,10 +127,11 @@ def evaluate_fleet(tr: Traffic, profile: CostProfile, base: PlanSettings, strate
                    limits: FleetLimits) -> FleetForecast:
     """Forecast ``strategy`` on ``fleet`` over ``tr`` (see the module doc for the figures)."""
     prof = _profile_for(profile, fleet)
-    ps = base.model_copy(update={"prefill_workers": fleet.prefill_workers, "decode_workers": fleet.decode_workers})
+    ps = base.model_copy(update={"prefill_workers": fleet.prefill_workers, "decode_workers": fleet.decode_workers,
+                                 "stop_on_overload": True})   # an overloaded fleet needs no more than that
     f = forecast_strategy(tr, prof, ps, strategy)
     later = tr.request_index >= 1
-    hit = float(((f.local + f.pulled)[later] > 0).mean()) if later.any() else float("nan")
+    hit = float(((f.local + f.pulled)[later] > 0).mean()) if later.any() and not f.stopped else float("nan")
     gpus_per = prof.gpus_per_worker.value if prof.gpus_per_worker else 1.0
     recompute = prof.prefill_compute_s(RECOMPUTE_MODE, tr.input_tokens, np.zeros(len(tr)))
     saved = float((recompute - f.compute_s).sum()) * gpus_per
@@ -143,13 +144,16 @@ def evaluate_fleet(tr: Traffic, profile: CostProfile, base: PlanSettings, strate
         tokens = float(tr.input_tokens.sum() + tr.output_tokens.sum())
         if host is not None and tokens > 0:
             usd = (gpus * horizon_h * limits.prices.gpu_hour_usd + host) / (tokens / 1e6)
+    nan = float("nan")
+    if f.stopped:   # the forecast stopped at the overload: nothing else is known of it
+        return FleetForecast(strategy, fleet, gpus, nan, nan, nan, hit, f.p_cache_gib_s, nan, f.host_gib_s, nan, usd,
+                             f.overload, False, nan, nan, nan)
     waits = f.queue_wait_s + f.decode_wait_s
     no_wait = float(np.quantile(f.ttft_s - waits, 0.9))
     p90 = float(np.quantile(f.ttft_s, 0.9))
     tail = f.ttft_s >= p90
     keeps_up = f.overload is None
     meets = keeps_up and (limits.ttft_slo_s is None or p90 <= limits.ttft_slo_s)
-    nan = float("nan")
     return FleetForecast(strategy, fleet, gpus, float(np.median(f.ttft_s)) if keeps_up else nan,
                          p90 if keeps_up else nan, float(f.ttft_s.mean()) if keeps_up else nan, hit, f.p_cache_gib_s,
                          f.d_pinned_gib_s, f.host_gib_s, saved, usd, f.overload, meets, no_wait,

@@ -61,7 +61,7 @@ from turnscope.core import reuse_rules as rules
 from turnscope.core.contract import HIT, Role
 from turnscope.planner import intervals
 from turnscope.planner.intervals import HandleReads
-from turnscope.planner.overload import Overload
+from turnscope.planner.overload import Overload, QueueGrows
 from turnscope.planner.profile import CostProfile, GiB
 from turnscope.planner.simulate import (
     OUTCOMES,
@@ -160,7 +160,10 @@ def host_read_s(profile: CostProfile, tokens: np.ndarray) -> np.ndarray:
 class StrategyForecast:
     """One strategy over the traffic: per request ``local`` (P's hit, GPU and host), ``host_read``
     (of which read from host memory), ``pulled`` (from D), ``ttft_s``; the tiers' GiB-seconds;
-    ``reads``: what D's pinned GiB-s depend on (bidirectional strategies; else None)."""
+    ``reads``: what D's pinned GiB-s depend on (bidirectional strategies; else None); ``overload``
+    (None: keeps up); ``stopped``: the forecast stopped at a queue found growing
+    (``PlanSettings.stop_on_overload``): its TTFTs, pulls, D's GiB-s and compute are NaN or 0, only
+    the overload and P's own cache are known."""
 
     strategy: str
     mode: str
@@ -177,6 +180,7 @@ class StrategyForecast:
     queue_wait_s: np.ndarray | None = None
     decode_wait_s: np.ndarray | None = None
     overload: Overload | None = None
+    stopped: bool = False
 
 
 def handle_reads(tr: Traffic, profile: CostProfile, settings: PlanSettings, outcome: np.ndarray,
@@ -252,7 +256,13 @@ def forecast_strategy(tr: Traffic, profile: CostProfile, settings: PlanSettings,
     prefill = PrefillTtft(tr, settings, mode, StrategyCost(tr, profile, settings, mode,
                                                            None if host is None else host_read))
     if strategy in BIDIR_STRATEGIES:
-        r = simulate_bidir(tr, profile, settings, local, finish, prefill)
+        try:
+            r = simulate_bidir(tr, profile, settings, local, finish, prefill)
+        except QueueGrows as stop:   # settings.stop_on_overload: the rest would only say how long the queue grew
+            nan = np.full(len(tr), np.nan)
+            return StrategyForecast(strategy, mode, local, host_read, pulled, nan, nan, gpu.held_gib_s(end_s),
+                                    float("nan"), 0.0 if host is None else host.held_gib_s(end_s), 0, None, nan, nan,
+                                    stop.overload(), stopped=True)
         pulled, local, d_full, ttft = r.pulled, r.local, r.d_full, r.ttft_s
         p_wait, d_wait = r.queue_wait_s, r.decode_wait_s
         d_gib_s = r.pinned.held_gib_s()
@@ -309,7 +319,7 @@ def ledger_row(f: StrategyForecast, base: StrategyForecast, tr: Traffic, profile
     if gpu_mem_usd is not None and (host_usd is not None or f.host_gib_s == 0):
         memory_usd = gpu_mem_usd + (host_usd or 0.0)
     net = None if memory_usd is None or saved_usd is None else memory_usd - saved_usd
-    hit_rate = float((reused[later] > 0).mean()) if later.any() else np.nan
+    hit_rate = float((reused[later] > 0).mean()) if later.any() and not f.stopped else np.nan
     # an overloaded deployment has no TTFT, and no speed-up is taken against one
     p50 = float(np.median(f.ttft_s[later])) if later.any() and f.overload is None else np.nan
     base_p50 = float(np.median(base.ttft_s[later])) if later.any() and base.overload is None else np.nan

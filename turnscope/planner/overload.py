@@ -49,6 +49,27 @@ class Overload:
         return f"overloaded: {self.why}"
 
 
+class QueueGrows(Exception):
+    """A forecast stopped because a request waited longer than ``limit_s`` (an eighth of the horizon,
+    :func:`window_s`) on ``role``: the deployment is overloaded (:func:`never_drains`' test, found
+    before the rest of the traffic is forecast). ``wait_s``: that request's wait, seconds."""
+
+    def __init__(self, role: str, wait_s: float, limit_s: float):
+        super().__init__(f"{role}: a request waited {wait_s:,.0f} s, longer than {limit_s:,.0f} s")
+        self.role, self.wait_s, self.limit_s = role, wait_s, limit_s
+
+    def overload(self) -> Overload:
+        """The overload it found, in the words of :func:`never_drains`."""
+        return Overload(self.role, float("nan"), f"{_SHORT[self.role]}'s queue grows through the load: a request "
+                                                 f"waited {self.wait_s:,.0f} s, longer than an eighth of the horizon "
+                                                 f"({self.limit_s:,.0f} s); the forecast stopped there")
+
+
+def window_s(arrival_s: np.ndarray, windows: int = WINDOWS) -> float:
+    """The length of one window: the horizon (first to last arrival) over ``windows``, seconds."""
+    return float(arrival_s.max() - arrival_s.min()) / windows if len(arrival_s) else 0.0
+
+
 def _x(factor: float) -> str:
     """A factor as printed: two decimals below 10 (1.02x, 3.40x), one above (15.6x)."""
     return f"{factor:.2f}x" if factor < 10 else f"{factor:,.1f}x"

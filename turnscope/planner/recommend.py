@@ -175,6 +175,12 @@ def _evaluate_one(job: RecommendJob, s: Setting) -> Evaluated:
     return evaluate(job.traffic, job.profile, job.base, s, job.limits, job.baselines)
 
 
+def _search_one(job: RecommendJob, s: Setting) -> Evaluated:
+    """A setting of the search: an overloaded one is only named so (its forecast stops there)."""
+    quick = job.base.model_copy(update={"stop_on_overload": True})
+    return evaluate(job.traffic, job.profile, quick, s, job.limits, job.baselines)
+
+
 def candidates(profile: CostProfile, current: Setting, limits: Limits, grid: Grid,
                fleets: dict[str, list[tuple[int, int]]] | None = None) -> list[Setting]:
     """The settings searched: every strategy the profile can forecast, P counts up to the limit,
@@ -365,7 +371,7 @@ def recommend(tr: Traffic, profile: CostProfile, base: PlanSettings, current: Se
     """Search :func:`candidates` (``fleets``: each strategy at its sized fleet) on ``executor``
     (default: in this process) and pick with :func:`choose` (see the module doc)."""
     settings = candidates(profile, current, limits, grid, fleets)
-    searched = (executor or LocalExecutor(1)).map(_evaluate_one, RecommendJob(tr, profile, base, limits), settings,
+    searched = (executor or LocalExecutor(1)).map(_search_one, RecommendJob(tr, profile, base, limits), settings,
                                                   "searching settings")
     cur = evaluate(tr, profile, base, current, limits)
     rec = choose(searched, limits.prices.gpu_hour_usd is not None)

@@ -73,10 +73,12 @@ from turnscope.core.modes import AGGREGATED, BIDIRECTIONAL_MODES, RECOMPUTE_MODE
 from turnscope.planner.decode_admission import DecodeAdmission, DecodeSpace, HandlesOnD, one_way_admission
 from turnscope.planner.overload import (
     Overload,
+    QueueGrows,
     decode_overload,
     first_overload,
     never_drains,
     prefill_overload,
+    window_s,
 )
 from turnscope.planner.pinned_blocks import PinnedBlocks
 from turnscope.planner.pinned_kv import LOST, Handle, HandleLedger
@@ -112,7 +114,12 @@ class PlanSettings(BaseModel):
     runs on, one label per worker (workers pinned to the same CPU cores share a label: each takes
     its own prompts first come first served and the busy ones time-share the cores,
     :func:`turnscope.planner.queueing.shared_core_waits`; each keeps its own prefix cache); None:
-    each worker its own. Raises ``pydantic.ValidationError`` when its length is not ``prefill_workers``."""
+    each worker its own. ``stop_on_overload``: a bidirectional forecast stops at the first request
+    that waits (for P, or on D) longer than an eighth of the horizon, the overload of
+    :func:`turnscope.planner.overload.never_drains`, and raises
+    :class:`turnscope.planner.overload.QueueGrows` (fleet sizing needs only that; False: every
+    request is forecast). Raises ``pydantic.ValidationError`` when ``prefill_servers``' length is
+    not ``prefill_workers``."""
 
     model_config = ConfigDict(extra="forbid")
     decoder_kv_blocks_ttl_s: float = Field(480.0, gt=0)
@@ -130,6 +137,7 @@ class PlanSettings(BaseModel):
     separate_sources: bool = False
     prefill_servers: tuple[int, ...] | None = None
     modes: tuple[str, ...] = MODES
+    stop_on_overload: bool = False
 
     @model_validator(mode="after")
     def _servers_per_worker(self) -> PlanSettings:
@@ -573,6 +581,9 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
                                       _CODE[MISS_TRANSFER_FAILED], _CODE[MISS_D_FULL])
     took_codes = {_CODE[o] for o in TOOK_HANDLE}
     prefill.prepare(local, pull_if_hit(tr, local, block, threshold))
+    stop_after_s = window_s(tr.arrival_s) if settings.stop_on_overload else None
+    if queue is not None:
+        queue.stop_after_s = stop_after_s
     for i in range(n_req):
         t = arrival[i]
         s = codes[i]
@@ -612,6 +623,8 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
         code = int(outcome[i])
         first_token_s, wait_s = prefill.next(i, local_at[i], int(pulled[i]), code in took_codes)
         ttft[i], p_wait[i] = first_token_s, wait_s
+        if stop_after_s is not None and wait_s > stop_after_s and not prefill.shares_servers:
+            raise QueueGrows(Role.PREFILL, wait_s, stop_after_s)
         kv = rules.handle_kv_tokens(n, out_arr[i])
         ordinal = pinned.add_request(s, kv, shared[i])   # its place in the session's chain of prefixes
         blocks = rules.blocks_of(kv, block)
