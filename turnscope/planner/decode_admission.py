@@ -39,8 +39,8 @@ import numpy as np
 
 from turnscope.core import reuse_rules as rules
 from turnscope.core.contract import Role
-from turnscope.planner.pinned_blocks import PinnedBlocks
 from turnscope.planner.overload import QueueGrows
+from turnscope.planner.pinned_blocks import PinnedBlocks
 from turnscope.planner.pinned_kv import HandleLedger
 
 
