@@ -89,14 +89,19 @@ def main() -> None:
 
 
 def _settings_forecast(text: str) -> int:
-    """Settings forecast in a recommendation: fleets tried, settings searched, load-curve points."""
+    """Settings forecast in a recommendation: fleets tried, settings searched, load-curve points, the
+    ledger's strategies, the what-ifs (two each) and each changed knob alone."""
     import re
 
     fleets = sum(int(n) for n in re.findall(r"\((\d+) fleets tried\)", text))
     searched = int(re.search(r"(\d+) settings searched", text).group(1))
     curve = sum(line.count(": ") for line in text.split("Each strategy's fleet at other loads")[-1]
                 .split("\n\n")[0].splitlines()[1:]) if "Each strategy's fleet at other loads" in text else 0
-    return fleets + searched + curve
+    ledger = sum(1 for line in text.split("Ledger of retention strategies")[-1].split("\n\n")[0].splitlines()
+                 if re.match(r"  (recompute|pd)\S* +hit rate", line))
+    what_ifs = 2 * sum(1 for line in text.splitlines() if re.match(r"    (P's KV space|two P workers|gaps halved)", line))
+    knobs = sum(1 for line in text.splitlines() if line.startswith("  knob "))
+    return fleets + searched + curve + ledger + what_ifs + knobs
 
 
 if __name__ == "__main__":

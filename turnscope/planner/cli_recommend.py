@@ -93,7 +93,8 @@ def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | No
     searches = size_fleets(FleetJob(traffic, prof, base, fleet_limits), strategies, executor)
     chosen = cheapest(searches, prices.gpu_hour_usd is not None)
     fleets_text = describe_fleets(searches, chosen, loaded, prof, fleet_limits)
-    led = ledger(traffic, prof, at, prices, executor=executor)
+    # an overloaded strategy's row says so and no more (its forecast stops at the growing queue)
+    led = ledger(traffic, prof, at.model_copy(update={"stop_on_overload": True}), prices, executor=executor)
     table = describe_ledger(led, prof, at, prices)
     # the knobs are searched on the cheapest fleet (a shorter TTL may fit a strategy into it); each
     # strategy at its own fleet was forecast by the sizing, at the current knobs

@@ -440,6 +440,7 @@ def ledger_lines(r, quiet: bool = False) -> list[str]:
     deployment cannot keep up (``overload``, text) gets no TTFT and no speed-up, only its overload."""
     _iv = partial(with_iv, quiet=quiet)
     hit = (f"{r.hit_rate:.1%} (none reused, by construction)" if r.strategy == RECOMPUTE else
+           "not forecast (the forecast stopped at the overload)" if pd.isna(r.hit_rate) else
            _iv(f"{r.hit_rate:.1%}", r.hit_rate_interval_low, r.hit_rate_interval_high,
                    lambda x: f"{x * 100:.1f}", "%"))
     p50 = _iv(f"{_ms(r.ttft_p50_later_s)} ms", r.ttft_p50_later_interval_low_s, r.ttft_p50_later_interval_high_s,
@@ -457,6 +458,9 @@ def ledger_lines(r, quiet: bool = False) -> list[str]:
         first += f"; vs recompute: speed-up {speed}, TTFT saved {saved}"
     elif r.strategy != RECOMPUTE and not (isinstance(over, str) and over):
         first += "; vs recompute: no speed-up (recompute cannot keep up)"
+    if pd.isna(r.d_pinned_gib_s):   # the forecast stopped at the overload
+        return [first, f"  {'':<14} held P cache {r.p_cache_gib_s:,.1f} GiB-s, host {r.host_gib_s:,.1f} GiB-s; D pinned "
+                       "and prefill GPU-s saved not forecast"]
     pinned = (f"{r.d_pinned_gib_s:,.1f}" if r.strategy not in BIDIR_STRATEGIES else
               _iv(f"{r.d_pinned_gib_s:,.1f}", r.d_pinned_interval_low_gib_s, r.d_pinned_interval_high_gib_s,
                       lambda x: f"{x:,.1f}"))

@@ -373,7 +373,7 @@ def recommend(tr: Traffic, profile: CostProfile, base: PlanSettings, current: Se
     settings = candidates(profile, current, limits, grid, fleets)
     searched = (executor or LocalExecutor(1)).map(_search_one, RecommendJob(tr, profile, base, limits), settings,
                                                   "searching settings")
-    cur = evaluate(tr, profile, base, current, limits)
+    cur = evaluate(tr, profile, base.model_copy(update={"stop_on_overload": True}), current, limits)
     rec = choose(searched, limits.prices.gpu_hour_usd is not None)
     rec = _fewer_changes(tr, profile, base, current, rec, limits)
     alone = {}
@@ -456,12 +456,14 @@ def describe(r: Recommendation, profile: CostProfile, base: PlanSettings, limits
 
     def line(name: str, e: Evaluated) -> str:
         iv = figure_intervals(profile, e)
-        hit = with_iv(f"{e.row['hit_rate']:.1%}", *iv["hit_rate"], lambda x: f"{x * 100:.1f}", "%")
+        hit = ("not forecast" if np.isnan(e.row["hit_rate"]) else
+               with_iv(f"{e.row['hit_rate']:.1%}", *iv["hit_rate"], lambda x: f"{x * 100:.1f}", "%"))
         ttft = (f"{e.overload.text()} (no TTFT)" if e.overload is not None else
                 f"mean TTFT {with_iv(_ms(e.ttft_mean_s) + ' ms', *iv['ttft_mean'], _ms, ' ms')}, "
                 f"p90 {with_iv(_ms(e.ttft_p90_s) + ' ms', *iv['ttft_p90'], _ms, ' ms')}")
-        return (f"  {name:<11} {e.setting.label()}: {ttft}, hit rate {hit}, D pinned "
-                f"{with_iv(_gib_s(e.row['d_pinned_gib_s']) + ' GiB-s', *iv['d_pinned'], _gib_s, ' GiB-s')}, host "
+        pinned = ("not forecast" if np.isnan(e.row["d_pinned_gib_s"]) else
+                  with_iv(_gib_s(e.row['d_pinned_gib_s']) + ' GiB-s', *iv['d_pinned'], _gib_s, ' GiB-s'))
+        return (f"  {name:<11} {e.setting.label()}: {ttft}, hit rate {hit}, D pinned {pinned}, host "
                 f"{e.row['host_gib_s']:,.0f} GiB-s")
 
     ch = change_intervals(profile, rec, cur)
