@@ -7,7 +7,7 @@ step before it (the deployment has stopped gaining from more sessions). Forecast
 sessions of the ramp's lightest step (a recording the forecast was not fitted on, at another load)
 drawn by the load model at N concurrent sessions at their recorded pace, on one P and one D with
 the ramp's KV spaces, the profile put on that step's machine speed (its speed probe); the **forecast knee** is the first N at which the planner names the
-deployment overloaded (docs/planner/load.md#overload). Both at the ramp's own steps; the check is
+deployment overloaded (its overload test: docs/planner/load.md). Both at the ramp's own steps; the check is
 whether they fall within one step of each other.
 
 Run: ``.venv/bin/python bench/ramp_knee.py STORE [--profile embedded-cpu] [--prefill-kv-tokens N]
