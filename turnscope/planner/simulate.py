@@ -387,6 +387,7 @@ class PrefillTtft:
         self.shares_servers = bool(self.queue) and len(np.unique(self.server)) < len(np.unique(self.worker))
         self._free_at: dict[int, float] = {}
         self._compute = np.zeros(len(tr))
+        self._pre: dict | None = None   # the costs :meth:`prepare` looked up ahead
 
     def waits(self, compute: np.ndarray) -> np.ndarray:
         """Each request's wait for (and slowdown on) its prefill worker, seconds, given every
@@ -416,7 +417,7 @@ class PrefillTtft:
             self._pre[case] = (ttft.tolist(), compute.tolist())
 
     def _cost_of(self, i: int, local: int, pulled: int, took: bool) -> tuple[float, float]:
-        pre = getattr(self, "_pre", None)
+        pre = self._pre
         if pre is not None and pre["local"][i] == local:
             case = ("took" if took else "miss") if pulled == 0 else ("pulled" if pre["pull"][i] == pulled else None)
             if case is not None:
@@ -433,9 +434,8 @@ class PrefillTtft:
         self._compute[i] = compute
         wait = 0.0
         if self.queue:
-            pre = getattr(self, "_pre", None)
-            if pre is not None:
-                w, arrival = pre["server"][i], pre["arrival"][i]
+            if self._pre is not None:
+                w, arrival = self._pre["server"][i], self._pre["arrival"][i]
             else:
                 w, arrival = int(self.server[i]), float(self.tr.arrival_s[i])
             start = max(arrival, self._free_at.get(w, arrival))
@@ -487,7 +487,9 @@ def own_cache_hits(tr: Traffic, capacity_tokens: int | None, block_size: int, wo
 def pull_if_hit(tr: Traffic, local: np.ndarray, block_size: int, threshold: int) -> np.ndarray:
     """Tokens each request would pull from D were it to find its session's previous request's handle
     (the rules of :func:`simulate_bidir`, vectorised: :func:`turnscope.core.reuse_rules.usable_handle_tokens`
-    then :func:`~turnscope.core.reuse_rules.tokens_to_pull`); 0 for a session's first request."""
+    then :func:`~turnscope.core.reuse_rules.tokens_to_pull`); 0 for a session's first request. A
+    lookup only: :meth:`PrefillTtft.next` uses the cost it prepared with these only where the pass's
+    own count (the scalar rules) equals it."""
     n = len(tr)
     order = np.lexsort((tr.request_index, tr.arrival_s, tr.session_code))
     prev = np.full(n, -1)
@@ -495,7 +497,7 @@ def pull_if_hit(tr: Traffic, local: np.ndarray, block_size: int, threshold: int)
     prev[order[1:][same]] = order[:-1][same]
     has = prev >= 0
     p = np.maximum(prev, 0)
-    kv = tr.input_tokens[p] + tr.output_tokens[p] - (tr.output_tokens[p] > 0)
+    kv = rules.handle_kv_tokens(tr.input_tokens[p], tr.output_tokens[p])
     shared = tr.shared_prefix_tokens
     usable = np.where(shared >= kv, kv, (shared // block_size) * block_size)
     count = np.minimum(usable, tr.input_tokens) - local
