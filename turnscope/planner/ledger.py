@@ -459,8 +459,8 @@ def ledger_lines(r, quiet: bool = False) -> list[str]:
     elif r.strategy != RECOMPUTE and not (isinstance(over, str) and over):
         first += "; vs recompute: no speed-up (recompute cannot keep up)"
     if pd.isna(r.d_pinned_gib_s):   # the forecast stopped at the overload
-        return [first, f"  {'':<14} held P cache {r.p_cache_gib_s:,.1f} GiB-s, host {r.host_gib_s:,.1f} GiB-s; D pinned "
-                       "and prefill GPU-s saved not forecast"]
+        return [first, (f"  {'':<14} held P cache {r.p_cache_gib_s:,.1f} GiB-s, host {r.host_gib_s:,.1f} GiB-s; "
+                        "D pinned and prefill GPU-s saved not forecast")]
     pinned = (f"{r.d_pinned_gib_s:,.1f}" if r.strategy not in BIDIR_STRATEGIES else
               _iv(f"{r.d_pinned_gib_s:,.1f}", r.d_pinned_interval_low_gib_s, r.d_pinned_interval_high_gib_s,
                       lambda x: f"{x:,.1f}"))
