@@ -190,7 +190,7 @@ def planned_url(tmp_path_factory):
     root = planner_store.build(tmp / "store")
     build_report(Store(root), [DEFAULT_DIR], label="kv-cache-tester")
     for args in ([str(DEFAULT_DIR), "--profile", str(REPO / "data/profiles/vendor-h200.yaml"), "--label",
-                  "kv-cache-tester"],
+                  "kv-cache-tester", "--sessions-per-hour", "100", "--sessions", "48"],
                  [str(root), "--fit-runs", ",".join(planner_store.RUNS.values()), "--label", "check"]):
         r = CliRunner().invoke(app, ["plan", *args, "--store", str(root)], env={"COLUMNS": "4000"})
         assert r.exit_code == 0, r.output
