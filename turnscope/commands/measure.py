@@ -273,6 +273,10 @@ def capacity(
                           schedule=schedule_, schedule_seed=schedule_seed)
     if s.kv_bytes_per_token:
         ev.kv_bytes_per_token = s.kv_bytes_per_token
+    if prefill_kv_tokens is not None and topo.max_model_len:
+        # the eviction ladder's histories grow past eval's 3,500-token cap (data/workloads/eviction.yaml:
+        # 4,524): let sessions run to the model's context less the reply, as Locust's own default does
+        ev.max_prompt_tokens = max(ev.max_prompt_tokens, topo.max_model_len - ev.max_tokens)
     capacity_id = capacity_id or f"{label}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
     try:
         plan = plan_capacity(workload, capacity_id=capacity_id, users=steps, sessions_per_user=sessions_per_user,
