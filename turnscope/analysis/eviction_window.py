@@ -28,7 +28,13 @@ import numpy as np
 import pandas as pd
 
 from turnscope.analysis import headline, speedup
-from turnscope.analysis.capacity_crossing import BASELINE, DEFAULT_TOLERANCE, TREATMENT, Crossing, find_crossing
+from turnscope.analysis.capacity_crossing import (
+    BASELINE,
+    DEFAULT_TOLERANCE,
+    TREATMENT,
+    Crossing,
+    find_crossing,
+)
 from turnscope.analysis.speedup import Verdict
 
 #: Columns of :func:`step_speedups`.

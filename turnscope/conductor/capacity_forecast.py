@@ -40,7 +40,7 @@ from turnscope.planner.run_queries import probe_ttft_s, recorded_turns
 #: ``goodput_per_s`` is the same constant on every row: not forecast, see the module doc).
 COLUMNS = ("mode", "users", "goodput_per_s", "ttft_p50_s", "ttft_p90_s", "capacity_id", "run_id",
            "d_in_use_peak_fraction", "d_pinned_peak_fraction", "d_full_events", "ttft_p90_interval_low_s",
-           "ttft_p90_interval_high_s", "p_hit_rate", "ttft_later_p50_s", "speedup")
+           "ttft_p90_interval_high_s", "p_hit_rate", "ttft_later_p50_s", "speedup", "p_hit_rate_replay")
 #: A step "fills D" when its peak reaches this fraction of D's KV space.
 D_FULL_FRACTION = 0.95
 
@@ -69,7 +69,9 @@ def forecast_steps(store: Store, steps: pd.DataFrame, profile: CostProfile) -> p
     the planner's LRU (:func:`turnscope.planner.simulate.own_cache_hits`) against vLLM's
     ``prefix_cache_hits`` / ``prefix_cache_queries``; ``ttft_later_p50_s``: median TTFT of the ok
     turns from each session's second on, seconds; ``speedup``: on the treatment's rows, the
-    baseline's ``ttft_later_p50_s`` over the treatment's at the same step, NaN elsewhere)."""
+    baseline's ``ttft_later_p50_s`` over the treatment's at the same step, NaN elsewhere;
+    ``p_hit_rate_replay``: P's hit rate in vLLM's own block-level policy replayed over the recorded
+    turns, :func:`_replayed_p_hit_rate`, 0-1, NaN for aggregated)."""
     if steps.empty:
         return pd.DataFrame(columns=list(COLUMNS))
     run_ids = list(steps["run_id"])
@@ -97,12 +99,48 @@ def forecast_steps(store: Store, steps: pd.DataFrame, profile: CostProfile) -> p
                                                 if st.decode_kv_cache_bytes else np.nan),
                      "d_full_events": int(m.d_full_events),
                      "p_hit_rate": float(np.sum(m.local_tokens) / prompt.sum()) if prompt.sum() else np.nan,
-                     "ttft_later_p50_s": float(np.median(later)) if later.size else np.nan})
+                     "ttft_later_p50_s": float(np.median(later)) if later.size else np.nan,
+                     "p_hit_rate_replay": _replayed_p_hit_rate(store, st.run_id, st.mode, rec, shared)})
     out = pd.DataFrame(rows, columns=list(COLUMNS))
     base = out[out["mode"] == BASELINE].set_index("users")["ttft_later_p50_s"]
     treat = out["mode"] == TREATMENT
     out.loc[treat, "speedup"] = out.loc[treat, "users"].map(base) / out.loc[treat, "ttft_later_p50_s"]
     return out
+
+
+def _replayed_p_hit_rate(store: Store, run_id: str, mode: str, rec: pd.DataFrame, shared: int) -> float:
+    """P's hit rate (0-1) of ``run_id``'s turns in vLLM's own block-level policy
+    (:func:`turnscope.analysis.p_cache_replay.replay_hits`) on P's blocks as the run's
+    ``vllm:cache_config_info`` gives them (less vLLM's null block); NaN for a mode without P or a
+    run without that gauge. The yardstick of the planner's session-level LRU (docs/eviction.md)."""
+    from turnscope.analysis.p_cache_replay import fifo_starts, replay_hits
+    from turnscope.planner.fit import _cache_config
+
+    if mode == "aggregated" or rec.empty:
+        return np.nan
+    lab = _cache_config(store, [run_id]).get("prefill")
+    try:
+        blocks, size = int(lab["num_gpu_blocks"]) - 1, int(lab["block_size"])
+    except (KeyError, TypeError, ValueError):
+        return np.nan
+    legs = _prefill_legs(store, run_id)
+    t = rec.dropna(subset=["prompt_tokens"]).merge(legs, on=["session_id", "turn_index"], how="left")
+    sent = (pd.to_datetime(t["sent_at"]) - pd.Timestamp("1970-01-01", tz="UTC")).dt.total_seconds().to_numpy()
+    end = sent + t["prefill_leg_s"].fillna(t["ttft_s"]).fillna(0).to_numpy(float)
+    start = fifo_starts(sent, end)
+    hits = replay_hits(t.assign(sent_s=start, hold_s=end - start), blocks, size, shared, hold_until="hold_s")
+    total = float(t["prompt_tokens"].sum())
+    return float(hits.sum() / total) if total else np.nan
+
+
+def _prefill_legs(store: Store, run_id: str) -> pd.DataFrame:
+    """Each turn's P leg (``turns.prefill_leg_s``: the proxy's request to P until P answered,
+    seconds) of ``run_id``."""
+    con = store.connect()
+    try:
+        return con.execute("SELECT session_id, turn_index, prefill_leg_s FROM turns WHERE run_id = ?", [run_id]).df()
+    finally:
+        con.close()
 
 
 def crossings(measured: pd.DataFrame, forecast: pd.DataFrame) -> list[tuple[str, Crossing, Crossing]]:
@@ -152,9 +190,12 @@ def eviction_lines(cid: str, measured: pd.DataFrame, forecast: pd.DataFrame, tur
         if np.isnan(r.p_hit_rate) or np.isnan(r.p_hit_rate_fc):
             continue
         pp = (r.p_hit_rate_fc - r.p_hit_rate) * 100
+        replay = ("" if np.isnan(r.p_hit_rate_replay) else
+                  f"; vLLM's block-level policy replayed: {r.p_hit_rate_replay:.1%} "
+                  f"({(r.p_hit_rate_replay - r.p_hit_rate) * 100:+.1f} pp)")
         lines.append(f"    {r.users} sessions, {r.mode}: P's own prefix-cache hit rate {r.p_hit_rate:.1%} measured, "
                      f"{r.p_hit_rate_fc:.1%} forecast ({pp:+.1f} pp: "
-                     f"{'within' if abs(pp) <= P_HIT_RATE_TARGET_PP else 'MISSED'} {P_HIT_RATE_TARGET_PP:g} pp)")
+                     f"{'within' if abs(pp) <= P_HIT_RATE_TARGET_PP else 'MISSED'} {P_HIT_RATE_TARGET_PP:g} pp){replay}")
     wm = ew.find_window(m_ramp, turns[turns["capacity_id"] == cid])
     wf = ew.find_window(f_ramp, forecast=True)
 
