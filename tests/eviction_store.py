@@ -27,7 +27,9 @@ so the increase over the run is (Q, H) and the hit rate H / Q. Tokens pulled fro
 proxy split them (turns.reused_tokens): pd-bidir's later turns 100 tokens each at 1-4 sessions,
 900 at 6: 800 and 7,200 per step; as vLLM counted them (P's
 ``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}``, 0 -> X/2 -> X): X = 900,
-1,000, 1,500, 9,000 at 1, 2, 4, 6 sessions (pd: no such series).
+1,000, 1,500, 9,000 at 1, 2, 4, 6 sessions (pd: no such series). D's KV usage
+(``vllm:kv_cache_usage_perc``, one decode engine, the same three scrapes): pd-bidir peaks 0.3, 0.5,
+0.97, 1.0 at 1, 2, 4, 6 sessions (D full, >= 0.95, from 4 on), pd 0.2 at every step.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ HITS = {("pd", 1): 9_000, ("pd", 2): 8_000, ("pd", 4): 5_000, ("pd", 6): 3_000,
         ("pd-bidir", 1): 9_000, ("pd-bidir", 2): 8_500, ("pd-bidir", 4): 6_000, ("pd-bidir", 6): 4_000}
 PULLED_PER_TURN = {1: 100, 2: 100, 4: 100, 6: 900}
 VLLM_PULLED = {1: 900, 2: 1_000, 4: 1_500, 6: 9_000}
+D_PEAK = {1: 0.3, 2: 0.5, 4: 0.97, 6: 1.0}
+EXPECTED_D_FULL = 4
 
 # hand-computed truths
 EXPECTED_HIT_RATE = {k: v / QUERIED for k, v in HITS.items()}
@@ -115,6 +119,9 @@ def build(root: Path) -> Path:
                                                        1_000 + QUERIED * n / 2))
                     w.append("metric_samples", _sample(rid, at, "prefill", "vllm:prefix_cache_hits_total",
                                                        500 + HITS[(mode, users)] * n / 2))
+                    peak = D_PEAK[users] if mode == "pd-bidir" else 0.2
+                    w.append("metric_samples", _sample(rid, at, "decode", "vllm:kv_cache_usage_perc",
+                                                       [0.1, peak, 0.1][n]) | {"endpoint": "http://127.0.0.1:8101"})
                     if mode == "pd-bidir":
                         w.append("metric_samples", _sample(rid, at, "prefill", "vllm:prompt_tokens_by_source_total",
                                                            VLLM_PULLED[users] * n / 2, source="external_kv_transfer"))

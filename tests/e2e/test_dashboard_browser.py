@@ -420,6 +420,7 @@ def test_memory_eviction_window_in_browser(eviction_url, browser):
     # hit rate 80%), D runs out at 6 (the capacity crossing), so the window is 2 and 4
     assert "Holding the turn on D pays from 2 concurrent sessions (pd's P hit rate 80% there) up to 4" in body
     assert "runs out at 6 concurrent sessions" in body and "the window is 2, 4 concurrent session(s)" in body
+    assert "pd-bidir's D is full (>= 95% of its KV in use) from 4 concurrent sessions on" in body
     drawn = {t["name"]: t for t in page.evaluate(READ_WINDOW)}
     users = list(eviction_store.USERS)
     # every step's P hit rate and speed-up as the store's hand truths give them, as plotly.js drew them

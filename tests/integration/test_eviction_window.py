@@ -61,6 +61,7 @@ def test_speedups_per_step(steps, turns):
         assert sp.at[u, "verdict"] == es.EXPECTED_VERDICT[u], u
         assert sp.at[u, "turns_baseline"] == sp.at[u, "turns_treatment"] == 8  # turns 1 and 2 of 4 sessions
         assert sp.at[u, "p_hit_rate_baseline"] == pytest.approx(es.EXPECTED_HIT_RATE[("pd", u)])
+        assert sp.at[u, "decode_kv_usage_max"] == pytest.approx(es.D_PEAK[u])
     # at 2 sessions every resample's pd-bidir median lies in 0.10-0.12 s and pd's is 0.20 s
     assert 0.20 / 0.12 - 1e-9 <= sp.at[2, "ci_low"] <= sp.at[2, "ci_high"] <= 0.20 / 0.10 + 1e-9
 
@@ -68,10 +69,12 @@ def test_speedups_per_step(steps, turns):
 def test_the_window(steps, turns):
     w = ew.find_window(steps, turns)
     assert (w.pays_from, w.ends_at, w.steps) == (es.EXPECTED_WINDOW[0], es.EXPECTED_CROSSING, es.EXPECTED_WINDOW)
+    assert w.d_full_from == es.EXPECTED_D_FULL
     assert w.crossing.reason == "goodput and ttft_p90"
     words = ew.window_words(w)
     assert "pays from 2 concurrent sessions** (`pd`'s P hit rate 80% there) up to 4" in words
     assert "runs out at **6 concurrent sessions**" in words
+    assert "`pd-bidir`'s D is full (>= 95% of its KV in use) from 4 concurrent sessions on" in words
     assert "2: 1.82x (" in words and "6: 0.50x" in words
 
 
@@ -88,6 +91,8 @@ def test_a_forecast_window_from_its_speedups():
     fc = pd.DataFrame({"mode": ["pd", "pd-bidir"] * 3, "users": [1, 1, 2, 2, 4, 4],
                        "goodput_per_s": 1.0, "ttft_p50_s": 0.1, "ttft_p90_s": [0.2, 0.2, 0.2, 0.2, 0.2, 0.5],
                        "speedup": [None, 1.04, None, 1.5, None, 0.3]})
+    fc["d_in_use_peak_fraction"] = [0.1, 0.5, 0.1, 0.96, 0.1, 0.9]
     w = ew.find_window(fc, forecast=True)
-    # 1.04 is within the 5% tolerance: pays from 2; p90 0.5 vs 0.2 at 4 (no turns: no noise check)
-    assert (w.pays_from, w.ends_at, w.steps) == (2, 4, (2,))
+    # 1.04 is within the 5% tolerance: pays from 2; p90 0.5 vs 0.2 at 4 (no turns: no noise check);
+    # D full at 2 but not at 4 after it: not full "from" any step
+    assert (w.pays_from, w.ends_at, w.steps, w.d_full_from) == (2, 4, (2,), None)

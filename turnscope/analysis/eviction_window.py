@@ -10,6 +10,9 @@ headline ratio; shown as a speed-up, :mod:`turnscope.analysis.speedup`), next to
 
 * **Pays from**: the smallest step from which ``pd-bidir`` is faster at that step and at every
   larger one up to the crossing (the speed-up's interval above 1; :class:`Verdict` ``faster``).
+* **D full**: the smallest step from which ``pd-bidir``'s D peaks at
+  :data:`turnscope.analysis.capacity_crossing.D_FULL_FRACTION` (95%) of its KV space or more at every
+  larger step (``vllm:kv_cache_usage_perc``; a forecast: the planner's peak KV in use).
 * **D runs out**: the capacity crossing (:func:`turnscope.analysis.capacity_crossing.find_crossing`:
   from there on ``pd-bidir``'s goodput or TTFT p90 stays behind ``pd``'s).
 * **The window**: the steps from "pays from" to below the crossing; none when it does not pay
@@ -30,6 +33,7 @@ import pandas as pd
 from turnscope.analysis import headline, speedup
 from turnscope.analysis.capacity_crossing import (
     BASELINE,
+    D_FULL_FRACTION,
     DEFAULT_TOLERANCE,
     TREATMENT,
     Crossing,
@@ -85,12 +89,14 @@ class Window:
     """One ramp's window: ``pays_from`` (the smallest step, in concurrent sessions, from which the
     treatment is faster at every step up to the crossing; None: never), ``crossing`` (the capacity
     crossing, :class:`turnscope.analysis.capacity_crossing.Crossing`), ``steps`` (the window's steps,
-    ascending; empty: no window), and ``speedups`` (:func:`step_speedups`' rows)."""
+    ascending; empty: no window), ``speedups`` (:func:`step_speedups`' rows) and ``d_full_from``
+    (the smallest step from which D is full at every larger step; None: not within the steps)."""
 
     pays_from: int | None
     crossing: Crossing
     steps: tuple[int, ...]
     speedups: pd.DataFrame
+    d_full_from: int | None = None
 
     @property
     def ends_at(self) -> int | None:
@@ -123,7 +129,23 @@ def find_window(steps: pd.DataFrame, turns: pd.DataFrame | None = None, *, forec
     while start > 0 and pays[start - 1]:
         start -= 1
     users = tuple(int(u) for u in below["users"].iloc[start:])
-    return Window(users[0] if users else None, crossing, users, sp)
+    return Window(users[0] if users else None, crossing, users, sp, d_full_from(steps, forecast))
+
+
+def d_full_from(steps: pd.DataFrame, forecast: bool = False) -> int | None:
+    """The smallest step from which the treatment's D peak reaches
+    :data:`turnscope.analysis.capacity_crossing.D_FULL_FRACTION` of its KV space at every larger step
+    (measured: ``decode_kv_usage_max``; forecast: ``d_in_use_peak_fraction``); None when the last
+    step's D is not full."""
+    col = "d_in_use_peak_fraction" if forecast else "decode_kv_usage_max"
+    t = steps[steps["mode"] == TREATMENT].sort_values("users")
+    if col not in t.columns or t.empty:
+        return None
+    full = [bool(v >= D_FULL_FRACTION) for v in t[col].fillna(0)]
+    start = len(full)
+    while start > 0 and full[start - 1]:
+        start -= 1
+    return None if start == len(full) else int(t["users"].iloc[start])
 
 
 def _pct(v: float) -> str:
@@ -136,12 +158,16 @@ def window_words(w: Window) -> str:
     if sp.empty:
         return f"No load step was measured in both `{BASELINE}` and `{TREATMENT}`: no window to find."
     hit = dict(zip(sp["users"], sp["p_hit_rate_baseline"], strict=True)) if "p_hit_rate_baseline" in sp else {}
-    end = ("D's own KV space does not run out within the steps measured" if w.ends_at is None else
-           f"D's own KV space runs out at **{w.ends_at} concurrent sessions** (the capacity crossing: from there "
-           f"`{TREATMENT}`'s {w.crossing.reason.replace('_', ' ')} stays behind `{BASELINE}`'s)")
+    full = ("" if w.d_full_from is None else
+            f"`{TREATMENT}`'s D is full (>= {D_FULL_FRACTION:.0%} of its KV in use) from {w.d_full_from} concurrent "
+            "sessions on; ")
+    end = full + ("D's own KV space does not cost `pd-bidir` its lead for good within the steps measured (no capacity "
+                  "crossing)" if w.ends_at is None else
+                  f"D's own KV space runs out at **{w.ends_at} concurrent sessions** (the capacity crossing: from "
+                  f"there `{TREATMENT}`'s {w.crossing.reason.replace('_', ' ')} stays behind `{BASELINE}`'s)")
     if w.pays_from is None:
         head = (f"**No window on this ramp**: `{TREATMENT}` was not faster than `{BASELINE}` beyond noise at every "
-                f"step up to the crossing. {end}.")
+                f"step up to the crossing. {end[0].upper() + end[1:]}.")
     else:
         last = w.steps[-1]
         head = (f"**Holding the turn on D pays from {w.pays_from} concurrent sessions** (`{BASELINE}`'s P hit rate "

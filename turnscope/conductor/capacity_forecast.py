@@ -27,7 +27,7 @@ import pandas as pd
 
 from dashboard import db
 from dashboard.queries import capacity as capacity_queries
-from turnscope.analysis.capacity_crossing import BASELINE, TREATMENT, Crossing, find_crossing
+from turnscope.analysis.capacity_crossing import BASELINE, D_FULL_FRACTION, TREATMENT, Crossing, find_crossing
 from turnscope.analysis.headline import MIN_TURN_INDEX
 from turnscope.core.store import Store
 from turnscope.planner import intervals
@@ -41,8 +41,6 @@ from turnscope.planner.run_queries import probe_ttft_s, recorded_turns
 COLUMNS = ("mode", "users", "goodput_per_s", "ttft_p50_s", "ttft_p90_s", "capacity_id", "run_id",
            "d_in_use_peak_fraction", "d_pinned_peak_fraction", "d_full_events", "ttft_p90_interval_low_s",
            "ttft_p90_interval_high_s", "p_hit_rate", "ttft_later_p50_s", "speedup", "p_hit_rate_replay")
-#: A step "fills D" when its peak reaches this fraction of D's KV space.
-D_FULL_FRACTION = 0.95
 
 
 #: The eviction ladder's held-out targets (docs/eviction.md): P's hit rate per step within this many
@@ -202,10 +200,12 @@ def eviction_lines(cid: str, measured: pd.DataFrame, forecast: pd.DataFrame, tur
     def win(w) -> str:
         return "none" if not w.steps else f"{w.steps[0]}-{w.steps[-1]} sessions"
 
-    lines.insert(0, f"  eviction window {cid}: measured {win(wm)} (pays from {_at(wm.pays_from)}, D runs out "
-                    f"{_at(wm.ends_at)}), forecast {win(wf)} (pays from {_at(wf.pays_from)}, D runs out "
-                    f"{_at(wf.ends_at)}); pays-from edge {_verdict(within_one_step(users, wm.pays_from, wf.pays_from))}, "
-                    f"D edge {_verdict(within_one_step(users, wm.ends_at, wf.ends_at))}")
+    lines.insert(0, f"  eviction window {cid}: measured {win(wm)} (pays from {_at(wm.pays_from)}, D full from "
+                    f"{_at(wm.d_full_from)}, crossing {_at(wm.ends_at)}), forecast {win(wf)} (pays from "
+                    f"{_at(wf.pays_from)}, D full from {_at(wf.d_full_from)}, crossing {_at(wf.ends_at)}); edges: "
+                    f"pays from {_verdict(within_one_step(users, wm.pays_from, wf.pays_from))}, D full "
+                    f"{_verdict(within_one_step(users, wm.d_full_from, wf.d_full_from))}, crossing "
+                    f"{_verdict(within_one_step(users, wm.ends_at, wf.ends_at))}")
     return lines
 
 
