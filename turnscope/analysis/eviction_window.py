@@ -161,8 +161,8 @@ def window_words(w: Window) -> str:
     full = ("" if w.d_full_from is None else
             f"`{TREATMENT}`'s D is full (>= {D_FULL_FRACTION:.0%} of its KV in use) from {w.d_full_from} concurrent "
             "sessions on; ")
-    end = full + ("D's own KV space does not cost `pd-bidir` its lead for good within the steps measured (no capacity "
-                  "crossing)" if w.ends_at is None else
+    end = full + ("no capacity crossing within the steps measured (`pd-bidir` does not stay behind `pd` up to the "
+                  "last step)" if w.ends_at is None else
                   f"D's own KV space runs out at **{w.ends_at} concurrent sessions** (the capacity crossing: from "
                   f"there `{TREATMENT}`'s {w.crossing.reason.replace('_', ' ')} stays behind `{BASELINE}`'s)")
     if w.pays_from is None:

@@ -29,6 +29,7 @@ from dashboard import db
 from dashboard.queries import capacity as capacity_queries
 from turnscope.analysis.capacity_crossing import BASELINE, D_FULL_FRACTION, TREATMENT, Crossing, find_crossing
 from turnscope.analysis.headline import MIN_TURN_INDEX
+from turnscope.core.modes import AGGREGATED
 from turnscope.core.store import Store
 from turnscope.planner import intervals
 from turnscope.planner.check import plan_on_its_own
@@ -114,7 +115,7 @@ def _replayed_p_hit_rate(store: Store, run_id: str, mode: str, rec: pd.DataFrame
     from turnscope.analysis.p_cache_replay import fifo_starts, replay_hits
     from turnscope.planner.fit import _cache_config
 
-    if mode == "aggregated" or rec.empty:
+    if mode == AGGREGATED or rec.empty:
         return np.nan
     lab = _cache_config(store, [run_id]).get("prefill")
     try:
