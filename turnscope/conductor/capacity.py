@@ -217,8 +217,10 @@ def print_capacity_summary(store: Path, run_ids: list[str], console: Console) ->
         return
     table = Table(title=f"capacity ramp {steps['capacity_id'].iloc[0]}: SLO TTFT <= "
                         f"{steps['slo_ttft_s'].iloc[0] * 1e3:.0f} ms, TPOT <= {steps['slo_tpot_s'].iloc[0] * 1e3:.0f} ms")
+    evicting = "prefill_kv_cache_bytes" in steps and steps["prefill_kv_cache_bytes"].notna().any()
     cols = ("users", "mode", "turns", "met SLO", "goodput/s", "TTFT p50/p90 ms", "E2E p50/p90 ms",
-            "D KV start/peak %", "handles peak MiB", "D waiting peak", "D preempt")
+            "D KV start/peak %", "handles peak MiB", "D waiting peak", "D preempt") + (
+            ("P hit %", "pulled from D") if evicting else ())
     for c in cols:
         table.add_column(c, justify="left" if c == "mode" else "right")
 
@@ -231,7 +233,14 @@ def print_capacity_summary(store: Path, run_ids: list[str], console: Console) ->
                       f"{num(r.e2e_p50_s * 1e3, '.0f')}/{num(r.e2e_p90_s * 1e3, '.0f')}",
                       f"{num(r.decode_kv_usage_start * 100, '.0f')}/{num(r.decode_kv_usage_max * 100, '.0f')}",
                       num(r.handle_bytes_max / 2**20, ".1f"), num(r.decode_waiting_max, ".0f"),
-                      num(r.decode_preemptions, ".0f"))
+                      num(r.decode_preemptions, ".0f"),
+                      *((num(r.p_hit_rate * 100, ".1f"), num(r.pulled_tokens, ",.0f")) if evicting else ()))
     console_text.print_table(console, table)
     console.print(capacity.crossing_words(capacity.find_crossing(steps)).replace("**", "").replace("`", ""),
                   highlight=False)
+    if evicting:  # P's eviction ladder: the window (turnscope.analysis.eviction_window)
+        from turnscope.analysis import eviction_window
+
+        turns = db.read(db.StoreLocation(Path(store)), capacity_queries.capacity_turns, run_ids)
+        console.print(eviction_window.window_words(eviction_window.find_window(steps, turns))
+                      .replace("**", "").replace("`", ""), highlight=False)
