@@ -880,3 +880,36 @@ SELECT run_id, endpoint, role, lag(scraped_at) OVER w AS interval_start, scraped
        prefill_s / nullif(computed_tokens, 0) AS prefill_s_per_token
 FROM inc
 WINDOW w AS (PARTITION BY run_id, endpoint ORDER BY scraped_at);
+
+-- P's own prefix cache per step of a capacity ramp (`turnscope capacity`; P's eviction ladder,
+-- `--prefill-kv-tokens`, docs/eviction.md): the KV spaces the step recorded in
+-- runs.workload_spec ($.capacity: bytes; NULL where the ramp left P's the topology's), and the
+-- worker that computes prompts' own prefix cache over the run (view run_prefix_cache: role
+-- 'prefill' in the P/D modes, 'aggregated' for the single worker; tokens, hit_rate 0-1), and the
+-- tokens P pulled from D (turns.reused_tokens). One row per run of a ramp.
+CREATE VIEW capacity_prefill_cache AS
+WITH pc AS (
+    SELECT run_id, role, queried_tokens, hit_tokens, hit_rate FROM run_prefix_cache
+), x AS (
+    SELECT run_id, sum(increase) AS pulled_tokens
+    FROM metric_increases
+    WHERE role = 'prefill' AND name = 'vllm:prompt_tokens_by_source_total'
+      AND json_extract_string(labels, '$.source') = 'external_kv_transfer'
+    GROUP BY run_id
+), t AS (
+    SELECT run_id, sum(reused_tokens) AS proxy_pulled_tokens FROM turns GROUP BY run_id
+)
+SELECT r.run_id, r.mode,
+       json_extract_string(r.workload_spec, '$.capacity.id')                                   AS capacity_id,
+       TRY_CAST(json_extract_string(r.workload_spec, '$.capacity.users') AS INTEGER)           AS users,
+       TRY_CAST(json_extract_string(r.workload_spec, '$.capacity.prefill_kv_cache_bytes') AS BIGINT)
+           AS prefill_kv_cache_bytes,
+       TRY_CAST(json_extract_string(r.workload_spec, '$.capacity.aggregated_kv_cache_bytes') AS BIGINT)
+           AS aggregated_kv_cache_bytes,
+       pc.role AS cache_role, pc.queried_tokens, pc.hit_tokens, pc.hit_rate,
+       x.pulled_tokens, coalesce(t.proxy_pulled_tokens, 0) AS proxy_pulled_tokens
+FROM runs r
+LEFT JOIN pc ON pc.run_id = r.run_id AND pc.role = CASE WHEN r.mode = 'aggregated' THEN 'aggregated' ELSE 'prefill' END
+LEFT JOIN x ON x.run_id = r.run_id
+LEFT JOIN t ON t.run_id = r.run_id
+WHERE json_extract_string(r.workload_spec, '$.capacity.id') IS NOT NULL;

@@ -104,9 +104,10 @@ class ModeStack(StackAccess):
 
     def prefill_cache_blocks(self, p_spec) -> int:
         """KV blocks of P's cache for the proxy's prefix index (``serving.prefix_index``): P's
-        ``--kv-cache-memory-bytes`` over the bytes of one block (block size x KV bytes per token)
-        when both are known, else :data:`serving.prefix_index.DEFAULT_CAPACITY_BLOCKS`."""
-        kv_bytes = p_spec.kv_cache_bytes if p_spec else None
+        ``--kv-cache-memory-bytes`` (its role's own args first: :attr:`serving.workers.WorkerSpec.effective_kv_cache_bytes`)
+        over the bytes of one block (block size x KV bytes per token) when both are known, else
+        :data:`serving.prefix_index.DEFAULT_CAPACITY_BLOCKS`."""
+        kv_bytes = p_spec.effective_kv_cache_bytes if p_spec else None
         if kv_bytes and self.kv_bytes_per_token:
             return max(kv_bytes // (self.block_size * self.kv_bytes_per_token), 1)
         return DEFAULT_CAPACITY_BLOCKS

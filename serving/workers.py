@@ -78,6 +78,14 @@ class WorkerSpec:
     tls: UpstreamTLS = field(default_factory=UpstreamTLS)
 
     @property
+    def effective_kv_cache_bytes(self) -> int | None:
+        """The KV space vLLM gets, bytes: the last ``--kv-cache-memory-bytes`` of :attr:`args` (they
+        follow the topology's on the command line, :func:`worker_command`, so the last one wins, as
+        argparse keeps it; e.g. ``turnscope capacity``'s per-role sizes), else :attr:`kv_cache_bytes`."""
+        given = [self.args[i + 1] for i, a in enumerate(self.args[:-1]) if a == "--kv-cache-memory-bytes"]
+        return int(given[-1]) if given else self.kv_cache_bytes
+
+    @property
     def url(self) -> str:
         """The base URL turnscope reaches the worker at (the topology's ``url``, else ``http://host:port``)."""
         return self.base_url or f"http://{self.host}:{self.port}"

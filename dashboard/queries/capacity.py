@@ -66,6 +66,10 @@ WITH s AS (
     FROM metric_increases
     WHERE run_id IN (SELECT unnest($ids)) AND name = '{PREEMPTIONS}'
     GROUP BY run_id
+), pc AS (
+    SELECT run_id, prefill_kv_cache_bytes, aggregated_kv_cache_bytes, queried_tokens AS p_queried_tokens,
+           hit_tokens AS p_hit_tokens, hit_rate AS p_hit_rate, pulled_tokens, proxy_pulled_tokens
+    FROM capacity_prefill_cache WHERE run_id IN (SELECT unnest($ids))
 )
 SELECT s.capacity_id, s.capacity_workload, s.mode, s.history_mode, s.step_index, s.users, s.sessions,
        s.run_id, s.status, s.decode_kv_cache_bytes, s.decoder_kv_blocks_ttl_s, s.slo_ttft_s, s.slo_tpot_s,
@@ -78,8 +82,10 @@ SELECT s.capacity_id, s.capacity_workload, s.mode, s.history_mode, s.step_index,
        m.decode_kv_usage_start, m.decode_kv_usage_mean, m.decode_kv_usage_max,
        m.decode_waiting_max, m.decode_waiting_mean, m.prefill_waiting_max,
        m.handle_bytes_mean, m.handle_bytes_max,
-       p.decode_preemptions, p.prefill_preemptions
-FROM s LEFT JOIN t USING (run_id) LEFT JOIN m USING (run_id) LEFT JOIN p USING (run_id)
+       p.decode_preemptions, p.prefill_preemptions,
+       pc.prefill_kv_cache_bytes, pc.aggregated_kv_cache_bytes, pc.p_queried_tokens, pc.p_hit_tokens,
+       pc.p_hit_rate, pc.pulled_tokens, pc.proxy_pulled_tokens
+FROM s LEFT JOIN t USING (run_id) LEFT JOIN m USING (run_id) LEFT JOIN p USING (run_id) LEFT JOIN pc USING (run_id)
 ORDER BY s.capacity_id DESC, s.mode, s.users
 """
 
@@ -99,7 +105,29 @@ def capacity_steps(con: duckdb.DuckDBPyConnection, run_ids: Sequence[str]) -> pd
     fullest D engine), ``decode_waiting_max``/``_mean`` and ``prefill_waiting_max`` (requests
     waiting, summed over engines), ``handle_bytes_mean``/``_max`` (the proxy's live handle bytes);
     ``decode_preemptions``/``prefill_preemptions`` (increase of ``vllm:num_preemptions_total``
-    over the run). NULL where a run has no turns or no scrape of that series. Ordered by ramp
-    (newest first), mode, users.
+    over the run); from the ``capacity_prefill_cache`` view: ``prefill_kv_cache_bytes`` and
+    ``aggregated_kv_cache_bytes`` (bytes; NULL where the ramp left them the topology's),
+    ``p_queried_tokens``/``p_hit_tokens``/``p_hit_rate`` (the computing worker's own prefix cache:
+    vLLM's ``prefix_cache_queries``/``prefix_cache_hits`` increases, tokens, and their ratio 0-1)
+    and ``pulled_tokens`` (tokens P pulled from D, vLLM's ``external_kv_transfer`` count; NULL where
+    not scraped) next to ``proxy_pulled_tokens`` (the proxy's per-turn split, an estimate). NULL where a run has no turns or no scrape of
+    that series. Ordered by ramp (newest first), mode, users.
     """
     return con.execute(_STEPS_SQL, {"ids": list(run_ids)}).df()
+
+
+_TURNS_SQL = """
+SELECT s.capacity_id, s.mode, s.users, t.run_id, t.session_id, t.turn_index, t.status, t.reuse, t.ttft_s
+FROM turns t JOIN capacity_steps s USING (run_id)
+WHERE t.run_id IN (SELECT unnest($ids))
+ORDER BY s.capacity_id DESC, s.mode, s.users, t.session_id, t.turn_index
+"""
+
+
+def capacity_turns(con: duckdb.DuckDBPyConnection, run_ids: Sequence[str]) -> pd.DataFrame:
+    """Every turn of the capacity steps among ``run_ids``: ``capacity_id``, ``mode``, ``users``,
+    ``run_id``, ``session_id``, ``turn_index`` (0-based), ``status``, ``reuse`` (the proxy's
+    outcome; NULL in aggregated serving) and ``ttft_s`` (seconds). The per-step speed-up's
+    session-level bootstrap and the reuse outcomes read them
+    (``turnscope.analysis.eviction_window``)."""
+    return con.execute(_TURNS_SQL, {"ids": list(run_ids)}).df()

@@ -20,7 +20,7 @@ import pytest
 
 from dashboard import pages
 from dashboard.charts import LABEL as CHARTS_LABEL
-from tests import capacity_store, dashboard_store, sweep_store
+from tests import capacity_store, dashboard_store, eviction_store, sweep_store
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
@@ -157,6 +157,14 @@ def capacity_url(tmp_path_factory):
     """A store holding a capacity ramp (tests/capacity_store.py), for the Memory page's capacity section."""
     tmp = tmp_path_factory.mktemp("e2e-capacity")
     with _streamlit(capacity_store.build(tmp / "store"), tmp) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def eviction_url(tmp_path_factory):
+    """A store holding P's eviction ladder (tests/eviction_store.py), for the Memory page's window."""
+    tmp = tmp_path_factory.mktemp("e2e-eviction")
+    with _streamlit(eviction_store.build(tmp / "store"), tmp) as url:
         yield url
 
 
@@ -384,5 +392,46 @@ def test_memory_capacity_in_browser(capacity_url, browser):
     assert "How the steps were played: One mode after another (sequential schedule)." in body
     assert "None" not in page.locator('[data-testid="stMarkdown"]').all_inner_texts()
     _shot(page, "memory-capacity")
+    assert not errors, errors
+    page.close()
+
+
+#: Reads the eviction window's figure back from the DOM: its traces' names and points as plotly.js drew them.
+READ_WINDOW = r"""
+() => {
+  for (const el of document.querySelectorAll('.js-plotly-plot')) {
+    const fd = el._fullData;
+    if (!fd || !fd.some((t) => t.name === 'speed-up')) continue;
+    return fd.map((t) => ({name: t.name, x: Array.from(t.x), y: Array.from(t.y),
+                           plus: t.error_y && t.error_y.array ? Array.from(t.error_y.array) : null,
+                           minus: t.error_y && t.error_y.arrayminus ? Array.from(t.error_y.arrayminus) : null}));
+  }
+  return null;
+}
+"""
+
+
+def test_memory_eviction_window_in_browser(eviction_url, browser):
+    # the capacity curve and the window's figure
+    page, errors = _open(browser, f"{eviction_url}/memory", "Memory", 4)
+    page.get_by_role("heading", name="P's own prefix cache under eviction: the window").wait_for(timeout=60_000)
+    body = page.inner_text("body")
+    # the window of tests/eviction_store.py, worked out by hand there: pays from 2 sessions (pd's P
+    # hit rate 80%), D runs out at 6 (the capacity crossing), so the window is 2 and 4
+    assert "Holding the turn on D pays from 2 concurrent sessions (pd's P hit rate 80% there) up to 4" in body
+    assert "runs out at 6 concurrent sessions" in body and "the window is 2, 4 concurrent session(s)" in body
+    assert "pd-bidir's D is full (>= 95% of its KV in use) from 4 concurrent sessions on" in body
+    drawn = {t["name"]: t for t in page.evaluate(READ_WINDOW)}
+    users = list(eviction_store.USERS)
+    # every step's P hit rate and speed-up as the store's hand truths give them, as plotly.js drew them
+    for name, mode in (("pd P hit rate", "pd"), ("pd-bidir P hit rate", "pd-bidir")):
+        assert drawn[name]["x"] == users
+        assert drawn[name]["y"] == pytest.approx([eviction_store.EXPECTED_HIT_RATE[(mode, u)] * 100 for u in users])
+    sp = drawn["speed-up"]
+    assert sp["x"] == users and sp["y"] == pytest.approx([eviction_store.EXPECTED_SPEEDUP[u] for u in users])
+    # the interval at 2 sessions lies within 0.20 / 0.12 - 0.20 / 0.10 (every resample's medians)
+    i = users.index(2)
+    assert 0.20 / 0.12 - 1e-6 <= sp["y"][i] - sp["minus"][i] and sp["y"][i] + sp["plus"][i] <= 0.20 / 0.10 + 1e-6
+    _shot(page, "memory-eviction-window")
     assert not errors, errors
     page.close()

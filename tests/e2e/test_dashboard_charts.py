@@ -227,6 +227,7 @@ def test_every_chart_shows_its_data_planned_store(planned_url, browser):  # noqa
 @pytest.mark.parametrize(("fixture", "path", "title", "least"), [
     ("sweep_store", "sweep", "Sweep", 2),  # a prefix sweep: TTFT and speed-up against prefix length
     ("capacity_store", "memory", "Memory", 3),  # a capacity ramp: the Memory page's capacity section
+    ("eviction_store", "memory", "Memory", 4),  # P's eviction ladder: the capacity curve and the window
 ])
 def test_every_chart_shows_its_data_sweep_and_capacity(browser, tmp_path, fixture, path, title, least):  # noqa: F811
     """The pages whose figures need a sweep or a capacity ramp, on the stores that hold one."""

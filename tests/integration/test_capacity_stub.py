@@ -145,6 +145,8 @@ def test_capacity_command_records_one_run_per_mode_and_step(tmp_path, monkeypatc
     (["--users", "3,2"], "load steps must be strictly ascending integers >= 1, got [3, 2]"),
     (["--users", "1,two"], "--users takes comma-separated integers"),
     (["--decode-kv-tokens", "100"], "--decode-kv-tokens 100 is below max_model_len 8192"),
+    (["--prefill-kv-tokens", "100"], "--prefill-kv-tokens 100 is below max_model_len 8192"),
+    (["--prefill-kv-tokens", "many"], "--prefill-kv-tokens"),
     (["--slo-ttft-s", "0"], "--slo-ttft-s and --slo-tpot-s must be > 0 seconds"),
     (["--workload", "nope.yaml"], "workload file nope.yaml does not exist"),
 ])

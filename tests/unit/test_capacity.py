@@ -56,7 +56,26 @@ def test_topology_gives_d_alone_the_small_kv_space_and_the_plan_ttl():
     assert '"decoder_kv_blocks_ttl": 25' in _flag(workers["decode"], "--kv-transfer-config")
 
 
+def test_the_eviction_ladder_gives_p_its_space_and_aggregated_p_plus_d():
+    plan = _plan(prefill_kv_tokens=16_384, decode_kv_tokens=32_768)
+    topo = plan.topology(embedded_topology("/m"))
+    workers = {w.role: worker_command(w)[0] for m in ("pd-bidir", "aggregated") for w in mode_workers(m, topo)}
+    # 16,384 and 32,768 tokens x 4,096 bytes: 64 and 128 MiB; the aggregated worker their sum, 192 MiB
+    assert _flag(workers["prefill"], "--kv-cache-memory-bytes") == str(64 * 2**20)
+    assert _flag(workers["decode"], "--kv-cache-memory-bytes") == str(128 * 2**20)
+    assert _flag(workers["aggregated"], "--kv-cache-memory-bytes") == str(192 * 2**20)
+    spec = plan.spec(plan.steps[0])["capacity"]
+    assert (spec["prefill_kv_cache_bytes"], spec["prefill_kv_tokens"], spec["aggregated_kv_cache_bytes"]) == (
+        64 * 2**20, 16_384, 192 * 2**20)
+    # without it the aggregated worker keeps the topology's 512 MiB and the spec has no P keys
+    plain = _plan()
+    agg = {w.role: worker_command(w)[0] for w in mode_workers("aggregated", plain.topology(embedded_topology("/m")))}
+    assert _flag(agg["aggregated"], "--kv-cache-memory-bytes") == str(512 * 2**20)
+    assert "prefill_kv_cache_bytes" not in plain.spec(plain.steps[0])["capacity"]
+
+
 @pytest.mark.parametrize("kw, needle", [
+    ({"prefill_kv_tokens": 8191}, "--prefill-kv-tokens 8191 is below max_model_len 8192"),
     ({"users": [2, 2, 4]}, "strictly ascending"),
     ({"users": [0, 1]}, "strictly ascending"),
     ({"users": []}, "at least one"),

@@ -3,6 +3,7 @@ lookup, LRU eviction at capacity, and a turn's cost following its new blocks."""
 
 import hashlib
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -85,6 +86,21 @@ def test_the_stack_sizes_the_index_from_p_kv_space(tmp_path):
     """512 MiB of KV space / (128 tokens x 4,096 bytes per token) = 1,024 blocks."""
     stack = ModeStack("pd-bidir", embedded_topology(str(tmp_path / "model")), tmp_path, kv_bytes_per_token=4096)
     assert stack.proxy_config().prefill_cache_blocks == 512 * 2**20 // (128 * 4096) == 1024
+
+
+def test_the_index_follows_p_roles_own_kv_space(tmp_path):
+    """`turnscope capacity --prefill-kv-tokens 16384` gives P `--kv-cache-memory-bytes 67108864` in its
+    role's args, after the topology's 512 MiB on vLLM's command line (the last one wins): the index
+    holds 64 MiB / (128 tokens x 4,096 bytes) = 128 blocks, not the topology's 1,024."""
+    from turnscope.conductor.capacity import plan_capacity
+    from turnscope.conductor.evaluation import Slo
+
+    base = embedded_topology(str(tmp_path / "model"))
+    plan = plan_capacity(Path(__file__).resolve().parents[2] / "data" / "workloads" / "eviction.yaml",
+                         capacity_id="c", users=[1], sessions_per_user=1, slo=Slo(ttft_s=1, tpot_s=1), topology=base,
+                         kv_bytes_per_token=4096, prefill_kv_tokens=16_384)
+    stack = ModeStack("pd-bidir", plan.topology(base), tmp_path, kv_bytes_per_token=4096)
+    assert stack.proxy_config().prefill_cache_blocks == 16_384 * 4096 // (128 * 4096) == 128
 
 
 def test_the_proxy_estimates_from_rendered_ids_given_as_an_array():

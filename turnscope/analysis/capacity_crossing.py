@@ -33,6 +33,9 @@ TREATMENT = PD_BIDIR
 BASELINE = one_way(TREATMENT)
 #: Relative margin a step must exceed to count as a crossing (0.05: 5%).
 DEFAULT_TOLERANCE = 0.05
+#: D counts as full at a step whose peak KV in use reaches this fraction of its KV space
+#: (``vllm:kv_cache_usage_perc``; the planner's forecast of it: turnscope.conductor.capacity_forecast).
+D_FULL_FRACTION = 0.95
 #: Confidence of the p90 ratio's interval and its bootstrap resamples (seeded: the same answer on
 #: every render).
 P90_CONFIDENCE = 0.95

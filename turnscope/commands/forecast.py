@@ -224,13 +224,14 @@ def plan_check(
         # none yet): this check's errors are measured on the very steps being forecast
         before = prof.model_copy(update={"held_out": given.held_out if given else None})
         ramp_forecast = capacity_forecast.forecast_steps(Store(check_store), ramps, before)
+        ramp_turns = capacity_forecast.measured_turns(Store(check_store), split.check_runs) if not ramps.empty else None
     except (ValueError, OSError, duckdb.Error) as exc:
         raise fail(str(exc)) from exc
     typer.echo(held_out.describe(split, summ, checks))
     if split_terms:
         typer.echo(run_split(Store(check_store), terms, split.check_runs))
     if not ramps.empty:
-        typer.echo(capacity_forecast.describe(ramps, ramp_forecast))
+        typer.echo(capacity_forecast.describe(ramps, ramp_forecast, ramp_turns))
     if write_profile is not None:
         typer.echo(f"Profile {prof.name} with its held-out errors written to {write_profile}.")
 

@@ -215,6 +215,10 @@ def capacity(
     decode_kv_tokens: Annotated[int, typer.Option(
         help="D's KV space in tokens (x the model's KV bytes per token = --kv-cache-memory-bytes of D; P keeps "
              "the topology's). At least max_model_len.")] = 16_384,
+    prefill_kv_tokens: Annotated[int | None, typer.Option(
+        help="P's KV space in tokens (--kv-cache-memory-bytes of P; the aggregated worker gets P's plus D's): the "
+             "eviction ladder, where P's own prefix cache evicts (docs/eviction.md). At least max_model_len. "
+             "Default: P and the aggregated worker keep the topology's.")] = None,
     ttl_s: Annotated[int, typer.Option(help="decoder_kv_blocks_ttl (seconds) D pins a finished turn's blocks; "
                                             "scaled to the workload's session length (docs/capacity.md).")] = 20,
     handle_ttl_margin_s: Annotated[float, typer.Option(help="The proxy offers a handle for TTL minus this (s).")
@@ -269,17 +273,24 @@ def capacity(
                           schedule=schedule_, schedule_seed=schedule_seed)
     if s.kv_bytes_per_token:
         ev.kv_bytes_per_token = s.kv_bytes_per_token
+    if prefill_kv_tokens is not None and topo.max_model_len:
+        # the eviction ladder's histories grow past eval's 3,500-token cap (data/workloads/eviction.yaml:
+        # 4,524): let sessions run to the model's context less the reply, as Locust's own default does
+        ev.max_prompt_tokens = max(ev.max_prompt_tokens, topo.max_model_len - ev.max_tokens)
     capacity_id = capacity_id or f"{label}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
     try:
         plan = plan_capacity(workload, capacity_id=capacity_id, users=steps, sessions_per_user=sessions_per_user,
                              slo=slo, topology=topo, kv_bytes_per_token=ev.kv_bytes_per_token,
                              decode_kv_tokens=decode_kv_tokens, ttl_s=ttl_s, handle_ttl_margin_s=handle_ttl_margin_s,
-                             settle_s=settle_s)
-    except ValueError as exc:  # WorkloadError, the steps, D's size, the TTL
+                             settle_s=settle_s, prefill_kv_tokens=prefill_kv_tokens)
+    except ValueError as exc:  # WorkloadError, the steps, D's or P's size, the TTL
         raise fail(str(exc)) from exc
     console.print(f"capacity {plan.capacity_id}: {plan.workload_name}, concurrent sessions "
                   f"{', '.join(str(st.users) for st in plan.steps)} ({sessions_per_user} sessions each per step); "
-                  f"D KV {plan.decode_kv_cache_bytes / 2**20:.0f} MiB ({plan.decode_kv_tokens:,} tokens), TTL "
+                  f"D KV {plan.decode_kv_cache_bytes / 2**20:.0f} MiB ({plan.decode_kv_tokens:,} tokens), "
+                  + (f"P KV {plan.prefill_kv_cache_bytes / 2**20:.0f} MiB ({plan.prefill_kv_tokens:,} tokens), "
+                     f"aggregated KV {plan.aggregated_kv_cache_bytes / 2**20:.0f} MiB, "
+                     if plan.prefill_kv_cache_bytes is not None else "") + f"TTL "
                   f"{plan.ttl_s} s; SLO TTFT <= {slo.ttft_s * 1e3:.0f} ms, TPOT <= {slo.tpot_s * 1e3:.0f} ms; "
                   f"modes {', '.join(ev.modes)}; history {history}", highlight=False)
     if dry_run:

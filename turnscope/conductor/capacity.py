@@ -81,6 +81,17 @@ class CapacityPlan:
     ttl_s: int
     handle_ttl_margin_s: float
     settle_s: float = 0.0
+    prefill_kv_tokens: int | None = None
+    prefill_kv_cache_bytes: int | None = None
+
+    @property
+    def aggregated_kv_cache_bytes(self) -> int | None:
+        """The aggregated worker's KV space under P's eviction ladder (bytes): P's plus D's, the
+        single worker given the memory the two P/D workers have together (the fair baseline,
+        docs/eviction.md); None when P's space is not set (the worker keeps the topology's)."""
+        if self.prefill_kv_cache_bytes is None:
+            return None
+        return self.prefill_kv_cache_bytes + self.decode_kv_cache_bytes
 
     def run_id(self, mode: str, step: CapacityStep) -> str:
         """``<capacity_id>-<mode>-u<users>``: unique per ramp, mode and step."""
@@ -93,15 +104,24 @@ class CapacityPlan:
                              "steps": [s.users for s in self.steps],
                              "decode_kv_cache_bytes": self.decode_kv_cache_bytes,
                              "decode_kv_tokens": self.decode_kv_tokens, "decoder_kv_blocks_ttl_s": self.ttl_s,
-                             "slo_ttft_s": self.slo.ttft_s, "slo_tpot_s": self.slo.tpot_s}}
+                             "slo_ttft_s": self.slo.ttft_s, "slo_tpot_s": self.slo.tpot_s}
+                | ({"prefill_kv_cache_bytes": self.prefill_kv_cache_bytes, "prefill_kv_tokens": self.prefill_kv_tokens,
+                    "aggregated_kv_cache_bytes": self.aggregated_kv_cache_bytes}
+                   if self.prefill_kv_cache_bytes is not None else {})}
 
     def topology(self, base: Topology) -> Topology:
         """``base`` with D's KV space, the TTL and the proxy margin of this plan: the decode role's
-        args get ``--kv-cache-memory-bytes`` (after the topology's own, so it wins for D only)."""
+        args get ``--kv-cache-memory-bytes`` (after the topology's own, so it wins for D only); with
+        P's space set (the eviction ladder), the prefill role's get P's and the aggregated role's
+        P's plus D's (:attr:`aggregated_kv_cache_bytes`)."""
         roles = dict(base.roles)
-        decode = roles.get(Role.DECODE)
-        args = (list(decode.args) if decode else []) + ["--kv-cache-memory-bytes", str(self.decode_kv_cache_bytes)]
-        roles[Role.DECODE] = decode.model_copy(update={"args": args}) if decode else RoleSettings(args=args)
+        sizes = {Role.DECODE: self.decode_kv_cache_bytes}
+        if self.prefill_kv_cache_bytes is not None:
+            sizes |= {Role.PREFILL: self.prefill_kv_cache_bytes, Role.AGGREGATED: self.aggregated_kv_cache_bytes}
+        for role, size in sizes.items():
+            have = roles.get(role)
+            args = (list(have.args) if have else []) + ["--kv-cache-memory-bytes", str(size)]
+            roles[role] = have.model_copy(update={"args": args}) if have else RoleSettings(args=args)
         return base.model_copy(update={
             "roles": roles,
             "connector": base.connector.model_copy(update={"decoder_kv_blocks_ttl": self.ttl_s}),
@@ -125,18 +145,20 @@ class CapacityPlan:
 def plan_capacity(workload: Path, *, capacity_id: str, users: list[int], sessions_per_user: int, slo: Slo,
                   topology: Topology, kv_bytes_per_token: int, decode_kv_tokens: int = DEFAULT_DECODE_KV_TOKENS,
                   ttl_s: int = DEFAULT_TTL_S, handle_ttl_margin_s: float = DEFAULT_MARGIN_S,
-                  settle_s: float = 0.0) -> CapacityPlan:
+                  settle_s: float = 0.0, prefill_kv_tokens: int | None = None) -> CapacityPlan:
     """Plan a ramp (pure: nothing is written or started).
 
     ``users``: the steps' concurrent sessions (strictly ascending, each >= 1); each step plays
     ``users x sessions_per_user`` sessions. D gets ``decode_kv_tokens x kv_bytes_per_token`` bytes
-    of KV space.
+    of KV space; with ``prefill_kv_tokens`` (P's eviction ladder, docs/eviction.md) P gets
+    ``prefill_kv_tokens x kv_bytes_per_token`` bytes and the aggregated worker P's plus D's (None:
+    both keep the topology's).
 
     Raises:
         ValueError: the workload is invalid (``WorkloadError``, naming the file and field); the
             steps are not strictly ascending positive integers; ``sessions_per_user`` < 1; D's KV
             space holds fewer tokens than the topology's ``max_model_len`` (vLLM would refuse to
-            start D); the proxy's handle TTL (``ttl_s - handle_ttl_margin_s``) is not positive.
+            start D), or P's (``prefill_kv_tokens``) likewise; the proxy's handle TTL (``ttl_s - handle_ttl_margin_s``) is not positive.
     """
     w = load_workload(workload)
     if not users:
@@ -149,6 +171,10 @@ def plan_capacity(workload: Path, *, capacity_id: str, users: list[int], session
         raise ValueError(f"--decode-kv-tokens {decode_kv_tokens} is below max_model_len {topology.max_model_len} "
                          f"of topology {topology.name!r}: vLLM would refuse to start D (one request of the "
                          "model's full length must fit)")
+    if prefill_kv_tokens is not None and topology.max_model_len and prefill_kv_tokens < topology.max_model_len:
+        raise ValueError(f"--prefill-kv-tokens {prefill_kv_tokens} is below max_model_len {topology.max_model_len} "
+                         f"of topology {topology.name!r}: vLLM would refuse to start P (one request of the "
+                         "model's full length must fit)")
     if ttl_s - handle_ttl_margin_s <= 0:
         raise ValueError(f"--ttl-s {ttl_s} minus the proxy margin {handle_ttl_margin_s:g} s leaves no time to "
                          "offer a handle: give a longer TTL or a smaller --handle-ttl-margin-s")
@@ -156,7 +182,9 @@ def plan_capacity(workload: Path, *, capacity_id: str, users: list[int], session
         capacity_id=capacity_id, workload=Path(workload), workload_name=w.name,
         steps=tuple(CapacityStep(i, u, u * sessions_per_user) for i, u in enumerate(users)),
         slo=slo, decode_kv_tokens=decode_kv_tokens, decode_kv_cache_bytes=decode_kv_tokens * kv_bytes_per_token,
-        ttl_s=ttl_s, handle_ttl_margin_s=handle_ttl_margin_s, settle_s=settle_s)
+        ttl_s=ttl_s, handle_ttl_margin_s=handle_ttl_margin_s, settle_s=settle_s,
+        prefill_kv_tokens=prefill_kv_tokens,
+        prefill_kv_cache_bytes=None if prefill_kv_tokens is None else prefill_kv_tokens * kv_bytes_per_token)
 
 
 def run_capacity(base: EvalSettings, plan: CapacityPlan, history: str, console: Console | None = None) -> list[str]:
@@ -189,8 +217,10 @@ def print_capacity_summary(store: Path, run_ids: list[str], console: Console) ->
         return
     table = Table(title=f"capacity ramp {steps['capacity_id'].iloc[0]}: SLO TTFT <= "
                         f"{steps['slo_ttft_s'].iloc[0] * 1e3:.0f} ms, TPOT <= {steps['slo_tpot_s'].iloc[0] * 1e3:.0f} ms")
+    evicting = "prefill_kv_cache_bytes" in steps and steps["prefill_kv_cache_bytes"].notna().any()
     cols = ("users", "mode", "turns", "met SLO", "goodput/s", "TTFT p50/p90 ms", "E2E p50/p90 ms",
-            "D KV start/peak %", "handles peak MiB", "D waiting peak", "D preempt")
+            "D KV start/peak %", "handles peak MiB", "D waiting peak", "D preempt") + (
+            ("P hit %", "pulled from D") if evicting else ())
     for c in cols:
         table.add_column(c, justify="left" if c == "mode" else "right")
 
@@ -203,7 +233,14 @@ def print_capacity_summary(store: Path, run_ids: list[str], console: Console) ->
                       f"{num(r.e2e_p50_s * 1e3, '.0f')}/{num(r.e2e_p90_s * 1e3, '.0f')}",
                       f"{num(r.decode_kv_usage_start * 100, '.0f')}/{num(r.decode_kv_usage_max * 100, '.0f')}",
                       num(r.handle_bytes_max / 2**20, ".1f"), num(r.decode_waiting_max, ".0f"),
-                      num(r.decode_preemptions, ".0f"))
+                      num(r.decode_preemptions, ".0f"),
+                      *((num(r.p_hit_rate * 100, ".1f"), num(r.pulled_tokens, ",.0f")) if evicting else ()))
     console_text.print_table(console, table)
     console.print(capacity.crossing_words(capacity.find_crossing(steps)).replace("**", "").replace("`", ""),
                   highlight=False)
+    if evicting:  # P's eviction ladder: the window (turnscope.analysis.eviction_window)
+        from turnscope.analysis import eviction_window
+
+        turns = db.read(db.StoreLocation(Path(store)), capacity_queries.capacity_turns, run_ids)
+        console.print(eviction_window.window_words(eviction_window.find_window(steps, turns))
+                      .replace("**", "").replace("`", ""), highlight=False)

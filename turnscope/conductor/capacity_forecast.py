@@ -27,7 +27,9 @@ import pandas as pd
 
 from dashboard import db
 from dashboard.queries import capacity as capacity_queries
-from turnscope.analysis.capacity_crossing import TREATMENT, Crossing, find_crossing
+from turnscope.analysis.capacity_crossing import BASELINE, D_FULL_FRACTION, TREATMENT, Crossing, find_crossing
+from turnscope.analysis.headline import MIN_TURN_INDEX
+from turnscope.core.modes import AGGREGATED
 from turnscope.core.store import Store
 from turnscope.planner import intervals
 from turnscope.planner.check import plan_on_its_own
@@ -39,9 +41,17 @@ from turnscope.planner.run_queries import probe_ttft_s, recorded_turns
 #: ``goodput_per_s`` is the same constant on every row: not forecast, see the module doc).
 COLUMNS = ("mode", "users", "goodput_per_s", "ttft_p50_s", "ttft_p90_s", "capacity_id", "run_id",
            "d_in_use_peak_fraction", "d_pinned_peak_fraction", "d_full_events", "ttft_p90_interval_low_s",
-           "ttft_p90_interval_high_s")
-#: A step "fills D" when its peak reaches this fraction of D's KV space.
-D_FULL_FRACTION = 0.95
+           "ttft_p90_interval_high_s", "p_hit_rate", "ttft_later_p50_s", "speedup", "p_hit_rate_replay")
+
+
+#: The eviction ladder's held-out targets (docs/eviction.md): P's hit rate per step within this many
+#: percentage points of vLLM's, the window's edges within one step.
+P_HIT_RATE_TARGET_PP = 5.0
+
+
+def measured_turns(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
+    """The capacity steps' turns among ``run_ids`` (``dashboard.queries.capacity.capacity_turns``)."""
+    return db.read(db.StoreLocation(store.root), capacity_queries.capacity_turns, list(run_ids))
 
 
 def measured_steps(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
@@ -53,7 +63,14 @@ def measured_steps(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
 def forecast_steps(store: Store, steps: pd.DataFrame, profile: CostProfile) -> pd.DataFrame:
     """The planner's forecast of each measured step of ``steps`` (:func:`measured_steps`' rows):
     one row per run, :data:`COLUMNS` (seconds, turns per second, fraction 0-1; see the module doc;
-    ``d_in_use_peak_fraction`` NaN where D's KV space is unknown, so its queue is not modelled)."""
+    ``d_in_use_peak_fraction`` NaN where D's KV space is unknown, so its queue is not modelled;
+    ``p_hit_rate``: the computing worker's own prefix-cache hits over the step's prompt tokens, 0-1,
+    the planner's LRU (:func:`turnscope.planner.simulate.own_cache_hits`) against vLLM's
+    ``prefix_cache_hits`` / ``prefix_cache_queries``; ``ttft_later_p50_s``: median TTFT of the ok
+    turns from each session's second on, seconds; ``speedup``: on the treatment's rows, the
+    baseline's ``ttft_later_p50_s`` over the treatment's at the same step, NaN elsewhere;
+    ``p_hit_rate_replay``: P's hit rate in vLLM's own block-level policy replayed over the recorded
+    turns, :func:`_replayed_p_hit_rate`, 0-1, NaN for aggregated)."""
     if steps.empty:
         return pd.DataFrame(columns=list(COLUMNS))
     run_ids = list(steps["run_id"])
@@ -67,7 +84,9 @@ def forecast_steps(store: Store, steps: pd.DataFrame, profile: CostProfile) -> p
         pred = pd.DataFrame({"session_id": tr.session, "turn_index": tr.request_index, "ttft_s": m.ttft_s})
         ok = rec[rec["status"] == "ok"][["session_id", "turn_index"]].merge(pred, on=["session_id", "turn_index"])
         ttft = ok["ttft_s"].to_numpy(float)
+        later = ok.loc[ok["turn_index"] >= MIN_TURN_INDEX, "ttft_s"].to_numpy(float)
         p90 = float(np.quantile(ttft, 0.9)) if ttft.size else np.nan
+        prompt = np.asarray(tr.input_tokens, dtype=float)
         low, high = intervals.ttft_interval(profile, st.mode, p90)
         rows.append({"mode": st.mode, "users": int(st.users), "goodput_per_s": 1.0,
                      "ttft_p50_s": float(np.quantile(ttft, 0.5)) if ttft.size else np.nan, "ttft_p90_s": p90,
@@ -77,8 +96,50 @@ def forecast_steps(store: Store, steps: pd.DataFrame, profile: CostProfile) -> p
                                                 if st.decode_kv_cache_bytes else np.nan),
                      "d_pinned_peak_fraction": (m.peak_held_bytes() / st.decode_kv_cache_bytes
                                                 if st.decode_kv_cache_bytes else np.nan),
-                     "d_full_events": int(m.d_full_events)})
-    return pd.DataFrame(rows, columns=list(COLUMNS))
+                     "d_full_events": int(m.d_full_events),
+                     "p_hit_rate": float(np.sum(m.local_tokens) / prompt.sum()) if prompt.sum() else np.nan,
+                     "ttft_later_p50_s": float(np.median(later)) if later.size else np.nan,
+                     "p_hit_rate_replay": _replayed_p_hit_rate(store, st.run_id, st.mode, rec, shared)})
+    out = pd.DataFrame(rows, columns=list(COLUMNS))
+    base = out[out["mode"] == BASELINE].set_index("users")["ttft_later_p50_s"]
+    treat = out["mode"] == TREATMENT
+    out.loc[treat, "speedup"] = out.loc[treat, "users"].map(base) / out.loc[treat, "ttft_later_p50_s"]
+    return out
+
+
+def _replayed_p_hit_rate(store: Store, run_id: str, mode: str, rec: pd.DataFrame, shared: int) -> float:
+    """P's hit rate (0-1) of ``run_id``'s turns in vLLM's own block-level policy
+    (:func:`turnscope.analysis.p_cache_replay.replay_hits`) on P's blocks as the run's
+    ``vllm:cache_config_info`` gives them (less vLLM's null block); NaN for a mode without P or a
+    run without that gauge. The yardstick of the planner's session-level LRU (docs/eviction.md)."""
+    from turnscope.analysis.p_cache_replay import fifo_starts, replay_hits
+    from turnscope.planner.fit import _cache_config
+
+    if mode == AGGREGATED or rec.empty:
+        return np.nan
+    lab = _cache_config(store, [run_id]).get("prefill")
+    try:
+        blocks, size = int(lab["num_gpu_blocks"]) - 1, int(lab["block_size"])
+    except (KeyError, TypeError, ValueError):
+        return np.nan
+    legs = _prefill_legs(store, run_id)
+    t = rec.dropna(subset=["prompt_tokens"]).merge(legs, on=["session_id", "turn_index"], how="left")
+    sent = (pd.to_datetime(t["sent_at"]) - pd.Timestamp("1970-01-01", tz="UTC")).dt.total_seconds().to_numpy()
+    end = sent + t["prefill_leg_s"].fillna(t["ttft_s"]).fillna(0).to_numpy(float)
+    start = fifo_starts(sent, end)
+    hits = replay_hits(t.assign(sent_s=start, hold_s=end - start), blocks, size, shared, hold_until="hold_s")
+    total = float(t["prompt_tokens"].sum())
+    return float(hits.sum() / total) if total else np.nan
+
+
+def _prefill_legs(store: Store, run_id: str) -> pd.DataFrame:
+    """Each turn's P leg (``turns.prefill_leg_s``: the proxy's request to P until P answered,
+    seconds) of ``run_id``."""
+    con = store.connect()
+    try:
+        return con.execute("SELECT session_id, turn_index, prefill_leg_s FROM turns WHERE run_id = ?", [run_id]).df()
+    finally:
+        con.close()
 
 
 def crossings(measured: pd.DataFrame, forecast: pd.DataFrame) -> list[tuple[str, Crossing, Crossing]]:
@@ -113,10 +174,47 @@ def _verdict(ok: bool) -> str:
     return "within one step" if ok else "MISSED"
 
 
-def describe(measured: pd.DataFrame, forecast: pd.DataFrame) -> str:
+def eviction_lines(cid: str, measured: pd.DataFrame, forecast: pd.DataFrame, turns: pd.DataFrame) -> list[str]:
+    """The eviction ladder's lines for ramp ``cid`` (a ramp with P's KV space set): per step and
+    mode P's hit rate measured and forecast (target: within :data:`P_HIT_RATE_TARGET_PP` pp), and
+    the window (:func:`turnscope.analysis.eviction_window.find_window`) measured and forecast, each
+    edge within one step or not."""
+    from turnscope.analysis import eviction_window as ew
+
+    m_ramp, f_ramp = measured[measured["capacity_id"] == cid], forecast[forecast["capacity_id"] == cid]
+    users = sorted(set(m_ramp["users"]))
+    both = m_ramp.merge(f_ramp, on=["mode", "users"], suffixes=("", "_fc"))
+    lines = []
+    for r in both.sort_values(["users", "mode"]).itertuples():
+        if np.isnan(r.p_hit_rate) or np.isnan(r.p_hit_rate_fc):
+            continue
+        pp = (r.p_hit_rate_fc - r.p_hit_rate) * 100
+        replay = ("" if np.isnan(r.p_hit_rate_replay) else
+                  f"; vLLM's block-level policy replayed: {r.p_hit_rate_replay:.1%} "
+                  f"({(r.p_hit_rate_replay - r.p_hit_rate) * 100:+.1f} pp)")
+        lines.append(f"    {r.users} sessions, {r.mode}: P's own prefix-cache hit rate {r.p_hit_rate:.1%} measured, "
+                     f"{r.p_hit_rate_fc:.1%} forecast ({pp:+.1f} pp: "
+                     f"{'within' if abs(pp) <= P_HIT_RATE_TARGET_PP else 'MISSED'} {P_HIT_RATE_TARGET_PP:g} pp){replay}")
+    wm = ew.find_window(m_ramp, turns[turns["capacity_id"] == cid])
+    wf = ew.find_window(f_ramp, forecast=True)
+
+    def win(w) -> str:
+        return "none" if not w.steps else f"{w.steps[0]}-{w.steps[-1]} sessions"
+
+    lines.insert(0, f"  eviction window {cid}: measured {win(wm)} (pays from {_at(wm.pays_from)}, D full from "
+                    f"{_at(wm.d_full_from)}, crossing {_at(wm.ends_at)}), forecast {win(wf)} (pays from "
+                    f"{_at(wf.pays_from)}, D full from {_at(wf.d_full_from)}, crossing {_at(wf.ends_at)}); edges: "
+                    f"pays from {_verdict(within_one_step(users, wm.pays_from, wf.pays_from))}, D full "
+                    f"{_verdict(within_one_step(users, wm.d_full_from, wf.d_full_from))}, crossing "
+                    f"{_verdict(within_one_step(users, wm.ends_at, wf.ends_at))}")
+    return lines
+
+
+def describe(measured: pd.DataFrame, forecast: pd.DataFrame, turns: pd.DataFrame | None = None) -> str:
     """The capacity lines of ``turnscope plan-check``: per ramp the crossing and the step where D fills,
     measured and forecast (within one step: the held-out target), and per step the forecast next to
-    the measured figures."""
+    the measured figures; for a ramp with P's KV space set and ``turns`` given
+    (:func:`measured_turns`), the eviction ladder's lines (:func:`eviction_lines`)."""
     lines = []
     for cid, meas, fc in crossings(measured, forecast):
         m_ramp, f_ramp = measured[measured["capacity_id"] == cid], forecast[forecast["capacity_id"] == cid]
@@ -143,4 +241,6 @@ def describe(measured: pd.DataFrame, forecast: pd.DataFrame) -> str:
                             if np.isnan(r.d_in_use_peak_fraction) else
                             f"{r.d_in_use_peak_fraction:.0%} forecast ({r.d_pinned_peak_fraction:.0%} pinned)")
                          + (f", {r.d_full_events} handles lost to a full D" if r.d_full_events else ""))
+        if turns is not None and "prefill_kv_cache_bytes" in m_ramp and m_ramp["prefill_kv_cache_bytes"].notna().any():
+            lines.extend(eviction_lines(cid, measured, forecast, turns))
     return "\n".join(lines)
