@@ -38,6 +38,7 @@ from turnscope.commands.app import (
     split_csv,
 )
 from turnscope.commands.summaries import (
+    print_regimes,
     print_summary,
     roll_up_quietly,
 )
@@ -289,6 +290,7 @@ def demo(
     evaluate(modes=",".join(MODES), histories="text,token_ids", workload=None, time_scale=1.0, sessions=sessions,
              users=1, max_turns=max_turns, max_tokens=32, gap_s=0.5, topology=None, store=store, label="demo",
              prefill_routing=None, decode_routing=None, schedule_=schedule_, rounds=0, schedule_seed=0)
+    print_regimes()
     console.print(f"query it: {DUCKDB} {store / 'turnscope.duckdb'} -c \"select mode, history_mode, "
                   "turn_index, median(ttft_s) from turn_breakdown group by all order by all\"", highlight=False)
     if not no_dashboard:

@@ -82,6 +82,23 @@ def bottom_line_blocks(ratios: list) -> list[list[str]]:
     return out
 
 
+#: The middle regime, recorded on a ladder and not measured by the demo (README's headline table,
+#: docs/eviction.md): P's own prefix cache evicting sessions between their turns.
+EVICTION_LADDER = ("P's cache really evicts (recorded 2026-12-06 on the eviction ladder, docs/eviction.md; "
+                   "not this run): pd vs pd-bidir at 6 concurrent sessions, P's hit rate 26%: 9.08x "
+                   "(95% CI 7.44-12.08x); at 1-2 sessions (hit rate 82%) no gain; D full from 4 sessions")
+
+
+def print_regimes() -> None:
+    """After the demo's bottom line: the three regimes of P's prefix cache side by side, the demo's
+    two ends (its cache always hits: ``pd`` vs ``pd-bidir``; its cache off: ``pd-nocache`` vs
+    ``pd-bidir-nocache``) and the middle, recorded (:data:`EVICTION_LADDER`)."""
+    console.print()
+    console_text.print_text(console, "P's prefix cache, three regimes: always hits (pd vs pd-bidir above), off "
+                                     "(pd-nocache vs pd-bidir-nocache above), and")
+    console_text.print_text(console, EVICTION_LADDER, "  ")
+
+
 def print_bottom_line(store: Path, run_ids: list[str]) -> None:
     """Print the Overview page's headline for these runs: each pair of turnscope.analysis.headline.PAIRS
     with its speed-up (baseline / bidirectional median TTFT from the second turn on), 95% bootstrap
