@@ -16,5 +16,6 @@ def test_the_demo_quotes_the_readme_row():
                if "capacity ladder with P's own cache evicting" in line)
     speedup, ci = re.search(r"\*\*([\d.]+x)\*\* \(95% CI ([\d.]+-[\d.]+x)\)", row).groups()
     assert f"{speedup} (95% CI {ci})" in EVICTION_LADDER
-    assert f"P's hit rate {re.search(r'P hit rate (\d+)%', row).group(1)}%" in EVICTION_LADDER
+    hit = re.search(r"P hit rate (\d+)%", row).group(1)
+    assert f"P's hit rate {hit}%" in EVICTION_LADDER
     assert "2026-12-06" in row and "recorded 2026-12-06" in EVICTION_LADDER
