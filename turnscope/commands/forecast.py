@@ -277,8 +277,8 @@ def recommend(
     load_scale: LoadScaleOpt = None,
     sessions: SessionsOpt = 400,
     load_seed: LoadSeedOpt = 0,
-    curve: Annotated[bool, typer.Option("--curve/--no-curve", help="Also forecast each strategy's fleet at 1/4 to "
-                                                                   "4x the load (drawn loads).")] = True,
+    curve: Annotated[bool, typer.Option("--curve/--no-curve", help="Also forecast each strategy's fleet at 1/8 to "
+                                                                   "8x the load (drawn loads).")] = True,
     executor: Annotated[str, typer.Option(help="Where the forecasts run: local (this machine's cores) or ray "
                                                "(a Ray cluster: pip install 'turnscope[ray]').")] = "local",
     workers: Annotated[int | None, typer.Option(help="local: processes (default: the machine's cores).")] = None,

@@ -328,7 +328,7 @@ def _curve_point(job: CurveJob, item: tuple[str, Fleet, Load]) -> CurvePoint:
 
 
 #: The loads of a curve, as multiples of the load asked for.
-CURVE_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)
+CURVE_FACTORS = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 
 
 def load_curve(job: CurveJob, fleets: dict[str, Fleet], load: Load, executor: Executor | None = None,
