@@ -181,7 +181,7 @@ class TrafficReport:
         what = "requests" if any(not f.sessions for f in fmts) else "new sessions"
         count = self.summary["requests"] if what == "requests" else started
         return (f"  load: recorded on one clock: {count:,} {what} over {span / 3600:,.2f} h = "
-                f"{count / span * 3600:,.3g} {what} per hour (forecasts keep it, or speed it up: --load-scale)")
+                f"{_rate(count / span * 3600)} {what} per hour (forecasts keep it, or speed it up: --load-scale)")
 
     @property
     def sessions_known(self) -> bool:
@@ -234,6 +234,11 @@ class TrafficReport:
             out.append(f"    {k:8s}              " + " ".join(
                 _pct(by[(k, v)]["share_within_ttl"]).rjust(7) for v, _ in ttls))
         return "\n".join(out)
+
+
+def _rate(v: float) -> str:
+    """A rate with three significant figures, in plain digits (19,900; 3.41; 0.00116)."""
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
 
 
 def _n(v: Any) -> str:

@@ -58,8 +58,10 @@ def load_of(sessions_per_hour: float | None, concurrent_sessions: int | None, lo
     except ValidationError as exc:
         flag = {LoadKind.SESSIONS_PER_HOUR: "--sessions-per-hour", LoadKind.CONCURRENT_SESSIONS:
                 "--concurrent-sessions", LoadKind.RECORDED: "--load-scale"}[kind]
-        raise fail(f"{flag} {value} / --sessions {sessions}: expected a load > 0 and at least one session "
-                   f"({exc.errors()[0]['msg']})") from exc
+        what = exc.errors()[0]
+        where = "--sessions" if what["loc"] and what["loc"][0] == "sessions" else flag
+        raise fail(f"{where}: expected a load > 0 and at least one session drawn, got {flag} {value}, --sessions "
+                   f"{sessions} ({what['msg']})") from exc
 
 
 @app.command()
@@ -144,6 +146,7 @@ def plan(
     from turnscope.planner.cli_plan import run_plan
 
     s = settings()
+    load = load_of(sessions_per_hour, concurrent_sessions, load_scale, sessions, load_seed)
     try:
         text = run_plan([shipped(p, "traces") for p in paths], profile_path=shipped(profile, "profiles"),
                         fit_runs=split_csv(fit_runs) if fit_runs else None,
@@ -153,7 +156,7 @@ def plan(
                         threshold=threshold if threshold is not None else int(s.connector.kv_recompute_threshold),
                         prefill_workers=prefill_workers, decode_workers=decode_workers, routing=routing,
                         label=label, model=model, shared_prefix_tokens=shared_prefix_tokens, queue=queue,
-                        load=load_of(sessions_per_hour, concurrent_sessions, load_scale, sessions, load_seed))
+                        load=load)
     except (ValueError, OSError, RuntimeError) as exc:
         raise fail(str(exc)) from exc
     typer.echo(text)
@@ -191,6 +194,7 @@ def plan_check(
     ramp's crossing forecast next to the measured one (docs/capacity.md). With ``--rerun-store`` the
     same figures for a second recording of the same workload as the forecast: what the machine's own
     repeatability allows (turnscope/planner/rerun_check.py)."""
+    from dashboard.db import StoreInvalid
     from turnscope.conductor import capacity_forecast
     from turnscope.core.store import Store
     from turnscope.planner import held_out
@@ -204,7 +208,7 @@ def plan_check(
             split = held_out.check_split(str(rerun_store), split_csv(fit_runs) if fit_runs else None, str(check_store),
                                          split_csv(check_runs) if check_runs else None, rerun=True)
             result, summ = held_out.rerun_check(split)
-        except (ValueError, OSError, duckdb.Error) as exc:
+        except (ValueError, OSError, duckdb.Error, StoreInvalid) as exc:
             raise fail(str(exc)) from exc
         typer.echo(held_out.describe(split, summ, result.checks))
         typer.echo(result.describe())
@@ -225,7 +229,7 @@ def plan_check(
         before = prof.model_copy(update={"held_out": given.held_out if given else None})
         ramp_forecast = capacity_forecast.forecast_steps(Store(check_store), ramps, before)
         ramp_turns = capacity_forecast.measured_turns(Store(check_store), split.check_runs) if not ramps.empty else None
-    except (ValueError, OSError, duckdb.Error) as exc:
+    except (ValueError, OSError, duckdb.Error, StoreInvalid) as exc:
         raise fail(str(exc)) from exc
     typer.echo(held_out.describe(split, summ, checks))
     if split_terms:

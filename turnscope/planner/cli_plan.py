@@ -98,8 +98,9 @@ def describe(p, sp: pd.DataFrame, fr: pd.DataFrame, sessions: pd.DataFrame, chec
         space = "unbounded" if pd.isna(r.decode_kv_space_bytes) else _gib(r.decode_kv_space_bytes)
         iv = with_interval if p.profile.held_out else _plain
         rate = iv(f"{r.hit_rate:.1%}", r.hit_rate_interval_low, r.hit_rate_interval_high, _pct, "%")
+        saved = ("not forecast (overloaded)" if pd.isna(r.ttft_saved_s) else f"{r.ttft_saved_s:,.1f} s")
         lines.append(f"  {r.mode} TTL {r.decoder_kv_blocks_ttl_s:,.0f} s, D {space}: hit rate {rate}, TTFT saved "
-                     f"{r.ttft_saved_s:,.1f} s, peak {r.peak_held_bytes / GiB:,.2f} GiB, {r.held_gib_s:,.1f} GiB-s, "
+                     f"{saved}, peak {r.peak_held_bytes / GiB:,.2f} GiB, {r.held_gib_s:,.1f} GiB-s, "
                      f"{r.d_full_events} lost to D full [{r.why}]")
     lines.append(f"\nSessions whose pauses or edits defeat reuse ({tag}; worst 10 of {len(sessions)}):")
     for r in sessions.head(10).itertuples():

@@ -61,6 +61,9 @@ def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | No
         raise ValueError(f"--platform {platform!r}: expected cpu or gpu")
     if current.strategy not in STRATEGIES:
         raise ValueError(f"--current-strategy {current.strategy!r}: expected one of {', '.join(STRATEGIES)}")
+    for name, v in (("--max-prefill-workers", max_prefill_workers), ("--max-decode-workers", max_decode_workers)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
     for name, v in (("--gpu-hour-usd", gpu_hour_usd), ("--host-gib-hour-usd", host_gib_hour_usd),
                     ("--d-kv-gib", d_kv_gib), ("--ttft-slo-s", ttft_slo_s),
                     ("--current-d-kv-gib", current.decode_kv_bytes)):
@@ -102,6 +105,10 @@ def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | No
         (s.closest.fleet for s in searches), key=lambda f: -(f.prefill_workers + f.decode_workers))
     sized = {s.strategy: [(knob_fleet.prefill_workers, knob_fleet.decode_workers)] for s in searches}
     rec = recommend(traffic, prof, base, current, limits, grid or Grid(), sized, executor)
+    picked = rec.recommended.setting
+    if chosen is not None and picked.strategy != chosen.strategy:
+        fleets_text += (f"\n  On that fleet the knob search below found {picked.label()} better than {chosen.strategy} "
+                        "at the current knobs: the recommendation below.")
     points = []
     if curve and loaded.load.drawn:
         job = CurveJob(mix, tree_of_formats(formats), prof, base, fleet_limits)

@@ -18,9 +18,9 @@ the load (:mod:`turnscope.planner.load`). One that cannot keep up is overloaded
 The sizes are bounded by ``max_prefill_workers`` and ``max_decode_workers``; D's KV space per worker
 is the limit's (or the profile's). GPUs = (P + D) x the profile's ``gpus_per_worker``. The
 recommended fleet is the cheapest that meets the SLO: fewest GPUs, then (priced) the lowest cost,
-then the lowest p90 TTFT; a strategy that holds KV out of other requests' reach (D's pins, the host
-tier) must beat the best one that does not at the same GPUs by more than
-:data:`turnscope.planner.recommend.MIN_GAIN` of p90 TTFT.
+then the lowest mean TTFT; a strategy that holds KV out of other requests' reach (D's pins, the host
+tier) must beat the best one that does not at the same GPUs by more than :data:`MIN_GAIN` of mean
+TTFT (the recommendation's own rule, :func:`turnscope.planner.recommend.choose`).
 
 Cost per million tokens (with a GPU-hour price): the fleet's GPUs for the traffic's horizon plus
 the host tier's GiB-hours at their price, over the input and output tokens served, USD.
@@ -288,11 +288,11 @@ def cheapest(searches: list[FleetSearch], priced: bool) -> FleetForecast | None:
     if priced and all(f.usd_per_m_tokens is not None for f in same):
         low = min(f.usd_per_m_tokens for f in same)
         same = [f for f in same if f.usd_per_m_tokens <= low * (1 + 1e-9)]
-    best = min(same, key=lambda f: f.ttft_p90_s)
+    best = min(same, key=lambda f: f.ttft_mean_s)
     plain = [f for f in same if not holds_memory(f.strategy)]
     if holds_memory(best.strategy) and plain:
-        simple = min(plain, key=lambda f: f.ttft_p90_s)
-        if best.ttft_p90_s >= simple.ttft_p90_s * (1 - MIN_GAIN):
+        simple = min(plain, key=lambda f: f.ttft_mean_s)
+        if best.ttft_mean_s >= simple.ttft_mean_s * (1 - MIN_GAIN):
             return simple
     return best
 
@@ -392,7 +392,8 @@ def describe_fleets(searches: list[FleetSearch], chosen: FleetForecast | None, l
              f"{limits.max_prefill_workers} P and {limits.max_decode_workers} D, D KV {space} per worker):")]
     for s in searches:
         e = s.closest
-        mark = "  <- recommended (the cheapest that meets the SLO)" if chosen is not None and e is chosen else ""
+        goal = "meets the SLO" if limits.ttft_slo_s is not None else "keeps up"
+        mark = f"  <- recommended (the cheapest that {goal})" if chosen is not None and e is chosen else ""
         if s.best is None:
             lines.append(f"  {s.strategy:<14} no fleet meets the SLO: {s.why_none} ({len(s.searched)} fleets tried)")
             continue

@@ -190,8 +190,8 @@ def apply_load(tr: Traffic, load: Load, tree_of: str) -> LoadedTraffic:
     mix = SessionMix(tr, tree_of)
     if load.kind == LoadKind.RECORDED:
         if tree_of == "source" and mix.trees > 1:
-            raise ValueError("this traffic has no shared clock (each file its own session tree from t = 0): give "
-                             "a load (--sessions-per-hour or --concurrent-sessions), not the recorded clock")
+            raise ValueError("this traffic has no shared clock to speed up (--load-scale): each file is its own "
+                             "session tree from t = 0; give a load: --sessions-per-hour or --concurrent-sessions")
         scaled = Traffic(**{**tr.__dict__, "arrival_s": tr.arrival_s / load.value, "gap_s": tr.gap_s / load.value})
         return LoadedTraffic(scaled, load, mix.trees)
     rng = np.random.default_rng(load.seed)

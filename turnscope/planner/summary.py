@@ -92,7 +92,8 @@ def frontier(traffic: Traffic, profile: CostProfile, settings: PlanSettings, mod
     hit_rate_interval_low/high (its 80% forecast interval, :mod:`turnscope.planner.intervals`; NaN:
     none), ttft_saved_s (sum
     over requests of the ``pd`` forecast minus ``mode``'s, seconds; for ``pd-bidir-nocache`` against
-    ``pd-nocache``), peak_held_bytes, held_gib_s, d_full_events."""
+    ``pd-nocache``; NaN where either is overloaded, :mod:`turnscope.planner.overload`),
+    peak_held_bytes, held_gib_s, d_full_events."""
     base_mode = modes.one_way(mode)
     base = plan(traffic, profile, settings.model_copy(update={"modes": (base_mode,)})).modes[base_mode]
     later = traffic.request_index >= 1
@@ -112,7 +113,10 @@ def frontier(traffic: Traffic, profile: CostProfile, settings: PlanSettings, mod
         rows.append({"decoder_kv_blocks_ttl_s": ttl, "decode_kv_space_bytes": np.nan if s is None else s,
                      "current": (ttl, s) == current, "hit_rate": rate,
                      "hit_rate_interval_low": lo, "hit_rate_interval_high": hi,
-                     "ttft_saved_s": float((base.ttft_s - m.ttft_s).sum()), "peak_held_bytes": m.peak_held_bytes(),
+                     # no TTFT is taken from, or against, a deployment that cannot keep up
+                     "ttft_saved_s": (np.nan if m.overload is not None or base.overload is not None
+                                      else float((base.ttft_s - m.ttft_s).sum())),
+                     "peak_held_bytes": m.peak_held_bytes(),
                      "held_gib_s": m.held_gib_s(), "d_full_events": m.d_full_events})
     return pd.DataFrame(rows)
 
