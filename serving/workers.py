@@ -14,6 +14,7 @@ instead of 3-5 s (two modes' workers launched together, docs/performance.md).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -82,8 +83,10 @@ class WorkerSpec:
         """The KV space vLLM gets, bytes: the last ``--kv-cache-memory-bytes`` of :attr:`args` (they
         follow the topology's on the command line, :func:`worker_command`, so the last one wins, as
         argparse keeps it; e.g. ``turnscope capacity``'s per-role sizes), else :attr:`kv_cache_bytes`."""
-        given = [self.args[i + 1] for i, a in enumerate(self.args[:-1]) if a == "--kv-cache-memory-bytes"]
-        return int(given[-1]) if given else self.kv_cache_bytes
+        parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+        parser.add_argument("--kv-cache-memory-bytes", type=int)
+        given, _ = parser.parse_known_args(list(self.args))   # both spellings, the last one given
+        return given.kv_cache_memory_bytes if given.kv_cache_memory_bytes is not None else self.kv_cache_bytes
 
     @property
     def url(self) -> str:

@@ -159,3 +159,14 @@ def test_a_cache_salt_keeps_the_same_prompt_apart():
     salted = chains.chain("s", ids, "a")
     assert chains.chain("s", ids, "b") != salted and chains.chain("s", ids, "a") == salted
     assert chains.chain(None, ids) == BlockChains(4).chain(None, ids, "")  # "" is no salt
+
+
+def test_a_roles_kv_space_read_as_vllm_reads_its_flags():
+    """vLLM's argparse keeps the last ``--kv-cache-memory-bytes``, written either way; without one
+    the topology's size stands."""
+    from serving.workers import WorkerSpec
+
+    base = dict(name="p", role="prefill", host="h", port=1, model="m", kv_cache_bytes=512)
+    args = ("--kv-cache-memory-bytes", "100", "--enforce-eager", "--kv-cache-memory-bytes=200")
+    assert WorkerSpec(**base, args=args).effective_kv_cache_bytes == 200
+    assert WorkerSpec(**base).effective_kv_cache_bytes == 512
