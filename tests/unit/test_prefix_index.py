@@ -166,7 +166,7 @@ def test_a_roles_kv_space_read_as_vllm_reads_its_flags():
     the topology's size stands."""
     from serving.workers import WorkerSpec
 
-    base = dict(name="p", role="prefill", host="h", port=1, model="m", kv_cache_bytes=512)
+    base = {"name": "p", "role": "prefill", "host": "h", "port": 1, "model": "m", "kv_cache_bytes": 512}
     args = ("--kv-cache-memory-bytes", "100", "--enforce-eager", "--kv-cache-memory-bytes=200")
     assert WorkerSpec(**base, args=args).effective_kv_cache_bytes == 200
     assert WorkerSpec(**base).effective_kv_cache_bytes == 512
