@@ -43,7 +43,7 @@ def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | No
                   shared_prefix_tokens: int | None = None, grid: Grid | None = None, platform: str = "gpu",
                   topology_path: Path | None = None, store_root: Path | None = None, label: str | None = None,
                   run_ids: Sequence[str] | None = None, write_topology: Path | None = None, load: Load | None = None,
-                  max_decode_workers: int = 1, executor: Executor | None = None, curve: bool = True) -> str:
+                  max_decode_workers: int = 16, executor: Executor | None = None, curve: bool = True) -> str:
     """The whole command. ``topology_path``: the current deployment's topology file, the base of the
     topology diff (None: :func:`turnscope.planner.recommend_topology.default_topology`);
     ``store_root``: write the ledger and recommendation there; ``run_ids``: of a store directory read
@@ -99,10 +99,11 @@ def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | No
     # an overloaded strategy's row says so and no more (its forecast stops at the growing queue)
     led = ledger(traffic, prof, at.model_copy(update={"stop_on_overload": True}), prices, executor=executor)
     table = describe_ledger(led, prof, at, prices)
-    # the knobs are searched on the cheapest fleet (a shorter TTL may fit a strategy into it); each
-    # strategy at its own fleet was forecast by the sizing, at the current knobs
-    knob_fleet = chosen.fleet if chosen is not None else min(
-        (s.closest.fleet for s in searches), key=lambda f: -(f.prefill_workers + f.decode_workers))
+    # the knobs are searched on the cheapest fleet (a shorter TTL may fit a strategy into it; each
+    # strategy at its own fleet was forecast by the sizing, at the current knobs); with none meeting
+    # the SLO, on the largest fleet tried
+    knob_fleet = chosen.fleet if chosen is not None else max(
+        (s.closest.fleet for s in searches), key=lambda f: f.prefill_workers + f.decode_workers)
     sized = {s.strategy: [(knob_fleet.prefill_workers, knob_fleet.decode_workers)] for s in searches}
     rec = recommend(traffic, prof, base, current, limits, grid or Grid(), sized, executor)
     picked = rec.recommended.setting
