@@ -5,8 +5,9 @@ space, prices), every setting of a small grid (:class:`Grid`: retention strategy
 :mod:`turnscope.planner.ledger`, ``decoder_kv_blocks_ttl``, ``kv_recompute_threshold``, D's KV
 space, prefill workers, routing) is forecast with the ledger's model, and one is recommended:
 
-1. feasible settings: p90 TTFT over all requests within the SLO (when given) and D's KV space
-   within the limit (the grid never goes past it);
+1. feasible settings: keeps up with the load (:mod:`turnscope.planner.overload`), p90 TTFT over all
+   requests within the SLO (when given) and D's KV space within the limit (the grid never goes past
+   it); of those, the fewest workers (the cheapest fleet, :mod:`turnscope.planner.fleet`);
 2. without prices: the lowest mean TTFT; a setting that holds KV on D (``pd-bidir*``) or in host
    memory must beat the best setting without that hold by more than :data:`MIN_GAIN` of mean TTFT,
    else the simpler setting is recommended (holding memory for a gain inside the planner's error is
@@ -232,7 +233,7 @@ def choose(evaluated: list[Evaluated], priced: bool) -> Evaluated:
         keep = [e for e in evaluated if e.keeps_up]
         if keep:
             return min(keep, key=lambda e: e.ttft_p90_s)
-        return min(evaluated, key=lambda e: e.overload.factor if e.overload.factor == e.overload.factor else np.inf)
+        return min(evaluated, key=lambda e: np.inf if np.isnan(e.overload.factor) else e.overload.factor)
     best = min(e.ttft_mean_s for e in feasible)
     if priced:
         near = [e for e in feasible if e.ttft_mean_s <= best * (1 + MIN_GAIN)]
