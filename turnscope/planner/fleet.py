@@ -19,7 +19,7 @@ The sizes are bounded by ``max_prefill_workers`` and ``max_decode_workers``; D's
 is the limit's (or the profile's). GPUs = (P + D) x the profile's ``gpus_per_worker``. The
 recommended fleet is the cheapest that meets the SLO: fewest GPUs, then (priced) the lowest cost,
 then the lowest mean TTFT; a strategy that holds KV out of other requests' reach (D's pins, the host
-tier) must beat the best one that does not at the same GPUs by more than :data:`MIN_GAIN` of mean
+tier) must beat the best one that does not at the same GPUs by more than ``turnscope.planner.recommend.MIN_GAIN`` of mean
 TTFT (the recommendation's own rule, :func:`turnscope.planner.recommend.choose`).
 
 Cost per million tokens (with a GPU-hour price): the fleet's GPUs for the traffic's horizon plus
@@ -40,11 +40,9 @@ from turnscope.planner.ledger import Prices, forecast_strategy
 from turnscope.planner.load import Load, LoadedTraffic
 from turnscope.planner.overload import Overload
 from turnscope.planner.profile import CostProfile, GiB, Sourced
+from turnscope.planner.recommend import MIN_GAIN
 from turnscope.planner.simulate import PlanSettings, Traffic
-from turnscope.planner.strategies import BIDIR_STRATEGIES, HOST_STRATEGIES, STRATEGIES
-
-#: A holding strategy must beat the best non-holding one at the same GPUs by this fraction of p90 TTFT.
-MIN_GAIN = 0.05
+from turnscope.planner.strategies import STRATEGIES, holds_memory
 
 
 @dataclass(frozen=True)
@@ -271,11 +269,6 @@ def size_fleets(job: FleetJob, strategies: tuple[str, ...], executor: Executor |
     """:func:`size_fleet` for each of ``strategies`` (in parallel on ``executor``; default: this
     machine's cores)."""
     return (executor or LocalExecutor()).map(_size_one, job, list(strategies), "sizing fleets")
-
-
-def holds_memory(strategy: str) -> bool:
-    """Whether ``strategy`` holds KV out of other requests' reach (D's pins or the host tier)."""
-    return strategy in BIDIR_STRATEGIES or strategy in HOST_STRATEGIES
 
 
 def cheapest(searches: list[FleetSearch], priced: bool) -> FleetForecast | None:

@@ -48,7 +48,14 @@ from turnscope.planner.overload import Overload
 from turnscope.planner.profile import CostProfile, GiB, Sourced
 from turnscope.planner.serve_flags import role_argv
 from turnscope.planner.simulate import PlanSettings, Traffic
-from turnscope.planner.strategies import BIDIR_STRATEGIES, HOST_STRATEGIES, RECOMPUTE, STRATEGIES, Strategy
+from turnscope.planner.strategies import (
+    BIDIR_STRATEGIES,
+    HOST_STRATEGIES,
+    RECOMPUTE,
+    STRATEGIES,
+    Strategy,
+    holds_memory,
+)
 
 #: A setting that holds memory must beat the best one without it by this fraction of mean TTFT.
 MIN_GAIN = 0.05
@@ -218,10 +225,6 @@ def _held(e: Evaluated) -> float:
     return float(e.row["d_pinned_gib_s"] + e.row["host_gib_s"])
 
 
-def _holds(s: Setting) -> bool:
-    return s.strategy in BIDIR or s.strategy in HOST_STRATEGIES
-
-
 def choose(evaluated: list[Evaluated], priced: bool) -> Evaluated:
     """The recommended setting of ``evaluated`` (rules in the module doc); when none is feasible,
     the lowest p90 TTFT of those that keep up (the least overloaded when none does)."""
@@ -239,8 +242,8 @@ def choose(evaluated: list[Evaluated], priced: bool) -> Evaluated:
         near = [e for e in feasible if e.ttft_mean_s <= best * (1 + MIN_GAIN)]
         return min(near, key=lambda e: (e.cost_usd, e.ttft_mean_s))
     winner = min(feasible, key=lambda e: (e.ttft_mean_s, _held(e)))
-    simple = [e for e in feasible if not _holds(e.setting)]
-    if _holds(winner.setting) and simple:
+    simple = [e for e in feasible if not holds_memory(e.setting.strategy)]
+    if holds_memory(winner.setting.strategy) and simple:
         plain = min(simple, key=lambda e: e.ttft_mean_s)
         if winner.ttft_mean_s > plain.ttft_mean_s * (1 - MIN_GAIN):
             return plain

@@ -67,3 +67,9 @@ BIDIR_STRATEGIES: tuple[Strategy, ...] = tuple(s.name for s in LEDGER_STRATEGIES
 RECOMPUTE: Strategy = Strategy.RECOMPUTE
 #: Marker of each strategy on the Plan page.
 STRATEGY_SYMBOLS: dict[str, str] = {s.name: s.symbol for s in LEDGER_STRATEGIES}
+
+
+def holds_memory(strategy: str) -> bool:
+    """Whether ``strategy`` holds KV out of other requests' reach: D's pinned turns or the host tier
+    (the recommendation and the fleet pick make such a strategy win by a margin)."""
+    return strategy in BIDIR_STRATEGIES or strategy in HOST_STRATEGIES
