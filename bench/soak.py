@@ -142,6 +142,20 @@ def proxy_request_total(url: str) -> float:
                if s.name == "turnscope_requests_total")
 
 
+def warm_up_log_end(log: Path, requests: int, limit_s: float = 15.0) -> int:
+    """Where the warm-up's lines end in the proxy's log (a byte offset): once its ``requests``
+    request lines are written, at most ``limit_s`` seconds. The proxy logs a request after the
+    client has read the end of its stream, so reading the size at once can cut the last warm-up
+    line off, and that request would count as the run's."""
+    t_end = time.monotonic() + limit_s
+    while True:
+        size = log.stat().st_size if log.exists() else 0
+        text = log.read_bytes()[:size].decode("utf-8", errors="replace") if size else ""
+        if len(proxy_requests(text.splitlines())) >= requests or time.monotonic() >= t_end:
+            return size
+        time.sleep(0.2)
+
+
 def settled_proxy_requests(log: Path, offset: int, store: Store, run_id: str, quiet_s: float = 15.0,
                            limit_s: float = 180.0) -> list[tuple[str, str]]:
     """The proxy's request lines after ``offset`` (the warm-up's end), read once the proxy has
@@ -236,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         warm = warm_up(stack.proxy_url, model_name)
         print(f"warm-up: {', '.join(warm)}", flush=True)
         before = proxy_request_total(stack.proxy_url)
-        log_offset = stack.proxy_log.stat().st_size if stack.proxy_log.exists() else 0  # the warm-up's lines end here
+        log_offset = warm_up_log_end(stack.proxy_log, len(warm))
         sw = store.writer(run_id, f"soak-scraper-{os.getpid()}")
         scraper = MetricsScraper(stack.endpoints(), sw, run_id, interval_s=5.0)
         scraper.start()
