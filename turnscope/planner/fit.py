@@ -46,7 +46,13 @@ from turnscope.core.store import Store
 from turnscope.planner.fit_residuals import Residuals, residuals_of
 from turnscope.planner.profile import MODES, CostProfile, Sourced
 from turnscope.planner.queueing import fifo_waits
-from turnscope.planner.run_queries import probe_ttft_s, recorded_turns, run_config_row, transfer_rows
+from turnscope.planner.run_queries import (
+    engine_token_budget,
+    probe_ttft_s,
+    recorded_turns,
+    run_config_row,
+    transfer_rows,
+)
 from turnscope.planner.simulate import RENDERS, TOOK_HANDLE, ModePlan, PlanSettings, Traffic, plan
 
 
@@ -213,6 +219,9 @@ def fit_profile(store: Store, run_ids: Sequence[str], name: str = "fitted") -> C
         if role in space:
             setattr(prof, field, Sourced(value=space[role] * kv_bytes,
                                          source=f"{src}: vllm:cache_config_info num_gpu_blocks x block_size"))
+    budget = engine_token_budget(store, run_ids)
+    if budget is not None:
+        prof.max_num_batched_tokens = Sourced(value=budget[0], source=f"{src}: {budget[1]}")
     probes = probe_ttft_s(store, run_ids)
     if probes:
         prof.probe_ttft_s = Sourced(value=float(np.median(list(probes.values()))),

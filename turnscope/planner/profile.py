@@ -96,6 +96,10 @@ class CostProfile(BaseModel):
       it back over (absent: no host-tier forecast; :mod:`turnscope.planner.ledger`);
     * ``gpus_per_worker``, ``gpu_memory_bytes``: GPUs of one worker and the memory of one GPU, to
       turn held GiB-seconds and prefill seconds into GPU-hours (absent: 1 GPU; no memory price).
+    * ``max_num_batched_tokens``: the engine's token budget per scheduler step on the prefill (and
+      aggregated) workers, tokens: prompts that overlap are computed in shared steps
+      (:func:`turnscope.planner.queueing.batched_step_waits`; absent: each prompt holds its worker
+      alone, first come first served).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -124,6 +128,7 @@ class CostProfile(BaseModel):
     host_read_latency_s: Sourced | None = None
     gpus_per_worker: Sourced | None = None
     gpu_memory_bytes: Sourced | None = None
+    max_num_batched_tokens: Sourced | None = None
     left_out: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")

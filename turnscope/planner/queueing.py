@@ -19,9 +19,15 @@ share the server equally (processor sharing).
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 import numpy as np
+
+#: vLLM 0.32's ``max_num_batched_tokens`` for an API server on the CPU platform
+#: (``vllm/engine/arg_utils.py``, ``EngineArgs.get_batch_defaults``: 2,048 x world size), with
+#: chunked prefill on: the token budget of the embedded workers' scheduler steps.
+VLLM_CPU_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 def fifo_waits(arrival_s: np.ndarray, service_s: np.ndarray, worker: np.ndarray) -> np.ndarray:
@@ -124,4 +130,115 @@ def _processor_sharing_finish(arrival: np.ndarray, service: np.ndarray, worker: 
         for q in queues.values():    # the heads done by now (those of no compute at once) end at t
             while q and remaining[q[0]] <= 1e-12:
                 finish[q.popleft()] = t
+    return finish
+
+
+def batched_step_waits(arrival_s: np.ndarray, start_tokens: np.ndarray, end_tokens: np.ndarray, a1_s: float,
+                       a2_s: float, budget_tokens: int, worker: np.ndarray) -> np.ndarray:
+    """Seconds each request's first token comes later than its own compute alone would give, on a
+    worker whose engine runs prompts in **scheduler steps** of at most ``budget_tokens`` tokens.
+
+    vLLM's scheduler (``vllm/v1/core/sched/scheduler.py``, ``Scheduler.schedule``) builds each step
+    from its running requests first (a prompt partly computed in earlier steps takes what is left of
+    it, up to the budget: chunked prefill), then from its ``waiting`` queue first come first served,
+    each taking what the budget leaves (``max_num_batched_tokens``: vLLM 0.32's default for an API
+    server is 2,048 on CPU and 8,192 on GPUs of 70 GiB or more, ``EngineArgs.get_batch_defaults``;
+    ``long_prefill_token_threshold`` 0 by default: no cap per request). A step is not interrupted: a
+    request that arrives during one joins the next. A step costs what its chunks cost, a chunk of
+    tokens ``[p, p + k)`` of a prompt ``c(p + k) - c(p)`` with ``c(x) = a1 x + a2 x^2`` (the
+    planner's cost model), and every prompt the step completes gets its first token at the step's
+    end. So requests that arrive together all wait for the whole step, where a FIFO server
+    (:func:`fifo_waits`) ends the first at its own cost. Decode steps of running requests (the
+    aggregated worker) and ``max_num_seqs`` are not modelled.
+
+    The server works whenever work is waiting in both models, so a request that finds its worker
+    idle and is alone until it ends has no wait in either; only the busy periods of two or more
+    requests are stepped through.
+
+    Args:
+        arrival_s: when each request reaches its worker's queue, seconds, sorted ascending.
+        start_tokens, end_tokens: each request computes its prompt's tokens ``[start, end)`` (start:
+            its cached tokens), tokens.
+        a1_s, a2_s: c(x)'s coefficients, seconds per token and per token squared.
+        budget_tokens: ``max_num_batched_tokens`` (> 0).
+        worker: the worker (any integer label) each request is routed to.
+
+    Returns: ``finish - arrival - c(end) + c(start)`` per request (>= 0), seconds, in the input order.
+
+    Raises ValueError for arrays of different lengths, arrivals out of order or a budget below 1."""
+    arrival = np.asarray(arrival_s, dtype=float)
+    start = np.asarray(start_tokens, dtype=np.int64)
+    end = np.maximum(np.asarray(end_tokens, dtype=np.int64), start)
+    worker = np.asarray(worker)
+    if not (len(arrival) == len(start) == len(end) == len(worker)):
+        raise ValueError(f"arrival_s, start_tokens, end_tokens and worker differ in length ({len(arrival)}, "
+                         f"{len(start)}, {len(end)}, {len(worker)})")
+    if len(arrival) > 1 and bool(np.any(np.diff(arrival) < 0)):
+        raise ValueError("arrival_s must be sorted ascending")
+    if budget_tokens < 1:
+        raise ValueError(f"budget_tokens must be at least 1, got {budget_tokens}")
+    own = a1_s * (end - start) + a2_s * (end.astype(float) ** 2 - start.astype(float) ** 2)
+    waits = fifo_waits(arrival, own, worker)
+    labels = np.unique(worker)
+    groups = [np.arange(len(arrival))] if len(labels) <= 1 else [np.flatnonzero(worker == w) for w in labels]
+    for idx in groups:
+        a = arrival[idx]
+        finish_fifo = a + waits[idx] + own[idx]
+        # a busy period starts at a request that finds the worker idle (FIFO and steps alike)
+        new = np.ones(len(idx), dtype=bool)
+        new[1:] = a[1:] >= finish_fifo[:-1]
+        bounds = np.append(np.flatnonzero(new), len(idx))
+        for lo, hi in itertools.pairwise(bounds):
+            if hi - lo < 2:
+                continue
+            rows = idx[lo:hi]
+            finish = _stepped_finish(arrival[rows].tolist(), start[rows].tolist(), end[rows].tolist(),
+                                     a1_s, a2_s, int(budget_tokens))
+            waits[rows] = np.maximum(np.asarray(finish) - arrival[rows] - own[rows], 0.0)
+    return waits
+
+
+def _stepped_finish(arrival: list[float], start: list[int], end: list[int], a1: float, a2: float,
+                    budget: int) -> list[float]:
+    """Finish times of one busy period's requests (arrival order) under :func:`batched_step_waits`'
+    steps."""
+    n = len(arrival)
+    finish = [0.0] * n
+    pos = list(start)
+    running: list[int] = []
+    waiting: deque[int] = deque()
+    t, nxt = arrival[0], 0
+    while nxt < n or running or waiting:
+        while nxt < n and arrival[nxt] <= t:
+            waiting.append(nxt)
+            nxt += 1
+        if not running and not waiting:
+            t = arrival[nxt]
+            continue
+        left, step = budget, 0.0
+        chunks: list[tuple[int, int]] = []
+        for r in running:
+            if left <= 0:
+                break
+            k = min(end[r] - pos[r], left)
+            chunks.append((r, k))
+            left -= k
+        while waiting and left > 0:
+            r = waiting.popleft()
+            running.append(r)
+            k = min(end[r] - pos[r], left)
+            chunks.append((r, k))
+            left -= k
+        for r, k in chunks:
+            p = pos[r]
+            step += a1 * k + a2 * ((p + k) * (p + k) - p * p)
+            pos[r] = p + k
+        t += step
+        still = []
+        for r in running:
+            if pos[r] >= end[r]:
+                finish[r] = t
+            else:
+                still.append(r)
+        running = still
     return finish

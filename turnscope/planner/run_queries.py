@@ -5,12 +5,14 @@ takes, a run's recording set-up). Each opens a read-only connection of its own.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 import pandas as pd
 
 from turnscope.core.store import Store
 from turnscope.planner.profile import MODES
+from turnscope.planner.queueing import VLLM_CPU_MAX_NUM_BATCHED_TOKENS
 
 
 def _marks(values: Sequence) -> str:
@@ -99,3 +101,27 @@ def transfer_rows(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
     return _frame(store, "SELECT r.mode, 0 AS prefix_tokens, x.xfer_s, x.xfer_bytes, x.reused_tokens, "
                   "c.kv_bytes_per_token FROM run_kv_transfer x JOIN runs r USING (run_id) "
                   f"JOIN run_config c USING (run_id) WHERE run_id IN ({_marks(run_ids)})", run_ids)
+
+
+def engine_token_budget(store: Store, run_ids: Sequence[str]) -> tuple[int, str] | None:
+    """The prefill workers' ``max_num_batched_tokens`` in ``run_ids`` and how it is known, from
+    ``runs.config.topology``: the prefill role's ``--max-num-batched-tokens`` argument, else vLLM's
+    default on the CPU platform (:data:`turnscope.planner.queueing.VLLM_CPU_MAX_NUM_BATCHED_TOKENS`);
+    None when the runs disagree or ran on GPUs without the argument (vLLM's default there depends on
+    the GPU's memory, which the store does not record)."""
+    rows = _frame(store, f"SELECT json_extract_string(config, '$.topology.platform') AS platform, "
+                         f"json_extract(config, '$.topology.roles.prefill.args') AS args FROM runs "
+                         f"WHERE run_id IN ({_marks(run_ids)})", list(run_ids))
+    found = set()
+    for platform, args in zip(rows["platform"], rows["args"], strict=True):
+        argv = [str(a) for a in (json.loads(args) if isinstance(args, str) else args or [])]
+        given = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--max-num-batched-tokens"), None)
+        given = next((a.split("=", 1)[1] for a in argv if a.startswith("--max-num-batched-tokens=")), given)
+        if given is not None:
+            found.add((int(given), "the prefill role's --max-num-batched-tokens (runs.config.topology)"))
+        elif platform == "cpu":
+            found.add((VLLM_CPU_MAX_NUM_BATCHED_TOKENS, ("vLLM 0.32's default on the CPU platform "
+                       "(engine/arg_utils.py get_batch_defaults); the runs' topology sets none")))
+        else:
+            return None
+    return found.pop() if len(found) == 1 else None

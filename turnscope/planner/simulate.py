@@ -83,7 +83,7 @@ from turnscope.planner.overload import (
 from turnscope.planner.pinned_blocks import PinnedBlocks
 from turnscope.planner.pinned_kv import LOST, Handle, HandleLedger
 from turnscope.planner.profile import MODES, CostProfile, GiB
-from turnscope.planner.queueing import shared_core_waits
+from turnscope.planner.queueing import batched_step_waits, shared_core_waits
 
 #: The new outcome: the session's handle was not kept because D's KV space was full.
 MISS_D_FULL = "miss_d_full"
@@ -118,7 +118,9 @@ class PlanSettings(BaseModel):
     that waits (for P, or on D) longer than an eighth of the horizon, the overload of
     :func:`turnscope.planner.overload.never_drains`, and raises
     :class:`turnscope.planner.overload.QueueGrows` (fleet sizing needs only that; False: every
-    request is forecast). Raises ``pydantic.ValidationError`` when ``prefill_servers``' length is
+    request is forecast). ``max_num_batched_tokens``: the prefill (and aggregated) workers' token
+    budget per scheduler step (None: the profile's, :attr:`CostProfile.max_num_batched_tokens`;
+    neither: first come first served). Raises ``pydantic.ValidationError`` when ``prefill_servers``' length is
     not ``prefill_workers``."""
 
     model_config = ConfigDict(extra="forbid")
@@ -138,6 +140,7 @@ class PlanSettings(BaseModel):
     prefill_servers: tuple[int, ...] | None = None
     modes: tuple[str, ...] = MODES
     stop_on_overload: bool = False
+    max_num_batched_tokens: int | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _servers_per_worker(self) -> PlanSettings:
@@ -385,21 +388,36 @@ class PrefillTtft:
         if not aggregated and settings.prefill_servers is not None:
             self.server = np.asarray(settings.prefill_servers)[self.worker]
         self.shares_servers = bool(self.queue) and len(np.unique(self.server)) < len(np.unique(self.worker))
+        self.budget = settings.max_num_batched_tokens or (
+            int(cost.profile.max_num_batched_tokens.value) if cost.profile.max_num_batched_tokens else None)
+        self.steps = bool(self.queue) and self.budget is not None and not self.shares_servers
+        #: :meth:`next`'s waits are provisional (one FIFO queue), :meth:`settled_waits` the real ones
+        self.provisional = self.shares_servers or self.steps
         self._free_at: dict[int, float] = {}
         self._compute = np.zeros(len(tr))
+        self._cached = np.zeros(len(tr), dtype=np.int64)
         self._pre: dict | None = None   # the costs :meth:`prepare` looked up ahead
 
-    def waits(self, compute: np.ndarray) -> np.ndarray:
+    def waits(self, compute: np.ndarray, cached: np.ndarray) -> np.ndarray:
         """Each request's wait for (and slowdown on) its prefill worker, seconds, given every
-        request's compute (seconds of the worker's time); 0s when queueing is off."""
+        request's compute (seconds of the worker's time) and its tokens not computed (``cached``);
+        0s when queueing is off. With an engine token budget (:attr:`budget`: the settings'
+        ``max_num_batched_tokens``, else the profile's) and no shared cores, the engine's scheduler
+        steps (:func:`turnscope.planner.queueing.batched_step_waits`); else first come first served
+        per worker, time-shared where workers share cores
+        (:func:`turnscope.planner.queueing.shared_core_waits`)."""
         if not self.queue:
             return np.zeros(len(self.tr))
+        if self.steps:
+            fit = self.cost.profile.prefill_fit(self.cost.mode)
+            return batched_step_waits(self.tr.arrival_s, cached, self.tr.input_tokens, fit.a1_s, fit.a2_s,
+                                      self.budget, self.worker)
         return shared_core_waits(self.tr.arrival_s, compute, self.worker, self.server)
 
     def all(self, local: np.ndarray, pulled: np.ndarray, took: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(TTFT, of which the wait for the prefill worker) of every request, seconds."""
         ttft, compute = self.cost(np.arange(len(self.tr)), local, pulled, took)
-        wait = self.waits(compute)
+        wait = self.waits(compute, np.minimum(np.asarray(local) + np.asarray(pulled), self.tr.input_tokens))
         return ttft + wait, wait
 
     def prepare(self, local: np.ndarray, pulled_if_hit: np.ndarray) -> None:
@@ -432,6 +450,7 @@ class PrefillTtft:
         worker shares its compute, else provisional: :meth:`settled_waits`)."""
         ttft, compute = self._cost_of(i, local, pulled, took)
         self._compute[i] = compute
+        self._cached[i] = local + pulled
         wait = 0.0
         if self.queue:
             if self._pre is not None:
@@ -445,7 +464,7 @@ class PrefillTtft:
 
     def settled_waits(self) -> np.ndarray:
         """The waits of every request :meth:`next` has seen, with all of them known, seconds."""
-        return self.waits(self._compute)
+        return self.waits(self._compute, np.minimum(self._cached, self.tr.input_tokens))
 
 
 def own_cache_hits(tr: Traffic, capacity_tokens: int | None, block_size: int, workers: int, routing: str,
@@ -637,7 +656,7 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
         else:
             on_d.expect(i, handle)
             queue.arrive(i, t + first_token_s, need_at[i], hold_at[i])
-    if prefill.shares_servers:                   # the time-shared compute, with every request known
+    if prefill.provisional:                      # time-shared compute or engine steps, with every request known
         settled = prefill.settled_waits()
         ttft, p_wait = ttft - p_wait + settled, settled
     d_wait = np.zeros(n_req)
