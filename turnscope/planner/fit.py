@@ -45,7 +45,7 @@ from turnscope.core.modes import AGGREGATED, RECOMPUTE_MODE, SERVING_MODES
 from turnscope.core.store import Store
 from turnscope.planner.fit_residuals import Residuals, residuals_of
 from turnscope.planner.profile import MODES, CostProfile, Sourced
-from turnscope.planner.queueing import fifo_waits
+from turnscope.planner.queueing import batched_step_waits, fifo_waits
 from turnscope.planner.run_queries import (
     engine_token_budget,
     probe_ttft_s,
@@ -326,15 +326,39 @@ class CostFit:
     residuals: dict[str, Residuals] = dataclasses.field(default_factory=dict)
 
 
-def _queue_waits(turns: pd.DataFrame, service_s: np.ndarray) -> np.ndarray:
-    """Each turn's FIFO wait for its run's prefill (or aggregated) worker, given every turn's
-    worker time ``service_s`` (``turns`` in :func:`fit_costs`'s order: run, then sent_at). The
-    recorded runs have one prefill and one aggregated worker (the embedded topology)."""
+def _queue_waits(turns: pd.DataFrame, service_s: np.ndarray, steps: StepCosts | None = None) -> np.ndarray:
+    """Each turn's wait for its run's prefill (or aggregated) worker, given every turn's worker time
+    ``service_s`` (``turns`` in :func:`fit_costs`'s order: run, then sent_at): first come first
+    served, or with ``steps`` the engine's scheduler steps
+    (:func:`turnscope.planner.queueing.batched_step_waits`), as the forecast has them. The recorded
+    runs have one prefill and one aggregated worker (the embedded topology)."""
     waits = np.zeros(len(turns))
     arrival = turns["arrival_s"].to_numpy(float)
     for idx in turns.groupby("run_id", sort=False).indices.values():
-        waits[idx] = fifo_waits(arrival[idx], service_s[idx], np.zeros(len(idx), dtype=np.int64))
+        one = np.zeros(len(idx), dtype=np.int64)
+        if steps is None:
+            waits[idx] = fifo_waits(arrival[idx], service_s[idx], one)
+        else:
+            a1, a2 = steps.coefficients(idx[0])
+            waits[idx] = batched_step_waits(arrival[idx], steps.cached[idx], steps.prompt[idx], a1, a2,
+                                            steps.budget, one)
     return waits
+
+
+@dataclasses.dataclass
+class StepCosts:
+    """What :func:`_queue_waits` needs for the engine's scheduler steps: the token budget, every
+    turn's prompt and cached tokens, and c(x)'s coefficients per turn in real time (its run's
+    speed factor times P's or the aggregated worker's a1, a2)."""
+
+    budget: int
+    prompt: np.ndarray
+    cached: np.ndarray
+    a1: np.ndarray
+    a2: np.ndarray
+
+    def coefficients(self, i: int) -> tuple[float, float]:
+        return float(self.a1[i]), float(self.a2[i])
 
 
 def fit_costs(turns: pd.DataFrame, prof: CostProfile, queue: bool = True,
@@ -346,8 +370,9 @@ def fit_costs(turns: pd.DataFrame, prof: CostProfile, queue: bool = True,
     lengths a run barely varies. P/D modes share one c (P's prefill plus the hand-off of the new
     tokens' KV to D); the aggregated worker has its own.
 
-    ``wait`` (``queue``): the turn's FIFO wait for its worker behind the turns sent before it in
-    its run (:mod:`turnscope.planner.queueing`, the recorded ``sent_at`` as arrivals), with every
+    ``wait`` (``queue``): the turn's wait for its worker behind the turns sent before it in its
+    run (:mod:`turnscope.planner.queueing`, the recorded ``sent_at`` as arrivals; first come first
+    served, or in the engine's scheduler steps when ``prof`` has ``max_num_batched_tokens``), with every
     turn's worker time ``c(n) - c(cached)`` from the costs being fitted: the fit and the waits are
     iterated to a fixed point (at most :data:`QUEUE_ROUNDS`). The waits use no measured TTFT.
 
@@ -417,7 +442,13 @@ def fit_costs(turns: pd.DataFrame, prof: CostProfile, queue: bool = True,
         if has_agg:
             ga1, ga2 = th[k + 2] / 1e3, th[k + 3] / 1e6
             service = np.where(agg_all, ga1 * (n_all - cached_all) + ga2 * (n_all ** 2 - cached_all ** 2), service)
-        new = _queue_waits(turns, service * f_all) / f_all   # real-time waits, on the reference speed
+        steps = None
+        if prof.max_num_batched_tokens is not None:
+            c1 = np.where(agg_all, ga1, a1) if has_agg else np.full(len(turns), a1)
+            c2 = np.where(agg_all, ga2, a2) if has_agg else np.full(len(turns), a2)
+            steps = StepCosts(int(prof.max_num_batched_tokens.value), n_all.astype(np.int64),
+                              cached_all.astype(np.int64), c1 * f_all, c2 * f_all)
+        new = _queue_waits(turns, service * f_all, steps) / f_all   # real-time waits, on the reference speed
         moved = float(np.max(np.abs(new - waits))) if len(new) else 0.0
         waits = new
         if moved <= QUEUE_TOLERANCE_S:
