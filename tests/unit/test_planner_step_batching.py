@@ -155,3 +155,14 @@ def test_the_budget_of_recorded_runs_comes_from_their_topology(tmp_path):
     assert engine_token_budget(store, ["cpu-default", "cpu-set"]) is None    # the runs disagree
     assert engine_token_budget(store, ["gpu"]) is None                       # GPU default: memory-dependent
     assert engine_token_budget(store, ["none"]) is None
+
+
+def test_an_overloaded_prefill_keeps_first_come_waits():
+    # 40 prompts of 1,000 tokens every 0.05 s on one P of c = 0.1 s each: twice what P can compute,
+    # overloaded by the overload module's rules, so its waits stay first come first served (no
+    # latency is reported for it) rather than being stepped through
+    reqs = [AgentRequest("t", f"s{i}", 0, 0.05 * i, 1000, 32, 0, server_s=1.0) for i in range(40)]
+    src = {"source": "hand-made for the test"}
+    m = plan(reqs, profile(max_num_batched_tokens={"value": 4096} | src), PlanSettings(modes=("pd",))).modes["pd"]
+    assert m.overload is not None
+    assert list(m.queue_wait_s) == pytest.approx([0.05 * i for i in range(40)])    # FIFO: i x (0.1 - 0.05)

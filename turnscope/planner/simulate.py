@@ -403,12 +403,20 @@ class PrefillTtft:
         request's compute (seconds of the worker's time) and its tokens not computed (``cached``);
         0s when queueing is off. With an engine token budget (:attr:`budget`: the settings'
         ``max_num_batched_tokens``, else the profile's) and no shared cores, the engine's scheduler
-        steps (:func:`turnscope.planner.queueing.batched_step_waits`); else first come first served
+        steps (:func:`turnscope.planner.queueing.batched_step_waits`), unless the first-come waits
+        already make the worker overloaded (:mod:`turnscope.planner.overload`: a setting reported
+        as overloaded has no TTFT, so its waits are left first come first served, the steps'
+        cost saved); else first come first served
         per worker, time-shared where workers share cores
         (:func:`turnscope.planner.queueing.shared_core_waits`)."""
         if not self.queue:
             return np.zeros(len(self.tr))
         if self.steps:
+            fifo = shared_core_waits(self.tr.arrival_s, compute, self.worker, self.server)
+            overloaded = never_drains(self.tr.arrival_s, fifo, fifo, np.zeros(0)) is not None or prefill_overload(
+                self.tr.arrival_s, compute, self.server) is not None
+            if overloaded:
+                return fifo   # overloaded on P by :mod:`turnscope.planner.overload`'s rules: no latency to refine
             fit = self.cost.profile.prefill_fit(self.cost.mode)
             return batched_step_waits(self.tr.arrival_s, cached, self.tr.input_tokens, fit.a1_s, fit.a2_s,
                                       self.budget, self.worker)
