@@ -375,9 +375,11 @@ class PrefillTtft:
     traffic at once (:meth:`all`), or request by request in arrival order (:meth:`next`: the handle
     simulation learns a request's tokens when it arrives, and D's queue needs its TTFT then). P
     workers that share their compute (``settings.prefill_servers``) time-share it
-    (:func:`turnscope.planner.queueing.shared_core_waits`): :meth:`next` then gives each request a
-    provisional wait (one FIFO queue for the shared compute: what is known at its arrival) and
-    :meth:`settled_waits` the waits once every request is known."""
+    (:func:`turnscope.planner.queueing.shared_core_waits`), and with an engine token budget prompts
+    share scheduler steps (:func:`turnscope.planner.queueing.batched_step_waits`): :meth:`next` then
+    gives each request a provisional wait (one FIFO queue per server: what is known at its arrival;
+    D's admission queue sees that one) and :meth:`settled_waits` the waits once every request is
+    known (:attr:`provisional`)."""
 
     def __init__(self, tr: Traffic, settings: PlanSettings, mode: str, cost: ModeCost):
         aggregated = mode == AGGREGATED
