@@ -9,7 +9,7 @@ Speaks just enough of vLLM + turnscope's proxy for the loadgen tests:
   each character c is ``CHAR_BASE + ord(c)``. One extra id, ``XY`` (5), decodes to ``"xy"`` but is
   never produced by encoding (which gives ``x``, ``y``): a generated XY re-tokenizes differently,
   like a non-canonical BPE split of a real model.
-* ``POST /v1/chat/completions`` and ``/v1/completions`` (``stream: true``): waits ``ttft_s``, then
+* ``POST /v1/chat/completions`` and ``/v1/completions`` (``stream: true``): waits ``ttft_s`` (plus ``prefill_s_per_token`` per prompt token), then
   streams the ids of ``reply_ids(request_index)`` one per chunk ``itl_s`` apart, with per-chunk
   usage, ``prompt_token_ids`` (chat: top level of the first chunk; completions: in the choice), a
   ``token_ids`` delta per chunk, a final chunk with ``finish_reason`` and the proxy's ``turnscope``
@@ -80,8 +80,9 @@ class StubState:
     def __init__(self, ttft_s: float = 0.05, itl_s: float = 0.01,
                  reply_ids: Callable[[int], list[int]] | None = None,
                  fail_requests: set[int] | None = None, finish_reason: str = "length",
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, prefill_s_per_token: float = 0.0):
         self.ttft_s = ttft_s
+        self.prefill_s_per_token = prefill_s_per_token  # added to ttft_s per prompt token
         self.max_model_len = max_model_len  # GET /v1/models says it (as vLLM does) when set
         self.itl_s = itl_s
         self.reply_ids = reply_ids or (lambda i: encode("ok") + [XY] + encode("."))
@@ -168,7 +169,7 @@ class _Handler(BaseHTTPRequestHandler):
         if chat:
             send({"id": rid, "object": obj, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
                   "prompt_token_ids": prompt_ids, "usage": usage(0)})
-        time.sleep(st.ttft_s)
+        time.sleep(st.ttft_s + st.prefill_s_per_token * len(prompt_ids or []))
         for i, t in enumerate(gen):
             if i:
                 time.sleep(st.itl_s)

@@ -25,6 +25,14 @@ from turnscope.core.contract import Role
 
 #: Prompt tokens of a probe (a short prefill: fast on any machine, long enough to be compute).
 PROBE_TOKENS = 256
+#: Prompt tokens of the **compute probe**, sent beside the short one: its TTFT less the short
+#: probe's is the compute of the tokens between the two lengths, without the fixed cost both pay
+#: (HTTP, the engine's frontend, a step). The short probe alone is mostly fixed cost on a small
+#: model (44 ms, of which c(256) is 18 ms, on the embedded profile) and reads a busy machine's
+#: compute slowdown short (docs/planner/concurrency.md).
+COMPUTE_PROBE_TOKENS = 2048
+#: The lengths sent at each phase, in this order, :data:`PROBES_PER_PHASE` times.
+PROBE_LENGTHS = (PROBE_TOKENS, COMPUTE_PROBE_TOKENS)
 #: Seconds a probe may take before it is recorded as an error.
 PROBE_TIMEOUT_S = 60.0
 #: Probes sent back to back at each phase of a run: the run's factor is the median of its probes,
@@ -84,9 +92,10 @@ def probe(url: str, model: str, salt: str, tokens: int = PROBE_TOKENS,
 
 def probe_run(writer, run_id: str, phase: str, endpoints: Sequence[tuple[str, str]], model: str,
               probes: int = PROBES_PER_PHASE, headers: Mapping[str, dict[str, str]] | None = None,
-              verify: object = True) -> list[dict]:
-    """Probe the run's target worker (:func:`probe_target`) ``probes`` times back to back, each with
-    a salt of its own, and append one ``run_probes`` row per probe (``phase``: ``start`` | ``end``)
+              verify: object = True, lengths: Sequence[int] = PROBE_LENGTHS) -> list[dict]:
+    """Probe the run's target worker (:func:`probe_target`) ``probes`` times back to back, each time
+    one probe of each of ``lengths`` (prompt tokens: the short probe, then the compute probe), each
+    with a salt of its own, and append one ``run_probes`` row per probe (``phase``: ``start`` | ``end``)
     with ``writer`` (a store writer of the run); returns the rows (none when the run has no worker
     to probe). ``headers``: per base URL, what a request to it carries (its API key); ``verify``:
     TLS verification."""
@@ -96,9 +105,10 @@ def probe_run(writer, run_id: str, phase: str, endpoints: Sequence[tuple[str, st
     url, role = target
     rows = []
     for k in range(probes):
-        row = {"run_id": run_id, "phase": phase, "target": role} | probe(
-            url, model, salt=f"turnscope-probe-{run_id}-{phase}-{k}", headers=(headers or {}).get(url),
-            verify=verify)
-        writer.append("run_probes", row)
-        rows.append(row)
+        for tokens in lengths:
+            salt = f"turnscope-probe-{run_id}-{phase}-{k}" + ("" if tokens == PROBE_TOKENS else f"-{tokens}")
+            row = {"run_id": run_id, "phase": phase, "target": role} | probe(
+                url, model, salt=salt, tokens=tokens, headers=(headers or {}).get(url), verify=verify)
+            writer.append("run_probes", row)
+            rows.append(row)
     return rows

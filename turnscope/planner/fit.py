@@ -40,6 +40,7 @@ from scipy.optimize import least_squares
 from loadgen.traces.recorded_runs import read_recorded_runs
 from turnscope.analysis import sweep_stats as sweep
 from turnscope.analysis.worker_cache import cache_config
+from turnscope.conductor.speed_probe import COMPUTE_PROBE_TOKENS, PROBE_TOKENS
 from turnscope.core.contract import ROUND_ROBIN, SESSION, WORKER_ROLES, Role
 from turnscope.core.modes import AGGREGATED, RECOMPUTE_MODE, SERVING_MODES
 from turnscope.core.store import Store
@@ -134,14 +135,33 @@ def run_speed_factors(probes: dict[str, float]) -> dict[str, float]:
     return {r: t / ref for r, t in probes.items()}
 
 
-def on_run_speed(profile: CostProfile, run_probe_s: float | None) -> tuple[CostProfile, float | None]:
+def on_run_speed(profile: CostProfile, run_probe_s: float | None, run_compute_s: float | None = None,
+                 mode: str = RECOMPUTE_MODE) -> tuple[CostProfile, float | None]:
     """``profile`` put on a run's machine speed: scaled by the run's probe TTFT over the profile's
-    (:meth:`CostProfile.at_speed`) when both exist; else unchanged. Returns (profile, factor or None)."""
+    (:meth:`CostProfile.at_speed`) when both exist; else unchanged. With the run's compute probe
+    (``run_compute_s``: :func:`turnscope.planner.run_queries.compute_probe_s`) the prefill curves
+    are scaled by it over what the profile's own c(x) gives for the same tokens (``mode``'s curve:
+    the aggregated worker's in ``aggregated``, P's else), ``c(COMPUTE_PROBE_TOKENS) -
+    c(PROBE_TOKENS)``, and b0 alone by the short probe. Returns (profile, the short probe's factor
+    or None)."""
+    compute = None
+    if run_compute_s is not None and run_compute_s > 0:
+        fit = profile.prefill_fit(mode)
+        ref = float(fit.cost_s(COMPUTE_PROBE_TOKENS) - fit.cost_s(PROBE_TOKENS))
+        compute = run_compute_s / ref if ref > 0 else None
     if run_probe_s is None or profile.probe_ttft_s is None:
-        return profile, None
+        if compute is None:
+            return profile, None
+        return profile.at_speed(1.0, "no speed probe", compute, _compute_why(run_compute_s, compute)), None
     factor = run_probe_s / profile.probe_ttft_s.value
     return profile.at_speed(factor, f"speed probe {run_probe_s * 1e3:.1f} ms on the run vs "
-                                    f"{profile.probe_ttft_s.value * 1e3:.1f} ms where fitted"), factor
+                                    f"{profile.probe_ttft_s.value * 1e3:.1f} ms where fitted", compute,
+                            None if compute is None else _compute_why(run_compute_s, compute)), factor
+
+
+def _compute_why(run_compute_s: float, factor: float) -> str:
+    return (f"compute probe: {COMPUTE_PROBE_TOKENS:,} less {PROBE_TOKENS} tokens took {run_compute_s * 1e3:.1f} ms "
+            f"on the run, {factor:.3g}x the profile's c(x)")
 
 
 def _cache_config(store: Store, run_ids: Sequence[str]) -> dict[str, dict]:

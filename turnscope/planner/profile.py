@@ -183,20 +183,23 @@ class CostProfile(BaseModel):
         cached = np.minimum(np.asarray(cached_tokens, dtype=float), n)
         return self.b0(mode) + fit.cost_s(n) - fit.cost_s(cached) + self.pull_s(pulled_tokens)
 
-    def at_speed(self, factor: float, why: str) -> CostProfile:
+    def at_speed(self, factor: float, why: str, compute_factor: float | None = None,
+                 compute_why: str | None = None) -> CostProfile:
         """This profile on a machine ``factor`` times slower (> 1) or faster (< 1): every b0 and the
-        prefill curves c(x) (P's and the aggregated worker's) multiplied by ``factor``; pulls, KV
-        space, decode and render unchanged (docs/planner/calibration.md). ``why`` joins each
+        prefill curves c(x) (P's and the aggregated worker's) multiplied by ``factor``, or the
+        curves by ``compute_factor`` when given (the compute probe's, docs/planner/calibration.md);
+        pulls, KV space, decode and render unchanged. ``why`` (and ``compute_why``) join each
         scaled figure's source."""
-        def scaled(f: Sourced | None) -> Sourced | None:
-            return None if f is None else Sourced(value=f.value * factor, source=f"{f.source}; x {factor:.4g} ({why})")
+        def scaled(f: Sourced | None, by: float = factor, because: str = why) -> Sourced | None:
+            return None if f is None else Sourced(value=f.value * by, source=f"{f.source}; x {by:.4g} ({because})")
 
+        cf, cw = (factor, why) if compute_factor is None else (compute_factor, compute_why or why)
         return self.model_copy(update={
             "b0_default_s": scaled(self.b0_default_s), "b0_s": {m: scaled(b) for m, b in self.b0_s.items()},
-            "prefill_a1_s_per_token": scaled(self.prefill_a1_s_per_token),
-            "prefill_a2_s_per_token2": scaled(self.prefill_a2_s_per_token2),
-            "aggregated_prefill_a1_s_per_token": scaled(self.aggregated_prefill_a1_s_per_token),
-            "aggregated_prefill_a2_s_per_token2": scaled(self.aggregated_prefill_a2_s_per_token2)})
+            "prefill_a1_s_per_token": scaled(self.prefill_a1_s_per_token, cf, cw),
+            "prefill_a2_s_per_token2": scaled(self.prefill_a2_s_per_token2, cf, cw),
+            "aggregated_prefill_a1_s_per_token": scaled(self.aggregated_prefill_a1_s_per_token, cf, cw),
+            "aggregated_prefill_a2_s_per_token2": scaled(self.aggregated_prefill_a2_s_per_token2, cf, cw)})
 
     def capacity_tokens(self, role: str) -> int | None:
         """KV space of one worker of ``role`` (prefill, decode, aggregated) in tokens; None: unbounded."""

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import pandas as pd
 
+from turnscope.conductor.speed_probe import COMPUTE_PROBE_TOKENS, PROBE_TOKENS
 from turnscope.core.store import Store
 from turnscope.planner.profile import MODES
 from turnscope.planner.queueing import VLLM_CPU_MAX_NUM_BATCHED_TOKENS
@@ -62,17 +63,31 @@ def run_config_row(store: Store, run_id: str) -> tuple:
         con.close()
 
 
-def probe_ttft_s(store: Store, run_ids: Sequence[str]) -> dict[str, float]:
-    """Run id -> the median TTFT of its ok speed probes (``run_probes``, :mod:`turnscope.conductor.speed_probe`),
-    seconds; runs without one are absent."""
+def _probe_medians(store: Store, run_ids: Sequence[str], tokens: int) -> dict[str, float]:
     con = store.connect()
     try:
         rows = con.execute(f"SELECT run_id, median(ttft_s) FROM run_probes WHERE status = 'ok' AND ttft_s > 0 "
-                           f"AND run_id IN ({_marks(run_ids)}) GROUP BY run_id",
-                           list(run_ids)).fetchall()
+                           f"AND prompt_tokens = ? AND run_id IN ({_marks(run_ids)}) GROUP BY run_id",
+                           [tokens, *run_ids]).fetchall()
     finally:
         con.close()
     return {r: float(t) for r, t in rows}
+
+
+def probe_ttft_s(store: Store, run_ids: Sequence[str]) -> dict[str, float]:
+    """Run id -> the median TTFT of its ok speed probes (``run_probes`` of
+    :data:`turnscope.conductor.speed_probe.PROBE_TOKENS` prompt tokens), seconds; runs without one
+    are absent."""
+    return _probe_medians(store, run_ids, PROBE_TOKENS)
+
+
+def compute_probe_s(store: Store, run_ids: Sequence[str]) -> dict[str, float]:
+    """Run id -> the median TTFT of its compute probes less that of its short probes
+    (:data:`turnscope.conductor.speed_probe.COMPUTE_PROBE_TOKENS` and ``PROBE_TOKENS`` prompt
+    tokens), seconds: the compute of the tokens between the two lengths on the run's machine; runs
+    without both (recorded before the compute probe) are absent."""
+    short, long = probe_ttft_s(store, run_ids), _probe_medians(store, run_ids, COMPUTE_PROBE_TOKENS)
+    return {r: long[r] - short[r] for r in long if r in short}
 
 
 def runs_of(store: Store) -> list[str]:
