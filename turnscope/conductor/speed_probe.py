@@ -21,16 +21,8 @@ from collections.abc import Mapping, Sequence
 import httpx
 from httpx_sse import SSEError, connect_sse
 
-from turnscope.core.contract import Role
+from turnscope.core.contract import COMPUTE_PROBE_TOKENS, PROBE_TOKENS, Role
 
-#: Prompt tokens of a probe (a short prefill: fast on any machine, long enough to be compute).
-PROBE_TOKENS = 256
-#: Prompt tokens of the **compute probe**, sent beside the short one: its TTFT less the short
-#: probe's is the compute of the tokens between the two lengths, without the fixed cost both pay
-#: (HTTP, the engine's frontend, a step). The short probe alone is mostly fixed cost on a small
-#: model (44 ms, of which c(256) is 18 ms, on the embedded profile) and reads a busy machine's
-#: compute slowdown short (docs/planner/concurrency.md).
-COMPUTE_PROBE_TOKENS = 2048
 #: The lengths sent at each phase, in this order, :data:`PROBES_PER_PHASE` times.
 PROBE_LENGTHS = (PROBE_TOKENS, COMPUTE_PROBE_TOKENS)
 #: Seconds a probe may take before it is recorded as an error.

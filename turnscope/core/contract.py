@@ -195,3 +195,15 @@ def error_body_text(status: int, text: str) -> str:
             if body.get(k):
                 return f"HTTP {status}: {body[k]}"
     return f"HTTP {status}: {text[:ERROR_BODY_LIMIT]}"
+
+
+# -- the speed probes (``run_probes``): written by the conductor, read by the planner -------------
+
+#: Prompt tokens of the speed probe (a short prefill: fast on any machine, long enough to be compute).
+PROBE_TOKENS = 256
+#: Prompt tokens of the **compute probe**, sent beside the short one: its TTFT less the short
+#: probe's is the compute of the tokens between the two lengths, without the fixed cost both pay
+#: (HTTP, the engine's frontend, a step). The short probe alone is mostly fixed cost on a small
+#: model (44 ms, of which c(256) is 18 ms, on the embedded profile) and reads a busy machine's
+#: compute slowdown short (docs/planner/concurrency.md).
+COMPUTE_PROBE_TOKENS = 2048

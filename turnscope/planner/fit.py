@@ -40,8 +40,14 @@ from scipy.optimize import least_squares
 from loadgen.traces.recorded_runs import read_recorded_runs
 from turnscope.analysis import sweep_stats as sweep
 from turnscope.analysis.worker_cache import cache_config
-from turnscope.conductor.speed_probe import COMPUTE_PROBE_TOKENS, PROBE_TOKENS
-from turnscope.core.contract import ROUND_ROBIN, SESSION, WORKER_ROLES, Role
+from turnscope.core.contract import (
+    COMPUTE_PROBE_TOKENS,
+    PROBE_TOKENS,
+    ROUND_ROBIN,
+    SESSION,
+    WORKER_ROLES,
+    Role,
+)
 from turnscope.core.modes import AGGREGATED, RECOMPUTE_MODE, SERVING_MODES
 from turnscope.core.store import Store
 from turnscope.planner.fit_residuals import Residuals, residuals_of

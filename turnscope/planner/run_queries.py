@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from turnscope.conductor.speed_probe import COMPUTE_PROBE_TOKENS, PROBE_TOKENS
+from turnscope.core.contract import COMPUTE_PROBE_TOKENS, PROBE_TOKENS
 from turnscope.core.store import Store
 from turnscope.planner.profile import MODES
 from turnscope.planner.queueing import VLLM_CPU_MAX_NUM_BATCHED_TOKENS
@@ -76,14 +76,14 @@ def _probe_medians(store: Store, run_ids: Sequence[str], tokens: int) -> dict[st
 
 def probe_ttft_s(store: Store, run_ids: Sequence[str]) -> dict[str, float]:
     """Run id -> the median TTFT of its ok speed probes (``run_probes`` of
-    :data:`turnscope.conductor.speed_probe.PROBE_TOKENS` prompt tokens), seconds; runs without one
+    :data:`turnscope.core.contract.PROBE_TOKENS` prompt tokens), seconds; runs without one
     are absent."""
     return _probe_medians(store, run_ids, PROBE_TOKENS)
 
 
 def compute_probe_s(store: Store, run_ids: Sequence[str]) -> dict[str, float]:
     """Run id -> the median TTFT of its compute probes less that of its short probes
-    (:data:`turnscope.conductor.speed_probe.COMPUTE_PROBE_TOKENS` and ``PROBE_TOKENS`` prompt
+    (:data:`turnscope.core.contract.COMPUTE_PROBE_TOKENS` and ``PROBE_TOKENS`` prompt
     tokens), seconds: the compute of the tokens between the two lengths on the run's machine; runs
     without both (recorded before the compute probe) are absent."""
     short, long = probe_ttft_s(store, run_ids), _probe_medians(store, run_ids, COMPUTE_PROBE_TOKENS)
