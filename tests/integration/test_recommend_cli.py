@@ -168,6 +168,8 @@ def test_recommend_at_a_load_names_overload_and_no_ttft_past_the_horizon(tmp_pat
     out = r.output
     load = f"{int(rate):,} new sessions per hour (Poisson starts, seed 0; 60 sessions drawn from 24 session trees)"
     assert out.index("Fleet per strategy") < out.index("Ledger of retention strategies") and load in out
+    # the ledger and the recommendation each say the load they were forecast at, not only the heading
+    assert out.count(load) >= 4
     assert out.count("no held-out interval") == 2     # said once per report part (head and ledger), not per figure
     horizon = re.search(r"requests over ([\d.,]+) (h|min|s)\b", out)
     horizon_s = float(horizon.group(1).replace(",", "")) * {"h": 3600, "min": 60, "s": 1}[horizon.group(2)]

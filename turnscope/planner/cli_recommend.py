@@ -118,8 +118,8 @@ def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | No
     parts = [head, fleets_text]
     if points:
         parts.append(describe_curve(points, loaded.load, fleet_limits))
-    parts += [f"At the current setting ({current.label()}):\n" + table,
-              describe(rec, prof, base, limits, serve_model, platform, topology)]
+    parts += [f"At the current setting ({current.label()}), at {loaded.label()}:\n" + table,
+              f"At {loaded.label()}:\n" + describe(rec, prof, base, limits, serve_model, platform, topology)]
     text = "\n\n".join(parts)
     if write_topology is not None:
         from turnscope.planner.recommend_topology import default_topology, model_seen_from, topology_diff
