@@ -11,6 +11,7 @@ fixture's scrapes give D's KV space, so D's queue is not modelled)."""
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 
 from tests import capacity_store as cs
@@ -101,4 +102,22 @@ def test_plan_check_takes_the_ramps_intervals_from_the_profile_not_from_this_che
                                                                                              exclude_none=True)))
     r = CliRunner().invoke(app, ["plan-check", "--profile", str(path), "--check-store", str(store.root)])
     assert r.exit_code == 0, r.output
-    assert "4 sessions, pd-bidir: TTFT p90 900 ms measured, 600 ms forecast (80% interval 540-900 ms)" in r.output
+    # the step's own MARE: 6 turns measured 0.15 s (error |0.6 - 0.15| / 0.15 = 300%), 4 at 0.9 s (33%): median 300%
+    assert ("4 sessions, pd-bidir: TTFT p90 900 ms measured, 600 ms forecast (80% interval 540-900 ms, "
+            "TTFT MARE 300.0%)") in r.output
+
+
+def test_each_step_line_carries_its_own_mare(ramp):
+    """A step's TTFT MARE is its own run's (the held-out check's per-run errors): two turns off by
+    20% and 100% of the measured give a median of 60%."""
+    from turnscope.planner import held_out
+
+    measured, forecast, _ = ramp
+    step = measured[(measured["mode"] == "pd-bidir") & (measured["users"] == 4)]["run_id"].item()
+    checks = pd.DataFrame({"checked_run_id": step, "mode": "pd-bidir", "turn_index": [0, 1], "status": "ok",
+                           "predicted_ttft_s": [0.1, 0.2], "measured_ttft_s": [0.125, 0.1],
+                           "recorded_outcome": "miss", "predicted_outcome": "miss", "outcome_match": True,
+                           "recorded_pulled_tokens": 0, "predicted_pulled_tokens": 0})
+    text = cf.describe(measured, forecast, run_errors=held_out.run_errors(checks))
+    assert "4 sessions, pd-bidir: TTFT p90 900 ms measured, 600 ms forecast (no held-out interval, TTFT MARE 60.0%)" in text
+    assert text.count("TTFT MARE") == 1   # the other steps were not checked

@@ -235,7 +235,7 @@ def plan_check(
     if split_terms:
         typer.echo(run_split(Store(check_store), terms, split.check_runs))
     if not ramps.empty:
-        typer.echo(capacity_forecast.describe(ramps, ramp_forecast, ramp_turns))
+        typer.echo(capacity_forecast.describe(ramps, ramp_forecast, ramp_turns, held_out.run_errors(checks)))
     if write_profile is not None:
         typer.echo(f"Profile {prof.name} with its held-out errors written to {write_profile}.")
 

@@ -211,11 +211,14 @@ def eviction_lines(cid: str, measured: pd.DataFrame, forecast: pd.DataFrame, tur
     return lines
 
 
-def describe(measured: pd.DataFrame, forecast: pd.DataFrame, turns: pd.DataFrame | None = None) -> str:
+def describe(measured: pd.DataFrame, forecast: pd.DataFrame, turns: pd.DataFrame | None = None,
+             run_errors: pd.DataFrame | None = None) -> str:
     """The capacity lines of ``turnscope plan-check``: per ramp the crossing and the step where D fills,
     measured and forecast (within one step: the held-out target), and per step the forecast next to
-    the measured figures; for a ramp with P's KV space set and ``turns`` given
-    (:func:`measured_turns`), the eviction ladder's lines (:func:`eviction_lines`)."""
+    the measured figures, with the step's TTFT MARE where ``run_errors`` (the held-out check's
+    :func:`turnscope.planner.held_out.run_errors`) has its run; for a ramp with P's KV space set and
+    ``turns`` given (:func:`measured_turns`), the eviction ladder's lines (:func:`eviction_lines`)."""
+    mare = {} if run_errors is None else dict(zip(run_errors["checked_run_id"], run_errors["ttft_mare"], strict=True))
     lines = []
     for cid, meas, fc in crossings(measured, forecast):
         m_ramp, f_ramp = measured[measured["capacity_id"] == cid], forecast[forecast["capacity_id"] == cid]
@@ -235,8 +238,9 @@ def describe(measured: pd.DataFrame, forecast: pd.DataFrame, turns: pd.DataFrame
         for r in both.sort_values(["users", "mode"]).itertuples():
             iv = ("no held-out interval" if np.isnan(r.ttft_p90_interval_low_s) else
                   f"80% interval {r.ttft_p90_interval_low_s * 1e3:,.0f}-{r.ttft_p90_interval_high_s * 1e3:,.0f} ms")
+            step_mare = f", TTFT MARE {mare[r.run_id]:.1%}" if r.run_id in mare else ""
             lines.append(f"    {r.users} sessions, {r.mode}: TTFT p90 {r.ttft_p90_s * 1e3:,.0f} ms measured, "
-                         f"{r.ttft_p90_s_fc * 1e3:,.0f} ms forecast ({iv}); goodput {r.goodput_per_s:.2f} turns/s measured; "
+                         f"{r.ttft_p90_s_fc * 1e3:,.0f} ms forecast ({iv}{step_mare}); goodput {r.goodput_per_s:.2f} turns/s measured; "
                          f"D peak {r.decode_kv_usage_max:.0%} of its KV in use measured, "
                          + ("not forecast (D's KV space unknown: neither the profile nor the run's scrapes give it)"
                             if np.isnan(r.d_in_use_peak_fraction) else
