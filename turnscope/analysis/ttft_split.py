@@ -6,8 +6,8 @@ the run (docs/planner/concurrency.md).
 :func:`turnscope.planner.check.forecast_terms`): ``compute`` (c(n) - c(cached) on P or the
 aggregated worker), ``pull`` (P's read of D's KV), ``queue_p`` (the wait for the prefill worker),
 ``wait_d`` (the wait on D for room in its KV space), ``fixed`` (the mode's b0 and the chat renders)
-and ``contention`` (compute added where the engine ran slower than the run's median, with
-``--speed-through-run``; else 0).
+and ``contention`` (the host's share: the request's own work slowed by the others in flight,
+:mod:`turnscope.planner.host_contention`; 0 where the profile has no such term).
 
 **Measured** (per run, from the increases of vLLM's request histograms over the run,
 ``metric_increases``; vLLM 0.32 ``v1/metrics/stats.py`` ``update_from_finished_request``: queue =

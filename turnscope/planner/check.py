@@ -58,8 +58,9 @@ def forecast_terms(tr: Traffic, m: ModePlan, profile: CostProfile, settings: Pla
     (``c(n) - c(cached)``, :meth:`CostProfile.prefill_compute_s`), ``pull``
     (:meth:`CostProfile.pull_s`), ``queue_p`` (``m.queue_wait_s``), ``wait_d`` (``m.decode_wait_s``),
     ``fixed`` (b0 of the mode plus the chat renders, :meth:`CostProfile.render_s` x
-    :data:`turnscope.planner.simulate.RENDERS`, one more for a handle taken), ``contention`` (0: the
-    forecast has no such term) and ``ttft`` (``m.ttft_s``), which the terms sum to
+    :data:`turnscope.planner.simulate.RENDERS`, one more for a handle taken), ``contention``
+    (``m.contention_s``, :mod:`turnscope.planner.host_contention`; 0 where the profile has no such
+    term) and ``ttft`` (``m.ttft_s``), which the terms sum to
     (the cost model: docs/planner/simulation.md). Columns also: session_id, turn_index."""
     n = tr.input_tokens
     took = np.isin(m.outcome_names(), TOOK_HANDLE)
@@ -68,7 +69,8 @@ def forecast_terms(tr: Traffic, m: ModePlan, profile: CostProfile, settings: Pla
     return pd.DataFrame({"session_id": tr.session, "turn_index": tr.request_index,
                          "compute": profile.prefill_compute_s(m.mode, n, m.local_tokens + m.pulled_tokens),
                          "pull": profile.pull_s(m.pulled_tokens), "queue_p": m.queue_wait_s, "wait_d": wait_d,
-                         "fixed": profile.b0(m.mode) + render, "contention": np.zeros(len(tr)), "ttft": m.ttft_s})
+                         "fixed": profile.b0(m.mode) + render,
+                         "contention": m.contention_s if m.contention_s.size else np.zeros(len(tr)), "ttft": m.ttft_s})
 
 
 def check_runs(store: Store, run_ids: Sequence[str], profile: CostProfile) -> pd.DataFrame:

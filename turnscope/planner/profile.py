@@ -100,6 +100,10 @@ class CostProfile(BaseModel):
       aggregated) workers, tokens: prompts that overlap are computed in shared steps
       (:func:`turnscope.planner.queueing.batched_step_waits`; absent: each prompt holds its worker
       alone, first come first served).
+    * ``host_contention_per_request``: how much a request's own work on the TTFT path (compute, pull,
+      b0, renders) grows per other request in flight on the same host, dimensionless
+      (``bench/host_contention.py``; :mod:`turnscope.planner.host_contention`; absent: no such term,
+      as on a serving host whose proxy and clients do not share the workers' cores).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -129,6 +133,7 @@ class CostProfile(BaseModel):
     gpus_per_worker: Sourced | None = None
     gpu_memory_bytes: Sourced | None = None
     max_num_batched_tokens: Sourced | None = None
+    host_contention_per_request: Sourced | None = None
     left_out: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")

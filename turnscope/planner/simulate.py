@@ -37,7 +37,9 @@ simulation adds is time and space:
 * **TTFT** (:class:`PrefillTtft`): the profile's cost of each request (:class:`ModeCost`), plus its
   FIFO wait for its prefill (or aggregated) worker (:mod:`turnscope.planner.queueing`), for chat
   traffic the renders of its messages to token ids, and in P/D its wait on D for room in D's KV
-  space (:mod:`turnscope.planner.decode_admission`).
+  space (:mod:`turnscope.planner.decode_admission`); with the profile's
+  ``host_contention_per_request``, its own work slowed by the others in flight on the host
+  (:mod:`turnscope.planner.host_contention`).
 
 Outcomes are the contract's (``turnscope.core.contract``) plus ``miss_d_full``; ``aggregated`` has none
 (the proxy does not decide reuse there) and one-way P/D's later turns are
@@ -70,6 +72,7 @@ from turnscope.core.contract import (
     Role,
 )
 from turnscope.core.modes import AGGREGATED, BIDIRECTIONAL_MODES, RECOMPUTE_MODE, SERVING_MODES, serving_mode
+from turnscope.planner import host_contention
 from turnscope.planner.decode_admission import DecodeAdmission, DecodeSpace, HandlesOnD, one_way_admission
 from turnscope.planner.overload import (
     Overload,
@@ -234,8 +237,9 @@ class ModePlan:
     """One mode's forecast, one entry per request of the :class:`Traffic` (its order).
 
     ``outcome`` holds codes into :data:`OUTCOMES`; tokens are counts; ``ttft_s`` seconds (of
-    which ``queue_wait_s`` waiting for the prefill worker and ``decode_wait_s`` for room in D's KV
-    space: :mod:`turnscope.planner.decode_admission`, empty where not modelled); ``handle_age_s``
+    which ``queue_wait_s`` waiting for the prefill worker, ``decode_wait_s`` for room in D's KV
+    space: :mod:`turnscope.planner.decode_admission`, empty where not modelled, and ``contention_s``
+    host contention: :mod:`turnscope.planner.host_contention`, empty where the profile has none); ``handle_age_s``
     NaN where no handle was taken. ``held_t_s``/``held_bytes``: D's pinned KV
     after each change (bidirectional modes; empty otherwise); ``d_full_events``: handles lost;
     ``d_peak_in_use_bytes``: the most KV in use on D at once, pinned handles plus running requests
@@ -257,6 +261,7 @@ class ModePlan:
     decode_wait_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
     d_peak_in_use_bytes: float = np.nan
     overload: Overload | None = None
+    contention_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @property
     def recomputed_tokens(self) -> np.ndarray:
@@ -297,10 +302,11 @@ class ModePlan:
             for name in ("outcome", "pulled_tokens", "local_tokens", "ttft_s", "handle_age_s", "queue_wait_s",
                          "prompt_tokens"):
                 getattr(out, name)[rows] = getattr(m, name)
-            if m.decode_wait_s.size:
-                if not out.decode_wait_s.size:
-                    out.decode_wait_s = np.zeros(n)
-                out.decode_wait_s[rows] = m.decode_wait_s
+            for name in ("decode_wait_s", "contention_s"):
+                if getattr(m, name).size:
+                    if not getattr(out, name).size:
+                        setattr(out, name, np.zeros(n))
+                    getattr(out, name)[rows] = getattr(m, name)
             if m.held_t_s.size:
                 held_t.append(m.held_t_s - m.held_t_s[0] + end)
                 held_b.append(m.held_bytes)
@@ -791,6 +797,13 @@ def plan(requests: Iterable[AgentRequest] | Traffic, profile: CostProfile,
             if kind.disaggregated:
                 d_wait, d_peak = one_way_decode(tr, profile, settings, ttft)
             ttft = ttft + d_wait
+        contention = np.zeros(0)
+        if profile.host_contention_per_request is not None:
+            # in flight by the traffic's own ends (as the handles' pins); the engine's events above
+            # keep the uncontended times, the client's TTFT takes the term
+            contention = host_contention.contention_s(profile.host_contention_per_request.value, tr.arrival_s,
+                                                      finish, ttft - wait - d_wait)
+            ttft = ttft + contention
         if (d_wait > 0).any():
             notes.append(f"{mode}: {int((d_wait > 0).sum())} of {len(tr)} requests wait on D for room in its KV space "
                          f"(mean {d_wait.mean():,.2f} s, longest {d_wait.max():,.1f} s). Arrivals are the traffic's "
@@ -801,7 +814,7 @@ def plan(requests: Iterable[AgentRequest] | Traffic, profile: CostProfile,
         mp = ModePlan(mode, outcome, pulled, local, ttft, ages, wait, held_t, held_b, d_full, decode_wait_s=d_wait,
                       d_peak_in_use_bytes=d_peak * block * profile.kv_bytes_per_token.value,
                       overload=mode_overload(tr, profile, settings, mode, compute, prefill.server, ttft, wait, d_wait,
-                                             held_t, held_b))
+                                             held_t, held_b), contention_s=contention)
         mp.prompt_tokens = n
         out[mode] = mp
     return Plan(tr, profile, settings, out, notes)
