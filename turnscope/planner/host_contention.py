@@ -1,5 +1,5 @@
 """Host contention: a request's own work slowed by the other requests in flight on the same host
-(docs/planner/simulation.md, "Host contention").
+(docs/planner/simulation.md).
 
 On a machine whose proxy, load generator and engine frontends share the cores with the workers'
 compute (the embedded default: two cores), every other request streaming its reply takes host time
