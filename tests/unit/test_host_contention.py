@@ -61,3 +61,16 @@ def test_the_plan_adds_the_term_to_the_ttft_only():
     assert with_term.contention_s == pytest.approx([0.0, 0.055])
     assert with_term.queue_wait_s == pytest.approx(base.queue_wait_s)   # the engine's events keep their times
     assert base.contention_s.size == 0
+
+
+def test_the_split_shows_the_term_and_the_terms_still_sum_to_the_ttft():
+    from turnscope.planner.check import forecast_terms
+
+    reqs = [AgentRequest(session_id="a", request_index=0, arrival_s=0.0, input_tokens=1000, output_tokens=100, source="t"),
+            AgentRequest(session_id="b", request_index=0, arrival_s=0.5, input_tokens=500, output_tokens=100, source="t")]
+    settings = PlanSettings(modes=("aggregated",))
+    p = plan(reqs, profile(0.1), settings)
+    terms = forecast_terms(p.traffic, p.modes["aggregated"], p.profile, settings)
+    assert terms["contention"].tolist() == pytest.approx([0.0, 0.055])
+    parts = terms[["compute", "pull", "queue_p", "wait_d", "fixed", "contention"]].sum(axis=1)
+    assert parts.tolist() == pytest.approx(terms["ttft"].tolist())

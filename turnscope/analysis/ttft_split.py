@@ -131,7 +131,7 @@ ROWS = (
     ("wait on D", "wait_d", "wait_d", "D's vllm:request_queue_time_seconds (hand-off of P's KV + room)"),
     ("D's first step", None, "d_first_step", "D's vllm:request_prefill_time_seconds (forecast: in b0)"),
     ("b0 + renders", "fixed", "fixed", "measured: the rest (proxy, HTTP, renders, frontends)"),
-    ("contention", "contention", None, "not separable: inside every measured term"),
+    ("contention", "contention", None, "forecast: the host, others in flight; measured: inside every term"),
     ("TTFT", "ttft", "ttft", "turns.ttft_s"),
 )
 
