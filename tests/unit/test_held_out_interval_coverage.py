@@ -75,3 +75,15 @@ def test_run_errors_per_run_by_hand():
     # p90 forecast (numpy linear): a: 0.28 over 0.2 measured -> +40%; b: 0.1 over 0.19 -> -47.4%
     assert e.loc["a", "p90_ttft_error"] == pytest.approx(0.28 / 0.2 - 1)
     assert e.loc["b", "p90_ttft_error"] == pytest.approx(0.1 / 0.19 - 1)
+
+
+def test_describe_names_the_runs_without_a_speed_probe():
+    split = held_out.Split(None, (), "B", ("a", "b"), profile_path="p.yaml")
+    rows = pd.concat([checks("pd", [0.1], [0.1]).assign(checked_run_id="a", speed_factor=1.5),
+                      checks("pd", [0.1], [0.1]).assign(checked_run_id="b", speed_factor=float("nan"))],
+                     ignore_index=True)
+    text = held_out.describe(split, held_out.held_out_summary(rows), rows)
+    assert ("1 checked run(s) have no speed probe, so their forecasts are at the profile's own speed, not the "
+            "run's (b)") in text
+    probed = rows.assign(speed_factor=2.0)
+    assert "no speed probe" not in held_out.describe(split, held_out.held_out_summary(probed), probed)

@@ -121,6 +121,14 @@ def run_errors(checks: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["checked_run_id", "ok_turns", "ttft_mare", "p90_ttft_error"])
 
 
+def _runs_without_probe(checks: pd.DataFrame) -> list[str]:
+    """The checked runs whose forecasts were not put on their speed (``speed_factor`` NaN), in order."""
+    if "speed_factor" not in checks:
+        return []
+    per_run = checks.groupby("checked_run_id", sort=False)["speed_factor"].apply(lambda f: f.isna().all())
+    return [str(r) for r, none in per_run.items() if none]
+
+
 def _in_interval(turns: pd.DataFrame, profile: CostProfile | None, mode: str) -> float:
     """The share of ``turns`` (one mode's ok turns) whose measured TTFT lies in the forecast's 80%
     interval (ends included); NaN without one."""
@@ -232,6 +240,11 @@ def describe(split: Split, summary: pd.DataFrame, checks: pd.DataFrame | None = 
                      f"({verdict(r.error_p90_pass)}); p90 TTFT {r.ttft_p90_forecast_s * 1e3:,.1f} ms forecast vs "
                      f"{r.ttft_p90_measured_s * 1e3:,.1f} ms measured ({r.p90_ttft_error:+.1%}, "
                      f"{verdict(r.p90_ttft_pass)}); {hit}; {pulled}{held}")
+    unscaled = _runs_without_probe(checks) if checks is not None and not split.rerun else []
+    if unscaled:
+        lines.append(f"  {len(unscaled)} checked run(s) have no speed probe, so their forecasts are at the profile's own "
+                     f"speed, not the run's ({', '.join(unscaled)}): a Locust run through `turnscope serve` has none; "
+                     "`turnscope eval` and `turnscope capacity` probe each run (docs/planner/calibration.md)")
     hc = headline_check(checks) if checks is not None else pd.DataFrame()
     if not hc.empty:
         lines.append("  the Overview's speed-up of the checked runs (baseline / bidirectional median TTFT from the second "
