@@ -203,6 +203,30 @@ def test_recorded_shared_prefix_is_p_s_first_turn_hit():
     assert recorded_shared_prefix_tokens(mixed.assign(kind="turn")) == 576   # the same turns, not told apart
 
 
+
+def test_shared_prefix_is_per_workload():
+    """Two workloads in one store: each run gets its own workload's system prompt, not one for all."""
+    import datetime as dt
+
+    import pandas as pd
+
+    from turnscope.planner.fit import shared_prefix_by_run
+
+    t0 = dt.datetime(2026, 12, 1, tzinfo=dt.UTC)
+    rows = []
+    for run, mode, workload, locals_ in (("a1", "pd", "support-agent", [0, 1152, 1152]),
+                                         ("a2", "aggregated", "support-agent", [0, 1152, 1152]),
+                                         ("b1", "pd-bidir", "coding-agent", [0, 256, 256]),
+                                         ("c1", "pd", None, [0, 512, 512])):
+        for s, local in enumerate(locals_):
+            rows.append({"run_id": run, "mode": mode, "workload": workload, "session_id": f"s{s}", "turn_index": 0,
+                         "status": "ok", "kind": "turn", "sent_at": t0 + dt.timedelta(seconds=s),
+                         "local_tokens": local})
+    # pooled: 1152, 1152, 256, 256, 512, 512 -> median 512 for every run; per workload each its own
+    # (the aggregated run takes its workload's P/D estimate)
+    assert shared_prefix_by_run(pd.DataFrame(rows)) == {"a1": 1152, "a2": 1152, "b1": 256, "c1": 512}
+
+
 def test_sources_planned_alone_do_not_queue_or_share_d():
     """Two recorded runs of the same session at the same clock times: planned alone each is the
     hand-computed case above (no wait, the same pinned KV); their pinned KV is two runs' worth, the

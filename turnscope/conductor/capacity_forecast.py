@@ -33,7 +33,7 @@ from turnscope.core.modes import AGGREGATED
 from turnscope.core.store import Store
 from turnscope.planner import intervals
 from turnscope.planner.check import plan_on_its_own
-from turnscope.planner.fit import recorded_shared_prefix_tokens
+from turnscope.planner.fit import shared_prefix_by_run
 from turnscope.planner.profile import CostProfile
 from turnscope.planner.run_queries import compute_probe_s, probe_ttft_s, recorded_turns
 
@@ -75,11 +75,11 @@ def forecast_steps(store: Store, steps: pd.DataFrame, profile: CostProfile) -> p
         return pd.DataFrame(columns=list(COLUMNS))
     run_ids = list(steps["run_id"])
     recorded = recorded_turns(store, run_ids)
-    shared = recorded_shared_prefix_tokens(recorded)
+    shared = shared_prefix_by_run(recorded)
     probes, computes = probe_ttft_s(store, run_ids), compute_probe_s(store, run_ids)
     rows = []
     for st in steps.itertuples():
-        tr, m, _ = plan_on_its_own(store, st.run_id, st.mode, profile, shared, probes.get(st.run_id),
+        tr, m, _ = plan_on_its_own(store, st.run_id, st.mode, profile, shared[st.run_id], probes.get(st.run_id),
                                    computes.get(st.run_id))
         rec = recorded[recorded["run_id"] == st.run_id]
         pred = pd.DataFrame({"session_id": tr.session, "turn_index": tr.request_index, "ttft_s": m.ttft_s})
@@ -100,7 +100,7 @@ def forecast_steps(store: Store, steps: pd.DataFrame, profile: CostProfile) -> p
                      "d_full_events": int(m.d_full_events),
                      "p_hit_rate": float(np.sum(m.local_tokens) / prompt.sum()) if prompt.sum() else np.nan,
                      "ttft_later_p50_s": float(np.median(later)) if later.size else np.nan,
-                     "p_hit_rate_replay": _replayed_p_hit_rate(store, st.run_id, st.mode, rec, shared)})
+                     "p_hit_rate_replay": _replayed_p_hit_rate(store, st.run_id, st.mode, rec, shared[st.run_id])})
     out = pd.DataFrame(rows, columns=list(COLUMNS))
     base = out[out["mode"] == BASELINE].set_index("users")["ttft_later_p50_s"]
     treat = out["mode"] == TREATMENT

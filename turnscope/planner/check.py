@@ -20,8 +20,8 @@ from turnscope.planner.fit import (
     on_run_kv_space,
     on_run_speed,
     plan_recorded_run,
-    recorded_shared_prefix_tokens,
     run_settings,
+    shared_prefix_by_run,
 )
 from turnscope.planner.profile import MODES, CostProfile
 from turnscope.planner.run_queries import compute_probe_s, probe_ttft_s, recorded_turns
@@ -90,7 +90,7 @@ def check_runs_with_terms(store: Store, run_ids: Sequence[str], profile: CostPro
     for this run: :func:`turnscope.planner.fit.on_run_speed`; NaN: not scaled); and each turn's
     forecast split (:func:`forecast_terms` with checked_run_id, mode and status)."""
     recorded = recorded_turns(store, run_ids)
-    shared = recorded_shared_prefix_tokens(recorded)
+    shared = shared_prefix_by_run(recorded)
     probes, computes = probe_ttft_s(store, run_ids), compute_probe_s(store, run_ids)
     frames, split = [], []
     for run_id, rec in recorded.groupby("run_id", sort=False):
@@ -99,7 +99,7 @@ def check_runs_with_terms(store: Store, run_ids: Sequence[str], profile: CostPro
             continue
         run_profile, factor = on_run_speed(profile, probes.get(str(run_id)), computes.get(str(run_id)), mode)
         run_profile = on_run_kv_space(run_profile, store, str(run_id))
-        tr, m = plan_recorded_run(store, str(run_id), mode, run_profile, shared)
+        tr, m = plan_recorded_run(store, str(run_id), mode, run_profile, shared[str(run_id)])
         terms = forecast_terms(tr, m, run_profile, run_settings(store, str(run_id)))
         split.append(terms.merge(rec[["session_id", "turn_index", "status"]], on=["session_id", "turn_index"])
                      .assign(checked_run_id=str(run_id), mode=mode))

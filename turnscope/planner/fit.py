@@ -116,6 +116,19 @@ def recorded_shared_prefix_tokens(turns: pd.DataFrame) -> int:
     return int(later["local_tokens"].median()) if len(later) else 0
 
 
+def shared_prefix_by_run(turns: pd.DataFrame) -> dict[str, int]:
+    """:func:`recorded_shared_prefix_tokens` per workload (``runs.workload``; runs without one are
+    one group), given to each run of it: a store holding several workloads (every `turnscope eval`
+    of the default store) has one system prompt per workload, not one for all. ``turns``:
+    :func:`turnscope.planner.run_queries.recorded_turns`' rows. Returns {run_id: tokens}."""
+    by_workload = turns["workload"].fillna("") if "workload" in turns else pd.Series("", index=turns.index)
+    out: dict[str, int] = {}
+    for _, g in turns.groupby(by_workload, sort=False):
+        shared = recorded_shared_prefix_tokens(g)
+        out |= {str(r): shared for r in g["run_id"].unique()}
+    return out
+
+
 def runs_shared_prefix_tokens(store: Store, run_ids: Sequence[str] | None) -> int:
     """The system prompt ``run_ids``' sessions share (:func:`recorded_shared_prefix_tokens` over
     their recorded turns), 0 without runs: what ``turnscope plan --fit-runs`` and ``turnscope
@@ -511,7 +524,7 @@ def _with_forecast_local(store: Store, turns: pd.DataFrame, prof: CostProfile) -
         mode = str(turns.loc[turns["run_id"] == run_id, "mode"].iloc[0])
         if mode not in MODES:
             continue
-        tr, m = plan_recorded_run(store, str(run_id), mode, prof, recorded_shared_prefix_tokens(turns))
+        tr, m = plan_recorded_run(store, str(run_id), mode, prof, shared_prefix_by_run(turns)[str(run_id)])
         forecast = pd.DataFrame({"run_id": run_id, "session_id": tr.session, "turn_index": tr.request_index,
                                  "forecast_local": m.local_tokens})
         turns = turns.merge(forecast, on=["run_id", "session_id", "turn_index"], how="left")
