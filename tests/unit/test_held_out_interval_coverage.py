@@ -57,7 +57,7 @@ def test_describe_says_the_share_or_that_there_is_none():
     split = held_out.Split(None, (), "B", ("r",), profile_path="p.yaml")
     rows = checks("pd", [0.1] * 5, [0.07, 0.085, 0.1, 0.12, 0.13])
     text = held_out.describe(split, held_out.held_out_summary(rows, profile(HELD)))
-    assert "the profile's 80% interval held 60% of the turns (FAIL)" in text
+    assert "the profile's 80% interval held 60.0% of the turns (FAIL)" in text
     assert "the 80% interval holding 70%-90% of the turns" in text
     bare = held_out.describe(split, held_out.held_out_summary(rows, profile(None)))
     assert "no 80% interval (the profile carries no held-out errors)" in bare

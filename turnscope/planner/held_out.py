@@ -233,7 +233,7 @@ def describe(split: Split, summary: pd.DataFrame, checks: pd.DataFrame | None = 
                   f"pulled {r.pulled_forecast:,} vs {r.pulled_recorded:,} tokens ({r.pulled_error:+.1%})")
         held = ("" if split.rerun else "; no 80% interval (the profile carries no held-out errors)"
                 if np.isnan(r.ttft_in_interval) else
-                f"; the profile's 80% interval held {r.ttft_in_interval:.0%} of the turns "
+                f"; the profile's 80% interval held {r.ttft_in_interval:.1%} of the turns "
                 f"({verdict(r.interval_pass)})")
         lines.append(f"  {r.mode}: {r.runs} runs, {r.ok_turns} ok turns, outcome {r.outcome_matches}/{r.ok_turns}; "
                      f"TTFT MARE {r.ttft_mare:.1%} ({verdict(r.ttft_pass)}), error p90 {r.ttft_error_p90:.1%} "
