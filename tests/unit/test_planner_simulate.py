@@ -194,13 +194,6 @@ def test_recorded_shared_prefix_is_p_s_first_turn_hit():
     # r1 and r2 without their first sessions: 1280, 1280, 1280, 1152 -> median 1280
     assert recorded_shared_prefix_tokens(pd.DataFrame(rows)) == 1280
     assert recorded_shared_prefix_tokens(pd.DataFrame(rows[6:])) == 0   # pd-nocache only: P's cache off
-    # side requests (kind fresh) share no system prompt: four of them at 0 would pull the median of
-    # the eight (0, 0, 0, 0, 1152, 1280, 1280, 1280) to (0 + 1152) / 2 = 576; left out, it stays 1280
-    side = [{"run_id": "r1", "mode": "pd", "session_id": f"s{s}~fresh", "turn_index": 0, "status": "ok",
-             "sent_at": t0 + dt.timedelta(seconds=10 * s + 5), "local_tokens": 0, "kind": "fresh"} for s in range(4)]
-    mixed = pd.DataFrame([r | {"kind": "turn"} for r in rows] + side)
-    assert recorded_shared_prefix_tokens(mixed) == 1280
-    assert recorded_shared_prefix_tokens(mixed.assign(kind="turn")) == 576   # the same turns, not told apart
 
 
 
@@ -220,7 +213,7 @@ def test_shared_prefix_is_per_workload():
                                          ("c1", "pd", None, [0, 512, 512])):
         for s, local in enumerate(locals_):
             rows.append({"run_id": run, "mode": mode, "workload": workload, "session_id": f"s{s}", "turn_index": 0,
-                         "status": "ok", "kind": "turn", "sent_at": t0 + dt.timedelta(seconds=s),
+                         "status": "ok", "sent_at": t0 + dt.timedelta(seconds=s),
                          "local_tokens": local})
     # pooled: 1152, 1152, 256, 256, 512, 512 -> median 512 for every run; per workload each its own
     # (the aggregated run takes its workload's P/D estimate)

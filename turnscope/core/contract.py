@@ -153,10 +153,8 @@ RoutingPolicy = Literal["round-robin", "session", "prefix-aware"]
 
 #: How the session player keeps a session's history (docs/workloads.md): re-sent messages, or ids.
 HISTORY_MODES = ("text", "token_ids")
-#: The kind of a side request: an unrelated single request with its own context (docs/workloads.md).
-FRESH = "fresh"
 #: Kinds of turn (``turns.kind``, docs/schema/tables.md).
-TURN_KINDS = ("turn", "retry", "edit", FRESH, "resume")
+TURN_KINDS = ("turn", "retry", "edit", "fresh", "resume")
 #: Kinds of gap before a turn (``turns.gap_kind``, docs/schema/tables.md).
 GAP_KINDS = ("none", "tool", "think", "pause")
 

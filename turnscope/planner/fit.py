@@ -42,7 +42,6 @@ from turnscope.analysis import sweep_stats as sweep
 from turnscope.analysis.worker_cache import cache_config
 from turnscope.core.contract import (
     COMPUTE_PROBE_TOKENS,
-    FRESH,
     PROBE_TOKENS,
     ROUND_ROBIN,
     SESSION,
@@ -102,14 +101,13 @@ def run_settings(store: Store, run_id: str) -> PlanSettings:
 def recorded_shared_prefix_tokens(turns: pd.DataFrame) -> int:
     """Tokens every session's first turn shares with the sessions before it (a system prompt), as P
     found them in its prefix cache: the median ``prefill_cached_tokens`` of the first turns of
-    ``pd``/``pd-bidir`` runs, each run's first session left out (nothing before it), side requests
-    (``kind`` ``fresh``: an unrelated single request with its own context, docs/workloads.md) left
-    out too (they share no system prompt; counted, a median over a mix of both fits neither); 0 when
-    the runs have none. The recorder keeps no token ids (only a hash of each prompt), so P's report is
-    the one record of what sessions share; the same traffic replayed in every mode shares the same."""
+    ``pd``/``pd-bidir`` runs, each run's first session left out (nothing before it); 0 when the
+    runs have none. The recorder keeps no token ids (only a hash of each prompt), so P's report is
+    the one record of what sessions share; the same traffic replayed in every mode shares the same.
+    One prompt for every session: side requests (``fresh``) and archetypes with prompts of their own
+    count in the median as they share (docs/planner/concurrency.md: what that costs)."""
     p_cache = [m.name for m in SERVING_MODES if m.disaggregated and m.prefill_prefix_cache]
-    side = turns["kind"].eq(FRESH) if "kind" in turns else False
-    first = turns[turns["mode"].isin(p_cache) & (turns["turn_index"] == 0) & ~side
+    first = turns[turns["mode"].isin(p_cache) & (turns["turn_index"] == 0)
                   & (turns["status"] == "ok") & turns["local_tokens"].notna()]
     first = first.sort_values("sent_at")
     later = first[first.groupby("run_id").cumcount() > 0]

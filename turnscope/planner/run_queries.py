@@ -33,7 +33,7 @@ def _frame(store: Store, sql: str, params: Sequence) -> pd.DataFrame:
 #: One row per turn; ``local_tokens`` is NULL where the run did not record the worker's own
 #: prefix-cache hit (aggregated serving without ``usage.prompt_tokens_details``).
 TURNS_SQL = """
-SELECT t.run_id, r.mode, r.history_mode, r.workload, t.session_id, t.turn_index, t.kind, t.sent_at, t.status, t.ttft_s, t.e2e_s, t.tpot_s,
+SELECT t.run_id, r.mode, r.history_mode, r.workload, t.session_id, t.turn_index, t.sent_at, t.status, t.ttft_s, t.e2e_s, t.tpot_s,
        t.prompt_tokens,
        t.completion_tokens, t.reuse, coalesce(t.reused_tokens, 0) AS reused_tokens,
        CASE WHEN t.reuse IS NOT NULL THEN coalesce(t.prefill_cached_tokens, 0) ELSE t.cached_tokens
