@@ -23,6 +23,13 @@ def test_in_flight_counted_by_hand():
     assert host_contention.in_flight_at_arrival(arrival[order], end[order]).tolist() == [0, 2, 0, 2, 1]
 
 
+def test_a_request_of_no_duration_is_not_counted_twice():
+    # x: 0-0 (no duration), y: 0-5, z: 1-2. x: y arrived with it (in flight); y: x has ended at 0;
+    # z: y in flight, x ended
+    arrival, end = np.array([0.0, 0.0, 1.0]), np.array([0.0, 5.0, 2.0])
+    assert host_contention.in_flight_at_arrival(arrival, end).tolist() == [1, 0, 1]
+
+
 def test_bad_input_is_named():
     with pytest.raises(ValueError, match="one of each per request"):
         host_contention.in_flight_at_arrival(np.zeros(2), np.ones(3))

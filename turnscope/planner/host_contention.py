@@ -47,7 +47,8 @@ def in_flight_at_arrival(arrival_s: np.ndarray, end_s: np.ndarray) -> np.ndarray
     if (end < arrival).any():
         raise ValueError("a request ends before it arrives (end_s < arrival_s)")
     arrived = np.searchsorted(np.sort(arrival), arrival, side="right") - 1   # others arrived by then
-    ended = np.searchsorted(np.sort(end), arrival, side="right")             # ended by then (all arrived earlier)
+    # others ended by then (each arrived no later); a request of no duration has ended at its own arrival
+    ended = np.searchsorted(np.sort(end), arrival, side="right") - (end <= arrival)
     return (arrived - ended).astype(np.int64)
 
 
