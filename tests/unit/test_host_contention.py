@@ -81,3 +81,23 @@ def test_the_split_shows_the_term_and_the_terms_still_sum_to_the_ttft():
     assert terms["contention"].tolist() == pytest.approx([0.0, 0.055])
     parts = terms[["compute", "pull", "queue_p", "wait_d", "fixed", "contention"]].sum(axis=1)
     assert parts.tolist() == pytest.approx(terms["ttft"].tolist())
+
+
+def test_the_ledger_adds_the_same_term_as_the_plan():
+    """The ledger's forecast of a strategy (recommend's and the fleet search's) takes the term as the
+    plan does: the same TTFTs by the two routes, and by hand the second request's 0.1 x 1 x its own
+    work more than without the term (its own work: the plan's TTFT less its waits, uncontended)."""
+    from turnscope.planner.ledger import forecast_strategy
+
+    reqs = [AgentRequest(session_id="a", request_index=0, arrival_s=0.0, input_tokens=1000, output_tokens=100, source="t"),
+            AgentRequest(session_id="b", request_index=0, arrival_s=0.5, input_tokens=500, output_tokens=100, source="t")]
+    for strategy, mode in (("pd", "pd"), ("pd-bidir", "pd-bidir")):
+        settings = PlanSettings(modes=(mode,))
+        tr = plan(reqs, profile(0.1), settings).traffic
+        planned = plan(reqs, profile(0.1), settings).modes[mode]
+        bare = plan(reqs, profile(None), settings).modes[mode]
+        ledger = forecast_strategy(tr, profile(0.1), settings, strategy)
+        assert ledger.ttft_s == pytest.approx(planned.ttft_s)
+        own = bare.ttft_s - bare.queued_s
+        assert ledger.ttft_s == pytest.approx(bare.ttft_s + [0.0, 0.1 * own[1]])
+        assert ledger.ttft_s[1] > bare.ttft_s[1]

@@ -72,6 +72,7 @@ from turnscope.planner.simulate import (
     PrefillTtft,
     Traffic,
     finish_times,
+    host_contention_s,
     mode_overload,
     one_way_decode,
     own_cache_hits,
@@ -273,6 +274,9 @@ def forecast_strategy(tr: Traffic, profile: CostProfile, settings: PlanSettings,
         ttft, p_wait = prefill.all(local, pulled, np.zeros(len(tr), dtype=bool))
         d_wait = one_way_decode(tr, profile, settings, ttft).wait_s
         ttft = ttft + d_wait
+    contention = host_contention_s(tr, profile, finish, ttft, p_wait, d_wait)
+    if contention.size:
+        ttft = ttft + contention
     compute = profile.prefill_compute_s(mode, tr.input_tokens, local + pulled)
     overload = mode_overload(tr, profile, settings, mode, compute, prefill.server, ttft, p_wait, d_wait, held_t,
                              held_b)

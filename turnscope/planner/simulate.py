@@ -725,6 +725,19 @@ def mode_overload(tr: Traffic, profile: CostProfile, settings: PlanSettings, mod
     return first_overload(*found)
 
 
+def host_contention_s(tr: Traffic, profile: CostProfile, finish_s: np.ndarray, ttft_s: np.ndarray,
+                      queue_wait_s: np.ndarray, decode_wait_s: np.ndarray) -> np.ndarray:
+    """Each request's host contention, seconds (:mod:`turnscope.planner.host_contention`), to add to
+    its TTFT; empty when the profile has no ``host_contention_per_request``. Requests are in flight
+    by ``finish_s`` (the traffic's own ends, as the handles' pins take them); the own work is
+    ``ttft_s`` less both waits. The engine's events keep the uncontended times: only the client's
+    TTFT takes the term (every forecast of a mode, :func:`plan` and the ledger's, adds it here)."""
+    beta = profile.host_contention_per_request
+    if beta is None:
+        return np.zeros(0)
+    return host_contention.contention_s(beta.value, tr.arrival_s, finish_s, ttft_s - queue_wait_s - decode_wait_s)
+
+
 def finish_times(tr: Traffic, profile: CostProfile) -> np.ndarray:
     """When each request finishes, seconds on the traffic's clock (see the module doc)."""
     nocache = profile.ttft_s(RECOMPUTE_MODE, tr.input_tokens, np.zeros(len(tr)), np.zeros(len(tr)))
@@ -797,12 +810,8 @@ def plan(requests: Iterable[AgentRequest] | Traffic, profile: CostProfile,
             if kind.disaggregated:
                 d_wait, d_peak = one_way_decode(tr, profile, settings, ttft)
             ttft = ttft + d_wait
-        contention = np.zeros(0)
-        if profile.host_contention_per_request is not None:
-            # in flight by the traffic's own ends (as the handles' pins); the engine's events above
-            # keep the uncontended times, the client's TTFT takes the term
-            contention = host_contention.contention_s(profile.host_contention_per_request.value, tr.arrival_s,
-                                                      finish, ttft - wait - d_wait)
+        contention = host_contention_s(tr, profile, finish, ttft, wait, d_wait)
+        if contention.size:
             ttft = ttft + contention
         if (d_wait > 0).any():
             notes.append(f"{mode}: {int((d_wait > 0).sum())} of {len(tr)} requests wait on D for room in its KV space "
