@@ -518,11 +518,12 @@ def _with_forecast_local(store: Store, turns: pd.DataFrame, prof: CostProfile) -
     """``turns`` with ``local_known`` (the run recorded the worker's own-cache hit) and, where it did
     not, ``local_tokens`` taken from the planner's own forecast of that run (``prof``'s cache model)."""
     turns = turns.assign(local_known=turns["local_tokens"].notna())
+    shared = shared_prefix_by_run(turns)
     for run_id in turns.loc[~turns["local_known"], "run_id"].unique():
         mode = str(turns.loc[turns["run_id"] == run_id, "mode"].iloc[0])
         if mode not in MODES:
             continue
-        tr, m = plan_recorded_run(store, str(run_id), mode, prof, shared_prefix_by_run(turns)[str(run_id)])
+        tr, m = plan_recorded_run(store, str(run_id), mode, prof, shared[str(run_id)])
         forecast = pd.DataFrame({"run_id": run_id, "session_id": tr.session, "turn_index": tr.request_index,
                                  "forecast_local": m.local_tokens})
         turns = turns.merge(forecast, on=["run_id", "session_id", "turn_index"], how="left")
