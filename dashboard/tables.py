@@ -145,6 +145,23 @@ def whatif_table(df: pd.DataFrame) -> pd.DataFrame:
     )
 
 
+#: The columns of ``dashboard.queries.nixl_failures`` shown by :func:`nixl_failures_table`, with
+#: their headers: the proxy's outcomes (turns), then vLLM's NIXL counters on P and D (requests).
+NIXL_FAILURE_COLUMNS = ("run_label", "miss_expired", "miss_transfer_failed", "p_kv_expired_reqs",
+                        "p_failed_transfers", "p_failed_notifications", "d_kv_expired_reqs", "d_failed_transfers")
+_NIXL_FAILURE_HEADERS = ("run", "proxy miss_expired", "proxy miss_transfer_failed", "P: KV expired",
+                         "P: failed transfers", "P: failed notifications", "D: KV expired", "D: failed transfers")
+
+
+def nixl_failures_table(df: pd.DataFrame) -> pd.DataFrame:
+    """``dashboard.queries.nixl_failures`` for reading: one row per run, the proxy's outcomes and
+    vLLM's NIXL counters side by side (blank: the counter was not scraped)."""
+    out = df.loc[:, list(NIXL_FAILURE_COLUMNS)].copy()
+    out.columns = list(_NIXL_FAILURE_HEADERS)
+    out.insert(1, "mode", df["mode"].to_numpy())
+    return out.astype({h: "Int64" for h in _NIXL_FAILURE_HEADERS[1:]})
+
+
 def ratio_table(ratios: dict) -> pd.DataFrame:
     """The Compare page's three `turnscope.analysis.headline.Ratio` values (or None) as rows: turns, the
     speed-up B / A (``turnscope.analysis.speedup``) with its CI and verdict, median A/B (ms), turns and

@@ -697,6 +697,65 @@ SELECT run_id, role, queried_tokens, hit_tokens,
        CASE WHEN queried_tokens > 0 THEN hit_tokens / queried_tokens END AS hit_rate
 FROM c;
 
+-- Pulls that did not happen, as the proxy recorded them beside vLLM's own NIXL counters, per run
+-- (docs/monitoring.md). The proxy: turns recorded miss_expired (its TTL margin kept the handle back:
+-- no pull tried) and miss_transfer_failed (it offered a handle; P's pull failed or was declined).
+-- vLLM 0.32 (nixl/stats.py, counted per worker since its process start, read as increases over the
+-- run): vllm:nixl_num_kv_expired_reqs_total, a request whose KV lease ran out; on P it counts the
+-- reads of D's blocks P declined within 5 s of D's deadline (nixl/pull_worker.py
+-- _is_turn2_read_expired: a turn the proxy offered a handle for, an expiry its margin did not
+-- prevent) and P's own prompt blocks no D read within kv_lease_duration; on D the handles no P
+-- pulled within decoder_kv_blocks_ttl. vllm:nixl_num_failed_transfers_total: transport failures
+-- (failed transfers, handshakes and notifications; an expiry is not one since vLLM PR 55854);
+-- vllm:nixl_num_failed_notifications_total: the notifications among them.
+CREATE VIEW run_nixl_failures AS
+WITH n AS (
+    SELECT run_id,
+           sum(increase) FILTER (WHERE role = 'prefill' AND name = 'vllm:nixl_num_kv_expired_reqs_total')     AS p_kv_expired_reqs,
+           sum(increase) FILTER (WHERE role = 'prefill' AND name = 'vllm:nixl_num_failed_transfers_total')     AS p_failed_transfers,
+           sum(increase) FILTER (WHERE role = 'prefill' AND name = 'vllm:nixl_num_failed_notifications_total') AS p_failed_notifications,
+           sum(increase) FILTER (WHERE role = 'decode' AND name = 'vllm:nixl_num_kv_expired_reqs_total')      AS d_kv_expired_reqs,
+           sum(increase) FILTER (WHERE role = 'decode' AND name = 'vllm:nixl_num_failed_transfers_total')      AS d_failed_transfers,
+           sum(increase) FILTER (WHERE role = 'decode' AND name = 'vllm:nixl_num_failed_notifications_total')  AS d_failed_notifications
+    FROM metric_increases
+    WHERE role IN ('prefill', 'decode')
+      AND name IN ('vllm:nixl_num_kv_expired_reqs_total', 'vllm:nixl_num_failed_transfers_total',
+                   'vllm:nixl_num_failed_notifications_total')
+    GROUP BY run_id
+), t AS (
+    SELECT run_id, count(*) FILTER (WHERE reuse = 'miss_expired')         AS miss_expired,
+                   count(*) FILTER (WHERE reuse = 'miss_transfer_failed') AS miss_transfer_failed
+    FROM turns GROUP BY run_id
+)
+SELECT r.run_id, r.mode, coalesce(t.miss_expired, 0) AS miss_expired,
+       coalesce(t.miss_transfer_failed, 0) AS miss_transfer_failed,
+       n.p_kv_expired_reqs, n.p_failed_transfers, n.p_failed_notifications,
+       n.d_kv_expired_reqs, n.d_failed_transfers, n.d_failed_notifications
+FROM runs r LEFT JOIN t USING (run_id) LEFT JOIN n USING (run_id);
+
+-- Did the run start cold? Each run that turnscope records sends its own cache_salt, so it claims to
+-- start with nothing cached; a cache tier a salt or a reset does not reach (a CPU offload tier)
+-- would break that claim. Per run, its first ok turn (earliest sent_at): the prompt tokens vLLM
+-- found without computing them, from vLLM's own count for that request: in the P/D modes P's
+-- remote_prefill_cached_tokens (PrefillStats.num_cached_tokens: its prefix-cache hits plus KV
+-- loaded from elsewhere) = turns.prefill_cached_tokens + turns.reused_tokens; in aggregated mode
+-- the worker's usage cached_tokens (a P/D turn is one with a prefill leg). cold: none found; NULL
+-- where the turn carries no count.
+CREATE VIEW run_cold_start AS
+WITH f AS (
+    SELECT run_id, session_id, turn_index, sent_at, prompt_tokens,
+           CASE WHEN prefill_leg_s IS NOT NULL THEN 'prefill'
+                WHEN cached_tokens IS NOT NULL THEN 'aggregated' END AS counted_by,
+           CASE WHEN prefill_leg_s IS NOT NULL THEN prefill_cached_tokens ELSE cached_tokens END AS local_hit_tokens,
+           CASE WHEN prefill_leg_s IS NOT NULL THEN coalesce(reused_tokens, 0) END AS external_tokens
+    FROM turns WHERE status = 'ok'
+    QUALIFY row_number() OVER (PARTITION BY run_id ORDER BY sent_at, session_id, turn_index) = 1
+)
+SELECT r.run_id, r.mode, f.session_id, f.turn_index, f.sent_at, f.prompt_tokens, f.counted_by,
+       f.local_hit_tokens, f.external_tokens,
+       f.local_hit_tokens + coalesce(f.external_tokens, 0) = 0 AS cold
+FROM runs r JOIN f USING (run_id);
+
 -- The runs of prefix sweeps (`turnscope sweep`): the sweep parameters each run recorded in
 -- runs.workload_spec ($.sweep), next to its mode and history mode. One row per run of a sweep.
 CREATE VIEW sweep_points AS

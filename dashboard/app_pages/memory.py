@@ -1,6 +1,6 @@
 """Memory: KV usage and live handle bytes over time next to the hit rate, the cost of reuse, and
 what other decoder_kv_blocks_ttl values would have given (docs/schema/tables.md: `metric_samples`;
-docs/schema/views.md: `run_kv_transfer`)."""
+docs/schema/views.md: `run_kv_transfer`, `run_nixl_failures`)."""
 
 from __future__ import annotations
 
@@ -84,6 +84,25 @@ else:
         "(prefill legs ÷ recomputed tokens over the turns that pulled nothing) − the measured NIXL time. "
         "The last column is the price: GiB of KV kept for a second, per second of prefill saved."
         )
+
+# --- expired and failed pulls ----------------------------------------------------------------
+st.subheader("Expired and failed pulls")
+nixl = load(sel.root, queries.nixl_failures, f)
+# the runs with a proxy outcome of the two or one of vLLM's NIXL counters scraped (NaN where not)
+vllm_counters = [c for c in nixl.columns if c.startswith(("p_", "d_"))]
+nixl = nixl[(nixl[["miss_expired", "miss_transfer_failed"]].sum(axis=1) > 0) | nixl[vllm_counters].notna().any(axis=1)]
+if nixl.empty:
+    st.info("No selected run has a proxy outcome or vLLM's NIXL counters (P/D runs scraped by turnscope do).")
+else:
+    charts.show(lambda: figures.nixl_failures(nixl), "nixl_failures")
+    st.dataframe(tables.nixl_failures_table(nixl), hide_index=True, key="nixl_failures_table")
+    st.caption(
+        "A pull the proxy's margin kept back (`miss_expired`) never reaches vLLM. A turn the proxy offered a handle "
+        "for that P declined as past D's deadline is one `miss_transfer_failed` and one of P's `KV expired`: an "
+        "expiry the margin (`handle_ttl_margin_s`) did not prevent. P's failed transfers are transport failures "
+        "(vLLM counts an expiry apart from them). D's `KV expired` counts handles no P pulled within its TTL "
+        "(a session's last turn, a miss): memory held for nothing (view run_nixl_failures, docs/monitoring.md)."
+    )
 
 # --- what-if TTL ------------------------------------------------------------------------------
 st.subheader("What if the TTL were different?")

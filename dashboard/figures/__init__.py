@@ -23,7 +23,13 @@ from dashboard.figures.common import (
     turn_axis,
 )
 from dashboard.figures.compare import CASE_COLORS, compare_by_turn, compare_cases
-from dashboard.figures.memory import ROLE_DASHES, memory_timeline, whatif_ttl
+from dashboard.figures.memory import (
+    NIXL_FAILURE_BARS,
+    ROLE_DASHES,
+    memory_timeline,
+    nixl_failures,
+    whatif_ttl,
+)
 from dashboard.figures.overview import external_kv_tokens, reuse_outcomes, ttft_by_turn
 from dashboard.figures.sessions import GAP_COLORS, TASK_PARTS, session_timeline, task_split
 from dashboard.figures.turns import (
@@ -35,4 +41,4 @@ from dashboard.figures.turns import (
     time_split,
 )
 
-__all__ = ["CASE_COLORS", "EXPECTED_APART", "GAP_COLORS", "LATENCY_METRICS", "MODE_COLORS", "MODE_ORDER", "OUTCOME_COLORS", "OUTCOME_ORDER", "OUTCOME_SYMBOLS", "ROLE_DASHES", "TASK_PARTS", "TIME_PARTS", "compare_by_turn", "compare_cases", "empty_figure", "external_kv_tokens", "latency_panels", "legend_below", "memory_timeline", "ordered_present", "reuse_outcomes", "reuse_vs_expected", "run_colors", "session_timeline", "task_split", "time_split", "ttft_by_turn", "turn_axis", "whatif_ttl"]
+__all__ = ["CASE_COLORS", "EXPECTED_APART", "GAP_COLORS", "LATENCY_METRICS", "MODE_COLORS", "MODE_ORDER", "NIXL_FAILURE_BARS", "OUTCOME_COLORS", "OUTCOME_ORDER", "OUTCOME_SYMBOLS", "ROLE_DASHES", "TASK_PARTS", "TIME_PARTS", "compare_by_turn", "compare_cases", "empty_figure", "external_kv_tokens", "latency_panels", "legend_below", "memory_timeline", "nixl_failures", "ordered_present", "reuse_outcomes", "reuse_vs_expected", "run_colors", "session_timeline", "task_split", "time_split", "ttft_by_turn", "turn_axis", "whatif_ttl"]

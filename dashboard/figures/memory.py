@@ -1,4 +1,5 @@
-"""The Memory page's figures: KV usage and handle bytes next to the hit rate, and the TTL what-if.
+"""The Memory page's figures: KV usage and handle bytes next to the hit rate, the TTL what-if, and
+expired and failed pulls.
 """
 
 from __future__ import annotations
@@ -8,10 +9,10 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from dashboard.figures.common import empty_figure, log_ticks, run_colors
-from dashboard.palette import ALARM, NEUTRAL_DARK, mode_color
+from dashboard.figures.common import empty_figure, legend_below, log_ticks, run_colors
+from dashboard.palette import ALARM, NEUTRAL, NEUTRAL_DARK, OUTCOME_COLORS, mode_color
 from dashboard.queries import hit_rate
-from turnscope.core.contract import Role
+from turnscope.core.contract import MISS_EXPIRED, MISS_TRANSFER_FAILED, Role
 from turnscope.core.modes import PD_BIDIR
 
 
@@ -196,3 +197,36 @@ def whatif_ttl(df: pd.DataFrame, current_ttls_s: list[float] | None = None) -> g
     fig.update_layout(title="What if the TTL were different? (recorded turns replayed, D's KV space the limit)",
                       height=820, margin={"t": 90}, legend={"orientation": "h", "y": -0.08})
     return fig
+
+
+#: The bars of :func:`nixl_failures`: (column of ``dashboard.queries.nixl_failures``, legend name,
+#: colour); the proxy's outcomes in their outcome colours, vLLM's counters in shades of them.
+NIXL_FAILURE_BARS = (
+    ("miss_expired", "proxy: miss_expired (handle held back by its margin)", OUTCOME_COLORS[MISS_EXPIRED]),
+    ("p_kv_expired_reqs", "P, vLLM: KV expired (read declined past D's deadline)", "#fdae6b"),
+    ("miss_transfer_failed", "proxy: miss_transfer_failed (offered, not pulled)", OUTCOME_COLORS[MISS_TRANSFER_FAILED]),
+    ("p_failed_transfers", "P, vLLM: failed transfers", "#cb181d"),
+    ("d_kv_expired_reqs", "D, vLLM: KV expired (handles no P pulled within its TTL)", NEUTRAL),
+)
+
+
+def nixl_failures(df: pd.DataFrame) -> go.Figure:
+    """Expired and failed pulls per run, horizontal bars in requests: the proxy's ``miss_expired``
+    and ``miss_transfer_failed`` turns beside vLLM's NIXL counters on P (KV expired: reads P
+    declined as past D's deadline; failed transfers) and D's expired handles. A run's bar is absent
+    where the counter was not scraped (NaN), 0 where it stayed flat.
+
+    `df`: ``dashboard.queries.nixl_failures``.
+    """
+    if df.empty:
+        return empty_figure("no runs with a proxy outcome or a NIXL counter in the selection")
+    names = _run_names(df)
+    fig = go.Figure()
+    for col, label, color in NIXL_FAILURE_BARS:
+        fig.add_bar(y=names, x=df[col].astype(float), name=label, orientation="h", marker_color=color,
+                    hovertemplate="%{y}: %{x:,.0f} " + label + "<extra></extra>")
+    fig.update_layout(barmode="group", height=max(260, 60 + 28 * len(df) * 2),
+                      margin={"l": 10, "r": 10, "t": 30, "b": 10})
+    fig.update_xaxes(title_text="requests", rangemode="tozero")
+    fig.update_yaxes(autorange="reversed")
+    return legend_below(fig)

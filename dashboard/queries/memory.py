@@ -215,6 +215,29 @@ def reuse_cost(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) ->
 
 
 
+_NIXL_FAILURES = """
+SELECT n.run_id, coalesce(r.label, n.run_id) AS run_label, n.mode, n.miss_expired, n.miss_transfer_failed,
+       n.p_kv_expired_reqs, n.p_failed_transfers, n.p_failed_notifications,
+       n.d_kv_expired_reqs, n.d_failed_transfers, n.d_failed_notifications
+FROM run_nixl_failures n JOIN runs r USING (run_id)
+WHERE list_contains($run_ids::VARCHAR[], n.run_id)
+ORDER BY n.run_id
+"""
+
+
+def nixl_failures(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) -> pd.DataFrame:
+    """Pulls that did not happen per run (view ``run_nixl_failures``; whole runs: turn filters do
+    not apply): the proxy's turns ``miss_expired`` (its margin kept the handle back) and
+    ``miss_transfer_failed`` (offered, not pulled) beside vLLM's NIXL counters' increases on P and
+    D, in requests (``*_kv_expired_reqs``) and failures (``*_failed_transfers``,
+    ``*_failed_notifications``; NaN where the role was not scraped or does not export them).
+    Columns: run_id, run_label, mode, miss_expired, miss_transfer_failed, p_kv_expired_reqs,
+    p_failed_transfers, p_failed_notifications, d_kv_expired_reqs, d_failed_transfers,
+    d_failed_notifications.
+    """
+    return run_sql(con, _NIXL_FAILURES, {"run_ids": id_list(as_filter(f).run_ids)})
+
+
 # The unlimited replay in SQL: the second route that checks whatif_ttl_d_limit (the page's) when D's
 # space does not bind, and the one that follows the turn filters.
 # Per turn (all turns of the selected runs, so each turn's successor is known before filtering):

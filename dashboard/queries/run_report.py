@@ -63,3 +63,15 @@ def sweep_summary(con: duckdb.DuckDBPyConnection, run_ids: list[str]) -> pd.Data
             WHERE p.run_id IN (SELECT unnest($1))
             ORDER BY p.history_mode, p.prefix_tokens, p.mode""",
                        [run_ids, PROMPT_TOKENS_BY_SOURCE, EXTERNAL_KV_SOURCE]).df()
+
+
+def cold_start(con: duckdb.DuckDBPyConnection, run_ids: list[str]) -> pd.DataFrame:
+    """Per run (view ``run_cold_start``): whether its first ok turn found nothing cached, as vLLM
+    counted that request (tokens): the turn (session_id, turn_index), prompt_tokens, counted_by
+    (``prefill``: P's report; ``aggregated``: the worker's usage), local_hit_tokens, external_tokens
+    (pulled or loaded from another tier; NULL in aggregated mode) and cold (BOOLEAN; NULL: no count).
+    One row per run of ``run_ids`` with an ok turn."""
+    return con.execute("""
+            SELECT run_id, session_id, turn_index, prompt_tokens, counted_by, local_hit_tokens,
+                   external_tokens, cold
+            FROM run_cold_start WHERE run_id IN (SELECT unnest($1)) ORDER BY run_id""", [run_ids]).df()

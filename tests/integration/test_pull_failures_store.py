@@ -1,0 +1,118 @@
+"""The store's views of expired and failed pulls (``run_nixl_failures``) and of a run's cold start
+(``run_cold_start``), read back through the Memory page's query, figure and table and the run
+report's query, over hand-written rows whose answers are counted by hand below (no workers; the
+real-worker routes are tests/integration/test_proxy_outcomes_vllm.py and test_faults_vllm.py).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pandas as pd
+import pytest
+
+from dashboard import figures, queries, tables
+from dashboard.queries import run_report
+from turnscope.core.store import Store
+
+T0 = dt.datetime(2026, 12, 6, 12, 0, tzinfo=dt.UTC)
+P, D, PROXY = "http://127.0.0.1:8100", "http://127.0.0.1:8101", "http://127.0.0.1:8200"
+LABELS = {"engine": "0", "model_name": "turnscope-tiny"}
+EXPIRED, FAILED, NOTIFS = ("vllm:nixl_num_kv_expired_reqs_total", "vllm:nixl_num_failed_transfers_total",
+                           "vllm:nixl_num_failed_notifications_total")
+
+#: Run "bidir": P's counters per scrape (process start, expired, failed transfers, failed notifications)
+#: and D's (expired). P restarts between the 3rd and 4th scrape: its counters start again from 0.
+P_SCRAPES = [(1.7e9, 5, 2, 1), (1.7e9, 6, 2, 1), (1.7e9, 8, 3, 1), (1.8e9, 1, 0, 0), (1.8e9, 1, 1, 0)]
+D_SCRAPES = [(1.7e9, 40), (1.7e9, 40), (1.7e9, 43), (1.7e9, 44), (1.7e9, 47)]
+# By hand: P expired 1 + 2 + 1 (the new process's whole value) + 0 = 4; failed 0 + 1 + 0 + 1 = 2;
+# notifications 0 + 0 + 0 + 0 = 0; D expired 0 + 3 + 1 + 3 = 7. The first scrape counts 0.
+
+
+def _sample(run_id, i, endpoint, role, name, value, labels=None):
+    return {"run_id": run_id, "scraped_at": T0 + dt.timedelta(seconds=i), "endpoint": endpoint, "role": role,
+            "name": name, "labels": labels or {}, "value": float(value)}
+
+
+def _turn(run_id, sid, k, at_s, reuse, **kw):
+    return {"run_id": run_id, "session_id": sid, "turn_index": k, "sent_at": T0 + dt.timedelta(seconds=at_s),
+            "status": kw.pop("status", "ok"), "reuse": reuse, "prompt_tokens": kw.pop("prompt_tokens", 700), **kw}
+
+
+@pytest.fixture(scope="module")
+def con(tmp_path_factory):
+    store = Store(tmp_path_factory.mktemp("store"))
+    store.init()
+    runs = {"bidir": "pd-bidir", "agg": "aggregated", "warm": "pd-bidir", "no-turns": "pd"}
+    turns = {
+        # bidir: session b's turn 0 is sent first (0.5 s) and found nothing; two miss_expired, three
+        # miss_transfer_failed, one hit
+        "bidir": [_turn("bidir", "a", 0, 1.0, "miss_first_turn", prefill_leg_s=0.1, prefill_cached_tokens=0,
+                        reused_tokens=0),
+                  _turn("bidir", "b", 0, 0.5, "miss_first_turn", prefill_leg_s=0.1, prefill_cached_tokens=0,
+                        reused_tokens=0),
+                  *[_turn("bidir", "a", k, 1.0 + k, o, prefill_leg_s=0.1, prefill_cached_tokens=128)
+                    for k, o in enumerate(["miss_expired", "miss_expired", "miss_transfer_failed",
+                                           "miss_transfer_failed", "miss_transfer_failed", "hit"], start=1)]],
+        # aggregated: the first turn sent failed (no count); the first ok turn found 0 in its usage
+        "agg": [_turn("agg", "a", 0, 0.0, None, status="error", prompt_tokens=None),
+                _turn("agg", "b", 0, 0.2, None, cached_tokens=0),
+                _turn("agg", "b", 1, 2.0, None, cached_tokens=512)],
+        # a warm start: P found 256 tokens of the first turn in its own cache and pulled 128 more
+        "warm": [_turn("warm", "a", 0, 0.0, "miss_first_turn", prefill_leg_s=0.1, prefill_cached_tokens=256,
+                       reused_tokens=128)],
+    }
+    for run_id, mode in runs.items():
+        with store.writer(run_id, "t") as w:
+            w.append("runs_log", {"run_id": run_id, "label": run_id, "mode": mode, "status": "complete",
+                                  "started_at": T0, "updated_at": T0})
+            for row in turns.get(run_id, []):
+                w.append("turns", row)
+    with store.writer("bidir", "scraper") as w:
+        for i, ((start, exp, failed, notifs), (d_start, d_exp)) in enumerate(zip(P_SCRAPES, D_SCRAPES, strict=True)):
+            w.append("metric_samples", _sample("bidir", i, P, "prefill", "process_start_time_seconds", start))
+            w.append("metric_samples", _sample("bidir", i, P, "prefill", EXPIRED, exp, LABELS))
+            w.append("metric_samples", _sample("bidir", i, P, "prefill", FAILED, failed, LABELS))
+            w.append("metric_samples", _sample("bidir", i, P, "prefill", NOTIFS, notifs, LABELS))
+            w.append("metric_samples", _sample("bidir", i, D, "decode", "process_start_time_seconds", d_start))
+            w.append("metric_samples", _sample("bidir", i, D, "decode", EXPIRED, d_exp, LABELS))
+            # the proxy's own series of the same names never count as vLLM's
+            w.append("metric_samples", _sample("bidir", i, PROXY, "proxy", EXPIRED, 100 * i))
+    c = store.connect()
+    yield c
+    c.close()
+
+
+def test_nixl_failures_view_sets_vllm_counters_beside_the_proxy_outcomes(con):
+    got = {r[0]: r[1:] for r in con.execute(
+        "SELECT run_id, miss_expired, miss_transfer_failed, p_kv_expired_reqs, p_failed_transfers, "
+        "p_failed_notifications, d_kv_expired_reqs, d_failed_transfers FROM run_nixl_failures").fetchall()}
+    assert got["bidir"] == (2, 3, 4.0, 2.0, 0.0, 7.0, None)  # D exported no failed-transfer counter: NULL
+    # runs without scrapes: the proxy's outcomes (0 without turns), every counter NULL, never 0
+    assert got["agg"] == (0, 0, None, None, None, None, None)
+    assert got["no-turns"] == (0, 0, None, None, None, None, None)
+
+
+def test_memory_page_query_figure_and_table(con):
+    df = queries.nixl_failures(con, ["bidir", "agg"])
+    assert list(df["run_id"]) == ["agg", "bidir"]
+    fig = figures.nixl_failures(df[df.run_id == "bidir"])
+    drawn = {t.name: list(t.x) for t in fig.data}
+    assert [name for _, name, _ in figures.NIXL_FAILURE_BARS] == list(drawn)
+    assert [v[0] for v in drawn.values()] == [2, 4, 3, 2, 7]  # in NIXL_FAILURE_BARS' order
+    table = tables.nixl_failures_table(df).set_index("run")
+    assert table.loc["bidir", "P: KV expired"] == 4 and table.loc["bidir", "proxy miss_transfer_failed"] == 3
+    assert pd.isna(table.loc["agg", "P: KV expired"])
+
+
+def test_cold_start_reads_the_first_ok_turn(con):
+    got = {r.run_id: r for r in run_report.cold_start(con, ["bidir", "agg", "warm", "no-turns"]).itertuples()}
+    assert set(got) == {"bidir", "agg", "warm"}  # no turn, no row
+    b = got["bidir"]
+    assert (b.session_id, b.turn_index, b.counted_by, b.local_hit_tokens, b.external_tokens, b.cold) == \
+        ("b", 0, "prefill", 0, 0, True)
+    a = got["agg"]  # the failed turn sent first is skipped; aggregated: no external count
+    assert (a.session_id, a.turn_index, a.counted_by, a.local_hit_tokens, a.cold) == ("b", 0, "aggregated", 0, True)
+    assert pd.isna(a.external_tokens)
+    w = got["warm"]
+    assert (w.local_hit_tokens, w.external_tokens, w.cold) == (256, 128, False)
