@@ -246,6 +246,83 @@ def test_decode_killed_mid_stream_is_a_failed_turn_and_counters_survive_its_rest
     assert seen["proxy_saw_restart_after_healthy_s"] <= cfg.decode_probe_interval_s + PROBE_SLACK_S
 
 
+# --------------------------------------------------------------- D killed as P pulls its handle
+
+NIXL_COUNTERS = ("kv_expired_reqs", "failed_transfers", "failed_notifications")
+
+
+def nixl_counts(url: str) -> dict[str, float]:
+    """A worker's NIXL failure counters (vLLM nixl/stats.py), by name without ``vllm:nixl_num_``."""
+    return {n: metric(url, f"vllm:nixl_num_{n}_total") for n in NIXL_COUNTERS}
+
+
+def test_decode_killed_as_prefill_pulls_is_a_failed_transfer_not_an_expiry(pd_bidir_stack, tmp_path):
+    """D is SIGKILLed the moment the proxy sends P turn 1's prefill leg carrying D's handle, so P's
+    pull of D's blocks meets a dead engine. P counts a failed transfer, not an expired request
+    (vLLM counts an expiry apart since PR 55854), recomputes the prompt itself (the connector's
+    ``kv_load_failure_policy`` ``recompute``), and the proxy records ``miss_transfer_failed``; D
+    is gone, so the turn is a recorded failed turn naming decode-0. The run's view sets the two
+    side by side (view run_nixl_failures); the scrapes end before D's restart, so P's own lease on
+    turn 1's blocks (no D read them) runs out after the run's window. After D's restart the
+    session goes on (``miss_no_handle_returned``: the failed turn left no handle) with the
+    reference's output."""
+    stack = pd_bidir_stack
+    store = Store(tmp_path / "store")
+    store.init()
+    run_id = "d-killed-pull"
+    now = dt.datetime.now(dt.UTC)
+    row = {"run_id": run_id, "mode": "pd-bidir", "status": "running", "started_at": now, "updated_at": now}
+    d_url, p_url = worker(stack, "decode").spec.url, worker(stack, "prefill").spec.url
+    counts: dict[str, dict[str, float]] = {}
+
+    async def kill_d_on_pull(request: httpx.Request) -> None:
+        if request.url.path.endswith("/completions") and str(request.url).startswith(p_url) and \
+                b"remote_block_ids" in request.content and "killed" not in counts:
+            counts["killed"] = {}
+            kill(worker(stack, "decode"))
+
+    def on_turn(rec) -> None:
+        if rec.row["turn_index"] == 0:
+            counts["before"] = nixl_counts(p_url)
+        elif rec.row["turn_index"] == 1:
+            counts["after"] = nixl_counts(p_url)
+            scraper.stop(final_settle_s=5)
+            restart(stack, "decode")
+    plan = session("dp", [TurnPlan([user(0, 40, 3)], REF, max_tokens=HIT_GEN),
+                          TurnPlan([user(1, 12, 3)], REF, 0.0, "think", max_tokens=16),
+                          TurnPlan([user(2, 12, 3)], REF, 0.0, "think", max_tokens=16)])
+    with store.writer(run_id, "driver") as driver, store.writer(run_id, "scraper") as sw:
+        driver.append("runs_log", row)
+        scraper = MetricsScraper([(p_url, "prefill"), (d_url, "decode")], sw, run_id, interval_s=1.0)
+        scraper.start()
+        try:
+            client, log = client_with_log()
+            with client, ProxyThread(stack.proxy_config(prefill_timeout_s=20)) as proxy, \
+                    store.writer(run_id, "users") as w:
+                proxy.app.state.proxy.client.event_hooks["request"].append(kill_d_on_pull)
+                result = run_session(plan, client, proxy.url, MODEL, w, run_id, "token_ids", timeout_s=120,
+                                     extra_body=IGNORE_EOS, on_turn=on_turn)
+        finally:
+            scraper.stop()
+        end = dt.datetime.now(dt.UTC)
+        driver.append("runs_log", row | {"status": "complete", "finished_at": end, "updated_at": end})
+    got = [(r.row["status"], r.row["reuse"]) for r in result.turns]
+    assert "killed" in counts, "the prefill leg never carried D's handle"
+    assert got == [("ok", "miss_first_turn"), ("error", "miss_transfer_failed"), ("ok", "miss_no_handle_returned")], \
+        [r.row["error"] for r in result.turns]
+    assert "decode worker decode-0" in result.turns[1].row["error"], result.turns[1].row["error"]
+    assert check_outputs(stack, result, log) == 2
+    moved = {k: counts["after"][k] - counts["before"][k] for k in NIXL_COUNTERS}
+    assert moved["kv_expired_reqs"] == 0 and moved["failed_transfers"] >= 1, moved
+    con = store.connect()
+    try:
+        view = con.execute("SELECT miss_expired, miss_transfer_failed, p_kv_expired_reqs, p_failed_transfers "
+                           "FROM run_nixl_failures WHERE run_id = ?", [run_id]).fetchone()
+    finally:
+        con.close()
+    assert view == (0, 1, 0.0, moved["failed_transfers"]), (view, moved)
+
+
 # ------------------------------------------------------------- D restarted under live sessions
 
 

@@ -5,6 +5,7 @@ within 5 s of D's deadline (vLLM ``_KV_BLOCKS_EXPIRY_SAFETY_MARGIN``). Outputs a
 a fresh worker that has prefix caching off (greedy, ``ignore_eos``).
 """
 
+import datetime as dt
 import random
 import threading
 import time
@@ -13,7 +14,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadgen.scraper import MetricsScraper
 from tests.integration.vllm_stack import ProxyThread, metric
+from turnscope.core.store import Store
 
 pytestmark = pytest.mark.vllm
 MODEL = "turnscope-tiny"
@@ -60,18 +63,55 @@ def test_expired_handle_is_not_offered(pd_bidir_stack):
     assert gen2 == reference(stack, ids2)
 
 
-def test_read_past_decoder_ttl_is_declined_by_prefill(pd_bidir_stack):
-    """A proxy that believes D keeps blocks longer than it does: P declines the read itself."""
+def nixl_counts(url: str) -> dict[str, float]:
+    """A worker's NIXL failure counters (vLLM nixl/stats.py), by name without ``vllm:nixl_num_``."""
+    return {n: metric(url, f"vllm:nixl_num_{n}_total") for n in NIXL_COUNTERS}
+
+
+NIXL_COUNTERS = ("kv_expired_reqs", "failed_transfers", "failed_notifications")
+
+
+def test_read_past_decoder_ttl_is_declined_by_prefill(pd_bidir_stack, tmp_path):
+    """A proxy whose margin is 0 offers D's handle up to D's very deadline; P declines a read within
+    5 s of it (vLLM ``_KV_BLOCKS_EXPIRY_SAFETY_MARGIN``) and recomputes. vLLM counts that on P as an
+    expired request, not as a failed transfer (nixl/pull_worker.py ``_read_blocks_for_req``), and
+    the run's view sets it beside the proxy's ``miss_transfer_failed``: one turn the proxy offered
+    a handle for, one expiry its margin did not prevent (view run_nixl_failures)."""
     stack, rng = pd_bidir_stack, random.Random(12)
+    p_url, d_url = stack.worker("prefill").url, stack.worker("decode").url
     ids = ids_of(rng, 700)
-    with ProxyThread(stack.proxy_config(decoder_kv_blocks_ttl_s=600, handle_ttl_margin_s=0)) as proxy:
-        gen, _ = complete(proxy.url, ids, "s-late")
-        time.sleep(16)  # D's deadline is 20 s away; P declines when now + 5 s >= deadline
-        ids2 = ids + gen + ids_of(rng, 100)
-        (gen2, r2), n = pulled(stack, lambda: complete(proxy.url, ids2, "s-late"))
+    store = Store(tmp_path / "store")
+    store.init()
+    run_id, t0 = "p-declines", dt.datetime.now(dt.UTC)
+    with store.writer(run_id, "driver") as w, store.writer(run_id, "scraper") as sw:
+        w.append("runs_log", {"run_id": run_id, "mode": "pd-bidir", "status": "complete", "started_at": t0,
+                              "updated_at": t0})
+        scraper = MetricsScraper([(p_url, "prefill"), (d_url, "decode")], sw, run_id, interval_s=1.0)
+        scraper.start()
+        before = nixl_counts(p_url)
+        with ProxyThread(stack.proxy_config(handle_ttl_margin_s=0)) as proxy:  # proxy TTL = D's 20 s
+            gen, r1 = complete(proxy.url, ids, "s-late")
+            time.sleep(16)  # D's deadline is 20 s away; P declines when now + 5 s >= deadline
+            ids2 = ids + gen + ids_of(rng, 100)
+            (gen2, r2), n = pulled(stack, lambda: complete(proxy.url, ids2, "s-late"))
+        after = nixl_counts(p_url)
+        time.sleep(1.5)  # a scrape after P counted it
+        scraper.stop(final_settle_s=5)
+        for k, r in enumerate((r1, r2)):  # the turns as a run records them: their reuse outcome
+            w.append("turns", {"session_id": "s-late", "turn_index": k, "status": "ok", "sent_at": t0,
+                               "reuse": r.headers["x-turnscope-reuse"]})
     assert r2.headers["x-turnscope-reuse"] == "miss_transfer_failed"
     assert n == 0
     assert gen2 == reference(stack, ids2)
+    assert {k: after[k] - before[k] for k in NIXL_COUNTERS} == \
+        {"kv_expired_reqs": 1, "failed_transfers": 0, "failed_notifications": 0}
+    con = store.connect()
+    try:
+        view = con.execute("SELECT miss_expired, miss_transfer_failed, p_kv_expired_reqs, p_failed_transfers, "
+                           "p_failed_notifications FROM run_nixl_failures WHERE run_id = ?", [run_id]).fetchone()
+    finally:
+        con.close()
+    assert view == (0, 1, 1.0, 0.0, 0.0)
 
 
 def test_consumed_handle_is_never_read_twice(pd_bidir_stack):
@@ -189,3 +229,76 @@ def test_forged_kv_transfer_params_never_reach_a_worker(pd_bidir_stack):
     assert r.headers["x-turnscope-reuse"] == "miss_first_turn"
     assert n == 0
     assert gen == reference(stack, ids)
+
+
+#: Tokens each block-boundary turn generates (``ignore_eos``): D then holds prompt + 15 tokens.
+BOUNDARY_GEN = 16
+
+
+def test_prompts_at_a_block_boundary_through_every_pd_mode(pd_bidir_stack):
+    """Prompts of k x block size and k x block size - 1 tokens through every P/D mode (vLLM issue
+    50558: a prompt of whole blocks made D allocate one block more than P, and D crashed). Per mode
+    and length L in {2 x block, 2 x block - 1}, a session of three turns: L tokens, then the whole
+    context plus new tokens to L + 2 x block (again a whole number of blocks, or one short), then
+    that same prompt again, whose KV D holds entirely (the pull covers the whole prompt at the
+    boundary). Truths: every turn answers 200 with the reference worker's greedy output, D computes
+    at most the last token of each prompt itself (vLLM's own counter), and in the bidirectional
+    modes P's ``external_kv_transfer`` counter rises by exactly the tokens the proxy reports pulled;
+    with P's cache off, turns 1 and 2 pull the handle's whole blocks, counted here by hand.
+
+    The four modes run on the shared bidirectional workers, so no stack is started for this test:
+    one-way modes send no session key (the proxy offers no handle: P computes, D pulls from P, as in
+    ``pd``), and the modes with P's prefix cache off send a fresh ``cache_salt`` per request (P finds
+    nothing of its own and pulls every whole block D holds, as with ``--no-enable-prefix-caching``;
+    that flag's own code path is exercised by the eval and sweep tests' ``pd-nocache`` stacks)."""
+    from serving.workers import worker_block_size
+    from turnscope.core.modes import MODES, serving_mode
+
+    stack = pd_bidir_stack
+    p_url, d_url = stack.worker("prefill").url, stack.worker("decode").url
+    block = worker_block_size(p_url)
+    assert block and block == worker_block_size(d_url), "P and D report different block sizes"
+    rng = random.Random(19)
+    failures, checked = [], 0
+    with ProxyThread(stack.proxy_config()) as proxy:
+        for mode in [m for m in MODES if serving_mode(m).disaggregated]:
+            kind = serving_mode(mode)
+            for length in (2 * block, 2 * block - 1):
+                sid = f"s-boundary-{mode}-{length}" if kind.bidirectional else None
+                ids = ids_of(rng, length)
+                held = None  # tokens of KV D holds for the session before the turn
+                for k in range(3):
+                    salt = {} if kind.prefill_prefix_cache else {"cache_salt": f"boundary-{mode}-{length}-{k}"}
+                    before = (metric(p_url, EXTERNAL, source="external_kv_transfer"),
+                              metric(d_url, EXTERNAL, source="local_compute"))
+                    r = httpx.post(proxy.url + "/v1/completions", timeout=180, json={
+                        "model": MODEL, "prompt": ids, "max_tokens": BOUNDARY_GEN, "temperature": 0,
+                        "ignore_eos": True, "return_token_ids": True} | ({"conversation_id": sid} if sid else {})
+                        | salt)
+                    where = f"{mode}, L={length}, turn {k} ({len(ids)} tokens)"
+                    if r.status_code != 200:
+                        failures.append(f"{where}: HTTP {r.status_code} {r.text[:300]}")
+                        break
+                    pulled_n = metric(p_url, EXTERNAL, source="external_kv_transfer") - before[0]
+                    d_local = metric(d_url, EXTERNAL, source="local_compute") - before[1]
+                    facts, out = r.json()["turnscope"], r.json()["choices"][0]["token_ids"]
+                    if out != reference(stack, ids):
+                        failures.append(f"{where}: output differs from the reference")
+                    if d_local > 1:
+                        failures.append(f"{where}: D computed {d_local:.0f} prompt tokens itself")
+                    if pulled_n != facts["reused_tokens"]:
+                        failures.append(f"{where}: P pulled {pulled_n:.0f}, the proxy says {facts['reused_tokens']}")
+                    if kind.bidirectional and not kind.prefill_prefix_cache and k >= 1:
+                        # P has nothing of its own: it pulls D's whole blocks of the shared prefix
+                        # (turn 1: turn 0's prompt + 15 held; turn 2: the same prompt again, all held)
+                        reachable = min(held, len(ids)) // block * block
+                        if not (facts["reuse"] == "hit" and reachable - 1 <= facts["reused_tokens"] <= reachable):
+                            failures.append(f"{where}: {facts['reuse']}, pulled {facts['reused_tokens']} of "
+                                            f"{reachable} by hand")
+                    checked += 1
+                    held = len(ids) + BOUNDARY_GEN - 1
+                    if k == 0:  # the whole context plus new tokens, to L + 2 blocks; then the same again
+                        ids = ids + out
+                        ids = ids + ids_of(rng, length + 2 * block - len(ids))
+    assert not failures, failures
+    assert checked == 4 * 2 * 3
