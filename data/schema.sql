@@ -727,7 +727,7 @@ WITH n AS (
                    count(*) FILTER (WHERE reuse = 'miss_transfer_failed') AS miss_transfer_failed
     FROM turns GROUP BY run_id
 )
-SELECT r.run_id, r.mode, coalesce(t.miss_expired, 0) AS miss_expired,
+SELECT r.run_id, coalesce(t.miss_expired, 0) AS miss_expired,
        coalesce(t.miss_transfer_failed, 0) AS miss_transfer_failed,
        n.p_kv_expired_reqs, n.p_failed_transfers, n.p_failed_notifications,
        n.d_kv_expired_reqs, n.d_failed_transfers, n.d_failed_notifications
@@ -751,7 +751,7 @@ WITH f AS (
     FROM turns WHERE status = 'ok'
     QUALIFY row_number() OVER (PARTITION BY run_id ORDER BY sent_at, session_id, turn_index) = 1
 )
-SELECT r.run_id, r.mode, f.session_id, f.turn_index, f.sent_at, f.prompt_tokens, f.counted_by,
+SELECT r.run_id, f.session_id, f.turn_index, f.sent_at, f.prompt_tokens, f.counted_by,
        f.local_hit_tokens, f.external_tokens,
        f.local_hit_tokens + coalesce(f.external_tokens, 0) = 0 AS cold
 FROM runs r JOIN f USING (run_id);

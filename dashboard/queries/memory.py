@@ -216,7 +216,7 @@ def reuse_cost(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) ->
 
 
 _NIXL_FAILURES = """
-SELECT n.run_id, coalesce(r.label, n.run_id) AS run_label, n.mode, n.miss_expired, n.miss_transfer_failed,
+SELECT n.run_id, coalesce(r.label, n.run_id) AS run_label, r.mode, n.miss_expired, n.miss_transfer_failed,
        n.p_kv_expired_reqs, n.p_failed_transfers, n.p_failed_notifications,
        n.d_kv_expired_reqs, n.d_failed_transfers, n.d_failed_notifications
 FROM run_nixl_failures n JOIN runs r USING (run_id)

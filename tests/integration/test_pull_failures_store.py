@@ -116,3 +116,14 @@ def test_cold_start_reads_the_first_ok_turn(con):
     assert pd.isna(a.external_tokens)
     w = got["warm"]
     assert (w.local_hit_tokens, w.external_tokens, w.cold) == (256, 128, False)
+
+
+def test_the_run_summary_says_whether_the_run_started_cold(con):
+    from turnscope.commands.summaries import cold_start_line
+
+    rows = run_report.cold_start(con, ["bidir", "agg", "warm"]).set_index("run_id")
+    lines = {r: cold_start_line(rows.loc[r]) for r in rows.index}
+    assert lines["bidir"] == "cold start: checked, the first turn (b #0, 700 prompt tokens) found 0 tokens cached"
+    assert lines["agg"].startswith("cold start: checked")
+    assert lines["warm"] == ("NOT A COLD START: the first turn (a #0, 700 prompt tokens) found 384 tokens cached "
+                             "on P (256 in its own prefix cache, 128 loaded from elsewhere)")

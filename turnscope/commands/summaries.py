@@ -1,5 +1,5 @@
 """What ``eval``, ``sweep`` and ``demo`` print when their runs end: TTFT by turn index, reuse outcomes,
-P's external KV tokens, and the bottom line (speed-ups with their CIs and verdicts)."""
+P's external KV tokens, whether the run started cold, and the bottom line (speed-ups with their CIs and verdicts)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ def print_summary(store: Path, run_ids: list[str]) -> None:
     outs = db.read(location, run_report.outcomes, run_ids)
     stopped = db.read(location, run_report.stopped_early, run_ids)
     pd_failed = pd_check.pd_check_failures(store, run_ids)
+    cold = db.read(location, run_report.cold_start, run_ids).set_index("run_id")
     runs = db.read(location, queries.runs).set_index("run_id")
     for run_id in run_ids:
         rows = ttft[ttft.run_id == run_id]
@@ -47,6 +48,8 @@ def print_summary(store: Path, run_ids: list[str]) -> None:
         o = outs[outs.run_id == run_id]
         console_text.print_list(console, "  reuse: ", [f"{r.reuse}={r.turns}" for r in o.itertuples()])
         console_text.print_text(console, f"prefill external_kv_transfer tokens: {int(ext.get(run_id) or 0)}", "  ")
+        if run_id in cold.index:
+            console_text.print_text(console, cold_start_line(cold.loc[run_id]), "  ")
         if run_id in pd_failed:
             console_text.print_text(console, f"FAILED: {pd_failed[run_id]}", "  ")
         cut = [f"{r.sessions} by {r.stop_reason} ({r.turns_not_sent} planned turns not sent)"
@@ -54,6 +57,22 @@ def print_summary(store: Path, run_ids: list[str]) -> None:
         if cut:
             console_text.print_list(console, "  sessions stopped early: ", cut)
     print_bottom_line(store, run_ids)
+
+
+def cold_start_line(row) -> str:
+    """The summary's line on whether a run started cold (a row of ``run_report.cold_start``): what its
+    first ok turn found cached, as vLLM counted that request (the run's own cache_salt should leave
+    nothing to find; a cache tier the salt does not reach would)."""
+    turn = f"first turn ({row.session_id} #{row.turn_index}, {int(row.prompt_tokens or 0):,} prompt tokens)"
+    if pd.isna(row.cold):
+        return f"cold start: not checked, the {turn} carries no cached-token count"
+    if row.cold:
+        return f"cold start: checked, the {turn} found 0 tokens cached"
+    local = int(row.local_hit_tokens)
+    external = 0 if pd.isna(row.external_tokens) else int(row.external_tokens)
+    where = "P" if row.counted_by == "prefill" else "the worker"
+    return (f"NOT A COLD START: the {turn} found {local + external:,} tokens cached on {where} "
+            f"({local:,} in its own prefix cache, {external:,} loaded from elsewhere)")
 
 
 def bottom_line_blocks(ratios: list) -> list[list[str]]:
