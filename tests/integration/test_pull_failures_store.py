@@ -40,7 +40,7 @@ def _turn(run_id, sid, k, at_s, reuse, **kw):
 
 
 @pytest.fixture(scope="module")
-def con(tmp_path_factory):
+def store(tmp_path_factory):
     store = Store(tmp_path_factory.mktemp("store"))
     store.init()
     runs = {"bidir": "pd-bidir", "agg": "aggregated", "warm": "pd-bidir", "no-turns": "pd"}
@@ -78,6 +78,11 @@ def con(tmp_path_factory):
             w.append("metric_samples", _sample("bidir", i, D, "decode", EXPIRED, d_exp, LABELS))
             # the proxy's own series of the same names never count as vLLM's
             w.append("metric_samples", _sample("bidir", i, PROXY, "proxy", EXPIRED, 100 * i))
+    return store
+
+
+@pytest.fixture(scope="module")
+def con(store):
     c = store.connect()
     yield c
     c.close()
@@ -127,3 +132,17 @@ def test_the_run_summary_says_whether_the_run_started_cold(con):
     assert lines["agg"].startswith("cold start: checked")
     assert lines["warm"] == ("NOT A COLD START: the first turn (a #0, 700 prompt tokens) found 384 tokens cached "
                              "on P (256 in its own prefix cache, 128 loaded from elsewhere)")
+
+
+def test_memory_page_draws_expired_and_failed_pulls(monkeypatch, store):
+    """The Memory page over this store: the panel's chart draws each run's five bars and its table
+    the counts above (Streamlit's AppTest; the browser check is tests/e2e)."""
+    from tests.integration.test_dashboard_pages import charts, open_page, values
+
+    at = open_page(monkeypatch, store.root, "memory")
+    fig = charts(at)["Expired and failed pulls per run"]
+    bars = {t.name: dict(zip(list(t.y), values(t.x), strict=True)) for t in fig.data}
+    name = next(n for n in next(iter(bars.values())) if n.startswith("bidir"))
+    assert [bars[label][name] for _, label, _ in figures.NIXL_FAILURE_BARS] == [2, 4, 3, 2, 7]
+    table = next(d.value for d in at.dataframe if "P: KV expired" in d.value.columns).set_index("run")
+    assert table.loc["bidir", "P: KV expired"] == 4 and table.loc["bidir", "D: KV expired"] == 7
