@@ -147,7 +147,7 @@ def whatif_table(df: pd.DataFrame) -> pd.DataFrame:
 
 #: The columns of ``dashboard.queries.nixl_failures`` shown by :func:`nixl_failures_table`, with
 #: their headers: the proxy's outcomes (turns), then vLLM's NIXL counters on P and D (requests).
-NIXL_FAILURE_COLUMNS = ("run_label", "miss_expired", "miss_transfer_failed", "p_kv_expired_reqs",
+NIXL_FAILURE_COLUMNS = ("run_label", "expired_turns", "transfer_failed_turns", "p_kv_expired_reqs",
                         "p_failed_transfers", "p_failed_notifications", "d_kv_expired_reqs", "d_failed_transfers")
 _NIXL_FAILURE_HEADERS = ("run", "proxy miss_expired", "proxy miss_transfer_failed", "P: KV expired",
                          "P: failed transfers", "P: failed notifications", "D: KV expired", "D: failed transfers")

@@ -723,12 +723,12 @@ WITH n AS (
                    'vllm:nixl_num_failed_notifications_total')
     GROUP BY run_id
 ), t AS (
-    SELECT run_id, count(*) FILTER (WHERE reuse = 'miss_expired')         AS miss_expired,
-                   count(*) FILTER (WHERE reuse = 'miss_transfer_failed') AS miss_transfer_failed
+    SELECT run_id, count(*) FILTER (WHERE reuse = 'miss_expired')         AS expired_turns,
+                   count(*) FILTER (WHERE reuse = 'miss_transfer_failed') AS transfer_failed_turns
     FROM turns GROUP BY run_id
 )
-SELECT r.run_id, coalesce(t.miss_expired, 0) AS miss_expired,
-       coalesce(t.miss_transfer_failed, 0) AS miss_transfer_failed,
+SELECT r.run_id, coalesce(t.expired_turns, 0) AS expired_turns,
+       coalesce(t.transfer_failed_turns, 0) AS transfer_failed_turns,
        n.p_kv_expired_reqs, n.p_failed_transfers, n.p_failed_notifications,
        n.d_kv_expired_reqs, n.d_failed_transfers, n.d_failed_notifications
 FROM runs r LEFT JOIN t USING (run_id) LEFT JOIN n USING (run_id);

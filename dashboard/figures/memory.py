@@ -202,9 +202,9 @@ def whatif_ttl(df: pd.DataFrame, current_ttls_s: list[float] | None = None) -> g
 #: The bars of :func:`nixl_failures`: (column of ``dashboard.queries.nixl_failures``, legend name,
 #: colour); the proxy's outcomes in their outcome colours, vLLM's counters in shades of them.
 NIXL_FAILURE_BARS = (
-    ("miss_expired", "proxy: miss_expired (handle held back by its margin)", OUTCOME_COLORS[MISS_EXPIRED]),
+    ("expired_turns", "proxy: miss_expired (handle held back by its margin)", OUTCOME_COLORS[MISS_EXPIRED]),
     ("p_kv_expired_reqs", "P, vLLM: KV expired (read declined past D's deadline)", "#fdae6b"),
-    ("miss_transfer_failed", "proxy: miss_transfer_failed (offered, not pulled)", OUTCOME_COLORS[MISS_TRANSFER_FAILED]),
+    ("transfer_failed_turns", "proxy: miss_transfer_failed (offered, not pulled)", OUTCOME_COLORS[MISS_TRANSFER_FAILED]),
     ("p_failed_transfers", "P, vLLM: failed transfers", "#cb181d"),
     ("d_kv_expired_reqs", "D, vLLM: KV expired (handles no P pulled within its TTL)", NEUTRAL),
 )

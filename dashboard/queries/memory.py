@@ -216,7 +216,7 @@ def reuse_cost(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) ->
 
 
 _NIXL_FAILURES = """
-SELECT n.run_id, coalesce(r.label, n.run_id) AS run_label, r.mode, n.miss_expired, n.miss_transfer_failed,
+SELECT n.run_id, coalesce(r.label, n.run_id) AS run_label, r.mode, n.expired_turns, n.transfer_failed_turns,
        n.p_kv_expired_reqs, n.p_failed_transfers, n.p_failed_notifications,
        n.d_kv_expired_reqs, n.d_failed_transfers, n.d_failed_notifications
 FROM run_nixl_failures n JOIN runs r USING (run_id)
@@ -231,7 +231,7 @@ def nixl_failures(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str])
     ``miss_transfer_failed`` (offered, not pulled) beside vLLM's NIXL counters' increases on P and
     D, in requests (``*_kv_expired_reqs``) and failures (``*_failed_transfers``,
     ``*_failed_notifications``; NaN where the role was not scraped or does not export them).
-    Columns: run_id, run_label, mode, miss_expired, miss_transfer_failed, p_kv_expired_reqs,
+    Columns: run_id, run_label, mode, expired_turns, transfer_failed_turns, p_kv_expired_reqs,
     p_failed_transfers, p_failed_notifications, d_kv_expired_reqs, d_failed_transfers,
     d_failed_notifications.
     """

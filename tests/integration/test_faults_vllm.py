@@ -316,7 +316,7 @@ def test_decode_killed_as_prefill_pulls_is_a_failed_transfer_not_an_expiry(pd_bi
     assert moved["kv_expired_reqs"] == 0 and moved["failed_transfers"] >= 1, moved
     con = store.connect()
     try:
-        view = con.execute("SELECT miss_expired, miss_transfer_failed, p_kv_expired_reqs, p_failed_transfers "
+        view = con.execute("SELECT expired_turns, transfer_failed_turns, p_kv_expired_reqs, p_failed_transfers "
                            "FROM run_nixl_failures WHERE run_id = ?", [run_id]).fetchone()
     finally:
         con.close()

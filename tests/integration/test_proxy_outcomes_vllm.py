@@ -107,7 +107,7 @@ def test_read_past_decoder_ttl_is_declined_by_prefill(pd_bidir_stack, tmp_path):
         {"kv_expired_reqs": 1, "failed_transfers": 0, "failed_notifications": 0}
     con = store.connect()
     try:
-        view = con.execute("SELECT miss_expired, miss_transfer_failed, p_kv_expired_reqs, p_failed_transfers, "
+        view = con.execute("SELECT expired_turns, transfer_failed_turns, p_kv_expired_reqs, p_failed_transfers, "
                            "p_failed_notifications FROM run_nixl_failures WHERE run_id = ?", [run_id]).fetchone()
     finally:
         con.close()

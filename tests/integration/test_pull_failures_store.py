@@ -90,7 +90,7 @@ def con(store):
 
 def test_nixl_failures_view_sets_vllm_counters_beside_the_proxy_outcomes(con):
     got = {r[0]: r[1:] for r in con.execute(
-        "SELECT run_id, miss_expired, miss_transfer_failed, p_kv_expired_reqs, p_failed_transfers, "
+        "SELECT run_id, expired_turns, transfer_failed_turns, p_kv_expired_reqs, p_failed_transfers, "
         "p_failed_notifications, d_kv_expired_reqs, d_failed_transfers FROM run_nixl_failures").fetchall()}
     assert got["bidir"] == (2, 3, 4.0, 2.0, 0.0, 7.0, None)  # D exported no failed-transfer counter: NULL
     # runs without scrapes: the proxy's outcomes (0 without turns), every counter NULL, never 0
