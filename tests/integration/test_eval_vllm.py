@@ -111,6 +111,11 @@ def test_eval_pd_nocache_vs_bidir(tmp_path):
     ttft = dict(con.execute("""select mode, median(ttft_s) from turn_breakdown
                                where turn_index >= 1 and status = 'ok' group by mode""").fetchall())
     assert ttft["pd-bidir-nocache"] < ttft["pd-nocache"]
+    # each run claims a cold start (its own cache_salt on workers that served the other history mode's
+    # run before it): its first ok turn found nothing, as P counted that request (view run_cold_start)
+    cold = con.execute("select run_id, counted_by, local_hit_tokens, external_tokens, cold from run_cold_start "
+                       "order by run_id").fetchall()
+    assert cold == [(run_id, "prefill", 0, 0, True) for run_id in sorted(run_ids)], cold
     # the speed probes: full prefills of the same 256 ids and of 2,048 ids on P, 3 of each at each
     # run's start and end, outside the run's scrapes (P's prompt-token counter over the run counts
     # the turns' prompts only); the longer one takes longer (it computes 1,792 more tokens)
