@@ -243,8 +243,9 @@ def test_prompts_at_a_block_boundary_through_every_pd_mode(pd_bidir_stack):
     that same prompt again, whose KV D holds entirely (the pull covers the whole prompt at the
     boundary). Truths: every turn answers 200 with the reference worker's greedy output, D computes
     at most the last token of each prompt itself (vLLM's own counter), and in the bidirectional
-    modes P's ``external_kv_transfer`` counter rises by exactly the tokens the proxy reports pulled;
-    with P's cache off, turns 1 and 2 pull the handle's whole blocks, counted here by hand.
+    modes D's handle holds prompt + output - 1 tokens and P's ``external_kv_transfer`` counter
+    rises by exactly the tokens the proxy reports pulled; with P's cache off, turns 1 and 2 pull
+    the handle's whole blocks, counted here by hand.
 
     The four modes run on the shared bidirectional workers, so no stack is started for this test:
     one-way modes send no session key (the proxy offers no handle: P computes, D pulls from P, as in
@@ -296,7 +297,9 @@ def test_prompts_at_a_block_boundary_through_every_pd_mode(pd_bidir_stack):
                             failures.append(f"{where}: {facts['reuse']}, pulled {facts['reused_tokens']} of "
                                             f"{reachable} by hand")
                     checked += 1
-                    held = len(ids) + BOUNDARY_GEN - 1
+                    held = len(ids) + BOUNDARY_GEN - 1  # D keeps KV for prompt + output - 1 tokens
+                    if kind.bidirectional and facts["handle_tokens"] != held:
+                        failures.append(f"{where}: D's handle holds {facts['handle_tokens']} tokens, {held} by hand")
                     if k == 0:  # the whole context plus new tokens, to L + 2 blocks; then the same again
                         ids = ids + out
                         ids = ids + ids_of(rng, length + 2 * block - len(ids))
