@@ -433,7 +433,8 @@ class SessionProxy:
             return
         req.chain = self.block_chains.chain(req.session, req.new_ids, req.cache_salt)
         held = self.prefix_index(req.prefill.name).held_tokens(req.chain)
-        req.local_estimate = rules.local_prefix_tokens(held, len(req.new_ids), self.config.block_size)
+        req.local_estimate = rules.local_prefix_tokens(held, len(req.new_ids), self.config.block_size,
+                                                       prompt_tokens=len(req.new_ids))
 
     def record_prefill(self, req: ProxiedRequest, prompt_ids) -> None:
         """P computed (or pulled) ``prompt_ids``: its prefix index keeps their full blocks, once

@@ -276,8 +276,10 @@ def test_decode_killed_as_prefill_pulls_is_a_failed_transfer_not_an_expiry(pd_bi
     counts: dict[str, dict[str, float]] = {}
 
     async def kill_d_on_pull(request: httpx.Request) -> None:
-        if request.url.path.endswith("/completions") and str(request.url).startswith(p_url) and \
-                b"remote_block_ids" in request.content and "killed" not in counts:
+        if not (request.url.path.endswith("/completions") and str(request.url).startswith(p_url)):
+            return
+        params = json.loads(request.content).get("kv_transfer_params") or {}
+        if params.get("remote_block_ids") and "killed" not in counts:  # the leg carries D's handle
             counts["killed"] = {}
             kill(worker(stack, "decode"))
 

@@ -170,3 +170,36 @@ def test_a_roles_kv_space_read_as_vllm_reads_its_flags():
     args = ("--kv-cache-memory-bytes", "100", "--enforce-eager", "--kv-cache-memory-bytes=200")
     assert WorkerSpec(**base, args=args).effective_kv_cache_bytes == 200
     assert WorkerSpec(**base).effective_kv_cache_bytes == 512
+
+
+def test_a_prompt_of_whole_blocks_p_holds_whole_still_pulls_its_last_block():
+    """vLLM never counts a whole prompt as cached (``max_cache_hit_length = num_tokens - 1``,
+    vllm/v1/core/kv_cache_manager.py): a 12-token prompt (3 blocks of 4) that P holds whole finds
+    2 blocks (8 tokens) there, and given D's handle for all 12 P pulls the last block. So the
+    proxy's estimate is 8, not 12, and P's report of 12 cached tokens is a hit of 4 pulled tokens
+    (by hand: 12 - 8), not ``miss_below_threshold`` with none (the real-worker case:
+    tests/integration/test_proxy_outcomes_vllm.py, the block-boundary test, P's counter 128)."""
+    from serving.proxy import ProxyConfig, SessionProxy, Worker, classify_prefill
+    from serving.proxy_request import ProxiedRequest, RequestFacts
+
+    cfg = ProxyConfig(mode="pd-bidir", prefill=[Worker(name="p0", url="http://127.0.0.1:1")],
+                      decode=[Worker(name="d0", url="http://127.0.0.1:2")], block_size=4,
+                      kv_recompute_threshold=2)
+    proxy = SessionProxy(cfg)
+    p0, d0 = cfg.prefill[0], cfg.decode[0]
+    ids = list(range(12))
+
+    def request(n: str) -> ProxiedRequest:
+        return ProxiedRequest("/v1/completions", {}, "s", p0, d0,
+                              RequestFacts(request_id=n, mode="pd-bidir", prefill_engine="p0", decode_engine="d0"),
+                              0.0, new_ids=ids)
+
+    first = request("1")
+    proxy.estimate_local_hit(first)
+    proxy.record_prefill(first, ids)  # P now holds the prompt's 3 whole blocks
+    again = request("2")
+    proxy.estimate_local_hit(again)
+    assert again.local_estimate == 8
+    assert classify_prefill(12, 12, 12, again.local_estimate, cfg.kv_recompute_threshold) == ("hit", 4)
+    # one token short of the boundary nothing changes: 11 tokens, 2 whole blocks, both usable
+    assert classify_prefill(8, 11, 8, 8, cfg.kv_recompute_threshold) == ("miss_below_threshold", 0)

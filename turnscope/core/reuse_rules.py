@@ -130,10 +130,12 @@ def local_prefix_tokens(cached_tokens: int, common_prefix_tokens: int, block_siz
     (``cached_tokens``) that the new prompt shares (``common_prefix_tokens``).
 
     With ``prompt_tokens`` given, never the whole prompt: vLLM recomputes at least the last prompt
-    token (``max_cache_hit_length = num_tokens - 1``, vllm/v1/core/kv_cache_manager.py); the
-    planner passes it. The proxy's estimate, taken before P reports, passes the tokens its
-    per-P prefix index holds of the new prompt (``serving.prefix_index``) as ``cached_tokens``,
-    the new prompt's length as ``common_prefix_tokens``, and no cap."""
+    token (``max_cache_hit_length = num_tokens - 1``, vllm/v1/core/kv_cache_manager.py), so a
+    prompt of whole blocks finds one block fewer than it holds. The planner passes it, and so does
+    the proxy's estimate, taken before P reports: the tokens its per-P prefix index holds of the new
+    prompt (``serving.prefix_index``) as ``cached_tokens`` and the new prompt's length as both
+    ``common_prefix_tokens`` and ``prompt_tokens`` (without the cap, a whole-block prompt P held
+    whole read as nothing to pull while P pulled its last block from D)."""
     limit = min(cached_tokens, common_prefix_tokens)
     if prompt_tokens is not None:
         limit = min(limit, max(prompt_tokens - 1, 0))
