@@ -9,11 +9,11 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from core.contract import MISS_EXPIRED, MISS_TRANSFER_FAILED, Role
+from core.modes import PD_BIDIR
 from dashboard.figures.common import empty_figure, legend_below, log_ticks, run_colors
 from dashboard.palette import ALARM, NEUTRAL, NEUTRAL_DARK, OUTCOME_COLORS, mode_color
-from dashboard.queries import hit_rate
-from turnscope.core.contract import MISS_EXPIRED, MISS_TRANSFER_FAILED, Role
-from turnscope.core.modes import PD_BIDIR
+from store import hit_rate
 
 
 def _run_names(df: pd.DataFrame) -> pd.Series:
@@ -38,8 +38,8 @@ def memory_timeline(mem: pd.DataFrame, hits: pd.DataFrame) -> go.Figure:
     """KV usage of P and D (%), the proxy's live handle bytes (MiB) and the reuse hit rate (%)
     over time since each run started, one colour per run, in three stacked panels.
 
-    `mem`: ``dashboard.queries.memory_timeline`` (run_id, run_label, mode, role, name,
-    elapsed_s, value: usage 0..1 or bytes). `hits`: ``dashboard.queries.hit_rate_timeline``
+    `mem`: ``store.queries.memory_timeline`` (run_id, run_label, mode, role, name,
+    elapsed_s, value: usage 0..1 or bytes). `hits`: ``store.queries.hit_rate_timeline``
     (run_id, run_label, mode, elapsed_s, later_turns, hits, hit_rate 0..1).
     """
     if mem.empty and hits.empty:
@@ -103,8 +103,8 @@ MiB = 2**20
 
 
 def whatif_totals(df: pd.DataFrame) -> pd.DataFrame:
-    """``dashboard.queries.whatif_ttl_d_limit`` rows (one per run and TTL) summed per mode and TTL
-    (modes are never pooled, ``dashboard.queries.hit_rate``): mode, ttl_s, later_turns, hits, lost_hits,
+    """``planner.recorded_whatif.whatif_ttl_d_limit`` rows (one per run and TTL) summed per mode and TTL
+    (modes are never pooled, ``store.hit_rate``): mode, ttl_s, later_turns, hits, lost_hits,
     held_gib_s (sums over the mode's runs), runs, runs_over (runs whose held KV would exceed their D's
     space at that TTL: demand_peak_bytes > capacity_bytes). Rows without a mode count as ``pd-bidir``."""
     d = df if "mode" in df else df.assign(mode=PD_BIDIR)
@@ -123,7 +123,7 @@ def whatif_ttl(df: pd.DataFrame, current_ttls_s: list[float] | None = None) -> g
     solid within D's space, dotted what the TTL would ask with no limit) with D's KV space as a dashed
     line, red crosses where the demand exceeds it.
 
-    `df`: ``dashboard.queries.whatif_ttl_d_limit`` (run_id, run_label, mode, ttl_s, later_turns, hits,
+    `df`: ``planner.recorded_whatif.whatif_ttl_d_limit`` (run_id, run_label, mode, ttl_s, later_turns, hits,
     lost_hits, held_gib_s, peak_held_bytes, demand_peak_bytes, capacity_bytes).
     """
     if df.empty or not (df["later_turns"] > 0).any():
@@ -199,7 +199,7 @@ def whatif_ttl(df: pd.DataFrame, current_ttls_s: list[float] | None = None) -> g
     return fig
 
 
-#: The bars of :func:`nixl_failures`: (column of ``dashboard.queries.nixl_failures``, legend name,
+#: The bars of :func:`nixl_failures`: (column of ``store.queries.nixl_failures``, legend name,
 #: colour); the proxy's outcomes in their outcome colours, vLLM's counters in shades of them.
 NIXL_FAILURE_BARS = (
     ("expired_turns", "proxy: miss_expired (handle held back by its margin)", OUTCOME_COLORS[MISS_EXPIRED]),
@@ -216,7 +216,7 @@ def nixl_failures(df: pd.DataFrame) -> go.Figure:
     declined as past D's deadline; failed transfers) and D's expired handles. A run's bar is absent
     where the counter was not scraped (NaN), 0 where it stayed flat.
 
-    `df`: ``dashboard.queries.nixl_failures``.
+    `df`: ``store.queries.nixl_failures``.
     """
     if df.empty:
         return empty_figure("no runs with a proxy outcome or a NIXL counter in the selection")

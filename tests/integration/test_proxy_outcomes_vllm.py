@@ -15,8 +15,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadgen.scraper import MetricsScraper
+from store.writer import Store
 from tests.integration.vllm_stack import ProxyThread, metric
-from turnscope.core.store import Store
 
 pytestmark = pytest.mark.vllm
 MODEL = "turnscope-tiny"
@@ -183,7 +183,7 @@ def test_below_threshold_recomputes_and_frees_the_handle_it_was_given_on_d(pd_bi
     just notify"), so D frees that handle at once instead of at its TTL. The truth is D's own counter
     of expired leases: over a TTL after the two turns it counts exactly one expiry (the last turn's
     handle), not two: the below-threshold turn's predecessor never expired. This is the rule of
-    view handle_holds (ended_by 'freed') and of the planner (turnscope.core.reuse_rules.d_frees_taken_handle)."""
+    view handle_holds (ended_by 'freed') and of the planner (core.reuse_rules.d_frees_taken_handle)."""
     stack, rng = pd_bidir_stack, random.Random(18)
     ttl = stack.connector.decoder_kv_blocks_ttl
     d_url = stack.worker("decode").url
@@ -258,8 +258,8 @@ def test_prompts_at_a_block_boundary_through_every_pd_mode(pd_bidir_stack):
     ``pd``), and the modes with P's prefix cache off send a fresh ``cache_salt`` per request (P finds
     nothing of its own and pulls every whole block D holds, as with ``--no-enable-prefix-caching``;
     that flag's own code path is exercised by the eval and sweep tests' ``pd-nocache`` stacks)."""
+    from core.modes import MODES, serving_mode
     from serving.workers import worker_block_size
-    from turnscope.core.modes import MODES, serving_mode
 
     stack = pd_bidir_stack
     p_url, d_url = stack.worker("prefill").url, stack.worker("decode").url

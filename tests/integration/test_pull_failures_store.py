@@ -11,9 +11,10 @@ import datetime as dt
 import pandas as pd
 import pytest
 
-from dashboard import figures, queries, tables
-from dashboard.queries import run_report
-from turnscope.core.store import Store
+from dashboard import figures, tables
+from store import queries
+from store.queries import run_report
+from store.writer import Store
 
 T0 = dt.datetime(2026, 12, 6, 12, 0, tzinfo=dt.UTC)
 P, D, PROXY = "http://127.0.0.1:8100", "http://127.0.0.1:8101", "http://127.0.0.1:8200"
@@ -128,10 +129,11 @@ def test_the_run_summary_says_whether_the_run_started_cold(con):
 
     rows = run_report.cold_start(con, ["bidir", "agg", "warm"]).set_index("run_id")
     lines = {r: cold_start_line(rows.loc[r]) for r in rows.index}
-    assert lines["bidir"] == "cold start: checked, the first turn (b #0, 700 prompt tokens) found 0 tokens cached"
+    assert lines["bidir"] == ("cold start: checked, the first turn (session b, turn 0, 700 prompt tokens) found 0 "
+                              "tokens cached")
     assert lines["agg"].startswith("cold start: checked")
-    assert lines["warm"] == ("NOT A COLD START: the first turn (a #0, 700 prompt tokens) found 384 tokens cached "
-                             "on P (256 in its own prefix cache, 128 loaded from elsewhere)")
+    assert lines["warm"] == ("NOT A COLD START: the first turn (session a, turn 0, 700 prompt tokens) found 384 "
+                             "tokens cached on P (256 in its own prefix cache, 128 loaded from elsewhere)")
 
 
 def test_memory_page_draws_expired_and_failed_pulls(monkeypatch, store):
