@@ -288,6 +288,9 @@ def test_decode_killed_as_prefill_pulls_is_a_failed_transfer_not_an_expiry(pd_bi
         if rec.row["turn_index"] == 0:
             counts["before"] = nixl_counts(p_url)
         elif rec.row["turn_index"] == 1:
+            deadline = time.monotonic() + 5  # P's counters reach its /metrics with the engine's next stats
+            while nixl_counts(p_url) == counts["before"] and time.monotonic() < deadline:
+                time.sleep(0.1)
             counts["after"] = nixl_counts(p_url)
             scraper.stop(final_settle_s=5)
             restart(stack, "decode")
