@@ -297,6 +297,12 @@ def test_the_top_level_folders_are_layers() -> None:
     assert import_cycles(top) == []
 
 
+def test_the_dashboard_is_a_leaf() -> None:
+    """dashboard/ holds pages, figures and tables: no other package imports it (the CLI starts it
+    as a process); what it reads is the store's (store/queries/)."""
+    assert sorted(a for a, targets in top_level_graph(import_graph()).items() if "dashboard" in targets) == []
+
+
 def test_the_house_check_catches_an_arrow_up() -> None:
     graph = import_graph()
     graph["planner.fit"] = graph["planner.fit"] | {"turnscope.conductor.settings"}
