@@ -53,7 +53,8 @@ def release_turn(client: httpx.Client, proxy_url: str, body: dict, headers: dict
     ``headers``: added to the client's (a named decode worker)."""
     stream = body | {"stream": True, "max_tokens": RELEASE_MAX_TOKENS}
     try:
-        with connect_sse(client, "POST", proxy_url + "/v1/completions", json=stream, headers=dict(headers or {})) as source:
+        with connect_sse(client, "POST", proxy_url + "/v1/completions", json=stream,
+                         headers=dict(headers or {})) as source:
             outcome = source.response.headers.get("x-turnscope-reuse", f"http {source.response.status_code}")
             source.response.raise_for_status()
             next(source.iter_sse(), None)      # the first token; leaving the block closes the connection
