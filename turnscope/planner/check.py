@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
+from turnscope.core.modes import AGGREGATED
 from turnscope.core.store import Store
 from turnscope.planner.fit import (
     on_run_kv_space,
@@ -57,18 +58,24 @@ def forecast_terms(tr: Traffic, m: ModePlan, profile: CostProfile, settings: Pla
     the request was planned with, on its run's speed; ``settings``: the run's): ``compute``
     (``c(n) - c(cached)``, :meth:`CostProfile.prefill_compute_s`), ``pull``
     (:meth:`CostProfile.pull_s`), ``queue_p`` (``m.queue_wait_s``), ``wait_d`` (``m.decode_wait_s``),
-    ``fixed`` (b0 of the mode plus the chat renders, :meth:`CostProfile.render_s` x
+    ``handoff_wait`` and ``d_first_step`` (P/D's hand-off, :meth:`CostProfile.handoff_s`; NaN where the
+    profile has no such figure and keeps it inside b0, 0 in ``aggregated``), ``fixed`` (b0 of the mode plus the chat renders, :meth:`CostProfile.render_s` x
     :data:`turnscope.planner.simulate.RENDERS`, one more for a handle taken), ``contention``
     (``m.contention_s``, :mod:`turnscope.planner.host_contention`; 0 where the profile has no such
-    term) and ``ttft`` (``m.ttft_s``), which the terms sum to
+    term) and ``ttft`` (``m.ttft_s``), which the terms (NaN read as 0) sum to
     (the cost model: docs/planner/simulation.md). Columns also: session_id, turn_index."""
     n = tr.input_tokens
     took = np.isin(m.outcome_names(), TOOK_HANDLE)
     render = (profile.render_s(n, RENDERS[m.mode] + took) if settings.rendered_prompts else np.zeros(len(tr)))
     wait_d = m.decode_wait_s if m.decode_wait_s.size else np.zeros(len(tr))
+    handoff_wait, d_first_step = profile.handoff_s(m.mode)
+    if m.mode != AGGREGATED:   # a figure the profile lacks is inside b0: not known apart
+        handoff_wait = handoff_wait if profile.handoff_wait_s is not None else np.nan
+        d_first_step = d_first_step if profile.d_first_step_s is not None else np.nan
     return pd.DataFrame({"session_id": tr.session, "turn_index": tr.request_index,
                          "compute": profile.prefill_compute_s(m.mode, n, m.local_tokens + m.pulled_tokens),
                          "pull": profile.pull_s(m.pulled_tokens), "queue_p": m.queue_wait_s, "wait_d": wait_d,
+                         "handoff_wait": handoff_wait, "d_first_step": d_first_step,
                          "fixed": profile.b0(m.mode) + render,
                          "contention": m.contention_s if m.contention_s.size else np.zeros(len(tr)), "ttft": m.ttft_s})
 

@@ -17,6 +17,8 @@ Formulas and sources in docs/planner/profiles.md:
   puts each run's turns on that speed first (:func:`run_speed_factors`), so runs of different
   modes recorded while the machine ran at different speeds are compared on one;
 * the system prompt shared across sessions: :func:`recorded_shared_prefix_tokens`;
+* P/D's hand-off, where the runs scraped D's request histograms: D's wait for P's KV and D's first
+  step (:func:`handoff_terms`), taken out of the P/D modes' b0;
 * each fitted figure's source ends with its fit's residuals over the turns it rests on and the
   range of computed and prompt tokens it was fitted over (:mod:`turnscope.planner.fit_residuals`),
   so a profile says where its forecasts extrapolate.
@@ -39,6 +41,7 @@ from scipy.optimize import least_squares
 
 from loadgen.traces.recorded_runs import read_recorded_runs
 from turnscope.analysis import sweep_stats as sweep
+from turnscope.analysis import ttft_split
 from turnscope.analysis.worker_cache import cache_config
 from turnscope.core.contract import (
     COMPUTE_PROBE_TOKENS,
@@ -301,7 +304,55 @@ def fit_profile(store: Store, run_ids: Sequence[str], name: str = "fitted") -> C
     prof.b0_s.update(sibling_b0(prof.b0_s))
     default = costs.b0_s.get(RECOMPUTE_MODE, float(np.median(list(costs.b0_s.values()))))
     prof.b0_default_s = Sourced(value=default, source=f"{how}; {RECOMPUTE_MODE}'s b0 (else the median of the modes')")
-    return prof
+    return with_handoff(prof, handoff_terms(store, run_ids, speed))
+
+
+#: The hand-off's profile fields and the measured term (:func:`turnscope.analysis.ttft_split.measured_terms`) of each.
+HANDOFF_FIELDS = (("handoff_wait_s", "wait_d", "D's vllm:request_queue_time_seconds (D's wait for P's KV)"),
+                  ("d_first_step_s", "d_first_step", "D's vllm:request_prefill_time_seconds (D's first step)"))
+
+
+def handoff_terms(store: Store, run_ids: Sequence[str], speed: dict[str, float] | None = None) -> dict[str, Sourced]:
+    """P/D's hand-off measured in ``run_ids``: profile field (:data:`HANDOFF_FIELDS`) -> the median
+    over the P/D runs that scraped D of the run's mean per request of D's histogram (the run's
+    increase of its sum over that of its count, :func:`turnscope.analysis.ttft_split.measured_terms`),
+    each run's mean divided by its speed factor (``speed``: :func:`run_speed_factors`; absent: 1),
+    seconds. Read from runs of one request at a time (a calibration) D's queue time is the wait for
+    P's KV alone; under load it also holds the wait for room on D, which the planner forecasts
+    apart. Empty when no P/D run scraped D's histograms."""
+    measured = ttft_split.measured_terms(ttft_split.measured_sums(store, list(run_ids)))
+    if measured.empty:
+        return {}
+    speed = speed or {}
+    out = {}
+    for field, term, what in HANDOFF_FIELDS:
+        per_run = {r.run_id: getattr(r, term) / speed.get(r.run_id, 1.0) for r in measured.itertuples()
+                   if pd.notna(getattr(r, term))}
+        if per_run:
+            lo, hi = min(per_run.values()), max(per_run.values())
+            out[field] = Sourced(value=float(np.median(list(per_run.values()))), source=(
+                f"measured in runs {', '.join(sorted(per_run))}: median over {len(per_run)} P/D runs of the run's "
+                f"mean {what} per request (runs' means {lo * 1e3:.1f}-{hi * 1e3:.1f} ms), each on the median "
+                "speed probe's speed"))
+    return out
+
+
+def with_handoff(prof: CostProfile, terms: dict[str, Sourced]) -> CostProfile:
+    """``prof`` with P/D's hand-off terms (``terms``: :func:`handoff_terms`) and their sum taken out of
+    every P/D mode's b0 (and ``b0_default_s``, a P/D mode's): the fit's b0 held them. A b0 the terms
+    exceed is kept at 0 (said in its source). Unchanged when ``terms`` is empty."""
+    if not terms:
+        return prof
+    taken = sum(t.value for t in terms.values())
+
+    def less(b: Sourced) -> Sourced:
+        v = b.value - taken
+        note = (f"; less P/D's hand-off ({taken * 1e3:.1f} ms: handoff_wait_s + d_first_step_s)"
+                + ("" if v >= 0 else f", which exceeds it by {-v * 1e3:.1f} ms: kept at 0"))
+        return Sourced(value=max(v, 0.0), source=b.source + note)
+
+    b0 = {m: (b if m == AGGREGATED else less(b)) for m, b in prof.b0_s.items()}
+    return prof.model_copy(update={**terms, "b0_s": b0, "b0_default_s": less(prof.b0_default_s)})
 
 
 def sibling_b0(fitted: dict[str, Sourced]) -> dict[str, Sourced]:
