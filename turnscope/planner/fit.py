@@ -93,12 +93,13 @@ def run_settings(store: Store, run_id: str) -> PlanSettings:
     and P's routing, when the planner has it: round-robin or session, else its session routing; the
     recompute threshold from ``runs.config.connector.kv_recompute_threshold``, vLLM's 64 when
     absent; ``rendered_prompts`` for a ``text`` history: chat messages the workers render; its
-    workers and P's shared compute from ``runs.topology``, :func:`topology_settings`)."""
+    workers and P's shared compute from ``runs.topology``, :func:`topology_settings`); P's prefix
+    cache by blocks, as vLLM keeps it (``p_cache_blocks``: a recorded run's turns extend their history)."""
     ttl, margin, routing, thr, history, topology = run_config_row(store, run_id)
     topo = json.loads(topology) if isinstance(topology, str) else topology
     planned = {"routing": routing} if routing in (ROUND_ROBIN, SESSION) else {}
     return PlanSettings(decoder_kv_blocks_ttl_s=ttl, handle_ttl_margin_s=margin, kv_recompute_threshold=thr,
-                        rendered_prompts=history == "text", **planned, **topology_settings(topo))
+                        rendered_prompts=history == "text", p_cache_blocks=True, **planned, **topology_settings(topo))
 
 
 def recorded_shared_prefix_tokens(turns: pd.DataFrame) -> int:

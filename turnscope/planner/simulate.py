@@ -126,6 +126,9 @@ class PlanSettings(BaseModel):
     neither: first come first served). ``pace_by_replies``: a request the client sent after its
     session's previous reply (:meth:`Traffic.paced`) is sent its recorded gap after the forecast
     reply (:func:`paced_mode_plan`; False: every request at its recorded arrival, open loop).
+    ``p_cache_blocks``: P's own prefix cache kept by blocks in vLLM's order
+    (:func:`block_cache_hits`, looked up when P schedules the request and held until D has read
+    it, from the forecast's own timings; False: an LRU of sessions, :func:`own_cache_hits`).
     Raises ``pydantic.ValidationError`` when ``prefill_servers``' length is
     not ``prefill_workers``."""
 
@@ -148,6 +151,7 @@ class PlanSettings(BaseModel):
     stop_on_overload: bool = False
     max_num_batched_tokens: int | None = Field(None, gt=0)
     pace_by_replies: bool = True
+    p_cache_blocks: bool = False
 
     @model_validator(mode="after")
     def _servers_per_worker(self) -> PlanSettings:
@@ -844,10 +848,8 @@ def plan(requests: Iterable[AgentRequest] | Traffic, profile: CostProfile,
     shared = _SharedWork(tr, profile, settings)
     out: dict[str, ModePlan] = {}
     for mode in settings.modes:
-        mp = _plan_mode(tr, profile, settings, mode, shared, notes)
-        if pace:
-            mp = paced_mode_plan(tr, profile, settings, mode, mp, notes)
-        out[mode] = mp
+        out[mode] = paced_mode_plan(tr, profile, settings, mode, _plan_mode(tr, profile, settings, mode, shared, notes),
+                                    notes)
     if pace:
         notes.append(f"{int(tr.paced().sum())} of {len(tr)} requests sent their recorded gap after the forecast "
                      "reply of their session's previous request (each mode its own sends); sessions' first requests "
@@ -860,15 +862,54 @@ class _SharedWork:
     traffic's own record (:func:`finish_times`), P's own-cache hits (P/D modes with P's prefix
     cache), each session's first request."""
 
-    def __init__(self, tr: Traffic, profile: CostProfile, settings: PlanSettings):
+    def __init__(self, tr: Traffic, profile: CostProfile, settings: PlanSettings, p_hits: np.ndarray | None = None):
         self.finish = finish_times(tr, profile)
         self.first_seen = ~pd.Series(tr.session_code).duplicated().to_numpy()
-        self.p_hits = None
-        if any(serving_mode(m).disaggregated and serving_mode(m).prefill_prefix_cache for m in settings.modes):
-            block = settings.block_size or profile.block_size
-            self.p_hits = own_cache_hits(tr, profile.capacity_tokens(Role.PREFILL), block, settings.prefill_workers,
-                                         settings.routing, with_output=False,
-                                         shared_prefix_tokens=settings.shared_prefix_tokens)
+        self.p_hits = p_hits
+        if p_hits is None and any(serving_mode(m).disaggregated and serving_mode(m).prefill_prefix_cache for m in settings.modes):
+            self.p_hits = p_cache_hits(tr, profile, settings)
+
+
+def p_cache_hits(tr: Traffic, profile: CostProfile, settings: PlanSettings, start_s: np.ndarray | None = None,
+                 hold_s: np.ndarray | None = None) -> np.ndarray:
+    """Each request's hit in P's own prefix cache, tokens: by blocks (:func:`block_cache_hits`,
+    looked up at ``start_s`` and held ``hold_s``; None: at the arrival, held 0 s) with
+    ``settings.p_cache_blocks``, else by sessions (:func:`own_cache_hits`)."""
+    block = settings.block_size or profile.block_size
+    capacity = profile.capacity_tokens(Role.PREFILL)
+    if settings.p_cache_blocks:
+        start = tr.arrival_s if start_s is None else start_s
+        hold = np.zeros(len(tr)) if hold_s is None else hold_s
+        return block_cache_hits(tr, capacity, block, settings.prefill_workers, settings.routing, start, hold,
+                                settings.shared_prefix_tokens)
+    return own_cache_hits(tr, capacity, block, settings.prefill_workers, settings.routing, with_output=False,
+                          shared_prefix_tokens=settings.shared_prefix_tokens)
+
+
+def block_cache_hits(tr: Traffic, capacity_tokens: int | None, block_size: int, workers: int, routing: str,
+                     start_s: np.ndarray, hold_s: np.ndarray, shared_prefix_tokens: int = 0) -> np.ndarray:
+    """Each request's hit in its prefill worker's own prefix cache, tokens, kept by blocks as vLLM
+    keeps them: :func:`turnscope.analysis.p_cache_replay.replay_hits` (a freed request's last blocks
+    evicted first, a running request's blocks kept, the hit at most the prompt less its last
+    token) per worker, on ``capacity_tokens // block_size`` blocks less vLLM's null block (None:
+    unbounded). A request is looked up at ``start_s`` (when P schedules it: its arrival plus its
+    wait for P) and holds its blocks ``hold_s`` seconds (until D has read them); a session's block
+    past its ``shared_prefix_tokens`` with its previous request is new content."""
+    from turnscope.analysis.p_cache_replay import replay_hits
+
+    hits = np.zeros(len(tr), dtype=np.int64)
+    worker = workers_of(tr, workers, routing)
+    total_blocks = int(np.sum(tr.input_tokens // block_size)) + 1
+    blocks = total_blocks if capacity_tokens is None else max(capacity_tokens // block_size - 1, 1)
+    for w in range(workers):
+        rows = np.nonzero(worker == w)[0]
+        if not rows.size:
+            continue
+        df = pd.DataFrame({"session_id": tr.session_code[rows], "sent_s": np.asarray(start_s, float)[rows],
+                           "prompt_tokens": tr.input_tokens[rows], "hold_s": np.asarray(hold_s, float)[rows],
+                           "reusable_tokens": tr.shared_prefix_tokens[rows]})
+        hits[rows] = replay_hits(df, blocks, block_size, shared_prefix_tokens, hold_until="hold_s")
+    return hits
 
 
 #: Rounds of :func:`paced_mode_plan` at most, and the largest change of a send (seconds) it stops at.
@@ -877,30 +918,49 @@ PACE_ROUNDS, PACE_TOLERANCE_S = 12, 1e-4
 
 def paced_mode_plan(tr: Traffic, profile: CostProfile, settings: PlanSettings, mode: str, first: ModePlan,
                     notes: list[str]) -> ModePlan:
-    """``mode``'s forecast with each paced request (:meth:`Traffic.paced`) sent ``gap_s`` after its
-    session's previous reply as forecast (:meth:`Traffic.paced_arrivals`: forecast TTFT plus the
-    reply's decode, :meth:`Traffic.reply_decode_s`), so late replies make late turns and a busy
-    worker's queue builds as a waiting client's did. ``first``: the forecast at the recorded sends.
-    A reply's TTFT depends on the sends before it (queues, caches, D's space), the sends on the
-    replies: the forecast is re-made on the sends its replies give until no send moves by more than
-    :data:`PACE_TOLERANCE_S` (a queue of first come first served converges in as many rounds as
-    a session has turns), at most :data:`PACE_ROUNDS` rounds (said in ``notes`` when reached).
-    Returns the plan in ``tr``'s order, with ``arrival_s``: each request's forecast send."""
+    """``mode``'s forecast settled on its own timings (``first``: the forecast at the recorded sends,
+    with P's cache looked up at the arrivals).
+
+    * Sends (``settings.pace_by_replies``): each paced request (:meth:`Traffic.paced`) is sent
+      ``gap_s`` after its session's previous reply as forecast (:meth:`Traffic.paced_arrivals`:
+      forecast TTFT plus the reply's decode, :meth:`Traffic.reply_decode_s`), so late replies make
+      late turns and a busy worker's queue builds as a waiting client's did.
+    * P's cache by blocks (``settings.p_cache_blocks``, P/D modes with P's prefix cache): each
+      request is looked up when P schedules it (its send plus its wait for P) and holds its blocks
+      until D has read them (its TTFT less its waits and D's first step), :func:`p_cache_hits`.
+
+    A reply's TTFT depends on the sends and hits before it, and they on the replies: the forecast is
+    re-made on what its own timings give until no send moves by more than
+    :data:`PACE_TOLERANCE_S` and no hit changes (a first-come-first-served queue settles in as many
+    rounds as a session has turns), at most :data:`PACE_ROUNDS` rounds (said in ``notes`` when
+    reached). Returns the plan in ``tr``'s order, with ``arrival_s``: each request's forecast send."""
+    kind = serving_mode(mode)
+    pace = settings.pace_by_replies and bool(tr.paced().any())
+    blocks = settings.p_cache_blocks and kind.disaggregated and kind.prefill_prefix_cache
+    if not (pace or blocks):
+        return first
     decode = tr.reply_decode_s(profile)
+    first_step = profile.handoff_s(mode)[1]
     mp, sends = first, tr.arrival_s
+    hits = first.local_tokens.copy() if blocks else None   # P's hits of ``first``: looked up at the arrivals
     for _ in range(PACE_ROUNDS):
-        new = tr.paced_arrivals(mp.ttft_s, decode)
-        if np.max(np.abs(new - sends)) <= PACE_TOLERANCE_S:
+        new_sends = tr.paced_arrivals(mp.ttft_s, decode) if pace else sends
+        new_hits = hits
+        if blocks:
+            d_wait = mp.decode_wait_s if mp.decode_wait_s.size else 0.0
+            hold = np.maximum(mp.ttft_s - mp.queue_wait_s - d_wait - first_step, 0.0)
+            new_hits = p_cache_hits(tr, profile, settings, sends + mp.queue_wait_s, hold)
+        if np.max(np.abs(new_sends - sends)) <= PACE_TOLERANCE_S and (not blocks or np.array_equal(new_hits, hits)):
             break
-        sends = new
-        moved = Traffic(**{**tr.__dict__, "arrival_s": new})
+        sends, hits = new_sends, new_hits
+        moved = Traffic(**{**tr.__dict__, "arrival_s": sends})
         order = np.lexsort((moved.request_index, moved.session, moved.arrival_s))
         sub = moved.select(order)
-        mp = _in_order_of(_plan_mode(sub, profile, settings, mode, _SharedWork(sub, profile, settings), []),
-                          order, len(tr))
+        work = _SharedWork(sub, profile, settings, None if hits is None else hits[order])
+        mp = _in_order_of(_plan_mode(sub, profile, settings, mode, work, []), order, len(tr))
     else:
-        notes.append(f"{mode}: the sends paced by the forecast replies still moved after {PACE_ROUNDS} rounds "
-                     f"(by up to {np.max(np.abs(tr.paced_arrivals(mp.ttft_s, decode) - sends)):,.3f} s).")
+        notes.append(f"{mode}: the forecast's sends and P's cache hits, re-made on its own timings, still moved "
+                     f"after {PACE_ROUNDS} rounds (the last round's forecast is given).")
     mp.arrival_s = sends
     return mp
 
