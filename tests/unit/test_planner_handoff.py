@@ -84,3 +84,21 @@ def test_with_handoff_takes_the_terms_out_of_pd_b0_only():
     n, z = np.array([500]), np.zeros(1)
     assert out.ttft_s("pd-nocache", n, z, z)[0] == pytest.approx(prof.ttft_s("pd-nocache", n, z, z)[0])
     assert with_handoff(prof, {}) is prof
+
+
+def test_probe_factors_split_the_curve_by_term():
+    from turnscope.planner.fit import on_run_speed, probe_factors
+    prof = profile(prefill_a2_s_per_token2={"value": 1e-8} | SRC, probe_ttft_s={"value": 0.05} | SRC, **HANDOFF)
+    # a run 1.5x slower in the linear term, 2x in attention's context term:
+    # compute probe: 1.5 x 1e-4 x 1792 + 2 x 1e-8 x (2048^2 - 256^2) = 0.2688 + 0.08257536
+    # cached-prefix probe: 2 x 1e-8 x (2304^2 - 2048^2 - 256^2) = 2 x 1e-8 x 2^20
+    compute, cached = 0.2688 + 0.08257536, 2 * 1e-8 * 2**20
+    assert probe_factors(prof, "pd", compute, cached) == pytest.approx((1.5, 2.0))
+    # the compute probe alone: one factor, the curve's c(2048) - c(256) = 0.1792 + 0.04128768
+    one, ctx = probe_factors(prof, "pd", compute, None)
+    assert one == pytest.approx(compute / (0.1792 + 0.04128768)) and ctx is None
+    run, factor = on_run_speed(prof, 0.1, compute, "pd", cached)
+    assert factor == pytest.approx(2.0)                                   # the short probe: b0 and hand-off
+    assert run.prefill_a1_s_per_token.value == pytest.approx(1.5e-4)
+    assert run.prefill_a2_s_per_token2.value == pytest.approx(2e-8)
+    assert run.handoff_s("pd") == pytest.approx((0.014, 0.030)) and run.b0("pd") == pytest.approx(0.02)

@@ -44,6 +44,7 @@ from turnscope.analysis import sweep_stats as sweep
 from turnscope.analysis import ttft_split
 from turnscope.analysis.worker_cache import cache_config
 from turnscope.core.contract import (
+    CACHED_PROBE_TOKENS,
     COMPUTE_PROBE_TOKENS,
     PROBE_TOKENS,
     ROUND_ROBIN,
@@ -160,33 +161,60 @@ def run_speed_factors(probes: dict[str, float]) -> dict[str, float]:
     return {r: t / ref for r, t in probes.items()}
 
 
+def probe_factors(profile: CostProfile, mode: str, run_compute_s: float | None,
+                  run_cached_s: float | None) -> tuple[float | None, float | None]:
+    """(compute factor, context factor) of a run's probes against ``mode``'s curve c(x) = a1 x + a2 x^2.
+
+    The compute probe (``run_compute_s`` = T(2048) - T(256) from scratch) measures
+    ``f1 a1 1792 + f2 a2 (2048^2 - 256^2)``; the cached-prefix probe (``run_cached_s`` =
+    T(2048 cached + 256 new) - T(256)) measures ``f2 a2 2^20`` alone (the linear terms cancel).
+    With both (and a2 > 0) the two equations give the linear factor f1 and the context factor f2,
+    each term its own; with the compute probe alone one factor for the whole curve, the context
+    factor None; (None, None) without probes. A solution with f1 <= 0 (probe noise) falls back to
+    the one factor."""
+    fit = profile.prefill_fit(mode)
+    if run_compute_s is None or run_compute_s <= 0:
+        return None, None
+    ref = float(fit.cost_s(COMPUTE_PROBE_TOKENS) - fit.cost_s(PROBE_TOKENS))
+    one = run_compute_s / ref if ref > 0 else None
+    if run_cached_s is None or run_cached_s <= 0 or fit.a2_s <= 0 or fit.a1_s <= 0:
+        return one, None
+    context = run_cached_s / (fit.a2_s * (CACHED_PROBE_TOKENS**2 - COMPUTE_PROBE_TOKENS**2 - PROBE_TOKENS**2))
+    rest = run_compute_s - context * fit.a2_s * (COMPUTE_PROBE_TOKENS**2 - PROBE_TOKENS**2)
+    linear = rest / (fit.a1_s * (COMPUTE_PROBE_TOKENS - PROBE_TOKENS))
+    return (linear, context) if linear > 0 else (one, None)
+
+
 def on_run_speed(profile: CostProfile, run_probe_s: float | None, run_compute_s: float | None = None,
-                 mode: str = RECOMPUTE_MODE) -> tuple[CostProfile, float | None]:
+                 mode: str = RECOMPUTE_MODE, run_cached_s: float | None = None) -> tuple[CostProfile, float | None]:
     """``profile`` put on a run's machine speed: scaled by the run's probe TTFT over the profile's
     (:meth:`CostProfile.at_speed`) when both exist; else unchanged. With the run's compute probe
     (``run_compute_s``: :func:`turnscope.planner.run_queries.compute_probe_s`) the prefill curves
     are scaled by it over what the profile's own c(x) gives for the same tokens (``mode``'s curve:
     the aggregated worker's in ``aggregated``, P's else), ``c(COMPUTE_PROBE_TOKENS) -
-    c(PROBE_TOKENS)``, and b0 alone by the short probe. Returns (profile, the short probe's factor
-    or None)."""
-    compute = None
-    if run_compute_s is not None and run_compute_s > 0:
-        fit = profile.prefill_fit(mode)
-        ref = float(fit.cost_s(COMPUTE_PROBE_TOKENS) - fit.cost_s(PROBE_TOKENS))
-        compute = run_compute_s / ref if ref > 0 else None
+    c(PROBE_TOKENS)``, and b0 (and the hand-off terms) alone by the short probe; with the run's
+    cached-prefix probe too (``run_cached_s``: :func:`turnscope.planner.run_queries.cached_probe_s`)
+    the curves' linear and context terms each by their own factor (:func:`probe_factors`).
+    Returns (profile, the short probe's factor or None)."""
+    compute, context = probe_factors(profile, mode, run_compute_s, run_cached_s)
+    why = None if compute is None else _compute_why(run_compute_s, compute, run_cached_s, context)
     if run_probe_s is None or profile.probe_ttft_s is None:
         if compute is None:
             return profile, None
-        return profile.at_speed(1.0, "no speed probe", compute, _compute_why(run_compute_s, compute)), None
+        return profile.at_speed(1.0, "no speed probe", compute, why, context), None
     factor = run_probe_s / profile.probe_ttft_s.value
     return profile.at_speed(factor, f"speed probe {run_probe_s * 1e3:.1f} ms on the run vs "
                                     f"{profile.probe_ttft_s.value * 1e3:.1f} ms where fitted", compute,
-                            None if compute is None else _compute_why(run_compute_s, compute)), factor
+                            why, context), factor
 
 
-def _compute_why(run_compute_s: float, factor: float) -> str:
-    return (f"compute probe: {COMPUTE_PROBE_TOKENS:,} less {PROBE_TOKENS} tokens took {run_compute_s * 1e3:.1f} ms "
-            f"on the run, {factor:.3g}x the profile's c(x)")
+def _compute_why(run_compute_s: float, factor: float, run_cached_s: float | None = None,
+                 context: float | None = None) -> str:
+    if context is None:
+        return (f"compute probe: {COMPUTE_PROBE_TOKENS:,} less {PROBE_TOKENS} tokens took {run_compute_s * 1e3:.1f} ms "
+                f"on the run, {factor:.3g}x the profile's c(x)")
+    return (f"compute probe {run_compute_s * 1e3:.1f} ms and cached-prefix probe {run_cached_s * 1e3:.1f} ms on the "
+            f"run: linear term x {factor:.3g}, attention's context term x {context:.3g}")
 
 
 def _cache_config(store: Store, run_ids: Sequence[str]) -> dict[str, dict]:

@@ -208,23 +208,26 @@ class CostProfile(BaseModel):
                 + self.pull_s(pulled_tokens))
 
     def at_speed(self, factor: float, why: str, compute_factor: float | None = None,
-                 compute_why: str | None = None) -> CostProfile:
+                 compute_why: str | None = None, context_factor: float | None = None) -> CostProfile:
         """This profile on a machine ``factor`` times slower (> 1) or faster (< 1): every b0, the
         hand-off terms and the prefill curves c(x) (P's and the aggregated worker's) multiplied by ``factor``, or the
         curves by ``compute_factor`` when given (the compute probe's, docs/planner/calibration.md);
-        pulls, KV space, decode and render unchanged. ``why`` (and ``compute_why``) join each
+        pulls, KV space, decode and render unchanged. With ``context_factor`` (the cached-prefix
+        probe's, docs/planner/calibration.md) the curves' quadratic (attention's context) terms
+        take it and their linear terms ``compute_factor``. ``why`` (and ``compute_why``) join each
         scaled figure's source."""
         def scaled(f: Sourced | None, by: float = factor, because: str = why) -> Sourced | None:
             return None if f is None else Sourced(value=f.value * by, source=f"{f.source}; x {by:.4g} ({because})")
 
         cf, cw = (factor, why) if compute_factor is None else (compute_factor, compute_why or why)
+        xf = cf if context_factor is None else context_factor
         return self.model_copy(update={
             "b0_default_s": scaled(self.b0_default_s), "b0_s": {m: scaled(b) for m, b in self.b0_s.items()},
             "handoff_wait_s": scaled(self.handoff_wait_s), "d_first_step_s": scaled(self.d_first_step_s),
             "prefill_a1_s_per_token": scaled(self.prefill_a1_s_per_token, cf, cw),
-            "prefill_a2_s_per_token2": scaled(self.prefill_a2_s_per_token2, cf, cw),
+            "prefill_a2_s_per_token2": scaled(self.prefill_a2_s_per_token2, xf, cw),
             "aggregated_prefill_a1_s_per_token": scaled(self.aggregated_prefill_a1_s_per_token, cf, cw),
-            "aggregated_prefill_a2_s_per_token2": scaled(self.aggregated_prefill_a2_s_per_token2, cf, cw)})
+            "aggregated_prefill_a2_s_per_token2": scaled(self.aggregated_prefill_a2_s_per_token2, xf, cw)})
 
     def capacity_tokens(self, role: str) -> int | None:
         """KV space of one worker of ``role`` (prefill, decode, aggregated) in tokens; None: unbounded."""

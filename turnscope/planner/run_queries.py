@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from turnscope.core.contract import COMPUTE_PROBE_TOKENS, PROBE_TOKENS
+from turnscope.core.contract import CACHED_PROBE_TOKENS, COMPUTE_PROBE_TOKENS, PROBE_TOKENS
+from turnscope.core.modes import serving_mode
 from turnscope.core.store import Store
 from turnscope.planner.profile import MODES
 from turnscope.planner.queueing import VLLM_CPU_MAX_NUM_BATCHED_TOKENS
@@ -89,6 +90,18 @@ def compute_probe_s(store: Store, run_ids: Sequence[str]) -> dict[str, float]:
     without both (recorded before the compute probe) are absent."""
     short, long = probe_ttft_s(store, run_ids), _probe_medians(store, run_ids, COMPUTE_PROBE_TOKENS)
     return {r: long[r] - short[r] for r in long if r in short}
+
+
+def cached_probe_s(store: Store, run_ids: Sequence[str]) -> dict[str, float]:
+    """Run id -> the median TTFT of its cached-prefix probes less that of its short probes
+    (:data:`turnscope.core.contract.CACHED_PROBE_TOKENS`, ``PROBE_TOKENS``), seconds: attention's
+    context term on the run's machine, ``a2 x 2^20`` of its c(x), where the probed worker kept its
+    prefix cache on (``runs.mode`` aggregated, pd or pd-bidir); other runs, and runs recorded
+    before the probe, are absent."""
+    short, cached = probe_ttft_s(store, run_ids), _probe_medians(store, run_ids, CACHED_PROBE_TOKENS)
+    rows = run_rows(store, [r for r in cached if r in short]) if cached else pd.DataFrame(columns=["run_id", "mode"])
+    on = {r.run_id for r in rows.itertuples() if serving_mode(r.mode).prefill_prefix_cache}
+    return {r: cached[r] - short[r] for r in cached if r in short and r in on}
 
 
 def runs_of(store: Store) -> list[str]:
