@@ -1,5 +1,5 @@
-"""P/D's hand-off as terms of their own (turnscope/planner/profile.py ``handoff_wait_s`` and
-``d_first_step_s``; turnscope/planner/fit.py :func:`with_handoff`), checked by hand.
+"""P/D's hand-off as terms of their own (planner/profile.py ``handoff_wait_s`` and
+``d_first_step_s``; planner/fit.py :func:`with_handoff`), checked by hand.
 
 Profile: block 128, 4096 KV bytes/token, c(x) = 1e-4 x, b0 10 ms, pull 1 GB/s; hand-off: D waits
 7 ms for P's KV and takes 15 ms for its first step."""
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from loadgen.traces.agent_request import AgentRequest
-from turnscope.planner.check import forecast_terms
-from turnscope.planner.fit import with_handoff
-from turnscope.planner.profile import CostProfile, Sourced
-from turnscope.planner.simulate import PlanSettings, plan
+from planner.check import forecast_terms
+from planner.fit import with_handoff
+from planner.profile import CostProfile, Sourced
+from planner.simulate import PlanSettings, plan
 
 SRC = {"source": "hand-made for the test"}
 
@@ -87,7 +87,7 @@ def test_with_handoff_takes_the_terms_out_of_pd_b0_only():
 
 
 def test_probe_factors_split_the_curve_by_term():
-    from turnscope.planner.fit import on_run_speed, probe_factors
+    from planner.fit import on_run_speed, probe_factors
     prof = profile(prefill_a2_s_per_token2={"value": 1e-8} | SRC, probe_ttft_s={"value": 0.05} | SRC, **HANDOFF)
     # a run 1.5x slower in the linear term, 2x in attention's context term:
     # compute probe: 1.5 x 1e-4 x 1792 + 2 x 1e-8 x (2048^2 - 256^2) = 0.2688 + 0.08257536

@@ -1,6 +1,6 @@
-"""P's prefix cache by blocks in the planner (turnscope/planner/simulate.py ``p_cache_blocks``),
+"""P's prefix cache by blocks in the planner (planner/simulate.py ``p_cache_blocks``),
 against the block replay worked out by hand in tests/unit/test_p_cache_replay.py (the yardstick,
-turnscope/analysis/p_cache_replay.py): blocks of 4 tokens, P's KV space 7 blocks (6 usable: vLLM
+analysis/p_cache_replay.py): blocks of 4 tokens, P's KV space 7 blocks (6 usable: vLLM
 keeps one as its null block), two sessions whose prompts extend their last one."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from analysis.p_cache_replay import replay_hits
 from loadgen.traces.agent_request import AgentRequest
-from turnscope.analysis.p_cache_replay import replay_hits
-from turnscope.planner.profile import CostProfile
-from turnscope.planner.simulate import PlanSettings, plan
+from planner.profile import CostProfile
+from planner.simulate import PlanSettings, plan
 
 SRC = {"source": "hand-made for the test"}
 PROFILE = CostProfile.model_validate({

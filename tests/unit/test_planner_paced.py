@@ -1,4 +1,4 @@
-"""Sessions that wait for their replies (turnscope/planner/simulate.py :func:`paced_mode_plan`):
+"""Sessions that wait for their replies (planner/simulate.py :func:`paced_mode_plan`):
 a follow-up the client sent its recorded gap after the previous reply is sent that gap after the
 forecast reply. Every figure by hand.
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from loadgen.traces.agent_request import AgentRequest
-from turnscope.planner.profile import CostProfile
-from turnscope.planner.simulate import PlanSettings, plan
+from planner.profile import CostProfile
+from planner.simulate import PlanSettings, plan
 
 SRC = {"source": "hand-made for the test"}
 PROFILE = CostProfile.model_validate({

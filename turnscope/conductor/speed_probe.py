@@ -7,7 +7,7 @@ One probe = one streamed ``/v1/completions`` request of :data:`PROBE_TOKENS` fix
 run's prefill worker (P/D modes) or aggregated worker, with a ``cache_salt`` of its own so that
 no prefix cache holds it (vLLM adds the salt to the first block's hash): every probe is a full
 prefill of the same prompt; except the cached-prefix probe
-(:data:`turnscope.core.contract.CACHED_PROBE_TOKENS`), sent after each compute probe with its salt,
+(:data:`core.contract.CACHED_PROBE_TOKENS`), sent after each compute probe with its salt,
 which finds the compute probe's blocks cached and computes only its last ``PROBE_TOKENS`` (on a
 worker with its prefix cache on). Its TTFT is the time from sending to the first streamed token
 (``httpx_sse``). It is sent before the run's metrics scraper starts and after it stops, so the
@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 import httpx
 from httpx_sse import SSEError, connect_sse
 
-from turnscope.core.contract import CACHED_PROBE_TOKENS, COMPUTE_PROBE_TOKENS, PROBE_TOKENS, Role
+from core.contract import CACHED_PROBE_TOKENS, COMPUTE_PROBE_TOKENS, PROBE_TOKENS, Role
 
 #: The lengths sent at each phase, in this order, :data:`PROBES_PER_PHASE` times (the cached-prefix
 #: probe right after the compute probe, whose blocks it finds).
