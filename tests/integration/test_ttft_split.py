@@ -152,3 +152,16 @@ def test_split_shows_the_handoff_terms_beside_ds_histograms(store):
     s, k = _bidir_ok_turns()[0]
     assert ok.loc[(f"s{s}", k), "ttft"] == pytest.approx(
         fx.ttft_s("pd-bidir", s, k) + fx.WAITS[("pd-bidir", s, k)] + 0.021, abs=1e-5)
+
+
+def test_the_fit_measures_the_handoff_from_ds_histograms(store):
+    from planner.fit import handoff_terms
+    # one P/D run with D's histograms: D's queue 0.16 s over 8 requests, D's prefill 0.08 s over 8
+    got = handoff_terms(store, [BIDIR])
+    assert got["handoff_wait_s"].value == pytest.approx(0.02)
+    assert got["d_first_step_s"].value == pytest.approx(0.01)
+    # on a run twice as slow as the reference, the terms at the reference's speed are half
+    half = handoff_terms(store, [BIDIR], {BIDIR: 2.0})
+    assert half["handoff_wait_s"].value == pytest.approx(0.01)
+    # runs without D's histograms give nothing
+    assert handoff_terms(store, [fx.RUNS["pd"]]) == {}
