@@ -133,3 +133,38 @@ def test_the_compute_probe_reads_the_compute_alone(tmp_path):
     short, diff = probe_ttft_s(store, ["r1"])["r1"], compute_probe_s(store, ["r1"])["r1"]
     assert 0.0756 <= short < 0.0756 + 0.1                # the sleeps are lower bounds; HTTP adds a little
     assert diff == pytest.approx(0.1792, abs=0.03)       # both probes pay the same HTTP round trip
+
+
+def test_serve_probes_speak_for_the_runs_recorded_through_the_serve(tmp_path):
+    """`turnscope serve`'s probes (speed_probe.ServeProbes) at its start and stop, against a stub that
+    takes 0.1 s to its first token plus 1e-4 s per prompt token: a Locust run recorded between them has
+    no probes of its own and takes the serve's (planner.run_queries); a run recorded before the serve
+    started takes none."""
+    import datetime as dt
+
+    from planner.run_queries import compute_probe_s, probe_ttft_s
+    from store.writer import Store
+
+    store = Store(tmp_path / "store")
+    store.init()
+
+    def run_row(run_id: str, start: dt.datetime, end: dt.datetime) -> None:
+        with store.writer(run_id, "locust") as w:
+            w.append("runs_log", {"run_id": run_id, "mode": "pd-bidir", "started_at": start, "finished_at": end,
+                                  "updated_at": end, "status": "complete"})
+
+    before = dt.datetime.now(dt.UTC) - dt.timedelta(hours=1)
+    run_row("earlier", before, before + dt.timedelta(minutes=1))
+    with StubServer(StubState(ttft_s=0.1, itl_s=0.0, prefill_s_per_token=1e-4)) as srv, \
+            speed_probe.ServeProbes(store, [(srv.url, "prefill")], "stub") as probes:
+        now = dt.datetime.now(dt.UTC)
+        run_row("through-serve", now, now + dt.timedelta(milliseconds=10))
+    assert probes.run_id.startswith("serve-probes-")
+    # three rounds of 256, 2,048 and 2,304 tokens at each end
+    assert [(r["phase"], r["prompt_tokens"]) for r in probes.rows] == \
+        [(phase, n) for phase in ("start", "end") for _ in range(3) for n in (256, 2048, 2304)]
+    short = probe_ttft_s(store, ["earlier", "through-serve"])
+    assert list(short) == ["through-serve"]
+    assert 0.1 + 256e-4 <= short["through-serve"] < 0.1 + 256e-4 + SLACK_S   # the stub's delay is a floor
+    # the compute of 1,792 tokens at 1e-4 s each, both probes paying the same round trip
+    assert compute_probe_s(store, ["through-serve"])["through-serve"] == pytest.approx(0.1792, abs=0.05)

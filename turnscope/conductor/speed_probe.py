@@ -20,6 +20,7 @@ import datetime as dt
 import json
 import time
 from collections.abc import Mapping, Sequence
+from typing import Self
 
 import httpx
 from httpx_sse import SSEError, connect_sse
@@ -109,3 +110,41 @@ def probe_run(writer, run_id: str, phase: str, endpoints: Sequence[tuple[str, st
             writer.append("run_probes", row)
             rows.append(row)
     return rows
+
+
+def serve_probe_id(now: dt.datetime | None = None) -> str:
+    """The run id of a ``turnscope serve``'s own probes: ``serve-probes-<UTC %Y%m%dT%H%M%SZ>-<6 hex>``
+    (no ``runs`` row: :func:`planner.run_queries.probe_ttft_s` gives them to the runs recorded
+    through that serve, between its start and its stop)."""
+    import uuid
+
+    return f"serve-probes-{(now or dt.datetime.now(dt.UTC)):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
+
+
+class ServeProbes:
+    """The speed probes of a ``turnscope serve``: :func:`probe_run` (phase ``start``) once the workers
+    are up, and again (phase ``end``) when it stops, under :func:`serve_probe_id`'s id in ``store``
+    (a :class:`store.writer.Store`). A Locust run recorded through the serve has no probes of its
+    own; the planner puts it on the speed these give (``planner.run_queries``). Costs about what an
+    eval's probes cost, at each end (docs/planner/calibration.md)."""
+
+    def __init__(self, store, endpoints: Sequence[tuple[str, str]], model: str,
+                 headers: Mapping[str, dict[str, str]] | None = None, verify: object = True,
+                 run_id: str | None = None):
+        self.store, self.endpoints, self.model = store, list(endpoints), model
+        self.headers, self.verify = headers, verify
+        self.run_id = run_id or serve_probe_id()
+        self.rows: list[dict] = []
+
+    def _probe(self, phase: str) -> None:
+        with self.store.writer(self.run_id, f"probes-{phase}") as w:
+            self.rows += probe_run(w, self.run_id, phase, self.endpoints, self.model, headers=self.headers,
+                                   verify=self.verify)
+
+    def __enter__(self) -> Self:
+        self._probe("start")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._probe("end")
+
