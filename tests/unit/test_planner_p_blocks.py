@@ -52,3 +52,23 @@ def test_an_edited_history_is_new_blocks():
     m = plan(reqs, PROFILE, PlanSettings(modes=("pd",), p_cache_blocks=True)).modes["pd"]
     assert list(m.local_tokens) == [0, 4]
     assert np.all(m.queue_wait_s == 0)
+
+
+def test_a_request_is_looked_up_when_p_schedules_it():
+    # P computes 1 s per token: a/0 (9 tokens) holds P 0-9 s, c/0 (sent at 1 s) 9-18 s. a/1 (13 tokens,
+    # its first 9 a/0's), sent at 2 s, is scheduled at 18 s. P has 2 usable blocks: c/0's two blocks
+    # (taken at 9 s) evicted a/0's freed ones, so a/1 finds nothing. Looked up at its send (2 s)
+    # it would have found a/0's two blocks, still held by the running a/0: 8 tokens.
+    # (b0 0 s: a request's blocks are freed the moment P's compute ends, when the next is scheduled)
+    slow = PROFILE.model_copy(update={"prefill_a1_s_per_token": PROFILE.prefill_a1_s_per_token.model_copy(
+        update={"value": 1.0}), "prefill_kv_space_bytes": PROFILE.prefill_kv_space_bytes.model_copy(
+        update={"value": 3 * 4 * 4096}), "b0_default_s": PROFILE.b0_default_s.model_copy(update={"value": 0.0})})
+    reqs = [AgentRequest("t", "a", 0, 0.0, 9, 0, 0), AgentRequest("t", "c", 0, 1.0, 9, 0, 0),
+            AgentRequest("t", "a", 1, 2.0, 13, 0, 9)]
+    m = plan(reqs, slow, PlanSettings(modes=("pd",), p_cache_blocks=True)).modes["pd"]
+    assert list(m.queue_wait_s) == pytest.approx([0.0, 8.0, 16.0])
+    assert list(m.local_tokens) == [0, 0, 0]
+    at_send = replay_hits(pd.DataFrame({"session_id": ["a", "c", "a"], "sent_s": [0.0, 1.0, 2.0],
+                                        "prompt_tokens": [9, 9, 13], "hold_s": [9.0, 17.0, 28.0]}), 2, 4,
+                          hold_until="hold_s")
+    assert list(at_send) == [0, 0, 8]
