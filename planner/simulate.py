@@ -949,7 +949,12 @@ def paced_mode_plan(tr: Traffic, profile: CostProfile, settings: PlanSettings, m
         if blocks:
             d_wait = mp.decode_wait_s if mp.decode_wait_s.size else 0.0
             hold = np.maximum(mp.ttft_s - mp.queue_wait_s - d_wait - first_step, 0.0)
-            new_hits = p_cache_hits(tr, profile, settings, sends + mp.queue_wait_s, hold)
+            # on the traffic in the order of those sends, as the plan routed it (round-robin counts requests)
+            at = Traffic(**{**tr.__dict__, "arrival_s": sends})
+            order = np.lexsort((at.request_index, at.session, at.arrival_s))
+            new_hits = np.empty(len(tr), dtype=np.int64)
+            new_hits[order] = p_cache_hits(at.select(order), profile, settings, (sends + mp.queue_wait_s)[order],
+                                           hold[order])
         if np.max(np.abs(new_sends - sends)) <= PACE_TOLERANCE_S and (not blocks or np.array_equal(new_hits, hits)):
             break
         sends, hits = new_sends, new_hits
