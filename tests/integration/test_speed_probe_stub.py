@@ -120,8 +120,8 @@ def test_the_compute_probe_reads_the_compute_alone(tmp_path):
     """Against a stub whose prefill costs 0.1 ms per prompt token on top of a fixed 50 ms: the short
     probe reads 75.6 ms, mostly the fixed cost, and the compute probe less the short one reads the
     injected compute of the 1,792 tokens between them, 179.2 ms (the truth: 1e-4 x 1,792), which
-    run_queries.compute_probe_s returns from the stored rows."""
-    from planner.run_queries import compute_probe_s, probe_ttft_s
+    planner_runs.compute_probe_s returns from the stored rows."""
+    from store.queries.planner_runs import compute_probe_s, probe_ttft_s
     from store.writer import Store
 
     store = Store(tmp_path / "store")
@@ -138,11 +138,11 @@ def test_the_compute_probe_reads_the_compute_alone(tmp_path):
 def test_serve_probes_speak_for_the_runs_recorded_through_the_serve(tmp_path):
     """`turnscope serve`'s probes (speed_probe.ServeProbes) at its start and stop, against a stub that
     takes 0.1 s to its first token plus 1e-4 s per prompt token: a Locust run recorded between them has
-    no probes of its own and takes the serve's (planner.run_queries); a run recorded before the serve
+    no probes of its own and takes the serve's (store.queries.planner_runs); a run recorded before the serve
     started takes none."""
     import datetime as dt
 
-    from planner.run_queries import compute_probe_s, probe_ttft_s
+    from store.queries.planner_runs import compute_probe_s, probe_ttft_s
     from store.writer import Store
 
     store = Store(tmp_path / "store")

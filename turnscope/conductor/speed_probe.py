@@ -114,7 +114,7 @@ def probe_run(writer, run_id: str, phase: str, endpoints: Sequence[tuple[str, st
 
 def serve_probe_id(now: dt.datetime | None = None) -> str:
     """The run id of a ``turnscope serve``'s own probes: ``serve-probes-<UTC %Y%m%dT%H%M%SZ>-<6 hex>``
-    (no ``runs`` row: :func:`planner.run_queries.probe_ttft_s` gives them to the runs recorded
+    (no ``runs`` row: :func:`store.queries.planner_runs.probe_ttft_s` gives them to the runs recorded
     through that serve, between its start and its stop)."""
     import uuid
 
@@ -125,7 +125,7 @@ class ServeProbes:
     """The speed probes of a ``turnscope serve``: :func:`probe_run` (phase ``start``) once the workers
     are up, and again (phase ``end``) when it stops, under :func:`serve_probe_id`'s id in ``store``
     (a :class:`store.writer.Store`). A Locust run recorded through the serve has no probes of its
-    own; the planner puts it on the speed these give (``planner.run_queries``). Costs about what an
+    own; the planner puts it on the speed these give (``store.queries.planner_runs``). Costs about what an
     eval's probes cost, at each end (docs/planner/calibration.md)."""
 
     def __init__(self, store, endpoints: Sequence[tuple[str, str]], model: str,
