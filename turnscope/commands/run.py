@@ -195,6 +195,9 @@ def serve(
     """Start (or attach to) the workers of one mode and the session-aware proxy; Ctrl-C stops them.
 
     Point Locust's web UI at the proxy: `locust -f loadgen/locustfile.py --host http://127.0.0.1:8200`.
+    The prefill (or aggregated) worker is speed-probed once it is up and again at stop, into the
+    settings' store, so the runs recorded through the proxy can be checked on this machine's speed
+    (docs/planner/calibration.md).
     """
     topo = resolve_topology(topology, prefill_routing, decode_routing)
     try:
@@ -231,9 +234,19 @@ def serve(
         raise fail(f"topology {topo.name!r} is for GPUs but this machine has none (nvidia-smi found no device); "
                    "use --dry-run to print the commands for the GPU hosts")
     stack.progress = console.print
+    from store.writer import Store
+    from turnscope.conductor.speed_probe import ServeProbes
+
+    root = settings().store
     try:
-        with stack:
-            console.print(f"mode {mode} serving through the proxy at {stack.proxy_url} (Ctrl-C to stop)")
+        Store(root).init()   # the store Locust records into by default; the probes' rows land there
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise fail(f"store {root}: {exc}") from exc
+    try:
+        with stack, ServeProbes(Store(root), stack.endpoints(), topo.served_model_name or topo.model,
+                                headers=stack.endpoint_headers(), verify=stack.tls_verify()) as probes:
+            console.print(f"mode {mode} serving through the proxy at {stack.proxy_url} (Ctrl-C to stop); "
+                          f"speed probes into {root} as {probes.run_id} (again at stop)")
             while all(w.proc is None or w.proc.poll() is None for w in stack.workers):
                 time.sleep(1)
             gone = next(w for w in stack.workers if w.proc is not None and w.proc.poll() is not None)
