@@ -68,6 +68,8 @@ for line in headline.all_miss_warnings(outcomes):
     st.warning(line)
 for run_id, line in pd_check.failed_runs(load(sel.root, queries.decode_prompt_sources, run_ids)).items():
     st.error(f"Run `{run_id}` failed its P/D check. {line}")
+for run_id, line in pd_check.canary_failures(load(sel.root, queries.run_canaries, run_ids)).items():
+    st.error(f"Run `{run_id}` failed its P/D check. {line}")
 
 # --- per mode ---------------------------------------------------------------------------------
 charts.note("TTFT by turn index, the reuse outcomes and P's external KV tokens")

@@ -36,6 +36,7 @@ from dashboard.queries.memory import (
 )
 from dashboard.queries.overview import (
     decode_prompt_sources,
+    run_canaries,
     external_kv_tokens,
     reuse_outcomes,
     run_schedules,
@@ -59,4 +60,4 @@ from dashboard.queries.turns import (
     xfer_rates,
 )
 
-__all__ = ["EXTERNAL_KV_SOURCE", "GAP_KINDS", "HANDLE_BYTES", "KV_USAGE", "NOT_RECORDED", "PROMPT_TOKENS_BY_SOURCE", "REUSE_FROM_D_MODES", "TURN_KINDS", "TURN_ROWS_SQL", "TurnFilter", "as_filter", "cache_config", "compare_samples", "compare_stats", "decode_kv_space", "decode_prompt_sources", "external_kv_tokens", "filter_options", "hit_rate_timeline", "kv_transfer", "latency_by", "memory_timeline", "reuse_cost", "reuse_outcomes", "reuse_shortfalls", "reuse_vs_expected", "run_config", "run_schedules", "run_summary", "runs", "server_side", "session_list", "session_turns", "side_hit_rates", "sweep_points", "sweep_transfer", "sweep_turns", "task_split", "time_split", "ttft_by_turn", "ttft_samples", "ttft_stats", "whatif_ttl", "whatif_ttl_d_limit", "xfer_rates"]
+__all__ = ["EXTERNAL_KV_SOURCE", "GAP_KINDS", "HANDLE_BYTES", "KV_USAGE", "NOT_RECORDED", "PROMPT_TOKENS_BY_SOURCE", "REUSE_FROM_D_MODES", "TURN_KINDS", "TURN_ROWS_SQL", "TurnFilter", "as_filter", "cache_config", "compare_samples", "compare_stats", "decode_kv_space", "decode_prompt_sources", "external_kv_tokens", "filter_options", "hit_rate_timeline", "kv_transfer", "latency_by", "memory_timeline", "reuse_cost", "reuse_outcomes", "reuse_shortfalls", "reuse_vs_expected", "run_canaries", "run_config", "run_schedules", "run_summary", "runs", "server_side", "session_list", "session_turns", "side_hit_rates", "sweep_points", "sweep_transfer", "sweep_turns", "task_split", "time_split", "ttft_by_turn", "ttft_samples", "ttft_stats", "whatif_ttl", "whatif_ttl_d_limit", "xfer_rates"]

@@ -237,6 +237,13 @@ def decode_prompt_sources(con: duckdb.DuckDBPyConnection, run_ids: TurnFilter | 
     return pd_check.decode_prompt_sources(con, id_list(as_filter(run_ids).run_ids))
 
 
+def run_canaries(con: duckdb.DuckDBPyConnection, run_ids: TurnFilter | Sequence[str]) -> pd.DataFrame:
+    """Per run with known-answer canaries: their counts and first mismatch
+    (``turnscope.analysis.pd_check.run_canaries``: columns run_id, canaries, mismatched, errors,
+    first_turn, first_token)."""
+    return pd_check.run_canaries(con, id_list(as_filter(run_ids).run_ids))
+
+
 _RUN_SCHEDULES = """
 SELECT run_id, mode, history_mode, json_extract(workload_spec, '$.schedule')::VARCHAR AS schedule
 FROM runs WHERE list_contains($run_ids, run_id)

@@ -12,12 +12,19 @@ recomputes one token when every block was loaded, ``nixl`` ``_get_remote_prefill
 with no backoff for attention models). A run whose D computed more than
 :data:`LOCAL_TOKENS_PER_PD_TURN` tokens per turn the proxy sent through P is failed
 (``turnscope eval`` marks it ``failed`` and says why; the Overview shows the sentence).
+
+A P/D path can also answer 200 with wrong tokens (a recovered pull that loaded garbage, vLLM issue
+49250; a dropped UCX connection): a run whose known-answer canary (``serving.canary``, the store's
+``run_canaries``) answered other tokens than the reference worker fails the check too
+(:func:`canary_mismatch`).
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+
+import pandas as pd
 
 from turnscope.core.modes import MODES, serving_mode
 from turnscope.core.store import connect_read_only
@@ -100,8 +107,62 @@ def decode_prompt_sources(con, run_ids: list[str]):
     return con.execute(_DECODE_PROMPT_SOURCES, {"run_ids": list(run_ids), "name": PROMPT_TOKENS_BY_SOURCE}).df()
 
 
+def canary_mismatch(canaries: int, mismatched: int, first_turn: int | None, first_token: int | None) -> str | None:
+    """The sentence that fails a run whose known-answer canary answered wrong tokens, or None.
+
+    Args:
+        canaries: the run's canaries (``run_canaries`` rows grouped by ``canary_id``).
+        mismatched: those whose result is ``mismatch``.
+        first_turn, first_token: the earliest mismatching turn of them and the first token index
+            where its ids differ.
+    """
+    if not mismatched:
+        return None
+    return (f"The P/D path answered wrong tokens: {mismatched:,} of {canaries:,} known-answer canaries "
+            f"(a fixed prompt answered greedily, compared with the reference worker) differed, first at "
+            f"turn {first_turn}, token {first_token} (run_canaries); HTTP 200 does not prove the answer.")
+
+
+_CANARIES = """
+WITH c AS (
+    SELECT run_id, canary_id, any_value(result) AS result,
+           min(turn) FILTER (WHERE first_mismatch IS NOT NULL) AS first_turn,
+           arg_min(first_mismatch, turn) FILTER (WHERE first_mismatch IS NOT NULL) AS first_token
+    FROM run_canaries WHERE run_id IN (SELECT unnest($run_ids)) GROUP BY run_id, canary_id
+)
+SELECT run_id, count(*) AS canaries, count(*) FILTER (WHERE result = 'mismatch') AS mismatched,
+       count(*) FILTER (WHERE result = 'error') AS errors, min(first_turn) AS first_turn,
+       arg_min(first_token, first_turn) AS first_token
+FROM c GROUP BY run_id ORDER BY run_id
+"""
+
+
+def run_canaries(con, run_ids: list[str]):
+    """Per run of ``run_ids`` with canaries: ``canaries``, ``mismatched``, ``errors`` (counts of
+    canaries) and the first mismatch's ``first_turn`` / ``first_token``, read from the store's
+    ``run_canaries`` on a DuckDB connection to its views. A DataFrame, one row per run."""
+    return con.execute(_CANARIES, {"run_ids": list(run_ids)}).df()
+
+
+def canary_failures(canaries) -> dict[str, str]:
+    """Run id -> the sentence that fails it, for the runs of ``canaries`` (:func:`run_canaries`'
+    rows) whose canary answered wrong tokens."""
+    out = {}
+    for r in canaries.itertuples():
+        first_turn = None if pd.isna(r.first_turn) else int(r.first_turn)
+        first_token = None if pd.isna(r.first_token) else int(r.first_token)
+        problem = canary_mismatch(int(r.canaries), int(r.mismatched), first_turn, first_token)
+        if problem is not None:
+            out[r.run_id] = problem
+    return out
+
+
 def pd_check_failures(store: Path, run_ids: list[str]) -> dict[str, str]:
-    """Run id -> why the run failed the P/D check (its decode worker computed prompts itself), for
-    the runs of ``run_ids`` in the store at ``store`` that did."""
+    """Run id -> why the run failed the P/D check (its decode worker computed prompts itself, or
+    its canary answered wrong tokens: both sentences when both), for the runs of ``run_ids`` in
+    the store at ``store`` that did."""
     with connect_read_only(store) as con:
-        return failed_runs(decode_prompt_sources(con, run_ids))
+        out = failed_runs(decode_prompt_sources(con, run_ids))
+        for run_id, problem in canary_failures(run_canaries(con, run_ids)).items():
+            out[run_id] = f"{out[run_id]} {problem}" if run_id in out else problem
+        return out

@@ -1,4 +1,4 @@
-"""The commands that run things: ``model``, ``eval``, ``serve``, ``dashboard``, ``rollup``, ``demo``."""
+"""The commands that run things: ``model``, ``eval``, ``serve``, ``check``, ``dashboard``, ``rollup``, ``demo``."""
 
 from __future__ import annotations
 
@@ -238,6 +238,33 @@ def serve(
         console.print("stopping")
     except RuntimeError as exc:
         raise fail(str(exc)) from exc
+
+
+@app.command()
+def check(
+    proxy: Annotated[str, typer.Option(help="The proxy's base URL (`turnscope serve` prints it).")
+                     ] = "http://127.0.0.1:8200",
+    model: Annotated[str | None, typer.Option(help="The served model's name (default: the reference worker's "
+                                                   "first model).")] = None,
+    count: Annotated[int, typer.Option(min=1, help="Canaries to run, one after another.")] = 1,
+) -> None:
+    """Run the known-answer canary on a serving proxy: a fixed two-turn prompt answered greedily
+    through the proxy (P and D, the second turn pulling D's blocks in pd-bidir) and by P alone,
+    compared token by token. Exits 1 when the tokens differ (HTTP 200 with wrong tokens) or a
+    request failed. The proxy counts it in turnscope_canaries_total and
+    turnscope_canary_mismatches_total (docs/reliability.md). The proxy's key: TURNSCOPE_API_KEY.
+    """
+    from turnscope.conductor.canary import describe, request_canary
+    from turnscope.core.contract import client_auth_headers
+
+    results = []
+    for i in range(count):
+        report = request_canary(proxy, model, client_auth_headers())
+        results.append(report.result)
+        console.print(f"canary {i + 1}/{count}: {describe(report)}", highlight=False, soft_wrap=True)
+    if any(r != "match" for r in results):
+        raise fail(f"{results.count('mismatch')} of {count} canaries answered wrong tokens, "
+                   f"{results.count('error')} failed", code=1)
 
 
 def _has_gpu() -> bool:
