@@ -44,8 +44,11 @@ from turnscope.core.contract import REQUEST_ID_HEADER, REUSE_HEADER, SESSION_FIE
 CANARY_PROMPT_TOKENS = 300
 #: New prompt tokens of the second turn.
 CANARY_FOLLOW_UP_TOKENS = 40
-#: Tokens generated per turn (``ignore_eos``: exactly this many).
-CANARY_MAX_TOKENS = 16
+#: Tokens generated per turn (``ignore_eos``: exactly this many). With P's prefix cache on, turn
+#: 1 pulls only what P does not hold: D's KV of turn 0 (prompt + generated - 1 = 379 tokens) past
+#: P's whole blocks of the prompt, 123 tokens with vLLM's CPU blocks of 128 and 91 with blocks of
+#: 16: above vLLM's ``kv_recompute_threshold`` (64), so turn 1 really pulls (``hit``).
+CANARY_MAX_TOKENS = 80
 #: The sampling seed sent with every canary request (greedy decoding does not draw; the seed
 #: keeps the request reproducible should a backend sample anyway).
 CANARY_SEED = 0
