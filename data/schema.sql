@@ -100,7 +100,7 @@ CREATE TABLE turns (
     prompt_tokens             INTEGER,
     completion_tokens         INTEGER,
     cached_tokens             INTEGER,            -- server usage.prompt_tokens_details.cached_tokens
-    expected_reusable_tokens  INTEGER,            -- LCP of previous prompt+output ids and this prompt's ids
+    expected_reusable_tokens  INTEGER,            -- LCP of previous prompt+output ids and this prompt's ids (0 on turn 0)
     trace_reusable_tokens     INTEGER,            -- trace replay: the trace's reusable prefix, scaled
     divergence_position       INTEGER,            -- first differing id (NULL when none)
     status                    VARCHAR,            -- ok | error | timeout | cancelled
