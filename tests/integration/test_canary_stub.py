@@ -70,3 +70,20 @@ def test_a_failed_request_is_an_error_not_a_mismatch():
         assert report["result"] == "error" and "serving path" in report["error"]
         assert metric(proxy.url, "turnscope_canaries_total", result="error") == 1
         assert metric(proxy.url, "turnscope_canary_mismatches_total") == 0
+
+
+def test_turnscope_check_exits_1_on_wrong_tokens():
+    from typer.testing import CliRunner
+
+    from turnscope.commands import app
+
+    runner = CliRunner()
+    with ThreadServer("prefill") as p, ThreadServer("decode", faults={1: {"what": "corrupt_kv"}}) as d, \
+            ProxyThread(proxy_config(p.url, d.url)) as proxy:
+        # D's requests: 0, 1 the first canary's turns (1 corrupted); 2, 3 the second's
+        bad = runner.invoke(app, ["check", "--proxy", proxy.url, "--model", "stub", "--count", "2"])
+        good = runner.invoke(app, ["check", "--proxy", proxy.url, "--model", "stub"])
+    assert bad.exit_code == 1, bad.output
+    assert "canary 1/2: mismatch against prefill-0" in bad.output and "canary 2/2: match" in bad.output
+    assert "1 of 2 canaries answered wrong tokens" in bad.output
+    assert good.exit_code == 0 and "turn 1 (hit): same ids" in good.output, good.output
