@@ -186,6 +186,9 @@ def serve(
     nodes_per_worker: Annotated[int | None, typer.Option(
         help="With --kubernetes: nodes each worker spans, as a LeaderWorkerSet when over 1 (default: its "
              "--pipeline-parallel-size).")] = None,
+    canary_every_s: Annotated[float, typer.Option(
+        min=0, help="Run the known-answer canary (turnscope check) this often while serving, seconds; a "
+                    "mismatch is printed and counted in turnscope_canary_mismatches_total (0: never).")] = 0.0,
 ) -> None:
     """Start (or attach to) the workers of one mode and the session-aware proxy; Ctrl-C stops them.
 
@@ -229,8 +232,12 @@ def serve(
     try:
         with stack:
             console.print(f"mode {mode} serving through the proxy at {stack.proxy_url} (Ctrl-C to stop)")
+            next_canary = time.monotonic() + canary_every_s
             while all(w.proc is None or w.proc.poll() is None for w in stack.workers):
                 time.sleep(1)
+                if canary_every_s and time.monotonic() >= next_canary:
+                    _serve_canary(stack)
+                    next_canary = time.monotonic() + canary_every_s
             gone = next(w for w in stack.workers if w.proc is not None and w.proc.poll() is not None)
             raise RuntimeError(f"worker {gone.spec.name} exited with {gone.proc.returncode}; stopped the others "
                                f"(its log: {gone.log_path})")
@@ -265,6 +272,15 @@ def check(
     if any(r != "match" for r in results):
         raise fail(f"{results.count('mismatch')} of {count} canaries answered wrong tokens, "
                    f"{results.count('error')} failed", code=1)
+
+
+def _serve_canary(stack: ModeStack) -> None:
+    """One known-answer canary through ``stack``'s proxy, said on the console."""
+    from turnscope.conductor.canary import describe, request_canary
+
+    report = request_canary(stack.proxy_url, headers=stack.client_headers())
+    style = "" if report.result == "match" else "[red]"
+    console.print(f"{style}canary: {describe(report)}", highlight=False, soft_wrap=True)
 
 
 def _has_gpu() -> bool:
