@@ -15,8 +15,8 @@ The canary (:func:`run_canary`):
 2. each turn sent through the proxy's own app (every step a client's request takes: admission, the
    handle, the prefill and decode legs) and straight to the reference worker (the proxy's
    ``canary_reference``, default its first prefill or aggregated worker: P alone), greedily
-   (``temperature`` 0, ``seed`` :data:`CANARY_SEED`, ``ignore_eos``, ``max_tokens``
-   :data:`CANARY_MAX_TOKENS`), with ``return_token_ids``;
+   (``temperature`` 0, ``seed`` :data:`CANARY_SEED`, ``ignore_eos``, ``max_tokens`` from
+   :func:`canary_max_tokens`: enough that turn 1 pulls), with ``return_token_ids``;
 3. each side with a ``cache_salt`` of its own, new per canary: the reference never reads KV the
    serving path left in P's prefix cache (a corrupted pull would otherwise poison P's cache and
    the reference with it), and the serving path starts cold each time (the same fixed prompt
@@ -44,11 +44,10 @@ from turnscope.core.contract import REQUEST_ID_HEADER, REUSE_HEADER, SESSION_FIE
 CANARY_PROMPT_TOKENS = 300
 #: New prompt tokens of the second turn.
 CANARY_FOLLOW_UP_TOKENS = 40
-#: Tokens generated per turn (``ignore_eos``: exactly this many). With P's prefix cache on, turn
-#: 1 pulls only what P does not hold: D's KV of turn 0 (prompt + generated - 1 = 379 tokens) past
-#: P's whole blocks of the prompt, 123 tokens with vLLM's CPU blocks of 128 and 91 with blocks of
-#: 16: above vLLM's ``kv_recompute_threshold`` (64), so turn 1 really pulls (``hit``).
-CANARY_MAX_TOKENS = 80
+#: Tokens generated per turn at least (``ignore_eos``: exactly :func:`canary_max_tokens`).
+CANARY_MIN_TOKENS = 16
+#: Tokens the second turn's pull exceeds vLLM's ``kv_recompute_threshold`` by (slack).
+PULL_MARGIN_TOKENS = 8
 #: The sampling seed sent with every canary request (greedy decoding does not draw; the seed
 #: keeps the request reproducible should a backend sample anyway).
 CANARY_SEED = 0
@@ -62,6 +61,19 @@ def canary_prompt_ids(n: int = CANARY_PROMPT_TOKENS, offset: int = 0) -> list[in
     """``n`` fixed token ids (``10 + (13 (i + offset) + 5) mod 1000``: ordinary vocabulary ids of
     any tokenizer, no special tokens)."""
     return [10 + (13 * (i + offset) + 5) % 1000 for i in range(n)]
+
+
+def canary_max_tokens(block_size: int, kv_recompute_threshold: int,
+                      prompt_tokens: int = CANARY_PROMPT_TOKENS) -> int:
+    """Tokens each canary turn generates: enough that turn 1 really pulls from D. With P's prefix
+    cache on, turn 1 pulls only what P does not hold: D's KV of turn 0 (prompt + generated - 1
+    tokens) past P's whole blocks of the prompt, ``prompt mod block + generated - 1`` tokens, and P
+    recomputes instead below ``kv_recompute_threshold`` (vLLM's NixlConnector). So at least
+    ``threshold + 1 - prompt mod block`` + :data:`PULL_MARGIN_TOKENS`, and
+    :data:`CANARY_MIN_TOKENS`: 29 with vLLM's CPU blocks of 128 and threshold 64 (a pull of 72),
+    61 with blocks of 16."""
+    return max(CANARY_MIN_TOKENS,
+               kv_recompute_threshold + 1 - prompt_tokens % block_size + PULL_MARGIN_TOKENS)
 
 
 def first_mismatch(reference: list[int], served: list[int]) -> int | None:
@@ -97,8 +109,8 @@ class CanaryReport(BaseModel):
         return self.result == "match"
 
 
-def _body(model: str, prompt: list[int], salt: str) -> dict:
-    return {"model": model, "prompt": prompt, "max_tokens": CANARY_MAX_TOKENS, "temperature": 0,
+def _body(model: str, prompt: list[int], salt: str, max_tokens: int) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "seed": CANARY_SEED, "ignore_eos": True, "return_token_ids": True, "stream": False,
             "cache_salt": salt}
 
@@ -116,7 +128,8 @@ async def _generated(client: httpx.AsyncClient, url: str, body: dict, headers: d
 
 
 async def run_canary(served: httpx.AsyncClient, reference: httpx.AsyncClient, reference_url: str,
-                     reference_name: str, model: str, served_headers: dict[str, str] | None = None,
+                     reference_name: str, model: str, max_tokens: int = CANARY_MIN_TOKENS,
+                     served_headers: dict[str, str] | None = None,
                      reference_headers: dict[str, str] | None = None) -> CanaryReport:
     """Run the canary (module doc) and compare. Never raises for a failed request: the report's
     ``result`` is ``error`` and ``error`` says which side failed.
@@ -126,6 +139,7 @@ async def run_canary(served: httpx.AsyncClient, reference: httpx.AsyncClient, re
         reference: a client for the reference worker at ``reference_url`` (its base URL).
         reference_name: the reference worker's name, for the report.
         model: the served model's name.
+        max_tokens: tokens each turn generates (:func:`canary_max_tokens`).
         served_headers / reference_headers: headers for each side (API keys).
     """
     tag = uuid.uuid4().hex[:12]
@@ -139,10 +153,10 @@ async def run_canary(served: httpx.AsyncClient, reference: httpx.AsyncClient, re
                 prompt = prompt + report.turns[0].served_ids + canary_prompt_ids(CANARY_FOLLOW_UP_TOKENS, 500)
             headers = {REQUEST_ID_HEADER: f"{session}-{turn}"} | (served_headers or {})
             got, r = await _generated(served, "/v1/completions",
-                                      _body(model, prompt, served_salt) | {SESSION_FIELD: session}, headers,
+                                      _body(model, prompt, served_salt, max_tokens) | {SESSION_FIELD: session}, headers,
                                       "serving path")
             ref, _ = await _generated(reference, reference_url + "/v1/completions",
-                                      _body(model, prompt, reference_salt), reference_headers or {},
+                                      _body(model, prompt, reference_salt, max_tokens), reference_headers or {},
                                       f"reference {reference_name}")
             t = CanaryTurn(turn=turn, prompt_tokens=len(prompt), reuse=r.headers.get(REUSE_HEADER),
                            reference_ids=ref, served_ids=got, first_mismatch=first_mismatch(ref, got))

@@ -57,7 +57,7 @@ from pydantic import BaseModel, Field
 
 from serving import handles as h
 from serving.api_keys import SecretRef, bearer, resolve_optional
-from serving.canary import CanaryReport, run_canary
+from serving.canary import CanaryReport, canary_max_tokens, run_canary
 from serving.client_disconnect import run_until_client_gone
 from serving.decode_lifetimes import DecodeLifetimes
 from serving.prefix_index import DEFAULT_CAPACITY_BLOCKS, BlockChains, PrefixIndex
@@ -332,8 +332,9 @@ class SessionProxy:
             r = await self.client.get(ref.url + "/v1/models", headers=self.auth(ref))
             model = r.json()["data"][0]["id"] if r.status_code == 200 else "unknown"
         headers = {"authorization": authorization} if authorization else {}
-        report = await run_canary(served, self.client, ref.url, ref.name, model, served_headers=headers,
-                                  reference_headers=self.auth(ref))
+        max_tokens = canary_max_tokens(self.config.block_size, self.config.kv_recompute_threshold)
+        report = await run_canary(served, self.client, ref.url, ref.name, model, max_tokens,
+                                  served_headers=headers, reference_headers=self.auth(ref))
         self.metrics.canaries.labels(report.result).inc()
         if report.result == "mismatch":
             self.metrics.canary_mismatches.inc()

@@ -9,7 +9,7 @@ count it in ``turnscope_canary_mismatches_total``; without a fault it must say `
 
 import httpx
 
-from serving.canary import CANARY_MAX_TOKENS, CANARY_PROMPT_TOKENS, canary_prompt_ids
+from serving.canary import CANARY_PROMPT_TOKENS, canary_prompt_ids
 from tests.integration.kv_stub import ThreadServer, gen_ids
 from tests.integration.test_faults_stub import proxy_config
 from tests.integration.vllm_stack import ProxyThread, metric
@@ -29,8 +29,9 @@ def test_canary_matches_on_a_healthy_path():
         t0, t1 = report["turns"]
         assert [t0["reuse"], t1["reuse"]] == ["miss_first_turn", "hit"]  # turn 1 pulled D's blocks
         # the reference is the stub's own function of the prompt: a second route to the same ids
-        assert t0["reference_ids"] == gen_ids(canary_prompt_ids(), CANARY_MAX_TOKENS) == t0["served_ids"]
-        assert t1["prompt_tokens"] == CANARY_PROMPT_TOKENS + CANARY_MAX_TOKENS + 40
+        # 16 tokens per turn: the least (the stub's blocks of 4 and threshold 2 need fewer to pull)
+        assert t0["reference_ids"] == gen_ids(canary_prompt_ids(), 16) == t0["served_ids"]
+        assert t1["prompt_tokens"] == CANARY_PROMPT_TOKENS + 16 + 40
         assert metric(proxy.url, "turnscope_canaries_total", result="match") == 1
         assert metric(proxy.url, "turnscope_canary_mismatches_total") == 0
 

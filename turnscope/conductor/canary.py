@@ -1,8 +1,8 @@
 """A run's known-answer canaries: ask the proxy for one (``POST /canary``, ``serving.canary``) and
 record its turns in the store's ``run_canaries`` table (docs/schema/tables.md).
 
-``turnscope eval`` runs one in each P/D run before the scraper's first scrape and one after its
-last (like the speed probe, so the run's counters do not count the canary's requests);
+``turnscope eval`` runs one in each P/D run after the scraper's last scrape (so the run's counters
+do not count the canary's requests);
 ``bench/soak.py`` also every few minutes under load; ``turnscope check`` on demand. A run with a
 mismatch fails its P/D check (``turnscope.analysis.pd_check``).
 """

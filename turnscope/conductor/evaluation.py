@@ -301,10 +301,9 @@ class RunRecording:
         self.writer.append("runs_log", self.row)
         self.writer.flush()
         self.writer.keep_alive("runs_log", self.row, HEARTBEAT_S)
-        # the speed probe and the canary before the scraper's first scrape and after its last: not
-        # in the run's counters
+        # the speed probe before the scraper's first scrape and after its last, the canary after
+        # its last: not in the run's counters
         self.probe("start")
-        self.canary("start")
         self.run_writer = self.store.writer(self.run_id, f"scraper-{os.getpid()}")
         self.scraper = MetricsScraper(self.stack.endpoints(), self.run_writer, self.run_id, interval_s=1.0,
                                       headers=self.stack.endpoint_headers(), verify=self.stack.tls_verify())
@@ -317,7 +316,8 @@ class RunRecording:
                               headers=self.stack.endpoint_headers(), verify=self.stack.tls_verify())
 
     def canary(self, phase: str) -> None:
-        """A P/D run's known-answer canary of ``phase`` (start, end) through its proxy, recorded in
+        """A P/D run's known-answer canary of ``phase`` (``end``: one per run, after the last scrape,
+        so that a canary costs each run seconds, not a share of its load) through its proxy, recorded in
         ``run_canaries`` (``turnscope.conductor.canary``) and said on the console unless it matched."""
         if self.mode not in MODES or not serving_mode(self.mode).disaggregated:
             return
