@@ -101,6 +101,7 @@ class CanaryReport(BaseModel):
 
     result: CanaryResult
     reference: str                      # the reference worker's name
+    session: str | None = None          # the canary's session id (its requests' ids start with it)
     turns: list[CanaryTurn] = []
     error: str | None = None
 
@@ -145,7 +146,7 @@ async def run_canary(served: httpx.AsyncClient, reference: httpx.AsyncClient, re
     tag = uuid.uuid4().hex[:12]
     session = f"{CANARY_REQUEST_PREFIX}{tag}"
     served_salt, reference_salt = f"canary-served-{tag}", f"canary-reference-{tag}"
-    report = CanaryReport(result="match", reference=reference_name)
+    report = CanaryReport(result="match", reference=reference_name, session=session)
     prompt = canary_prompt_ids()
     try:
         for turn in range(2):

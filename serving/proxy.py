@@ -335,6 +335,7 @@ class SessionProxy:
         max_tokens = canary_max_tokens(self.config.block_size, self.config.kv_recompute_threshold)
         report = await run_canary(served, self.client, ref.url, ref.name, model, max_tokens,
                                   served_headers=headers, reference_headers=self.auth(ref))
+        self.table.forget(report.session)  # no client turn follows: its handle is no live handle
         self.metrics.canaries.labels(report.result).inc()
         if report.result == "mismatch":
             self.metrics.canary_mismatches.inc()

@@ -34,6 +34,9 @@ def test_canary_matches_on_a_healthy_path():
         assert t1["prompt_tokens"] == CANARY_PROMPT_TOKENS + 16 + 40
         assert metric(proxy.url, "turnscope_canaries_total", result="match") == 1
         assert metric(proxy.url, "turnscope_canary_mismatches_total") == 0
+        # no client turn follows the canary: the proxy keeps no handle of it (D's TTL frees D's blocks)
+        assert httpx.get(proxy.url + "/health").json()["handles_live"] == 0
+        assert metric(proxy.url, "turnscope_handles_live") == 0
 
 
 def test_a_corrupted_pull_that_answers_200_is_caught():
