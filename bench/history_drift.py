@@ -31,10 +31,10 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from serving.embedded_model import ensure_model  # noqa: E402
-from turnscope.conductor.evaluation import RunPlan, default_settings, run_eval  # noqa: E402
-from turnscope.conductor.settings import TurnscopeSettings  # noqa: E402
-from turnscope.core.store import Store  # noqa: E402
+from serving.embedded_model import ensure_model
+from turnscope.conductor.evaluation import RunPlan, default_settings, run_eval
+from turnscope.conductor.settings import TurnscopeSettings
+from turnscope.core.store import Store
 
 VARIANTS = ("as-returned", "stripped")
 

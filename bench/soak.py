@@ -45,7 +45,6 @@ threads, table sizes), ``summary.json``, Locust's CSVs and log. The store is ``-
 from __future__ import annotations
 
 import argparse
-from collections import Counter
 import csv
 import datetime as dt
 import json
@@ -55,6 +54,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Self
 

@@ -110,6 +110,10 @@ class CanaryReport(BaseModel):
         return self.result == "match"
 
 
+class CanaryRequestFailed(Exception):
+    """A canary request did not come back with generated ids (an HTTP error, no ``token_ids``)."""
+
+
 def _body(model: str, prompt: list[int], salt: str, max_tokens: int) -> dict:
     return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "seed": CANARY_SEED, "ignore_eos": True, "return_token_ids": True, "stream": False,
@@ -120,11 +124,11 @@ async def _generated(client: httpx.AsyncClient, url: str, body: dict, headers: d
                      side: str) -> tuple[list[int], httpx.Response]:
     r = await client.post(url, json=body, headers=headers, timeout=300)
     if r.status_code != 200:
-        raise RuntimeError(f"{side}: HTTP {r.status_code}: {r.text[:300]}")
+        raise CanaryRequestFailed(f"{side}: HTTP {r.status_code}: {r.text[:300]}")
     choice = (r.json().get("choices") or [{}])[0]
     ids = choice.get("token_ids")
     if not isinstance(ids, list):
-        raise RuntimeError(f"{side}: no token_ids in the answer (return_token_ids unsupported?)")
+        raise CanaryRequestFailed(f"{side}: no token_ids in the answer (return_token_ids unsupported?)")
     return [int(t) for t in ids], r
 
 
@@ -164,6 +168,6 @@ async def run_canary(served: httpx.AsyncClient, reference: httpx.AsyncClient, re
             report.turns.append(t)
             if t.first_mismatch is not None:
                 report.result = "mismatch"
-    except (httpx.HTTPError, RuntimeError, ValueError) as exc:
+    except (httpx.HTTPError, CanaryRequestFailed, ValueError) as exc:
         report.result, report.error = "error", f"{type(exc).__name__}: {exc}"
     return report
