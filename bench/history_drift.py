@@ -5,10 +5,11 @@ workload with and without the workload's ``history_rewrite`` (docs/workloads.md)
 The demo's workload as a workload file: the tau-bench airline replay, ``--sessions`` conversations
 of at most ``--max-turns`` turns, replies of ``--max-tokens`` (``ignore_eos``), 0.5 s between turns
 (``turnscope demo``'s settings), text history. Variant ``as-returned`` sends the replies back as
-the server returned them; ``stripped`` sets ``history_rewrite: {strip_reasoning: true,
-reasoning_share: S}`` (the embedded model emits no ``<think>``: the first share of each reply stands
-in for its reasoning, which like real reasoning comes before the answer). One ``pd-bidir`` stack
-plays the runs A B A B ... (``--pairs`` pairs, each run with its own cache salt: a cold prefix
+the server returned them; ``stripped-<S>`` sets ``history_rewrite: {strip_reasoning: true,
+reasoning_share: S}`` (the embedded model emits no ``<think>``: the first share S of each reply's
+characters stands in for its reasoning, which like real reasoning comes before the answer; 1.0: the
+whole reply, as an agent's turn that is reasoning and a tool call). One ``pd-bidir`` stack plays
+the runs A B C A B C ... (``--pairs`` rounds, each run with its own cache salt: a cold prefix
 cache), then per variant, over the ok later turns (``turn_index >= 1``), it prints:
 
 * the hit rate (turns whose reuse outcome is ``hit``: P pulled D's blocks);
@@ -16,7 +17,7 @@ cache), then per variant, over the ok later turns (``turn_index >= 1``), it prin
   from D (``reused_tokens``) and from P's own prefix cache (``prefill_cached_tokens``);
 * TTFT p50 and mean.
 
-    flock /work/wt/cpu.lock nice -n 5 .venv/bin/python bench/history_drift.py --pairs 2
+    .venv/bin/python bench/history_drift.py --pairs 3
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from turnscope.conductor.evaluation import RunPlan, default_settings, run_eval
 from turnscope.conductor.settings import TurnscopeSettings
 from turnscope.core.store import Store
 
-VARIANTS = ("as-returned", "stripped")
+AS_RETURNED = "as-returned"
 
 SUMMARY_SQL = """
 SELECT r.workload AS variant, count(*) AS turns,
@@ -75,11 +76,12 @@ def workload(name: str, sessions: int, max_turns: int, max_tokens: int, share: f
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pairs", type=int, default=2, help="A B pairs of runs")
+    ap.add_argument("--pairs", type=int, default=2, help="rounds: each plays every variant once, in turn")
     ap.add_argument("--sessions", type=int, default=3)
     ap.add_argument("--max-turns", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--reasoning-share", type=float, default=0.5)
+    ap.add_argument("--reasoning-shares", default="1.0,0.5",
+                    help="comma-separated stand-in shares, one stripped variant each (stripped-<share>)")
     ap.add_argument("--store", type=Path, default=ROOT / "data")
     ap.add_argument("--label", default="drift")
     a = ap.parse_args(argv)
@@ -87,17 +89,17 @@ def main(argv: list[str] | None = None) -> int:
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S")
     wdir = a.store / "runs" / "_drift" / stamp
     wdir.mkdir(parents=True, exist_ok=True)
+    shares = {AS_RETURNED: None} | {f"stripped-{float(x)}": float(x) for x in a.reasoning_shares.split(",")}
     paths = {}
-    for v in VARIANTS:
+    for v, share in shares.items():
         paths[v] = wdir / f"{v}.yaml"
-        paths[v].write_text(yaml.safe_dump(workload(v, a.sessions, a.max_turns, a.max_tokens,
-                                                    a.reasoning_share if v == "stripped" else None)))
+        paths[v].write_text(yaml.safe_dump(workload(v, a.sessions, a.max_turns, a.max_tokens, share)))
     model = ensure_model(TurnscopeSettings.load().model)
     s = default_settings(model, modes=["pd-bidir"], histories=["text"], sessions=0, users=1,
                          max_tokens=a.max_tokens, gap_s=0.5, store=a.store, label=a.label, schedule="sequential")
     plans = [RunPlan(run_id=f"{a.label}-{stamp}-{i}-{v}", history="text",
                      settings=s.model_copy(update={"workload": paths[v]}))
-             for i in range(a.pairs) for v in VARIANTS]
+             for i in range(a.pairs) for v in shares]
     run_ids = run_eval(s, runs={"pd-bidir": plans})
     con = Store(a.store).connect()
     try:
