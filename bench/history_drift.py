@@ -15,7 +15,10 @@ cache), then per variant, over the ok later turns (``turn_index >= 1``), it prin
 * the hit rate (turns whose reuse outcome is ``hit``: P pulled D's blocks);
 * tokens per turn shared with the previous prompt + reply (``expected_reusable_tokens``), pulled
   from D (``reused_tokens``) and from P's own prefix cache (``prefill_cached_tokens``);
-* TTFT p50 and mean.
+* TTFT p50 and mean;
+
+and the planner's FORECAST of the same runs (profile ``embedded-cpu``), whose reuse per turn is
+the stored ``expected_reusable_tokens``: a second route to the hit rate and the tokens.
 
     .venv/bin/python bench/history_drift.py --pairs 3
 """
@@ -27,6 +30,7 @@ import datetime as dt
 import sys
 from pathlib import Path
 
+import pandas as pd
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,6 +78,28 @@ def workload(name: str, sessions: int, max_turns: int, max_tokens: int, share: f
     return w
 
 
+def forecast(store: Path, run_ids: dict[str, list[str]]) -> list[dict]:
+    """Per variant: the planner's FORECAST of the same recorded runs (profile ``embedded-cpu``,
+    ``pd-bidir``), whose reuse per turn is the stored ``expected_reusable_tokens``: the hit rate
+    and tokens pulled / from P's own cache per ok later turn, a second route to the measured ones."""
+    import numpy as np
+
+    from loadgen.traces.recorded_runs import read_recorded_runs
+    from turnscope.planner.profile import load_profile
+    from turnscope.planner.simulate import OUTCOMES, PlanSettings, plan
+
+    profile = load_profile(ROOT / "data" / "profiles" / "embedded-cpu.yaml")
+    out = []
+    for variant, ids in run_ids.items():
+        p = plan(read_recorded_runs(store, ids), profile, PlanSettings(modes=("pd-bidir",), separate_sources=True))
+        m, later = p.modes["pd-bidir"], p.traffic.request_index >= 1
+        out.append({"variant": variant, "turns": int(later.sum()),
+                    "hit_rate": float((np.array(OUTCOMES)[m.outcome][later] == "hit").mean()),
+                    "pulled_tokens": float(m.pulled_tokens[later].mean()),
+                    "p_cached_tokens": float(m.local_tokens[later].mean())})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", type=int, default=2, help="rounds: each plays every variant once, in turn")
@@ -111,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     print(per_run.to_string(index=False))
     print("\nper variant (ok later turns; tokens are means per turn):")
     print(summary.to_string(index=False))
+    by_variant = {v: [r for r in run_ids if r.endswith(f"-{v}")] for v in shares}
+    print("\nFORECAST (embedded-cpu profile) of the same runs, from their expected_reusable_tokens:")
+    print(pd.DataFrame(forecast(a.store, by_variant)).to_string(index=False))
     return 0
 
 
