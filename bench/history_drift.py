@@ -37,9 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from serving.embedded_model import ensure_model
+from store.writer import Store
 from turnscope.conductor.evaluation import RunPlan, default_settings, run_eval
 from turnscope.conductor.settings import TurnscopeSettings
-from turnscope.core.store import Store
 
 AS_RETURNED = "as-returned"
 
@@ -85,8 +85,8 @@ def forecast(store: Path, run_ids: dict[str, list[str]]) -> list[dict]:
     import numpy as np
 
     from loadgen.traces.recorded_runs import read_recorded_runs
-    from turnscope.planner.profile import load_profile
-    from turnscope.planner.simulate import OUTCOMES, PlanSettings, plan
+    from planner.profile import load_profile
+    from planner.simulate import OUTCOMES, PlanSettings, plan
 
     profile = load_profile(ROOT / "data" / "profiles" / "embedded-cpu.yaml")
     out = []

@@ -37,7 +37,7 @@ from typing import Literal
 import httpx
 from pydantic import BaseModel
 
-from turnscope.core.contract import REQUEST_ID_HEADER, REUSE_HEADER, SESSION_FIELD
+from core.contract import REQUEST_ID_HEADER, REUSE_HEADER, SESSION_FIELD
 
 #: Prompt tokens of the canary's first turn: more than two KV blocks of 128 (vLLM's CPU block
 #: size), so that the second turn pulls at least one whole block from D.

@@ -200,7 +200,7 @@ def test_tracelab_errors_name_file_line_field(tmp_path):
 def test_recorded_runs_adapter(tmp_path):
     """Turns written to a store come back as requests: times from sent_at/e2e_s by hand."""
     from loadgen.traces.recorded_runs import read_recorded_runs
-    from turnscope.core.store import Store
+    from store.writer import Store
 
     s = Store(tmp_path / "store")
     s.init()
@@ -290,8 +290,8 @@ def test_a_recorded_run_whose_client_stripped_its_history_is_planned_with_less_t
     reasoning shares only the 1,000 of the prompt: the handle is cut to 896, which P holds, and
     nothing is pulled."""
     from loadgen.traces.recorded_runs import read_recorded_runs
-    from turnscope.core.store import Store
-    from turnscope.planner.simulate import Traffic, pull_if_hit
+    from planner.simulate import Traffic, pull_if_hit
+    from store.writer import Store
 
     s = Store(tmp_path / "store")
     s.init()

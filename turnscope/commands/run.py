@@ -14,6 +14,12 @@ from typing import Annotated
 import duckdb
 import typer
 
+from core import resources
+from core.contract import (
+    ROUTING_POLICIES,
+    Role,
+)
+from core.modes import MODES, PD_BIDIR
 from serving import kubernetes as kube
 from serving.embedded_model import DEFAULT_MODEL_DIR, ensure_model
 from serving.prometheus_config import render_prometheus_config
@@ -44,12 +50,6 @@ from turnscope.commands.summaries import (
 )
 from turnscope.conductor import schedule
 from turnscope.conductor.evaluation import default_settings, run_eval
-from turnscope.core import resources
-from turnscope.core.contract import (
-    ROUTING_POLICIES,
-    Role,
-)
-from turnscope.core.modes import MODES, PD_BIDIR
 
 
 @app.command()
@@ -142,11 +142,12 @@ def evaluate(
 def rollup(store: StoreOpt = None) -> None:
     """Roll up every finished run that has no fresh rollup: its run_summary, run_kv_transfer and
     run_handle_memory rows, stored beside the shards so the dashboard need not recompute them
-    (dashboard/rollup.py; docs/schema/overview.md). A finished eval does this itself. It first
+    (store/rollup.py; docs/schema/overview.md). A finished eval does this itself. It first
     recreates the store's views if they are of another schema version (a store written by an
     older turnscope); the shards are never changed."""
-    from dashboard.rollup import Rollups
-    from turnscope.core.store import Store
+    from planner.recorded_whatif import whatif_ttl_d_limit
+    from store.rollup import Rollups
+    from store.writer import Store
 
     root = store or settings().store
     if not (root / "turnscope.duckdb").exists():
@@ -154,7 +155,7 @@ def rollup(store: StoreOpt = None) -> None:
     t0 = time.monotonic()
     try:
         Store(root).init()  # views of this schema version first (a store written by an older turnscope)
-        written = Rollups(Store(root)).write_finished()
+        written = Rollups(Store(root), whatif=whatif_ttl_d_limit).write_finished()
     except (OSError, RuntimeError, ValueError, duckdb.Error) as exc:
         raise fail(f"rollup of {root}: {exc}") from exc
     typer.echo(f"rolled up {len(written)} run(s) in {time.monotonic() - t0:.1f} s"
@@ -261,8 +262,8 @@ def check(
     request failed. The proxy counts it in turnscope_canaries_total and
     turnscope_canary_mismatches_total (docs/reliability.md). The proxy's key: TURNSCOPE_API_KEY.
     """
+    from core.contract import client_auth_headers
     from turnscope.conductor.canary import describe, request_canary
-    from turnscope.core.contract import client_auth_headers
 
     results = []
     for i in range(count):

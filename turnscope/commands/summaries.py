@@ -9,15 +9,14 @@ import duckdb
 import pandas as pd
 from rich.table import Table
 
-from dashboard import db, queries
-from dashboard.queries import run_report
-from turnscope.analysis import pd_check
+from analysis import pd_check
+from store import db, queries
+from store.queries import run_report
 from turnscope.commands.app import (
     console,
 )
 from turnscope.conductor import console_text, schedule
 from turnscope.conductor.prefix_sweep import SWEEP_MODES
-from turnscope.core.store import connect_read_only
 
 
 def print_summary(store: Path, run_ids: list[str]) -> None:
@@ -33,8 +32,7 @@ def print_summary(store: Path, run_ids: list[str]) -> None:
     outs = db.read(location, run_report.outcomes, run_ids)
     stopped = db.read(location, run_report.stopped_early, run_ids)
     pd_failed = pd_check.pd_check_failures(store, run_ids)
-    with connect_read_only(store) as con:
-        canaries = pd_check.run_canaries(con, run_ids).set_index("run_id")
+    canaries = db.read(location, queries.run_canaries, run_ids).set_index("run_id")
     runs = db.read(location, queries.runs).set_index("run_id")
     for run_id in run_ids:
         rows = ttft[ttft.run_id == run_id]
@@ -64,11 +62,11 @@ def print_summary(store: Path, run_ids: list[str]) -> None:
 
 
 def bottom_line_blocks(ratios: list) -> list[list[str]]:
-    """The bottom line's text, one block of lines per comparison (``turnscope.analysis.headline.Ratio``):
-    the comparison and history mode; the speed-up (``turnscope.analysis.speedup``: the same number, label
+    """The bottom line's text, one block of lines per comparison (``analysis.headline.Ratio``):
+    the comparison and history mode; the speed-up (``analysis.speedup``: the same number, label
     and verdict as the Overview's cards) with its CI; medians and counts; for an undecided
-    verdict, the forecast sessions per side (``turnscope.analysis.sample_size``)."""
-    from turnscope.analysis import headline, speedup
+    verdict, the forecast sessions per side (``analysis.sample_size``)."""
+    from analysis import headline, speedup
 
     pct = round(headline.CONFIDENCE * 100)
     out = []
@@ -107,11 +105,11 @@ def print_regimes() -> None:
 
 
 def print_bottom_line(store: Path, run_ids: list[str]) -> None:
-    """Print the Overview page's headline for these runs: each pair of turnscope.analysis.headline.PAIRS
+    """Print the Overview page's headline for these runs: each pair of analysis.headline.PAIRS
     with its speed-up (baseline / bidirectional median TTFT from the second turn on), 95% bootstrap
     CI by session, verdict and, when undecided, the sessions a decision needs (`bottom_line_blocks`)."""
-    from dashboard import db, queries
-    from turnscope.analysis import headline, speedup
+    from analysis import headline, speedup
+    from store import db, queries
 
     f = queries.TurnFilter(run_ids=tuple(run_ids))
     dstore = db.StoreLocation(store)
@@ -133,11 +131,12 @@ def print_bottom_line(store: Path, run_ids: list[str]) -> None:
 def roll_up_quietly(store: Path) -> None:
     """Roll up the store's finished runs after a run (`turnscope rollup`); a failure is said, not
     raised: the rows are stored and the dashboard reads the plain views meanwhile."""
-    from dashboard.rollup import Rollups
-    from turnscope.core.store import Store
+    from planner.recorded_whatif import whatif_ttl_d_limit
+    from store.rollup import Rollups
+    from store.writer import Store
 
     try:
-        Rollups(Store(store)).write_finished()
+        Rollups(Store(store), whatif=whatif_ttl_d_limit).write_finished()
     except (OSError, duckdb.Error) as exc:
         console.print(f"[yellow]rollup skipped[/yellow] ({exc}); `turnscope rollup` makes it later", highlight=False)
 

@@ -4,7 +4,7 @@ record its turns in the store's ``run_canaries`` table (docs/schema/tables.md).
 ``turnscope eval`` runs one in each P/D run after the scraper's last scrape (so the run's counters
 do not count the canary's requests);
 ``bench/soak.py`` also every few minutes under load; ``turnscope check`` on demand. A run with a
-mismatch fails its P/D check (``turnscope.analysis.pd_check``).
+mismatch fails its P/D check (``analysis.pd_check``).
 """
 
 from __future__ import annotations
