@@ -328,9 +328,12 @@ class SessionProxy:
         the reference worker; counted in ``turnscope_canaries_total{result}`` and, when the tokens
         differ, ``turnscope_canary_mismatches_total``; logged as one ``canary`` line."""
         ref = self.config.canary_reference or (self.config.prefill or self.config.aggregated)[0]
-        if model is None:
-            r = await self.client.get(ref.url + "/v1/models", headers=self.auth(ref))
-            model = r.json()["data"][0]["id"] if r.status_code == 200 else "unknown"
+        if model is None:  # the reference's served model (a failed look-up makes the canary an error)
+            try:
+                r = await self.client.get(ref.url + "/v1/models", headers=self.auth(ref))
+                model = r.json()["data"][0]["id"]
+            except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+                model = "unknown"
         headers = {"authorization": authorization} if authorization else {}
         max_tokens = canary_max_tokens(self.config.block_size, self.config.kv_recompute_threshold)
         report = await run_canary(served, self.client, ref.url, ref.name, model, max_tokens,
