@@ -6,7 +6,8 @@ This module imports nothing of theirs, so importing it never imports them (check
 ``tests/unit/test_contract.py``).
 
 A generate request (``POST /v1/chat/completions`` or ``/v1/completions``) names its session in the
-body field :data:`SESSION_FIELD` or the header :data:`SESSION_HEADER`. The proxy answers with
+body field :data:`SESSION_FIELD` or the header :data:`SESSION_HEADER` (and may name its decode
+worker in :data:`DECODE_WORKER_HEADER`). The proxy answers with
 headers known before the stream (:data:`REQUEST_ID_HEADER`, :data:`REUSE_HEADER`,
 :data:`PREFILL_MS_HEADER`, :data:`PREFILL_ENGINE_HEADER`, :data:`DECODE_ENGINE_HEADER`) and, in the
 finishing chunk, a :data:`FACTS_FIELD` object of :class:`PublicFacts`.
@@ -28,6 +29,10 @@ import numpy as np
 SESSION_FIELD = "conversation_id"
 #: Header that names the session when the body does not (HTTP headers are case-insensitive).
 SESSION_HEADER = "X-Session-ID"
+#: Header that names the decode worker (its name in the proxy's configuration, ``decode-0``) that
+#: must serve the request, whatever the routing policy; an unknown name is answered 400. The
+#: streamed-handle check reaches every D by it (``serving.handle_check``).
+DECODE_WORKER_HEADER = "x-turnscope-decode-worker"
 
 # -- request: the client's API key ---------------------------------------------------------------
 

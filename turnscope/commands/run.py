@@ -187,6 +187,9 @@ def serve(
     nodes_per_worker: Annotated[int | None, typer.Option(
         help="With --kubernetes: nodes each worker spans, as a LeaderWorkerSet when over 1 (default: its "
              "--pipeline-parallel-size).")] = None,
+    inference_pool: Annotated[str | None, typer.Option(
+        help="With --kubernetes: also an InferencePool (inference.networking.k8s.io/v1) of the proxy's pods, "
+             "whose endpoint picker is the Service NAME[:PORT] (port 9002 when not given).")] = None,
     canary_every_s: Annotated[float, typer.Option(
         min=0, help="Run the known-answer canary (turnscope check) this often while serving, seconds; a "
                     "mismatch is printed and counted in turnscope_canary_mismatches_total (0: never).")] = 0.0,
@@ -202,7 +205,7 @@ def serve(
         raise fail(str(exc)) from exc
     if kubernetes:
         options = kube.KubeOptions(image=image, vllm_image=vllm_image, namespace=namespace, model_pvc=model_pvc,
-                                   nodes_per_worker=nodes_per_worker)
+                                   nodes_per_worker=nodes_per_worker, inference_pool_epp=inference_pool)
         try:
             print(kube.render(topo, mode, options), end="")
         except kube.KubernetesError as exc:
