@@ -44,6 +44,7 @@ from turnscope.commands.summaries import (
 )
 from turnscope.conductor import schedule
 from turnscope.conductor.evaluation import default_settings, run_eval
+from turnscope.conductor.serve_metrics import ServeMetrics
 from turnscope.core import resources
 from turnscope.core.contract import (
     ROUTING_POLICIES,
@@ -186,10 +187,14 @@ def serve(
     nodes_per_worker: Annotated[int | None, typer.Option(
         help="With --kubernetes: nodes each worker spans, as a LeaderWorkerSet when over 1 (default: its "
              "--pipeline-parallel-size).")] = None,
+    store: StoreOpt = None,
 ) -> None:
     """Start (or attach to) the workers of one mode and the session-aware proxy; Ctrl-C stops them.
 
     Point Locust's web UI at the proxy: `locust -f loadgen/locustfile.py --host http://127.0.0.1:8200`.
+    While serving, the workers' and the proxy's metrics are scraped into the store every second: under
+    each run Locust records through this proxy (same --turnscope-store), and between runs under the
+    serve's own id (turnscope/conductor/serve_metrics.py).
     """
     topo = resolve_topology(topology, prefill_routing, decode_routing)
     try:
@@ -225,10 +230,19 @@ def serve(
     if topo.platform == "gpu" and topo.launch and not _has_gpu():
         raise fail(f"topology {topo.name!r} is for GPUs but this machine has none (nvidia-smi found no device); "
                    "use --dry-run to print the commands for the GPU hosts")
+    from turnscope.core.store import Store
+
     stack.progress = console.print
+    root = store or settings().store
     try:
-        with stack:
-            console.print(f"mode {mode} serving through the proxy at {stack.proxy_url} (Ctrl-C to stop)")
+        Store(root).init()  # a store for Locust's runs and the scrapes (the views first, as Locust's master does)
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise fail(f"store {root}: {exc}") from exc
+    try:
+        with stack, ServeMetrics(Store(root), stack.endpoints(), stack.proxy_url, headers=stack.endpoint_headers(),
+                                 verify=stack.tls_verify()) as scrapes:
+            console.print(f"mode {mode} serving through the proxy at {stack.proxy_url} (Ctrl-C to stop); "
+                          f"metrics into {root} (runs recorded through this proxy, else {scrapes.own_id})")
             while all(w.proc is None or w.proc.poll() is None for w in stack.workers):
                 time.sleep(1)
             gone = next(w for w in stack.workers if w.proc is not None and w.proc.poll() is not None)
