@@ -207,7 +207,8 @@ def test_store_without_runs(monkeypatch, tmp_path):
 
 
 def test_run_that_just_started(monkeypatch, tmp_path):
-    """A run with its status row but no turns or scrapes yet renders, with the empty charts saying so."""
+    """A run with its status row but no turns or scrapes yet renders, with the empty charts saying so,
+    and the page says it follows the run (dashboard/live.py: a fragment re-reading the store)."""
     store = Store(tmp_path)
     store.init()
     with store.writer("live-1", "test") as w:
@@ -216,7 +217,8 @@ def test_run_that_just_started(monkeypatch, tmp_path):
     at = run_app(monkeypatch, tmp_path)
     assert len(at.metric) == 0
     assert any(i.value.startswith("No headline yet") for i in at.info)
-    assert any("1 still running" in c.value for c in at.sidebar.caption)
+    assert any("1 still recording" in c.value for c in at.sidebar.caption)
+    assert any("`live-1` is recording: this page re-reads the store every" in c.value for c in at.main.caption)
     table = at.dataframe[0].value
     assert list(table["run_id"]) == ["live-1"] and table.loc[0, "turns"] == 0
     assert len(at.get("plotly_chart")) == 2  # by turn and outcomes; no external-KV chart without samples
