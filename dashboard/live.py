@@ -59,7 +59,7 @@ def interval_s() -> float:
 
 
 def recording(runs: pd.DataFrame) -> pd.DataFrame:
-    """The rows of `runs` (``dashboard.queries.runs``'s columns) whose status is ``running``."""
+    """The rows of `runs` (``store.queries.runs``'s columns) whose status is ``running``."""
     return runs[runs["status"] == "running"]
 
 

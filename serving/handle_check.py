@@ -26,7 +26,7 @@ import httpx
 from httpx_sse import SSEError, connect_sse
 from prometheus_client.parser import text_string_to_metric_families
 
-from turnscope.core.contract import DECODE_ENGINE_HEADER, FACTS_FIELD, SESSION_FIELD
+from core.contract import DECODE_ENGINE_HEADER, FACTS_FIELD, SESSION_FIELD
 
 #: Output tokens a release turn asks for: D is still decoding when the client leaves after the first.
 RELEASE_MAX_TOKENS = 64

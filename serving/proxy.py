@@ -5,7 +5,7 @@ decode worker, and reports what happened in the response (docs/design.md follows
 generate request (``/v1/chat/completions`` or ``/v1/completions``) goes through its methods:
 
 1. :meth:`~SessionProxy.admit`: the session key is the body field ``conversation_id`` (popped) or
-   the ``X-Session-ID`` header (:mod:`turnscope.core.contract`). Client-supplied
+   the ``X-Session-ID`` header (:mod:`core.contract`). Client-supplied
    ``kv_transfer_params`` (top level, or inside ``vllm_xargs``) are dropped: they could read
    another session's blocks. P and D are picked by the configured policies (``serving.routing``).
 2. :meth:`~SessionProxy.match_handle`: under the session's lock the handle is popped (single use).
@@ -55,6 +55,18 @@ from httpx_sse import aconnect_sse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
+from core import reuse_rules as rules
+from core.contract import (
+    FACTS_FIELD,
+    REQUEST_ID_HEADER,
+    SESSION,
+    SESSION_FIELD,
+    SESSION_HEADER,
+    RoutingPolicy,
+    error_body_text,
+)
+from core.modes import AGGREGATED
+from core.tokenize_client import TokenizeError, render_request, tokenize_async
 from serving import handles as h
 from serving.api_keys import SecretRef, bearer, resolve_optional
 from serving.client_disconnect import run_until_client_gone
@@ -71,18 +83,6 @@ from serving.proxy_request import (
 )
 from serving.routing import Router
 from serving.upstream_tls import UpstreamTLS
-from turnscope.core import reuse_rules as rules
-from turnscope.core.contract import (
-    FACTS_FIELD,
-    REQUEST_ID_HEADER,
-    SESSION,
-    SESSION_FIELD,
-    SESSION_HEADER,
-    RoutingPolicy,
-    error_body_text,
-)
-from turnscope.core.modes import AGGREGATED
-from turnscope.core.tokenize_client import TokenizeError, render_request, tokenize_async
 
 log = logging.getLogger("turnscope.proxy")
 
@@ -670,7 +670,7 @@ class _StreamRelay:
     """What the streamed relay has seen of D's stream: prompt and generated ids, D's handle, TTFT.
 
     Every event of D's goes to the client with its bytes unchanged, except two, which get the
-    additive ``turnscope`` field (:data:`turnscope.core.contract.FACTS_FIELD`) spliced in before their
+    additive ``turnscope`` field (:data:`core.contract.FACTS_FIELD`) spliced in before their
     closing brace (D's own bytes stay a prefix): the chunk where choice 0 finishes (its
     ``finish_reason`` set: every vLLM stream has one) and the chunk carrying D's
     ``kv_transfer_params`` (``serving.stream_handle_patch``), whose params are replaced by the

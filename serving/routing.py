@@ -24,7 +24,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from turnscope.core.contract import PREFIX_AWARE, ROUND_ROBIN, ROUTING_POLICIES
+from core.contract import PREFIX_AWARE, ROUND_ROBIN, ROUTING_POLICIES
 
 
 def rendezvous_weight(session: str, worker: str) -> int:

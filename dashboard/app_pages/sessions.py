@@ -6,8 +6,9 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import charts, context, figures, queries, tables
+from dashboard import charts, context, figures, tables
 from dashboard.loader import load
+from store import queries
 
 sel = context.current()
 st.title("Sessions")

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from store.writer import Store
 from tests.e2e.test_dashboard_browser import (  # noqa: F401  (browser: a fixture used below)
     CHROMIUM,
     WIDTH,
@@ -21,7 +22,6 @@ from tests.e2e.test_dashboard_browser import (  # noqa: F401  (browser: a fixtur
     _wait_idle,
     browser,
 )
-from turnscope.core.store import Store
 
 pytestmark = [
     pytest.mark.e2e,

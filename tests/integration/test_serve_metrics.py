@@ -14,9 +14,9 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
+from store.writer import Store
 from turnscope.conductor import serve_metrics
 from turnscope.conductor.serve_metrics import ServeMetrics, same_server
-from turnscope.core.store import Store
 
 INTERVAL_S = 0.2
 

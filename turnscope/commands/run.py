@@ -14,6 +14,12 @@ from typing import Annotated
 import duckdb
 import typer
 
+from core import resources
+from core.contract import (
+    ROUTING_POLICIES,
+    Role,
+)
+from core.modes import MODES, PD_BIDIR
 from serving import kubernetes as kube
 from serving.embedded_model import DEFAULT_MODEL_DIR, ensure_model
 from serving.prometheus_config import render_prometheus_config
@@ -45,12 +51,6 @@ from turnscope.commands.summaries import (
 from turnscope.conductor import schedule
 from turnscope.conductor.evaluation import default_settings, run_eval
 from turnscope.conductor.serve_metrics import ServeMetrics
-from turnscope.core import resources
-from turnscope.core.contract import (
-    ROUTING_POLICIES,
-    Role,
-)
-from turnscope.core.modes import MODES, PD_BIDIR
 
 
 @app.command()
@@ -143,11 +143,12 @@ def evaluate(
 def rollup(store: StoreOpt = None) -> None:
     """Roll up every finished run that has no fresh rollup: its run_summary, run_kv_transfer and
     run_handle_memory rows, stored beside the shards so the dashboard need not recompute them
-    (dashboard/rollup.py; docs/schema/overview.md). A finished eval does this itself. It first
+    (store/rollup.py; docs/schema/overview.md). A finished eval does this itself. It first
     recreates the store's views if they are of another schema version (a store written by an
     older turnscope); the shards are never changed."""
-    from dashboard.rollup import Rollups
-    from turnscope.core.store import Store
+    from planner.recorded_whatif import whatif_ttl_d_limit
+    from store.rollup import Rollups
+    from store.writer import Store
 
     root = store or settings().store
     if not (root / "turnscope.duckdb").exists():
@@ -155,7 +156,7 @@ def rollup(store: StoreOpt = None) -> None:
     t0 = time.monotonic()
     try:
         Store(root).init()  # views of this schema version first (a store written by an older turnscope)
-        written = Rollups(Store(root)).write_finished()
+        written = Rollups(Store(root), whatif=whatif_ttl_d_limit).write_finished()
     except (OSError, RuntimeError, ValueError, duckdb.Error) as exc:
         raise fail(f"rollup of {root}: {exc}") from exc
     typer.echo(f"rolled up {len(written)} run(s) in {time.monotonic() - t0:.1f} s"
@@ -230,7 +231,7 @@ def serve(
     if topo.platform == "gpu" and topo.launch and not _has_gpu():
         raise fail(f"topology {topo.name!r} is for GPUs but this machine has none (nvidia-smi found no device); "
                    "use --dry-run to print the commands for the GPU hosts")
-    from turnscope.core.store import Store
+    from store.writer import Store
 
     stack.progress = console.print
     root = store or settings().store

@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 import duckdb
 
 from loadgen.scraper import MetricsScraper
-from turnscope.core.store import ShardWriter, Store
+from store.writer import ShardWriter, Store
 
 log = logging.getLogger(__name__)
 

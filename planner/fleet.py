@@ -1,0 +1,420 @@
+"""Fleet sizing (a FORECAST): for each retention strategy of the ledger, the smallest fleet (P
+workers, D workers, D's KV space per worker) whose forecast p90 TTFT meets the SLO at a stated
+load, and for a fleet, TTFT against load (docs/planner/fleet.md).
+
+A fleet is judged with the ledger's model (:func:`planner.ledger.forecast_strategy`) at
+the load (:mod:`planner.load`). One that cannot keep up is overloaded
+(:mod:`planner.overload`) and has no TTFT. The search, per strategy
+(:func:`size_fleet`), from 1P1D:
+
+1. **out of overload**: while a role is overloaded, grow it to its factor times its workers
+   (rounded up, at least one more; twice as many when only the never-drains test found it);
+2. **into the SLO**: while the p90 TTFT misses the SLO, double the role whose queue holds the slow
+   requests longer (the mean wait on P against on D over the requests at or above the p90; the
+   other role when that one is at its limit); stop when the p90 of the TTFT without any wait misses
+   the SLO by itself (no fleet helps: the prompts' own compute) or both roles are at their limit;
+3. **trim**: the fewest P, then the fewest D, that still meet the SLO (and keep up), by bisection.
+
+The sizes are bounded by ``max_prefill_workers`` and ``max_decode_workers``; D's KV space per worker
+is the limit's (or the profile's). GPUs = (P + D) x the profile's ``gpus_per_worker``. The
+recommended fleet is the cheapest that meets the SLO: fewest GPUs, then (priced) the lowest cost,
+then the lowest mean TTFT; a strategy that holds KV out of other requests' reach (D's pins, the host
+tier) must beat the best one that does not at the same GPUs by more than ``planner.recommend.MIN_GAIN`` of mean
+TTFT (the recommendation's own rule, :func:`planner.recommend.choose`).
+
+Cost per million tokens (with a GPU-hour price): the fleet's GPUs for the traffic's horizon plus
+the host tier's GiB-hours at their price, over the input and output tokens served, USD.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from core.contract import Role
+from core.modes import RECOMPUTE_MODE
+from planner.executor import Executor, LocalExecutor
+from planner.ledger import Prices, forecast_strategy
+from planner.load import Load, LoadedTraffic
+from planner.overload import Overload
+from planner.profile import CostProfile, GiB, Sourced
+from planner.recommend import MIN_GAIN
+from planner.simulate import PlanSettings, Traffic
+from planner.strategies import STRATEGIES, holds_memory
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """``prefill_workers``, ``decode_workers`` and ``decode_kv_bytes`` (one D's KV space, bytes;
+    None: the profile's)."""
+
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    decode_kv_bytes: float | None = None
+
+    def label(self) -> str:
+        """E.g. "2P 3D"."""
+        return f"{self.prefill_workers}P {self.decode_workers}D"
+
+    def gpus(self, profile: CostProfile) -> float:
+        """GPUs of the fleet: workers x the profile's ``gpus_per_worker`` (1 when it has none)."""
+        per = profile.gpus_per_worker.value if profile.gpus_per_worker else 1.0
+        return (self.prefill_workers + self.decode_workers) * per
+
+
+@dataclass(frozen=True)
+class FleetLimits:
+    """The operator's limits: ``ttft_slo_s`` (p90 TTFT, seconds; None: none, the smallest fleet that
+    keeps up), the most P and D workers, ``decode_kv_bytes`` (one D's KV space, bytes; None: the
+    profile's) and ``prices``."""
+
+    ttft_slo_s: float | None = None
+    max_prefill_workers: int = 16
+    max_decode_workers: int = 16
+    decode_kv_bytes: float | None = None
+    prices: Prices = field(default_factory=Prices)
+
+
+@dataclass
+class FleetForecast:
+    """One strategy on one fleet at one load. Seconds, GiB-seconds, USD; ``ttft_p50_s`` and
+    ``ttft_p90_s`` NaN when ``overload`` is set (a deployment that cannot keep up has no TTFT);
+    ``hit_rate``: later requests (``request_index`` >= 1) reusing any token; ``no_wait_p90_s``: the
+    p90 of the TTFT less every wait (what no added worker removes); ``p_tail_wait_s`` /
+    ``d_tail_wait_s``: the mean wait on P / on D of the requests at or above the p90."""
+
+    strategy: str
+    fleet: Fleet
+    gpus: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_mean_s: float
+    hit_rate: float
+    p_cache_gib_s: float
+    d_pinned_gib_s: float
+    host_gib_s: float
+    prefill_gpu_s_saved: float
+    usd_per_m_tokens: float | None
+    overload: Overload | None
+    meets_slo: bool
+    no_wait_p90_s: float
+    p_tail_wait_s: float
+    d_tail_wait_s: float
+
+    @property
+    def keeps_up(self) -> bool:
+        return self.overload is None
+
+    def ttft_text(self) -> str:
+        """"p90 1,234.5 ms, p50 321.0 ms", or the overload in words."""
+        if self.overload is not None:
+            return self.overload.text()
+        return f"p90 {self.ttft_p90_s * 1e3:,.1f} ms, p50 {self.ttft_p50_s * 1e3:,.1f} ms"
+
+
+def _profile_for(profile: CostProfile, fleet: Fleet) -> CostProfile:
+    if fleet.decode_kv_bytes is None:
+        return profile
+    return profile.model_copy(update={"decode_kv_space_bytes": Sourced(value=fleet.decode_kv_bytes,
+                                                                          source="the fleet's D KV space")})
+
+
+def evaluate_fleet(tr: Traffic, profile: CostProfile, base: PlanSettings, strategy: str, fleet: Fleet,
+                   limits: FleetLimits) -> FleetForecast:
+    """Forecast ``strategy`` on ``fleet`` over ``tr`` (see the module doc for the figures)."""
+    prof = _profile_for(profile, fleet)
+    ps = base.model_copy(update={"prefill_workers": fleet.prefill_workers, "decode_workers": fleet.decode_workers,
+                                 "stop_on_overload": True})   # an overloaded fleet needs no more than that
+    f = forecast_strategy(tr, prof, ps, strategy)
+    later = tr.request_index >= 1
+    hit = float(((f.local + f.pulled)[later] > 0).mean()) if later.any() and not f.stopped else float("nan")
+    gpus_per = prof.gpus_per_worker.value if prof.gpus_per_worker else 1.0
+    recompute = prof.prefill_compute_s(RECOMPUTE_MODE, tr.input_tokens, np.zeros(len(tr)))
+    saved = float((recompute - f.compute_s).sum()) * gpus_per
+    gpus = fleet.gpus(prof)
+    usd = None
+    if limits.prices.gpu_hour_usd is not None:
+        horizon_h = float(tr.arrival_s.max() - tr.arrival_s.min()) / 3600
+        host = 0.0 if f.host_gib_s == 0 else (None if limits.prices.host_gib_hour_usd is None
+                                                else f.host_gib_s / 3600 * limits.prices.host_gib_hour_usd)
+        tokens = float(tr.input_tokens.sum() + tr.output_tokens.sum())
+        if host is not None and tokens > 0:
+            usd = (gpus * horizon_h * limits.prices.gpu_hour_usd + host) / (tokens / 1e6)
+    nan = float("nan")
+    if f.stopped:   # the forecast stopped at the overload: nothing else is known of it
+        return FleetForecast(strategy, fleet, gpus, nan, nan, nan, hit, f.p_cache_gib_s, nan, f.host_gib_s, nan, usd,
+                             f.overload, False, nan, nan, nan)
+    waits = f.queue_wait_s + f.decode_wait_s
+    no_wait = float(np.quantile(f.ttft_s - waits, 0.9))
+    p90 = float(np.quantile(f.ttft_s, 0.9))
+    tail = f.ttft_s >= p90
+    keeps_up = f.overload is None
+    meets = keeps_up and (limits.ttft_slo_s is None or p90 <= limits.ttft_slo_s)
+    return FleetForecast(strategy, fleet, gpus, float(np.median(f.ttft_s)) if keeps_up else nan,
+                         p90 if keeps_up else nan, float(f.ttft_s.mean()) if keeps_up else nan, hit, f.p_cache_gib_s,
+                         f.d_pinned_gib_s, f.host_gib_s, saved, usd, f.overload, meets, no_wait,
+                         float(f.queue_wait_s[tail].mean()), float(f.decode_wait_s[tail].mean()))
+
+
+@dataclass
+class FleetSearch:
+    """:func:`size_fleet`'s answer for one strategy: ``best`` (the smallest fleet that meets the SLO;
+    None: none within the limits), ``searched`` (every fleet forecast, in order), ``why_none``."""
+
+    strategy: str
+    best: FleetForecast | None
+    searched: list[FleetForecast]
+    why_none: str = ""
+
+    @property
+    def closest(self) -> FleetForecast:
+        """The best fleet, else the last one searched (the largest tried)."""
+        return self.best or self.searched[-1]
+
+
+class FleetSizer:
+    """The search of the module doc for one strategy, its forecasts memoised by fleet."""
+
+    def __init__(self, tr: Traffic, profile: CostProfile, base: PlanSettings, strategy: str, limits: FleetLimits):
+        self.tr, self.profile, self.base, self.strategy, self.limits = tr, profile, base, strategy, limits
+        self.searched: list[FleetForecast] = []
+        self._memo: dict[Fleet, FleetForecast] = {}
+
+    def at(self, p: int, d: int) -> FleetForecast:
+        fleet = Fleet(p, d, self.limits.decode_kv_bytes)
+        if fleet not in self._memo:
+            self._memo[fleet] = evaluate_fleet(self.tr, self.profile, self.base, self.strategy, fleet, self.limits)
+            self.searched.append(self._memo[fleet])
+        return self._memo[fleet]
+
+    def _grown(self, e: FleetForecast) -> tuple[int, int] | None:
+        """The next (P, D) out of ``e``'s overload, or None at the limits."""
+        p, d = e.fleet.prefill_workers, e.fleet.decode_workers
+        o = e.overload
+        mult = 2.0 if math.isnan(o.factor) else o.factor
+        if o.role == Role.DECODE:
+            nd = min(self.limits.max_decode_workers, max(d + 1, math.ceil(d * mult)))
+            return None if nd == d else (p, nd)
+        np_ = min(self.limits.max_prefill_workers, max(p + 1, math.ceil(p * mult)))
+        return None if np_ == p else (np_, d)
+
+    def _none(self, why: str) -> FleetSearch:
+        return FleetSearch(self.strategy, None, self.searched, why)
+
+    def search(self) -> FleetSearch:
+        lim = self.limits
+        e = self.at(1, 1)
+        while not e.meets_slo:
+            if e.keeps_up and lim.ttft_slo_s is not None and e.no_wait_p90_s > lim.ttft_slo_s:
+                return self._none(f"the p90 TTFT without any wait is {e.no_wait_p90_s * 1e3:,.1f} ms, over the SLO: "
+                                  "no number of workers helps")
+            p, d = e.fleet.prefill_workers, e.fleet.decode_workers
+            if not e.keeps_up:
+                options = [self._grown(e)] if self._grown(e) else []
+            else:   # double the role whose queue holds the slow requests longer
+                options = [(min(2 * p, lim.max_prefill_workers), d), (p, min(2 * d, lim.max_decode_workers))]
+                if e.d_tail_wait_s > e.p_tail_wait_s:
+                    options.reverse()
+                options = [o for o in options if o != (p, d)]
+            if not options:
+                why = e.overload.text() if e.overload else f"p90 TTFT {e.ttft_p90_s * 1e3:,.1f} ms"
+                return self._none(f"{why} at {e.fleet.label()}, the largest fleet allowed")
+            e = self.at(*options[0])
+        return FleetSearch(self.strategy, self._trimmed(e), self.searched)
+
+    def _trimmed(self, e: FleetForecast) -> FleetForecast:
+        """The fewest P, then the fewest D, that still meet the SLO next to ``e``'s other role
+        (bisection: more workers never make a forecast worse, to the search's resolution)."""
+        for role in (Role.PREFILL, Role.DECODE):
+            def at(k: int, e=e, role=role) -> FleetForecast:
+                p, d = e.fleet.prefill_workers, e.fleet.decode_workers
+                return self.at(k, d) if role == Role.PREFILL else self.at(p, k)
+            hi = e.fleet.prefill_workers if role == Role.PREFILL else e.fleet.decode_workers
+            lo = 0                                  # a count known (or assumed) to miss
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if at(mid).meets_slo:
+                    hi = mid
+                else:
+                    lo = mid
+            e = at(hi)
+        return e
+
+
+def size_fleet(tr: Traffic, profile: CostProfile, base: PlanSettings, strategy: str,
+               limits: FleetLimits) -> FleetSearch:
+    """The smallest fleet for ``strategy`` (see the module doc). Raises ValueError for an unknown strategy."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; strategies are {', '.join(STRATEGIES)}")
+    return FleetSizer(tr, profile, base, strategy, limits).search()
+
+
+@dataclass(frozen=True)
+class FleetJob:
+    """What every fleet task shares: the traffic, profile, base settings and limits."""
+
+    traffic: Traffic
+    profile: CostProfile
+    base: PlanSettings
+    limits: FleetLimits
+
+
+def _size_one(job: FleetJob, strategy: str) -> FleetSearch:
+    return size_fleet(job.traffic, job.profile, job.base, strategy, job.limits)
+
+
+def size_fleets(job: FleetJob, strategies: tuple[str, ...], executor: Executor | None = None) -> list[FleetSearch]:
+    """:func:`size_fleet` for each of ``strategies`` (in parallel on ``executor``; default: this
+    machine's cores)."""
+    return (executor or LocalExecutor()).map(_size_one, job, list(strategies), "sizing fleets")
+
+
+def cheapest(searches: list[FleetSearch], priced: bool) -> FleetForecast | None:
+    """The recommended fleet (the module doc's rule), or None when no strategy meets the SLO."""
+    found = [s.best for s in searches if s.best is not None]
+    if not found:
+        return None
+    fewest = min(f.gpus for f in found)
+    same = [f for f in found if f.gpus == fewest]
+    if priced and all(f.usd_per_m_tokens is not None for f in same):
+        low = min(f.usd_per_m_tokens for f in same)
+        same = [f for f in same if f.usd_per_m_tokens <= low * (1 + 1e-9)]
+    best = min(same, key=lambda f: f.ttft_mean_s)
+    plain = [f for f in same if not holds_memory(f.strategy)]
+    if holds_memory(best.strategy) and plain:
+        simple = min(plain, key=lambda f: f.ttft_mean_s)
+        if best.ttft_mean_s >= simple.ttft_mean_s * (1 - MIN_GAIN):
+            return simple
+    return best
+
+
+@dataclass(frozen=True)
+class CurvePoint:
+    """One point of a load curve: ``strategy`` on ``fleet`` at ``load`` (its forecast)."""
+
+    strategy: str
+    fleet: Fleet
+    load: Load
+    forecast: FleetForecast
+
+
+@dataclass(frozen=True)
+class CurveJob:
+    """What every load-curve task shares: the traffic (the mix), its formats' tree unit, the profile,
+    base settings and limits."""
+
+    mix: Traffic
+    tree_of: str
+    profile: CostProfile
+    base: PlanSettings
+    limits: FleetLimits
+
+
+def _curve_point(job: CurveJob, item: tuple[str, Fleet, Load]) -> CurvePoint:
+    from planner.load import apply_load
+
+    strategy, fleet, load = item
+    tr = apply_load(job.mix, load, job.tree_of).traffic
+    return CurvePoint(strategy, fleet, load, evaluate_fleet(tr, job.profile, job.base, strategy, fleet, job.limits))
+
+
+#: The loads of a curve, as multiples of the load asked for.
+CURVE_FACTORS = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+
+
+def load_curve(job: CurveJob, fleets: dict[str, Fleet], load: Load, executor: Executor | None = None,
+               factors: tuple[float, ...] = CURVE_FACTORS,
+               known: dict[str, FleetForecast] | None = None) -> list[CurvePoint]:
+    """Each strategy's fleet at ``load``'s value times each of ``factors`` (concurrent sessions
+    rounded, at least 1): its p90 TTFT, or its overload. ``known``: strategy -> its fleet's forecast
+    at ``load`` itself (the sizing's), not forecast again."""
+    loads = []
+    for f in factors:
+        v = load.value * f
+        if load.kind == "concurrent_sessions":
+            v = max(1.0, float(round(v)))
+        loads.append(load.at(v))
+    loads = list({ld.value: ld for ld in loads}.values())
+    known = known or {}
+    items = [(s, fleet, ld) for s, fleet in fleets.items() for ld in loads
+             if not (ld.value == load.value and s in known and known[s].fleet == fleet)]
+    done = (executor or LocalExecutor()).map(_curve_point, job, items, "load curve")
+    again = [CurvePoint(s, known[s].fleet, load, known[s]) for s, fleet in fleets.items()
+             if s in known and known[s].fleet == fleet and any(ld.value == load.value for ld in loads)]
+    return sorted(done + again, key=lambda p: (list(fleets).index(p.strategy), p.load.value))
+
+
+def fleet_row(e: FleetForecast, loaded: LoadedTraffic, limits: FleetLimits, recommended: bool,
+              searched: int) -> dict:
+    """The ``plan_fleets`` row of ``e`` (docs/schema/plans.md)."""
+    o = e.overload
+    return {"load_kind": str(loaded.load.kind), "load_value": loaded.load.value, "load_label": loaded.label(),
+            "slo_ttft_p90_s": limits.ttft_slo_s, "strategy": e.strategy, "prefill_workers": e.fleet.prefill_workers,
+            "decode_workers": e.fleet.decode_workers, "decode_kv_bytes_per_worker": e.fleet.decode_kv_bytes,
+            "gpus": e.gpus, "ttft_p50_s": None if o else e.ttft_p50_s, "ttft_p90_s": None if o else e.ttft_p90_s,
+            "hit_rate": e.hit_rate, "p_cache_gib_s": e.p_cache_gib_s, "d_pinned_gib_s": e.d_pinned_gib_s,
+            "host_gib_s": e.host_gib_s, "prefill_gpu_s_saved": e.prefill_gpu_s_saved,
+            "usd_per_m_tokens": e.usd_per_m_tokens, "meets_slo": e.meets_slo, "overloaded": o is not None,
+            "overload_role": None if o is None else str(o.role),
+            "overload_factor": None if o is None or math.isnan(o.factor) else o.factor,
+            "recommended": recommended, "fleets_searched": searched}
+
+
+def curve_row(p: CurvePoint, limits: FleetLimits) -> dict:
+    """The ``plan_load_curve`` row of ``p`` (docs/schema/plans.md)."""
+    e, o = p.forecast, p.forecast.overload
+    return {"strategy": p.strategy, "prefill_workers": p.fleet.prefill_workers, "decode_workers": p.fleet.decode_workers,
+            "decode_kv_bytes_per_worker": p.fleet.decode_kv_bytes, "load_kind": str(p.load.kind),
+            "load_value": p.load.value, "ttft_p50_s": None if o else e.ttft_p50_s,
+            "ttft_p90_s": None if o else e.ttft_p90_s, "overloaded": o is not None,
+            "overload_role": None if o is None else str(o.role),
+            "overload_factor": None if o is None or math.isnan(o.factor) else o.factor,
+            "slo_ttft_p90_s": limits.ttft_slo_s}
+
+
+def describe_fleets(searches: list[FleetSearch], chosen: FleetForecast | None, loaded: LoadedTraffic,
+                    profile: CostProfile, limits: FleetLimits) -> str:
+    """The fleet table in plain text: one line per strategy, the load and SLO above it."""
+    slo = "none (the smallest fleet that keeps up)" if limits.ttft_slo_s is None else \
+        f"p90 TTFT <= {limits.ttft_slo_s:g} s"
+    space = ("the profile's" if limits.decode_kv_bytes is None and profile.decode_kv_space_bytes is None else
+             f"{(limits.decode_kv_bytes or profile.decode_kv_space_bytes.value) / GiB:,.1f} GiB")
+    lines = [(f"Fleet per strategy ({profile.label()}; load: {loaded.label()}; SLO {slo}; at most "
+             f"{limits.max_prefill_workers} P and {limits.max_decode_workers} D, D KV {space} per worker):")]
+    for s in searches:
+        e = s.closest
+        goal = "meets the SLO" if limits.ttft_slo_s is not None else "keeps up"
+        mark = f"  <- recommended (the cheapest that {goal})" if chosen is not None and e is chosen else ""
+        if s.best is None:
+            lines.append(f"  {s.strategy:<14} no fleet meets the SLO: {s.why_none} ({len(s.searched)} fleets tried)")
+            continue
+        money = "" if e.usd_per_m_tokens is None else f", ${e.usd_per_m_tokens:,.4f} per M tokens"
+        lines.append(f"  {s.strategy:<14} {e.fleet.label():<7} {e.gpus:,.0f} GPUs: {e.ttft_text()}; hit rate "
+                     f"{e.hit_rate:.1%}; held P cache {e.p_cache_gib_s:,.0f}, D pinned {e.d_pinned_gib_s:,.0f}, host "
+                     f"{e.host_gib_s:,.0f} GiB-s; prefill GPU-s saved {e.prefill_gpu_s_saved:,.0f}{money} "
+                     f"({len(s.searched)} fleets tried){mark}")
+    if chosen is None:
+        lines.append("  No strategy meets the SLO within the limits at this load.")
+    return "\n".join(lines)
+
+
+def describe_curve(points: list[CurvePoint], load: Load, limits: FleetLimits) -> str:
+    """Each strategy's fleet against load in plain text: its p90 TTFT at each load, or its overload."""
+    from planner.load import LOAD_UNITS
+
+    unit = LOAD_UNITS[load.kind]
+    lines = [(f"Each strategy's fleet at other loads ({unit}; p90 TTFT, or the overload; SLO "
+             f"{'none' if limits.ttft_slo_s is None else f'{limits.ttft_slo_s:g} s'}):")]
+    by: dict[tuple[str, Fleet], list[CurvePoint]] = {}
+    for p in points:
+        by.setdefault((p.strategy, p.fleet), []).append(p)
+    for (strategy, fleet), ps in by.items():
+        cells = []
+        for p in sorted(ps, key=lambda p: p.load.value):
+            e = p.forecast
+            cells.append(f"{p.load.value:,.4g}: " + (f"overloaded ({e.overload.why})" if e.overload else
+                                                      f"{e.ttft_p90_s * 1e3:,.0f} ms"))
+        lines.append(f"  {strategy:<14} {fleet.label():<7} " + "; ".join(cells))
+    return "\n".join(lines)
