@@ -75,7 +75,9 @@ IDLE_PROBE = """
   };
   let shape = '';
   setInterval(() => {
-    if (window.__tsFirstNumber === null && document.querySelector('[data-testid="stMetricValue"]'))
+    // the first headline number of this page (its title drawn: not a number the last page left)
+    if (window.__tsFirstNumber === null && document.querySelector('[data-testid="stMetricValue"]')
+        && [...document.querySelectorAll('h1')].some(h => h.innerText.trim() === window.__tsTitle))
       window.__tsFirstNumber = performance.now();
     // a change in what is drawn (element count) restarts the idle stretch
     const now = String(document.querySelectorAll('[data-testid]').length);
@@ -240,7 +242,8 @@ def _until_idle(page, server_pid: int, cpu0: tuple[dict, dict]) -> tuple[float, 
 
 
 def _charts(page) -> int:
-    return page.evaluate("document.querySelectorAll('[data-testid=\"stPlotlyChart\"] .main-svg').length")
+    """The Plotly figures drawn on the page (one ``.js-plotly-plot`` each, of several ``.main-svg``)."""
+    return page.evaluate("document.querySelectorAll('[data-testid=\"stPlotlyChart\"] .js-plotly-plot').length")
 
 
 def journey(context, url: str, server_pid: int, slugs: list[str]) -> list[Step]:
