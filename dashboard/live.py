@@ -4,20 +4,23 @@ A run is recording while its latest ``runs`` row reads ``running`` (no end yet; 
 turns a row whose heartbeats stopped into ``aborted``: docs/schema/views.md). While the sidebar's
 selection keeps such a run and the page draws runs (``dashboard/pages.py``: Overview, Turns,
 Sessions, Memory, Compare), `follow` draws a caption saying so and a Streamlit fragment that runs
-every `INTERVAL_S` seconds: it takes the store's fingerprint (`dashboard.loader.store_version`, a
-few hundred ``stat`` calls) and, when a shard or a run row landed since the page was drawn, reruns
-the whole app, whose queries then miss the cache (their key holds the fingerprint) and read the
-new rows. When the run ends (its final row is a write too), that rerun finds nothing recording and
-draws no fragment: the refreshing stops.
+every `interval_s` seconds. Each time it takes the store's fingerprint without the ``runs_log``
+folders (`dashboard.loader.store_version`: a few hundred ``stat`` calls), and reruns the whole app
+when a shard of turns, sessions or scrapes landed since the page was drawn: the page's queries then
+miss the cache (their key holds the store's fingerprint) and read the new rows. A run's heartbeat
+(its ``runs_log`` row rewritten every few seconds) reruns nothing: the fragment reads the runs
+(``store.queries.runs``, cached until the store changes) and reruns the app only when one it follows
+no longer reads ``running``. That rerun finds nothing recording and draws no fragment: the
+refreshing stops.
 
-A writer killed outright writes nothing more, so the fingerprint stops changing while the cached
-``runs`` still read ``running``; after `STALE_S` seconds without a change the fragment forgets the
-cached results once and reruns, and the view then reads the run ``aborted``.
+A writer killed outright writes nothing more, so the store stops changing while the cached ``runs``
+still read ``running``; after `STALE_S` seconds without any write the fragment forgets the cached
+results once and reruns, and the view then reads the run ``aborted``.
 
-The interval: a recording run's heartbeat (``--turnscope-heartbeat-s``) writes a row every few
-seconds anyway, and each rerun after a write re-reads the page's queries (a fraction of a second
-of the server's CPU on a demo-sized store); 5 s keeps a watched page at most that far behind
-without taking a core from the workers it watches. ``TURNSCOPE_DASHBOARD_LIVE_S`` overrides it.
+The interval: each rerun after new rows re-reads the page's queries (a fraction of a second to a few
+seconds of the server's CPU on a demo store, more with more scrapes: docs/dashboard.md); 5 s keeps a
+watched page at most that far behind without taking a core from the workers it watches.
+``TURNSCOPE_DASHBOARD_LIVE_S`` sets it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import loader
+from store import db, queries
 
 #: Environment variable: seconds between the store checks of a page showing a recording run.
 ENV_VAR = "TURNSCOPE_DASHBOARD_LIVE_S"
@@ -37,8 +41,12 @@ ENV_VAR = "TURNSCOPE_DASHBOARD_LIVE_S"
 DEFAULT_INTERVAL_S = 5.0
 #: Seconds without any write to the store after which the cached results are forgotten once.
 STALE_S = 60.0
-#: Session-state keys: the fingerprint the page was drawn from, and when it last changed (monotonic s).
+#: Store folders whose writes alone rerun nothing: a recording run's heartbeats.
+HEARTBEATS = ("runs_log",)
+#: Session-state keys: the fingerprints the page was drawn from (its data; the whole store), and
+#: when the whole store last changed (monotonic s).
 _SEEN = "_ts_live_seen"
+_SEEN_ALL = "_ts_live_seen_all"
 _CHANGED_AT = "_ts_live_changed_at"
 
 
@@ -70,15 +78,19 @@ def follow(store_root: str, runs: pd.DataFrame) -> None:
     if live.empty:
         st.session_state.pop(_SEEN, None)
         return
-    seen = loader.store_version(store_root)
-    if st.session_state.get(_SEEN) != seen:
+    st.session_state[_SEEN] = loader.store_version(store_root, HEARTBEATS)
+    everything = loader.store_version(store_root)
+    if st.session_state.get(_SEEN_ALL) != everything:
         st.session_state[_CHANGED_AT] = time.monotonic()
-    st.session_state[_SEEN] = seen
-    names = ", ".join(f"`{r}`" for r in live["run_id"].astype(str))
-    _watch(store_root, names, len(live), interval_s())
+    st.session_state[_SEEN_ALL] = everything
+    ids = tuple(live["run_id"].astype(str))
+    _watch(store_root, ids, interval_s())
 
 
-def _watch(store_root: str, names: str, n: int, every_s: float) -> None:
+def _watch(store_root: str, ids: tuple[str, ...], every_s: float) -> None:
+    names = ", ".join(f"`{r}`" for r in ids)
+    n = len(ids)
+
     @st.fragment(run_every=every_s)
     def watch() -> None:
         now = dt.datetime.now(dt.UTC)
@@ -87,10 +99,19 @@ def _watch(store_root: str, names: str, n: int, every_s: float) -> None:
             f"this page re-reads the store every {every_s:g} s and shows new rows as they land, until "
             f"{'it ends' if n == 1 else 'they end'} (last look {now:%H:%M:%S} UTC)."
         )
-        version = loader.store_version(store_root)
-        if version != st.session_state.get(_SEEN):
-            st.rerun(scope="app")
-        if time.monotonic() - st.session_state.get(_CHANGED_AT, time.monotonic()) > STALE_S:
+        if loader.store_version(store_root, HEARTBEATS) != st.session_state.get(_SEEN):
+            st.rerun(scope="app")  # new turns, sessions or scrapes
+        everything = loader.store_version(store_root)
+        if everything != st.session_state.get(_SEEN_ALL):
+            st.session_state[_SEEN_ALL] = everything
+            st.session_state[_CHANGED_AT] = time.monotonic()
+            try:
+                runs = loader.fetch(store_root, queries.runs)
+            except (db.StoreBusy, db.StoreMissing, db.StoreInvalid):
+                return  # a writer setting the store up: look again next time
+            if set(recording(runs[runs["run_id"].isin(ids)])["run_id"].astype(str)) != set(ids):
+                st.rerun(scope="app")  # a run it follows ended
+        elif time.monotonic() - st.session_state.get(_CHANGED_AT, time.monotonic()) > STALE_S:
             # nothing written for a while: a writer may be gone; let the runs view say so
             st.session_state[_CHANGED_AT] = time.monotonic()
             loader.clear()

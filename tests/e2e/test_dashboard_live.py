@@ -17,6 +17,7 @@ import pytest
 from store.writer import Store
 from tests.e2e.test_dashboard_browser import (  # noqa: F401  (browser: a fixture used below)
     CHROMIUM,
+    SHOTS,
     WIDTH,
     _streamlit,
     _wait_idle,
@@ -52,6 +53,25 @@ COUNT_RUNS = """() => {
   new MutationObserver(() => { if (app.getAttribute('data-test-script-state') === 'running') window.__tsRuns += 1; })
     .observe(app, {attributes: true, attributeFilter: ['data-test-script-state']});
 }"""
+
+
+#: What the page shows, for a failure's message: each figure's title and its traces' x values.
+DRAWN = """() => [...document.querySelectorAll('.js-plotly-plot')].map(el => ({
+  title: el._fullLayout ? ((el._fullLayout.title || {}).text || '') : '(not drawn)',
+  x: (el._fullData || []).map(t => Array.from(t.x || []).map(String))}))"""
+
+
+def _until(page, expression: str, timeout_ms: int) -> None:
+    """Wait for `expression` to hold in the page; on a timeout, fail with what the page drew."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_function(expression, timeout=timeout_ms)
+    except PlaywrightTimeout:
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SHOTS / "live-timeout.png"), full_page=True)
+        raise AssertionError(f"{expression[-40:]} not within {timeout_ms} ms; drawn: {page.evaluate(DRAWN)}; "
+                             f"text: {page.inner_text('body')[:1500]}") from None
 
 
 def _run_row(status: str, started: dt.datetime) -> dict:
@@ -101,10 +121,10 @@ def test_new_turns_appear_without_a_click(browser, tmp_path, monkeypatch):  # no
             page.goto(url, wait_until="domcontentloaded")
             page.get_by_role("heading", name="Overview", exact=True).wait_for(timeout=60_000)
             page.get_by_text("is recording", exact=False).first.wait_for(timeout=60_000)
-            page.wait_for_function(f"({MAX_TURN_DRAWN})() === 1", timeout=60_000)
+            _until(page, f"({MAX_TURN_DRAWN})() === 1", 60_000)
             go.set()
             # no click from here on: the page re-reads the store and draws the new turns itself
-            page.wait_for_function(f"({MAX_TURN_DRAWN})() === {TURNS - 1}", timeout=90_000)
+            _until(page, f"({MAX_TURN_DRAWN})() === {TURNS - 1}", 90_000)
             recorder.join(30)
             run_writer.stop_keep_alive()
             run_writer.append("runs_log", _run_row("complete", started))
