@@ -142,4 +142,4 @@ context.publish(
         gap_kinds=gap_kinds,
     )
 )
-nav.run()
+live.timed(nav.run)  # the page, timed: a recording run's reruns are spaced by it

@@ -48,6 +48,11 @@ HEARTBEATS = ("runs_log",)
 _SEEN = "_ts_live_seen"
 _SEEN_ALL = "_ts_live_seen_all"
 _CHANGED_AT = "_ts_live_changed_at"
+_DRAWN = "_ts_live_drawn"  # (monotonic s when the last full run started, its seconds)
+#: A page reruns for new rows at most once per this many of its own last full runs' durations:
+#: a watched page that takes 1 s of the server to draw re-reads at most every 4 s, so watching
+#: takes at most about a quarter of a core from the workers being watched.
+COST_FACTOR = 4.0
 
 
 def interval_s() -> float:
@@ -69,6 +74,16 @@ def interval_s() -> float:
 def recording(runs: pd.DataFrame) -> pd.DataFrame:
     """The rows of `runs` (``store.queries.runs``'s columns) whose status is ``running``."""
     return runs[runs["status"] == "running"]
+
+
+def timed(run) -> None:
+    """Call `run` (the app's page), noting when it started and how long it took (also when it
+    stops early): the fragment spaces its reruns by it (`COST_FACTOR`)."""
+    t0 = time.monotonic()
+    try:
+        run()
+    finally:
+        st.session_state[_DRAWN] = (t0, time.monotonic() - t0)
 
 
 def follow(store_root: str, runs: pd.DataFrame) -> None:
@@ -100,7 +115,9 @@ def _watch(store_root: str, ids: tuple[str, ...], every_s: float) -> None:
             f"{'it ends' if n == 1 else 'they end'} (last look {now:%H:%M:%S} UTC)."
         )
         if loader.store_version(store_root, HEARTBEATS) != st.session_state.get(_SEEN):
-            st.rerun(scope="app")  # new turns, sessions or scrapes
+            started, took = st.session_state.get(_DRAWN, (0.0, 0.0))
+            if time.monotonic() - started >= COST_FACTOR * took:
+                st.rerun(scope="app")  # new turns, sessions or scrapes; else at a later look
         everything = loader.store_version(store_root)
         if everything != st.session_state.get(_SEEN_ALL):
             st.session_state[_SEEN_ALL] = everything
