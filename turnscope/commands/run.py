@@ -236,19 +236,20 @@ def serve(
     stack.progress = console.print
     root = store or settings().store
     try:
-        Store(root).init()  # a store for Locust's runs and the scrapes (the views first, as Locust's master does)
-    except (OSError, RuntimeError, ValueError) as exc:
-        raise fail(f"store {root}: {exc}") from exc
-    try:
-        with stack, ServeMetrics(Store(root), stack.endpoints(), stack.proxy_url, headers=stack.endpoint_headers(),
-                                 verify=stack.tls_verify()) as scrapes:
-            console.print(f"mode {mode} serving through the proxy at {stack.proxy_url} (Ctrl-C to stop); "
-                          f"metrics into {root} (runs recorded through this proxy, else {scrapes.own_id})")
-            while all(w.proc is None or w.proc.poll() is None for w in stack.workers):
-                time.sleep(1)
-            gone = next(w for w in stack.workers if w.proc is not None and w.proc.poll() is not None)
-            raise RuntimeError(f"worker {gone.spec.name} exited with {gone.proc.returncode}; stopped the others "
-                               f"(its log: {gone.log_path})")
+        with stack:
+            try:  # the store Locust records into, its views first (as Locust's master makes them)
+                Store(root).init()
+            except (OSError, RuntimeError, ValueError) as exc:
+                raise RuntimeError(f"store {root}: {exc}") from exc
+            with ServeMetrics(Store(root), stack.endpoints(), stack.proxy_url, headers=stack.endpoint_headers(),
+                              verify=stack.tls_verify()) as scrapes:
+                console.print(f"mode {mode} serving through the proxy at {stack.proxy_url} (Ctrl-C to stop); "
+                              f"metrics into {root} (runs recorded through this proxy, else {scrapes.own_id})")
+                while all(w.proc is None or w.proc.poll() is None for w in stack.workers):
+                    time.sleep(1)
+                gone = next(w for w in stack.workers if w.proc is not None and w.proc.poll() is not None)
+                raise RuntimeError(f"worker {gone.spec.name} exited with {gone.proc.returncode}; stopped the "
+                                   f"others (its log: {gone.log_path})")
     except KeyboardInterrupt:
         console.print("stopping")
     except RuntimeError as exc:
