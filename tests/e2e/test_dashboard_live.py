@@ -34,11 +34,13 @@ LIVE_S = 1.0  # TURNSCOPE_DASHBOARD_LIVE_S: the page's store checks, seconds apa
 TURNS = 6  # turns 0..5 of one session: 0 and 1 before the page opens, 2..5 while it is open
 
 #: The largest turn index the drawn "TTFT by turn index" figure shows (its traces' x values, as
-#: plotly.js holds them); -1 while it is not drawn.
+#: plotly.js holds them); -1 while it is not drawn. The figure is found by its x axis's title (Streamlit
+#: draws a figure's own title outside the plot, so ``_fullLayout.title`` is empty).
 MAX_TURN_DRAWN = """() => {
   let best = -1;
   for (const el of document.querySelectorAll('.js-plotly-plot')) {
-    if (!el._fullLayout || !((el._fullLayout.title || {}).text || '').startsWith('TTFT by turn index')) continue;
+    const axis = el._fullLayout && el._fullLayout.xaxis && el._fullLayout.xaxis.title;
+    if (!axis || !(axis.text || '').startsWith('turn index')) continue;
     for (const tr of (el._fullData || [])) {
       for (const v of Array.from(tr.x || [])) { if (Number.isFinite(+v)) best = Math.max(best, +v); }
     }
@@ -57,7 +59,7 @@ COUNT_RUNS = """() => {
 
 #: What the page shows, for a failure's message: each figure's title and its traces' x values.
 DRAWN = """() => [...document.querySelectorAll('.js-plotly-plot')].map(el => ({
-  title: el._fullLayout ? ((el._fullLayout.title || {}).text || '') : '(not drawn)',
+  x_title: el._fullLayout ? (((el._fullLayout.xaxis || {}).title || {}).text || '') : '(not drawn)',
   x: (el._fullData || []).map(t => Array.from(t.x || []).map(String))}))"""
 
 

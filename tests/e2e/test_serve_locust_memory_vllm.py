@@ -23,6 +23,7 @@ from tests.e2e.test_dashboard_browser import (  # noqa: F401  (browser: a fixtur
     _wait_idle,
     browser,
 )
+from tests.e2e.test_dashboard_live import _until
 from tests.integration.test_bad_input import _embedded_topology_file
 from tests.integration.test_cli_lifecycle import wait_for
 from tests.integration.test_security import spawn, stop
@@ -38,8 +39,9 @@ RUN = "locust-tour-memory"
 #: Per panel of the "Memory next to reuse" figure (y: KV usage, y2: handle KV), the most points
 #: of one trace, and the roles of the KV-usage traces (from their hover text), as plotly.js drew them.
 READ_MEMORY = r"""() => {
+  // found by its first panel's y axis (Streamlit draws a figure's own title outside the plot)
   const el = [...document.querySelectorAll('.js-plotly-plot')]
-    .find(e => e._fullLayout && ((e._fullLayout.title || {}).text || '') === 'Memory next to reuse');
+    .find(e => e._fullLayout && (((e._fullLayout.yaxis || {}).title || {}).text || '') === 'KV usage (%)');
   if (!el) return null;
   const out = {y: 0, y2: 0, roles: []};
   for (const tr of el._fullData) {
@@ -95,7 +97,7 @@ def test_memory_page_of_a_locust_run_through_serve_draws_kv(browser, tmp_path): 
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.goto(f"{url}/memory", wait_until="domcontentloaded")
         page.get_by_role("heading", name="Memory", exact=True).wait_for(timeout=60_000)
-        page.wait_for_function(f"({READ_MEMORY})() !== null", timeout=90_000)
+        _until(page, f"({READ_MEMORY})() !== null", 90_000)
         _wait_idle(page)
         drawn = page.evaluate(READ_MEMORY)
         assert drawn["y"] >= 2 and "decode" in drawn["roles"], drawn  # D's KV usage over the run
