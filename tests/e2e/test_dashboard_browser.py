@@ -198,11 +198,15 @@ def _wait_charts(page, charts: int) -> None:
     _wait_idle(page)
 
 
+#: Streamlit idle: its script has run and is not running (the app's ``data-test-script-state``:
+#: ``initial`` before the first run, then ``running`` / ``notRunning``) and no "running" status widget
+#: is shown. Without the first condition a slow page's first run could look idle before it began.
+IDLE = ("document.querySelector('[data-testid=\"stApp\"]')?.getAttribute('data-test-script-state') === 'notRunning'"
+        " && !document.querySelector('[data-testid=\"stStatusWidget\"]')")
+
+
 def _wait_idle(page) -> None:
-    # Streamlit shows a "running" status widget while the script runs; wait for it to go.
-    page.wait_for_function(
-        "!document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=60_000
-    )
+    page.wait_for_function(IDLE, timeout=60_000)
 
 
 def _tags(html: str) -> list[tuple[str, dict]]:
