@@ -17,16 +17,27 @@ navigation start to Streamlit idle:
 and this state has held for `QUIET_S` without a change (the time reported is when it began, read
 from the page's own ``performance.now()``, whose origin is the navigation start).
 
-Cold = the first visit after the server starts (a fresh browser context too: nothing cached
-anywhere); warm = a second visit, in a new tab of the same context, right after. Each page is
-measured `--repeats` times (default 3), each time on a fresh server, and the median is reported:
-the machine may be shared, so one run is noise.
+Two tables (``--tables``, both by default):
+
+- the journey a person takes (`journey`): a fresh server, the Overview in a new tab (time to its
+  first headline number, ``[data-testid="stMetricValue"]``, and to every chart drawn), then every
+  other page of ``--pages`` from the sidebar in the same tab (time from the click to the page drawn;
+  the document and plotly.js stay loaded), then back to the Overview, with each step's CPU seconds
+  of the server and of the browser. ``--before CHECKOUT`` times an older checkout's dashboard too
+  (its charts on), the two interleaved repeat by repeat. Targets (`JOURNEY_TARGETS`, the demo store,
+  idle): first number <= 1.5 s, every Overview chart <= 3.0 s, a move to a charted page <= 1.0 s
+  median and <= 1.5 s worst, browser CPU per move <= 1.0 s; at 1,000,000 turns twice the times;
+- each page cold (`pages`): the first visit after the server starts (a fresh browser context too:
+  nothing cached anywhere); warm = a second visit, in a new tab of the same context, right after.
+
+Each is measured `--repeats` times (default 3), each time on a fresh server, and the median is
+reported: the machine may be shared, so one run is noise.
 
 Stores: ``--demo`` (default) builds tests/dashboard_store.py's small known store (4 runs, 48 turns);
 ``--turns N`` builds bench/dashboard_scale.py's synthetic store of N turns (10 runs) and rolls it
 up as `turnscope rollup` does; ``--store PATH`` reads an existing store (e.g. one `make demo` wrote).
-Targets: every page <= 2 s cold on the demo store, <= 3 s at 1,000,000 turns.
 
+    .venv/bin/python bench/dashboard_browser.py --store data --tables journey --before ../old-checkout
     .venv/bin/python bench/dashboard_browser.py --demo
     .venv/bin/python bench/dashboard_browser.py --turns 1000000 --store /tmp/ts-1m --keep
     .venv/bin/python bench/dashboard_browser.py --store data --pages overview,turns
