@@ -57,6 +57,7 @@ from pydantic import BaseModel, Field
 
 from core import reuse_rules as rules
 from core.contract import (
+    DECODE_WORKER_HEADER,
     FACTS_FIELD,
     REQUEST_ID_HEADER,
     SESSION,
@@ -328,6 +329,10 @@ class SessionProxy:
         opens, or during a non-streamed decode leg) has the legs in flight cancelled, which closes
         their connections to the workers (``serving.client_disconnect``): :meth:`client_left`."""
         req = await self.admit(endpoint, request)
+        if req.decode is None:
+            names = ", ".join(w.name for w in self.decode_router.workers)
+            return self.reject(req, DECODE_WORKER_HEADER, f"the header {DECODE_WORKER_HEADER} names decode worker "
+                               f"{req.facts.decode_engine!r}, which this proxy does not have (it has: {names})")
         if self.config.mode == AGGREGATED:
             req.facts.prefill_engine = None
         else:
@@ -375,7 +380,8 @@ class SessionProxy:
 
     async def admit(self, endpoint: str, request: Request) -> ProxiedRequest:
         """Read the body, take the session key out of it, drop client-supplied
-        ``kv_transfer_params`` (they could read another session's blocks), pick the workers."""
+        ``kv_transfer_params`` (they could read another session's blocks), pick the workers: D the
+        one :data:`DECODE_WORKER_HEADER` names, if any (None when no D has that name)."""
         t_arrival = time.perf_counter()
         body = await request.json()
         session = body.pop(SESSION_FIELD, None) or request.headers.get(SESSION_HEADER.lower())
@@ -383,9 +389,11 @@ class SessionProxy:
         if isinstance(body.get("vllm_xargs"), dict):  # vLLM copies vllm_xargs into the params' source too
             body["vllm_xargs"].pop("kv_transfer_params", None)
         request_id = request.headers.get(REQUEST_ID_HEADER) or f"ts-{uuid.uuid4().hex}"
-        prefill, decode = self.prefill_router.pick(session), self.decode_router.pick(session)
+        pinned = request.headers.get(DECODE_WORKER_HEADER)  # a named D (None: an unknown name, refused)
+        prefill = self.prefill_router.pick(session)
+        decode = self.decode_router.pick(session) if pinned is None else self.decode_router.named(pinned)
         facts = RequestFacts(request_id=request_id, mode=self.config.mode, prefill_engine=prefill.name,
-                             decode_engine=decode.name)
+                             decode_engine=decode.name if decode is not None else pinned)
         return ProxiedRequest(endpoint=endpoint, body=body, session=session, prefill=prefill, decode=decode,
                               facts=facts, t_arrival=t_arrival)
 

@@ -86,6 +86,10 @@ class Router:
         while len(self._served) > self.max_sessions:
             self._served.popitem(last=False)
 
+    def named(self, name: str):
+        """The worker called ``name`` (healthy or not: the caller asked for it), or None."""
+        return next((w for w in self.workers if w.name == name), None)
+
     def pick(self, session: str | None):
         """The worker for a request of ``session`` (None: no session key)."""
         alive = self.healthy()
