@@ -11,7 +11,7 @@ sidebar's `sidebar`) and their shared `common` parts; the pages' queries are re-
 a page calls ``queries.<function>`` and a search for a function finds its module and its callers.
 The Traffic, Plan and capacity pages and the other readers import their module by name
 (`traffic`, `plan`, `capacity`, `run_report`, `planner_runs`, `recorded_runs`, `ttft_split`,
-`worker_cache`). A query is SQL and what it needs to run it; logic over its rows sits above the
+`worker_cache`, `serve_runs`). A query is SQL and what it needs to run it; logic over its rows sits above the
 store (docs/design.md).
 """
 

@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 import duckdb
 
 from loadgen.scraper import MetricsScraper
+from store.queries.serve_runs import recording_hosts
 from store.writer import ShardWriter, Store
 
 log = logging.getLogger(__name__)
@@ -46,8 +47,6 @@ FINAL_SETTLE_S = 5.0
 REREAD_S = 30.0
 #: Host names that all mean this machine's loopback.
 _LOOPBACK = {"127.0.0.1", "localhost", "::1", "0.0.0.0", "::"}
-
-_RECORDING = "SELECT run_id, json_extract_string(config, '$.host') AS host FROM runs WHERE status = 'running'"
 
 
 def serve_id(now: dt.datetime | None = None) -> str:
@@ -126,13 +125,13 @@ class ServeMetrics:
             log.warning("serve metrics: cannot read the store's runs (%s); scraping under %s", exc, self.own_id)
             return []
         try:
-            rows = con.execute(_RECORDING).fetchall()
+            rows = recording_hosts(con).itertuples(index=False)
         except duckdb.Error as exc:
             log.warning("serve metrics: cannot read the store's runs (%s); scraping under %s", exc, self.own_id)
             return []
         finally:
             con.close()
-        return sorted(run_id for run_id, host in rows if host and same_server(host, self.proxy_url))
+        return sorted(run_id for run_id, host in rows if isinstance(host, str) and same_server(host, self.proxy_url))
 
     # -- scrapers ----------------------------------------------------------------------------------
     def _start(self, run_id: str) -> None:
