@@ -40,7 +40,7 @@ def store_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def open_page(monkeypatch: pytest.MonkeyPatch, root: Path, page: str) -> AppTest:
     monkeypatch.setenv("TURNSCOPE_STORE", str(root))
-    monkeypatch.setenv(CHARTS_ENV, "1")  # charts drawn, as with "Draw charts" on
+    monkeypatch.setenv(CHARTS_ENV, "1")  # charts drawn (the default), whatever the environment says
     at = AppTest.from_file(str(APP), default_timeout=TIMEOUT_S).run()
     if not pages.page(page).default:
         at.switch_page(pages.page(page).script).run()
@@ -538,7 +538,7 @@ def test_sql_console_runs_queries(monkeypatch, store_root):
     expected = fx.raw_sql(store_root, "SELECT mode, count(*) FROM {turns} JOIN {modes} USING (run_id) GROUP BY 1 ORDER BY 1")
     assert list(zip(got["mode"], got["n"], strict=True)) == expected
     # Every example runs.
-    from dashboard import sqlconsole
+    from store import console as sqlconsole
 
     for name in sqlconsole.EXAMPLES:
         at.selectbox(key="sql_example").set_value(name)

@@ -25,11 +25,12 @@ from serving.embedded_model import DEFAULT_MODEL_DIR, ensure_model
 from serving.prometheus_config import render_prometheus_config
 from serving.stack import ModeStack
 from serving.workers import key_env_shell, mode_workers, port_in_use, worker_command
+from store.console import SHELL_EXAMPLE
 from turnscope.commands.app import (
-    _ROUTING_HELP,
     ALL_MODES,
     DUCKDB,
     LOG_DIR,
+    ROUTING_HELP,
     DecodeRoutingOpt,
     ModesOpt,
     PrefillRoutingOpt,
@@ -50,6 +51,7 @@ from turnscope.commands.summaries import (
 )
 from turnscope.conductor import schedule
 from turnscope.conductor.evaluation import default_settings, run_eval
+from turnscope.conductor.serve_metrics import ServeMetrics
 
 
 @app.command()
@@ -82,7 +84,7 @@ def evaluate(
     max_tokens: Annotated[int, typer.Option(help="Output tokens per turn.")] = 32,
     gap_s: Annotated[float, typer.Option(help="Seconds between replayed turns (tool/think gap).")] = 1.0,
     topology: TopologyOpt = None,
-    prefill_routing: Annotated[str | None, typer.Option(help=_ROUTING_HELP.format(role=Role.PREFILL) + " Several, "
+    prefill_routing: Annotated[str | None, typer.Option(help=ROUTING_HELP.format(role=Role.PREFILL) + " Several, "
                                "comma-separated (round-robin,session): each mode's workers start once and every "
                                "history mode is run once per policy, the proxy restarted between them.")] = None,
     decode_routing: DecodeRoutingOpt = None,
@@ -190,6 +192,7 @@ def serve(
     inference_pool: Annotated[str | None, typer.Option(
         help="With --kubernetes: also an InferencePool (inference.networking.k8s.io/v1) of the proxy's pods, "
              "whose endpoint picker is the Service NAME[:PORT] (port 9002 when not given).")] = None,
+    store: StoreOpt = None,
     canary_every_s: Annotated[float, typer.Option(
         min=0, help="Run the known-answer canary (turnscope check) this often while serving, seconds; a "
                     "mismatch is printed and counted in turnscope_canary_mismatches_total (0: never).")] = 0.0,
@@ -197,6 +200,11 @@ def serve(
     """Start (or attach to) the workers of one mode and the session-aware proxy; Ctrl-C stops them.
 
     Point Locust's web UI at the proxy: `locust -f loadgen/locustfile.py --host http://127.0.0.1:8200`.
+    The prefill (or aggregated) worker is speed-probed once it is up and again at stop, into the
+    store, so the runs recorded through the proxy can be checked on this machine's speed
+    (docs/planner/calibration.md). While serving, the workers' and the proxy's metrics are scraped
+    into the store every second: under each run Locust records through this proxy (same
+    --turnscope-store), and between runs under the serve's own id (turnscope/conductor/serve_metrics.py).
     """
     topo = resolve_topology(topology, prefill_routing, decode_routing)
     try:
@@ -232,10 +240,24 @@ def serve(
     if topo.platform == "gpu" and topo.launch and not _has_gpu():
         raise fail(f"topology {topo.name!r} is for GPUs but this machine has none (nvidia-smi found no device); "
                    "use --dry-run to print the commands for the GPU hosts")
+    from store.writer import Store
+    from turnscope.conductor.speed_probe import ServeProbes
+
     stack.progress = console.print
+    root = store or settings().store
     try:
-        with stack:
-            console.print(f"mode {mode} serving through the proxy at {stack.proxy_url} (Ctrl-C to stop)")
+        Store(root).init()   # the store Locust records into by default; the probes' rows and the scrapes land there
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise fail(f"store {root}: {exc}") from exc
+    try:
+        # the probes first and last, the scrapes between: a probe's requests are in no run's counters
+        with stack, ServeProbes(Store(root), stack.endpoints(), topo.served_model_name or topo.model,
+                                headers=stack.endpoint_headers(), verify=stack.tls_verify()) as probes, \
+                ServeMetrics(Store(root), stack.endpoints(), stack.proxy_url, headers=stack.endpoint_headers(),
+                             verify=stack.tls_verify()) as scrapes:
+            console.print(f"mode {mode} serving through the proxy at {stack.proxy_url} (Ctrl-C to stop); "
+                          f"speed probes into {root} as {probes.run_id} (again at stop); metrics into {root} "
+                          f"(runs recorded through this proxy, else {scrapes.own_id})")
             next_canary = time.monotonic() + canary_every_s
             while all(w.proc is None or w.proc.poll() is None for w in stack.workers):
                 time.sleep(1)
@@ -338,7 +360,6 @@ def demo(
              users=1, max_turns=max_turns, max_tokens=32, gap_s=0.5, topology=None, store=store, label="demo",
              prefill_routing=None, decode_routing=None, schedule_=schedule_, rounds=0, schedule_seed=0)
     print_regimes()
-    console.print(f"query it: {DUCKDB} {store / 'turnscope.duckdb'} -c \"select mode, history_mode, "
-                  "turn_index, median(ttft_s) from turn_breakdown group by all order by all\"", highlight=False)
+    console.print(f"query it: {DUCKDB} {store / 'turnscope.duckdb'} -c \"{SHELL_EXAMPLE}\"", highlight=False)
     if not no_dashboard:
         dashboard(store=store, port=8501)

@@ -32,9 +32,9 @@ from planner import intervals
 from planner.check import plan_on_its_own
 from planner.fit import shared_prefix_by_run
 from planner.profile import CostProfile
-from planner.run_queries import compute_probe_s, probe_ttft_s, recorded_turns
 from store import db
 from store.queries import capacity as capacity_queries
+from store.queries.planner_runs import cached_probe_s, compute_probe_s, probe_ttft_s, recorded_turns
 from store.writer import Store
 
 #: Columns of :func:`forecast_steps` (``analysis.capacity_crossing.step_pairs`` reads the first five;
@@ -77,10 +77,11 @@ def forecast_steps(store: Store, steps: pd.DataFrame, profile: CostProfile) -> p
     recorded = recorded_turns(store, run_ids)
     shared = shared_prefix_by_run(recorded)
     probes, computes = probe_ttft_s(store, run_ids), compute_probe_s(store, run_ids)
+    cached = cached_probe_s(store, run_ids)
     rows = []
     for st in steps.itertuples():
         tr, m, _ = plan_on_its_own(store, st.run_id, st.mode, profile, shared[st.run_id], probes.get(st.run_id),
-                                   computes.get(st.run_id))
+                                   computes.get(st.run_id), cached.get(st.run_id))
         rec = recorded[recorded["run_id"] == st.run_id]
         pred = pd.DataFrame({"session_id": tr.session, "turn_index": tr.request_index, "ttft_s": m.ttft_s})
         ok = rec[rec["status"] == "ok"][["session_id", "turn_index"]].merge(pred, on=["session_id", "turn_index"])
@@ -114,16 +115,16 @@ def _replayed_p_hit_rate(store: Store, run_id: str, mode: str, rec: pd.DataFrame
     ``vllm:cache_config_info`` gives them (less vLLM's null block); NaN for a mode without P or a
     run without that gauge. The yardstick of the planner's session-level LRU (docs/eviction.md)."""
     from analysis.p_cache_replay import fifo_starts, replay_hits
-    from planner.fit import _cache_config
+    from store.queries.worker_cache import labels_by_role
 
     if mode == AGGREGATED or rec.empty:
         return np.nan
-    lab = _cache_config(store, [run_id]).get("prefill")
+    lab = labels_by_role(store, [run_id]).get("prefill")
     try:
         blocks, size = int(lab["num_gpu_blocks"]) - 1, int(lab["block_size"])
     except (KeyError, TypeError, ValueError):
         return np.nan
-    legs = _prefill_legs(store, run_id)
+    legs = capacity_queries.prefill_legs(store, run_id)
     t = rec.dropna(subset=["prompt_tokens"]).merge(legs, on=["session_id", "turn_index"], how="left")
     sent = (pd.to_datetime(t["sent_at"]) - pd.Timestamp("1970-01-01", tz="UTC")).dt.total_seconds().to_numpy()
     end = sent + t["prefill_leg_s"].fillna(t["ttft_s"]).fillna(0).to_numpy(float)
@@ -131,16 +132,6 @@ def _replayed_p_hit_rate(store: Store, run_id: str, mode: str, rec: pd.DataFrame
     hits = replay_hits(t.assign(sent_s=start, hold_s=end - start), blocks, size, shared, hold_until="hold_s")
     total = float(t["prompt_tokens"].sum())
     return float(hits.sum() / total) if total else np.nan
-
-
-def _prefill_legs(store: Store, run_id: str) -> pd.DataFrame:
-    """Each turn's P leg (``turns.prefill_leg_s``: the proxy's request to P until P answered,
-    seconds) of ``run_id``."""
-    con = store.connect()
-    try:
-        return con.execute("SELECT session_id, turn_index, prefill_leg_s FROM turns WHERE run_id = ?", [run_id]).df()
-    finally:
-        con.close()
 
 
 def crossings(measured: pd.DataFrame, forecast: pd.DataFrame) -> list[tuple[str, Crossing, Crossing]]:

@@ -1,18 +1,17 @@
-"""What the planner reads of recorded runs in the store: every query of the planner's, in one module
-(the turns to fit on and check against, a run's settings, its speed probes, the runs a check
-takes, a run's recording set-up). Each opens a read-only connection of its own.
+"""What the planner (and the conductor's forecasts) read of recorded runs in the store: every query
+of the planner's, in one module (the turns to fit on and check against, a run's settings, its
+speed probes, the runs a check takes, a run's recording set-up). Each opens a read-only connection
+of its own.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 
 import pandas as pd
 
-from core.contract import COMPUTE_PROBE_TOKENS, PROBE_TOKENS
-from planner.profile import MODES
-from planner.queueing import VLLM_CPU_MAX_NUM_BATCHED_TOKENS
+from core.contract import CACHED_PROBE_TOKENS, COMPUTE_PROBE_TOKENS, PROBE_TOKENS
+from core.modes import serving_mode
 from store.writer import Store
 
 
@@ -64,12 +63,37 @@ def run_config_row(store: Store, run_id: str) -> tuple:
         con.close()
 
 
+#: A run without probes of its own takes those of the ``turnscope serve`` it was recorded through: the
+#: serve's probes (run id ``serve-probes-...``, :class:`turnscope.conductor.speed_probe.ServeProbes`)
+#: whose last start probe precedes the run's start and whose first end probe (if any yet) follows its end.
+_SERVE_PROBES = """
+WITH serve AS (
+    SELECT run_id AS serve_id, max(sent_at) FILTER (WHERE phase = 'start') AS last_start,
+           min(sent_at) FILTER (WHERE phase = 'end') AS first_end
+    FROM run_probes WHERE run_id LIKE 'serve-probes-%' GROUP BY run_id
+), pick AS (
+    SELECT r.run_id, arg_max(v.serve_id, v.last_start) AS serve_id
+    FROM runs r JOIN serve v ON v.last_start <= r.started_at
+         AND (v.first_end IS NULL OR v.first_end >= coalesce(r.finished_at, r.started_at))
+    WHERE r.run_id IN ({marks}) GROUP BY r.run_id
+)
+SELECT p.run_id, median(q.ttft_s) FROM pick p JOIN run_probes q ON q.run_id = p.serve_id
+WHERE q.status = 'ok' AND q.ttft_s > 0 AND q.prompt_tokens = ? GROUP BY p.run_id
+"""
+
+
 def _probe_medians(store: Store, run_ids: Sequence[str], tokens: int) -> dict[str, float]:
+    """Run id -> the median TTFT of its ok probes of ``tokens`` prompt tokens; a run without any takes
+    those of the serve it ran through (:data:`_SERVE_PROBES`)."""
     con = store.connect()
     try:
         rows = con.execute(f"SELECT run_id, median(ttft_s) FROM run_probes WHERE status = 'ok' AND ttft_s > 0 "
                            f"AND prompt_tokens = ? AND run_id IN ({_marks(run_ids)}) GROUP BY run_id",
                            [tokens, *run_ids]).fetchall()
+        own = {r for r, _ in rows}
+        bare = [r for r in run_ids if r not in own]
+        if bare:
+            rows += con.execute(_SERVE_PROBES.format(marks=_marks(bare)), [*bare, tokens]).fetchall()
     finally:
         con.close()
     return {r: float(t) for r, t in rows}
@@ -91,12 +115,25 @@ def compute_probe_s(store: Store, run_ids: Sequence[str]) -> dict[str, float]:
     return {r: long[r] - short[r] for r in long if r in short}
 
 
-def runs_of(store: Store) -> list[str]:
-    """The store's runs in a planned mode (``runs.mode`` in :data:`MODES`), oldest first."""
+def cached_probe_s(store: Store, run_ids: Sequence[str]) -> dict[str, float]:
+    """Run id -> the median TTFT of its cached-prefix probes less that of its short probes
+    (:data:`core.contract.CACHED_PROBE_TOKENS`, ``PROBE_TOKENS``), seconds: attention's
+    context term on the run's machine, ``a2 x 2^20`` of its c(x), where the probed worker kept its
+    prefix cache on (``runs.mode`` aggregated, pd or pd-bidir); other runs, and runs recorded
+    before the probe, are absent."""
+    short, cached = probe_ttft_s(store, run_ids), _probe_medians(store, run_ids, CACHED_PROBE_TOKENS)
+    rows = run_rows(store, [r for r in cached if r in short]) if cached else pd.DataFrame(columns=["run_id", "mode"])
+    on = {r.run_id for r in rows.itertuples() if serving_mode(r.mode).prefill_prefix_cache}
+    return {r: cached[r] - short[r] for r in cached if r in short and r in on}
+
+
+def runs_of(store: Store, modes: Sequence[str]) -> list[str]:
+    """The store's runs in one of ``modes`` (``runs.mode``; the planner's: ``planner.profile.MODES``),
+    oldest first."""
     con = store.connect(read_only=True)
     try:
-        rows = con.execute(f"SELECT run_id FROM runs WHERE mode IN ({_marks(MODES)}) "
-                           "ORDER BY started_at, run_id", list(MODES)).fetchall()
+        rows = con.execute(f"SELECT run_id FROM runs WHERE mode IN ({_marks(modes)}) "
+                           "ORDER BY started_at, run_id", list(modes)).fetchall()
     finally:
         con.close()
     return [r[0] for r in rows]
@@ -119,25 +156,24 @@ def transfer_rows(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
                   f"JOIN run_config c USING (run_id) WHERE run_id IN ({_marks(run_ids)})", run_ids)
 
 
-def engine_token_budget(store: Store, run_ids: Sequence[str]) -> tuple[int, str] | None:
-    """The prefill workers' ``max_num_batched_tokens`` in ``run_ids`` and how it is known, from
-    ``runs.config.topology``: the prefill role's ``--max-num-batched-tokens`` argument, else vLLM's
-    default on the CPU platform (:data:`planner.queueing.VLLM_CPU_MAX_NUM_BATCHED_TOKENS`);
-    None when the runs disagree or ran on GPUs without the argument (vLLM's default there depends on
-    the GPU's memory, which the store does not record)."""
-    rows = _frame(store, f"SELECT json_extract_string(config, '$.topology.platform') AS platform, "
+def prefill_args(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
+    """Per run of ``run_ids``: its topology's platform and the prefill role's vLLM arguments (a JSON
+    list, or NULL), from ``runs.config.topology``. Columns: platform, args."""
+    return _frame(store, f"SELECT json_extract_string(config, '$.topology.platform') AS platform, "
                          f"json_extract(config, '$.topology.roles.prefill.args') AS args FROM runs "
                          f"WHERE run_id IN ({_marks(run_ids)})", list(run_ids))
-    found = set()
-    for platform, args in zip(rows["platform"], rows["args"], strict=True):
-        argv = [str(a) for a in (json.loads(args) if isinstance(args, str) else args or [])]
-        given = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--max-num-batched-tokens"), None)
-        given = next((a.split("=", 1)[1] for a in argv if a.startswith("--max-num-batched-tokens=")), given)
-        if given is not None:
-            found.add((int(given), "the prefill role's --max-num-batched-tokens (runs.config.topology)"))
-        elif platform == "cpu":
-            found.add((VLLM_CPU_MAX_NUM_BATCHED_TOKENS, ("vLLM 0.32's default on the CPU platform "
-                       "(engine/arg_utils.py get_batch_defaults); the runs' topology sets none")))
-        else:
-            return None
-    return found.pop() if len(found) == 1 else None
+
+
+def provenance(store: Store, run_ids: Sequence[str]) -> tuple[tuple, tuple]:
+    """What a profile fitted on ``run_ids`` says of where it came from: ``(workload_spec, first
+    started_at, last finished_at)`` of the runs, and ``(min, median, max, count)`` of their ok
+    speed probes' TTFT (seconds; NULLs and 0 without probes)."""
+    con = store.connect()
+    try:
+        runs = con.execute(f"SELECT any_value(workload_spec), min(started_at), max(finished_at) FROM runs "
+                           f"WHERE run_id IN ({_marks(run_ids)})", list(run_ids)).fetchone()
+        spread = con.execute(f"SELECT min(ttft_s), median(ttft_s), max(ttft_s), count(*) FROM run_probes "
+                             f"WHERE status = 'ok' AND run_id IN ({_marks(run_ids)})", list(run_ids)).fetchone()
+    finally:
+        con.close()
+    return runs, spread
