@@ -10,7 +10,9 @@ Per turn row (one run = one source ``run:<run_id>``, one clock: seconds since th
 * ``input_tokens`` / ``output_tokens`` = ``prompt_tokens`` / ``completion_tokens`` (NULL -> 0:
   a failed turn may have none);
 * ``shared_prefix_tokens`` = ``expected_reusable_tokens`` (the longest common prefix of the previous
-  request's prompt + output ids and this prompt's ids, computed by the client), else 0;
+  request's prompt + output ids and this prompt's ids, computed by the client for every turn: a
+  client that rewrites its history, e.g. strips the reasoning of earlier replies, shares only the
+  previous prompt, and the planner's pulls are cut to it), else 0 (ids unknown);
 * ``server_s`` = ``e2e_s``, ``ttft_s`` = ``turns.ttft_s``; ``gap_s`` = this ``sent_at`` minus the previous turn's ``sent_at`` +
   ``e2e_s`` (the measured client time), clipped to ``[0, start to start]``
   (:func:`~loadgen.traces.agent_request.bounded_gap`). When the previous turn has no ``e2e_s`` (it
