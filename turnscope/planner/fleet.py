@@ -19,8 +19,8 @@ The sizes are bounded by ``max_prefill_workers`` and ``max_decode_workers``; D's
 is the limit's (or the profile's). GPUs = (P + D) x the profile's ``gpus_per_worker``. The
 recommended fleet is the cheapest that meets the SLO: fewest GPUs, then (priced) the lowest cost,
 then the lowest mean TTFT; a strategy that holds KV out of other requests' reach (D's pins, the host
-tier) must beat the best one that does not at the same GPUs by more than ``turnscope.planner.recommend.MIN_GAIN`` of mean
-TTFT (the recommendation's own rule, :func:`turnscope.planner.recommend.choose`).
+tier) must beat the best one that does not at the same GPUs by more than ``turnscope.planner.strategies.MIN_GAIN`` of mean
+TTFT (the recommendation's own rule: :func:`turnscope.planner.strategies.pick_paying_memory`).
 
 Cost per million tokens (with a GPU-hour price): the fleet's GPUs for the traffic's horizon plus
 the host tier's GiB-hours at their price, over the input and output tokens served, USD.
@@ -39,10 +39,9 @@ from turnscope.planner.executor import Executor, LocalExecutor
 from turnscope.planner.ledger import Prices, forecast_strategy
 from turnscope.planner.load import Load, LoadedTraffic
 from turnscope.planner.overload import Overload
-from turnscope.planner.profile import CostProfile, GiB, Sourced
-from turnscope.planner.recommend import MIN_GAIN
+from turnscope.planner.profile import CostProfile, GiB, with_decode_kv
 from turnscope.planner.simulate import PlanSettings, Traffic
-from turnscope.planner.strategies import STRATEGIES, holds_memory
+from turnscope.planner.strategies import STRATEGIES, pick_paying_memory
 
 
 @dataclass(frozen=True)
@@ -114,17 +113,10 @@ class FleetForecast:
         return f"p90 {self.ttft_p90_s * 1e3:,.1f} ms, p50 {self.ttft_p50_s * 1e3:,.1f} ms"
 
 
-def _profile_for(profile: CostProfile, fleet: Fleet) -> CostProfile:
-    if fleet.decode_kv_bytes is None:
-        return profile
-    return profile.model_copy(update={"decode_kv_space_bytes": Sourced(value=fleet.decode_kv_bytes,
-                                                                          source="the fleet's D KV space")})
-
-
 def evaluate_fleet(tr: Traffic, profile: CostProfile, base: PlanSettings, strategy: str, fleet: Fleet,
                    limits: FleetLimits) -> FleetForecast:
     """Forecast ``strategy`` on ``fleet`` over ``tr`` (see the module doc for the figures)."""
-    prof = _profile_for(profile, fleet)
+    prof = with_decode_kv(profile, fleet.decode_kv_bytes)
     ps = base.model_copy(update={"prefill_workers": fleet.prefill_workers, "decode_workers": fleet.decode_workers,
                                  "stop_on_overload": True})   # an overloaded fleet needs no more than that
     f = forecast_strategy(tr, prof, ps, strategy)
@@ -136,7 +128,7 @@ def evaluate_fleet(tr: Traffic, profile: CostProfile, base: PlanSettings, strate
     gpus = fleet.gpus(prof)
     usd = None
     if limits.prices.gpu_hour_usd is not None:
-        horizon_h = float(tr.arrival_s.max() - tr.arrival_s.min()) / 3600
+        horizon_h = tr.horizon_s / 3600
         host = 0.0 if f.host_gib_s == 0 else (None if limits.prices.host_gib_hour_usd is None
                                                 else f.host_gib_s / 3600 * limits.prices.host_gib_hour_usd)
         tokens = float(tr.input_tokens.sum() + tr.output_tokens.sum())
@@ -281,13 +273,8 @@ def cheapest(searches: list[FleetSearch], priced: bool) -> FleetForecast | None:
     if priced and all(f.usd_per_m_tokens is not None for f in same):
         low = min(f.usd_per_m_tokens for f in same)
         same = [f for f in same if f.usd_per_m_tokens <= low * (1 + 1e-9)]
-    best = min(same, key=lambda f: f.ttft_mean_s)
-    plain = [f for f in same if not holds_memory(f.strategy)]
-    if holds_memory(best.strategy) and plain:
-        simple = min(plain, key=lambda f: f.ttft_mean_s)
-        if best.ttft_mean_s >= simple.ttft_mean_s * (1 - MIN_GAIN):
-            return simple
-    return best
+    return pick_paying_memory(same, lambda f: f.strategy, lambda f: f.ttft_mean_s,
+                              lambda f: f.d_pinned_gib_s + f.host_gib_s)
 
 
 @dataclass(frozen=True)

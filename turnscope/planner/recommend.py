@@ -45,7 +45,7 @@ from turnscope.planner.executor import Executor, LocalExecutor
 from turnscope.planner.ledger import Prices, forecast_strategy, ledger_row
 from turnscope.planner.ledger import with_iv as _with_iv
 from turnscope.planner.overload import Overload
-from turnscope.planner.profile import CostProfile, GiB, Sourced
+from turnscope.planner.profile import CostProfile, GiB, Sourced, with_decode_kv
 from turnscope.planner.serve_flags import role_argv
 from turnscope.planner.simulate import PlanSettings, Traffic
 from turnscope.planner.strategies import (
@@ -53,12 +53,12 @@ from turnscope.planner.strategies import (
     HOST_STRATEGIES,
     RECOMPUTE,
     STRATEGIES,
+    MIN_GAIN,
     Strategy,
     holds_memory,
+    pick_paying_memory,
 )
 
-#: A setting that holds memory must beat the best one without it by this fraction of mean TTFT.
-MIN_GAIN = 0.05
 BIDIR = BIDIR_STRATEGIES
 
 
@@ -129,13 +129,6 @@ class Evaluated:
         return self.overload is None
 
 
-def _profile_for(profile: CostProfile, s: Setting) -> CostProfile:
-    if s.decode_kv_bytes is None:
-        return profile
-    return profile.model_copy(update={"decode_kv_space_bytes": Sourced(value=s.decode_kv_bytes,
-                                                                          source="recommendation grid point")})
-
-
 def settings_for(base: PlanSettings, s: Setting) -> PlanSettings:
     """``base`` with the setting's TTL, threshold, worker counts and routing."""
     return base.model_copy(update={"decoder_kv_blocks_ttl_s": s.ttl_s, "kv_recompute_threshold": s.threshold,
@@ -148,7 +141,7 @@ def evaluate(tr: Traffic, profile: CostProfile, base: PlanSettings, s: Setting, 
     """Forecast ``s`` on ``tr`` (see the module doc for the cost). ``baselines``: a memo of the
     ``recompute`` forecasts the rows are measured against (it depends on the workers, routing and D
     space, not on the TTL or threshold)."""
-    prof, ps = _profile_for(profile, s), settings_for(base, s)
+    prof, ps = with_decode_kv(profile, s.decode_kv_bytes), settings_for(base, s)
     f = forecast_strategy(tr, prof, ps, s.strategy)
     key = (s.prefill_workers, s.decode_workers, s.routing, s.decode_kv_bytes)
     recompute = None if baselines is None else baselines.get(key)
@@ -161,7 +154,7 @@ def evaluate(tr: Traffic, profile: CostProfile, base: PlanSettings, s: Setting, 
     cost = None
     if limits.prices.gpu_hour_usd is not None:
         gpus = profile.gpus_per_worker.value if profile.gpus_per_worker else 1.0
-        span_h = float(tr.arrival_s.max() - tr.arrival_s.min()) / 3600
+        span_h = tr.horizon_s / 3600
         memory = (row["gpu_memory_usd"] or 0.0) + (row["host_memory_usd"] or 0.0)
         cost = memory - row["saved_prefill_usd"] + (s.prefill_workers - 1) * gpus * span_h * limits.prices.gpu_hour_usd
     feasible = f.overload is None and (limits.ttft_slo_s is None or p90 <= limits.ttft_slo_s)
@@ -241,13 +234,7 @@ def choose(evaluated: list[Evaluated], priced: bool) -> Evaluated:
     if priced:
         near = [e for e in feasible if e.ttft_mean_s <= best * (1 + MIN_GAIN)]
         return min(near, key=lambda e: (e.cost_usd, e.ttft_mean_s))
-    winner = min(feasible, key=lambda e: (e.ttft_mean_s, _held(e)))
-    simple = [e for e in feasible if not holds_memory(e.setting.strategy)]
-    if holds_memory(winner.setting.strategy) and simple:
-        plain = min(simple, key=lambda e: e.ttft_mean_s)
-        if winner.ttft_mean_s > plain.ttft_mean_s * (1 - MIN_GAIN):
-            return plain
-    return winner
+    return pick_paying_memory(feasible, lambda e: e.setting.strategy, lambda e: e.ttft_mean_s, _held)
 
 
 # -- rendering ------------------------------------------------------------------------------------
