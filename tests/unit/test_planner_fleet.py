@@ -46,7 +46,9 @@ def test_the_smallest_fleet_is_three_p():
 
 def test_an_slo_below_the_prompts_own_compute_has_no_fleet():
     s = size_fleet(steady(), prof(), PlanSettings(), "recompute", FleetLimits(2.0))
-    assert s.best is None and "without any wait is 2,510.0 ms, over the SLO" in s.why_none
+    # the bound by hand: 10 ms + 25,000 x 1e-4 s, nothing cached for recompute, on any fleet
+    assert s.best is None and s.why_none.startswith("proven:") and "2,510.0 ms, over the SLO" in s.why_none
+    assert s.bound_s == pytest.approx(2.51) and [e.fleet.label() for e in s.searched] == ["16P 16D"]
 
 
 def test_the_limits_bound_the_search():
