@@ -51,13 +51,13 @@ from turnscope.planner.simulate import PlanSettings, Traffic
 from turnscope.planner.strategies import (
     BIDIR_STRATEGIES,
     HOST_STRATEGIES,
+    MIN_GAIN,
     RECOMPUTE,
     STRATEGIES,
-    MIN_GAIN,
     Strategy,
-    holds_memory,
     pick_paying_memory,
 )
+from turnscope.planner.units import memory_hours
 
 BIDIR = BIDIR_STRATEGIES
 
@@ -334,7 +334,7 @@ def what_would_change(tr: Traffic, profile: CostProfile, base: PlanSettings, cur
         ib, ip = figure_intervals(prof, bd), figure_intervals(prof, pd_)
         bd_t = with_iv(f"{bd.ttft_mean_s * 1e3:,.1f} ms", *ib["ttft_mean"], _ms, " ms")
         pd_t = with_iv(f"{pd_.ttft_mean_s * 1e3:,.1f} ms", *ip["ttft_mean"], _ms, " ms")
-        pinned = with_iv(f"{bd.row['d_pinned_gib_s']:,.0f} GiB-s", *ib["d_pinned"], _gib_s, " GiB-s")
+        pinned = with_iv(memory_hours(bd.row['d_pinned_gib_s']), *ib["d_pinned"], memory_hours)
         out.append(f"{label}: {Strategy.PD_BIDIR} mean TTFT {bd_t} vs {Strategy.PD} {pd_t} ({gain:+.1%}; D pinned {pinned})")
     return out
 
@@ -424,8 +424,8 @@ def _signed_ms(x: float) -> str:
     return f"{x * 1e3:+,.1f}"
 
 
-def _gib_s(x: float) -> str:
-    return f"{x:,.0f}"
+def _signed_hours(gib_s: float) -> str:
+    return ("+" if gib_s >= 0 else "-") + memory_hours(abs(gib_s))
 
 
 def describe(r: Recommendation, profile: CostProfile, base: PlanSettings, limits: Limits, model: str,
@@ -453,9 +453,9 @@ def describe(r: Recommendation, profile: CostProfile, base: PlanSettings, limits
                 f"mean TTFT {with_iv(_ms(e.ttft_mean_s) + ' ms', *iv['ttft_mean'], _ms, ' ms')}, "
                 f"p90 {with_iv(_ms(e.ttft_p90_s) + ' ms', *iv['ttft_p90'], _ms, ' ms')}")
         pinned = ("not forecast" if np.isnan(e.row["d_pinned_gib_s"]) else
-                  with_iv(_gib_s(e.row['d_pinned_gib_s']) + ' GiB-s', *iv['d_pinned'], _gib_s, ' GiB-s'))
+                  with_iv(memory_hours(e.row['d_pinned_gib_s']), *iv['d_pinned'], memory_hours))
         return (f"  {name:<11} {e.setting.label()}: {ttft}, hit rate {hit}, D pinned {pinned}, host "
-                f"{e.row['host_gib_s']:,.0f} GiB-s")
+                f"{memory_hours(e.row['host_gib_s'])}")
 
     ch = change_intervals(profile, rec, cur)
     if cur.keeps_up and rec.keeps_up:
@@ -477,13 +477,13 @@ def describe(r: Recommendation, profile: CostProfile, base: PlanSettings, limits
                          f"alone: {'keeps up' if e.keeps_up else e.overload.text()} (no TTFT change: "
                          f"{'the current setting' if not cur.keeps_up else 'it'} cannot keep up)")
             continue
-        dp = with_iv(f"{e.row['d_pinned_gib_s'] - cur.row['d_pinned_gib_s']:+,.0f} GiB-s", *ke["d_pinned_change"],
-                     lambda x: f"{x:+,.0f}", " GiB-s")
+        dp = with_iv(_signed_hours(e.row['d_pinned_gib_s'] - cur.row['d_pinned_gib_s']), *ke["d_pinned_change"],
+                     _signed_hours)
         lines.append(f"  knob {knob}: {_fmt(knob, getattr(cur.setting, knob))} -> "
                      f"{_fmt(knob, getattr(rec.setting, knob))} alone: mean TTFT "
                      f"{with_iv(_signed_ms(e.ttft_mean_s - cur.ttft_mean_s) + ' ms', *ke['ttft_change'], _signed_ms, ' ms')}"
                      f", D pinned {dp}"
-                     f", host {e.row['host_gib_s'] - cur.row['host_gib_s']:+,.0f} GiB-s{cost}")
+                     f", host {_signed_hours(e.row['host_gib_s'] - cur.row['host_gib_s'])}{cost}")
     notes = sorted({n for e in (cur, rec) for n in str(e.row["interval_note"]).split("; ")
                     if n and not n.startswith("80% intervals from") and "never checked" not in n})
     lines += [f"  note: {n}" for n in notes]
