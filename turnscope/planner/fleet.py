@@ -241,6 +241,23 @@ class FleetSizer:
             self.searched.append(self._memo[fleet])
         return self._memo[fleet]
 
+    def known_to_miss(self, p: int, d: int) -> bool:
+        """Whether (P, D) misses by what is already forecast: it has no more workers of either role
+        than a fleet that misses (more workers never make a forecast worse), or, for a strategy
+        without D's pins, no more P than a fleet whose P is overloaded by its work (P's work does not
+        depend on D then)."""
+        for e in self.searched:
+            if e.meets_slo:
+                continue
+            q, r = e.fleet.prefill_workers, e.fleet.decode_workers
+            if p <= q and d <= r:
+                return True
+            o = e.overload
+            if (o is not None and o.role == Role.PREFILL and not math.isnan(o.factor) and p <= q
+                    and self.strategy not in BIDIR_STRATEGIES):
+                return True
+        return False
+
     def _grown(self, e: FleetForecast) -> tuple[int, int] | None:
         """The next (P, D) out of ``e``'s overload (its role grown by its factor), or None at the limits."""
         p, d = e.fleet.prefill_workers, e.fleet.decode_workers
@@ -293,10 +310,12 @@ class FleetSizer:
         return FleetSearch(self.strategy, self._smallest(e), self.searched, bound_s=bound)
 
     def _diagonal(self, t: int) -> list[FleetForecast]:
-        """Every fleet of ``t`` workers within the limits, forecast."""
+        """Every fleet of ``t`` workers within the limits that may meet the SLO, forecast (those
+        :meth:`known_to_miss` left out)."""
         lim = self.limits
         return [self.at(p, t - p) for p in range(max(1, t - lim.max_decode_workers),
-                                                  min(lim.max_prefill_workers, t - 1) + 1)]
+                                                  min(lim.max_prefill_workers, t - 1) + 1)
+                if not self.known_to_miss(p, t - p)]
 
     def _smallest(self, e: FleetForecast) -> FleetForecast:
         """The smallest fleet that meets the SLO (:func:`_fleet_key`), given ``e`` meets it: the fleets
