@@ -4,16 +4,23 @@ load, and for a fleet, TTFT against load (docs/planner/fleet.md).
 
 A fleet is judged with the ledger's model (:func:`turnscope.planner.ledger.forecast_strategy`) at
 the load (:mod:`turnscope.planner.load`). One that cannot keep up is overloaded
-(:mod:`turnscope.planner.overload`) and has no TTFT. The search, per strategy
-(:func:`size_fleet`), from 1P1D:
+(:mod:`turnscope.planner.overload`, the one rule, the SLO included) and has no TTFT. The search,
+per strategy (:func:`size_fleet`; docs/planner/fleet.md):
 
-1. **out of overload**: while a role is overloaded, grow it to its factor times its workers
-   (rounded up, at least one more; twice as many when only the never-drains test found it);
+0. **the bound** (:func:`best_case_p90_s`): a p90 TTFT no fleet can beat; over the SLO, the
+   strategy is ruled out without a search (proven), and only the largest fleet is forecast;
+1. **out of overload**, from 1P1D: while a role is overloaded, grow it to its factor times its
+   workers (rounded up, at least one more; twice as many without a factor), then the other role;
 2. **into the SLO**: while the p90 TTFT misses the SLO, double the role whose queue holds the slow
-   requests longer (the mean wait on P against on D over the requests at or above the p90; the
-   other role when that one is at its limit); stop when the p90 of the TTFT without any wait misses
-   the SLO by itself (no fleet helps: the prompts' own compute) or both roles are at their limit;
-3. **trim**: the fewest P, then the fewest D, that still meet the SLO (and keep up), by bisection.
+   requests longer (the mean wait on P against on D over the requests at or above the p90; P first
+   when the TTFT without any wait misses by itself: more P hold more prefixes), then the other;
+   none meets only when the largest fleet in the limits misses;
+3. **the smallest**: the fleets of one worker fewer, then fewer still, while any meets the SLO; of
+   the smallest size, the lowest p90, then the fewest P (:func:`_fleet_key`). Fleets known to miss
+   (:meth:`FleetSizer.known_to_miss`) are not forecast.
+
+Steps 2 and 3 rest on more workers never making a forecast worse (tested on hand-counted
+traffics in tests/unit/test_planner_fleet_properties.py, with a brute-force grid).
 
 The sizes are bounded by ``max_prefill_workers`` and ``max_decode_workers``; D's KV space per worker
 is the limit's (or the profile's). GPUs = (P + D) x the profile's ``gpus_per_worker``. The
