@@ -40,9 +40,10 @@ def test_the_smallest_fleet_is_three_p():
     s = size_fleet(steady(), prof(), PlanSettings(), "pd", FleetLimits(3.0))
     assert s.best is not None and s.best.fleet == Fleet(3, 1)
     tried = [e.fleet.label() for e in s.searched]
-    # out of 2.5x overload: ceil(2.5) = 3; then the fleets of 4 workers (2P 2D: P at 1.25x, so no fleet
-    # of 2 P is forecast again: pd's P work does not depend on D) and of 3 (none left to forecast)
-    assert tried == ["1P 1D", "3P 1D", "2P 2D"]
+    # out of 2.5x overload: ceil(2.5) = 3; then the fleets of 3 workers (1P 2D known to miss: 1 P is
+    # overloaded by its work, which D does not change for pd; 2P 1D at 1.25x), none meets; of 4
+    # workers none but 3P 1D is left to forecast (2P 2D: 2 P overloaded, as 1P 3D)
+    assert tried == ["1P 1D", "3P 1D", "2P 1D"]
     assert cheapest([s], priced=False) is s.best
 
 

@@ -316,27 +316,26 @@ class FleetSizer:
             e = self.at(*options[0])
         return FleetSearch(self.strategy, self._smallest(e), self.searched, bound_s=bound)
 
-    def _diagonal(self, t: int) -> list[FleetForecast]:
-        """Every fleet of ``t`` workers within the limits that may meet the SLO, forecast (those
-        :meth:`known_to_miss` left out)."""
-        lim = self.limits
-        return [self.at(p, t - p) for p in range(max(1, t - lim.max_decode_workers),
-                                                  min(lim.max_prefill_workers, t - 1) + 1)
-                if not self.known_to_miss(p, t - p)]
+    def _diagonal(self, t: int, first_only: bool = False) -> list[FleetForecast]:
+        """The fleets of ``t`` workers within the limits that may meet the SLO, forecast (those
+        :meth:`known_to_miss` left out), fewest P first; ``first_only``: up to the first that meets."""
+        lim, out = self.limits, []
+        for p in range(max(1, t - lim.max_decode_workers), min(lim.max_prefill_workers, t - 1) + 1):
+            if not self.known_to_miss(p, t - p):
+                out.append(self.at(p, t - p))
+                if first_only and out[-1].meets_slo:
+                    break
+        return out
 
     def _smallest(self, e: FleetForecast) -> FleetForecast:
-        """The smallest fleet that meets the SLO (:func:`_fleet_key`), given ``e`` meets it: the fleets
-        of one worker fewer, then fewer still, while any of them meets (more workers never make a
-        forecast worse, so none smaller meets once a whole size misses), all of the smallest size
-        that meets compared."""
+        """The smallest fleet that meets the SLO (:func:`_fleet_key`), given ``e`` meets it: a fleet of
+        one worker fewer, then fewer still, while one meets (more workers never make a forecast
+        worse, so none smaller meets once a whole size misses); every fleet of the smallest size
+        that meets then compared."""
         t = e.fleet.prefill_workers + e.fleet.decode_workers
-        best = [f for f in self._diagonal(t) if f.meets_slo]
-        while t > 2:
-            smaller = [f for f in self._diagonal(t - 1) if f.meets_slo]
-            if not smaller:
-                break
-            best, t = smaller, t - 1
-        return min(best, key=_fleet_key)
+        while t > 2 and any(f.meets_slo for f in self._diagonal(t - 1, first_only=True)):
+            t -= 1
+        return min((f for f in self._diagonal(t) if f.meets_slo), key=_fleet_key)
 
 
 def size_fleet(tr: Traffic, profile: CostProfile, base: PlanSettings, strategy: str,
