@@ -260,11 +260,12 @@ def build_store(root: Path, turns: int | None) -> str:
     sys.path.insert(0, str(REPO / "bench"))
     import dashboard_scale
 
-    from dashboard.rollup import Rollups
+    from planner.recorded_whatif import whatif_ttl_d_limit
+    from store.rollup import Rollups
 
     t0 = time.perf_counter()
     store = dashboard_scale.build(root, turns)
-    Rollups(store).write_finished()
+    Rollups(store, whatif=whatif_ttl_d_limit).write_finished()
     print(f"built and rolled up {turns:,} turns in {root} in {time.perf_counter() - t0:.0f} s", flush=True)
     return f"synthetic store of {turns:,} turns (bench/dashboard_scale.py, 10 runs, rolled up)"
 

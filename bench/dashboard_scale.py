@@ -1,6 +1,6 @@
 """The dashboard at scale: a synthetic store of 1,000,000 turns, each page's query and render time.
 
-Builds a store in the real layout (``turnscope.core.store.Store.init`` for the views, Parquet shards of
+Builds a store in the real layout (``store.writer.Store.init`` for the views, Parquet shards of
 the contract's Arrow types under ``runs/<run_id>/<table>/``) holding 10 runs (5 serving modes x
 2 history modes) of 100,000 turns each by default: about 10,000 sessions per run of 2 to 18
 turns, four archetypes, every turn kind and gap kind (pauses past the 480 s TTL included), the
@@ -8,10 +8,10 @@ proxy's per-turn facts, and /metrics scrapes every second (P's and D's KV usage 
 per-pid copy, the proxy's handle bytes, P's NIXL histogram, plus 20 unrelated series per endpoint,
 as vLLM exposes many more than the dashboard reads).
 
-Then the finished runs are rolled up (``dashboard.rollup``, as ``turnscope rollup`` and the end of
+Then the finished runs are rolled up (``store.rollup``, as ``turnscope rollup`` and the end of
 an eval do; ``--no-rollups`` reads the plain views only) and, with the dashboard's caches cleared, each page is rendered by Streamlit's AppTest (the
 same script a browser gets; no browser paint) and every query the page runs is timed inside
-``dashboard.queries`` (wall clock, and the process's CPU time over DuckDB's threads). Each page is
+``store.queries`` (wall clock, and the process's CPU time over DuckDB's threads). Each page is
 rendered cold (empty cache, on an app whose frame has run once) `--repeats` times and the fastest is kept, per page and per query,
 since a shared machine's other load only ever adds time; then once warm (cached). Prints one
 line per page and its queries, and the load average before and after.
@@ -41,9 +41,9 @@ import pyarrow.parquet as pq
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from core.modes import MODES
 from dashboard import pages
-from turnscope.core.modes import MODES
-from turnscope.core.store import Store
+from store.writer import Store
 
 HISTORIES = ("text", "token_ids")
 ARCHETYPES = ("coding", "research", "support", "analyst")
@@ -247,9 +247,9 @@ def build(root: Path, turns: int, seed: int = 0) -> Store:
 
 
 def instrument(log: list[tuple[str, float, float]]) -> None:
-    """Time every public query function of dashboard.queries (the package re-exports each page
+    """Time every public query function of store.queries (the package re-exports each page
     module's queries; pages look them up there by name at call)."""
-    import dashboard.queries as q
+    import store.queries as q
 
     for name in dir(q):
         fn = getattr(q, name)
@@ -373,7 +373,7 @@ def _fmt(qlog: list[tuple[str, float, float]]) -> str:
 def report(results: list[dict], turns: int, repeats: int) -> bool:
     ok = True
     print(f"\nDashboard at {turns:,} turns: cold = empty cache, fastest of {repeats}; queries: wall ms (CPU ms "
-          "summed over DuckDB's threads), timed inside dashboard.queries")  # fmt: skip
+          "summed over DuckDB's threads), timed inside store.queries")  # fmt: skip
     print(f"{'page':<10} {'render cold':>12} {'warm':>8}   queries")
     for r in results:
         slow = r["cold_s"] > PAGE_TARGET_S
@@ -401,7 +401,7 @@ def main() -> int:
     ap.add_argument("--rebuild", action="store_true", help="rebuild even if --store already holds one")
     ap.add_argument("--repeats", type=int, default=3, help="cold renders per page; the fastest is kept (default 3)")
     ap.add_argument("--no-rollups", action="store_true",
-                    help="read the plain views only (no per-run rollups, dashboard/rollup.py): the before figures")
+                    help="read the plain views only (no per-run rollups, store/rollup.py): the before figures")
     args = ap.parse_args()
     root = args.store or Path(tempfile.mkdtemp(prefix="turnscope-bench-"))
     try:
@@ -412,15 +412,16 @@ def main() -> int:
             build(root, args.turns)
             print(f"built {args.turns:,} turns in {root} in {time.perf_counter() - t0:.1f} s")
         if args.no_rollups:
-            from dashboard import db
+            from store import db
 
             db.use_rollups = False  # the plain views only: the "before" of docs/schema/overview.md's rollups
             print("rollups: not read (--no-rollups)")
         else:
-            from dashboard.rollup import Rollups
+            from planner.recorded_whatif import whatif_ttl_d_limit
+            from store.rollup import Rollups
 
             t0 = time.perf_counter()
-            written = Rollups(Store(root)).write_finished()
+            written = Rollups(Store(root), whatif=whatif_ttl_d_limit).write_finished()
             print(f"rollups: {len(written)} run(s) rolled up in {time.perf_counter() - t0:.1f} s "
                   "(`turnscope rollup`; a finished eval does it at its end)")  # fmt: skip
         size = sum(p.stat().st_size for p in (root / "runs").rglob("*.parquet"))

@@ -23,14 +23,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from turnscope.planner.cli_plan import read_traffic
-from turnscope.planner.cli_recommend import run_recommend
-from turnscope.planner.executor import LocalExecutor
-from turnscope.planner.fleet import Fleet, FleetLimits, evaluate_fleet
-from turnscope.planner.load import Load, LoadKind, at_load
-from turnscope.planner.profile import load_profile
-from turnscope.planner.recommend import Setting
-from turnscope.planner.simulate import PlanSettings
+from planner.cli_plan import read_traffic
+from planner.cli_recommend import run_recommend
+from planner.executor import LocalExecutor
+from planner.fleet import Fleet, FleetLimits, evaluate_fleet
+from planner.load import Load, LoadKind, at_load
+from planner.profile import load_profile
+from planner.recommend import Setting
+from planner.simulate import PlanSettings
 
 TRACES = REPO / "data" / "traces" / "kv-cache-tester"
 PROFILE = REPO / "data" / "profiles" / "vendor-h200.yaml"
@@ -96,8 +96,8 @@ def _check_targets(text: str, tr, prof, load, workers) -> None:
     SLO 2 s a fleet for each strategy whose fleet sized at SLO 5 s already has a p90 within 2 s."""
     import re
 
-    from turnscope.planner.fleet import FleetJob, size_fleets
-    from turnscope.planner.strategies import STRATEGIES
+    from planner.fleet import FleetJob, size_fleets
+    from planner.strategies import STRATEGIES
 
     worst = max((float(m.replace(",", "")) for m in re.findall(r"([\d,]+(?:\.\d+)?) ms", text)), default=0.0)
     print(f"largest TTFT printed: {worst:,.1f} ms (target <= 10x the 2 s SLO = 20,000 ms): "

@@ -2,7 +2,7 @@
 
 Where vLLM cannot run (a lent GPU machine that has PyTorch but no vLLM), this measures what the
 planner's profile needs of prefill (docs/planner/profiles.md): one decoder
-layer of the model's shape (``turnscope.planner.layer_shape``, from its config.json) with random
+layer of the model's shape (``planner.layer_shape``, from its config.json) with random
 weights, run forward over ``x`` tokens from scratch with PyTorch's fused causal attention
 (``torch.nn.functional.scaled_dot_product_attention``), for a few ``x``. The median of
 ``--repeats`` timings per length (CUDA events on a GPU, ``time.perf_counter`` around a
@@ -11,7 +11,7 @@ c(x) = a1 x + a2 x^2 to it, scales by the layer count and writes a profile that 
 figures it measured.
 
 Needs only PyTorch (2.5 or later for grouped KV heads in one call; older versions repeat the KV
-heads) and this repository's ``turnscope/planner/layer_shape.py``. What it does not time: the
+heads) and this repository's ``planner/layer_shape.py``. What it does not time: the
 embedding and LM head, tensor parallelism's two all-reduces per layer, vLLM's scheduler and paged
 KV writes, and chunked prefill's split of a long prompt (the same FLOPs in several passes).
 
@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from turnscope.planner.layer_shape import (
+from planner.layer_shape import (
     LAYER_TIMING_FORMAT,
     DecoderLayerShape,
     LayerShapeError,

@@ -190,7 +190,7 @@ def run_level(users: int, a: argparse.Namespace, work: Path) -> dict:
     """One concurrency level: returns the joined measurements and process facts."""
     import psutil
 
-    from turnscope.core.store import Store
+    from store.writer import Store
 
     port = _free_port()
     rec_file = work / f"server-{users}.json"

@@ -20,8 +20,8 @@ import pandas as pd
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from turnscope.planner.profile import load_profile
-from turnscope.planner.simulate import PlanSettings, Traffic, plan
+from planner.profile import load_profile
+from planner.simulate import PlanSettings, Traffic, plan
 
 TARGET_S = 60.0
 

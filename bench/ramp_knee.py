@@ -27,15 +27,15 @@ import itertools
 
 import numpy as np
 
-from dashboard.queries.capacity import capacity_steps
+from core import resources
 from loadgen.traces.recorded_runs import iter_recorded_runs
-from turnscope.core import resources
-from turnscope.core.store import Store
-from turnscope.planner.fit import on_run_speed, runs_shared_prefix_tokens
-from turnscope.planner.load import Load, LoadKind, apply_load
-from turnscope.planner.profile import Sourced, load_profile
-from turnscope.planner.run_queries import probe_ttft_s
-from turnscope.planner.simulate import PlanSettings, Traffic, plan
+from planner.fit import on_run_speed, runs_shared_prefix_tokens
+from planner.load import Load, LoadKind, apply_load
+from planner.profile import Sourced, load_profile
+from planner.run_queries import probe_ttft_s
+from planner.simulate import PlanSettings, Traffic, plan
+from store.queries.capacity import capacity_steps
+from store.writer import Store
 
 #: A step gains when its throughput is more than this fraction above the step before it.
 GAIN = 0.10

@@ -71,9 +71,9 @@ from serving.embedded_model import ensure_model
 from serving.proxy import ProxyConfig, Worker
 from serving.stack import ModeStack, wait_http
 from serving.topology import load_topology
+from store.writer import Store
 from turnscope.conductor.evaluation import warm_up
 from turnscope.conductor.settings import TurnscopeSettings
-from turnscope.core.store import Store
 
 MIB = 2**20
 

@@ -88,7 +88,7 @@ def generate(root: Path, requests: int, seed: int = 7) -> int:
 def _child(paths: list[str], store: str) -> None:
     """In the measured process: build the report, print JSON with seconds and peak RSS."""
     from loadgen.traffic import build_report
-    from turnscope.core.store import Store
+    from store.writer import Store
 
     t0 = time.perf_counter()
     rep = build_report(Store(Path(store)), paths)

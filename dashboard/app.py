@@ -1,6 +1,6 @@
 """turnscope dashboard: `streamlit run dashboard/app.py`.
 
-Read-only over the store named by ``$TURNSCOPE_STORE`` (default ``dashboard.db.DEFAULT_STORE``).
+Read-only over the store named by ``$TURNSCOPE_STORE`` (default ``store.db.DEFAULT_STORE``).
 This script owns what every page shares: the store, its empty states, and the sidebar's filters
 (run, mode, archetype, turn kind, gap kind); the pages (``dashboard/pages.py``, their scripts in
 ``dashboard/app_pages/``) read the resulting `dashboard.context.Selection`.
@@ -20,8 +20,9 @@ if str(_CODE_ROOT) not in sys.path:
 import pandas as pd
 import streamlit as st
 
-from dashboard import charts, context, db, loader, pages, queries
+from dashboard import charts, context, loader, pages
 from dashboard.figures import MODE_ORDER
+from store import db, queries
 
 st.set_page_config(page_title="turnscope", page_icon=":material/query_stats:", layout="wide")
 

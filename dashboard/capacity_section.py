@@ -6,12 +6,13 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import charts, db, loader, queries
+from analysis import capacity_crossing as capacity
+from analysis import eviction_window, schedule_text, speedup
+from dashboard import charts, loader
 from dashboard.context import Selection
 from dashboard.figures import capacity as capacity_figures
-from dashboard.queries import capacity as capacity_queries
-from turnscope.analysis import capacity_crossing as capacity
-from turnscope.analysis import eviction_window, schedule_text, speedup
+from store import db, queries
+from store.queries import capacity as capacity_queries
 
 
 def steps_table(steps: pd.DataFrame) -> pd.DataFrame:

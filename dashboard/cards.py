@@ -1,6 +1,6 @@
 """The speed-up card the Overview and Compare pages draw for one comparison (Streamlit).
 
-The value is the speed-up (``turnscope.analysis.speedup``: baseline / treatment median TTFT, ``1.18x``);
+The value is the speed-up (``analysis.speedup``: baseline / treatment median TTFT, ``1.18x``);
 the chip under it is the verdict, coloured by the verdict (green faster, red slower, grey
 undecided), never by the sign of the point estimate.
 """
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from streamlit.delta_generator import DeltaGenerator
 
-from turnscope.analysis import headline, speedup
-from turnscope.analysis.headline import Ratio
-from turnscope.analysis.speedup import Verdict
+from analysis import headline, speedup
+from analysis.headline import Ratio
+from analysis.speedup import Verdict
 
 _ARROWS = {Verdict.FASTER: "up", Verdict.SLOWER: "down", Verdict.UNCLEAR: "off", Verdict.TOO_FEW: "off"}
 
@@ -19,7 +19,7 @@ _ARROWS = {Verdict.FASTER: "up", Verdict.SLOWER: "down", Verdict.UNCLEAR: "off",
 def speedup_card(col: DeltaGenerator, title: str, r: Ratio, help_: str) -> None:
     """One `st.metric` in `col`: title, the speed-up, the verdict chip; then a caption with the
     CI, medians, counts and, for an undecided verdict, the forecast sessions per side
-    (``turnscope.analysis.sample_size``)."""
+    (``analysis.sample_size``)."""
     s = speedup.of(r)
     v = s.verdict
     col.metric(

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import pandas as pd
 import streamlit as st
 
-from dashboard.db import StoreLocation
-from dashboard.queries import TurnFilter
+from store.db import StoreLocation
+from store.queries import TurnFilter
 
 _KEY = "_turnscope_selection"
 
@@ -20,7 +20,7 @@ _KEY = "_turnscope_selection"
 class Selection:
     """What the pages show.
 
-    `runs`: every run of the store (``dashboard.queries.runs``); `run_ids`: the runs the
+    `runs`: every run of the store (``store.queries.runs``); `run_ids`: the runs the
     sidebar's filters keep (a tuple, possibly empty); `modes`: the modes the filter keeps;
     `archetypes`, `kinds`, `gap_kinds`: the turn filters (empty tuple: all).
     """

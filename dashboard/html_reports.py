@@ -1,6 +1,6 @@
 """The HTML exports of the dashboard: a run report (Overview) and a comparison (Compare).
 
-`run_report` reads the store itself (short read-only connections, `dashboard.db.read`) because
+`run_report` reads the store itself (short read-only connections, `store.db.read`) because
 Streamlit calls an export's data function on a separate thread, outside the page script and its
 cache. Both return one self-contained HTML document (`dashboard.export`).
 """
@@ -10,11 +10,12 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from dashboard import db, export, figures, queries, tables
+from analysis import headline, speedup
+from analysis.headline import Ratio
+from dashboard import export, figures, tables
 from dashboard.export import Section
-from dashboard.queries import TurnFilter
-from turnscope.analysis import headline, speedup
-from turnscope.analysis.headline import Ratio
+from store import db, queries
+from store.queries import TurnFilter
 
 TRANSFER_NOTE = (
     "KV transfer per turn is an estimate: the turn's reused tokens x the run's measured NIXL seconds per "
@@ -23,7 +24,7 @@ TRANSFER_NOTE = (
 
 
 def ratio_line(r: Ratio) -> str:
-    """One headline number in words: the speed-up (``turnscope.analysis.speedup``), its CI and verdict,
+    """One headline number in words: the speed-up (``analysis.speedup``), its CI and verdict,
     medians and counts."""
     pct = round(headline.CONFIDENCE * 100)
     s = speedup.of(r)

@@ -1,12 +1,12 @@
-"""Cached reads for the Streamlit pages: a query function of ``dashboard.queries`` run through
-``dashboard.db``.
+"""Cached reads for the Streamlit pages: a query function of ``store.queries`` run through
+``store.db``.
 
 Pages call ``load(sel.root, queries.ttft_stats, f, ...)``: the query function itself, so a search
 for a query's callers finds its pages. Results are cached with `st.cache_data`, keyed by the store
 directory, the store's version (`store_version`: it changes whenever a shard, a rollup or the views
 file is written), the query's qualified name and its arguments. So a page a person comes back to
 is served from the cache for as long as the store is unchanged (for at most
-`dashboard.db.CACHE_TTL_S` seconds), and a run that is still writing shows its new rows on the
+`store.db.CACHE_TTL_S` seconds), and a run that is still writing shows its new rows on the
 next rerun after they land (or at once after "Refresh").
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from dashboard import db
+from store import db
 
 Query = Callable[..., pd.DataFrame]
 
@@ -33,7 +33,7 @@ def store_version(store_root: str) -> int:
     """A fingerprint of the store at `store_root` that changes when it is written: a hash of the
     names and modification times (ns) of ``turnscope.duckdb`` and of every directory down to
     `VERSION_DEPTH` levels. Shards and rollups are written under a temporary name and renamed into
-    their directory (turnscope.core.store, dashboard.rollup), and a rename or a new directory changes
+    their directory (store.writer, store.rollup), and a rename or a new directory changes
     its parent's modification time. A few hundred ``stat`` calls for a store of a hundred runs.
     A missing store gives the fingerprint of nothing (the query then raises StoreMissing)."""
     seen: list[tuple[str, int]] = []
@@ -68,10 +68,10 @@ def _fetch(store_root: str, version: int, name: str, _query: Query, *args: objec
 
 def fetch(store_root: str, query: Query, *args: object) -> pd.DataFrame:
     """``query(con, *args)`` on `store_root`, as a DataFrame (cached). `query` is a function of
-    ``dashboard.queries`` (or another module's query function, e.g. ``dashboard.queries.traffic``).
+    ``store.queries`` (or another module's query function, e.g. ``store.queries.traffic``).
 
     `args` must be hashable values (run ids as a tuple of str, ints). Raises the exceptions of
-    `dashboard.db` (StoreMissing, StoreBusy, StoreInvalid); those are not cached.
+    `store.db` (StoreMissing, StoreBusy, StoreInvalid); those are not cached.
     """
     return _fetch(
         store_root, store_version(store_root), f"{query.__module__}.{query.__qualname__}", query, *args

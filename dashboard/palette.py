@@ -1,5 +1,5 @@
 """Colour by meaning: the dashboard's three palettes, and the only place that names a colour (a mode's
-own colour is on its ``turnscope.core.modes.ServingMode`` entry, read here).
+own colour is on its ``core.modes.ServingMode`` entry, read here).
 
 - `MODE_COLORS`: a serving mode, and nothing else. A chart whose series are not modes (A/B sides,
   hit rate and KV held, time components) never draws them in these colours.
@@ -15,7 +15,7 @@ the two sides of a comparison whose sides are not one mode each (docs/design.md)
 
 from __future__ import annotations
 
-from turnscope.core.contract import (
+from core.contract import (
     HIT,
     MISS_BELOW_THRESHOLD,
     MISS_CONSUMED,
@@ -27,10 +27,10 @@ from turnscope.core.contract import (
     MISS_NO_SESSION_ID,
     MISS_TRANSFER_FAILED,
 )
-from turnscope.core.modes import ATTACH_COLOUR, ATTACH_MODE, SERVING_MODES
+from core.modes import ATTACH_COLOUR, ATTACH_MODE, SERVING_MODES
 
 #: The one mode -> colour map: each serving mode's own ``ServingMode.colour`` (plotly's tab10 hues;
-#: ``turnscope.core.modes``), and the attached server's. Every chart that tells modes apart uses it.
+#: ``core.modes``), and the attached server's. Every chart that tells modes apart uses it.
 MODE_COLORS = {m.name: m.colour for m in SERVING_MODES} | {ATTACH_MODE: ATTACH_COLOUR}
 #: Colour of a mode missing from `MODE_COLORS`.
 UNKNOWN_MODE = "#7f7f7f"

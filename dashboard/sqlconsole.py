@@ -1,6 +1,6 @@
 """The SQL page's read-only console: which statements may run, and running one with limits.
 
-The connection is read-only (``dashboard.db``), so DuckDB itself refuses writes to the store's
+The connection is read-only (``store.db``), so DuckDB itself refuses writes to the store's
 file; but a read-only connection can still ATTACH another database, COPY query results TO a file,
 EXPORT, INSTALL/LOAD extensions or change settings. So before anything runs, DuckDB's own parser
 splits the text into statements and only one query is accepted: SELECT (including WITH, FROM-first,

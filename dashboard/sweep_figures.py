@@ -1,6 +1,6 @@
 """Plotly figures of the Sweep page: pure functions, DataFrame in, `go.Figure` out.
 
-Inputs are `turnscope.analysis.sweep_stats`'s frames (seconds, tokens); latencies are drawn in milliseconds.
+Inputs are `analysis.sweep_stats`'s frames (seconds, tokens); latencies are drawn in milliseconds.
 Modes keep their colours from `dashboard.figures`; a speed-up pair takes its baseline's colour.
 """
 
@@ -11,9 +11,9 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from analysis import speedup
 from dashboard.figures import MODE_COLORS, MODE_ORDER, empty_figure, ordered_present
 from dashboard.palette import NEUTRAL
-from turnscope.analysis import speedup
 
 IDEAL_NAME = "ideal: prefill of the new tokens + KV pull"
 LIMIT_NAME = "limit: pd-nocache / ideal"
@@ -24,8 +24,8 @@ def ttft_vs_prefix(stats: pd.DataFrame, ideal: pd.DataFrame | None = None,
     """Mean (left) and p90 (right) TTFT against the swept prefix length, one line per mode, and
     the ideal (dashed black) where known.
 
-    `stats`: ``turnscope.analysis.sweep_stats.point_stats`` (prefix_tokens, mode, turns, ttft_mean_s,
-    ttft_p90_s); `ideal`: ``turnscope.analysis.sweep_stats.ideal_stats`` (prefix_tokens, ideal_mean_s,
+    `stats`: ``analysis.sweep_stats.point_stats`` (prefix_tokens, mode, turns, ttft_mean_s,
+    ttft_p90_s); `ideal`: ``analysis.sweep_stats.ideal_stats`` (prefix_tokens, ideal_mean_s,
     ideal_p90_s). Drawn in ms.
     """
     if stats.empty:
@@ -60,8 +60,8 @@ def speedup_vs_prefix(speedups: pd.DataFrame, limit: pd.DataFrame | None = None,
     """The speed-up ``TTFT(baseline) / TTFT(bidirectional)`` of each pair against prefix length,
     with its 95% CI as error bars, a line at 1 (no gain) and the ideal's limit (dashed).
 
-    `speedups`: ``turnscope.analysis.sweep_stats.speedups`` (pair, baseline, prefix_tokens, speedup, ci_low,
-    ci_high; dimensionless); `limit`: ``turnscope.analysis.sweep_stats.ideal_speedup`` (prefix_tokens, speedup).
+    `speedups`: ``analysis.sweep_stats.speedups`` (pair, baseline, prefix_tokens, speedup, ci_low,
+    ci_high; dimensionless); `limit`: ``analysis.sweep_stats.ideal_speedup`` (prefix_tokens, speedup).
     """
     if speedups.empty:
         return empty_figure("no point has both modes of a pair (pd-bidir-nocache/pd-nocache, pd-bidir/pd, "

@@ -5,15 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dashboard.queries import hit_rate
-from turnscope.analysis import speedup
+from analysis import speedup
+from store import hit_rate
 
 
 def run_summary_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per run from the ``run_summary`` view, latencies in ms.
 
-    `df`: ``dashboard.queries.run_summary`` (seconds, counts). Returns columns run, mode, history,
-    status, turns, ok, failed, hits, `hit_rate.LABEL` (``dashboard.queries.hit_rate``: hits / later turns,
+    `df`: ``store.queries.run_summary`` (seconds, counts). Returns columns run, mode, history,
+    status, turns, ok, failed, hits, `hit_rate.LABEL` (``store.hit_rate``: hits / later turns,
     0..1; NaN without a proxy outcome), `hit_rate.PREFIX_CACHE_LABEL` (the workers' own prefix cache,
     tokens, 0..1; NaN where not scraped), TTFT p50/p90/mean (ms), reused tokens, workload, started
     (UTC), run_id: the numbers first, so they are in view without scrolling.
@@ -43,7 +43,7 @@ def run_summary_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def reuse_cost_table(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per run from ``dashboard.queries.reuse_cost``, for reading.
+    """One row per run from ``store.queries.reuse_cost``, for reading.
 
     Columns: run, mode, history, "held (GiB·s)", "peak (MiB)", hits, `hit_rate.LABEL` (the
     bidirectional hit rate), `hit_rate.PREFIX_CACHE_LABEL` (P's own cache), "pulled (tokens)", "prefill ms/1k tok"
@@ -79,7 +79,7 @@ def blank_missing(df: pd.DataFrame, formats: dict[str, str]) -> pd.DataFrame:
 
 
 def shortfall_table(df: pd.DataFrame) -> pd.DataFrame:
-    """``dashboard.queries.reuse_shortfalls`` for reading (tokens; gap and handle age in s)."""
+    """``store.queries.reuse_shortfalls`` for reading (tokens; gap and handle age in s)."""
     return pd.DataFrame(
         {
             "run": df["run_label"],
@@ -104,7 +104,7 @@ def shortfall_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def session_table(df: pd.DataFrame) -> pd.DataFrame:
-    """``dashboard.queries.session_list`` for reading (seconds)."""
+    """``store.queries.session_list`` for reading (seconds)."""
     return pd.DataFrame(
         {
             "run": df["run_label"],
@@ -125,7 +125,7 @@ def session_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def whatif_table(df: pd.DataFrame) -> pd.DataFrame:
-    """``dashboard.queries.whatif_ttl_d_limit`` summed per mode and TTL (``figures.whatif_totals``) for
+    """``planner.recorded_whatif.whatif_ttl_d_limit`` summed per mode and TTL (``figures.whatif_totals``) for
     reading: mode, TTL (s), later turns, hits, `hit_rate.LABEL` (0..1), later turns whose handle was
     lost to a full D, KV held (GiB·s), and how many runs' held KV would exceed their D's space."""
     from dashboard.figures.memory import whatif_totals
@@ -146,8 +146,8 @@ def whatif_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def ratio_table(ratios: dict) -> pd.DataFrame:
-    """The Compare page's three `turnscope.analysis.headline.Ratio` values (or None) as rows: turns, the
-    speed-up B / A (``turnscope.analysis.speedup``) with its CI and verdict, median A/B (ms), turns and
+    """The Compare page's three `analysis.headline.Ratio` values (or None) as rows: turns, the
+    speed-up B / A (``analysis.speedup``) with its CI and verdict, median A/B (ms), turns and
     sessions per side."""
     rows = []
     for case, r in ratios.items():
@@ -172,7 +172,7 @@ def ratio_table(ratios: dict) -> pd.DataFrame:
 
 
 def case_table(df: pd.DataFrame) -> pd.DataFrame:
-    """``turnscope.analysis.compare.case_table`` (long: case, side, turns, ttft_p50_s) as one row per case:
+    """``analysis.compare.case_table`` (long: case, side, turns, ttft_p50_s) as one row per case:
     case, "n A", "n B", "p50 A (ms)", "p50 B (ms)"; blanks where a side has no such turns."""
     cols = ["case", "n A", "n B", "p50 A (ms)", "p50 B (ms)"]
     if df.empty:

@@ -15,7 +15,7 @@
 CREATE TABLE runs_log (
     run_id         VARCHAR NOT NULL,
     label          VARCHAR,
-    mode           VARCHAR,       -- a name of turnscope.core.modes.MODES, or attach (a server turnscope did not launch)
+    mode           VARCHAR,       -- a name of core.modes.MODES, or attach (a server turnscope did not launch)
     workload       VARCHAR,       -- workload name
     workload_spec  JSON,          -- the validated workload, as run
     history_mode   VARCHAR,       -- text | token_ids (docs/workloads.md)
@@ -210,7 +210,7 @@ CREATE TABLE plan_speedups (
     treatment_ttft_median_s DOUBLE,   -- later requests (request_index >= 1), the headline's
     baseline_ttft_median_s DOUBLE,
     speedup                DOUBLE,    -- the Overview's: baseline / treatment median TTFT, later requests
-    speedup_ci_low         DOUBLE,    -- its session-bootstrap 95% CI (turnscope/analysis/headline.py)
+    speedup_ci_low         DOUBLE,    -- its session-bootstrap 95% CI (analysis/headline.py)
     speedup_ci_high        DOUBLE,
     treatment_ttft_mean_s  DOUBLE,    -- secondary: every request
     baseline_ttft_mean_s   DOUBLE,
@@ -587,7 +587,7 @@ FROM inc;
 -- and still sends D the completion notification, on which D frees the blocks (vLLM 0.32
 -- nixl/pull_scheduler.py get_num_new_matched_tokens returns 0 tokens, update_state_after_alloc
 -- queues the request with no local blocks, nixl/pull_worker.py _read_blocks notifies D;
--- turnscope.core.reuse_rules.d_frees_taken_handle). Otherwise (no next turn, any other miss: mismatch
+-- core.reuse_rules.d_frees_taken_handle). Otherwise (no next turn, any other miss: mismatch
 -- and expired handles are not forwarded, a failed transfer) 'expired' after D's whole
 -- decoder_kv_blocks_ttl (nixl/pull_scheduler.py: request_finished pins the blocks,
 -- _reap_expired_send_leases frees them). Each hold belongs to the run whose turn created it, also

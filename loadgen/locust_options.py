@@ -9,10 +9,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from core import resources
+from core.contract import HISTORY_MODES
+from core.modes import ATTACH_MODE
 from loadgen.traces.taubench import DEFAULT_TRACE
-from turnscope.core import resources
-from turnscope.core.contract import HISTORY_MODES
-from turnscope.core.modes import ATTACH_MODE
 
 log = logging.getLogger("turnscope.locust")
 

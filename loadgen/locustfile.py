@@ -78,6 +78,8 @@ from locust import User, constant, events, task
 from locust.exception import StopUser
 from locust.runners import MasterRunner, WorkerRunner
 
+from core.contract import client_auth_headers
+from core.tokenize_client import TokenizeClient, TokenizeError
 from loadgen.locust_options import add_arguments, opt, warn_public_listeners
 from loadgen.run_recorder import RunRecorder
 from loadgen.session import SessionPlan
@@ -90,9 +92,7 @@ from loadgen.synth_text import SynthError
 from loadgen.token_prompt import TemplateJoinError
 from loadgen.traces.taubench import TraceFormatError
 from loadgen.workload import WorkloadError
-from turnscope.core.contract import client_auth_headers
-from turnscope.core.store import Store
-from turnscope.core.tokenize_client import TokenizeClient, TokenizeError
+from store.writer import Store
 
 log = logging.getLogger("turnscope.locust")
 # httpx logs every request at INFO: at a thousand sessions that is measurable CPU on the event loop

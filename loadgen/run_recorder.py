@@ -19,7 +19,7 @@ from typing import Any
 
 from loadgen.locust_options import opt
 from loadgen.session_dispenser import SessionDispenser
-from turnscope.core.store import Store
+from store.writer import Store
 
 
 def _safe(s: str) -> str:

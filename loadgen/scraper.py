@@ -27,9 +27,9 @@ from collections.abc import Mapping, Sequence
 
 import httpx
 
+from core.contract import ENDPOINT_ROLES, Role
 from loadgen.prom import Sample, parse_samples, resolve_names, spec_decode_settings
-from turnscope.core.contract import ENDPOINT_ROLES, Role
-from turnscope.core.store import ShardWriter
+from store.writer import ShardWriter
 
 log = logging.getLogger(__name__)
 

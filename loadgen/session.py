@@ -2,7 +2,7 @@
 
 A :class:`SessionPlan` is a list of :class:`TurnPlan` s: the messages appended before each model call
 (user text, tool results), the trace's reply for that call, the gap before it and the turn's kind
-(:data:`turnscope.core.contract.TURN_KINDS`, docs/workloads.md). Plans come from traces
+(:data:`core.contract.TURN_KINDS`, docs/workloads.md). Plans come from traces
 (:func:`plan_from_conversation`, ``loadgen.traces``) and from workloads (``loadgen.workload``); the
 session player (:mod:`loadgen.session_player`) plays them.
 """
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from turnscope.core.contract import GAP_KINDS, TURN_KINDS
+from core.contract import GAP_KINDS, TURN_KINDS
 
 # --------------------------------------------------------------------------------------- plans
 

@@ -20,11 +20,11 @@ import gevent
 import httpx
 from gevent.event import AsyncResult
 
+from core.contract import client_auth_headers
 from loadgen.session import SessionPlan, plan_from_conversation
 from loadgen.synth_text import TextSynth, counter_from
 from loadgen.traces.taubench import load_taubench
 from loadgen.workload import Workload, describe, load_workload, plan_workload
-from turnscope.core.contract import client_auth_headers
 
 log = logging.getLogger("turnscope.locust")
 

@@ -13,7 +13,7 @@
 Each has two steps: :meth:`History.prepare` (the next request's messages and ids, before the gap
 ends) and :meth:`History.advance` (take in what came back). Both keep the text history (the
 ``token_ids`` one for retries and re-renders after an edit). Neither does HTTP itself: rendering
-goes through a ``tokenize`` callable (:class:`turnscope.core.tokenize_client.TokenizeClient` in a run).
+goes through a ``tokenize`` callable (:class:`core.tokenize_client.TokenizeClient` in a run).
 See docs/design.md for where they sit in a turn.
 """
 
@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from core.tokenize_client import TokenizeClient, TokenizeError
 from loadgen.session import TurnPlan, apply_edit
 from loadgen.stream_client import TurnResult
 from loadgen.token_prompt import (
@@ -37,7 +38,6 @@ from loadgen.token_prompt import (
     reuse_against,
     strip_generation_prompt,
 )
-from turnscope.core.tokenize_client import TokenizeClient, TokenizeError
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ Three small parts do the work, the player only sequences them (docs/design.md fo
 Requests go through a ``send(url, body, headers) -> TurnResult`` callable and prompts are rendered
 through a ``tokenize`` callable, so the player can be tested without a server; :func:`run_session`
 wires it to :func:`loadgen.stream_client.stream_turn` and
-:class:`turnscope.core.tokenize_client.TokenizeClient`.
+:class:`core.tokenize_client.TokenizeClient`.
 
-Turn kinds (:data:`turnscope.core.contract.TURN_KINDS`, docs/workloads.md), all sent as real requests:
+Turn kinds (:data:`core.contract.TURN_KINDS`, docs/workloads.md), all sent as real requests:
 
 * ``turn`` / ``resume``: the history grows by the turn's new messages (a ``resume`` comes after a
   pause longer than the decode worker's KV TTL; it is played like a turn, after its gap);
@@ -25,9 +25,9 @@ Turn kinds (:data:`turnscope.core.contract.TURN_KINDS`, docs/workloads.md), all 
 * ``fresh``: an unrelated single request under its own session id (``<session>~fresh<k>``, in the
   store and towards the proxy) with a ``sessions`` row of its own; the history is untouched.
 
-Every request carries the session key (body :data:`~turnscope.core.contract.SESSION_FIELD` and header
-:data:`~turnscope.core.contract.SESSION_HEADER`), a request id of its own (header
-:data:`~turnscope.core.contract.REQUEST_ID_HEADER`, ``lg-<32 hex>``; the proxy uses it as the request's
+Every request carries the session key (body :data:`~core.contract.SESSION_FIELD` and header
+:data:`~core.contract.SESSION_HEADER`), a request id of its own (header
+:data:`~core.contract.REQUEST_ID_HEADER`, ``lg-<32 hex>``; the proxy uses it as the request's
 id, so its log and the ``turns`` row name the same request), ``return_token_ids: true``,
 ``max_tokens`` and ``temperature``. Every request sent gets a ``turns`` row: one interrupted in
 flight (Locust stopping its users, Ctrl-C) is recorded ``cancelled`` with its request id before
@@ -48,6 +48,8 @@ from typing import Any
 
 import httpx
 
+from core.contract import HISTORY_MODES, REQUEST_ID_HEADER, SESSION_FIELD, SESSION_HEADER
+from core.tokenize_client import TokenizeClient
 from loadgen.session import SessionPlan, TurnPlan
 from loadgen.session_history import (
     History,
@@ -61,8 +63,6 @@ from loadgen.session_history import (
 from loadgen.session_recorder import RowWriter, SessionRecorder, SessionResult, TurnRecord, turn_row
 from loadgen.stream_client import GeventClient, TurnResult, stream_turn
 from loadgen.token_prompt import TokenizeFn, TurnJoiner
-from turnscope.core.contract import HISTORY_MODES, REQUEST_ID_HEADER, SESSION_FIELD, SESSION_HEADER
-from turnscope.core.tokenize_client import TokenizeClient
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class PlayerOptions:
     """The knobs of a session player.
 
     Attributes:
-        history_mode: ``text`` or ``token_ids`` (:data:`turnscope.core.contract.HISTORY_MODES`).
+        history_mode: ``text`` or ``token_ids`` (:data:`core.contract.HISTORY_MODES`).
         max_tokens: output cap per turn, tokens (a turn's own ``max_tokens`` wins).
         max_prompt_tokens: stop the session, before sending, when a prompt would be longer
             (tokens); None: no limit.

@@ -2,7 +2,7 @@
 
 The columns are those of ``data/schema.sql`` (docs/schema/overview.md). :func:`turn_row` builds a turn's row
 from what the client measured (:class:`loadgen.stream_client.TurnResult`) and what the proxy said
-(the wire contract's headers and facts, :mod:`turnscope.core.contract`); :class:`SessionRecorder` appends
+(the wire contract's headers and facts, :mod:`core.contract`); :class:`SessionRecorder` appends
 the rows to a store writer and keeps what the session player returns (:class:`SessionResult`).
 """
 
@@ -17,21 +17,21 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from loadgen.session import SessionPlan, TurnPlan
-from loadgen.stream_client import TurnResult
-from turnscope.core.contract import (
+from core.contract import (
     DECODE_ENGINE_HEADER,
     GAP_KINDS,
     PREFILL_ENGINE_HEADER,
     PREFILL_MS_HEADER,
     REUSE_HEADER,
 )
+from loadgen.session import SessionPlan, TurnPlan
+from loadgen.stream_client import TurnResult
 
 log = logging.getLogger(__name__)
 
 
 class RowWriter(Protocol):
-    """What the session recorder needs of a store writer (``turnscope.core.store.ShardWriter``)."""
+    """What the session recorder needs of a store writer (``store.writer.ShardWriter``)."""
 
     def append(self, table: str, row: dict[str, Any]) -> None: ...
 
@@ -169,7 +169,7 @@ class SessionRecorder:
     """Appends a session's rows to the store and keeps what the player returns.
 
     Args:
-        writer: store writer (``turnscope.core.store.ShardWriter``).
+        writer: store writer (``store.writer.ShardWriter``).
         run_id: the run the rows belong to.
         plan: the session played (its id, source and archetype go into the ``sessions`` rows).
         keep_turns: keep every :class:`TurnRecord` in :attr:`result` (False: only the session row).

@@ -53,7 +53,7 @@ from typing import Any, Self
 import httpx
 from httpx_sse import EventSource, SSEError
 
-from turnscope.core.contract import FACTS_FIELD, REQUEST_ID_HEADER, error_body_text
+from core.contract import FACTS_FIELD, REQUEST_ID_HEADER, error_body_text
 
 _DONE = "[DONE]"
 

@@ -39,8 +39,8 @@ from typing import Any, Protocol
 import httpx
 import numpy as np
 
-from turnscope.core import resources
-from turnscope.core.tokenize_client import TokenizeClient, TokenizeError
+from core import resources
+from core.tokenize_client import TokenizeClient, TokenizeError
 
 #: Words of this trace are the candidates when the tokenizer's vocabulary is not at hand.
 _CANDIDATE_TRACE = resources.shipped("traces", "gpt-4o-airline.json")

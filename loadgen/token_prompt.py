@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from turnscope.core.contract import HIT, MISS_BELOW_THRESHOLD, MISS_MISMATCH, common_prefix_length
+from core.contract import HIT, MISS_BELOW_THRESHOLD, MISS_MISMATCH, common_prefix_length
 
 #: ``tokenize(messages=None, prompt=None, *, add_generation_prompt, add_special_tokens) -> ids``:
 #: a chat-template render of ``messages`` (or a plain encode of ``prompt``) as the server does it.

@@ -11,7 +11,7 @@ overlapping in time, and one session's timeline. :class:`TrafficReport` reads th
 them.
 
 Defaults: ``ttl_s`` 480 s is vLLM's ``decoder_kv_blocks_ttl`` and ``recompute_threshold_tokens`` 64
-is its ``kv_recompute_threshold`` (``turnscope.core.contract``, docs/configuration.md); the CLI
+is its ``kv_recompute_threshold`` (``core.contract``, docs/configuration.md); the CLI
 passes the operator's settings.
 """
 
@@ -31,14 +31,14 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from core.contract import DECODER_KV_BLOCKS_TTL_S, KV_RECOMPUTE_THRESHOLD_TOKENS
 from loadgen.traces.agent_request import AgentRequest
 from loadgen.traces.errors import TraceFormatError
 from loadgen.traces.formats import FORMATS, OWN_CLOCK, detect_format, iter_agent_requests, trace_format
-from turnscope.core.contract import DECODER_KV_BLOCKS_TTL_S, KV_RECOMPUTE_THRESHOLD_TOKENS
-from turnscope.core.store import Store
+from store.writer import Store
 
 #: vLLM's decoder_kv_blocks_ttl default (seconds) and kv_recompute_threshold default (tokens), as
-#: turnscope.core.contract defines them (one definition, also turnscope.core.connector.Connector's defaults).
+#: core.contract defines them (one definition, also core.connector.Connector's defaults).
 DEFAULT_TTL_S = float(DECODER_KV_BLOCKS_TTL_S)
 DEFAULT_RECOMPUTE_THRESHOLD_TOKENS = KV_RECOMPUTE_THRESHOLD_TOKENS
 #: Rows per Parquet row group written (and held in memory) at a time.

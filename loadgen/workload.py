@@ -91,13 +91,13 @@ from pydantic import (
     model_validator,
 )
 
+from core import resources, yaml_file
 from loadgen.session import SessionPlan, TurnPlan
 from loadgen.synth_text import TextSynth, seed_ints
 from loadgen.traces.formats import EMPIRICAL_TRACES, REPLAY_FORMATS, resolve, trace_format
 from loadgen.traces.replay import reference_reply, seeded_rng
-from turnscope.core import resources, yaml_file
 
-#: The shipped workloads (turnscope.core.resources).
+#: The shipped workloads (core.resources).
 WORKLOAD_DIR = resources.shipped("workloads")
 GapKind = Literal["tool", "think", "pause"]
 _GAP_KINDS = ("tool", "think", "pause")
@@ -476,7 +476,7 @@ def load_workload(path: Path | str, _stack: tuple[Path, ...] = ()) -> Workload:
     ``include`` entries are replaced by the included file's archetypes (recursively; weights
     normalised and scaled) and trace paths are made absolute, so the result is self-contained (it
     is what a run records as its workload spec). A path that does not exist is looked up among the
-    shipped workloads (``mixed``, ``mixed.yaml``, ``data/workloads/mixed.yaml``; turnscope.core.resources.find).
+    shipped workloads (``mixed``, ``mixed.yaml``, ``data/workloads/mixed.yaml``; core.resources.find).
 
     Raises:
         WorkloadError: unreadable file, bad YAML (with its line), a field that fails validation

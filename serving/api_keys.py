@@ -9,7 +9,7 @@ from. Only the reference is written anywhere (the proxy's configuration file, th
 configuration); the key itself is read when a connection is made (docs/configuration.md).
 
 The load generator and turnscope's own clients send the proxy's key from the environment variable
-``turnscope.core.contract.CLIENT_KEY_ENV`` (as the OpenAI SDK reads ``OPENAI_API_KEY``).
+``core.contract.CLIENT_KEY_ENV`` (as the OpenAI SDK reads ``OPENAI_API_KEY``).
 """
 
 from __future__ import annotations

@@ -21,10 +21,10 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from turnscope.core import resources
+from core import resources
 
 #: Where ``turnscope model`` writes it by default: ``models/`` of turnscope's home (the checkout's
-#: ``data/``, or ``./turnscope-data`` installed; turnscope.core.resources).
+#: ``data/``, or ``./turnscope-data`` installed; core.resources).
 DEFAULT_MODEL_DIR = resources.home() / "models" / "turnscope-tiny"
 DEFAULT_CORPUS = resources.shipped("traces", "gpt-4o-airline.json")
 

@@ -6,9 +6,11 @@ prefill pulls (``kv_transfer_params``). vLLM 0.32 returns it only in non-streame
 (``python -m serving.vllm_worker``) patches it in (``serving.stream_handle_patch``). Against a stock
 vLLM D every streamed turn of a bidirectional mode would read ``miss_no_handle_returned``, which
 looks like a fact of the traffic, not a fault of the set-up. So before a bidirectional mode serves
-anything, :func:`check_streamed_handles` sends one short streamed turn per decode worker through
-the proxy and refuses the mode (:class:`StockDecodeError`, naming the worker and what to change)
-when a D returns no handle.
+anything, :func:`check_streamed_handles` sends one short streamed turn to each decode worker
+through the proxy, naming the worker (``DECODE_WORKER_HEADER``: the proxy's routing is bypassed,
+so a D its routing would not pick for the check's sessions is checked all the same), and refuses
+the mode (:class:`StockDecodeError`, naming the worker and what to change) when a D returns no
+handle.
 
 Each check turn is followed by its session's release turn (:func:`release_turn`): P pulls the
 handle, so D frees those blocks, and the release is abandoned after its first token, so D pins
@@ -26,7 +28,7 @@ import httpx
 from httpx_sse import SSEError, connect_sse
 from prometheus_client.parser import text_string_to_metric_families
 
-from turnscope.core.contract import DECODE_ENGINE_HEADER, FACTS_FIELD, SESSION_FIELD
+from core.contract import DECODE_ENGINE_HEADER, DECODE_WORKER_HEADER, FACTS_FIELD, SESSION_FIELD
 
 #: Output tokens a release turn asks for: D is still decoding when the client leaves after the first.
 RELEASE_MAX_TOKENS = 64
@@ -40,17 +42,19 @@ class StockDecodeError(RuntimeError):
     """A decode worker returns no KV handle in streamed answers: the bidirectional modes are refused."""
 
 
-def release_turn(client: httpx.Client, proxy_url: str, body: dict) -> str:
+def release_turn(client: httpx.Client, proxy_url: str, body: dict, headers: dict[str, str] | None = None) -> str:
     """Send ``body`` as a streamed turn of at most :data:`RELEASE_MAX_TOKENS` tokens and leave after
     its first event: the proxy closes its connections to the workers (``serving.client_disconnect``)
     and vLLM aborts the request, and D frees an aborted request's blocks at once, where it pins a
     request finished by length or stop for ``decoder_kv_blocks_ttl`` (vLLM 0.32
     ``nixl/pull_scheduler.py``, ``request_finished``). The turn still takes its session's handle
     (P pulls it, or needs none of it), on which D frees that handle. Returns the reuse outcome (the
-    proxy's ``x-turnscope-reuse`` header), or the error; never raises for the server's answer."""
+    proxy's ``x-turnscope-reuse`` header), or the error; never raises for the server's answer.
+    ``headers``: added to the client's (a named decode worker)."""
     stream = body | {"stream": True, "max_tokens": RELEASE_MAX_TOKENS}
     try:
-        with connect_sse(client, "POST", proxy_url + "/v1/completions", json=stream) as source:
+        with connect_sse(client, "POST", proxy_url + "/v1/completions", json=stream,
+                         headers=dict(headers or {})) as source:
             outcome = source.response.headers.get("x-turnscope-reuse", f"http {source.response.status_code}")
             source.response.raise_for_status()
             next(source.iter_sse(), None)      # the first token; leaving the block closes the connection
@@ -86,11 +90,13 @@ def wait_disconnects_counted(client: httpx.Client, proxy_url: str, before: float
         time.sleep(0.05)
 
 
-def _check_turn(client: httpx.Client, proxy_url: str, body: dict) -> tuple[str | None, dict | None, list[int]]:
+def _check_turn(client: httpx.Client, proxy_url: str, body: dict,
+                headers: dict[str, str]) -> tuple[str | None, dict | None, list[int]]:
     """One streamed check turn: ``(decode worker, facts, generated ids)``. Raises RuntimeError when
     the proxy answers an HTTP error."""
     facts, gen = None, []
-    with connect_sse(client, "POST", proxy_url + "/v1/completions", json=body | {"stream": True}) as source:
+    with connect_sse(client, "POST", proxy_url + "/v1/completions", json=body | {"stream": True},
+                     headers=dict(headers)) as source:
         if source.response.status_code != 200:
             source.response.read()
             raise RuntimeError(f"the streamed-handle check's turn was answered HTTP {source.response.status_code}: "
@@ -109,26 +115,31 @@ def _check_turn(client: httpx.Client, proxy_url: str, body: dict) -> tuple[str |
 def check_streamed_handles(proxy_url: str, model: str, decode_workers: dict[str, str],
                            headers: dict[str, str] | None = None, timeout_s: float = 120.0) -> dict[str, bool]:
     """Through the proxy of a bidirectional mode, whether each decode worker returns its KV handle in
-    a streamed answer: short sessions (new ids, :data:`CHECK_PROMPT_TOKENS` random token ids, 2
-    output tokens) until every worker of ``decode_workers`` (name -> URL) was picked at least once
-    (at most 4 per worker), each released (:func:`release_turn`). ``headers``: the proxy's client key.
-    Returns name -> handle returned. Raises StockDecodeError naming each worker that returned none,
-    and RuntimeError when a check turn fails."""
+    a streamed answer: one short session per worker of ``decode_workers`` (name -> URL; a new id,
+    :data:`CHECK_PROMPT_TOKENS` random token ids, 2 output tokens), sent to that worker by name
+    (``DECODE_WORKER_HEADER``), then released (:func:`release_turn`, to the same worker).
+    ``headers``: the proxy's client key. Returns name -> handle returned, for every worker.
+    Raises StockDecodeError naming each worker that returned none, and RuntimeError when a check
+    turn fails or another worker than the one named served it (a proxy that does not route by
+    name)."""
     seen: dict[str, bool] = {}
     rng = random.Random(os.getpid())
     with httpx.Client(timeout=timeout_s, headers=headers or {}) as client:
         before = proxy_client_disconnects(client, proxy_url)
         released = 0
-        for i in range(4 * len(decode_workers)):
+        for i, name in enumerate(decode_workers):
+            named = {DECODE_WORKER_HEADER: name}
             ids = [rng.randrange(10, 2000) for _ in range(CHECK_PROMPT_TOKENS)]
             body = {"model": model, "prompt": ids, "max_tokens": 2, "temperature": 0,
                     SESSION_FIELD: f"turnscope-handle-check-{os.getpid()}-{i}"}
-            decode, facts, gen = _check_turn(client, proxy_url, body)
-            seen[decode] = seen.get(decode, False) or (facts or {}).get("handle_tokens") is not None
-            outcome = release_turn(client, proxy_url, body | {"prompt": ids + gen + ids[:8]})
+            decode, facts, gen = _check_turn(client, proxy_url, body, named)
+            if decode != name:
+                raise RuntimeError(f"the streamed-handle check named decode worker {name} ({DECODE_WORKER_HEADER}) "
+                                   f"and {proxy_url} answered from {decode!r}: it is not a turnscope proxy that "
+                                   "routes by that header")
+            seen[name] = (facts or {}).get("handle_tokens") is not None
+            outcome = release_turn(client, proxy_url, body | {"prompt": ids + gen + ids[:8]}, named)
             released += not outcome.startswith("error")
-            if set(decode_workers) <= set(seen):
-                break
         wait_disconnects_counted(client, proxy_url, before, released)
     missing = [name for name, ok in seen.items() if not ok]
     if missing:

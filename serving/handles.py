@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from turnscope.core import reuse_rules as rules
+from core import reuse_rules as rules
 
 # Outcomes (docs/design.md). Exactly one per request.
-from turnscope.core.contract import (
+from core.contract import (
     HIT,
     MISS_BELOW_THRESHOLD,
     MISS_CONSUMED,

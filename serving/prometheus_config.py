@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from turnscope.core.contract import ENDPOINT_ROLES, Role
+from core.contract import ENDPOINT_ROLES, Role
 
 #: Seconds between scrapes. vLLM updates its gauges once per engine step and logs stats every
 #: 5 s (``--log-stats`` interval), so 5 s resolves turns of agent sessions without overloading
@@ -62,7 +62,7 @@ def render_prometheus_config(
             ``("vllm", "http://10.0.0.1:8100", "prefill")`` or
             ``("turnscope-proxy", "http://127.0.0.1:8200", "proxy")``. ``url`` is the base URL the
             server answers on (``http`` or ``https``, host, port, optional path prefix);
-            ``/metrics`` is appended to its path. ``role`` is one of ``turnscope.core.contract.ENDPOINT_ROLES``. Targets of one
+            ``/metrics`` is appended to its path. ``role`` is one of ``core.contract.ENDPOINT_ROLES``. Targets of one
             job must share scheme and path prefix (Prometheus sets them per scrape config).
         scrape_interval_s: seconds between scrapes (global ``scrape_interval``), default
             :data:`DEFAULT_SCRAPE_INTERVAL_S`.

@@ -5,7 +5,7 @@ decode worker, and reports what happened in the response (docs/design.md follows
 generate request (``/v1/chat/completions`` or ``/v1/completions``) goes through its methods:
 
 1. :meth:`~SessionProxy.admit`: the session key is the body field ``conversation_id`` (popped) or
-   the ``X-Session-ID`` header (:mod:`turnscope.core.contract`). Client-supplied
+   the ``X-Session-ID`` header (:mod:`core.contract`). Client-supplied
    ``kv_transfer_params`` (top level, or inside ``vllm_xargs``) are dropped: they could read
    another session's blocks. P and D are picked by the configured policies (``serving.routing``).
 2. :meth:`~SessionProxy.match_handle`: under the session's lock the handle is popped (single use).
@@ -55,6 +55,19 @@ from httpx_sse import aconnect_sse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
+from core import reuse_rules as rules
+from core.contract import (
+    DECODE_WORKER_HEADER,
+    FACTS_FIELD,
+    REQUEST_ID_HEADER,
+    SESSION,
+    SESSION_FIELD,
+    SESSION_HEADER,
+    RoutingPolicy,
+    error_body_text,
+)
+from core.modes import AGGREGATED
+from core.tokenize_client import TokenizeError, render_request, tokenize_async
 from serving import handles as h
 from serving.api_keys import SecretRef, bearer, resolve_optional
 from serving.client_disconnect import run_until_client_gone
@@ -71,18 +84,6 @@ from serving.proxy_request import (
 )
 from serving.routing import Router
 from serving.upstream_tls import UpstreamTLS
-from turnscope.core import reuse_rules as rules
-from turnscope.core.contract import (
-    FACTS_FIELD,
-    REQUEST_ID_HEADER,
-    SESSION,
-    SESSION_FIELD,
-    SESSION_HEADER,
-    RoutingPolicy,
-    error_body_text,
-)
-from turnscope.core.modes import AGGREGATED
-from turnscope.core.tokenize_client import TokenizeError, render_request, tokenize_async
 
 log = logging.getLogger("turnscope.proxy")
 
@@ -328,6 +329,10 @@ class SessionProxy:
         opens, or during a non-streamed decode leg) has the legs in flight cancelled, which closes
         their connections to the workers (``serving.client_disconnect``): :meth:`client_left`."""
         req = await self.admit(endpoint, request)
+        if req.decode is None:
+            names = ", ".join(w.name for w in self.decode_router.workers)
+            return self.reject(req, DECODE_WORKER_HEADER, f"the header {DECODE_WORKER_HEADER} names decode worker "
+                               f"{req.facts.decode_engine!r}, which this proxy does not have (it has: {names})")
         if self.config.mode == AGGREGATED:
             req.facts.prefill_engine = None
         else:
@@ -375,7 +380,8 @@ class SessionProxy:
 
     async def admit(self, endpoint: str, request: Request) -> ProxiedRequest:
         """Read the body, take the session key out of it, drop client-supplied
-        ``kv_transfer_params`` (they could read another session's blocks), pick the workers."""
+        ``kv_transfer_params`` (they could read another session's blocks), pick the workers: D the
+        one :data:`DECODE_WORKER_HEADER` names, if any (None when no D has that name)."""
         t_arrival = time.perf_counter()
         body = await request.json()
         session = body.pop(SESSION_FIELD, None) or request.headers.get(SESSION_HEADER.lower())
@@ -383,9 +389,11 @@ class SessionProxy:
         if isinstance(body.get("vllm_xargs"), dict):  # vLLM copies vllm_xargs into the params' source too
             body["vllm_xargs"].pop("kv_transfer_params", None)
         request_id = request.headers.get(REQUEST_ID_HEADER) or f"ts-{uuid.uuid4().hex}"
-        prefill, decode = self.prefill_router.pick(session), self.decode_router.pick(session)
+        pinned = request.headers.get(DECODE_WORKER_HEADER)  # a named D (None: an unknown name, refused)
+        prefill = self.prefill_router.pick(session)
+        decode = self.decode_router.pick(session) if pinned is None else self.decode_router.named(pinned)
         facts = RequestFacts(request_id=request_id, mode=self.config.mode, prefill_engine=prefill.name,
-                             decode_engine=decode.name)
+                             decode_engine=decode.name if decode is not None else pinned)
         return ProxiedRequest(endpoint=endpoint, body=body, session=session, prefill=prefill, decode=decode,
                               facts=facts, t_arrival=t_arrival)
 
@@ -670,7 +678,7 @@ class _StreamRelay:
     """What the streamed relay has seen of D's stream: prompt and generated ids, D's handle, TTFT.
 
     Every event of D's goes to the client with its bytes unchanged, except two, which get the
-    additive ``turnscope`` field (:data:`turnscope.core.contract.FACTS_FIELD`) spliced in before their
+    additive ``turnscope`` field (:data:`core.contract.FACTS_FIELD`) spliced in before their
     closing brace (D's own bytes stay a prefix): the chunk where choice 0 finishes (its
     ``finish_reason`` set: every vLLM stream has one) and the chunk carrying D's
     ``kv_transfer_params`` (``serving.stream_handle_patch``), whose params are replaced by the

@@ -2,7 +2,7 @@
 
 :class:`RequestFacts` is what the proxy learns about a request (reuse outcome, token counts, the
 prefill leg's time, the workers) and renders it the way the wire contract says
-(:mod:`turnscope.core.contract`): response headers, the public ``turnscope`` field, the JSON log line.
+(:mod:`core.contract`): response headers, the public ``turnscope`` field, the JSON log line.
 :class:`ProxiedRequest` carries one request through the proxy's steps
 (``serving.proxy.SessionProxy``). See docs/design.md.
 """
@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from turnscope.core.contract import (
+from core.contract import (
     DECODE_ENGINE_HEADER,
     PREFILL_ENGINE_HEADER,
     PREFILL_MS_HEADER,
@@ -38,7 +38,7 @@ CLIENT_DISCONNECTED = "client_disconnected"
 @dataclass
 class RequestFacts:
     """The facts of one request (counts in tokens, times in seconds); see
-    :class:`turnscope.core.contract.PublicFacts` for the meaning of each public one.
+    :class:`core.contract.PublicFacts` for the meaning of each public one.
 
     ``prefill_engine`` is None in aggregated mode (there is no prefill leg).
     """

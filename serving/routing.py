@@ -24,7 +24,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from turnscope.core.contract import PREFIX_AWARE, ROUND_ROBIN, ROUTING_POLICIES
+from core.contract import PREFIX_AWARE, ROUND_ROBIN, ROUTING_POLICIES
 
 
 def rendezvous_weight(session: str, worker: str) -> int:
@@ -85,6 +85,10 @@ class Router:
         self._served.move_to_end(session)
         while len(self._served) > self.max_sessions:
             self._served.popitem(last=False)
+
+    def named(self, name: str):
+        """The worker called ``name`` (healthy or not: the caller asked for it), or None."""
+        return next((w for w in self.workers if w.name == name), None)
 
     def pick(self, session: str | None):
         """The worker for a request of ``session`` (None: no session key)."""

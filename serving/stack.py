@@ -20,6 +20,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from core import resources
+from core.contract import WORKER_ROLES, Role
+from core.modes import serving_mode
 from serving.api_keys import bearer, resolve_optional
 from serving.handle_check import check_streamed_handles
 from serving.kv_size import kv_bytes_per_token as kv_bytes_per_token_of
@@ -36,9 +39,6 @@ from serving.workers import (
     wait_http,
     worker_block_size,
 )
-from turnscope.core import resources
-from turnscope.core.contract import WORKER_ROLES, Role
-from turnscope.core.modes import serving_mode
 
 
 class StackAccess:

@@ -31,12 +31,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from core import resources, yaml_file
+from core.connector import Connector
+from core.contract import SESSION, WORKER_ROLES, RoutingPolicy
+from core.modes import MODES, SERVING_MODES
 from serving.api_keys import SecretRef
 from serving.upstream_tls import UpstreamTLS
-from turnscope.core import resources, yaml_file
-from turnscope.core.connector import Connector
-from turnscope.core.contract import SESSION, WORKER_ROLES, RoutingPolicy
-from turnscope.core.modes import MODES, SERVING_MODES
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 

@@ -29,14 +29,14 @@ from pathlib import Path
 import httpx
 import psutil
 
+from core import resources
+from core.connector import Connector
+from core.contract import Role
+from core.modes import serving_mode
 from serving import engine_idle_wait, nixl_progress
 from serving.api_keys import VLLM_KEY_ENV, CredentialError, SecretRef, bearer, resolve_optional
 from serving.topology import LOCAL_HOSTS, RoleSettings, Topology, WorkerEntryPoint
 from serving.upstream_tls import UpstreamTLS, raise_if_certificate_refused
-from turnscope.core import resources
-from turnscope.core.connector import Connector
-from turnscope.core.contract import Role
-from turnscope.core.modes import serving_mode
 
 #: Microseconds NIXL's progress thread pauses between polls in a CPU worker (``serving.nixl_progress``:
 #: nixl polls without a pause, a whole core per worker, the core the worker computes on). Measured
@@ -105,7 +105,7 @@ class WorkerSpec:
 def mode_workers(mode: str, topology: Topology) -> list[WorkerSpec]:
     """The workers ``mode`` runs on ``topology`` (docs/design.md).
 
-    A P/D mode (``turnscope.core.modes.ServingMode.disaggregated``): every prefill and decode entry, with
+    A P/D mode (``core.modes.ServingMode.disaggregated``): every prefill and decode entry, with
     ``bidirectional_kv_xfer`` on both roles where the mode is bidirectional and
     ``--no-enable-prefix-caching`` on P where the mode turns P's prefix cache off. An aggregated
     mode: the aggregated entries, prefix caching on. Raises ValueError for an unknown

@@ -1,6 +1,6 @@
-"""A capacity ramp as ``turnscope capacity`` records it, written with turnscope.core.store's real writer;
+"""A capacity ramp as ``turnscope capacity`` records it, written with store.writer's real writer;
 every value is written out by hand here, and the truths the tests check are computed by hand
-below (independently of dashboard/queries/capacity.py and turnscope/analysis/capacity_crossing.py).
+below (independently of store/queries/capacity.py and analysis/capacity_crossing.py).
 
 Ramp ``CAP_ID``: modes ``pd`` and ``pd-bidir``, steps ``USERS`` = 1, 2, 4 concurrent sessions,
 SLO TTFT <= 0.5 s and TPOT <= 0.05 s (in ``runs.config.slo``). Every step has 10 ok turns, turn i
@@ -28,7 +28,7 @@ from __future__ import annotations
 import datetime as dt
 from pathlib import Path
 
-from turnscope.core.store import Store
+from store.writer import Store
 
 T0 = dt.datetime(2026, 12, 1, 9, 0, tzinfo=dt.UTC)
 CAP_ID = "capacity-20261201T090000"

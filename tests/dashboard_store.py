@@ -1,4 +1,4 @@
-"""A small, fully known store for the dashboard tests, written with turnscope.core.store's real writer.
+"""A small, fully known store for the dashboard tests, written with store.writer's real writer.
 
 Four runs of one workload (``coding-agent``, history ``token_ids``) in three modes:
 
@@ -25,7 +25,7 @@ import datetime as dt
 import math
 from pathlib import Path
 
-from turnscope.core.store import Store
+from store.writer import Store
 
 T0 = dt.datetime(2026, 11, 1, 10, 0, tzinfo=dt.UTC)
 WORKLOAD = "coding-agent"

@@ -1,7 +1,7 @@
 """P's eviction ladder as ``turnscope capacity --prefill-kv-tokens`` records it, written with
-turnscope.core.store's real writer; every value is written out by hand here and the truths the
-tests check are computed by hand below (independently of dashboard/queries/capacity.py,
-data/schema.sql's capacity_prefill_cache and turnscope/analysis/eviction_window.py).
+store.writer's real writer; every value is written out by hand here and the truths the
+tests check are computed by hand below (independently of store/queries/capacity.py,
+data/schema.sql's capacity_prefill_cache and analysis/eviction_window.py).
 
 Ramp ``CAP_ID``: modes ``pd`` and ``pd-bidir``, steps ``USERS`` = 1, 2, 4, 6 concurrent sessions;
 P's KV space 16,384 tokens, D's 32,768 (x 4,096 bytes), the aggregated worker's their sum. SLO
@@ -37,7 +37,7 @@ from __future__ import annotations
 import datetime as dt
 from pathlib import Path
 
-from turnscope.core.store import Store
+from store.writer import Store
 
 T0 = dt.datetime(2026, 12, 6, 9, 0, tzinfo=dt.UTC)
 CAP_ID = "ev-test"

@@ -1,5 +1,5 @@
-"""Recorded runs as ``turnscope eval`` records them, written with turnscope.core.store's real writer, for the
-planner's fit and check (turnscope/planner/fit.py, check.py). Every value is a formula below,
+"""Recorded runs as ``turnscope eval`` records them, written with store.writer's real writer, for the
+planner's fit and check (planner/fit.py, check.py). Every value is a formula below,
 independent of the planner's code, so the tests' truths are hand computations.
 
 Five runs (``RUNS``: one per mode), token_ids history, ``SESSIONS`` = 2 sessions of ``TURNS`` = 4
@@ -35,7 +35,7 @@ from __future__ import annotations
 import datetime as dt
 from pathlib import Path
 
-from turnscope.core.store import Store
+from store.writer import Store
 
 T0 = dt.datetime(2026, 11, 30, 9, 0, tzinfo=dt.UTC)
 MODES = ("pd-nocache", "pd", "pd-bidir", "pd-bidir-nocache", "aggregated")
@@ -204,7 +204,7 @@ def build(root: Path, aggregated_cached: bool = True, overlap_s: float | None = 
 
 # -- a fleet plan, written by hand ---------------------------------------------------------------
 # Fleet sizing at 100 new sessions per hour against an SLO of p90 TTFT <= 1 s, one row per strategy
-# (turnscope.planner.plan_store.write_fleet_plan), and each strategy's fleet at five loads. Every
+# (planner.plan_store.write_fleet_plan), and each strategy's fleet at five loads. Every
 # figure is typed here, none computed: the Plan page's tests read them back as the truth.
 # recompute's 2P 2D is overloaded (P at 3.4x its capacity: 0.85x at 25/h, linear in the load);
 # pd-bidir+host misses the SLO (1.12 s); pd-bidir (32 GPUs) is the cheapest that meets it, and
@@ -281,9 +281,9 @@ def build_fleet_plan(root: Path, plan_id: str = FLEET_PLAN_ID, fleets: list[dict
                      curve: list[dict] | None = None) -> Path:
     """Write the hand-made fleet plan (``fleet_rows``, ``curve_rows``: or the given rows) to the store
     under ``root`` with the real writer and the vendor-h200 profile; returns ``root``."""
-    from turnscope.planner.plan_store import write_fleet_plan
-    from turnscope.planner.profile import load_profile
-    from turnscope.planner.simulate import PlanSettings
+    from planner.plan_store import write_fleet_plan
+    from planner.profile import load_profile
+    from planner.simulate import PlanSettings
 
     profile = load_profile(Path(__file__).resolve().parents[1] / "data" / "profiles" / "vendor-h200.yaml")
     write_fleet_plan(Store(root), plan_id=plan_id, label=FLEET_LABEL, inputs=[{"path": "traces", "format": "agent"}],

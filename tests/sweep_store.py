@@ -1,4 +1,4 @@
-"""A prefix sweep as ``turnscope sweep`` records it, written with turnscope.core.store's real writer, every
+"""A prefix sweep as ``turnscope sweep`` records it, written with store.writer's real writer, every
 value a formula below (independent of the dashboard's code), for the Sweep page's tests.
 
 - Sweep ``SWEEP_ID`` (``vendor-sweep``, default scale, history ``token_ids``): points
@@ -27,7 +27,7 @@ from __future__ import annotations
 import datetime as dt
 from pathlib import Path
 
-from turnscope.core.store import Store
+from store.writer import Store
 
 T0 = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.UTC)
 SWEEP_ID = "sweep-20261130T120000"

@@ -1,5 +1,5 @@
 """Compare: two runs or modes on the same workload, favourable and unfavourable turns side by side,
-as speed-ups B / A (``turnscope.analysis.speedup``) with bootstrap confidence intervals and a plain-language
+as speed-ups B / A (``analysis.speedup``) with bootstrap confidence intervals and a plain-language
 verdict."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import cards, charts, context, db, figures, html_reports, queries, tables
+from analysis import compare as compare_stats
+from analysis import headline, speedup
+from dashboard import cards, charts, context, figures, html_reports, tables
 from dashboard.figures import MODE_ORDER
 from dashboard.loader import load
-from dashboard.queries import hit_rate
-from turnscope.analysis import compare as compare_stats
-from turnscope.analysis import headline, speedup
+from store import db, hit_rate, queries
 
 
 @st.cache_data(ttl=db.CACHE_TTL_S, show_spinner="Bootstrapping confidence intervals…")

@@ -8,11 +8,12 @@ import dataclasses
 
 import streamlit as st
 
-from dashboard import capacity_section, charts, context, figures, queries, tables
+from core.modes import BIDIRECTIONAL_MODES
+from dashboard import capacity_section, charts, context, figures, tables
 from dashboard.loader import load
-from dashboard.queries import hit_rate
-from turnscope.core.modes import BIDIRECTIONAL_MODES
-from turnscope.planner.ttl_whatif import WHATIF_TTLS_S
+from planner.recorded_whatif import whatif_ttl_d_limit
+from store import hit_rate, queries
+from store.queries.memory import WHATIF_TTLS_S
 
 sel = context.current()
 st.title("Memory")
@@ -98,7 +99,7 @@ f_held = dataclasses.replace(f, run_ids=held_runs)
 config = load(sel.root, queries.run_config, f_held)
 current = sorted({float(t) for t in config["decoder_kv_blocks_ttl_s"].dropna()})
 ttls = tuple(sorted(set(WHATIF_TTLS_S) | set(current)))
-whatif = load(sel.root, queries.whatif_ttl_d_limit, f_held, ttls)
+whatif = load(sel.root, whatif_ttl_d_limit, f_held, ttls)
 charts.show(lambda: figures.whatif_ttl(whatif, current), "whatif_ttl")
 margins = sorted({float(m) for m in config["handle_ttl_margin_s"].dropna()})
 margin = ", ".join(f"{m:.0f}" for m in margins) or "30"
@@ -115,7 +116,7 @@ with st.expander("How the what-if is replayed"):
     "Only runs whose decode worker keeps handles; whole runs: the "
     "sidebar's archetype and kind filters do not apply, since D holds every turn's KV. Each run is replayed "
     "alone from its recorded turns (send times and durations) by the planner's handle ledger "
-    "(`turnscope/planner/pinned_kv.py`): after each ok turn D pins prompt + output − 1 tokens in whole KV "
+    "(`planner/pinned_kv.py`): after each ok turn D pins prompt + output − 1 tokens in whole KV "
     "blocks until the session's next turn pulls them or the TTL passes; a later turn (not `fresh`, recorded "
     f"a hit or a miss by expiry) pulls when its handle is younger than TTL − {margin} s (the proxy's margin); a "
     "miss for another reason (mismatch, below the recompute threshold, failed transfer) stays one, and a turn "

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import cards, charts, context, db, figures, html_reports, queries, tables
+from analysis import headline, pd_check, schedule_text, speedup
+from dashboard import cards, charts, context, figures, html_reports, tables
 from dashboard.loader import load
-from dashboard.queries import hit_rate
-from turnscope.analysis import headline, pd_check, schedule_text, speedup
+from store import db, hit_rate, queries
 
 
 @st.cache_data(ttl=db.CACHE_TTL_S, show_spinner="Bootstrapping the headline's confidence intervals…")

@@ -15,11 +15,13 @@ import json
 import pandas as pd
 import streamlit as st
 
-from dashboard import charts, context, db
+from analysis import speedup
+from analysis.plan_check import CHECK_MEANING, check_summary, headline_check, with_interval
+from dashboard import charts, context
 from dashboard.figures import plan as plan_figures
-from dashboard.queries import plan as plan_queries
-from turnscope.analysis import speedup
-from turnscope.analysis.plan_check import CHECK_MEANING, check_summary, headline_check, with_interval
+from planner.strategies import STRATEGIES
+from store import db
+from store.queries import plan as plan_queries
 
 sel = context.current()
 root = sel.store
@@ -50,12 +52,12 @@ profile = json.loads(row["profile"])
 held_out = profile.get("held_out")
 sp = db.read(root, plan_queries.speedups, pid)
 try:
-    led = db.read(root, plan_queries.ledger, pid)
+    led = db.read(root, plan_queries.ledger, pid, STRATEGIES)
     rec_rows = db.read(root, plan_queries.recommendation, pid)
 except db.StoreInvalid:   # views of a store written before the ledger was stored
     led, rec_rows = pd.DataFrame(), pd.DataFrame()
 try:
-    fleets = db.read(root, plan_queries.fleets, pid)
+    fleets = db.read(root, plan_queries.fleets, pid, STRATEGIES)
 except db.StoreInvalid:   # views of a store written before fleets were stored
     fleets = pd.DataFrame()
 rec = rec_rows.iloc[0] if not rec_rows.empty else None
@@ -74,7 +76,7 @@ if not fleets.empty:
     decode_kv = (profile.get("decode_kv_space_bytes") or {}).get("value")
     st.dataframe(plan_figures.fleet_styler(plan_figures.fleet_table(fleets, decode_kv)), hide_index=True,
                  key="plan_fleets")
-    curve = db.read(root, plan_queries.load_curve, pid)
+    curve = db.read(root, plan_queries.load_curve, pid, STRATEGIES)
     if not curve.empty:
         charts.note("the load curve")
         charts.show(lambda: plan_figures.load_curve_figure(curve, fleets, f"FORECAST (profile {row['profile_name']})"),

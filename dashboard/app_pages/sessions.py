@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import charts, context, figures, queries, tables
+from dashboard import charts, context, figures, tables
 from dashboard.loader import load
+from store import queries
 
 sel = context.current()
 st.title("Sessions")

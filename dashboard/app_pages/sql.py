@@ -7,7 +7,8 @@ import time
 import duckdb
 import streamlit as st
 
-from dashboard import context, db, sqlconsole
+from dashboard import context, sqlconsole
+from store import db
 
 sel = context.current()
 st.title("SQL")

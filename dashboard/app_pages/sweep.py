@@ -10,10 +10,11 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import charts, context, db, queries, sweep_figures
+from analysis import speedup, sweep_stats
+from core.modes import BIDIRECTIONAL_MODES
+from dashboard import charts, context, sweep_figures
 from dashboard.loader import load
-from turnscope.analysis import speedup, sweep_stats
-from turnscope.core.modes import BIDIRECTIONAL_MODES
+from store import db, queries
 
 #: The vendor's published numbers (vLLM blog 2026-10-12, 1P1D on 2 x p5en.48xlarge, 8 x H200 each,
 #: TP 8, NIXL LIBFABRIC on EFA; P's prefix cache off): TTFT (ms) of the benchmark's stats with

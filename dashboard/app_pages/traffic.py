@@ -13,7 +13,7 @@ import streamlit as st
 from dashboard import charts, context
 from dashboard.figures import traffic as figs
 from dashboard.loader import load
-from dashboard.queries import traffic
+from store.queries import traffic
 
 sel = context.current()
 root = sel.root

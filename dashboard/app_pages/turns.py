@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import charts, context, figures, html_reports, queries, tables
+from dashboard import charts, context, figures, html_reports, tables
 from dashboard.figures import traffic as traffic_figures
 from dashboard.loader import load
-from dashboard.queries import traffic as traffic_queries
+from store import queries
+from store.queries import traffic as traffic_queries
 
 sel = context.current()
 st.title("Turns")

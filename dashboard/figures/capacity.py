@@ -8,9 +8,9 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from core.modes import PD, PD_BIDIR
 from dashboard.figures import empty_figure
 from dashboard.palette import NEUTRAL_DARK, mode_color
-from turnscope.core.modes import PD, PD_BIDIR
 
 TREATMENT = PD_BIDIR
 
@@ -20,7 +20,7 @@ def capacity_curve(steps: pd.DataFrame, crossing_users: int | None = None) -> go
     SLO), TTFT p50 (dotted) and p90 (solid) in ms, and D's peak KV usage (%); one colour per mode,
     a vertical dashed line at ``crossing_users`` when given.
 
-    ``steps``: ``dashboard.queries.capacity.capacity_steps`` rows of one ramp (``mode``, ``users``,
+    ``steps``: ``store.queries.capacity.capacity_steps`` rows of one ramp (``mode``, ``users``,
     ``goodput_per_s``, ``ttft_p50_s``, ``ttft_p90_s``, ``decode_kv_usage_max``, ``slo_turns``,
     ``turns``)."""
     if steps.empty:
@@ -67,7 +67,7 @@ def eviction_window(speedups: pd.DataFrame, window_steps: tuple[int, ...] = (),
     dotted line at 1, and ``pd-bidir``'s D peak KV usage (%). The window's steps (``window_steps``)
     are shaded, the crossing (``crossing_users``: D runs out) a dashed vertical line.
 
-    ``speedups``: ``turnscope.analysis.eviction_window.step_speedups`` rows."""
+    ``speedups``: ``analysis.eviction_window.step_speedups`` rows."""
     if speedups.empty:
         return empty_figure("no step measured in both pd and pd-bidir")
     g = speedups.sort_values("users")

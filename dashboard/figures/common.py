@@ -8,8 +8,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from dashboard.palette import MODE_COLORS, OUTCOME_COLORS, mode_color  # noqa: F401  (re-exported)
-from turnscope.core.contract import (
+from core.contract import (
     HIT,
     MISS_BELOW_THRESHOLD,
     MISS_CONSUMED,
@@ -21,9 +20,10 @@ from turnscope.core.contract import (
     MISS_NO_SESSION_ID,
     MISS_TRANSFER_FAILED,
 )
-from turnscope.core.modes import ATTACH_MODE, MODES
+from core.modes import ATTACH_MODE, MODES
+from dashboard.palette import MODE_COLORS, OUTCOME_COLORS, mode_color  # noqa: F401  (re-exported)
 
-#: Serving modes in display order (``turnscope.core.modes.SERVING_MODES``); unknown modes sort after these.
+#: Serving modes in display order (``core.modes.SERVING_MODES``); unknown modes sort after these.
 MODE_ORDER = [*MODES, ATTACH_MODE]
 # The mode and outcome colours live in ``dashboard.palette`` (re-exported above, with mode_color).
 #: Reuse outcomes of the proxy (docs/schema/tables.md, ``turns.reuse``): hit first, then the misses that cost

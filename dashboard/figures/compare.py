@@ -7,17 +7,17 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from analysis import speedup
 from dashboard.figures.common import empty_figure
 from dashboard.palette import AB_COLORS, NEUTRAL, NEUTRAL_DARK, side_colors
-from turnscope.analysis import speedup
 
 
 def compare_by_turn(df: pd.DataFrame, a_name: str, b_name: str) -> go.Figure:
-    """The speed-up B / A of median TTFTs by turn index (``turnscope.analysis.speedup``: above 1, A is
+    """The speed-up B / A of median TTFTs by turn index (``analysis.speedup``: above 1, A is
     faster), with its bootstrap 95% CI as error bars, each point coloured by its verdict, and a
     line at 1 (no difference).
 
-    `df`: ``turnscope.analysis.compare.ratio_by_turn`` (turn_index, n_a, n_b, median_a_s, median_b_s,
+    `df`: ``analysis.compare.ratio_by_turn`` (turn_index, n_a, n_b, median_a_s, median_b_s,
     ratio A / B, ci_low, ci_high; CI NaN when a side has fewer than 2 turns).
     """
     if df.empty:
@@ -69,7 +69,7 @@ def compare_cases(df: pd.DataFrame, a_name: str, b_name: str, a_mode: str | None
                   b_mode: str | None = None) -> go.Figure:
     """Median TTFT (ms) of A and B side by side for each favourable and unfavourable case.
 
-    `df`: ``turnscope.analysis.compare.case_table`` (case, side ``A``|``B``, turns, ttft_p50_s), cases
+    `df`: ``analysis.compare.case_table`` (case, side ``A``|``B``, turns, ttft_p50_s), cases
     in display order. Each side in its mode's colour when `a_mode` and `b_mode` are two different
     modes, else in the neutral A/B colours (``dashboard.palette.side_colors``).
     """

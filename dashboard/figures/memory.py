@@ -8,11 +8,11 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from core.contract import Role
+from core.modes import PD_BIDIR
 from dashboard.figures.common import empty_figure, log_ticks, run_colors
 from dashboard.palette import ALARM, NEUTRAL_DARK, mode_color
-from dashboard.queries import hit_rate
-from turnscope.core.contract import Role
-from turnscope.core.modes import PD_BIDIR
+from store import hit_rate
 
 
 def _run_names(df: pd.DataFrame) -> pd.Series:
@@ -37,8 +37,8 @@ def memory_timeline(mem: pd.DataFrame, hits: pd.DataFrame) -> go.Figure:
     """KV usage of P and D (%), the proxy's live handle bytes (MiB) and the reuse hit rate (%)
     over time since each run started, one colour per run, in three stacked panels.
 
-    `mem`: ``dashboard.queries.memory_timeline`` (run_id, run_label, mode, role, name,
-    elapsed_s, value: usage 0..1 or bytes). `hits`: ``dashboard.queries.hit_rate_timeline``
+    `mem`: ``store.queries.memory_timeline`` (run_id, run_label, mode, role, name,
+    elapsed_s, value: usage 0..1 or bytes). `hits`: ``store.queries.hit_rate_timeline``
     (run_id, run_label, mode, elapsed_s, later_turns, hits, hit_rate 0..1).
     """
     if mem.empty and hits.empty:
@@ -102,8 +102,8 @@ MiB = 2**20
 
 
 def whatif_totals(df: pd.DataFrame) -> pd.DataFrame:
-    """``dashboard.queries.whatif_ttl_d_limit`` rows (one per run and TTL) summed per mode and TTL
-    (modes are never pooled, ``dashboard.queries.hit_rate``): mode, ttl_s, later_turns, hits, lost_hits,
+    """``planner.recorded_whatif.whatif_ttl_d_limit`` rows (one per run and TTL) summed per mode and TTL
+    (modes are never pooled, ``store.hit_rate``): mode, ttl_s, later_turns, hits, lost_hits,
     held_gib_s (sums over the mode's runs), runs, runs_over (runs whose held KV would exceed their D's
     space at that TTL: demand_peak_bytes > capacity_bytes). Rows without a mode count as ``pd-bidir``."""
     d = df if "mode" in df else df.assign(mode=PD_BIDIR)
@@ -122,7 +122,7 @@ def whatif_ttl(df: pd.DataFrame, current_ttls_s: list[float] | None = None) -> g
     solid within D's space, dotted what the TTL would ask with no limit) with D's KV space as a dashed
     line, red crosses where the demand exceeds it.
 
-    `df`: ``dashboard.queries.whatif_ttl_d_limit`` (run_id, run_label, mode, ttl_s, later_turns, hits,
+    `df`: ``planner.recorded_whatif.whatif_ttl_d_limit`` (run_id, run_label, mode, ttl_s, later_turns, hits,
     lost_hits, held_gib_s, peak_held_bytes, demand_peak_bytes, capacity_bytes).
     """
     if df.empty or not (df["later_turns"] > 0).any():

@@ -31,7 +31,7 @@ def ttft_by_turn(df: pd.DataFrame) -> go.Figure:
     """TTFT p50 (solid) and p90 (dashed) by turn index, one colour per mode.
 
     `df`: one row per (mode, turn_index[, workload, history_mode]) with ttft_p50_s and
-    ttft_p90_s in seconds (``dashboard.queries.ttft_by_turn``). Drawn in ms. When the rows span
+    ttft_p90_s in seconds (``store.queries.ttft_by_turn``). Drawn in ms. When the rows span
     more than one (workload, history_mode), each gets its own panel.
     """
     if df.empty:
@@ -76,7 +76,7 @@ def ttft_by_turn(df: pd.DataFrame) -> go.Figure:
 def reuse_outcomes(df: pd.DataFrame) -> go.Figure:
     """Stacked bars: turns per mode split by the proxy's reuse outcome.
 
-    `df`: columns mode, reuse, turns (count) (``dashboard.queries.reuse_outcomes``).
+    `df`: columns mode, reuse, turns (count) (``store.queries.reuse_outcomes``).
     """
     if df.empty:
         return empty_figure("no turns in the selected runs")
@@ -101,7 +101,7 @@ def external_kv_tokens(df: pd.DataFrame) -> go.Figure:
     """Cumulative prompt tokens the prefill workers pulled over KV transfer, one line per run.
 
     `df`: columns run_id, run_label, mode, elapsed_s (seconds since run start), tokens
-    (cumulative) (``dashboard.queries.external_kv_tokens``). Steps, since a counter only moves
+    (cumulative) (``store.queries.external_kv_tokens``). Steps, since a counter only moves
     at scrapes. Each run in its mode's colour (`run_colors`).
     """
     if df.empty:

@@ -8,13 +8,13 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
+from analysis.plan_check import frontier_highlights
+from core.contract import Role
+from core.modes import BIDIRECTIONAL_MODES, PLAN_TABLE_ORDER, one_way
 from dashboard.figures.common import MODE_COLORS, legend_below, log_ticks
 from dashboard.palette import ALARM, NEUTRAL, NEUTRAL_DARK, mode_color
-from turnscope.analysis.plan_check import frontier_highlights
-from turnscope.core.contract import Role
-from turnscope.core.modes import BIDIRECTIONAL_MODES, PLAN_TABLE_ORDER, one_way
-from turnscope.planner.plan_store import LOAD_UNITS, load_words
-from turnscope.planner.strategies import HOST_STRATEGIES, STRATEGIES, STRATEGY_SYMBOLS
+from planner.plan_store import LOAD_UNITS, load_words
+from planner.strategies import HOST_STRATEGIES, STRATEGIES, STRATEGY_SYMBOLS
 
 #: Column order of the Plan page's tables: baselines first, then what reuse adds.
 PLAN_TABLE_MODES = PLAN_TABLE_ORDER
@@ -23,7 +23,7 @@ GiB = 2**30
 
 
 def outcome_table(outcomes: pd.DataFrame) -> pd.DataFrame:
-    """``dashboard.queries.plan.outcomes`` (mode, outcome, requests) as outcome rows x mode columns, requests
+    """``store.queries.plan.outcomes`` (mode, outcome, requests) as outcome rows x mode columns, requests
     (0 where a mode has none of an outcome); modes in the order of ``PLAN_TABLE_MODES``."""
     wide = outcomes.pivot_table(index="outcome", columns="mode", values="requests", aggfunc="sum", fill_value=0)
     cols = [m for m in PLAN_TABLE_MODES if m in wide.columns] + sorted(c for c in wide.columns if c not in PLAN_TABLE_MODES)
@@ -31,7 +31,7 @@ def outcome_table(outcomes: pd.DataFrame) -> pd.DataFrame:
 
 
 def ttft_parts_table(parts: pd.DataFrame) -> pd.DataFrame:
-    """``dashboard.queries.plan.ttft_parts`` for display: modes in ``PLAN_TABLE_MODES``, seconds as
+    """``store.queries.plan.ttft_parts`` for display: modes in ``PLAN_TABLE_MODES``, seconds as
     milliseconds (rounded to 0.1 ms), the queue share (the prefill worker's and D's waits) as a
     percentage (rounded to 0.1%)."""
     order = {m: i for i, m in enumerate(PLAN_TABLE_MODES)}
@@ -59,7 +59,7 @@ def secondary_table(sp: pd.DataFrame) -> pd.DataFrame:
 
 
 def frontier_highlights_table(fr: pd.DataFrame) -> pd.DataFrame:
-    """The frontier's rows that matter (``turnscope.analysis.plan_check.frontier_highlights``) for display:
+    """The frontier's rows that matter (``analysis.plan_check.frontier_highlights``) for display:
     TTL (s), D space (GiB or unbounded), hit rate (%) with its 80% interval (blank: none), GiB-s
     pinned, peak GiB, handles lost to D full, and why the row is shown."""
     hl = frontier_highlights(fr)
@@ -261,7 +261,7 @@ def fleet_name(prefill_workers: int, decode_workers: int) -> str:
 
 def overload_text(role: str, factor: float | None, words: str | None = None) -> str:
     """The overload as the planner wrote it (``words``: the row's ``overload`` column, the one
-    verdict of turnscope.planner.overload), else, for a plan stored before that column,
+    verdict of planner.overload), else, for a plan stored before that column,
     ``overloaded: P at 3.4x its capacity`` (``factor``: offered work over the capacity of the
     role's busiest worker, 3 significant digits so 1.05x never reads as 1.0x); without a factor (an
     overload found by a queue that never drains) ``overloaded: P's queue never drains``."""

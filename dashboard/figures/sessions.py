@@ -24,7 +24,7 @@ def task_split(df: pd.DataFrame) -> go.Figure:
     """Mean task latency per session split into LLM time, tool wait, think, pause and the rest,
     one horizontal stacked bar per (mode, archetype), in seconds.
 
-    `df`: ``dashboard.queries.task_split`` (mode, archetype, sessions, task_latency_s, llm_s,
+    `df`: ``store.queries.task_split`` (mode, archetype, sessions, task_latency_s, llm_s,
     tool_wait_s, think_s, pause_s; seconds). "other" = task latency minus the four parts.
     """
     if df.empty:
@@ -65,7 +65,7 @@ def session_timeline(df: pd.DataFrame) -> go.Figure:
     """One session's timeline (a Gantt): per turn, the gap before it (coloured by gap kind), the
     wait for the first token (coloured by reuse outcome) and the streaming after it.
 
-    `df`: ``dashboard.queries.session_turns`` (turn_index, kind, gap_kind, gap_before_s,
+    `df`: ``store.queries.session_turns`` (turn_index, kind, gap_kind, gap_before_s,
     start_s: seconds from the session's first request, ttft_s, e2e_s, status, reuse). A turn
     without a TTFT (failed) is drawn as one grey bar of its E2E, if any. x in seconds.
     """

@@ -1,6 +1,6 @@
 """Figures of the Traffic page: pure functions, DataFrame in, ``go.Figure`` out (seconds, tokens).
 
-Inputs are the frames of ``dashboard.queries.traffic``. An empty input gives a figure that says so.
+Inputs are the frames of ``store.queries.traffic``. An empty input gives a figure that says so.
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from core.contract import HIT, MISS_EXPIRED, MISS_FIRST_TURN
 from dashboard.figures import empty_figure
 from dashboard.figures.common import log_ticks
 from dashboard.palette import NEUTRAL, NEUTRAL_DARK, OUTCOME_COLORS, TIME_COLORS
-from turnscope.core.contract import HIT, MISS_EXPIRED, MISS_FIRST_TURN
 
 #: Colours per gap kind / timeline segment (the same kind looks the same on every chart).
 #: Gap kind -> colour (``dashboard.palette.TIME_COLORS``: time between turns, never a mode's colour).

@@ -25,7 +25,7 @@ LATENCY_METRICS = (("ttft_p50_s", "TTFT p50"), ("itl_p50_s", "ITL p50"), ("e2e_p
 def latency_panels(df: pd.DataFrame, by: str = "turn_index") -> go.Figure:
     """Median TTFT, ITL and E2E (three panels, ms) against turn index or prompt length.
 
-    `df`: ``dashboard.queries.latency_by`` (mode, reuse, x, turns, ttft_p50_s, itl_p50_s,
+    `df`: ``store.queries.latency_by`` (mode, reuse, x, turns, ttft_p50_s, itl_p50_s,
     e2e_p50_s in seconds). `by`: ``turn_index`` or ``history`` (x is then the lower edge of a
     prompt-length bin, tokens). Colour is the mode (`MODE_COLORS`, as on every page), the marker
     the reuse outcome (`OUTCOME_SYMBOLS`); one legend entry per (mode, outcome).
@@ -89,7 +89,7 @@ def time_split(df: pd.DataFrame) -> go.Figure:
     """Where each turn's time went: stacked bars of mean ms per turn, by turn index, one panel
     per mode.
 
-    `df`: ``dashboard.queries.time_split`` (mode, turn_index, turns and the parts in seconds:
+    `df`: ``store.queries.time_split`` (mode, turn_index, turns and the parts in seconds:
     proxy_s, prefill_s, kv_transfer_est_s, unsplit_ttft_s, decode_s). A bar's height is the
     mean E2E of its turns.
     """
@@ -137,7 +137,7 @@ def reuse_vs_expected(df: pd.DataFrame) -> go.Figure:
     """Measured reused tokens per later turn by turn index, one colour per mode (solid), against
     what was expected (black, dashed).
 
-    `df`: ``dashboard.queries.reuse_vs_expected`` (mode, turn_index, turns, expected_tokens,
+    `df`: ``store.queries.reuse_vs_expected`` (mode, turn_index, turns, expected_tokens,
     measured_tokens: mean tokens per turn). The modes replay the same sessions, so their
     expectations nearly coincide: one expected line (the turn-weighted mean over modes) is drawn,
     and one per mode only where a mode's expectation differs from it by more than

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from core import resources
 from loadgen.session import SessionPlan, TurnPlan
 from loadgen.synth_text import TextSynth
 from loadgen.traces.errors import TraceFormatError
@@ -29,7 +30,6 @@ from loadgen.traces.replay import (
     in_window,
     reference_reply,
 )
-from turnscope.core import resources
 
 #: The shipped copy (CC-BY-4.0, see data/traces/SOURCES.md).
 DEFAULT_TRACE = resources.shipped("traces", "AzureLLMInferenceTrace_conv.csv")

@@ -96,7 +96,7 @@ class TraceFormat:
     shipped copy (a workload's ``kind: empirical`` distribution with ``trace: <name>``); None: none.
     ``clock``: :data:`SHARED_CLOCK` (every session of a file on one timeline: the trace records its
     own load) or :data:`OWN_CLOCK` (each file one session tree from t = 0: the load is the
-    operator's input, ``turnscope.planner.load``). ``sessions``: the format says which requests
+    operator's input, ``planner.load``). ``sessions``: the format says which requests
     belong to one session (False: every row is its own one-request session, reuse unknown)."""
 
     name: str

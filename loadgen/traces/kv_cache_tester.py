@@ -47,6 +47,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from core import resources
 from loadgen.session import SessionPlan, TurnPlan
 from loadgen.synth_text import TextSynth
 from loadgen.traces.agent_request import AgentRequest, bounded_gap
@@ -57,7 +58,6 @@ from loadgen.traces.replay import (
     in_window,
     reference_reply,
 )
-from turnscope.core import resources
 
 #: The shipped copies (Apache-2.0, see data/traces/SOURCES.md).
 DEFAULT_DIR = resources.shipped("traces", "kv-cache-tester")

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from core import resources
 from loadgen.session import SessionPlan, TurnPlan
 from loadgen.synth_text import TextSynth
 from loadgen.traces.errors import TraceFormatError
@@ -47,7 +48,6 @@ from loadgen.traces.replay import (
     in_window,
     reference_reply,
 )
-from turnscope.core import resources
 
 #: The shipped copy (Apache-2.0, see data/traces/SOURCES.md).
 DEFAULT_TRACE = resources.shipped("traces", "conversation_trace.jsonl")

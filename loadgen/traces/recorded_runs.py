@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from loadgen.traces.agent_request import AgentRequest, bounded_gap
-from turnscope.core.store import Store
+from store.writer import Store
 
 FORMAT = "run"
 

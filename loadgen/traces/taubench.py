@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core import resources
 from loadgen.session import SessionPlan
 from loadgen.synth_text import TextSynth
 from loadgen.traces.errors import TraceFormatError
 from loadgen.traces.replay import ReplaySource, ReplayWorkload, plan_conversations
-from turnscope.core import resources
 
 #: The trace shipped with turnscope (MIT, see data/traces/SOURCES.md).
 DEFAULT_TRACE = resources.shipped("traces", "gpt-4o-airline.json")

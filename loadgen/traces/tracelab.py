@@ -39,10 +39,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core import resources
 from loadgen.traces.agent_request import AgentRequest, bounded_gap
 from loadgen.traces.errors import TraceFormatError
 from loadgen.traces.jsonl import iter_json_objects
-from turnscope.core import resources
 
 #: The shipped copy (CC-BY-4.0, see data/traces/SOURCES.md).
 DEFAULT_TRACE = resources.shipped("traces", "tracelab_round_trace.jsonl")

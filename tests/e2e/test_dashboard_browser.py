@@ -122,7 +122,7 @@ def traffic_url(tmp_path_factory):
     """The dashboard store plus a traffic report of the 24 shipped kv-cache-tester traces."""
     from loadgen.traces.kv_cache_tester import DEFAULT_DIR
     from loadgen.traffic import build_report
-    from turnscope.core.store import Store
+    from store.writer import Store
 
     tmp = tmp_path_factory.mktemp("e2e-traffic")
     root = dashboard_store.build(tmp / "store")
@@ -402,7 +402,7 @@ def test_memory_capacity_in_browser(capacity_url, browser):
     assert "(at 4: goodput 0.60 vs 1.00 turns/s; steps measured: 1, 2, 4)" in body
     assert "At 4 concurrent session(s) pd-bidir's TTFT p90 was higher by more than 5%, but within" in body
     assert "TTFT ≤ 500 ms and TPOT ≤ 50 ms" in body
-    # the store's runs record no schedule: read as sequential (turnscope.analysis.schedule_text)
+    # the store's runs record no schedule: read as sequential (analysis.schedule_text)
     assert "How the steps were played: One mode after another (sequential schedule)." in body
     assert "None" not in page.locator('[data-testid="stMarkdown"]').all_inner_texts()
     _shot(page, "memory-capacity")

@@ -182,9 +182,9 @@ def planned_url(tmp_path_factory):
 
     from loadgen.traces.kv_cache_tester import DEFAULT_DIR
     from loadgen.traffic import build_report
+    from store.writer import Store
     from tests import planner_store
     from turnscope.commands import app
-    from turnscope.core.store import Store
 
     tmp = tmp_path_factory.mktemp("charts-planned")
     root = planner_store.build(tmp / "store")

@@ -61,8 +61,8 @@ class SharedStacks:
         if name in self.failed:
             pytest.fail(f"the shared {name} did not start: {self.failed[name]}")
         if name not in self.stacks:
+            from core.connector import Connector
             from tests.integration.vllm_stack import VllmStack
-            from turnscope.core.connector import Connector
 
             mode, prefill_workers, reference = SHARED[name]
             stack = VllmStack(mode, tmp_path_factory.mktemp(f"vllm-logs-{name}"),

@@ -19,6 +19,7 @@ import duckdb
 import pytest
 import yaml
 
+from core.connector import Connector
 from serving.embedded_model import ensure_model
 from serving.handle_check import StockDecodeError
 from serving.stack import ModeStack
@@ -27,7 +28,6 @@ from serving.workers import WorkerProcess, mode_workers, wait_all_healthy
 from tests.integration.test_bad_input import cli
 from tests.integration.vllm_stack import free_port
 from turnscope.conductor import evaluation
-from turnscope.core.connector import Connector
 
 pytestmark = pytest.mark.vllm
 

@@ -20,10 +20,10 @@ from typer.testing import CliRunner
 
 from serving.stack import ModeStack
 from serving.topology import load_topology
+from store.writer import Store
 from tests.integration.test_session_stub import _locust_cmd, _locust_env, rows
 from tests.integration.vllm_stack import free_port
 from turnscope.commands import app
-from turnscope.core.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "data" / "models" / "turnscope-tiny"

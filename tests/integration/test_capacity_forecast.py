@@ -14,10 +14,10 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
+from planner.profile import CostProfile
+from store.writer import Store
 from tests import capacity_store as cs
 from turnscope.conductor import capacity_forecast as cf
-from turnscope.core.store import Store
-from turnscope.planner.profile import CostProfile
 
 SRC = {"source": "hand-made for the test"}
 
@@ -69,7 +69,7 @@ def test_crossing_forecast_and_measured_in_one_language(ramp):
 def test_the_forecast_p90_carries_the_held_out_interval(ramp):
     """With held-out TTFT ratios (measured / forecast, 10th-90th percentile) of 0.9-1.5 for pd-bidir,
     its 600 ms p90 forecast reads 540-900 ms."""
-    from turnscope.planner.profile import HeldOutErrors
+    from planner.profile import HeldOutErrors
 
     measured, _, store = ramp
     held = HeldOutErrors(split="by hand", runs=1, turns=1, ttft_ratio={"pd-bidir": (0.9, 1.5), "pd": (1.0, 1.0)})
@@ -92,8 +92,8 @@ def test_plan_check_takes_the_ramps_intervals_from_the_profile_not_from_this_che
     import yaml
     from typer.testing import CliRunner
 
+    from planner.profile import HeldOutErrors
     from turnscope.commands import app
-    from turnscope.planner.profile import HeldOutErrors
 
     _, _, store = ramp
     held = HeldOutErrors(split="by hand", runs=1, turns=1, ttft_ratio={"pd-bidir": (0.9, 1.5), "pd": (1.0, 1.0)})
@@ -110,7 +110,7 @@ def test_plan_check_takes_the_ramps_intervals_from_the_profile_not_from_this_che
 def test_each_step_line_carries_its_own_mare(ramp):
     """A step's TTFT MARE is its own run's (the held-out check's per-run errors): two turns off by
     20% and 100% of the measured give a median of 60%."""
-    from turnscope.planner import held_out
+    from planner import held_out
 
     measured, forecast, _ = ramp
     step = measured[(measured["mode"] == "pd-bidir") & (measured["users"] == 4)]["run_id"].item()

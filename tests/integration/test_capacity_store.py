@@ -1,14 +1,14 @@
-"""The capacity_steps view and dashboard.queries.capacity over a store written by turnscope.core.store's
+"""The capacity_steps view and store.queries.capacity over a store written by store.writer's
 real writer (tests/capacity_store.py), against its hand-computed truths."""
 
 from __future__ import annotations
 
 import pytest
 
-from dashboard import db
-from dashboard.queries import capacity as capacity_queries
+from analysis import capacity_crossing as capacity
+from store import db
+from store.queries import capacity as capacity_queries
 from tests import capacity_store as cs
-from turnscope.analysis import capacity_crossing as capacity
 
 
 @pytest.fixture(scope="module")

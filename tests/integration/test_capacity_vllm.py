@@ -20,16 +20,16 @@ import pytest
 import yaml
 from rich.console import Console
 
-from dashboard import db
-from dashboard.queries import capacity as capacity_queries
+from planner.profile import load_profile
 from serving.embedded_model import ModelSpec, ensure_model
 from serving.topology import WorkerEntry, embedded_topology
+from store import db
+from store.queries import capacity as capacity_queries
+from store.writer import Store
 from tests.integration.vllm_stack import free_port
 from turnscope.conductor import capacity_forecast as cf
 from turnscope.conductor.capacity import plan_capacity, run_capacity
 from turnscope.conductor.evaluation import Slo, default_settings
-from turnscope.core.store import Store
-from turnscope.planner.profile import load_profile
 
 pytestmark = pytest.mark.vllm
 

@@ -1,6 +1,6 @@
 """The CLI's result text at 80 columns and in a log file: nothing cut, lists broken between items.
 
-The store is tests/dashboard_store.py's (written through turnscope.core.store's writer); the names that
+The store is tests/dashboard_store.py's (written through store.writer's writer); the names that
 must appear whole are the fixture's run ids and reuse outcomes, read straight from its Parquet
 shards.
 """

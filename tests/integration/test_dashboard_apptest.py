@@ -1,4 +1,4 @@
-"""The dashboard, run headless by Streamlit's AppTest over a real store (turnscope.core.store's writer).
+"""The dashboard, run headless by Streamlit's AppTest over a real store (store.writer's writer).
 
 Expected numbers come from hand-written SQL over the raw Parquet shards (not the store's views,
 not the dashboard's queries) or from values written out by hand in tests/dashboard_store.py.
@@ -19,8 +19,8 @@ from streamlit.proto.Metric_pb2 import Metric
 from streamlit.testing.v1 import AppTest
 
 from dashboard import charts
+from store.writer import Store
 from tests import dashboard_store
-from turnscope.core.store import Store
 
 APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
 TIMEOUT_S = 60

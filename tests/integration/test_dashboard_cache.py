@@ -14,7 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 import streamlit as st
 
-from dashboard import db, loader
+from dashboard import loader
+from store import db
 from tests import dashboard_store
 
 CALLS: list[str] = []

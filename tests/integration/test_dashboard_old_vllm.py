@@ -21,9 +21,9 @@ from streamlit.testing.v1 import AppTest
 
 from dashboard import charts, pages
 from loadgen.scraper import MetricsScraper
+from store.writer import Store
 from tests.handed_cases import CASES
 from tests.integration.metrics_endpoint import MetricsEndpoint, histograms_zeroed
-from turnscope.core.store import Store
 
 APP = pages.APP
 #: The pages an evaluation's store fills (dashboard/pages.py).

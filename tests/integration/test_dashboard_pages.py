@@ -1,4 +1,4 @@
-"""Every dashboard page, run headless by Streamlit's AppTest over a real store (turnscope.core.store's writer).
+"""Every dashboard page, run headless by Streamlit's AppTest over a real store (store.writer's writer).
 
 Expected numbers come from hand-written SQL over the raw Parquet shards (`dashboard_store.raw_sql`:
 not the store's views, not the dashboard's queries) or are computed here by hand from the
@@ -22,9 +22,9 @@ from streamlit.testing.v1 import AppTest
 
 from dashboard import pages
 from dashboard.charts import ENV_VAR as CHARTS_ENV
-from dashboard.queries import hit_rate
+from store import hit_rate
+from store.writer import Store
 from tests import dashboard_store as fx
-from turnscope.core.store import Store
 
 APP = pages.APP
 TIMEOUT_S = 60
@@ -400,7 +400,7 @@ def test_memory_whatif_ttl(monkeypatch, store_root):
     at = open_page(monkeypatch, store_root, "memory")
     table = frame(at, "decoder_kv_blocks_ttl (s)").set_index(["mode", "decoder_kv_blocks_ttl (s)"])
     assert ("pd-bidir", 480.0) in table.index  # the runs' own TTL is always replayed
-    # one row per mode and TTL: modes are never pooled (dashboard.queries.hit_rate)
+    # one row per mode and TTL: modes are never pooled (store.hit_rate)
     for mode in ("pd-bidir", "pd-bidir-nocache"):
         for ttl in (60.0, 120.0, 480.0, 900.0):
             later, hits, gib_s = whatif_by_hand(ttl, mode=mode)
@@ -456,7 +456,7 @@ FAVOURABLE = "kind = 'turn' AND gap_before_s < 450"
 def test_compare_modes_headline_equals_sql(monkeypatch, store_root):
     at = open_page(monkeypatch, store_root, "compare")
     a, b = "m.mode = 'pd-bidir'", "m.mode = 'aggregated'"
-    # Hit rate of A's later turns (dashboard.queries.hit_rate), from the fixture's outcomes by hand: 2 runs x 3
+    # Hit rate of A's later turns (store.hit_rate), from the fixture's outcomes by hand: 2 runs x 3
     # sessions x 3 later turns = 18; not hits: each run's resume after the 500 s pause (expired) and
     # bidir-2's mismatch: 15 / 18 = 83%. B (aggregated) has no proxy outcome.
     later = [fx.reuse(r, s, t) for r in ("bidir-1", "bidir-2") for s in range(fx.SESSIONS) for t in range(1, fx.TURNS)]
@@ -646,8 +646,9 @@ def test_compare_follows_the_archetype_filter(monkeypatch, store_root):
 
 
 def test_run_report_export(store_root):
-    from dashboard import db, html_reports
-    from dashboard.queries import TurnFilter
+    from dashboard import html_reports
+    from store import db
+    from store.queries import TurnFilter
 
     html = html_reports.run_report(db.StoreLocation(store_root), TurnFilter(tuple(fx.RUNS)), "4 runs")
     ratio = compare_sql(store_root, "m.mode = 'pd-bidir'", "m.mode = 'aggregated'", "true")
@@ -658,9 +659,9 @@ def test_run_report_export(store_root):
 
 
 def test_turn_rows_is_turn_breakdown_without_the_archetype(store_root):
-    """The dashboard's lean relation (dashboard.queries.TURN_ROWS_SQL) must not drift from the
+    """The dashboard's lean relation (store.queries.TURN_ROWS_SQL) must not drift from the
     contract's turn_breakdown view: same columns, same rows, less the archetype."""
-    from dashboard import queries
+    from store import queries
 
     con = duckdb.connect(str(store_root / "turnscope.duckdb"), read_only=True)
     try:

@@ -1,5 +1,5 @@
 """The Sweep page, run headless by Streamlit's AppTest over a sweep written by the real recorder
-(tests/sweep_store.py, turnscope.core.store's writer). Expected numbers are worked out here from the
+(tests/sweep_store.py, store.writer's writer). Expected numbers are worked out here from the
 fixture's formulas (plain arithmetic, not the dashboard's code)."""
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ import plotly.io as pio
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from dashboard import db, pages
+from dashboard import pages
 from dashboard.charts import ENV_VAR as CHARTS_ENV
-from dashboard.queries import run_report
 from dashboard.sweep_figures import IDEAL_NAME, LIMIT_NAME
+from store import db
+from store.queries import run_report
 from tests import sweep_store as sx
 
 APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"

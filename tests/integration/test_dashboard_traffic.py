@@ -12,8 +12,8 @@ from streamlit.testing.v1 import AppTest
 from dashboard import charts, pages
 from loadgen.traces.kv_cache_tester import DEFAULT_DIR
 from loadgen.traffic import build_report
+from store.writer import Store
 from tests.unit.test_agent_traces import TRACES, truth, walk
-from turnscope.core.store import Store
 
 APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
 

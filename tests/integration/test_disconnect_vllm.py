@@ -29,11 +29,11 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
+from core.connector import Connector
 from loadgen.stream_client import stream_turn
 from tests.integration.pd_stub import prefill_app
 from tests.integration.recovery_times import record
 from tests.integration.vllm_stack import AppThread, ProxyThread, metric
-from turnscope.core.connector import Connector
 
 pytestmark = pytest.mark.vllm
 MODEL = "turnscope-tiny"

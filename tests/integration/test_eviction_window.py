@@ -8,10 +8,10 @@ import duckdb
 import pandas as pd
 import pytest
 
-from dashboard import db
-from dashboard.queries import capacity as capacity_queries
+from analysis import eviction_window as ew
+from store import db
+from store.queries import capacity as capacity_queries
 from tests import eviction_store as es
-from turnscope.analysis import eviction_window as ew
 
 IDS = [es.run_id(m, u) for m in es.MODES for u in es.USERS]
 

@@ -24,18 +24,19 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from dashboard import queries, tables
+from core.tokenize_client import TokenizeClient
+from dashboard import tables
 from loadgen.scraper import MetricsScraper
 from loadgen.session import SessionPlan, TurnPlan
 from loadgen.session_player import run_session
 from loadgen.stream_client import stream_turn
 from serving.proxy import PREFILL_PARAMS, ProxyConfig, Worker
+from store import queries
+from store.writer import Store
 from tests.integration.kv_stub import StubProcess, ThreadServer, gen_ids
 from tests.integration.openai_stub import StubServer, StubState
 from tests.integration.test_session_stub import _locust_cmd, _locust_env, rows
 from tests.integration.vllm_stack import ProxyThread, free_port
-from turnscope.core.store import Store
-from turnscope.core.tokenize_client import TokenizeClient
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 8

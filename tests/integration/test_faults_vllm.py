@@ -29,16 +29,17 @@ import httpx
 import psutil
 import pytest
 
-from dashboard import queries, tables
+from core.tokenize_client import TokenizeClient
+from dashboard import tables
 from loadgen.scraper import MetricsScraper
 from loadgen.session import SessionPlan, TurnPlan
 from loadgen.session_player import run_session
 from loadgen.stream_client import stream_turn
 from serving.workers import WorkerProcess, wait_all_healthy
+from store import queries
+from store.writer import Store
 from tests.integration.recovery_times import record
 from tests.integration.vllm_stack import ProxyThread, free_port, metric
-from turnscope.core.store import Store
-from turnscope.core.tokenize_client import TokenizeClient
 
 pytestmark = pytest.mark.vllm
 MODEL = "turnscope-tiny"
@@ -698,15 +699,15 @@ def test_a_run_whose_decode_worker_computed_the_prompts_fails_its_pd_check(pd_bi
     """Two runs of 3 one-turn sessions through the real proxy, P and D, scraped as ``turnscope
     eval`` scrapes them: ``pd-ok`` as configured, ``d-alone`` with the proxy's P leg dropping P's
     params (:func:`drop_prefill_params`). Both report every turn as through P. The P/D check
-    (``turnscope.analysis.pd_check``, run by ``turnscope.conductor.evaluation.finish_run``) passes the first
+    (``analysis.pd_check``, run by ``turnscope.conductor.evaluation.finish_run``) passes the first
     and fails the second: its status in the store is ``failed``, and the CLI's summary and the
     Overview's query name D's figures. Truths: D's and P's own ``/metrics`` read directly before and
     after each run (not through the scraper and the store): in ``d-alone`` D computed every prompt
     token P had computed too, and received none over KV transfer."""
     from rich.console import Console
 
-    from dashboard import queries as dq
-    from turnscope.analysis.pd_check import decode_computed_prompts, failed_runs
+    from analysis.pd_check import decode_computed_prompts, failed_runs
+    from store import queries as dq
     from turnscope.commands import summaries as cli
     from turnscope.conductor.evaluation import FINAL_SCRAPE_SETTLE_S, finish_run
 

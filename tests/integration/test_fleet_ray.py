@@ -1,4 +1,4 @@
-"""Fleet sizing on a Ray cluster (turnscope/planner/executor.py's RayExecutor, a local cluster
+"""Fleet sizing on a Ray cluster (planner/executor.py's RayExecutor, a local cluster
 started by the test): the same fleets as in this process, and the hand answer of
 tests/unit/test_planner_fleet.py (three P keep up, two are overloaded)."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from planner.executor import LocalExecutor, RayExecutor
+from planner.fleet import Fleet, FleetJob, FleetLimits, size_fleets
+from planner.simulate import PlanSettings
 from tests.unit.test_planner_fleet import prof, steady
-from turnscope.planner.executor import LocalExecutor, RayExecutor
-from turnscope.planner.fleet import Fleet, FleetJob, FleetLimits, size_fleets
-from turnscope.planner.simulate import PlanSettings
 
 ray = pytest.importorskip("ray")
 

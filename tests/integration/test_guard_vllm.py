@@ -17,9 +17,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from core.tokenize_client import render_request, tokenize_async
 from serving import handles as h
 from tests.integration.vllm_stack import ProxyThread
-from turnscope.core.tokenize_client import render_request, tokenize_async
 
 pytestmark = pytest.mark.vllm
 MODEL = "turnscope-tiny"

@@ -12,7 +12,7 @@ import datetime as dt
 
 import pytest
 
-from turnscope.core.store import Store
+from store.writer import Store
 
 T0 = dt.datetime(2026, 12, 1, 10, 0, tzinfo=dt.UTC)
 KV = 4096  # bytes per token of both runs
@@ -56,7 +56,7 @@ def store(tmp_path_factory) -> Store:
                                                                   "connector": {"decoder_kv_blocks_ttl": ttl_s}}})
             for k, (run, session, turn, tokens, reuse, age, leg, gap) in enumerate(
                     t for t in TURNS if t[0] == run_id):
-                # D's handle holds prompt + output - 1 tokens (turnscope.core.reuse_rules): 32-token replies
+                # D's handle holds prompt + output - 1 tokens (core.reuse_rules): 32-token replies
                 prompt = (tokens or 500) + 1 - 32
                 w.append("turns", {"run_id": run, "session_id": session, "turn_index": turn, "status": "ok",
                                    "sent_at": start + dt.timedelta(seconds=20 * k), "e2e_s": 1.5, "ttft_s": 0.3,
@@ -110,7 +110,7 @@ def test_run_memory_is_its_own_handles_to_their_end(store: Store) -> None:
 
 def test_memory_page_held_is_the_runs_own_handles(store: Store) -> None:
     """The Memory page's "held (GiB·s)" (queries.reuse_cost) is run_handle_memory's figure."""
-    from dashboard import db, queries
+    from store import db, queries
 
     df = db.read(db.StoreLocation(store.root), queries.reuse_cost, list(RUNS)).set_index("run_id")
     for run_id, expected in EXPECTED_GIB_S.items():
@@ -122,7 +122,7 @@ def test_memory_page_held_is_the_runs_own_handles(store: Store) -> None:
 def test_whatif_at_the_runs_own_ttl_agrees_with_the_held_memory(store: Store, run_id: str) -> None:
     """The Memory page's what-if replayed at the run's own TTL and its measured held GiB·s are the
     same rule from two routes (recorded gaps vs the proxy's handle ages): within 5%."""
-    from dashboard import db, queries
+    from store import db, queries
 
     ttl_s = float(RUNS[run_id][0])
     whatif = db.read(db.StoreLocation(store.root), queries.whatif_ttl, [run_id], (ttl_s,)).iloc[0]
@@ -130,12 +130,12 @@ def test_whatif_at_the_runs_own_ttl_agrees_with_the_held_memory(store: Store, ru
 
 
 def test_ended_by_follows_the_rule_for_every_outcome(tmp_path) -> None:
-    """The view's rule is turnscope.core.reuse_rules.d_frees_taken_handle (the planner's and the what-if's):
+    """The view's rule is core.reuse_rules.d_frees_taken_handle (the planner's and the what-if's):
     one session per outcome the proxy records, its first turn's handle ends 'pulled' after a hit,
     'freed' after miss_below_threshold (both at the next turn's age + leg: 10 + 1 s), else 'expired'
     at the 300 s TTL."""
-    from turnscope.core.contract import OUTCOMES
-    from turnscope.core.reuse_rules import d_frees_taken_handle
+    from core.contract import OUTCOMES
+    from core.reuse_rules import d_frees_taken_handle
 
     s = Store(tmp_path / "store")
     s.init()

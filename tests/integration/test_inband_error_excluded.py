@@ -15,14 +15,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dashboard import db, queries
 from loadgen.session import TurnPlan
 from loadgen.session_recorder import turn_row
 from loadgen.stream_client import stream_turn
+from store import db, queries
+from store.writer import Store
 from tests import dashboard_store
 from tests.handed_cases import CASES
 from tests.integration.http_stub import StubServer, events_script
-from turnscope.core.store import Store
 
 CASE = json.loads((CASES / "sse" / "inband_error_after_tokens.json").read_text())
 RUN, SESSION = "bidir-1", "bidir-1-s0"

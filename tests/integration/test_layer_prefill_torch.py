@@ -21,9 +21,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench.layer_prefill import build_layer, layer_forward, rope_tables
+from planner.layer_shape import DecoderLayerShape
+from planner.profile import load_profile
 from tests import planner_store as fx
-from turnscope.planner.layer_shape import DecoderLayerShape
-from turnscope.planner.profile import load_profile
 
 SMALL = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 64, "max_position_embeddings": 512,

@@ -19,8 +19,8 @@ from tokenizers import Tokenizer
 from loadgen.session import SessionPlan, TurnPlan
 from loadgen.session_player import run_session
 from loadgen.token_prompt import reuse_against, reuse_oracle
+from store.writer import Store
 from tests.integration.vllm_stack import ProxyThread
-from turnscope.core.store import Store
 
 pytestmark = pytest.mark.vllm
 MODEL = "turnscope-tiny"

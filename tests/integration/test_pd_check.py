@@ -1,4 +1,4 @@
-"""The per-run P/D check (``turnscope.analysis.pd_check``) through a real store: a run whose decode worker
+"""The per-run P/D check (``analysis.pd_check``) through a real store: a run whose decode worker
 computed its prompts itself is failed, on the CLI's summary and by ``turnscope eval``'s status.
 
 Truths: hand-set counters. Run ``good`` has 10 turns through P and D's ``local_compute`` rises by
@@ -15,10 +15,10 @@ import io
 
 from rich.console import Console
 
-from turnscope.analysis.pd_check import decode_computed_prompts, pd_check_failures
+from analysis.pd_check import decode_computed_prompts, pd_check_failures
+from store.writer import Store
 from turnscope.commands import summaries as cli
 from turnscope.conductor.evaluation import pd_checked_status
-from turnscope.core.store import Store
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 NAME = "vllm:prompt_tokens_by_source_total"

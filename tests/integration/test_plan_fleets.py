@@ -1,6 +1,6 @@
-"""Fleet plans in the store: ``turnscope.planner.plan_store.write_fleet_plan`` (what it refuses, what
+"""Fleet plans in the store: ``planner.plan_store.write_fleet_plan`` (what it refuses, what
 it writes to plan_log) and the Plan page's queries of plan_fleets and plan_load_curve
-(dashboard/queries/plan.py), on the hand-made fleet plan of tests/planner_store.py. Truths: its
+(store/queries/plan.py), on the hand-made fleet plan of tests/planner_store.py. Truths: its
 hand-typed figures."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from dashboard import db
-from dashboard.queries import plan as plan_queries
+from planner.strategies import STRATEGIES
+from store import db
+from store.queries import plan as plan_queries
 from tests import planner_store as fx
 
 GiB = 2**30
@@ -31,7 +32,7 @@ def _read(root: Path, query, *args):
 
 
 def test_fleets_query_reads_one_plan_in_the_ledgers_order(two_plans):
-    fl = _read(two_plans, plan_queries.fleets, fx.FLEET_PLAN_ID)
+    fl = _read(two_plans, plan_queries.fleets, fx.FLEET_PLAN_ID, STRATEGIES)
     assert list(fl["strategy"]) == ["recompute", "pd", "pd+host", "pd-bidir", "pd-bidir+host"]
     assert list(fl["recommended"]) == [False, False, False, True, False]
     assert list(fl["prefill_workers"]) == [2, 3, 3, 2, 2] and list(fl["decode_workers"]) == [2, 3, 2, 2, 2]
@@ -41,11 +42,11 @@ def test_fleets_query_reads_one_plan_in_the_ledgers_order(two_plans):
     assert over["overloaded"] and over["overload_role"] == "prefill" and over["overload_factor"] == 3.4
     assert not over["meets_slo"] and fl["load_value"].eq(100.0).all() and fl["slo_ttft_p90_s"].eq(1.0).all()
     assert list(fl["fleets_searched"]) == [9, 12, 12, 10, 16]
-    assert list(_read(two_plans, plan_queries.fleets, "plan-20261201T100000-0be7e5")["strategy"]) == ["pd-bidir"]
+    assert list(_read(two_plans, plan_queries.fleets, "plan-20261201T100000-0be7e5", STRATEGIES)["strategy"]) == ["pd-bidir"]
 
 
 def test_load_curve_query_orders_by_strategy_then_load(two_plans):
-    cu = _read(two_plans, plan_queries.load_curve, fx.FLEET_PLAN_ID)
+    cu = _read(two_plans, plan_queries.load_curve, fx.FLEET_PLAN_ID, STRATEGIES)
     assert len(cu) == 25
     assert list(cu["strategy"].drop_duplicates()) == ["recompute", "pd", "pd+host", "pd-bidir", "pd-bidir+host"]
     bidir = cu[cu["strategy"] == "pd-bidir"]
@@ -54,7 +55,7 @@ def test_load_curve_query_orders_by_strategy_then_load(two_plans):
     assert list(bidir["overload_role"].fillna("")) == ["", "", "", "decode", "decode"]
     assert list(bidir["overload_factor"].fillna(-1)) == [-1, -1, -1, 1.05, 2.10]
     assert int(cu["overloaded"].sum()) == 4 + 2 + 1 + 2 + 1
-    assert _read(two_plans, plan_queries.load_curve, "plan-20261201T100000-0be7e5").empty
+    assert _read(two_plans, plan_queries.load_curve, "plan-20261201T100000-0be7e5", STRATEGIES).empty
 
 
 def test_the_plan_log_states_the_load(two_plans):

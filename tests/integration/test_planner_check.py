@@ -15,12 +15,12 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
+from analysis.plan_check import check_summary
+from planner.check import check_runs, run_settings
+from planner.fit import FitError, fit_profile
+from store.writer import Store
 from tests import planner_store as fx
-from turnscope.analysis.plan_check import check_summary
 from turnscope.commands import app
-from turnscope.core.store import Store
-from turnscope.planner.check import check_runs, run_settings
-from turnscope.planner.fit import FitError, fit_profile
 
 RUN_IDS = list(fx.RUNS.values())
 

@@ -15,12 +15,12 @@ from streamlit.testing.v1 import AppTest
 from typer.testing import CliRunner
 
 from dashboard import pages
+from planner.fit import fit_profile
+from planner.held_out import check_split, held_out_check
+from planner.profile import load_profile
+from store.writer import Store
 from tests import planner_store as fx
 from turnscope.commands import app
-from turnscope.core.store import Store
-from turnscope.planner.fit import fit_profile
-from turnscope.planner.held_out import check_split, held_out_check
-from turnscope.planner.profile import load_profile
 
 SLOW = 1.5
 RUN_IDS = list(fx.RUNS.values())

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from dashboard import db, queries
 from loadgen.scraper import MetricsScraper
+from store import db, queries
+from store.writer import Store
 from tests.handed_cases import CASES
 from tests.integration.metrics_endpoint import MetricsEndpoint, counters_zeroed, histograms_zeroed
-from turnscope.core.store import Store
 
 PROM = CASES / "prometheus"
 RUN = "prom-cases"

@@ -143,7 +143,7 @@ def test_below_threshold_recomputes_and_frees_the_handle_it_was_given_on_d(pd_bi
     just notify"), so D frees that handle at once instead of at its TTL. The truth is D's own counter
     of expired leases: over a TTL after the two turns it counts exactly one expiry (the last turn's
     handle), not two: the below-threshold turn's predecessor never expired. This is the rule of
-    view handle_holds (ended_by 'freed') and of the planner (turnscope.core.reuse_rules.d_frees_taken_handle)."""
+    view handle_holds (ended_by 'freed') and of the planner (core.reuse_rules.d_frees_taken_handle)."""
     stack, rng = pd_bidir_stack, random.Random(18)
     ttl = stack.connector.decoder_kv_blocks_ttl
     d_url = stack.worker("decode").url

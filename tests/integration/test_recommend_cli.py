@@ -112,12 +112,12 @@ def test_written_topology_names_the_same_model_wherever_it_is_written(tmp_path):
 
 def test_recorded_runs_bring_their_shared_system_prompt(tmp_path, monkeypatch):
     """``--run-ids``: the system prompt the sessions share comes from those runs' recorded first turns,
-    as `turnscope plan` takes it (turnscope.planner.fit.recorded_shared_prefix_tokens, given the
+    as `turnscope plan` takes it (planner.fit.recorded_shared_prefix_tokens, given the
     runs' own turns); a trace file has none. Read back from the stored settings."""
     import duckdb
 
+    from planner import fit
     from tests import planner_store
-    from turnscope.planner import fit
 
     seen = []
 

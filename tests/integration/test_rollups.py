@@ -1,7 +1,7 @@
-"""Per-run rollups (dashboard/rollup.py) give the dashboard the same figures as the plain views.
+"""Per-run rollups (store/rollup.py) give the dashboard the same figures as the plain views.
 
-Second route: every query of ``dashboard.queries`` is run over a real store (the dashboard
-fixture, written by turnscope.core.store's writer) once on the plain views (``db.use_rollups = False``)
+Second route: every query of ``store.queries`` is run over a real store (the dashboard
+fixture, written by store.writer's writer) once on the plain views (``db.use_rollups = False``)
 and once through the rollups, and the frames must be equal; each rolled-up row must equal its
 plain view's row. Then more rows arrive (a shard appended to a rolled-up run, a new finished run
 and a running one) and the two routes must still agree, before and after rolling up again.
@@ -18,11 +18,12 @@ import duckdb
 import pandas as pd
 import pytest
 
-from dashboard import db, queries
-from dashboard.rollup import MANIFEST, ROLLUP_DIR, SUMMARY_VIEWS, Rollups
+from planner.recorded_whatif import whatif_ttl_d_limit
+from store import db, queries
+from store.queries.memory import WHATIF_TTLS_S
+from store.rollup import MANIFEST, ROLLUP_DIR, SUMMARY_VIEWS, Rollups
+from store.writer import Store
 from tests import dashboard_store as fx
-from turnscope.core.store import Store
-from turnscope.planner.ttl_whatif import WHATIF_TTLS_S
 
 TTLS = (60.0, 120.0, 480.0, 900.0)
 
@@ -58,8 +59,8 @@ def calls(run_ids: tuple[str, ...]) -> list[tuple[str, object, tuple]]:
         ("run_config", queries.run_config, (run_ids,)),
         ("compare_stats", queries.compare_stats, (run_ids[:2], run_ids[2:], None, 1)),
         ("compare_samples", queries.compare_samples, (run_ids[:2], run_ids[2:], None, None)),
-        ("whatif_ttl_d_limit grid", queries.whatif_ttl_d_limit, (run_ids, WHATIF_TTLS_S)),
-        ("whatif_ttl_d_limit off grid", queries.whatif_ttl_d_limit, (run_ids, (75.0, 480.0))),
+        ("whatif_ttl_d_limit grid", whatif_ttl_d_limit, (run_ids, WHATIF_TTLS_S)),
+        ("whatif_ttl_d_limit off grid", whatif_ttl_d_limit, (run_ids, (75.0, 480.0))),
     ]
     return out
 
@@ -82,7 +83,7 @@ def both_routes(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def summary_rows_equal_views(root: Path) -> list[str]:
     """Check each fresh run's rolled-up rows against its plain view's rows; returns the fresh ids."""
-    rollups = Rollups(Store(root))
+    rollups = Rollups(Store(root), whatif=whatif_ttl_d_limit)
     fresh = rollups.freshness().fresh
     con = duckdb.connect(str(root / "turnscope.duckdb"), read_only=True)
     try:
@@ -119,7 +120,7 @@ def add_run(root: Path, run_id: str, status: str, minutes: int) -> None:
 
 def test_rollups_give_the_plain_views_figures(monkeypatch, tmp_path):
     root = fx.build(tmp_path / "store")
-    rollups = Rollups(Store(root))
+    rollups = Rollups(Store(root), whatif=whatif_ttl_d_limit)
     assert rollups.freshness().fresh == ()
     both_routes(root, monkeypatch)  # nothing rolled up: both routes are the plain views
 
@@ -179,8 +180,8 @@ def test_views_of_an_older_schema_are_named_and_recreated_by_rollup(tmp_path):
     columns): the dashboard says so and how to fix it; `turnscope rollup` recreates the views."""
     from typer.testing import CliRunner
 
+    from store.writer import SCHEMA_PATH
     from turnscope.commands import app
-    from turnscope.core.store import SCHEMA_PATH
 
     root = fx.build(tmp_path / "store")
     old_sql = SCHEMA_PATH.read_text().replace(

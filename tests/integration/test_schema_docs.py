@@ -1,6 +1,6 @@
 """docs/schema/*.md against a real store: every documented column exists with its type, every view
 and table is documented, and every example query runs on rows written by the real recorder
-(``turnscope.core.store.ShardWriter``), with hand-computed results for most of them."""
+(``store.writer.ShardWriter``), with hand-computed results for most of them."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from turnscope.core.store import Store, load_schema
+from store.writer import Store, load_schema
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "schema"  # the store's pages: overview, tables, views, traffic, plans, queries

@@ -14,8 +14,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from loadgen.scraper import MetricsScraper
+from store.writer import Store
 from tests.integration.http_stub import Script, StubServer
-from turnscope.core.store import Store
 
 
 def _serve(registry: CollectorRegistry, port: int = 0):

@@ -29,6 +29,7 @@ from serving.proxy import ProxyConfig, Worker
 from serving.stack import ModeStack
 from serving.topology import RoleSettings, embedded_topology, load_topology
 from serving.workers import WorkerNotHealthy, WorkerProcess, mode_workers, worker_command
+from store.writer import Store
 from tests.integration.openai_stub import StubServer, StubState
 from tests.integration.pd_stub import decode_app, prefill_app
 from tests.integration.test_faults_stub import write_trace
@@ -36,7 +37,6 @@ from tests.integration.test_session_stub import _locust_cmd, _locust_env
 from tests.integration.vllm_stack import AppThread, ProxyThread, free_port
 from turnscope.conductor.evaluation import default_settings
 from turnscope.conductor.settings import TurnscopeSettings
-from turnscope.core.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "data" / "models" / "turnscope-tiny"

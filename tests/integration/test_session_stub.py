@@ -19,13 +19,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dashboard import db
-from dashboard.queries import run_report
 from loadgen.session import plan_from_conversation
 from loadgen.session_player import run_session
 from loadgen.traces.taubench import Conversation
+from store import db
+from store.queries import run_report
+from store.writer import Store
 from tests.integration.openai_stub import CHAR_BASE, IM_END, XY, StubServer, StubState, encode, render
-from turnscope.core.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
 NL = CHAR_BASE + ord("\n")

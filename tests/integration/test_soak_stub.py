@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from bench.soak_checks import StoredTurn, locust_posts, proxy_requests, rows_check
-from turnscope.core.store import Store
+from store.writer import Store
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -115,8 +115,8 @@ def test_the_compute_probe_reads_the_compute_alone(tmp_path):
     probe reads 75.6 ms, mostly the fixed cost, and the compute probe less the short one reads the
     injected compute of the 1,792 tokens between them, 179.2 ms (the truth: 1e-4 x 1,792), which
     run_queries.compute_probe_s returns from the stored rows."""
-    from turnscope.core.store import Store
-    from turnscope.planner.run_queries import compute_probe_s, probe_ttft_s
+    from planner.run_queries import compute_probe_s, probe_ttft_s
+    from store.writer import Store
 
     store = Store(tmp_path / "store")
     store.init()

@@ -12,9 +12,9 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from dashboard.queries import turns as turn_queries
+from store.queries import turns as turn_queries
+from store.writer import SCHEMA_PATH, Store
 from tests.handed_cases import CASES as HANDED
-from turnscope.core.store import SCHEMA_PATH, Store
 
 CASES = HANDED / "store"
 UTC = dt.UTC
@@ -309,7 +309,7 @@ def test_store_first_flush_imports_nothing_under_gevent(store: Store) -> None:
 import gevent.monkey
 gevent.monkey.patch_all()
 import datetime as dt, sys, time
-from turnscope.core.store import Store
+from store.writer import Store
 store = Store({str(store.root)!r})
 w = store.writer("r1", "locust-users-x", flush_interval_s=0.2)
 before = set(sys.modules)

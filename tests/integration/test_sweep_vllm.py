@@ -17,11 +17,11 @@ import pytest
 import yaml
 from rich.console import Console
 
-from dashboard import db, queries
+from analysis import sweep_stats
 from serving.embedded_model import ensure_model
 from serving.topology import WorkerEntry, embedded_topology
+from store import db, queries
 from tests.integration.vllm_stack import free_port
-from turnscope.analysis import sweep_stats
 from turnscope.conductor.evaluation import default_settings
 from turnscope.conductor.prefix_sweep import plan_sweep, run_sweep
 

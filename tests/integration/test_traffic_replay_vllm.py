@@ -17,10 +17,10 @@ import subprocess
 import pytest
 
 from loadgen.traces.kv_cache_tester import DEFAULT_DIR
+from store.writer import Store
 from tests.integration.test_session_stub import _locust_cmd, _locust_env, rows
 from tests.integration.vllm_stack import ProxyThread
 from tests.unit.test_agent_traces import naive_common
-from turnscope.core.store import Store
 
 pytestmark = pytest.mark.vllm
 REPO = __import__("pathlib").Path(__file__).resolve().parents[2]

@@ -14,9 +14,9 @@ import pytest
 from typer.testing import CliRunner
 
 from loadgen.traces.kv_cache_tester import DEFAULT_DIR
+from store.writer import Store
 from tests.unit.test_agent_traces import TRACES, naive_common, truth, walk
 from turnscope.commands import app
-from turnscope.core.store import Store
 
 
 def cli(*args: str) -> tuple[int, str]:

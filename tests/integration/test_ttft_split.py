@@ -1,4 +1,4 @@
-"""The TTFT split of ``turnscope plan-check`` (turnscope/analysis/ttft_split.py, check.forecast_terms)
+"""The TTFT split of ``turnscope plan-check`` (analysis/ttft_split.py, check.forecast_terms)
 and view ``engine_prefill_speed``, over the planner's hand-made store (tests/planner_store.py) with
 vLLM request histograms written here by hand: every figure is a hand computation from the
 fixture's formulas or from the numbers typed below, never the code's output.
@@ -12,12 +12,12 @@ import statistics
 import pytest
 from typer.testing import CliRunner
 
+from analysis import ttft_split
+from planner.check import check_runs_with_terms
+from planner.profile import CostProfile, Sourced
+from store.writer import Store
 from tests import planner_store as fx
-from turnscope.analysis import ttft_split
 from turnscope.commands import app
-from turnscope.core.store import Store
-from turnscope.planner.check import check_runs_with_terms
-from turnscope.planner.profile import CostProfile, Sourced
 
 BIDIR = fx.RUNS["pd-bidir"]
 P, D = "http://127.0.0.1:8100", "http://127.0.0.1:8200"
@@ -113,7 +113,7 @@ def test_engine_speed_windows_and_slow_stretch(store):
 
 def test_plan_check_prints_the_split(store, tmp_path):
     prof = tmp_path / "fixture.yaml"
-    from turnscope.planner.layer_timing import write_profile
+    from planner.layer_timing import write_profile
     write_profile(_profile(), prof, "test")
     res = CliRunner().invoke(app, ["plan-check", "--check-store", str(store.root), "--profile", str(prof),
                                    "--check-runs", BIDIR])

@@ -198,3 +198,50 @@ def test_a_decode_worker_without_streamed_handles_is_named_and_refused():
         # one check turn, then its release turn: streamed, asking for 64 tokens, left after the first
         assert [b["max_tokens"] for b in d.app.state.bodies] == [2, 64]
         assert p.app.state.bodies[1]["kv_transfer_params"]["remote_engine_id"] == "D"  # P pulled the handle
+
+
+def two_decode_config(p, d0, d1, routing: str) -> ProxyConfig:
+    return ProxyConfig(mode="pd-bidir", prefill=[Worker(name="prefill-0", url=p.url)],
+                       decode=[Worker(name="decode-0", url=d0.url), Worker(name="decode-1", url=d1.url)],
+                       kv_bytes_per_token=4096, block_size=4, kv_recompute_threshold=2, decode_probe_interval_s=0,
+                       decode_routing=routing)
+
+
+@pytest.mark.parametrize("routing", ["round-robin", "session", "prefix-aware"])
+def test_every_decode_worker_is_checked_by_name_whatever_the_routing(routing):
+    """decode-1 returns no handle. Round-robin sends each check turn's release turn to the other D,
+    so routed check turns would only ever reach decode-0 and decode-1 would pass unchecked: each D
+    is named instead (the proxy's DECODE_WORKER_HEADER), and decode-1 is refused by name."""
+    refused = r"decode worker decode-1 \(http://127.0.0.1:\d+\) returned no KV handle"
+    with AppThread(prefill_app()) as p, AppThread(decode_app(gen=4)) as d0, \
+            AppThread(decode_app(gen=4, handle=False)) as d1, \
+            ProxyThread(two_decode_config(p, d0, d1, routing)) as proxy:
+        with pytest.raises(StockDecodeError, match=refused) as err:
+            check_streamed_handles(proxy.url, "m", {"decode-0": d0.url, "decode-1": d1.url})
+        assert "decode-0" not in str(err.value)
+        # each D got exactly its own check turn (2 tokens) and release turn (64), nothing of the other's
+        assert [b["max_tokens"] for b in d0.app.state.bodies] == [2, 64]
+        assert [b["max_tokens"] for b in d1.app.state.bodies] == [2, 64]
+    with AppThread(prefill_app()) as p, AppThread(decode_app(gen=4)) as d0, AppThread(decode_app(gen=4)) as d1, \
+            ProxyThread(two_decode_config(p, d0, d1, routing)) as proxy:
+        assert check_streamed_handles(proxy.url, "m", {"decode-0": d0.url, "decode-1": d1.url}) == \
+            {"decode-0": True, "decode-1": True}
+
+
+def test_a_decode_worker_named_that_the_proxy_lacks_is_refused():
+    """The header names a D the proxy does not have: 400 naming the header and the Ds it has, no
+    worker called; a name the proxy has is served by that D whatever the routing."""
+    with AppThread(prefill_app()) as p, AppThread(decode_app(gen=4)) as d0, AppThread(decode_app(gen=4)) as d1, \
+            ProxyThread(two_decode_config(p, d0, d1, "session")) as proxy:
+        body = {"model": "m", "prompt": list(range(10)), "max_tokens": 2, "conversation_id": "s"}
+        r = httpx.post(proxy.url + "/v1/completions", json=body, headers={"x-turnscope-decode-worker": "decode-7"})
+        assert r.status_code == 400
+        error = r.json()["error"]
+        assert error["param"] == "x-turnscope-decode-worker" and "decode-0, decode-1" in error["message"]
+        assert not p.app.state.bodies and not d0.app.state.bodies and not d1.app.state.bodies
+        for name in ("decode-1", "decode-0", "decode-1"):  # the stub D streams
+            with httpx.stream("POST", proxy.url + "/v1/completions", json=body | {"stream": True},
+                              headers={"x-turnscope-decode-worker": name}) as r:
+                r.read()
+                assert r.status_code == 200 and r.headers["x-turnscope-decode-engine"] == name
+        assert len(d1.app.state.bodies) == 2 and len(d0.app.state.bodies) == 1

@@ -1,4 +1,4 @@
-"""The Memory page's TTL what-if with D's KV space as the limit (queries.whatif_ttl_d_limit),
+"""The Memory page's TTL what-if with D's KV space as the limit (whatif_ttl_d_limit),
 through a real store: D's space read from the run's vllm:cache_config_info, a hand-built run whose
 held KV exceeds it (hand-computed hits, lost handles, peak), and, where the limit does not bind,
 agreement with the unlimited what-if computed in SQL (queries.whatif_ttl, a second route).
@@ -11,11 +11,12 @@ import datetime as dt
 import pandas as pd
 import pytest
 
-from dashboard import db, queries
-from dashboard.queries import memory
-from dashboard.rollup import Rollups
-from turnscope.core.store import Store
-from turnscope.planner.ttl_whatif import WHATIF_TTLS_S
+from planner import recorded_whatif
+from planner.recorded_whatif import whatif_ttl_d_limit
+from store import db, queries
+from store.queries.memory import WHATIF_TTLS_S
+from store.rollup import Rollups
+from store.writer import Store
 
 T0 = dt.datetime(2026, 12, 1, 10, 0, tzinfo=dt.UTC)
 GIB = 2**30
@@ -91,20 +92,20 @@ def test_ds_space_comes_from_cache_config_info(root) -> None:
 
 
 def test_held_kv_over_ds_space_by_hand(root) -> None:
-    out = db.read(root, queries.whatif_ttl_d_limit, ["bind"], (480.0,)).iloc[0]
+    out = db.read(root, whatif_ttl_d_limit, ["bind"], (480.0,)).iloc[0]
     # By hand (tests/unit/test_ttl_whatif.py works the timeline): C0's 320 bytes do not fit next
     # to A0's 800 and B0's 640 in 1,600; C1 misses for it, and its own 336 do not fit either.
     assert (out["later_turns"], out["hits"], out["lost_hits"], out["lost_handles"]) == (3, 2, 1, 2)
     assert (out["peak_held_bytes"], out["demand_peak_bytes"], out["capacity_bytes"]) == (1472, 1808, 1600)
     assert out["held_gib_s"] == pytest.approx(725_600 / GIB)
     # Without D's gauge the same turns are replayed with no limit, in tokens: every handle kept.
-    free = db.read(root, queries.whatif_ttl_d_limit, ["gpu-less"], (480.0,)).iloc[0]
+    free = db.read(root, whatif_ttl_d_limit, ["gpu-less"], (480.0,)).iloc[0]
     assert (free["hits"], free["lost_handles"]) == (3, 0) and free["capacity_bytes"] != free["capacity_bytes"]
 
 
 @pytest.mark.parametrize("ttl", [60.0, 120.0, 240.0, 480.0, 900.0])
 def test_without_a_binding_limit_it_is_the_unlimited_sql_replay(root, ttl: float) -> None:
-    limited = db.read(root, queries.whatif_ttl_d_limit, ["free"], (ttl,)).iloc[0]
+    limited = db.read(root, whatif_ttl_d_limit, ["free"], (ttl,)).iloc[0]
     sql = db.read(root, queries.whatif_ttl, ["free"], (ttl,)).iloc[0]
     assert limited["lost_handles"] == 0
     assert (limited["later_turns"], limited["hits"]) == (sql["later_turns"], sql["hits"])
@@ -117,7 +118,8 @@ def test_a_below_threshold_turn_frees_the_handle_it_was_given(root, query: str) 
     """P given a handle it pulls nothing from still notifies D, which frees it (vLLM
     nixl/pull_scheduler.py update_state_after_alloc, nixl/pull_worker.py _read_blocks), when the
     proxy offers it: gap + 30 s margin below the TTL. Both routes (the replay, the SQL)."""
-    out = db.read(root, getattr(queries, query), ["thr"], (60.0, 480.0)).set_index("ttl_s")
+    route = whatif_ttl_d_limit if query == "whatif_ttl_d_limit" else queries.whatif_ttl
+    out = db.read(root, route, ["thr"], (60.0, 480.0)).set_index("ttl_s")
     # By hand, tokens x seconds. TTL 60: t0/1 (gap 20 < 30) frees t0/0 after 20 s; t0/2's gap 100 is
     # past the proxy's 30 s, so t0/1's handle is held 60 s; t0/2's 60 s. TTL 480: t0/2 frees t0/1
     # after 100 s; t0/2's held 480 s.
@@ -128,7 +130,7 @@ def test_a_below_threshold_turn_frees_the_handle_it_was_given(root, query: str) 
 
 
 def test_the_hits_rise_with_the_ttl(root) -> None:
-    out = db.read(root, queries.whatif_ttl_d_limit, ["free"], (60.0, 480.0, 900.0)).set_index("ttl_s")
+    out = db.read(root, whatif_ttl_d_limit, ["free"], (60.0, 480.0, 900.0)).set_index("ttl_s")
     # By hand: the 20 s gaps hit from TTL 60 (s0/1, s1/2, s2/3); the 100 s and 200 s ones by 480
     # (s0/2, s0/3, s2/1, which pulled and then failed; s1/3 is a mismatch at any TTL); of the 500 s
     # ones only s1/1 at 900 (s2/2 has no handle: s2/1 failed, D kept nothing).
@@ -136,21 +138,21 @@ def test_the_hits_rise_with_the_ttl(root) -> None:
 
 
 def test_a_rolled_up_run_gives_the_same_rows_without_a_replay(tmp_path, monkeypatch) -> None:
-    """Rollups (dashboard.rollup) keep each finished run's what-if at the page's TTL grid: the
+    """Rollups (store.rollup) keep each finished run's what-if at the page's TTL grid: the
     dashboard reads those rows instead of replaying the run (the replay is made to fail here),
     and they are the replay's rows; a TTL outside the grid is still replayed."""
     store = _build(tmp_path / "store")
     loc = db.StoreLocation(store.root)
-    replayed = db.read(loc, queries.whatif_ttl_d_limit, list(RUNS), WHATIF_TTLS_S)  # nothing rolled up yet
-    assert sorted(Rollups(store).write_finished()) == sorted(RUNS)
+    replayed = db.read(loc, whatif_ttl_d_limit, list(RUNS), WHATIF_TTLS_S)  # nothing rolled up yet
+    assert sorted(Rollups(store, whatif=whatif_ttl_d_limit).write_finished()) == sorted(RUNS)
 
     def no_replay(*args, **kwargs):
         raise AssertionError("replayed")
 
-    monkeypatch.setattr(memory, "whatif_ttl_limited", no_replay)
-    rolled = db.read(loc, queries.whatif_ttl_d_limit, list(RUNS), WHATIF_TTLS_S)
+    monkeypatch.setattr(recorded_whatif, "whatif_ttl_limited", no_replay)
+    rolled = db.read(loc, whatif_ttl_d_limit, list(RUNS), WHATIF_TTLS_S)
     pd.testing.assert_frame_equal(rolled, replayed)
-    bind = db.read(loc, queries.whatif_ttl_d_limit, ["bind"], (480.0,)).iloc[0]
+    bind = db.read(loc, whatif_ttl_d_limit, ["bind"], (480.0,)).iloc[0]
     assert (bind["hits"], bind["lost_hits"], bind["lost_handles"]) == (2, 1, 2)  # the hand figures above
     with pytest.raises(AssertionError, match="replayed"):
-        db.read(loc, queries.whatif_ttl_d_limit, ["bind"], (75.0,))
+        db.read(loc, whatif_ttl_d_limit, ["bind"], (75.0,))

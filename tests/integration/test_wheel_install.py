@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.test_layers import PACKAGES
+
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.install
 #: What turnscope writes under data/ (git-ignored) and the wheel must not ship.
@@ -40,7 +42,7 @@ def _copy_sources(dst: Path) -> None:
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(REPO / name, dst / name)
     skip = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for part in ("turnscope", "serving", "loadgen", "dashboard"):
+    for part in PACKAGES:
         shutil.copytree(REPO / part, dst / part, ignore=skip)
     shutil.copytree(REPO / "data", dst / "data", ignore=lambda d, names: [
         n for n in names if n in MADE and Path(d) == REPO / "data"] + list(skip(d, names)))
@@ -95,13 +97,13 @@ def test_wheel_ships_every_shipped_file_and_nothing_turnscope_made(installed):
     data = {n.removeprefix("turnscope_data/") for n in names if n.startswith("turnscope_data/")}
     assert "schema.sql" in data and f"traces/{TRACE}" in data and "traces/SOURCES.md" in data
     assert data == installed["shipped"], "a shipped file missing from pyproject's package-data, or a made one shipped"
-    assert {"turnscope/commands/app.py", "turnscope/core/resources.py", "dashboard/app.py", "dashboard/pages.py",
+    assert {"turnscope/commands/app.py", "core/resources.py", "dashboard/app.py", "dashboard/pages.py",
             "dashboard/app_pages/overview.py", "loadgen/locustfile.py", "serving/vllm_worker.py"} <= names
 
 
 def test_installed_turnscope_runs_from_another_directory(installed, tmp_path):
     env, python = installed["env"], installed["venv"] / "bin" / "python"
-    code = ("import turnscope, dashboard; from turnscope.core import resources; print(turnscope.__file__, "
+    code = ("import turnscope, dashboard; from core import resources; print(turnscope.__file__, "
             "dashboard.__file__, resources.shipped_root(), resources.in_checkout(), resources.home())")
     where = _run([python, "-c", code], tmp_path, env).stdout.split()
     purelib = installed["purelib"]

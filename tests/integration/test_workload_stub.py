@@ -19,11 +19,11 @@ from loadgen.session import SessionPlan, TurnPlan
 from loadgen.session_player import run_session
 from loadgen.synth_text import LocalTokenizer, TextSynth
 from loadgen.workload import load_workload, plan_workload
+from store.writer import Store
 from tests import embedded_tokenizer
 from tests.integration import openai_stub
 from tests.integration.openai_stub import CHAR_BASE, IM_END, XY, StubServer, StubState, encode, render
 from tests.integration.test_session_stub import _free_port, _locust_cmd, _locust_env, rows
-from turnscope.core.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
 NL = CHAR_BASE + ord("\n")

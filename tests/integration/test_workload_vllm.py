@@ -11,9 +11,9 @@ import subprocess
 
 import pytest
 
+from store.writer import Store
 from tests.integration.test_session_stub import _free_port, _locust_cmd, _locust_env, rows
 from tests.integration.vllm_stack import ProxyThread, metric
-from turnscope.core.store import Store
 
 pytestmark = pytest.mark.vllm
 REPO = __import__("pathlib").Path(__file__).resolve().parents[2]

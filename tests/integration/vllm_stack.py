@@ -17,11 +17,11 @@ from pathlib import Path
 import httpx
 import uvicorn
 
+from core.connector import Connector
 from serving.embedded_model import ModelSpec, ensure_model
 from serving.proxy import ProxyConfig, Worker, create_app
 from serving.topology import WorkerEntry, embedded_topology
 from serving.workers import WorkerProcess, WorkerSpec, mode_workers, wait_all_healthy
-from turnscope.core.connector import Connector
 
 #: Ports :func:`free_port` has handed out in this process: never handed out twice, so the ports of
 #: one topology (each asked before any is bound) are distinct.

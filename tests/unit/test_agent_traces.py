@@ -199,7 +199,7 @@ def test_tracelab_errors_name_file_line_field(tmp_path):
 def test_recorded_runs_adapter(tmp_path):
     """Turns written to a store come back as requests: times from sent_at/e2e_s by hand."""
     from loadgen.traces.recorded_runs import read_recorded_runs
-    from turnscope.core.store import Store
+    from store.writer import Store
 
     s = Store(tmp_path / "store")
     s.init()

@@ -1,4 +1,4 @@
-"""turnscope capacity's step planning and turnscope.analysis.capacity_crossing's crossing, against hand-written truths."""
+"""turnscope capacity's step planning and analysis.capacity_crossing's crossing, against hand-written truths."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from analysis.capacity_crossing import crossing_words, find_crossing
 from serving.topology import embedded_topology
 from serving.workers import mode_workers, worker_command
-from turnscope.analysis.capacity_crossing import crossing_words, find_crossing
 from turnscope.conductor.capacity import plan_capacity
 from turnscope.conductor.evaluation import EvalSettings, Slo
 
@@ -168,7 +168,7 @@ def _with_turns(rows):
 def test_a_p90_difference_within_sampling_noise_is_not_a_crossing():
     import numpy as np
 
-    from turnscope.analysis.capacity_crossing import p90_ratio_interval
+    from analysis.capacity_crossing import p90_ratio_interval
 
     base = np.linspace(0.05, 0.20, 32)            # 32 turns, as a 2-session step of the ramp
     # 2 sessions: pd-bidir 5.6% slower at every turn (p90 ratio 1.056 > 1.05); 4 sessions: every

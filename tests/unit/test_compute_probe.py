@@ -1,5 +1,5 @@
-"""The compute probe's place in a forecast (turnscope/planner/fit.py ``on_run_speed``,
-turnscope/planner/profile.py ``at_speed``): b0 scaled by the short probe, the prefill curves by the
+"""The compute probe's place in a forecast (planner/fit.py ``on_run_speed``,
+planner/profile.py ``at_speed``): b0 scaled by the short probe, the prefill curves by the
 compute probe over what the profile's own c(x) gives for the same tokens. Hand computations.
 
 Profile (tests/unit/test_planner_simulate.py): c(x) = 1e-4 x, b0 10 ms; its probe 44 ms."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from planner.fit import on_run_speed
 from tests.unit.test_planner_simulate import profile
-from turnscope.planner.fit import on_run_speed
 
 SRC = {"source": "hand-made for the test"}
 

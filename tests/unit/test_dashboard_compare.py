@@ -1,4 +1,4 @@
-"""turnscope.analysis.compare and turnscope.analysis.headline's sampling cap: pure functions on hand-made samples."""
+"""analysis.compare and analysis.headline's sampling cap: pure functions on hand-made samples."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from turnscope.analysis import compare as compare_stats
-from turnscope.analysis import headline
-from turnscope.analysis.headline import Ratio
+from analysis import compare as compare_stats
+from analysis import headline
+from analysis.headline import Ratio
 
 
 def _samples() -> pd.DataFrame:

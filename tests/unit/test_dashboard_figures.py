@@ -364,7 +364,7 @@ def test_palettes_keep_meanings_apart():
 
 
 def test_workload_mismatch_in_words():
-    from turnscope.analysis.compare import workload_mismatch
+    from analysis.compare import workload_mismatch
 
     msg = workload_mismatch({("tau-bench-airline", "token_ids")}, {("tau-bench-airline", "text")})
     assert "A ran tau-bench-airline with history token_ids, B ran tau-bench-airline with history text" in msg
@@ -374,10 +374,10 @@ def test_workload_mismatch_in_words():
 
 def test_every_reuse_outcome_has_an_order_a_marker_and_a_colour():
     """An outcome added to the wire contract (as ``miss_decode_restarted`` was) is drawn like the others."""
+    from core.contract import OUTCOMES
     from dashboard import palette
     from dashboard.figures.common import OUTCOME_ORDER, OUTCOME_SYMBOLS
-    from dashboard.queries import NOT_RECORDED
-    from turnscope.core.contract import OUTCOMES
+    from store.queries import NOT_RECORDED
 
     expected = {*OUTCOMES, NOT_RECORDED}
     assert sorted(OUTCOME_ORDER) == sorted(expected)

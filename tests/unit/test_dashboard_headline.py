@@ -1,4 +1,4 @@
-"""turnscope.analysis.headline: the ratio, its bootstrap CI, and the sentences the Overview prints."""
+"""analysis.headline: the ratio, its bootstrap CI, and the sentences the Overview prints."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from turnscope.analysis import headline
-from turnscope.analysis.headline import Ratio
+from analysis import headline
+from analysis.headline import Ratio
 
 
 def test_median_ratio_and_ci():

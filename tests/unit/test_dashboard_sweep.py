@@ -1,4 +1,4 @@
-"""turnscope.analysis.sweep_stats and dashboard.sweep_figures as pure functions, against numbers worked out by hand."""
+"""analysis.sweep_stats and dashboard.sweep_figures as pure functions, against numbers worked out by hand."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from analysis import sweep_stats
 from dashboard import sweep_figures
-from turnscope.analysis import sweep_stats
 
 
 def frame(rows: list[tuple]) -> pd.DataFrame:

@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.test_layers import PACKAGES
+
 REPO = Path(__file__).resolve().parents[2]
 MAX_LINES = 400
 PAGES = sorted((REPO / "docs").rglob("*.md"))
-CODE_DIRS = ("serving", "loadgen", "dashboard", "turnscope", "bench", "tests", "scripts")
+CODE_DIRS = (*PACKAGES, "bench", "tests", "scripts")
 
 #: A docs page followed by a heading: `docs/x.md#anchor`, or the page, a comma or a space (a line break
 #: and a comment marker allowed), then a quote, optionally in brackets or escaped in a string.

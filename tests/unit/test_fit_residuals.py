@@ -1,6 +1,6 @@
-"""The cost fit on synthetic calibration points with known coefficients (turnscope/planner/fit.py,
+"""The cost fit on synthetic calibration points with known coefficients (planner/fit.py,
 ``fit_costs``): the coefficients come back, the residuals are 0 and the fitted range is the points'
-range; and the residual summary (turnscope/planner/fit_residuals.py) against hand computation."""
+range; and the residual summary (planner/fit_residuals.py) against hand computation."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from turnscope.planner.fit import fit_costs
-from turnscope.planner.fit_residuals import residuals_of
-from turnscope.planner.profile import CostProfile, Sourced
+from planner.fit import fit_costs
+from planner.fit_residuals import residuals_of
+from planner.profile import CostProfile, Sourced
 
 A1, A2 = 5e-4, 4e-8                  # P/D c(x)
 G1, G2 = 1.5e-4, 2e-8                # the aggregated worker's c(x)

@@ -30,7 +30,7 @@ from loadgen.traces.errors import TraceFormatError
 from loadgen.traces.formats import iter_agent_requests
 from loadgen.traces.kv_cache_tester import DEFAULT_DIR, read_kv_cache_tester_file
 from loadgen.traces.recorded_runs import read_recorded_runs
-from turnscope.core.store import Store
+from store.writer import Store
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "data" / "traces"

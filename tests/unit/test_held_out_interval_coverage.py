@@ -1,4 +1,4 @@
-"""The share of checked turns inside the profile's 80% TTFT interval (turnscope/planner/held_out.py,
+"""The share of checked turns inside the profile's 80% TTFT interval (planner/held_out.py,
 ``ttft_in_interval``): hand-made checks, the shares counted by hand."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import pandas as pd
 import pytest
 
-from turnscope.planner import held_out
-from turnscope.planner.profile import CostProfile, HeldOutErrors, Sourced
+from planner import held_out
+from planner.profile import CostProfile, HeldOutErrors, Sourced
 
 
 def profile(held: HeldOutErrors | None) -> CostProfile:

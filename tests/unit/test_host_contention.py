@@ -1,4 +1,4 @@
-"""Host contention (turnscope/planner/host_contention.py and its place in the plan): counts of
+"""Host contention (planner/host_contention.py and its place in the plan): counts of
 requests in flight and the term, against hand computations."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from loadgen.traces.agent_request import AgentRequest
-from turnscope.planner import host_contention
-from turnscope.planner.profile import CostProfile, Sourced
-from turnscope.planner.simulate import PlanSettings, plan
+from planner import host_contention
+from planner.profile import CostProfile, Sourced
+from planner.simulate import PlanSettings, plan
 
 
 def test_in_flight_counted_by_hand():
@@ -71,7 +71,7 @@ def test_the_plan_adds_the_term_to_the_ttft_only():
 
 
 def test_the_split_shows_the_term_and_the_terms_still_sum_to_the_ttft():
-    from turnscope.planner.check import forecast_terms
+    from planner.check import forecast_terms
 
     reqs = [AgentRequest(session_id="a", request_index=0, arrival_s=0.0, input_tokens=1000, output_tokens=100, source="t"),
             AgentRequest(session_id="b", request_index=0, arrival_s=0.5, input_tokens=500, output_tokens=100, source="t")]
@@ -87,7 +87,7 @@ def test_the_ledger_adds_the_same_term_as_the_plan():
     """The ledger's forecast of a strategy (recommend's and the fleet search's) takes the term as the
     plan does: the same TTFTs by the two routes, and by hand the second request's 0.1 x 1 x its own
     work more than without the term (its own work: the plan's TTFT less its waits, uncontended)."""
-    from turnscope.planner.ledger import forecast_strategy
+    from planner.ledger import forecast_strategy
 
     reqs = [AgentRequest(session_id="a", request_index=0, arrival_s=0.0, input_tokens=1000, output_tokens=100, source="t"),
             AgentRequest(session_id="b", request_index=0, arrival_s=0.5, input_tokens=500, output_tokens=100, source="t")]

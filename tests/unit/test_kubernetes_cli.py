@@ -29,3 +29,17 @@ def test_cli_without_image_fails_naming_it() -> None:
                                  "--mode", "pd", "--kubernetes"], env={"COLUMNS": "4000"})
     assert r.exit_code == 2 and "--image" in r.output
 
+
+
+def test_cli_renders_the_inference_pool_when_asked_and_refuses_a_bad_picker() -> None:
+    from turnscope.commands import app
+
+    args = ["serve", "--topology", str(REPO / "data/topologies/embedded-cpu.yaml"), "--mode", "pd", "--kubernetes",
+            "--image", IMAGE]
+    r = CliRunner().invoke(app, [*args, "--inference-pool", "epp:9010"], env={"COLUMNS": "4000"})
+    assert r.exit_code == 0, r.output
+    pool = [o for o in yaml.safe_load_all(r.stdout) if o][-1]
+    assert pool["kind"] == "InferencePool" and pool["spec"]["endpointPickerRef"]["port"] == {"number": 9010}
+    validate(pool)
+    r = CliRunner().invoke(app, [*args, "--inference-pool", "epp:none"], env={"COLUMNS": "4000"})
+    assert r.exit_code != 0 and "--inference-pool" in r.output

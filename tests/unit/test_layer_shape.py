@@ -1,4 +1,4 @@
-"""turnscope.planner.layer_shape: a decoder layer's shape from config.json, checked against the
+"""planner.layer_shape: a decoder layer's shape from config.json, checked against the
 parameter counts the model cards publish, and the refusals that name their field."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from turnscope.planner.layer_shape import DecoderLayerShape, LayerShapeError
+from planner.layer_shape import DecoderLayerShape, LayerShapeError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "data" / "model_configs"
 

@@ -1,4 +1,4 @@
-"""turnscope.planner.layer_timing: the prefill curve fitted from one layer's timings and the profile
+"""planner.layer_timing: the prefill curve fitted from one layer's timings and the profile
 built on it, against hand-computed figures."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from turnscope.planner import layer_timing as lt
-from turnscope.planner.layer_shape import LAYER_TIMING_FORMAT
-from turnscope.planner.profile import ProfileError, load_profile
+from planner import layer_timing as lt
+from planner.layer_shape import LAYER_TIMING_FORMAT
+from planner.profile import ProfileError, load_profile
 
 REPO = Path(__file__).resolve().parents[2]
 VENDOR = REPO / "data" / "profiles" / "vendor-h200.yaml"

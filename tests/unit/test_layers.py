@@ -6,6 +6,7 @@ a circle, and every import of the repository's own modules resolves in this chec
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +27,7 @@ def _imported_modules(part: str) -> set[str]:
                 names.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 names.add(node.module)
-    return {n for n in names if n.split(".")[0] in (*PARTS, "turnscope")}
+    return {n for n in names if n.split(".")[0] in PACKAGES}
 
 
 @pytest.mark.parametrize("part, forbidden", [("serving", {"loadgen", "dashboard"}),
@@ -47,10 +48,13 @@ def test_part_imports_no_other_part(part: str, forbidden: set[str]) -> None:
 #: The layers by folder, bottom (0) up (docs/design.md): a module may import modules of its
 #: own folder and of lower layers only. Every module of the repository's code lies in exactly one of
 #: these folders (:func:`test_every_module_lies_in_a_layer_folder`): a new module takes its layer
-#: from where it is put, not from a list of modules.
-LAYER_FOLDERS = (("turnscope/core", 0), ("serving", 1), ("loadgen", 1), ("turnscope/analysis", 1),
-                 ("turnscope/planner", 2), ("dashboard", 3), ("turnscope/conductor", 4),
-                 ("turnscope/commands", 5), ("turnscope", 6))  # turnscope/ itself: the package and its entry
+#: from where it is put, not from a list of modules. The top-level folders are layers themselves
+#: (:func:`test_the_top_level_folders_are_layers`): turnscope/ holds the top three.
+LAYER_FOLDERS = (("core", 0), ("store", 1), ("serving", 2), ("loadgen", 2), ("analysis", 2),
+                 ("planner", 3), ("dashboard", 4), ("turnscope/conductor", 5),
+                 ("turnscope/commands", 6), ("turnscope", 7))  # turnscope/ itself: the package and its entry
+#: The top-level packages of the code (pyproject.toml lists them and their subpackages).
+PACKAGES = tuple(sorted({f.split("/")[0] for f, _ in LAYER_FOLDERS}))
 
 
 def layer_of(module: str) -> tuple[int, str]:
@@ -62,11 +66,34 @@ def layer_of(module: str) -> tuple[int, str]:
     raise AssertionError(f"{module} lies in no layer folder of {[f for f, _ in LAYER_FOLDERS]}")
 
 
+#: A module named in a string as ``"package.module:function"``: the references that
+#: ``importlib.import_module`` resolves at run time (``loadgen/traces/formats.py``'s registry).
+DYNAMIC_REF = re.compile(r"^([A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*):[A-Za-z_]\w*$")
+#: Every module that calls ``importlib.import_module`` (or ``__import__``) and what it may import
+#: that way: references of :data:`DYNAMIC_REF` in its own strings (which the graph then follows), or
+#: names outside the repository's packages. A new call site must be added here
+#: (:func:`test_every_dynamic_import_is_listed`).
+DYNAMIC_IMPORTERS = {
+    "loadgen.traces.formats": "the registry's 'module:function' strings",
+    "dashboard.serve": "third-party libraries only (PRELOAD)",
+}
+
+
+def _absolute(module: str, node: ast.ImportFrom, is_package: bool) -> str:
+    """The absolute module an ``ImportFrom`` names in `module` (a relative one resolved)."""
+    if node.level == 0:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, node.module] if node.module else base)
+
+
 def import_graph() -> dict[str, set[str]]:
     """Module -> the modules of this repository it imports anywhere in its file (top level or in a
-    function), read with ``ast``."""
+    function; relative imports resolved), read with ``ast``, and the modules its strings name as
+    ``"module:function"`` (:data:`DYNAMIC_REF`) for ``importlib.import_module``."""
     paths = {}
-    for part in (*PARTS, "turnscope"):
+    for part in PACKAGES:
         for path in (REPO / part).rglob("*.py"):
             name = ".".join(path.relative_to(REPO).with_suffix("").parts)
             paths[name.removesuffix(".__init__")] = path
@@ -75,9 +102,11 @@ def import_graph() -> dict[str, set[str]]:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in paths else node.module
-                           for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                source = _absolute(module, node, path.name == "__init__.py")
+                targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in paths else source for a in node.names]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and DYNAMIC_REF.match(node.value):
+                targets = [node.value.partition(":")[0]]
             else:
                 continue
             graph[module].update(t for t in targets if t in paths and t != module)
@@ -149,12 +178,98 @@ def test_no_import_cycle() -> None:
 
 def test_the_checks_catch_an_upward_import_and_a_cycle() -> None:
     graph = import_graph()
-    graph["turnscope.core.store"] = graph["turnscope.core.store"] | {"dashboard.db"}  # ground -> dashboard
-    assert "turnscope.core.store -> dashboard.db" in layering_breaches(graph)
-    assert any({"turnscope.core.store", "dashboard.db"} <= set(c) for c in import_cycles(graph))
+    graph["core.resources"] = graph["core.resources"] | {"dashboard.loader"}  # the ground -> the dashboard
+    assert "core.resources -> dashboard.loader" in layering_breaches(graph)
+    assert any({"core.resources", "dashboard.loader"} <= set(c) for c in import_cycles(graph))
+    graph = import_graph()
+    graph["store.queries.memory"] = graph["store.queries.memory"] | {"planner.ttl_whatif"}  # the store -> the planner
+    assert layering_breaches(graph) == ["store.queries.memory -> planner.ttl_whatif"]
     graph = import_graph()
     graph["serving.routing"] = graph["serving.routing"] | {"loadgen.workload"}  # across one layer
     assert layering_breaches(graph) == ["serving.routing -> loadgen.workload"]
+
+
+def dynamic_importers() -> list[str]:
+    """The modules of the code that call ``import_module`` or ``__import__``."""
+    out = []
+    for module, path in _module_paths().items():
+        text = path.read_text()
+        if "import_module(" in text or "__import__(" in text:
+            out.append(module)
+    return sorted(out)
+
+
+def _module_paths() -> dict[str, Path]:
+    out = {}
+    for part in PACKAGES:
+        for path in (REPO / part).rglob("*.py"):
+            out[".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")] = path
+    return out
+
+
+def test_every_dynamic_import_is_listed() -> None:
+    """A module that imports by name at run time is listed, with what it imports that way: the
+    graph above follows its ``"module:function"`` strings, and nothing else of ours is imported so."""
+    assert dynamic_importers() == sorted(DYNAMIC_IMPORTERS)
+
+
+def test_the_graph_follows_dynamic_references() -> None:
+    """The trace registry's ``"module:function"`` strings are edges of the graph."""
+    assert "loadgen.traces.kv_cache_tester" in import_graph()["loadgen.traces.formats"]
+
+
+def test_the_graph_follows_relative_imports() -> None:
+    """A relative import (which ruff bans, pyproject.toml ``TID252``) would still be an edge."""
+    tree = ast.parse("from ..queries import memory\nfrom . import db\n")
+    found = [_absolute("store.queries.overview", n, False) for n in tree.body]
+    assert found == ["store.queries", "store.queries"]
+    found = [_absolute("store", n, True) for n in tree.body]
+    assert found == ["queries", "store"]
+
+
+# -- the house drawn from the top-level folders -------------------------------------------------------
+
+def top_level_rank(package: str) -> int:
+    """A top-level folder's layer: its lowest folder's (turnscope/ holds the conductor, the
+    commands and the entry, all above every other folder)."""
+    return min(layer for folder, layer in LAYER_FOLDERS if folder.split("/")[0] == package)
+
+
+def top_level_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Top-level folder -> the other top-level folders its modules import."""
+    out: dict[str, set[str]] = {p: set() for p in PACKAGES}
+    for module, targets in graph.items():
+        out[module.split(".")[0]].update(t.split(".")[0] for t in targets if t.split(".")[0] != module.split(".")[0])
+    return out
+
+
+def arrows_up(top: dict[str, set[str]]) -> list[str]:
+    """Arrows of the top-level house that run up or sideways (to a folder of the same or a higher
+    layer)."""
+    return sorted(f"{a} -> {b}" for a, targets in top.items() for b in targets
+                  if top_level_rank(b) >= top_level_rank(a))
+
+
+def test_the_top_level_folders_are_layers() -> None:
+    """The house drawn from the top-level folders: every arrow runs down, and no circle."""
+    top = top_level_graph(import_graph())
+    assert arrows_up(top) == []
+    assert import_cycles(top) == []
+
+
+def test_the_house_check_catches_an_arrow_up() -> None:
+    graph = import_graph()
+    graph["planner.fit"] = graph["planner.fit"] | {"turnscope.conductor.settings"}
+    top = top_level_graph(graph)
+    assert arrows_up(top) == ["planner -> turnscope"]
+    assert any({"planner", "turnscope"} <= set(c) for c in import_cycles(top))
+
+
+def test_every_top_level_package_is_a_layer() -> None:
+    """Every top-level folder holding Python code (bar tests/, bench/, scripts/, data/) is one of
+    :data:`PACKAGES`, so a new top-level package must take a layer here."""
+    code = {p.parent.name for p in REPO.glob("*/__init__.py")} - {"tests"}
+    assert code == set(PACKAGES)
 
 
 # -- every import resolves in this repository ---------------------------------------------------------
@@ -186,7 +301,7 @@ def unresolved_imports() -> list[str]:
     """Imports of this repository's packages (in its code, tests and benches) that name a module or a
     name this checkout does not have: a module moved or renamed, its importers not updated. Read
     from the files, so an installed copy of an older tree cannot answer for a missing module."""
-    ours = (*PARTS, "turnscope", "tests", "bench")
+    ours = (*PACKAGES, "tests", "bench")
     out = []
     for part in ours:
         for path in (REPO / part).rglob("*.py"):

@@ -1,13 +1,13 @@
-"""The serving modes (turnscope.core.modes) against the flags docs/design.md states by hand, and
+"""The serving modes (core.modes) against the flags docs/design.md states by hand, and
 the workers each mode launches on the embedded topology (serving.workers.mode_workers)."""
 
 from __future__ import annotations
 
 import pytest
 
+from core import modes
 from serving.topology import embedded_topology
 from serving.workers import kv_transfer_config, mode_workers
-from turnscope.core import modes
 
 #: name -> (P/D, bidirectional_kv_xfer, P's prefix cache), from docs/design.md.
 TABLE = {

@@ -1,7 +1,7 @@
 """Names are typed once (docs/design.md: what adding a serving mode, a trace format or a ledger
 strategy touches): a serving mode's, a ledger strategy's, a trace format's and a reuse outcome's name
 is written as a string only in its registry (and a format's in its reader module too); the roles and
-the outcomes are listed once (``turnscope.core.contract``). Read from the source with ``ast``, so the
+the outcomes are listed once (``core.contract``). Read from the source with ``ast``, so the
 Streamlit pages and the Locust file need not run; docstrings are text and not checked."""
 
 from __future__ import annotations
@@ -12,17 +12,18 @@ from pathlib import Path
 
 import pytest
 
+from core import contract, modes
 from loadgen.traces import formats
-from turnscope.core import contract, modes
-from turnscope.planner import strategies
+from planner import strategies
+from tests.unit.test_layers import PACKAGES
 
 REPO = Path(__file__).resolve().parents[2]
 #: The product's code (tests and scripts aside).
-PRODUCT = ("turnscope", "serving", "loadgen", "dashboard")
+PRODUCT = PACKAGES
 
-MODES_PY = "turnscope/core/modes.py"
-CONTRACT_PY = "turnscope/core/contract.py"
-STRATEGIES_PY = "turnscope/planner/strategies.py"
+MODES_PY = "core/modes.py"
+CONTRACT_PY = "core/contract.py"
+STRATEGIES_PY = "planner/strategies.py"
 FORMATS_PY = "loadgen/traces/formats.py"
 
 #: A literal that is one of these names, anywhere else, is a violation.
@@ -36,7 +37,7 @@ FORMAT_NAMES = frozenset(formats.FORMATS) - {formats.RECORDED_RUNS}
 
 #: (module, literal): why the literal there is no mode, strategy, format or outcome name.
 NOT_A_NAME = {
-    ("turnscope/core/connector.py", "recompute"): "vLLM's kv_load_failure_policy value, not the ledger strategy",
+    ("core/connector.py", "recompute"): "vLLM's kv_load_failure_policy value, not the ledger strategy",
 }
 
 
@@ -107,7 +108,7 @@ def violations(source: str, path: str) -> list[str]:
             for what, known in (("roles", ROLE_NAMES), ("outcomes", OUTCOME_NAMES)):
                 if set(names) <= known:
                     out.append(f"{path}:{node.lineno}: {names} lists {what} by hand "
-                               f"(take them from turnscope.core.contract)")
+                               f"(take them from core.contract)")
     return out
 
 
@@ -129,16 +130,16 @@ def test_every_exception_is_still_needed() -> None:
 
 @pytest.mark.parametrize("source, path", [
     ('MODE = "pd-bidir"\n', "dashboard/figures/plan.py"),
-    ('if mode == "aggregated":\n    pass\n', "turnscope/planner/fit.py"),
-    ('S = {"recompute": 1}\n', "turnscope/planner/recommend.py"),
-    ('x: Literal["pd+host"] = "pd+host"\n', "turnscope/planner/ledger.py"),
+    ('if mode == "aggregated":\n    pass\n', "planner/fit.py"),
+    ('S = {"recompute": 1}\n', "planner/recommend.py"),
+    ('x: Literal["pd+host"] = "pd+host"\n', "planner/ledger.py"),
     ('FMT = "mooncake"\n', "loadgen/workload.py"),
     ('FMT = "mooncake"\n', "loadgen/traces/azure.py"),
     ('OK = reuse == "miss_expired"\n', "dashboard/figures/traffic.py"),
     ('ROLES = ("prefill", "decode", "aggregated", "proxy")\n', "loadgen/scraper.py"),
     ('for role in ["prefill", "decode"]:\n    pass\n', "serving/stack.py"),
     ('C = {"hit": "#00a6a6", "miss_first_turn": "#d9d9d9"}\n', "dashboard/palette.py"),
-    ('def f(x="pd-bidir-nocache"):\n    return x\n', "turnscope/planner/summary.py"),
+    ('def f(x="pd-bidir-nocache"):\n    return x\n', "planner/summary.py"),
 ])
 def test_a_planted_violation_is_caught(source: str, path: str) -> None:
     assert violations(source, path), f"{source!r} in {path} was not flagged"
@@ -152,8 +153,8 @@ def test_a_planted_violation_is_caught(source: str, path: str) -> None:
     ('HIT = "hit"\nOUTCOMES = ("hit", "miss_expired")\n', CONTRACT_PY),
     ('def f():\n    """Compare pd-bidir against "pd"."""\n', "dashboard/figures/plan.py"),
     ('TIME_COLORS = {"proxy": "#fff", "prefill": "#000", "transfer": "#111"}\n', "dashboard/palette.py"),
-    ('policy = "recompute"\n', "turnscope/core/connector.py"),
-    ('x = f"{mode}: pd-bidir against pd"\n', "turnscope/planner/recommend.py"),
+    ('policy = "recompute"\n', "core/connector.py"),
+    ('x = f"{mode}: pd-bidir against pd"\n', "planner/recommend.py"),
 ])
 def test_a_registry_docstring_or_other_name_is_not_flagged(source: str, path: str) -> None:
     assert not violations(source, path)

@@ -1,4 +1,4 @@
-"""turnscope.analysis.p_cache_replay against a replay worked out by hand: blocks of 4 tokens, 6 of
+"""analysis.p_cache_replay against a replay worked out by hand: blocks of 4 tokens, 6 of
 them, two sessions whose prompts extend their last one."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from turnscope.analysis.p_cache_replay import fifo_starts, replay_hits
+from analysis.p_cache_replay import fifo_starts, replay_hits
 
 
 def test_a_replay_by_hand():

@@ -1,5 +1,5 @@
 """pyproject.toml's package list: every package folder of the code is in the wheel, and data/'s
-shipped folders are the package turnscope_data (turnscope/core/resources.py). What the built wheel
+shipped folders are the package turnscope_data (core/resources.py). What the built wheel
 holds and does outside the checkout: tests/integration/test_wheel_install.py."""
 
 from __future__ import annotations
@@ -9,14 +9,15 @@ from pathlib import Path
 
 from setuptools import find_packages
 
-from turnscope.core import resources
+from core import resources
+from tests.unit.test_layers import PACKAGES
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
 
 
 def test_every_package_folder_of_the_code_is_listed() -> None:
-    code = find_packages(str(REPO), include=["serving*", "loadgen*", "dashboard*", "turnscope*"])
+    code = find_packages(str(REPO), include=[p for top in PACKAGES for p in (top, f"{top}.*")])
     listed = [p for p in CONFIG["packages"] if not p.startswith(resources.PACKAGE)]
     assert sorted(listed) == sorted(code)
 

@@ -1,4 +1,4 @@
-"""D's admission queue (turnscope/planner/decode_admission.py) and its place in the TTFT forecast,
+"""D's admission queue (planner/decode_admission.py) and its place in the TTFT forecast,
 against hand-computed cases and an independent loop over time steps.
 
 Profile (tests/unit/test_planner_simulate.py): c(x) = 1e-4 x, b0 10 ms, 128-token blocks of
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from loadgen.traces.agent_request import AgentRequest
+from planner.decode_admission import DecodeAdmission, one_way_admission
+from planner.simulate import PlanSettings, plan
 from tests.unit.test_planner_simulate import profile
-from turnscope.planner.decode_admission import DecodeAdmission, one_way_admission
-from turnscope.planner.simulate import PlanSettings, plan
 
 BLOCK_BYTES = 128 * 4096
 
@@ -237,7 +237,7 @@ def test_the_closed_loop_bound_never_ends_a_request_before_its_admission():
 
 
 def test_latest_end_is_the_sessions_next_recorded_arrival():
-    from turnscope.planner.simulate import Traffic
+    from planner.simulate import Traffic
     tr = Traffic.of([AgentRequest("t", "a", 0, 0.0, 10, 1, 0), AgentRequest("t", "b", 0, 0.5, 10, 1, 0),
                      AgentRequest("t", "a", 1, 2.0, 10, 1, 0, gap_s=1.0), AgentRequest("t", "b", 1, 3.0, 10, 1, 0),
                      AgentRequest("t", "a", 2, 4.0, 10, 1, 0, gap_s=0.5)])

@@ -1,4 +1,4 @@
-"""Fleet sizing (turnscope/planner/fleet.py) on a traffic whose answer is known by hand.
+"""Fleet sizing (planner/fleet.py) on a traffic whose answer is known by hand.
 
 Profile: tests/unit/test_planner_ledger.py's (c(x) = 1e-4 x, b0 10 ms, 2 GPUs per worker), D's KV
 space not in it (D never limits). Traffic: one request a second for 240 s (windows of 30 s: whole cycles), each its own session of
@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 
 from loadgen.traces.agent_request import AgentRequest
+from planner.fleet import Fleet, FleetLimits, cheapest, evaluate_fleet, size_fleet
+from planner.simulate import PlanSettings, Traffic
 from tests.unit.test_planner_ledger import profile
-from turnscope.planner.fleet import Fleet, FleetLimits, cheapest, evaluate_fleet, size_fleet
-from turnscope.planner.simulate import PlanSettings, Traffic
 
 
 def steady() -> Traffic:
@@ -63,7 +63,7 @@ def test_a_bidirectional_forecast_stops_at_the_overload():
     """One P asked for 2.5x what it has: from the first request each waits 1.5 s longer than the one
     before, so the 22nd (index 21) is the first to wait more than an eighth of the 240 s horizon
     (30 s: 21 x 1.5 = 31.5 s); the sizing's forecast stops there, the full one names the same role."""
-    from turnscope.planner.ledger import forecast_strategy
+    from planner.ledger import forecast_strategy
 
     quick = evaluate_fleet(steady(), prof(), PlanSettings(), "pd-bidir", Fleet(1, 1), FleetLimits(3.0))
     assert quick.overload.role == "prefill" and "waited past a 30 s window" in quick.overload.why

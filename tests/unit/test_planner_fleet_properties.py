@@ -1,4 +1,4 @@
-"""Properties of fleet sizing (turnscope/planner/fleet.py) on traffics whose answers are counted by hand.
+"""Properties of fleet sizing (planner/fleet.py) on traffics whose answers are counted by hand.
 
 Profile: tests/unit/test_planner_ledger.py's (c(x) = 1e-4 x, b0 10 ms, blocks of 128 tokens), D's
 KV space not in it (D never limits).
@@ -25,9 +25,7 @@ import numpy as np
 import pytest
 
 from loadgen.traces.agent_request import AgentRequest
-from tests.unit.test_planner_fleet import prof, steady
-from tests.unit.test_planner_ledger import KV
-from turnscope.planner.fleet import (
+from planner.fleet import (
     Fleet,
     FleetForecast,
     FleetLimits,
@@ -37,11 +35,13 @@ from turnscope.planner.fleet import (
     evaluate_fleet,
     size_fleet,
 )
-from turnscope.planner.ledger import Prices
-from turnscope.planner.overload import window_count
-from turnscope.planner.recommend import Evaluated, Setting, choose
-from turnscope.planner.simulate import PlanSettings, Traffic
-from turnscope.planner.strategies import MIN_GAIN
+from planner.ledger import Prices
+from planner.overload import window_count
+from planner.recommend import Evaluated, Setting, choose
+from planner.simulate import PlanSettings, Traffic
+from planner.strategies import MIN_GAIN
+from tests.unit.test_planner_fleet import prof, steady
+from tests.unit.test_planner_ledger import KV
 
 FIRST, SECOND, SHARED = 10_240, 12_288, 10_240
 MISS, HIT, OPENING = 0.01 + 1e-4 * SECOND, 0.01 + 1e-4 * (SECOND - SHARED), 0.01 + 1e-4 * FIRST
@@ -174,7 +174,7 @@ def test_the_memory_rule_is_one_rule_at_its_boundary():
 
 
 def cheapest_pick(items: list[tuple[str, float]]) -> str:
-    from turnscope.planner.fleet import FleetSearch
+    from planner.fleet import FleetSearch
 
     return cheapest([FleetSearch(s, _fleet(s, m), []) for s, m in items], priced=False).strategy
 

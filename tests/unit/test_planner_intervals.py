@@ -1,5 +1,5 @@
-"""Forecast intervals from held-out errors (turnscope/planner/intervals.py), the frontier's rows that
-matter and the interval wording (turnscope/analysis/plan_check.py): hand-made inputs, hand-computed outputs."""
+"""Forecast intervals from held-out errors (planner/intervals.py), the frontier's rows that
+matter and the interval wording (analysis/plan_check.py): hand-made inputs, hand-computed outputs."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from turnscope.analysis.plan_check import frontier_highlights, with_interval
-from turnscope.planner import intervals
-from turnscope.planner.profile import CostProfile, HeldOutErrors, Sourced
+from analysis.plan_check import frontier_highlights, with_interval
+from planner import intervals
+from planner.profile import CostProfile, HeldOutErrors, Sourced
 
 
 def profile(held_out: HeldOutErrors | None) -> CostProfile:

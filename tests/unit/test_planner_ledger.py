@@ -1,4 +1,4 @@
-"""The ledger of retention strategies against hand-computed cases (turnscope/planner/ledger.py).
+"""The ledger of retention strategies against hand-computed cases (planner/ledger.py).
 
 Profile (as tests/unit/test_planner_simulate.py): block 128, 4096 KV bytes/token, c(x) = 1e-4 x,
 b0 10 ms, pull 1 GB/s; plus 2 GPUs per worker and a host tier whose read costs 1 ms + 4096 bytes
@@ -19,9 +19,9 @@ import pandas as pd
 import pytest
 
 from loadgen.traces.agent_request import AgentRequest
-from turnscope.planner.ledger import Prices, ledger
-from turnscope.planner.profile import CostProfile
-from turnscope.planner.simulate import PlanSettings, Traffic, plan
+from planner.ledger import Prices, ledger
+from planner.profile import CostProfile
+from planner.simulate import PlanSettings, Traffic, plan
 
 GiB = 2**30
 KV = 4096

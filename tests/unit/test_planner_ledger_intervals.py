@@ -1,4 +1,4 @@
-"""80% intervals of the ledger and the recommendation (turnscope/planner/ledger.py, recommend.py,
+"""80% intervals of the ledger and the recommendation (planner/ledger.py, recommend.py,
 intervals.py) against numbers computed here by hand.
 
 Profile (as tests/unit/test_planner_ledger.py): block 128, 4096 KV bytes/token (a block is 1/2048
@@ -24,11 +24,9 @@ import pytest
 import yaml
 
 from loadgen.traces.agent_request import AgentRequest
-from serving.topology import load_topology
-from serving.workers import mode_workers, worker_command
-from turnscope.planner.ledger import ledger
-from turnscope.planner.profile import CostProfile
-from turnscope.planner.recommend import (
+from planner.ledger import ledger
+from planner.profile import CostProfile
+from planner.recommend import (
     Limits,
     Setting,
     change_intervals,
@@ -36,8 +34,10 @@ from turnscope.planner.recommend import (
     figure_intervals,
     role_argv,
 )
-from turnscope.planner.recommend_topology import topology_diff, topology_for, topology_yaml
-from turnscope.planner.simulate import PlanSettings, Traffic
+from planner.recommend_topology import topology_diff, topology_for, topology_yaml
+from planner.simulate import PlanSettings, Traffic
+from serving.topology import load_topology
+from serving.workers import mode_workers, worker_command
 
 KV = 4096
 BLOCK_GIB = 128 * KV / 2**30          # 1/2048
@@ -200,7 +200,7 @@ def test_an_unread_handle_d_frees_anyway_saves_nothing_when_read():
     recompute threshold: P told D to free it). Session a: requests of 1000 and 1100 prompt tokens,
     32 out; the second (below threshold, 10 s old handle) and third (mismatch, 20 s old) took the
     previous request's handle: 1031 -> 9 blocks and 1131 -> 9 blocks of 128 tokens."""
-    from turnscope.planner.ledger import handle_reads
+    from planner.ledger import handle_reads
 
     tr = Traffic.of([AgentRequest("t", "a", 0, 0.0, 1000, 32, 0, server_s=1.0),
                      AgentRequest("t", "a", 1, 10.0, 1100, 32, 1031, server_s=1.0),

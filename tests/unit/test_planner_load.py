@@ -1,4 +1,4 @@
-"""The load a forecast is made at (turnscope/planner/load.py), against hand-made mixes: where every
+"""The load a forecast is made at (planner/load.py), against hand-made mixes: where every
 copy of a session tree lands, the closed loop's starts by hand, the Poisson rate against the rate
 asked for, and the errors that name the options."""
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from loadgen.traces.agent_request import AgentRequest
-from turnscope.planner.load import Load, LoadKind, apply_load, at_load, closed_loop_starts
-from turnscope.planner.simulate import Traffic
+from planner.load import Load, LoadKind, apply_load, at_load, closed_loop_starts
+from planner.simulate import Traffic
 
 
 def mix() -> Traffic:

@@ -1,4 +1,4 @@
-"""Overload (turnscope/planner/overload.py) against hand-computed windows."""
+"""Overload (planner/overload.py) against hand-computed windows."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from turnscope.planner.overload import (
+from planner.overload import (
     decode_overload,
     demand_per_window,
     held_per_window,

@@ -1,4 +1,4 @@
-"""D's pinned KV as distinct blocks (turnscope/planner/pinned_blocks.py) against hand-computed cases.
+"""D's pinned KV as distinct blocks (planner/pinned_blocks.py) against hand-computed cases.
 
 Block 128 tokens, 4096 KV bytes/token (one block = 524,288 bytes). A turn of 1000 prompt + 32 output
 tokens leaves a handle of 1031 tokens: 9 blocks, 8 of them full; the next turn of 1300 tokens that
@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 
 from loadgen.traces.agent_request import AgentRequest
+from planner.pinned_blocks import PinnedBlocks
+from planner.pinned_kv import Handle
+from planner.simulate import PlanSettings, plan
 from tests.unit.test_planner_simulate import profile
-from turnscope.planner.pinned_blocks import PinnedBlocks
-from turnscope.planner.pinned_kv import Handle
-from turnscope.planner.simulate import PlanSettings, plan
 
 BLOCK = 128 * 4096
 

@@ -1,4 +1,4 @@
-"""FIFO waits for the prefill worker (turnscope/planner/queueing.py) and their place in the TTFT
+"""FIFO waits for the prefill worker (planner/queueing.py) and their place in the TTFT
 forecast, against hand-computed cases and an independent event-by-event loop.
 
 Profile (tests/unit/test_planner_simulate.py): c(x) = 1e-4 x, b0 10 ms, pull 1 GB/s, 4096 bytes/token."""
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from loadgen.traces.agent_request import AgentRequest
+from planner.queueing import fifo_waits, shared_core_waits
+from planner.simulate import PlanSettings, plan
 from tests.unit.test_planner_simulate import profile
-from turnscope.planner.queueing import fifo_waits, shared_core_waits
-from turnscope.planner.simulate import PlanSettings, plan
 
 
 def test_waits_by_hand():
@@ -156,8 +156,8 @@ def test_the_wait_is_stored_with_the_request(tmp_path):
     import duckdb
     import pandas as pd
 
-    from turnscope.core.store import Store
-    from turnscope.planner.plan_store import write_plan
+    from planner.plan_store import write_plan
+    from store.writer import Store
 
     p = plan(reqs(), profile(), PlanSettings(modes=("aggregated",)))
     empty = pd.DataFrame()
@@ -172,7 +172,7 @@ def test_the_wait_is_stored_with_the_request(tmp_path):
 def test_request_by_request_ttft_equals_the_whole_traffic_at_once():
     """PrefillTtft.next (one request at a time, as the handle simulation calls it) and .all (the
     vectorized Lindley recursion) are two routes to the same TTFT and wait."""
-    from turnscope.planner.simulate import ModeCost, PrefillTtft, Traffic
+    from planner.simulate import ModeCost, PrefillTtft, Traffic
 
     rng = np.random.default_rng(11)
     r = [AgentRequest("t", f"s{k % 7}", k // 7, float(t), int(n), 32, 0, server_s=1.0)

@@ -1,4 +1,4 @@
-"""``turnscope recommend`` (turnscope/planner/recommend.py): its choice on small traffics whose best
+"""``turnscope recommend`` (planner/recommend.py): its choice on small traffics whose best
 setting is known by hand, and its config diff read back by vLLM 0.32's own argument parser.
 
 Profile and traffics: tests/unit/test_planner_ledger.py (c(x) = 1e-4 x, b0 10 ms, no queueing)."""
@@ -10,10 +10,10 @@ import json
 import pytest
 
 from loadgen.traces.agent_request import AgentRequest
+from planner.ledger import STRATEGIES
+from planner.recommend import Grid, Limits, Setting, config_diff, describe, recommend, role_argv
+from planner.simulate import Traffic
 from tests.unit.test_planner_ledger import KV, NO_QUEUE, SRC, alternating, profile
-from turnscope.planner.ledger import STRATEGIES
-from turnscope.planner.recommend import Grid, Limits, Setting, config_diff, describe, recommend, role_argv
-from turnscope.planner.simulate import Traffic
 
 SMALL = Grid(ttls_s=(480.0,), thresholds=(64,), space_factors=(1.0,), routings=("session",))
 

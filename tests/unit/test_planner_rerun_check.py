@@ -1,11 +1,11 @@
-"""Pairing a second recording with a run, turn for turn (turnscope/planner/rerun_check.py), by hand."""
+"""Pairing a second recording with a run, turn for turn (planner/rerun_check.py), by hand."""
 
 from __future__ import annotations
 
 import pandas as pd
 import pytest
 
-from turnscope.planner.rerun_check import pair_runs, rerun_checks, setup_key
+from planner.rerun_check import pair_runs, rerun_checks, setup_key
 
 
 def turns(rows: list[tuple]) -> pd.DataFrame:

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from loadgen.traces.agent_request import AgentRequest
-from turnscope.planner.profile import CostProfile
-from turnscope.planner.simulate import PlanSettings, plan
+from planner.profile import CostProfile
+from planner.simulate import PlanSettings, plan
 
 HANDLE_BYTES = 9 * 128 * 4096  # 4,718,592
 
@@ -182,7 +182,7 @@ def test_recorded_shared_prefix_is_p_s_first_turn_hit():
 
     import pandas as pd
 
-    from turnscope.planner.fit import recorded_shared_prefix_tokens
+    from planner.fit import recorded_shared_prefix_tokens
 
     t0 = dt.datetime(2026, 12, 1, tzinfo=dt.UTC)
     rows = []
@@ -203,7 +203,7 @@ def test_shared_prefix_is_per_workload():
 
     import pandas as pd
 
-    from turnscope.planner.fit import shared_prefix_by_run
+    from planner.fit import shared_prefix_by_run
 
     t0 = dt.datetime(2026, 12, 1, tzinfo=dt.UTC)
     rows = []

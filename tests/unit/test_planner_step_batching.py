@@ -1,4 +1,4 @@
-"""The engine's scheduler steps (turnscope/planner/queueing.py ``batched_step_waits``) against
+"""The engine's scheduler steps (planner/queueing.py ``batched_step_waits``) against
 hand-computed steps of vLLM's scheduler (running requests first, then the waiting queue in order,
 each taking what the token budget leaves; a step costs its chunks, ``c(p + k) - c(p)``), an
 independent token-by-token loop, and their place in the forecast.
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from loadgen.traces.agent_request import AgentRequest
+from planner.queueing import batched_step_waits, fifo_waits
+from planner.simulate import PlanSettings, plan
 from tests.unit.test_planner_simulate import profile
-from turnscope.planner.queueing import batched_step_waits, fifo_waits
-from turnscope.planner.simulate import PlanSettings, plan
 
 A1 = 1e-3
 
@@ -129,7 +129,7 @@ def test_the_forecast_uses_the_profiles_budget_and_the_settings_win():
 def _store_with_runs(tmp_path, configs: dict):
     import datetime as dt
 
-    from turnscope.core.store import Store
+    from store.writer import Store
     store = Store(tmp_path)
     store.init()
     t0 = dt.datetime(2026, 12, 6, 12, 0, tzinfo=dt.UTC)
@@ -142,7 +142,7 @@ def _store_with_runs(tmp_path, configs: dict):
 
 
 def test_the_budget_of_recorded_runs_comes_from_their_topology(tmp_path):
-    from turnscope.planner.run_queries import engine_token_budget
+    from planner.run_queries import engine_token_budget
 
     def topo(platform, args=()):
         return {"topology": {"platform": platform, "roles": {"prefill": {"args": list(args)}}}}

@@ -1,4 +1,4 @@
-"""A recorded run's workers as the planner plans them (turnscope/planner/fit.py, ``topology_settings``):
+"""A recorded run's workers as the planner plans them (planner/fit.py, ``topology_settings``):
 the rows are the ones ``serving.stack.ModeStack.topology_row`` records for the shipped topology files
 (no worker is started), the truths are read off those files by hand. P's routing comes from the
 ``run_config`` view (tests/integration/test_planner_check.py)."""
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from planner.fit import topology_settings
+from planner.simulate import PlanSettings
 from serving.stack import ModeStack
 from serving.topology import load_topology
-from turnscope.planner.fit import topology_settings
-from turnscope.planner.simulate import PlanSettings
 
 TOPOLOGIES = Path(__file__).resolve().parents[2] / "data" / "topologies"
 

@@ -1,4 +1,4 @@
-"""turnscope/core/resources.py in a checkout: the shipped files are this checkout's data/, found by name
+"""core/resources.py in a checkout: the shipped files are this checkout's data/, found by name
 from any directory; made files go under data/; subprocesses get this checkout's code first.
 Installed from the wheel: tests/integration/test_wheel_install.py."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from turnscope.core import resources
+from core import resources
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "data"

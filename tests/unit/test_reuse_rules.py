@@ -1,16 +1,16 @@
-"""turnscope.core.reuse_rules: hand-computed cases, and proof that the proxy, the handle table and the
+"""core.reuse_rules: hand-computed cases, and proof that the proxy, the handle table and the
 planner call these very functions (a spy replaced in the module is what each of them runs)."""
 
 from __future__ import annotations
 
 import pytest
 
+from core import reuse_rules as rules
 from loadgen.traces.agent_request import AgentRequest
+from planner.profile import CostProfile
+from planner.simulate import PlanSettings, plan
 from serving import handles as h
 from serving import proxy
-from turnscope.core import reuse_rules as rules
-from turnscope.planner.profile import CostProfile
-from turnscope.planner.simulate import PlanSettings, plan
 
 
 def test_ttl_and_expiry():

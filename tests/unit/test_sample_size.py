@@ -1,8 +1,8 @@
-"""turnscope.analysis.sample_size: the sessions-per-side forecast, checked by simulation and by hand.
+"""analysis.sample_size: the sessions-per-side forecast, checked by simulation and by hand.
 
 Truth here is independent of the forecast's formula: synthetic runs drawn with a known speed-up
 and a known per-session spread, their intervals from the headline's real bootstrap
-(turnscope.analysis.headline.median_ratio_ci), and the fraction of them that decide counted.
+(analysis.headline.median_ratio_ci), and the fraction of them that decide counted.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from turnscope.analysis import headline, sample_size, speedup
-from turnscope.analysis.headline import Ratio
+from analysis import headline, sample_size, speedup
+from analysis.headline import Ratio
 
 TURNS = 4  # later turns per session
 BASE_S = 0.2  # baseline median TTFT, seconds
@@ -91,7 +91,7 @@ def test_forecast_only_for_undecided_headlines():
 
 
 def test_a_forecast_of_an_effect_that_reads_one_shows_why_its_count_is_large():
-    from turnscope.analysis.sample_size import SessionsNeeded
+    from analysis.sample_size import SessionsNeeded
 
     need = SessionsNeeded(observed_effect=1.003, observed=330011, smaller=588)
     assert need.sentence().startswith("Forecast: about 330,011 sessions per side would settle the observed 1.0030x, "

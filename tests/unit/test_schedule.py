@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from core.modes import MODES
 from loadgen.session import SessionPlan, TurnPlan
 from loadgen.session_dispenser import slice_plans
 from serving.topology import disjoint_offsets, embedded_topology, ports_of, shifted
 from turnscope.conductor import schedule
 from turnscope.conductor.evaluation import default_settings, schedule_groups
-from turnscope.core.modes import MODES
 
 GIB = 2**30
 

@@ -46,9 +46,9 @@ def test_defaults_are_vllms_and_the_embedded_layouts() -> None:
 
 
 def test_defaults_agree_with_the_serving_side() -> None:
+    from core.connector import Connector
     from serving.proxy import ProxyConfig
     from serving.topology import ProxySettings
-    from turnscope.core.connector import Connector
 
     s = TurnscopeSettings.load()
     assert isinstance(s.connector, Connector)

@@ -1,4 +1,4 @@
-"""Pure checks of schema.sql parsing and row conversion in turnscope.core.store."""
+"""Pure checks of schema.sql parsing and row conversion in store.writer."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from turnscope.core.store import SCHEMA_PATH, load_schema
+from store.writer import SCHEMA_PATH, load_schema
 
 
 def test_store_schema_types_from_contract() -> None:
@@ -42,7 +42,7 @@ def test_store_schema_unmapped_type(tmp_path: Path) -> None:
 
 
 def test_store_convert_timestamp_to_utc() -> None:
-    from turnscope.core.store import _convert
+    from store.writer import _convert
 
     col = load_schema().tables["turns"].column("sent_at")
     ist = dt.timezone(dt.timedelta(hours=5, minutes=30))

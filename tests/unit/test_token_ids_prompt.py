@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from core.contract import common_prefix_length
 from loadgen.session_recorder import prompt_sha256
 from loadgen.token_prompt import (
     TemplateJoinError,
@@ -18,7 +19,6 @@ from loadgen.token_prompt import (
     strip_generation_prompt,
 )
 from tests.integration.openai_stub import CHAR_BASE, IM_END, IM_START, encode, render
-from turnscope.core.contract import common_prefix_length
 
 NL = CHAR_BASE + ord("\n")
 

@@ -1,4 +1,4 @@
-"""turnscope.planner.ttl_whatif against a hand computation: three sessions on a D whose KV space
+"""planner.ttl_whatif against a hand computation: three sessions on a D whose KV space
 the held handles exceed (a handle lost, the next turn misses), and the same turns with no limit.
 
 The truths are worked out by hand below from the turns, not through the code.
@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from turnscope.planner.ttl_whatif import RunKV, RunTurns, replay_run, replay_unlimited, whatif_ttl_limited
+from planner.ttl_whatif import RunKV, RunTurns, replay_run, replay_unlimited, whatif_ttl_limited
 
 GIB = 2**30
 # 1 byte per token, 16-token blocks, D's space 100 blocks = 1,600 bytes, the proxy's margin 30 s.

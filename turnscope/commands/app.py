@@ -11,17 +11,17 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from serving.embedded_model import DEFAULT_MODEL_DIR, ensure_model
-from serving.topology import ProxySettings, Topology, TopologyError, embedded_topology, load_topology
-from turnscope.conductor.evaluation import default_log_dir
-from turnscope.conductor.settings import SettingsError, TurnscopeSettings
-from turnscope.core import resources
-from turnscope.core.contract import (
+from core import resources
+from core.contract import (
     ROUTING_POLICIES,
     Role,
     RoutingPolicy,
 )
-from turnscope.core.modes import MODES
+from core.modes import MODES
+from serving.embedded_model import DEFAULT_MODEL_DIR, ensure_model
+from serving.topology import ProxySettings, Topology, TopologyError, embedded_topology, load_topology
+from turnscope.conductor.evaluation import default_log_dir
+from turnscope.conductor.settings import SettingsError, TurnscopeSettings
 
 EPILOG = """Examples:
 
@@ -94,7 +94,7 @@ DecodeRoutingOpt = Annotated[RoutingPolicy | None, typer.Option(help=_ROUTING_HE
 
 def shipped(path: Path | None, kind: str) -> Path | None:
     """``path`` as given, or the shipped file of that name when it does not exist (``--profile
-    embedded-cpu``, ``data/workloads/mixed.yaml`` from any directory; turnscope.core.resources.find)."""
+    embedded-cpu``, ``data/workloads/mixed.yaml`` from any directory; core.resources.find)."""
     return None if path is None else resources.find(path, kind)
 
 

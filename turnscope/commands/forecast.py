@@ -9,7 +9,12 @@ from typing import Annotated
 import duckdb
 import typer
 
+from core.contract import (
+    DECODER_KV_BLOCKS_TTL_S,
+    KV_RECOMPUTE_THRESHOLD_TOKENS,
+)
 from loadgen.traces.formats import REQUEST_FORMATS
+from planner.strategies import STRATEGIES, Strategy
 from turnscope.commands.app import (
     StoreOpt,
     app,
@@ -18,11 +23,6 @@ from turnscope.commands.app import (
     shipped,
     split_csv,
 )
-from turnscope.core.contract import (
-    DECODER_KV_BLOCKS_TTL_S,
-    KV_RECOMPUTE_THRESHOLD_TOKENS,
-)
-from turnscope.planner.strategies import STRATEGIES, Strategy
 
 SessionsPerHourOpt = Annotated[float | None, typer.Option(
     help="The load: new sessions per hour, Poisson starts, each a session tree drawn from the traffic's mix "
@@ -39,11 +39,11 @@ LoadSeedOpt = Annotated[int, typer.Option(help="Seed of the sessions drawn and o
 
 def load_of(sessions_per_hour: float | None, concurrent_sessions: int | None, load_scale: float | None,
             sessions: int, load_seed: int):
-    """The :class:`turnscope.planner.load.Load` the options name (None: none given). Exits with a
+    """The :class:`planner.load.Load` the options name (None: none given). Exits with a
     clear message when more than one load is given or a value is out of range."""
     from pydantic import ValidationError
 
-    from turnscope.planner.load import Load, LoadKind
+    from planner.load import Load, LoadKind
 
     given = [(k, v) for k, v in ((LoadKind.SESSIONS_PER_HOUR, sessions_per_hour),
                                  (LoadKind.CONCURRENT_SESSIONS, concurrent_sessions),
@@ -87,7 +87,7 @@ def traffic(
     """
     from loadgen.traces.errors import TraceFormatError
     from loadgen.traffic import build_report
-    from turnscope.core.store import Store
+    from store.writer import Store
 
     s = settings()
     try:
@@ -143,7 +143,7 @@ def plan(
     pair, the TTL x D-memory frontier and the sessions whose pauses or edits defeat reuse; writes them to
     the store (plan_* tables, docs/schema/plans.md). Every figure is a FORECAST labelled with its profile.
     """
-    from turnscope.planner.cli_plan import run_plan
+    from planner.cli_plan import run_plan
 
     s = settings()
     load = load_of(sessions_per_hour, concurrent_sessions, load_scale, sessions, load_seed)
@@ -193,13 +193,13 @@ def plan_check(
     (docs/planner/held-out.md). Checked runs that are steps of a capacity ramp also get the
     ramp's crossing forecast next to the measured one (docs/capacity.md). With ``--rerun-store`` the
     same figures for a second recording of the same workload as the forecast: what the machine's own
-    repeatability allows (turnscope/planner/rerun_check.py)."""
-    from dashboard.db import StoreInvalid
+    repeatability allows (planner/rerun_check.py)."""
+    from planner import held_out
+    from planner.layer_timing import write_profile as write_yaml
+    from planner.profile import load_profile
+    from store.db import StoreInvalid
+    from store.writer import Store
     from turnscope.conductor import capacity_forecast
-    from turnscope.core.store import Store
-    from turnscope.planner import held_out
-    from turnscope.planner.layer_timing import write_profile as write_yaml
-    from turnscope.planner.profile import load_profile
 
     if rerun_store is not None:
         if profile is not None or write_profile is not None or fit_store is not None:
@@ -241,8 +241,8 @@ def plan_check(
 
 
 def run_split(store, terms, run_ids) -> str:
-    """The TTFT split of the checked runs (:mod:`turnscope.analysis.ttft_split`) as text."""
-    from turnscope.analysis import ttft_split
+    """The TTFT split of the checked runs (:mod:`analysis.ttft_split`) as text."""
+    from analysis import ttft_split
 
     measured = ttft_split.measured_terms(ttft_split.measured_sums(store, list(run_ids)))
     table = ttft_split.split_table(ttft_split.forecast_means(terms), measured)
@@ -308,9 +308,9 @@ def recommend(
     the current setting, and the best TTL, threshold, D KV space and routing on that fleet as a diff
     of each role's `vllm serve` flags (docs/planner/fleet.md, docs/planner/ledger.md). A setting that
     cannot keep up with the load is named overloaded, with no TTFT."""
-    from turnscope.planner.cli_recommend import run_recommend
-    from turnscope.planner.executor import executor_for
-    from turnscope.planner.recommend import Setting
+    from planner.cli_recommend import run_recommend
+    from planner.executor import executor_for
+    from planner.recommend import Setting
 
     load = load_of(sessions_per_hour, concurrent_sessions, load_scale, sessions, load_seed)
     try:
@@ -353,7 +353,7 @@ def profile_from_timing(
     """Write a cost profile whose prefill curve c(x) was measured: one decoder layer's timings fitted
     as a1 x + a2 x^2 and scaled by the layer count; every other figure from BASE
     (docs/planner/profiles.md)."""
-    from turnscope.planner.layer_timing import PublishedTTFT, write_measured_profile
+    from planner.layer_timing import PublishedTTFT, write_measured_profile
 
     for flag, pair in (("--anchor-tokens/--anchor-ttft-s", (anchor_tokens, anchor_ttft_s)),
                        ("--check-tokens/--check-ttft-s", (check_tokens, check_ttft_s))):

@@ -10,6 +10,8 @@ from typing import Annotated
 
 import typer
 
+from core import resources
+from core.modes import MODES
 from turnscope.commands.app import (
     LOG_DIR,
     DecodeRoutingOpt,
@@ -32,8 +34,6 @@ from turnscope.conductor import schedule
 from turnscope.conductor.calibration import DEFAULT_MODES as CAL_MODES
 from turnscope.conductor.evaluation import default_settings
 from turnscope.conductor.prefix_sweep import SWEEP_MODES, plan_sweep, run_sweep
-from turnscope.core import resources
-from turnscope.core.modes import MODES
 
 SWEEP_MODE_LIST = ",".join(SWEEP_MODES)
 
@@ -73,14 +73,14 @@ def calibrate(
     overhead), the modes' stacks kept up together and alternated in a seeded shuffled order, speed
     probes around each block; then fit a profile whose fitted figures carry their residuals and range
     (docs/planner/calibration.md)."""
+    from planner.fit import FitError
+    from planner.layer_timing import write_profile as write_yaml
     from turnscope.conductor.calibration import (
         QUICK,
         CalibrationSettings,
         calibrated_profile,
         run_calibration,
     )
-    from turnscope.planner.fit import FitError
-    from turnscope.planner.layer_timing import write_profile as write_yaml
 
     s = settings()
     topo = resolve_topology(topology)

@@ -14,6 +14,12 @@ from typing import Annotated
 import duckdb
 import typer
 
+from core import resources
+from core.contract import (
+    ROUTING_POLICIES,
+    Role,
+)
+from core.modes import MODES, PD_BIDIR
 from serving import kubernetes as kube
 from serving.embedded_model import DEFAULT_MODEL_DIR, ensure_model
 from serving.prometheus_config import render_prometheus_config
@@ -44,12 +50,6 @@ from turnscope.commands.summaries import (
 )
 from turnscope.conductor import schedule
 from turnscope.conductor.evaluation import default_settings, run_eval
-from turnscope.core import resources
-from turnscope.core.contract import (
-    ROUTING_POLICIES,
-    Role,
-)
-from turnscope.core.modes import MODES, PD_BIDIR
 
 
 @app.command()
@@ -142,11 +142,12 @@ def evaluate(
 def rollup(store: StoreOpt = None) -> None:
     """Roll up every finished run that has no fresh rollup: its run_summary, run_kv_transfer and
     run_handle_memory rows, stored beside the shards so the dashboard need not recompute them
-    (dashboard/rollup.py; docs/schema/overview.md). A finished eval does this itself. It first
+    (store/rollup.py; docs/schema/overview.md). A finished eval does this itself. It first
     recreates the store's views if they are of another schema version (a store written by an
     older turnscope); the shards are never changed."""
-    from dashboard.rollup import Rollups
-    from turnscope.core.store import Store
+    from planner.recorded_whatif import whatif_ttl_d_limit
+    from store.rollup import Rollups
+    from store.writer import Store
 
     root = store or settings().store
     if not (root / "turnscope.duckdb").exists():
@@ -154,7 +155,7 @@ def rollup(store: StoreOpt = None) -> None:
     t0 = time.monotonic()
     try:
         Store(root).init()  # views of this schema version first (a store written by an older turnscope)
-        written = Rollups(Store(root)).write_finished()
+        written = Rollups(Store(root), whatif=whatif_ttl_d_limit).write_finished()
     except (OSError, RuntimeError, ValueError, duckdb.Error) as exc:
         raise fail(f"rollup of {root}: {exc}") from exc
     typer.echo(f"rolled up {len(written)} run(s) in {time.monotonic() - t0:.1f} s"
@@ -186,6 +187,9 @@ def serve(
     nodes_per_worker: Annotated[int | None, typer.Option(
         help="With --kubernetes: nodes each worker spans, as a LeaderWorkerSet when over 1 (default: its "
              "--pipeline-parallel-size).")] = None,
+    inference_pool: Annotated[str | None, typer.Option(
+        help="With --kubernetes: also an InferencePool (inference.networking.k8s.io/v1) of the proxy's pods, "
+             "whose endpoint picker is the Service NAME[:PORT] (port 9002 when not given).")] = None,
 ) -> None:
     """Start (or attach to) the workers of one mode and the session-aware proxy; Ctrl-C stops them.
 
@@ -198,7 +202,7 @@ def serve(
         raise fail(str(exc)) from exc
     if kubernetes:
         options = kube.KubeOptions(image=image, vllm_image=vllm_image, namespace=namespace, model_pvc=model_pvc,
-                                   nodes_per_worker=nodes_per_worker)
+                                   nodes_per_worker=nodes_per_worker, inference_pool_epp=inference_pool)
         try:
             print(kube.render(topo, mode, options), end="")
         except kube.KubernetesError as exc:

@@ -9,9 +9,9 @@ import duckdb
 import pandas as pd
 from rich.table import Table
 
-from dashboard import db, queries
-from dashboard.queries import run_report
-from turnscope.analysis import pd_check
+from analysis import pd_check
+from store import db, queries
+from store.queries import run_report
 from turnscope.commands.app import (
     console,
 )
@@ -57,11 +57,11 @@ def print_summary(store: Path, run_ids: list[str]) -> None:
 
 
 def bottom_line_blocks(ratios: list) -> list[list[str]]:
-    """The bottom line's text, one block of lines per comparison (``turnscope.analysis.headline.Ratio``):
-    the comparison and history mode; the speed-up (``turnscope.analysis.speedup``: the same number, label
+    """The bottom line's text, one block of lines per comparison (``analysis.headline.Ratio``):
+    the comparison and history mode; the speed-up (``analysis.speedup``: the same number, label
     and verdict as the Overview's cards) with its CI; medians and counts; for an undecided
-    verdict, the forecast sessions per side (``turnscope.analysis.sample_size``)."""
-    from turnscope.analysis import headline, speedup
+    verdict, the forecast sessions per side (``analysis.sample_size``)."""
+    from analysis import headline, speedup
 
     pct = round(headline.CONFIDENCE * 100)
     out = []
@@ -100,11 +100,11 @@ def print_regimes() -> None:
 
 
 def print_bottom_line(store: Path, run_ids: list[str]) -> None:
-    """Print the Overview page's headline for these runs: each pair of turnscope.analysis.headline.PAIRS
+    """Print the Overview page's headline for these runs: each pair of analysis.headline.PAIRS
     with its speed-up (baseline / bidirectional median TTFT from the second turn on), 95% bootstrap
     CI by session, verdict and, when undecided, the sessions a decision needs (`bottom_line_blocks`)."""
-    from dashboard import db, queries
-    from turnscope.analysis import headline, speedup
+    from analysis import headline, speedup
+    from store import db, queries
 
     f = queries.TurnFilter(run_ids=tuple(run_ids))
     dstore = db.StoreLocation(store)
@@ -126,11 +126,12 @@ def print_bottom_line(store: Path, run_ids: list[str]) -> None:
 def roll_up_quietly(store: Path) -> None:
     """Roll up the store's finished runs after a run (`turnscope rollup`); a failure is said, not
     raised: the rows are stored and the dashboard reads the plain views meanwhile."""
-    from dashboard.rollup import Rollups
-    from turnscope.core.store import Store
+    from planner.recorded_whatif import whatif_ttl_d_limit
+    from store.rollup import Rollups
+    from store.writer import Store
 
     try:
-        Rollups(Store(store)).write_finished()
+        Rollups(Store(store), whatif=whatif_ttl_d_limit).write_finished()
     except (OSError, duckdb.Error) as exc:
         console.print(f"[yellow]rollup skipped[/yellow] ({exc}); `turnscope rollup` makes it later", highlight=False)
 

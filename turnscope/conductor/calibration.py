@@ -4,7 +4,7 @@ interleaved, and fit a profile from it (docs/planner/calibration.md).
 Only wiring: the schedule is :mod:`turnscope.conductor.calibration_schedule`, the sessions are played by
 :func:`loadgen.session_player.run_session` (the recorder of every run's ``turns`` rows), the stacks
 are :class:`serving.stack.ModeStack`, the speed probe :mod:`turnscope.conductor.speed_probe`, the fit
-:func:`turnscope.planner.fit.fit_profile` (each fitted figure's residuals and range in its source).
+:func:`planner.fit.fit_profile` (each fitted figure's residuals and range in its source).
 
 1. Every mode's stack is started once and kept up for the whole calibration (each on its own ports:
    the topology's worker, side-channel and proxy ports plus 10 x the mode's index), warmed up
@@ -36,22 +36,23 @@ import httpx
 from pydantic import BaseModel, Field
 from rich.console import Console
 
+from analysis.pd_check import decode_computed_prompts
+from core import resources
+from core.contract import WORKER_ROLES
+from core.modes import AGGREGATED, PD_BIDIR_NOCACHE, PD_NOCACHE, serving_mode
 from loadgen.scraper import MetricsScraper
 from loadgen.session import SessionPlan, TurnPlan
 from loadgen.session_player import run_session
 from loadgen.synth_text import TextSynth, counter_from
+from planner.fit import fit_profile
+from planner.profile import CostProfile
 from serving.stack import ModeStack
 from serving.topology import Topology
-from turnscope.analysis.pd_check import decode_computed_prompts, decode_prompt_sources
+from store.queries.overview import decode_prompt_sources
+from store.writer import Store, connect_read_only
 from turnscope.conductor import console_text, speed_probe
 from turnscope.conductor.calibration_schedule import CalPoint, Send, default_lengths, points, schedule
 from turnscope.conductor.evaluation import HEARTBEAT_S, _versions, default_log_dir, warm_up
-from turnscope.core import resources
-from turnscope.core.contract import WORKER_ROLES
-from turnscope.core.modes import AGGREGATED, PD_BIDIR_NOCACHE, PD_NOCACHE, serving_mode
-from turnscope.core.store import Store, connect_read_only
-from turnscope.planner.fit import fit_profile
-from turnscope.planner.profile import CostProfile
 
 #: Port offset between the stacks of two modes kept up together.
 PORT_STRIDE = 10
@@ -222,7 +223,7 @@ def run_calibration(s: CalibrationSettings, console: Console | None = None) -> l
 
 
 def pd_failures(store: Path, mode_runs: list[list[str]]) -> dict[str, str]:
-    """Run id -> why P/D did not happen (:mod:`turnscope.analysis.pd_check`), each mode's runs checked
+    """Run id -> why P/D did not happen (:mod:`analysis.pd_check`), each mode's runs checked
     together: its scraped run's decode counters cover the turns of all of them (one scraper per
     stack), so the turns the proxy sent through P are counted over all of them."""
     out = {}
@@ -274,7 +275,7 @@ def _play(s: CalibrationSettings, blocks: list[list[Send]], stacks: dict[str, Mo
 
 
 def calibrated_profile(store: Path, run_ids: list[str], name: str) -> CostProfile:
-    """The profile fitted on the calibration's runs (:func:`turnscope.planner.fit.fit_profile`:
+    """The profile fitted on the calibration's runs (:func:`planner.fit.fit_profile`:
     each fitted figure's residuals and range in its source), named ``name``, its description the
     provenance (date, commit, load average, the runs). Raises FitError."""
     prof = fit_profile(Store(store), run_ids, name=name)

@@ -33,14 +33,14 @@ from pathlib import Path
 
 from rich.console import Console
 
+from analysis.capacity_crossing import BASELINE, TREATMENT
+from core.contract import Role
 from loadgen.workload import load_workload
 from serving.topology import RoleSettings, Topology
-from turnscope.analysis.capacity_crossing import BASELINE, TREATMENT
 from turnscope.conductor import console_text
 from turnscope.conductor.evaluation import EvalSettings, RunPlan, Slo, run_eval
-from turnscope.core.contract import Role
 
-#: The two modes compared, baseline first (``turnscope.analysis.capacity_crossing``, which reads the ramp): P's prefix
+#: The two modes compared, baseline first (``analysis.capacity_crossing``, which reads the ramp): P's prefix
 #: cache on in both, D holding KV only in pd-bidir.
 CAPACITY_MODES = (BASELINE, TREATMENT)
 #: Default load steps (concurrent sessions = Locust users).
@@ -205,12 +205,12 @@ def run_capacity(base: EvalSettings, plan: CapacityPlan, history: str, console: 
 
 def print_capacity_summary(store: Path, run_ids: list[str], console: Console) -> None:
     """Print each step's numbers per mode (goodput, TTFT/E2E p50/p90, D's KV usage, held handle
-    bytes, D's waiting requests, preemptions) and the crossing in words (``turnscope.analysis.capacity_crossing``)."""
+    bytes, D's waiting requests, preemptions) and the crossing in words (``analysis.capacity_crossing``)."""
     from rich.table import Table
 
-    from dashboard import db
-    from dashboard.queries import capacity as capacity_queries
-    from turnscope.analysis import capacity_crossing as capacity
+    from analysis import capacity_crossing as capacity
+    from store import db
+    from store.queries import capacity as capacity_queries
 
     steps = db.read(db.StoreLocation(Path(store)), capacity_queries.capacity_steps, run_ids)
     if steps.empty:
@@ -238,8 +238,8 @@ def print_capacity_summary(store: Path, run_ids: list[str], console: Console) ->
     console_text.print_table(console, table)
     console.print(capacity.crossing_words(capacity.find_crossing(steps)).replace("**", "").replace("`", ""),
                   highlight=False)
-    if evicting:  # P's eviction ladder: the window (turnscope.analysis.eviction_window)
-        from turnscope.analysis import eviction_window
+    if evicting:  # P's eviction ladder: the window (analysis.eviction_window)
+        from analysis import eviction_window
 
         turns = db.read(db.StoreLocation(Path(store)), capacity_queries.capacity_turns, run_ids)
         console.print(eviction_window.window_words(eviction_window.find_window(steps, turns))

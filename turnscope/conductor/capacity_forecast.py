@@ -1,11 +1,11 @@
 """The capacity ramp forecast: each recorded load step of ``turnscope capacity`` planned alone
-(:func:`turnscope.planner.check.plan_on_its_own`: its own clock, settings, speed probe and D's KV
+(:func:`planner.check.plan_on_its_own`: its own clock, settings, speed probe and D's KV
 space), its step figures computed as the Memory page computes the measured ones, and the crossing
-found by the same rule (:func:`turnscope.analysis.capacity_crossing.find_crossing`), so that forecast and measurement
+found by the same rule (:func:`analysis.capacity_crossing.find_crossing`), so that forecast and measurement
 say "holding KV starts to cost capacity at N sessions" in one language (docs/capacity.md).
 
 Per step and mode (forecast): TTFT p50 and p90 over the step's ok turns (p90 with its 80% interval
-from the profile's held-out errors, :func:`turnscope.planner.intervals.ttft_interval`); D's peak KV in use
+from the profile's held-out errors, :func:`planner.intervals.ttft_interval`); D's peak KV in use
 (pinned handles plus running requests: ``ModePlan.d_peak_in_use_bytes``) and its peak pinned KV, each
 as a fraction of the run's D KV space, and the handles lost to a full D (``miss_d_full``). **Goodput is
 not forecast**: a step's turns are sent by a closed loop (each user sends its next turn after the
@@ -25,19 +25,19 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
-from dashboard import db
-from dashboard.queries import capacity as capacity_queries
-from turnscope.analysis.capacity_crossing import BASELINE, D_FULL_FRACTION, TREATMENT, Crossing, find_crossing
-from turnscope.analysis.headline import MIN_TURN_INDEX
-from turnscope.core.modes import AGGREGATED
-from turnscope.core.store import Store
-from turnscope.planner import intervals
-from turnscope.planner.check import plan_on_its_own
-from turnscope.planner.fit import shared_prefix_by_run
-from turnscope.planner.profile import CostProfile
-from turnscope.planner.run_queries import compute_probe_s, probe_ttft_s, recorded_turns
+from analysis.capacity_crossing import BASELINE, D_FULL_FRACTION, TREATMENT, Crossing, find_crossing
+from analysis.headline import MIN_TURN_INDEX
+from core.modes import AGGREGATED
+from planner import intervals
+from planner.check import plan_on_its_own
+from planner.fit import shared_prefix_by_run
+from planner.profile import CostProfile
+from planner.run_queries import compute_probe_s, probe_ttft_s, recorded_turns
+from store import db
+from store.queries import capacity as capacity_queries
+from store.writer import Store
 
-#: Columns of :func:`forecast_steps` (``turnscope.analysis.capacity_crossing.step_pairs`` reads the first five;
+#: Columns of :func:`forecast_steps` (``analysis.capacity_crossing.step_pairs`` reads the first five;
 #: ``goodput_per_s`` is the same constant on every row: not forecast, see the module doc).
 COLUMNS = ("mode", "users", "goodput_per_s", "ttft_p50_s", "ttft_p90_s", "capacity_id", "run_id",
            "d_in_use_peak_fraction", "d_pinned_peak_fraction", "d_full_events", "ttft_p90_interval_low_s",
@@ -50,13 +50,13 @@ P_HIT_RATE_TARGET_PP = 5.0
 
 
 def measured_turns(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
-    """The capacity steps' turns among ``run_ids`` (``dashboard.queries.capacity.capacity_turns``)."""
+    """The capacity steps' turns among ``run_ids`` (``store.queries.capacity.capacity_turns``)."""
     return db.read(db.StoreLocation(store.root), capacity_queries.capacity_turns, list(run_ids))
 
 
 def measured_steps(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
     """The capacity steps among ``run_ids`` as the Memory page reads them
-    (``dashboard.queries.capacity.capacity_steps``); empty when none is a capacity step."""
+    (``store.queries.capacity.capacity_steps``); empty when none is a capacity step."""
     return db.read(db.StoreLocation(store.root), capacity_queries.capacity_steps, list(run_ids))
 
 
@@ -65,7 +65,7 @@ def forecast_steps(store: Store, steps: pd.DataFrame, profile: CostProfile) -> p
     one row per run, :data:`COLUMNS` (seconds, turns per second, fraction 0-1; see the module doc;
     ``d_in_use_peak_fraction`` NaN where D's KV space is unknown, so its queue is not modelled;
     ``p_hit_rate``: the computing worker's own prefix-cache hits over the step's prompt tokens, 0-1,
-    the planner's LRU (:func:`turnscope.planner.simulate.own_cache_hits`) against vLLM's
+    the planner's LRU (:func:`planner.simulate.own_cache_hits`) against vLLM's
     ``prefix_cache_hits`` / ``prefix_cache_queries``; ``ttft_later_p50_s``: median TTFT of the ok
     turns from each session's second on, seconds; ``speedup``: on the treatment's rows, the
     baseline's ``ttft_later_p50_s`` over the treatment's at the same step, NaN elsewhere;
@@ -110,11 +110,11 @@ def forecast_steps(store: Store, steps: pd.DataFrame, profile: CostProfile) -> p
 
 def _replayed_p_hit_rate(store: Store, run_id: str, mode: str, rec: pd.DataFrame, shared: int) -> float:
     """P's hit rate (0-1) of ``run_id``'s turns in vLLM's own block-level policy
-    (:func:`turnscope.analysis.p_cache_replay.replay_hits`) on P's blocks as the run's
+    (:func:`analysis.p_cache_replay.replay_hits`) on P's blocks as the run's
     ``vllm:cache_config_info`` gives them (less vLLM's null block); NaN for a mode without P or a
     run without that gauge. The yardstick of the planner's session-level LRU (docs/eviction.md)."""
-    from turnscope.analysis.p_cache_replay import fifo_starts, replay_hits
-    from turnscope.planner.fit import _cache_config
+    from analysis.p_cache_replay import fifo_starts, replay_hits
+    from planner.fit import _cache_config
 
     if mode == AGGREGATED or rec.empty:
         return np.nan
@@ -145,7 +145,7 @@ def _prefill_legs(store: Store, run_id: str) -> pd.DataFrame:
 
 def crossings(measured: pd.DataFrame, forecast: pd.DataFrame) -> list[tuple[str, Crossing, Crossing]]:
     """Per ramp (``capacity_id``, newest first as measured): (ramp, the measured crossing, the
-    forecast one), both by :func:`turnscope.analysis.capacity_crossing.find_crossing`."""
+    forecast one), both by :func:`analysis.capacity_crossing.find_crossing`."""
     out = []
     for cid in dict.fromkeys(measured["capacity_id"]):
         out.append((str(cid), find_crossing(measured[measured["capacity_id"] == cid]),
@@ -178,9 +178,9 @@ def _verdict(ok: bool) -> str:
 def eviction_lines(cid: str, measured: pd.DataFrame, forecast: pd.DataFrame, turns: pd.DataFrame) -> list[str]:
     """The eviction ladder's lines for ramp ``cid`` (a ramp with P's KV space set): per step and
     mode P's hit rate measured and forecast (target: within :data:`P_HIT_RATE_TARGET_PP` pp), and
-    the window (:func:`turnscope.analysis.eviction_window.find_window`) measured and forecast, each
+    the window (:func:`analysis.eviction_window.find_window`) measured and forecast, each
     edge within one step or not."""
-    from turnscope.analysis import eviction_window as ew
+    from analysis import eviction_window as ew
 
     m_ramp, f_ramp = measured[measured["capacity_id"] == cid], forecast[forecast["capacity_id"] == cid]
     users = sorted(set(m_ramp["users"]))
@@ -216,7 +216,7 @@ def describe(measured: pd.DataFrame, forecast: pd.DataFrame, turns: pd.DataFrame
     """The capacity lines of ``turnscope plan-check``: per ramp the crossing and the step where D fills,
     measured and forecast (within one step: the held-out target), and per step the forecast next to
     the measured figures, with the step's TTFT MARE where ``run_errors`` (the held-out check's
-    :func:`turnscope.planner.held_out.run_errors`) has its run; for a ramp with P's KV space set and
+    :func:`planner.held_out.run_errors`) has its run; for a ramp with P's KV space set and
     ``turns`` given (:func:`measured_turns`), the eviction ladder's lines (:func:`eviction_lines`)."""
     mare = {} if run_errors is None else dict(zip(run_errors["checked_run_id"], run_errors["ttft_mare"], strict=True))
     lines = []

@@ -26,6 +26,9 @@ import httpx
 from pydantic import BaseModel, Field
 from rich.console import Console
 
+from core import resources
+from core.contract import CLIENT_KEY_ENV, ENDPOINT_ROLES, RoutingPolicy
+from core.modes import MODES, serving_mode
 from loadgen.scraper import MetricsScraper
 from loadgen.traces.formats import check_trace
 from loadgen.workload import load_workload
@@ -34,11 +37,8 @@ from serving.handle_check import proxy_client_disconnects, release_turn, wait_di
 from serving.stack import ModeStack, started_together
 from serving.topology import Topology, disjoint_offsets, embedded_topology, shifted
 from serving.workers import mode_workers
+from store.writer import Store
 from turnscope.conductor import console_text, schedule, speed_probe
-from turnscope.core import resources
-from turnscope.core.contract import CLIENT_KEY_ENV, ENDPOINT_ROLES, RoutingPolicy
-from turnscope.core.modes import MODES, serving_mode
-from turnscope.core.store import Store
 
 #: Seconds between rewrites of a running run's ``runs_log`` row (the ``runs`` view reads a running
 #: run whose row is older than three of them as ``aborted``).
@@ -49,7 +49,7 @@ FINAL_SCRAPE_SETTLE_S = 5.0
 
 def default_log_dir() -> Path:
     """Where workers, proxies and Locust log by default: ``runs/_logs`` of turnscope's home (the
-    checkout's ``data/``, or ``./turnscope-data`` installed; turnscope.core.resources)."""
+    checkout's ``data/``, or ``./turnscope-data`` installed; core.resources)."""
     return resources.home() / "runs" / "_logs"
 
 
@@ -131,10 +131,10 @@ def run_status(returncode: int) -> str:
 
 def pd_checked_status(store: Path, run_id: str, status: str, console: Console) -> str:
     """``failed`` for a complete run whose decode worker computed its prompts itself (P/D did not
-    happen: ``turnscope.analysis.pd_check``), said on the console; else ``status`` unchanged."""
+    happen: ``analysis.pd_check``), said on the console; else ``status`` unchanged."""
     if status != "complete":
         return status
-    from turnscope.analysis.pd_check import pd_check_failures
+    from analysis.pd_check import pd_check_failures
 
     problem = pd_check_failures(store, [run_id]).get(run_id)
     if problem is None:
@@ -217,7 +217,7 @@ def run_locust(s: EvalSettings, run_id: str, host: str, history: str, mode: str,
                sessions: tuple[int, int] | None = None, client_key: str | None = None) -> int:
     """Run the workload headless with Locust until every session was played; return its exit code.
     ``sessions`` ``(first, stop)``: only those sessions of the run's plan (``--turnscope-slice``).
-    ``client_key``: the proxy's API key, given to Locust in its environment (``turnscope.core.contract.CLIENT_KEY_ENV``),
+    ``client_key``: the proxy's API key, given to Locust in its environment (``core.contract.CLIENT_KEY_ENV``),
     never on its command line."""
     locustfile = importlib.util.find_spec("loadgen.locustfile").origin  # found, not imported (it patches gevent)
     argv = [sys.executable, "-m", "locust", "-f", locustfile, "--headless",

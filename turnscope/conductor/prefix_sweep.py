@@ -23,9 +23,9 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 
+from core.modes import SWEEP_ORDER
 from loadgen.workload import Workload, load_workload, sweep_workloads
 from turnscope.conductor.evaluation import EvalSettings, RunPlan, run_eval
-from turnscope.core.modes import SWEEP_ORDER
 
 #: The modes in the order the sweep runs them: the vendor's A/B first, then the real baselines.
 SWEEP_MODES = SWEEP_ORDER

@@ -7,7 +7,7 @@ rounds: each round gives every mode's run of a history mode a slice of its sessi
 shuffled by a seeded RNG (A B, B A, ...), so the machine's drift falls on every side.
 
 * **Groups** (:func:`comparison_groups`): the modes that are compared with one another
-  (``turnscope.core.modes.pairs``), joined transitively; on the embedded default ``aggregated``,
+  (``core.modes.pairs``), joined transitively; on the embedded default ``aggregated``,
   ``pd`` and ``pd-bidir`` (5 workers) and ``pd-nocache`` and ``pd-bidir-nocache`` (4). A mode
   compared with none runs alone. A group whose workers do not fit in the machine's available
   memory (:func:`fits_in_memory`) runs one mode after another.
@@ -21,7 +21,7 @@ A mode's text and token_ids runs share its workers; they are not interleaved wit
 history mode is a phase of its own), so a worker serves one run at a time and the increases of its
 counters between a run's first and last scrape are that run's alone.
 
-This module plans; ``turnscope.conductor.evaluation.run_eval`` plays the plan; ``turnscope.analysis.schedule_text``
+This module plans; ``turnscope.conductor.evaluation.run_eval`` plays the plan; ``analysis.schedule_text``
 says in words how recorded runs were played (the CLI's bottom line, the Overview).
 """
 
@@ -32,8 +32,8 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from turnscope.analysis.schedule_text import INTERLEAVED, SEQUENTIAL, describe, describe_json
-from turnscope.core import modes as modes_mod
+from analysis.schedule_text import INTERLEAVED, SEQUENTIAL, describe, describe_json
+from core import modes as modes_mod
 
 SCHEDULES = (INTERLEAVED, SEQUENTIAL)
 __all__ = [
@@ -76,7 +76,7 @@ class Slot:
 
 def comparison_groups(modes: Sequence[str],
                       pairs: Iterable[tuple[str, str]] | None = None) -> list[list[str]]:
-    """The modes of ``modes`` joined by a compared pair (default: ``turnscope.core.modes.pairs()``),
+    """The modes of ``modes`` joined by a compared pair (default: ``core.modes.pairs()``),
     transitively: connected components, each in the order of ``modes``, groups ordered by their
     first mode. A mode compared with no other of ``modes`` is a group of one."""
     pairs = [(t, b) for t, b, *_ in (pairs if pairs is not None else modes_mod.pairs())]

@@ -57,11 +57,11 @@ from pydantic import (
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 from pydantic_settings import SettingsError as _PydanticSettingsError
 
+from core import resources, yaml_file
+from core.connector import Connector
+from core.contract import SESSION, RoutingPolicy
+from core.redaction import REDACTED, redact
 from serving.embedded_model import DEFAULT_MODEL_DIR
-from turnscope.core import resources, yaml_file
-from turnscope.core.connector import Connector
-from turnscope.core.contract import SESSION, RoutingPolicy
-from turnscope.core.redaction import REDACTED, redact
 
 ENV_PREFIX = "TURNSCOPE_"
 ENV_NESTED_DELIMITER = "__"
@@ -117,7 +117,7 @@ class PortSettings(_Strict):
 
 
 class ConnectorConfig(Connector):
-    """NixlConnector settings: ``turnscope.core.connector.Connector`` (the same fields, defaults and checks;
+    """NixlConnector settings: ``core.connector.Connector`` (the same fields, defaults and checks;
     an instance is one), plus two conveniences for operators.
 
     Defaults are vLLM's (docs/features/nixl_connector_usage.md; ``nixl/base_scheduler.py``,
@@ -240,7 +240,7 @@ class TurnscopeSettings(BaseSettings):
     def effective(self) -> dict[str, Any]:
         """The effective configuration as a JSON-able dict (paths as strings, nested models as
         dicts), to be saved with every run (``runs_log.config``). Any ``SecretStr`` reads ``"***"``,
-        and so does every string the store would redact (:func:`turnscope.core.redaction.redact`: a
+        and so does every string the store would redact (:func:`core.redaction.redact`: a
         secret-looking name such as ``api_key`` or ``hf_token``, credentials in URLs)."""
         return redact(_hide_secret_str(self.model_dump(mode="json"), self))
 
@@ -254,7 +254,7 @@ class TurnscopeSettings(BaseSettings):
         return out
 
     def topology_connector(self) -> Connector:
-        """These connector settings as a plain ``turnscope.core.connector.Connector`` (what topologies and
+        """These connector settings as a plain ``core.connector.Connector`` (what topologies and
         ``serving.workers.WorkerSpec`` hold)."""
         return Connector.model_validate(self.connector.model_dump())
 

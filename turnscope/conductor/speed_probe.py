@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 import httpx
 from httpx_sse import SSEError, connect_sse
 
-from turnscope.core.contract import COMPUTE_PROBE_TOKENS, PROBE_TOKENS, Role
+from core.contract import COMPUTE_PROBE_TOKENS, PROBE_TOKENS, Role
 
 #: The lengths sent at each phase, in this order, :data:`PROBES_PER_PHASE` times.
 PROBE_LENGTHS = (PROBE_TOKENS, COMPUTE_PROBE_TOKENS)

@@ -1,0 +1,143 @@
+"""What the planner reads of recorded runs in the store: every query of the planner's, in one module
+(the turns to fit on and check against, a run's settings, its speed probes, the runs a check
+takes, a run's recording set-up). Each opens a read-only connection of its own.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import pandas as pd
+
+from core.contract import COMPUTE_PROBE_TOKENS, PROBE_TOKENS
+from planner.profile import MODES
+from planner.queueing import VLLM_CPU_MAX_NUM_BATCHED_TOKENS
+from store.writer import Store
+
+
+def _marks(values: Sequence) -> str:
+    """``?, ?, ...``: one bound parameter per value."""
+    return ", ".join("?" for _ in values)
+
+
+def _frame(store: Store, sql: str, params: Sequence) -> pd.DataFrame:
+    """``sql`` with ``params`` on a connection of its own, as a DataFrame."""
+    con = store.connect()
+    try:
+        return con.execute(sql, list(params)).df()
+    finally:
+        con.close()
+
+
+#: One row per turn; ``local_tokens`` is NULL where the run did not record the worker's own
+#: prefix-cache hit (aggregated serving without ``usage.prompt_tokens_details``).
+TURNS_SQL = """
+SELECT t.run_id, r.mode, r.history_mode, r.workload, t.session_id, t.turn_index, t.sent_at, t.status, t.ttft_s, t.e2e_s, t.tpot_s,
+       t.prompt_tokens,
+       t.completion_tokens, t.reuse, coalesce(t.reused_tokens, 0) AS reused_tokens,
+       CASE WHEN t.reuse IS NOT NULL THEN coalesce(t.prefill_cached_tokens, 0) ELSE t.cached_tokens
+            END AS local_tokens,
+       t.expected_reusable_tokens
+FROM turns t JOIN runs r USING (run_id)
+WHERE t.run_id IN ({ids})
+ORDER BY t.run_id, t.session_id, t.turn_index
+"""
+
+
+def recorded_turns(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
+    """The turns of ``run_ids`` with their run's mode (columns of :data:`TURNS_SQL`)."""
+    return _frame(store, TURNS_SQL.format(ids=_marks(run_ids)), run_ids)
+
+
+def run_config_row(store: Store, run_id: str) -> tuple:
+    """``(decoder_kv_blocks_ttl_s, handle_ttl_margin_s, prefill_routing, kv_recompute_threshold,
+    history_mode, topology)`` of ``run_id`` (views ``run_config`` and ``runs``; the threshold from
+    ``runs.config.connector.kv_recompute_threshold``, vLLM's 64 when absent)."""
+    con = store.connect()
+    try:
+        return con.execute(
+            "SELECT c.decoder_kv_blocks_ttl_s, c.handle_ttl_margin_s, c.prefill_routing, coalesce(TRY_CAST("
+            "json_extract_string(r.config, '$.connector.kv_recompute_threshold') AS INTEGER), 64), r.history_mode, "
+            "r.topology FROM run_config c JOIN runs r USING (run_id) WHERE run_id = ?", [run_id]).fetchone()
+    finally:
+        con.close()
+
+
+def _probe_medians(store: Store, run_ids: Sequence[str], tokens: int) -> dict[str, float]:
+    con = store.connect()
+    try:
+        rows = con.execute(f"SELECT run_id, median(ttft_s) FROM run_probes WHERE status = 'ok' AND ttft_s > 0 "
+                           f"AND prompt_tokens = ? AND run_id IN ({_marks(run_ids)}) GROUP BY run_id",
+                           [tokens, *run_ids]).fetchall()
+    finally:
+        con.close()
+    return {r: float(t) for r, t in rows}
+
+
+def probe_ttft_s(store: Store, run_ids: Sequence[str]) -> dict[str, float]:
+    """Run id -> the median TTFT of its ok speed probes (``run_probes`` of
+    :data:`core.contract.PROBE_TOKENS` prompt tokens), seconds; runs without one
+    are absent."""
+    return _probe_medians(store, run_ids, PROBE_TOKENS)
+
+
+def compute_probe_s(store: Store, run_ids: Sequence[str]) -> dict[str, float]:
+    """Run id -> the median TTFT of its compute probes less that of its short probes
+    (:data:`core.contract.COMPUTE_PROBE_TOKENS` and ``PROBE_TOKENS`` prompt
+    tokens), seconds: the compute of the tokens between the two lengths on the run's machine; runs
+    without both (recorded before the compute probe) are absent."""
+    short, long = probe_ttft_s(store, run_ids), _probe_medians(store, run_ids, COMPUTE_PROBE_TOKENS)
+    return {r: long[r] - short[r] for r in long if r in short}
+
+
+def runs_of(store: Store) -> list[str]:
+    """The store's runs in a planned mode (``runs.mode`` in :data:`MODES`), oldest first."""
+    con = store.connect(read_only=True)
+    try:
+        rows = con.execute(f"SELECT run_id FROM runs WHERE mode IN ({_marks(MODES)}) "
+                           "ORDER BY started_at, run_id", list(MODES)).fetchall()
+    finally:
+        con.close()
+    return [r[0] for r in rows]
+
+
+def run_rows(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
+    """``run_id, mode, history_mode, workload, workload_spec, topology, first_sent`` (its first turn's
+    ``sent_at``, or the run's start) of each of ``run_ids`` the store has."""
+    return _frame(store, "SELECT r.run_id, r.mode, r.history_mode, r.workload, r.workload_spec, r.topology, "
+                  "coalesce((SELECT min(t.sent_at) FROM turns t WHERE t.run_id = r.run_id), r.started_at) "
+                  f"AS first_sent FROM runs r WHERE r.run_id IN ({_marks(run_ids)})", run_ids)
+
+
+def transfer_rows(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
+    """Per run of ``run_ids``: its mode, P's NIXL transfer time and bytes, the tokens P pulled (view
+    ``run_kv_transfer``) and the model's KV bytes per token (``run_config``). Columns: mode,
+    prefix_tokens (0), xfer_s, xfer_bytes, reused_tokens, kv_bytes_per_token."""
+    return _frame(store, "SELECT r.mode, 0 AS prefix_tokens, x.xfer_s, x.xfer_bytes, x.reused_tokens, "
+                  "c.kv_bytes_per_token FROM run_kv_transfer x JOIN runs r USING (run_id) "
+                  f"JOIN run_config c USING (run_id) WHERE run_id IN ({_marks(run_ids)})", run_ids)
+
+
+def engine_token_budget(store: Store, run_ids: Sequence[str]) -> tuple[int, str] | None:
+    """The prefill workers' ``max_num_batched_tokens`` in ``run_ids`` and how it is known, from
+    ``runs.config.topology``: the prefill role's ``--max-num-batched-tokens`` argument, else vLLM's
+    default on the CPU platform (:data:`planner.queueing.VLLM_CPU_MAX_NUM_BATCHED_TOKENS`);
+    None when the runs disagree or ran on GPUs without the argument (vLLM's default there depends on
+    the GPU's memory, which the store does not record)."""
+    rows = _frame(store, f"SELECT json_extract_string(config, '$.topology.platform') AS platform, "
+                         f"json_extract(config, '$.topology.roles.prefill.args') AS args FROM runs "
+                         f"WHERE run_id IN ({_marks(run_ids)})", list(run_ids))
+    found = set()
+    for platform, args in zip(rows["platform"], rows["args"], strict=True):
+        argv = [str(a) for a in (json.loads(args) if isinstance(args, str) else args or [])]
+        given = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--max-num-batched-tokens"), None)
+        given = next((a.split("=", 1)[1] for a in argv if a.startswith("--max-num-batched-tokens=")), given)
+        if given is not None:
+            found.add((int(given), "the prefill role's --max-num-batched-tokens (runs.config.topology)"))
+        elif platform == "cpu":
+            found.add((VLLM_CPU_MAX_NUM_BATCHED_TOKENS, ("vLLM 0.32's default on the CPU platform "
+                       "(engine/arg_utils.py get_batch_defaults); the runs' topology sets none")))
+        else:
+            return None
+    return found.pop() if len(found) == 1 else None

@@ -1,0 +1,156 @@
+"""Locating and opening the turnscope store, read-only (docs/schema/overview.md).
+
+The store is a directory: ``runs/<run_id>/<table>/*.parquet`` shards written by loadgen, and
+``turnscope.duckdb``, which holds only views over those shards (data/schema.sql). The dashboard
+never writes it.
+
+Connections are short-lived on purpose. A DuckDB read-only connection still holds a shared lock
+on ``turnscope.duckdb`` for as long as it is open, and that lock makes a writer that (re)creates
+the views (``Store(root).init()`` at the start of a run) fail. So every query opens the file
+read-only, reads, and closes it; `st.cache_data` (``dashboard.loader``) keeps repeated reruns and
+visits cheap, keyed by the store's version so that rows of a run that is still writing show up on
+the next rerun.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pandas as pd
+
+from core import resources
+from store.rollup import Rollups
+from store.writer import Store
+
+ENV_VAR = "TURNSCOPE_STORE"
+DB_FILE = "turnscope.duckdb"
+#: turnscope's home: the checkout's ``data/``, or ``./turnscope-data`` installed (core.resources).
+DEFAULT_STORE = resources.home()
+#: How long a cached result may live (s). Query results are keyed by the store's version
+#: (``dashboard.loader.store_version``) and derived results (bootstraps) by their input rows, so the
+#: TTL only bounds how long an unused entry holds memory, not how fresh a result is.
+CACHE_TTL_S = 3600
+
+
+class StoreMissing(Exception):
+    """The store directory or its ``turnscope.duckdb`` does not exist yet."""
+
+
+class StoreBusy(Exception):
+    """``turnscope.duckdb`` is held read-write by a writer (views being created); retry soon."""
+
+
+class StoreInvalid(Exception):
+    """``turnscope.duckdb`` opened but does not hold the views data/schema.sql defines."""
+
+
+@dataclass(frozen=True)
+class StoreLocation:
+    """Where a store is, as the dashboard reads it: the directory `root` and `db`, its DuckDB file
+    of views (the store itself, its schema and writer, is `store.writer.Store`)."""
+
+    root: Path
+
+    @property
+    def db(self) -> Path:
+        return self.root / DB_FILE
+
+    def exists(self) -> bool:
+        return self.db.is_file()
+
+
+def store_from_env() -> StoreLocation:
+    """The store named by ``$TURNSCOPE_STORE``, else :data:`DEFAULT_STORE`."""
+    raw = os.environ.get(ENV_VAR, "").strip()
+    return StoreLocation(Path(raw).expanduser().resolve() if raw else DEFAULT_STORE)
+
+
+def _is_lock_error(exc: Exception) -> bool:
+    return "lock" in str(exc).lower()
+
+
+@contextmanager
+def connect(
+    store: StoreLocation, *, attempts: int = 5, backoff_s: float = 0.1
+) -> Iterator[duckdb.DuckDBPyConnection]:
+    """Open `store` read-only for the duration of the ``with`` block, then close it.
+
+    A writer holding the file read-write (creating the views) makes the open fail with a lock
+    error; that is retried `attempts` times with a doubling `backoff_s` (seconds) before raising
+    `StoreBusy`. Raises `StoreMissing` when there is no ``turnscope.duckdb``.
+    """
+    if not store.exists():
+        raise StoreMissing(f"no store at {store.db}")
+    delay = backoff_s
+    for attempt in range(attempts):
+        try:
+            con = duckdb.connect(str(store.db), read_only=True)
+            break
+        except duckdb.IOException as exc:  # includes "Could not set lock on file"
+            if not _is_lock_error(exc):
+                raise
+            if attempt == attempts - 1:
+                raise StoreBusy(f"{store.db} is locked by a writer: {exc}") from exc
+            time.sleep(delay)
+            delay *= 2
+    try:
+        yield con
+    finally:
+        con.close()
+
+
+@functools.lru_cache(maxsize=8)
+def rollups_of(root: Path) -> Rollups:
+    """The rollups of the store at `root` (`store.rollup`; its schema is parsed once)."""
+    return Rollups(Store(root))
+
+
+#: Whether `read` reads finished runs from their rollups (`store.rollup`) where fresh; the
+#: figures are the same either way (tests/integration/test_rollups.py), only faster.
+use_rollups = True
+
+
+def _invalid_reason(store: StoreLocation, con: duckdb.DuckDBPyConnection, exc: duckdb.Error) -> str:
+    """Why a query found no view or column it needs: views written by another turnscope version
+    (their ``_turnscope_schema_version`` is not this schema's), or not a turnscope store at all."""
+    try:
+        (held,) = con.execute("SELECT version FROM _turnscope_schema_version").fetchone()
+    except duckdb.Error:
+        held = None
+    if held is not None and held != Store(store.root).version:
+        return (f"{store.db} holds the views of another turnscope version (data/schema.sql changed "
+                f"since they were written): run `turnscope rollup --store {store.root}` (it recreates "
+                f"them; the shards are not touched), then refresh. ({exc})")
+    return f"{store.db}: {exc}"
+
+
+def read(store: StoreLocation, query: Callable[..., pd.DataFrame], *args: Any) -> pd.DataFrame:
+    """Call ``query(con, *args)`` on a fresh read-only connection to `store`; return its DataFrame.
+
+    Where `use_rollups`, the connection first reads the finished runs with fresh rollups from
+    them (`store.rollup.Rollups.install`: TEMP views shadowing the base and per-run views).
+
+    A missing view or column (the file is not a turnscope store, or its views are of another
+    schema version: the message says how to recreate them) raises `StoreInvalid`. One retry covers a shard renamed or removed between DuckDB's glob and its
+    read (writers rename temp files into place).
+    """
+    for attempt in range(2):
+        with connect(store) as con:
+            try:
+                if use_rollups:
+                    rollups_of(store.root).install(con)
+                return query(con, *args)
+            except (duckdb.CatalogException, duckdb.BinderException) as exc:
+                raise StoreInvalid(_invalid_reason(store, con, exc)) from exc
+            except duckdb.IOException:
+                if attempt == 1:
+                    raise
+    raise AssertionError("unreachable")
