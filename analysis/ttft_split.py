@@ -41,6 +41,7 @@ import pandas as pd
 
 from core.contract import Role
 from core.modes import AGGREGATED
+from store.queries import ttft_split as queries
 from store.writer import Store
 
 #: The forecast's terms, in the order printed (they sum to the forecast TTFT).
@@ -52,23 +53,14 @@ _HIST = ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
 _NAMES = [f"{h}_{p}" for h in _HIST for p in ("sum", "count")] + ["vllm:nixl_xfer_time_seconds_sum"]
 
 
-def _marks(values: Sequence) -> str:
-    return ", ".join("?" for _ in values)
-
-
 def measured_sums(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
     """Per run and worker role, the run's increase of each histogram sum and count of
     :data:`_NAMES` (columns named after the metric, ``vllm:`` dropped), and the run's ok turns
     and their mean TTFT (seconds; every role's row repeats them). Empty without scrapes."""
     con = store.connect()
     try:
-        inc = con.execute(
-            f"SELECT run_id, role, name, sum(increase) AS v FROM metric_increases WHERE run_id IN ({_marks(run_ids)}) "
-            f"AND role IN ('prefill', 'decode', 'aggregated') AND name IN ({_marks(_NAMES)}) GROUP BY ALL",
-            [*run_ids, *_NAMES]).df()
-        ttft = con.execute(
-            f"SELECT run_id, count(*) AS ok_turns, avg(ttft_s) AS ttft_s FROM turns WHERE status = 'ok' "
-            f"AND ttft_s IS NOT NULL AND run_id IN ({_marks(run_ids)}) GROUP BY run_id", list(run_ids)).df()
+        inc = queries.worker_increases(con, run_ids, _NAMES)
+        ttft = queries.ok_ttft(con, run_ids)
     finally:
         con.close()
     if inc.empty:
@@ -164,10 +156,7 @@ def speed_windows(store: Store, run_ids: Sequence[str], window_s: float = WINDOW
     are left out. Raises ``duckdb.CatalogException`` when the store's views predate the view."""
     con = store.connect()
     try:
-        df = con.execute(
-            f"SELECT run_id, interval_end, prefills, prefill_s, computed_tokens FROM engine_prefill_speed "
-            f"WHERE run_id IN ({_marks(run_ids)}) AND interval_s IS NOT NULL ORDER BY run_id, interval_end",
-            list(run_ids)).df()
+        df = queries.prefill_speed_intervals(con, run_ids)
     finally:
         con.close()
     if df.empty:

@@ -348,7 +348,7 @@ def measure(root: Path, repeats: int) -> list[dict]:
                     best = (took, list(log))
             extra["pick a session (cold)"] = best
         if page == "sql":  # run a query over turn_breakdown
-            from dashboard import sqlconsole
+            from store import console as sqlconsole
 
             best = None
             for _ in range(repeats):

@@ -32,9 +32,9 @@ from loadgen.traces.recorded_runs import iter_recorded_runs
 from planner.fit import on_run_speed, runs_shared_prefix_tokens
 from planner.load import Load, LoadKind, apply_load
 from planner.profile import Sourced, load_profile
-from planner.run_queries import probe_ttft_s
 from planner.simulate import PlanSettings, Traffic, plan
 from store.queries.capacity import capacity_steps
+from store.queries.planner_runs import probe_ttft_s
 from store.writer import Store
 
 #: A step gains when its throughput is more than this fraction above the step before it.

@@ -98,6 +98,27 @@ class PublicFacts(TypedDict):
 #: The keys of :class:`PublicFacts`, in wire order.
 PUBLIC_FACT_KEYS: tuple[str, ...] = tuple(PublicFacts.__annotations__)
 
+
+def response_facts(headers: dict[str, str], in_band: dict[str, Any]) -> dict[str, Any]:
+    """The proxy's facts of one response, from one place: :class:`PublicFacts`' keys plus
+    ``prefill_engine`` and ``decode_engine``, numbers as the proxy had them.
+
+    The in-band facts (:data:`FACTS_FIELD`, as sent) win; a response whose stream ended before
+    them (a failure mid-stream) keeps what its headers said before the stream: ``reuse``
+    (:data:`REUSE_HEADER`) and ``prefill_leg_s`` (:data:`PREFILL_MS_HEADER` / 1000, seconds; None
+    when it is not a number). The engines' names are sent only as headers
+    (:data:`PREFILL_ENGINE_HEADER`, :data:`DECODE_ENGINE_HEADER`). ``headers``: lower-case names.
+    """
+    out: dict[str, Any] = {"prefill_engine": headers.get(PREFILL_ENGINE_HEADER),
+                           "decode_engine": headers.get(DECODE_ENGINE_HEADER),
+                           "reuse": headers.get(REUSE_HEADER) or None}
+    ms = headers.get(PREFILL_MS_HEADER)
+    try:
+        out["prefill_leg_s"] = float(ms) / 1000 if ms not in (None, "") else None
+    except ValueError:
+        out["prefill_leg_s"] = None
+    return out | {k: v for k, v in in_band.items() if k in PUBLIC_FACT_KEYS}
+
 # -- reuse outcomes: exactly one per proxied request ------------------------------------------------
 
 HIT = "hit"

@@ -23,6 +23,7 @@ import streamlit as st
 from dashboard import charts, context, loader, pages
 from dashboard.figures import MODE_ORDER
 from store import db, queries
+from store.queries import sidebar
 
 st.set_page_config(page_title="turnscope", page_icon=":material/query_stats:", layout="wide")
 
@@ -63,7 +64,7 @@ def _say_unreadable(exc: Exception) -> None:
 
 def _has_rows(table: str) -> bool:
     """Whether the store's `table` (plan_log, traffic_log) has a row."""
-    return not db.read(store, lambda con: con.execute(f"SELECT 1 FROM {table} LIMIT 1").df()).empty
+    return not db.read(store, sidebar.any_row, table).empty
 
 
 runs = _load_runs()

@@ -100,7 +100,9 @@ CREATE TABLE turns (
     recomputed_tokens         INTEGER,            -- tokens P computed
     handle_age_s              DOUBLE,
     handle_tokens             INTEGER,            -- tokens of KV D kept for this turn's own handle (NULL: none)
-    prompt_sha256             VARCHAR             -- hash of the rendered prompt ids (prompt text is not stored)
+    prompt_sha256             VARCHAR,            -- hash of the rendered prompt ids (prompt text is not stored)
+    proxy_divergence_position INTEGER,            -- the proxy's: first prompt id D's handle does not hold (NULL: none)
+    prefill_attempts          INTEGER             -- prefill legs the proxy ran (2: a leg with a handle failed, recomputed)
 );
 
 CREATE TABLE metric_samples (

@@ -11,19 +11,14 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import logging
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
-from core.contract import (
-    DECODE_ENGINE_HEADER,
-    GAP_KINDS,
-    PREFILL_ENGINE_HEADER,
-    PREFILL_MS_HEADER,
-    REUSE_HEADER,
-)
+from core.contract import GAP_KINDS, PublicFacts, response_facts
 from loadgen.session import SessionPlan, TurnPlan
 from loadgen.stream_client import TurnResult
 
@@ -43,17 +38,6 @@ def prompt_sha256(ids: Sequence[int]) -> str:
     ``sha256(array_to_string(ids, ','))``). Prompt text is never stored.
     """
     return hashlib.sha256(",".join(str(int(i)) for i in ids).encode("ascii")).hexdigest()
-
-
-def _float_header(headers: dict[str, str], name: str, scale: float = 1.0) -> float | None:
-    v = headers.get(name)
-    if v in (None, ""):
-        return None
-    try:
-        return float(v) * scale
-    except ValueError:
-        log.warning("header %s=%r is not a number; stored as NULL", name, v)
-        return None
 
 
 def _int_fact(facts: dict[str, Any], name: str) -> int | None:
@@ -77,6 +61,34 @@ def _float_fact(facts: dict[str, Any], name: str) -> float | None:
     return float(v)
 
 
+#: Each fact the proxy sends (:class:`core.contract.PublicFacts`) -> its ``turns`` column: every
+#: one is stored (tests/unit/test_session_recorder_facts.py). The proxy's divergence position is
+#: ``proxy_divergence_position`` (``divergence_position`` is the client's own).
+FACT_COLUMNS: dict[str, str] = {
+    "reuse": "reuse", "prefill_cached_tokens": "prefill_cached_tokens", "remote_tokens": "remote_tokens",
+    "reused_tokens": "reused_tokens", "recomputed_tokens": "recomputed_tokens", "handle_age_s": "handle_age_s",
+    "divergence_position": "proxy_divergence_position", "prefill_leg_s": "prefill_leg_s",
+    "prefill_attempts": "prefill_attempts", "handle_tokens": "handle_tokens",
+}
+
+
+#: Each fact's type as :class:`core.contract.PublicFacts` declares it (``int | None``, ...).
+_FACT_TYPES = {k: set(typing.get_args(t)) | {t} for k, t in typing.get_type_hints(PublicFacts).items()}
+
+
+def _fact(facts: dict[str, Any], key: str) -> Any:
+    """Fact ``key`` typed as :class:`core.contract.PublicFacts` declares it (a value of another
+    type is stored as NULL, with a warning)."""
+    kind = _FACT_TYPES[key]
+    if str in kind:
+        v = facts.get(key)
+        if v is None or isinstance(v, str):
+            return v
+        log.warning("proxy fact %s=%r is not a string; stored as NULL", key, v)
+        return None
+    return _float_fact(facts, key) if float in kind else _int_fact(facts, key)
+
+
 def turn_row(
     *,
     run_id: str,
@@ -92,14 +104,14 @@ def turn_row(
     """The ``turns`` row for one finished request (all times seconds, counts tokens).
 
     ITL percentiles are numpy's linear-interpolation percentiles of ``result.itl_s``. The proxy's
-    facts come from its headers (``x-turnscope-reuse``, ``x-turnscope-prefill-ms`` converted to
-    seconds, ``x-turnscope-prefill-engine``, ``x-turnscope-decode-engine``) and from the
-    ``turnscope`` field of the final chunk (``result.proxy_facts``).
+    facts come from one place, :func:`core.contract.response_facts` (the ``turnscope`` field of
+    the stream, ``result.proxy_facts``, as numbers; the headers only for what a stream that ended
+    early did not carry, and for the engines' names), each stored in its column of
+    :data:`FACT_COLUMNS`.
     """
     itl = np.asarray(result.itl_s, dtype=float)
     p50, p90 = (np.percentile(itl, [50, 90]).tolist() if itl.size else (None, None))
-    h = result.headers or {}
-    facts = result.proxy_facts or {}
+    facts = response_facts(result.headers or {}, result.proxy_facts or {})
     return {
         "run_id": run_id,
         "session_id": session_id,
@@ -128,16 +140,9 @@ def turn_row(
         "http_status": result.http_status,
         "finish_reason": result.finish_reason,
         "tool_calls": len(result.tool_calls),
-        "reuse": h.get(REUSE_HEADER),
-        "prefill_leg_s": _float_header(h, PREFILL_MS_HEADER, 1e-3),
-        "prefill_engine": h.get(PREFILL_ENGINE_HEADER),
-        "decode_engine": h.get(DECODE_ENGINE_HEADER),
-        "prefill_cached_tokens": _int_fact(facts, "prefill_cached_tokens"),
-        "remote_tokens": _int_fact(facts, "remote_tokens"),
-        "reused_tokens": _int_fact(facts, "reused_tokens"),
-        "recomputed_tokens": _int_fact(facts, "recomputed_tokens"),
-        "handle_age_s": _float_fact(facts, "handle_age_s"),
-        "handle_tokens": _int_fact(facts, "handle_tokens"),
+        "prefill_engine": facts["prefill_engine"],
+        "decode_engine": facts["decode_engine"],
+        **{column: _fact(facts, key) for key, column in FACT_COLUMNS.items()},
         "prompt_sha256": prompt_sha256(prompt_ids) if prompt_ids is not None else None,
     }
 

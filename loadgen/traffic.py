@@ -35,6 +35,8 @@ from core.contract import DECODER_KV_BLOCKS_TTL_S, KV_RECOMPUTE_THRESHOLD_TOKENS
 from loadgen.traces.agent_request import AgentRequest
 from loadgen.traces.errors import TraceFormatError
 from loadgen.traces.formats import FORMATS, OWN_CLOCK, detect_format, iter_agent_requests, trace_format
+from store import db
+from store.queries import traffic as traffic_queries
 from store.writer import Store
 
 #: vLLM's decoder_kv_blocks_ttl default (seconds) and kv_recompute_threshold default (tokens), as
@@ -130,42 +132,10 @@ class TrafficReport:
     @classmethod
     def read(cls, con: duckdb.DuckDBPyConnection, traffic_id: str) -> TrafficReport:
         """Query the traffic views for ``traffic_id`` on an open store connection."""
-        def rows(sql: str) -> list[dict[str, Any]]:
-            cur = con.execute(sql, [traffic_id])
-            names = [d[0] for d in cur.description]
-            return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
-
-        summary = rows("""
-            SELECT count(DISTINCT source) AS sources, count(*) AS sessions,
-                   count(*) FILTER (WHERE parent_session_id IS NOT NULL) AS sub_agents,
-                   sum(requests) AS requests,
-                   quantile_cont(requests, 0.5) AS requests_per_session_p50,
-                   quantile_cont(max_input_tokens, 0.5) AS max_context_p50_tokens,
-                   max(max_input_tokens) AS max_context_tokens,
-                   quantile_cont(growth_tokens_per_request, 0.5) AS growth_p50_tokens_per_request
-            FROM traffic_sessions WHERE traffic_id = ?""")[0]
-        summary |= rows("""
-            SELECT quantile_cont(input_tokens, 0.5) AS input_p50_tokens,
-                   quantile_cont(input_tokens, 0.9) AS input_p90_tokens
-            FROM traffic_requests WHERE traffic_id = ?""")[0]
-        summary |= rows("SELECT ttl_s, recompute_threshold_tokens FROM traffic_log WHERE traffic_id = ?")[0]
-        overlap = rows("""
-            SELECT max(max_active_sessions) AS max_active_sessions,
-                   sum(overlapping_sessions) AS overlapping_sessions, sum(sessions) AS sessions
-            FROM traffic_overlap WHERE traffic_id = ?""")[0]
-        inputs = json.loads(rows("SELECT inputs FROM traffic_log WHERE traffic_id = ?")[0]["inputs"] or "[]")
-        # the load a shared-clock trace recorded: its sessions' starts over the span of its arrivals
-        recorded = rows("""
-            SELECT count(*) FILTER (WHERE request_index = 0 AND parent_session_id IS NULL) AS sessions_started,
-                   max(arrival_s) - min(arrival_s) AS span_s
-            FROM traffic_requests WHERE traffic_id = ?""")[0]
-        return cls(
-            traffic_id, summary,
-            rows("SELECT * FROM traffic_reuse WHERE traffic_id = ? ORDER BY format NULLS FIRST"),
-            rows("SELECT * FROM traffic_gaps WHERE traffic_id = ? ORDER BY gap_kind"),
-            rows("SELECT * FROM traffic_ttl WHERE traffic_id = ? ORDER BY gap_kind, ttl_s"),
-            overlap, tuple(i["format"] for i in inputs), recorded,
-        )
+        r = traffic_queries.report(con, traffic_id)
+        inputs = json.loads(r["inputs"] or "[]")
+        return cls(traffic_id, r["summary"], r["reuse"], r["gaps"], r["ttl"], r["overlap"],
+                   tuple(i["format"] for i in inputs), r["recorded_load"])
 
     def load_line(self) -> str:
         """What load the traces recorded: none for own-clock formats (every file one session tree from
@@ -308,8 +278,7 @@ def build_report(store: Store, paths: Sequence[Path | str], *, format: str | Non
     try:
         # Bound DuckDB's working memory (its default is 80% of RAM), spilling to a temporary
         # directory instead, so the report's memory does not grow with the trace.
-        con.execute(f"SET memory_limit = '{QUERY_MEMORY_LIMIT}'")
-        con.execute(f"SET temp_directory = '{tempfile.gettempdir()}/turnscope-duckdb-{os.getpid()}'")
+        db.bound_memory(con, QUERY_MEMORY_LIMIT, Path(tempfile.gettempdir()) / f"turnscope-duckdb-{os.getpid()}")
         return TrafficReport.read(con, tid)
     finally:
         con.close()

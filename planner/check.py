@@ -23,8 +23,8 @@ from planner.fit import (
     shared_prefix_by_run,
 )
 from planner.profile import MODES, CostProfile
-from planner.run_queries import compute_probe_s, probe_ttft_s, recorded_turns
 from planner.simulate import RENDERS, TOOK_HANDLE, ModePlan, PlanSettings, Traffic
+from store.queries.planner_runs import compute_probe_s, probe_ttft_s, recorded_turns
 from store.writer import Store
 
 #: The TTFT check's bound: median absolute relative error per mode.

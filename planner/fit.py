@@ -50,16 +50,15 @@ from core.modes import AGGREGATED, RECOMPUTE_MODE, SERVING_MODES
 from loadgen.traces.recorded_runs import read_recorded_runs
 from planner.fit_residuals import Residuals, residuals_of
 from planner.profile import MODES, CostProfile, Sourced
-from planner.queueing import batched_step_waits, fifo_waits
-from planner.run_queries import (
-    engine_token_budget,
+from planner.queueing import batched_step_waits, engine_token_budget, fifo_waits
+from planner.simulate import RENDERS, TOOK_HANDLE, ModePlan, PlanSettings, Traffic, plan
+from store.queries.planner_runs import (
     probe_ttft_s,
     recorded_turns,
     run_config_row,
     transfer_rows,
 )
-from planner.simulate import RENDERS, TOOK_HANDLE, ModePlan, PlanSettings, Traffic, plan
-from store.queries.worker_cache import cache_config
+from store.queries.worker_cache import labels_by_role
 from store.writer import Store
 
 
@@ -118,7 +117,7 @@ def shared_prefix_by_run(turns: pd.DataFrame) -> dict[str, int]:
     """:func:`recorded_shared_prefix_tokens` per workload (``runs.workload``; runs without one are
     one group), given to each run of it: a store holding several workloads (every `turnscope eval`
     of the default store) has one system prompt per workload, not one for all. ``turns``:
-    :func:`planner.run_queries.recorded_turns`' rows. Returns {run_id: tokens}."""
+    :func:`store.queries.planner_runs.recorded_turns`' rows. Returns {run_id: tokens}."""
     by_workload = turns["workload"].fillna("") if "workload" in turns else pd.Series("", index=turns.index)
     out: dict[str, int] = {}
     for _, g in turns.groupby(by_workload, sort=False):
@@ -160,7 +159,7 @@ def on_run_speed(profile: CostProfile, run_probe_s: float | None, run_compute_s:
                  mode: str = RECOMPUTE_MODE) -> tuple[CostProfile, float | None]:
     """``profile`` put on a run's machine speed: scaled by the run's probe TTFT over the profile's
     (:meth:`CostProfile.at_speed`) when both exist; else unchanged. With the run's compute probe
-    (``run_compute_s``: :func:`planner.run_queries.compute_probe_s`) the prefill curves
+    (``run_compute_s``: :func:`store.queries.planner_runs.compute_probe_s`) the prefill curves
     are scaled by it over what the profile's own c(x) gives for the same tokens (``mode``'s curve:
     the aggregated worker's in ``aggregated``, P's else), ``c(COMPUTE_PROBE_TOKENS) -
     c(PROBE_TOKENS)``, and b0 alone by the short probe. Returns (profile, the short probe's factor
@@ -185,22 +184,10 @@ def _compute_why(run_compute_s: float, factor: float) -> str:
             f"on the run, {factor:.3g}x the profile's c(x)")
 
 
-def _cache_config(store: Store, run_ids: Sequence[str]) -> dict[str, dict]:
-    """Role -> the labels of its workers' ``vllm:cache_config_info`` (``block_size``,
-    ``num_gpu_blocks``, ...) in ``run_ids``' scrapes (:func:`store.queries.worker_cache.cache_config`,
-    the one reader of the gauge); roles without that gauge are absent."""
-    con = store.connect()
-    try:
-        cc = cache_config(con, run_ids)
-    finally:
-        con.close()
-    return {role: g["labels"].iloc[0] for role, g in cc.groupby("role", sort=True)}
-
-
 def _kv_space(store: Store, run_ids: Sequence[str]) -> dict[str, int]:
     """Role -> tokens of KV space (num_gpu_blocks x block_size of vllm:cache_config_info)."""
     out = {}
-    for role, lab in _cache_config(store, run_ids).items():
+    for role, lab in labels_by_role(store, run_ids).items():
         try:
             out[role] = int(lab["num_gpu_blocks"]) * int(lab["block_size"])
         except (KeyError, TypeError, ValueError):
@@ -423,7 +410,7 @@ def fit_costs(turns: pd.DataFrame, prof: CostProfile, queue: bool = True,
     sent as token ids renders nothing, which is what separates the render from b0 and c; over text
     turns alone b0 absorbs it (None).
 
-    ``turns``: :data:`planner.run_queries.TURNS_SQL`'s columns with ``local_tokens`` filled and ``local_known``
+    ``turns``: :data:`store.queries.planner_runs.TURNS_SQL`'s columns with ``local_tokens`` filled and ``local_known``
     (:func:`_with_forecast_local`); ``prof`` gives the pull cost. Residuals are relative to the
     measured TTFT (the check's error), with scipy's robust ``soft_l1`` loss so that a few turns
     slowed by a busy machine do not drag the fit; every coefficient >= 0 (a cost). Turns whose
@@ -506,7 +493,7 @@ def fit_costs(turns: pd.DataFrame, prof: CostProfile, queue: bool = True,
 
 def _block_size(store: Store, run_ids: Sequence[str]) -> int:
     """Tokens per KV block the runs' workers report (vllm:cache_config_info); 128 when none does."""
-    for lab in _cache_config(store, run_ids).values():
+    for lab in labels_by_role(store, run_ids).values():
         try:
             return int(lab["block_size"])
         except (KeyError, TypeError, ValueError):

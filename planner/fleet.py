@@ -16,7 +16,7 @@ per strategy (:func:`size_fleet`; docs/planner/fleet.md):
    when the TTFT without any wait misses by itself: more P hold more prefixes), then the other;
    none meets only when the largest fleet in the limits misses;
 3. **the smallest**: the fleets of one worker fewer, then fewer still, while any meets the SLO; of
-   the smallest size, the lowest p90, then the fewest P (:func:`_fleet_key`). Fleets known to miss
+   the smallest size, the lowest p90, then the fewest P (:func:`smallest_order`). Fleets known to miss
    (:meth:`FleetSizer.known_to_miss`) are not forecast.
 
 Steps 2 and 3 rest on more workers never making a forecast worse (tested on hand-counted
@@ -227,7 +227,7 @@ class FleetSearch:
         return self.best or self.largest or self.searched[-1]
 
 
-def _fleet_key(e: FleetForecast) -> tuple:
+def smallest_order(e: FleetForecast) -> tuple:
     """The order of the smallest fleet among those that meet the SLO: fewest workers, then the
     lowest p90 TTFT (the most margin), then fewest P."""
     return (e.fleet.prefill_workers + e.fleet.decode_workers, e.ttft_p90_s, e.fleet.prefill_workers)
@@ -328,14 +328,14 @@ class FleetSizer:
         return out
 
     def _smallest(self, e: FleetForecast) -> FleetForecast:
-        """The smallest fleet that meets the SLO (:func:`_fleet_key`), given ``e`` meets it: a fleet of
+        """The smallest fleet that meets the SLO (:func:`smallest_order`), given ``e`` meets it: a fleet of
         one worker fewer, then fewer still, while one meets (more workers never make a forecast
         worse, so none smaller meets once a whole size misses); every fleet of the smallest size
         that meets then compared."""
         t = e.fleet.prefill_workers + e.fleet.decode_workers
         while t > 2 and any(f.meets_slo for f in self._diagonal(t - 1, first_only=True)):
             t -= 1
-        return min((f for f in self._diagonal(t) if f.meets_slo), key=_fleet_key)
+        return min((f for f in self._diagonal(t) if f.meets_slo), key=smallest_order)
 
 
 def size_fleet(tr: Traffic, profile: CostProfile, base: PlanSettings, strategy: str,

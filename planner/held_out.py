@@ -40,7 +40,7 @@ from planner.check import check_runs_with_terms
 from planner.fit import fit_profile
 from planner.profile import MODES, CostProfile, HeldOutErrors
 from planner.rerun_check import RerunChecks, pair_runs, rerun_checks, run_setups
-from planner.run_queries import recorded_turns, runs_of
+from store.queries.planner_runs import recorded_turns, runs_of
 from store.writer import Store
 
 #: Targets on runs recorded at another time than the fit: TTFT MARE, the per-turn error's p90, the p90
@@ -264,12 +264,12 @@ def check_split(fit_store: str | None, fit_runs: Sequence[str] | None, check_sto
     if fit_runs:
         fit = tuple(fit_runs)
     elif fit_store and not profile_path:   # one store with its checked runs named: fit on the others
-        fit = tuple(r for r in runs_of(Store(fit_store)) if not (same and check_runs_ and r in check_runs_))
+        fit = tuple(r for r in runs_of(Store(fit_store), MODES) if not (same and check_runs_ and r in check_runs_))
     else:
         fit = ()
-    chk = tuple(check_runs_) if check_runs_ else tuple(r for r in runs_of(Store(check_store)) if not (same and r in fit))
+    chk = tuple(check_runs_) if check_runs_ else tuple(r for r in runs_of(Store(check_store), MODES) if not (same and r in fit))
     for store, runs in ((fit_store, fit_runs), (check_store, check_runs_)):
-        unknown = sorted(set(runs or ()) - set(runs_of(Store(store)))) if store else []
+        unknown = sorted(set(runs or ()) - set(runs_of(Store(store), MODES))) if store else []
         if unknown:
             raise ValueError(f"store {store} has no run in a planned mode named {', '.join(unknown)}")
     return Split(None if profile_path else fit_store, fit, check_store, chk, profile_path, rerun)

@@ -20,9 +20,14 @@ share the server equally (processor sharing).
 from __future__ import annotations
 
 import itertools
+import json
 from collections import deque
+from collections.abc import Sequence
 
 import numpy as np
+
+from store.queries import planner_runs
+from store.writer import Store
 
 #: vLLM 0.32's ``max_num_batched_tokens`` for an API server on the CPU platform
 #: (``vllm/engine/arg_utils.py``, ``EngineArgs.get_batch_defaults``: 2,048 x world size), with
@@ -242,3 +247,25 @@ def _stepped_finish(arrival: list[float], start: list[int], end: list[int], a1: 
                 still.append(r)
         running = still
     return finish
+
+
+def engine_token_budget(store: Store, run_ids: Sequence[str]) -> tuple[int, str] | None:
+    """The prefill workers' ``max_num_batched_tokens`` in ``run_ids`` and how it is known, from
+    ``runs.config.topology``: the prefill role's ``--max-num-batched-tokens`` argument, else vLLM's
+    default on the CPU platform (:data:`VLLM_CPU_MAX_NUM_BATCHED_TOKENS`);
+    None when the runs disagree or ran on GPUs without the argument (vLLM's default there depends on
+    the GPU's memory, which the store does not record)."""
+    rows = planner_runs.prefill_args(store, run_ids)
+    found = set()
+    for platform, args in zip(rows["platform"], rows["args"], strict=True):
+        argv = [str(a) for a in (json.loads(args) if isinstance(args, str) else args or [])]
+        given = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--max-num-batched-tokens"), None)
+        given = next((a.split("=", 1)[1] for a in argv if a.startswith("--max-num-batched-tokens=")), given)
+        if given is not None:
+            found.add((int(given), "the prefill role's --max-num-batched-tokens (runs.config.topology)"))
+        elif platform == "cpu":
+            found.add((VLLM_CPU_MAX_NUM_BATCHED_TOKENS, ("vLLM 0.32's default on the CPU platform "
+                       "(engine/arg_utils.py get_batch_defaults); the runs' topology sets none")))
+        else:
+            return None
+    return found.pop() if len(found) == 1 else None

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from planner.fit import topology_settings
-from planner.run_queries import run_rows
+from store.queries.planner_runs import run_rows
 from store.writer import Store
 
 #: The fields of ``runs.workload_spec`` that shape a workload's sessions (not its schedule, file
@@ -107,7 +107,7 @@ class RerunChecks:
 
 def rerun_checks(forecast_turns: pd.DataFrame, checked_turns: pd.DataFrame, pairs: pd.DataFrame) -> RerunChecks:
     """The turns of ``checked_turns`` with those of ``forecast_turns`` as their forecast (both frames
-    of :func:`planner.run_queries.recorded_turns`), the runs paired as ``pairs`` says
+    of :func:`store.queries.planner_runs.recorded_turns`), the runs paired as ``pairs`` says
     (:func:`pair_runs`) and the turns by session id and turn index.
 
     ``checks`` has the columns :func:`planner.held_out.held_out_summary` reads

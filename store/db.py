@@ -154,3 +154,10 @@ def read(store: StoreLocation, query: Callable[..., pd.DataFrame], *args: Any) -
                 if attempt == 1:
                     raise
     raise AssertionError("unreachable")
+
+
+def bound_memory(con: duckdb.DuckDBPyConnection, limit: str, spill_dir: Path) -> None:
+    """Cap DuckDB's working memory on `con` at `limit` (e.g. ``"1GB"``; its default is 80% of RAM),
+    spilling to `spill_dir` past it, so a query's memory does not grow with the data."""
+    con.execute(f"SET memory_limit = '{limit}'")
+    con.execute(f"SET temp_directory = '{spill_dir}'")

@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from core.contract import HIT
+
 #: Column names the SQL snippet below gives, and the tables read.
 LATER_TURNS = "later_turns"
 HITS = "later_hits"
@@ -31,12 +33,19 @@ def later_turn_sql(alias: str = "") -> str:
     return f"{a}turn_index >= 1 AND {a}reuse IS NOT NULL"
 
 
+def hit_sql(alias: str = "") -> str:
+    """The SQL condition of a hit (the proxy's outcome ``hit``), over a ``turns``-shaped relation
+    named `alias` (or none): the one place the code's SQL writes it (data/schema.sql's views write
+    it in SQL; tests/unit/test_sql_location.py fails on another)."""
+    a = f"{alias}." if alias else ""
+    return f"{a}reuse = '{HIT}'"
+
+
 def counts_sql(alias: str = "") -> str:
     """Two aggregate columns for a SELECT grouped by run or mode: ``later_turns`` and ``later_hits``."""
-    a = f"{alias}." if alias else ""
     later = later_turn_sql(alias)
     return (f"count(*) FILTER (WHERE {later}) AS {LATER_TURNS}, "
-            f"count(*) FILTER (WHERE {later} AND {a}reuse = 'hit') AS {HITS}")
+            f"count(*) FILTER (WHERE {later} AND {hit_sql(alias)}) AS {HITS}")
 
 
 def rate(hits, later_turns):

@@ -7,7 +7,8 @@ import time
 import duckdb
 import streamlit as st
 
-from dashboard import context, sqlconsole
+from dashboard import context
+from store import console as sqlconsole
 from store import db
 
 sel = context.current()

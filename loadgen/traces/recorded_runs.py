@@ -19,8 +19,8 @@ Per turn row (one run = one source ``run:<run_id>``, one clock: seconds since th
   way, with ``gap_estimated`` True;
 * ``gap_kind`` = ``turns.gap_kind`` (``none`` -> None), ``tool_s`` = ``gap_s`` for ``tool`` gaps.
 
-Reads through the store's DuckDB views (read-only), so it works on a store other writers are
-appending to.
+Reads through the store's DuckDB views (read-only, :func:`store.queries.recorded_runs.turn_batches`),
+so it works on a store other writers are appending to.
 """
 
 from __future__ import annotations
@@ -29,30 +29,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from loadgen.traces.agent_request import AgentRequest, bounded_gap
+from store.queries import recorded_runs
 from store.writer import Store
 
 FORMAT = "run"
-
-_SQL = """
-SELECT run_id, session_id, turn_index, arrival_s, input_tokens, output_tokens, shared_prefix_tokens, e2e_s,
-       measured_gap_s, gap_before_s, gap_kind, lag(arrival_s) OVER s AS prev_arrival_s
-FROM (
-    SELECT run_id, session_id, turn_index,
-           epoch(sent_at) - epoch(min(sent_at) OVER (PARTITION BY run_id)) AS arrival_s,
-           coalesce(prompt_tokens, 0) AS input_tokens,
-           coalesce(completion_tokens, 0) AS output_tokens,
-           coalesce(expected_reusable_tokens, 0) AS shared_prefix_tokens,
-           e2e_s,
-           epoch(sent_at) - epoch(lag(sent_at) OVER s) - lag(e2e_s) OVER s AS measured_gap_s,
-           gap_before_s, gap_kind
-    FROM turns
-    WHERE sent_at IS NOT NULL {where}
-    WINDOW s AS (PARTITION BY run_id, session_id ORDER BY turn_index)
-)
-WINDOW s AS (PARTITION BY run_id, session_id ORDER BY turn_index)
-ORDER BY run_id, arrival_s, session_id, turn_index
-"""
-
 
 def _gap(arrival_s: float, prev_arrival_s: float, measured_s: float | None,
          planned_s: float | None) -> tuple[float, bool]:
@@ -78,14 +58,9 @@ def iter_recorded_runs(store_root: Path | str, run_ids: Sequence[str] | None = N
     if not store.db_path.exists():
         raise FileNotFoundError(f"{store.db_path}: no turnscope store here (expected turnscope.duckdb "
                                 f"with the views; any turnscope run creates it)")
-    where, params = "", []
-    if run_ids is not None:
-        where = f"AND run_id IN ({', '.join('?' for _ in run_ids)})" if run_ids else "AND false"
-        params = list(run_ids)
     con = store.connect(read_only=True)
     try:
-        cur = con.execute(_SQL.format(where=where), params)
-        while batch := cur.fetchmany(10_000):
+        for batch in recorded_runs.turn_batches(con, run_ids):
             for (run_id, sid, ti, arr, n_in, n_out, shared, e2e, mgap, planned, gkind, prev_arr) in batch:
                 first = prev_arr is None
                 gap, estimated = (None, False) if first else _gap(float(arr), float(prev_arr), mgap, planned)

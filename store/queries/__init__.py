@@ -7,8 +7,12 @@ kinds); a plain sequence of run ids means "these runs, every archetype and kind"
 names and columns of data/schema.sql are used here.
 
 One module per page (`overview`, `turns`, `sessions`, `memory`, `compare`, `sweep`, the
-sidebar's `sidebar`) and their shared `common` parts; every query is re-exported here, so a page
-calls ``queries.<function>`` and a search for a function finds its module and its callers.
+sidebar's `sidebar`) and their shared `common` parts; the pages' queries are re-exported here, so
+a page calls ``queries.<function>`` and a search for a function finds its module and its callers.
+The Traffic, Plan and capacity pages and the other readers import their module by name
+(`traffic`, `plan`, `capacity`, `run_report`, `planner_runs`, `recorded_runs`, `ttft_split`,
+`worker_cache`). A query is SQL and what it needs to run it; logic over its rows sits above the
+store (docs/design.md).
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ from collections.abc import Sequence
 import duckdb
 import pandas as pd
 
+from store import hit_rate
+from store.writer import Store
+
 #: Prometheus series each step reads from ``metric_samples`` (names as the scraper stores them).
 DECODE_KV_USAGE = "vllm:kv_cache_usage_perc"        # fraction 0-1 of the engine's KV blocks in use
 REQUESTS_WAITING = "vllm:num_requests_waiting"
@@ -31,7 +34,7 @@ WITH s AS (
            list(t.ttft_s ORDER BY t.sent_at) FILTER (WHERE t.status = 'ok') AS ttft_ok_s,
            quantile_cont(t.e2e_s, 0.5) FILTER (WHERE t.status = 'ok')  AS e2e_p50_s,
            quantile_cont(t.e2e_s, 0.9) FILTER (WHERE t.status = 'ok')  AS e2e_p90_s,
-           count(*) FILTER (WHERE t.reuse = 'hit')                    AS hits,
+           count(*) FILTER (WHERE {hit_rate.hit_sql('t')})             AS hits,
            epoch(max(t.sent_at + to_microseconds(CAST(round(coalesce(t.e2e_s, 0) * 1e6) AS BIGINT))))
                - epoch(min(t.sent_at))                                AS span_s
     FROM turns t JOIN s USING (run_id)
@@ -131,3 +134,13 @@ def capacity_turns(con: duckdb.DuckDBPyConnection, run_ids: Sequence[str]) -> pd
     session-level bootstrap and the reuse outcomes read them
     (``analysis.eviction_window``)."""
     return con.execute(_TURNS_SQL, {"ids": list(run_ids)}).df()
+
+
+def prefill_legs(store: Store, run_id: str) -> pd.DataFrame:
+    """Each turn's P leg (``turns.prefill_leg_s``: the proxy's request to P until P answered,
+    seconds) of ``run_id``, on a connection of its own. Columns: session_id, turn_index, prefill_leg_s."""
+    con = store.connect()
+    try:
+        return con.execute("SELECT session_id, turn_index, prefill_leg_s FROM turns WHERE run_id = ?", [run_id]).df()
+    finally:
+        con.close()

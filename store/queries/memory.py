@@ -162,7 +162,7 @@ WITH hb AS (
     FULL JOIN gauge g USING (run_id)
 ), tk AS (
     SELECT run_id,
-           count(*) FILTER (WHERE reuse = 'hit')                        AS hits,
+           count(*) FILTER (WHERE {hit})                                AS hits,
            {later_counts},
            sum(reused_tokens)                                           AS reused_tokens,
            sum(prefill_leg_s) FILTER (WHERE coalesce(reused_tokens, 0) = 0 AND recomputed_tokens > 0
@@ -209,7 +209,8 @@ def reuse_cost(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) ->
     prefill_s_per_token, xfer_s, prefix_cache_hit_rate, saved_s, gib_s_per_saved_s.
     """
     params = {"run_ids": id_list(as_filter(f).run_ids), "handle_bytes": HANDLE_BYTES}
-    return run_sql(con, _REUSE_COST.replace("{later_counts}", hit_rate.counts_sql()), params)
+    sql = _REUSE_COST.replace("{later_counts}", hit_rate.counts_sql()).replace("{hit}", hit_rate.hit_sql())
+    return run_sql(con, sql, params)
 
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import duckdb
 import pandas as pd
 
+from store import hit_rate
 from store.queries.common import EXTERNAL_KV_SOURCE, PROMPT_TOKENS_BY_SOURCE
 
 
@@ -36,17 +37,16 @@ def stopped_early(con: duckdb.DuckDBPyConnection, run_ids: list[str]) -> pd.Data
 
 def sweep_summary(con: duckdb.DuckDBPyConnection, run_ids: list[str]) -> pd.DataFrame:
     """Per run of a prefix sweep (view ``sweep_points``): its mode, history mode and point, ok
-    turns, mean and p90 TTFT (seconds; ``quantile_cont``), hits, turns after the first, and how
+    turns, mean and p90 TTFT (seconds; ``quantile_cont``), hits and later turns (:mod:`store.hit_rate`), and how
     much P's ``external_kv_transfer`` counter rose (tokens pulled from D). Columns: run_id,
     sweep_id, mode, history_mode, prefix_tokens, turns, ttft_mean_s, ttft_p90_s, hits,
     later_turns, external_kv_tokens. Runs that are not sweep points are left out."""
-    return con.execute("""
+    return con.execute(f"""
             WITH t AS (
                 SELECT run_id, count(*) FILTER (WHERE status = 'ok') AS turns,
                        avg(ttft_s) FILTER (WHERE status = 'ok') AS ttft_mean_s,
                        quantile_cont(ttft_s, 0.9) FILTER (WHERE status = 'ok') AS ttft_p90_s,
-                       count(*) FILTER (WHERE reuse = 'hit') AS hits,
-                       count(*) FILTER (WHERE turn_index >= 1) AS later_turns
+                       {hit_rate.counts_sql()}
                 FROM turns WHERE run_id IN (SELECT unnest($1)) GROUP BY run_id
             ), x AS (
                 SELECT run_id, sum(increase) AS external_kv_tokens
@@ -57,7 +57,7 @@ def sweep_summary(con: duckdb.DuckDBPyConnection, run_ids: list[str]) -> pd.Data
                 GROUP BY run_id
             )
             SELECT p.run_id, p.sweep_id, p.mode, p.history_mode, p.prefix_tokens, coalesce(t.turns, 0) AS turns,
-                   t.ttft_mean_s, t.ttft_p90_s, coalesce(t.hits, 0) AS hits,
+                   t.ttft_mean_s, t.ttft_p90_s, coalesce(t.{hit_rate.HITS}, 0) AS hits,
                    coalesce(t.later_turns, 0) AS later_turns, coalesce(x.external_kv_tokens, 0) AS external_kv_tokens
             FROM sweep_points p LEFT JOIN t USING (run_id) LEFT JOIN x USING (run_id)
             WHERE p.run_id IN (SELECT unnest($1))

@@ -34,3 +34,15 @@ def filter_options(con: duckdb.DuckDBPyConnection, run_ids: Sequence[str]) -> pd
         columns=["field", "value", "n"],
     )
     return pd.concat([archetypes, fixed], ignore_index=True)
+
+
+#: The relations :func:`any_row` may be asked about (their names go into the SQL text).
+LOGS = ("plan_log", "traffic_log")
+
+
+def any_row(con: duckdb.DuckDBPyConnection, table: str) -> pd.DataFrame:
+    """One row (column ``one``) if `table`, one of :data:`LOGS`, has a row, else none: whether the
+    store holds forecasts or traffic reports. Raises ValueError for another table."""
+    if table not in LOGS:
+        raise ValueError(f"any_row reads one of {LOGS}, not {table!r}")
+    return con.execute(f"SELECT 1 AS one FROM {table} LIMIT 1").df()

@@ -1,4 +1,5 @@
-"""Queries of the Traffic page: the store's traffic views (docs/schema/traffic.md).
+"""Queries of the Traffic page and of ``turnscope traffic``'s report (:func:`report`): the store's
+traffic views (docs/schema/traffic.md).
 
 Each function takes a DuckDB connection and returns a DataFrame; the page calls them through
 ``dashboard.loader.load`` (cached). Not re-exported by ``store.queries``: the page names them
@@ -6,6 +7,8 @@ Each function takes a DuckDB connection and returns a DataFrame; the page calls 
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import duckdb
 import pandas as pd
@@ -105,3 +108,44 @@ def report_name(label: object, inputs: object, created_at: object, traffic_id: s
         f" +{len(paths) - 3} more" if len(paths) > 3 else "")
     when = pd.Timestamp(created_at).strftime("%Y-%m-%d %H:%M UTC") if created_at is not None else "?"
     return f"{label if isinstance(label, str) and label else traffic_id} · {sources} · {when}"
+
+
+def report(con: duckdb.DuckDBPyConnection, traffic_id: str) -> dict[str, Any]:
+    """The traffic views of one report as ``turnscope traffic`` prints it (``loadgen.traffic.TrafficReport``),
+    rows as dicts: ``summary`` (sessions, requests, context and input-token medians, the TTL and
+    threshold), ``overlap``, ``inputs`` (the ``traffic_log.inputs`` JSON text), ``recorded_load``
+    (sessions started and the arrivals' span, s) and the rows of ``reuse``, ``gaps`` and ``ttl``.
+    """
+    def rows(sql: str) -> list[dict[str, Any]]:
+        cur = con.execute(sql, [traffic_id])
+        names = [d[0] for d in cur.description]
+        return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+
+    summary = rows("""
+        SELECT count(DISTINCT source) AS sources, count(*) AS sessions,
+               count(*) FILTER (WHERE parent_session_id IS NOT NULL) AS sub_agents,
+               sum(requests) AS requests,
+               quantile_cont(requests, 0.5) AS requests_per_session_p50,
+               quantile_cont(max_input_tokens, 0.5) AS max_context_p50_tokens,
+               max(max_input_tokens) AS max_context_tokens,
+               quantile_cont(growth_tokens_per_request, 0.5) AS growth_p50_tokens_per_request
+        FROM traffic_sessions WHERE traffic_id = ?""")[0]
+    summary |= rows("""
+        SELECT quantile_cont(input_tokens, 0.5) AS input_p50_tokens,
+               quantile_cont(input_tokens, 0.9) AS input_p90_tokens
+        FROM traffic_requests WHERE traffic_id = ?""")[0]
+    summary |= rows("SELECT ttl_s, recompute_threshold_tokens FROM traffic_log WHERE traffic_id = ?")[0]
+    overlap = rows("""
+        SELECT max(max_active_sessions) AS max_active_sessions,
+               sum(overlapping_sessions) AS overlapping_sessions, sum(sessions) AS sessions
+        FROM traffic_overlap WHERE traffic_id = ?""")[0]
+    inputs = rows("SELECT inputs FROM traffic_log WHERE traffic_id = ?")[0]["inputs"]
+    # the load a shared-clock trace recorded: its sessions' starts over the span of its arrivals
+    recorded = rows("""
+        SELECT count(*) FILTER (WHERE request_index = 0 AND parent_session_id IS NULL) AS sessions_started,
+               max(arrival_s) - min(arrival_s) AS span_s
+        FROM traffic_requests WHERE traffic_id = ?""")[0]
+    return {"summary": summary, "overlap": overlap, "inputs": inputs, "recorded_load": recorded,
+            "reuse": rows("SELECT * FROM traffic_reuse WHERE traffic_id = ? ORDER BY format NULLS FIRST"),
+            "gaps": rows("SELECT * FROM traffic_gaps WHERE traffic_id = ? ORDER BY gap_kind"),
+            "ttl": rows("SELECT * FROM traffic_ttl WHERE traffic_id = ? ORDER BY gap_kind, ttl_s")}

@@ -1,6 +1,6 @@
 """What the workers reported of their KV cache: the labels of vLLM's ``vllm:cache_config_info``
-gauge in a run's scrapes (the planner's fit and the dashboard's Memory page read it here). Imports
-nothing of turnscope's.
+gauge in a run's scrapes (the planner's fit, the capacity ramp's forecast and the dashboard's Memory
+page read it here).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 import duckdb
 import pandas as pd
+
+from store.writer import Store
 
 _CACHE_CONFIG = """
 SELECT run_id, role, endpoint, any_value(labels) AS labels
@@ -30,3 +32,15 @@ def cache_config(con: duckdb.DuckDBPyConnection, run_ids: Sequence[str]) -> pd.D
     df = df.assign(labels=labels)
     keep = pd.Series([isinstance(v, dict) for v in labels], index=df.index, dtype=bool)
     return df.loc[keep].reset_index(drop=True)
+
+
+def labels_by_role(store: Store, run_ids: Sequence[str]) -> dict[str, dict]:
+    """Role -> the labels of its workers' ``vllm:cache_config_info`` (``block_size``,
+    ``num_gpu_blocks``, ...) in ``run_ids``' scrapes (:func:`cache_config`, on a connection of its
+    own; the first worker's where a role has several); roles without that gauge are absent."""
+    con = store.connect()
+    try:
+        cc = cache_config(con, run_ids)
+    finally:
+        con.close()
+    return {role: g["labels"].iloc[0] for role, g in cc.groupby("role", sort=True)}

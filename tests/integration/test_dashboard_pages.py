@@ -538,7 +538,7 @@ def test_sql_console_runs_queries(monkeypatch, store_root):
     expected = fx.raw_sql(store_root, "SELECT mode, count(*) FROM {turns} JOIN {modes} USING (run_id) GROUP BY 1 ORDER BY 1")
     assert list(zip(got["mode"], got["n"], strict=True)) == expected
     # Every example runs.
-    from dashboard import sqlconsole
+    from store import console as sqlconsole
 
     for name in sqlconsole.EXAMPLES:
         at.selectbox(key="sql_example").set_value(name)

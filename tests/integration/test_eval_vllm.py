@@ -120,7 +120,7 @@ def test_eval_pd_nocache_vs_bidir(tmp_path):
         (run_id, phase, "prefill", n, "ok") for run_id in sorted(run_ids) for phase in ("start", "end")
         for n in (256, 2048) for _ in range(3)]
     assert all(0 < ttft < 30 for *_, ttft in probes)
-    from planner.run_queries import compute_probe_s
+    from store.queries.planner_runs import compute_probe_s
     from store.writer import Store
     computes = compute_probe_s(Store(tmp_path / "store"), sorted(run_ids))
     assert sorted(computes) == sorted(run_ids) and all(v > 0 for v in computes.values())

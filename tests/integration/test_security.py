@@ -23,12 +23,12 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 
-from dashboard import sqlconsole
 from serving.api_keys import SecretRef
 from serving.proxy import ProxyConfig, Worker
 from serving.stack import ModeStack
 from serving.topology import RoleSettings, embedded_topology, load_topology
 from serving.workers import WorkerNotHealthy, WorkerProcess, mode_workers, worker_command
+from store import console as sqlconsole
 from store.writer import Store
 from tests.integration.openai_stub import StubServer, StubState
 from tests.integration.pd_stub import decode_app, prefill_app

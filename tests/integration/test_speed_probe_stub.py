@@ -114,8 +114,8 @@ def test_the_compute_probe_reads_the_compute_alone(tmp_path):
     """Against a stub whose prefill costs 0.1 ms per prompt token on top of a fixed 50 ms: the short
     probe reads 75.6 ms, mostly the fixed cost, and the compute probe less the short one reads the
     injected compute of the 1,792 tokens between them, 179.2 ms (the truth: 1e-4 x 1,792), which
-    run_queries.compute_probe_s returns from the stored rows."""
-    from planner.run_queries import compute_probe_s, probe_ttft_s
+    planner_runs.compute_probe_s returns from the stored rows."""
+    from store.queries.planner_runs import compute_probe_s, probe_ttft_s
     from store.writer import Store
 
     store = Store(tmp_path / "store")

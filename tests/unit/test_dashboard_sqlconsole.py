@@ -1,11 +1,11 @@
-"""dashboard.sqlconsole: what the read-only console accepts, refuses, and how it runs a query."""
+"""store.console: what the read-only console accepts, refuses, and how it runs a query."""
 
 from __future__ import annotations
 
 import duckdb
 import pytest
 
-from dashboard import sqlconsole
+from store import console as sqlconsole
 
 
 @pytest.mark.parametrize(

@@ -227,6 +227,46 @@ def test_the_graph_follows_relative_imports() -> None:
     assert found == ["queries", "store"]
 
 
+# -- shared names are public ------------------------------------------------------------------------
+
+def private_imports(module: str, source: str, modules: set[str]) -> list[str]:
+    """The ``_private`` names of another of `modules` that `source` (module `module`) imports
+    (``from m import _x``) or reads off an imported module (``m._x``)."""
+    tree = ast.parse(source)
+    aliases: dict[str, str] = {}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname: a.name for a in node.names if a.asname and a.name in modules}
+        elif isinstance(node, ast.ImportFrom) and node.module in modules:
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                if full in modules:
+                    aliases[a.asname or a.name] = full
+                elif a.name.startswith("_") and not a.name.startswith("__") and node.module != module:
+                    out.append(f"{module}:{node.lineno}: {node.module}.{a.name}")
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                and node.attr.startswith("_") and not node.attr.startswith("__") and aliases[node.value.id] != module):
+            out.append(f"{module}:{node.lineno}: {aliases[node.value.id]}.{node.attr}")
+    return sorted(out)
+
+
+def test_no_module_imports_another_modules_private_name() -> None:
+    """docs/design.md: a name two modules share is public."""
+    paths = _module_paths()
+    found = [f for m, p in paths.items() for f in private_imports(m, p.read_text(), set(paths))]
+    assert found == []
+
+
+def test_the_private_import_check_catches_both_forms() -> None:
+    modules = set(_module_paths())
+    planted = "from planner.fit import on_run_kv_space, _kv_space\nfrom planner import fit\nx = fit._kv_space\n"
+    assert private_imports("turnscope.conductor.planted", planted, modules) == [
+        "turnscope.conductor.planted:1: planner.fit._kv_space", "turnscope.conductor.planted:3: planner.fit._kv_space"]
+    assert private_imports("planner.fit", "from planner.fit import _kv_space\n", modules) == []
+
+
 # -- the house drawn from the top-level folders -------------------------------------------------------
 
 def top_level_rank(package: str) -> int:
@@ -255,6 +295,12 @@ def test_the_top_level_folders_are_layers() -> None:
     top = top_level_graph(import_graph())
     assert arrows_up(top) == []
     assert import_cycles(top) == []
+
+
+def test_the_dashboard_is_a_leaf() -> None:
+    """dashboard/ holds pages, figures and tables: no other package imports it (the CLI starts it
+    as a process); what it reads is the store's (store/queries/)."""
+    assert sorted(a for a, targets in top_level_graph(import_graph()).items() if "dashboard" in targets) == []
 
 
 def test_the_house_check_catches_an_arrow_up() -> None:

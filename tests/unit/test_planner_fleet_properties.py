@@ -29,11 +29,11 @@ from planner.fleet import (
     Fleet,
     FleetForecast,
     FleetLimits,
-    _fleet_key,
     best_case_p90_s,
     cheapest,
     evaluate_fleet,
     size_fleet,
+    smallest_order,
 )
 from planner.ledger import Prices
 from planner.overload import window_count
@@ -64,7 +64,7 @@ def brute_force(tr, profile, strategy, limits) -> FleetForecast | None:
             for p, d in itertools.product(range(1, limits.max_prefill_workers + 1),
                                           range(1, limits.max_decode_workers + 1))]
     meets = [e for e in grid if e.meets_slo]
-    return min(meets, key=_fleet_key) if meets else None
+    return min(meets, key=smallest_order) if meets else None
 
 
 def test_more_p_workers_never_lower_the_hit_rate_nor_raise_the_p90():

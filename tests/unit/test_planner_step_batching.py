@@ -142,7 +142,7 @@ def _store_with_runs(tmp_path, configs: dict):
 
 
 def test_the_budget_of_recorded_runs_comes_from_their_topology(tmp_path):
-    from planner.run_queries import engine_token_budget
+    from planner.queueing import engine_token_budget
 
     def topo(platform, args=()):
         return {"topology": {"platform": platform, "roles": {"prefill": {"args": list(args)}}}}

@@ -81,15 +81,16 @@ TopologyOpt = Annotated[Path | None, typer.Option(
          "Default: the embedded CPU layout from settings.")]
 
 
-_ROUTING_HELP = (f"How the proxy picks the {{role}} worker of a request: {', '.join(ROUTING_POLICIES)} "
-                 "(docs/configuration.md). Default: settings `{role}_routing` (session); "
-                 "wins over a topology file's `proxy.{role}_routing`. Recorded with each run.")
+#: The help of the routing options (`--prefill-routing`, `--decode-routing`), `{role}` filled in.
+ROUTING_HELP = (f"How the proxy picks the {{role}} worker of a request: {', '.join(ROUTING_POLICIES)} "
+                "(docs/configuration.md). Default: settings `{role}_routing` (session); "
+                "wins over a topology file's `proxy.{role}_routing`. Recorded with each run.")
 
 
-PrefillRoutingOpt = Annotated[RoutingPolicy | None, typer.Option(help=_ROUTING_HELP.format(role=Role.PREFILL))]
+PrefillRoutingOpt = Annotated[RoutingPolicy | None, typer.Option(help=ROUTING_HELP.format(role=Role.PREFILL))]
 
 
-DecodeRoutingOpt = Annotated[RoutingPolicy | None, typer.Option(help=_ROUTING_HELP.format(role=Role.DECODE))]
+DecodeRoutingOpt = Annotated[RoutingPolicy | None, typer.Option(help=ROUTING_HELP.format(role=Role.DECODE))]
 
 
 def shipped(path: Path | None, kind: str) -> Path | None:

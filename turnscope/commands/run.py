@@ -25,11 +25,12 @@ from serving.embedded_model import DEFAULT_MODEL_DIR, ensure_model
 from serving.prometheus_config import render_prometheus_config
 from serving.stack import ModeStack
 from serving.workers import key_env_shell, mode_workers, port_in_use, worker_command
+from store.console import SHELL_EXAMPLE
 from turnscope.commands.app import (
-    _ROUTING_HELP,
     ALL_MODES,
     DUCKDB,
     LOG_DIR,
+    ROUTING_HELP,
     DecodeRoutingOpt,
     ModesOpt,
     PrefillRoutingOpt,
@@ -82,7 +83,7 @@ def evaluate(
     max_tokens: Annotated[int, typer.Option(help="Output tokens per turn.")] = 32,
     gap_s: Annotated[float, typer.Option(help="Seconds between replayed turns (tool/think gap).")] = 1.0,
     topology: TopologyOpt = None,
-    prefill_routing: Annotated[str | None, typer.Option(help=_ROUTING_HELP.format(role=Role.PREFILL) + " Several, "
+    prefill_routing: Annotated[str | None, typer.Option(help=ROUTING_HELP.format(role=Role.PREFILL) + " Several, "
                                "comma-separated (round-robin,session): each mode's workers start once and every "
                                "history mode is run once per policy, the proxy restarted between them.")] = None,
     decode_routing: DecodeRoutingOpt = None,
@@ -295,7 +296,6 @@ def demo(
              users=1, max_turns=max_turns, max_tokens=32, gap_s=0.5, topology=None, store=store, label="demo",
              prefill_routing=None, decode_routing=None, schedule_=schedule_, rounds=0, schedule_seed=0)
     print_regimes()
-    console.print(f"query it: {DUCKDB} {store / 'turnscope.duckdb'} -c \"select mode, history_mode, "
-                  "turn_index, median(ttft_s) from turn_breakdown group by all order by all\"", highlight=False)
+    console.print(f"query it: {DUCKDB} {store / 'turnscope.duckdb'} -c \"{SHELL_EXAMPLE}\"", highlight=False)
     if not no_dashboard:
         dashboard(store=store, port=8501)

@@ -155,6 +155,6 @@ def print_sweep_summary(store: Path, run_ids: list[str]) -> None:
                     continue
                 r = r.iloc[0]
                 table.add_row(str(prefix) if i == 0 else "", m, f"{r.ttft_mean_s * 1e3:.0f} / {r.ttft_p90_s * 1e3:.0f}",
-                              f"{r.hits}/{r.later_turns}", f"{int(r.external_kv_tokens)}",
+                              f"{r.hits}/{r.later_turns}" if r.later_turns else "-", f"{int(r.external_kv_tokens)}",
                               end_section=i == len(modes) - 1)
         console_text.print_table(console, table)

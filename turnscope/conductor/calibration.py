@@ -48,11 +48,12 @@ from planner.fit import fit_profile
 from planner.profile import CostProfile
 from serving.stack import ModeStack
 from serving.topology import Topology
+from store.queries import planner_runs
 from store.queries.overview import decode_prompt_sources
 from store.writer import Store, connect_read_only
 from turnscope.conductor import console_text, speed_probe
 from turnscope.conductor.calibration_schedule import CalPoint, Send, default_lengths, points, schedule
-from turnscope.conductor.evaluation import HEARTBEAT_S, _versions, default_log_dir, warm_up
+from turnscope.conductor.evaluation import HEARTBEAT_S, default_log_dir, versions, warm_up
 
 #: Port offset between the stacks of two modes kept up together.
 PORT_STRIDE = 10
@@ -200,7 +201,7 @@ def run_calibration(s: CalibrationSettings, console: Console | None = None) -> l
                     runs[(mode, history)] = _Run(store, run_id, {
                         "run_id": run_id, "label": s.label, "mode": mode, "workload": "calibration",
                         "workload_spec": spec, "history_mode": history, "topology": st.topology_row(),
-                        "versions": _versions(), "model": s.topology.model, "config": config, "started_at": now,
+                        "versions": versions(), "model": s.topology.model, "config": config, "started_at": now,
                         "status": "running", "updated_at": now, "heartbeat_s": HEARTBEAT_S})
                 first = runs[(mode, histories[0])].run_id
                 writer = store.writer(first, f"scraper-{mode}-{os.getpid()}")
@@ -279,15 +280,7 @@ def calibrated_profile(store: Path, run_ids: list[str], name: str) -> CostProfil
     each fitted figure's residuals and range in its source), named ``name``, its description the
     provenance (date, commit, load average, the runs). Raises FitError."""
     prof = fit_profile(Store(store), run_ids, name=name)
-    con = Store(store).connect()
-    try:
-        spec, started, finished = con.execute(
-            "SELECT any_value(workload_spec), min(started_at), max(finished_at) FROM runs WHERE run_id IN ("
-            + ", ".join("?" for _ in run_ids) + ")", run_ids).fetchone()
-        spread = con.execute("SELECT min(ttft_s), median(ttft_s), max(ttft_s), count(*) FROM run_probes WHERE "
-                             "status = 'ok' AND run_id IN (" + ", ".join("?" for _ in run_ids) + ")", run_ids).fetchone()
-    finally:
-        con.close()
+    (spec, started, finished), spread = planner_runs.provenance(Store(store), run_ids)
     spec_d = json.loads(spec) if isinstance(spec, str) else (spec or {})
     cal = spec_d.get("calibration", {})
     load = spec_d.get("loadavg_start")

@@ -32,9 +32,9 @@ from planner import intervals
 from planner.check import plan_on_its_own
 from planner.fit import shared_prefix_by_run
 from planner.profile import CostProfile
-from planner.run_queries import compute_probe_s, probe_ttft_s, recorded_turns
 from store import db
 from store.queries import capacity as capacity_queries
+from store.queries.planner_runs import compute_probe_s, probe_ttft_s, recorded_turns
 from store.writer import Store
 
 #: Columns of :func:`forecast_steps` (``analysis.capacity_crossing.step_pairs`` reads the first five;
@@ -114,16 +114,16 @@ def _replayed_p_hit_rate(store: Store, run_id: str, mode: str, rec: pd.DataFrame
     ``vllm:cache_config_info`` gives them (less vLLM's null block); NaN for a mode without P or a
     run without that gauge. The yardstick of the planner's session-level LRU (docs/eviction.md)."""
     from analysis.p_cache_replay import fifo_starts, replay_hits
-    from planner.fit import _cache_config
+    from store.queries.worker_cache import labels_by_role
 
     if mode == AGGREGATED or rec.empty:
         return np.nan
-    lab = _cache_config(store, [run_id]).get("prefill")
+    lab = labels_by_role(store, [run_id]).get("prefill")
     try:
         blocks, size = int(lab["num_gpu_blocks"]) - 1, int(lab["block_size"])
     except (KeyError, TypeError, ValueError):
         return np.nan
-    legs = _prefill_legs(store, run_id)
+    legs = capacity_queries.prefill_legs(store, run_id)
     t = rec.dropna(subset=["prompt_tokens"]).merge(legs, on=["session_id", "turn_index"], how="left")
     sent = (pd.to_datetime(t["sent_at"]) - pd.Timestamp("1970-01-01", tz="UTC")).dt.total_seconds().to_numpy()
     end = sent + t["prefill_leg_s"].fillna(t["ttft_s"]).fillna(0).to_numpy(float)
@@ -131,16 +131,6 @@ def _replayed_p_hit_rate(store: Store, run_id: str, mode: str, rec: pd.DataFrame
     hits = replay_hits(t.assign(sent_s=start, hold_s=end - start), blocks, size, shared, hold_until="hold_s")
     total = float(t["prompt_tokens"].sum())
     return float(hits.sum() / total) if total else np.nan
-
-
-def _prefill_legs(store: Store, run_id: str) -> pd.DataFrame:
-    """Each turn's P leg (``turns.prefill_leg_s``: the proxy's request to P until P answered,
-    seconds) of ``run_id``."""
-    con = store.connect()
-    try:
-        return con.execute("SELECT session_id, turn_index, prefill_leg_s FROM turns WHERE run_id = ?", [run_id]).df()
-    finally:
-        con.close()
 
 
 def crossings(measured: pd.DataFrame, forecast: pd.DataFrame) -> list[tuple[str, Crossing, Crossing]]:

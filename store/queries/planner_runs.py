@@ -1,18 +1,16 @@
-"""What the planner reads of recorded runs in the store: every query of the planner's, in one module
-(the turns to fit on and check against, a run's settings, its speed probes, the runs a check
-takes, a run's recording set-up). Each opens a read-only connection of its own.
+"""What the planner (and the conductor's forecasts) read of recorded runs in the store: every query
+of the planner's, in one module (the turns to fit on and check against, a run's settings, its
+speed probes, the runs a check takes, a run's recording set-up). Each opens a read-only connection
+of its own.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 
 import pandas as pd
 
 from core.contract import COMPUTE_PROBE_TOKENS, PROBE_TOKENS
-from planner.profile import MODES
-from planner.queueing import VLLM_CPU_MAX_NUM_BATCHED_TOKENS
 from store.writer import Store
 
 
@@ -91,12 +89,13 @@ def compute_probe_s(store: Store, run_ids: Sequence[str]) -> dict[str, float]:
     return {r: long[r] - short[r] for r in long if r in short}
 
 
-def runs_of(store: Store) -> list[str]:
-    """The store's runs in a planned mode (``runs.mode`` in :data:`MODES`), oldest first."""
+def runs_of(store: Store, modes: Sequence[str]) -> list[str]:
+    """The store's runs in one of ``modes`` (``runs.mode``; the planner's: ``planner.profile.MODES``),
+    oldest first."""
     con = store.connect(read_only=True)
     try:
-        rows = con.execute(f"SELECT run_id FROM runs WHERE mode IN ({_marks(MODES)}) "
-                           "ORDER BY started_at, run_id", list(MODES)).fetchall()
+        rows = con.execute(f"SELECT run_id FROM runs WHERE mode IN ({_marks(modes)}) "
+                           "ORDER BY started_at, run_id", list(modes)).fetchall()
     finally:
         con.close()
     return [r[0] for r in rows]
@@ -119,25 +118,24 @@ def transfer_rows(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
                   f"JOIN run_config c USING (run_id) WHERE run_id IN ({_marks(run_ids)})", run_ids)
 
 
-def engine_token_budget(store: Store, run_ids: Sequence[str]) -> tuple[int, str] | None:
-    """The prefill workers' ``max_num_batched_tokens`` in ``run_ids`` and how it is known, from
-    ``runs.config.topology``: the prefill role's ``--max-num-batched-tokens`` argument, else vLLM's
-    default on the CPU platform (:data:`planner.queueing.VLLM_CPU_MAX_NUM_BATCHED_TOKENS`);
-    None when the runs disagree or ran on GPUs without the argument (vLLM's default there depends on
-    the GPU's memory, which the store does not record)."""
-    rows = _frame(store, f"SELECT json_extract_string(config, '$.topology.platform') AS platform, "
+def prefill_args(store: Store, run_ids: Sequence[str]) -> pd.DataFrame:
+    """Per run of ``run_ids``: its topology's platform and the prefill role's vLLM arguments (a JSON
+    list, or NULL), from ``runs.config.topology``. Columns: platform, args."""
+    return _frame(store, f"SELECT json_extract_string(config, '$.topology.platform') AS platform, "
                          f"json_extract(config, '$.topology.roles.prefill.args') AS args FROM runs "
                          f"WHERE run_id IN ({_marks(run_ids)})", list(run_ids))
-    found = set()
-    for platform, args in zip(rows["platform"], rows["args"], strict=True):
-        argv = [str(a) for a in (json.loads(args) if isinstance(args, str) else args or [])]
-        given = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--max-num-batched-tokens"), None)
-        given = next((a.split("=", 1)[1] for a in argv if a.startswith("--max-num-batched-tokens=")), given)
-        if given is not None:
-            found.add((int(given), "the prefill role's --max-num-batched-tokens (runs.config.topology)"))
-        elif platform == "cpu":
-            found.add((VLLM_CPU_MAX_NUM_BATCHED_TOKENS, ("vLLM 0.32's default on the CPU platform "
-                       "(engine/arg_utils.py get_batch_defaults); the runs' topology sets none")))
-        else:
-            return None
-    return found.pop() if len(found) == 1 else None
+
+
+def provenance(store: Store, run_ids: Sequence[str]) -> tuple[tuple, tuple]:
+    """What a profile fitted on ``run_ids`` says of where it came from: ``(workload_spec, first
+    started_at, last finished_at)`` of the runs, and ``(min, median, max, count)`` of their ok
+    speed probes' TTFT (seconds; NULLs and 0 without probes)."""
+    con = store.connect()
+    try:
+        runs = con.execute(f"SELECT any_value(workload_spec), min(started_at), max(finished_at) FROM runs "
+                           f"WHERE run_id IN ({_marks(run_ids)})", list(run_ids)).fetchone()
+        spread = con.execute(f"SELECT min(ttft_s), median(ttft_s), max(ttft_s), count(*) FROM run_probes "
+                             f"WHERE status = 'ok' AND run_id IN ({_marks(run_ids)})", list(run_ids)).fetchone()
+    finally:
+        con.close()
+    return runs, spread

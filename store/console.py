@@ -24,6 +24,9 @@ TIMEOUT_S = 30.0
 
 _EXPLAIN = re.compile(r"^\s*explain\s+(analyze\s+|analyse\s+)?", re.IGNORECASE)
 
+#: The query ``turnscope demo`` suggests for the ``duckdb`` shell when it ends (one line).
+SHELL_EXAMPLE = "select mode, history_mode, turn_index, median(ttft_s) from turn_breakdown group by all order by all"
+
 EXAMPLES: dict[str, str] = {
     "TTFT p50 by mode and turn index": """SELECT mode, history_mode, turn_index, count(*) AS turns,
        round(median(ttft_s) * 1000, 1) AS ttft_p50_ms
