@@ -42,7 +42,10 @@ def replay_hits(turns: pd.DataFrame, capacity_blocks: int, block_size: int, shar
     clock), ``prompt_tokens`` and the column ``hold_until`` names (seconds after the send the
     request holds its blocks: ``ttft_s`` for P). Each session's prompts extend its previous one
     (history sent as token ids), so a session's block j is the same block at every turn that has
-    it; the first ``shared_prefix_tokens`` (the system prompt) are the same for every session.
+    it, unless ``turns`` has a column ``reusable_tokens`` (tokens of the prompt that are a prefix of
+    the session's previous turn, its ``shared_prefix_tokens``): then a block from
+    ``reusable_tokens // block_size`` on is new content (an edited history), never found cached.
+    The first ``shared_prefix_tokens`` (the system prompt) are the same for every session.
     Returns the hits in ``turns``' row order.
 
     Raises:
@@ -57,6 +60,9 @@ def replay_hits(turns: pd.DataFrame, capacity_blocks: int, block_size: int, shar
     prompt = turns["prompt_tokens"].to_numpy(int)
     hold = np.nan_to_num(turns[hold_until].to_numpy(float), nan=0.0)
     hits = np.zeros(len(turns), dtype=np.int64)
+    reusable = (turns["reusable_tokens"].to_numpy(np.int64) if "reusable_tokens" in turns
+                else np.full(len(turns), np.iinfo(np.int64).max))
+    version: dict[str, list[int]] = {}     # session -> the turn that last wrote each of its blocks
 
     cached: set = set()                     # keys with a block holding them (free or in use)
     free: OrderedDict = OrderedDict()       # key (or an anonymous block) -> None; head = evicted next
@@ -65,7 +71,7 @@ def replay_hits(turns: pd.DataFrame, capacity_blocks: int, block_size: int, shar
     running: list[tuple[float, int, list]] = []   # (release time, turn, its block keys in order)
 
     def key(s: str, j: int):
-        return ("shared", j) if j < shared_blocks else (s, j)
+        return ("shared", j) if j < shared_blocks else (s, version[s][j], j)
 
     def release_until(t: float) -> None:
         nonlocal running
@@ -94,6 +100,9 @@ def replay_hits(turns: pd.DataFrame, capacity_blocks: int, block_size: int, shar
         s, n = sessions[i], int(prompt[i])
         full = n // block_size
         limit = (n - 1) // block_size       # the last token is always computed
+        kept = version.setdefault(s, [])
+        same = min(len(kept), full, int(reusable[i] // block_size))
+        version[s] = kept[:same] + [int(i)] * (full - same)   # blocks past the shared prefix: new content
         keys = [key(s, j) for j in range(full)]
         h = 0
         while h < limit and keys[h] in cached:

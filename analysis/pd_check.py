@@ -12,6 +12,11 @@ recomputes one token when every block was loaded, ``nixl`` ``_get_remote_prefill
 with no backoff for attention models). A run whose D computed more than
 :data:`LOCAL_TOKENS_PER_PD_TURN` tokens per turn the proxy sent through P is failed
 (``turnscope eval`` marks it ``failed`` and says why; the Overview shows the sentence).
+
+A P/D path can also answer 200 with wrong tokens (a recovered pull that loaded garbage, vLLM issue
+49250; a dropped UCX connection): a run whose known-answer canary (``serving.canary``, the store's
+``run_canaries``) answered other tokens than the reference worker fails the check too
+(:func:`canary_mismatch`).
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pandas as pd
+
 from core.modes import MODES, serving_mode
-from store.queries.overview import decode_prompt_sources
+from store.queries.overview import decode_prompt_sources, run_canaries
 from store.writer import connect_read_only
 
 #: Prompt tokens D may compute itself per turn it got from P: the last prompt token, as slack
@@ -65,8 +72,41 @@ def failed_runs(sources) -> dict[str, str]:
     return out
 
 
+def canary_mismatch(canaries: int, mismatched: int, first_turn: int | None, first_token: int | None) -> str | None:
+    """The sentence that fails a run whose known-answer canary answered wrong tokens, or None.
+
+    Args:
+        canaries: the run's canaries (``run_canaries`` rows grouped by ``canary_id``).
+        mismatched: those whose result is ``mismatch``.
+        first_turn, first_token: the earliest mismatching turn of them and the first token index
+            where its ids differ.
+    """
+    if not mismatched:
+        return None
+    return (f"The P/D path answered wrong tokens: {mismatched:,} of {canaries:,} known-answer canaries "
+            f"(a fixed prompt answered greedily, compared with the reference worker) differed, first at "
+            f"turn {first_turn}, token {first_token} (run_canaries); HTTP 200 does not prove the answer.")
+
+
+def canary_failures(canaries) -> dict[str, str]:
+    """Run id -> the sentence that fails it, for the runs of ``canaries`` (:func:`run_canaries`'
+    rows) whose canary answered wrong tokens."""
+    out = {}
+    for r in canaries.itertuples():
+        first_turn = None if pd.isna(r.first_turn) else int(r.first_turn)
+        first_token = None if pd.isna(r.first_token) else int(r.first_token)
+        problem = canary_mismatch(int(r.canaries), int(r.mismatched), first_turn, first_token)
+        if problem is not None:
+            out[r.run_id] = problem
+    return out
+
+
 def pd_check_failures(store: Path, run_ids: list[str]) -> dict[str, str]:
-    """Run id -> why the run failed the P/D check (its decode worker computed prompts itself), for
-    the runs of ``run_ids`` in the store at ``store`` that did."""
+    """Run id -> why the run failed the P/D check (its decode worker computed prompts itself, or
+    its canary answered wrong tokens: both sentences when both), for the runs of ``run_ids`` in
+    the store at ``store`` that did."""
     with connect_read_only(store) as con:
-        return failed_runs(decode_prompt_sources(con, run_ids))
+        out = failed_runs(decode_prompt_sources(con, run_ids))
+        for run_id, problem in canary_failures(run_canaries(con, run_ids)).items():
+            out[run_id] = f"{out[run_id]} {problem}" if run_id in out else problem
+        return out

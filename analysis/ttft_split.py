@@ -5,7 +5,8 @@ the run (docs/planner/concurrency.md).
 **Forecast terms** (per request, seconds; they sum to the forecast TTFT,
 :func:`planner.check.forecast_terms`): ``compute`` (c(n) - c(cached) on P or the
 aggregated worker), ``pull`` (P's read of D's KV), ``queue_p`` (the wait for the prefill worker),
-``wait_d`` (the wait on D for room in its KV space), ``fixed`` (the mode's b0 and the chat renders)
+``wait_d`` (the wait on D for room in its KV space), ``handoff_wait`` (D's wait for P's KV) and
+``d_first_step`` (D's first step: P/D's hand-off, 0 where the profile keeps it in b0), ``fixed`` (the mode's b0 and the chat renders)
 and ``contention`` (the host's share: the request's own work slowed by the others in flight,
 :mod:`planner.host_contention`; 0 where the profile has no such term).
 
@@ -18,10 +19,10 @@ first SCHEDULED - QUEUED, prefill = first token - first SCHEDULED), means per re
   remote KV asynchronously out of the running batch, ``WAITING_FOR_REMOTE_KVS``, and schedules it
   only once loaded: its pull counts as waiting), beside ``pull``: P's
   ``vllm:nixl_xfer_time_seconds`` sum over P's requests;
-* ``wait_d``: D's ``vllm:request_queue_time_seconds`` (D's wait for P's KV hand-off, which the
-  forecast has in b0, and for room in its KV space);
+* ``wait_d``: D's ``vllm:request_queue_time_seconds`` (D's wait for P's KV hand-off, forecast
+  ``handoff_wait``, and for room in its KV space, forecast ``wait_d``);
 * ``d_first_step``: D's ``vllm:request_prefill_time_seconds`` (its first decode step after the
-  hand-off; the forecast has it in b0);
+  hand-off, forecast ``d_first_step``);
 * ``fixed``: the rest, the client's mean TTFT less the measured terms above (proxy, HTTP, renders,
   the engines' frontends);
 * ``ttft``: the client's mean TTFT over the run's ok turns (``turns.ttft_s``).
@@ -45,7 +46,7 @@ from store.queries import ttft_split as queries
 from store.writer import Store
 
 #: The forecast's terms, in the order printed (they sum to the forecast TTFT).
-FORECAST_TERMS = ("compute", "queue_p", "pull", "wait_d", "fixed", "contention")
+FORECAST_TERMS = ("compute", "queue_p", "pull", "wait_d", "handoff_wait", "d_first_step", "fixed", "contention")
 #: Seconds of one window of :func:`speed_windows` (demo runs last about a minute; capacity steps longer).
 WINDOW_S = 10.0
 
@@ -120,8 +121,9 @@ ROWS = (
     ("compute", "compute", "compute", "P's vllm:request_prefill_time_seconds"),
     ("queue for P + pull", "queue_p+pull", "queue_p_pull", "P's vllm:request_queue_time_seconds (async pulls wait)"),
     ("  of which pull", "pull", "pull", "P's vllm:nixl_xfer_time_seconds / P's requests"),
-    ("wait on D", "wait_d", "wait_d", "D's vllm:request_queue_time_seconds (hand-off of P's KV + room)"),
-    ("D's first step", None, "d_first_step", "D's vllm:request_prefill_time_seconds (forecast: in b0)"),
+    ("wait on D", "wait_d+handoff_wait", "wait_d", "D's vllm:request_queue_time_seconds (hand-off of P's KV + room)"),
+    ("  of which room", "wait_d", None, "forecast: D's admission queue; measured: inside the wait on D"),
+    ("D's first step", "d_first_step", "d_first_step", "D's vllm:request_prefill_time_seconds"),
     ("b0 + renders", "fixed", "fixed", "measured: the rest (proxy, HTTP, renders, frontends)"),
     ("contention", "contention", None, "forecast: the host, others in flight; measured: inside every term"),
     ("TTFT", "ttft", "ttft", "turns.ttft_s"),
@@ -139,7 +141,14 @@ def split_table(forecast: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
         for label, fcol, mcol, source in ROWS:
             if one_worker and mcol in ("wait_d", "d_first_step"):
                 continue
-            fv = (f.queue_p + f.pull) if fcol == "queue_p+pull" else (getattr(f, fcol) if fcol else np.nan)
+            if one_worker and fcol == "wait_d":
+                continue
+            if fcol == "queue_p+pull":
+                fv = f.queue_p + f.pull
+            elif fcol == "wait_d+handoff_wait":   # a profile without the hand-off term keeps it in b0
+                fv = f.wait_d + (0.0 if pd.isna(f.handoff_wait) else f.handoff_wait)
+            else:
+                fv = getattr(f, fcol) if fcol else np.nan
             mv = getattr(m, mcol) if (m is not None and mcol) else np.nan
             if one_worker and label == "compute":
                 source = "the worker's vllm:request_prefill_time_seconds"

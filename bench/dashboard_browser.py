@@ -17,16 +17,27 @@ navigation start to Streamlit idle:
 and this state has held for `QUIET_S` without a change (the time reported is when it began, read
 from the page's own ``performance.now()``, whose origin is the navigation start).
 
-Cold = the first visit after the server starts (a fresh browser context too: nothing cached
-anywhere); warm = a second visit, in a new tab of the same context, right after. Each page is
-measured `--repeats` times (default 3), each time on a fresh server, and the median is reported:
-the machine may be shared, so one run is noise.
+Two tables (``--tables``, both by default):
+
+- the journey a person takes (`journey`): a fresh server, the Overview in a new tab (time to its
+  first headline number, ``[data-testid="stMetricValue"]``, and to every chart drawn), then every
+  other page of ``--pages`` from the sidebar in the same tab (time from the click to the page drawn;
+  the document and plotly.js stay loaded), then back to the Overview, with each step's CPU seconds
+  of the server and of the browser. ``--before CHECKOUT`` times an older checkout's dashboard too
+  (its charts on), the two interleaved repeat by repeat. Targets (`JOURNEY_TARGETS`, the demo store,
+  idle): first number <= 1.5 s, every Overview chart <= 3.0 s, a move to a charted page <= 1.0 s
+  median and <= 1.5 s worst, browser CPU per move <= 1.0 s; at 1,000,000 turns twice the times;
+- each page cold (`pages`): the first visit after the server starts (a fresh browser context too:
+  nothing cached anywhere); warm = a second visit, in a new tab of the same context, right after.
+
+Each is measured `--repeats` times (default 3), each time on a fresh server, and the median is
+reported: the machine may be shared, so one run is noise.
 
 Stores: ``--demo`` (default) builds tests/dashboard_store.py's small known store (4 runs, 48 turns);
 ``--turns N`` builds bench/dashboard_scale.py's synthetic store of N turns (10 runs) and rolls it
 up as `turnscope rollup` does; ``--store PATH`` reads an existing store (e.g. one `make demo` wrote).
-Targets: every page <= 2 s cold on the demo store, <= 3 s at 1,000,000 turns.
 
+    .venv/bin/python bench/dashboard_browser.py --store data --tables journey --before ../old-checkout
     .venv/bin/python bench/dashboard_browser.py --demo
     .venv/bin/python bench/dashboard_browser.py --turns 1000000 --store /tmp/ts-1m --keep
     .venv/bin/python bench/dashboard_browser.py --store data --pages overview,turns
@@ -65,6 +76,7 @@ TIMEOUT_S = 180.0
 IDLE_PROBE = """
 (() => {
   window.__tsIdleSince = null;
+  window.__tsFirstNumber = null;
   window.__tsTitle = %s;
   const idle = () => {
     const h1 = [...document.querySelectorAll('h1')].some(h => h.innerText.trim() === window.__tsTitle);
@@ -74,6 +86,10 @@ IDLE_PROBE = """
   };
   let shape = '';
   setInterval(() => {
+    // the first headline number of this page (its title drawn: not a number the last page left)
+    if (window.__tsFirstNumber === null && document.querySelector('[data-testid="stMetricValue"]')
+        && [...document.querySelectorAll('h1')].some(h => h.innerText.trim() === window.__tsTitle))
+      window.__tsFirstNumber = performance.now();
     // a change in what is drawn (element count) restarts the idle stretch
     const now = String(document.querySelectorAll('[data-testid]').length);
     if (!idle()) { window.__tsIdleSince = null; }
@@ -130,19 +146,22 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def streamlit_server(root: Path, log: Path, launcher: str = "turnscope"):
-    """The dashboard over the store at `root`, started as `turnscope dashboard` starts it
-    (`launcher` "turnscope": dashboard/serve.py) or by a plain `streamlit run dashboard/app.py`
-    ("streamlit"); yields (its URL, the server's pid) once /_stcore/health answers. Raises RuntimeError if it exits,
+def streamlit_server(root: Path, log: Path, launcher: str = "turnscope", code: Path = REPO,
+                     env: dict[str, str] | None = None):
+    """The dashboard of the checkout `code` (this one by default) over the store at `root`, started
+    as `turnscope dashboard` starts it (`launcher` "turnscope": dashboard/serve.py) or by a plain
+    `streamlit run dashboard/app.py` ("streamlit"), with `env` added to the environment; yields (its
+    URL, the server's pid) once /_stcore/health answers. Raises RuntimeError if it exits,
     TimeoutError if it is not healthy within TIMEOUT_S."""
     port = _free_port()
     out = log.open("a")
-    start = {"turnscope": [str(REPO / "dashboard" / "serve.py")],
-             "streamlit": ["-m", "streamlit", "run", str(REPO / "dashboard" / "app.py")]}[launcher]  # fmt: skip
+    start = {"turnscope": [str(code / "dashboard" / "serve.py")],
+             "streamlit": ["-m", "streamlit", "run", str(code / "dashboard" / "app.py")]}[launcher]  # fmt: skip
     proc = subprocess.Popen(
         [sys.executable, *start, "--server.headless", "true",
          "--server.address", "127.0.0.1", "--server.port", str(port), "--browser.gatherUsageStats", "false"],
-        cwd=REPO, env={**os.environ, "TURNSCOPE_STORE": str(root)}, stdout=out, stderr=subprocess.STDOUT,
+        cwd=code, env={**os.environ, "TURNSCOPE_STORE": str(root), **(env or {})}, stdout=out,
+        stderr=subprocess.STDOUT,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
@@ -197,6 +216,161 @@ def visit(context, url: str, title: str, server_pid: int) -> tuple[float, float,
         return idle_s, server_cpu, browser_cpu
     finally:
         page.close()
+
+#: The sidebar's link to a page, by its menu title.
+NAV_LINK = '[data-testid="stSidebarNav"] a'
+
+
+@dataclass
+class Step:
+    """One step of the journey: the page reached, seconds from its start (navigation start for the
+    first, the click on the sidebar's link for the others) to the first headline number (None: the
+    page draws none) and to the page idle with every chart drawn (IDLE_PROBE), the charts drawn,
+    and the CPU seconds the step cost the server and the browser."""
+
+    page: str
+    first_number_s: float | None
+    drawn_s: float
+    charts: int
+    server_cpu: float
+    browser_cpu: float
+
+
+def _until_idle(page, server_pid: int, cpu0: tuple[dict, dict]) -> tuple[float, float, float]:
+    """Wait for IDLE_PROBE's quiet; (performance.now() when the quiet began, in s; server and browser
+    CPU seconds since `cpu0`). Raises RuntimeError if the page shows a Python exception."""
+    since = page.wait_for_function(
+        "(() => { const s = window.__tsIdleSince;"
+        f" return s !== null && performance.now() - s > {QUIET_S * 1e3} ? String(s) : ''; }})()",
+        timeout=TIMEOUT_S * 1e3, polling=50,
+    ).json_value()  # fmt: skip
+    if page.locator('[data-testid="stException"]').count():
+        raise RuntimeError(f"{page.url}: {page.locator('[data-testid=stException]').first.inner_text()[:500]}")
+    server1, browser1 = _cpu_by_pid([server_pid]), _cpu_by_pid(_browser_pids(server_pid))
+    return (float(since) / 1e3,
+            sum(v - cpu0[0].get(k, 0.0) for k, v in server1.items()),
+            sum(v - cpu0[1].get(k, 0.0) for k, v in browser1.items()))  # fmt: skip
+
+
+def _charts(page) -> int:
+    """The Plotly figures drawn on the page (one ``.js-plotly-plot`` each, of several ``.main-svg``)."""
+    return page.evaluate("document.querySelectorAll('[data-testid=\"stPlotlyChart\"] .js-plotly-plot').length")
+
+
+def journey(context, url: str, server_pid: int, slugs: list[str]) -> list[Step]:
+    """The path a person takes: the Overview in a new tab (time to its first headline number and
+    to every chart drawn), then each page of `slugs` from the sidebar in the same tab (the document,
+    plotly.js included, stays loaded), then back to the Overview. One `Step` per page reached."""
+    import json
+
+    page = context.new_page()
+    steps: list[Step] = []
+    try:
+        _, title = PAGES["overview"]
+        page.add_init_script(IDLE_PROBE % json.dumps(title))
+        cpu0 = (_cpu_by_pid([server_pid]), _cpu_by_pid(_browser_pids(server_pid)))
+        page.goto(url, wait_until="commit")
+        drawn, server_cpu, browser_cpu = _until_idle(page, server_pid, cpu0)
+        first = page.evaluate("window.__tsFirstNumber")
+        steps.append(Step("overview", None if first is None else first / 1e3, drawn, _charts(page), server_cpu,
+                          browser_cpu))  # fmt: skip
+        for slug in [*slugs, "overview"]:
+            _, title = PAGES[slug]
+            link = page.locator(NAV_LINK, has_text=title).filter(
+                has=page.get_by_text(title, exact=True)).first  # fmt: skip
+            cpu0 = (_cpu_by_pid([server_pid]), _cpu_by_pid(_browser_pids(server_pid)))
+            clicked = page.evaluate(
+                "(t) => { window.__tsTitle = t; window.__tsIdleSince = null; window.__tsFirstNumber = null;"
+                " return performance.now(); }", title)  # fmt: skip
+            link.click(timeout=TIMEOUT_S * 1e3)
+            drawn, server_cpu, browser_cpu = _until_idle(page, server_pid, cpu0)
+            first = page.evaluate("window.__tsFirstNumber")
+            steps.append(Step(slug, None if first is None else (first - clicked) / 1e3, (drawn * 1e3 - clicked) / 1e3,
+                              _charts(page), server_cpu, browser_cpu))  # fmt: skip
+    finally:
+        page.close()
+    return steps
+
+
+def measure_journey(root: Path, slugs: list[str], repeats: int, log: Path, codes: list[tuple[str, Path, dict]],
+                    launcher: str = "turnscope") -> dict[str, list[list[Step]]]:
+    """`repeats` journeys per code (name, checkout, extra environment), each on a fresh server and
+    a fresh browser context, the codes interleaved (A B A B): name -> one list of steps per repeat."""
+    from playwright.sync_api import sync_playwright
+
+    out: dict[str, list[list[Step]]] = {name: [] for name, _, _ in codes}
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            for rep in range(repeats):
+                for name, code, env in codes:
+                    with streamlit_server(root, log, launcher, code, env) as (url, pid):
+                        context = browser.new_context(viewport={"width": 1440, "height": 1200})
+                        try:
+                            steps = journey(context, url, pid, slugs)
+                        finally:
+                            context.close()
+                    out[name].append(steps)
+                    print(f"  journey {rep + 1}/{repeats} {name}: " + ", ".join(
+                        f"{s.page} {s.drawn_s:.2f} s" for s in steps), flush=True)  # fmt: skip
+        finally:
+            browser.close()
+    return out
+
+
+def report_journey(runs: dict[str, list[list[Step]]], what: str, scale: float = 1.0) -> bool:
+    """Print the journey's table (medians over repeats, per code side by side) and the targets'
+    verdicts (JOURNEY_TARGETS times `scale`: 2 at 1,000,000 turns); True when the last code meets them."""
+    names = list(runs)
+    n = len(runs[names[0]])
+    print(f"\n{what}: the journey, median of {n} (min-max); seconds from navigation (first row) or the "
+          "sidebar click to the first headline number and to every chart drawn; CPU server + browser")
+    head = " | ".join(f"{k} {m}" for m in names for k in ("first number", "charts drawn", "CPU"))
+    print(f"| step | charts | {head} |\n|---|---:|" + "---:|" * (3 * len(names)))
+
+    def med(xs: list[float]) -> str:
+        xs = [x for x in xs if x is not None]
+        return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})" if xs else ""
+
+    first = runs[names[0]][0]
+    for i, step in enumerate(first):
+        label = ("Overview (new tab)" if i == 0 else f"-> {PAGES[step.page][1]}")
+        cells = []
+        for m in names:
+            steps = [rep[i] for rep in runs[m]]
+            cells += [med([s.first_number_s for s in steps]), med([s.drawn_s for s in steps]),
+                      (f"{statistics.median(s.server_cpu for s in steps):.2f} + "
+                      f"{statistics.median(s.browser_cpu for s in steps):.2f}")]  # fmt: skip
+        print(f"| {label} | {step.charts} | " + " | ".join(cells) + " |")
+    ok = True
+    for m in names:
+        reps = runs[m]
+        ov = [rep[0] for rep in reps]
+        moves = [s for rep in reps for s in rep[1:] if s.charts]
+        per_page = [statistics.median(rep[i].drawn_s for rep in reps)
+                    for i in range(1, len(reps[0])) if reps[0][i].charts]  # fmt: skip
+        fn = statistics.median(s.first_number_s for s in ov if s.first_number_s is not None) if any(
+            s.first_number_s is not None for s in ov) else float("nan")  # fmt: skip
+        od = statistics.median(s.drawn_s for s in ov)
+        mm = statistics.median(per_page) if per_page else float("nan")
+        worst = max(per_page) if per_page else float("nan")
+        cpu = statistics.median(s.browser_cpu for s in moves) if moves else float("nan")
+        t = {k: v * scale if k != "move_browser_cpu" else v for k, v in JOURNEY_TARGETS.items()}
+        verdicts = [("first headline number", fn, t["first_number"]),
+                    ("every Overview chart", od, t["overview_drawn"]),
+                    ("sidebar move, median of the charted pages", mm, t["move_median"]),
+                    ("sidebar move, the worst charted page", worst, t["move_worst"]),
+                    ("browser CPU per sidebar move, median", cpu, t["move_browser_cpu"])]  # fmt: skip
+        print(f"{m}: " + "; ".join(f"{k} {v:.2f} s (target <= {t:g}: {'met' if v <= t else 'MISSED'})"
+                                   for k, v, t in verdicts))  # fmt: skip
+        if m == names[-1]:
+            ok = all(v <= t for _, v, t in verdicts)
+    return ok
+
+
+#: The journey's targets on the demo store (seconds; at 1,000,000 turns, twice these).
+JOURNEY_TARGETS = {"first_number": 1.5, "overview_drawn": 3.0, "move_median": 1.0, "move_worst": 1.5,
+                   "move_browser_cpu": 1.0}
 
 
 def measure(
@@ -291,7 +465,16 @@ def main() -> int:
         help="start the server as `turnscope dashboard` does (default) or by a plain `streamlit run`",
     )
     ap.add_argument("--target", type=float, help="cold target in s (default 2 on the demo store, else 3)")
+    ap.add_argument("--tables", default="journey,pages",
+                    help="what to time, comma-separated: journey (the path a person takes, in one tab), pages "
+                         "(each page cold on a fresh server, then warm); default both")  # fmt: skip
+    ap.add_argument("--before", type=Path,
+                    help="also time the journey of the checkout at this path (e.g. a `git worktree` of an older "
+                         "commit), its charts on (TURNSCOPE_DASHBOARD_CHARTS=1), interleaved with this one")  # fmt: skip
     args = ap.parse_args()
+    tables = {t.strip() for t in args.tables.split(",") if t.strip()}
+    if bad := tables - {"journey", "pages"}:
+        ap.error(f"--tables: unknown {sorted(bad)}; expected journey and/or pages")
     pages = [p.strip() for p in args.pages.split(",") if p.strip()]
     if bad := [p for p in pages if p not in PAGES]:
         ap.error(f"--pages: unknown {bad}; expected some of {list(PAGES)}")
@@ -308,17 +491,22 @@ def main() -> int:
             f"{what}; launcher {args.launcher}; {os.cpu_count()} CPUs, load average before {os.getloadavg()[0]:.2f}",
             flush=True,
         )
-        results = measure(
-            root,
-            pages,
-            max(1, args.repeats),
-            Path(tempfile.gettempdir()) / "turnscope-browser-bench.log",
-            args.launcher,
-        )
-        print(
-            f"load average after {os.getloadavg()[0]:.2f} (other work on this machine adds to every number)"
-        )
-        return 0 if report(results, what, target) else 1
+        log = Path(tempfile.gettempdir()) / "turnscope-browser-bench.log"
+        ok = True
+        if "journey" in tables:
+            codes = [("before", args.before.resolve(), {"TURNSCOPE_DASHBOARD_CHARTS": "1"})] if args.before else []
+            codes.append(("after" if args.before else "this", REPO, {}))
+            runs = measure_journey(root, [p for p in pages if p != "overview"], max(1, args.repeats), log, codes,
+                                   args.launcher)  # fmt: skip
+            print(f"load average after the journeys {os.getloadavg()[0]:.2f}", flush=True)
+            ok &= report_journey(runs, what, 2.0 if args.turns and args.turns >= 1_000_000 else 1.0)
+        if "pages" in tables:
+            results = measure(root, pages, max(1, args.repeats), log, args.launcher)
+            print(
+                f"load average after {os.getloadavg()[0]:.2f} (other work on this machine adds to every number)"
+            )
+            ok &= report(results, what, target)
+        return 0 if ok else 1
     finally:
         if args.store is None and not args.keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -25,6 +25,10 @@ the end it checks, printing PASS or FAIL for each (exit code 1 when one fails):
    the sessions (own id each, fresh requests included) that finished an ok turn within the last
    proxy TTL (``decoder_kv_blocks_ttl`` minus the margin), counted from the store afterwards, plus
    the warm-up's sessions. The sessions the table remembers (small markers) are printed too.
+5. **known-answer canaries: no wrong tokens**: a canary (``serving/canary.py``: a fixed two-turn
+   prompt answered greedily through the proxy and by P alone, compared token by token) before the
+   load, every ``--canary-every-s`` under it and after it; none may differ (rows in the store's
+   ``run_canaries``; the canary's requests are no rows of the load and are left out of check 1).
 
 Outputs go to ``--out`` (default ``data/runs/_soak/<run_id>/``): ``samples.csv`` (time, RSS, fds,
 threads, table sizes), ``summary.json``, Locust's CSVs and log. The store is ``--store`` (default
@@ -48,7 +52,9 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Self
 
@@ -60,6 +66,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.soak_checks import (
     StoredTurn,
+    canaries_check,
     flat,
     locust_posts,
     proxy_requests,
@@ -72,6 +79,7 @@ from serving.proxy import ProxyConfig, Worker
 from serving.stack import ModeStack, wait_http
 from serving.topology import load_topology
 from store.writer import Store
+from turnscope.conductor.canary import canary_run
 from turnscope.conductor.evaluation import warm_up
 from turnscope.conductor.settings import TurnscopeSettings
 
@@ -181,6 +189,14 @@ def settled_proxy_requests(log: Path, offset: int, store: Store, run_id: str, qu
         time.sleep(1.0)
 
 
+def canary_loop(stop: threading.Event, every_s: float, writer, run_id: str, url: str, model: str,
+                results: list[str]) -> None:
+    """A known-answer canary every ``every_s`` seconds under the load (phase ``during``) until
+    ``stop`` is set; each result appended to ``results``."""
+    while not stop.wait(every_s):
+        results.append(canary_run(writer, run_id, "during", url, model).result)
+
+
 def slope_per_10min(ts: list[float], ys: list[float]) -> float:
     if len(ts) < 2:
         return 0.0
@@ -203,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="minutes excluded from the flatness checks (default: the proxy TTL + 1 min, at least 5: "
                          "until then the handle table fills up, as it should)")
     ap.add_argument("--sample-s", type=float, default=10.0)
+    ap.add_argument("--canary-every-s", type=float, default=300.0,
+                    help="a known-answer canary (serving/canary.py) this often under the load, besides one "
+                         "before it and one after; a canary with wrong tokens fails the soak")
     ap.add_argument("--max-prompt-tokens", type=int, default=0,
                     help="a session stops before a longer prompt (default 7000; --stub: no limit, its tokenizer "
                          "counts characters)")
@@ -249,8 +268,11 @@ def main(argv: list[str] | None = None) -> int:
         proxy = psutil.Process(stack.proxy.pid)
         warm = warm_up(stack.proxy_url, model_name)
         print(f"warm-up: {', '.join(warm)}", flush=True)
-        before = proxy_request_total(stack.proxy_url)
         log_offset = warm_up_log_end(stack.proxy_log, len(warm))
+        cw = store.writer(run_id, f"soak-canary-{os.getpid()}")
+        canaries = [canary_run(cw, run_id, "start", stack.proxy_url, model_name).result]
+        print(f"canary at the start: {canaries[0]}", flush=True)
+        before = proxy_request_total(stack.proxy_url)
         sw = store.writer(run_id, f"soak-scraper-{os.getpid()}")
         scraper = MetricsScraper(stack.endpoints(), sw, run_id, interval_s=5.0)
         scraper.start()
@@ -273,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.5)  # Locust plans the sessions
             t0 = time.monotonic()
             print(f"first turn after {t0 - t_plan:.0f} s of planning; soaking {a.minutes} min", flush=True)
+            canary_stop = threading.Event()
+            canary_thread = threading.Thread(target=canary_loop, daemon=True, args=(
+                canary_stop, a.canary_every_s, cw, run_id, stack.proxy_url, model_name, canaries))
+            canary_thread.start()
             while locust.poll() is None and time.monotonic() - t0 < a.minutes * 60:
                 samples.append(sample(proxy, stack.proxy_url, t0))
                 s = samples[-1]
@@ -291,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
                     locust.kill()
             scraper.stop(final_settle_s=10.0)
             sw.close()
+        if "canary_stop" in locals():
+            canary_stop.set()
+            canary_thread.join()
+        canaries.append(canary_run(cw, run_id, "end", stack.proxy_url, model_name).result)
+        cw.close()
         samples.append(sample(proxy, stack.proxy_url, t0))
         served = settled_proxy_requests(stack.proxy_log, log_offset, store, run_id)
 
@@ -312,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     locust_sent = locust_posts(out / "locust.json")
     checks: dict[str, tuple[bool, str]] = {}
     checks["rows: stored = Locust = proxy"] = rows_check(stored, locust_sent, served)
+    checks["known-answer canaries: no wrong tokens"] = canaries_check(canaries)
     steady_s = steady_from_s(warmup_min * 60, ttl_s)
     steady = [s for s in samples if s["t_s"] >= steady_s]
     rss_name = f"proxy RSS flat once the handle table is full (from t={steady_s:.0f} s)"
@@ -352,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         detail = f"{soaked:.0f} s: Locust ended first (every planned session played? raise --sessions; see locust.log)"
         checks["ran the whole duration"] = (False, detail)
     summary = {"run_id": run_id, "users": a.users, "minutes": a.minutes, "soaked_s": round(soaked, 1),
-               "run_status": status, "turns_stored": len(stored),
+               "run_status": status, "turns_stored": len(stored), "canaries": dict(Counter(canaries)),
                "locust_posts": sum(n for n, _ in locust_sent.values()), "proxy_served": len(served),
                "checks": {k: {"pass": ok, "detail": d} for k, (ok, d) in checks.items()}}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -27,6 +27,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from serving.canary import CANARY_REQUEST_PREFIX
+
 
 @dataclass(frozen=True)
 class StoredTurn:
@@ -54,7 +56,8 @@ def locust_posts(json_file: Path) -> dict[str, tuple[int, int]]:
 
 def proxy_requests(log_lines: Iterable[str]) -> list[tuple[str, str]]:
     """(request id, status) of every ``"event": "request"`` JSON line of the proxy's log (other
-    lines skipped)."""
+    lines skipped, and the known-answer canary's requests: their ids start with
+    ``serving.canary.CANARY_REQUEST_PREFIX``; they are no turns of the load)."""
     out = []
     for line in log_lines:
         line = line.strip()
@@ -64,7 +67,8 @@ def proxy_requests(log_lines: Iterable[str]) -> list[tuple[str, str]]:
             rec = json.loads(line)
         except ValueError:
             continue
-        if isinstance(rec, dict) and rec.get("event") == "request":
+        if isinstance(rec, dict) and rec.get("event") == "request" and \
+                not str(rec.get("request_id")).startswith(CANARY_REQUEST_PREFIX):
             out.append((str(rec.get("request_id")), str(rec.get("status"))))
     return out
 
@@ -120,3 +124,13 @@ def steady_from_s(warmup_s: float, proxy_ttl_s: float) -> float:
     one proxy TTL, when the handle table holds what it will hold at steady state (each handle is
     dropped a TTL after it was stored, so until then it only grows, as it should)."""
     return max(warmup_s, proxy_ttl_s)
+
+
+def canaries_check(results: Sequence[str]) -> tuple[bool, str]:
+    """The known-answer canaries of a soak (``serving.canary``; each ``match``, ``mismatch`` or
+    ``error``): pass when none answered wrong tokens and at least one matched (a canary that
+    timed out under load is an error, counted, not a wrong answer)."""
+    n = Counter(results)
+    ok = n["mismatch"] == 0 and n["match"] > 0
+    return ok, (f"{len(results)} canaries (start, every few minutes under load, end): {n['match']} matched, "
+                f"{n['mismatch']} answered wrong tokens, {n['error']} failed")

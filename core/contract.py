@@ -233,3 +233,9 @@ PROBE_TOKENS = 256
 #: model (44 ms, of which c(256) is 18 ms, on the embedded profile) and reads a busy machine's
 #: compute slowdown short (docs/planner/concurrency.md).
 COMPUTE_PROBE_TOKENS = 2048
+#: Prompt tokens of the **cached-prefix probe**, sent right after each compute probe with the same
+#: salt: the compute probe's ids plus ``PROBE_TOKENS`` more, so the worker finds the compute probe's
+#: whole blocks in its prefix cache and computes ``PROBE_TOKENS`` new tokens on a 2,048-token
+#: cached context, what a later turn costs. Its TTFT less the short probe's is attention's
+#: context term alone: c(2304) - c(2048) - c(256) = a2 x 2^20 (the linear terms cancel).
+CACHED_PROBE_TOKENS = COMPUTE_PROBE_TOKENS + PROBE_TOKENS

@@ -20,7 +20,7 @@ if str(_CODE_ROOT) not in sys.path:
 import pandas as pd
 import streamlit as st
 
-from dashboard import charts, context, loader, pages
+from dashboard import charts, context, live, loader, pages
 from dashboard.figures import MODE_ORDER
 from store import db, queries
 from store.queries import sidebar
@@ -123,11 +123,14 @@ archetypes = _turn_filter(
 )  # fmt: skip
 kinds = _turn_filter("Turn kind", "kind", "ts_kinds", "turn, retry, edit, fresh or resume (docs/workloads.md).")
 gap_kinds = _turn_filter("Gap kind", "gap_kind", "ts_gap_kinds", "What the session waited on before the turn.")
-running = int((keep["status"] == "running").sum())
+running = len(live.recording(keep))
 st.sidebar.caption(
     f"{len(keep)} of {len(runs)} runs selected"
-    + (f"; {running} still running (new rows show on the next rerun)" if running else "")
+    + (f"; {running} still recording (the run pages refresh themselves)" if running else "")
 )
+# a page drawing recorded runs follows a recording one (dashboard/live.py)
+if pages.by_title(nav.title).draws == "runs":
+    live.follow(str(store.root), keep)
 
 context.publish(
     context.Selection(
@@ -140,4 +143,4 @@ context.publish(
         gap_kinds=gap_kinds,
     )
 )
-nav.run()
+live.timed(nav.run)  # the page, timed: a recording run's reruns are spaced by it

@@ -75,7 +75,11 @@ def render(sel: Selection) -> None:
     st.subheader("Capacity: when holding KV costs sessions")
     try:
         # the pages' cache (dashboard.loader), but a store that cannot be read only hides this section
-        steps = loader.fetch(sel.root, capacity_queries.capacity_steps, tuple(sel.run_ids))
+        # which runs are ramp steps first (their rows only): the steps' query reads every selected
+        # run's turns, scrapes and counter increases, seconds on a store of many scrapes
+        ramp = loader.fetch(sel.root, capacity_queries.capacity_run_ids, tuple(sel.run_ids))
+        steps = (loader.fetch(sel.root, capacity_queries.capacity_steps, tuple(ramp["run_id"].astype(str)))
+                 if not ramp.empty else ramp)
     except (db.StoreBusy, db.StoreMissing, db.StoreInvalid) as exc:
         st.warning(f"The capacity steps cannot be read: {exc}")
         return

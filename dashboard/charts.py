@@ -1,12 +1,11 @@
-"""Whether the pages draw their Plotly charts, and drawing one: a choice in the sidebar, off by default.
+"""Whether the pages draw their Plotly charts, and drawing one: a choice in the sidebar, on by default.
 
-A page's first Plotly chart makes the browser load and evaluate plotly.js (Streamlit's 4.7 MB
-``PlotlyChart`` chunk): 1.7 s of wall time and 1.8 CPU-seconds of Chromium on the project's 2-core
-machine, the same for one small figure as for three, and most of what a charted page cost over an
-empty one (docs/dashboard.md). So the pages open with their numbers
-and tables, and draw their charts once "Draw charts" is pressed in the sidebar ("Hide charts" undoes it); the
-choice holds for the session (every page, until hidden), and a tab pays for plotly.js once, since moving between
-pages keeps the document. ``TURNSCOPE_DASHBOARD_CHARTS=1`` turns it on from the start.
+The charts are what the dashboard is for, so every page draws them. A browser tab's first Plotly
+chart makes it load and evaluate plotly.js (Streamlit's 4.7 MB ``PlotlyChart`` chunk): about 1.7 s
+of wall time and 1.8 CPU-seconds of Chromium on the project's 2-core machine, once per tab, since
+moving between pages from the sidebar keeps the document (docs/dashboard.md). For a slow machine
+the sidebar's "Hide charts" leaves them out for the session (every page, until "Draw charts");
+``TURNSCOPE_DASHBOARD_CHARTS=0`` starts a session with them hidden.
 
 A figure is built only when it is drawn (`show` takes a function), so a page without charts spends
 no server time on them either. The HTML export (``dashboard/html_reports.py``) always holds its figures.
@@ -24,19 +23,19 @@ from streamlit.delta_generator import DeltaGenerator
 #: Session-state keys: whether charts are drawn, and the sidebar's button that flips it.
 KEY = "ts_charts"
 BUTTON_KEY = "ts_charts_button"
-#: Environment variable: "1" draws charts from a session's start.
+#: Environment variable: "0" (or false, no) starts a session with charts hidden.
 ENV_VAR = "TURNSCOPE_DASHBOARD_CHARTS"
 LABEL = "Draw charts"
 HIDE_LABEL = "Hide charts"
-HELP = ("Draw each page's Plotly charts. The first chart of a browser tab loads plotly.js: about 2 s "
-        "on a small machine, then each page's charts draw in a fraction of that.")  # fmt: skip
+HELP = ("Draw or hide each page's Plotly charts (for the session). The first chart of a browser tab loads "
+        "plotly.js: about 2 s on a small machine, then each page's charts draw in a fraction of that.")  # fmt: skip
 #: plotly.js options of every chart: no Plotly logo in the mode bar.
 CONFIG = {"displaylogo": False}
 
 
 def default() -> bool:
-    """Whether a new session draws charts (`ENV_VAR` set to 1, true or yes)."""
-    return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes")
+    """Whether a new session draws charts: yes unless `ENV_VAR` is 0, false or no."""
+    return os.environ.get(ENV_VAR, "").strip().lower() not in ("0", "false", "no")
 
 
 def _flip() -> None:
@@ -44,7 +43,7 @@ def _flip() -> None:
 
 
 def toggle() -> None:
-    """The sidebar's "Draw charts" / "Hide charts" button (the app's frame draws it on every page).
+    """The sidebar's "Hide charts" / "Draw charts" button (the app's frame draws it on every page).
 
     A button, not ``st.toggle``: the frame already draws one (Refresh), and each other kind of
     widget makes the browser load its own code on every page (Streamlit's Checkbox chunk: 0.6-1.3 s

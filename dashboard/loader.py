@@ -29,13 +29,14 @@ Query = Callable[..., pd.DataFrame]
 VERSION_DEPTH = 3
 
 
-def store_version(store_root: str) -> int:
+def store_version(store_root: str, skip: tuple[str, ...] = ()) -> int:
     """A fingerprint of the store at `store_root` that changes when it is written: a hash of the
     names and modification times (ns) of ``turnscope.duckdb`` and of every directory down to
     `VERSION_DEPTH` levels. Shards and rollups are written under a temporary name and renamed into
     their directory (store.writer, store.rollup), and a rename or a new directory changes
     its parent's modification time. A few hundred ``stat`` calls for a store of a hundred runs.
-    A missing store gives the fingerprint of nothing (the query then raises StoreMissing)."""
+    A missing store gives the fingerprint of nothing (the query then raises StoreMissing).
+    Directories named in `skip` (e.g. ``runs_log``: a recording run's heartbeats) are left out."""
     seen: list[tuple[str, int]] = []
     level = [Path(store_root)]
     for _ in range(VERSION_DEPTH):
@@ -48,6 +49,8 @@ def store_version(store_root: str) -> int:
                 continue
             for e in entries:
                 if e.is_dir(follow_symlinks=False):
+                    if e.name in skip:
+                        continue
                     seen.append((e.path, e.stat(follow_symlinks=False).st_mtime_ns))
                     below.append(Path(e.path))
                 elif e.name == db.DB_FILE:

@@ -76,6 +76,14 @@ def page(slug: str) -> Page:
     raise KeyError(f"no dashboard page {slug!r}; pages: {', '.join(p.slug for p in PAGES)}")
 
 
+def by_title(title: str) -> Page:
+    """The page whose menu entry is `title`. Raises KeyError naming the titles there are."""
+    for p in PAGES:
+        if p.title == title:
+            return p
+    raise KeyError(f"no dashboard page titled {title!r}; pages: {', '.join(p.title for p in PAGES)}")
+
+
 def drawing(*draws: Draws) -> tuple[Page, ...]:
     """The pages that draw any of ``draws``, in menu order (``drawing("runs", "store")``: the pages
     an evaluation's store fills)."""

@@ -44,6 +44,24 @@ CREATE TABLE run_probes (
     error          VARCHAR
 );
 
+-- The known-answer canary (serving/canary.py, docs/reliability.md): a fixed two-turn session answered
+-- greedily through the proxy and by a reference worker, compared token by token; one row per turn.
+CREATE TABLE run_canaries (
+    run_id          VARCHAR NOT NULL,
+    phase           VARCHAR NOT NULL,   -- start | end | during (the soak)
+    sent_at         TIMESTAMPTZ,
+    canary_id       VARCHAR,            -- one canary's rows share it
+    result          VARCHAR,            -- the canary's: match | mismatch | error
+    reference       VARCHAR,            -- the reference worker's name
+    turn            INTEGER,            -- 0 or 1 (NULL: an error before any turn)
+    prompt_tokens   INTEGER,
+    reuse           VARCHAR,            -- the proxy's reuse outcome of the serving path's request
+    first_mismatch  INTEGER,            -- first index where the generated ids differ (NULL: equal)
+    reference_ids   JSON,               -- the generated ids, a JSON list
+    served_ids      JSON,
+    error           VARCHAR
+);
+
 CREATE TABLE sessions (
     run_id          VARCHAR NOT NULL,
     session_id      VARCHAR NOT NULL,
@@ -82,7 +100,7 @@ CREATE TABLE turns (
     prompt_tokens             INTEGER,
     completion_tokens         INTEGER,
     cached_tokens             INTEGER,            -- server usage.prompt_tokens_details.cached_tokens
-    expected_reusable_tokens  INTEGER,            -- LCP of previous prompt+output ids and this prompt's ids
+    expected_reusable_tokens  INTEGER,            -- LCP of previous prompt+output ids and this prompt's ids (0 on turn 0)
     trace_reusable_tokens     INTEGER,            -- trace replay: the trace's reusable prefix, scaled
     divergence_position       INTEGER,            -- first differing id (NULL when none)
     status                    VARCHAR,            -- ok | error | timeout | cancelled

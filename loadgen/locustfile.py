@@ -301,6 +301,7 @@ class AgentSession(User):
             timeout_s=req["timeout_s"],
             temperature=req["temperature"],
             extra_body=req["extra_body"],
+            history_rewrite=req.get("history_rewrite"),
             on_turn=self._fire,
             keep_turns=False,
             stream_client=self.stream,

@@ -10,6 +10,7 @@ session player (:mod:`loadgen.session_player`) plays them.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -122,6 +123,46 @@ class SessionPlan:
 
 
 _THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
+
+
+def rewrite_reply(message: dict[str, Any], *, strip_reasoning: bool = False, reasoning_share: float = 0.0,
+                  rerender_tool_calls: bool = False) -> dict[str, Any]:
+    """An assistant reply as a client that rewrites history sends it back in later requests (pure;
+    ``message`` is not modified). docs/workloads.md, ``history_rewrite``.
+
+    Args:
+        strip_reasoning: drop the ``reasoning_content`` / ``reasoning`` fields and the
+            ``<think>...</think>`` spans of the content (Qwen3's chat template drops the reasoning of
+            earlier replies; OpenAI-style clients send back ``content`` only). A reply with no
+            reasoning marker loses the first ``reasoning_share`` of its characters instead: the
+            stand-in for the reasoning of a model served without reasoning markers (the embedded
+            model), which, like real reasoning, comes before the answer.
+        rerender_tool_calls: re-serialize each tool call's ``arguments`` as a client that parsed
+            them does (``json.dumps`` with sorted keys and no spaces; arguments that are not JSON
+            are kept), and give the call a new id.
+    """
+    m = dict(message)
+    if strip_reasoning:
+        content = m.get("content") if isinstance(m.get("content"), str) else ""
+        had = m.pop("reasoning_content", None) is not None
+        had = (m.pop("reasoning", None) is not None) or had
+        stripped = _THINK.sub("", content)
+        if had or stripped != content:
+            m["content"] = stripped
+        elif reasoning_share > 0:
+            m["content"] = content[int(len(content) * reasoning_share):]
+    if rerender_tool_calls and m.get("tool_calls"):
+        calls = []
+        for i, c in enumerate(m["tool_calls"]):
+            fn = dict(c.get("function") or {})
+            try:
+                fn["arguments"] = json.dumps(json.loads(fn.get("arguments") or "{}"), sort_keys=True,
+                                             separators=(",", ":"))
+            except (TypeError, ValueError):
+                pass
+            calls.append(dict(c) | {"id": f"call_rerendered_{i}", "function": fn})
+        m["tool_calls"] = calls
+    return m
 
 
 def apply_edit(messages: Sequence[dict[str, Any]], edit: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:

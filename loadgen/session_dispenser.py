@@ -164,7 +164,9 @@ class SessionDispenser:
         if w is not None and w.ignore_eos:
             extra["ignore_eos"] = True
         return {"extra_body": extra or None, "temperature": w.temperature if w is not None else 0.0,
-                "timeout_s": self.timeout_s(env)}
+                "timeout_s": self.timeout_s(env),
+                "history_rewrite": w.history_rewrite.model_dump() if w is not None and w.history_rewrite.active()
+                else None}
 
     def abandon(self) -> None:
         """The run could not start: nothing is planned, recorded or handed out."""

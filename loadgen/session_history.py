@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.tokenize_client import TokenizeClient, TokenizeError
-from loadgen.session import TurnPlan, apply_edit
+from loadgen.session import TurnPlan, apply_edit, rewrite_reply
 from loadgen.stream_client import TurnResult
 from loadgen.token_prompt import (
     TemplateJoinError,
@@ -72,13 +72,19 @@ class History:
             :class:`TokenizeError`).
         session_id: for log lines.
         max_prompt_tokens: prompts longer than this (tokens) stop the session; None: no limit.
+        rewrite: how each reply is rewritten as it joins the history (the keywords of
+            :func:`loadgen.session.rewrite_reply`: reasoning stripped, tool calls re-rendered);
+            None: replies go back as returned.
     """
 
     #: The generate endpoint this history's requests go to.
     path = "/v1/chat/completions"
 
-    def __init__(self, tokenize: TokenizeFn, session_id: str, max_prompt_tokens: int | None = None):
+    def __init__(self, tokenize: TokenizeFn, session_id: str, max_prompt_tokens: int | None = None,
+                 rewrite: dict[str, Any] | None = None):
         self.tokenize = tokenize
+        self.rewrite = rewrite                            # rewrite_reply's keywords, or None
+        self.rewritten = False                            # the last reply joined the history rewritten
         self.session_id = session_id
         self.max_prompt_tokens = max_prompt_tokens
         self.messages: list[dict[str, Any]] = []          # the text history
@@ -159,8 +165,15 @@ class History:
             return None
 
     def expected_reuse(self, prompt_ids: list[int] | None) -> tuple[int | None, int | None]:
-        """``(expected_reusable_tokens, divergence_position)`` against the previous turn's span."""
-        if self.prev_span is None or prompt_ids is None:
+        """``(expected_reusable_tokens, divergence_position)`` against the previous turn's span
+        (its prompt + the ids it generated): ``(0, None)`` for the session's first request
+        (nothing before it), ``(None, None)`` when this prompt's or the previous span's ids are
+        unknown."""
+        if prompt_ids is None:
+            return None, None
+        if self.last is None:
+            return 0, None
+        if self.prev_span is None:
             return None, None
         return reuse_against(self.prev_span, prompt_ids)
 
@@ -171,6 +184,9 @@ class History:
         self.last_ids = array("q", prompt_ids) if prompt_ids is not None else None
         self.prev_span = self.last_ids + array("q", result.token_ids) if self.last_ids is not None else None
         reply = assistant_message(result) if result.status == "ok" else tp.reference_reply
+        if self.rewrite:
+            sent_back = rewrite_reply(reply, **self.rewrite)
+            self.rewritten, reply = sent_back != reply, sent_back
         self.bound_base = len(prompt_ids) + token_bound([reply]) if prompt_ids is not None else None
         self.messages.append(reply)
 
@@ -210,8 +226,8 @@ class TokenIdsHistory(History):
     path = "/v1/completions"
 
     def __init__(self, tokenize: TokenizeFn, session_id: str, joiner: TurnJoiner,
-                 max_prompt_tokens: int | None = None):
-        super().__init__(tokenize, session_id, max_prompt_tokens)
+                 max_prompt_tokens: int | None = None, rewrite: dict[str, Any] | None = None):
+        super().__init__(tokenize, session_id, max_prompt_tokens, rewrite)
         self.joiner = joiner
         self.prev_prompt: array | None = None   # ids of the previous prompt (None: re-render next turn)
         self.prev_generated: list[int] = []     # ids the previous turn generated (or stood in)
@@ -242,6 +258,8 @@ class TokenIdsHistory(History):
         self.prev_prompt, self.prev_generated = self.last_ids, generated or []
         if self.prev_prompt is not None and generated is None:
             self.prev_prompt = None  # the stand-in could not be built from ids: re-render next turn
+        if self.rewritten:
+            self.prev_prompt = None  # the reply goes back rewritten: the history is rendered from its text
 
     def _needs_render(self, bound: int) -> bool:
         return True

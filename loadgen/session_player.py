@@ -246,7 +246,8 @@ class SessionPlayer:
         prompt_ids = self.history.prompt_ids_of(result, prompt, None)
         session_id = f"{self.plan.session_id}~fresh{k}"
         row = turn_row(run_id=self.run_id, session_id=session_id, turn_index=0, plan=tp, result=result,
-                       gap_before_s=gap, prompt_ids=prompt_ids, expected_reusable_tokens=None,
+                       gap_before_s=gap, prompt_ids=prompt_ids,
+                       expected_reusable_tokens=None if prompt_ids is None else 0,  # nothing before it
                        divergence_position=None)
         self.in_flight = None
         self.recorder.fresh_turn(k, session_id, row, result, prompt_ids)
@@ -313,13 +314,15 @@ class SessionPlayer:
 
 
 def make_history(history_mode: str, tokenize: TokenizeFn, session_id: str, *,
-                 max_prompt_tokens: int | None = None, joiner: TurnJoiner | None = None) -> History:
-    """The history strategy for ``history_mode`` (``token_ids`` needs the template's ``joiner``)."""
+                 max_prompt_tokens: int | None = None, joiner: TurnJoiner | None = None,
+                 rewrite: dict[str, Any] | None = None) -> History:
+    """The history strategy for ``history_mode`` (``token_ids`` needs the template's ``joiner``);
+    ``rewrite``: how earlier replies are rewritten (``loadgen.session.rewrite_reply``'s keywords)."""
     if history_mode == "token_ids":
         if joiner is None:
             raise ValueError("token_ids history needs the chat template's joiner (joiner_for)")
-        return TokenIdsHistory(tokenize, session_id, joiner, max_prompt_tokens)
-    return TextHistory(tokenize, session_id, max_prompt_tokens)
+        return TokenIdsHistory(tokenize, session_id, joiner, max_prompt_tokens, rewrite=rewrite)
+    return TextHistory(tokenize, session_id, max_prompt_tokens, rewrite=rewrite)
 
 
 def run_session(
@@ -337,6 +340,7 @@ def run_session(
     temperature: float = 0.0,
     extra_body: dict[str, Any] | None = None,
     conversation_id: str | None = None,
+    history_rewrite: dict[str, Any] | None = None,
     on_turn: Callable[[TurnRecord], None] | None = None,
     sleep: Callable[[float], None] | None = None,
     tokenizer: TokenizeClient | None = None,
@@ -353,6 +357,8 @@ def run_session(
         history_mode, max_tokens, max_prompt_tokens, temperature, extra_body, conversation_id,
             keep_turns: as :class:`PlayerOptions`.
         timeout_s: per-turn connect/read/total timeout, seconds (``stream_turn``).
+        history_rewrite: how the client rewrites its earlier replies (the workload's
+            ``history_rewrite``, ``loadgen.session.rewrite_reply``'s keywords); None: sent as returned.
         on_turn: called after each turn is recorded (e.g. to fire Locust events).
         sleep: the sleep function for gaps (default ``time.sleep``, looked up at call time so that
             gevent's patch applies).
@@ -369,7 +375,8 @@ def run_session(
                             conversation_id=conversation_id, keep_turns=keep_turns)
     tok = tokenizer or TokenizeClient(client, base_url.rstrip("/"), model, timeout_s=min(timeout_s, 60.0))
     joiner = joiner_for(tok) if history_mode == "token_ids" else None
-    history = make_history(history_mode, tok, plan.session_id, max_prompt_tokens=max_prompt_tokens, joiner=joiner)
+    history = make_history(history_mode, tok, plan.session_id, max_prompt_tokens=max_prompt_tokens, joiner=joiner,
+                           rewrite=history_rewrite)
     transport = stream_client or client
 
     def send(url: str, body: dict[str, Any], headers: dict[str, str]) -> TurnResult:

@@ -417,6 +417,21 @@ class Sweep(_Model):
         return self
 
 
+class HistoryRewrite(_Model):
+    """How the client rewrites its earlier replies before sending them back (``loadgen.session.rewrite_reply``;
+    docs/workloads.md): ``strip_reasoning`` (drop reasoning fields and ``<think>`` spans),
+    ``reasoning_share`` (with it, for a reply without reasoning markers: the fraction of its
+    characters, from the start, that stands in for its reasoning), ``rerender_tool_calls``
+    (arguments re-serialized, new call ids)."""
+
+    strip_reasoning: bool = False
+    reasoning_share: float = Field(default=0.0, ge=0, le=1)
+    rerender_tool_calls: bool = False
+
+    def active(self) -> bool:
+        return self.strip_reasoning or self.rerender_tool_calls
+
+
 class Workload(_Model):
     """A workload file (see the module doc). Times in seconds, lengths in tokens."""
 
@@ -432,6 +447,7 @@ class Workload(_Model):
     mix: list[MixEntry] = Field(default_factory=list)
     traces: list[TraceSource] = Field(default_factory=list)
     sweep: Sweep | None = None
+    history_rewrite: HistoryRewrite = Field(default_factory=HistoryRewrite)
 
     @model_validator(mode="after")
     def _something(self) -> Workload:

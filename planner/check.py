@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
+from core.modes import AGGREGATED
 from planner.fit import (
     on_run_kv_space,
     on_run_speed,
@@ -24,7 +25,7 @@ from planner.fit import (
 )
 from planner.profile import MODES, CostProfile
 from planner.simulate import RENDERS, TOOK_HANDLE, ModePlan, PlanSettings, Traffic
-from store.queries.planner_runs import compute_probe_s, probe_ttft_s, recorded_turns
+from store.queries.planner_runs import cached_probe_s, compute_probe_s, probe_ttft_s, recorded_turns
 from store.writer import Store
 
 #: The TTFT check's bound: median absolute relative error per mode.
@@ -40,13 +41,14 @@ def _count(v) -> str:
 
 
 def plan_on_its_own(store: Store, run_id: str, mode: str, profile: CostProfile, shared_prefix_tokens: int,
-                    probe_s: float | None, compute_s: float | None = None) -> tuple[Traffic, ModePlan, float | None]:
+                    probe_s: float | None, compute_s: float | None = None,
+                    cached_s: float | None = None) -> tuple[Traffic, ModePlan, float | None]:
     """``run_id`` planned alone, on its own clock, with its own settings and workers: ``profile`` put on
-    the run's speed probe ``probe_s`` and compute probe ``compute_s``
+    the run's speed probe ``probe_s``, compute probe ``compute_s`` and cached-prefix probe ``cached_s``
     (:func:`planner.fit.on_run_speed`) and on the KV
     spaces its workers reported (:func:`planner.fit.on_run_kv_space`). Returns the
     traffic, the forecast and the speed factor (None: not scaled)."""
-    run_profile, factor = on_run_speed(profile, probe_s, compute_s, mode)
+    run_profile, factor = on_run_speed(profile, probe_s, compute_s, mode, cached_s)
     run_profile = on_run_kv_space(run_profile, store, run_id)
     tr, m = plan_recorded_run(store, run_id, mode, run_profile, shared_prefix_tokens)
     return tr, m, factor
@@ -57,18 +59,24 @@ def forecast_terms(tr: Traffic, m: ModePlan, profile: CostProfile, settings: Pla
     the request was planned with, on its run's speed; ``settings``: the run's): ``compute``
     (``c(n) - c(cached)``, :meth:`CostProfile.prefill_compute_s`), ``pull``
     (:meth:`CostProfile.pull_s`), ``queue_p`` (``m.queue_wait_s``), ``wait_d`` (``m.decode_wait_s``),
-    ``fixed`` (b0 of the mode plus the chat renders, :meth:`CostProfile.render_s` x
+    ``handoff_wait`` and ``d_first_step`` (P/D's hand-off, :meth:`CostProfile.handoff_s`; NaN where the
+    profile has no such figure and keeps it inside b0, 0 in ``aggregated``), ``fixed`` (b0 of the mode plus the chat renders, :meth:`CostProfile.render_s` x
     :data:`planner.simulate.RENDERS`, one more for a handle taken), ``contention``
     (``m.contention_s``, :mod:`planner.host_contention`; 0 where the profile has no such
-    term) and ``ttft`` (``m.ttft_s``), which the terms sum to
+    term) and ``ttft`` (``m.ttft_s``), which the terms (NaN read as 0) sum to
     (the cost model: docs/planner/simulation.md). Columns also: session_id, turn_index."""
     n = tr.input_tokens
     took = np.isin(m.outcome_names(), TOOK_HANDLE)
     render = (profile.render_s(n, RENDERS[m.mode] + took) if settings.rendered_prompts else np.zeros(len(tr)))
     wait_d = m.decode_wait_s if m.decode_wait_s.size else np.zeros(len(tr))
+    handoff_wait, d_first_step = profile.handoff_s(m.mode)
+    if m.mode != AGGREGATED:   # a figure the profile lacks is inside b0: not known apart
+        handoff_wait = handoff_wait if profile.handoff_wait_s is not None else np.nan
+        d_first_step = d_first_step if profile.d_first_step_s is not None else np.nan
     return pd.DataFrame({"session_id": tr.session, "turn_index": tr.request_index,
                          "compute": profile.prefill_compute_s(m.mode, n, m.local_tokens + m.pulled_tokens),
                          "pull": profile.pull_s(m.pulled_tokens), "queue_p": m.queue_wait_s, "wait_d": wait_d,
+                         "handoff_wait": handoff_wait, "d_first_step": d_first_step,
                          "fixed": profile.b0(m.mode) + render,
                          "contention": m.contention_s if m.contention_s.size else np.zeros(len(tr)), "ttft": m.ttft_s})
 
@@ -92,12 +100,14 @@ def check_runs_with_terms(store: Store, run_ids: Sequence[str], profile: CostPro
     recorded = recorded_turns(store, run_ids)
     shared = shared_prefix_by_run(recorded)
     probes, computes = probe_ttft_s(store, run_ids), compute_probe_s(store, run_ids)
+    cached = cached_probe_s(store, run_ids)
     frames, split = [], []
     for run_id, rec in recorded.groupby("run_id", sort=False):
         mode = str(rec["mode"].iloc[0])
         if mode not in MODES:
             continue
-        run_profile, factor = on_run_speed(profile, probes.get(str(run_id)), computes.get(str(run_id)), mode)
+        run_profile, factor = on_run_speed(profile, probes.get(str(run_id)), computes.get(str(run_id)), mode,
+                                           cached.get(str(run_id)))
         run_profile = on_run_kv_space(run_profile, store, str(run_id))
         tr, m = plan_recorded_run(store, str(run_id), mode, run_profile, shared[str(run_id)])
         terms = forecast_terms(tr, m, run_profile, run_settings(store, str(run_id)))

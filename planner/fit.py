@@ -17,6 +17,8 @@ Formulas and sources in docs/planner/profiles.md:
   puts each run's turns on that speed first (:func:`run_speed_factors`), so runs of different
   modes recorded while the machine ran at different speeds are compared on one;
 * the system prompt shared across sessions: :func:`recorded_shared_prefix_tokens`;
+* P/D's hand-off, where the runs scraped D's request histograms: D's wait for P's KV and D's first
+  step (:func:`handoff_terms`), taken out of the P/D modes' b0;
 * each fitted figure's source ends with its fit's residuals over the turns it rests on and the
   range of computed and prompt tokens it was fitted over (:mod:`planner.fit_residuals`),
   so a profile says where its forecasts extrapolate.
@@ -38,7 +40,9 @@ import pandas as pd
 from scipy.optimize import least_squares
 
 from analysis import sweep_stats as sweep
+from analysis import ttft_split
 from core.contract import (
+    CACHED_PROBE_TOKENS,
     COMPUTE_PROBE_TOKENS,
     PROBE_TOKENS,
     ROUND_ROBIN,
@@ -89,12 +93,13 @@ def run_settings(store: Store, run_id: str) -> PlanSettings:
     and P's routing, when the planner has it: round-robin or session, else its session routing; the
     recompute threshold from ``runs.config.connector.kv_recompute_threshold``, vLLM's 64 when
     absent; ``rendered_prompts`` for a ``text`` history: chat messages the workers render; its
-    workers and P's shared compute from ``runs.topology``, :func:`topology_settings`)."""
+    workers and P's shared compute from ``runs.topology``, :func:`topology_settings`); P's prefix
+    cache by blocks, as vLLM keeps it (``p_cache_blocks``: a recorded run's turns extend their history)."""
     ttl, margin, routing, thr, history, topology = run_config_row(store, run_id)
     topo = json.loads(topology) if isinstance(topology, str) else topology
     planned = {"routing": routing} if routing in (ROUND_ROBIN, SESSION) else {}
     return PlanSettings(decoder_kv_blocks_ttl_s=ttl, handle_ttl_margin_s=margin, kv_recompute_threshold=thr,
-                        rendered_prompts=history == "text", **planned, **topology_settings(topo))
+                        rendered_prompts=history == "text", p_cache_blocks=True, **planned, **topology_settings(topo))
 
 
 def recorded_shared_prefix_tokens(turns: pd.DataFrame) -> int:
@@ -155,33 +160,60 @@ def run_speed_factors(probes: dict[str, float]) -> dict[str, float]:
     return {r: t / ref for r, t in probes.items()}
 
 
+def probe_factors(profile: CostProfile, mode: str, run_compute_s: float | None,
+                  run_cached_s: float | None) -> tuple[float | None, float | None]:
+    """(compute factor, context factor) of a run's probes against ``mode``'s curve c(x) = a1 x + a2 x^2.
+
+    The compute probe (``run_compute_s`` = T(2048) - T(256) from scratch) measures
+    ``f1 a1 1792 + f2 a2 (2048^2 - 256^2)``; the cached-prefix probe (``run_cached_s`` =
+    T(2048 cached + 256 new) - T(256)) measures ``f2 a2 2^20`` alone (the linear terms cancel).
+    With both (and a2 > 0) the two equations give the linear factor f1 and the context factor f2,
+    each term its own; with the compute probe alone one factor for the whole curve, the context
+    factor None; (None, None) without probes. A solution with f1 <= 0 (probe noise) falls back to
+    the one factor."""
+    fit = profile.prefill_fit(mode)
+    if run_compute_s is None or run_compute_s <= 0:
+        return None, None
+    ref = float(fit.cost_s(COMPUTE_PROBE_TOKENS) - fit.cost_s(PROBE_TOKENS))
+    one = run_compute_s / ref if ref > 0 else None
+    if run_cached_s is None or run_cached_s <= 0 or fit.a2_s <= 0 or fit.a1_s <= 0:
+        return one, None
+    context = run_cached_s / (fit.a2_s * (CACHED_PROBE_TOKENS**2 - COMPUTE_PROBE_TOKENS**2 - PROBE_TOKENS**2))
+    rest = run_compute_s - context * fit.a2_s * (COMPUTE_PROBE_TOKENS**2 - PROBE_TOKENS**2)
+    linear = rest / (fit.a1_s * (COMPUTE_PROBE_TOKENS - PROBE_TOKENS))
+    return (linear, context) if linear > 0 else (one, None)
+
+
 def on_run_speed(profile: CostProfile, run_probe_s: float | None, run_compute_s: float | None = None,
-                 mode: str = RECOMPUTE_MODE) -> tuple[CostProfile, float | None]:
+                 mode: str = RECOMPUTE_MODE, run_cached_s: float | None = None) -> tuple[CostProfile, float | None]:
     """``profile`` put on a run's machine speed: scaled by the run's probe TTFT over the profile's
     (:meth:`CostProfile.at_speed`) when both exist; else unchanged. With the run's compute probe
     (``run_compute_s``: :func:`store.queries.planner_runs.compute_probe_s`) the prefill curves
     are scaled by it over what the profile's own c(x) gives for the same tokens (``mode``'s curve:
     the aggregated worker's in ``aggregated``, P's else), ``c(COMPUTE_PROBE_TOKENS) -
-    c(PROBE_TOKENS)``, and b0 alone by the short probe. Returns (profile, the short probe's factor
-    or None)."""
-    compute = None
-    if run_compute_s is not None and run_compute_s > 0:
-        fit = profile.prefill_fit(mode)
-        ref = float(fit.cost_s(COMPUTE_PROBE_TOKENS) - fit.cost_s(PROBE_TOKENS))
-        compute = run_compute_s / ref if ref > 0 else None
+    c(PROBE_TOKENS)``, and b0 (and the hand-off terms) alone by the short probe; with the run's
+    cached-prefix probe too (``run_cached_s``: :func:`store.queries.planner_runs.cached_probe_s`)
+    the curves' linear and context terms each by their own factor (:func:`probe_factors`).
+    Returns (profile, the short probe's factor or None)."""
+    compute, context = probe_factors(profile, mode, run_compute_s, run_cached_s)
+    why = None if compute is None else _compute_why(run_compute_s, compute, run_cached_s, context)
     if run_probe_s is None or profile.probe_ttft_s is None:
         if compute is None:
             return profile, None
-        return profile.at_speed(1.0, "no speed probe", compute, _compute_why(run_compute_s, compute)), None
+        return profile.at_speed(1.0, "no speed probe", compute, why, context), None
     factor = run_probe_s / profile.probe_ttft_s.value
     return profile.at_speed(factor, f"speed probe {run_probe_s * 1e3:.1f} ms on the run vs "
                                     f"{profile.probe_ttft_s.value * 1e3:.1f} ms where fitted", compute,
-                            None if compute is None else _compute_why(run_compute_s, compute)), factor
+                            why, context), factor
 
 
-def _compute_why(run_compute_s: float, factor: float) -> str:
-    return (f"compute probe: {COMPUTE_PROBE_TOKENS:,} less {PROBE_TOKENS} tokens took {run_compute_s * 1e3:.1f} ms "
-            f"on the run, {factor:.3g}x the profile's c(x)")
+def _compute_why(run_compute_s: float, factor: float, run_cached_s: float | None = None,
+                 context: float | None = None) -> str:
+    if context is None:
+        return (f"compute probe: {COMPUTE_PROBE_TOKENS:,} less {PROBE_TOKENS} tokens took {run_compute_s * 1e3:.1f} ms "
+                f"on the run, {factor:.3g}x the profile's c(x)")
+    return (f"compute probe {run_compute_s * 1e3:.1f} ms and cached-prefix probe {run_cached_s * 1e3:.1f} ms on the "
+            f"run: linear term x {factor:.3g}, attention's context term x {context:.3g}")
 
 
 def _kv_space(store: Store, run_ids: Sequence[str]) -> dict[str, int]:
@@ -288,7 +320,55 @@ def fit_profile(store: Store, run_ids: Sequence[str], name: str = "fitted") -> C
     prof.b0_s.update(sibling_b0(prof.b0_s))
     default = costs.b0_s.get(RECOMPUTE_MODE, float(np.median(list(costs.b0_s.values()))))
     prof.b0_default_s = Sourced(value=default, source=f"{how}; {RECOMPUTE_MODE}'s b0 (else the median of the modes')")
-    return prof
+    return with_handoff(prof, handoff_terms(store, run_ids, speed))
+
+
+#: The hand-off's profile fields and the measured term (:func:`analysis.ttft_split.measured_terms`) of each.
+HANDOFF_FIELDS = (("handoff_wait_s", "wait_d", "D's vllm:request_queue_time_seconds (D's wait for P's KV)"),
+                  ("d_first_step_s", "d_first_step", "D's vllm:request_prefill_time_seconds (D's first step)"))
+
+
+def handoff_terms(store: Store, run_ids: Sequence[str], speed: dict[str, float] | None = None) -> dict[str, Sourced]:
+    """P/D's hand-off measured in ``run_ids``: profile field (:data:`HANDOFF_FIELDS`) -> the median
+    over the P/D runs that scraped D of the run's mean per request of D's histogram (the run's
+    increase of its sum over that of its count, :func:`analysis.ttft_split.measured_terms`),
+    each run's mean divided by its speed factor (``speed``: :func:`run_speed_factors`; absent: 1),
+    seconds. Read from runs of one request at a time (a calibration) D's queue time is the wait for
+    P's KV alone; under load it also holds the wait for room on D, which the planner forecasts
+    apart. Empty when no P/D run scraped D's histograms."""
+    measured = ttft_split.measured_terms(ttft_split.measured_sums(store, list(run_ids)))
+    if measured.empty:
+        return {}
+    speed = speed or {}
+    out = {}
+    for field, term, what in HANDOFF_FIELDS:
+        per_run = {r.run_id: getattr(r, term) / speed.get(r.run_id, 1.0) for r in measured.itertuples()
+                   if pd.notna(getattr(r, term))}
+        if per_run:
+            lo, hi = min(per_run.values()), max(per_run.values())
+            out[field] = Sourced(value=float(np.median(list(per_run.values()))), source=(
+                f"measured in runs {', '.join(sorted(per_run))}: median over {len(per_run)} P/D runs of the run's "
+                f"mean {what} per request (runs' means {lo * 1e3:.1f}-{hi * 1e3:.1f} ms), each on the median "
+                "speed probe's speed"))
+    return out
+
+
+def with_handoff(prof: CostProfile, terms: dict[str, Sourced]) -> CostProfile:
+    """``prof`` with P/D's hand-off terms (``terms``: :func:`handoff_terms`) and their sum taken out of
+    every P/D mode's b0 (and ``b0_default_s``, a P/D mode's): the fit's b0 held them. A b0 the terms
+    exceed is kept at 0 (said in its source). Unchanged when ``terms`` is empty."""
+    if not terms:
+        return prof
+    taken = sum(t.value for t in terms.values())
+
+    def less(b: Sourced) -> Sourced:
+        v = b.value - taken
+        note = (f"; less P/D's hand-off ({taken * 1e3:.1f} ms: handoff_wait_s + d_first_step_s)"
+                + ("" if v >= 0 else f", which exceeds it by {-v * 1e3:.1f} ms: kept at 0"))
+        return Sourced(value=max(v, 0.0), source=b.source + note)
+
+    b0 = {m: (b if m == AGGREGATED else less(b)) for m, b in prof.b0_s.items()}
+    return prof.model_copy(update={**terms, "b0_s": b0, "b0_default_s": less(prof.b0_default_s)})
 
 
 def sibling_b0(fitted: dict[str, Sourced]) -> dict[str, Sourced]:

@@ -161,7 +161,9 @@ class SessionMix:
         session = (pd.Series(tr.session[rows], dtype=str) + "#" + pd.Series(copy).astype(str)).to_numpy(object)
         codes = pd.factorize(code[sort])[0].astype(np.int64)
         return Traffic(tr.source[rows], session, codes, tr.request_index[rows], arrival, tr.input_tokens[rows],
-                       tr.output_tokens[rows], tr.shared_prefix_tokens[rows], tr.server_s[rows], tr.gap_s[rows])
+                       tr.output_tokens[rows], tr.shared_prefix_tokens[rows], tr.server_s[rows], tr.gap_s[rows],
+                       None if tr.recorded_ttft_s is None else tr.recorded_ttft_s[rows],
+                       None if tr.gap_estimated is None else tr.gap_estimated[rows])
 
 
 def poisson_starts(rate_per_hour: float, n: int, rng: np.random.Generator) -> np.ndarray:

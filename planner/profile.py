@@ -7,10 +7,11 @@ that cannot be sourced is absent (``None``) and the planner says what it left ou
 The model of one request's TTFT, seconds (n prompt tokens, of which ``cached`` are not computed:
 P's or the aggregated worker's own prefix-cache hit plus the tokens pulled from D)::
 
-    ttft(mode) = b0[mode] + c(n) - c(cached) + pull(pulled)
+    ttft(mode) = b0[mode] + c(n) - c(cached) + pull(pulled) + handoff(mode)
     c(x)       = a1 x + a2 x^2                      (prefill of x tokens from scratch, no b0;
                                                      the aggregated worker may have its own a1, a2)
     pull(t)    = latency + t x kv_bytes_per_token / bandwidth   (0 when t = 0)
+    handoff    = handoff_wait + d_first_step        (P/D modes; 0 in aggregated)
 
 The planner adds two terms of the traffic, not of one request (:mod:`planner.simulate`):
 the wait for the prefill worker (``+ wait``, FIFO per worker, :mod:`planner.queueing`)
@@ -19,7 +20,10 @@ and, for chat requests the workers render to token ids, ``render_s_per_token x n
 ``c(n) - c(cached)`` is the cost of the new tokens after ``cached`` ones: attention makes it grow
 with the context (the same form as the Sweep page's ideal, ``analysis.sweep_stats.PrefillFit``, whose
 ``cost_s`` is reused here). ``b0`` is what a mode adds whatever the prompt (routing, the prefill
-leg's round trip, P/D's hand-off of P's KV to D, the first decode step).
+leg's round trip, the engines' frontends). P/D's hand-off is two terms of its own where the profile
+has them: D's wait for P's KV (``handoff_wait_s``: D's ``vllm:request_queue_time_seconds`` when D
+has room) and D's first step (``d_first_step_s``: D's ``vllm:request_prefill_time_seconds``); a
+profile without them keeps them inside b0.
 """
 
 from __future__ import annotations
@@ -79,6 +83,9 @@ class CostProfile(BaseModel):
     * ``b0_s``: per-mode fixed cost (a mode absent uses ``b0_default_s``; a fitted profile gives a
       mode it had no turns of its sibling's, ``fit.sibling_b0``);
     * ``pull_latency_s``, ``pull_bandwidth_bytes_per_s``: P's pull of D's KV;
+    * ``handoff_wait_s``, ``d_first_step_s``: P/D's hand-off, per request: D's wait for P's KV
+      (D's ``vllm:request_queue_time_seconds`` with room on D) and D's first step (D's
+      ``vllm:request_prefill_time_seconds``); absent: inside b0 (:meth:`handoff_s`);
     * ``kv_bytes_per_token``: the model's KV size (``serving.kv_size``);
     * ``decode_kv_space_bytes``, ``prefill_kv_space_bytes``, ``aggregated_kv_space_bytes``: KV
       space of one worker of that role (absent: unbounded, said so in every output);
@@ -120,6 +127,8 @@ class CostProfile(BaseModel):
     b0_s: dict[str, Sourced] = Field(default_factory=dict)
     pull_latency_s: Sourced | None = None
     pull_bandwidth_bytes_per_s: Sourced
+    handoff_wait_s: Sourced | None = None
+    d_first_step_s: Sourced | None = None
     decode_kv_space_bytes: Sourced | None = None
     prefill_kv_space_bytes: Sourced | None = None
     aggregated_kv_space_bytes: Sourced | None = None
@@ -158,6 +167,15 @@ class CostProfile(BaseModel):
         """The fixed cost of ``mode``, seconds."""
         return (self.b0_s.get(mode) or self.b0_default_s).value
 
+    def handoff_s(self, mode: str) -> tuple[float, float]:
+        """(D's wait for P's KV, D's first step) of a request in ``mode``, seconds: the profile's
+        ``handoff_wait_s`` and ``d_first_step_s`` in a P/D mode (0 where absent: then inside b0), (0, 0)
+        in ``aggregated`` (no hand-off)."""
+        if mode == AGGREGATED:
+            return 0.0, 0.0
+        return (self.handoff_wait_s.value if self.handoff_wait_s else 0.0,
+                self.d_first_step_s.value if self.d_first_step_s else 0.0)
+
     def pull_s(self, tokens: np.ndarray) -> np.ndarray:
         """Seconds to pull ``tokens`` tokens of KV from D (0 where tokens is 0)."""
         t = np.asarray(tokens, dtype=float)
@@ -186,25 +204,30 @@ class CostProfile(BaseModel):
         fit = self.prefill_fit(mode)
         n = np.asarray(prompt_tokens, dtype=float)
         cached = np.minimum(np.asarray(cached_tokens, dtype=float), n)
-        return self.b0(mode) + fit.cost_s(n) - fit.cost_s(cached) + self.pull_s(pulled_tokens)
+        return (self.b0(mode) + sum(self.handoff_s(mode)) + fit.cost_s(n) - fit.cost_s(cached)
+                + self.pull_s(pulled_tokens))
 
     def at_speed(self, factor: float, why: str, compute_factor: float | None = None,
-                 compute_why: str | None = None) -> CostProfile:
-        """This profile on a machine ``factor`` times slower (> 1) or faster (< 1): every b0 and the
-        prefill curves c(x) (P's and the aggregated worker's) multiplied by ``factor``, or the
+                 compute_why: str | None = None, context_factor: float | None = None) -> CostProfile:
+        """This profile on a machine ``factor`` times slower (> 1) or faster (< 1): every b0, the
+        hand-off terms and the prefill curves c(x) (P's and the aggregated worker's) multiplied by ``factor``, or the
         curves by ``compute_factor`` when given (the compute probe's, docs/planner/calibration.md);
-        pulls, KV space, decode and render unchanged. ``why`` (and ``compute_why``) join each
+        pulls, KV space, decode and render unchanged. With ``context_factor`` (the cached-prefix
+        probe's, docs/planner/calibration.md) the curves' quadratic (attention's context) terms
+        take it and their linear terms ``compute_factor``. ``why`` (and ``compute_why``) join each
         scaled figure's source."""
         def scaled(f: Sourced | None, by: float = factor, because: str = why) -> Sourced | None:
             return None if f is None else Sourced(value=f.value * by, source=f"{f.source}; x {by:.4g} ({because})")
 
         cf, cw = (factor, why) if compute_factor is None else (compute_factor, compute_why or why)
+        xf = cf if context_factor is None else context_factor
         return self.model_copy(update={
             "b0_default_s": scaled(self.b0_default_s), "b0_s": {m: scaled(b) for m, b in self.b0_s.items()},
+            "handoff_wait_s": scaled(self.handoff_wait_s), "d_first_step_s": scaled(self.d_first_step_s),
             "prefill_a1_s_per_token": scaled(self.prefill_a1_s_per_token, cf, cw),
-            "prefill_a2_s_per_token2": scaled(self.prefill_a2_s_per_token2, cf, cw),
+            "prefill_a2_s_per_token2": scaled(self.prefill_a2_s_per_token2, xf, cw),
             "aggregated_prefill_a1_s_per_token": scaled(self.aggregated_prefill_a1_s_per_token, cf, cw),
-            "aggregated_prefill_a2_s_per_token2": scaled(self.aggregated_prefill_a2_s_per_token2, cf, cw)})
+            "aggregated_prefill_a2_s_per_token2": scaled(self.aggregated_prefill_a2_s_per_token2, xf, cw)})
 
     def capacity_tokens(self, role: str) -> int | None:
         """KV space of one worker of ``role`` (prefill, decode, aggregated) in tokens; None: unbounded."""

@@ -316,7 +316,7 @@ def what_would_change(tr: Traffic, profile: CostProfile, base: PlanSettings, cur
                             tr))
     cases.append(WhatIf("two P workers, round-robin routing", profile,
                         replace(current, prefill_workers=2, routing="round-robin"), tr))
-    half = Traffic(**{**tr.__dict__, "arrival_s": tr.arrival_s / 2})
+    half = Traffic(**{**tr.__dict__, "arrival_s": tr.arrival_s / 2, "gap_s": tr.gap_s / 2})   # paced sends too
     cases.append(WhatIf("gaps halved (arrivals at half the time)", profile, current, half))
     items = [(c, st) for c in cases for st in (Strategy.PD, Strategy.PD_BIDIR)]
     done = (executor or LocalExecutor(1)).map(_what_if_one, RecommendJob(tr, profile, base, limits), items,

@@ -127,8 +127,14 @@ class PlanSettings(BaseModel):
     budget per scheduler step (None: the profile's, :attr:`CostProfile.max_num_batched_tokens`;
     neither: first come first served). ``ttft_slo_s``: the SLO on p90 TTFT the forecast is judged
     against (seconds; None: none): a p90 past :data:`planner.overload.SATURATION` times it
-    is an overload (:func:`planner.overload.saturated`). Raises
-    ``pydantic.ValidationError`` when ``prefill_servers``' length is not ``prefill_workers``."""
+    is an overload (:func:`planner.overload.saturated`). ``pace_by_replies``: a request the client sent after its
+    session's previous reply (:meth:`Traffic.paced`) is sent its recorded gap after the forecast
+    reply (:func:`paced_mode_plan`; False: every request at its recorded arrival, open loop).
+    ``p_cache_blocks``: P's own prefix cache kept by blocks in vLLM's order
+    (:func:`block_cache_hits`, looked up when P schedules the request and held until D has read
+    it, from the forecast's own timings; False: an LRU of sessions, :func:`own_cache_hits`).
+    Raises ``pydantic.ValidationError`` when ``prefill_servers``' length is
+    not ``prefill_workers``."""
 
     model_config = ConfigDict(extra="forbid")
     decoder_kv_blocks_ttl_s: float = Field(480.0, gt=0)
@@ -149,6 +155,8 @@ class PlanSettings(BaseModel):
     stop_on_overload: bool = False
     max_num_batched_tokens: int | None = Field(None, gt=0)
     ttft_slo_s: float | None = Field(None, gt=0)
+    pace_by_replies: bool = True
+    p_cache_blocks: bool = False
 
     @model_validator(mode="after")
     def _servers_per_worker(self) -> PlanSettings:
@@ -177,6 +185,8 @@ class Traffic:
     shared_prefix_tokens: np.ndarray
     server_s: np.ndarray         # NaN where unknown
     gap_s: np.ndarray            # NaN where unknown
+    recorded_ttft_s: np.ndarray | None = None   # NaN where unknown; None: none known
+    gap_estimated: np.ndarray | None = None     # bool; None: every gap measured
 
     @classmethod
     def of(cls, requests: Iterable[AgentRequest]) -> Traffic:
@@ -193,6 +203,8 @@ class Traffic:
             "shared_prefix_tokens": np.fromiter((r.shared_prefix_tokens for r in rows), np.int64, len(rows)),
             "server_s": np.fromiter((np.nan if r.server_s is None else r.server_s for r in rows), float, len(rows)),
             "gap_s": np.fromiter((np.nan if r.gap_s is None else r.gap_s for r in rows), float, len(rows)),
+            "recorded_ttft_s": np.fromiter((np.nan if r.ttft_s is None else r.ttft_s for r in rows), float, len(rows)),
+            "gap_estimated": np.fromiter((r.gap_estimated for r in rows), bool, len(rows)),
         })
         return cls.of_frame(df)
 
@@ -207,7 +219,9 @@ class Traffic:
                    df["request_index"].to_numpy(np.int64), df["arrival_s"].to_numpy(float),
                    df["input_tokens"].to_numpy(np.int64), df["output_tokens"].to_numpy(np.int64),
                    df["shared_prefix_tokens"].to_numpy(np.int64), df["server_s"].to_numpy(float),
-                   df["gap_s"].to_numpy(float))
+                   df["gap_s"].to_numpy(float),
+                   df["recorded_ttft_s"].to_numpy(float) if "recorded_ttft_s" in df else None,
+                   df["gap_estimated"].to_numpy(bool) if "gap_estimated" in df else None)
 
     def __len__(self) -> int:
         return len(self.arrival_s)
@@ -217,7 +231,53 @@ class Traffic:
         codes = pd.factorize(self.session_code[rows])[0].astype(np.int64)
         return Traffic(self.source[rows], self.session[rows], codes, self.request_index[rows],
                        self.arrival_s[rows], self.input_tokens[rows], self.output_tokens[rows],
-                       self.shared_prefix_tokens[rows], self.server_s[rows], self.gap_s[rows])
+                       self.shared_prefix_tokens[rows], self.server_s[rows], self.gap_s[rows],
+                       None if self.recorded_ttft_s is None else self.recorded_ttft_s[rows],
+                       None if self.gap_estimated is None else self.gap_estimated[rows])
+
+    def previous(self) -> np.ndarray:
+        """Each request's session's previous request (by ``request_index``), its position; -1 for a
+        session's first request."""
+        prev = np.full(len(self), -1)
+        order = np.lexsort((self.request_index, self.session_code))
+        same = self.session_code[order][1:] == self.session_code[order][:-1]
+        prev[order[1:][same]] = order[:-1][same]
+        return prev
+
+    def paced(self) -> np.ndarray:
+        """Which requests a client sent after its session's previous reply: a follow-up whose gap
+        the traffic measured (``gap_s`` known, not estimated: the client's time from that reply's
+        end). A session's first request, and a follow-up of an open-loop trace or with an
+        estimated gap, keeps its recorded arrival."""
+        estimated = np.zeros(len(self), bool) if self.gap_estimated is None else self.gap_estimated
+        return (self.previous() >= 0) & ~np.isnan(self.gap_s) & ~estimated
+
+    def reply_decode_s(self, profile: CostProfile) -> np.ndarray:
+        """The part of each request's reply after its first token, seconds: the recorded server
+        time less the recorded TTFT where the traffic has both (the store's runs), else the
+        profile's decode (:func:`decode_times`)."""
+        forecast = decode_times(self, profile)
+        if self.recorded_ttft_s is None:
+            return forecast
+        recorded = self.server_s - self.recorded_ttft_s
+        return np.where(np.isnan(recorded), forecast, np.maximum(recorded, 0.0))
+
+    def paced_arrivals(self, ttft_s: np.ndarray, decode_s: np.ndarray) -> np.ndarray:
+        """Each request's send, seconds on the traffic's clock, with every :meth:`paced` request
+        placed its ``gap_s`` after its session's previous reply ends: that request's (placed) send
+        plus its forecast TTFT (``ttft_s``) plus ``decode_s``; other requests keep ``arrival_s``. A
+        reply forecast ``x`` seconds later than recorded moves every later send of its session by ``x``."""
+        prev, paced = self.previous(), self.paced()
+        out = self.arrival_s.astype(float).copy()
+        order = np.lexsort((self.request_index, self.session_code))
+        prev_l, paced_l, gap = prev.tolist(), paced.tolist(), self.gap_s.tolist()
+        reply = (np.asarray(ttft_s, float) + np.asarray(decode_s, float)).tolist()
+        vals = out.tolist()
+        for i in order.tolist():
+            if paced_l[i]:
+                j = prev_l[i]
+                vals[i] = vals[j] + reply[j] + gap[i]
+        return np.asarray(vals)
 
     @property
     def horizon_s(self) -> float:
@@ -254,7 +314,9 @@ class ModePlan:
     after each change (bidirectional modes; empty otherwise); ``d_full_events``: handles lost;
     ``d_peak_in_use_bytes``: the most KV in use on D at once, pinned handles plus running requests
     (:attr:`planner.decode_admission.DecodeAdmission.peak_in_use_blocks`; NaN where D's
-    queue is not modelled), what ``vllm:kv_cache_usage_perc`` measures."""
+    queue is not modelled), what ``vllm:kv_cache_usage_perc`` measures. ``arrival_s``: each
+    request's send in this forecast, seconds on the traffic's clock (the recorded one, or placed
+    after the forecast reply of its session's previous request: :func:`paced_mode_plan`)."""
 
     mode: str
     outcome: np.ndarray
@@ -272,6 +334,7 @@ class ModePlan:
     d_peak_in_use_bytes: float = np.nan
     overload: Overload | None = None
     contention_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    arrival_s: np.ndarray | None = None
 
     @property
     def recomputed_tokens(self) -> np.ndarray:
@@ -312,6 +375,10 @@ class ModePlan:
             for name in ("outcome", "pulled_tokens", "local_tokens", "ttft_s", "handle_age_s", "queue_wait_s",
                          "prompt_tokens"):
                 getattr(out, name)[rows] = getattr(m, name)
+            if m.arrival_s is not None:
+                if out.arrival_s is None:
+                    out.arrival_s = np.full(n, np.nan)
+                out.arrival_s[rows] = m.arrival_s
             for name in ("decode_wait_s", "contention_s"):
                 if getattr(m, name).size:
                     if not getattr(out, name).size:
@@ -783,6 +850,8 @@ def plan(requests: Iterable[AgentRequest] | Traffic, profile: CostProfile,
     """Forecast every request of ``requests`` in each of ``settings.modes``.
 
     With ``settings.separate_sources`` each source is planned alone (:func:`plan_each_source`).
+    With ``settings.pace_by_replies`` (the default) each mode's paced requests (:meth:`Traffic.paced`)
+    are sent their recorded gap after that mode's forecast reply (:func:`paced_mode_plan`).
     Raises ValueError for no requests or an unknown mode."""
     settings = settings or PlanSettings()
     tr = requests if isinstance(requests, Traffic) else Traffic.of(requests)
@@ -791,64 +860,194 @@ def plan(requests: Iterable[AgentRequest] | Traffic, profile: CostProfile,
     unknown = sorted(set(settings.modes) - set(MODES))
     if unknown:
         raise ValueError(f"unknown mode(s) {', '.join(unknown)}; modes are {', '.join(MODES)}")
-    block = settings.block_size or profile.block_size
-    n = tr.input_tokens
-    zeros = np.zeros(len(tr), dtype=np.int64)
     notes = []
     if profile.decode_kv_space_bytes is None:
         notes.append("D's KV space is not in the profile: pinned KV is unbounded (no miss_d_full).")
     if np.isnan(tr.server_s).any() and profile.decode_s_per_token is None:
         notes.append("Some requests have no server time and the profile no decode time per token: they "
                      "finish at their forecast TTFT (handles pinned earlier than in reality).")
-    finish = finish_times(tr, profile)
-    p_hits = None
-    if any(serving_mode(m).disaggregated and serving_mode(m).prefill_prefix_cache for m in settings.modes):
-        p_hits = own_cache_hits(tr, profile.capacity_tokens(Role.PREFILL), block, settings.prefill_workers,
-                                settings.routing, with_output=False, shared_prefix_tokens=settings.shared_prefix_tokens)
-    first_seen = ~pd.Series(tr.session_code).duplicated().to_numpy()
+    pace = settings.pace_by_replies and bool(tr.paced().any())
+    shared = _SharedWork(tr, profile, settings)
     out: dict[str, ModePlan] = {}
-    no_age = np.full(len(tr), np.nan)
     for mode in settings.modes:
-        kind = serving_mode(mode)
-        p_cache = p_hits if kind.prefill_prefix_cache else None
-        held_t, held_b, d_full, ages, pulled, d_peak = np.zeros(0), np.zeros(0), 0, no_age, zeros, np.nan
-        if not kind.disaggregated:
-            local = own_cache_hits(tr, profile.capacity_tokens(Role.AGGREGATED), block, settings.aggregated_workers,
-                                   settings.routing, with_output=True,
-                                   shared_prefix_tokens=settings.shared_prefix_tokens)
-            outcome = np.zeros(len(tr), dtype=np.int8)
-        elif not kind.bidirectional:
-            local = zeros if p_cache is None else p_cache
-            outcome = np.where(first_seen, _CODE[MISS_FIRST_TURN], _CODE[MISS_NO_HANDLE_RETURNED]).astype(np.int8)
-        prefill = PrefillTtft(tr, settings, mode, ModeCost(tr, profile, settings, mode))
-        if kind.bidirectional:
-            r = simulate_bidir(tr, profile, settings, p_cache, finish, prefill)
-            outcome, pulled, local, ages, d_full = r.outcome, r.pulled, r.local, r.ages, r.d_full
-            ttft, wait, d_wait = r.ttft_s, r.queue_wait_s, r.decode_wait_s
-            held_t, held_b, d_peak = np.asarray(r.pinned.t), np.asarray(r.pinned.b), r.d_peak_in_use_blocks
-        else:
-            ttft, wait = prefill.all(local, pulled, np.zeros(len(tr), dtype=bool))
-            d_wait = np.zeros(len(tr))
-            if kind.disaggregated:
-                d_wait, d_peak = one_way_decode(tr, profile, settings, ttft)
-            ttft = ttft + d_wait
-        contention = host_contention_s(tr, profile, finish, ttft, wait, d_wait)
-        if contention.size:
-            ttft = ttft + contention
-        if (d_wait > 0).any():
-            notes.append(f"{mode}: {int((d_wait > 0).sum())} of {len(tr)} requests wait on D for room in its KV space "
-                         f"(mean {d_wait.mean():,.2f} s, longest {d_wait.max():,.1f} s). Arrivals are the traffic's "
-                         "own (open loop): a request that arrives while its session's previous one is still being "
-                         "served (queued on P or D) finds no handle (miss_consumed), where a client that waits for "
-                         "the reply would have sent it later.")
-        compute = profile.prefill_compute_s(mode, n, local + pulled)
-        mp = ModePlan(mode, outcome, pulled, local, ttft, ages, wait, held_t, held_b, d_full, decode_wait_s=d_wait,
-                      d_peak_in_use_bytes=d_peak * block * profile.kv_bytes_per_token.value,
-                      overload=mode_overload(tr, profile, settings, mode, compute, prefill.server, ttft, wait, d_wait,
-                                             held_t, held_b), contention_s=contention)
-        mp.prompt_tokens = n
-        out[mode] = mp
+        out[mode] = paced_mode_plan(tr, profile, settings, mode, _plan_mode(tr, profile, settings, mode, shared, notes),
+                                    notes)
+    if pace:
+        notes.append(f"{int(tr.paced().sum())} of {len(tr)} requests sent their recorded gap after the forecast "
+                     "reply of their session's previous request (each mode its own sends); sessions' first requests "
+                     "at their recorded starts.")
     return Plan(tr, profile, settings, out, notes)
+
+
+class _SharedWork:
+    """What every mode of one traffic shares (computed once): when each request finishes by the
+    traffic's own record (:func:`finish_times`), P's own-cache hits (P/D modes with P's prefix
+    cache), each session's first request."""
+
+    def __init__(self, tr: Traffic, profile: CostProfile, settings: PlanSettings, p_hits: np.ndarray | None = None):
+        self.finish = finish_times(tr, profile)
+        self.first_seen = ~pd.Series(tr.session_code).duplicated().to_numpy()
+        self.p_hits = p_hits
+        if p_hits is None and any(serving_mode(m).disaggregated and serving_mode(m).prefill_prefix_cache for m in settings.modes):
+            self.p_hits = p_cache_hits(tr, profile, settings)
+
+
+def p_cache_hits(tr: Traffic, profile: CostProfile, settings: PlanSettings, start_s: np.ndarray | None = None,
+                 hold_s: np.ndarray | None = None) -> np.ndarray:
+    """Each request's hit in P's own prefix cache, tokens: by blocks (:func:`block_cache_hits`,
+    looked up at ``start_s`` and held ``hold_s``; None: at the arrival, held 0 s) with
+    ``settings.p_cache_blocks``, else by sessions (:func:`own_cache_hits`)."""
+    block = settings.block_size or profile.block_size
+    capacity = profile.capacity_tokens(Role.PREFILL)
+    if settings.p_cache_blocks:
+        start = tr.arrival_s if start_s is None else start_s
+        hold = np.zeros(len(tr)) if hold_s is None else hold_s
+        return block_cache_hits(tr, capacity, block, settings.prefill_workers, settings.routing, start, hold,
+                                settings.shared_prefix_tokens)
+    return own_cache_hits(tr, capacity, block, settings.prefill_workers, settings.routing, with_output=False,
+                          shared_prefix_tokens=settings.shared_prefix_tokens)
+
+
+def block_cache_hits(tr: Traffic, capacity_tokens: int | None, block_size: int, workers: int, routing: str,
+                     start_s: np.ndarray, hold_s: np.ndarray, shared_prefix_tokens: int = 0) -> np.ndarray:
+    """Each request's hit in its prefill worker's own prefix cache, tokens, kept by blocks as vLLM
+    keeps them: :func:`analysis.p_cache_replay.replay_hits` (a freed request's last blocks
+    evicted first, a running request's blocks kept, the hit at most the prompt less its last
+    token) per worker, on ``capacity_tokens // block_size`` blocks less vLLM's null block (None:
+    unbounded). A request is looked up at ``start_s`` (when P schedules it: its arrival plus its
+    wait for P) and holds its blocks ``hold_s`` seconds (until D has read them); a session's block
+    past its ``shared_prefix_tokens`` with its previous request is new content."""
+    from analysis.p_cache_replay import replay_hits
+
+    hits = np.zeros(len(tr), dtype=np.int64)
+    worker = workers_of(tr, workers, routing)
+    total_blocks = int(np.sum(tr.input_tokens // block_size)) + 1
+    blocks = total_blocks if capacity_tokens is None else max(capacity_tokens // block_size - 1, 1)
+    for w in range(workers):
+        rows = np.nonzero(worker == w)[0]
+        if not rows.size:
+            continue
+        df = pd.DataFrame({"session_id": tr.session_code[rows], "sent_s": np.asarray(start_s, float)[rows],
+                           "prompt_tokens": tr.input_tokens[rows], "hold_s": np.asarray(hold_s, float)[rows],
+                           "reusable_tokens": tr.shared_prefix_tokens[rows]})
+        hits[rows] = replay_hits(df, blocks, block_size, shared_prefix_tokens, hold_until="hold_s")
+    return hits
+
+
+#: Rounds of :func:`paced_mode_plan` at most, and the largest change of a send (seconds) it stops at.
+PACE_ROUNDS, PACE_TOLERANCE_S = 12, 1e-4
+
+
+def paced_mode_plan(tr: Traffic, profile: CostProfile, settings: PlanSettings, mode: str, first: ModePlan,
+                    notes: list[str]) -> ModePlan:
+    """``mode``'s forecast settled on its own timings (``first``: the forecast at the recorded sends,
+    with P's cache looked up at the arrivals).
+
+    * Sends (``settings.pace_by_replies``): each paced request (:meth:`Traffic.paced`) is sent
+      ``gap_s`` after its session's previous reply as forecast (:meth:`Traffic.paced_arrivals`:
+      forecast TTFT plus the reply's decode, :meth:`Traffic.reply_decode_s`), so late replies make
+      late turns and a busy worker's queue builds as a waiting client's did.
+    * P's cache by blocks (``settings.p_cache_blocks``, P/D modes with P's prefix cache): each
+      request is looked up when P schedules it (its send plus its wait for P) and holds its blocks
+      until D has read them (its TTFT less its waits and D's first step), :func:`p_cache_hits`.
+
+    A reply's TTFT depends on the sends and hits before it, and they on the replies: the forecast is
+    re-made on what its own timings give until no send moves by more than
+    :data:`PACE_TOLERANCE_S` and no hit changes (a first-come-first-served queue settles in as many
+    rounds as a session has turns), at most :data:`PACE_ROUNDS` rounds (said in ``notes`` when
+    reached). Returns the plan in ``tr``'s order, with ``arrival_s``: each request's forecast send."""
+    kind = serving_mode(mode)
+    pace = settings.pace_by_replies and bool(tr.paced().any())
+    blocks = settings.p_cache_blocks and kind.disaggregated and kind.prefill_prefix_cache
+    if not (pace or blocks):
+        return first
+    decode = tr.reply_decode_s(profile)
+    first_step = profile.handoff_s(mode)[1]
+    mp, sends = first, tr.arrival_s
+    hits = first.local_tokens.copy() if blocks else None   # P's hits of ``first``: looked up at the arrivals
+    for _ in range(PACE_ROUNDS):
+        new_sends = tr.paced_arrivals(mp.ttft_s, decode) if pace else sends
+        new_hits = hits
+        if blocks:
+            d_wait = mp.decode_wait_s if mp.decode_wait_s.size else 0.0
+            hold = np.maximum(mp.ttft_s - mp.queue_wait_s - d_wait - first_step, 0.0)
+            # on the traffic in the order of those sends, as the plan routed it (round-robin counts requests)
+            at = Traffic(**{**tr.__dict__, "arrival_s": sends})
+            order = np.lexsort((at.request_index, at.session, at.arrival_s))
+            new_hits = np.empty(len(tr), dtype=np.int64)
+            new_hits[order] = p_cache_hits(at.select(order), profile, settings, (sends + mp.queue_wait_s)[order],
+                                           hold[order])
+        if np.max(np.abs(new_sends - sends)) <= PACE_TOLERANCE_S and (not blocks or np.array_equal(new_hits, hits)):
+            break
+        sends, hits = new_sends, new_hits
+        moved = Traffic(**{**tr.__dict__, "arrival_s": sends})
+        order = np.lexsort((moved.request_index, moved.session, moved.arrival_s))
+        sub = moved.select(order)
+        work = _SharedWork(sub, profile, settings, None if hits is None else hits[order])
+        mp = _in_order_of(_plan_mode(sub, profile, settings, mode, work, []), order, len(tr))
+    else:
+        notes.append(f"{mode}: the forecast's sends and P's cache hits, re-made on its own timings, still moved "
+                     f"after {PACE_ROUNDS} rounds (the last round's forecast is given).")
+    mp.arrival_s = sends
+    return mp
+
+
+def _in_order_of(mp: ModePlan, order: np.ndarray, n: int) -> ModePlan:
+    """``mp`` (a plan of the requests at positions ``order`` of a traffic of ``n``, in that order)
+    with its per-request arrays put back at those positions; D's pinned KV over time as it was."""
+    out = ModePlan.merged([(order, mp)], n)
+    out.held_t_s, out.held_bytes = mp.held_t_s, mp.held_bytes
+    return out
+
+
+def _plan_mode(tr: Traffic, profile: CostProfile, settings: PlanSettings, mode: str, shared: _SharedWork,
+               notes: list[str]) -> ModePlan:
+    """One mode's forecast of ``tr`` at its sends (``tr.arrival_s``)."""
+    block = settings.block_size or profile.block_size
+    n = tr.input_tokens
+    zeros = np.zeros(len(tr), dtype=np.int64)
+    no_age = np.full(len(tr), np.nan)
+    finish, first_seen, p_hits = shared.finish, shared.first_seen, shared.p_hits
+    kind = serving_mode(mode)
+    p_cache = p_hits if kind.prefill_prefix_cache else None
+    held_t, held_b, d_full, ages, pulled, d_peak = np.zeros(0), np.zeros(0), 0, no_age, zeros, np.nan
+    if not kind.disaggregated:
+        local = own_cache_hits(tr, profile.capacity_tokens(Role.AGGREGATED), block, settings.aggregated_workers,
+                               settings.routing, with_output=True,
+                               shared_prefix_tokens=settings.shared_prefix_tokens)
+        outcome = np.zeros(len(tr), dtype=np.int8)
+    elif not kind.bidirectional:
+        local = zeros if p_cache is None else p_cache
+        outcome = np.where(first_seen, _CODE[MISS_FIRST_TURN], _CODE[MISS_NO_HANDLE_RETURNED]).astype(np.int8)
+    prefill = PrefillTtft(tr, settings, mode, ModeCost(tr, profile, settings, mode))
+    if kind.bidirectional:
+        r = simulate_bidir(tr, profile, settings, p_cache, finish, prefill)
+        outcome, pulled, local, ages, d_full = r.outcome, r.pulled, r.local, r.ages, r.d_full
+        ttft, wait, d_wait = r.ttft_s, r.queue_wait_s, r.decode_wait_s
+        held_t, held_b, d_peak = np.asarray(r.pinned.t), np.asarray(r.pinned.b), r.d_peak_in_use_blocks
+    else:
+        ttft, wait = prefill.all(local, pulled, np.zeros(len(tr), dtype=bool))
+        d_wait = np.zeros(len(tr))
+        if kind.disaggregated:
+            d_wait, d_peak = one_way_decode(tr, profile, settings, ttft)
+        ttft = ttft + d_wait
+    contention = host_contention_s(tr, profile, finish, ttft, wait, d_wait)
+    if contention.size:
+        ttft = ttft + contention
+    if (d_wait > 0).any():
+        notes.append(f"{mode}: {int((d_wait > 0).sum())} of {len(tr)} requests wait on D for room in its KV space "
+                     f"(mean {d_wait.mean():,.2f} s, longest {d_wait.max():,.1f} s). Where the traffic does not "
+                     "record that a client waited for the reply (open loop), a request that arrives while its "
+                     "session's previous one is still being served (queued on P or D) finds no handle "
+                     "(miss_consumed).")
+    compute = profile.prefill_compute_s(mode, n, local + pulled)
+    mp = ModePlan(mode, outcome, pulled, local, ttft, ages, wait, held_t, held_b, d_full, decode_wait_s=d_wait,
+                  d_peak_in_use_bytes=d_peak * block * profile.kv_bytes_per_token.value,
+                  overload=mode_overload(tr, profile, settings, mode, compute, prefill.server, ttft, wait, d_wait,
+                                         held_t, held_b), contention_s=contention)
+    mp.prompt_tokens = n
+    mp.arrival_s = tr.arrival_s
+    return mp
 
 
 def plan_each_source(tr: Traffic, profile: CostProfile, settings: PlanSettings) -> Plan:

@@ -247,6 +247,11 @@ class HandleTable:
             dropped += 1
         return dropped
 
+    def forget(self, session_id: str) -> None:
+        """Drop the session and its handle (the proxy's own canary: no client turn follows it, so
+        its handle is not counted among the live ones; D frees its blocks at its TTL)."""
+        self._entries.pop(session_id, None)
+
     def live_handles(self) -> list[Handle]:
         """Handles not yet consumed nor expired."""
         self._sweep()

@@ -70,6 +70,7 @@ from core.modes import AGGREGATED
 from core.tokenize_client import TokenizeError, render_request, tokenize_async
 from serving import handles as h
 from serving.api_keys import SecretRef, bearer, resolve_optional
+from serving.canary import CanaryReport, canary_max_tokens, run_canary
 from serving.client_disconnect import run_until_client_gone
 from serving.decode_lifetimes import DecodeLifetimes
 from serving.prefix_index import DEFAULT_CAPACITY_BLOCKS, BlockChains, PrefixIndex
@@ -127,6 +128,8 @@ class ProxyConfig(BaseModel):
     ``api_key``: where the key the proxy demands of its clients is read from (None: it demands none;
     ``/health`` and ``/metrics`` stay open, as vLLM's do). ``tls``: how ``https://`` workers'
     certificates are verified (``serving.upstream_tls``).
+    ``canary_reference``: the worker ``POST /canary`` compares the serving path with
+    (``serving.canary``; None: the first prefill worker, P alone, or the aggregated one).
     """
 
     mode: str
@@ -149,6 +152,7 @@ class ProxyConfig(BaseModel):
     decode_probe_interval_s: float = Field(1.0, ge=0)
     api_key: SecretRef | None = None
     tls: UpstreamTLS = Field(default_factory=UpstreamTLS)
+    canary_reference: Worker | None = None
 
 
 #: Paths the proxy serves without its API key: the health check and Prometheus' scrape (vLLM guards
@@ -212,7 +216,8 @@ class SessionProxy:
 
     def __init__(self, config: ProxyConfig):
         self.config = config
-        workers = config.prefill + config.decode + config.aggregated
+        workers = config.prefill + config.decode + config.aggregated + (
+            [config.canary_reference] if config.canary_reference else [])
         self.worker_headers = {w.name: bearer(resolve_optional(w.api_key, f"worker {w.name}'s api_key"))
                                for w in workers}
         key = resolve_optional(config.api_key, "the proxy's api_key")
@@ -317,6 +322,31 @@ class SessionProxy:
         r = await self.client.post(worker.url + "/tokenize", content=raw_body,
                                    headers={"content-type": "application/json"} | self.auth(worker))
         return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+    async def canary(self, served: httpx.AsyncClient, authorization: str | None, model: str | None) -> CanaryReport:
+        """``POST /canary``: the known-answer canary (``serving.canary``) through ``served`` (a client
+        of this proxy's own app, so the canary takes every step a client's request takes) against
+        the reference worker; counted in ``turnscope_canaries_total{result}`` and, when the tokens
+        differ, ``turnscope_canary_mismatches_total``; logged as one ``canary`` line."""
+        ref = self.config.canary_reference or (self.config.prefill or self.config.aggregated)[0]
+        if model is None:  # the reference's served model (a failed look-up makes the canary an error)
+            try:
+                r = await self.client.get(ref.url + "/v1/models", headers=self.auth(ref))
+                model = r.json()["data"][0]["id"]
+            except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+                model = "unknown"
+        headers = {"authorization": authorization} if authorization else {}
+        max_tokens = canary_max_tokens(self.config.block_size, self.config.kv_recompute_threshold)
+        report = await run_canary(served, self.client, ref.url, ref.name, model, max_tokens,
+                                  served_headers=headers, reference_headers=self.auth(ref))
+        self.table.forget(report.session)  # no client turn follows: its handle is no live handle
+        self.metrics.canaries.labels(report.result).inc()
+        if report.result == "mismatch":
+            self.metrics.canary_mismatches.inc()
+        log.info(json.dumps({"event": "canary", "result": report.result, "reference": ref.name,
+                             "first_mismatch": [t.first_mismatch for t in report.turns],
+                             "reuse": [t.reuse for t in report.turns], "error": report.error}))
+        return report
 
     # -- a generate request, step by step -----------------------------------------------------------
 
@@ -826,6 +856,13 @@ def create_app(config: ProxyConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await proxy.generate("/v1/completions", request)
+
+    @app.post("/canary")
+    async def canary(request: Request):
+        body = await request.json() if await request.body() else {}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as served:
+            report = await proxy.canary(served, request.headers.get("authorization"), body.get("model"))
+        return JSONResponse(report.model_dump())
 
     return app
 

@@ -63,6 +63,15 @@ class ProxyMetrics:
         self.handles_dropped_restart = Counter("turnscope_handles_dropped_restart",
                                                "Handles dropped because their decode worker restarted.",
                                                registry=r)
+        self.canaries = Counter(
+            "turnscope_canaries",
+            "Known-answer canaries run (POST /canary, serving.canary) by result: match, mismatch (the serving "
+            "path answered 200 with other tokens than the reference worker), error (a request failed).",
+            ["result"], registry=r)
+        self.canary_mismatches = Counter(
+            "turnscope_canary_mismatches",
+            "Known-answer canaries whose serving path answered other tokens than the reference worker, "
+            "greedily, for the same prompt.", registry=r)
         self.prefill_leg = Histogram("turnscope_prefill_leg_seconds", "Wall time of the prefill leg.",
                                      buckets=LATENCY_BUCKETS_S, registry=r)
         self.ttft = Histogram("turnscope_ttft_seconds",

@@ -25,7 +25,6 @@ if not sel.run_ids:
 
 run_ids = sel.run_ids
 f = sel.filter
-outcomes = load(sel.root, queries.reuse_outcomes, f, headline.MIN_TURN_INDEX)
 
 # --- headline ---------------------------------------------------------------------------------
 st.subheader("Headline: TTFT from the second turn on")
@@ -64,9 +63,13 @@ if not ratios:
 if ratios:
     for line in headline.missing_pairs(later_modes):
         st.caption(line)
+# the outcomes after the headline's numbers: a page sends its numbers before what explains them
+outcomes = load(sel.root, queries.reuse_outcomes, f, headline.MIN_TURN_INDEX)
 for line in headline.all_miss_warnings(outcomes):
     st.warning(line)
 for run_id, line in pd_check.failed_runs(load(sel.root, queries.decode_prompt_sources, run_ids)).items():
+    st.error(f"Run `{run_id}` failed its P/D check. {line}")
+for run_id, line in pd_check.canary_failures(load(sel.root, queries.run_canaries, run_ids)).items():
     st.error(f"Run `{run_id}` failed its P/D check. {line}")
 
 # --- per mode ---------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pandas as pd
 import streamlit as st
 
 from dashboard import charts, context, figures, tables
@@ -44,27 +45,36 @@ names = {
     else f"{row.session_id} · {row.run_label} · {row.mode} · {row.history_mode}"
     for k, row in zip(keys, listed.itertuples(), strict=True)
 }
-pick = st.selectbox(
-    "Session (slowest first)" + (f"; the {len(keys)} slowest of {total}" if total > len(keys) else ""),
-    keys,
-    index=None,
-    format_func=names.get,
-    placeholder="pick a session to see its timeline",
-    key="session_pick",
-)
-if pick is None:
-    st.caption("Pick a session above to draw its timeline: each turn's gap, wait for the first token and stream.")
-else:
-    run_id, session_id = pick.split("/", 1)
-    turns = load(sel.root, queries.session_turns, run_id, session_id)
-    # asked for by picking a session: drawn whether or not the page's charts are on
-    st.plotly_chart(figures.session_timeline(turns), key="session_timeline", config=charts.CONFIG)
-    row = listed.iloc[keys.index(pick)]
-    st.caption(
-        f"{row['session_id']} ({row['archetype']}, {row['status']}): {int(row['turns'])} turns, task "
-        f"{row['task_latency_s']:.2f} s = LLM {row['llm_s']:.2f} + tool {row['tool_wait_s']:.2f} + think "
-        f"{row['think_s']:.2f} + pause {row['pause_s']:.2f} s + other."
+
+
+@st.fragment
+def _one_session(root: str, listed: pd.DataFrame, keys: list[str], names: dict[str, str], total: int) -> None:
+    """The session picker and the picked session's timeline: a fragment, so picking one reruns this
+    part alone, not the page's queries and figures above."""
+    pick = st.selectbox(
+        "Session (slowest first)" + (f"; the {len(keys)} slowest of {total}" if total > len(keys) else ""),
+        keys,
+        index=None,
+        format_func=names.get,
+        placeholder="pick a session to see its timeline",
+        key="session_pick",
     )
+    if pick is None:
+        st.caption("Pick a session above to draw its timeline: each turn's gap, wait for the first token and stream.")
+    else:
+        run_id, session_id = pick.split("/", 1)
+        turns = load(root, queries.session_turns, run_id, session_id)
+        # asked for by picking a session: drawn whether or not the page's charts are on
+        st.plotly_chart(figures.session_timeline(turns), key="session_timeline", config=charts.CONFIG)
+        row = listed.iloc[keys.index(pick)]
+        st.caption(
+            f"{row['session_id']} ({row['archetype']}, {row['status']}): {int(row['turns'])} turns, task "
+            f"{row['task_latency_s']:.2f} s = LLM {row['llm_s']:.2f} + tool {row['tool_wait_s']:.2f} + think "
+            f"{row['think_s']:.2f} + pause {row['pause_s']:.2f} s + other."
+        )
+
+
+_one_session(sel.root, listed, keys, names, total)
 
 st.dataframe(
     tables.session_table(listed),

@@ -21,18 +21,25 @@ st.caption(f"Selection: {sel.describe()}. Medians over ok turns; colour is the m
 charts.note("latency by turn index, where each turn's time went and expected vs measured reuse")
 
 # --- latency ----------------------------------------------------------------------------------
-by_label = charts.on() and st.segmented_control(
-    "Latency against",
-    ["turn index", "history length"],
-    default="turn index",
-    key="turns_by",
-    help="History length: the turn's prompt tokens (the whole history plus the new turn), in bins.",
-)
-by = "history" if by_label == "history length" else "turn_index"
-latency = load(sel.root, queries.latency_by, f, by) if charts.on() else None
-if latency is not None and latency.empty:
-    st.info("No ok turns in the selection yet.")
-charts.show(lambda: figures.latency_panels(latency, by), "latency_panels")
+@st.fragment
+def _latency(root: str, f: queries.TurnFilter) -> None:
+    """The latency panels and their "Latency against" choice: a fragment, so switching it reruns
+    this part alone, not the page's other queries and figures."""
+    by_label = charts.on() and st.segmented_control(
+        "Latency against",
+        ["turn index", "history length"],
+        default="turn index",
+        key="turns_by",
+        help="History length: the turn's prompt tokens (the whole history plus the new turn), in bins.",
+    )
+    by = "history" if by_label == "history length" else "turn_index"
+    latency = load(root, queries.latency_by, f, by) if charts.on() else None
+    if latency is not None and latency.empty:
+        st.info("No ok turns in the selection yet.")
+    charts.show(lambda: figures.latency_panels(latency, by), "latency_panels")
+
+
+_latency(sel.root, f)
 
 # --- time split -------------------------------------------------------------------------------
 st.subheader("Where each turn's time went")

@@ -32,6 +32,9 @@ class AgentRequest:
       0 for a session's first request. This is what bidirectional P/D can pull back from D instead
       of recomputing (before the recompute threshold and block rounding are applied).
     * ``server_s``: the server's time for the request (prefill + decode) if the trace records it.
+    * ``ttft_s``: the request's recorded time to its first token, if the trace records it (the
+      store's own runs): with ``server_s`` it gives the decode part of the reply, which the planner
+      keeps when it places a session's next request after the forecast reply.
     * ``gap_s``: seconds from the end of the session's previous request to this arrival (the
       client's time: tool calls, the human, pauses); ``None`` for a first request only. Every
       reader keeps it within ``[0, arrival_s - previous arrival_s]`` (:func:`bounded_gap`): the
@@ -63,6 +66,7 @@ class AgentRequest:
     tool_s: float | None = None
     gap_kind: str | None = None
     gap_estimated: bool = False
+    ttft_s: float | None = None
 
     @property
     def new_tokens(self) -> int:

@@ -10,8 +10,10 @@ Per turn row (one run = one source ``run:<run_id>``, one clock: seconds since th
 * ``input_tokens`` / ``output_tokens`` = ``prompt_tokens`` / ``completion_tokens`` (NULL -> 0:
   a failed turn may have none);
 * ``shared_prefix_tokens`` = ``expected_reusable_tokens`` (the longest common prefix of the previous
-  request's prompt + output ids and this prompt's ids, computed by the client), else 0;
-* ``server_s`` = ``e2e_s``; ``gap_s`` = this ``sent_at`` minus the previous turn's ``sent_at`` +
+  request's prompt + output ids and this prompt's ids, computed by the client for every turn: a
+  client that rewrites its history, e.g. strips the reasoning of earlier replies, shares only the
+  previous prompt, and the planner's pulls are cut to it), else 0 (ids unknown);
+* ``server_s`` = ``e2e_s``, ``ttft_s`` = ``turns.ttft_s``; ``gap_s`` = this ``sent_at`` minus the previous turn's ``sent_at`` +
   ``e2e_s`` (the measured client time), clipped to ``[0, start to start]``
   (:func:`~loadgen.traces.agent_request.bounded_gap`). When the previous turn has no ``e2e_s`` (it
   failed or timed out) its end is not recorded: ``gap_s`` is the planned ``gap_before_s`` (what the
@@ -61,7 +63,7 @@ def iter_recorded_runs(store_root: Path | str, run_ids: Sequence[str] | None = N
     con = store.connect(read_only=True)
     try:
         for batch in recorded_runs.turn_batches(con, run_ids):
-            for (run_id, sid, ti, arr, n_in, n_out, shared, e2e, mgap, planned, gkind, prev_arr) in batch:
+            for (run_id, sid, ti, arr, n_in, n_out, shared, e2e, mgap, planned, gkind, prev_arr, ttft) in batch:
                 first = prev_arr is None
                 gap, estimated = (None, False) if first else _gap(float(arr), float(prev_arr), mgap, planned)
                 kind = None if first or gkind in (None, "none") else gkind
@@ -69,7 +71,7 @@ def iter_recorded_runs(store_root: Path | str, run_ids: Sequence[str] | None = N
                     source=f"run:{run_id}", session_id=sid, request_index=int(ti), arrival_s=float(arr),
                     input_tokens=int(n_in), output_tokens=int(n_out), shared_prefix_tokens=int(shared),
                     server_s=e2e, gap_s=gap, tool_s=gap if kind == "tool" else None, gap_kind=kind,
-                    gap_estimated=estimated,
+                    gap_estimated=estimated, ttft_s=ttft,
                 )
     finally:
         con.close()

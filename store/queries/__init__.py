@@ -11,7 +11,7 @@ sidebar's `sidebar`) and their shared `common` parts; the pages' queries are re-
 a page calls ``queries.<function>`` and a search for a function finds its module and its callers.
 The Traffic, Plan and capacity pages and the other readers import their module by name
 (`traffic`, `plan`, `capacity`, `run_report`, `planner_runs`, `recorded_runs`, `ttft_split`,
-`worker_cache`). A query is SQL and what it needs to run it; logic over its rows sits above the
+`worker_cache`, `serve_runs`). A query is SQL and what it needs to run it; logic over its rows sits above the
 store (docs/design.md).
 """
 
@@ -41,6 +41,7 @@ from store.queries.overview import (
     decode_prompt_sources,
     external_kv_tokens,
     reuse_outcomes,
+    run_canaries,
     run_schedules,
     run_summary,
     runs,
@@ -62,4 +63,4 @@ from store.queries.turns import (
     xfer_rates,
 )
 
-__all__ = ["EXTERNAL_KV_SOURCE", "GAP_KINDS", "HANDLE_BYTES", "KV_USAGE", "NOT_RECORDED", "PROMPT_TOKENS_BY_SOURCE", "REUSE_FROM_D_MODES", "TURN_KINDS", "TURN_ROWS_SQL", "TurnFilter", "as_filter", "cache_config", "compare_samples", "compare_stats", "decode_kv_space", "decode_prompt_sources", "external_kv_tokens", "filter_options", "hit_rate_timeline", "kv_transfer", "latency_by", "memory_timeline", "reuse_cost", "reuse_outcomes", "reuse_shortfalls", "reuse_vs_expected", "run_config", "run_schedules", "run_summary", "runs", "server_side", "session_list", "session_turns", "side_hit_rates", "sweep_points", "sweep_transfer", "sweep_turns", "task_split", "time_split", "ttft_by_turn", "ttft_samples", "ttft_stats", "whatif_ttl", "xfer_rates"]
+__all__ = ["EXTERNAL_KV_SOURCE", "GAP_KINDS", "HANDLE_BYTES", "KV_USAGE", "NOT_RECORDED", "PROMPT_TOKENS_BY_SOURCE", "REUSE_FROM_D_MODES", "TURN_KINDS", "TURN_ROWS_SQL", "TurnFilter", "as_filter", "cache_config", "compare_samples", "compare_stats", "decode_kv_space", "decode_prompt_sources", "external_kv_tokens", "filter_options", "hit_rate_timeline", "kv_transfer", "latency_by", "memory_timeline", "reuse_cost", "reuse_outcomes", "reuse_shortfalls", "reuse_vs_expected", "run_canaries", "run_config", "run_schedules", "run_summary", "runs", "server_side", "session_list", "session_turns", "side_hit_rates", "sweep_points", "sweep_transfer", "sweep_turns", "task_split", "time_split", "ttft_by_turn", "ttft_samples", "ttft_stats", "whatif_ttl", "xfer_rates"]

@@ -93,6 +93,14 @@ ORDER BY s.capacity_id DESC, s.mode, s.users
 """
 
 
+def capacity_run_ids(con: duckdb.DuckDBPyConnection, run_ids: Sequence[str]) -> pd.DataFrame:
+    """The runs of ``run_ids`` that are steps of a capacity ramp (column run_id): the ``capacity_steps``
+    view alone, which reads the runs' rows only, so a page asks `capacity_steps` (turns, scrapes and
+    counter increases) only for these. One row per run."""
+    return con.execute("SELECT run_id FROM capacity_steps WHERE run_id IN (SELECT unnest($ids)) ORDER BY run_id",
+                       {"ids": list(run_ids)}).df()
+
+
 def capacity_steps(con: duckdb.DuckDBPyConnection, run_ids: Sequence[str]) -> pd.DataFrame:
     """Per load step and mode of the capacity ramps among ``run_ids``: one row per run.
 

@@ -263,6 +263,28 @@ def decode_prompt_sources(con: duckdb.DuckDBPyConnection, run_ids: TurnFilter | 
     return con.execute(_DECODE_PROMPT_SOURCES, {"run_ids": id_list(as_filter(run_ids).run_ids), "name": PROMPT_TOKENS_BY_SOURCE}).df()
 
 
+_CANARIES = """
+WITH c AS (
+    SELECT run_id, canary_id, any_value(result) AS result,
+           min(turn) FILTER (WHERE first_mismatch IS NOT NULL) AS first_turn,
+           arg_min(first_mismatch, turn) FILTER (WHERE first_mismatch IS NOT NULL) AS first_token
+    FROM run_canaries WHERE run_id IN (SELECT unnest($run_ids)) GROUP BY run_id, canary_id
+)
+SELECT run_id, count(*) AS canaries, count(*) FILTER (WHERE result = 'mismatch') AS mismatched,
+       count(*) FILTER (WHERE result = 'error') AS errors, min(first_turn) AS first_turn,
+       arg_min(first_token, first_turn) AS first_token
+FROM c GROUP BY run_id ORDER BY run_id
+"""
+
+
+def run_canaries(con: duckdb.DuckDBPyConnection, run_ids: TurnFilter | Sequence[str]) -> pd.DataFrame:
+    """Per run of ``run_ids`` with known-answer canaries (the store's ``run_canaries``, one row per
+    turn of each canary): ``canaries``, ``mismatched``, ``errors`` (counts of canaries by result)
+    and the first mismatch's ``first_turn`` / ``first_token`` (NULL: none), the inputs of
+    ``analysis.pd_check.canary_failures``. A DataFrame, one row per run."""
+    return con.execute(_CANARIES, {"run_ids": id_list(as_filter(run_ids).run_ids)}).df()
+
+
 _RUN_SCHEDULES = """
 SELECT run_id, mode, history_mode, json_extract(workload_spec, '$.schedule')::VARCHAR AS schedule
 FROM runs WHERE list_contains($run_ids, run_id)

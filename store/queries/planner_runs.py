@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from core.contract import COMPUTE_PROBE_TOKENS, PROBE_TOKENS
+from core.contract import CACHED_PROBE_TOKENS, COMPUTE_PROBE_TOKENS, PROBE_TOKENS
+from core.modes import serving_mode
 from store.writer import Store
 
 
@@ -62,12 +63,37 @@ def run_config_row(store: Store, run_id: str) -> tuple:
         con.close()
 
 
+#: A run without probes of its own takes those of the ``turnscope serve`` it was recorded through: the
+#: serve's probes (run id ``serve-probes-...``, :class:`turnscope.conductor.speed_probe.ServeProbes`)
+#: whose last start probe precedes the run's start and whose first end probe (if any yet) follows its end.
+_SERVE_PROBES = """
+WITH serve AS (
+    SELECT run_id AS serve_id, max(sent_at) FILTER (WHERE phase = 'start') AS last_start,
+           min(sent_at) FILTER (WHERE phase = 'end') AS first_end
+    FROM run_probes WHERE run_id LIKE 'serve-probes-%' GROUP BY run_id
+), pick AS (
+    SELECT r.run_id, arg_max(v.serve_id, v.last_start) AS serve_id
+    FROM runs r JOIN serve v ON v.last_start <= r.started_at
+         AND (v.first_end IS NULL OR v.first_end >= coalesce(r.finished_at, r.started_at))
+    WHERE r.run_id IN ({marks}) GROUP BY r.run_id
+)
+SELECT p.run_id, median(q.ttft_s) FROM pick p JOIN run_probes q ON q.run_id = p.serve_id
+WHERE q.status = 'ok' AND q.ttft_s > 0 AND q.prompt_tokens = ? GROUP BY p.run_id
+"""
+
+
 def _probe_medians(store: Store, run_ids: Sequence[str], tokens: int) -> dict[str, float]:
+    """Run id -> the median TTFT of its ok probes of ``tokens`` prompt tokens; a run without any takes
+    those of the serve it ran through (:data:`_SERVE_PROBES`)."""
     con = store.connect()
     try:
         rows = con.execute(f"SELECT run_id, median(ttft_s) FROM run_probes WHERE status = 'ok' AND ttft_s > 0 "
                            f"AND prompt_tokens = ? AND run_id IN ({_marks(run_ids)}) GROUP BY run_id",
                            [tokens, *run_ids]).fetchall()
+        own = {r for r, _ in rows}
+        bare = [r for r in run_ids if r not in own]
+        if bare:
+            rows += con.execute(_SERVE_PROBES.format(marks=_marks(bare)), [*bare, tokens]).fetchall()
     finally:
         con.close()
     return {r: float(t) for r, t in rows}
@@ -87,6 +113,18 @@ def compute_probe_s(store: Store, run_ids: Sequence[str]) -> dict[str, float]:
     without both (recorded before the compute probe) are absent."""
     short, long = probe_ttft_s(store, run_ids), _probe_medians(store, run_ids, COMPUTE_PROBE_TOKENS)
     return {r: long[r] - short[r] for r in long if r in short}
+
+
+def cached_probe_s(store: Store, run_ids: Sequence[str]) -> dict[str, float]:
+    """Run id -> the median TTFT of its cached-prefix probes less that of its short probes
+    (:data:`core.contract.CACHED_PROBE_TOKENS`, ``PROBE_TOKENS``), seconds: attention's
+    context term on the run's machine, ``a2 x 2^20`` of its c(x), where the probed worker kept its
+    prefix cache on (``runs.mode`` aggregated, pd or pd-bidir); other runs, and runs recorded
+    before the probe, are absent."""
+    short, cached = probe_ttft_s(store, run_ids), _probe_medians(store, run_ids, CACHED_PROBE_TOKENS)
+    rows = run_rows(store, [r for r in cached if r in short]) if cached else pd.DataFrame(columns=["run_id", "mode"])
+    on = {r.run_id for r in rows.itertuples() if serving_mode(r.mode).prefill_prefix_cache}
+    return {r: cached[r] - short[r] for r in cached if r in short and r in on}
 
 
 def runs_of(store: Store, modes: Sequence[str]) -> list[str]:

@@ -9,14 +9,14 @@ import duckdb
 
 _SQL = """
 SELECT run_id, session_id, turn_index, arrival_s, input_tokens, output_tokens, shared_prefix_tokens, e2e_s,
-       measured_gap_s, gap_before_s, gap_kind, lag(arrival_s) OVER s AS prev_arrival_s
+       measured_gap_s, gap_before_s, gap_kind, lag(arrival_s) OVER s AS prev_arrival_s, ttft_s
 FROM (
     SELECT run_id, session_id, turn_index,
            epoch(sent_at) - epoch(min(sent_at) OVER (PARTITION BY run_id)) AS arrival_s,
            coalesce(prompt_tokens, 0) AS input_tokens,
            coalesce(completion_tokens, 0) AS output_tokens,
            coalesce(expected_reusable_tokens, 0) AS shared_prefix_tokens,
-           e2e_s,
+           e2e_s, ttft_s,
            epoch(sent_at) - epoch(lag(sent_at) OVER s) - lag(e2e_s) OVER s AS measured_gap_s,
            gap_before_s, gap_kind
     FROM turns
@@ -35,7 +35,8 @@ def turn_batches(con: duckdb.DuckDBPyConnection, run_ids: Sequence[str] | None =
     session_id, turn_index, arrival_s (seconds since the run's first send), input_tokens,
     output_tokens, shared_prefix_tokens (the client's expected reusable tokens), e2e_s (seconds,
     None when not recorded), measured_gap_s (the previous turn's end to this send, s), gap_before_s
-    (planned, s), gap_kind, prev_arrival_s (None for a session's first turn)."""
+    (planned, s), gap_kind, prev_arrival_s (None for a session's first turn), ttft_s (the recorded
+    TTFT, s; None when not recorded)."""
     where, params = "", []
     if run_ids is not None:
         where = f"AND run_id IN ({', '.join('?' for _ in run_ids)})" if run_ids else "AND false"

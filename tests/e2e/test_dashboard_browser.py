@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from dashboard import pages
-from dashboard.charts import LABEL as CHARTS_LABEL
 from tests import capacity_store, dashboard_store, eviction_store, sweep_store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -187,45 +186,8 @@ def _open(browser, url: str, title: str, charts: int):
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto(url, wait_until="domcontentloaded")
     page.get_by_role("heading", name=title, exact=True).wait_for(timeout=60_000)
-    if charts:
-        draw_charts(page)
-    _wait_charts(page, charts)
+    _wait_charts(page, charts)  # charts are drawn by default (dashboard/charts.py): no click
     return page, errors
-
-
-#: Notes, in the page, each run of the script the toggle starts (Streamlit's own ``data-test-script-state``).
-WATCH_RUNS = """() => {
-  const app = document.querySelector('[data-testid="stApp"]');
-  window.__tsRan = false;
-  new MutationObserver(() => { if (app.getAttribute('data-test-script-state') === 'running') window.__tsRan = true; })
-    .observe(app, {attributes: true, attributeFilter: ['data-test-script-state']});
-}"""
-
-
-def draw_charts(page) -> None:
-    """Press the sidebar's "Draw charts" (dashboard/charts.py: charts are off by default) once the page is
-    idle, and wait for the rerun it starts to finish."""
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
-
-    ran = ("window.__tsRan && document.querySelector('[data-testid=\"stApp\"]')"
-           ".getAttribute('data-test-script-state') !== 'running'")
-    button = page.get_by_test_id("stSidebar").get_by_role("button", name=CHARTS_LABEL)
-    for attempt in range(2):
-        _wait_idle(page)
-        page.evaluate(WATCH_RUNS)
-        button.click(timeout=60_000)
-        try:
-            page.wait_for_function(ran, timeout=30_000 if attempt == 0 else 60_000)
-            return
-        except PlaywrightTimeout:
-            # seen twice in full suites on a loaded 2-core machine (never alone): the click landed
-            # while Streamlit was still wiring the page and started no rerun. Press it once more,
-            # unless it did flip (the button then reads "Hide charts": the rerun was only missed)
-            _wait_idle(page)
-            if attempt or button.count() == 0:
-                if button.count() == 0:
-                    return
-                raise
 
 
 def _wait_charts(page, charts: int) -> None:
@@ -236,11 +198,15 @@ def _wait_charts(page, charts: int) -> None:
     _wait_idle(page)
 
 
+#: Streamlit idle: its script has run and is not running (the app's ``data-test-script-state``:
+#: ``initial`` before the first run, then ``running`` / ``notRunning``) and no "running" status widget
+#: is shown. Without the first condition a slow page's first run could look idle before it began.
+IDLE = ("document.querySelector('[data-testid=\"stApp\"]')?.getAttribute('data-test-script-state') === 'notRunning'"
+        " && !document.querySelector('[data-testid=\"stStatusWidget\"]')")
+
+
 def _wait_idle(page) -> None:
-    # Streamlit shows a "running" status widget while the script runs; wait for it to go.
-    page.wait_for_function(
-        "!document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=60_000
-    )
+    page.wait_for_function(IDLE, timeout=60_000)
 
 
 def _tags(html: str) -> list[tuple[str, dict]]:

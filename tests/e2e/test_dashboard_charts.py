@@ -30,7 +30,6 @@ from tests.e2e.test_dashboard_browser import (  # noqa: F401  (browser: a fixtur
     _streamlit,
     _wait_idle,
     browser,
-    draw_charts,
 )
 
 pytestmark = [
@@ -131,9 +130,7 @@ def _check_pages(browser, url: str, store: str, pages=PAGES) -> dict[str, int]: 
         page.on("pageerror", lambda e, errors=errors: errors.append(str(e)))
         page.goto(f"{url}/{path}", wait_until="domcontentloaded")
         page.get_by_role("heading", name=title, exact=True).wait_for(timeout=60_000)
-        _settle(page)
-        draw_charts(page)  # the charts are behind the sidebar's "Draw charts" (dashboard/charts.py)
-        _settle(page)
+        _settle(page)  # the default view: charts drawn without a click (dashboard/charts.py)
         if title == "Sessions" and page.locator('[data-testid="stSelectbox"]').count():
             page.locator('[data-testid="stSelectbox"]').first.click(timeout=60_000)
             page.get_by_role("option").first.click(timeout=60_000)
@@ -284,7 +281,6 @@ def test_load_curve_draws_its_data(fleet_url, browser):  # noqa: F811
     page.goto(f"{fleet_url}/plan", wait_until="domcontentloaded")
     page.get_by_role("heading", name="Plan", exact=True).wait_for(timeout=60_000)
     _settle(page)
-    draw_charts(page)
     page.wait_for_function("document.querySelectorAll('.js-plotly-plot .main-svg').length >= 1", timeout=60_000)
     _settle(page)
     fig = page.evaluate(READ_LOAD_CURVE)

@@ -34,7 +34,8 @@ legs and plain requests alike): ``{"what": "status", "status": 500}`` answers th
 ``{"what": "hang", "hang_s": s, "after": k}`` stops answering for ``s`` seconds (a decode leg after
 ``k`` tokens); ``{"what": "drop", "after": k}`` closes the connection after ``k`` tokens (decode);
 ``{"what": "kill", "after": k}`` SIGKILLs the whole process (a prefill leg: on receipt; a decode
-leg: after ``k`` tokens). Run as a process: ``python -m tests.integration.kv_stub --role decode
+leg: after ``k`` tokens); ``{"what": "corrupt_kv"}`` makes the KV a leg pulls wrong at one position
+(the leg answers 200; its tokens, or the next leg's, are then wrong: ``kv_ok`` false). Run as a process: ``python -m tests.integration.kv_stub --role decode
 --port N [--ttl-s S] [--block-size B] [--stats-file F] [--faults JSON]``.
 """
 
@@ -212,6 +213,15 @@ def kv_app(role: str, port: int, *, block_size: int = 4, ttl_s: float = 480.0, s
             ids = encode(body.get("prompt") or "")
         return {"tokens": ids, "count": len(ids), "max_model_len": 1 << 20}
 
+    def corrupted(pulled: list[int], fault: dict[str, Any] | None) -> list[int]:
+        """The pulled KV, its middle token's KV wrong under a ``corrupt_kv`` fault (a pull that
+        "recovered" with garbage: the request still answers 200)."""
+        if not fault or fault["what"] != "corrupt_kv" or not pulled:
+            return pulled
+        out = list(pulled)
+        out[len(out) // 2] += 1
+        return out
+
     async def generate(request: Request, chat: bool):
         body = await request.json()
         idx = st.requests
@@ -231,10 +241,10 @@ def kv_app(role: str, port: int, *, block_size: int = 4, ttl_s: float = 480.0, s
             if leg == "prefill" and fault["what"] == "hang":
                 await asyncio.sleep(fault["hang_s"])
         if leg == "prefill":
-            return await prefill(body, params, prompt, idx)
+            return await prefill(body, params, prompt, idx, fault)
         return await decode(body, params, prompt, chat, idx, leg, fault)
 
-    async def prefill(body, params, prompt, idx):
+    async def prefill(body, params, prompt, idx, fault):
         await asyncio.sleep(prefill_s)
         kv, pulled = list(prompt), 0
         if params.get("remote_block_ids"):
@@ -242,7 +252,7 @@ def kv_app(role: str, port: int, *, block_size: int = 4, ttl_s: float = 480.0, s
             got = await pull(params, n)
             if got is not None:
                 pulled = len(got)
-                kv = got + prompt[pulled:]
+                kv = corrupted(got, fault) + prompt[pulled:]
         rid = f"p-{idx}-{uuid.uuid4().hex[:6]}"
         async with lock:
             mem.expire()
@@ -263,7 +273,7 @@ def kv_app(role: str, port: int, *, block_size: int = 4, ttl_s: float = 480.0, s
         if leg == "decode":
             got = await pull(params, len(prompt))
             if got is not None:
-                kv = got + prompt[len(got):]
+                kv = corrupted(got, fault) + prompt[len(got):]
         n = int(body.get("max_tokens") or 16)
         gen = gen_ids(kv, n)
         rid = f"d-{idx}-{uuid.uuid4().hex[:6]}"

@@ -33,23 +33,29 @@ def store_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def run_app(monkeypatch: pytest.MonkeyPatch, root: Path) -> AppTest:
     monkeypatch.setenv("TURNSCOPE_STORE", str(root))
-    monkeypatch.setenv(charts.ENV_VAR, "1")  # charts drawn, as with "Draw charts" on
+    monkeypatch.setenv(charts.ENV_VAR, "1")  # charts drawn (the default), whatever the environment says
     at = AppTest.from_file(str(APP), default_timeout=TIMEOUT_S).run()
     assert not at.exception, [e.value for e in at.exception]
     return at
 
 
-def test_charts_are_drawn_only_once_chosen(monkeypatch, store_root):
-    """By default the Overview draws no chart and says how to; "Draw charts" on draws its three
-    (TTFT by turn, reuse outcomes, P's external KV tokens: the test store has prefill samples)."""
+def test_charts_are_drawn_by_default_and_can_be_hidden(monkeypatch, store_root):
+    """By default the Overview draws its three charts (TTFT by turn, reuse outcomes, P's external KV
+    tokens: the test store has prefill samples); "Hide charts" leaves them out and says how to draw
+    them; "Draw charts" brings them back. TURNSCOPE_DASHBOARD_CHARTS=0 starts hidden."""
     monkeypatch.delenv(charts.ENV_VAR, raising=False)
     monkeypatch.setenv("TURNSCOPE_STORE", str(store_root))
     at = AppTest.from_file(str(APP), default_timeout=TIMEOUT_S).run()
+    assert not at.exception and len(at.get("plotly_chart")) == 3
+    assert not any(charts.LABEL in c.value for c in at.caption)
+    at.sidebar.button(key=charts.BUTTON_KEY).click().run()
     assert not at.exception and len(at.get("plotly_chart")) == 0
     assert any(charts.LABEL in c.value for c in at.caption)
     at.sidebar.button(key=charts.BUTTON_KEY).click().run()
     assert not at.exception and len(at.get("plotly_chart")) == 3
-    assert not any(charts.LABEL in c.value for c in at.caption)
+    monkeypatch.setenv(charts.ENV_VAR, "0")
+    at = AppTest.from_file(str(APP), default_timeout=TIMEOUT_S).run()
+    assert not at.exception and len(at.get("plotly_chart")) == 0
 
 
 def raw_sql(root: Path, sql: str) -> list[tuple]:
@@ -201,7 +207,8 @@ def test_store_without_runs(monkeypatch, tmp_path):
 
 
 def test_run_that_just_started(monkeypatch, tmp_path):
-    """A run with its status row but no turns or scrapes yet renders, with the empty charts saying so."""
+    """A run with its status row but no turns or scrapes yet renders, with the empty charts saying so,
+    and the page says it follows the run (dashboard/live.py: a fragment re-reading the store)."""
     store = Store(tmp_path)
     store.init()
     with store.writer("live-1", "test") as w:
@@ -210,7 +217,8 @@ def test_run_that_just_started(monkeypatch, tmp_path):
     at = run_app(monkeypatch, tmp_path)
     assert len(at.metric) == 0
     assert any(i.value.startswith("No headline yet") for i in at.info)
-    assert any("1 still running" in c.value for c in at.sidebar.caption)
+    assert any("1 still recording" in c.value for c in at.sidebar.caption)
+    assert any("`live-1` is recording: this page re-reads the store every" in c.value for c in at.main.caption)
     table = at.dataframe[0].value
     assert list(table["run_id"]) == ["live-1"] and table.loc[0, "turns"] == 0
     assert len(at.get("plotly_chart")) == 2  # by turn and outcomes; no external-KV chart without samples

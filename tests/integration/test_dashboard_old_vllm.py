@@ -61,7 +61,7 @@ def store_root(tmp_path_factory) -> Path:
 
 def open_page(monkeypatch: pytest.MonkeyPatch, root: Path, page: str) -> AppTest:
     monkeypatch.setenv("TURNSCOPE_STORE", str(root))
-    monkeypatch.setenv(charts.ENV_VAR, "1")  # charts drawn, as with "Draw charts" on
+    monkeypatch.setenv(charts.ENV_VAR, "1")  # charts drawn (the default), whatever the environment says
     at = AppTest.from_file(str(APP), default_timeout=60).run()
     if not pages.page(page).default:
         at.switch_page(pages.page(page).script).run()

@@ -45,7 +45,7 @@ def plans_only(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def open_plan(monkeypatch: pytest.MonkeyPatch, root: Path) -> AppTest:
     monkeypatch.setenv("TURNSCOPE_STORE", str(root))
-    monkeypatch.setenv(charts.ENV_VAR, "1")  # charts drawn, as with "Draw charts" on
+    monkeypatch.setenv(charts.ENV_VAR, "1")  # charts drawn (the default), whatever the environment says
     at = AppTest.from_file(str(APP), default_timeout=60).run()
     at.switch_page(pages.page("plan").script).run()
     assert not at.exception, [e.value for e in at.exception]
@@ -94,7 +94,7 @@ def test_check_against_recorded_runs_is_shown(monkeypatch, checked_store):
 
 def test_a_store_with_only_plans_shows_the_plan_page(monkeypatch, plans_only):
     monkeypatch.setenv("TURNSCOPE_STORE", str(plans_only))
-    monkeypatch.setenv(charts.ENV_VAR, "1")  # charts drawn, as with "Draw charts" on
+    monkeypatch.setenv(charts.ENV_VAR, "1")  # charts drawn (the default), whatever the environment says
     at = AppTest.from_file(str(APP), default_timeout=60).run()
     assert not at.exception, [e.value for e in at.exception]
     assert not any(i.value.startswith("No runs yet") for i in at.info)

@@ -31,7 +31,7 @@ def open_sweep(monkeypatch: pytest.MonkeyPatch, root: Path, vendor: bool = True)
     """The Sweep page; with `vendor`, switched to the vendor's view (mean TTFT over every request)
     from the page's default (the dashboard's convention: the median from the second turn)."""
     monkeypatch.setenv("TURNSCOPE_STORE", str(root))
-    monkeypatch.setenv(CHARTS_ENV, "1")  # charts drawn, as with "Draw charts" on
+    monkeypatch.setenv(CHARTS_ENV, "1")  # charts drawn (the default), whatever the environment says
     at = AppTest.from_file(str(APP), default_timeout=60).run()
     at.switch_page(pages.page("sweep").script).run()
     assert not at.exception, [e.value for e in at.exception]

@@ -22,7 +22,7 @@ def test_traffic_page_without_runs(monkeypatch, tmp_path):
     store = Store(tmp_path / "store")
     build_report(store, [DEFAULT_DIR], label="shipped")
     monkeypatch.setenv("TURNSCOPE_STORE", str(store.root))
-    monkeypatch.setenv(charts.ENV_VAR, "1")  # charts drawn, as with "Draw charts" on
+    monkeypatch.setenv(charts.ENV_VAR, "1")  # charts drawn (the default), whatever the environment says
     at = AppTest.from_file(str(APP), default_timeout=120).run()
     # No runs: only the pages that read forecasts and traffic reports are offered, and it says so.
     assert any("traffic reports" in c.value for c in at.sidebar.caption)

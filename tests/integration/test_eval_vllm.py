@@ -111,19 +111,24 @@ def test_eval_pd_nocache_vs_bidir(tmp_path):
     ttft = dict(con.execute("""select mode, median(ttft_s) from turn_breakdown
                                where turn_index >= 1 and status = 'ok' group by mode""").fetchall())
     assert ttft["pd-bidir-nocache"] < ttft["pd-nocache"]
-    # the speed probes: full prefills of the same 256 ids and of 2,048 ids on P, 3 of each at each
+    # the speed probes: full prefills of the same 256 ids and of 2,048 ids on P, then the 2,048 and 256
+    # more (the cached-prefix probe), 3 of each at each
     # run's start and end, outside the run's scrapes (P's prompt-token counter over the run counts
     # the turns' prompts only); the longer one takes longer (it computes 1,792 more tokens)
     probes = con.execute("select run_id, phase, target, prompt_tokens, status, ttft_s from run_probes "
                          "order by run_id, phase desc, prompt_tokens").fetchall()
     assert [(r, p, t, n, st) for r, p, t, n, st, _ in probes] == [
         (run_id, phase, "prefill", n, "ok") for run_id in sorted(run_ids) for phase in ("start", "end")
-        for n in (256, 2048) for _ in range(3)]
+        for n in (256, 2048, 2304) for _ in range(3)]
     assert all(0 < ttft < 30 for *_, ttft in probes)
     from store.queries.planner_runs import compute_probe_s
     from store.writer import Store
     computes = compute_probe_s(Store(tmp_path / "store"), sorted(run_ids))
     assert sorted(computes) == sorted(run_ids) and all(v > 0 for v in computes.values())
+    # the cached-prefix probe (2,304 ids after the compute probe's 2,048) is read only where P keeps
+    # its prefix cache on: the nocache modes' P recomputes it whole
+    from store.queries.planner_runs import cached_probe_s
+    assert cached_probe_s(Store(tmp_path / "store"), sorted(run_ids)) == {}
     counted = dict(con.execute("""
         select run_id, sum(increase) from metric_increases
         where role = 'prefill' and name = 'vllm:prompt_tokens_total' group by run_id""").fetchall())

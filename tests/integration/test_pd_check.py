@@ -91,3 +91,41 @@ def test_the_overview_shows_the_failed_run(tmp_path, monkeypatch):
     assert not at.exception, [e.value for e in at.exception]
     errors = [e.value for e in at.error]
     assert errors == [f"Run `bad` failed its P/D check. {decode_computed_prompts('pd', 10, 4000.0, 0.0)}"]
+
+
+def canary_row(run_id, canary_id, turn, result, first_mismatch, phase="end"):
+    ref = [5, 6, 7, 8]
+    served = ref if first_mismatch is None else ref[:first_mismatch] + [99] * (4 - first_mismatch)
+    return {"run_id": run_id, "phase": phase, "sent_at": T0, "canary_id": canary_id, "result": result,
+            "reference": "prefill-0", "turn": turn, "prompt_tokens": 300, "reuse": "hit" if turn else "miss_first_turn",
+            "first_mismatch": first_mismatch, "reference_ids": ref, "served_ids": served, "error": None}
+
+
+def test_a_run_whose_canary_answered_wrong_tokens_fails_the_check(tmp_path, monkeypatch):
+    """Truth: hand-written canary rows. ``good`` has two matching canaries and its counters say P/D
+    happened; ``wrong`` has the same counters and one of its two canaries differing at turn 1, token 2."""
+    root = tmp_path / "store"
+    store = Store(root)
+    store.init()
+    for run_id in ("good", "wrong"):
+        w = store.writer(run_id, "t", flush_interval_s=60)
+        w.append("runs_log", {"label": "t", "mode": "pd-bidir", "workload": "w", "history_mode": "text", "model": "m",
+                              "started_at": T0, "status": "complete", "finished_at": T0, "updated_at": T0})
+        w.append("run_canaries", canary_row(run_id, "c1", 0, "match", None, "start"))
+        w.append("run_canaries", canary_row(run_id, "c1", 1, "match", None, "start"))
+        bad = run_id == "wrong"
+        w.append("run_canaries", canary_row(run_id, "c2", 0, "mismatch" if bad else "match", None))
+        w.append("run_canaries", canary_row(run_id, "c2", 1, "mismatch" if bad else "match", 2 if bad else None))
+        w.close()
+    failures = pd_check_failures(root, ["good", "wrong"])
+    assert set(failures) == {"wrong"}
+    assert "1 of 2 known-answer canaries" in failures["wrong"] and "turn 1, token 2" in failures["wrong"]
+    out = io.StringIO()
+    assert pd_checked_status(root, "wrong", "complete", Console(file=out, width=300)) == "failed"
+    assert pd_checked_status(root, "good", "complete", Console(file=out, width=300)) == "complete"
+    monkeypatch.setattr(cli, "console", Console(file=out, width=300))
+    cli.print_summary(root, ["good", "wrong"])
+    text = out.getvalue()
+    assert text.count("known-answer canaries: 2, 0 with wrong tokens, 0 failed") == 1
+    assert text.count("known-answer canaries: 2, 1 with wrong tokens, 0 failed") == 1
+    assert "FAILED: The P/D path answered wrong tokens" in text

@@ -289,7 +289,7 @@ def test_each_recorded_run_is_planned_on_its_own_clock(store):
     finally:
         con.close()
     assert len(rows) == 5 * 5 * fx.SESSIONS * fx.TURNS          # 5 modes x 5 runs x 8 turns
-    assert all(w == 0 for *_, w in rows)
+    assert all(abs(w) < 1e-9 for *_, w in rows)   # sends paced by the forecast replies: float rounding only
 
     def n_of(source: str, session: str, k: int) -> int:
         s = int(session[1:])

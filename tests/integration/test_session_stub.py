@@ -62,7 +62,8 @@ def play(store, state, mode, run_id="r1", **kw):
     with StubServer(state) as srv, httpx.Client() as client:
         plan = plan_from_conversation(CONV, session_id=f"s-{mode}", tool_gap_s=TOOL_S, think_gap_s=THINK_S)
         with store.writer(run_id, f"w-{mode}") as writer:
-            return run_session(plan, client, srv.url, "stub-model", writer, run_id, mode, max_tokens=16, **kw)
+            return run_session(plan, client, srv.url, "stub-model", writer, run_id, mode,
+                               max_tokens=kw.pop("max_tokens", 16), **kw)
 
 
 def rows(store, sql):
@@ -122,13 +123,13 @@ def test_three_turn_session_rows_match_injected_truth(store, mode):
         p1 = chatml_len(m[:2] + [sent_reply] + [m[3]])
         assert len(sent[1]) == p1
         assert state.requests[1]["messages"][2] == sent_reply
-        assert [t["expected_reusable_tokens"] for t in turns] == [None, p0 + 2, p1 + 2]
+        assert [t["expected_reusable_tokens"] for t in turns] == [0, p0 + 2, p1 + 2]  # 0: nothing before turn 0
         assert [t["divergence_position"] for t in turns] == [None, p0 + 2, p1 + 2]
     else:
         # prompt = previous prompt + generated ids + <|im_end|> + "\n" + the new messages rendered
         assert sent[1] == sent[0] + REPLY + [IM_END, NL] + encode(render([m[3]], True))
         assert sent[2] == sent[1] + REPLY + [IM_END, NL] + encode(render([m[5]], True))
-        assert [t["expected_reusable_tokens"] for t in turns] == [None, p0 + 4, len(sent[1]) + 4]
+        assert [t["expected_reusable_tokens"] for t in turns] == [0, p0 + 4, len(sent[1]) + 4]
         assert [t["divergence_position"] for t in turns] == [None, None, None]
         assert all("prompt" in r and "messages" not in r for r in state.requests)
     for r in state.requests:
@@ -361,3 +362,31 @@ def test_locust_stops_sessions_at_the_servers_max_model_len(store, max_model_len
     (n,) = rows(store, f"SELECT count(DISTINCT session_id) AS n FROM turns WHERE run_id = '{run_id}'")
     assert n["n"] == sessions_with_turns
     assert len(state.requests) == sessions_with_turns
+
+
+THINKING = encode("<think>why</think>Sure.")   # a reply whose reasoning precedes the answer
+
+
+@pytest.mark.parametrize("mode", ["text", "token_ids"])
+@pytest.mark.parametrize("rewrite, reply", [
+    (None, THINKING),
+    ({"strip_reasoning": True}, THINKING),
+    ({"strip_reasoning": True, "reasoning_share": 0.4}, encode("okxy.")),  # the stand-in: "ok" dropped
+])
+def test_history_that_drifts_shares_only_the_previous_prompt(store, mode, rewrite, reply):
+    """Truth by hand: the stub's char-level ChatML tokenizer re-encodes a reply's text to its ids, so
+    a reply sent back as returned is shared whole (previous prompt + reply); one whose reasoning
+    (or its stand-in) is stripped diverges where the reply begins: only the previous prompt is."""
+    state = StubState(reply_ids=lambda i: list(reply))
+    assert play(store, state, mode, history_rewrite=rewrite, max_tokens=len(reply)).stopped == "complete"
+    turns = rows(store, f"SELECT * FROM turns WHERE session_id = 's-{mode}' ORDER BY turn_index")
+    sent = [r["prompt_ids"] for r in state.requests]
+    expected = [t["expected_reusable_tokens"] for t in turns]
+    if rewrite is None:
+        assert expected[1] >= len(sent[0]) + len(reply)  # the whole reply (token_ids: and the joiner)
+        assert sent[1][:len(sent[0]) + len(reply)] == sent[0] + reply
+    else:
+        assert expected == [0, len(sent[0]), len(sent[1])]
+        assert [t["divergence_position"] for t in turns[1:]] == [len(sent[0]), len(sent[1])]
+        sent_back = state.requests[1]["messages"][2]["content"] if mode == "text" else None
+        assert sent_back in (None, "Sure.", "xy.")

@@ -86,6 +86,8 @@ def test_eval_records_a_probe_at_each_runs_start_and_end(tmp_path, monkeypatch):
                  and q["prompt_ids"] == speed_probe.probe_ids()]
         long_salts = [q.get("cache_salt") for q in srv.state.requests if q.get("max_tokens") == 1
                       and q["prompt_ids"] == speed_probe.probe_ids(2048)]
+        cached_salts = [q.get("cache_salt") for q in srv.state.requests if q.get("max_tokens") == 1
+                        and q["prompt_ids"] == speed_probe.probe_ids(2304)]
     for f in LOG_DIR.glob("stub-probe-*-locust.log"):
         f.unlink()
     shutil.rmtree(tmp_path / "model")
@@ -95,14 +97,18 @@ def test_eval_records_a_probe_at_each_runs_start_and_end(tmp_path, monkeypatch):
                        "FROM run_probes p JOIN runs r USING (run_id) ORDER BY phase DESC, p.sent_at").fetchall()
     con.close()
     run_id = rows[0][0]
-    # three times at each end (speed_probe.PROBES_PER_PHASE) the short probe, then the compute probe
+    # three times at each end (speed_probe.PROBES_PER_PHASE) the short probe, the compute probe, then
+    # the cached-prefix probe (the compute probe's 2,048 ids and 256 more)
     assert [(a, t, e, n, s, after) for _, a, t, e, n, _, s, after in rows] == \
-        [("start", "prefill", srv.url, n, "ok", True) for _ in range(3) for n in (256, 2048)] + \
-        [("end", "prefill", srv.url, n, "ok", True) for _ in range(3) for n in (256, 2048)]
+        [("start", "prefill", srv.url, n, "ok", True) for _ in range(3) for n in (256, 2048, 2304)] + \
+        [("end", "prefill", srv.url, n, "ok", True) for _ in range(3) for n in (256, 2048, 2304)]
+    assert speed_probe.probe_ids(2304)[:2048] == speed_probe.probe_ids(2048)
     assert all(DELAY_S <= ttft < DELAY_S + SLACK_S for *_, ttft, _, _ in rows)
     # each probe its own salt: no prefix cache holds the prompt
     assert salts == [f"turnscope-probe-{run_id}-{phase}-{k}" for phase in ("start", "end") for k in range(3)]
     assert long_salts == [f"turnscope-probe-{run_id}-{phase}-{k}-2048" for phase in ("start", "end") for k in range(3)]
+    # the cached-prefix probe takes its compute probe's salt: it finds that probe's blocks cached
+    assert cached_salts == long_salts
 
 
 @pytest.mark.parametrize("tokens", [1, 256, 4096])
@@ -123,7 +129,42 @@ def test_the_compute_probe_reads_the_compute_alone(tmp_path):
     with StubServer(StubState(ttft_s=0.05, itl_s=0.0, prefill_s_per_token=1e-4)) as srv, \
             store.writer("r1", "test") as w:
         rows = speed_probe.probe_run(w, "r1", "start", [(srv.url, "prefill")], "stub")
-    assert [r["prompt_tokens"] for r in rows] == [256, 2048] * 3 and all(r["status"] == "ok" for r in rows)
+    assert [r["prompt_tokens"] for r in rows] == [256, 2048, 2304] * 3 and all(r["status"] == "ok" for r in rows)
     short, diff = probe_ttft_s(store, ["r1"])["r1"], compute_probe_s(store, ["r1"])["r1"]
     assert 0.0756 <= short < 0.0756 + 0.1                # the sleeps are lower bounds; HTTP adds a little
     assert diff == pytest.approx(0.1792, abs=0.03)       # both probes pay the same HTTP round trip
+
+
+def test_serve_probes_speak_for_the_runs_recorded_through_the_serve(tmp_path):
+    """`turnscope serve`'s probes (speed_probe.ServeProbes) at its start and stop, against a stub that
+    takes 0.1 s to its first token plus 1e-4 s per prompt token: a Locust run recorded between them has
+    no probes of its own and takes the serve's (store.queries.planner_runs); a run recorded before the serve
+    started takes none."""
+    import datetime as dt
+
+    from store.queries.planner_runs import compute_probe_s, probe_ttft_s
+    from store.writer import Store
+
+    store = Store(tmp_path / "store")
+    store.init()
+
+    def run_row(run_id: str, start: dt.datetime, end: dt.datetime) -> None:
+        with store.writer(run_id, "locust") as w:
+            w.append("runs_log", {"run_id": run_id, "mode": "pd-bidir", "started_at": start, "finished_at": end,
+                                  "updated_at": end, "status": "complete"})
+
+    before = dt.datetime.now(dt.UTC) - dt.timedelta(hours=1)
+    run_row("earlier", before, before + dt.timedelta(minutes=1))
+    with StubServer(StubState(ttft_s=0.1, itl_s=0.0, prefill_s_per_token=1e-4)) as srv, \
+            speed_probe.ServeProbes(store, [(srv.url, "prefill")], "stub") as probes:
+        now = dt.datetime.now(dt.UTC)
+        run_row("through-serve", now, now + dt.timedelta(milliseconds=10))
+    assert probes.run_id.startswith("serve-probes-")
+    # three rounds of 256, 2,048 and 2,304 tokens at each end
+    assert [(r["phase"], r["prompt_tokens"]) for r in probes.rows] == \
+        [(phase, n) for phase in ("start", "end") for _ in range(3) for n in (256, 2048, 2304)]
+    short = probe_ttft_s(store, ["earlier", "through-serve"])
+    assert list(short) == ["through-serve"]
+    assert 0.1 + 256e-4 <= short["through-serve"] < 0.1 + 256e-4 + SLACK_S   # the stub's delay is a floor
+    # the compute of 1,792 tokens at 1e-4 s each, both probes paying the same round trip
+    assert compute_probe_s(store, ["through-serve"])["through-serve"] == pytest.approx(0.1792, abs=0.05)

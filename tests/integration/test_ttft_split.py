@@ -133,3 +133,35 @@ def test_plan_check_prints_the_split(store, tmp_path):
     res = CliRunner().invoke(app, ["plan-check", "--check-store", str(store.root), "--profile", str(prof),
                                    "--check-runs", BIDIR, "--no-split"])
     assert "TTFT split" not in res.output
+
+
+def test_split_shows_the_handoff_terms_beside_ds_histograms(store):
+    # a profile with the hand-off apart: D waits 12 ms for P's KV, its first step takes 9 ms
+    prof = _profile().model_copy(update={"handoff_wait_s": Sourced(value=0.012, source="typed"),
+                                         "d_first_step_s": Sourced(value=0.009, source="typed")})
+    _, terms = check_runs_with_terms(store, [BIDIR], prof)
+    measured = ttft_split.measured_terms(ttft_split.measured_sums(store, [BIDIR]))
+    table = ttft_split.split_table(ttft_split.forecast_means(terms), measured).set_index("term")
+    # no room wait on D in the fixture: the wait on D is the hand-off alone; measured 0.16 s / 8
+    assert table.loc["wait on D", "forecast_s"] == pytest.approx(0.012)
+    assert table.loc["wait on D", "measured_s"] == pytest.approx(0.02)
+    assert table.loc["D's first step", "forecast_s"] == pytest.approx(0.009)
+    assert table.loc["D's first step", "measured_s"] == pytest.approx(0.01)
+    # each turn's forecast TTFT holds both terms: b0 + the terms over the fixture's TTFT formula
+    ok = terms[terms["status"] == "ok"].set_index(["session_id", "turn_index"])
+    s, k = _bidir_ok_turns()[0]
+    assert ok.loc[(f"s{s}", k), "ttft"] == pytest.approx(
+        fx.ttft_s("pd-bidir", s, k) + fx.WAITS[("pd-bidir", s, k)] + 0.021, abs=1e-5)
+
+
+def test_the_fit_measures_the_handoff_from_ds_histograms(store):
+    from planner.fit import handoff_terms
+    # one P/D run with D's histograms: D's queue 0.16 s over 8 requests, D's prefill 0.08 s over 8
+    got = handoff_terms(store, [BIDIR])
+    assert got["handoff_wait_s"].value == pytest.approx(0.02)
+    assert got["d_first_step_s"].value == pytest.approx(0.01)
+    # on a run twice as slow as the reference, the terms at the reference's speed are half
+    half = handoff_terms(store, [BIDIR], {BIDIR: 2.0})
+    assert half["handoff_wait_s"].value == pytest.approx(0.01)
+    # runs without D's histograms give nothing
+    assert handoff_terms(store, [fx.RUNS["pd"]]) == {}

@@ -91,7 +91,7 @@ def test_turn_kinds_reach_the_server_as_real_requests(store, mode):
     assert turns[2]["gap_before_s"] >= 0.1 and turns[4]["gap_before_s"] >= 0.1 and turns[5]["gap_before_s"] >= 0.2
     # expected reuse, by hand over the ids the stub saw
     exp = [(t["expected_reusable_tokens"], t["divergence_position"]) for t in turns]
-    assert exp[0] == exp[1] == (None, None)                   # first turn; fresh: its own conversation
+    assert exp[0] == exp[1] == (0, None)                      # first turn; fresh: its own conversation, nothing before
     assert exp[3] == (len(p[2]), len(p[2]))                   # a retry's prompt ends inside the span
     if mode == "text":                                        # the generated XY comes back as x, y
         assert exp[2] == (len(p[0]) + 2, len(p[0]) + 2) and exp[5] == (len(p[4]) + 2, len(p[4]) + 2)

@@ -13,6 +13,7 @@ import itertools
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from loadgen.traces.errors import TraceFormatError
@@ -279,3 +280,30 @@ def test_workload_summary_longest_gap_of_a_mooncake_replay(tmp_path):
     wf.write_text(f"name: m\nsessions: 0\ntraces:\n  - {{format: mooncake, path: {trace}, token_scale: 0.1}}\n")
     plans = plan_workload(load_workload(wf), TextSynth(LocalTokenizer(tokenizer_json()), 0))
     assert "longest gap 88.5 s" in describe(plans)  # 95.5 s - 7.0 s, by hand
+
+
+def test_a_recorded_run_whose_client_stripped_its_history_is_planned_with_less_to_pull(tmp_path):
+    """The planner's reuse of a recorded run is each turn's ``expected_reusable_tokens``. Truth by
+    hand (vLLM's CPU blocks of 128, threshold 64): turn 0 of 1,000 prompt tokens + 32 generated
+    leaves D holding 1,031; P holds the prompt's whole blocks, 896. The client that sends the
+    reply back shares all 1,031 tokens: P pulls 1,031 - 896 = 135. The one that strips the reply's
+    reasoning shares only the 1,000 of the prompt: the handle is cut to 896, which P holds, and
+    nothing is pulled."""
+    from loadgen.traces.recorded_runs import read_recorded_runs
+    from planner.simulate import Traffic, pull_if_hit
+    from store.writer import Store
+
+    s = Store(tmp_path / "store")
+    s.init()
+    t0 = dt.datetime(2026, 11, 1, tzinfo=dt.UTC)
+    for run_id, shared in (("as-returned", 1032), ("stripped", 1000)):
+        with s.writer(run_id, "w") as w:
+            w.append("runs_log", {"run_id": run_id, "status": "complete", "updated_at": t0})
+            for i, (prompt, exp) in enumerate([(1000, 0), (1100, shared)]):
+                w.append("turns", {"session_id": "a", "turn_index": i, "sent_at": t0 + dt.timedelta(seconds=10 * i),
+                                   "e2e_s": 1.0, "prompt_tokens": prompt, "completion_tokens": 32, "gap_kind": "tool",
+                                   "expected_reusable_tokens": exp, "status": "ok"})
+    local = np.array([0, 896])  # P's own-cache hit of each turn: the previous prompt's whole blocks
+    pulls = {run_id: pull_if_hit(Traffic.of(read_recorded_runs(s.root, [run_id])), local, 128, 64).tolist()
+             for run_id in ("as-returned", "stripped")}
+    assert pulls == {"as-returned": [0, 135], "stripped": [0, 0]}

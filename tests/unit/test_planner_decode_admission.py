@@ -218,9 +218,16 @@ def test_a_closed_loop_record_keeps_its_order_on_d():
     def second_turn(gap_s):
         return AgentRequest("t", "a", 1, 0.30, 340, 32, 331, gap_s=gap_s)
 
-    closed = plan([req("a", 0, 0.0, 300, 0), second_turn(0.02)], small_d(), SETTINGS).modes["pd-bidir-nocache"]
+    at_recorded = SETTINGS.model_copy(update={"pace_by_replies": False})
+    closed = plan([req("a", 0, 0.0, 300, 0), second_turn(0.02)], small_d(), at_recorded).modes["pd-bidir-nocache"]
     assert list(closed.outcome_names()) == ["miss_first_turn", "hit"]
     assert closed.held_t_s[1] == pytest.approx(0.30)   # pinned at the next arrival, not 0.36
+    # paced by the forecast reply (the default): the next turn is sent its 0.02 s gap after the
+    # forecast end, 0.36 + 0.02 = 0.38 s, and finds the handle pinned at 0.36 s
+    paced = plan([req("a", 0, 0.0, 300, 0), second_turn(0.02)], small_d(), SETTINGS).modes["pd-bidir-nocache"]
+    assert list(paced.outcome_names()) == ["miss_first_turn", "hit"]
+    assert list(paced.arrival_s) == pytest.approx([0.0, 0.38])
+    assert paced.held_t_s[1] == pytest.approx(0.36)
     open_loop = plan([req("a", 0, 0.0, 300, 0), second_turn(None)], small_d(), SETTINGS).modes["pd-bidir-nocache"]
     assert list(open_loop.outcome_names()) == ["miss_first_turn", "miss_consumed"]
 
@@ -231,9 +238,15 @@ def test_the_closed_loop_bound_never_ends_a_request_before_its_admission():
     # not at 3.5, and the next turn finds no handle
     r = [req("a", 0, 0.0, 300, 0), req("b", 0, 2.0, 300, 0), req("c", 0, 3.0, 300, 0),
          AgentRequest("t", "c", 1, 3.5, 340, 32, 331, gap_s=0.1)]
-    m = plan(r, small_d(), SETTINGS).modes["pd-bidir-nocache"]
+    m = plan(r, small_d(), SETTINGS.model_copy(update={"pace_by_replies": False})).modes["pd-bidir-nocache"]
     assert m.decode_wait_s[2] == pytest.approx(17.32)
     assert list(m.outcome_names()) == ["miss_first_turn"] * 3 + ["miss_consumed"]
+    # a client that waits for c's reply (the default): c's first token at 3.0 + 0.04 + 17.32, its
+    # reply ends 0.32 s later (32 x 10 ms) at 20.68 s, the next turn is sent 0.1 s after: 20.78 s,
+    # and finds c's handle pinned (a hit) where the recorded send found none
+    paced = plan(r, small_d(), SETTINGS).modes["pd-bidir-nocache"]
+    assert paced.arrival_s[3] == pytest.approx(20.78)
+    assert list(paced.outcome_names()) == ["miss_first_turn"] * 3 + ["hit"]
 
 
 def test_latest_end_is_the_sessions_next_recorded_arrival():

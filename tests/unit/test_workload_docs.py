@@ -14,6 +14,7 @@ from loadgen.workload import (
     Constant,
     Empirical,
     Exponential,
+    HistoryRewrite,
     LogNormal,
     MixEntry,
     Sweep,
@@ -45,6 +46,7 @@ def table_keys(text: str) -> set[str]:
     ("`mix`", [MixEntry, Archetype]),
     ("`traces`", [TraceSource]),
     ("`sweep`", [Sweep]),
+    ("`history_rewrite`", [HistoryRewrite]),
 ])
 def test_every_field_documented_and_every_documented_key_real(title, models):
     keys = table_keys(section(title))

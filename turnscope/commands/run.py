@@ -1,4 +1,4 @@
-"""The commands that run things: ``model``, ``eval``, ``serve``, ``dashboard``, ``rollup``, ``demo``."""
+"""The commands that run things: ``model``, ``eval``, ``serve``, ``check``, ``dashboard``, ``rollup``, ``demo``."""
 
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ from turnscope.commands.summaries import (
 )
 from turnscope.conductor import schedule
 from turnscope.conductor.evaluation import default_settings, run_eval
+from turnscope.conductor.serve_metrics import ServeMetrics
 
 
 @app.command()
@@ -191,10 +192,19 @@ def serve(
     inference_pool: Annotated[str | None, typer.Option(
         help="With --kubernetes: also an InferencePool (inference.networking.k8s.io/v1) of the proxy's pods, "
              "whose endpoint picker is the Service NAME[:PORT] (port 9002 when not given).")] = None,
+    store: StoreOpt = None,
+    canary_every_s: Annotated[float, typer.Option(
+        min=0, help="Run the known-answer canary (turnscope check) this often while serving, seconds; a "
+                    "mismatch is printed and counted in turnscope_canary_mismatches_total (0: never).")] = 0.0,
 ) -> None:
     """Start (or attach to) the workers of one mode and the session-aware proxy; Ctrl-C stops them.
 
     Point Locust's web UI at the proxy: `locust -f loadgen/locustfile.py --host http://127.0.0.1:8200`.
+    The prefill (or aggregated) worker is speed-probed once it is up and again at stop, into the
+    store, so the runs recorded through the proxy can be checked on this machine's speed
+    (docs/planner/calibration.md). While serving, the workers' and the proxy's metrics are scraped
+    into the store every second: under each run Locust records through this proxy (same
+    --turnscope-store), and between runs under the serve's own id (turnscope/conductor/serve_metrics.py).
     """
     topo = resolve_topology(topology, prefill_routing, decode_routing)
     try:
@@ -230,12 +240,30 @@ def serve(
     if topo.platform == "gpu" and topo.launch and not _has_gpu():
         raise fail(f"topology {topo.name!r} is for GPUs but this machine has none (nvidia-smi found no device); "
                    "use --dry-run to print the commands for the GPU hosts")
+    from store.writer import Store
+    from turnscope.conductor.speed_probe import ServeProbes
+
     stack.progress = console.print
+    root = store or settings().store
     try:
-        with stack:
-            console.print(f"mode {mode} serving through the proxy at {stack.proxy_url} (Ctrl-C to stop)")
+        Store(root).init()   # the store Locust records into by default; the probes' rows and the scrapes land there
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise fail(f"store {root}: {exc}") from exc
+    try:
+        # the probes first and last, the scrapes between: a probe's requests are in no run's counters
+        with stack, ServeProbes(Store(root), stack.endpoints(), topo.served_model_name or topo.model,
+                                headers=stack.endpoint_headers(), verify=stack.tls_verify()) as probes, \
+                ServeMetrics(Store(root), stack.endpoints(), stack.proxy_url, headers=stack.endpoint_headers(),
+                             verify=stack.tls_verify()) as scrapes:
+            console.print(f"mode {mode} serving through the proxy at {stack.proxy_url} (Ctrl-C to stop); "
+                          f"speed probes into {root} as {probes.run_id} (again at stop); metrics into {root} "
+                          f"(runs recorded through this proxy, else {scrapes.own_id})")
+            next_canary = time.monotonic() + canary_every_s
             while all(w.proc is None or w.proc.poll() is None for w in stack.workers):
                 time.sleep(1)
+                if canary_every_s and time.monotonic() >= next_canary:
+                    _serve_canary(stack)
+                    next_canary = time.monotonic() + canary_every_s
             gone = next(w for w in stack.workers if w.proc is not None and w.proc.poll() is not None)
             raise RuntimeError(f"worker {gone.spec.name} exited with {gone.proc.returncode}; stopped the others "
                                f"(its log: {gone.log_path})")
@@ -243,6 +271,42 @@ def serve(
         console.print("stopping")
     except RuntimeError as exc:
         raise fail(str(exc)) from exc
+
+
+@app.command()
+def check(
+    proxy: Annotated[str, typer.Option(help="The proxy's base URL (`turnscope serve` prints it).")
+                     ] = "http://127.0.0.1:8200",
+    model: Annotated[str | None, typer.Option(help="The served model's name (default: the reference worker's "
+                                                   "first model).")] = None,
+    count: Annotated[int, typer.Option(min=1, help="Canaries to run, one after another.")] = 1,
+) -> None:
+    """Run the known-answer canary on a serving proxy: a fixed two-turn prompt answered greedily
+    through the proxy (P and D, the second turn pulling D's blocks in pd-bidir) and by P alone,
+    compared token by token. Exits 1 when the tokens differ (HTTP 200 with wrong tokens) or a
+    request failed. The proxy counts it in turnscope_canaries_total and
+    turnscope_canary_mismatches_total (docs/reliability.md). The proxy's key: TURNSCOPE_API_KEY.
+    """
+    from core.contract import client_auth_headers
+    from turnscope.conductor.canary import describe, request_canary
+
+    results = []
+    for i in range(count):
+        report = request_canary(proxy, model, client_auth_headers())
+        results.append(report.result)
+        console.print(f"canary {i + 1}/{count}: {describe(report)}", highlight=False, soft_wrap=True)
+    if any(r != "match" for r in results):
+        raise fail(f"{results.count('mismatch')} of {count} canaries answered wrong tokens, "
+                   f"{results.count('error')} failed", code=1)
+
+
+def _serve_canary(stack: ModeStack) -> None:
+    """One known-answer canary through ``stack``'s proxy, said on the console."""
+    from turnscope.conductor.canary import describe, request_canary
+
+    report = request_canary(stack.proxy_url, headers=stack.client_headers())
+    style = "" if report.result == "match" else "[red]"
+    console.print(f"{style}canary: {describe(report)}", highlight=False, soft_wrap=True)
 
 
 def _has_gpu() -> bool:

@@ -32,6 +32,7 @@ def print_summary(store: Path, run_ids: list[str]) -> None:
     outs = db.read(location, run_report.outcomes, run_ids)
     stopped = db.read(location, run_report.stopped_early, run_ids)
     pd_failed = pd_check.pd_check_failures(store, run_ids)
+    canaries = db.read(location, queries.run_canaries, run_ids).set_index("run_id")
     runs = db.read(location, queries.runs).set_index("run_id")
     for run_id in run_ids:
         rows = ttft[ttft.run_id == run_id]
@@ -47,6 +48,10 @@ def print_summary(store: Path, run_ids: list[str]) -> None:
         o = outs[outs.run_id == run_id]
         console_text.print_list(console, "  reuse: ", [f"{r.reuse}={r.turns}" for r in o.itertuples()])
         console_text.print_text(console, f"prefill external_kv_transfer tokens: {int(ext.get(run_id) or 0)}", "  ")
+        if run_id in canaries.index:
+            c = canaries.loc[run_id]
+            console_text.print_text(console, f"known-answer canaries: {int(c.canaries)}, "
+                                    f"{int(c.mismatched)} with wrong tokens, {int(c.errors)} failed", "  ")
         if run_id in pd_failed:
             console_text.print_text(console, f"FAILED: {pd_failed[run_id]}", "  ")
         cut = [f"{r.sessions} by {r.stop_reason} ({r.turns_not_sent} planned turns not sent)"

@@ -38,7 +38,7 @@ from serving.stack import ModeStack, started_together
 from serving.topology import Topology, disjoint_offsets, embedded_topology, shifted
 from serving.workers import mode_workers
 from store.writer import Store
-from turnscope.conductor import console_text, schedule, speed_probe
+from turnscope.conductor import canary, console_text, schedule, speed_probe
 
 #: Seconds between rewrites of a running run's ``runs_log`` row (the ``runs`` view reads a running
 #: run whose row is older than three of them as ``aborted``).
@@ -133,7 +133,8 @@ def run_status(returncode: int) -> str:
 
 def pd_checked_status(store: Path, run_id: str, status: str, console: Console) -> str:
     """``failed`` for a complete run whose decode worker computed its prompts itself (P/D did not
-    happen: ``analysis.pd_check``), said on the console; else ``status`` unchanged."""
+    happen) or whose known-answer canary answered wrong tokens (``analysis.pd_check``), said on
+    the console; else ``status`` unchanged."""
     if status != "complete":
         return status
     from analysis.pd_check import pd_check_failures
@@ -302,7 +303,8 @@ class RunRecording:
         self.writer.append("runs_log", self.row)
         self.writer.flush()
         self.writer.keep_alive("runs_log", self.row, HEARTBEAT_S)
-        # the speed probe before the scraper's first scrape and after its last: not in the run's counters
+        # the speed probe before the scraper's first scrape and after its last, the canary after
+        # its last: not in the run's counters
         self.probe("start")
         self.run_writer = self.store.writer(self.run_id, f"scraper-{os.getpid()}")
         self.scraper = MetricsScraper(self.stack.endpoints(), self.run_writer, self.run_id, interval_s=1.0,
@@ -314,6 +316,17 @@ class RunRecording:
         """The speed probe of the run's ``phase`` (start, end), with the workers' keys and TLS."""
         speed_probe.probe_run(self.writer, self.run_id, phase, self.stack.endpoints(), self.served,
                               headers=self.stack.endpoint_headers(), verify=self.stack.tls_verify())
+
+    def canary(self, phase: str) -> None:
+        """A P/D run's known-answer canary of ``phase`` (``end``: one per run, after the last scrape,
+        so that a canary costs each run seconds, not a share of its load) through its proxy, recorded in
+        ``run_canaries`` (``turnscope.conductor.canary``) and said on the console unless it matched."""
+        if self.mode not in MODES or not serving_mode(self.mode).disaggregated:
+            return
+        report = canary.canary_run(self.writer, self.run_id, phase, self.stack.proxy_url, self.served,
+                                   headers=self.stack.client_headers())
+        if report.result != "match":
+            console_text.print_text(self.console, f"  [{self.mode}] canary at the {phase}: {canary.describe(report)}")
 
     def play(self, sessions: tuple[int, int] | None = None) -> str:
         """Play the run's sessions (``sessions``: a slice of them) with Locust; its status."""
@@ -328,6 +341,7 @@ class RunRecording:
             self.scraper.stop(final_settle_s=FINAL_SCRAPE_SETTLE_S)
             self.run_writer.close()
             self.probe("end")
+            self.canary("end")
         finally:
             status = finish_run(self.s.store, self.writer, self.row, status, self.console)
             self.writer.close()

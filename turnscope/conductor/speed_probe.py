@@ -6,7 +6,10 @@ One probe = one streamed ``/v1/completions`` request of :data:`PROBE_TOKENS` fix
 (:func:`probe_ids`, the same every time), ``max_tokens`` 1, temperature 0, sent straight to the
 run's prefill worker (P/D modes) or aggregated worker, with a ``cache_salt`` of its own so that
 no prefix cache holds it (vLLM adds the salt to the first block's hash): every probe is a full
-prefill of the same prompt. Its TTFT is the time from sending to the first streamed token
+prefill of the same prompt; except the cached-prefix probe
+(:data:`core.contract.CACHED_PROBE_TOKENS`), sent after each compute probe with its salt,
+which finds the compute probe's blocks cached and computes only its last ``PROBE_TOKENS`` (on a
+worker with its prefix cache on). Its TTFT is the time from sending to the first streamed token
 (``httpx_sse``). It is sent before the run's metrics scraper starts and after it stops, so the
 run's counters do not count it. Rows: the store's ``run_probes`` table (docs/schema/tables.md).
 """
@@ -17,14 +20,16 @@ import datetime as dt
 import json
 import time
 from collections.abc import Mapping, Sequence
+from typing import Self
 
 import httpx
 from httpx_sse import SSEError, connect_sse
 
-from core.contract import COMPUTE_PROBE_TOKENS, PROBE_TOKENS, Role
+from core.contract import CACHED_PROBE_TOKENS, COMPUTE_PROBE_TOKENS, PROBE_TOKENS, Role
 
-#: The lengths sent at each phase, in this order, :data:`PROBES_PER_PHASE` times.
-PROBE_LENGTHS = (PROBE_TOKENS, COMPUTE_PROBE_TOKENS)
+#: The lengths sent at each phase, in this order, :data:`PROBES_PER_PHASE` times (the cached-prefix
+#: probe right after the compute probe, whose blocks it finds).
+PROBE_LENGTHS = (PROBE_TOKENS, COMPUTE_PROBE_TOKENS, CACHED_PROBE_TOKENS)
 #: Seconds a probe may take before it is recorded as an error.
 PROBE_TIMEOUT_S = 60.0
 #: Probes sent back to back at each phase of a run: the run's factor is the median of its probes,
@@ -86,8 +91,8 @@ def probe_run(writer, run_id: str, phase: str, endpoints: Sequence[tuple[str, st
               probes: int = PROBES_PER_PHASE, headers: Mapping[str, dict[str, str]] | None = None,
               verify: object = True, lengths: Sequence[int] = PROBE_LENGTHS) -> list[dict]:
     """Probe the run's target worker (:func:`probe_target`) ``probes`` times back to back, each time
-    one probe of each of ``lengths`` (prompt tokens: the short probe, then the compute probe), each
-    with a salt of its own, and append one ``run_probes`` row per probe (``phase``: ``start`` | ``end``)
+    one probe of each of ``lengths`` (prompt tokens: the short probe, the compute probe, then the
+    cached-prefix probe with the compute probe's salt), each other with a salt of its own, and append one ``run_probes`` row per probe (``phase``: ``start`` | ``end``)
     with ``writer`` (a store writer of the run); returns the rows (none when the run has no worker
     to probe). ``headers``: per base URL, what a request to it carries (its API key); ``verify``:
     TLS verification."""
@@ -98,9 +103,48 @@ def probe_run(writer, run_id: str, phase: str, endpoints: Sequence[tuple[str, st
     rows = []
     for k in range(probes):
         for tokens in lengths:
-            salt = f"turnscope-probe-{run_id}-{phase}-{k}" + ("" if tokens == PROBE_TOKENS else f"-{tokens}")
+            same = COMPUTE_PROBE_TOKENS if tokens == CACHED_PROBE_TOKENS else tokens   # the compute probe's blocks
+            salt = f"turnscope-probe-{run_id}-{phase}-{k}" + ("" if same == PROBE_TOKENS else f"-{same}")
             row = {"run_id": run_id, "phase": phase, "target": role} | probe(
                 url, model, salt=salt, tokens=tokens, headers=(headers or {}).get(url), verify=verify)
             writer.append("run_probes", row)
             rows.append(row)
     return rows
+
+
+def serve_probe_id(now: dt.datetime | None = None) -> str:
+    """The run id of a ``turnscope serve``'s own probes: ``serve-probes-<UTC %Y%m%dT%H%M%SZ>-<6 hex>``
+    (no ``runs`` row: :func:`store.queries.planner_runs.probe_ttft_s` gives them to the runs recorded
+    through that serve, between its start and its stop)."""
+    import uuid
+
+    return f"serve-probes-{(now or dt.datetime.now(dt.UTC)):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
+
+
+class ServeProbes:
+    """The speed probes of a ``turnscope serve``: :func:`probe_run` (phase ``start``) once the workers
+    are up, and again (phase ``end``) when it stops, under :func:`serve_probe_id`'s id in ``store``
+    (a :class:`store.writer.Store`). A Locust run recorded through the serve has no probes of its
+    own; the planner puts it on the speed these give (``store.queries.planner_runs``). Costs about what an
+    eval's probes cost, at each end (docs/planner/calibration.md)."""
+
+    def __init__(self, store, endpoints: Sequence[tuple[str, str]], model: str,
+                 headers: Mapping[str, dict[str, str]] | None = None, verify: object = True,
+                 run_id: str | None = None):
+        self.store, self.endpoints, self.model = store, list(endpoints), model
+        self.headers, self.verify = headers, verify
+        self.run_id = run_id or serve_probe_id()
+        self.rows: list[dict] = []
+
+    def _probe(self, phase: str) -> None:
+        with self.store.writer(self.run_id, f"probes-{phase}") as w:
+            self.rows += probe_run(w, self.run_id, phase, self.endpoints, self.model, headers=self.headers,
+                                   verify=self.verify)
+
+    def __enter__(self) -> Self:
+        self._probe("start")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._probe("end")
+

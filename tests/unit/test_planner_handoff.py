@@ -1,0 +1,104 @@
+"""P/D's hand-off as terms of their own (planner/profile.py ``handoff_wait_s`` and
+``d_first_step_s``; planner/fit.py :func:`with_handoff`), checked by hand.
+
+Profile: block 128, 4096 KV bytes/token, c(x) = 1e-4 x, b0 10 ms, pull 1 GB/s; hand-off: D waits
+7 ms for P's KV and takes 15 ms for its first step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from loadgen.traces.agent_request import AgentRequest
+from planner.check import forecast_terms
+from planner.fit import with_handoff
+from planner.profile import CostProfile, Sourced
+from planner.simulate import PlanSettings, plan
+
+SRC = {"source": "hand-made for the test"}
+
+
+def profile(**extra) -> CostProfile:
+    return CostProfile.model_validate({
+        "name": "test", "block_size": 128, "kv_bytes_per_token": {"value": 4096} | SRC,
+        "prefill_a1_s_per_token": {"value": 1e-4} | SRC, "b0_default_s": {"value": 0.01} | SRC,
+        "pull_bandwidth_bytes_per_s": {"value": 1e9} | SRC} | extra)
+
+
+HANDOFF = {"handoff_wait_s": {"value": 0.007} | SRC, "d_first_step_s": {"value": 0.015} | SRC}
+
+
+def test_ttft_holds_the_handoff_in_pd_modes_only():
+    p = profile(**HANDOFF)
+    n, zero = np.array([1000]), np.zeros(1)
+    # P/D: 10 ms b0 + 1e-4 x 1000 + 7 ms + 15 ms
+    for mode in ("pd", "pd-nocache", "pd-bidir", "pd-bidir-nocache"):
+        assert p.ttft_s(mode, n, zero, zero)[0] == pytest.approx(0.01 + 0.1 + 0.007 + 0.015)
+    # aggregated: no hand-off
+    assert p.ttft_s("aggregated", n, zero, zero)[0] == pytest.approx(0.01 + 0.1)
+    # without the figures the hand-off is inside b0: nothing added
+    assert profile().ttft_s("pd", n, zero, zero)[0] == pytest.approx(0.11)
+
+
+def test_at_speed_scales_the_handoff_with_b0():
+    p = profile(**HANDOFF).at_speed(2.0, "twice as slow")
+    assert p.handoff_s("pd-bidir") == pytest.approx((0.014, 0.030))
+    assert p.b0("pd-bidir") == pytest.approx(0.02)
+
+
+def test_a_plan_and_its_split_carry_the_terms():
+    reqs = [AgentRequest("t", "a", 0, 0.0, 1000, 32, 0, server_s=1.0),
+            AgentRequest("t", "a", 1, 5.0, 1300, 32, 1031, server_s=1.0)]
+    prof = profile(**HANDOFF)
+    pl = plan(reqs, prof, PlanSettings(modes=("pd-bidir-nocache", "aggregated")))
+    m = pl.modes["pd-bidir-nocache"]
+    # second turn: 10 ms + 1e-4 x 269 + 1031 x 4096 / 1e9 + 7 ms + 15 ms
+    assert m.ttft_s[1] == pytest.approx(0.01 + 0.0269 + 0.004222976 + 0.022)
+    terms = forecast_terms(pl.traffic, m, prof, pl.settings)
+    assert list(terms["handoff_wait"]) == pytest.approx([0.007, 0.007])
+    assert list(terms["d_first_step"]) == pytest.approx([0.015, 0.015])
+    parts = terms[["compute", "pull", "queue_p", "wait_d", "handoff_wait", "d_first_step", "fixed", "contention"]]
+    assert list(parts.sum(axis=1)) == pytest.approx(list(terms["ttft"]))
+    agg = forecast_terms(pl.traffic, pl.modes["aggregated"], prof, pl.settings)
+    assert list(agg["handoff_wait"]) == [0, 0] and list(agg["d_first_step"]) == [0, 0]
+    # a profile that keeps the hand-off in b0: the terms are not known apart (NaN), the TTFT the same
+    plain = profile()
+    pl0 = plan(reqs, plain, PlanSettings(modes=("pd-bidir-nocache",)))
+    t0 = forecast_terms(pl0.traffic, pl0.modes["pd-bidir-nocache"], plain, pl0.settings)
+    assert t0["handoff_wait"].isna().all() and t0["d_first_step"].isna().all()
+
+
+def test_with_handoff_takes_the_terms_out_of_pd_b0_only():
+    prof = profile(b0_s={"aggregated": {"value": 0.012} | SRC, "pd-nocache": {"value": 0.026} | SRC,
+                         "pd-bidir-nocache": {"value": 0.018} | SRC},
+                   b0_default_s={"value": 0.026} | SRC)
+    terms = {"handoff_wait_s": Sourced(value=0.008, source="measured"),
+             "d_first_step_s": Sourced(value=0.012, source="measured")}
+    out = with_handoff(prof, terms)
+    assert out.b0("aggregated") == pytest.approx(0.012)
+    assert out.b0("pd-nocache") == pytest.approx(0.006)          # 26 - 8 - 12 ms
+    assert out.b0("pd-bidir-nocache") == 0.0                      # 18 - 20 < 0: kept at 0, said so
+    assert "kept at 0" in out.b0_s["pd-bidir-nocache"].source
+    assert out.b0_default_s.value == pytest.approx(0.006)
+    # the P/D TTFT of a b0 the terms did not exceed is unchanged by the split
+    n, z = np.array([500]), np.zeros(1)
+    assert out.ttft_s("pd-nocache", n, z, z)[0] == pytest.approx(prof.ttft_s("pd-nocache", n, z, z)[0])
+    assert with_handoff(prof, {}) is prof
+
+
+def test_probe_factors_split_the_curve_by_term():
+    from planner.fit import on_run_speed, probe_factors
+    prof = profile(prefill_a2_s_per_token2={"value": 1e-8} | SRC, probe_ttft_s={"value": 0.05} | SRC, **HANDOFF)
+    # a run 1.5x slower in the linear term, 2x in attention's context term:
+    # compute probe: 1.5 x 1e-4 x 1792 + 2 x 1e-8 x (2048^2 - 256^2) = 0.2688 + 0.08257536
+    # cached-prefix probe: 2 x 1e-8 x (2304^2 - 2048^2 - 256^2) = 2 x 1e-8 x 2^20
+    compute, cached = 0.2688 + 0.08257536, 2 * 1e-8 * 2**20
+    assert probe_factors(prof, "pd", compute, cached) == pytest.approx((1.5, 2.0))
+    # the compute probe alone: one factor, the curve's c(2048) - c(256) = 0.1792 + 0.04128768
+    one, ctx = probe_factors(prof, "pd", compute, None)
+    assert one == pytest.approx(compute / (0.1792 + 0.04128768)) and ctx is None
+    run, factor = on_run_speed(prof, 0.1, compute, "pd", cached)
+    assert factor == pytest.approx(2.0)                                   # the short probe: b0 and hand-off
+    assert run.prefill_a1_s_per_token.value == pytest.approx(1.5e-4)
+    assert run.prefill_a2_s_per_token2.value == pytest.approx(2e-8)
+    assert run.handoff_s("pd") == pytest.approx((0.014, 0.030)) and run.b0("pd") == pytest.approx(0.02)
