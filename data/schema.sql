@@ -380,7 +380,11 @@ CREATE TABLE plan_fleets (
     overload_role            VARCHAR,            -- prefill | decode | NULL
     overload_factor          DOUBLE,             -- offered work / capacity of the busiest worker (NULL: none, or no factor)
     recommended              BOOLEAN,            -- the cheapest fleet meeting the SLO; at most one per plan
-    fleets_searched          BIGINT
+    fleets_searched          BIGINT,
+    overload                 VARCHAR,            -- the overload in words (NULL: keeps up); the one verdict
+    ttft_p90_over_slo        DOUBLE,             -- p90 TTFT / SLO (NULL: no SLO, or overloaded)
+    close_to_slo             BOOLEAN,            -- within the planner's known error (25%) of the SLO
+    lowest_ttft_p90_s        DOUBLE              -- no fleet meets the SLO: the p90 of the largest fleet in the limits
 );
 
 -- The load curve: per strategy, its fleet of plan_fleets forecast at several loads.
@@ -397,7 +401,9 @@ CREATE TABLE plan_load_curve (
     overloaded               BOOLEAN,
     overload_role            VARCHAR,
     overload_factor          DOUBLE,
-    slo_ttft_p90_s           DOUBLE
+    slo_ttft_p90_s           DOUBLE,
+    overload                 VARCHAR,            -- the overload in words (NULL: keeps up)
+    knee                     BOOLEAN             -- the highest load this fleet serves at the SLO, every lower one too
 );
 
 CREATE TABLE plan_sessions (

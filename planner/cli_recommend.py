@@ -23,6 +23,7 @@ from planner.fleet import (
     describe_curve,
     describe_fleets,
     fleet_row,
+    knees,
     load_curve,
     size_fleets,
 )
@@ -80,7 +81,8 @@ def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | No
         shared_prefix_tokens = runs_shared_prefix_tokens(stores[0], run_ids) if len(stores) == 1 else 0
     prices = Prices(gpu_hour_usd, host_gib_hour_usd)
     limits = Limits(ttft_slo_s, None if d_kv_gib is None else d_kv_gib * GiB, prices, max_prefill_workers)
-    base = PlanSettings(handle_ttl_margin_s=margin_s, shared_prefix_tokens=shared_prefix_tokens)
+    base = PlanSettings(handle_ttl_margin_s=margin_s, shared_prefix_tokens=shared_prefix_tokens,
+                        ttft_slo_s=ttft_slo_s or None)   # every forecast is judged by the one overload rule
     if current.decode_kv_bytes is not None:
         prof = prof.model_copy(update={"decode_kv_space_bytes": Sourced(value=current.decode_kv_bytes,
                                                                         source="the current setting")})
@@ -132,6 +134,7 @@ def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | No
         Path(write_topology).write_text(rec_text)
         text += f"\n\nRecommended topology written to {write_topology}."
     if store_root is not None:
+        knee = knees(points, fleet_limits)
         store, plan_id = Store(Path(store_root)), new_plan_id()
         notes = [(f"a recommendation (`turnscope recommend`, its load in the note above): the smallest fleet per "
                   f"strategy, the ledger at the current setting ({current.strategy}, {current.prefill_workers}P"
@@ -140,7 +143,8 @@ def run_recommend(paths: Sequence[Path], *, profile_path: Path, format: str | No
                              notes=notes, requests=len(traffic), ledger=led,
                              recommendation=recommendation_row(rec, prof, serve_model, platform, topology),
                              fleets=[fleet_row(s.closest, loaded, fleet_limits, s.best is not None and s.best is chosen,
-                                               len(s.searched)) for s in searches],
-                             curve=[curve_row(p, fleet_limits) for p in points])
+                                               len(s.searched), None if s.best is not None else s.largest)
+                                     for s in searches],
+                             curve=[curve_row(p, fleet_limits, knee[(p.strategy, p.fleet)]) for p in points])
         text += f"\n\nWritten to {store.root} as plan {plan_id}."
     return text

@@ -81,6 +81,7 @@ from planner.simulate import (
     workers_of,
 )
 from planner.strategies import BIDIR_STRATEGIES, HOST_STRATEGIES, RECOMPUTE, STRATEGIES
+from planner.units import gpu_hours, memory_hours
 
 #: Columns of :func:`ledger`.
 LEDGER_COLUMNS = ("strategy", "mode", "later_requests", "hit_rate", "hit_rate_interval_low", "hit_rate_interval_high",
@@ -463,15 +464,15 @@ def ledger_lines(r, quiet: bool = False) -> list[str]:
     elif r.strategy != RECOMPUTE and not (isinstance(over, str) and over):
         first += "; vs recompute: no speed-up (recompute cannot keep up)"
     if pd.isna(r.d_pinned_gib_s):   # the forecast stopped at the overload
-        return [first, (f"  {'':<14} held P cache {r.p_cache_gib_s:,.1f} GiB-s, host {r.host_gib_s:,.1f} GiB-s; "
-                        "D pinned and prefill GPU-s saved not forecast")]
-    pinned = (f"{r.d_pinned_gib_s:,.1f}" if r.strategy not in BIDIR_STRATEGIES else
-              _iv(f"{r.d_pinned_gib_s:,.1f}", r.d_pinned_interval_low_gib_s, r.d_pinned_interval_high_gib_s,
-                      lambda x: f"{x:,.1f}"))
-    second = (f"  {'':<14} held GPU {r.p_cache_gib_s + r.d_pinned_gib_s:,.1f} GiB-s (P cache {r.p_cache_gib_s:,.1f}, "
-              f"D pinned {pinned}), host {r.host_gib_s:,.1f} GiB-s; prefill GPU-s saved {r.prefill_gpu_s_saved:,.1f}; "
-              f"memory per M saved tokens {_money(r.memory_usd_per_m_saved_tokens)}, net of saved prefill "
-              f"{_money(r.net_usd_per_m_saved_tokens)}")
+        return [first, (f"  {'':<14} held P cache {memory_hours(r.p_cache_gib_s)}, host {memory_hours(r.host_gib_s)}; "
+                        "D pinned and prefill GPU-hours saved not forecast")]
+    pinned = (memory_hours(r.d_pinned_gib_s) if r.strategy not in BIDIR_STRATEGIES else
+              _iv(memory_hours(r.d_pinned_gib_s), r.d_pinned_interval_low_gib_s, r.d_pinned_interval_high_gib_s,
+                  memory_hours))
+    second = (f"  {'':<14} held GPU {memory_hours(r.p_cache_gib_s + r.d_pinned_gib_s)} (P cache "
+              f"{memory_hours(r.p_cache_gib_s)}, D pinned {pinned}), host {memory_hours(r.host_gib_s)}; prefill saved "
+              f"{gpu_hours(r.prefill_gpu_s_saved)}; memory per M saved tokens {_money(r.memory_usd_per_m_saved_tokens)}, "
+              f"net of saved prefill {_money(r.net_usd_per_m_saved_tokens)}")
     return [first, second]
 
 

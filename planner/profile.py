@@ -240,6 +240,16 @@ class CostProfile(BaseModel):
         return f"FORECAST (profile {self.name})"
 
 
+def with_decode_kv(profile: CostProfile, decode_kv_bytes: float | None) -> CostProfile:
+    """``profile`` with one D's KV space set to ``decode_kv_bytes`` (bytes; None: ``profile`` as it
+    is): how a fleet (:mod:`planner.fleet`) or a setting of the recommendation's grid
+    (:mod:`planner.recommend`) states its D's space."""
+    if decode_kv_bytes is None:
+        return profile
+    return profile.model_copy(update={"decode_kv_space_bytes": Sourced(value=decode_kv_bytes,
+                                                                      source="the fleet's or setting's D KV space")})
+
+
 def load_profile(path: str | Path) -> CostProfile:
     """Read a profile YAML file.
 

@@ -45,20 +45,20 @@ from planner.executor import Executor, LocalExecutor
 from planner.ledger import Prices, forecast_strategy, ledger_row
 from planner.ledger import with_iv as _with_iv
 from planner.overload import Overload
-from planner.profile import CostProfile, GiB, Sourced
+from planner.profile import CostProfile, GiB, Sourced, with_decode_kv
 from planner.serve_flags import role_argv
 from planner.simulate import PlanSettings, Traffic
 from planner.strategies import (
     BIDIR_STRATEGIES,
     HOST_STRATEGIES,
+    MIN_GAIN,
     RECOMPUTE,
     STRATEGIES,
     Strategy,
-    holds_memory,
+    pick_paying_memory,
 )
+from planner.units import memory_hours
 
-#: A setting that holds memory must beat the best one without it by this fraction of mean TTFT.
-MIN_GAIN = 0.05
 BIDIR = BIDIR_STRATEGIES
 
 
@@ -129,13 +129,6 @@ class Evaluated:
         return self.overload is None
 
 
-def _profile_for(profile: CostProfile, s: Setting) -> CostProfile:
-    if s.decode_kv_bytes is None:
-        return profile
-    return profile.model_copy(update={"decode_kv_space_bytes": Sourced(value=s.decode_kv_bytes,
-                                                                          source="recommendation grid point")})
-
-
 def settings_for(base: PlanSettings, s: Setting) -> PlanSettings:
     """``base`` with the setting's TTL, threshold, worker counts and routing."""
     return base.model_copy(update={"decoder_kv_blocks_ttl_s": s.ttl_s, "kv_recompute_threshold": s.threshold,
@@ -148,7 +141,7 @@ def evaluate(tr: Traffic, profile: CostProfile, base: PlanSettings, s: Setting, 
     """Forecast ``s`` on ``tr`` (see the module doc for the cost). ``baselines``: a memo of the
     ``recompute`` forecasts the rows are measured against (it depends on the workers, routing and D
     space, not on the TTL or threshold)."""
-    prof, ps = _profile_for(profile, s), settings_for(base, s)
+    prof, ps = with_decode_kv(profile, s.decode_kv_bytes), settings_for(base, s)
     f = forecast_strategy(tr, prof, ps, s.strategy)
     key = (s.prefill_workers, s.decode_workers, s.routing, s.decode_kv_bytes)
     recompute = None if baselines is None else baselines.get(key)
@@ -161,7 +154,7 @@ def evaluate(tr: Traffic, profile: CostProfile, base: PlanSettings, s: Setting, 
     cost = None
     if limits.prices.gpu_hour_usd is not None:
         gpus = profile.gpus_per_worker.value if profile.gpus_per_worker else 1.0
-        span_h = float(tr.arrival_s.max() - tr.arrival_s.min()) / 3600
+        span_h = tr.horizon_s / 3600
         memory = (row["gpu_memory_usd"] or 0.0) + (row["host_memory_usd"] or 0.0)
         cost = memory - row["saved_prefill_usd"] + (s.prefill_workers - 1) * gpus * span_h * limits.prices.gpu_hour_usd
     feasible = f.overload is None and (limits.ttft_slo_s is None or p90 <= limits.ttft_slo_s)
@@ -241,13 +234,7 @@ def choose(evaluated: list[Evaluated], priced: bool) -> Evaluated:
     if priced:
         near = [e for e in feasible if e.ttft_mean_s <= best * (1 + MIN_GAIN)]
         return min(near, key=lambda e: (e.cost_usd, e.ttft_mean_s))
-    winner = min(feasible, key=lambda e: (e.ttft_mean_s, _held(e)))
-    simple = [e for e in feasible if not holds_memory(e.setting.strategy)]
-    if holds_memory(winner.setting.strategy) and simple:
-        plain = min(simple, key=lambda e: e.ttft_mean_s)
-        if winner.ttft_mean_s > plain.ttft_mean_s * (1 - MIN_GAIN):
-            return plain
-    return winner
+    return pick_paying_memory(feasible, lambda e: e.setting.strategy, lambda e: e.ttft_mean_s, _held)
 
 
 # -- rendering ------------------------------------------------------------------------------------
@@ -347,7 +334,7 @@ def what_would_change(tr: Traffic, profile: CostProfile, base: PlanSettings, cur
         ib, ip = figure_intervals(prof, bd), figure_intervals(prof, pd_)
         bd_t = with_iv(f"{bd.ttft_mean_s * 1e3:,.1f} ms", *ib["ttft_mean"], _ms, " ms")
         pd_t = with_iv(f"{pd_.ttft_mean_s * 1e3:,.1f} ms", *ip["ttft_mean"], _ms, " ms")
-        pinned = with_iv(f"{bd.row['d_pinned_gib_s']:,.0f} GiB-s", *ib["d_pinned"], _gib_s, " GiB-s")
+        pinned = with_iv(memory_hours(bd.row['d_pinned_gib_s']), *ib["d_pinned"], memory_hours)
         out.append(f"{label}: {Strategy.PD_BIDIR} mean TTFT {bd_t} vs {Strategy.PD} {pd_t} ({gain:+.1%}; D pinned {pinned})")
     return out
 
@@ -437,8 +424,8 @@ def _signed_ms(x: float) -> str:
     return f"{x * 1e3:+,.1f}"
 
 
-def _gib_s(x: float) -> str:
-    return f"{x:,.0f}"
+def _signed_hours(gib_s: float) -> str:
+    return ("+" if gib_s >= 0 else "-") + memory_hours(abs(gib_s))
 
 
 def describe(r: Recommendation, profile: CostProfile, base: PlanSettings, limits: Limits, model: str,
@@ -466,9 +453,9 @@ def describe(r: Recommendation, profile: CostProfile, base: PlanSettings, limits
                 f"mean TTFT {with_iv(_ms(e.ttft_mean_s) + ' ms', *iv['ttft_mean'], _ms, ' ms')}, "
                 f"p90 {with_iv(_ms(e.ttft_p90_s) + ' ms', *iv['ttft_p90'], _ms, ' ms')}")
         pinned = ("not forecast" if np.isnan(e.row["d_pinned_gib_s"]) else
-                  with_iv(_gib_s(e.row['d_pinned_gib_s']) + ' GiB-s', *iv['d_pinned'], _gib_s, ' GiB-s'))
+                  with_iv(memory_hours(e.row['d_pinned_gib_s']), *iv['d_pinned'], memory_hours))
         return (f"  {name:<11} {e.setting.label()}: {ttft}, hit rate {hit}, D pinned {pinned}, host "
-                f"{e.row['host_gib_s']:,.0f} GiB-s")
+                f"{memory_hours(e.row['host_gib_s'])}")
 
     ch = change_intervals(profile, rec, cur)
     if cur.keeps_up and rec.keeps_up:
@@ -490,13 +477,13 @@ def describe(r: Recommendation, profile: CostProfile, base: PlanSettings, limits
                          f"alone: {'keeps up' if e.keeps_up else e.overload.text()} (no TTFT change: "
                          f"{'the current setting' if not cur.keeps_up else 'it'} cannot keep up)")
             continue
-        dp = with_iv(f"{e.row['d_pinned_gib_s'] - cur.row['d_pinned_gib_s']:+,.0f} GiB-s", *ke["d_pinned_change"],
-                     lambda x: f"{x:+,.0f}", " GiB-s")
+        dp = with_iv(_signed_hours(e.row['d_pinned_gib_s'] - cur.row['d_pinned_gib_s']), *ke["d_pinned_change"],
+                     _signed_hours)
         lines.append(f"  knob {knob}: {_fmt(knob, getattr(cur.setting, knob))} -> "
                      f"{_fmt(knob, getattr(rec.setting, knob))} alone: mean TTFT "
                      f"{with_iv(_signed_ms(e.ttft_mean_s - cur.ttft_mean_s) + ' ms', *ke['ttft_change'], _signed_ms, ' ms')}"
                      f", D pinned {dp}"
-                     f", host {e.row['host_gib_s'] - cur.row['host_gib_s']:+,.0f} GiB-s{cost}")
+                     f", host {_signed_hours(e.row['host_gib_s'] - cur.row['host_gib_s'])}{cost}")
     notes = sorted({n for e in (cur, rec) for n in str(e.row["interval_note"]).split("; ")
                     if n and not n.startswith("80% intervals from") and "never checked" not in n})
     lines += [f"  note: {n}" for n in notes]

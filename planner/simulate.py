@@ -81,6 +81,8 @@ from planner.overload import (
     first_overload,
     never_drains,
     prefill_overload,
+    saturated,
+    window_count,
     window_s,
 )
 from planner.pinned_blocks import PinnedBlocks
@@ -118,12 +120,14 @@ class PlanSettings(BaseModel):
     its own prompts first come first served and the busy ones time-share the cores,
     :func:`planner.queueing.shared_core_waits`; each keeps its own prefix cache); None:
     each worker its own. ``stop_on_overload``: a bidirectional forecast stops at the first request
-    that waits (for P, or on D) longer than an eighth of the horizon, the overload of
+    that waits (for P, or on D) longer than a window (:func:`overload_windows`), the overload of
     :func:`planner.overload.never_drains`, and raises
     :class:`planner.overload.QueueGrows` (fleet sizing needs only that; False: every
     request is forecast). ``max_num_batched_tokens``: the prefill (and aggregated) workers' token
     budget per scheduler step (None: the profile's, :attr:`CostProfile.max_num_batched_tokens`;
-    neither: first come first served). ``pace_by_replies``: a request the client sent after its
+    neither: first come first served). ``ttft_slo_s``: the SLO on p90 TTFT the forecast is judged
+    against (seconds; None: none): a p90 past :data:`planner.overload.SATURATION` times it
+    is an overload (:func:`planner.overload.saturated`). ``pace_by_replies``: a request the client sent after its
     session's previous reply (:meth:`Traffic.paced`) is sent its recorded gap after the forecast
     reply (:func:`paced_mode_plan`; False: every request at its recorded arrival, open loop).
     ``p_cache_blocks``: P's own prefix cache kept by blocks in vLLM's order
@@ -150,6 +154,7 @@ class PlanSettings(BaseModel):
     modes: tuple[str, ...] = MODES
     stop_on_overload: bool = False
     max_num_batched_tokens: int | None = Field(None, gt=0)
+    ttft_slo_s: float | None = Field(None, gt=0)
     pace_by_replies: bool = True
     p_cache_blocks: bool = False
 
@@ -273,6 +278,11 @@ class Traffic:
                 j = prev_l[i]
                 vals[i] = vals[j] + reply[j] + gap[i]
         return np.asarray(vals)
+
+    @property
+    def horizon_s(self) -> float:
+        """First to last arrival, seconds (0 without requests)."""
+        return float(self.arrival_s.max() - self.arrival_s.min()) if len(self) else 0.0
 
     def latest_end_s(self) -> np.ndarray:
         """The latest each request can have ended, seconds on the traffic's clock: its session's
@@ -488,8 +498,9 @@ class PrefillTtft:
             return np.zeros(len(self.tr))
         if self.steps:
             fifo = shared_core_waits(self.tr.arrival_s, compute, self.worker, self.server)
-            overloaded = never_drains(self.tr.arrival_s, fifo, fifo, np.zeros(0)) is not None or prefill_overload(
-                self.tr.arrival_s, compute, self.server) is not None
+            windows = overload_windows(self.tr)
+            overloaded = never_drains(self.tr.arrival_s, fifo, fifo, np.zeros(0), windows=windows) is not None or \
+                prefill_overload(self.tr.arrival_s, compute, self.server, windows=windows) is not None
             if overloaded:
                 return fifo   # overloaded on P by :mod:`planner.overload`'s rules: no latency to refine
             fit = self.cost.profile.prefill_fit(self.cost.mode)
@@ -685,7 +696,7 @@ def simulate_bidir(tr: Traffic, profile: CostProfile, settings: PlanSettings, lo
                                       _CODE[MISS_TRANSFER_FAILED], _CODE[MISS_D_FULL])
     took_codes = {_CODE[o] for o in TOOK_HANDLE}
     prefill.prepare(local, pull_if_hit(tr, local, block, threshold))
-    stop_after_s = window_s(tr.arrival_s) if settings.stop_on_overload else None
+    stop_after_s = window_s(tr.arrival_s, overload_windows(tr)) if settings.stop_on_overload else None
     if queue is not None:
         queue.stop_after_s = stop_after_s
     for i in range(n_req):
@@ -778,18 +789,29 @@ def mode_overload(tr: Traffic, profile: CostProfile, settings: PlanSettings, mod
     prefill (or aggregated) servers by the compute each request holds them for (``compute_s``,
     seconds; ``server``: each request's compute server, :attr:`PrefillTtft.server`), its D by KV
     space (P/D modes where D's queue is modelled; ``held_t_s``/``held_bytes``: D's pinned KV over
-    time in bidirectional modes), and every TTFT within an eighth of the horizon. None: it keeps up."""
+    time in bidirectional modes), every wait within a window (:func:`overload_windows`), and with
+    ``settings.ttft_slo_s`` the p90 TTFT within :data:`planner.overload.SATURATION` times
+    it. None: it keeps up."""
     kind = serving_mode(mode)
     role = Role.PREFILL if kind.disaggregated else Role.AGGREGATED
-    found = [prefill_overload(tr.arrival_s, compute_s, server, role)]
+    windows = overload_windows(tr)
+    found = [prefill_overload(tr.arrival_s, compute_s, server, role, windows)]
     space = decode_space(tr, profile, settings) if kind.disaggregated else None
     if space is not None:
         block_bytes = (settings.block_size or profile.block_size) * profile.kv_bytes_per_token.value
         held = None if held_bytes is None else np.asarray(held_bytes, dtype=float) / block_bytes
         found.append(decode_overload(tr.arrival_s, space.need_blocks, space.hold_s, space.capacity_blocks,
-                                     held_t_s, held))
-    found.append(never_drains(tr.arrival_s, ttft_s, queue_wait_s, decode_wait_s, role))
+                                     held_t_s, held, windows))
+    found.append(never_drains(tr.arrival_s, ttft_s, queue_wait_s, decode_wait_s, role, windows))
+    found.append(saturated(ttft_s, queue_wait_s, decode_wait_s, settings.ttft_slo_s, role))
     return first_overload(*found)
+
+
+def overload_windows(tr: Traffic) -> int:
+    """The windows :mod:`planner.overload` judges ``tr`` over
+    (:func:`planner.overload.window_count`: sized to its sessions' activity, a session
+    ending at its last request's recorded end, ``arrival_s + server_s``)."""
+    return window_count(tr.arrival_s, tr.session_code, tr.arrival_s + np.nan_to_num(tr.server_s, nan=0.0))
 
 
 def host_contention_s(tr: Traffic, profile: CostProfile, finish_s: np.ndarray, ttft_s: np.ndarray,

@@ -73,3 +73,34 @@ def holds_memory(strategy: str) -> bool:
     """Whether ``strategy`` holds KV out of other requests' reach: D's pinned turns or the host tier
     (the recommendation and the fleet pick make such a strategy win by a margin)."""
     return strategy in BIDIR_STRATEGIES or strategy in HOST_STRATEGIES
+
+
+#: A strategy that holds memory (:func:`holds_memory`) must beat the best one without it by more
+#: than this fraction of mean TTFT: a gain inside the planner's error (docs/planner/held-out.md)
+#: is not worth the memory. The one definition the recommendation and the fleet pick share.
+MIN_GAIN = 0.05
+
+
+def memory_pays(held_mean_s: float, plain_mean_s: float) -> bool:
+    """Whether a mean TTFT of ``held_mean_s`` (a strategy that holds memory) beats ``plain_mean_s``
+    (the best without) by more than :data:`MIN_GAIN`: ``held < plain x (1 - MIN_GAIN)``, strictly
+    (at exactly the margin the simpler one wins). Seconds."""
+    return held_mean_s < plain_mean_s * (1 - MIN_GAIN)
+
+
+def pick_paying_memory(items: list, strategy_of, mean_of, held_of):
+    """The item of ``items`` (non-empty) with the lowest mean TTFT (``mean_of``, seconds; ties: the
+    least held memory, ``held_of``), unless it holds memory and does not pay for it
+    (:func:`memory_pays`) against the best of those that hold none: then that one. The rule of both
+    the recommendation (:func:`planner.recommend.choose`) and the fleet pick
+    (:func:`planner.fleet.cheapest`)."""
+    def key(e):
+        return (mean_of(e), held_of(e))
+
+    winner = min(items, key=key)
+    plain = [e for e in items if not holds_memory(strategy_of(e))]
+    if holds_memory(strategy_of(winner)) and plain:
+        simple = min(plain, key=key)
+        if not memory_pays(mean_of(winner), mean_of(simple)):
+            return simple
+    return winner

@@ -241,11 +241,21 @@ CURVE = {
 }
 
 
+#: strategy -> (overload in words, p90 / SLO, within 25% of the SLO), typed: the margins are the p90s
+#: over the 1 s SLO; 0.74 is 0.26 from it, not close.
+FLEET_VERDICTS = {"recompute": ("overloaded: P at 3.40x its capacity", None, False), "pd": (None, 0.93, True),
+                  "pd+host": (None, 0.88, True), "pd-bidir": (None, 0.74, False), "pd-bidir+host": (None, 1.12, True)}
+#: strategy -> its fleet's knee on CURVE (the highest load meeting the 1 s SLO, every lower one too).
+CURVE_KNEES = {"recompute": None, "pd": 100.0, "pd+host": 100.0, "pd-bidir": 100.0, "pd-bidir+host": 50.0}
+
+
 def fleet_rows() -> list[dict]:
     """``FLEET_ROWS`` as write_fleet_plan's ``fleets`` (every column of plan_fleets but plan_id)."""
     kind, value, label = FLEET_LOAD
     return [{"load_kind": kind, "load_value": value, "load_label": label, "slo_ttft_p90_s": FLEET_SLO_S}
-            | dict(zip(_FLEET_COLS, r, strict=True)) for r in FLEET_ROWS]
+            | dict(zip(_FLEET_COLS, r, strict=True))
+            | dict(zip(("overload", "ttft_p90_over_slo", "close_to_slo"), FLEET_VERDICTS[r[0]], strict=True))
+            | {"lowest_ttft_p90_s": None} for r in FLEET_ROWS]
 
 
 def curve_rows() -> list[dict]:
@@ -260,7 +270,10 @@ def curve_rows() -> list[dict]:
                         "decode_kv_bytes_per_worker": kv, "load_kind": FLEET_LOAD[0], "load_value": load,
                         "ttft_p50_s": None if over else point[0], "ttft_p90_s": None if over else point[1],
                         "overloaded": over, "overload_role": point[0] if over else None,
-                        "overload_factor": point[1] if over else None, "slo_ttft_p90_s": FLEET_SLO_S})
+                        "overload_factor": point[1] if over else None, "slo_ttft_p90_s": FLEET_SLO_S,
+                        "overload": f"overloaded: {'P' if point[0] == 'prefill' else 'D'} at {point[1]:.2f}x its "
+                                    "capacity" if over else None,
+                        "knee": CURVE_KNEES[strategy] == load})
     return out
 
 

@@ -259,14 +259,23 @@ def fleet_name(prefill_workers: int, decode_workers: int) -> str:
     return f"{int(prefill_workers)}P {int(decode_workers)}D"
 
 
-def overload_text(role: str, factor: float | None) -> str:
-    """``overloaded: P at 3.4x its capacity`` (``factor``: offered work over the capacity of the
+def overload_text(role: str, factor: float | None, words: str | None = None) -> str:
+    """The overload as the planner wrote it (``words``: the row's ``overload`` column, the one
+    verdict of planner.overload), else, for a plan stored before that column,
+    ``overloaded: P at 3.4x its capacity`` (``factor``: offered work over the capacity of the
     role's busiest worker, 3 significant digits so 1.05x never reads as 1.0x); without a factor (an
     overload found by a queue that never drains) ``overloaded: P's queue never drains``."""
+    if isinstance(words, str) and words:
+        return words
     who = "P" if role == Role.PREFILL else "D" if role == Role.DECODE else str(role)
     if factor is None or pd.isna(factor):
         return f"overloaded: {who}'s queue never drains"
     return f"overloaded: {who} at {factor:.3g}x its capacity"
+
+
+def _words(df: pd.DataFrame) -> list:
+    """Each row's stored overload in words (None where the plan predates the column)."""
+    return list(df["overload"]) if "overload" in df else [None] * len(df)
 
 
 def _ms(x: float) -> str:
@@ -286,8 +295,8 @@ def fleet_table(fl: pd.DataFrame, profile_decode_kv_bytes: float | None) -> pd.D
         return "profile's" if profile_decode_kv_bytes is None else f"{profile_decode_kv_bytes / GiB:,.1f} (profile's)"
 
     over = fl["overloaded"].fillna(False).astype(bool)
-    p90 = [overload_text(r, f) if o else _ms(t) for o, r, f, t in
-           zip(over, fl["overload_role"], fl["overload_factor"], fl["ttft_p90_s"], strict=True)]
+    p90 = [overload_text(r, f, w) if o else _ms(t) for o, r, f, w, t in
+           zip(over, fl["overload_role"], fl["overload_factor"], _words(fl), fl["ttft_p90_s"], strict=True)]
     p50 = ["—" if o else _ms(t) for o, t in zip(over, fl["ttft_p50_s"], strict=True)]
     out = pd.DataFrame({
         "": [RECOMMENDED_MARK if r else "" for r in fl["recommended"].fillna(False).astype(bool)],
@@ -335,8 +344,8 @@ def fleet_headline(fl: pd.DataFrame) -> tuple[list[tuple[str, str, str | None]],
     if rec.empty:
         ok = fl[fl["ttft_p90_s"].notna()].sort_values("ttft_p90_s")
         if ok.empty:
-            worst = "; ".join(f"{r.strategy} {overload_text(r.overload_role, r.overload_factor)}"
-                              for r in fl.itertuples())
+            worst = "; ".join(f"{r.strategy} {overload_text(r.overload_role, r.overload_factor, w)}"
+                              for r, w in zip(fl.itertuples(), _words(fl), strict=True))
             return [], f"No fleet searched keeps up with {load}: every strategy's is overloaded ({worst})."
         r = ok.iloc[0]
         fleet = fleet_name(r["prefill_workers"], r["decode_workers"])
@@ -415,9 +424,17 @@ def load_curve_figure(curve: pd.DataFrame, fl: pd.DataFrame, title: str) -> go.F
                 x=bad["load_value"], y=[lanes[strategy]] * len(bad), mode="markers", name=f"{strategy} overloaded",
                 legendgroup=strategy, showlegend=False,
                 marker={"color": colour, "symbol": _open_symbol(symbol), "size": 10, "line": {"width": 2}},
-                hovertext=[f"{strategy} on {fleet} at {v:,g} {unit}: {overload_text(r, f)} (no TTFT)" for v, r, f in
-                           zip(bad["load_value"], bad["overload_role"], bad["overload_factor"], strict=True)],
+                hovertext=[f"{strategy} on {fleet} at {v:,g} {unit}: {overload_text(r, f, w)} (no TTFT)" for v, r, f, w in
+                           zip(bad["load_value"], bad["overload_role"], bad["overload_factor"], _words(bad),
+                               strict=True)],
                 hoverinfo="text"))
+    knee = curve[curve["knee"].fillna(False).astype(bool) & curve["ttft_p90_s"].notna()] if "knee" in curve else None
+    if knee is not None and not knee.empty:   # each fleet's knee: the highest load it serves at the SLO
+        fig.add_trace(go.Scatter(
+            x=knee["load_value"], y=knee["ttft_p90_s"] * 1000, mode="markers", name="knee (highest load at the SLO)",
+            marker={"symbol": "star", "size": 16, "color": "rgba(0,0,0,0)", "line": {"width": 2, "color": "#333"}},
+            hovertext=[f"{r.strategy} on {fleet_name(r.prefill_workers, r.decode_workers)}: knee at {r.load_value:,g} "
+                       f"{unit}" for r in knee.itertuples()], hoverinfo="text"))
     if slo_ms is not None:
         fig.add_trace(go.Scatter(x=[x_start, x_end], y=[slo_ms, slo_ms], mode="lines", name=f"SLO: p90 ≤ {slo_ms:,.0f} ms",
                                  line={"color": ALARM, "dash": "dash", "width": 2}, hoverinfo="name"))

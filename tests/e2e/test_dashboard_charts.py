@@ -308,7 +308,11 @@ def test_load_curve_draws_its_data(fleet_url, browser):  # noqa: F811
     assert all(t["symbol"].endswith("-open") for t in over.values())
     (slo,) = [t for t in fig["traces"] if t["name"].startswith("SLO")]
     assert slo["y"] == [1000, 1000] and slo["mode"] == "lines"
-    assert len(fig["traces"]) == 5 + 5 + 1
+    # each fleet's knee (tests/planner_store.py's CURVE_KNEES): a star on its line at that load
+    knee = next(t for t in fig["traces"] if t["name"].startswith("knee"))
+    assert sorted(zip(knee["x"], knee["y"], strict=True)) == [(50, 560), (100, 740), (100, 880), (100, 930)]
+    assert knee["symbol"] == "star"
+    assert len(fig["traces"]) == 5 + 5 + 1 + 1
     shapes = {s["name"]: s for s in fig["shapes"]}
     shaded = shapes["recommended fleet overloaded"]
     assert shaded["filled"] and shaded["x0"] == pytest.approx(200) and shaded["x1"] >= 400

@@ -223,7 +223,7 @@ def test_a_fleet_plan_shows_its_answer_and_fleet_table_first(monkeypatch, fleet_
     shown = [tuple(r) for r in table.astype(object).itertuples(index=False)]
     # the profile's D KV space: 9.496e11 bytes / 2^30 = 884.4 GiB
     assert shown == [
-        ("", "recompute", "2P 2D", "32", "overloaded: P at 3.4x its capacity", "—", "no", 2.91, 0.0,
+        ("", "recompute", "2P 2D", "32", "overloaded: P at 3.40x its capacity", "—", "no", 2.91, 0.0,
          "884.4 (profile's)", 0.0, 0.0, 0.0, 0.0, 9),
         ("", "pd", "3P 3D", "48", "930", "420", "yes", 4.12, 61.0, "884.4 (profile's)", 1250.4, 0.0, 0.0, 5400.0, 12),
         ("", "pd+host", "3P 2D", "40", "880", "380", "yes", 3.55, 78.0, "884.4 (profile's)", 1250.4, 0.0, 86400.0,
@@ -242,7 +242,7 @@ def test_fleet_table_without_prices_and_a_decode_overload():
     from dashboard.figures import plan as plan_figures
 
     rows = fx.fleet_rows()[:2]
-    rows[0] |= {"overload_role": "decode", "overload_factor": 1.05}
+    rows[0] |= {"overload_role": "decode", "overload_factor": 1.05, "overload": None}   # stored before the words
     fl = pd.DataFrame(rows).assign(usd_per_m_tokens=None)
     table = plan_figures.fleet_table(fl, None)
     assert "$ / M tokens" not in table.columns

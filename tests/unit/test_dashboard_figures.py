@@ -397,7 +397,7 @@ def test_load_curve_without_slo_on_log_axes():
     at = (curve["strategy"] == "pd-bidir") & (curve["load_value"] == 200.0)
     curve.loc[at, ["overloaded", "ttft_p50_s", "ttft_p90_s", "overload_role", "overload_factor"]] = \
         [False, 10.0, 30.0, None, None]
-    curve.loc[curve["strategy"] == "recompute", "overload_factor"] = None
+    curve.loc[curve["strategy"] == "recompute", ["overload_factor", "overload"]] = None   # as stored before words
     fig = plan_figures.load_curve_figure(curve, fl, "FORECAST (profile vendor-h200)")
     traces = {t.name: t for t in fig.data}
     assert not [n for n in traces if n.startswith("SLO")]
@@ -405,6 +405,10 @@ def test_load_curve_without_slo_on_log_axes():
     assert list(traces["pd-bidir (2P 2D)"].y) == pytest.approx([410.0, 480.0, 740.0, 30000.0])
     assert traces["recompute overloaded"].hovertext[0] == (
         "recompute on 2P 2D at 50 new sessions per hour: overloaded: P's queue never drains (no TTFT)")
+    assert traces["pd overloaded"].hovertext[0] == (   # the planner's words, as stored
+        "pd on 3P 3D at 200 new sessions per hour: overloaded: P at 1.15x its capacity (no TTFT)")
+    knee = traces["knee (highest load at the SLO)"]   # the fixture's CURVE_KNEES, recompute none
+    assert sorted(knee.x) == [50.0, 100.0, 100.0, 100.0]
     lanes = sorted(t.y[0] for n, t in traces.items() if n.endswith("overloaded"))
     assert lanes[0] > 30000 and len(set(lanes)) == 5   # each strategy its lane, above the 30 s TTFT
     _, sentence = plan_figures.fleet_headline(fl)
