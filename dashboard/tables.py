@@ -146,11 +146,15 @@ def whatif_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 #: The columns of ``store.queries.nixl_failures`` shown by :func:`nixl_failures_table`, with
-#: their headers: the proxy's outcomes (turns), then vLLM's NIXL counters on P and D (requests).
+#: their headers: the proxy's outcomes (turns), then vLLM's NIXL counters on P and D (requests;
+#: failed notifications are inside failed transfers; notifications after expiry are per remote rank,
+#: an alarm: blocks possibly reused before a transfer ended).
 NIXL_FAILURE_COLUMNS = ("run_label", "expired_turns", "transfer_failed_turns", "p_kv_expired_reqs",
-                        "p_failed_transfers", "p_failed_notifications", "d_kv_expired_reqs", "d_failed_transfers")
+                        "p_failed_transfers", "p_failed_notifications", "p_notifications_after_expiry",
+                        "d_kv_expired_reqs", "d_failed_transfers", "d_notifications_after_expiry")
 _NIXL_FAILURE_HEADERS = ("run", "proxy miss_expired", "proxy miss_transfer_failed", "P: KV expired",
-                         "P: failed transfers", "P: failed notifications", "D: KV expired", "D: failed transfers")
+                         "P: failed transfers", "P: of which notifications", "P: notified after expiry",
+                         "D: KV expired", "D: failed transfers", "D: notified after expiry")
 
 
 def nixl_failures_table(df: pd.DataFrame) -> pd.DataFrame:

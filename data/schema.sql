@@ -733,7 +733,10 @@ FROM c;
 -- prevent) and P's own prompt blocks no D read within kv_lease_duration; on D the handles no P
 -- pulled within decoder_kv_blocks_ttl. vllm:nixl_num_failed_transfers_total: transport failures
 -- (failed transfers, handshakes and notifications; an expiry is not one since vLLM PR 55854);
--- vllm:nixl_num_failed_notifications_total: the notifications among them.
+-- vllm:nixl_num_failed_notifications_total: the notifications among them (already inside failed
+-- transfers: never add the two). vllm:nixl_num_notifications_after_expiry_total: completion
+-- notifications for requests no longer tracked (their lease ran out: the blocks may have been
+-- reused before the transfer finished), one per remote rank, not per request.
 CREATE VIEW run_nixl_failures AS
 WITH n AS (
     SELECT run_id,
@@ -742,11 +745,13 @@ WITH n AS (
            sum(increase) FILTER (WHERE role = 'prefill' AND name = 'vllm:nixl_num_failed_notifications_total') AS p_failed_notifications,
            sum(increase) FILTER (WHERE role = 'decode' AND name = 'vllm:nixl_num_kv_expired_reqs_total')      AS d_kv_expired_reqs,
            sum(increase) FILTER (WHERE role = 'decode' AND name = 'vllm:nixl_num_failed_transfers_total')      AS d_failed_transfers,
-           sum(increase) FILTER (WHERE role = 'decode' AND name = 'vllm:nixl_num_failed_notifications_total')  AS d_failed_notifications
+           sum(increase) FILTER (WHERE role = 'decode' AND name = 'vllm:nixl_num_failed_notifications_total')  AS d_failed_notifications,
+           sum(increase) FILTER (WHERE role = 'prefill' AND name = 'vllm:nixl_num_notifications_after_expiry_total') AS p_notifications_after_expiry,
+           sum(increase) FILTER (WHERE role = 'decode' AND name = 'vllm:nixl_num_notifications_after_expiry_total')  AS d_notifications_after_expiry
     FROM metric_increases
     WHERE role IN ('prefill', 'decode')
       AND name IN ('vllm:nixl_num_kv_expired_reqs_total', 'vllm:nixl_num_failed_transfers_total',
-                   'vllm:nixl_num_failed_notifications_total')
+                   'vllm:nixl_num_failed_notifications_total', 'vllm:nixl_num_notifications_after_expiry_total')
     GROUP BY run_id
 ), t AS (
     SELECT run_id, count(*) FILTER (WHERE reuse = 'miss_expired')         AS expired_turns,
@@ -756,7 +761,8 @@ WITH n AS (
 SELECT r.run_id, coalesce(t.expired_turns, 0) AS expired_turns,
        coalesce(t.transfer_failed_turns, 0) AS transfer_failed_turns,
        n.p_kv_expired_reqs, n.p_failed_transfers, n.p_failed_notifications,
-       n.d_kv_expired_reqs, n.d_failed_transfers, n.d_failed_notifications
+       n.d_kv_expired_reqs, n.d_failed_transfers, n.d_failed_notifications,
+       n.p_notifications_after_expiry, n.d_notifications_after_expiry
 FROM runs r LEFT JOIN t USING (run_id) LEFT JOIN n USING (run_id);
 
 -- Did the run start cold? Each run that turnscope records sends its own cache_salt, so it claims to

@@ -217,7 +217,8 @@ def reuse_cost(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str]) ->
 _NIXL_FAILURES = """
 SELECT n.run_id, coalesce(r.label, n.run_id) AS run_label, r.mode, n.expired_turns, n.transfer_failed_turns,
        n.p_kv_expired_reqs, n.p_failed_transfers, n.p_failed_notifications,
-       n.d_kv_expired_reqs, n.d_failed_transfers, n.d_failed_notifications
+       n.d_kv_expired_reqs, n.d_failed_transfers, n.d_failed_notifications,
+       n.p_notifications_after_expiry, n.d_notifications_after_expiry
 FROM run_nixl_failures n JOIN runs r USING (run_id)
 WHERE list_contains($run_ids::VARCHAR[], n.run_id)
 ORDER BY n.run_id
@@ -229,10 +230,12 @@ def nixl_failures(con: duckdb.DuckDBPyConnection, f: TurnFilter | Sequence[str])
     not apply): the proxy's turns ``miss_expired`` (its margin kept the handle back) and
     ``miss_transfer_failed`` (offered, not pulled) beside vLLM's NIXL counters' increases on P and
     D, in requests (``*_kv_expired_reqs``) and failures (``*_failed_transfers``,
-    ``*_failed_notifications``; NaN where the role was not scraped or does not export them).
+    ``*_failed_notifications``, already inside the failed transfers) and late notifications
+    (``*_notifications_after_expiry``: one per remote rank, not per request; blocks possibly reused
+    before a transfer ended); NaN where the role was not scraped or does not export them.
     Columns: run_id, run_label, mode, expired_turns, transfer_failed_turns, p_kv_expired_reqs,
     p_failed_transfers, p_failed_notifications, d_kv_expired_reqs, d_failed_transfers,
-    d_failed_notifications.
+    d_failed_notifications, p_notifications_after_expiry, d_notifications_after_expiry.
     """
     return run_sql(con, _NIXL_FAILURES, {"run_ids": id_list(as_filter(f).run_ids)})
 

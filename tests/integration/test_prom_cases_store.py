@@ -13,8 +13,10 @@ import datetime as dt
 import json
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
+from dashboard import tables
 from loadgen.scraper import MetricsScraper
 from store import db, queries
 from store.writer import Store
@@ -190,3 +192,47 @@ def test_itl_per_output_event_through_the_store(renamed_store: Path) -> None:
     assert tokens_per_event == pytest.approx(exp["tokens_per_output_event"])
     assert per_token == pytest.approx(exp["itl_mean_s_per_token"]) == pytest.approx(exp["tpot_mean_s"])
     assert spec is True and draft == pytest.approx(3.0)  # 3000 draft tokens over 1000 drafts
+
+
+# ------------------------------------------------- NIXL failures and expiry, through the store's view
+
+
+@pytest.fixture(scope="module")
+def nixl_store(tmp_path_factory) -> Path:
+    """One pd-bidir run whose P serves the handed NIXL counters (two engines), scraped twice:
+    counters zeroed, then as handed, so the run's increases are the case's values."""
+    root = tmp_path_factory.mktemp("nixl")
+    s = Store(root)
+    s.init()
+    text = (PROM / "nixl_failures_and_expiry.prom").read_text()
+    prefill = MetricsEndpoint([counters_zeroed(text), text])
+    writer = s.writer("nixl-case", "test", flush_interval_s=60)
+    try:
+        now = dt.datetime.now(dt.UTC)
+        writer.append("runs_log", {"run_id": "nixl-case", "mode": "pd-bidir", "status": "complete",
+                                   "started_at": now, "finished_at": now, "updated_at": now})
+        scraper = MetricsScraper([(prefill.url, "prefill")], writer, "nixl-case", timeout_s=5)
+        scraper.scrape_once()
+        scraper.scrape_once()
+    finally:
+        writer.close()
+        prefill.close()
+    return root
+
+
+def test_nixl_failures_and_expiry_through_the_store(nixl_store: Path) -> None:
+    """The handed case: failures summed over engines (5 + 2), notifications counted inside them
+    (never added: 7, not 10), expiries apart from failures, notifications after expiry read as
+    their own count (an alarm, not requests); the _created series never counted."""
+    exp = _expect("nixl_failures_and_expiry")
+    df = db.read(db.StoreLocation(nixl_store), queries.nixl_failures, ["nixl-case"])
+    row = df.iloc[0]
+    assert row.p_failed_transfers == exp["failed_transfers"]
+    assert row.p_failed_notifications == exp["failed_notifications_within_failed_transfers"]
+    assert row.p_kv_expired_reqs == exp["kv_expired_requests"]
+    assert row.p_notifications_after_expiry == exp["notifications_after_expiry"]
+    assert bool(row.p_notifications_after_expiry > 0) is exp["possible_reuse_after_expiry_alarm"]
+    # no D was scraped: its counters are unknown, not 0
+    assert pd.isna(row.d_failed_transfers) and pd.isna(row.d_notifications_after_expiry)
+    table = tables.nixl_failures_table(df)
+    assert table["P: failed transfers"].tolist() == [7] and table["P: of which notifications"].tolist() == [3]
