@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from serving.embedded_model import ensure_model
 from serving.stack import ModeStack
 from serving.topology import load_topology
 from store.writer import Store
@@ -237,6 +238,9 @@ def test_model_path_that_does_not_exist_is_refused(store, tmp_path):
 
 
 def _embedded_topology_file(tmp_path: Path) -> tuple[Path, dict[str, int]]:
+    """The shipped embedded topology on free ports, its model built if missing (a fresh clone has
+    none until a test builds it, and a module using this may run first)."""
+    ensure_model()
     ports = {k: free_port() for k in ("p", "d", "a", "ps", "ds", "proxy")}
     text = (REPO / "data" / "topologies" / "embedded-cpu.yaml").read_text().replace("../models", str(REPO / "data" / "models"))
     for old, new in (("port: 8100, side_channel_port: 5600", f"port: {ports['p']}, side_channel_port: {ports['ps']}"),
