@@ -103,6 +103,24 @@ def test_prom_case_created_series() -> None:
     assert hits / queries == pytest.approx(exp["hit_rate"], abs=1e-6)
 
 
+def test_prom_case_nixl_failures_and_expiry() -> None:
+    """vLLM's NIXL counters over two engines: failures summed per engine (5 + 2), the failed
+    notifications read as the part of them they are (3 of the 7, never added: 10 would count 3
+    twice), expiries apart from failures, notifications after expiry their own count (per remote
+    rank: an alarm, not requests); the _created series (Unix times) never read."""
+    samples, exp = _case("nixl_failures_and_expiry")
+    assert engines(samples) == ["0", "1"]
+    failed = counter_total(samples, "vllm:nixl_num_failed_transfers")
+    notifications = counter_total(samples, "vllm:nixl_num_failed_notifications_total")
+    assert failed == exp["failed_transfers"]
+    assert notifications == exp["failed_notifications_within_failed_transfers"] and notifications <= failed
+    assert counter_total(samples, "vllm:nixl_num_kv_expired_reqs") == exp["kv_expired_requests"]
+    late = counter_total(samples, "vllm:nixl_num_notifications_after_expiry")
+    assert late == exp["notifications_after_expiry"]
+    assert (late > 0) is exp["possible_reuse_after_expiry_alarm"]
+    assert counter_total(samples, "vllm:nixl_num_failed_transfers", {"engine": "1"}) == 2
+
+
 def test_prom_case_per_pid_gauge() -> None:
     samples, exp = _case("per_pid_gauge")
     for name, value in exp.items():
