@@ -194,6 +194,18 @@ class Rollups:
         table = table.read_all() if hasattr(table, "read_all") else table
         return table, [[c, str(t)] for c, t in zip(rel.columns, rel.types, strict=True)]
 
+    def relist(self, run_id: str) -> None:
+        """Record `run_id`'s current shard files in its rollup's manifest, keeping the rollup fresh:
+        only for a compaction (`store.compact`), which replaces a run's shards by files of the same
+        rows, and only where the rollup was fresh before it."""
+        m = self._manifest(run_id)
+        if m is None:
+            return
+        m["shards"] = self.shard_listing(run_id)
+        tmp = self.dir / run_id / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(m, indent=1, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, self.dir / run_id / MANIFEST)
+
     def write_finished(self) -> list[str]:
         """Roll up every run that is no longer running and has no fresh rollup; returns the ids
         written."""

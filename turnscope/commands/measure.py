@@ -28,6 +28,7 @@ from turnscope.commands.app import (
     split_csv,
 )
 from turnscope.commands.summaries import (
+    compact_quietly,
     print_sweep_summary,
 )
 from turnscope.conductor import schedule
@@ -199,6 +200,7 @@ def sweep(
         run_ids = run_sweep(ev, plan, console)
     except (ValueError, RuntimeError, OSError) as exc:  # bad input, a worker or port, the store
         raise fail(str(exc)) from exc
+    compact_quietly(store)  # the finished runs' shards, one file per table (store/compact.py)
     console.print(f"sweep finished in {time.monotonic() - t0:.0f} s; the dashboard's Sweep page draws it")
     print_sweep_summary(store, run_ids)
 
@@ -309,5 +311,6 @@ def capacity(
         run_ids = run_capacity(ev, plan, history, console)
     except (ValueError, RuntimeError, OSError) as exc:  # bad input, a worker or port, the store
         raise fail(str(exc)) from exc
+    compact_quietly(store)  # the finished runs' shards, one file per table (store/compact.py)
     console.print(f"capacity ramp finished in {time.monotonic() - t0:.0f} s; the dashboard's Memory page draws it")
     print_capacity_summary(store, run_ids, console)

@@ -148,13 +148,28 @@ def print_bottom_line(store: Path, run_ids: list[str]) -> None:
             console_text.print_text(console, line.strip(), "  " if line.startswith("  ") else "")
 
 
+def compact_quietly(store: Path) -> None:
+    """Compact the store's finished runs (`store.compact`: one file per table of a finished run);
+    a failure is said, not raised: the shards stay as they are and every view still reads them."""
+    from store.compact import compact_finished
+    from store.writer import Store
+
+    try:
+        compact_finished(Store(store))
+    except (OSError, ValueError, duckdb.Error) as exc:
+        console.print(f"[yellow]compaction skipped[/yellow] ({exc}); `turnscope rollup` does it later",
+                      highlight=False)
+
+
 def roll_up_quietly(store: Path) -> None:
-    """Roll up the store's finished runs after a run (`turnscope rollup`); a failure is said, not
-    raised: the rows are stored and the dashboard reads the plain views meanwhile."""
+    """Compact (`compact_quietly`) and roll up the store's finished runs after a run (`turnscope
+    rollup`); a failure is said, not raised: the rows are stored and the dashboard reads the plain
+    views meanwhile."""
     from planner.recorded_whatif import whatif_ttl_d_limit
     from store.rollup import Rollups
     from store.writer import Store
 
+    compact_quietly(store)
     try:
         Rollups(Store(store), whatif=whatif_ttl_d_limit).write_finished()
     except (OSError, duckdb.Error) as exc:
