@@ -34,8 +34,8 @@ Each is measured `--repeats` times (default 3), each time on a fresh server, and
 reported: the machine may be shared, so one run is noise.
 
 Stores: ``--demo`` (default) builds tests/dashboard_store.py's small known store (4 runs, 48 turns);
-``--turns N`` builds bench/dashboard_scale.py's synthetic store of N turns (10 runs) and rolls it
-up as `turnscope rollup` does; ``--store PATH`` reads an existing store (e.g. one `make demo` wrote).
+``--turns N`` builds bench/dashboard_scale.py's synthetic store of N turns (10 runs) and compacts
+and rolls it up as `turnscope rollup` does; ``--store PATH`` reads an existing store (e.g. one `make demo` wrote).
 
     .venv/bin/python bench/dashboard_browser.py --store data --tables journey --before ../old-checkout
     .venv/bin/python bench/dashboard_browser.py --demo
@@ -292,18 +292,18 @@ def journey(context, url: str, server_pid: int, slugs: list[str]) -> list[Step]:
     return steps
 
 
-def measure_journey(root: Path, slugs: list[str], repeats: int, log: Path, codes: list[tuple[str, Path, dict]],
+def measure_journey(slugs: list[str], repeats: int, log: Path, codes: list[tuple[str, Path, dict, Path]],
                     launcher: str = "turnscope") -> dict[str, list[list[Step]]]:
-    """`repeats` journeys per code (name, checkout, extra environment), each on a fresh server and
-    a fresh browser context, the codes interleaved (A B A B): name -> one list of steps per repeat."""
+    """`repeats` journeys per code (name, checkout, extra environment, store), each on a fresh server
+    and a fresh browser context, the codes interleaved (A B A B): name -> one list of steps per repeat."""
     from playwright.sync_api import sync_playwright
 
-    out: dict[str, list[list[Step]]] = {name: [] for name, _, _ in codes}
+    out: dict[str, list[list[Step]]] = {name: [] for name, *_ in codes}
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
             for rep in range(repeats):
-                for name, code, env in codes:
+                for name, code, env, root in codes:
                     with streamlit_server(root, log, launcher, code, env) as (url, pid):
                         context = browser.new_context(viewport={"width": 1440, "height": 1200})
                         try:
@@ -435,13 +435,15 @@ def build_store(root: Path, turns: int | None) -> str:
     import dashboard_scale
 
     from planner.recorded_whatif import whatif_ttl_d_limit
+    from store.compact import compact_finished
     from store.rollup import Rollups
 
     t0 = time.perf_counter()
     store = dashboard_scale.build(root, turns)
+    compact_finished(store)  # as `turnscope rollup` and the end of an eval do
     Rollups(store, whatif=whatif_ttl_d_limit).write_finished()
-    print(f"built and rolled up {turns:,} turns in {root} in {time.perf_counter() - t0:.0f} s", flush=True)
-    return f"synthetic store of {turns:,} turns (bench/dashboard_scale.py, 10 runs, rolled up)"
+    print(f"built, compacted and rolled up {turns:,} turns in {root} in {time.perf_counter() - t0:.0f} s", flush=True)
+    return f"synthetic store of {turns:,} turns (bench/dashboard_scale.py, 10 runs, compacted and rolled up)"
 
 
 def main() -> int:
@@ -471,6 +473,9 @@ def main() -> int:
     ap.add_argument("--before", type=Path,
                     help="also time the journey of the checkout at this path (e.g. a `git worktree` of an older "
                          "commit), its charts on (TURNSCOPE_DASHBOARD_CHARTS=1), interleaved with this one")  # fmt: skip
+    ap.add_argument("--before-store", type=Path,
+                    help="also time the journey over this store (e.g. --store's rows before `turnscope rollup` "
+                         "compacted them), with this checkout, interleaved with --store's")  # fmt: skip
     args = ap.parse_args()
     tables = {t.strip() for t in args.tables.split(",") if t.strip()}
     if bad := tables - {"journey", "pages"}:
@@ -494,9 +499,11 @@ def main() -> int:
         log = Path(tempfile.gettempdir()) / "turnscope-browser-bench.log"
         ok = True
         if "journey" in tables:
-            codes = [("before", args.before.resolve(), {"TURNSCOPE_DASHBOARD_CHARTS": "1"})] if args.before else []
-            codes.append(("after" if args.before else "this", REPO, {}))
-            runs = measure_journey(root, [p for p in pages if p != "overview"], max(1, args.repeats), log, codes,
+            codes = [("before", args.before.resolve(), {"TURNSCOPE_DASHBOARD_CHARTS": "1"}, root)] if args.before else []
+            if args.before_store:
+                codes.append(("before", REPO, {}, args.before_store.resolve()))
+            codes.append(("after" if codes else "this", REPO, {}, root))
+            runs = measure_journey([p for p in pages if p != "overview"], max(1, args.repeats), log, codes,
                                    args.launcher)  # fmt: skip
             print(f"load average after the journeys {os.getloadavg()[0]:.2f}", flush=True)
             ok &= report_journey(runs, what, 2.0 if args.turns and args.turns >= 1_000_000 else 1.0)

@@ -6,6 +6,7 @@ or dashboard/.
 Layout under a store root::
 
     <root>/runs/<run_id>/<table>/<writer_id>-<token>-<seq>.parquet   shards (append-only)
+    <root>/runs/<run_id>/<table>/compacted-<token>-000000.parquet     a finished run's shards merged (store.compact)
     <root>/runs/_schema/<table>/empty.parquet                         one empty typed shard per table
     <root>/turnscope.duckdb                                           views only (no table data)
 

@@ -160,6 +160,17 @@ def capacity_url(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def nixl_url(tmp_path_factory):
+    """The hand-counted expired and failed pulls of tests/integration/test_pull_failures_store.py
+    (proxy outcomes and vLLM's NIXL counters, P restarting once), for the Memory page's section."""
+    from tests.integration.test_pull_failures_store import build
+
+    tmp = tmp_path_factory.mktemp("e2e-nixl")
+    with _streamlit(build(tmp / "store").root, tmp) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
 def eviction_url(tmp_path_factory):
     """A store holding P's eviction ladder (tests/eviction_store.py), for the Memory page's window."""
     tmp = tmp_path_factory.mktemp("e2e-eviction")
@@ -286,6 +297,61 @@ def test_sessions_in_browser(dashboard_url, browser):
 def test_memory_in_browser(dashboard_url, browser):
     page, errors = _open(browser, f"{dashboard_url}/memory", "Memory", 2)
     _shot(page, "memory")
+    assert not errors, errors
+    page.close()
+
+
+#: The bars of the drawn figure titled by the argument, as plotly.js holds them: trace name -> {y: x}.
+READ_BARS = """
+(title) => {
+  for (const el of document.querySelectorAll('.js-plotly-plot')) {
+    const fl = el._fullLayout;
+    if (!fl || !fl.title || fl.title.text !== title) continue;
+    const out = {};
+    for (const tr of el._fullData) {
+      out[tr.name] = {};
+      Array.from(tr.y).forEach((y, i) => { out[tr.name][y] = tr.x[i]; });
+    }
+    return {bars: out, marks: el.querySelectorAll('.bars .point path').length};
+  }
+  return null;
+}
+"""
+#: Every dataframe's cells as the grid's accessible table gives them: [[header...], [row...], ...].
+READ_GRIDS = """
+() => Array.from(document.querySelectorAll('[data-testid="stDataFrame"]')).map(df =>
+  Array.from(df.querySelectorAll('tr')).map(tr =>
+    Array.from(tr.querySelectorAll('th, td')).map(c => c.innerText.trim())))
+"""
+
+
+def test_memory_nixl_failures_in_browser(nixl_url, browser):
+    """The Memory page's expired and failed pulls, drawn and tabled from the store's rows: run
+    ``bidir``'s counts as counted by hand in tests/integration/test_pull_failures_store.py (proxy
+    miss_expired 2 and miss_transfer_failed 3; P's KV expired 1 + 2 + 1 + 0 = 4 across its restart
+    and failed transfers 2; D's KV expired 7); runs with neither an outcome nor a counter are left out."""
+    from dashboard.figures import NIXL_FAILURE_BARS
+
+    page, errors = _open(browser, f"{nixl_url}/memory", "Memory", 1)
+    page.get_by_text("Expired and failed pulls", exact=True).first.wait_for(timeout=60_000)
+    drawn = page.evaluate(READ_BARS, "Expired and failed pulls per run")
+    assert drawn is not None, "the figure is not drawn"
+    name = "bidir · pd-bidir"
+    want = dict(zip([label for _, label, _ in NIXL_FAILURE_BARS], [2, 4, 3, 2, 7], strict=True))
+    assert {label: bars.get(name) for label, bars in drawn["bars"].items()} == want
+    assert all(list(bars) == [name] for bars in drawn["bars"].values())  # agg, warm, no-turns: nothing to show
+    assert drawn["marks"] == len(want)  # five bars, each drawn
+    grids = [g for g in page.evaluate(READ_GRIDS) if g and "P: KV expired" in g[0]]
+    assert len(grids) == 1, page.evaluate(READ_GRIDS)
+    head, *rows = grids[0]
+    rows = [dict(zip(head, r, strict=False)) for r in rows if r]
+    assert [r["run"] for r in rows] == ["bidir"]
+    got = {k: rows[0][k] for k in ("proxy miss_expired", "proxy miss_transfer_failed", "P: KV expired",
+                                   "P: failed transfers", "P: of which notifications", "D: KV expired")}
+    assert got == {"proxy miss_expired": "2", "proxy miss_transfer_failed": "3", "P: KV expired": "4",
+                   "P: failed transfers": "2", "P: of which notifications": "0", "D: KV expired": "7"}
+    assert rows[0]["D: failed transfers"] in ("", "<NA>", "None")  # not scraped: blank, never 0
+    _shot(page, "memory-nixl-failures")
     assert not errors, errors
     page.close()
 

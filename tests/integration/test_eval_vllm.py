@@ -139,3 +139,23 @@ def test_eval_pd_nocache_vs_bidir(tmp_path):
         where role = 'prefill' and name = 'vllm:prompt_tokens_total' group by run_id""").fetchall())
     prompts = dict(con.execute("select run_id, sum(prompt_tokens) from turns group by run_id").fetchall())
     assert counted == prompts
+    con.close()
+    # Compaction of this real recorded store (store/compact.py): far fewer files, every row the same
+    # (per table and run: the count, each numeric column's sum and the multiset of the rows' text,
+    # before vs after), and the counter-vs-proxy agreement above still holds.
+    from store.compact import compact_finished
+    from tests.integration.test_store_compaction import assert_same, table_truths
+
+    root = tmp_path / "store"
+    before_files = len(list((root / "runs").glob("*/*/*.parquet")))
+    truths = table_truths(root)
+    done = compact_finished(Store(root))
+    assert {c.run_id for c in done} == set(run_ids)
+    assert len(list((root / "runs").glob("*/*/*.parquet"))) < before_files
+    assert_same(table_truths(root), truths)
+    con = duckdb.connect(str(root / "turnscope.duckdb"), read_only=True)
+    assert con.execute("select count(*) from turns").fetchone()[0] == len(run_ids) * sessions * max_turns
+    counted_after = dict(con.execute("""
+        select run_id, sum(increase) from metric_increases
+        where role = 'prefill' and name = 'vllm:prompt_tokens_total' group by run_id""").fetchall())
+    assert counted_after == prompts

@@ -7,6 +7,7 @@ real-worker routes are tests/integration/test_proxy_outcomes_vllm.py and test_fa
 from __future__ import annotations
 
 import datetime as dt
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -40,9 +41,10 @@ def _turn(run_id, sid, k, at_s, reuse, **kw):
             "status": kw.pop("status", "ok"), "reuse": reuse, "prompt_tokens": kw.pop("prompt_tokens", 700), **kw}
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    store = Store(tmp_path_factory.mktemp("store"))
+def build(root: Path) -> Store:
+    """The store of this module's hand-counted runs under `root` (also the Memory page's in a real
+    browser: tests/e2e/test_dashboard_browser.py)."""
+    store = Store(root)
     store.init()
     runs = {"bidir": "pd-bidir", "agg": "aggregated", "warm": "pd-bidir", "no-turns": "pd"}
     turns = {
@@ -80,6 +82,11 @@ def store(tmp_path_factory):
             # the proxy's own series of the same names never count as vLLM's
             w.append("metric_samples", _sample("bidir", i, PROXY, "proxy", EXPIRED, 100 * i))
     return store
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("store"))
 
 
 @pytest.fixture(scope="module")

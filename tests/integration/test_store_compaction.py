@@ -64,9 +64,9 @@ def table_truths(root: Path) -> dict[str, list[tuple]]:
 
 def assert_same(a: dict[str, list[tuple]], b: dict[str, list[tuple]]) -> None:
     assert a.keys() == b.keys()
-    for t in a:
-        assert len(a[t]) == len(b[t]), t
-        for ra, rb in zip(a[t], b[t], strict=True):
+    for t, rows in a.items():
+        assert len(rows) == len(b[t]), t
+        for ra, rb in zip(rows, b[t], strict=True):
             assert ra[:2] == rb[:2] and ra[-1] == rb[-1], (t, ra[0])  # run, count, the rows themselves
             for x, y in zip(ra[2:-1], rb[2:-1], strict=True):  # sums: floats added in another order
                 assert (x is None and y is None) or math.isclose(x, y, rel_tol=1e-12), (t, ra[0], x, y)
@@ -130,7 +130,7 @@ def test_a_shard_landing_during_the_swap_is_kept(tmp_path, monkeypatch, exchange
 
     def swap_after_a_late_shard(staging, table_dir):
         if table_dir == late.parent:
-            first = sorted(table_dir.glob("test-*.parquet"))[0]
+            first = min(table_dir.glob("test-*.parquet"))
             write_atomic(pq.read_table(first).slice(0, 1), late)
         real_swap(staging, table_dir)
 
@@ -140,7 +140,7 @@ def test_a_shard_landing_during_the_swap_is_kept(tmp_path, monkeypatch, exchange
     assert len(names) == 2 and late.name in names
     after = table_truths(root)
     turns = {r[0]: r[1] for r in after["turns"]}
-    assert turns["bidir-1"] == dict((r[0], r[1]) for r in truths["turns"])["bidir-1"] + 1
+    assert turns["bidir-1"] == {r[0]: r[1] for r in truths["turns"]}["bidir-1"] + 1
 
 
 def test_an_interrupted_compaction_is_resolved(tmp_path, monkeypatch):
@@ -155,7 +155,7 @@ def test_an_interrupted_compaction_is_resolved(tmp_path, monkeypatch):
     monkeypatch.undo()
     run_dir = root / "runs" / "bidir-1"
     (staging,) = [p for p in run_dir.iterdir() if p.name.startswith(".turns")]
-    src = sorted(staging.glob("*.parquet"))[0]
+    src = min(staging.glob("*.parquet"))
     write_atomic(pq.read_table(src).slice(0, 1), staging / "late-bbbb-000000.parquet")  # written late
     # bidir-2: as if cut before the swap: put its old shards back and the new file in staging
     run2 = root / "runs" / "bidir-2"
