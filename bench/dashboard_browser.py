@@ -474,8 +474,8 @@ def main() -> int:
                     help="also time the journey of the checkout at this path (e.g. a `git worktree` of an older "
                          "commit), its charts on (TURNSCOPE_DASHBOARD_CHARTS=1), interleaved with this one")  # fmt: skip
     ap.add_argument("--before-store", type=Path,
-                    help="also time the journey over this store (e.g. --store's rows before `turnscope rollup` "
-                         "compacted them), with this checkout, interleaved with --store's")  # fmt: skip
+                    help="time the 'before' journey over this store (e.g. --store's rows before `turnscope rollup` "
+                         "compacted them; with --before, that checkout over it), interleaved with --store's")  # fmt: skip
     args = ap.parse_args()
     tables = {t.strip() for t in args.tables.split(",") if t.strip()}
     if bad := tables - {"journey", "pages"}:
@@ -499,9 +499,11 @@ def main() -> int:
         log = Path(tempfile.gettempdir()) / "turnscope-browser-bench.log"
         ok = True
         if "journey" in tables:
-            codes = [("before", args.before.resolve(), {"TURNSCOPE_DASHBOARD_CHARTS": "1"}, root)] if args.before else []
-            if args.before_store:
-                codes.append(("before", REPO, {}, args.before_store.resolve()))
+            codes = []
+            if args.before or args.before_store:  # the older code, the store before compaction, or both
+                codes.append(("before", (args.before or REPO).resolve(),
+                              {"TURNSCOPE_DASHBOARD_CHARTS": "1"} if args.before else {},
+                              (args.before_store or root).resolve()))  # fmt: skip
             codes.append(("after" if codes else "this", REPO, {}, root))
             runs = measure_journey([p for p in pages if p != "overview"], max(1, args.repeats), log, codes,
                                    args.launcher)  # fmt: skip

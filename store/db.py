@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -132,21 +133,113 @@ def _invalid_reason(store: StoreLocation, con: duckdb.DuckDBPyConnection, exc: d
     return f"{store.db}: {exc}"
 
 
-def read(store: StoreLocation, query: Callable[..., pd.DataFrame], *args: Any) -> pd.DataFrame:
-    """Call ``query(con, *args)`` on a fresh read-only connection to `store`; return its DataFrame.
+#: Whether `read` runs its queries on this process's in-memory copy of the store's views
+#: (`ViewsDb`) where the store's views are of this turnscope's schema, rather than opening
+#: ``turnscope.duckdb`` for each query; the rows are the same (both read the shards).
+use_views_db = True
 
-    Where `use_rollups`, the connection first reads the finished runs with fresh rollups from
-    them (`store.rollup.Rollups.install`: TEMP views shadowing the base and per-run views).
+
+class ViewsDb:
+    """The views of a store (data/schema.sql, over its shards) in an in-memory DuckDB of this
+    process, for `read`: opening ``turnscope.duckdb`` loads its catalog of some fifty views,
+    30-80 ms a query on a 2-core machine and as much as the query itself once the shards are
+    compacted (store/compact.py), and a page runs ten or more. The views read the shards at query time
+    (their globs), so new rows are seen at once; the copy is made again when ``turnscope.duckdb``
+    changes (its views recreated by a writer: `Store.init`). It never holds the store's file, so
+    no writer is blocked. Each thread queries through its own cursor, which keeps the rollups'
+    TEMP views (`store.rollup.Rollups.install`) while the rollups' state is unchanged.
+
+    Made by `views_db` only where the file's views are of this turnscope's schema version; a store
+    whose views are of another version is read from its file, as before, so its queries fail
+    with `StoreInvalid`'s message naming the fix."""
+
+    def __init__(self, key: tuple[int, int], con: duckdb.DuckDBPyConnection):
+        self.key = key
+        self.con = con
+        self.local = threading.local()
+        self._lock = threading.Lock()  # cursors are made one at a time
+
+    def cursor(self, rollups: Rollups | None) -> duckdb.DuckDBPyConnection:
+        """This thread's cursor, with `rollups`'s TEMP views installed as of now (none: the plain
+        views)."""
+        state = rollups.state() if rollups is not None else None
+        key = repr(state)
+        loc = self.local
+        if getattr(loc, "key", None) != key:
+            old = getattr(loc, "cur", None)
+            if old is not None:
+                old.close()  # its TEMP views go with it
+            loc.cur, loc.key = None, None
+            with self._lock:
+                cur = self.con.cursor()
+            if state is not None:
+                rollups.install(cur, state)
+            loc.cur, loc.key = cur, key
+        return loc.cur
+
+
+_views_dbs: dict[Path, ViewsDb] = {}
+_views_lock = threading.Lock()
+
+
+def views_db(store: StoreLocation) -> ViewsDb | None:
+    """This process's `ViewsDb` of `store`, made now if ``turnscope.duckdb`` changed since (size
+    and modification time); None where its views are of another turnscope version or missing.
+    Raises `StoreMissing`, `StoreBusy` as `connect`."""
+    try:
+        st = store.db.stat()
+    except FileNotFoundError as exc:
+        raise StoreMissing(f"no store at {store.db}") from exc
+    key = (st.st_mtime_ns, st.st_size)
+    with _views_lock:
+        held = _views_dbs.get(store.root)
+        if held is not None and held.key == key:
+            return held
+        _views_dbs.pop(store.root, None)
+        with connect(store) as con:
+            try:
+                (version,) = con.execute("SELECT version FROM _turnscope_schema_version").fetchone()
+            except duckdb.Error:
+                version = None
+        schema = rollups_of(store.root).store
+        if version != schema.version:
+            return None
+        mem = duckdb.connect(":memory:")
+        mem.execute("SET enable_progress_bar = false")
+        schema.create_views(mem)
+        _views_dbs[store.root] = made = ViewsDb(key, mem)
+        return made
+
+
+def read(store: StoreLocation, query: Callable[..., pd.DataFrame], *args: Any) -> pd.DataFrame:
+    """Call ``query(con, *args)`` on a read-only connection to `store`'s views; return its DataFrame.
+
+    Where `use_views_db` and the store's views are of this schema, the connection is this thread's
+    cursor of `ViewsDb`; otherwise a fresh read-only connection to ``turnscope.duckdb``, closed after.
+    Where `use_rollups`, the connection reads the finished runs with fresh rollups from them
+    (`store.rollup.Rollups.install`: TEMP views shadowing the base and per-run views).
 
     A missing view or column (the file is not a turnscope store, or its views are of another
     schema version: the message says how to recreate them) raises `StoreInvalid`. One retry covers a shard renamed or removed between DuckDB's glob and its
     read (writers rename temp files into place).
     """
+    rollups = rollups_of(store.root) if use_rollups else None
     for attempt in range(2):
+        vdb = views_db(store) if use_views_db else None
+        if vdb is not None:
+            con = vdb.cursor(rollups)
+            try:
+                return query(con, *args)
+            except (duckdb.CatalogException, duckdb.BinderException) as exc:
+                raise StoreInvalid(f"{store.db}: {exc}") from exc
+            except duckdb.IOException:
+                if attempt == 1:
+                    raise
+            continue
         with connect(store) as con:
             try:
-                if use_rollups:
-                    rollups_of(store.root).install(con)
+                if rollups is not None:
+                    rollups.install(con)
                 return query(con, *args)
             except (duckdb.CatalogException, duckdb.BinderException) as exc:
                 raise StoreInvalid(_invalid_reason(store, con, exc)) from exc

@@ -219,16 +219,24 @@ class Rollups:
 
     # -- reading ------------------------------------------------------------------------------
 
-    def install(self, con: duckdb.DuckDBPyConnection) -> tuple[str, ...]:
-        """Shadow the rolled-up relations on `con` with TEMP views reading the fresh runs'
-        rollups and the other runs' shards (see the module docstring); returns the fresh run ids
-        (none: nothing is installed and `con` reads the plain views)."""
+    def state(self) -> tuple[Freshness, tuple[str, ...]]:
+        """What :meth:`install` installs: the freshness and the recorded runs without a fresh
+        rollup (read through the plain views). Equal states install the same TEMP views, so a
+        connection that installed one need not install it again (`store.db.read`)."""
         state = self.freshness()
+        fresh = set(state.fresh)
+        return state, tuple(r for r in self.recorded_runs() if r not in fresh) if fresh else ()
+
+    def install(self, con: duckdb.DuckDBPyConnection,
+                state: tuple[Freshness, tuple[str, ...]] | None = None) -> tuple[str, ...]:
+        """Shadow the rolled-up relations on `con` with TEMP views reading the fresh runs'
+        rollups and the other runs' shards (see the module docstring), as of `state` (:meth:`state`,
+        read now when None); returns the fresh run ids (none: nothing is installed and `con` reads
+        the plain views)."""
+        state, live = self.state() if state is None else state
         if not state.fresh:
             return ()
         catalog = con.execute("SELECT current_database()").fetchall()[0][0]
-        fresh = set(state.fresh)
-        live = [r for r in self.recorded_runs() if r not in fresh]
         for view in SUMMARY_VIEWS:
             cols = ", ".join(f"CAST({sql_ident(c)} AS {t}) AS {sql_ident(c)}" for c, t in state.columns[view])
             files = "[" + ", ".join(sql_str(str(self.dir / r / f"{view}.parquet")) for r in state.fresh) + "]"

@@ -273,7 +273,7 @@ class Store:
                 f"this schema version; close its readers (dashboard, duckdb shell) and run init again"
             ) from e
         try:
-            self._create_views(con)
+            self.create_views(con)
         finally:
             con.close()
 
@@ -310,7 +310,10 @@ class Store:
         finally:
             con.close()
 
-    def _create_views(self, con: duckdb.DuckDBPyConnection) -> None:
+    def create_views(self, con: duckdb.DuckDBPyConnection) -> None:
+        """Drop every view of `con`'s database and create this schema's (the base views over the
+        shards, the derived views, the version view), in one transaction: `init` on the store's
+        file, `store.db.ViewsDb` on an in-memory database. Raises ValueError as `init`."""
         con.execute("BEGIN TRANSACTION")
         try:
             existing = con.execute(
