@@ -240,10 +240,16 @@ def test_run_filter(monkeypatch, store_root):
 
 
 def test_store_locked_by_a_writer(monkeypatch, store_root):
-    """Another process holding turnscope.duckdb read-write (creating views): a warning, no traceback."""
+    """Another process holding turnscope.duckdb read-write (creating views): a warning, no traceback,
+    where the server has no copy of the views yet (store.db.views_db); where it has, the page reads
+    the shards through it meanwhile."""
     import subprocess
     import sys
 
+    from store import db
+
+    run_app(monkeypatch, store_root)  # the server's copy of the views is made
+    held_copy = db._views_dbs[store_root.resolve()]
     holder = subprocess.Popen(
         [sys.executable, "-c",
          "import duckdb, sys; c = duckdb.connect(sys.argv[1]); print('held', flush=True); sys.stdin.read()",
@@ -256,6 +262,12 @@ def test_store_locked_by_a_writer(monkeypatch, store_root):
         st.cache_data.clear()  # earlier tests' cached results would hide the lock for 5 s
         at = AppTest.from_file(str(APP), default_timeout=TIMEOUT_S)
         at.run()
+        assert not at.exception and len(at.metric) == 1  # through the copy
+        assert not any("being set up by a writer" in w.value for w in at.warning)
+        db._views_dbs.clear()  # a server that has no copy yet: it must open the file
+        st.cache_data.clear()
+        at = AppTest.from_file(str(APP), default_timeout=TIMEOUT_S)
+        at.run()
         assert not at.exception
         assert any("being set up by a writer" in w.value for w in at.warning)
     finally:
@@ -264,6 +276,7 @@ def test_store_locked_by_a_writer(monkeypatch, store_root):
     # Once the writer is gone the page renders again (errors are never cached).
     at.run()
     assert not at.exception and len(at.metric) == 1
+    assert db._views_dbs[store_root.resolve()].key == held_copy.key  # the file is unchanged: the same views
 
 
 def test_cli_bottom_line_is_the_overview_headline_as_a_speed_up(store_root, capsys, monkeypatch):
