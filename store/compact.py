@@ -53,6 +53,8 @@ COMPACTED_PREFIX = "compacted"
 #: Parquet key-value metadata of a compacted file: a JSON list of the shard names it replaced.
 SOURCES_KEY = b"turnscope.compacted_from"
 _STAGING_MARK = ".compact-"
+#: Rows per row group of a compacted file (DuckDB's own row group size).
+ROW_GROUP_ROWS = 122_880
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -141,6 +143,26 @@ def _recover(run_dir: Path) -> None:
         shutil.rmtree(d)
 
 
+def _stream(table_dir: Path, names: list[str], schema: pa.Schema, target: Path) -> int:
+    """Write the shards `names` of `table_dir`, all of `schema`, to `target` one after another in
+    row groups of about :data:`ROW_GROUP_ROWS` (a temporary name renamed into place); the rows written."""
+    tmp = target.with_name(target.name + ".tmp")
+    rows, pending, held = 0, [], 0
+    with pq.ParquetWriter(tmp, schema) as out:
+        for name in names:
+            part = pq.read_table(table_dir / name).replace_schema_metadata(schema.metadata)
+            pending.append(part)
+            held += part.num_rows
+            if held >= ROW_GROUP_ROWS:
+                out.write_table(pa.concat_tables(pending))
+                rows, pending, held = rows + held, [], 0
+        if pending:
+            out.write_table(pa.concat_tables(pending))
+            rows += held
+    os.replace(tmp, target)
+    return rows
+
+
 def compact_table(store: Store, run_id: str, table: str) -> Compacted | None:
     """Merge the shards of `table` of `run_id` into one file (see the module docstring); None when
     it has fewer than two. The caller makes sure the run is finished.
@@ -153,19 +175,22 @@ def compact_table(store: Store, run_id: str, table: str) -> Compacted | None:
     names = _shards(table_dir)
     if len(names) < 2:
         return None
-    parts = [pq.read_table(table_dir / n) for n in names]
+    schemas = [pq.read_schema(table_dir / n).remove_metadata() for n in names]
     expected = sum(pq.ParquetFile(table_dir / n).metadata.num_rows for n in names)
-    merged = pa.concat_tables(parts, promote_options="permissive")
-    if merged.num_rows != expected:
-        raise ValueError(f"{table_dir}: merged {merged.num_rows} rows, the shards hold {expected}")
-    meta = dict(merged.schema.metadata or {})
-    meta[SOURCES_KEY] = json.dumps(names).encode()
-    merged = merged.replace_schema_metadata(meta)
     token = uuid.uuid4().hex[:8]
     staging = table_dir.parent / f".{table}{_STAGING_MARK}{token}"
     staging.mkdir()
+    target = staging / f"{COMPACTED_PREFIX}-{token}-000000.parquet"
+    sources = {SOURCES_KEY: json.dumps(names).encode()}
     try:
-        write_atomic(merged, staging / f"{COMPACTED_PREFIX}-{token}-000000.parquet")
+        if all(s.equals(schemas[0]) for s in schemas):  # one writer schema: streamed, memory bounded
+            rows = _stream(table_dir, names, schemas[0].with_metadata(sources), target)
+        else:  # shards of older schemas: columns unified as the views' union_by_name reads them
+            merged = pa.concat_tables([pq.read_table(table_dir / n) for n in names], promote_options="permissive")
+            rows = merged.num_rows
+            write_atomic(merged.replace_schema_metadata(sources), target)
+        if rows != expected:
+            raise ValueError(f"{table_dir}: merged {rows} rows, the shards hold {expected}")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -174,7 +199,7 @@ def compact_table(store: Store, run_id: str, table: str) -> Compacted | None:
     shutil.rmtree(staging)
     if late:
         log.info("compaction of %s kept %d shard(s) written meanwhile beside the compacted file", table_dir, late)
-    return Compacted(run_id, table, len(names), merged.num_rows)
+    return Compacted(run_id, table, len(names), rows)
 
 
 def finished_runs(store: Store) -> list[str]:

@@ -201,3 +201,19 @@ def test_views_read_a_store_during_compaction_of_another_run(tmp_path):
     assert len(seen) == len(fx.RUNS) * len(TABLES)
     for s in seen:
         assert_same(s, truths)
+
+
+def test_shards_of_an_older_schema_are_unified(tmp_path):
+    """A shard written before a column existed (it lacks ``error``): the compacted file holds that
+    column NULL for its rows, as the views read it (union_by_name), and every other value."""
+    root = fx.build(tmp_path / "store")
+    split_shards(root)
+    turns = root / "runs" / "bidir-1" / "turns"
+    first = min(turns.glob("*.parquet"))
+    old = pq.read_table(first)
+    assert old["error"].null_count == old.num_rows  # the fixture's turn has no error: nothing is lost
+    write_atomic(old.drop_columns(["error"]), first)
+    truths = table_truths(root)
+    compact.compact_finished(Store(root))
+    assert len(files(root, "bidir-1", "turns")) == 1
+    assert_same(table_truths(root), truths)
