@@ -4,12 +4,14 @@ The store is a directory: ``runs/<run_id>/<table>/*.parquet`` shards written by 
 ``turnscope.duckdb``, which holds only views over those shards (data/schema.sql). The dashboard
 never writes it.
 
-Connections are short-lived on purpose. A DuckDB read-only connection still holds a shared lock
-on ``turnscope.duckdb`` for as long as it is open, and that lock makes a writer that (re)creates
-the views (``Store(root).init()`` at the start of a run) fail. So every query opens the file
-read-only, reads, and closes it; `st.cache_data` (``dashboard.loader``) keeps repeated reruns and
-visits cheap, keyed by the store's version so that rows of a run that is still writing show up on
-the next rerun.
+The file is never held. A DuckDB read-only connection holds a shared lock on ``turnscope.duckdb``
+for as long as it is open, and that lock makes a writer that (re)creates the views
+(``Store(root).init()`` at the start of a run) fail. So `read` runs queries on `ViewsDb`, an
+in-memory copy of the store's views made once (the file is opened read-only for a moment to read
+its version) and again when the file changes; where the file's views are of another version,
+each query opens the file read-only, reads, and closes it. `st.cache_data` (``dashboard.loader``)
+keeps repeated reruns and visits cheap, keyed by the store's version so that rows of a run that is
+still writing show up on the next rerun.
 """
 
 from __future__ import annotations
