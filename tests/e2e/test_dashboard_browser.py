@@ -333,14 +333,16 @@ def test_memory_nixl_failures_in_browser(nixl_url, browser):
     from dashboard.figures import NIXL_FAILURE_BARS
 
     page, errors = _open(browser, f"{nixl_url}/memory", "Memory", 1)
-    page.get_by_text("Expired and failed pulls", exact=True).first.wait_for(timeout=60_000)
-    drawn = page.evaluate(READ_BARS, "Expired and failed pulls per run")
-    assert drawn is not None, "the figure is not drawn"
+    title = "Expired and failed pulls per run"
+    page.wait_for_function(READ_BARS, arg=title, timeout=60_000)  # the figures are drawn in page order
+    _wait_idle(page)
+    drawn = page.evaluate(READ_BARS, title)
     name = "bidir · pd-bidir"
     want = dict(zip([label for _, label, _ in NIXL_FAILURE_BARS], [2, 4, 3, 2, 7], strict=True))
     assert {label: bars.get(name) for label, bars in drawn["bars"].items()} == want
     assert all(list(bars) == [name] for bars in drawn["bars"].values())  # agg, warm, no-turns: nothing to show
     assert drawn["marks"] == len(want)  # five bars, each drawn
+    _shot(page, "memory-nixl-failures")
     grids = [g for g in page.evaluate(READ_GRIDS) if g and "P: KV expired" in g[0]]
     assert len(grids) == 1, page.evaluate(READ_GRIDS)
     head, *rows = grids[0]
@@ -351,7 +353,6 @@ def test_memory_nixl_failures_in_browser(nixl_url, browser):
     assert got == {"proxy miss_expired": "2", "proxy miss_transfer_failed": "3", "P: KV expired": "4",
                    "P: failed transfers": "2", "P: of which notifications": "0", "D: KV expired": "7"}
     assert rows[0]["D: failed transfers"] in ("", "<NA>", "None")  # not scraped: blank, never 0
-    _shot(page, "memory-nixl-failures")
     assert not errors, errors
     page.close()
 
