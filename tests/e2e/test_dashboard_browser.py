@@ -301,14 +301,15 @@ def test_memory_in_browser(dashboard_url, browser):
     page.close()
 
 
-#: The bars of the drawn figure titled by the argument, as plotly.js holds them: trace name -> {y: x}.
+#: The bars of the drawn figure holding a trace named by the argument (its legend names are its own;
+#: ``_fullLayout.title`` did not find it), as plotly.js holds them: trace name -> {y: x}.
 READ_BARS = """
-(title) => {
+(name) => {
   for (const el of document.querySelectorAll('.js-plotly-plot')) {
-    const fl = el._fullLayout;
-    if (!fl || !fl.title || fl.title.text !== title) continue;
+    const fd = el._fullData;
+    if (!fd || !fd.some(tr => tr.name === name)) continue;
     const out = {};
-    for (const tr of el._fullData) {
+    for (const tr of fd) {
       out[tr.name] = {};
       Array.from(tr.y).forEach((y, i) => { out[tr.name][y] = tr.x[i]; });
     }
@@ -333,10 +334,10 @@ def test_memory_nixl_failures_in_browser(nixl_url, browser):
     from dashboard.figures import NIXL_FAILURE_BARS
 
     page, errors = _open(browser, f"{nixl_url}/memory", "Memory", 1)
-    title = "Expired and failed pulls per run"
-    page.wait_for_function(READ_BARS, arg=title, timeout=60_000)  # the figures are drawn in page order
+    first = NIXL_FAILURE_BARS[0][1]
+    page.wait_for_function(READ_BARS, arg=first, timeout=60_000)  # the figures are drawn in page order
     _wait_idle(page)
-    drawn = page.evaluate(READ_BARS, title)
+    drawn = page.evaluate(READ_BARS, first)
     name = "bidir · pd-bidir"
     want = dict(zip([label for _, label, _ in NIXL_FAILURE_BARS], [2, 4, 3, 2, 7], strict=True))
     assert {label: bars.get(name) for label, bars in drawn["bars"].items()} == want
