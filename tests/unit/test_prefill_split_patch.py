@@ -48,3 +48,16 @@ def test_patched_scheduler_annotates_its_result_once(monkeypatch):
     assert patch.apply()
     assert not patch.apply()
     assert getattr(Scheduler.update_from_output, "__wrapped__", None) is not None
+
+
+def test_a_process_vllm_spawns_from_the_worker_entry_is_patched_too():
+    """vLLM spawns its engine core on CPU; Python's spawn runs the parent's main module by name as
+    ``__mp_main__`` in the child, which is where the scheduler must be patched."""
+    import subprocess
+    import sys
+
+    code = ("import runpy; runpy.run_module('serving.vllm_worker', run_name='__mp_main__', alter_sys=True); "
+            "from vllm.v1.core.sched.scheduler import Scheduler; "
+            f"print(getattr(Scheduler.update_from_output, {patch._PATCHED_ATTR!r}, False))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "True"
