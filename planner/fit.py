@@ -166,11 +166,12 @@ def probe_factors(profile: CostProfile, mode: str, run_compute_s: float | None,
 
     The compute probe (``run_compute_s`` = T(2048) - T(256) from scratch) measures
     ``f1 a1 1792 + f2 a2 (2048^2 - 256^2)``; the cached-prefix probe (``run_cached_s`` =
-    T(2048 cached + 256 new) - T(256)) measures ``f2 a2 2^20`` alone (the linear terms cancel).
-    With both (and a2 > 0) the two equations give the linear factor f1 and the context factor f2,
-    each term its own; with the compute probe alone one factor for the whole curve, the context
-    factor None; (None, None) without probes. A solution with f1 <= 0 (probe noise) falls back to
-    the one factor."""
+    T(2048 cached + 256 new) - T(256)) measures ``f1 x + f2 a2 2^20`` (the linear terms cancel;
+    x the profile's ``prefix_step_s``, a step's cost on a prefix, an engine cost like the linear
+    term's; 0 without it). With both (and a2 > 0) the two equations give the linear factor f1
+    and the context factor f2, each term its own; with the compute probe alone one factor for the
+    whole curve, the context factor None; (None, None) without probes. A solution with f1 <= 0 or
+    f2 <= 0 (probe noise) falls back to the one factor."""
     fit = profile.prefill_fit(mode)
     if run_compute_s is None or run_compute_s <= 0:
         return None, None
@@ -178,10 +179,14 @@ def probe_factors(profile: CostProfile, mode: str, run_compute_s: float | None,
     one = run_compute_s / ref if ref > 0 else None
     if run_cached_s is None or run_cached_s <= 0 or fit.a2_s <= 0 or fit.a1_s <= 0:
         return one, None
-    context = run_cached_s / (fit.a2_s * (CACHED_PROBE_TOKENS**2 - COMPUTE_PROBE_TOKENS**2 - PROBE_TOKENS**2))
-    rest = run_compute_s - context * fit.a2_s * (COMPUTE_PROBE_TOKENS**2 - PROBE_TOKENS**2)
-    linear = rest / (fit.a1_s * (COMPUTE_PROBE_TOKENS - PROBE_TOKENS))
-    return (linear, context) if linear > 0 else (one, None)
+    x = profile.prefix_step_s.value if profile.prefix_step_s else 0.0
+    lin, quad = fit.a1_s * (COMPUTE_PROBE_TOKENS - PROBE_TOKENS), fit.a2_s * (COMPUTE_PROBE_TOKENS**2 - PROBE_TOKENS**2)
+    ctx = fit.a2_s * (CACHED_PROBE_TOKENS**2 - COMPUTE_PROBE_TOKENS**2 - PROBE_TOKENS**2)
+    # [lin quad; x ctx] [f1 f2]' = [compute cached]'
+    det = lin * ctx - quad * x
+    linear = (run_compute_s * ctx - quad * run_cached_s) / det
+    context = (lin * run_cached_s - x * run_compute_s) / det
+    return (linear, context) if linear > 0 and context > 0 else (one, None)
 
 
 def on_run_speed(profile: CostProfile, run_probe_s: float | None, run_compute_s: float | None = None,
@@ -320,7 +325,23 @@ def fit_profile(store: Store, run_ids: Sequence[str], name: str = "fitted") -> C
     prof.b0_s.update(sibling_b0(prof.b0_s))
     default = costs.b0_s.get(RECOMPUTE_MODE, float(np.median(list(costs.b0_s.values()))))
     prof.b0_default_s = Sourced(value=default, source=f"{how}; {RECOMPUTE_MODE}'s b0 (else the median of the modes')")
-    return with_handoff(prof, handoff_terms(store, run_ids, speed))
+    return with_handoff(prof, handoff_terms(store, run_ids, decode_step_factors(turns, prof.decode_s_per_token)))
+
+
+def decode_step_factors(turns: pd.DataFrame, decode_s: Sourced | None) -> dict[str, float]:
+    """Run id -> its median TPOT over ``decode_s`` (the fit's decode step, seconds): how many times
+    slower than the fit's reference each run's engine steps ran. The hand-off's terms are engine
+    steps on D (D's first step is a forward pass of one token on the prompt's context, as a decode
+    step is; D's wait for P's KV is the steps its scheduler runs until the read is done), so
+    :func:`handoff_terms` puts each run's on the reference's speed by these, and a forecast scales
+    them by the run's compute probe (:meth:`planner.profile.CostProfile.at_speed`), not by the short
+    probe, whose fixed HTTP and frontend cost can move the other way (docs/planner/calibration.md).
+    ``turns``: :func:`store.queries.planner_runs.recorded_turns` rows (``tpot_s`` of ok turns).
+    Empty without ``decode_s`` or TPOTs."""
+    if decode_s is None or decode_s.value <= 0:
+        return {}
+    ok = turns[(turns["status"] == "ok") & turns["tpot_s"].notna()]
+    return {str(r): float(g.median()) / decode_s.value for r, g in ok.groupby("run_id")["tpot_s"]}
 
 
 #: The hand-off's profile fields and the measured term (:func:`analysis.ttft_split.measured_terms`) of each.
@@ -332,7 +353,7 @@ def handoff_terms(store: Store, run_ids: Sequence[str], speed: dict[str, float] 
     """P/D's hand-off measured in ``run_ids``: profile field (:data:`HANDOFF_FIELDS`) -> the median
     over the P/D runs that scraped D of the run's mean per request of D's histogram (the run's
     increase of its sum over that of its count, :func:`analysis.ttft_split.measured_terms`),
-    each run's mean divided by its speed factor (``speed``: :func:`run_speed_factors`; absent: 1),
+    each run's mean divided by its speed factor (``speed``: :func:`decode_step_factors` in a fit; absent: 1),
     seconds. Read from runs of one request at a time (a calibration) D's queue time is the wait for
     P's KV alone; under load it also holds the wait for room on D, which the planner forecasts
     apart. Empty when no P/D run scraped D's histograms."""
@@ -348,8 +369,8 @@ def handoff_terms(store: Store, run_ids: Sequence[str], speed: dict[str, float] 
             lo, hi = min(per_run.values()), max(per_run.values())
             out[field] = Sourced(value=float(np.median(list(per_run.values()))), source=(
                 f"measured in runs {', '.join(sorted(per_run))}: median over {len(per_run)} P/D runs of the run's "
-                f"mean {what} per request (runs' means {lo * 1e3:.1f}-{hi * 1e3:.1f} ms), each on the median "
-                "speed probe's speed"))
+                f"mean {what} per request (runs' means {lo * 1e3:.1f}-{hi * 1e3:.1f} ms), each divided by "
+                "its speed factor (the fit: its median TPOT over the fit's decode step)"))
     return out
 
 

@@ -98,7 +98,33 @@ def test_probe_factors_split_the_curve_by_term():
     one, ctx = probe_factors(prof, "pd", compute, None)
     assert one == pytest.approx(compute / (0.1792 + 0.04128768)) and ctx is None
     run, factor = on_run_speed(prof, 0.1, compute, "pd", cached)
-    assert factor == pytest.approx(2.0)                                   # the short probe: b0 and hand-off
+    assert factor == pytest.approx(2.0)                                   # the short probe: b0
     assert run.prefill_a1_s_per_token.value == pytest.approx(1.5e-4)
     assert run.prefill_a2_s_per_token2.value == pytest.approx(2e-8)
-    assert run.handoff_s("pd") == pytest.approx((0.014, 0.030)) and run.b0("pd") == pytest.approx(0.02)
+    assert run.b0("pd") == pytest.approx(0.02)
+    # the hand-off is engine steps on D: by the linear compute factor, 7 and 15 ms x 1.5
+    assert run.handoff_s("pd") == pytest.approx((0.0105, 0.0225))
+
+
+def test_a_step_on_a_prefix_costs_its_own_term():
+    from planner.fit import on_run_speed, probe_factors
+    prof = profile(prefill_a2_s_per_token2={"value": 1e-8} | SRC, probe_ttft_s={"value": 0.05} | SRC,
+                   prefix_step_s={"value": 0.01} | SRC, render_s_per_token={"value": 2e-6} | SRC, **HANDOFF)
+    # 300 new tokens on 1,000 cached: 1e-4 x 300 + 1e-8 x (1300^2 - 1000^2) + 10 ms = 0.03 + 0.0069 + 0.01;
+    # from scratch (cached 0) or nothing new (cached = n): no prefix step
+    n, cached = np.array([1300, 1300, 1300]), np.array([1000, 0, 1300])
+    assert list(prof.prefill_compute_s("pd", n, cached)) == pytest.approx([0.0469, 0.13 + 0.0169, 0.0])
+    z = np.zeros(3)
+    assert prof.ttft_s("pd", n, cached, z)[0] == pytest.approx(0.01 + 0.022 + 0.0469)
+    # a run 1.5x slower in the linear term, 2x in attention's context term; the cached-prefix probe
+    # holds the prefix step at the linear factor: 1.5 x 0.01 + 2 x 1e-8 x 2^20
+    compute = 1.5 * 1e-4 * 1792 + 2 * 1e-8 * (2048**2 - 256**2)
+    cached_probe = 1.5 * 0.01 + 2 * 1e-8 * 2**20
+    assert probe_factors(prof, "pd", compute, cached_probe) == pytest.approx((1.5, 2.0))
+    run, _ = on_run_speed(prof, 0.1, compute, "pd", cached_probe)
+    assert run.prefix_step_s.value == pytest.approx(0.015)
+    assert run.render_s_per_token.value == pytest.approx(3e-6)            # tokenizer work: the linear factor
+    # without the cached-prefix probe: one factor (c(2048) - c(256) = 0.1792 + 0.04128768) for all of it
+    one = compute / (0.1792 + 0.04128768)
+    run1, _ = on_run_speed(prof, 0.1, compute, "pd", None)
+    assert run1.prefix_step_s.value == pytest.approx(0.01 * one)
