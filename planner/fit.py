@@ -161,52 +161,49 @@ def run_speed_factors(probes: dict[str, float]) -> dict[str, float]:
 
 
 def probe_factors(profile: CostProfile, mode: str, run_compute_s: float | None,
-                  run_cached_s: float | None) -> tuple[float | None, float | None]:
+                  run_cached_s: float | None, short_factor: float | None = None) -> tuple[float | None, float | None]:
     """(compute factor, context factor) of a run's probes against ``mode``'s curve c(x) = a1 x + a2 x^2.
 
-    The compute probe (``run_compute_s`` = T(2048) - T(256) from scratch) measures
-    ``f1 a1 1792 + f2 a2 (2048^2 - 256^2)``; the cached-prefix probe (``run_cached_s`` =
-    T(2048 cached + 256 new) - T(256)) measures ``f1 x + f2 a2 2^20`` (the linear terms cancel;
-    x the profile's ``prefix_step_s``, a step's cost on a prefix, an engine cost like the linear
-    term's; 0 without it). With both (and a2 > 0) the two equations give the linear factor f1
-    and the context factor f2, each term its own; with the compute probe alone one factor for the
-    whole curve, the context factor None; (None, None) without probes. A solution with f1 <= 0 or
-    f2 <= 0 (probe noise) falls back to the one factor."""
+    The compute probe (``run_compute_s`` = T(2048) - T(256) from scratch) over the curve's
+    c(2048) - c(256) is the compute factor, for the curve (a prompt computed from scratch). The
+    cached-prefix probe (``run_cached_s`` = T(2048 cached + 256 new) - T(256)) measures a step on a
+    prefix: the profile's ``prefix_step_s`` x ``short_factor`` (a fixed engine cost, scaled as the
+    short probe's fixed costs are; 1 when None) plus attention over the prefix, ``a2 x 2^20`` of the
+    curve (c(2304) - c(2048) - c(256): the linear terms cancel); what is left after the step over
+    that is the context factor. (compute factor, None) with the compute probe alone or a context
+    factor <= 0 (probe noise); (None, None) without probes."""
     fit = profile.prefill_fit(mode)
     if run_compute_s is None or run_compute_s <= 0:
         return None, None
     ref = float(fit.cost_s(COMPUTE_PROBE_TOKENS) - fit.cost_s(PROBE_TOKENS))
     one = run_compute_s / ref if ref > 0 else None
-    if run_cached_s is None or run_cached_s <= 0 or fit.a2_s <= 0 or fit.a1_s <= 0:
+    if run_cached_s is None or run_cached_s <= 0 or fit.a2_s <= 0:
         return one, None
-    x = profile.prefix_step_s.value if profile.prefix_step_s else 0.0
-    lin, quad = fit.a1_s * (COMPUTE_PROBE_TOKENS - PROBE_TOKENS), fit.a2_s * (COMPUTE_PROBE_TOKENS**2 - PROBE_TOKENS**2)
-    ctx = fit.a2_s * (CACHED_PROBE_TOKENS**2 - COMPUTE_PROBE_TOKENS**2 - PROBE_TOKENS**2)
-    # [lin quad; x ctx] [f1 f2]' = [compute cached]'
-    det = lin * ctx - quad * x
-    linear = (run_compute_s * ctx - quad * run_cached_s) / det
-    context = (lin * run_cached_s - x * run_compute_s) / det
-    return (linear, context) if linear > 0 and context > 0 else (one, None)
+    step = (profile.prefix_step_s.value if profile.prefix_step_s else 0.0) * (short_factor or 1.0)
+    context = (run_cached_s - step) / (fit.a2_s * (CACHED_PROBE_TOKENS**2 - COMPUTE_PROBE_TOKENS**2 - PROBE_TOKENS**2))
+    return (one, context) if context > 0 else (one, None)
 
 
 def on_run_speed(profile: CostProfile, run_probe_s: float | None, run_compute_s: float | None = None,
                  mode: str = RECOMPUTE_MODE, run_cached_s: float | None = None) -> tuple[CostProfile, float | None]:
-    """``profile`` put on a run's machine speed: scaled by the run's probe TTFT over the profile's
-    (:meth:`CostProfile.at_speed`) when both exist; else unchanged. With the run's compute probe
-    (``run_compute_s``: :func:`store.queries.planner_runs.compute_probe_s`) the prefill curves
-    are scaled by it over what the profile's own c(x) gives for the same tokens (``mode``'s curve:
-    the aggregated worker's in ``aggregated``, P's else), ``c(COMPUTE_PROBE_TOKENS) -
-    c(PROBE_TOKENS)``, and b0 (and the hand-off terms) alone by the short probe; with the run's
-    cached-prefix probe too (``run_cached_s``: :func:`store.queries.planner_runs.cached_probe_s`)
-    the curves' linear and context terms each by their own factor (:func:`probe_factors`).
+    """``profile`` put on a run's machine speed, each term by the probe that measures its kind of
+    work (:meth:`CostProfile.at_speed`): the fixed costs (b0, a step on a prefix) by the run's short
+    probe TTFT over the profile's (``run_probe_s``, ``probe_ttft_s``) when both exist; with the run's
+    compute probe (``run_compute_s``: :func:`store.queries.planner_runs.compute_probe_s`) the
+    engines' compute (the prefill curves, the hand-off, renders) by it over what the profile's own
+    c(x) gives for the same tokens (``mode``'s curve: the aggregated worker's in ``aggregated``,
+    P's else), ``c(COMPUTE_PROBE_TOKENS) - c(PROBE_TOKENS)``, else by the short probe; with the
+    run's cached-prefix probe too (``run_cached_s``: :func:`store.queries.planner_runs.cached_probe_s`)
+    attention over a prefix by its own factor (:func:`probe_factors`). Unchanged without probes.
     Returns (profile, the short probe's factor or None)."""
-    compute, context = probe_factors(profile, mode, run_compute_s, run_cached_s)
+    factor = (run_probe_s / profile.probe_ttft_s.value
+              if run_probe_s is not None and profile.probe_ttft_s is not None else None)
+    compute, context = probe_factors(profile, mode, run_compute_s, run_cached_s, factor)
     why = None if compute is None else _compute_why(run_compute_s, compute, run_cached_s, context)
-    if run_probe_s is None or profile.probe_ttft_s is None:
+    if factor is None:
         if compute is None:
             return profile, None
         return profile.at_speed(1.0, "no speed probe", compute, why, context), None
-    factor = run_probe_s / profile.probe_ttft_s.value
     return profile.at_speed(factor, f"speed probe {run_probe_s * 1e3:.1f} ms on the run vs "
                                     f"{profile.probe_ttft_s.value * 1e3:.1f} ms where fitted", compute,
                             why, context), factor
@@ -218,7 +215,7 @@ def _compute_why(run_compute_s: float, factor: float, run_cached_s: float | None
         return (f"compute probe: {COMPUTE_PROBE_TOKENS:,} less {PROBE_TOKENS} tokens took {run_compute_s * 1e3:.1f} ms "
                 f"on the run, {factor:.3g}x the profile's c(x)")
     return (f"compute probe {run_compute_s * 1e3:.1f} ms and cached-prefix probe {run_cached_s * 1e3:.1f} ms on the "
-            f"run: linear term x {factor:.3g}, attention's context term x {context:.3g}")
+            f"run: the curve x {factor:.3g}, attention over a prefix x {context:.3g}")
 
 
 def _kv_space(store: Store, run_ids: Sequence[str]) -> dict[str, int]:
