@@ -131,3 +131,15 @@ def test_a_step_on_a_prefix_costs_its_own_term():
     # 300 new on 1,000 cached on that run: 1.5 x (0.03 + 0.0009) + 3 x 2 x 1e-8 x 1000 x 300 + 20 ms
     assert run.prefill_compute_s("pd", np.array([1300]), np.array([1000]))[0] == pytest.approx(
         0.04635 + 0.018 + 0.02)
+
+
+def test_decode_step_factors_put_each_run_on_the_fits_decode_step():
+    import pandas as pd
+
+    from planner.fit import decode_step_factors
+    turns = pd.DataFrame({"run_id": ["a", "a", "a", "b", "b"], "status": ["ok", "ok", "failed", "ok", "ok"],
+                          "tpot_s": [0.010, 0.014, 0.100, 0.005, np.nan]})
+    # run a: median TPOT of its ok turns 12 ms over a 6 ms step; run b: 5 ms (its NaN left out)
+    got = decode_step_factors(turns, Sourced(value=0.006, source="test"))
+    assert got == pytest.approx({"a": 2.0, "b": 5 / 6})
+    assert decode_step_factors(turns, None) == {}
