@@ -872,7 +872,7 @@ def plan(requests: Iterable[AgentRequest] | Traffic, profile: CostProfile,
     out: dict[str, ModePlan] = {}
     for mode in settings.modes:
         # one pass where it covers the mode (checked), else the forecast re-made round by round
-        one = _one_pass(tr, profile, settings, mode, notes) if pace and paced_sends.applies(tr, profile, settings, mode) \
+        one = _one_pass(tr, profile, settings, mode, notes) if pace and ONE_PASS and paced_sends.applies(tr, profile, settings, mode) \
             else None
         out[mode] = one or paced_mode_plan(tr, profile, settings, mode,
                                            _plan_mode(tr, profile, settings, mode, shared, notes), notes)
@@ -937,6 +937,11 @@ def block_cache_hits(tr: Traffic, capacity_tokens: int | None, block_size: int, 
         hits[rows] = replay_hits(df, blocks, block_size, shared_prefix_tokens, hold_until="hold_s")
     return hits
 
+
+#: Whether :func:`plan` places paced sends in one pass where it covers the mode
+#: (:func:`planner.paced_sends.applies`); False: round by round only, the route before it
+#: (``bench/fleet_search.py --compare-rounds`` times both in one run).
+ONE_PASS = True
 
 #: Rounds of :func:`paced_mode_plan` at most, and the largest change of a send (seconds) it stops at.
 PACE_ROUNDS, PACE_TOLERANCE_S = 12, 1e-4
