@@ -498,16 +498,23 @@ class PrefillTtft:
         if not self.queue:
             return np.zeros(len(self.tr))
         if self.steps:
-            fifo = shared_core_waits(self.tr.arrival_s, compute, self.worker, self.server)
-            windows = overload_windows(self.tr)
-            overloaded = never_drains(self.tr.arrival_s, fifo, fifo, np.zeros(0), windows=windows) is not None or \
-                prefill_overload(self.tr.arrival_s, compute, self.server, windows=windows) is not None
+            fifo, overloaded = self.fifo_overloaded(compute)
             if overloaded:
                 return fifo   # overloaded on P by :mod:`planner.overload`'s rules: no latency to refine
             fit = self.cost.profile.prefill_fit(self.cost.mode)
             return batched_step_waits(self.tr.arrival_s, cached, self.tr.input_tokens, fit.a1_s, fit.a2_s,
                                       self.budget, self.worker)
         return shared_core_waits(self.tr.arrival_s, compute, self.worker, self.server)
+
+    def fifo_overloaded(self, compute: np.ndarray) -> tuple[np.ndarray, bool]:
+        """(The first-come-first-served waits of every request given its ``compute``, seconds;
+        whether they make P overloaded by :mod:`planner.overload`'s rules: a wait past a window, or
+        more work than a window holds): the test :meth:`waits` takes before P's scheduler steps."""
+        fifo = shared_core_waits(self.tr.arrival_s, compute, self.worker, self.server)
+        windows = overload_windows(self.tr)
+        overloaded = never_drains(self.tr.arrival_s, fifo, fifo, np.zeros(0), windows=windows) is not None or \
+            prefill_overload(self.tr.arrival_s, compute, self.server, windows=windows) is not None
+        return fifo, overloaded
 
     def all(self, local: np.ndarray, pulled: np.ndarray, took: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(TTFT, of which the wait for the prefill worker) of every request, seconds."""
@@ -1013,10 +1020,12 @@ def _one_pass(tr: Traffic, profile: CostProfile, settings: PlanSettings, mode: s
               notes: list[str]) -> ModePlan | None:
     """``mode``'s paced forecast by :func:`planner.paced_sends.paced_sends` (one pass), checked: the
     whole forecast made at those sends must place every paced send where it is, within
-    :data:`PACE_TOLERANCE_S` (:meth:`Traffic.paced_arrivals`). P's scheduler steps are tried first, then
-    first come first served (a P that :mod:`planner.overload` finds overloaded is forecast with
-    first-come waits: :meth:`PrefillTtft.waits`). None when neither checks (the caller re-makes the
-    forecast round by round)."""
+    :data:`PACE_TOLERANCE_S` (:meth:`Traffic.paced_arrivals`). With an engine token budget P's
+    scheduler steps are tried first, then first come first served (a P that :mod:`planner.overload`
+    finds overloaded under first-come waits is forecast with them: :meth:`PrefillTtft.waits`); first
+    come first served first where P is so overloaded at the recorded sends (the steps' pass, the
+    longer one, then mostly spared). None when neither checks (the caller re-makes the forecast
+    round by round)."""
     n = len(tr)
     decode = tr.reply_decode_s(profile)
     zeros = np.zeros(n, dtype=np.int64)
@@ -1025,7 +1034,10 @@ def _one_pass(tr: Traffic, profile: CostProfile, settings: PlanSettings, mode: s
     prefill = PrefillTtft(tr, settings, mode, cost)
     fit = profile.prefill_fit(mode)
     space = decode_space(tr, profile, settings)
-    for fifo in ((False, True) if prefill.steps else (True,)):
+    tries = (True,)
+    if prefill.steps:
+        tries = (True, False) if prefill.fifo_overloaded(compute)[1] else (False, True)
+    for fifo in tries:
         sends, _ = paced_sends.paced_sends(tr, settings, ttft0, compute, fifo, fit.a1_s, fit.a2_s, prefill.budget,
                                            decode, space)
         said: list[str] = []
