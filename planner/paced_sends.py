@@ -195,7 +195,11 @@ def paced_sends(tr, settings, ttft0_s: np.ndarray, compute_s: np.ndarray, fifo: 
         t_tick = d.next_event_s() if d is not None and pending else inf
         t = min(t_send, t_step, t_d, t_tick)
         if t == inf:
-            break
+            if d is None or not pending:
+                break
+            d.close()   # a head nothing will make room for is admitted when nothing else can change
+            _admitted(d, pending, p_ttft, first_token)
+            continue
         if t_send <= t:
             _, _, _, i = heapq.heappop(sends)
             code = code_of.setdefault(codes[i], len(code_of))
@@ -250,9 +254,6 @@ def paced_sends(tr, settings, ttft0_s: np.ndarray, compute_s: np.ndarray, fifo: 
         else:
             d.advance(t)
             _admitted(d, pending, p_ttft, first_token)
-    if d is not None:
-        d.close()
-        _admitted(d, pending, p_ttft, first_token)
     return np.asarray(send), np.asarray(ttft)
 
 
