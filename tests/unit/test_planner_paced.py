@@ -141,3 +141,19 @@ def test_long_sessions_settle_in_one_pass_where_rounds_do_not(monkeypatch):
     off = max(abs(a - want[(str(s), int(k))][0]) for s, k, a in
               zip(rounds.traffic.session, rounds.traffic.request_index, rounds.modes["pd-nocache"].arrival_s))
     assert off > 1e-3
+
+
+def test_a_wait_on_d_moves_the_next_send_by_hand():
+    # D holds 3 blocks of 128 tokens; a request of 200 prompt + 32 output tokens takes 2 (231 tokens of
+    # KV) for its decode, 32 x 10 ms = 0.32 s: one request on D at a time. a (sent at 0) reaches D at
+    # its TTFT on P, 10 ms + 1e-4 x 200 = 0.03 s, and holds D to 0.35 s; b (sent at 0.05 s) reaches
+    # D at 0.08 s and waits 0.27 s for a's blocks: TTFT 0.30 s. b's next turn goes 0.1 s after b's
+    # reply (0.32 s of decode): 0.05 + 0.30 + 0.32 + 0.1 = 0.77 s, when D is free again (b left at 0.67 s)
+    on_d = CostProfile.model_validate(PROFILE.model_dump() | {
+        "decode_kv_space_bytes": {"value": 3 * 128 * 4096} | SRC, "decode_s_per_token": {"value": 0.01} | SRC})
+    reqs = [AgentRequest("t", "a", 0, 0.0, 200, 32, 0), AgentRequest("t", "b", 0, 0.05, 200, 32, 0),
+            AgentRequest("t", "b", 1, 1.0, 200, 32, 0, gap_s=0.1)]
+    m = plan(reqs, on_d, NOCACHE).modes["pd-nocache"]
+    assert list(m.arrival_s) == pytest.approx([0.0, 0.05, 0.77])
+    assert list(m.decode_wait_s) == pytest.approx([0.0, 0.27, 0.0])
+    assert list(m.ttft_s) == pytest.approx([0.03, 0.30, 0.03])
