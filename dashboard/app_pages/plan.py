@@ -80,10 +80,9 @@ if not fleets.empty:
         knees = None
     st.dataframe(plan_figures.fleet_styler(plan_figures.fleet_table(fleets, decode_kv, knees)), hide_index=True,
                  key="plan_fleets")
-    st.caption("p90 / SLO: the margin (the vendor profile has no held-out interval); close: within the planner's "
-               "known error of the SLO (docs/planner/held-out.md), so a run may land on either side. Where no fleet "
-               "meets the SLO, the lowest SLO reached: the p90 of the strategy's largest fleet in the limits (the "
-               "row's fleet). Knee: the highest load of the curve below that fleet serves at the SLO.")
+    st.caption("p90 / SLO: the margin; close: within the planner's known error of the SLO (docs/planner/held-out.md). "
+               "Where none meets the SLO: the lowest SLO reached, on the row's fleet (the largest allowed).")
+    st.caption("Knee: the highest load of the curve below at which that fleet meets the SLO.")
     curve = db.read(root, plan_queries.load_curve, pid, STRATEGIES)
     if not curve.empty:
         charts.note("the load curve")
