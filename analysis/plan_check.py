@@ -8,6 +8,8 @@ Pure pandas, shared by the Plan page and ``turnscope plan`` (so the page imports
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 
@@ -51,10 +53,12 @@ def with_interval(text: str, low: float, high: float, fmt, unit: str = "") -> st
 
 def headline_check(checks: pd.DataFrame) -> pd.DataFrame:
     """The Overview's speed-up (:func:`analysis.headline.ratio_of`: baseline / treatment median TTFT
-    of ok turns from the second on) of the checked runs, once over the measured TTFTs and once over
-    the forecast ones, for each pair of :data:`analysis.headline.PAIRS` whose two modes were
-    checked. Columns: treatment, baseline, measured_speedup, forecast_speedup, forecast_error
-    (forecast / measured - 1)."""
+    of ok turns from the second on) of the checked runs, once over the measured TTFTs (with its
+    session-level bootstrap 95% CI, as the Overview shows it) and once over the forecast ones, for
+    each pair of :data:`analysis.headline.PAIRS` whose two modes were checked. Columns: treatment,
+    baseline, measured_speedup, measured_ci_low, measured_ci_high (NaN with fewer than 2 sessions a
+    side), forecast_speedup, forecast_error (forecast / measured - 1), within_ci (the forecast inside
+    the measured CI; None without one)."""
     ok = checks[(checks["status"] == "ok") & (checks["turn_index"] >= headline.MIN_TURN_INDEX)
                 & checks["measured_ttft_s"].notna() & checks["predicted_ttft_s"].notna()]
     ok = ok.rename(columns={"checked_run_id": "run_id"})
@@ -64,13 +68,15 @@ def headline_check(checks: pd.DataFrame) -> pd.DataFrame:
         if tt.empty or bb.empty:
             continue
         got = {}
-        for col in ("measured_ttft_s", "predicted_ttft_s"):
+        for col, resamples in (("measured_ttft_s", None), ("predicted_ttft_s", 9)):
             r = headline.ratio_of(tt.assign(ttft_s=tt[col]), bb.assign(ttft_s=bb[col]), treatment_name=t,
-                                  baseline_name=b, n_resamples=9)
-            got[col] = speedup.of(r).value
-        rows.append({"treatment": t, "baseline": b, "measured_speedup": got["measured_ttft_s"],
-                     "forecast_speedup": got["predicted_ttft_s"],
-                     "forecast_error": got["predicted_ttft_s"] / got["measured_ttft_s"] - 1})
+                                  baseline_name=b, n_resamples=resamples)
+            got[col] = speedup.of(r)
+        m, f = got["measured_ttft_s"], got["predicted_ttft_s"].value
+        has_ci = not (math.isnan(m.ci_low) or math.isnan(m.ci_high))
+        rows.append({"treatment": t, "baseline": b, "measured_speedup": m.value, "measured_ci_low": m.ci_low,
+                     "measured_ci_high": m.ci_high, "forecast_speedup": f, "forecast_error": f / m.value - 1,
+                     "within_ci": (m.ci_low <= f <= m.ci_high) if has_ci else None})
     return pd.DataFrame(rows)
 
 

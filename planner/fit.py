@@ -161,47 +161,49 @@ def run_speed_factors(probes: dict[str, float]) -> dict[str, float]:
 
 
 def probe_factors(profile: CostProfile, mode: str, run_compute_s: float | None,
-                  run_cached_s: float | None) -> tuple[float | None, float | None]:
+                  run_cached_s: float | None, short_factor: float | None = None) -> tuple[float | None, float | None]:
     """(compute factor, context factor) of a run's probes against ``mode``'s curve c(x) = a1 x + a2 x^2.
 
-    The compute probe (``run_compute_s`` = T(2048) - T(256) from scratch) measures
-    ``f1 a1 1792 + f2 a2 (2048^2 - 256^2)``; the cached-prefix probe (``run_cached_s`` =
-    T(2048 cached + 256 new) - T(256)) measures ``f2 a2 2^20`` alone (the linear terms cancel).
-    With both (and a2 > 0) the two equations give the linear factor f1 and the context factor f2,
-    each term its own; with the compute probe alone one factor for the whole curve, the context
-    factor None; (None, None) without probes. A solution with f1 <= 0 (probe noise) falls back to
-    the one factor."""
+    The compute probe (``run_compute_s`` = T(2048) - T(256) from scratch) over the curve's
+    c(2048) - c(256) is the compute factor, for the curve (a prompt computed from scratch). The
+    cached-prefix probe (``run_cached_s`` = T(2048 cached + 256 new) - T(256)) measures a step on a
+    prefix: the profile's ``prefix_step_s`` x ``short_factor`` (a fixed engine cost, scaled as the
+    short probe's fixed costs are; 1 when None) plus attention over the prefix, ``a2 x 2^20`` of the
+    curve (c(2304) - c(2048) - c(256): the linear terms cancel); what is left after the step over
+    that is the context factor. (compute factor, None) with the compute probe alone or a context
+    factor <= 0 (probe noise); (None, None) without probes."""
     fit = profile.prefill_fit(mode)
     if run_compute_s is None or run_compute_s <= 0:
         return None, None
     ref = float(fit.cost_s(COMPUTE_PROBE_TOKENS) - fit.cost_s(PROBE_TOKENS))
     one = run_compute_s / ref if ref > 0 else None
-    if run_cached_s is None or run_cached_s <= 0 or fit.a2_s <= 0 or fit.a1_s <= 0:
+    if run_cached_s is None or run_cached_s <= 0 or fit.a2_s <= 0:
         return one, None
-    context = run_cached_s / (fit.a2_s * (CACHED_PROBE_TOKENS**2 - COMPUTE_PROBE_TOKENS**2 - PROBE_TOKENS**2))
-    rest = run_compute_s - context * fit.a2_s * (COMPUTE_PROBE_TOKENS**2 - PROBE_TOKENS**2)
-    linear = rest / (fit.a1_s * (COMPUTE_PROBE_TOKENS - PROBE_TOKENS))
-    return (linear, context) if linear > 0 else (one, None)
+    step = (profile.prefix_step_s.value if profile.prefix_step_s else 0.0) * (short_factor or 1.0)
+    context = (run_cached_s - step) / (fit.a2_s * (CACHED_PROBE_TOKENS**2 - COMPUTE_PROBE_TOKENS**2 - PROBE_TOKENS**2))
+    return (one, context) if context > 0 else (one, None)
 
 
 def on_run_speed(profile: CostProfile, run_probe_s: float | None, run_compute_s: float | None = None,
                  mode: str = RECOMPUTE_MODE, run_cached_s: float | None = None) -> tuple[CostProfile, float | None]:
-    """``profile`` put on a run's machine speed: scaled by the run's probe TTFT over the profile's
-    (:meth:`CostProfile.at_speed`) when both exist; else unchanged. With the run's compute probe
-    (``run_compute_s``: :func:`store.queries.planner_runs.compute_probe_s`) the prefill curves
-    are scaled by it over what the profile's own c(x) gives for the same tokens (``mode``'s curve:
-    the aggregated worker's in ``aggregated``, P's else), ``c(COMPUTE_PROBE_TOKENS) -
-    c(PROBE_TOKENS)``, and b0 (and the hand-off terms) alone by the short probe; with the run's
-    cached-prefix probe too (``run_cached_s``: :func:`store.queries.planner_runs.cached_probe_s`)
-    the curves' linear and context terms each by their own factor (:func:`probe_factors`).
+    """``profile`` put on a run's machine speed, each term by the probe that measures its kind of
+    work (:meth:`CostProfile.at_speed`): the fixed costs (b0, a step on a prefix) by the run's short
+    probe TTFT over the profile's (``run_probe_s``, ``probe_ttft_s``) when both exist; with the run's
+    compute probe (``run_compute_s``: :func:`store.queries.planner_runs.compute_probe_s`) the
+    engines' compute (the prefill curves, the hand-off, renders) by it over what the profile's own
+    c(x) gives for the same tokens (``mode``'s curve: the aggregated worker's in ``aggregated``,
+    P's else), ``c(COMPUTE_PROBE_TOKENS) - c(PROBE_TOKENS)``, else by the short probe; with the
+    run's cached-prefix probe too (``run_cached_s``: :func:`store.queries.planner_runs.cached_probe_s`)
+    attention over a prefix by its own factor (:func:`probe_factors`). Unchanged without probes.
     Returns (profile, the short probe's factor or None)."""
-    compute, context = probe_factors(profile, mode, run_compute_s, run_cached_s)
+    factor = (run_probe_s / profile.probe_ttft_s.value
+              if run_probe_s is not None and profile.probe_ttft_s is not None else None)
+    compute, context = probe_factors(profile, mode, run_compute_s, run_cached_s, factor)
     why = None if compute is None else _compute_why(run_compute_s, compute, run_cached_s, context)
-    if run_probe_s is None or profile.probe_ttft_s is None:
+    if factor is None:
         if compute is None:
             return profile, None
         return profile.at_speed(1.0, "no speed probe", compute, why, context), None
-    factor = run_probe_s / profile.probe_ttft_s.value
     return profile.at_speed(factor, f"speed probe {run_probe_s * 1e3:.1f} ms on the run vs "
                                     f"{profile.probe_ttft_s.value * 1e3:.1f} ms where fitted", compute,
                             why, context), factor
@@ -213,7 +215,7 @@ def _compute_why(run_compute_s: float, factor: float, run_cached_s: float | None
         return (f"compute probe: {COMPUTE_PROBE_TOKENS:,} less {PROBE_TOKENS} tokens took {run_compute_s * 1e3:.1f} ms "
                 f"on the run, {factor:.3g}x the profile's c(x)")
     return (f"compute probe {run_compute_s * 1e3:.1f} ms and cached-prefix probe {run_cached_s * 1e3:.1f} ms on the "
-            f"run: linear term x {factor:.3g}, attention's context term x {context:.3g}")
+            f"run: the curve x {factor:.3g}, attention over a prefix x {context:.3g}")
 
 
 def _kv_space(store: Store, run_ids: Sequence[str]) -> dict[str, int]:
@@ -320,7 +322,23 @@ def fit_profile(store: Store, run_ids: Sequence[str], name: str = "fitted") -> C
     prof.b0_s.update(sibling_b0(prof.b0_s))
     default = costs.b0_s.get(RECOMPUTE_MODE, float(np.median(list(costs.b0_s.values()))))
     prof.b0_default_s = Sourced(value=default, source=f"{how}; {RECOMPUTE_MODE}'s b0 (else the median of the modes')")
-    return with_handoff(prof, handoff_terms(store, run_ids, speed))
+    return with_handoff(prof, handoff_terms(store, run_ids, decode_step_factors(turns, prof.decode_s_per_token)))
+
+
+def decode_step_factors(turns: pd.DataFrame, decode_s: Sourced | None) -> dict[str, float]:
+    """Run id -> its median TPOT over ``decode_s`` (the fit's decode step, seconds): how many times
+    slower than the fit's reference each run's engine steps ran. The hand-off's terms are engine
+    steps on D (D's first step is a forward pass of one token on the prompt's context, as a decode
+    step is; D's wait for P's KV is the steps its scheduler runs until the read is done), so
+    :func:`handoff_terms` puts each run's on the reference's speed by these, and a forecast scales
+    them by the run's compute probe (:meth:`planner.profile.CostProfile.at_speed`), not by the short
+    probe, whose fixed HTTP and frontend cost can move the other way (docs/planner/calibration.md).
+    ``turns``: :func:`store.queries.planner_runs.recorded_turns` rows (``tpot_s`` of ok turns).
+    Empty without ``decode_s`` or TPOTs."""
+    if decode_s is None or decode_s.value <= 0:
+        return {}
+    ok = turns[(turns["status"] == "ok") & turns["tpot_s"].notna()]
+    return {str(r): float(g.median()) / decode_s.value for r, g in ok.groupby("run_id")["tpot_s"]}
 
 
 #: The hand-off's profile fields and the measured term (:func:`analysis.ttft_split.measured_terms`) of each.
@@ -332,7 +350,7 @@ def handoff_terms(store: Store, run_ids: Sequence[str], speed: dict[str, float] 
     """P/D's hand-off measured in ``run_ids``: profile field (:data:`HANDOFF_FIELDS`) -> the median
     over the P/D runs that scraped D of the run's mean per request of D's histogram (the run's
     increase of its sum over that of its count, :func:`analysis.ttft_split.measured_terms`),
-    each run's mean divided by its speed factor (``speed``: :func:`run_speed_factors`; absent: 1),
+    each run's mean divided by its speed factor (``speed``: :func:`decode_step_factors` in a fit; absent: 1),
     seconds. Read from runs of one request at a time (a calibration) D's queue time is the wait for
     P's KV alone; under load it also holds the wait for room on D, which the planner forecasts
     apart. Empty when no P/D run scraped D's histograms."""
@@ -348,8 +366,8 @@ def handoff_terms(store: Store, run_ids: Sequence[str], speed: dict[str, float] 
             lo, hi = min(per_run.values()), max(per_run.values())
             out[field] = Sourced(value=float(np.median(list(per_run.values()))), source=(
                 f"measured in runs {', '.join(sorted(per_run))}: median over {len(per_run)} P/D runs of the run's "
-                f"mean {what} per request (runs' means {lo * 1e3:.1f}-{hi * 1e3:.1f} ms), each on the median "
-                "speed probe's speed"))
+                f"mean {what} per request (runs' means {lo * 1e3:.1f}-{hi * 1e3:.1f} ms), each divided by "
+                "its speed factor (the fit: its median TPOT over the fit's decode step)"))
     return out
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from analysis import speedup
 from analysis.plan_check import headline_check
 from core.contract import HIT
 from core.modes import BIDIRECTIONAL_MODES
@@ -250,7 +251,10 @@ def describe(split: Split, summary: pd.DataFrame, checks: pd.DataFrame | None = 
         lines.append("  the Overview's speed-up of the checked runs (baseline / bidirectional median TTFT from the second "
                      "turn on):")
         lines += [f"    {r.treatment} vs {r.baseline}: measured {r.measured_speedup:.2f}x, forecast "
-                  f"{r.forecast_speedup:.2f}x ({r.forecast_error:+.1%})" for r in hc.itertuples()]
+                  f"{r.forecast_speedup:.2f}x ({r.forecast_error:+.1%}); "
+                  + ("no measured 95% CI (fewer than 2 sessions a side)" if r.within_ci is None else
+                     f"the measured 95% CI {speedup.fmt_ci(r.measured_ci_low, r.measured_ci_high)}: forecast "
+                     + ("inside" if r.within_ci else "OUTSIDE")) for r in hc.itertuples()]
     return "\n".join(lines)
 
 

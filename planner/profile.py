@@ -129,6 +129,8 @@ class CostProfile(BaseModel):
     pull_bandwidth_bytes_per_s: Sourced
     handoff_wait_s: Sourced | None = None
     d_first_step_s: Sourced | None = None
+    prefix_step_s: Sourced | None = None
+    context_scale: Sourced | None = None
     decode_kv_space_bytes: Sourced | None = None
     prefill_kv_space_bytes: Sourced | None = None
     aggregated_kv_space_bytes: Sourced | None = None
@@ -184,12 +186,21 @@ class CostProfile(BaseModel):
         return np.where(t > 0, latency + t * per_token, 0.0)
 
     def prefill_compute_s(self, mode: str, prompt_tokens: np.ndarray, cached_tokens: np.ndarray) -> np.ndarray:
-        """Seconds of the prefill worker's time for each request: ``c(n) - c(cached)`` (no b0, no
-        pull: the time a request holds its worker, :mod:`planner.queueing`)."""
+        """Seconds of the prefill worker's time for each request: ``c(n) - c(cached)``, which is
+        ``c(m) + 2 a2 cached m`` for m = n - cached new tokens: their own cost and attention over
+        the prefix, the latter times ``context_scale`` (1 without it: what a run's cached-prefix
+        probe says attention over a prefix costs against the curve, :meth:`at_speed`), plus
+        ``prefix_step_s`` where the request computes new tokens on a prefix it did not compute
+        (``0 < cached < n``: its worker's own cache or KV pulled from D; 0 without the figure).
+        No b0, no pull: the time a request holds its worker (:mod:`planner.queueing`)."""
         fit = self.prefill_fit(mode)
         n = np.asarray(prompt_tokens, dtype=float)
         cached = np.minimum(np.asarray(cached_tokens, dtype=float), n)
-        return fit.cost_s(n) - fit.cost_s(cached)
+        new = n - cached
+        scale = self.context_scale.value if self.context_scale else 1.0
+        extra = self.prefix_step_s.value if self.prefix_step_s else 0.0
+        return (fit.cost_s(new) + 2.0 * fit.a2_s * cached * new * scale
+                + np.where((cached > 0) & (new > 0), extra, 0.0))
 
     def render_s(self, prompt_tokens: np.ndarray, renders: np.ndarray) -> np.ndarray:
         """Seconds spent rendering chat requests to token ids before their first token:
@@ -201,33 +212,44 @@ class CostProfile(BaseModel):
                pulled_tokens: np.ndarray) -> np.ndarray:
         """Predicted TTFT of each request in ``mode``, seconds (arrays of equal length; see the
         module doc). ``cached_tokens`` includes ``pulled_tokens``."""
-        fit = self.prefill_fit(mode)
-        n = np.asarray(prompt_tokens, dtype=float)
-        cached = np.minimum(np.asarray(cached_tokens, dtype=float), n)
-        return (self.b0(mode) + sum(self.handoff_s(mode)) + fit.cost_s(n) - fit.cost_s(cached)
+        return (self.b0(mode) + sum(self.handoff_s(mode)) + self.prefill_compute_s(mode, prompt_tokens, cached_tokens)
                 + self.pull_s(pulled_tokens))
 
     def at_speed(self, factor: float, why: str, compute_factor: float | None = None,
                  compute_why: str | None = None, context_factor: float | None = None) -> CostProfile:
-        """This profile on a machine ``factor`` times slower (> 1) or faster (< 1): every b0, the
-        hand-off terms and the prefill curves c(x) (P's and the aggregated worker's) multiplied by ``factor``, or the
-        curves by ``compute_factor`` when given (the compute probe's, docs/planner/calibration.md);
-        pulls, KV space, decode and render unchanged. With ``context_factor`` (the cached-prefix
-        probe's, docs/planner/calibration.md) the curves' quadratic (attention's context) terms
-        take it and their linear terms ``compute_factor``. ``why`` (and ``compute_why``) join each
-        scaled figure's source."""
+        """This profile on a machine ``factor`` times slower (> 1) or faster (< 1), each term by the
+        probe that measures its kind of work (docs/planner/calibration.md):
+
+        * by ``factor`` (the short speed probe's: fixed costs), every b0 (HTTP, the proxy, the
+          engines' frontends) and ``prefix_step_s`` (an engine step's fixed cost on a prefix);
+        * by ``compute_factor`` (the compute probe's) when given, else by ``factor``, the engines'
+          compute: the prefill curves c(x) (P's and the aggregated worker's), the hand-off (D's wait
+          for P's KV and D's first step: engine steps on D, forward passes like the probe's) and the
+          chat renders (``render_s_per_token``: tokenizer work per token, compute of the host's cores);
+        * attention over a prefix (``context_scale``) to ``context_factor`` (the cached-prefix
+          probe's, against the profile's own curve) when given, else with the curve.
+
+        Pulls, KV space and decode unchanged. ``why`` (and ``compute_why``) join each scaled
+        figure's source."""
         def scaled(f: Sourced | None, by: float = factor, because: str = why) -> Sourced | None:
             return None if f is None else Sourced(value=f.value * by, source=f"{f.source}; x {by:.4g} ({because})")
 
         cf, cw = (factor, why) if compute_factor is None else (compute_factor, compute_why or why)
-        xf = cf if context_factor is None else context_factor
+        scale = self.context_scale
+        if context_factor is not None:   # the curve's a2 takes cf: the prefix's term is context_factor in all
+            base = scale.value if scale else 1.0
+            scale = Sourced(value=base * context_factor / cf, source=(
+                f"attention over a prefix x {context_factor:.4g} against the profile's curve, which the compute "
+                f"probe scales by {cf:.4g} ({cw})"))
         return self.model_copy(update={
             "b0_default_s": scaled(self.b0_default_s), "b0_s": {m: scaled(b) for m, b in self.b0_s.items()},
-            "handoff_wait_s": scaled(self.handoff_wait_s), "d_first_step_s": scaled(self.d_first_step_s),
+            "prefix_step_s": scaled(self.prefix_step_s),
+            "handoff_wait_s": scaled(self.handoff_wait_s, cf, cw), "d_first_step_s": scaled(self.d_first_step_s, cf, cw),
+            "render_s_per_token": scaled(self.render_s_per_token, cf, cw), "context_scale": scale,
             "prefill_a1_s_per_token": scaled(self.prefill_a1_s_per_token, cf, cw),
-            "prefill_a2_s_per_token2": scaled(self.prefill_a2_s_per_token2, xf, cw),
+            "prefill_a2_s_per_token2": scaled(self.prefill_a2_s_per_token2, cf, cw),
             "aggregated_prefill_a1_s_per_token": scaled(self.aggregated_prefill_a1_s_per_token, cf, cw),
-            "aggregated_prefill_a2_s_per_token2": scaled(self.aggregated_prefill_a2_s_per_token2, xf, cw)})
+            "aggregated_prefill_a2_s_per_token2": scaled(self.aggregated_prefill_a2_s_per_token2, cf, cw)})
 
     def capacity_tokens(self, role: str) -> int | None:
         """KV space of one worker of ``role`` (prefill, decode, aggregated) in tokens; None: unbounded."""

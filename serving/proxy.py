@@ -69,6 +69,7 @@ from core.contract import (
 from core.modes import AGGREGATED
 from core.tokenize_client import TokenizeError, render_request, tokenize_async
 from serving import handles as h
+from serving import prefill_split_patch
 from serving.api_keys import SecretRef, bearer, resolve_optional
 from serving.canary import CanaryReport, canary_max_tokens, run_canary
 from serving.client_disconnect import run_until_client_gone
@@ -188,6 +189,26 @@ def classify_prefill(offered: int, prompt_len: int, cached: int | None, local_es
     if cached >= reachable - 1:
         return h.HIT, max(cached - local_estimate, 0)
     if rules.below_recompute_threshold(reachable - cached, threshold):
+        return h.MISS_BELOW_THRESHOLD, 0
+    return h.MISS_TRANSFER_FAILED, 0
+
+
+def split_prefill(offered: int, prompt_len: int, cached: int | None, external: int,
+                  threshold: int) -> tuple[str, int]:
+    """Like :func:`classify_prefill`, with the tokens P pulled as vLLM itself counted them for the
+    request (``external``: ``PrefillStats.num_external_cached_tokens``, which P's answer carries
+    through ``serving.prefill_split_patch``; what P's counter
+    ``prompt_tokens_by_source_total{source="external_kv_transfer"}`` adds up). Returns
+    ``(outcome, reused_tokens)`` with ``reused_tokens == external``: a positive count is a pull
+    (``hit``); none is P's own prefix cache or a shortfall below ``threshold``
+    (``miss_below_threshold``) or a failed or declined pull (``miss_transfer_failed``), by the
+    same reading of ``cached`` as :func:`classify_prefill` with a local hit of ``cached``."""
+    if external > 0:
+        return h.HIT, external
+    if cached is None:
+        return h.MISS_TRANSFER_FAILED, 0
+    shortfall = rules.reachable_tokens(offered, prompt_len) - cached
+    if shortfall <= 1 or rules.below_recompute_threshold(shortfall, threshold):
         return h.MISS_BELOW_THRESHOLD, 0
     return h.MISS_TRANSFER_FAILED, 0
 
@@ -570,9 +591,12 @@ class SessionProxy:
                             status_code=status, headers=req.facts.identity_headers())
 
     def account_prefill(self, req: ProxiedRequest, p_resp: dict) -> None:
-        """From P's answer: the reuse outcome and token counts (:func:`classify_prefill`, P's
-        local hit estimated by :meth:`estimate_local_hit`), metrics, and P's prefix index
-        (:meth:`record_prefill`, when the ids are known already)."""
+        """From P's answer: the reuse outcome and token counts, metrics, and P's prefix index
+        (:meth:`record_prefill`, when the ids are known already). The tokens pulled from D are
+        vLLM's own per-request count where P's answer carries it (:func:`split_prefill`; workers
+        turnscope starts, ``serving.prefill_split_patch``; the key is taken out before D sees
+        P's params), else P's local hit is estimated by :meth:`estimate_local_hit`
+        (:func:`classify_prefill`)."""
         cfg, facts = self.config, req.facts
         leg_s = facts.prefill_leg_s or 0.0
         req.waited_s += leg_s
@@ -580,11 +604,16 @@ class SessionProxy:
         req.p_params = p_resp.get("kv_transfer_params") or {}
         prompt_len = int((p_resp.get("usage") or {}).get("prompt_tokens") or 0)
         cached = req.p_params.get("remote_prefill_cached_tokens")
+        external = req.p_params.pop(prefill_split_patch.EXTERNAL_KEY, None)
+        req.p_params.pop(prefill_split_patch.LOCAL_KEY, None)
         if req.chain is not None:
             self.record_prefill(req, req.new_ids)
         if req.session:
             self.prefill_router.served(req.session, req.prefill.name, prompt_len)
-        if req.handle_params is not None:
+        if req.handle_params is not None and isinstance(external, int):
+            req.outcome, facts.reused_tokens = split_prefill(facts.remote_tokens, prompt_len, cached, external,
+                                                             cfg.kv_recompute_threshold)
+        elif req.handle_params is not None:
             req.outcome, facts.reused_tokens = classify_prefill(facts.remote_tokens, prompt_len, cached,
                                                                 req.local_estimate, cfg.kv_recompute_threshold)
         cached_n = int(cached or 0)

@@ -20,10 +20,14 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from serving import prefill_split_patch
 from tests.integration.vllm_stack import free_port  # noqa: F401  (re-exported for tests)
 
 
-def prefill_app(hang_with_handle_s: float = 0.0, delay_s: float = 0.0, status: int = 200) -> FastAPI:
+def prefill_app(hang_with_handle_s: float = 0.0, delay_s: float = 0.0, status: int = 200,
+                split_local: int | None = None) -> FastAPI:
+    """``split_local``: P also reports vLLM's split of its cached tokens, as the workers turnscope
+    starts do (``serving.prefill_split_patch``): that many local (at most the cached), the rest pulled."""
     app = FastAPI()
     app.state.bodies = []
     app.state.closed = []
@@ -47,6 +51,8 @@ def prefill_app(hang_with_handle_s: float = 0.0, delay_s: float = 0.0, status: i
             await asyncio.sleep(min(0.01, max(deadline - time.monotonic(), 0)))
         n = len(body["prompt"])
         cached = min(params.get("remote_num_tokens") or 0, n) if params.get("remote_block_ids") else 0
+        split = {} if split_local is None else {prefill_split_patch.LOCAL_KEY: min(split_local, cached),
+                                                prefill_split_patch.EXTERNAL_KEY: cached - min(split_local, cached)}
         return JSONResponse({
             "id": "cmpl-p", "object": "text_completion", "model": "m",
             "choices": [{"index": 0, "text": "x", "token_ids": [7], "finish_reason": "length"}],
@@ -54,7 +60,7 @@ def prefill_app(hang_with_handle_s: float = 0.0, delay_s: float = 0.0, status: i
             "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False,
                                    "remote_block_ids": [[1, 2, 3]], "remote_engine_id": "P",
                                    "remote_request_id": "p-req", "remote_host": "127.0.0.1", "remote_port": 1,
-                                   "remote_num_tokens": n, "remote_prefill_cached_tokens": cached}})
+                                   "remote_num_tokens": n, "remote_prefill_cached_tokens": cached} | split})
 
     @app.get("/health")
     async def health():

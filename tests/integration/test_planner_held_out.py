@@ -5,6 +5,7 @@ the intervals they give are hand computations from the fixture's formulas."""
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from pathlib import Path
 
@@ -127,6 +128,11 @@ def test_cli_plan_check_then_plan_with_intervals(stores, tmp_path, monkeypatch):
     slow_base = statistics.median(measured("pd-nocache", s, k) for s, k in later if not fx.failed("pd-nocache", s, k))
     speedup = slow_base / statistics.median(measured("pd-bidir-nocache", s, k) for s, k in later)
     assert f"pd-bidir-nocache vs pd-nocache: measured {speedup:.2f}x, forecast" in r.output
+    # ... beside the measured speed-up's 95% CI, and whether the forecast lies inside it (read off the line)
+    line = next(x for x in r.output.splitlines() if "pd-bidir-nocache vs pd-nocache: measured" in x)
+    got = re.search(r"forecast ([0-9.]+)x .*the measured 95% CI ([0-9.]+)-([0-9.]+)x: forecast (inside|OUTSIDE)$", line)
+    f, lo, hi = (float(got.group(i)) for i in (1, 2, 3))
+    assert lo < speedup < hi and got.group(4) == ("inside" if lo <= f <= hi else "OUTSIDE")
     prof = load_profile(out)
     assert prof.held_out.ttft_ratio["aggregated"] == pytest.approx((SLOW, SLOW), rel=1e-6)
     # a plan with that profile: every interval moved by the held-out percentiles (docs/planner/held-out.md)

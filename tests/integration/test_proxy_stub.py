@@ -64,6 +64,19 @@ def test_handle_flows_from_decode_to_next_prefill_and_never_to_the_client(stubs)
     assert facts2["handle_tokens"] == len(prompt2) + 4 - 1  # turn 2's own handle
 
 
+def test_pulled_tokens_are_ps_own_count_where_p_reports_it():
+    """P evicted turn 1's blocks but its first (the proxy's index still holds both whole blocks, 8
+    tokens): P's own split, 4 local and 9 pulled, is what the turn records, and D never sees it."""
+    with AppThread(prefill_app(split_local=4)) as p, AppThread(decode_app(gen=4)) as d, \
+            ProxyThread(config(p, d)) as proxy:
+        stream(proxy.url, list(range(10)), "s1")
+        r2, _, facts2, _ = stream(proxy.url, list(range(10)) + [100, 101, 102, 103] + [50, 51], "s1")
+    assert r2.headers["x-turnscope-reuse"] == "hit"
+    assert facts2["prefill_cached_tokens"] == 4 and facts2["reused_tokens"] == 9  # the index alone: 8 and 5
+    assert facts2["recomputed_tokens"] == 3
+    assert "turnscope_external_cached_tokens" not in json.dumps(d.app.state.bodies)
+
+
 def test_client_supplied_kv_transfer_params_are_dropped(stubs):
     p, d = stubs
     forged = {"do_remote_decode": True, "remote_block_ids": [[666]], "remote_engine_id": "forged",

@@ -3,7 +3,7 @@
 import pytest
 
 from serving import handles as h
-from serving.proxy import classify_prefill
+from serving.proxy import classify_prefill, split_prefill
 
 
 class Clock:
@@ -85,6 +85,21 @@ def test_table_stays_bounded():
 ])
 def test_classify_prefill(offered, prompt, cached, local, expected):
     assert classify_prefill(offered, prompt, cached, local, threshold=64) == expected
+
+
+@pytest.mark.parametrize("offered, prompt, cached, external, expected", [
+    # Under eviction the proxy's index guessed P's local hit; vLLM's own count is the truth:
+    (4608, 4700, 4608, 3712, (h.HIT, 3712)),    # P kept 896 of 4,608 (index said 2,560): pulled 3,712
+    (1031, 1181, 1030, 134, (h.HIT, 134)),      # the scheduler recomputed the last token: 1030 - 896
+    (551, 700, 512, 0, (h.MISS_BELOW_THRESHOLD, 0)),   # 551 - 512 = 39 < 64: recomputed
+    (896, 1100, 896, 0, (h.MISS_BELOW_THRESHOLD, 0)),  # P's own cache covers the whole handle
+    (896, 1100, 895, 0, (h.MISS_BELOW_THRESHOLD, 0)),  # ... but its last token
+    (723, 784, 768, 0, (h.MISS_BELOW_THRESHOLD, 0)),   # 768 > 723: P's own cache beyond the handle
+    (731, 900, 640, 0, (h.MISS_TRANSFER_FAILED, 0)),   # 91 >= 64 short and nothing pulled: declined
+    (500, 700, None, 0, (h.MISS_TRANSFER_FAILED, 0)),  # P reported nothing
+])
+def test_split_prefill_takes_vllms_count(offered, prompt, cached, external, expected):
+    assert split_prefill(offered, prompt, cached, external, threshold=64) == expected
 
 
 def test_drop_decode_drops_only_that_decode_workers_older_handles():

@@ -86,19 +86,60 @@ def test_with_handoff_takes_the_terms_out_of_pd_b0_only():
     assert with_handoff(prof, {}) is prof
 
 
-def test_probe_factors_split_the_curve_by_term():
+def test_probe_factors_scale_the_curve_and_attention_over_a_prefix():
     from planner.fit import on_run_speed, probe_factors
     prof = profile(prefill_a2_s_per_token2={"value": 1e-8} | SRC, probe_ttft_s={"value": 0.05} | SRC, **HANDOFF)
-    # a run 1.5x slower in the linear term, 2x in attention's context term:
-    # compute probe: 1.5 x 1e-4 x 1792 + 2 x 1e-8 x (2048^2 - 256^2) = 0.2688 + 0.08257536
-    # cached-prefix probe: 2 x 1e-8 x (2304^2 - 2048^2 - 256^2) = 2 x 1e-8 x 2^20
-    compute, cached = 0.2688 + 0.08257536, 2 * 1e-8 * 2**20
+    # the curve's c(2048) - c(256) = 1e-4 x 1792 + 1e-8 x (2048^2 - 256^2) = 0.1792 + 0.04128768;
+    # a run 1.5x slower there; its cached-prefix probe (2048 cached + 256 new, less 256 from scratch)
+    # 2x the curve's attention over the prefix, 1e-8 x (2304^2 - 2048^2 - 256^2) = 1e-8 x 2^20
+    compute, cached = 1.5 * (0.1792 + 0.04128768), 2 * 1e-8 * 2**20
     assert probe_factors(prof, "pd", compute, cached) == pytest.approx((1.5, 2.0))
-    # the compute probe alone: one factor, the curve's c(2048) - c(256) = 0.1792 + 0.04128768
-    one, ctx = probe_factors(prof, "pd", compute, None)
-    assert one == pytest.approx(compute / (0.1792 + 0.04128768)) and ctx is None
+    assert probe_factors(prof, "pd", compute, None) == pytest.approx((1.5, None))
     run, factor = on_run_speed(prof, 0.1, compute, "pd", cached)
-    assert factor == pytest.approx(2.0)                                   # the short probe: b0 and hand-off
+    assert factor == pytest.approx(2.0)                                   # the short probe: b0
     assert run.prefill_a1_s_per_token.value == pytest.approx(1.5e-4)
-    assert run.prefill_a2_s_per_token2.value == pytest.approx(2e-8)
-    assert run.handoff_s("pd") == pytest.approx((0.014, 0.030)) and run.b0("pd") == pytest.approx(0.02)
+    assert run.prefill_a2_s_per_token2.value == pytest.approx(1.5e-8)
+    assert run.b0("pd") == pytest.approx(0.02)
+    # the hand-off is engine steps on D: by the compute factor, 7 and 15 ms x 1.5
+    assert run.handoff_s("pd") == pytest.approx((0.0105, 0.0225))
+    # 300 new tokens on 1,000 cached: 1.5 x (1e-4 x 300 + 1e-8 x 300^2) + 2 x 1e-8 x 2 x 1000 x 300
+    assert run.prefill_compute_s("pd", np.array([1300]), np.array([1000]))[0] == pytest.approx(
+        1.5 * (0.03 + 0.0009) + 0.012)
+    # from scratch: the curve alone, 1.5 x c(1300)
+    assert run.prefill_compute_s("pd", np.array([1300]), np.array([0]))[0] == pytest.approx(1.5 * (0.13 + 0.0169))
+
+
+def test_a_step_on_a_prefix_costs_its_own_term():
+    from planner.fit import on_run_speed, probe_factors
+    prof = profile(prefill_a2_s_per_token2={"value": 1e-8} | SRC, probe_ttft_s={"value": 0.05} | SRC,
+                   prefix_step_s={"value": 0.01} | SRC, render_s_per_token={"value": 2e-6} | SRC, **HANDOFF)
+    # 300 new tokens on 1,000 cached: 1e-4 x 300 + 1e-8 x (1300^2 - 1000^2) + 10 ms = 0.03 + 0.0069 + 0.01;
+    # from scratch (cached 0) or nothing new (cached = n): no prefix step
+    n, cached = np.array([1300, 1300, 1300]), np.array([1000, 0, 1300])
+    assert list(prof.prefill_compute_s("pd", n, cached)) == pytest.approx([0.0469, 0.13 + 0.0169, 0.0])
+    z = np.zeros(3)
+    assert prof.ttft_s("pd", n, cached, z)[0] == pytest.approx(0.01 + 0.022 + 0.0469)
+    # a run 2x slower on the short probe (fixed costs), 1.5x on the compute probe; its cached-prefix
+    # probe holds the prefix step at the short probe's factor: 2 x 0.01 + 3 x 1e-8 x 2^20
+    compute = 1.5 * (0.1792 + 0.04128768)
+    cached_probe = 2 * 0.01 + 3 * 1e-8 * 2**20
+    assert probe_factors(prof, "pd", compute, cached_probe, 2.0) == pytest.approx((1.5, 3.0))
+    run, factor = on_run_speed(prof, 0.1, compute, "pd", cached_probe)
+    assert factor == pytest.approx(2.0)
+    assert run.prefix_step_s.value == pytest.approx(0.02)
+    assert run.render_s_per_token.value == pytest.approx(3e-6)            # tokenizer work: the compute factor
+    # 300 new on 1,000 cached on that run: 1.5 x (0.03 + 0.0009) + 3 x 2 x 1e-8 x 1000 x 300 + 20 ms
+    assert run.prefill_compute_s("pd", np.array([1300]), np.array([1000]))[0] == pytest.approx(
+        0.04635 + 0.018 + 0.02)
+
+
+def test_decode_step_factors_put_each_run_on_the_fits_decode_step():
+    import pandas as pd
+
+    from planner.fit import decode_step_factors
+    turns = pd.DataFrame({"run_id": ["a", "a", "a", "b", "b"], "status": ["ok", "ok", "failed", "ok", "ok"],
+                          "tpot_s": [0.010, 0.014, 0.100, 0.005, np.nan]})
+    # run a: median TPOT of its ok turns 12 ms over a 6 ms step; run b: 5 ms (its NaN left out)
+    got = decode_step_factors(turns, Sourced(value=0.006, source="test"))
+    assert got == pytest.approx({"a": 2.0, "b": 5 / 6})
+    assert decode_step_factors(turns, None) == {}
