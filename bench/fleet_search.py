@@ -7,7 +7,8 @@ settings) <= 60 s, <= 1 GiB; at SLO 2 s a fleet for every strategy whose fleet s
 already meets 2 s; no TTFT printed above 10x the SLO. Prints each figure beside its target.
 
 Run: ``.venv/bin/python bench/fleet_search.py [--requests 49334] [--rate 100] [--workers N]``;
-``--requests 500000`` for the 10x run. The machine is shared: the load average is printed with the
+``--requests 500000`` for the 10x run; ``--compare-rounds`` also times the whole recommendation with
+paced sends settled round by round (the route before the one pass), side by side in the same run. The machine is shared: the load average is printed with the
 figures.
 """
 
@@ -49,6 +50,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=49_334, help="requests the drawn traffic should hold (about)")
     ap.add_argument("--rate", type=float, default=100.0, help="new sessions per hour")
     ap.add_argument("--workers", type=int, default=None, help="processes (default: the machine's cores)")
+    ap.add_argument("--compare-rounds", action="store_true",
+                    help="also time the whole recommendation with paced sends settled round by round (the route "
+                         "before the one pass), in the same run, and print both answers")
     ap.add_argument("--settings-only", action="store_true", help="time the single settings only, not the whole "
                                                                   "recommendation (for the 10x run)")
     args = ap.parse_args()
@@ -73,12 +77,7 @@ def main() -> None:
         print(f"peak memory: {peak_rss_gib():.2f} GiB (target <= {MEMORY_GIB:g} GiB); load average at the end: "
               f"{os.getloadavg()[0]:.1f}")
         return
-    t0 = time.perf_counter()
-    text = run_recommend([TRACES], profile_path=PROFILE, format=None, current=Setting("pd-bidir"), margin_s=30.0,
-                         ttft_slo_s=2.0, d_kv_gib=None, gpu_hour_usd=None, host_gib_hour_usd=None,
-                         max_prefill_workers=16, max_decode_workers=16, serve_model="MODEL", load=load,
-                         executor=LocalExecutor(args.workers))
-    whole = time.perf_counter() - t0
+    text, whole = _whole(load, args.workers)
     settings = _settings_forecast(text)
     worst = max(times.values())
     print(f"whole recommendation: {whole:.1f} s for {settings} settings forecast (target <= {WHOLE_S:g} s, >= 100 "
@@ -89,6 +88,28 @@ def main() -> None:
     print("\n".join(line for line in text.splitlines() if line.startswith("Fleet per strategy")
                     or line.startswith("  ") and "fleets tried" in line))
     _check_targets(text, tr, prof, load, args.workers)
+    if args.compare_rounds:
+        import planner.simulate as simulate
+
+        simulate.ONE_PASS = False   # the pool's processes are forked after this: they take it too
+        old_text, old_whole = _whole(load, args.workers)
+        simulate.ONE_PASS = True
+        print(f"\nside by side, the whole recommendation: one pass {whole:.1f} s, round by round {old_whole:.1f} s "
+              f"({old_whole / whole:.2f}x); peak memory of either {peak_rss_gib():.2f} GiB; load average "
+              f"{os.getloadavg()[0]:.1f}")
+        for name, t in (("one pass", text), ("round by round", old_text)):
+            print(f"{name}:")
+            print("\n".join(line for line in t.splitlines() if line.startswith("  ") and "fleets tried" in line))
+
+
+def _whole(load, workers) -> tuple[str, float]:
+    """One whole ``turnscope recommend`` at SLO 2 s up to 16P16D: (its text, seconds)."""
+    t0 = time.perf_counter()
+    text = run_recommend([TRACES], profile_path=PROFILE, format=None, current=Setting("pd-bidir"), margin_s=30.0,
+                         ttft_slo_s=2.0, d_kv_gib=None, gpu_hour_usd=None, host_gib_hour_usd=None,
+                         max_prefill_workers=16, max_decode_workers=16, serve_model="MODEL", load=load,
+                         executor=LocalExecutor(workers))
+    return text, time.perf_counter() - t0
 
 
 def _check_targets(text: str, tr, prof, load, workers) -> None:

@@ -127,6 +127,11 @@ class DecodeAdmission:
         end = self._running[0][0] if self._running else math.inf
         return min(head, end, self.holds.next_change_s() if self.holds else math.inf)
 
+    def next_event_s(self) -> float:
+        """When D's next event is due (a waiting request's arrival, a running one's end, a change of
+        what it holds), seconds; ``inf`` when none."""
+        return self._next_event()
+
     def advance(self, t: float) -> None:
         """Process D's events up to ``t`` (inclusive) in time order, admitting at each what fits."""
         waiting, running, holds = self._waiting, self._running, self.holds

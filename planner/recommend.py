@@ -136,14 +136,34 @@ def settings_for(base: PlanSettings, s: Setting) -> PlanSettings:
                                    "routing": s.routing})
 
 
+def baseline_key(s: Setting) -> tuple:
+    """What the ``recompute`` forecast a setting's row is measured against depends on: its workers,
+    routing and D space (not its strategy, TTL or threshold: recompute pulls nothing and pins nothing;
+    nor ``stop_on_overload``, which stops only a bidirectional forecast)."""
+    return (s.prefill_workers, s.decode_workers, s.routing, s.decode_kv_bytes)
+
+
+def _baseline_one(job: RecommendJob, s: Setting):
+    prof = with_decode_kv(job.profile, s.decode_kv_bytes)
+    return forecast_strategy(job.traffic, prof, settings_for(job.base, s), RECOMPUTE)
+
+
+def with_baselines(job: RecommendJob, settings: list[Setting], executor: Executor) -> RecommendJob:
+    """``job`` with the ``recompute`` baselines of ``settings`` forecast once each (on ``executor``),
+    for every later evaluation to look up rather than each process re-making them."""
+    todo = {baseline_key(s): s for s in settings if baseline_key(s) not in job.baselines}
+    done = executor.map(_baseline_one, job, list(todo.values()), "recompute baselines") if todo else []
+    job.baselines.update(zip(todo, done, strict=True))
+    return job
+
+
 def evaluate(tr: Traffic, profile: CostProfile, base: PlanSettings, s: Setting, limits: Limits,
              baselines: dict | None = None) -> Evaluated:
     """Forecast ``s`` on ``tr`` (see the module doc for the cost). ``baselines``: a memo of the
-    ``recompute`` forecasts the rows are measured against (it depends on the workers, routing and D
-    space, not on the TTL or threshold)."""
+    ``recompute`` forecasts the rows are measured against (:func:`baseline_key`)."""
     prof, ps = with_decode_kv(profile, s.decode_kv_bytes), settings_for(base, s)
     f = forecast_strategy(tr, prof, ps, s.strategy)
-    key = (s.prefill_workers, s.decode_workers, s.routing, s.decode_kv_bytes)
+    key = baseline_key(s)
     recompute = None if baselines is None else baselines.get(key)
     if recompute is None:
         recompute = forecast_strategy(tr, prof, ps, RECOMPUTE)
@@ -296,9 +316,15 @@ class WhatIf:
     traffic: Traffic
 
 
-def _what_if_one(job: RecommendJob, item: tuple[WhatIf, str]) -> Evaluated:
-    case, strategy = item
-    return evaluate(case.traffic, case.profile, job.base, replace(case.setting, strategy=strategy), job.limits)
+def _what_if_one(job: RecommendJob, item: tuple[WhatIf, str, object]) -> Evaluated:
+    case, strategy, baseline = item
+    return evaluate(case.traffic, case.profile, job.base, replace(case.setting, strategy=strategy), job.limits,
+                    {baseline_key(case.setting): baseline})
+
+
+def _what_if_baseline(job: RecommendJob, case: WhatIf):
+    prof = with_decode_kv(case.profile, case.setting.decode_kv_bytes)
+    return forecast_strategy(case.traffic, prof, settings_for(job.base, case.setting), RECOMPUTE)
 
 
 def what_would_change(tr: Traffic, profile: CostProfile, base: PlanSettings, current: Setting,
@@ -318,9 +344,10 @@ def what_would_change(tr: Traffic, profile: CostProfile, base: PlanSettings, cur
                         replace(current, prefill_workers=2, routing="round-robin"), tr))
     half = Traffic(**{**tr.__dict__, "arrival_s": tr.arrival_s / 2, "gap_s": tr.gap_s / 2})   # paced sends too
     cases.append(WhatIf("gaps halved (arrivals at half the time)", profile, current, half))
-    items = [(c, st) for c in cases for st in (Strategy.PD, Strategy.PD_BIDIR)]
-    done = (executor or LocalExecutor(1)).map(_what_if_one, RecommendJob(tr, profile, base, limits), items,
-                                              "what would change it")
+    run, job = executor or LocalExecutor(1), RecommendJob(tr, profile, base, limits)
+    baselines = run.map(_what_if_baseline, job, cases, "what would change it: recompute")   # once per case
+    items = [(c, st, b) for c, b in zip(cases, baselines, strict=True) for st in (Strategy.PD, Strategy.PD_BIDIR)]
+    done = run.map(_what_if_one, job, items, "what would change it")
     with_iv = partial(_with_iv, quiet=profile.held_out is None)
     out = []
     for k, case in enumerate(cases):
@@ -340,7 +367,7 @@ def what_would_change(tr: Traffic, profile: CostProfile, base: PlanSettings, cur
 
 
 def _fewer_changes(tr: Traffic, profile: CostProfile, base: PlanSettings, current: Setting, rec: Evaluated,
-                   limits: Limits) -> Evaluated:
+                   limits: Limits, baselines: dict | None = None) -> Evaluated:
     """``rec`` with every knob put back to its current value where that costs at most :data:`MIN_GAIN`
     of mean TTFT, no held memory and no money (0.1% slack): a diff lists only the knobs that buy
     memory, money or more TTFT than the planner's margin."""
@@ -348,7 +375,7 @@ def _fewer_changes(tr: Traffic, profile: CostProfile, base: PlanSettings, curren
         value = getattr(current, knob)
         if getattr(rec.setting, knob) == value:
             continue
-        back = evaluate(tr, profile, base, replace(rec.setting, **{knob: value}), limits)
+        back = evaluate(tr, profile, base, replace(rec.setting, **{knob: value}), limits, baselines)
         same_cost = back.cost_usd is None or rec.cost_usd is None or back.cost_usd <= rec.cost_usd + 1e-3 * abs(rec.cost_usd)
         if (back.feasible and back.ttft_mean_s <= rec.ttft_mean_s * (1 + MIN_GAIN)
                 and _held(back) <= _held(rec) * 1.001 + 1e-9 and same_cost):
@@ -362,11 +389,13 @@ def recommend(tr: Traffic, profile: CostProfile, base: PlanSettings, current: Se
     """Search :func:`candidates` (``fleets``: each strategy at its sized fleet) on ``executor``
     (default: in this process) and pick with :func:`choose` (see the module doc)."""
     settings = candidates(profile, current, limits, grid, fleets)
-    searched = (executor or LocalExecutor(1)).map(_search_one, RecommendJob(tr, profile, base, limits), settings,
-                                                  "searching settings")
-    cur = evaluate(tr, profile, base.model_copy(update={"stop_on_overload": True}), current, limits)
+    run = executor or LocalExecutor(1)
+    # each recompute baseline once (the search's processes would each re-make those they meet)
+    job = with_baselines(RecommendJob(tr, profile, base, limits), [*settings, current], run)
+    searched = run.map(_search_one, job, settings, "searching settings")
+    cur = evaluate(tr, profile, base.model_copy(update={"stop_on_overload": True}), current, limits, job.baselines)
     rec = choose(searched, limits.prices.gpu_hour_usd is not None)
-    rec = _fewer_changes(tr, profile, base, current, rec, limits)
+    rec = _fewer_changes(tr, profile, base, current, rec, limits, job.baselines)
     alone = {}
     for knob in KNOBS:
         value = getattr(rec.setting, knob)
@@ -375,8 +404,8 @@ def recommend(tr: Traffic, profile: CostProfile, base: PlanSettings, current: Se
             if knob != "strategy" and current.strategy not in BIDIR and knob in ("ttl_s", "threshold", "decode_kv_bytes"):
                 one = replace(one, strategy=rec.setting.strategy)
             alone[knob] = one
-    effects = dict(zip(alone, (executor or LocalExecutor(1)).map(
-        _evaluate_one, RecommendJob(tr, profile, base, limits), list(alone.values()), "each knob alone"), strict=True))
+    job = with_baselines(job, list(alone.values()), run)
+    effects = dict(zip(alone, run.map(_evaluate_one, job, list(alone.values()), "each knob alone"), strict=True))
     at_fleet = replace(current, prefill_workers=rec.setting.prefill_workers, decode_workers=rec.setting.decode_workers)
     changes = [] if rec.setting.strategy in BIDIR else what_would_change(tr, profile, base, at_fleet, limits, executor)
     return Recommendation(cur, rec, effects, searched, changes)

@@ -73,6 +73,7 @@ from core.contract import (
 from core.modes import AGGREGATED, BIDIRECTIONAL_MODES, RECOMPUTE_MODE, SERVING_MODES, serving_mode
 from loadgen.traces.agent_request import AgentRequest
 from planner import host_contention
+from planner import paced_sends
 from planner.decode_admission import DecodeAdmission, DecodeSpace, HandlesOnD, one_way_admission
 from planner.overload import (
     Overload,
@@ -497,16 +498,23 @@ class PrefillTtft:
         if not self.queue:
             return np.zeros(len(self.tr))
         if self.steps:
-            fifo = shared_core_waits(self.tr.arrival_s, compute, self.worker, self.server)
-            windows = overload_windows(self.tr)
-            overloaded = never_drains(self.tr.arrival_s, fifo, fifo, np.zeros(0), windows=windows) is not None or \
-                prefill_overload(self.tr.arrival_s, compute, self.server, windows=windows) is not None
+            fifo, overloaded = self.fifo_overloaded(compute)
             if overloaded:
                 return fifo   # overloaded on P by :mod:`planner.overload`'s rules: no latency to refine
             fit = self.cost.profile.prefill_fit(self.cost.mode)
             return batched_step_waits(self.tr.arrival_s, cached, self.tr.input_tokens, fit.a1_s, fit.a2_s,
                                       self.budget, self.worker)
         return shared_core_waits(self.tr.arrival_s, compute, self.worker, self.server)
+
+    def fifo_overloaded(self, compute: np.ndarray) -> tuple[np.ndarray, bool]:
+        """(The first-come-first-served waits of every request given its ``compute``, seconds;
+        whether they make P overloaded by :mod:`planner.overload`'s rules: a wait past a window, or
+        more work than a window holds): the test :meth:`waits` takes before P's scheduler steps."""
+        fifo = shared_core_waits(self.tr.arrival_s, compute, self.worker, self.server)
+        windows = overload_windows(self.tr)
+        overloaded = never_drains(self.tr.arrival_s, fifo, fifo, np.zeros(0), windows=windows) is not None or \
+            prefill_overload(self.tr.arrival_s, compute, self.server, windows=windows) is not None
+        return fifo, overloaded
 
     def all(self, local: np.ndarray, pulled: np.ndarray, took: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(TTFT, of which the wait for the prefill worker) of every request, seconds."""
@@ -870,8 +878,11 @@ def plan(requests: Iterable[AgentRequest] | Traffic, profile: CostProfile,
     shared = _SharedWork(tr, profile, settings)
     out: dict[str, ModePlan] = {}
     for mode in settings.modes:
-        out[mode] = paced_mode_plan(tr, profile, settings, mode, _plan_mode(tr, profile, settings, mode, shared, notes),
-                                    notes)
+        # one pass where it covers the mode (checked), else the forecast re-made round by round
+        one = _one_pass(tr, profile, settings, mode, notes) if pace and ONE_PASS and paced_sends.applies(tr, profile, settings, mode) \
+            else None
+        out[mode] = one or paced_mode_plan(tr, profile, settings, mode,
+                                           _plan_mode(tr, profile, settings, mode, shared, notes), notes)
     if pace:
         notes.append(f"{int(tr.paced().sum())} of {len(tr)} requests sent their recorded gap after the forecast "
                      "reply of their session's previous request (each mode its own sends); sessions' first requests "
@@ -934,6 +945,11 @@ def block_cache_hits(tr: Traffic, capacity_tokens: int | None, block_size: int, 
     return hits
 
 
+#: Whether :func:`plan` places paced sends in one pass where it covers the mode
+#: (:func:`planner.paced_sends.applies`); False: round by round only, the route before it
+#: (``bench/fleet_search.py --compare-rounds`` times both in one run).
+ONE_PASS = True
+
 #: Rounds of :func:`paced_mode_plan` at most, and the largest change of a send (seconds) it stops at.
 PACE_ROUNDS, PACE_TOLERANCE_S = 12, 1e-4
 
@@ -980,16 +996,57 @@ def paced_mode_plan(tr: Traffic, profile: CostProfile, settings: PlanSettings, m
         if np.max(np.abs(new_sends - sends)) <= PACE_TOLERANCE_S and (not blocks or np.array_equal(new_hits, hits)):
             break
         sends, hits = new_sends, new_hits
-        moved = Traffic(**{**tr.__dict__, "arrival_s": sends})
-        order = np.lexsort((moved.request_index, moved.session, moved.arrival_s))
-        sub = moved.select(order)
-        work = _SharedWork(sub, profile, settings, None if hits is None else hits[order])
-        mp = _in_order_of(_plan_mode(sub, profile, settings, mode, work, []), order, len(tr))
+        mp = _plan_at(tr, profile, settings, mode, sends, hits)
     else:
         notes.append(f"{mode}: the forecast's sends and P's cache hits, re-made on its own timings, still moved "
                      f"after {PACE_ROUNDS} rounds (the last round's forecast is given).")
     mp.arrival_s = sends
     return mp
+
+
+def _plan_at(tr: Traffic, profile: CostProfile, settings: PlanSettings, mode: str, sends: np.ndarray,
+             hits: np.ndarray | None = None, notes: list[str] | None = None) -> ModePlan:
+    """``mode``'s forecast of ``tr`` sent at ``sends`` (P's own-cache hits ``hits``; None: looked up
+    in the order of the sends), in ``tr``'s order; its notes go to ``notes`` (None: dropped)."""
+    moved = Traffic(**{**tr.__dict__, "arrival_s": sends})
+    order = np.lexsort((moved.request_index, moved.session, moved.arrival_s))
+    sub = moved.select(order)
+    work = _SharedWork(sub, profile, settings, None if hits is None else hits[order])
+    return _in_order_of(_plan_mode(sub, profile, settings, mode, work, [] if notes is None else notes), order,
+                        len(tr))
+
+
+def _one_pass(tr: Traffic, profile: CostProfile, settings: PlanSettings, mode: str,
+              notes: list[str]) -> ModePlan | None:
+    """``mode``'s paced forecast by :func:`planner.paced_sends.paced_sends` (one pass), checked: the
+    whole forecast made at those sends must place every paced send where it is, within
+    :data:`PACE_TOLERANCE_S` (:meth:`Traffic.paced_arrivals`). With an engine token budget P's
+    scheduler steps are tried first, then first come first served (a P that :mod:`planner.overload`
+    finds overloaded under first-come waits is forecast with them: :meth:`PrefillTtft.waits`); first
+    come first served first where P is so overloaded at the recorded sends (the steps' pass, the
+    longer one, then mostly spared). None when neither checks (the caller re-makes the forecast
+    round by round)."""
+    n = len(tr)
+    decode = tr.reply_decode_s(profile)
+    zeros = np.zeros(n, dtype=np.int64)
+    cost = ModeCost(tr, profile, settings, mode)
+    ttft0, compute = cost(np.arange(n), zeros, zeros, np.zeros(n, dtype=bool))
+    prefill = PrefillTtft(tr, settings, mode, cost)
+    fit = profile.prefill_fit(mode)
+    space = decode_space(tr, profile, settings)
+    tries = (True,)
+    if prefill.steps:
+        tries = (True, False) if prefill.fifo_overloaded(compute)[1] else (False, True)
+    for fifo in tries:
+        sends, _ = paced_sends.paced_sends(tr, settings, ttft0, compute, fifo, fit.a1_s, fit.a2_s, prefill.budget,
+                                           decode, space)
+        said: list[str] = []
+        mp = _plan_at(tr, profile, settings, mode, sends, notes=said)
+        if np.max(np.abs(tr.paced_arrivals(mp.ttft_s, decode) - sends)) <= PACE_TOLERANCE_S:
+            mp.arrival_s = sends
+            notes.extend(said)
+            return mp
+    return None
 
 
 def _in_order_of(mp: ModePlan, order: np.ndarray, n: int) -> ModePlan:

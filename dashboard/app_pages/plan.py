@@ -74,8 +74,15 @@ if not fleets.empty:
                f"({int(fleets['fleets_searched'].sum()):,} fleets searched); {plan_figures.RECOMMENDED_MARK}: the "
                "cheapest that meets it. Overloaded: a role's arrivals outpace it, so no TTFT is forecast.")
     decode_kv = (profile.get("decode_kv_space_bytes") or {}).get("value")
-    st.dataframe(plan_figures.fleet_styler(plan_figures.fleet_table(fleets, decode_kv)), hide_index=True,
+    try:
+        knees = db.read(root, plan_queries.fleet_knees, pid)
+    except db.StoreInvalid:   # a load curve stored before its knees
+        knees = None
+    st.dataframe(plan_figures.fleet_styler(plan_figures.fleet_table(fleets, decode_kv, knees)), hide_index=True,
                  key="plan_fleets")
+    st.caption("p90 / SLO: the margin; close: within the planner's known error of the SLO (docs/planner/held-out.md). "
+               "Where none meets the SLO: the lowest SLO reached, on the row's fleet (the largest allowed).")
+    st.caption("Knee: the highest load of the curve below at which that fleet meets the SLO.")
     curve = db.read(root, plan_queries.load_curve, pid, STRATEGIES)
     if not curve.empty:
         charts.note("the load curve")

@@ -282,13 +282,16 @@ def _ms(x: float) -> str:
     return f"{x * 1000:,.0f}"
 
 
-def fleet_table(fl: pd.DataFrame, profile_decode_kv_bytes: float | None) -> pd.DataFrame:
+def fleet_table(fl: pd.DataFrame, profile_decode_kv_bytes: float | None,
+                knees: pd.DataFrame | None = None) -> pd.DataFrame:
     """``plan_fleets`` rows for display, one per strategy, the answer's columns first: the
     recommended row marked (`RECOMMENDED_MARK`), the fleet (``2P 3D``), GPUs, p90 and p50 TTFT (ms,
     or the overload in words in their place), whether it meets the SLO, USD per million tokens
-    (only where the plan is priced); then hit rate (%), D KV per worker (GiB; the profile's where
-    the row has none, ``profile_decode_kv_bytes`` bytes), KV held (GiB-s per tier), prefill GPU-s
-    saved, fleets searched."""
+    (only where the plan is priced); then what an operator asks next (:func:`fleet_next_answers`:
+    p90 / SLO, close, the lowest SLO reached, the knee; ``knees``: the plan's
+    ``store.queries.plan.fleet_knees``, None: not read); then hit rate (%), D KV per worker (GiB; the
+    profile's where the row has none, ``profile_decode_kv_bytes`` bytes), KV held (GiB-s per tier),
+    prefill GPU-s saved, fleets searched."""
     def kv(b: float) -> str:
         if pd.notna(b):
             return f"{b / GiB:,.1f}"
@@ -307,6 +310,7 @@ def fleet_table(fl: pd.DataFrame, profile_decode_kv_bytes: float | None) -> pd.D
         "meets SLO": ["yes" if m else "no" for m in fl["meets_slo"].fillna(False).astype(bool)]})
     if fl["usd_per_m_tokens"].notna().any():
         out["$ / M tokens"] = fl["usd_per_m_tokens"].round(2)
+    out = out.assign(**fleet_next_answers(fl, knees))
     out = out.assign(**{
         "hit rate (%)": (fl["hit_rate"] * 100).round(1),
         "D KV per worker (GiB)": fl["decode_kv_bytes_per_worker"].map(kv),
@@ -314,6 +318,57 @@ def fleet_table(fl: pd.DataFrame, profile_decode_kv_bytes: float | None) -> pd.D
         "host (GiB-s)": fl["host_gib_s"].round(1), "prefill GPU-s saved": fl["prefill_gpu_s_saved"].round(1),
         "fleets searched": fl["fleets_searched"].astype("Int64")})
     return out
+
+
+#: The next answers' columns (:func:`fleet_next_answers`), in the fleet table's order.
+FLEET_NEXT_COLUMNS = ("p90 / SLO", "close to SLO", "lowest SLO reached (ms)", "knee")
+
+
+def fleet_next_answers(fl: pd.DataFrame, knees: pd.DataFrame | None) -> dict[str, list[str]]:
+    """The fleet table's answers to an operator's next questions, one text per ``plan_fleets`` row,
+    as the planner stored them (docs/planner/fleet.md): ``p90 / SLO`` (``ttft_p90_over_slo``, two
+    decimals; "—" when overloaded or without an SLO); ``close to SLO`` ("close" where
+    ``close_to_slo``: within the planner's known error of the SLO); ``lowest SLO reached (ms)``
+    where no fleet meets the SLO: the p90 of the strategy's largest fleet in the limits
+    (``lowest_ttft_p90_s``, that row's fleet), "none within the limits" when that fleet is
+    overloaded, "—" where a fleet meets it; ``knee``: the highest load of the load curve the fleet
+    serves at the SLO (``knees``' ``knee_load_value``, in the load's unit), "none on the curve" when
+    it serves not even the lowest load, "—" when the fleet is not on the curve. A column the store
+    predates reads "—"."""
+    n = len(fl)
+    dash = ["—"] * n
+
+    def col(name: str) -> list:
+        return list(fl[name]) if name in fl else [None] * n
+
+    margin = ["—" if m is None or pd.isna(m) else f"{m:.2f}" for m in col("ttft_p90_over_slo")]
+    close = ["close" if c is not None and not pd.isna(c) and bool(c) else "" for c in col("close_to_slo")]
+    if "close_to_slo" not in fl:
+        close = dash
+    lowest = []
+    for meets, over, low, p, d in zip(fl["meets_slo"].fillna(False).astype(bool), fl["overloaded"].fillna(False),
+                                      col("lowest_ttft_p90_s"), fl["prefill_workers"], fl["decode_workers"],
+                                      strict=True):
+        if meets or "lowest_ttft_p90_s" not in fl:
+            lowest.append("—")
+        elif low is not None and not pd.isna(low):
+            lowest.append(f"{_ms(low)} on {fleet_name(p, d)}")
+        else:
+            lowest.append(f"none within the limits ({fleet_name(p, d)} overloaded)" if bool(over) else "—")
+    knee = dash
+    if knees is not None and not knees.empty:
+        unit = LOAD_UNITS.get(str(fl["load_kind"].iloc[0]), "") if "load_kind" in fl else ""
+        at = {(r.strategy, int(r.prefill_workers), int(r.decode_workers)): r.knee_load_value
+              for r in knees.itertuples()}
+        knee = []
+        for s, p, d in zip(fl["strategy"], fl["prefill_workers"], fl["decode_workers"], strict=True):
+            key = (s, int(p), int(d))
+            if key not in at:
+                knee.append("—")
+            else:
+                v = at[key]
+                knee.append("none on the curve" if v is None or pd.isna(v) else f"{v:,g} {unit}".strip())
+    return dict(zip(FLEET_NEXT_COLUMNS, (margin, close, lowest, knee), strict=True))
 
 
 def fleet_styler(table: pd.DataFrame):

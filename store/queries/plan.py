@@ -91,3 +91,13 @@ def load_curve(con: duckdb.DuckDBPyConnection, plan_id: str, order: Sequence[str
     strategies, then by load (ascending, in ``load_kind``'s unit)."""
     return con.execute("SELECT * EXCLUDE (plan_id) FROM plan_load_curve WHERE plan_id = ? ORDER BY list_position("
                        "?, strategy), strategy, load_value", [plan_id, list(order)]).df()
+
+
+def fleet_knees(con: duckdb.DuckDBPyConnection, plan_id: str) -> pd.DataFrame:
+    """Each fleet of the plan's load curve and its knee (plan_load_curve's ``knee``: the highest load it
+    serves at the SLO, every lower load of the curve too): strategy, prefill_workers, decode_workers,
+    curve_points (loads forecast), knee_load_value (in ``load_kind``'s unit; NULL: it serves not even
+    the lowest load); no row for a fleet not on the curve."""
+    return con.execute("SELECT strategy, prefill_workers, decode_workers, count(*) AS curve_points, "
+                       "max(load_value) FILTER (WHERE knee) AS knee_load_value FROM plan_load_curve "
+                       "WHERE plan_id = ? GROUP BY ALL", [plan_id]).df()

@@ -218,20 +218,27 @@ def test_a_fleet_plan_shows_its_answer_and_fleet_table_first(monkeypatch, fleet_
     assert any(c.value == "Note: Sessions drawn with replacement." for c in at.caption)
     table = at.dataframe[0].value   # the first table of the page
     assert list(table.columns) == ["", "strategy", "fleet", "GPUs", "TTFT p90 (ms)", "TTFT p50 (ms)", "meets SLO",
-                                   "$ / M tokens", "hit rate (%)", "D KV per worker (GiB)", "P cache (GiB-s)",
+                                   "$ / M tokens", "p90 / SLO", "close to SLO", "lowest SLO reached (ms)", "knee",
+                                   "hit rate (%)", "D KV per worker (GiB)", "P cache (GiB-s)",
                                    "D pinned (GiB-s)", "host (GiB-s)", "prefill GPU-s saved", "fleets searched"]
     shown = [tuple(r) for r in table.astype(object).itertuples(index=False)]
-    # the profile's D KV space: 9.496e11 bytes / 2^30 = 884.4 GiB
+    # the profile's D KV space: 9.496e11 bytes / 2^30 = 884.4 GiB; p90 / SLO: each p90 over the 1 s SLO,
+    # close within 0.25 of 1; the lowest SLO where no fleet meets it (pd-bidir+host's 1.12 s on its 2P 2D;
+    # recompute's fleet overloaded); each fleet's knee on the curve (none for recompute: 1.2 s at 25/h)
+    h = "new sessions per hour"
     assert shown == [
-        ("", "recompute", "2P 2D", "32", "overloaded: P at 3.40x its capacity", "—", "no", 2.91, 0.0,
-         "884.4 (profile's)", 0.0, 0.0, 0.0, 0.0, 9),
-        ("", "pd", "3P 3D", "48", "930", "420", "yes", 4.12, 61.0, "884.4 (profile's)", 1250.4, 0.0, 0.0, 5400.0, 12),
-        ("", "pd+host", "3P 2D", "40", "880", "380", "yes", 3.55, 78.0, "884.4 (profile's)", 1250.4, 0.0, 86400.0,
-         7900.0, 12),
-        ("★ recommended", "pd-bidir", "2P 2D", "32", "740", "310", "yes", 2.74, 86.0, "512.0", 1100.2, 5200.7, 0.0,
-         8600.0, 10),
-        ("", "pd-bidir+host", "2P 2D", "32", "1,120", "450", "no", 2.80, 88.0, "256.0", 1100.2, 2600.3, 43000.0,
-         8800.0, 16)]
+        ("", "recompute", "2P 2D", "32", "overloaded: P at 3.40x its capacity", "—", "no", 2.91, "—", "",
+         "none within the limits (2P 2D overloaded)", "none on the curve", 0.0, "884.4 (profile's)", 0.0, 0.0, 0.0,
+         0.0, 9),
+        ("", "pd", "3P 3D", "48", "930", "420", "yes", 4.12, "0.93", "close", "—", f"100 {h}", 61.0,
+         "884.4 (profile's)", 1250.4, 0.0, 0.0, 5400.0, 12),
+        ("", "pd+host", "3P 2D", "40", "880", "380", "yes", 3.55, "0.88", "close", "—", f"100 {h}", 78.0,
+         "884.4 (profile's)", 1250.4, 0.0, 86400.0, 7900.0, 12),
+        ("★ recommended", "pd-bidir", "2P 2D", "32", "740", "310", "yes", 2.74, "0.74", "", "—", f"100 {h}", 86.0,
+         "512.0", 1100.2, 5200.7, 0.0, 8600.0, 10),
+        ("", "pd-bidir+host", "2P 2D", "32", "1,120", "450", "no", 2.80, "1.12", "close", "1,120 on 2P 2D", f"50 {h}",
+         88.0, "256.0", 1100.2, 2600.3, 43000.0, 8800.0, 16)]
+    assert any(c.value.startswith("p90 / SLO: the margin") for c in at.caption)
     assert len(at.get("plotly_chart")) == 1   # the load curve
 
 
@@ -248,6 +255,10 @@ def test_fleet_table_without_prices_and_a_decode_overload():
     assert "$ / M tokens" not in table.columns
     assert list(table["TTFT p90 (ms)"]) == ["overloaded: D at 1.05x its capacity", "930"]
     assert list(table["D KV per worker (GiB)"]) == ["profile's", "profile's"]
+    assert list(table["knee"]) == ["—", "—"]   # no load curve read
+    # a plan stored before the margin, close and lowest SLO columns: dashes, not guesses
+    old = plan_figures.fleet_table(fl.drop(columns=["ttft_p90_over_slo", "close_to_slo", "lowest_ttft_p90_s"]), None)
+    assert [list(old[c]) for c in ("p90 / SLO", "close to SLO", "lowest SLO reached (ms)")] == [["—", "—"]] * 3
     figures, sentence = plan_figures.fleet_headline(fl.assign(recommended=False, meets_slo=False))
     assert figures[0][1] == "pd 3P 3D" and sentence.startswith(
         "No fleet searched meets the SLO p90 TTFT ≤ 1,000 ms at 100 new sessions per hour: the closest is pd")

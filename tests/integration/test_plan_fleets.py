@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from planner.strategies import STRATEGIES
@@ -56,6 +57,17 @@ def test_load_curve_query_orders_by_strategy_then_load(two_plans):
     assert list(bidir["overload_factor"].fillna(-1)) == [-1, -1, -1, 1.05, 2.10]
     assert int(cu["overloaded"].sum()) == 4 + 2 + 1 + 2 + 1
     assert _read(two_plans, plan_queries.load_curve, "plan-20261201T100000-0be7e5", STRATEGIES).empty
+
+
+def test_fleet_knees_query_reads_each_fleets_knee(two_plans):
+    kn = _read(two_plans, plan_queries.fleet_knees, fx.FLEET_PLAN_ID).set_index("strategy")
+    assert sorted(kn.index) == sorted(fx.CURVE_KNEES)
+    for strategy, knee in fx.CURVE_KNEES.items():   # the hand-typed knees; recompute serves none of the curve
+        r = kn.loc[strategy]
+        assert (None if pd.isna(r["knee_load_value"]) else r["knee_load_value"]) == knee, strategy
+        assert r["curve_points"] == 5
+    assert (kn.loc["pd", "prefill_workers"], kn.loc["pd", "decode_workers"]) == (3, 3)
+    assert _read(two_plans, plan_queries.fleet_knees, "plan-20261201T100000-0be7e5").empty
 
 
 def test_the_plan_log_states_the_load(two_plans):
