@@ -89,7 +89,7 @@ def main() -> None:
                     or line.startswith("  ") and "fleets tried" in line))
     _check_targets(text, tr, prof, load, args.workers)
     if args.compare_rounds:
-        import planner.simulate as simulate
+        from planner import simulate
 
         simulate.ONE_PASS = False   # the pool's processes are forked after this: they take it too
         old_text, old_whole = _whole(load, args.workers)

@@ -58,7 +58,7 @@ def applies(tr, profile, settings, mode: str) -> bool:
 class _Worker:
     """One prefill worker's scheduler steps (:func:`planner.queueing.batched_step_waits`' rules)."""
 
-    __slots__ = ("running", "waiting", "chunks", "step_end", "version", "lone", "pos")
+    __slots__ = ("chunks", "lone", "pos", "running", "step_end", "version", "waiting")
 
     def __init__(self):
         self.running: list[int] = []

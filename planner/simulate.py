@@ -72,8 +72,7 @@ from core.contract import (
 )
 from core.modes import AGGREGATED, BIDIRECTIONAL_MODES, RECOMPUTE_MODE, SERVING_MODES, serving_mode
 from loadgen.traces.agent_request import AgentRequest
-from planner import host_contention
-from planner import paced_sends
+from planner import host_contention, paced_sends
 from planner.decode_admission import DecodeAdmission, DecodeSpace, HandlesOnD, one_way_admission
 from planner.overload import (
     Overload,

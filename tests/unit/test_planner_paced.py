@@ -119,7 +119,7 @@ def _by_hand_fifo(turns: int) -> dict[tuple[str, int], tuple[float, float]]:
 
 
 def test_long_sessions_settle_in_one_pass_where_rounds_do_not(monkeypatch):
-    import planner.paced_sends as paced_sends
+    from planner import paced_sends
 
     turns = 40
     reqs = _two_long_sessions(turns)
