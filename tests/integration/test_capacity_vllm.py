@@ -17,16 +17,14 @@ from pathlib import Path
 
 import duckdb
 import pytest
-import yaml
 from rich.console import Console
 
 from planner.profile import load_profile
-from serving.embedded_model import ModelSpec, ensure_model
-from serving.topology import WorkerEntry, embedded_topology
+from serving.embedded_model import ModelSpec
 from store import db
 from store.queries import capacity as capacity_queries
 from store.writer import Store
-from tests.integration.vllm_stack import free_port
+from tests.integration.vllm_stack import one_p_one_d, workload_with_turns
 from turnscope.conductor import capacity_forecast as cf
 from turnscope.conductor.capacity import plan_capacity, run_capacity
 from turnscope.conductor.evaluation import Slo, default_settings
@@ -39,14 +37,8 @@ D_TOKENS = 10_240  # max_model_len (8,192) + 16 blocks: the first try at exactly
 
 
 def test_two_step_ramp_pins_the_first_steps_last_turn_on_d(tmp_path):
-    doc = yaml.safe_load((REPO / "data" / "workloads" / "capacity.yaml").read_text())
-    doc["mix"][0]["archetype"]["turns"] = 4
-    wl = tmp_path / "capacity.yaml"
-    wl.write_text(yaml.safe_dump(doc))
-    topo = embedded_topology(str(ensure_model()))
-    topo.prefill = [WorkerEntry(port=free_port(), side_channel_port=free_port(), cores=[0])]
-    topo.decode = [WorkerEntry(port=free_port(), side_channel_port=free_port(), cores=[1])]
-    topo.proxy.port = free_port()
+    wl = workload_with_turns("capacity", tmp_path, 4)
+    topo = one_p_one_d()
     store = tmp_path / "store"
     kv = ModelSpec().kv_bytes_per_token
     s = default_settings(Path(topo.model), topology=topo, modes=["pd-bidir"], histories=["token_ids"], store=store,

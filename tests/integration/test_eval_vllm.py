@@ -21,9 +21,7 @@ import duckdb
 import pytest
 from rich.console import Console
 
-from serving.embedded_model import ensure_model
-from serving.topology import WorkerEntry, embedded_topology
-from tests.integration.vllm_stack import free_port
+from tests.integration.vllm_stack import one_p_one_d
 from turnscope.conductor.evaluation import default_settings, run_eval
 
 pytestmark = pytest.mark.vllm
@@ -31,10 +29,7 @@ pytestmark = pytest.mark.vllm
 
 def test_eval_pd_nocache_vs_bidir(tmp_path):
     sessions, max_turns, seed = 2, 4, 3
-    topo = embedded_topology(str(ensure_model()))
-    topo.prefill = [WorkerEntry(port=free_port(), side_channel_port=free_port(), cores=[0])]
-    topo.decode = [WorkerEntry(port=free_port(), side_channel_port=free_port(), cores=[1])]
-    topo.proxy.port = free_port()
+    topo = one_p_one_d()
     s = default_settings(Path(topo.model), topology=topo, modes=["pd-nocache", "pd-bidir-nocache"],
                          histories=["token_ids", "text"], sessions=sessions, users=1, max_turns=max_turns,
                          gap_s=0.5, store=tmp_path / "store", label="ci", log_dir=tmp_path / "logs",

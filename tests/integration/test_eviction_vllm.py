@@ -17,18 +17,15 @@ from pathlib import Path
 
 import duckdb
 import pytest
-import yaml
 from rich.console import Console
 
-from serving.embedded_model import ModelSpec, ensure_model
-from serving.topology import WorkerEntry, embedded_topology
-from tests.integration.vllm_stack import free_port
+from serving.embedded_model import ModelSpec
+from tests.integration.vllm_stack import one_p_one_d, workload_with_turns
 from turnscope.conductor.capacity import plan_capacity, run_capacity
 from turnscope.conductor.evaluation import Slo, default_settings
 
 pytestmark = pytest.mark.vllm
 
-REPO = Path(__file__).resolve().parents[2]
 BLOCK = 128  # the CPU backend's KV block size
 P_TOKENS = 10_240  # max_model_len (8,192) + 16 blocks (test_capacity_vllm.py: exactly 8,192 failed to start)
 
@@ -47,14 +44,8 @@ def _no_eviction_hits(con, run_id: str) -> int:
 
 
 def test_p_evicts_when_the_sessions_outgrow_its_space(tmp_path):
-    doc = yaml.safe_load((REPO / "data" / "workloads" / "eviction.yaml").read_text())
-    doc["mix"][0]["archetype"]["turns"] = 3
-    wl = tmp_path / "eviction.yaml"
-    wl.write_text(yaml.safe_dump(doc))
-    topo = embedded_topology(str(ensure_model()))
-    topo.prefill = [WorkerEntry(port=free_port(), side_channel_port=free_port(), cores=[0])]
-    topo.decode = [WorkerEntry(port=free_port(), side_channel_port=free_port(), cores=[1])]
-    topo.proxy.port = free_port()
+    wl = workload_with_turns("eviction", tmp_path, 3)
+    topo = one_p_one_d()
     store = tmp_path / "store"
     kv = ModelSpec().kv_bytes_per_token
     s = default_settings(Path(topo.model), topology=topo, modes=["pd"], histories=["token_ids"], store=store,

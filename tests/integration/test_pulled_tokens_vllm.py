@@ -18,30 +18,21 @@ from pathlib import Path
 
 import duckdb
 import pytest
-import yaml
 from rich.console import Console
 
-from serving.embedded_model import ModelSpec, ensure_model
-from serving.topology import WorkerEntry, embedded_topology
+from serving.embedded_model import ModelSpec
 from tests.integration.test_eviction_vllm import P_TOKENS, _no_eviction_hits
-from tests.integration.vllm_stack import free_port
+from tests.integration.vllm_stack import one_p_one_d, workload_with_turns
 from turnscope.conductor.capacity import plan_capacity, run_capacity
 from turnscope.conductor.evaluation import Slo, default_settings
 
 pytestmark = pytest.mark.vllm
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_turns_pulled_tokens_sum_to_vllms_counter_while_p_evicts(tmp_path):
-    doc = yaml.safe_load((REPO / "data" / "workloads" / "eviction.yaml").read_text())
-    doc["mix"][0]["archetype"]["turns"] = 3
-    wl = tmp_path / "eviction.yaml"
-    wl.write_text(yaml.safe_dump(doc))
-    topo = embedded_topology(str(ensure_model()))
-    topo.prefill = [WorkerEntry(port=free_port(), side_channel_port=free_port(), cores=[0])]
-    topo.decode = [WorkerEntry(port=free_port(), side_channel_port=free_port(), cores=[1])]
-    topo.proxy.port = free_port()
+    wl = workload_with_turns("eviction", tmp_path, 3)
+    topo = one_p_one_d()
     store = tmp_path / "store"
     s = default_settings(Path(topo.model), topology=topo, modes=["pd-bidir"], histories=["token_ids"], store=store,
                          label="ci", log_dir=tmp_path / "logs")

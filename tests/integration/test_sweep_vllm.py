@@ -18,10 +18,8 @@ import yaml
 from rich.console import Console
 
 from analysis import sweep_stats
-from serving.embedded_model import ensure_model
-from serving.topology import WorkerEntry, embedded_topology
 from store import db, queries
-from tests.integration.vllm_stack import free_port
+from tests.integration.vllm_stack import one_p_one_d
 from turnscope.conductor.evaluation import default_settings
 from turnscope.conductor.prefix_sweep import plan_sweep, run_sweep
 
@@ -40,10 +38,7 @@ def test_tiny_vendor_sweep(tmp_path):
     wl = tmp_path / "vendor-sweep.yaml"
     wl.write_text(yaml.safe_dump(doc))
 
-    topo = embedded_topology(str(ensure_model()))
-    topo.prefill = [WorkerEntry(port=free_port(), side_channel_port=free_port(), cores=[0])]
-    topo.decode = [WorkerEntry(port=free_port(), side_channel_port=free_port(), cores=[1])]
-    topo.proxy.port = free_port()
+    topo = one_p_one_d()
     store = tmp_path / "store"
     s = default_settings(Path(topo.model), topology=topo, modes=MODES, histories=["token_ids"], store=store,
                          label="ci", log_dir=tmp_path / "logs")

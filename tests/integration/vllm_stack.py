@@ -16,12 +16,15 @@ from pathlib import Path
 
 import httpx
 import uvicorn
+import yaml
 
 from core.connector import Connector
 from serving.embedded_model import ModelSpec, ensure_model
 from serving.proxy import ProxyConfig, Worker, create_app
-from serving.topology import WorkerEntry, embedded_topology
+from serving.topology import Topology, WorkerEntry, embedded_topology
 from serving.workers import WorkerProcess, WorkerSpec, mode_workers, wait_all_healthy
+
+REPO = Path(__file__).resolve().parents[2]
 
 #: Ports :func:`free_port` has handed out in this process: never handed out twice, so the ports of
 #: one topology (each asked before any is bound) are distinct.
@@ -178,6 +181,26 @@ class VllmStack:
                "tokenizer_dir": self.model}  # the guard's in-process incremental render, as turnscope serve runs it
         return ProxyConfig(**(cfg | overrides))
 
+
+
+def one_p_one_d(**kwargs) -> Topology:
+    """The embedded topology (`embedded_topology` with `kwargs`, the model built if missing) with one
+    P on core 0 and one D on core 1 and every port free: the layout of the real-worker runs."""
+    topo = embedded_topology(str(ensure_model()), **kwargs)
+    topo.prefill = [WorkerEntry(port=free_port(), side_channel_port=free_port(), cores=[0])]
+    topo.decode = [WorkerEntry(port=free_port(), side_channel_port=free_port(), cores=[1])]
+    topo.proxy.port = free_port()
+    return topo
+
+
+def workload_with_turns(name: str, directory: Path, turns: int) -> Path:
+    """A copy in `directory` of the shipped workload ``data/workloads/<name>.yaml`` whose first
+    archetype plays `turns` turns; its path."""
+    doc = yaml.safe_load((REPO / "data" / "workloads" / f"{name}.yaml").read_text())
+    doc["mix"][0]["archetype"]["turns"] = turns
+    path = directory / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
 
 def metric(url: str, name: str, **labels) -> float:
     """Sum of the samples of ``name`` at ``url``/metrics whose labels include ``labels``."""
