@@ -149,7 +149,7 @@ def test_memory_page_draws_expired_and_failed_pulls(monkeypatch, store):
     from tests.integration.test_dashboard_pages import charts, open_page, values
 
     at = open_page(monkeypatch, store.root, "memory")
-    fig = charts(at)["Expired and failed pulls per run"]
+    fig = charts(at)["Expired and failed pulls per run (requests)"]
     bars = {t.name: dict(zip(list(t.y), values(t.x), strict=True)) for t in fig.data}
     name = next(n for n in next(iter(bars.values())) if n.startswith("bidir"))
     assert [bars[label][name] for _, label, _ in figures.NIXL_FAILURE_BARS] == [2, 4, 3, 2, 7]
