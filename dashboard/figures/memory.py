@@ -91,6 +91,11 @@ def memory_timeline(mem: pd.DataFrame, hits: pd.DataFrame) -> go.Figure:
     for run_id, g in hits.groupby("run_id", sort=True) if not hits.empty else []:
         g = g.sort_values("elapsed_s")
         add(g["elapsed_s"], g["hit_rate"] * 100, run_id, 3, suffix=" · hit rate", hover=" %")
+    for row, rows, what in ((1, usage, "vllm:kv_cache_usage_perc"), (2, handles, "turnscope_handle_bytes_live"),
+                            (3, hits, "later turns with a proxy outcome")):
+        if rows.empty:  # said in the panel itself, not left as an empty frame
+            fig.add_annotation(text=f"no {what} in the selected runs", xref="x domain", yref="y domain", x=0.5,
+                               y=0.5, showarrow=False, font={"color": NEUTRAL}, row=row, col=1)
     fig.update_yaxes(title_text="KV usage (%)", rangemode="tozero", row=1, col=1)
     fig.update_yaxes(title_text="handle KV (MiB)", rangemode="tozero", row=2, col=1)
     fig.update_yaxes(title_text="hit rate (%)", range=[0, 105], row=3, col=1)

@@ -413,3 +413,17 @@ def test_load_curve_without_slo_on_log_axes():
     assert lanes[0] > 30000 and len(set(lanes)) == 5   # each strategy its lane, above the 30 s TTFT
     _, sentence = plan_figures.fleet_headline(fl)
     assert "(SLO none (the smallest fleet that keeps up))" in sentence
+
+
+def test_memory_timeline_says_which_panel_has_no_scrapes():
+    """Proxy outcomes but no worker scrapes (a store of the proxy alone): the two KV panels each say
+    so in the panel, the hit-rate panel draws its one run and says nothing."""
+    hits = pd.DataFrame({"run_id": ["r1", "r1"], "run_label": ["one", "one"], "mode": ["pd-bidir"] * 2,
+                         "elapsed_s": [0.0, 10.0], "later_turns": [2, 2], "hits": [1, 2], "hit_rate": [0.5, 1.0],
+                         "bucket_s": [10.0, 10.0]})
+    mem = pd.DataFrame(columns=["run_id", "run_label", "mode", "role", "name", "elapsed_s", "value"])
+    fig = figures.memory_timeline(mem, hits)
+    assert len(fig.data) == 1 and list(fig.data[0].y) == [50.0, 100.0]
+    notes = {a.yref: a.text for a in fig.layout.annotations if a.text.startswith("no ")}
+    assert notes == {"y domain": "no vllm:kv_cache_usage_perc in the selected runs",
+                     "y2 domain": "no turnscope_handle_bytes_live in the selected runs"}
