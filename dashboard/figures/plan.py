@@ -425,41 +425,22 @@ def _open_symbol(symbol: str) -> str:
     return symbol if symbol.endswith("-open") else f"{symbol}-open"
 
 
-def load_curve_figure(curve: pd.DataFrame, fl: pd.DataFrame, title: str) -> go.Figure:
-    """p90 forecast TTFT (ms) against load (``plan_load_curve`` rows; x in ``load_kind``'s unit, log
-    when the loads span a factor of 8 or more), one line per strategy's fleet (its mode's colour,
-    its ledger marker; dotted: with a host tier). The SLO is a horizontal line; loads at which a
-    fleet is overloaded (no TTFT) are open markers on a grey band at the top (one lane per strategy,
-    the first on top; the y of a lane is a position, not a TTFT); from the smallest
-    load at which the recommended fleet (``plan_fleets``) is overloaded on, the region is shaded;
-    a dotted vertical line marks the load the fleets were sized at."""
-    fig = go.Figure()
-    kind = str(curve["load_kind"].iloc[0])
-    slo = fl["slo_ttft_p90_s"].iloc[0]
-    slo_ms = None if pd.isna(slo) else float(slo) * 1000
-    over = curve["overloaded"].fillna(False).astype(bool)
-    ok_ms = curve.loc[~over, "ttft_p90_s"].dropna() * 1000
-    shown = [*([] if slo_ms is None else [slo_ms]), *ok_ms.tolist()] or [1000.0]
-    top, low = max(shown), min(shown)
-    log_y = top / low > 20
-    order = [s for s in STRATEGIES if s in set(curve["strategy"])] + sorted(set(curve["strategy"]) - set(STRATEGIES))
-    # the overload band above every TTFT and the SLO: one lane per strategy (the first on top), so
-    # strategies overloaded at the same load stay apart
+def _overload_lanes(order: list[str], top: float, log_y: bool) -> tuple[dict[str, float], tuple[float, float]]:
+    """The overload band above every TTFT and the SLO (`top`, ms): one lane per strategy of `order`
+    (the first on top), so strategies overloaded at the same load stay apart. Returns (lane y per
+    strategy, the band's (bottom, top)), in ms on the y axis's scale."""
     n = len(order)
     if log_y:
         lo, step = top * 1.25, 1.2
-        lanes = {st: lo * step ** (n - i - 0.5) for i, st in enumerate(order)}
-        band = (lo, lo * step**n)
-    else:
-        lo, step = top * 1.06, top * 0.05
-        lanes = {st: lo + step * (n - i - 0.5) for i, st in enumerate(order)}
-        band = (lo, lo + step * n)
-    loads = curve["load_value"].astype(float)
-    lo_x, hi_x = float(loads.min()), float(loads.max())
-    log_x = lo_x > 0 and hi_x / lo_x >= 8
-    x_end = hi_x * 1.3 if log_x else hi_x + 0.06 * (hi_x - lo_x or hi_x or 1)
-    x_start = lo_x / 1.3 if log_x else lo_x - 0.06 * (hi_x - lo_x or hi_x or 1)
-    unit = LOAD_UNITS.get(kind, kind)
+        return {st: lo * step ** (n - i - 0.5) for i, st in enumerate(order)}, (lo, lo * step**n)
+    lo, step = top * 1.06, top * 0.05
+    return {st: lo + step * (n - i - 0.5) for i, st in enumerate(order)}, (lo, lo + step * n)
+
+
+def _add_curve_traces(fig: go.Figure, curve: pd.DataFrame, order: list[str], lanes: dict[str, float],
+                      unit: str) -> None:
+    """Each strategy's line (p90 TTFT where it keeps up), its overloaded loads as open markers on
+    its lane, and each fleet's knee as a star."""
     for strategy in order:
         one = curve[curve["strategy"] == strategy]
         fleet = fleet_name(one["prefill_workers"].iloc[0], one["decode_workers"].iloc[0])
@@ -490,6 +471,16 @@ def load_curve_figure(curve: pd.DataFrame, fl: pd.DataFrame, title: str) -> go.F
             marker={"symbol": "star", "size": 16, "color": "rgba(0,0,0,0)", "line": {"width": 2, "color": "#333"}},
             hovertext=[f"{r.strategy} on {fleet_name(r.prefill_workers, r.decode_workers)}: knee at {r.load_value:,g} "
                        f"{unit}" for r in knee.itertuples()], hoverinfo="text"))
+
+
+def _add_curve_marks(fig: go.Figure, curve: pd.DataFrame, fl: pd.DataFrame, lanes: dict[str, float],
+                     band: tuple[float, float], slo_ms: float | None, log_x: bool, log_y: bool,
+                     x_range: tuple[float, float]) -> None:
+    """The SLO line, the lanes' names, the overload band, the recommended fleet's overloaded region
+    and the load the fleets were sized at."""
+    x_start, x_end = x_range
+    kind = str(curve["load_kind"].iloc[0])
+    over = curve["overloaded"].fillna(False).astype(bool)
     if slo_ms is not None:
         fig.add_trace(go.Scatter(x=[x_start, x_end], y=[slo_ms, slo_ms], mode="lines", name=f"SLO: p90 ≤ {slo_ms:,.0f} ms",
                                  line={"color": ALARM, "dash": "dash", "width": 2}, hoverinfo="name"))
@@ -523,6 +514,13 @@ def load_curve_figure(curve: pd.DataFrame, fl: pd.DataFrame, title: str) -> go.F
     fig.add_annotation(xref="x", x=math.log10(sized) if log_x else sized, xanchor="left", yref="paper", y=0.02,
                        yanchor="bottom", showarrow=False, text=f" fleets sized at {load_words(kind, sized)}",
                        font={"size": 11, "color": NEUTRAL_DARK})
+
+
+def _set_curve_axes(fig: go.Figure, loads: pd.Series, x_range: tuple[float, float], log_x: bool, log_y: bool,
+                    low: float, top: float, band: tuple[float, float]) -> None:
+    """The x axis over `loads` (log ticks at the loads themselves where `log_x`); the y axis up to
+    the band, ticked only up to the highest TTFT (above it the lanes are positions, not TTFTs)."""
+    x_start, x_end = x_range
     if log_x:
         fig.update_xaxes(type="log", range=[math.log10(x_start), math.log10(x_end)],
                          tickvals=sorted(set(loads)), ticktext=[f"{v:,g}" for v in sorted(set(loads))])
@@ -538,6 +536,36 @@ def load_curve_figure(curve: pd.DataFrame, fl: pd.DataFrame, title: str) -> go.F
                     if top / (m * 10.0**e) <= 8)
         vals = [i * tick for i in range(int(top / tick) + 1)]
         fig.update_yaxes(range=[0, band[1] * 1.07], tickvals=vals, ticktext=[f"{v:,g}" for v in vals])
+
+
+def load_curve_figure(curve: pd.DataFrame, fl: pd.DataFrame, title: str) -> go.Figure:
+    """p90 forecast TTFT (ms) against load (``plan_load_curve`` rows; x in ``load_kind``'s unit, log
+    when the loads span a factor of 8 or more), one line per strategy's fleet (its mode's colour,
+    its ledger marker; dotted: with a host tier). The SLO is a horizontal line; loads at which a
+    fleet is overloaded (no TTFT) are open markers on a grey band at the top (one lane per strategy,
+    the first on top; the y of a lane is a position, not a TTFT); from the smallest
+    load at which the recommended fleet (``plan_fleets``) is overloaded on, the region is shaded;
+    a dotted vertical line marks the load the fleets were sized at."""
+    fig = go.Figure()
+    kind = str(curve["load_kind"].iloc[0])
+    slo = fl["slo_ttft_p90_s"].iloc[0]
+    slo_ms = None if pd.isna(slo) else float(slo) * 1000
+    over = curve["overloaded"].fillna(False).astype(bool)
+    ok_ms = curve.loc[~over, "ttft_p90_s"].dropna() * 1000
+    shown = [*([] if slo_ms is None else [slo_ms]), *ok_ms.tolist()] or [1000.0]
+    top, low = max(shown), min(shown)
+    log_y = top / low > 20
+    order = [s for s in STRATEGIES if s in set(curve["strategy"])] + sorted(set(curve["strategy"]) - set(STRATEGIES))
+    lanes, band = _overload_lanes(order, top, log_y)
+    loads = curve["load_value"].astype(float)
+    lo_x, hi_x = float(loads.min()), float(loads.max())
+    log_x = lo_x > 0 and hi_x / lo_x >= 8
+    x_end = hi_x * 1.3 if log_x else hi_x + 0.06 * (hi_x - lo_x or hi_x or 1)
+    x_start = lo_x / 1.3 if log_x else lo_x - 0.06 * (hi_x - lo_x or hi_x or 1)
+    unit = LOAD_UNITS.get(kind, kind)
+    _add_curve_traces(fig, curve, order, lanes, unit)
+    _add_curve_marks(fig, curve, fl, lanes, band, slo_ms, log_x, log_y, (x_start, x_end))
+    _set_curve_axes(fig, loads, (x_start, x_end), log_x, log_y, low, top, band)
     fig.update_layout(title=f"{title}: p90 TTFT against load, each strategy's fleet",
                       xaxis_title=f"load ({unit})", yaxis_title="p90 TTFT, every request (ms)")
     legend_below(fig, height=540)
