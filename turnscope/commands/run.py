@@ -233,26 +233,38 @@ def serve(
         print(render_prometheus_config(targets), end="")
         return
     if dry_run:
-        for spec in specs:
-            argv, env = worker_command(spec)
-            where = "already running (attach)" if not spec.launch else f"on {spec.host}"
-            console.print(f"# {spec.name} ({spec.role}) {where}, {spec.url}", highlight=False)
-            key = key_env_shell(spec)  # the key read where the topology says, never printed
-            console.print(" ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + ([key] if key else [])
-                                   + [shlex.quote(a) for a in argv]), highlight=False, soft_wrap=True)
-        console.print(f"# proxy on {stack.proxy_url}, prefill routing {topo.proxy.prefill_routing}, "
-                      f"decode routing {topo.proxy.decode_routing}", highlight=False)
-        console.print(" ".join(map(shlex.quote, stack.proxy_command(log_dir / f"{mode}-proxy.json"))),
-                      highlight=False, soft_wrap=True)
+        _print_dry_run(specs, stack, topo, mode, log_dir)
         return
     if topo.platform == "gpu" and topo.launch and not _has_gpu():
         raise fail(f"topology {topo.name!r} is for GPUs but this machine has none (nvidia-smi found no device); "
                    "use --dry-run to print the commands for the GPU hosts")
+    _serve_until_stopped(stack, topo, mode, store or settings().store, canary_every_s)
+
+
+def _print_dry_run(specs, stack: ModeStack, topo, mode: str, log_dir: Path) -> None:
+    """`serve --dry-run`: each worker's command and environment (keys read where the topology says,
+    never printed), then the proxy's."""
+    for spec in specs:
+        argv, env = worker_command(spec)
+        where = "already running (attach)" if not spec.launch else f"on {spec.host}"
+        console.print(f"# {spec.name} ({spec.role}) {where}, {spec.url}", highlight=False)
+        key = key_env_shell(spec)  # the key read where the topology says, never printed
+        console.print(" ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + ([key] if key else [])
+                               + [shlex.quote(a) for a in argv]), highlight=False, soft_wrap=True)
+    console.print(f"# proxy on {stack.proxy_url}, prefill routing {topo.proxy.prefill_routing}, "
+                  f"decode routing {topo.proxy.decode_routing}", highlight=False)
+    console.print(" ".join(map(shlex.quote, stack.proxy_command(log_dir / f"{mode}-proxy.json"))),
+                  highlight=False, soft_wrap=True)
+
+
+def _serve_until_stopped(stack: ModeStack, topo, mode: str, root: Path, canary_every_s: float) -> None:
+    """Start the mode's workers and the proxy, probe and scrape into the store at `root`, run the
+    canary every `canary_every_s` (0: never) until Ctrl-C or a worker exits. Raises typer.Exit (via
+    `fail`) naming the store or the worker that exited."""
     from store.writer import Store
     from turnscope.conductor.speed_probe import ServeProbes
 
     stack.progress = console.print
-    root = store or settings().store
     try:
         Store(root).init()   # the store Locust records into by default; the probes' rows and the scrapes land there
     except (OSError, RuntimeError, ValueError) as exc:
