@@ -287,24 +287,9 @@ def capacity(
                              settle_s=settle_s, prefill_kv_tokens=prefill_kv_tokens)
     except ValueError as exc:  # WorkloadError, the steps, D's or P's size, the TTL
         raise fail(str(exc)) from exc
-    console.print(f"capacity {plan.capacity_id}: {plan.workload_name}, concurrent sessions "
-                  f"{', '.join(str(st.users) for st in plan.steps)} ({sessions_per_user} sessions each per step); "
-                  f"D KV {plan.decode_kv_cache_bytes / 2**20:.0f} MiB ({plan.decode_kv_tokens:,} tokens), "
-                  + (f"P KV {plan.prefill_kv_cache_bytes / 2**20:.0f} MiB ({plan.prefill_kv_tokens:,} tokens), "
-                     f"aggregated KV {plan.aggregated_kv_cache_bytes / 2**20:.0f} MiB, "
-                     if plan.prefill_kv_cache_bytes is not None else "") + f"TTL "
-                  f"{plan.ttl_s} s; SLO TTFT <= {slo.ttft_s * 1e3:.0f} ms, TPOT <= {slo.tpot_s * 1e3:.0f} ms; "
-                  f"modes {', '.join(ev.modes)}; history {history}", highlight=False)
+    _print_capacity_plan(plan, sessions_per_user, slo, ev.modes, history)
     if dry_run:
-        runs = plan.runs(ev, ev.modes, history)
-        if schedule_ == schedule.INTERLEAVED and len(ev.modes) > 1:
-            orders = schedule.step_orders(ev.modes, len(plan.steps), random.Random(schedule_seed))
-            console.print(f"# {', '.join(ev.modes)}: workers started together, then step by step:", highlight=False)
-            for i, order in enumerate(orders):
-                console.print(f"#   step {i + 1}: " + ", ".join(runs[m][i].run_id for m in order), highlight=False)
-            return
-        for mode, rs in runs.items():
-            console.print(f"# {mode}: one worker start, then " + ", ".join(r.run_id for r in rs), highlight=False)
+        _print_capacity_dry_run(plan, ev, history, schedule_, schedule_seed)
         return
     t0 = time.monotonic()
     try:
@@ -314,3 +299,28 @@ def capacity(
     compact_quietly(store)  # the finished runs' shards, one file per table (store/compact.py)
     console.print(f"capacity ramp finished in {time.monotonic() - t0:.0f} s; the dashboard's Memory page draws it")
     print_capacity_summary(store, run_ids, console)
+
+
+def _print_capacity_plan(plan, sessions_per_user: int, slo, modes: list[str], history: str) -> None:
+    """The ramp's one-line summary: its steps, D's (and P's) KV space, the TTL, the SLO, the modes."""
+    console.print(f"capacity {plan.capacity_id}: {plan.workload_name}, concurrent sessions "
+                  f"{', '.join(str(st.users) for st in plan.steps)} ({sessions_per_user} sessions each per step); "
+                  f"D KV {plan.decode_kv_cache_bytes / 2**20:.0f} MiB ({plan.decode_kv_tokens:,} tokens), "
+                  + (f"P KV {plan.prefill_kv_cache_bytes / 2**20:.0f} MiB ({plan.prefill_kv_tokens:,} tokens), "
+                     f"aggregated KV {plan.aggregated_kv_cache_bytes / 2**20:.0f} MiB, "
+                     if plan.prefill_kv_cache_bytes is not None else "") + f"TTL "
+                  f"{plan.ttl_s} s; SLO TTFT <= {slo.ttft_s * 1e3:.0f} ms, TPOT <= {slo.tpot_s * 1e3:.0f} ms; "
+                  f"modes {', '.join(modes)}; history {history}", highlight=False)
+
+
+def _print_capacity_dry_run(plan, ev, history: str, schedule_: str, schedule_seed: int) -> None:
+    """`capacity --dry-run`: the run ids of each step, in the order the schedule plays them."""
+    runs = plan.runs(ev, ev.modes, history)
+    if schedule_ == schedule.INTERLEAVED and len(ev.modes) > 1:
+        orders = schedule.step_orders(ev.modes, len(plan.steps), random.Random(schedule_seed))
+        console.print(f"# {', '.join(ev.modes)}: workers started together, then step by step:", highlight=False)
+        for i, order in enumerate(orders):
+            console.print(f"#   step {i + 1}: " + ", ".join(runs[m][i].run_id for m in order), highlight=False)
+        return
+    for mode, rs in runs.items():
+        console.print(f"# {mode}: one worker start, then " + ", ".join(r.run_id for r in rs), highlight=False)
