@@ -78,6 +78,36 @@ def test_chat_text_history_never_gives_wrong_output(pd_bidir_stack):
     assert all(o in ("hit", "miss_mismatch", "miss_below_threshold") for o in outcomes[1:]), outcomes
 
 
+def test_the_handle_check_reaches_every_decode_worker_by_name(pd_bidir_stack):
+    """The streamed-handle check (serving/handle_check.py) through the real proxy over the real P
+    and the real D (turnscope's entry: streamed handles patched in), plus a stub D without streamed
+    handles as ``decode-1``, routed round-robin: each check turn's release turn moves the cycle on, so
+    routed check turns would only reach ``decode-0``. Named, every D is checked: the real D's
+    handle comes back (it is not named in the refusal), the stub is refused by name; the real D
+    alone passes. The stub never pulls, so P keeps that check's blocks for its lease: the idle-workers
+    case, last in the module, waits past it in its own prefix-cache reset, so the next module's reset
+    (tests/integration/conftest.py) finds nothing held."""
+    from serving.handle_check import StockDecodeError, check_streamed_handles
+    from serving.proxy import Worker
+    from tests.integration.pd_stub import decode_app
+    from tests.integration.vllm_stack import AppThread
+
+    stack = pd_bidir_stack
+    d_url = stack.worker("decode").url
+    with AppThread(decode_app(gen=2, handle=False)) as stock:
+        decodes = {"decode-0": d_url, "decode-1": stock.url}
+        cfg = stack.proxy_config(decode=[Worker(name=n, url=u) for n, u in decodes.items()],
+                                 decode_routing="round-robin")
+        with ProxyThread(cfg) as proxy:
+            with pytest.raises(StockDecodeError, match=r"decode worker decode-1 \(http://127.0.0.1:\d+\) returned no KV "
+                                                       r"handle") as refused:
+                check_streamed_handles(proxy.url, MODEL, decodes)
+            assert "decode-0" not in str(refused.value)
+            assert [b["max_tokens"] for b in stock.app.state.bodies] == [2, 64]  # its check turn and release
+    with ProxyThread(stack.proxy_config(decode_routing="round-robin")) as proxy:
+        assert check_streamed_handles(proxy.url, MODEL, {"decode-0": d_url}) == {"decode-0": True}
+
+
 def test_idle_workers_leave_their_cores_free_while_d_holds_a_turn(pd_bidir_stack):
     """Two loops that would hold a whole core on the embedded default, each made to pause by a vLLM
     plugin of turnscope's, read from the kernel's CPU counters of each worker's processes over 5 s:
@@ -129,32 +159,3 @@ def test_idle_workers_leave_their_cores_free_while_d_holds_a_turn(pd_bidir_stack
         log = w.log_path.read_text(errors="replace")
         assert "NIXL progress thread pauses 100 us between polls" in log, w.spec.name
         assert "the engine waits up to 50 ms for input while it only holds finished requests' KV" in log, w.spec.name
-
-
-def test_the_handle_check_reaches_every_decode_worker_by_name(pd_bidir_stack):
-    """The streamed-handle check (serving/handle_check.py) through the real proxy over the real P
-    and the real D (turnscope's entry: streamed handles patched in), plus a stub D without streamed
-    handles as ``decode-1``, routed round-robin: each check turn's release turn moves the cycle on, so
-    routed check turns would only reach ``decode-0``. Named, every D is checked: the real D's
-    handle comes back (it is not named in the refusal), the stub is refused by name; the real D
-    alone passes. Last in the module: the stub never pulls, so P keeps that check's blocks for its
-    lease (the next module's prefix-cache reset waits past it, tests/integration/conftest.py)."""
-    from serving.handle_check import StockDecodeError, check_streamed_handles
-    from serving.proxy import Worker
-    from tests.integration.pd_stub import decode_app
-    from tests.integration.vllm_stack import AppThread
-
-    stack = pd_bidir_stack
-    d_url = stack.worker("decode").url
-    with AppThread(decode_app(gen=2, handle=False)) as stock:
-        decodes = {"decode-0": d_url, "decode-1": stock.url}
-        cfg = stack.proxy_config(decode=[Worker(name=n, url=u) for n, u in decodes.items()],
-                                 decode_routing="round-robin")
-        with ProxyThread(cfg) as proxy:
-            with pytest.raises(StockDecodeError, match=r"decode worker decode-1 \(http://127.0.0.1:\d+\) returned no KV "
-                                                       r"handle") as refused:
-                check_streamed_handles(proxy.url, MODEL, decodes)
-            assert "decode-0" not in str(refused.value)
-            assert [b["max_tokens"] for b in stock.app.state.bodies] == [2, 64]  # its check turn and release
-    with ProxyThread(stack.proxy_config(decode_routing="round-robin")) as proxy:
-        assert check_streamed_handles(proxy.url, MODEL, {"decode-0": d_url}) == {"decode-0": True}

@@ -50,6 +50,46 @@ def pulled(stack, fn):
     return out, metric(url, EXTERNAL, source="external_kv_transfer") - before
 
 
+EXPIRED_LEASES = "vllm:nixl_num_kv_expired_reqs"
+
+
+def expired_leases(url: str) -> float:
+    """A worker's own count of KV leases that ran out, summed over its series: vLLM's NIXL
+    ``_reap_expired_send_leases`` (nixl/base_worker.py) adds one per request whose blocks it frees
+    at ``decoder_kv_blocks_ttl`` because no reader told it to free them earlier."""
+    families = [f for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text)
+                if f.name == EXPIRED_LEASES]
+    assert families, f"{url}/metrics has no {EXPIRED_LEASES}"
+    return sum(s.value for f in families for s in f.samples if s.name == EXPIRED_LEASES + "_total")
+
+
+def test_below_threshold_recomputes_and_frees_the_handle_it_was_given_on_d(pd_bidir_stack):
+    """P given D's handle but below ``kv_recompute_threshold`` pulls nothing and computes the same
+    output as the reference worker; it still sends D the
+    completion notification (vLLM nixl/pull_scheduler.py ``update_state_after_alloc`` queues the
+    request with no local blocks; nixl/pull_worker.py ``_read_blocks``: "Full prefix cache hit ...
+    just notify"), so D frees that handle at once instead of at its TTL. The truth is D's own counter
+    of expired leases: over a TTL after the two turns it counts exactly one expiry (the last turn's
+    handle), not two: the below-threshold turn's predecessor never expired. This is the rule of
+    view handle_holds (ended_by 'freed') and of the planner (core.reuse_rules.d_frees_taken_handle)."""
+    stack, rng = pd_bidir_stack, random.Random(18)
+    ttl = stack.connector.decoder_kv_blocks_ttl
+    d_url = stack.worker("decode").url
+    # First in the module: the stack's reset (tests/integration/conftest.py) succeeded only once D
+    # held no block, so no earlier handle can expire (and be counted) during this test.
+    before = expired_leases(d_url)
+    ids = ids_of(rng, 520)  # P caches 4 blocks (512); D holds 520 + 32 - 1 = 551; 551 - 512 = 39 < 64
+    with ProxyThread(stack.proxy_config()) as proxy:
+        gen, _ = complete(proxy.url, ids, "s-thr-free")
+        ids2 = ids + gen + ids_of(rng, 100)
+        (gen2, r2), n = pulled(stack, lambda: complete(proxy.url, ids2, "s-thr-free"))
+    assert r2.headers["x-turnscope-reuse"] == "miss_below_threshold"
+    assert n == 0
+    assert gen2 == reference(stack, ids2)
+    time.sleep(ttl + 3)  # the second turn's handle, pinned when it ended, has expired
+    assert expired_leases(d_url) - before == 1
+
+
 def test_expired_handle_is_not_offered(pd_bidir_stack):
     stack, rng = pd_bidir_stack, random.Random(11)
     ids = ids_of(rng, 700)
@@ -160,45 +200,6 @@ def test_mismatch_never_pulls_past_the_divergence(pd_bidir_stack):
         assert n3 <= 896
     assert gen2 == reference(stack, ids2)
     assert gen3 == reference(stack, ids3)
-
-
-EXPIRED_LEASES = "vllm:nixl_num_kv_expired_reqs"
-
-
-def expired_leases(url: str) -> float:
-    """A worker's own count of KV leases that ran out, summed over its series: vLLM's NIXL
-    ``_reap_expired_send_leases`` (nixl/base_worker.py) adds one per request whose blocks it frees
-    at ``decoder_kv_blocks_ttl`` because no reader told it to free them earlier."""
-    families = [f for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text)
-                if f.name == EXPIRED_LEASES]
-    assert families, f"{url}/metrics has no {EXPIRED_LEASES}"
-    return sum(s.value for f in families for s in f.samples if s.name == EXPIRED_LEASES + "_total")
-
-
-def test_below_threshold_recomputes_and_frees_the_handle_it_was_given_on_d(pd_bidir_stack):
-    """P given D's handle but below ``kv_recompute_threshold`` pulls nothing and computes the same
-    output as the reference worker; it still sends D the
-    completion notification (vLLM nixl/pull_scheduler.py ``update_state_after_alloc`` queues the
-    request with no local blocks; nixl/pull_worker.py ``_read_blocks``: "Full prefix cache hit ...
-    just notify"), so D frees that handle at once instead of at its TTL. The truth is D's own counter
-    of expired leases: over a TTL after the two turns it counts exactly one expiry (the last turn's
-    handle), not two: the below-threshold turn's predecessor never expired. This is the rule of
-    view handle_holds (ended_by 'freed') and of the planner (core.reuse_rules.d_frees_taken_handle)."""
-    stack, rng = pd_bidir_stack, random.Random(18)
-    ttl = stack.connector.decoder_kv_blocks_ttl
-    d_url = stack.worker("decode").url
-    time.sleep(ttl + 2)  # every handle the module's earlier tests left on D has expired and been counted
-    before = expired_leases(d_url)
-    ids = ids_of(rng, 520)  # P caches 4 blocks (512); D holds 520 + 32 - 1 = 551; 551 - 512 = 39 < 64
-    with ProxyThread(stack.proxy_config()) as proxy:
-        gen, _ = complete(proxy.url, ids, "s-thr-free")
-        ids2 = ids + gen + ids_of(rng, 100)
-        (gen2, r2), n = pulled(stack, lambda: complete(proxy.url, ids2, "s-thr-free"))
-    assert r2.headers["x-turnscope-reuse"] == "miss_below_threshold"
-    assert n == 0
-    assert gen2 == reference(stack, ids2)
-    time.sleep(ttl + 3)  # the second turn's handle, pinned when it ended, has expired
-    assert expired_leases(d_url) - before == 1
 
 
 def test_proxy_restart_between_turns_misses_once(pd_bidir_stack):
