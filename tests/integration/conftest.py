@@ -10,7 +10,8 @@ past both, and a worker that still refuses is started again. Counters are not re
 read increases.
 
 The modules that share a stack run in one stretch (``pytest_collection_modifyitems`` moves them
-together, each module's tests in file order), and the stack stops after the last of them: the
+together, each module's tests in file order, a module that leaves blocks no lease frees at the
+end: ``LAST_IN_STRETCH``), and the stack stops after the last of them: the
 stub and client tests, some of them timing tests, never run beside idle workers. (A stack shared
 by modules spread over the run, with no retry past the lease, was tried before: its idle workers
 slowed timing tests between its users into failures and P's held blocks made the reset time out;
