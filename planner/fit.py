@@ -184,8 +184,32 @@ def probe_factors(profile: CostProfile, mode: str, run_compute_s: float | None,
     return (one, context) if context > 0 else (one, None)
 
 
+def on_path_probe(profile: CostProfile, mode: str, run_path_s: float | None) -> CostProfile:
+    """``profile`` (already on the run's speed, :func:`on_run_speed`) with ``mode``'s b0 measured on
+    the run by its path probe (``run_path_s``: :func:`store.queries.planner_runs.path_probe_s`, the
+    median TTFT of :data:`core.contract.PROBE_TOKENS` fresh tokens sent through the run's proxy):
+    that TTFT less what ``profile`` forecasts for the rest of the same request, its compute from
+    scratch ``c(PROBE_TOKENS)`` and, in a P/D mode, the hand-off (D's wait for P's KV and D's first
+    step). So b0 holds the fixed costs of the path as this run's machine and code paid them (the
+    proxy's hops, both workers' frontends), where the short probe's ratio, read straight at P, puts
+    the calibration's b0 on a speed that does not see the proxy or D. Unchanged without the probe,
+    or where the rest would exceed it (probe noise); seconds throughout."""
+    if run_path_s is None or not run_path_s > 0:
+        return profile
+    compute = float(profile.prefill_compute_s(mode, np.array([PROBE_TOKENS]), np.array([0]))[0])
+    handoff = sum(profile.handoff_s(mode))
+    b0 = run_path_s - compute - handoff
+    if b0 <= 0:
+        return profile
+    why = (f"measured on the run: its path probe's median TTFT {run_path_s * 1e3:.1f} ms less the forecast "
+           f"c({PROBE_TOKENS}) {compute * 1e3:.1f} ms" + (f" and hand-off {handoff * 1e3:.1f} ms" if handoff else "")
+           + " (planner.fit.on_path_probe)")
+    return profile.model_copy(update={"b0_s": {**profile.b0_s, mode: Sourced(value=b0, source=why)}})
+
+
 def on_run_speed(profile: CostProfile, run_probe_s: float | None, run_compute_s: float | None = None,
-                 mode: str = RECOMPUTE_MODE, run_cached_s: float | None = None) -> tuple[CostProfile, float | None]:
+                 mode: str = RECOMPUTE_MODE, run_cached_s: float | None = None,
+                 run_path_s: float | None = None) -> tuple[CostProfile, float | None]:
     """``profile`` put on a run's machine speed, each term by the probe that measures its kind of
     work (:meth:`CostProfile.at_speed`): the fixed costs (b0, a step on a prefix) by the run's short
     probe TTFT over the profile's (``run_probe_s``, ``probe_ttft_s``) when both exist; with the run's
@@ -194,19 +218,20 @@ def on_run_speed(profile: CostProfile, run_probe_s: float | None, run_compute_s:
     c(x) gives for the same tokens (``mode``'s curve: the aggregated worker's in ``aggregated``,
     P's else), ``c(COMPUTE_PROBE_TOKENS) - c(PROBE_TOKENS)``, else by the short probe; with the
     run's cached-prefix probe too (``run_cached_s``: :func:`store.queries.planner_runs.cached_probe_s`)
-    attention over a prefix by its own factor (:func:`probe_factors`). Unchanged without probes.
-    Returns (profile, the short probe's factor or None)."""
+    attention over a prefix by its own factor (:func:`probe_factors`); with the run's path probe
+    (``run_path_s``) ``mode``'s b0 measured on the run (:func:`on_path_probe`), in place of the
+    short probe's ratio. Unchanged without probes. Returns (profile, the short probe's factor or None)."""
     factor = (run_probe_s / profile.probe_ttft_s.value
               if run_probe_s is not None and profile.probe_ttft_s is not None else None)
     compute, context = probe_factors(profile, mode, run_compute_s, run_cached_s, factor)
     why = None if compute is None else _compute_why(run_compute_s, compute, run_cached_s, context)
     if factor is None:
         if compute is None:
-            return profile, None
-        return profile.at_speed(1.0, "no speed probe", compute, why, context), None
-    return profile.at_speed(factor, f"speed probe {run_probe_s * 1e3:.1f} ms on the run vs "
-                                    f"{profile.probe_ttft_s.value * 1e3:.1f} ms where fitted", compute,
-                            why, context), factor
+            return on_path_probe(profile, mode, run_path_s), None
+        return on_path_probe(profile.at_speed(1.0, "no speed probe", compute, why, context), mode, run_path_s), None
+    return on_path_probe(profile.at_speed(factor, f"speed probe {run_probe_s * 1e3:.1f} ms on the run vs "
+                                                  f"{profile.probe_ttft_s.value * 1e3:.1f} ms where fitted",
+                                          compute, why, context), mode, run_path_s), factor
 
 
 def _compute_why(run_compute_s: float, factor: float, run_cached_s: float | None = None,
