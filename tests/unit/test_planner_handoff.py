@@ -167,3 +167,15 @@ def test_the_path_probe_measures_b0_on_the_run():
     for path in (0.05, None):
         run, _ = on_run_speed(prof, 0.1, compute, "pd", None, path)
         assert run.b0("pd") == pytest.approx(0.02)
+
+
+def test_the_pull_latency_is_a_fixed_cost_of_each_pull():
+    """``pull_latency_s`` (P's wait for an async pull beyond its bytes) on every request that pulls,
+    nothing on one that does not, and put on a run's speed by the short probe, as b0 is."""
+    from planner.fit import on_run_speed
+    prof = profile(probe_ttft_s={"value": 0.05} | SRC, pull_latency_s={"value": 0.006} | SRC)
+    # 1,000 tokens of 4,096 bytes at 1e9 bytes/s: 4.096 ms, plus the 6 ms latency; no pull, nothing
+    assert list(prof.pull_s(np.array([1000, 0]))) == pytest.approx([0.010096, 0.0])
+    run, factor = on_run_speed(prof, 0.1, None, "pd-bidir")              # the short probe reads 2x
+    assert factor == pytest.approx(2.0)
+    assert list(run.pull_s(np.array([1000, 0]))) == pytest.approx([0.016096, 0.0])   # the bytes' term unchanged
