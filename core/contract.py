@@ -239,3 +239,9 @@ COMPUTE_PROBE_TOKENS = 2048
 #: cached context, what a later turn costs. Its TTFT less the short probe's is attention's
 #: context term alone: c(2304) - c(2048) - c(256) = a2 x 2^20 (the linear terms cancel).
 CACHED_PROBE_TOKENS = COMPUTE_PROBE_TOKENS + PROBE_TOKENS
+#: The ``run_probes.target`` of the **path probe**: the short probe's prompt (``PROBE_TOKENS`` fresh
+#: ids, a salt of its own) sent through the run's proxy, the way a turn goes (P's prefill, the
+#: hand-off and D's first step in a P/D mode; the aggregated worker in ``aggregated``). Its TTFT
+#: holds every fixed cost of the turn's path (the proxy's hops, both workers' frontends) on the
+#: run's machine and code, which the short probe, sent straight to the prefill worker, does not see.
+PATH_PROBE_TARGET = Role.PROXY

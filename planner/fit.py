@@ -19,6 +19,8 @@ Formulas and sources in docs/planner/profiles.md:
 * the system prompt shared across sessions: :func:`recorded_shared_prefix_tokens`;
 * P/D's hand-off, where the runs scraped D's request histograms: D's wait for P's KV and D's first
   step (:func:`handoff_terms`), taken out of the P/D modes' b0;
+* P's wait for an async pull beyond its bytes (``pull_latency_s``), where the bidirectional runs
+  scraped P's request queue time (:func:`pull_latency_term`), before the cost fit;
 * each fitted figure's source ends with its fit's residuals over the turns it rests on and the
   range of computed and prompt tokens it was fitted over (:mod:`planner.fit_residuals`),
   so a profile says where its forecasts extrapolate.
@@ -50,7 +52,7 @@ from core.contract import (
     WORKER_ROLES,
     Role,
 )
-from core.modes import AGGREGATED, RECOMPUTE_MODE, SERVING_MODES
+from core.modes import AGGREGATED, RECOMPUTE_MODE, SERVING_MODES, serving_mode
 from loadgen.traces.recorded_runs import read_recorded_runs
 from planner.fit_residuals import Residuals, residuals_of
 from planner.profile import MODES, CostProfile, Sourced
@@ -184,8 +186,32 @@ def probe_factors(profile: CostProfile, mode: str, run_compute_s: float | None,
     return (one, context) if context > 0 else (one, None)
 
 
+def on_path_probe(profile: CostProfile, mode: str, run_path_s: float | None) -> CostProfile:
+    """``profile`` (already on the run's speed, :func:`on_run_speed`) with ``mode``'s b0 measured on
+    the run by its path probe (``run_path_s``: :func:`store.queries.planner_runs.path_probe_s`, the
+    median TTFT of :data:`core.contract.PROBE_TOKENS` fresh tokens sent through the run's proxy):
+    that TTFT less what ``profile`` forecasts for the rest of the same request, its compute from
+    scratch ``c(PROBE_TOKENS)`` and, in a P/D mode, the hand-off (D's wait for P's KV and D's first
+    step). So b0 holds the fixed costs of the path as this run's machine and code paid them (the
+    proxy's hops, both workers' frontends), where the short probe's ratio, read straight at P, puts
+    the calibration's b0 on a speed that does not see the proxy or D. Unchanged without the probe,
+    or where the rest would exceed it (probe noise); seconds throughout."""
+    if run_path_s is None or not run_path_s > 0:
+        return profile
+    compute = float(profile.prefill_compute_s(mode, np.array([PROBE_TOKENS]), np.array([0]))[0])
+    handoff = sum(profile.handoff_s(mode))
+    b0 = run_path_s - compute - handoff
+    if b0 <= 0:
+        return profile
+    why = (f"measured on the run: its path probe's median TTFT {run_path_s * 1e3:.1f} ms less the forecast "
+           f"c({PROBE_TOKENS}) {compute * 1e3:.1f} ms" + (f" and hand-off {handoff * 1e3:.1f} ms" if handoff else "")
+           + " (planner.fit.on_path_probe)")
+    return profile.model_copy(update={"b0_s": {**profile.b0_s, mode: Sourced(value=b0, source=why)}})
+
+
 def on_run_speed(profile: CostProfile, run_probe_s: float | None, run_compute_s: float | None = None,
-                 mode: str = RECOMPUTE_MODE, run_cached_s: float | None = None) -> tuple[CostProfile, float | None]:
+                 mode: str = RECOMPUTE_MODE, run_cached_s: float | None = None,
+                 run_path_s: float | None = None) -> tuple[CostProfile, float | None]:
     """``profile`` put on a run's machine speed, each term by the probe that measures its kind of
     work (:meth:`CostProfile.at_speed`): the fixed costs (b0, a step on a prefix) by the run's short
     probe TTFT over the profile's (``run_probe_s``, ``probe_ttft_s``) when both exist; with the run's
@@ -194,19 +220,20 @@ def on_run_speed(profile: CostProfile, run_probe_s: float | None, run_compute_s:
     c(x) gives for the same tokens (``mode``'s curve: the aggregated worker's in ``aggregated``,
     P's else), ``c(COMPUTE_PROBE_TOKENS) - c(PROBE_TOKENS)``, else by the short probe; with the
     run's cached-prefix probe too (``run_cached_s``: :func:`store.queries.planner_runs.cached_probe_s`)
-    attention over a prefix by its own factor (:func:`probe_factors`). Unchanged without probes.
-    Returns (profile, the short probe's factor or None)."""
+    attention over a prefix by its own factor (:func:`probe_factors`); with the run's path probe
+    (``run_path_s``) ``mode``'s b0 measured on the run (:func:`on_path_probe`), in place of the
+    short probe's ratio. Unchanged without probes. Returns (profile, the short probe's factor or None)."""
     factor = (run_probe_s / profile.probe_ttft_s.value
               if run_probe_s is not None and profile.probe_ttft_s is not None else None)
     compute, context = probe_factors(profile, mode, run_compute_s, run_cached_s, factor)
     why = None if compute is None else _compute_why(run_compute_s, compute, run_cached_s, context)
     if factor is None:
         if compute is None:
-            return profile, None
-        return profile.at_speed(1.0, "no speed probe", compute, why, context), None
-    return profile.at_speed(factor, f"speed probe {run_probe_s * 1e3:.1f} ms on the run vs "
-                                    f"{profile.probe_ttft_s.value * 1e3:.1f} ms where fitted", compute,
-                            why, context), factor
+            return on_path_probe(profile, mode, run_path_s), None
+        return on_path_probe(profile.at_speed(1.0, "no speed probe", compute, why, context), mode, run_path_s), None
+    return on_path_probe(profile.at_speed(factor, f"speed probe {run_probe_s * 1e3:.1f} ms on the run vs "
+                                                  f"{profile.probe_ttft_s.value * 1e3:.1f} ms where fitted",
+                                          compute, why, context), mode, run_path_s), factor
 
 
 def _compute_why(run_compute_s: float, factor: float, run_cached_s: float | None = None,
@@ -275,7 +302,7 @@ def fit_profile(store: Store, run_ids: Sequence[str], name: str = "fitted") -> C
         b0_default_s=Sourced(value=0.0, source="placeholder until fitted"),
         pull_bandwidth_bytes_per_s=Sourced(value=bandwidth, source=f"{src}: P's vllm:nixl_bytes_transferred "
                                                                    "over vllm:nixl_xfer_time_seconds" + _pulls(turns)),
-        left_out=["pull_latency_s: not separable from the bandwidth in these runs (0)"])
+        left_out=["pull_latency_s: no bidirectional run scraped P's request queue time (0)"])
     space = _kv_space(store, run_ids)
     for role, field in KV_SPACE_FIELDS:
         if role in space:
@@ -295,6 +322,10 @@ def fit_profile(store: Store, run_ids: Sequence[str], name: str = "fitted") -> C
         prof.decode_s_per_token = Sourced(value=float(tpot.median()), source=(
             f"{src}: median TPOT of {len(tpot)} ok turns (10th-90th percentile {lo * 1e3:.1f}-{hi * 1e3:.1f} ms)"))
     speed = run_speed_factors(probes)
+    latency = pull_latency_term(store, run_ids, prof, speed)
+    if latency is not None:   # before the cost fit, whose pull(pulled) then holds it, not the bidirectional b0
+        prof.pull_latency_s = latency
+        prof.left_out = [x for x in prof.left_out if not x.startswith("pull_latency_s")]
     costs = fit_costs(_with_forecast_local(store, turns, prof), prof, speed=speed)   # the cache model needs no costs
     if costs is None:
         raise FitError(f"{where}: the cost fit needs ok turns with 3 or more distinct computed-token counts")
@@ -369,6 +400,42 @@ def handoff_terms(store: Store, run_ids: Sequence[str], speed: dict[str, float] 
                 f"mean {what} per request (runs' means {lo * 1e3:.1f}-{hi * 1e3:.1f} ms), each divided by "
                 "its speed factor (the fit: its median TPOT over the fit's decode step)"))
     return out
+
+
+def pull_latency_term(store: Store, run_ids: Sequence[str], profile: CostProfile,
+                      speed: dict[str, float] | None = None) -> Sourced | None:
+    """P's wait for an async pull beyond its bytes, measured in ``run_ids``: per bidirectional run
+    that scraped P's ``vllm:request_queue_time_seconds`` (a request waiting for its KV from D is
+    queued on P until the read is done, vLLM 0.32 ``WAITING_FOR_REMOTE_KVS``), the run's increase of
+    that histogram's sum less ``profile``'s bandwidth term for the tokens its turns pulled
+    (``pull_s`` without a latency), over the number of its ok turns that pulled, divided by the run's
+    speed factor (``speed``: the short probe's, run id -> factor; absent: 1); the median over those
+    runs, seconds. Runs of one session at a time (a demo): P has no other queue. None without such
+    a run. The forecast scales it by the short probe (:meth:`CostProfile.at_speed`)."""
+    turns = recorded_turns(store, run_ids)
+    turns = turns[turns["mode"].map(lambda m: m in MODES and serving_mode(m).bidirectional)]
+    if turns.empty:
+        return None
+    measured = ttft_split.measured_terms(ttft_split.measured_sums(store, sorted(set(turns["run_id"])))
+                                         ).set_index("run_id")
+    no_latency = profile.model_copy(update={"pull_latency_s": None})
+    speed = speed or {}
+    per_run = {}
+    for run_id, g in turns[(turns["status"] == "ok") & (turns["reused_tokens"] > 0)].groupby("run_id"):
+        row = measured.loc[run_id] if run_id in measured.index else None
+        if row is None or pd.isna(row["queue_p_pull"]) or not row["p_requests"] > 0:
+            continue
+        queued = row["queue_p_pull"] * row["p_requests"]
+        bytes_s = float(no_latency.pull_s(g["reused_tokens"].to_numpy()).sum())
+        per_run[run_id] = (queued - bytes_s) / len(g) / speed.get(run_id, 1.0)
+    if not per_run:
+        return None
+    lo, hi = min(per_run.values()), max(per_run.values())
+    return Sourced(value=max(float(np.median(list(per_run.values()))), 0.0), source=(
+        f"measured in runs {', '.join(sorted(per_run))}: median over {len(per_run)} bidirectional runs of P's "
+        "vllm:request_queue_time_seconds per pulling turn less the bandwidth term for its pulled tokens "
+        f"(runs' figures {lo * 1e3:.2f}-{hi * 1e3:.2f} ms), each divided by its short speed probe's factor "
+        "(planner.fit.pull_latency_term)"))
 
 
 def with_handoff(prof: CostProfile, terms: dict[str, Sourced]) -> CostProfile:

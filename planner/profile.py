@@ -221,7 +221,9 @@ class CostProfile(BaseModel):
         probe that measures its kind of work (docs/planner/calibration.md):
 
         * by ``factor`` (the short speed probe's: fixed costs), every b0 (HTTP, the proxy, the
-          engines' frontends) and ``prefix_step_s`` (an engine step's fixed cost on a prefix);
+          engines' frontends), ``prefix_step_s`` (an engine step's fixed cost on a prefix) and
+          ``pull_latency_s`` (P's wait for an async pull beyond its bytes: the steps of an idle
+          engine until the read is done);
         * by ``compute_factor`` (the compute probe's) when given, else by ``factor``, the engines'
           compute: the prefill curves c(x) (P's and the aggregated worker's), the hand-off (D's wait
           for P's KV and D's first step: engine steps on D, forward passes like the probe's) and the
@@ -229,7 +231,7 @@ class CostProfile(BaseModel):
         * attention over a prefix (``context_scale``) to ``context_factor`` (the cached-prefix
           probe's, against the profile's own curve) when given, else with the curve.
 
-        Pulls, KV space and decode unchanged. ``why`` (and ``compute_why``) join each scaled
+        The pull's bandwidth, KV space and decode unchanged. ``why`` (and ``compute_why``) join each scaled
         figure's source."""
         def scaled(f: Sourced | None, by: float = factor, because: str = why) -> Sourced | None:
             return None if f is None else Sourced(value=f.value * by, source=f"{f.source}; x {by:.4g} ({because})")
@@ -243,7 +245,7 @@ class CostProfile(BaseModel):
                 f"probe scales by {cf:.4g} ({cw})"))
         return self.model_copy(update={
             "b0_default_s": scaled(self.b0_default_s), "b0_s": {m: scaled(b) for m, b in self.b0_s.items()},
-            "prefix_step_s": scaled(self.prefix_step_s),
+            "prefix_step_s": scaled(self.prefix_step_s), "pull_latency_s": scaled(self.pull_latency_s),
             "handoff_wait_s": scaled(self.handoff_wait_s, cf, cw), "d_first_step_s": scaled(self.d_first_step_s, cf, cw),
             "render_s_per_token": scaled(self.render_s_per_token, cf, cw), "context_scale": scale,
             "prefill_a1_s_per_token": scaled(self.prefill_a1_s_per_token, cf, cw),

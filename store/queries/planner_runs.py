@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from core.contract import CACHED_PROBE_TOKENS, COMPUTE_PROBE_TOKENS, PROBE_TOKENS
+from core.contract import CACHED_PROBE_TOKENS, COMPUTE_PROBE_TOKENS, PATH_PROBE_TARGET, PROBE_TOKENS
 from core.modes import serving_mode
 from store.writer import Store
 
@@ -78,22 +78,26 @@ WITH serve AS (
     WHERE r.run_id IN ({marks}) GROUP BY r.run_id
 )
 SELECT p.run_id, median(q.ttft_s) FROM pick p JOIN run_probes q ON q.run_id = p.serve_id
-WHERE q.status = 'ok' AND q.ttft_s > 0 AND q.prompt_tokens = ? GROUP BY p.run_id
+WHERE q.status = 'ok' AND q.ttft_s > 0 AND q.prompt_tokens = ? AND (coalesce(q.target, '') = ?) = ?
+GROUP BY p.run_id
 """
 
 
-def _probe_medians(store: Store, run_ids: Sequence[str], tokens: int) -> dict[str, float]:
-    """Run id -> the median TTFT of its ok probes of ``tokens`` prompt tokens; a run without any takes
-    those of the serve it ran through (:data:`_SERVE_PROBES`)."""
+def _probe_medians(store: Store, run_ids: Sequence[str], tokens: int, path: bool = False) -> dict[str, float]:
+    """Run id -> the median TTFT of its ok probes of ``tokens`` prompt tokens, the path probes
+    (target :data:`core.contract.PATH_PROBE_TARGET`) when ``path``, else the worker's; a run without
+    any takes those of the serve it ran through (:data:`_SERVE_PROBES`)."""
     con = store.connect()
+    which = [PATH_PROBE_TARGET.value, path]
     try:
         rows = con.execute(f"SELECT run_id, median(ttft_s) FROM run_probes WHERE status = 'ok' AND ttft_s > 0 "
-                           f"AND prompt_tokens = ? AND run_id IN ({_marks(run_ids)}) GROUP BY run_id",
-                           [tokens, *run_ids]).fetchall()
+                           f"AND prompt_tokens = ? AND (coalesce(target, '') = ?) = ? "
+                           f"AND run_id IN ({_marks(run_ids)}) GROUP BY run_id",
+                           [tokens, *which, *run_ids]).fetchall()
         own = {r for r, _ in rows}
         bare = [r for r in run_ids if r not in own]
         if bare:
-            rows += con.execute(_SERVE_PROBES.format(marks=_marks(bare)), [*bare, tokens]).fetchall()
+            rows += con.execute(_SERVE_PROBES.format(marks=_marks(bare)), [*bare, tokens, *which]).fetchall()
     finally:
         con.close()
     return {r: float(t) for r, t in rows}
@@ -104,6 +108,13 @@ def probe_ttft_s(store: Store, run_ids: Sequence[str]) -> dict[str, float]:
     :data:`core.contract.PROBE_TOKENS` prompt tokens), seconds; runs without one
     are absent."""
     return _probe_medians(store, run_ids, PROBE_TOKENS)
+
+
+def path_probe_s(store: Store, run_ids: Sequence[str]) -> dict[str, float]:
+    """Run id -> the median TTFT of its ok path probes (:data:`core.contract.PATH_PROBE_TARGET`:
+    ``PROBE_TOKENS`` prompt tokens through the run's proxy), seconds; runs without one (recorded
+    before the path probe, or with no proxy to probe) are absent."""
+    return _probe_medians(store, run_ids, PROBE_TOKENS, path=True)
 
 
 def compute_probe_s(store: Store, run_ids: Sequence[str]) -> dict[str, float]:

@@ -55,9 +55,10 @@ def test_two_step_ramp_pins_the_first_steps_last_turn_on_d(tmp_path):
     last = con.execute("SELECT prompt_tokens FROM turns WHERE run_id = 'ci-cap-pd-bidir-u1' AND status = 'ok' "
                        "ORDER BY sent_at DESC LIMIT 1").fetchone()[0]
     hits = con.execute("SELECT count(*) FROM turns WHERE reuse = 'hit'").fetchone()[0]
-    # the streamed-handle check's release turn (serving.handle_check, at the stack's start) and the
-    # warm-up's two were counted by the proxy before the first step's first scrape, and nothing of
-    # the run disconnected: 3 in every scrape of it
+    # the streamed-handle check's release turn (serving.handle_check, at the stack's start), the
+    # warm-up's two and the step's three path probes (speed_probe, each left after its first token)
+    # were counted by the proxy before the first step's first scrape, and nothing of the run
+    # disconnected: 6 in every scrape of it
     # P's own prefix cache per step (view run_prefix_cache, vLLM's counters) against a second route
     # to the same tokens: the proxy's per-turn facts of what P found in its own cache
     p_cache = dict(con.execute("SELECT run_id, hit_tokens FROM run_prefix_cache WHERE role = 'prefill'").fetchall())
@@ -68,10 +69,10 @@ def test_two_step_ramp_pins_the_first_steps_last_turn_on_d(tmp_path):
     con.close()
     steps = db.read(db.StoreLocation(store), capacity_queries.capacity_steps, run_ids).set_index("users")
     assert list(steps["turns"]) == [4, 8] and list(steps["ok_turns"]) == [4, 8]
-    # the warm-up left nothing on D (its last turns were abandoned after their first token): D is empty
-    # at the first step's first scrape, though its TTL (60 s) outlasts the warm-up by far
+    # the warm-up and the path probes left nothing on D (each abandoned after its first token): D is
+    # empty at the first step's first scrape, though its TTL (60 s) outlasts them by far
     assert steps.at[1, "decode_kv_usage_start"] == 0
-    assert left == (3, 3)
+    assert left == (6, 6)
     assert p_cache == p_facts, (p_cache, p_facts)
     # the first step's last turn is still pinned (TTL 60 s) when the second step's first scrape comes
     assert steps.at[2, "decode_kv_usage_start"] * (D_TOKENS // BLOCK) >= last // BLOCK

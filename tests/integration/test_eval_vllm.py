@@ -116,11 +116,16 @@ def test_eval_pd_nocache_vs_bidir(tmp_path):
     # run's start and end, outside the run's scrapes (P's prompt-token counter over the run counts
     # the turns' prompts only); the longer one takes longer (it computes 1,792 more tokens)
     probes = con.execute("select run_id, phase, target, prompt_tokens, status, ttft_s from run_probes "
-                         "order by run_id, phase desc, prompt_tokens").fetchall()
+                         "order by run_id, phase desc, target, prompt_tokens").fetchall()
     assert [(r, p, t, n, st) for r, p, t, n, st, _ in probes] == [
-        (run_id, phase, "prefill", n, "ok") for run_id in sorted(run_ids) for phase in ("start", "end")
-        for n in (256, 2048, 2304) for _ in range(3)]
+        (run_id, phase, t, n, "ok") for run_id in sorted(run_ids) for phase in ("start", "end")
+        for t, n in (("prefill", 256), ("prefill", 2048), ("prefill", 2304), ("proxy", 256)) for _ in range(3)]
     assert all(0 < ttft < 30 for *_, ttft in probes)
+    # the path probes went through each run's own proxy (its stack's, as the run recorded it)
+    through = dict(con.execute("select p.run_id, list(distinct p.endpoint) from run_probes p "
+                               "where target = 'proxy' group by 1").fetchall())
+    assert through == {r: [json.loads(t)["proxy"]] for r, t in
+                       con.execute("select run_id, topology::VARCHAR from runs").fetchall()}
     from store.queries.planner_runs import compute_probe_s
     from store.writer import Store
     computes = compute_probe_s(Store(tmp_path / "store"), sorted(run_ids))

@@ -142,7 +142,8 @@ def test_serve_probes_speak_for_the_runs_recorded_through_the_serve(tmp_path):
     started takes none."""
     import datetime as dt
 
-    from store.queries.planner_runs import compute_probe_s, probe_ttft_s
+    from serving.handle_check import RELEASE_MAX_TOKENS
+    from store.queries.planner_runs import compute_probe_s, path_probe_s, probe_ttft_s
     from store.writer import Store
 
     store = Store(tmp_path / "store")
@@ -156,15 +157,25 @@ def test_serve_probes_speak_for_the_runs_recorded_through_the_serve(tmp_path):
     before = dt.datetime.now(dt.UTC) - dt.timedelta(hours=1)
     run_row("earlier", before, before + dt.timedelta(minutes=1))
     with StubServer(StubState(ttft_s=0.1, itl_s=0.0, prefill_s_per_token=1e-4)) as srv, \
-            speed_probe.ServeProbes(store, [(srv.url, "prefill")], "stub") as probes:
+            StubServer(StubState(ttft_s=0.3, itl_s=0.0, prefill_s_per_token=1e-4)) as proxy, \
+            speed_probe.ServeProbes(store, [(srv.url, "prefill"), (proxy.url, "proxy")], "stub") as probes:
         now = dt.datetime.now(dt.UTC)
         run_row("through-serve", now, now + dt.timedelta(milliseconds=10))
+    path_asks = [q["max_tokens"] for q in proxy.state.requests]
     assert probes.run_id.startswith("serve-probes-")
-    # three rounds of 256, 2,048 and 2,304 tokens at each end
-    assert [(r["phase"], r["prompt_tokens"]) for r in probes.rows] == \
-        [(phase, n) for phase in ("start", "end") for _ in range(3) for n in (256, 2048, 2304)]
+    # three rounds of 256, 2,048 and 2,304 tokens on the worker, each followed by the path probe
+    # (256 tokens through the proxy), at each end
+    assert [(r["phase"], r["target"], r["prompt_tokens"]) for r in probes.rows] == \
+        [(phase, t, n) for phase in ("start", "end") for _ in range(3)
+         for t, n in (("prefill", 256), ("prefill", 2048), ("prefill", 2304), ("proxy", 256))]
+    # the path probe asks for more than one token and leaves after the first (a release turn's ask)
+    assert path_asks == [RELEASE_MAX_TOKENS] * 6
     short = probe_ttft_s(store, ["earlier", "through-serve"])
     assert list(short) == ["through-serve"]
     assert 0.1 + 256e-4 <= short["through-serve"] < 0.1 + 256e-4 + SLACK_S   # the stub's delay is a floor
     # the compute of 1,792 tokens at 1e-4 s each, both probes paying the same round trip
     assert compute_probe_s(store, ["through-serve"])["through-serve"] == pytest.approx(0.1792, abs=0.05)
+    # the path probe reads the proxy stub's own delay, apart from the worker's short probe
+    through = path_probe_s(store, ["earlier", "through-serve"])
+    assert list(through) == ["through-serve"]
+    assert 0.3 + 256e-4 <= through["through-serve"] < 0.3 + 256e-4 + SLACK_S

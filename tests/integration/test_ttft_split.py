@@ -165,3 +165,23 @@ def test_the_fit_measures_the_handoff_from_ds_histograms(store):
     assert half["handoff_wait_s"].value == pytest.approx(0.01)
     # runs without D's histograms give nothing
     assert handoff_terms(store, [fx.RUNS["pd"]]) == {}
+
+
+def test_the_fit_measures_ps_pull_latency_from_ps_queue_time(store):
+    from planner.fit import pull_latency_term
+    # P's queue 0.4 s over the run; less the bytes' term of the tokens its ok turns pulled (read
+    # here with SQL of their own), over the number of those turns
+    con = store.connect()
+    try:
+        pulled = [n for (n,) in con.execute("SELECT reused_tokens FROM turns WHERE run_id = ? AND status = 'ok' "
+                                            "AND reused_tokens > 0", [BIDIR]).fetchall()]
+    finally:
+        con.close()
+    assert pulled
+    per_turn = (0.4 - sum(n * fx.KV_BYTES / fx.BANDWIDTH for n in pulled)) / len(pulled)
+    got = pull_latency_term(store, [BIDIR, fx.RUNS["pd"]], _profile())
+    assert got.value == pytest.approx(per_turn)
+    # on a run twice as slow as the reference (its short probe), half at the reference's speed
+    assert pull_latency_term(store, [BIDIR], _profile(), {BIDIR: 2.0}).value == pytest.approx(per_turn / 2)
+    # a run that cannot pull gives nothing
+    assert pull_latency_term(store, [fx.RUNS["pd"]], _profile()) is None

@@ -143,3 +143,39 @@ def test_decode_step_factors_put_each_run_on_the_fits_decode_step():
     got = decode_step_factors(turns, Sourced(value=0.006, source="test"))
     assert got == pytest.approx({"a": 2.0, "b": 5 / 6})
     assert decode_step_factors(turns, None) == {}
+
+
+def test_the_path_probe_measures_b0_on_the_run():
+    """The path probe (256 fresh tokens through the run's proxy) less the forecast of the rest of that
+    request (its compute from scratch and the hand-off, on the run's speed) is the mode's b0 there."""
+    from planner.fit import on_run_speed
+    prof = profile(prefill_a2_s_per_token2={"value": 1e-8} | SRC, probe_ttft_s={"value": 0.05} | SRC, **HANDOFF)
+    compute = 1.5 * (0.1792 + 0.04128768)            # the curve 1.5x slower (the test above)
+    # on that run c(256) = 1.5 x (1e-4 x 256 + 1e-8 x 256^2) = 0.03938304 and the hand-off
+    # 1.5 x (7 + 15) ms = 0.033; a path probe of 0.1 s leaves 0.1 - 0.03938304 - 0.033 for b0
+    run, factor = on_run_speed(prof, 0.1, compute, "pd", None, 0.1)
+    assert factor == pytest.approx(2.0)                                   # the short probe still scales the rest
+    assert run.b0("pd") == pytest.approx(0.1 - 0.03938304 - 0.033)
+    assert "path probe" in run.b0_s["pd"].source
+    assert run.b0("pd-nocache") == pytest.approx(0.02)                    # other modes: the short probe's ratio
+    # the forecast of the probe's own request is the probe: b0 + c(256) + hand-off
+    assert run.ttft_s("pd", np.array([256]), np.zeros(1), np.zeros(1))[0] == pytest.approx(0.1)
+    # aggregated: no hand-off to take out; the aggregated worker's curve (here P's: the profile has no own)
+    agg, _ = on_run_speed(prof, 0.1, compute, "aggregated", None, 0.06)
+    assert agg.b0("aggregated") == pytest.approx(0.06 - 0.03938304)
+    # a probe the rest exceeds (noise) leaves the short probe's ratio; no probe, the same
+    for path in (0.05, None):
+        run, _ = on_run_speed(prof, 0.1, compute, "pd", None, path)
+        assert run.b0("pd") == pytest.approx(0.02)
+
+
+def test_the_pull_latency_is_a_fixed_cost_of_each_pull():
+    """``pull_latency_s`` (P's wait for an async pull beyond its bytes) on every request that pulls,
+    nothing on one that does not, and put on a run's speed by the short probe, as b0 is."""
+    from planner.fit import on_run_speed
+    prof = profile(probe_ttft_s={"value": 0.05} | SRC, pull_latency_s={"value": 0.006} | SRC)
+    # 1,000 tokens of 4,096 bytes at 1e9 bytes/s: 4.096 ms, plus the 6 ms latency; no pull, nothing
+    assert list(prof.pull_s(np.array([1000, 0]))) == pytest.approx([0.010096, 0.0])
+    run, factor = on_run_speed(prof, 0.1, None, "pd-bidir")              # the short probe reads 2x
+    assert factor == pytest.approx(2.0)
+    assert list(run.pull_s(np.array([1000, 0]))) == pytest.approx([0.016096, 0.0])   # the bytes' term unchanged

@@ -9,9 +9,15 @@ no prefix cache holds it (vLLM adds the salt to the first block's hash): every p
 prefill of the same prompt; except the cached-prefix probe
 (:data:`core.contract.CACHED_PROBE_TOKENS`), sent after each compute probe with its salt,
 which finds the compute probe's blocks cached and computes only its last ``PROBE_TOKENS`` (on a
-worker with its prefix cache on). Its TTFT is the time from sending to the first streamed token
-(``httpx_sse``). It is sent before the run's metrics scraper starts and after it stops, so the
-run's counters do not count it. Rows: the store's ``run_probes`` table (docs/schema/tables.md).
+worker with its prefix cache on). After each round of those, the **path probe**
+(:data:`core.contract.PATH_PROBE_TARGET`): the short probe's prompt with a salt of its own, sent
+through the run's proxy as a turn goes, left after its first token (as a release turn is:
+``serving.handle_check.release_turn``), so a bidirectional D frees its blocks at once instead of
+pinning them for ``decoder_kv_blocks_ttl`` in the run's KV space. Its TTFT holds the fixed costs
+of the turn's whole path (the proxy, D's frontend and the hand-off), on the run's machine and code.
+A probe's TTFT is the time from sending to the first streamed token (``httpx_sse``). Probes are
+sent before the run's metrics scraper starts and after it stops, so the run's counters do not
+count them. Rows: the store's ``run_probes`` table (docs/schema/tables.md).
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from typing import Self
 import httpx
 from httpx_sse import SSEError, connect_sse
 
-from core.contract import CACHED_PROBE_TOKENS, COMPUTE_PROBE_TOKENS, PROBE_TOKENS, Role
+from core.contract import CACHED_PROBE_TOKENS, COMPUTE_PROBE_TOKENS, PATH_PROBE_TARGET, PROBE_TOKENS, Role
+from serving.handle_check import RELEASE_MAX_TOKENS, proxy_client_disconnects, wait_disconnects_counted
 
 #: The lengths sent at each phase, in this order, :data:`PROBES_PER_PHASE` times (the cached-prefix
 #: probe right after the compute probe, whose blocks it finds).
@@ -56,14 +63,21 @@ def probe_target(endpoints: Sequence[tuple[str, str]]) -> tuple[str, str] | None
     return None
 
 
+def path_target(endpoints: Sequence[tuple[str, str]]) -> str | None:
+    """The URL the path probe goes to: the run's proxy (role ``proxy``); None without one."""
+    return next((url for url, role in endpoints if role == PATH_PROBE_TARGET), None)
+
+
 def probe(url: str, model: str, salt: str, tokens: int = PROBE_TOKENS,
-          timeout_s: float = PROBE_TIMEOUT_S, headers: dict[str, str] | None = None, verify: object = True) -> dict:
-    """Send one probe to the worker at ``url`` (with its ``headers``: its API key; ``verify``: its TLS
-    verification); returns a ``run_probes`` row without ``run_id``/``phase``:
+          timeout_s: float = PROBE_TIMEOUT_S, headers: dict[str, str] | None = None, verify: object = True,
+          max_tokens: int = 1) -> dict:
+    """Send one probe to ``url`` (a worker, or the proxy for the path probe; with its ``headers``: its
+    API key; ``verify``: its TLS verification), asking for ``max_tokens`` tokens and leaving after the
+    first; returns a ``run_probes`` row without ``run_id``/``phase``/``target``:
     sent_at, endpoint, prompt_tokens, ttft_s (None on error), status (``ok`` | ``error``), error.
     Never raises for a network or HTTP failure (the row says it)."""
-    body = {"model": model, "prompt": probe_ids(tokens), "max_tokens": 1, "temperature": 0, "stream": True,
-            "cache_salt": salt}
+    body = {"model": model, "prompt": probe_ids(tokens), "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "cache_salt": salt}
     row = {"sent_at": dt.datetime.now(dt.UTC), "endpoint": url, "prompt_tokens": tokens, "ttft_s": None,
            "status": "error", "error": None}
     t0 = time.perf_counter()
@@ -92,23 +106,41 @@ def probe_run(writer, run_id: str, phase: str, endpoints: Sequence[tuple[str, st
               verify: object = True, lengths: Sequence[int] = PROBE_LENGTHS) -> list[dict]:
     """Probe the run's target worker (:func:`probe_target`) ``probes`` times back to back, each time
     one probe of each of ``lengths`` (prompt tokens: the short probe, the compute probe, then the
-    cached-prefix probe with the compute probe's salt), each other with a salt of its own, and append one ``run_probes`` row per probe (``phase``: ``start`` | ``end``)
-    with ``writer`` (a store writer of the run); returns the rows (none when the run has no worker
-    to probe). ``headers``: per base URL, what a request to it carries (its API key); ``verify``:
-    TLS verification."""
+    cached-prefix probe with the compute probe's salt), each other with a salt of its own, then the
+    path probe through the run's proxy (:func:`path_target`, when ``endpoints`` has one and
+    ``lengths`` the short probe; target :data:`core.contract.PATH_PROBE_TARGET`, salt ``...-path``,
+    left after its first token); append one ``run_probes`` row per probe (``phase``: ``start`` |
+    ``end``) with ``writer`` (a store writer of the run); returns the rows (none when the run has no
+    worker to probe). Before returning it waits (at most ``serving.handle_check.RELEASE_SETTLE_S``)
+    until turnscope's proxy has counted the path probes' disconnects, so they end before the run's
+    first scrape. ``headers``: per base URL, what a request to it carries (its API key, the
+    proxy's client key); ``verify``: TLS verification."""
     target = probe_target(endpoints)
     if target is None:
         return []
     url, role = target
+    proxy = path_target(endpoints) if PROBE_TOKENS in lengths else None
     rows = []
-    for k in range(probes):
-        for tokens in lengths:
-            same = COMPUTE_PROBE_TOKENS if tokens == CACHED_PROBE_TOKENS else tokens   # the compute probe's blocks
-            salt = f"turnscope-probe-{run_id}-{phase}-{k}" + ("" if same == PROBE_TOKENS else f"-{same}")
-            row = {"run_id": run_id, "phase": phase, "target": role} | probe(
-                url, model, salt=salt, tokens=tokens, headers=(headers or {}).get(url), verify=verify)
-            writer.append("run_probes", row)
-            rows.append(row)
+
+    def send(k: int, tokens: int, at: str, as_role: str, salt_end: str, max_tokens: int = 1) -> dict:
+        row = {"run_id": run_id, "phase": phase, "target": as_role} | probe(
+            at, model, salt=f"turnscope-probe-{run_id}-{phase}-{k}{salt_end}", tokens=tokens,
+            headers=(headers or {}).get(at), verify=verify, max_tokens=max_tokens)
+        writer.append("run_probes", row)
+        rows.append(row)
+        return row
+
+    with httpx.Client(timeout=5, headers=(headers or {}).get(proxy) or {}, verify=verify) as client:
+        before = proxy_client_disconnects(client, proxy) if proxy else None
+        left = 0
+        for k in range(probes):
+            for tokens in lengths:
+                same = COMPUTE_PROBE_TOKENS if tokens == CACHED_PROBE_TOKENS else tokens   # the compute probe's blocks
+                send(k, tokens, url, role, "" if same == PROBE_TOKENS else f"-{same}")
+            if proxy:
+                left += send(k, PROBE_TOKENS, proxy, PATH_PROBE_TARGET, "-path", RELEASE_MAX_TOKENS)["status"] == "ok"
+        if proxy:
+            wait_disconnects_counted(client, proxy, before, left)
     return rows
 
 
