@@ -185,3 +185,21 @@ def test_the_fit_measures_ps_pull_latency_from_ps_queue_time(store):
     assert pull_latency_term(store, [BIDIR], _profile(), {BIDIR: 2.0}).value == pytest.approx(per_turn / 2)
     # a run that cannot pull gives nothing
     assert pull_latency_term(store, [fx.RUNS["pd"]], _profile()) is None
+
+
+def test_a_fit_measures_the_pull_latency_before_its_costs(store):
+    from planner.fit import fit_profile
+    con = store.connect()
+    try:
+        runs = [r for (r,) in con.execute("SELECT DISTINCT run_id FROM turns").fetchall()]
+        probes = con.execute("SELECT count(*) FROM run_probes").fetchone()[0]
+        pulled = [n for (n,) in con.execute("SELECT reused_tokens FROM turns WHERE run_id = ? AND status = 'ok' "
+                                            "AND reused_tokens > 0", [BIDIR]).fetchall()]
+    finally:
+        con.close()
+    assert probes == 0                        # no speed probes in the fixture: every run at factor 1
+    prof = fit_profile(store, runs)
+    # the bytes' term at the fit's own bandwidth (P's NIXL bytes over its seconds), typed in the fixture
+    per_turn = (0.4 - sum(n * fx.KV_BYTES / prof.pull_bandwidth_bytes_per_s.value for n in pulled)) / len(pulled)
+    assert prof.pull_latency_s.value == pytest.approx(per_turn)
+    assert not any(x.startswith("pull_latency_s") for x in prof.left_out)
