@@ -227,13 +227,12 @@ def on_run_speed(profile: CostProfile, run_probe_s: float | None, run_compute_s:
               if run_probe_s is not None and profile.probe_ttft_s is not None else None)
     compute, context = probe_factors(profile, mode, run_compute_s, run_cached_s, factor)
     why = None if compute is None else _compute_why(run_compute_s, compute, run_cached_s, context)
-    if factor is None:
-        if compute is None:
-            return on_path_probe(profile, mode, run_path_s), None
-        return on_path_probe(profile.at_speed(1.0, "no speed probe", compute, why, context), mode, run_path_s), None
-    return on_path_probe(profile.at_speed(factor, f"speed probe {run_probe_s * 1e3:.1f} ms on the run vs "
-                                                  f"{profile.probe_ttft_s.value * 1e3:.1f} ms where fitted",
-                                          compute, why, context), mode, run_path_s), factor
+    if factor is not None:
+        profile = profile.at_speed(factor, f"speed probe {run_probe_s * 1e3:.1f} ms on the run vs "
+                                           f"{profile.probe_ttft_s.value * 1e3:.1f} ms where fitted", compute, why, context)
+    elif compute is not None:
+        profile = profile.at_speed(1.0, "no speed probe", compute, why, context)
+    return on_path_probe(profile, mode, run_path_s), factor
 
 
 def _compute_why(run_compute_s: float, factor: float, run_cached_s: float | None = None,

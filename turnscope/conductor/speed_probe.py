@@ -139,8 +139,7 @@ def probe_run(writer, run_id: str, phase: str, endpoints: Sequence[tuple[str, st
                 send(k, tokens, url, role, "" if same == PROBE_TOKENS else f"-{same}")
             if proxy:
                 left += send(k, PROBE_TOKENS, proxy, PATH_PROBE_TARGET, "-path", RELEASE_MAX_TOKENS)["status"] == "ok"
-        if proxy:
-            wait_disconnects_counted(client, proxy, before, left)
+        wait_disconnects_counted(client, proxy, before, left)   # no proxy: before is None, nothing to wait for
     return rows
 
 
