@@ -20,6 +20,7 @@ import os
 from collections.abc import Sequence
 from enum import StrEnum
 from typing import Any, Literal, TypedDict
+from urllib.parse import quote
 
 import numpy as np
 
@@ -118,6 +119,54 @@ def response_facts(headers: dict[str, str], in_band: dict[str, Any]) -> dict[str
     except ValueError:
         out["prefill_leg_s"] = None
     return out | {k: v for k, v in in_band.items() if k in PUBLIC_FACT_KEYS}
+
+# -- the facts of a request by its id (the proxy's look-up route) -----------------------------------
+
+#: The proxy's route that answers the facts of one of its recent requests by request id
+#: (:data:`REQUEST_ID_HEADER`, the client's own or the proxy's ``ts-<uuid>``), behind the same API
+#: key as its other ``/v1`` routes: a :class:`RequestFactsAnswer`, or 404 when the proxy does not
+#: know the id (never seen, or dropped as the oldest of the few thousand it keeps). For a client
+#: that left before the facts reached it (``loadgen.facts_lookup``).
+REQUEST_FACTS_ROUTE = "/v1/turnscope/requests/{request_id}"
+
+
+def request_facts_path(request_id: str) -> str:
+    """:data:`REQUEST_FACTS_ROUTE` for ``request_id`` (URL-quoted: any character a header may hold)."""
+    return REQUEST_FACTS_ROUTE.format(request_id=quote(request_id, safe=""))
+
+
+class RequestFactsAnswer(TypedDict):
+    """The answer of :data:`REQUEST_FACTS_ROUTE` (JSON): what the proxy knows of one request now.
+
+    ``ended``: whether the request has ended (answered, failed, or left by its client); ``status``:
+    how (the proxy's log status: ``ok``, ``client_disconnected``, ``prefill_failed``, ``rejected``,
+    ``http_<code>`` for D's HTTP error, ``incomplete`` for D's stream ending without ``[DONE]``,
+    ``error: <exception>``), None while it runs. ``prefill_engine`` / ``decode_engine``: the workers
+    picked (what :data:`PREFILL_ENGINE_HEADER` / :data:`DECODE_ENGINE_HEADER` say; no prefill
+    engine in aggregated mode). ``turnscope`` (:data:`FACTS_FIELD`): the :class:`PublicFacts` so
+    far; in a P/D mode, until P's answer was accounted (``prefill_leg_s`` None: the client left
+    during P's leg, or P failed) ``reused_tokens``, ``prefill_cached_tokens`` and
+    ``recomputed_tokens`` are None (unknown), not 0.
+    """
+
+    request_id: str
+    ended: bool
+    status: str | None
+    prefill_engine: str | None
+    decode_engine: str | None
+    turnscope: PublicFacts
+
+
+def answer_as_response(answer: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
+    """A :class:`RequestFactsAnswer` as the response it stands for: ``(headers, in_band)``, the two
+    arguments of :func:`response_facts` (lower-case header names: the request id and the engines;
+    the in-band facts as sent). So a row built from a looked-up answer goes through the one place
+    facts become row fields."""
+    headers = {REQUEST_ID_HEADER: answer.get("request_id"), PREFILL_ENGINE_HEADER: answer.get("prefill_engine"),
+               DECODE_ENGINE_HEADER: answer.get("decode_engine")}
+    in_band = answer.get(FACTS_FIELD)
+    return ({k: v for k, v in headers.items() if isinstance(v, str)},
+            dict(in_band) if isinstance(in_band, dict) else {})
 
 # -- reuse outcomes: exactly one per proxied request ------------------------------------------------
 

@@ -31,7 +31,9 @@ Every request carries the session key (body :data:`~core.contract.SESSION_FIELD`
 id, so its log and the ``turns`` row name the same request), ``return_token_ids: true``,
 ``max_tokens`` and ``temperature``. Every request sent gets a ``turns`` row: one interrupted in
 flight (Locust stopping its users, Ctrl-C) is recorded ``cancelled`` with its request id before
-the interruption goes on. A failed turn (``error``/``timeout``) is recorded with its reason and the session
+the interruption goes on; the proxy's facts of it (reuse outcome, pulled tokens, engines) are asked
+for by that id (:mod:`loadgen.facts_lookup`, a bounded wait) and carried by the row when the
+server is turnscope's proxy. A failed turn (``error``/``timeout``) is recorded with its reason and the session
 goes on, with the trace's reply standing in for the missing one. A session stops early, before
 sending, when a prompt would exceed ``max_prompt_tokens``.
 """
@@ -48,8 +50,16 @@ from typing import Any
 
 import httpx
 
-from core.contract import HISTORY_MODES, REQUEST_ID_HEADER, SESSION_FIELD, SESSION_HEADER
+from core.contract import (
+    HISTORY_MODES,
+    REQUEST_ID_HEADER,
+    SESSION_FIELD,
+    SESSION_HEADER,
+    RequestFactsAnswer,
+    answer_as_response,
+)
 from core.tokenize_client import TokenizeClient
+from loadgen.facts_lookup import lookup_request_facts
 from loadgen.session import SessionPlan, TurnPlan
 from loadgen.session_history import (
     History,
@@ -69,6 +79,9 @@ log = logging.getLogger(__name__)
 #: ``send(url, body, headers) -> TurnResult``: one streamed request, timed (never raises for
 #: server or network misbehaviour; see :func:`loadgen.stream_client.stream_turn`).
 SendFn = Callable[[str, dict[str, Any], dict[str, str]], TurnResult]
+#: ``lookup(request_id) -> answer or None``: the proxy's facts of a request left in flight
+#: (:func:`loadgen.facts_lookup.lookup_request_facts`; bounded, never raises for the server's sake).
+LookupFn = Callable[[str], RequestFactsAnswer | None]
 
 
 @dataclass(frozen=True)
@@ -178,12 +191,14 @@ class SessionPlayer:
         run_id: the run (the default session key is ``"<run_id>/<session_id>"``).
         options: the knobs.
         sleep: the sleep function for gaps.
+        lookup: asks the proxy for the facts of a request left in flight (None: none asked).
     """
 
     def __init__(self, plan: SessionPlan, history: History, send: SendFn, recorder: SessionRecorder, *,
                  base_url: str, model: str, run_id: str, options: PlayerOptions,
-                 sleep: Callable[[float], None] = time.sleep):
+                 sleep: Callable[[float], None] = time.sleep, lookup: LookupFn | None = None):
         self.plan = plan
+        self.lookup = lookup
         self.history = history
         self.send = send
         self.recorder = recorder
@@ -280,7 +295,8 @@ class SessionPlayer:
 
     def _record_in_flight(self) -> None:
         """Write the row of the request interrupted in flight: ``cancelled`` with the time it had
-        run, or, when it had finished and only its row was missing, what it measured."""
+        run and the proxy's facts of it (:meth:`_looked_up`), or, when it had finished and only
+        its row was missing, what it measured."""
         f = self.in_flight
         self.in_flight = None
         result = f.result
@@ -288,6 +304,7 @@ class SessionPlayer:
             result = TurnResult(sent_at=f.sent_at, status="cancelled", request_id=f.request_id,
                                 error="cancelled: the load generator stopped with the request in flight",
                                 e2e_s=time.perf_counter() - f.t_send)
+            self._looked_up(result)
         if f.fresh_k is None:
             row = turn_row(run_id=self.run_id, session_id=self.plan.session_id, turn_index=self.index, plan=f.tp,
                            result=result, gap_before_s=f.gap_s, prompt_ids=None, expected_reusable_tokens=None,
@@ -300,6 +317,27 @@ class SessionPlayer:
                            gap_before_s=f.gap_s, prompt_ids=None, expected_reusable_tokens=None,
                            divergence_position=None)
             self.recorder.fresh_turn(f.fresh_k, session_id, row, result, None)
+
+    def _looked_up(self, result: TurnResult) -> None:
+        """Into a cancelled ``result``: the proxy's facts of its request (as the response would have
+        carried them: :func:`core.contract.answer_as_response`, read into the row by
+        :func:`core.contract.response_facts`), and how the proxy saw it end, in ``error``. Nothing
+        when there is no look-up, the server does not know the request, or the look-up itself
+        was interrupted (a second kill: the row is written all the same, the reason logged)."""
+        if self.lookup is None or result.request_id is None:
+            return
+        try:
+            answer = self.lookup(result.request_id)
+        except BaseException as exc:  # noqa: BLE001 - the row must be written whatever interrupts the look-up
+            log.warning("session %s: the facts of cancelled request %s were not looked up: %s: %s",
+                        self.plan.session_id, result.request_id, type(exc).__name__, exc)
+            return
+        if answer is None:
+            return
+        result.headers, result.proxy_facts = answer_as_response(answer)
+        seen = (f"ended {answer.get('status')}" if answer.get("ended")
+                else "had not ended when asked")
+        result.error = f"{result.error} (the proxy's facts looked up: the request {seen})"
 
     def _cancel(self) -> None:
         """Interrupted: keep what was measured (the request in flight's row, a ``cancelled`` session row)."""
@@ -382,6 +420,9 @@ def run_session(
     def send(url: str, body: dict[str, Any], headers: dict[str, str]) -> TurnResult:
         return stream_turn(transport, url, body, headers=headers, timeout_s=timeout_s)
 
+    def lookup(request_id: str) -> RequestFactsAnswer | None:
+        return lookup_request_facts(client, base_url, request_id, sleep=sleep)
+
     recorder = SessionRecorder(writer, run_id, plan, keep_turns=keep_turns, on_turn=on_turn)
     return SessionPlayer(plan, history, send, recorder, base_url=base_url, model=model, run_id=run_id,
-                         options=options, sleep=sleep or time.sleep).play()
+                         options=options, sleep=sleep or time.sleep, lookup=lookup).play()

@@ -32,7 +32,9 @@ The facts (:class:`serving.proxy_request.RequestFacts`) render the headers known
 (``x-request-id``, ``x-turnscope-reuse``, ``x-turnscope-prefill-ms``, ``x-turnscope-prefill-engine``,
 ``x-turnscope-decode-engine``) and the final chunk's ``turnscope`` field (token counts). One JSON
 log line per request is written to the ``turnscope.proxy`` logger for clients that are not
-turnscope's. The route functions of :func:`create_app` only delegate to the proxy.
+turnscope's. The facts of the last few thousand requests stay readable by request id
+(``GET /v1/turnscope/requests/{request_id}``, ``serving.recent_requests``): a client that left
+before they reached it (a load generator stopping) asks there. The route functions of :func:`create_app` only delegate to the proxy.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from core import reuse_rules as rules
 from core.contract import (
     DECODE_WORKER_HEADER,
     FACTS_FIELD,
+    REQUEST_FACTS_ROUTE,
     REQUEST_ID_HEADER,
     SESSION,
     SESSION_FIELD,
@@ -84,6 +87,8 @@ from serving.proxy_request import (
     ProxiedRequest,
     RequestFacts,
 )
+from serving.recent_requests import DEFAULT_CAPACITY as RECENT_REQUESTS_DEFAULT
+from serving.recent_requests import RecentRequests
 from serving.routing import Router
 from serving.upstream_tls import UpstreamTLS
 
@@ -131,6 +136,7 @@ class ProxyConfig(BaseModel):
     certificates are verified (``serving.upstream_tls``).
     ``canary_reference``: the worker ``POST /canary`` compares the serving path with
     (``serving.canary``; None: the first prefill worker, P alone, or the aggregated one).
+    ``recent_requests``: requests whose facts the look-up route keeps (``serving.recent_requests``).
     """
 
     mode: str
@@ -154,6 +160,7 @@ class ProxyConfig(BaseModel):
     api_key: SecretRef | None = None
     tls: UpstreamTLS = Field(default_factory=UpstreamTLS)
     canary_reference: Worker | None = None
+    recent_requests: int = Field(RECENT_REQUESTS_DEFAULT, gt=0)
 
 
 #: Paths the proxy serves without its API key: the health check and Prometheus' scrape (vLLM guards
@@ -257,6 +264,7 @@ class SessionProxy:
         self.client: httpx.AsyncClient | None = None
         self.renderer = self._renderer(config)
         self.lifetimes = DecodeLifetimes(self.decode_restarted)
+        self.recent = RecentRequests(config.recent_requests)
         self._probe_task: asyncio.Task | None = None
 
     @staticmethod
@@ -326,6 +334,17 @@ class SessionProxy:
         """``/health``: mode, sessions remembered, handles live and held."""
         return {"status": "ok", "mode": self.config.mode, "sessions": len(self.table),
                 "handles_live": len(self.table.live_handles()), "handles_held": self.table.held_handles()}
+
+    def request_facts(self, request_id: str) -> Response:
+        """``GET /v1/turnscope/requests/{request_id}`` (:data:`core.contract.REQUEST_FACTS_ROUTE`):
+        the request's :class:`core.contract.RequestFactsAnswer`, or a 404 in OpenAI's error shape
+        when it is not kept (``serving.recent_requests``)."""
+        answer = self.recent.answer(request_id)
+        if answer is None:
+            return JSONResponse({"error": {"message": f"no recent request with id {request_id!r} (this proxy keeps the "
+                                           f"last {self.recent.capacity})", "type": "NotFoundError", "code": 404}},
+                                status_code=404)
+        return JSONResponse(answer)
 
     def prometheus(self) -> Response:
         """``/metrics`` in Prometheus text format."""
@@ -425,6 +444,7 @@ class SessionProxy:
         """A 400 in OpenAI's error shape naming the body field ``param`` (as vLLM's own 400s do),
         counted in ``turnscope_rejected_requests_total{param}`` and logged; no worker is called."""
         self.metrics.rejected.labels(param).inc()
+        self.recent.ended(req.facts, "rejected")
         log.info(json.dumps({"event": "request", "status": "rejected", "param": param, **req.facts.log_fields()}))
         return JSONResponse({"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}},
                             status_code=400, headers={REQUEST_ID_HEADER: req.facts.request_id})
@@ -445,6 +465,7 @@ class SessionProxy:
         decode = self.decode_router.pick(session) if pinned is None else self.decode_router.named(pinned)
         facts = RequestFacts(request_id=request_id, mode=self.config.mode, prefill_engine=prefill.name,
                              decode_engine=decode.name if decode is not None else pinned)
+        self.recent.admitted(facts)  # the look-up route reads the facts as the steps fill them in
         return ProxiedRequest(endpoint=endpoint, body=body, session=session, prefill=prefill, decode=decode,
                               facts=facts, t_arrival=t_arrival)
 
@@ -585,6 +606,7 @@ class SessionProxy:
             message = f"prefill worker {req.prefill.name}: {type(exc).__name__}: {exc}"
         self.metrics.prefill_failures.labels(reason).inc()
         req.finished = True
+        self.recent.ended(req.facts, "prefill_failed")
         log.info(json.dumps({"event": "request", "status": "prefill_failed", "error": message,
                              **req.facts.log_fields()}))
         return JSONResponse({"error": {"message": message, "type": "prefill_failed", "code": status}},
@@ -718,6 +740,7 @@ class SessionProxy:
         if req.finished:
             return
         req.finished = True
+        self.recent.ended(req.facts, status)
         prompt = prompt_ids if prompt_ids else (req.new_ids if req.new_ids is not None else [])
         if req.p_params is not None:
             self.record_prefill(req, prompt)
@@ -870,6 +893,10 @@ def create_app(config: ProxyConfig) -> FastAPI:
     @app.get("/metrics")
     async def prom():
         return proxy.prometheus()
+
+    @app.get(REQUEST_FACTS_ROUTE.replace("{request_id}", "{request_id:path}"))  # an id may hold a '/'
+    async def request_facts(request_id: str):
+        return proxy.request_facts(request_id)
 
     @app.get("/v1/models")
     async def models():

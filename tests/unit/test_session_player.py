@@ -191,3 +191,54 @@ def test_a_request_interrupted_in_flight_is_a_cancelled_row_with_its_request_id(
     assert turns[1]["session_id"] == ("s" if second == "turn" else "s~fresh1")
     assert [r.row["status"] for r in fired] == ["ok", "cancelled"]  # Locust hears of both
     assert [r["status"] for r in writer.table("sessions")][-1] == "cancelled"
+
+
+def looked_up(status: str | None = "client_disconnected"):
+    """A look-up that answers, for any request id, a 2-block pull (256 tokens) the proxy accounted."""
+    asked: list[str] = []
+
+    def lookup(request_id):
+        asked.append(request_id)
+        return {"request_id": request_id, "ended": status is not None, "status": status,
+                "prefill_engine": "prefill-0", "decode_engine": "decode-0",
+                "turnscope": {"reuse": "hit", "remote_tokens": 256, "reused_tokens": 256,
+                              "prefill_cached_tokens": 128, "recomputed_tokens": 9, "prefill_leg_s": 0.031}}
+    return lookup, asked
+
+
+def test_a_request_interrupted_in_flight_carries_the_proxys_facts_looked_up_by_its_id():
+    plan = SessionPlan("s", "src", [TurnPlan([SYS, U1], REF), TurnPlan([U2], REF, 1.0, "think")])
+    writer, server = ListWriter(), StoppingServer(["a", "b"])
+    lookup, asked = looked_up()
+    p = player(plan, TextHistory(tokenize, "s"), server, writer)
+    p.lookup = lookup
+    with pytest.raises(Stopped):
+        p.play()
+    ok, cancelled = writer.table("turns")
+    assert asked == [server.sent[1][2]["x-request-id"]]  # only the request left in flight is asked for
+    assert ok["reused_tokens"] is None  # the stub's answered turn carried no facts: none made up
+    assert (cancelled["status"], cancelled["reuse"], cancelled["reused_tokens"], cancelled["remote_tokens"],
+            cancelled["prefill_cached_tokens"], cancelled["recomputed_tokens"], cancelled["prefill_leg_s"],
+            cancelled["prefill_engine"], cancelled["decode_engine"]) == (
+        "cancelled", "hit", 256, 256, 128, 9, 0.031, "prefill-0", "decode-0")
+    assert cancelled["error"].endswith("(the proxy's facts looked up: the request ended client_disconnected)")
+
+
+@pytest.mark.parametrize("how", ["unknown", "interrupted"])
+def test_a_lookup_that_gives_nothing_or_is_interrupted_keeps_todays_cancelled_row(how):
+    plan = SessionPlan("s", "src", [TurnPlan([SYS, U1], REF), TurnPlan([U2], REF, 1.0, "think")])
+    writer, server = ListWriter(), StoppingServer(["a", "b"])
+
+    def lookup(request_id):
+        if how == "interrupted":
+            raise Stopped()  # a second kill of the user while it asks
+        # else: a server without the route (404) gives None
+
+    p = player(plan, TextHistory(tokenize, "s"), server, writer)
+    p.lookup = lookup
+    with pytest.raises(Stopped):
+        p.play()
+    cancelled = writer.table("turns")[1]
+    assert cancelled["status"] == "cancelled" and cancelled["reuse"] is None and cancelled["reused_tokens"] is None
+    assert cancelled["error"] == "cancelled: the load generator stopped with the request in flight"
+    assert writer.table("sessions")[-1]["status"] == "cancelled"
