@@ -8,7 +8,9 @@ proxy's instance is wrapped at one point, as test_disconnect_vllm.py does: once 
 turn 1 with a pull (outcome ``hit``), the decode leg is held before D is called, so the client
 is cancelled deterministically after P's leg and before D's first token. The player runs in a
 gevent greenlet, streaming on the load generator's ``GeventClient``, and is cancelled the way
-Locust stops a user: the greenlet is killed (``GreenletExit`` inside the request).
+Locust stops a user: the greenlet is killed (``GreenletExit`` inside the request). The second test
+does the same through Locust itself: its run time (``-t``) ends while the pulled turn waits for D,
+and the row is read back from the store Locust wrote.
 
 Truth: P's ``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`` increase over the
 session (what the docs' ``external_kv_vs_proxy`` reads from the scrapes), against the sum of the
@@ -19,20 +21,26 @@ short by exactly the tokens P pulled for it.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import subprocess
+import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import gevent
 import httpx
 import pytest
+import yaml
 
 from core.connector import Connector
 from core.contract import HIT
 from loadgen.session import SessionPlan, TurnPlan
 from loadgen.session_player import run_session
 from loadgen.stream_client import GeventClient
+from store.writer import Store
 from tests.integration.vllm_stack import ProxyThread, metric
 
 pytestmark = pytest.mark.vllm
@@ -135,6 +143,51 @@ def test_a_pull_cancelled_before_ds_first_token_keeps_its_facts_and_the_turns_su
     assert "ended client_disconnected" in cancelled["error"]
     assert kill_s < 5.0  # the look-up is bounded (the proxy marks the request ended within ms)
     # P keeps the blocks no D read until its lease: leave the stack clean for the next module
+    t0 = time.monotonic()
+    while metric(p_url, "vllm:kv_cache_usage_perc") > 0 and time.monotonic() - t0 < LEASE_S + 30:
+        time.sleep(1.0)
+
+
+def test_locusts_run_time_ending_on_a_held_pull_keeps_its_facts_in_the_store(pd_bidir_stack, tmp_path):
+    """The same through Locust itself (headless, ``-t``): the run time ends while the pulled turn
+    waits for D, Locust kills the user, the row lands in the store with the proxy's facts, and
+    the store's turns sum to P's counter (the docs' ``external_kv_vs_proxy`` sum of the turns)."""
+    repo = Path(__file__).resolve().parents[2]
+    doc = yaml.safe_load((repo / "data" / "workloads" / "eviction.yaml").read_text())
+    arch = doc["mix"][0]["archetype"]
+    doc.update(name="cancelled-pull", sessions=1)
+    arch.update(turns=2, first_prompt_tokens=500, new_tokens={"tool": 20}, output_tokens=300,
+                gaps={"tool": {"p": 1.0, "seconds": {"kind": "constant", "value": 0.2}}})
+    wl = tmp_path / "cancelled-pull.yaml"
+    wl.write_text(yaml.safe_dump(doc))
+    p_url = pd_bidir_stack.worker("prefill").url
+    name = "vllm:prompt_tokens_by_source_total"
+    store = tmp_path / "store"
+    with ProxyThread(pd_bidir_stack.proxy_config()) as proxy:
+        holding = hold_pulls(proxy)
+        before = settled(p_url, name, EXTERNAL)
+        env = {**os.environ, "PYTHONPATH": str(repo)}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "locust", "-f", str(repo / "loadgen" / "locustfile.py"), "--headless", "-u", "1",
+             "-r", "1", "-t", "45s", "--host", proxy.url, "--turnscope-store", str(store), "--turnscope-run-id",
+             "locust-cancel", "--turnscope-workload", str(wl), "--turnscope-tokenizer", pd_bidir_stack.model,
+             "--turnscope-history", "token_ids", "--exit-code-on-error", "0"],
+            cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        out = proc.communicate(timeout=240)[0]
+        assert holding.is_set(), f"no pull was held before D\n{out[-3000:]}"
+        pulled = settled(p_url, name, EXTERNAL) - before
+    assert proc.returncode == 0, out[-3000:]
+    con = Store(store).connect()
+    try:
+        rows = con.execute("SELECT turn_index, status, reuse, reused_tokens, error FROM turns "
+                           "WHERE run_id = 'locust-cancel' ORDER BY turn_index").fetchall()
+    finally:
+        con.close()
+    print(f"Locust -t: rows {[(r[0], r[1], r[2], r[3]) for r in rows]}, P's counter {pulled:.0f}")
+    assert [r[1] for r in rows] == ["ok", "cancelled"], (rows, out[-3000:])
+    assert pulled >= BLOCK
+    assert sum(r[3] or 0 for r in rows) == pulled and rows[1][2] == HIT
+    assert "ended client_disconnected" in rows[1][4]
     t0 = time.monotonic()
     while metric(p_url, "vllm:kv_cache_usage_perc") > 0 and time.monotonic() - t0 < LEASE_S + 30:
         time.sleep(1.0)
