@@ -166,6 +166,13 @@ def nixl_failures_table(df: pd.DataFrame) -> pd.DataFrame:
     return out.astype({h: "Int64" for h in _NIXL_FAILURE_HEADERS[1:]})
 
 
+def no_failed_pulls(df: pd.DataFrame) -> bool:
+    """Whether every count of ``store.queries.nixl_failures`` (the proxy's outcomes and vLLM's NIXL
+    counters, :data:`NIXL_FAILURE_COLUMNS`) is 0 or not scraped in every run of ``df``: nothing to draw."""
+    counts = df.loc[:, list(NIXL_FAILURE_COLUMNS[1:])].astype(float)
+    return bool((counts.fillna(0) == 0).all().all())
+
+
 def ratio_table(ratios: dict) -> pd.DataFrame:
     """The Compare page's three `analysis.headline.Ratio` values (or None) as rows: turns, the
     speed-up B / A (``analysis.speedup``) with its CI and verdict, median A/B (ms), turns and

@@ -25,13 +25,7 @@ from planner.fit import (
 )
 from planner.profile import MODES, CostProfile
 from planner.simulate import RENDERS, TOOK_HANDLE, ModePlan, PlanSettings, Traffic
-from store.queries.planner_runs import (
-    cached_probe_s,
-    compute_probe_s,
-    path_probe_s,
-    probe_ttft_s,
-    recorded_turns,
-)
+from store.queries.planner_runs import RunProbes, recorded_turns, run_probes
 from store.writer import Store
 
 #: The TTFT check's bound: median absolute relative error per mode.
@@ -46,16 +40,22 @@ def _count(v) -> str:
     return "?" if v is None or pd.isna(v) else f"{int(v)}"
 
 
+def on_run(store: Store, run_id: str, mode: str, profile: CostProfile,
+           probes: RunProbes) -> tuple[CostProfile, float | None]:
+    """``profile`` put on ``run_id``'s machine: on its probes (:func:`planner.fit.on_run_speed`) and
+    on the KV spaces its workers reported (:func:`planner.fit.on_run_kv_space`). Returns the
+    profile and the short probe's speed factor (None: not scaled)."""
+    run_profile, factor = on_run_speed(profile, probes.short_s, probes.compute_s, mode, probes.cached_s,
+                                       probes.path_s)
+    return on_run_kv_space(run_profile, store, run_id), factor
+
+
 def plan_on_its_own(store: Store, run_id: str, mode: str, profile: CostProfile, shared_prefix_tokens: int,
-                    probe_s: float | None, compute_s: float | None = None,
-                    cached_s: float | None = None, path_s: float | None = None) -> tuple[Traffic, ModePlan, float | None]:
-    """``run_id`` planned alone, on its own clock, with its own settings and workers: ``profile`` put on
-    the run's speed probe ``probe_s``, compute probe ``compute_s``, cached-prefix probe ``cached_s``
-    and path probe ``path_s`` (:func:`planner.fit.on_run_speed`) and on the KV
-    spaces its workers reported (:func:`planner.fit.on_run_kv_space`). Returns the
-    traffic, the forecast and the speed factor (None: not scaled)."""
-    run_profile, factor = on_run_speed(profile, probe_s, compute_s, mode, cached_s, path_s)
-    run_profile = on_run_kv_space(run_profile, store, run_id)
+                    probes: RunProbes) -> tuple[Traffic, ModePlan, float | None]:
+    """``run_id`` planned alone, on its own clock, with its own settings and workers, ``profile`` put on
+    the run's machine (:func:`on_run`; ``probes``: :func:`store.queries.planner_runs.run_probes`).
+    Returns the traffic, the forecast and the speed factor (None: not scaled)."""
+    run_profile, factor = on_run(store, run_id, mode, profile, probes)
     tr, m = plan_recorded_run(store, run_id, mode, run_profile, shared_prefix_tokens)
     return tr, m, factor
 
@@ -105,16 +105,13 @@ def check_runs_with_terms(store: Store, run_ids: Sequence[str], profile: CostPro
     forecast split (:func:`forecast_terms` with checked_run_id, mode and status)."""
     recorded = recorded_turns(store, run_ids)
     shared = shared_prefix_by_run(recorded)
-    probes, computes = probe_ttft_s(store, run_ids), compute_probe_s(store, run_ids)
-    cached, paths = cached_probe_s(store, run_ids), path_probe_s(store, run_ids)
+    probes = run_probes(store, run_ids)
     frames, split = [], []
     for run_id, rec in recorded.groupby("run_id", sort=False):
         mode = str(rec["mode"].iloc[0])
         if mode not in MODES:
             continue
-        run_profile, factor = on_run_speed(profile, probes.get(str(run_id)), computes.get(str(run_id)), mode,
-                                           cached.get(str(run_id)), paths.get(str(run_id)))
-        run_profile = on_run_kv_space(run_profile, store, str(run_id))
+        run_profile, factor = on_run(store, str(run_id), mode, profile, probes[str(run_id)])
         tr, m = plan_recorded_run(store, str(run_id), mode, run_profile, shared[str(run_id)])
         terms = forecast_terms(tr, m, run_profile, run_settings(store, str(run_id)))
         split.append(terms.merge(rec[["session_id", "turn_index", "status"]], on=["session_id", "turn_index"])

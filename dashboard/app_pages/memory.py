@@ -94,8 +94,12 @@ vllm_counters = [c for c in nixl.columns if c.startswith(("p_", "d_"))]
 nixl = nixl[(nixl[["expired_turns", "transfer_failed_turns"]].sum(axis=1) > 0) | nixl[vllm_counters].notna().any(axis=1)]
 if nixl.empty:
     st.info("No selected run has a proxy outcome or vLLM's NIXL counters (P/D runs scraped by turnscope do).")
+elif tables.no_failed_pulls(nixl):
+    st.success(f"No expired or failed pulls in the {len(nixl)} run(s) that record them: the proxy's "
+               "miss_expired and miss_transfer_failed and vLLM's NIXL counters on P and D all read 0.")
 else:
     charts.show(lambda: figures.nixl_failures(nixl), "nixl_failures")
+if not nixl.empty:
     st.dataframe(tables.nixl_failures_table(nixl), hide_index=True, key="nixl_failures_table")
     st.caption(
         "A pull the proxy's margin kept back (`miss_expired`) never reaches vLLM. A turn the proxy offered a handle "

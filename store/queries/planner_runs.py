@@ -7,6 +7,7 @@ of its own.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import pandas as pd
 
@@ -136,6 +137,25 @@ def cached_probe_s(store: Store, run_ids: Sequence[str]) -> dict[str, float]:
     rows = run_rows(store, [r for r in cached if r in short]) if cached else pd.DataFrame(columns=["run_id", "mode"])
     on = {r.run_id for r in rows.itertuples() if serving_mode(r.mode).prefill_prefix_cache}
     return {r: cached[r] - short[r] for r in cached if r in short and r in on}
+
+
+class RunProbes(NamedTuple):
+    """What a run's probes read, each in seconds, None where the run has none (recorded before that
+    probe, or no worker or proxy to probe): :func:`probe_ttft_s` (``short_s``), :func:`compute_probe_s`
+    (``compute_s``), :func:`cached_probe_s` (``cached_s``) and :func:`path_probe_s` (``path_s``);
+    :func:`planner.fit.on_run_speed` puts a profile on the run's machine with them."""
+
+    short_s: float | None = None
+    compute_s: float | None = None
+    cached_s: float | None = None
+    path_s: float | None = None
+
+
+def run_probes(store: Store, run_ids: Sequence[str]) -> dict[str, RunProbes]:
+    """Run id -> :class:`RunProbes` for every one of ``run_ids`` (all None where it has no probe)."""
+    short, compute = probe_ttft_s(store, run_ids), compute_probe_s(store, run_ids)
+    cached, path = cached_probe_s(store, run_ids), path_probe_s(store, run_ids)
+    return {r: RunProbes(short.get(r), compute.get(r), cached.get(r), path.get(r)) for r in run_ids}
 
 
 def runs_of(store: Store, modes: Sequence[str]) -> list[str]:

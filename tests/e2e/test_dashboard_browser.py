@@ -171,6 +171,17 @@ def nixl_url(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def quiet_url(tmp_path_factory):
+    """One pd-bidir run whose pulls neither expired nor failed (tests/integration/test_pull_failures_store.py's
+    ``build_quiet``: flat NIXL counters), for the Memory page's quiet case."""
+    from tests.integration.test_pull_failures_store import build_quiet
+
+    tmp = tmp_path_factory.mktemp("e2e-quiet")
+    with _streamlit(build_quiet(tmp / "store").root, tmp) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
 def eviction_url(tmp_path_factory):
     """A store holding P's eviction ladder (tests/eviction_store.py), for the Memory page's window."""
     tmp = tmp_path_factory.mktemp("e2e-eviction")
@@ -355,6 +366,29 @@ def test_memory_nixl_failures_in_browser(nixl_url, browser):
                    "P: failed transfers": "2", "P: of which notifications": "0", "D: KV expired": "7"}
     # not scraped: no value, never 0 (the grid's accessible table holds the columns in view only)
     assert rows[0]["P: notified after expiry"] in ("", "<NA>", "None")
+    assert not errors, errors
+    page.close()
+
+
+def test_memory_without_failed_pulls_says_so_in_browser(quiet_url, browser):
+    """Where every run's expired and failed pulls read 0 (by hand in ``build_quiet``), the Memory page
+    says so in one line above the counters' table instead of drawing a chart of empty bars."""
+    from dashboard.figures import NIXL_FAILURE_BARS
+
+    page, errors = _open(browser, f"{quiet_url}/memory", "Memory", 0)
+    line = page.get_by_text("No expired or failed pulls in the 1 run(s) that record them")
+    line.wait_for(timeout=60_000)
+    _wait_idle(page)
+    line.scroll_into_view_if_needed()  # the grid below it fills its accessible table once in view
+    page.wait_for_function(f"({READ_GRIDS})().some(g => g.length > 1 && g[0].includes('P: KV expired'))",
+                           timeout=60_000)
+    assert page.evaluate(READ_BARS, NIXL_FAILURE_BARS[0][1]) is None  # no such chart drawn
+    grids = [g for g in page.evaluate(READ_GRIDS) if g and "P: KV expired" in g[0]]
+    assert len(grids) == 1, page.evaluate(READ_GRIDS)
+    head, *rows = grids[0]
+    row = dict(zip(head, next(r for r in rows if r), strict=False))
+    assert (row["run"], row["proxy miss_expired"], row["P: KV expired"], row["D: KV expired"]) == ("quiet", "0", "0", "0")
+    _shot(page, "memory-no-failed-pulls")
     assert not errors, errors
     page.close()
 

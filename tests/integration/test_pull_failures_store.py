@@ -84,6 +84,31 @@ def build(root: Path) -> Store:
     return store
 
 
+def build_quiet(root: Path) -> Store:
+    """A store of one pd-bidir run ("quiet") whose proxy had no miss_expired or miss_transfer_failed
+    and whose vLLM NIXL counters stayed flat across its three scrapes (P: 2 expired, 1 failed transfer
+    before the run; D: 9 expired): by hand, every count of the run is 0 (the Memory page's quiet case,
+    also in a real browser: tests/e2e/test_dashboard_browser.py)."""
+    store = Store(root)
+    store.init()
+    with store.writer("quiet", "t") as w:
+        w.append("runs_log", {"run_id": "quiet", "label": "quiet", "mode": "pd-bidir", "status": "complete",
+                              "started_at": T0, "updated_at": T0})
+        w.append("turns", _turn("quiet", "a", 0, 0.0, "miss_first_turn", prefill_leg_s=0.1, prefill_cached_tokens=0,
+                                reused_tokens=0))
+        w.append("turns", _turn("quiet", "a", 1, 1.0, "hit", prefill_leg_s=0.05, prefill_cached_tokens=0,
+                                reused_tokens=640))
+    with store.writer("quiet", "scraper") as w:
+        for i in range(3):
+            w.append("metric_samples", _sample("quiet", i, P, "prefill", "process_start_time_seconds", 1.7e9))
+            w.append("metric_samples", _sample("quiet", i, P, "prefill", EXPIRED, 2, LABELS))
+            w.append("metric_samples", _sample("quiet", i, P, "prefill", FAILED, 1, LABELS))
+            w.append("metric_samples", _sample("quiet", i, P, "prefill", NOTIFS, 0, LABELS))
+            w.append("metric_samples", _sample("quiet", i, D, "decode", "process_start_time_seconds", 1.7e9))
+            w.append("metric_samples", _sample("quiet", i, D, "decode", EXPIRED, 9, LABELS))
+    return store
+
+
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     return build(tmp_path_factory.mktemp("store"))
@@ -116,6 +141,23 @@ def test_memory_page_query_figure_and_table(con):
     table = tables.nixl_failures_table(df).set_index("run")
     assert table.loc["bidir", "P: KV expired"] == 4 and table.loc["bidir", "proxy miss_transfer_failed"] == 3
     assert pd.isna(table.loc["agg", "P: KV expired"])
+
+
+def test_no_failed_pulls_only_where_every_count_reads_0(con, tmp_path):
+    """The Memory page's one line in place of the chart: the quiet run's counts are 0 (flat counters,
+    no such outcome); run bidir's are not (2 miss_expired, ...); a run with no counter scraped and no
+    such outcome counts as none."""
+    quiet = build_quiet(tmp_path / "quiet")
+    c = quiet.connect()
+    try:
+        df = queries.nixl_failures(c, ["quiet"])
+    finally:
+        c.close()
+    assert df.loc[0, ["p_kv_expired_reqs", "p_failed_transfers", "d_kv_expired_reqs"]].tolist() == [0, 0, 0]
+    assert tables.no_failed_pulls(df)
+    both = queries.nixl_failures(con, ["bidir", "agg"])
+    assert not tables.no_failed_pulls(both)
+    assert tables.no_failed_pulls(both[both.run_id == "agg"])
 
 
 def test_cold_start_reads_the_first_ok_turn(con):

@@ -143,7 +143,7 @@ def test_serve_probes_speak_for_the_runs_recorded_through_the_serve(tmp_path):
     import datetime as dt
 
     from serving.handle_check import RELEASE_MAX_TOKENS
-    from store.queries.planner_runs import compute_probe_s, path_probe_s, probe_ttft_s
+    from store.queries.planner_runs import RunProbes, compute_probe_s, path_probe_s, probe_ttft_s, run_probes
     from store.writer import Store
 
     store = Store(tmp_path / "store")
@@ -179,3 +179,10 @@ def test_serve_probes_speak_for_the_runs_recorded_through_the_serve(tmp_path):
     through = path_probe_s(store, ["earlier", "through-serve"])
     assert list(through) == ["through-serve"]
     assert 0.3 + 256e-4 <= through["through-serve"] < 0.3 + 256e-4 + SLACK_S
+    # the one reader the planner takes: each probe as read above (2,304 - 256 tokens of compute for the
+    # cached-prefix probe: the stub keeps no cache); the earlier run, recorded before the serve, has none
+    both = run_probes(store, ["earlier", "through-serve"])
+    assert both["earlier"] == RunProbes()
+    assert both["through-serve"][:2] == (short["through-serve"], compute_probe_s(store, ["through-serve"])["through-serve"])
+    assert both["through-serve"].path_s == through["through-serve"]
+    assert both["through-serve"].cached_s == pytest.approx(0.2048, abs=0.05)

@@ -34,13 +34,7 @@ from planner.fit import shared_prefix_by_run
 from planner.profile import CostProfile
 from store import db
 from store.queries import capacity as capacity_queries
-from store.queries.planner_runs import (
-    cached_probe_s,
-    compute_probe_s,
-    path_probe_s,
-    probe_ttft_s,
-    recorded_turns,
-)
+from store.queries.planner_runs import recorded_turns, run_probes
 from store.writer import Store
 
 #: Columns of :func:`forecast_steps` (``analysis.capacity_crossing.step_pairs`` reads the first five;
@@ -82,12 +76,10 @@ def forecast_steps(store: Store, steps: pd.DataFrame, profile: CostProfile) -> p
     run_ids = list(steps["run_id"])
     recorded = recorded_turns(store, run_ids)
     shared = shared_prefix_by_run(recorded)
-    probes, computes = probe_ttft_s(store, run_ids), compute_probe_s(store, run_ids)
-    cached, paths = cached_probe_s(store, run_ids), path_probe_s(store, run_ids)
+    probes = run_probes(store, run_ids)
     rows = []
     for st in steps.itertuples():
-        tr, m, _ = plan_on_its_own(store, st.run_id, st.mode, profile, shared[st.run_id], probes.get(st.run_id),
-                                   computes.get(st.run_id), cached.get(st.run_id), paths.get(st.run_id))
+        tr, m, _ = plan_on_its_own(store, st.run_id, st.mode, profile, shared[st.run_id], probes[st.run_id])
         rec = recorded[recorded["run_id"] == st.run_id]
         pred = pd.DataFrame({"session_id": tr.session, "turn_index": tr.request_index, "ttft_s": m.ttft_s})
         ok = rec[rec["status"] == "ok"][["session_id", "turn_index"]].merge(pred, on=["session_id", "turn_index"])
