@@ -389,7 +389,8 @@ def run_session(
 
     Args:
         plan, base_url, model, run_id: as :class:`SessionPlayer`.
-        client: sync httpx client for the turns and ``/tokenize``.
+        client: sync httpx client for the turns, ``/tokenize`` and the look-up of a request left
+            in flight (:func:`loadgen.facts_lookup.lookup_request_facts`).
         writer: store writer; gets one ``turns`` row per sent turn and one ``sessions`` row
             (:class:`~loadgen.session_recorder.SessionRecorder` says what they hold).
         history_mode, max_tokens, max_prompt_tokens, temperature, extra_body, conversation_id,
