@@ -51,8 +51,10 @@ Locust statistics: one ``POST <kind>`` request event per turn (``turn``, ``retry
 ``fresh``, ``resume``), fired at stream end with response_time = E2E (ms), and one ``TTFT TTFT``
 event with response_time = TTFT (ms); failed turns (errors, and timeouts, whose reason names the
 timeout) fire both as failures with the reason; so does a turn cut off in flight when the test
-stops (status ``cancelled``, stored too). Locust rewrites its ``--csv`` files once a second and
-not at the end, so the last second's turns can be missing there; ``--json-file`` is written after
+stops (status ``cancelled``, stored too, with the proxy's facts of it asked for by its request id:
+``loadgen.facts_lookup``, at most about 2 s per user before Locust's stop completes). Locust
+rewrites its ``--csv`` files once a second and not at the end, so the last second's turns can be
+missing there; ``--json-file`` is written after
 the users stopped and holds every event. Locust's own percentiles are rounded: analyse the
 store.
 
