@@ -109,9 +109,9 @@ def bottom_line_blocks(ratios: list) -> list[list[str]]:
 
 #: The middle regime, recorded on a ladder and not measured by the demo (README's headline table,
 #: docs/eviction.md): P's own prefix cache evicting sessions between their turns.
-EVICTION_LADDER = ("P's cache really evicts (recorded 2026-12-06 on the eviction ladder, docs/eviction.md; "
-                   "not this run): pd vs pd-bidir at 6 concurrent sessions, P's hit rate 26%: 9.08x "
-                   "(95% CI 7.44-12.08x); at 1-2 sessions (hit rate 82%) no gain; D full from 4 sessions")
+EVICTION_LADDER = ("P's cache really evicts (recorded 2026-12-07 on the eviction ladder, idle, docs/eviction.md; "
+                   "not this run): pd vs pd-bidir at 6 concurrent sessions, P's hit rate 33%: 6.68x "
+                   "(95% CI 4.91-9.13x); at 2 sessions (hit rate 82%) no gain (1.01x); D full at 6 sessions")
 
 
 def print_regimes() -> None:
