@@ -305,8 +305,38 @@ def test_sessions_in_browser(dashboard_url, browser):
     page.close()
 
 
+#: Every drawn Plotly trace on the page as plotly.js holds it: name, y axis, hover template, x and y.
+READ_TRACES = """
+() => Array.from(document.querySelectorAll('.js-plotly-plot')).flatMap(el => (el._fullData || []).map(t => ({
+  name: t.name, yaxis: t.yaxis, hover: t.hovertemplate || '', x: Array.from(t.x || []), y: Array.from(t.y || [])})))
+"""
+
+
 def test_memory_in_browser(dashboard_url, browser):
+    """The Memory page as first drawn (nothing pressed): the memory timeline holds the store's
+    hand-written gauges (tests/dashboard_store.py: P's and D's KV usage, the aggregated worker's,
+    the proxy's live handle bytes per run; P's idle API-server copy of the gauge never drawn), and
+    the what-if TTL chart the hand-replayed hit rates of tests/integration/test_dashboard_pages.py
+    (pd-bidir: 15 of 18 later turns at the runs' 480 s, 17 of 18 at 900 s; pd-bidir-nocache: none)."""
     page, errors = _open(browser, f"{dashboard_url}/memory", "Memory", 2)
+    page.wait_for_function(f"({READ_TRACES})().some(t => t.name === 'pd-bidir · hit rate')", timeout=60_000)
+    _wait_idle(page)
+    traces = page.evaluate(READ_TRACES)
+
+    def drawn(suffix: str) -> list[list[float]]:
+        return [t["y"] for t in traces if f" · {suffix}<br>" in t["hover"]]
+
+    pct = lambda values: pytest.approx([v * 100 for v in values])  # noqa: E731
+    ds = dashboard_store
+    p_d_runs = [r for r, (mode, *_) in ds.RUNS.items() if mode != "aggregated"]
+    assert drawn("decode") == [pct(ds.D_USAGE)] * len(p_d_runs)
+    assert drawn("prefill") == [pct(ds.P_USAGE)] * len(p_d_runs)
+    assert drawn("aggregated") == [pct(ds.AGG_USAGE)]
+    assert sorted(drawn("handles")) == sorted([b / ds.MIB for b in ds.HANDLE_BYTES[r]] for r in p_d_runs)
+    rates = {t["name"]: dict(zip(t["x"], t["y"], strict=True)) for t in traces if t["name"].endswith(" · hit rate")}
+    assert rates["pd-bidir · hit rate"][480] == pytest.approx(15 / 18 * 100)
+    assert rates["pd-bidir · hit rate"][900] == pytest.approx(17 / 18 * 100)
+    assert set(rates["pd-bidir-nocache · hit rate"].values()) == {0}
     _shot(page, "memory")
     assert not errors, errors
     page.close()
