@@ -118,22 +118,25 @@ def path_probe_s(store: Store, run_ids: Sequence[str]) -> dict[str, float]:
     return _probe_medians(store, run_ids, PROBE_TOKENS, path=True)
 
 
-def compute_probe_s(store: Store, run_ids: Sequence[str]) -> dict[str, float]:
+def compute_probe_s(store: Store, run_ids: Sequence[str], short: dict[str, float] | None = None) -> dict[str, float]:
     """Run id -> the median TTFT of its compute probes less that of its short probes
     (:data:`core.contract.COMPUTE_PROBE_TOKENS` and ``PROBE_TOKENS`` prompt
     tokens), seconds: the compute of the tokens between the two lengths on the run's machine; runs
-    without both (recorded before the compute probe) are absent."""
-    short, long = probe_ttft_s(store, run_ids), _probe_medians(store, run_ids, COMPUTE_PROBE_TOKENS)
+    without both (recorded before the compute probe) are absent. ``short``: :func:`probe_ttft_s` of
+    ``run_ids`` when the caller has it already."""
+    short = probe_ttft_s(store, run_ids) if short is None else short
+    long = _probe_medians(store, run_ids, COMPUTE_PROBE_TOKENS)
     return {r: long[r] - short[r] for r in long if r in short}
 
 
-def cached_probe_s(store: Store, run_ids: Sequence[str]) -> dict[str, float]:
+def cached_probe_s(store: Store, run_ids: Sequence[str], short: dict[str, float] | None = None) -> dict[str, float]:
     """Run id -> the median TTFT of its cached-prefix probes less that of its short probes
     (:data:`core.contract.CACHED_PROBE_TOKENS`, ``PROBE_TOKENS``), seconds: attention's
     context term on the run's machine, ``a2 x 2^20`` of its c(x), where the probed worker kept its
     prefix cache on (``runs.mode`` aggregated, pd or pd-bidir); other runs, and runs recorded
-    before the probe, are absent."""
-    short, cached = probe_ttft_s(store, run_ids), _probe_medians(store, run_ids, CACHED_PROBE_TOKENS)
+    before the probe, are absent. ``short``: as :func:`compute_probe_s`."""
+    short = probe_ttft_s(store, run_ids) if short is None else short
+    cached = _probe_medians(store, run_ids, CACHED_PROBE_TOKENS)
     rows = run_rows(store, [r for r in cached if r in short]) if cached else pd.DataFrame(columns=["run_id", "mode"])
     on = {r.run_id for r in rows.itertuples() if serving_mode(r.mode).prefill_prefix_cache}
     return {r: cached[r] - short[r] for r in cached if r in short and r in on}
@@ -153,8 +156,9 @@ class RunProbes(NamedTuple):
 
 def run_probes(store: Store, run_ids: Sequence[str]) -> dict[str, RunProbes]:
     """Run id -> :class:`RunProbes` for every one of ``run_ids`` (all None where it has no probe)."""
-    short, compute = probe_ttft_s(store, run_ids), compute_probe_s(store, run_ids)
-    cached, path = cached_probe_s(store, run_ids), path_probe_s(store, run_ids)
+    short = probe_ttft_s(store, run_ids)
+    compute, cached = compute_probe_s(store, run_ids, short), cached_probe_s(store, run_ids, short)
+    path = path_probe_s(store, run_ids)
     return {r: RunProbes(short.get(r), compute.get(r), cached.get(r), path.get(r)) for r in run_ids}
 
 

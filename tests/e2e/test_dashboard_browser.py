@@ -326,7 +326,9 @@ def test_memory_in_browser(dashboard_url, browser):
     def drawn(suffix: str) -> list[list[float]]:
         return [t["y"] for t in traces if f" · {suffix}<br>" in t["hover"]]
 
-    pct = lambda values: pytest.approx([v * 100 for v in values])  # noqa: E731
+    def pct(values: list[float]):
+        return pytest.approx([v * 100 for v in values])
+
     ds = dashboard_store
     p_d_runs = [r for r, (mode, *_) in ds.RUNS.items() if mode != "aggregated"]
     assert drawn("decode") == [pct(ds.D_USAGE)] * len(p_d_runs)
