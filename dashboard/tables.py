@@ -166,10 +166,21 @@ def nixl_failures_table(df: pd.DataFrame) -> pd.DataFrame:
     return out.astype({h: "Int64" for h in _NIXL_FAILURE_HEADERS[1:]})
 
 
+#: ``store.queries.nixl_failures``' counts from the proxy's outcomes (the rest are vLLM's counters).
+NIXL_OUTCOME_COUNTS = ("expired_turns", "transfer_failed_turns")
+
+
+def nixl_counter_columns(df: pd.DataFrame) -> list[str]:
+    """The columns of ``store.queries.nixl_failures`` that hold vLLM's NIXL counters on P and D
+    (``p_*``, ``d_*``; NaN where not scraped)."""
+    return [c for c in df.columns if c.startswith(("p_", "d_"))]
+
+
 def no_failed_pulls(df: pd.DataFrame) -> bool:
-    """Whether every count of ``store.queries.nixl_failures`` (the proxy's outcomes and vLLM's NIXL
-    counters, :data:`NIXL_FAILURE_COLUMNS`) is 0 or not scraped in every run of ``df``: nothing to draw."""
-    counts = df.loc[:, list(NIXL_FAILURE_COLUMNS[1:])].astype(float)
+    """Whether every count of ``store.queries.nixl_failures`` (the proxy's outcomes,
+    :data:`NIXL_OUTCOME_COUNTS`, and vLLM's counters, :func:`nixl_counter_columns`) is 0 or not
+    scraped in every run of ``df``: nothing to draw."""
+    counts = df.loc[:, [*NIXL_OUTCOME_COUNTS, *nixl_counter_columns(df)]].astype(float)
     return bool((counts.fillna(0) == 0).all().all())
 
 

@@ -90,8 +90,8 @@ else:
 st.subheader("Expired and failed pulls")
 nixl = load(sel.root, queries.nixl_failures, f)
 # the runs with a proxy outcome of the two or one of vLLM's NIXL counters scraped (NaN where not)
-vllm_counters = [c for c in nixl.columns if c.startswith(("p_", "d_"))]
-nixl = nixl[(nixl[["expired_turns", "transfer_failed_turns"]].sum(axis=1) > 0) | nixl[vllm_counters].notna().any(axis=1)]
+nixl = nixl[(nixl[list(tables.NIXL_OUTCOME_COUNTS)].sum(axis=1) > 0)
+            | nixl[tables.nixl_counter_columns(nixl)].notna().any(axis=1)]
 if nixl.empty:
     st.info("No selected run has a proxy outcome or vLLM's NIXL counters (P/D runs scraped by turnscope do).")
 elif tables.no_failed_pulls(nixl):

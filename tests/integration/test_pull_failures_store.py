@@ -155,6 +155,8 @@ def test_no_failed_pulls_only_where_every_count_reads_0(con, tmp_path):
         c.close()
     assert df.loc[0, ["p_kv_expired_reqs", "p_failed_transfers", "d_kv_expired_reqs"]].tolist() == [0, 0, 0]
     assert tables.no_failed_pulls(df)
+    # any one of vLLM's counters, the table's columns or not (D's failed notifications), is a failure
+    assert not tables.no_failed_pulls(df.assign(d_failed_notifications=1.0))
     both = queries.nixl_failures(con, ["bidir", "agg"])
     assert not tables.no_failed_pulls(both)
     assert tables.no_failed_pulls(both[both.run_id == "agg"])
