@@ -964,7 +964,8 @@ def paced_mode_plan(tr: Traffic, profile: CostProfile, settings: PlanSettings, m
       late turns and a busy worker's queue builds as a waiting client's did.
     * P's cache by blocks (``settings.p_cache_blocks``, P/D modes with P's prefix cache): each
       request is looked up when P schedules it (its send plus its wait for P) and holds its blocks
-      until D has read them (its TTFT less its waits and D's first step), :func:`p_cache_hits`.
+      until D has read them (its TTFT less its wait for P and D's first step: through a wait on D
+      for room, D reads them once it admits the request), :func:`p_cache_hits`.
 
     A reply's TTFT depends on the sends and hits before it, and they on the replies: the forecast is
     re-made on what its own timings give until no send moves by more than
@@ -984,8 +985,9 @@ def paced_mode_plan(tr: Traffic, profile: CostProfile, settings: PlanSettings, m
         new_sends = tr.paced_arrivals(mp.ttft_s, decode) if pace else sends
         new_hits = hits
         if blocks:
-            d_wait = mp.decode_wait_s if mp.decode_wait_s.size else 0.0
-            hold = np.maximum(mp.ttft_s - mp.queue_wait_s - d_wait - first_step, 0.0)
+            # P keeps a finished prefill's blocks until D has read them, so through a wait on D for room:
+            # NixlConnector's request_finished delays their free until D, once it admits the request, reads them
+            hold = np.maximum(mp.ttft_s - mp.queue_wait_s - first_step, 0.0)
             # on the traffic in the order of those sends, as the plan routed it (round-robin counts requests)
             at = Traffic(**{**tr.__dict__, "arrival_s": sends})
             order = np.lexsort((at.request_index, at.session, at.arrival_s))

@@ -72,3 +72,22 @@ def test_a_request_is_looked_up_when_p_schedules_it():
                                         "prompt_tokens": [9, 9, 13], "hold_s": [9.0, 17.0, 28.0]}), 2, 4,
                           hold_until="hold_s")
     assert list(at_send) == [0, 0, 8]
+
+
+def test_p_keeps_a_prefill_s_blocks_while_it_waits_on_d_for_room():
+    """NixlConnector's ``request_finished`` on P delays freeing a finished prefill's blocks until D
+    has read them, and D reads them once it admits the request. P: 4 usable blocks of 4 tokens; D:
+    30 blocks, decode 0.1 s per token. a/0 (8 tokens, 100 output: 27 blocks on D) decodes 0-10 s;
+    b/0 (8 tokens at 1 s, 5 blocks on D) waits on D for room until a/0 ends (9 s), P keeping its two
+    blocks. c/0 (16 tokens at 2 s) needs 4 blocks: a/0's two (freed when D read them) and none of
+    b/0's. So b/1 (12 tokens at 20 s, its first 8 b/0's) finds b/0's two blocks: 8 tokens. Were b/0's
+    blocks freed at its first step's start (the wait on D left out), c/0 would evict them: 0."""
+    prof = PROFILE.model_copy(update={
+        "prefill_kv_space_bytes": PROFILE.prefill_kv_space_bytes.model_copy(update={"value": 5 * 4 * 4096}),
+        "decode_kv_space_bytes": PROFILE.prefill_kv_space_bytes.model_copy(update={"value": 30 * 4 * 4096}),
+        "decode_s_per_token": PROFILE.prefill_a1_s_per_token.model_copy(update={"value": 0.1})})
+    reqs = [AgentRequest("t", "a", 0, 0.0, 8, 100, 0), AgentRequest("t", "b", 0, 1.0, 8, 10, 0),
+            AgentRequest("t", "c", 0, 2.0, 16, 10, 0), AgentRequest("t", "b", 1, 20.0, 12, 1, 8)]
+    m = plan(reqs, prof, PlanSettings(modes=("pd",), p_cache_blocks=True)).modes["pd"]
+    assert m.decode_wait_s[1] == pytest.approx(9.0, abs=0.02)
+    assert list(m.local_tokens) == [0, 0, 0, 8]
