@@ -302,7 +302,7 @@ class SessionPlayer:
         result = f.result
         if result is None:
             result = TurnResult(sent_at=f.sent_at, status="cancelled", request_id=f.request_id,
-                                error="cancelled: the load generator stopped with the request in flight",
+                                error="the load generator stopped with the request in flight",
                                 e2e_s=time.perf_counter() - f.t_send)
             self._looked_up(result)
         if f.fresh_k is None:

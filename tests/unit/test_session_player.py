@@ -240,5 +240,5 @@ def test_a_lookup_that_gives_nothing_or_is_interrupted_keeps_todays_cancelled_ro
         p.play()
     cancelled = writer.table("turns")[1]
     assert cancelled["status"] == "cancelled" and cancelled["reuse"] is None and cancelled["reused_tokens"] is None
-    assert cancelled["error"] == "cancelled: the load generator stopped with the request in flight"
+    assert cancelled["error"] == "the load generator stopped with the request in flight"
     assert writer.table("sessions")[-1]["status"] == "cancelled"
