@@ -79,9 +79,9 @@ def test_p_keeps_a_prefill_s_blocks_while_it_waits_on_d_for_room():
     has read them, and D reads them once it admits the request. P: 4 usable blocks of 4 tokens; D:
     30 blocks, decode 0.1 s per token. a/0 (8 tokens, 100 output: 27 blocks on D) decodes 0-10 s;
     b/0 (8 tokens at 1 s, 5 blocks on D) waits on D for room until a/0 ends (9 s), P keeping its two
-    blocks. c/0 (16 tokens at 2 s) needs 4 blocks: a/0's two (freed when D read them) and none of
-    b/0's. So b/1 (12 tokens at 20 s, its first 8 b/0's) finds b/0's two blocks: 8 tokens. Were b/0's
-    blocks freed at its first step's start (the wait on D left out), c/0 would evict them: 0."""
+    blocks. c/0 (16 tokens at 2 s) wants 4 blocks and finds a/0's two free (freed when D read them),
+    none of b/0's. So b/1 (12 tokens at 20 s, its first 8 b/0's) finds b/0's two blocks: 8 tokens.
+    Were b/0's blocks freed before its wait on D (the rule before), c/0 would evict them: 0."""
     prof = PROFILE.model_copy(update={
         "prefill_kv_space_bytes": PROFILE.prefill_kv_space_bytes.model_copy(update={"value": 5 * 4 * 4096}),
         "decode_kv_space_bytes": PROFILE.prefill_kv_space_bytes.model_copy(update={"value": 30 * 4 * 4096}),
