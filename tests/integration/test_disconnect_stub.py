@@ -37,7 +37,9 @@ def body(streamed: bool, session: str) -> dict:
 
 def leave_after(url: str, streamed: bool, session: str, wait_s: float, tokens: int = 0) -> float:
     """Send a request and close the connection: after ``tokens`` token events (streamed, when
-    > 0), else after ``wait_s`` without an answer. Returns the monotonic time of the close."""
+    > 0), else after ``wait_s`` without an answer. Returns the monotonic time of the close; after a
+    read timeout, the earliest it can have been (``wait_s`` after sending: a time taken once httpx has
+    raised comes after the close, by tens of ms on a loaded machine, and the proxy may see it first)."""
     if tokens:
         with httpx.stream("POST", url + "/v1/completions", json=body(True, session), timeout=30) as r:
             seen = 0
@@ -47,6 +49,7 @@ def leave_after(url: str, streamed: bool, session: str, wait_s: float, tokens: i
                     break
             closed_at = time.monotonic()
         return closed_at
+    sent = time.monotonic()
     with pytest.raises(httpx.ReadTimeout):
         if streamed:
             with httpx.stream("POST", url + "/v1/completions", json=body(True, session),
@@ -54,7 +57,7 @@ def leave_after(url: str, streamed: bool, session: str, wait_s: float, tokens: i
                 next(r.iter_raw())
         else:
             httpx.post(url + "/v1/completions", json=body(False, session), timeout=httpx.Timeout(30, read=wait_s))
-    return time.monotonic()
+    return sent + wait_s
 
 
 def wait_for(pred, timeout_s: float = 5.0):
