@@ -38,6 +38,15 @@ SHARED = {
 #: restart, about 2 min in all).
 LAST_IN_STRETCH = ("tests.integration.test_proxy_outcomes_vllm",)
 
+#: Runs again of a test marked ``timing`` after it failed, and the pause before each
+#: (pytest-rerunfailures' ``flaky``). Such a test asserts wall-clock times a stub injected, to within
+#: tens of milliseconds; a shared 2-core CI runner can stall a thread for longer (one CI run read
+#: replies 15-140 ms late in 11 stub tests, each passing alone), while a wrong client or proxy is
+#: wrong on every run, so it still fails. Only stub tests carry the mark: a test on the shared vLLM
+#: stacks is never run twice.
+TIMING_RERUNS = 2
+TIMING_RERUN_DELAY_S = 2.0
+
 
 def _vllm_available() -> bool:
     try:
@@ -118,7 +127,7 @@ def _shared_key(item) -> str | None:
 def pytest_collection_modifyitems(config, items):
     """Each shared stack's modules in one stretch, where its first module was, those of
     ``LAST_IN_STRETCH`` at its end; every module's tests kept together and in file order; everything
-    else in pytest's order."""
+    else in pytest's order. Tests marked ``timing`` get their reruns (``TIMING_RERUNS``)."""
     users: dict[str, list] = {}
     module_key: dict[str, str] = {}
     for item in items:
@@ -139,6 +148,11 @@ def pytest_collection_modifyitems(config, items):
         group.sort(key=lambda item: _module_name(item) in LAST_IN_STRETCH)  # stable: file order kept
         STACKS.last_user[key] = group[-1].nodeid
     items[:] = [x for entry in out for x in (users[entry] if isinstance(entry, str) else [entry])]
+    for item in items:
+        if item.get_closest_marker("timing") is not None:
+            if _shared_key(item) is not None:
+                raise pytest.UsageError(f"{item.nodeid}: a test on a shared vLLM stack cannot be marked timing")
+            item.add_marker(pytest.mark.flaky(reruns=TIMING_RERUNS, reruns_delay=TIMING_RERUN_DELAY_S))
 
 
 def pytest_runtest_teardown(item, nextitem):

@@ -23,6 +23,8 @@ from tests.integration.openai_stub import StubServer, StubState
 from turnscope.commands.app import LOG_DIR, app
 from turnscope.conductor import evaluation
 
+pytestmark = pytest.mark.timing
+
 REPO = Path(__file__).resolve().parents[2]
 USERS, PER_USER, TURNS, MODES = (1, 2), 2, 2, ("pd", "pd-bidir")
 TTFT_S, ITL_S = 0.03, 0.02

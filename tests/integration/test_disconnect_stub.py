@@ -19,6 +19,8 @@ from serving.proxy import ProxyConfig, Worker
 from tests.integration.pd_stub import decode_app, prefill_app
 from tests.integration.vllm_stack import AppThread, ProxyThread, metric
 
+pytestmark = pytest.mark.timing
+
 #: The bound this suite states: the proxy closes its connection to the worker in flight within
 #: this many seconds of the client closing its own (measured: a few ms on an idle machine).
 CLOSE_BOUND_S = 0.5

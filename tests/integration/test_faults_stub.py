@@ -38,6 +38,8 @@ from tests.integration.openai_stub import StubServer, StubState
 from tests.integration.test_session_stub import _locust_cmd, _locust_env, rows
 from tests.integration.vllm_stack import ProxyThread, free_port
 
+pytestmark = pytest.mark.timing
+
 REPO = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 8
 REF = {"role": "assistant", "content": "ref"}

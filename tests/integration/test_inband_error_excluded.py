@@ -24,6 +24,8 @@ from tests import dashboard_store
 from tests.handed_cases import CASES
 from tests.integration.http_stub import StubServer, events_script
 
+pytestmark = pytest.mark.timing
+
 CASE = json.loads((CASES / "sse" / "inband_error_after_tokens.json").read_text())
 RUN, SESSION = "bidir-1", "bidir-1-s0"
 EXTRA_TURN = dashboard_store.TURNS  # one past the fixture's last turn of that session

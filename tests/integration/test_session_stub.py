@@ -27,6 +27,8 @@ from store.queries import run_report
 from store.writer import Store
 from tests.integration.openai_stub import CHAR_BASE, IM_END, XY, StubServer, StubState, encode, render
 
+pytestmark = pytest.mark.timing
+
 REPO = Path(__file__).resolve().parents[2]
 NL = CHAR_BASE + ord("\n")
 TTFT_S, ITL_S, THINK_S, TOOL_S = 0.15, 0.03, 0.3, 0.5

@@ -17,6 +17,8 @@ from tests.integration.openai_stub import StubServer, StubState
 from turnscope.commands.app import LOG_DIR, app
 from turnscope.conductor import evaluation, speed_probe
 
+pytestmark = pytest.mark.timing
+
 REPO = Path(__file__).resolve().parents[2]
 DELAY_S = 0.2
 #: The stub sleeps DELAY_S before its first token: the probe cannot be faster, and on a loaded

@@ -20,6 +20,8 @@ from loadgen.stream_client import GeventClient, stream_turn
 from tests.handed_cases import CASES as HANDED
 from tests.integration.http_stub import Script, StubServer, events_script
 
+pytestmark = pytest.mark.timing
+
 REPO = Path(__file__).resolve().parents[2]
 CASES = HANDED / "sse"
 CASE_FILES = sorted(CASES.glob("*.json"))

@@ -25,6 +25,8 @@ from tests.integration import openai_stub
 from tests.integration.openai_stub import CHAR_BASE, IM_END, XY, StubServer, StubState, encode, render
 from tests.integration.test_session_stub import _free_port, _locust_cmd, _locust_env, rows
 
+pytestmark = pytest.mark.timing
+
 REPO = Path(__file__).resolve().parents[2]
 NL = CHAR_BASE + ord("\n")
 REPLY = encode("ok") + [XY] + encode(".")        # text "okxy.", which re-encodes as o k x y .
