@@ -131,23 +131,11 @@ def traffic_url(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def plan_url(tmp_path_factory):
-    """Recorded runs (tests/planner_store.py), a forecast of the 24 shipped kv-cache-tester traces with
-    the vendor-h200 profile, then (newest, shown first) the runs planned from their own fitted profile."""
-    from typer.testing import CliRunner
-
-    from loadgen.traces.kv_cache_tester import DEFAULT_DIR
-    from tests import planner_store
-    from turnscope.commands import app
-
-    tmp = tmp_path_factory.mktemp("e2e-plan")
-    root = planner_store.build(tmp / "store")
-    for args in ([str(DEFAULT_DIR), "--profile", str(REPO / "data/profiles/vendor-h200.yaml"), "--label",
-                  "kv-cache-tester", "--sessions-per-hour", "100", "--sessions", "48"],
-                 [str(root), "--fit-runs", ",".join(planner_store.RUNS.values()), "--label", "check"]):
-        r = CliRunner().invoke(app, ["plan", *args, "--store", str(root)], env={"COLUMNS": "4000"})
-        assert r.exit_code == 0, r.output
-    with _streamlit(root, tmp) as url:
+def plan_url(planned_store, tmp_path_factory):
+    """The shared planned store (tests/e2e/conftest.py): recorded runs, a forecast of the 24 shipped
+    kv-cache-tester traces with the vendor-h200 profile, then (newest, shown first) the runs planned
+    from their own fitted profile."""
+    with _streamlit(planned_store, tmp_path_factory.mktemp("e2e-plan")) as url:
         yield url
 
 

@@ -171,27 +171,11 @@ def demo_url(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def planned_url(tmp_path_factory):
-    """The planner's recorded runs (tests/planner_store.py), a traffic report of the 24 shipped
-    kv-cache-tester traces, a forecast of them with the vendor-h200 profile, and the runs planned from
-    their own fitted profile."""
-    from typer.testing import CliRunner
-
-    from loadgen.traces.kv_cache_tester import DEFAULT_DIR
-    from loadgen.traffic import build_report
-    from store.writer import Store
-    from tests import planner_store
-    from turnscope.commands import app
-
-    tmp = tmp_path_factory.mktemp("charts-planned")
-    root = planner_store.build(tmp / "store")
-    build_report(Store(root), [DEFAULT_DIR], label="kv-cache-tester")
-    for args in ([str(DEFAULT_DIR), "--profile", str(REPO / "data/profiles/vendor-h200.yaml"), "--label",
-                  "kv-cache-tester", "--sessions-per-hour", "100", "--sessions", "48"],
-                 [str(root), "--fit-runs", ",".join(planner_store.RUNS.values()), "--label", "check"]):
-        r = CliRunner().invoke(app, ["plan", *args, "--store", str(root)], env={"COLUMNS": "4000"})
-        assert r.exit_code == 0, r.output
-    with _streamlit(root, tmp) as url:
+def planned_url(planned_store, tmp_path_factory):
+    """The shared planned store (tests/e2e/conftest.py): the planner's recorded runs, a traffic report
+    of the 24 shipped kv-cache-tester traces, a forecast of them with the vendor-h200 profile, and the
+    runs planned from their own fitted profile."""
+    with _streamlit(planned_store, tmp_path_factory.mktemp("charts-planned")) as url:
         yield url
 
 
