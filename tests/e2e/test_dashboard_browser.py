@@ -132,9 +132,7 @@ def traffic_url(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plan_url(planned_store, tmp_path_factory):
-    """The shared planned store (tests/e2e/conftest.py): recorded runs, a forecast of the 24 shipped
-    kv-cache-tester traces with the vendor-h200 profile, then (newest, shown first) the runs planned
-    from their own fitted profile."""
+    """The dashboard over the shared planned store (``planned_store``, tests/e2e/conftest.py)."""
     with _streamlit(planned_store, tmp_path_factory.mktemp("e2e-plan")) as url:
         yield url
 

@@ -172,9 +172,7 @@ def demo_url(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def planned_url(planned_store, tmp_path_factory):
-    """The shared planned store (tests/e2e/conftest.py): the planner's recorded runs, a traffic report
-    of the 24 shipped kv-cache-tester traces, a forecast of them with the vendor-h200 profile, and the
-    runs planned from their own fitted profile."""
+    """The dashboard over the shared planned store (``planned_store``, tests/e2e/conftest.py)."""
     with _streamlit(planned_store, tmp_path_factory.mktemp("charts-planned")) as url:
         yield url
 
